@@ -1,0 +1,144 @@
+"""CPU tier: the offload logic with the CPU as compute device, the CLI contracts, and bad input."""
+import json
+
+import pytest
+import torch
+
+import offload_llama as ol
+from helpers import build, cli, resident_logits, streamed_logits, tiny_run
+
+CONFIGS = {
+    "gqa-3-layers": {},                                   # the tiny preset: 4 heads over 2 KV heads, 3 layers
+    "one-layer": {"num_hidden_layers": 1},
+    "mha-5-layers": {"num_hidden_layers": 5, "num_key_value_heads": 4},
+}
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2, 3])
+@pytest.mark.parametrize("name", CONFIGS)
+def test_streamed_logits_equal_plain_model(name, depth):
+    model, ids = build(tiny_run(**CONFIGS[name]))
+    expected = resident_logits(model, ids, "cpu")
+    assert torch.equal(streamed_logits(model, ids, "cpu", depth), expected)
+
+
+def test_stale_slot_is_caught():
+    """Negative control: a streamer that stops copying after the first layer must give other logits."""
+    model, ids = build(tiny_run())
+    expected = resident_logits(model, ids, "cpu")
+
+    def copy_only_layer_0(streamer):
+        prefetch = streamer.prefetch
+        streamer.prefetch = lambda i: prefetch(i) if i == 0 else None
+
+    assert not torch.equal(streamed_logits(model, ids, "cpu", 2, streamer_hook=copy_only_layer_0), expected)
+
+
+def test_store_holds_the_only_host_copy():
+    model, _ = build(tiny_run())
+    store = ol.ParamStore(model, pin=False)
+    for layer, flat in zip(model.model.layers, store.flats):
+        for p in layer.parameters():
+            assert p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    assert store.layout.offsets == tuple(sorted(store.layout.offsets))
+    assert all(off % ol.ALIGN == 0 for off in store.layout.offsets)
+
+
+def test_cli_cpu_json_and_saved_output(tmp_path):
+    out_json, out_pt = tmp_path / "r.json", tmp_path / "o.pt"
+    r = cli("--mode", "cpu", "--preset", "tiny", "--batch-size", 2, "--seq-len", 48, "--json", out_json,
+            "--save-output", out_pt)
+    assert r.returncode == 0, r.stderr
+    assert "| cpu | " in r.stdout and "Table 2" in r.stdout
+    report = json.loads(out_json.read_text())
+    assert report["results"]["cpu"]["inference"]["time_ms"] > 0
+    assert report["config"]["num_key_value_heads"] == 2 and report["tokens"] == 96
+    assert {"device", "torch", "transformers", "parameters", "layer_bytes"} <= report.keys()
+    saved = torch.load(out_pt)
+    model, ids = build(tiny_run())   # the same preset and seed rebuild the same weights and inputs
+    assert torch.equal(saved["input_ids"], ids)
+    assert torch.equal(saved["logits"]["cpu"], resident_logits(model, ids, "cpu"))
+
+
+def test_cli_loads_a_save_pretrained_folder(tmp_path):
+    model, ids = build(tiny_run(num_hidden_layers=2))
+    model.save_pretrained(tmp_path / "m")
+    r = cli("--mode", "cpu", "--model", tmp_path / "m", "--batch-size", 2, "--seq-len", 48,
+            "--save-output", tmp_path / "o.pt")
+    assert r.returncode == 0, r.stderr
+    assert torch.equal(torch.load(tmp_path / "o.pt")["logits"]["cpu"], resident_logits(model, ids, "cpu"))
+
+
+def write_config(folder, **fields):
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(fields))
+    return folder
+
+
+BAD_INPUT = {
+    "hidden not divisible by heads": (["--preset", "tiny", "--hidden-size", 66], "not divisible by 4 attention heads"),
+    "zero layers": (["--preset", "tiny", "--layers", 0], "--layers must be at least 1"),
+    "missing folder": (["--model", "/no/such/folder"], "no such folder"),
+    "folder without config": (["--model", "{tmp}"], "no config.json"),
+    "not a llama folder": (["--model", "{gpt2}"], "model_type is 'gpt2', not 'llama'"),
+    "cap below one layer": (["--preset", "tiny", "--mode", "gpu", "--max-gpu-memory", 1e-5],
+                            "less than one decoder layer"),
+    "bad mode": (["--mode", "fast"], "invalid choice"),
+    "zero prefetch": (["--prefetch", 0], "--prefetch must be at least 1"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUT)
+def test_bad_input_exits_2_with_one_line(case, tmp_path):
+    gpt2 = write_config(tmp_path / "gpt2", model_type="gpt2")
+    args, message = BAD_INPUT[case]
+    r = cli(*[str(a).format(tmp=tmp_path, gpt2=gpt2) for a in args])
+    assert r.returncode == 2
+    assert message in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stdout == ""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_gpu_mode_without_cuda_exits_2():
+    r = cli("--mode", "overlapped", "--preset", "tiny")
+    assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_dtype_the_gpu_cannot_run(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla V100")
+    run = ol.RunConfig(mode="overlapped", preset="tiny", dtype="bfloat16")
+    with pytest.raises(ol.UsageError, match="Tesla V100 cannot compute in bfloat16"):
+        ol.check_devices(run, ol.llama_config(run))
+    assert ol.default_dtype() == "float16"
+
+
+def test_pipeline_bound():
+    # copy-bound: every copy is on the critical path, plus the last layer's compute
+    assert ol.pipeline_bound_ms(8, copy_ms=7.0, compute_ms=4.0, resident_ms=2.0, depth=1) == 2 + 7 + 7 * 7 + 4
+    # compute-bound: every layer's compute, plus the first copy
+    assert ol.pipeline_bound_ms(8, copy_ms=3.0, compute_ms=5.0, resident_ms=2.0, depth=2) == 2 + 3 + 7 * 5 + 5
+    # blocked: nothing overlaps
+    assert ol.pipeline_bound_ms(8, copy_ms=3.0, compute_ms=5.0, resident_ms=2.0, depth=0) == 2 + 8 * 8
+
+
+def test_trace_overlap_counts_copy_time_under_kernels_of_other_streams(tmp_path):
+    def event(cat, name, ts, dur, stream):
+        return {"cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+    trace = {"traceEvents": [
+        event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 0, 10, 20),
+        event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 30, 10, 20),
+        event("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 0, 50, 7),   # not host-to-device: ignored
+        event("kernel", "gemm", 5, 10, 7),       # covers copy 1 from 5 to 10
+        event("kernel", "gemm", 6, 2, 7),        # nested in the last: counted once
+        event("kernel", "gemm", 32, 3, 20),      # same stream as the copy: not overlap
+        event("kernel", "gemm", 38, 10, 7),      # covers copy 2 from 38 to 40
+    ]}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(trace))
+    t = ol.trace_overlap(str(path))
+    assert t["copy_ms"] == pytest.approx(0.020) and t["overlap_ms"] == pytest.approx(0.007)
+    assert t["copy_streams"] == [20] and t["kernel_streams"] == [7, 20]

@@ -1,0 +1,114 @@
+"""GPU tier: bitwise equality with the resident model, hostile races, overlap in a trace, memory bounds."""
+import json
+
+import pytest
+import torch
+
+import offload_llama as ol
+from helpers import build, cli, resident_logits, streamed_logits
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+SMALL = {"hidden_size": 256, "intermediate_size": 688, "num_attention_heads": 8, "num_key_value_heads": 2,
+         "vocab_size": 512}
+CONFIGS = {"gqa-3-layers": {**SMALL, "num_hidden_layers": 3}, "one-layer": {**SMALL, "num_hidden_layers": 1},
+           "mha-5-layers": {**SMALL, "num_hidden_layers": 5, "num_key_value_heads": 8}}
+# low arithmetic intensity: 100 MB of bf16 weights per layer against 16 tokens, so a copy takes milliseconds
+# and a layer's compute microseconds: a missing wait shows up as wrong numbers, not as luck
+THIN = {"hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 16, "num_key_value_heads": 16,
+        "vocab_size": 256, "num_hidden_layers": 4}
+
+
+def gpu_run(sizes, dtype="bfloat16", seq_len=256, batch_size=2):
+    return ol.RunConfig(preset="tiny", sizes=tuple(sizes.items()), dtype=dtype, seq_len=seq_len,
+                        batch_size=batch_size)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float16"])
+@pytest.mark.parametrize("depth", [0, 1, 2, 3])
+@pytest.mark.parametrize("name", CONFIGS)
+def test_offloaded_logits_bitwise_equal_gpu(name, depth, dtype):
+    model, ids = build(gpu_run(CONFIGS[name], dtype))
+    expected = resident_logits(model, ids, "cuda")
+    assert torch.equal(streamed_logits(model, ids, "cuda", depth, pin=True), expected)
+
+
+def drop_copied_wait(streamer):
+    """The compute stream no longer waits for a slot's copy to land."""
+    streamer.copied = [ol.InOrder() for _ in streamer.copied]
+
+
+def drop_freed_wait(streamer):
+    """The copy stream no longer waits for the slot's previous layer to finish."""
+    streamer.freed = [ol.InOrder() for _ in streamer.freed]
+
+
+def stretch_compute(streamer):
+    """Each layer's kernels start 20 ms late, so an early copy into its slot would overwrite its weights first."""
+    for layer in streamer.layers:
+        layer.register_forward_pre_hook(lambda module, args: torch.cuda._sleep(40_000_000))
+
+
+def both(*hooks):
+    def hook(streamer):
+        for h in hooks:
+            h(streamer)
+    return hook
+
+
+RACES = {
+    # the copy is slow and the compute instant: compute runs ahead onto a slot still being filled
+    "copied": (None, drop_copied_wait),
+    # the compute is stretched and the copy fast: the next copy overwrites a slot still to be read
+    "freed": (stretch_compute, both(stretch_compute, drop_freed_wait)),
+}
+
+
+@pytest.mark.parametrize("depth", [0, 1])
+@pytest.mark.parametrize("race", RACES)
+def test_race_each_wait_is_needed(race, depth):
+    intact, broken = RACES[race]
+    model, ids = build(gpu_run(THIN, seq_len=16, batch_size=1))
+    expected = resident_logits(model, ids, "cuda")
+    assert torch.equal(streamed_logits(model, ids, "cuda", depth, pin=True, streamer_hook=intact), expected)
+    assert not torch.equal(streamed_logits(model, ids, "cuda", depth, pin=True, streamer_hook=broken), expected)
+
+
+
+def seven_b(layers, seq_len=4096):
+    """CLI flags for LLaMA-7B-sized layers: at 4096 tokens, copy (7 ms) and compute (4 ms) per layer are comparable."""
+    return ["--preset", "7b-8l", "--layers", layers, "--seq-len", seq_len, "--repeat", 3]
+
+
+@pytest.mark.parametrize("mode", ["overlapped", "blocked"])
+def test_trace_shows_copies_under_compute_only_when_overlapped(mode, tmp_path):
+    r = cli("--mode", mode, *seven_b(3), "--profile", tmp_path / "trace.json", "--json", tmp_path / "r.json")
+    assert r.returncode == 0, r.stderr
+    trace = ol.trace_overlap(str(tmp_path / "trace.json"))
+    assert trace["copy_ms"] > 0
+    assert set(trace["copy_streams"]) - set(trace["kernel_streams"]), "the layer copies need a stream of their own"
+    if mode == "overlapped":
+        # 2 of the 3 copies can run under compute, each for about a layer's compute time
+        assert trace["overlap_ms"] > 0.3 * trace["copy_ms"], trace
+    else:
+        assert trace["overlap_ms"] < 0.05 * trace["copy_ms"], trace
+
+
+def test_peak_memory_within_analytic_figure(tmp_path):
+    r = cli("--mode", "overlapped", *seven_b(3), "--json", tmp_path / "r.json")
+    assert r.returncode == 0, r.stderr
+    result = json.loads((tmp_path / "r.json").read_text())["results"]["overlapped"]["inference"]
+    analytic = sum(result["analytic_peak_bytes"].values())
+    assert result["peak_gpu_bytes"] <= analytic, (result["peak_gpu_bytes"], result["analytic_peak_bytes"])
+    assert f"| {sum(result['analytic_peak_bytes'].values()) / ol.GiB:.2f} |" in r.stdout  # the printed figure
+
+
+def test_mode_that_does_not_fit_is_oom_and_others_run(tmp_path):
+    # 6 layers of 7B need 2.4 GB resident: over a 2 GiB cap, while 2 slots and the head fit
+    r = cli("--mode", "all", *seven_b(6, seq_len=512), "--max-gpu-memory", 2, "--json", tmp_path / "r.json")
+    assert r.returncode == 0, r.stderr
+    results = json.loads((tmp_path / "r.json").read_text())["results"]
+    assert results["gpu"]["inference"] == {"oom": True}
+    assert "| w/o offload (gpu) | OOM |" in r.stdout
+    for mode in ("blocked", "overlapped", "cpu"):
+        assert results[mode]["inference"]["time_ms"] > 0
