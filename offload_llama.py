@@ -282,8 +282,8 @@ class LayerStreamer:
 
     def acquire(self, i: int) -> nn.Module:
         """The module that runs layer i; also starts the copies of the layers `depth` ahead."""
-        last = min(i + self.depth, self.store.num_layers - 1)
-        for j in range(0 if i == 0 else last, last + 1):  # layer 0 opens a pass by filling the whole ring
+        first = 0 if i == 0 else i + self.depth  # layer 0 opens a pass by filling the whole ring
+        for j in range(first, min(i + self.depth + 1, self.store.num_layers)):
             self.prefetch(j)
         s = i % self.n_slots
         self.compute_stream.wait_event(self.copied[s])  # layer i's weights must have landed before its kernels read them

@@ -22,6 +22,19 @@ def test_streamed_logits_equal_plain_model(name, depth):
     assert torch.equal(streamed_logits(model, ids, "cpu", depth), expected)
 
 
+@pytest.mark.parametrize("depth", [0, 1, 2, 3, 5])
+def test_each_pass_copies_every_layer_once_in_order(depth):
+    model, ids = build(tiny_run(num_hidden_layers=4))
+    copies = []
+
+    def count_copies(streamer):
+        prefetch = streamer.prefetch
+        streamer.prefetch = lambda i: (copies.append(i), prefetch(i))
+
+    streamed_logits(model, ids, "cpu", depth, streamer_hook=count_copies)
+    assert copies == [0, 1, 2, 3]
+
+
 def test_stale_slot_is_caught():
     """Negative control: a streamer that stops copying after the first layer must give other logits."""
     model, ids = build(tiny_run())
