@@ -336,6 +336,8 @@ def set_strategy(shell: LlamaForCausalLM, strategy) -> None:
 
 # ----------------------------------------------------------------------------- measurement
 
+CUBLAS_WORKSPACE = 32 * 2**20  # torch's default cuBLAS workspace on Hopper (":4096:8"), allocated once per stream
+
 def timed(fn, device: torch.device) -> tuple[float, object]:
     """Milliseconds fn() takes on `device`, and its result."""
     if device.type != "cuda":
@@ -377,15 +379,19 @@ def pipeline_bound_ms(n_layers: int, copy_ms: float, compute_ms: float, resident
 def analytic_peak_bytes(config: LlamaConfig, dtype: torch.dtype, tokens: int, resident_layers: int,
                         layer_bytes: int) -> dict[str, int]:
     """The GPU memory a forward pass needs, term by term: layer weights on the GPU (all of them, or the slots),
-    the resident parts, and the largest activation footprint (one decoder layer's MLP, or the head's logits)."""
+    the resident parts, the largest activation footprint (a decoder layer's MLP, or the head) and workspace."""
     b, h, i, v = dtype.itemsize, config.hidden_size, config.intermediate_size, config.vocab_size
+    head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
     resident = (2 * v * h + h) * b  # embeddings, head, final norm
-    # in a layer the peak is in the MLP: input, residual and normed hidden states, gate(x) activated, up(x), product
-    layer_act = tokens * b * (3 * h + 3 * i)
-    # at the head: hidden state, fp32 norm temporaries, normed hidden state, logits
-    head_act = tokens * (b * h + 2 * 4 * h + b * h + b * v)
+    # in a layer the peak is in the MLP: layer input, residual, attention sum, normed input; act(gate(x)), up(x),
+    # their product (measured on the H100: exact in bfloat16 and float32)
+    layer_act = tokens * b * (4 * h + 3 * i)
+    # at the head, counted together though they do not all coexist: hidden state, normed hidden state,
+    # float32 norm temporaries, logits
+    head_act = tokens * (2 * b * h + 2 * 4 * h + b * v)
+    rotary_and_ids = tokens * (2 * head_dim * b + 2 * 8)  # cos and sin, token ids and position ids (int64)
     return {"layer weights": resident_layers * layer_bytes, "resident parts": resident,
-            "activations": max(layer_act, head_act)}
+            "activations": max(layer_act, head_act) + rotary_and_ids, "workspace": CUBLAS_WORKSPACE + 8 * 512}
 
 
 def trace_overlap(path: str) -> dict:

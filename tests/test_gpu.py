@@ -94,8 +94,9 @@ def test_trace_shows_copies_under_compute_only_when_overlapped(mode, tmp_path):
         assert trace["overlap_ms"] < 0.05 * trace["copy_ms"], trace
 
 
-def test_peak_memory_within_analytic_figure(tmp_path):
-    r = cli("--mode", "overlapped", *seven_b(3), "--json", tmp_path / "r.json")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_peak_memory_within_analytic_figure(dtype, tmp_path):
+    r = cli("--mode", "overlapped", *seven_b(3), "--dtype", dtype, "--json", tmp_path / "r.json")
     assert r.returncode == 0, r.stderr
     result = json.loads((tmp_path / "r.json").read_text())["results"]["overlapped"]["inference"]
     analytic = sum(result["analytic_peak_bytes"].values())
