@@ -21,7 +21,6 @@ import copy
 import dataclasses
 import gc
 import json
-import os
 import platform
 import statistics
 import sys
