@@ -24,6 +24,7 @@ import json
 import platform
 import statistics
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,7 @@ import torch
 import transformers
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
 
 GiB = 2**30
 MODES = ("gpu", "blocked", "overlapped", "cpu")
@@ -73,6 +74,7 @@ class RunConfig:
     model: str | None = None            # a save_pretrained folder; overrides preset and sizes
     sizes: tuple = ()                   # (field, value) pairs that override the preset
     dtype: str = "bfloat16"             # the compute dtype; master weights stay float32
+    attention: str = "sdpa"             # eager: a backward that is bitwise reproducible (sdpa's is not)
     batch_size: int = 1
     seq_len: int = 4096
     seed: int = 0
@@ -83,10 +85,21 @@ class RunConfig:
     json: str | None = None
     save_output: str | None = None
     profile: str | None = None
+    train: bool = False                 # also run training steps in every mode
+    steps: int = 10
+    grad_accum: int = 1                 # micro-batches of batch_size x seq_len per optimizer step
+    lr: float = 1e-4
+    betas: tuple = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+    @property
+    def adam(self) -> Adam:
+        return Adam(self.lr, tuple(self.betas), self.eps, self.weight_decay)
 
     @property
     def modes(self) -> tuple[str, ...]:
-        return MODES if self.mode == "all" else (self.mode,)
+        return MODES if self.mode == "all" else tuple(m for m in MODES if m in self.mode.split(","))
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -145,12 +158,12 @@ def build_model(run: RunConfig, config: LlamaConfig) -> LlamaForCausalLM:
     t0 = time.perf_counter()
     if run.model is not None:
         try:
-            model = LlamaForCausalLM.from_pretrained(run.model, dtype=dtype)
+            model = LlamaForCausalLM.from_pretrained(run.model, dtype=dtype, attn_implementation=run.attention)
         except (OSError, ValueError) as e:
             raise UsageError(f"--model {run.model}: cannot load the weights ({str(e).splitlines()[0]})") from None
     else:
         torch.manual_seed(run.seed)
-        model = LlamaForCausalLM._from_config(config, dtype=dtype)
+        model = LlamaForCausalLM._from_config(config, dtype=dtype, attn_implementation=run.attention)
     log(f"built in {time.perf_counter() - t0:.1f} s")
     return model.eval()
 
@@ -160,9 +173,9 @@ def param_count(config: LlamaConfig) -> int:
         return sum(p.numel() for p in LlamaForCausalLM(config).parameters())
 
 
-def random_input_ids(run: RunConfig, vocab_size: int) -> torch.Tensor:
+def random_input_ids(run: RunConfig, vocab_size: int, micro_batches: int = 1) -> torch.Tensor:
     generator = torch.Generator().manual_seed(run.seed)
-    return torch.randint(vocab_size, (run.batch_size, run.seq_len), generator=generator)  # (B, T)
+    return torch.randint(vocab_size, (micro_batches * run.batch_size, run.seq_len), generator=generator)  # (K*B, T)
 
 
 # ----------------------------------------------------------------------------- parameter store
@@ -190,11 +203,11 @@ class FlatLayout:
         return {name: flat[off:off + shape.numel()].view(shape)
                 for name, shape, off in zip(self.names, self.shapes, self.offsets)}
 
-    def bind(self, module: nn.Module, flat: torch.Tensor) -> nn.Module:
+    def bind(self, module: nn.Module, flat: torch.Tensor, trainable: bool = False) -> nn.Module:
         """Make `module`'s parameters views into `flat`: filling `flat` then changes the weights it runs."""
         for name, view in self.views(flat).items():
             owner, _, leaf = name.rpartition(".")
-            setattr(module.get_submodule(owner), leaf, nn.Parameter(view, requires_grad=False))
+            setattr(module.get_submodule(owner), leaf, nn.Parameter(view, requires_grad=trainable))
         return module
 
 
@@ -238,6 +251,8 @@ class InOrder:
     def wait_event(self, event) -> None: ...
     def wait(self, stream=None) -> None: ...
     def record(self, stream=None) -> None: ...
+    def synchronize(self) -> None: ...
+    def query(self) -> bool: return True
 
 
 def on_stream(stream):
@@ -245,52 +260,99 @@ def on_stream(stream):
     return torch.cuda.stream(stream) if isinstance(stream, torch.cuda.Stream) else contextlib.nullcontext()
 
 
-class LayerStreamer:
-    """Streams decoder layers from the pinned store into a ring of GPU slots; layer i runs in slot i % n_slots.
+def new_stream(device: torch.device):
+    return torch.cuda.Stream(device) if device.type == "cuda" else InOrder()
 
-    depth is how many layers the copy stream runs ahead of the compute stream: 0 is blocked offload (copy a
-    layer, run it, copy the next), >= 1 is overlapped. Two events per slot order the two streams:
+
+def new_event(device: torch.device, blocking: bool = False):
+    """blocking: a host thread that waits on it sleeps instead of spinning on a core the CPU Adam needs."""
+    return torch.cuda.Event(blocking=blocking) if device.type == "cuda" else InOrder()
+
+
+STAGING = 2**24  # elements: fp32 masters cross PCIe in chunks this size, cast to the compute dtype on the GPU
+
+
+class LayerStreamer:
+    """Streams units (decoder layers; in training also embeddings, norm and head) from flat CPU buffers into a ring
+    of GPU slots; the unit at position p of a pass runs in slot p % n_slots.
+
+    depth is how many units the copy stream runs ahead of the compute stream: 0 is blocked offload (copy a unit,
+    run it, copy the next), >= 1 is overlapped. Two events per slot order the two streams:
       copied[s]  the copy into slot s has landed:        compute may read the slot
-      freed[s]   compute has finished the slot's layer:  the next copy may overwrite it
+      freed[s]   compute has finished the slot's unit:   the next copy may overwrite it
+    Sources in float32 with a lower compute dtype (training's master weights) cross PCIe in chunks through one
+    staging buffer and are cast on the copy stream: the GPU casts in microseconds what would cost the CPU, whose
+    Adam bounds a training step, 0.08 ns per parameter.
     """
 
-    def __init__(self, store: ParamStore, config: LlamaConfig, device: torch.device, depth: int):
-        self.store, self.depth = store, depth
-        n_slots = min(depth + 1, store.num_layers)
-        self.buffers = [torch.empty(store.layout.numel, dtype=store.dtype, device=device) for _ in range(n_slots)]
+    def __init__(self, sources: list[torch.Tensor], kinds: list[str], make_module, dtype: torch.dtype,
+                 device: torch.device, depth: int):
+        self.sources, self.kinds, self.depth = sources, kinds, depth
+        n_slots = min(depth + 1, len(sources))
+        numel = max(src.numel() for src in sources)
+        self.buffers = [torch.empty(numel, dtype=dtype, device=device) for _ in range(n_slots)]
+        cast = sources[0].dtype != dtype
+        self.staging = torch.empty(min(numel, STAGING), dtype=sources[0].dtype, device=device) if cast else None
         with torch.device("meta"):  # slot modules own no memory: their parameters are views into the buffers
-            self.layers = [store.layout.bind(LlamaDecoderLayer(config, layer_idx=0), buf).eval()
-                           for buf in self.buffers]
-        cuda = device.type == "cuda"
-        self.compute_stream = torch.cuda.current_stream(device) if cuda else InOrder()
-        self.copy_stream = torch.cuda.Stream(device) if cuda else InOrder()
-        self.copied = [torch.cuda.Event() if cuda else InOrder() for _ in range(n_slots)]
-        self.freed = [torch.cuda.Event() if cuda else InOrder() for _ in range(n_slots)]
+            self.modules = [{kind: make_module(kind, buf) for kind in dict.fromkeys(kinds)} for buf in self.buffers]
+        self.compute_stream = torch.cuda.current_stream(device) if device.type == "cuda" else InOrder()
+        self.copy_stream = new_stream(device)
+        self.copied = [new_event(device) for _ in range(n_slots)]
+        self.freed = [new_event(device) for _ in range(n_slots)]
+        self.wait_source = lambda u: None  # training: block until unit u's CPU update is done
+        self.begin(range(len(sources)))
 
     @property
     def n_slots(self) -> int:
         return len(self.buffers)
 
-    def prefetch(self, i: int) -> None:
-        """Start copying layer i into its slot, on the copy stream."""
-        s = i % self.n_slots
+    def begin(self, order) -> None:
+        """The next pass visits the units in `order` (training's backward pass: in reverse)."""
+        self.order = list(order)
+        self.position = {u: p for p, u in enumerate(self.order)}
+        self.issued = 0  # positions whose copy has been issued in this pass
+
+    def prefetch(self, p: int) -> None:
+        """Start copying the unit at position p of the pass into its slot, on the copy stream."""
+        s, src = p % self.n_slots, self.sources[self.order[p]]
+        dst = self.buffers[s][:src.numel()]
+        self.wait_source(self.order[p])
         with on_stream(self.copy_stream):
-            self.copy_stream.wait_event(self.freed[s])  # the slot's previous layer may still be running from it
-            self.buffers[s].copy_(self.store.flats[i], non_blocking=True)
+            self.copy_stream.wait_event(self.freed[s])  # the slot's previous unit may still be running from it
+            if self.staging is None:
+                dst.copy_(src, non_blocking=True)
+            else:
+                self.cast_in(src, dst)
             self.copied[s].record(self.copy_stream)
 
-    def acquire(self, i: int) -> nn.Module:
-        """The module that runs layer i; also starts the copies of the layers `depth` ahead."""
-        first = 0 if i == 0 else i + self.depth  # layer 0 opens a pass by filling the whole ring
-        for j in range(first, min(i + self.depth + 1, self.store.num_layers)):
-            self.prefetch(j)
-        s = i % self.n_slots
-        self.compute_stream.wait_event(self.copied[s])  # layer i's weights must have landed before its kernels read them
-        return self.layers[s]
+    def cast_in(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        for a in range(0, src.numel(), STAGING):
+            n = min(STAGING, src.numel() - a)  # in order on the copy stream: a chunk is cast before the next lands
+            self.staging[:n].copy_(src[a:a + n], non_blocking=True)
+            dst[a:a + n].copy_(self.staging[:n])
 
-    def release(self, i: int) -> None:
-        """Layer i's kernels are all issued: its slot is free once they have run."""
-        self.freed[i % self.n_slots].record(self.compute_stream)
+    def acquire(self, u: int) -> nn.Module:
+        """The module that runs unit u; also starts the copies of the units up to `depth` positions ahead."""
+        p = self.position[u]
+        if p == 0:
+            self.issued = 0  # a pass opens by filling the whole ring
+        while self.issued <= min(p + self.depth, len(self.order) - 1):
+            self.prefetch(self.issued)
+            self.issued += 1
+        s = p % self.n_slots
+        self.compute_stream.wait_event(self.copied[s])  # unit u's weights must have landed before its kernels read them
+        return self.modules[s][self.kinds[u]]
+
+    def release(self, u: int) -> None:
+        """Unit u's kernels are all issued: its slot is free once they have run."""
+        self.freed[self.position[u] % self.n_slots].record(self.compute_stream)
+
+
+def layer_streamer(store: ParamStore, config: LlamaConfig, device: torch.device, depth: int) -> LayerStreamer:
+    """Inference: the decoder layers from the pinned store, in the compute dtype."""
+    def make_module(kind, buffer):
+        return store.layout.bind(LlamaDecoderLayer(config, layer_idx=0), buffer).eval()
+    return LayerStreamer(store.flats, ["layer"] * store.num_layers, make_module, store.dtype, device, depth)
 
 
 class SkipLayers:
@@ -331,6 +393,358 @@ def offloaded_model(model: LlamaForCausalLM, strategy, device: torch.device) -> 
 def set_strategy(shell: LlamaForCausalLM, strategy) -> None:
     for layer in shell.model.layers:
         layer.strategy = strategy
+
+
+# ----------------------------------------------------------------------------- training
+
+@dataclass(frozen=True)
+class Unit:
+    """A piece of the model that is streamed whole in training: the embeddings, a decoder layer, the norm, the head."""
+    name: str  # its module's name in the HF model, so master weights map back to HF parameter names
+    kind: str  # embed, layer, norm or head
+    layout: FlatLayout
+
+
+def unit_module(kind: str, config: LlamaConfig) -> nn.Module:
+    """A module of this kind, built as LlamaForCausalLM builds its own (call it under torch.device('meta'))."""
+    if kind == "embed":
+        return nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+    if kind == "layer":
+        return LlamaDecoderLayer(config, layer_idx=0)
+    if kind == "norm":
+        return LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+    return nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+
+def model_units(config: LlamaConfig) -> list[Unit]:
+    """The units in forward order: embeddings, decoder layers, final norm, head."""
+    with torch.device("meta"):
+        layout = {kind: FlatLayout.of(unit_module(kind, config)) for kind in ("embed", "layer", "norm", "head")}
+    return ([Unit("model.embed_tokens", "embed", layout["embed"])]
+            + [Unit(f"model.layers.{i}", "layer", layout["layer"]) for i in range(config.num_hidden_layers)]
+            + [Unit("model.norm", "norm", layout["norm"]), Unit("lm_head", "head", layout["head"])])
+
+
+@dataclass(frozen=True)
+class Adam:
+    """torch.optim.Adam's hyper-parameters, with its meaning (L2 weight decay added to the gradient)."""
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+    def optimizer(self, params: list[torch.Tensor]) -> torch.optim.Adam:
+        # fused: one vectorised kernel; on the CPU the plain one is 6x slower (DESIGN.md)
+        return torch.optim.Adam(params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
+                                fused=True)
+
+
+class MasterStore:
+    """Training state on the CPU, one flat float32 buffer per unit and kind of state: 16 bytes per parameter.
+
+    masters  pinned: the copy stream streams them to the GPU, which casts them to the compute dtype
+    grads    pinned: the GPU copies each unit's float32 gradients into them
+    and torch.optim.Adam's two moments, one optimizer per unit so each unit can step on its own.
+    """
+
+    def __init__(self, units: list[Unit], adam: Adam, pin: bool):
+        self.units = units
+        self.masters = [torch.zeros(u.layout.numel, dtype=torch.float32, pin_memory=pin) for u in units]
+        self.grads = [torch.zeros(u.layout.numel, dtype=torch.float32, pin_memory=pin) for u in units]
+        self.params = [nn.Parameter(master) for master in self.masters]  # share the masters' memory
+        for param, grad in zip(self.params, self.grads):
+            param.grad = grad
+        self.optimizers = [adam.optimizer([param]) for param in self.params]
+
+    @torch.no_grad()
+    def load(self, model: LlamaForCausalLM) -> None:
+        """Start from `model`'s weights, with fresh Adam state."""
+        for unit, master, opt in zip(self.units, self.masters, self.optimizers):
+            module = model.get_submodule(unit.name)
+            for name, view in unit.layout.views(master).items():
+                view.copy_(module.get_parameter(name))
+            opt.state.clear()
+
+    def state_dict(self, flats: list[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """The masters (or other per-unit flats, such as the gradients) as tensors with HF parameter names."""
+        return {f"{unit.name}.{name}": view.clone() for unit, flat in zip(self.units, flats or self.masters)
+                for name, view in unit.layout.views(flat).items()}
+
+
+class CpuAdam:
+    """Each unit's Adam step, on the CPU, in a worker thread, as soon as the unit's gradients have landed.
+
+    Of the units whose gradients have landed it steps first the one the next forward pass needs first: the
+    embeddings and first layers, whose gradients come last, are then ready soonest, and the next step's forward
+    overlaps the updates of the layers after them. No unit is read before its update is done (`wait`).
+    """
+
+    def __init__(self, optimizers: list[torch.optim.Adam]):
+        self.optimizers = optimizers
+        self.done = [threading.Event() for _ in optimizers]
+        for event in self.done:
+            event.set()
+        self.pending, self.error = [], None  # (unit, landed event), in the order submitted
+        self.cond = threading.Condition()
+        self.thread = threading.Thread(target=self.work, name="cpu-adam", daemon=True)
+        self.thread.start()
+
+    def submit(self, u: int, landed) -> None:
+        self.done[u].clear()
+        with self.cond:
+            self.pending.append((u, landed))
+            self.cond.notify()
+
+    def wait(self, u: int) -> None:
+        self.done[u].wait()
+        if self.error:
+            raise self.error
+
+    def wait_all(self) -> None:
+        for u in range(len(self.done)):
+            self.wait(u)
+
+    def close(self) -> None:
+        self.wait_all()
+        with self.cond:
+            self.pending.append(None)
+            self.cond.notify()
+        self.thread.join()
+
+    def next_job(self):
+        with self.cond:
+            while not self.pending:
+                self.cond.wait()
+            if self.pending[0] is None:
+                return None
+            landed = [job for job in self.pending if job is not None and job[1].query()]
+            job = min(landed, key=lambda job: job[0]) if landed else self.pending[0]
+            self.pending.remove(job)
+            return job
+
+    def work(self) -> None:
+        while (job := self.next_job()) is not None:
+            u, landed = job
+            try:
+                landed.synchronize()  # the gradients must be in pinned memory before the CPU reads them
+                self.optimizers[u].step()
+            except Exception as e:  # hand it to the main thread, which waits on `done`
+                self.error = e
+            self.done[u].set()
+
+
+class LossScale:
+    """Dynamic loss scaling for float16, as torch.amp.GradScaler does it: the loss is multiplied by the scale so
+    small gradients do not flush to zero; a step whose gradients overflow is skipped and halves the scale, 2000
+    good steps in a row double it. Scales are powers of two, so scaling and unscaling are exact."""
+
+    def __init__(self, enabled: bool, device: torch.device):
+        self.enabled, self.scale, self.good_steps = enabled, 2.0**16 if enabled else 1.0, 0
+        self.found_inf = torch.zeros(1, device=device)
+        self.device = device
+
+    def unscale(self, grads: list[torch.Tensor]) -> None:
+        """Divide the float32 gradients by the scale and note any inf or NaN (no sync)."""
+        if self.enabled:
+            inv_scale = torch.full((1,), 1 / self.scale, device=self.device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found_inf, inv_scale)
+
+    def update(self) -> bool:
+        """After the backward pass: whether the step may be applied (a sync on float16 only)."""
+        if not self.enabled:
+            return True
+        overflow = bool(self.found_inf.item())
+        self.found_inf.zero_()
+        self.good_steps = 0 if overflow else self.good_steps + 1
+        if overflow:
+            self.scale /= 2
+        elif self.good_steps == 2000:
+            self.scale, self.good_steps = self.scale * 2, 0
+        return not overflow
+
+
+def objective(loss: torch.Tensor, micro_batches: int, scale: float) -> torch.Tensor:
+    """What backward starts from for one micro-batch: its share of the mean loss, times the loss scale. The gpu mode
+    and the offloaded modes build it alike, so its gradient is the same bits in both."""
+    return loss / micro_batches * scale
+
+
+def decoder_kwargs(model: LlamaForCausalLM, shape: tuple[int, int], dtype: torch.dtype, device) -> dict:
+    """What HF's LlamaModel.forward passes its decoder layers besides the hidden states (rotary cos/sin, causal
+    mask, positions), computed by HF itself on `device`: its forward runs on zero embeddings through one recorder."""
+    captured = {}
+
+    class Recorder(nn.Module):
+        def forward(self, hidden_states, **kwargs):
+            captured.update(kwargs)
+            return hidden_states
+
+    base = model.model
+    kept = base.layers, base.norm, base.rotary_emb
+    base.layers, base.norm, base.rotary_emb = nn.ModuleList([Recorder()]), nn.Identity(), copy.deepcopy(kept[2]).to(device)
+    try:
+        with torch.no_grad():
+            base(inputs_embeds=torch.zeros(*shape, model.config.hidden_size, dtype=dtype, device=device), use_cache=False)
+    finally:
+        base.layers, base.norm, base.rotary_emb = kept
+    return captured
+
+
+class StreamedUnit(torch.autograd.Function):
+    """One unit over every micro-batch while its weights are on the GPU (layer-major), for forward and backward.
+
+    Forward streams the unit in and keeps only its inputs; backward streams it in again, recomputes and
+    back-propagates each micro-batch, and sends the unit's gradients to the CPU, where Adam updates it while the
+    GPU goes on with the units below. `anchor` requires grad, so autograd calls backward for the embeddings too,
+    whose inputs are token ids."""
+
+    @staticmethod
+    def forward(ctx, trainer: OffloadedTraining, u: int, anchor: torch.Tensor, *xs: torch.Tensor):
+        ctx.trainer, ctx.u = trainer, u
+        ctx.save_for_backward(*xs)
+        module = trainer.streamer.acquire(u)
+        outs = tuple(trainer.run_unit(u, module, x, k) for k, x in enumerate(xs))
+        trainer.streamer.release(u)
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grad_outs):
+        return None, None, None, *ctx.trainer.backward_unit(ctx.u, ctx.saved_tensors, grad_outs)
+
+
+class OffloadedTraining:
+    """blocked and overlapped training: every unit streamed from the CPU masters, CPU Adam per unit.
+
+    Streams: the compute stream runs the units; the streamer's copy stream brings weights in; `d2h_stream` takes
+    gradients out, so copies in both directions overlap. The GPU holds the streamer's slots, one float32
+    gradient buffer and the activations."""
+
+    def __init__(self, store: MasterStore, config: LlamaConfig, dtype: torch.dtype, device: torch.device, depth: int,
+                 loss_function, kwargs: dict):
+        self.store, self.units, self.kwargs, self.loss_function = store, store.units, kwargs, loss_function
+        self.vocab_size, self.hidden_size = config.vocab_size, config.hidden_size
+        self.adam = CpuAdam(store.optimizers)
+
+        def make_module(kind, buffer):
+            return self.layout(kind).bind(unit_module(kind, config), buffer, trainable=True).eval()
+
+        self.streamer = LayerStreamer(store.masters, [u.kind for u in self.units], make_module, dtype, device, depth)
+        # the next forward streams a unit only once its last update is done
+        self.streamer.wait_source = self.adam.wait
+        self.grad_buffer = torch.empty(max(m.numel() for m in store.masters), dtype=torch.float32, device=device)
+        self.d2h_stream = new_stream(device)
+        self.landed = [new_event(device, blocking=True) for _ in self.units]
+        self.last_landed = InOrder()  # the gradients that left grad_buffer last
+        self.anchor = torch.empty(0, device=device, requires_grad=True)
+        self.loss_scale = LossScale(dtype == torch.float16, device)
+        self.sent = []
+
+    def layout(self, kind: str) -> FlatLayout:
+        return next(u.layout for u in self.units if u.kind == kind)
+
+    def run_unit(self, u: int, module: nn.Module, x: torch.Tensor, k: int) -> torch.Tensor:
+        kind = self.units[u].kind
+        if kind == "layer":
+            return module(x, **self.kwargs)
+        if kind == "head":  # the head's output is micro-batch k's loss, so no more than one batch of logits lives
+            return self.loss_function(module(x), self.labels[k], vocab_size=self.vocab_size)
+        return module(x)
+
+    def unit_grads(self, u: int, module: nn.Module, x: torch.Tensor, k: int, grad_out: torch.Tensor):
+        """Recompute unit u on micro-batch k and back-propagate: (gradient of its input or None, parameter grads)."""
+        params = list(module.parameters())
+        with torch.enable_grad():
+            x = x.detach().requires_grad_(x.is_floating_point())
+            inputs = [x, *params] if x.requires_grad else params
+            grads = torch.autograd.grad(self.run_unit(u, module, x, k), inputs, grad_out)
+        return (grads[0], grads[1:]) if x.requires_grad else (None, grads)
+
+    def backward_unit(self, u: int, xs, grad_outs) -> list:
+        module = self.streamer.acquire(u)
+        views = list(self.units[u].layout.views(self.grad_buffer).values())
+        grads_in = []
+        for k, (x, grad_out) in enumerate(zip(xs, grad_outs)):
+            grad_in, grads = self.unit_grads(u, module, x, k, grad_out)
+            if k == 0:
+                self.streamer.compute_stream.wait_event(self.last_landed)  # the last unit's grads must have left
+            for view, grad in zip(views, grads):  # float32 accumulation in micro-batch order, as the gpu mode does
+                view.copy_(grad) if k == 0 else view.add_(grad)
+            grads_in.append(grad_in)
+        self.streamer.release(u)
+        self.send(u)
+        return grads_in
+
+    def send(self, u: int) -> None:
+        """Unscale unit u's gradients, copy them to pinned memory on the D2H stream, and queue its Adam step."""
+        n = self.store.grads[u].numel()
+        self.loss_scale.unscale([self.grad_buffer[:n]])
+        ready = new_event(self.grad_buffer.device)
+        ready.record(self.streamer.compute_stream)
+        with on_stream(self.d2h_stream):
+            self.d2h_stream.wait_event(ready)  # the unit's backward must have written all its gradients
+            self.store.grads[u].copy_(self.grad_buffer[:n], non_blocking=True)
+            self.landed[u].record(self.d2h_stream)
+        self.last_landed = self.landed[u]
+        self.sent.append(u)
+        if not self.loss_scale.enabled:  # float16 must first see every gradient: one overflow skips the step
+            self.adam.submit(u, self.landed[u])
+
+    def step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
+        """One optimizer step over the micro-batches; returns the mean loss. The updates may still be running."""
+        self.labels, self.sent = micro_batches, []
+        n = len(self.units)
+        self.streamer.begin(range(n))
+        losses = StreamedUnit.apply(self, 0, self.anchor, *micro_batches)
+        for u in range(1, n):
+            losses = StreamedUnit.apply(self, u, self.anchor, *losses)
+        self.streamer.begin(reversed(range(n)))
+        sum(objective(loss, len(losses), self.loss_scale.scale) for loss in losses).backward()
+        if self.loss_scale.update() and self.loss_scale.enabled:
+            for u in self.sent:
+                self.adam.submit(u, self.landed[u])
+        return mean_loss(losses)
+
+    def finish(self) -> None:
+        self.adam.close()
+
+
+class ResidentTraining:
+    """gpu and cpu modes, the reference: the plain HF model on `device`, float32 master weights and
+    torch.optim.Adam on the same device, a compute-dtype copy of the weights for forward and backward."""
+
+    def __init__(self, model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device, adam: Adam):
+        self.model = copy.deepcopy(model).to(device)
+        self.names = [name for name, _ in self.model.named_parameters()]
+        self.params = [p.requires_grad_() for p in self.model.parameters()]  # the inference store froze the layers
+        self.masters = [p.detach().float().clone() for p in self.params]
+        self.optimizer = adam.optimizer(self.masters)
+        self.loss_scale = LossScale(dtype == torch.float16, device)
+
+    def step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
+        losses = []
+        for k, ids in enumerate(micro_batches):
+            loss = self.model(ids, labels=ids, use_cache=False).loss
+            objective(loss, len(micro_batches), self.loss_scale.scale).backward()
+            for master, p in zip(self.masters, self.params):
+                master.grad = p.grad.float() if k == 0 else master.grad.add_(p.grad)
+                p.grad = None
+            losses.append(loss.detach())
+        self.loss_scale.unscale([m.grad for m in self.masters])
+        if self.loss_scale.update():
+            self.optimizer.step()
+            with torch.no_grad():
+                for p, master in zip(self.params, self.masters):
+                    p.copy_(master)
+        return mean_loss(losses)
+
+    def finish(self) -> None: ...
+
+    def state_dict(self, tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {name: t.detach().cpu() for name, t in zip(self.names, tensors)}
+
+
+def mean_loss(losses) -> torch.Tensor:
+    return sum(loss.detach() for loss in losses) / len(losses)
 
 
 # ----------------------------------------------------------------------------- measurement
@@ -375,6 +789,63 @@ def pipeline_bound_ms(n_layers: int, copy_ms: float, compute_ms: float, resident
     return resident_ms + copy_ms + (n_layers - 1) * max(copy_ms, compute_ms) + compute_ms
 
 
+def measure_train_bound(trainer: OffloadedTraining, micro_batches, device, run: RunConfig) -> dict:
+    """The four things a training step cannot beat, each measured alone: GPU compute (forward, recompute and
+    backward of every unit, weights resident), the host-to-device copies (every unit, twice), the device-to-host
+    copies (every unit's float32 gradients) and the CPU Adam over every parameter."""
+    streamer, store, n = trainer.streamer, trainer.store, len(trainer.units)
+    current = torch.cuda.current_stream(device)
+
+    def copy_in():
+        streamer.begin(range(n))
+        for p in range(n):
+            streamer.prefetch(p)
+        current.wait_stream(streamer.copy_stream)  # `timed` records its end event on this stream
+
+    def copy_out():
+        with on_stream(trainer.d2h_stream):
+            for grad in store.grads:
+                grad.copy_(trainer.grad_buffer[:grad.numel()], non_blocking=True)
+        current.wait_stream(trainer.d2h_stream)
+
+    h2d_ms = 2 * median_ms(copy_in, device, run.warmup, run.repeat)[0]
+    d2h_ms = median_ms(copy_out, device, run.warmup, run.repeat)[0]
+    kinds = [u.kind for u in trainer.units]
+    compute_ms = sum(kinds.count(kind) * unit_compute_ms(trainer, kinds.index(kind), micro_batches, device, run)
+                     for kind in dict.fromkeys(kinds))
+    adam_ms = cpu_adam_ms(run.adam, max(m.numel() for m in store.masters)) * sum(m.numel() for m in store.masters)
+    parts = {"gpu_compute_ms": compute_ms, "h2d_ms": h2d_ms, "d2h_ms": d2h_ms, "cpu_adam_ms": adam_ms}
+    return {**parts, "bound_ms": max(parts.values()), "bound_by": max(parts, key=parts.get).removesuffix("_ms"),
+            "h2d_bytes": 2 * sum(m.nbytes for m in store.masters), "d2h_bytes": sum(g.nbytes for g in store.grads)}
+
+
+def unit_compute_ms(trainer: OffloadedTraining, u: int, micro_batches, device, run: RunConfig) -> float:
+    """Forward, recompute and backward of unit u over every micro-batch, its weights already on the GPU."""
+    streamer = trainer.streamer
+    streamer.begin([u])
+    streamer.prefetch(0)
+    module = streamer.modules[0][trainer.units[u].kind]
+    hidden = torch.randn(*micro_batches[0].shape, trainer.hidden_size, dtype=streamer.buffers[0].dtype, device=device)
+    xs = micro_batches if trainer.units[u].kind == "embed" else [hidden] * len(micro_batches)
+
+    def forward_and_backward():
+        with torch.no_grad():
+            outs = [trainer.run_unit(u, module, x, k) for k, x in enumerate(xs)]
+        for k, (x, out) in enumerate(zip(xs, outs)):
+            trainer.unit_grads(u, module, x, k, torch.ones_like(out))
+
+    trainer.labels = micro_batches
+    return median_ms(forward_and_backward, device, run.warmup, run.repeat)[0]
+
+
+def cpu_adam_ms(adam: Adam, numel: int) -> float:
+    """Milliseconds per parameter of the CPU Adam step, alone, measured on one unit's worth of scratch state."""
+    param = nn.Parameter(torch.randn(numel))
+    param.grad = torch.randn(numel) * 1e-3
+    optimizer = adam.optimizer([param])
+    return median_ms(optimizer.step, torch.device("cpu"), 1, 3)[0] / numel
+
+
 def analytic_peak_bytes(config: LlamaConfig, dtype: torch.dtype, tokens: int, resident_layers: int,
                         layer_bytes: int) -> dict[str, int]:
     """The GPU memory a forward pass needs, term by term: layer weights on the GPU (all of them, or the slots),
@@ -393,11 +864,11 @@ def analytic_peak_bytes(config: LlamaConfig, dtype: torch.dtype, tokens: int, re
             "activations": max(layer_act, head_act) + rotary_and_ids, "workspace": CUBLAS_WORKSPACE + 8 * 512}
 
 
-def trace_overlap(path: str) -> dict:
-    """From a Chrome trace: total host-to-device copy time, and how much of it ran while a kernel ran on
-    another stream. Proof of overlap that does not rely on timing the whole pass."""
+def trace_overlap(path: str, direction: str = "HtoD") -> dict:
+    """From a Chrome trace: total copy time in `direction` (HtoD or DtoH), and how much of it ran while a kernel ran
+    on another stream. Proof of overlap that does not rely on timing the whole pass."""
     events = json.loads(Path(path).read_text())["traceEvents"]
-    copies = [e for e in events if e.get("cat") == "gpu_memcpy" and "HtoD" in e.get("name", "")]
+    copies = [e for e in events if e.get("cat") == "gpu_memcpy" and direction in e.get("name", "")]
     kernels = [e for e in events if e.get("cat") == "kernel"]
     kernel_spans = sorted((e["ts"], e["ts"] + e["dur"], e["args"].get("stream")) for e in kernels)
     overlap_us = 0.0
@@ -440,22 +911,22 @@ def layer_inputs(shell: LlamaForCausalLM, input_ids: torch.Tensor) -> tuple[tupl
 
 def measure_bound(shell, streamer: LayerStreamer, input_ids, device, run: RunConfig) -> dict:
     """Copy-only and compute-only runs of the same layers, combined into each mode's bound."""
-    n = streamer.store.num_layers
+    n = len(streamer.sources)
 
     def copy_all():
-        for i in range(n):
-            streamer.prefetch(i)
+        for p in range(n):
+            streamer.prefetch(p)
         # `timed` records its end event on this stream: make it wait for the copies
         torch.cuda.current_stream(device).wait_stream(streamer.copy_stream)
 
     copy_ms = median_ms(copy_all, device, run.warmup, run.repeat)[0] / n
     args, kwargs = layer_inputs(shell, input_ids)
-    compute_ms = median_ms(lambda: streamer.layers[0](*args, **kwargs), device, run.warmup, run.repeat)[0]
+    compute_ms = median_ms(lambda: streamer.modules[0]["layer"](*args, **kwargs), device, run.warmup, run.repeat)[0]
     set_strategy(shell, SkipLayers())
     resident_ms = median_ms(lambda: logits_of(shell, input_ids), device, run.warmup, run.repeat)[0]
     set_strategy(shell, streamer)
     return {"copy_ms_per_layer": copy_ms, "compute_ms_per_layer": compute_ms, "resident_ms": resident_ms,
-            "h2d_gbps_copy_only": streamer.store.layer_bytes / copy_ms / 1e6}
+            "h2d_gbps_copy_only": streamer.sources[0].nbytes / copy_ms / 1e6}
 
 
 def infer_resident(model, input_ids, device, run: RunConfig, config) -> tuple[dict, torch.Tensor]:
@@ -481,7 +952,7 @@ def layer_bytes_of(model) -> int:
 def infer_offloaded(model, store: ParamStore, input_ids, device, depth: int, run: RunConfig, config,
                     profile: str | None) -> tuple[dict, torch.Tensor]:
     """blocked (depth 0) and overlapped (depth >= 1) modes: the HF forward with layers streamed in."""
-    streamer = LayerStreamer(store, config, device, depth)
+    streamer = layer_streamer(store, config, device, depth)
     shell = offloaded_model(model, streamer, device)
     ids = input_ids.to(device)
     ms, logits = median_ms(lambda: logits_of(shell, ids), device, run.warmup, run.repeat)
@@ -515,8 +986,7 @@ def run_mode(mode: str, model, store, input_ids, run: RunConfig, config) -> tupl
     """One mode's inference result; {'oom': True} when it does not fit the GPU (or the --max-gpu-memory cap)."""
     device = torch.device("cpu" if mode == "cpu" else "cuda")
     log(f"mode {mode}: inference over {input_ids.numel()} tokens ...")
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    reset_peak_memory(device)
     try:
         with torch.inference_mode():
             if mode in ("gpu", "cpu"):
@@ -527,6 +997,134 @@ def run_mode(mode: str, model, store, input_ids, run: RunConfig, config) -> tupl
     except torch.OutOfMemoryError:
         log(f"mode {mode}: out of GPU memory")
         return {"oom": True}, None
+
+
+def train_mode(mode: str, model, masters: MasterStore | None, input_ids, run: RunConfig, keep_grads: bool) -> dict:
+    """One mode's training: `run.steps` steps on one fixed batch; {'oom': True} when it does not fit the GPU."""
+    device = torch.device("cpu" if mode == "cpu" else "cuda")
+    micro_batches = [ids.to(device) for ids in input_ids.chunk(run.grad_accum)]
+    log(f"mode {mode}: training, {run.steps} steps of {input_ids.numel()} tokens "
+        f"({run.grad_accum} micro-batch{'es' if run.grad_accum > 1 else ''}) ...")
+    reset_peak_memory(device)
+    trainer = None
+    try:
+        trainer = training(mode, model, masters, micro_batches, run, device)
+        profile = train_trace_path(run.profile) if run.profile and mode == profiled_mode(run) else None
+        result = train_steps(trainer, micro_batches, run, keep_grads, profile)
+        trainer.finish()
+        if isinstance(trainer, ResidentTraining):
+            result["masters"] = trainer.state_dict(trainer.masters)
+        else:
+            result["masters"] = masters.state_dict()
+        if device.type == "cuda":
+            result["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
+        result["peak_host_bytes"] = peak_host_rss()
+        if isinstance(trainer, OffloadedTraining) and device.type == "cuda":
+            result |= measure_train_bound(trainer, micro_batches, device, run)
+            result["efficiency"] = result["bound_ms"] / result["time_ms"]
+        return result
+    except torch.OutOfMemoryError:
+        log(f"mode {mode}: out of GPU memory")
+        if trainer is not None:
+            trainer.finish()
+        return {"oom": True}
+
+
+def training(mode: str, model, masters: MasterStore | None, micro_batches, run: RunConfig, device):
+    if mode in ("gpu", "cpu"):
+        return ResidentTraining(model, run.torch_dtype, device, run.adam)
+    masters.load(model)
+    kwargs = decoder_kwargs(model, tuple(micro_batches[0].shape), run.torch_dtype, device)
+    depth = 0 if mode == "blocked" else run.prefetch
+    return OffloadedTraining(masters, model.config, run.torch_dtype, device, depth, model.loss_function, kwargs)
+
+
+def train_steps(trainer, micro_batches, run: RunConfig, keep_grads: bool, profile: str | None = None) -> dict:
+    """Time each step from its start to the next one's: the offloaded modes overlap a step's last updates with the
+    next step's forward, so a step's end is where the next one can begin."""
+    losses, times, grads, trace = [], [], None, None
+    start = time.perf_counter()
+    for i in range(run.steps):
+        if i == run.steps - 1 and profile:  # the last step, traced and left out of the timing
+            trace = profile_step(trainer, micro_batches, profile)
+            losses.append(trace.pop("loss"))
+            break
+        loss = trainer.step(micro_batches).item()  # a sync: this step's forward has run
+        if i == 0 and keep_grads:  # the first step's gradients and masters, for the comparison with gpu mode
+            grads = first_step_state(trainer)
+        now = time.perf_counter()
+        losses.append(loss)
+        times.append((now - start) * 1e3)
+        start = now
+        log(f"  step {i}: loss {loss:.4f}, {times[-1]:.0f} ms")
+    timed = times[run.warmup:] or times
+    return {"time_ms": statistics.median(timed), "step_ms": times, "losses": losses, "grads": grads,
+            "tokens_per_step": sum(ids.numel() for ids in micro_batches), **({"trace": trace} if trace else {})}
+
+
+def profile_step(trainer, micro_batches, path: str) -> dict:
+    """Write a Chrome trace of one training step, its CPU updates included; say how much copying was hidden."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        loss = trainer.step(micro_batches).item()
+        trainer.finish()
+        torch.cuda.synchronize()  # the trace must hold the whole step
+    prof.export_chrome_trace(path)
+    return {"loss": loss, "path": path, "h2d": trace_overlap(path, "HtoD"), "d2h": trace_overlap(path, "DtoH")}
+
+
+def train_trace_path(path: str) -> str:
+    """--profile's path for the training step's trace: trace.json -> trace.train.json."""
+    p = Path(path)
+    return str(p.with_name(p.stem + ".train" + p.suffix))
+
+
+def first_step_state(trainer) -> tuple[dict, dict]:
+    """(float32 gradients, float32 masters) after a step, with HF names, on the CPU."""
+    if isinstance(trainer, ResidentTraining):
+        return trainer.state_dict([m.grad for m in trainer.masters]), trainer.state_dict(trainer.masters)
+    trainer.adam.wait_all()  # gradients have landed once their updates are done
+    return trainer.store.state_dict(trainer.store.grads), trainer.store.state_dict()
+
+
+def compare_training(result: dict, reference: dict, run: RunConfig) -> None:
+    """The first step's gradients bitwise, and its masters to float32 rounding (the CPU and GPU Adam kernels round
+    differently, DESIGN.md). Later steps are reported, not judged: in 16-bit compute a one-ulp master difference
+    flips the rounding of some compute-dtype weights, and Adam's normalisation turns that into lr-sized moves."""
+    grads, masters = result["grads"]
+    ref_grads, ref_masters = reference["grads"]
+    if run.attention == "eager":  # sdpa's backward differs even from itself
+        result["grads_equal_to_gpu"] = all(torch.equal(g, ref_grads[name]) for name, g in grads.items())
+    result["masters_step1_max_abs_diff"] = max_abs_diff(masters, ref_masters)
+    result["masters_tolerance"] = masters_tolerance(max(m.abs().max().item() for m in ref_masters.values()), 1)
+    result["masters_close_to_gpu"] = result["masters_step1_max_abs_diff"] <= result["masters_tolerance"]
+    result["masters_max_abs_diff"] = max_abs_diff(result["masters"], reference["masters"])
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    return max((t - b[name]).abs().max().item() for name, t in a.items())
+
+
+def masters_tolerance(largest: float, steps: int) -> float:
+    return 4 * steps * torch.finfo(torch.float32).eps * largest
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")  # resets the peak resident set size (Linux)
+
+
+def peak_host_rss() -> int | None:
+    """The process's peak resident set size since the last reset, in bytes (pinned memory included)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def profiled_mode(run: RunConfig) -> str:
@@ -546,48 +1144,99 @@ def fmt(x, spec: str) -> str:
     return "" if x is None else format(x, spec)
 
 
+def gib(x) -> str:
+    return fmt(None if x is None else x / GiB, ".2f")
+
+
+def yes_no(x) -> str:
+    return {True: "yes", False: "NO", None: ""}[x]
+
+
+def markdown(title: str, columns: list[tuple[str, str]], rows: list[tuple[str, dict]], cells) -> list[str]:
+    """A markdown table: `cells(mode, r)` gives a row's cells; an OOM result shows OOM in its first column."""
+    lines = [title, "", "| mode | " + " | ".join(h for h, _ in columns) + " |",
+             "|---|" + "|".join(align for _, align in columns) + "|"]
+    for label, r in rows:
+        row = ["OOM"] + [""] * (len(columns) - 1) if r.get("oom") else cells(label, r)
+        lines.append(f"| {label} | " + " | ".join(row) + " |")
+    return lines + [""]
+
+
 def tables(results: dict, run: RunConfig, config, tokens: int) -> str:
     dtype = str(run.torch_dtype).removeprefix("torch.")
     what = f"{run.model or run.preset}, {dtype}, {run.batch_size}x{run.seq_len} = {tokens} tokens"
-    rows = [(mode, results[mode]["inference"]) for mode in ("gpu", "blocked", "overlapped", "cpu") if mode in results]
+    modes = [mode for mode in ("gpu", "blocked", "overlapped", "cpu") if mode in results]
 
-    def label(mode, r):
+    def label(mode):
+        r = results[mode]["inference"]
         return MODE_NAMES[mode] + (f" (prefetch {r['prefetch']})" if mode == "overlapped" and "prefetch" in r else "")
 
-    mem = [f"Table 1: peak GPU memory, inference ({what})", "",
-           "| mode | peak GPU (GiB) | analytic (GiB) |", "|---|---:|---:|"]
-    for mode, r in rows:
-        if r.get("oom"):
-            mem.append(f"| {label(mode, r)} | OOM | |")
-        elif mode == "cpu":
-            mem.append(f"| {label(mode, r)} | 0 (runs on the CPU) | |")
-        else:
-            mem.append(f"| {label(mode, r)} | {r['peak_gpu_bytes'] / GiB:.2f} | "
-                       f"{sum(r['analytic_peak_bytes'].values()) / GiB:.2f} |")
-    tim = [f"Table 2: time per forward pass, inference ({what})", "",
-           "| mode | time (ms) | bound (ms) | efficiency | H2D (GB/s) | logits == gpu |", "|---|---:|---:|---:|---:|:---:|"]
-    for mode, r in rows:
-        if r.get("oom"):
-            tim.append(f"| {label(mode, r)} | OOM | | | | |")
-            continue
-        equal = {True: "yes", False: "NO", None: ""}[r.get("equal_to_gpu")]
-        tim.append(f"| {label(mode, r)} | {r['time_ms']:.1f} | {fmt(r.get('bound_ms'), '.1f')} | "
-                   f"{fmt(r.get('efficiency'), '.3f')} | {fmt(r.get('h2d_gbps'), '.1f')} | {equal} |")
-    notes = []
-    for mode, r in rows:
+    def of(part):
+        return [(label(mode), results[mode][part]) for mode in modes if part in results[mode]]
+
+    out = markdown(f"Table 1: peak GPU memory, inference ({what})",
+                   [("peak GPU (GiB)", "---:"), ("analytic (GiB)", "---:")], of("inference"),
+                   lambda mode, r: ["0 (runs on the CPU)", ""] if "peak_gpu_bytes" not in r else
+                   [gib(r["peak_gpu_bytes"]), gib(sum(r["analytic_peak_bytes"].values()))])
+    out += markdown(f"Table 2: time per forward pass, inference ({what})",
+                    [("time (ms)", "---:"), ("bound (ms)", "---:"), ("efficiency", "---:"), ("H2D (GB/s)", "---:"),
+                     ("logits == gpu", ":---:")], of("inference"),
+                    lambda mode, r: [f"{r['time_ms']:.1f}", fmt(r.get("bound_ms"), ".1f"),
+                                     fmt(r.get("efficiency"), ".3f"), fmt(r.get("h2d_gbps"), ".1f"),
+                                     yes_no(r.get("equal_to_gpu"))])
+    if run.train:
+        steps = f"{dtype}, {run.grad_accum}x{run.batch_size}x{run.seq_len} tokens per step, Adam"
+        out += markdown(f"Table 1 (training): peak memory per step ({steps})",
+                        [("peak GPU (GiB)", "---:"), ("peak host RSS (GiB)", "---:")], of("training"),
+                        lambda mode, r: [gib(r.get("peak_gpu_bytes")) or "0 (runs on the CPU)",
+                                         gib(r.get("peak_host_bytes"))])
+        out += markdown(f"Table 2 (training): time per step ({steps})",
+                        [("step (ms)", "---:"), ("bound (ms)", "---:"), ("bound by", ":---:"), ("efficiency", "---:"),
+                         ("loss first -> last", ":---:"), ("grads == gpu", ":---:"), ("step-1 masters ~ gpu", ":---:")],
+                        of("training"),
+                        lambda mode, r: [f"{r['time_ms']:.1f}", fmt(r.get("bound_ms"), ".1f"), r.get("bound_by", ""),
+                                         fmt(r.get("efficiency"), ".3f"),
+                                         f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}",
+                                         yes_no(r.get("grads_equal_to_gpu")), yes_no(r.get("masters_close_to_gpu"))])
+    return "\n".join(out + notes(results, run))
+
+
+def notes(results: dict, run: RunConfig) -> list[str]:
+    lines = []
+    for mode, rs in results.items():
+        r, t = rs["inference"], rs.get("training", {})
         if "copy_ms_per_layer" in r:
-            notes.append(f"{mode}: per layer copy {r['copy_ms_per_layer']:.2f} ms "
+            lines.append(f"{mode}: per layer copy {r['copy_ms_per_layer']:.2f} ms "
                          f"({r['h2d_gbps_copy_only']:.1f} GB/s alone), compute {r['compute_ms_per_layer']:.2f} ms; "
                          f"embeddings + norm + head {r['resident_ms']:.2f} ms")
         if "trace" in r:
-            t = r["trace"]
-            notes.append(f"{mode} trace: {t['overlap_ms']:.1f} of {t['copy_ms']:.1f} ms of copies ran under "
-                         f"compute on another stream (copy streams {t['copy_streams']}, "
-                         f"kernel streams {t['kernel_streams']})")
+            tr = r["trace"]
+            lines.append(f"{mode} trace: {tr['overlap_ms']:.1f} of {tr['copy_ms']:.1f} ms of copies ran under "
+                         f"compute on another stream (copy streams {tr['copy_streams']}, "
+                         f"kernel streams {tr['kernel_streams']})")
+        if "gpu_compute_ms" in t:
+            lines.append(f"{mode} training bound, each part alone: GPU compute {t['gpu_compute_ms']:.1f} ms "
+                         f"(forward, recompute, backward), H2D {t['h2d_ms']:.1f} ms "
+                         f"({t['h2d_bytes'] / t['h2d_ms'] / 1e6:.1f} GB/s), D2H {t['d2h_ms']:.1f} ms "
+                         f"({t['d2h_bytes'] / t['d2h_ms'] / 1e6:.1f} GB/s), CPU Adam {t['cpu_adam_ms']:.1f} ms")
+        if "trace" in t:
+            h, d = t["trace"]["h2d"], t["trace"]["d2h"]
+            lines.append(f"{mode} training trace: {h['overlap_ms']:.1f} of {h['copy_ms']:.1f} ms of H2D copies and "
+                         f"{d['overlap_ms']:.1f} of {d['copy_ms']:.1f} ms of D2H copies ran under compute")
+        if "masters_max_abs_diff" in t:
+            lines.append(f"{mode} training: masters differ from gpu mode's by at most "
+                         f"{t['masters_step1_max_abs_diff']:.3g} after step 1 (float32 rounding allows "
+                         f"{t['masters_tolerance']:.3g}) and {t['masters_max_abs_diff']:.3g} after step {run.steps}")
     if "cpu" in results and not results["cpu"]["inference"].get("oom"):
-        notes.append("cpu: one run, no warm-up; GPU modes: median of "
+        lines.append("cpu: one run, no warm-up; GPU modes: median of "
                      f"{run.repeat} runs after {run.warmup} warm-up runs")
-    return "\n".join(mem + [""] + tim + [""] + notes)
+    if run.train and run.attention != "eager" and "gpu" in results:
+        lines.append("training: gradients are compared bitwise with --attention eager only: sdpa's backward "
+                     "accumulates with atomics, so two gpu-mode runs already differ in the last bits")
+    if run.train:
+        lines.append(f"training: median step time after the first {run.warmup} of {run.steps} steps, "
+                     "each step timed from its start to the next one's")
+    return lines
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -598,16 +1247,27 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def mode_list(text: str) -> str:
+    unknown = [m for m in text.split(",") if m not in (*MODES, "all")]
+    if unknown or ("all" in text.split(",") and text != "all"):
+        raise argparse.ArgumentTypeError(f"{text!r}: choose all, or one or more of {', '.join(MODES)} with commas")
+    return text
+
+
 def parse_args(argv=None) -> RunConfig:
     p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--mode", choices=(*MODES, "all"), default="all",
+    p.add_argument("--mode", type=mode_list, default="all",
                    help="gpu: resident model; cpu: on the CPU; blocked: copy each layer then run it; "
-                        "overlapped: copy ahead on a second stream; all: every mode, then the tables")
+                        "overlapped: copy ahead on a second stream; all: every mode, then the tables; "
+                        "or a comma-separated list such as gpu,overlapped")
     p.add_argument("--preset", choices=tuple(PRESETS), default="7b-8l")
     p.add_argument("--model", help="load a save_pretrained LLaMA folder instead of building a random model")
     for field, flag in SIZE_FLAGS.items():
         p.add_argument(f"--{flag}", type=int, dest=field, help=f"override the preset's {field}")
     p.add_argument("--dtype", choices=tuple(DTYPES), help="compute dtype (default: bfloat16 where supported)")
+    p.add_argument("--attention", choices=("sdpa", "eager"), default=RunConfig.attention,
+                   help="sdpa: flash attention, whose backward is not bitwise reproducible; eager: matmul and "
+                        "softmax, bitwise reproducible, memory quadratic in --seq-len")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0, help="seeds the random weights and the input token ids")
@@ -619,19 +1279,34 @@ def parse_args(argv=None) -> RunConfig:
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--save-output", metavar="PATH", help="torch.save the input ids and each mode's logits")
     p.add_argument("--profile", metavar="PATH", help="write a Chrome trace of one offloaded forward pass")
+    t = p.add_argument_group("training (--train)")
+    t.add_argument("--train", action="store_true", help="after inference, train each mode: forward, backward, Adam")
+    t.add_argument("--steps", type=int, default=RunConfig.steps, help="training steps on one fixed batch; the step "
+                   "time is the median after the --warmup first steps")
+    t.add_argument("--grad-accum", type=int, default=RunConfig.grad_accum, metavar="K",
+                   help="micro-batches of batch-size x seq-len per optimizer step, accumulated in float32")
+    t.add_argument("--lr", type=float, default=RunConfig.lr)
+    t.add_argument("--betas", type=float, nargs=2, default=RunConfig.betas, metavar=("BETA1", "BETA2"))
+    t.add_argument("--eps", type=float, default=RunConfig.eps)
+    t.add_argument("--weight-decay", type=float, default=RunConfig.weight_decay,
+                   help="L2 penalty added to the gradient, as torch.optim.Adam does")
     a = p.parse_args(argv)
-    for flag in ("batch_size", "seq_len", "repeat"):
+    for flag in ("batch_size", "seq_len", "repeat", "steps", "grad_accum"):
         if getattr(a, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be at least 1")
     if a.prefetch < 1:
         p.error("--prefetch must be at least 1 (blocked mode is prefetch 0)")
     if a.warmup < 0:
         p.error("--warmup must be at least 0")
+    if not (a.lr > 0 and a.eps > 0 and a.weight_decay >= 0 and all(0 <= b < 1 for b in a.betas)):
+        p.error("Adam needs --lr > 0, --eps > 0, --weight-decay >= 0 and betas in [0, 1)")
     sizes = tuple((f, getattr(a, f)) for f in SIZE_FLAGS if getattr(a, f) is not None)
     return RunConfig(mode=a.mode, preset=a.preset, model=a.model, sizes=sizes, dtype=a.dtype or default_dtype(),
+                     attention=a.attention,
                      batch_size=a.batch_size, seq_len=a.seq_len, seed=a.seed, prefetch=a.prefetch,
                      warmup=a.warmup, repeat=a.repeat, max_gpu_memory=a.max_gpu_memory, json=a.json,
-                     save_output=a.save_output, profile=a.profile)
+                     save_output=a.save_output, profile=a.profile, train=a.train, steps=a.steps,
+                     grad_accum=a.grad_accum, lr=a.lr, betas=tuple(a.betas), eps=a.eps, weight_decay=a.weight_decay)
 
 
 def check_devices(run: RunConfig, config: LlamaConfig) -> None:
@@ -649,14 +1324,28 @@ def check_devices(run: RunConfig, config: LlamaConfig) -> None:
         raise UsageError(f"{torch.cuda.get_device_name()} cannot compute in bfloat16: use --dtype float16 or float32")
     if run.profile and not {"blocked", "overlapped"} & set(run.modes):
         raise UsageError("--profile traces an offloaded pass: use --mode overlapped, blocked or all")
-    needed = param_count(config) * dtype.itemsize
+    if run.train and config.tie_word_embeddings:
+        raise UsageError("--train needs untied embeddings (tie_word_embeddings is true in this config): the head "
+                         "and the embeddings are streamed and updated as separate units")
+    needed, what = host_bytes_needed(run, param_count(config))
     available = host_memory_available()
     if available is not None and needed > available:
-        raise UsageError(f"the model and its pinned store need {needed / GiB:.1f} GiB of host memory, "
+        raise UsageError(f"{what} need {needed / GiB:.1f} GiB of host memory, "
                          f"only {available / GiB:.1f} GiB are available")
     if run.max_gpu_memory is not None and gpu_modes:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, run.max_gpu_memory * GiB / total))
+
+
+def host_bytes_needed(run: RunConfig, params: int) -> tuple[int, str]:
+    """The model in the compute dtype (the pinned inference store reuses its memory), plus for offloaded training
+    16 bytes per parameter of float32 masters, gradients and Adam moments, or 18 for the cpu mode's resident copy."""
+    per_param = run.torch_dtype.itemsize
+    if run.train and {"blocked", "overlapped"} & set(run.modes):
+        return params * (per_param + 16), "the model and its float32 masters, gradients and Adam state"
+    if run.train and "cpu" in run.modes:
+        return params * (2 * per_param + 16), "the model, its training copy and Adam state"
+    return params * per_param, "the model and its pinned store"
 
 
 def meta_layer(config: LlamaConfig) -> nn.Module:
@@ -691,11 +1380,18 @@ def run_all(run: RunConfig) -> dict:
     input_ids = random_input_ids(run, config.vocab_size)
     needs_store = {"blocked", "overlapped"} & set(run.modes)
     store = ParamStore(model, pin=True) if needs_store else None
-    results, logits = {}, {}
+    masters = MasterStore(model_units(config), run.adam, pin=True) if run.train and needs_store else None
+    train_ids = random_input_ids(run, config.vocab_size, run.grad_accum)
+    results, logits, trained = {}, {}, {}
     for mode in run.modes:
         result, logits[mode] = run_mode(mode, model, store, input_ids, run, config)
         results[mode] = {"inference": result}
         free_gpu_memory()
+        if run.train:
+            trained[mode] = train_mode(mode, model, masters, train_ids, run, "gpu" in run.modes and mode != "cpu")
+            reference = trained.get("gpu") if mode in ("blocked", "overlapped") else None
+            results[mode]["training"] = summary(trained[mode], reference, run)
+            free_gpu_memory()
     gpu_logits = logits.get("gpu")
     for mode in ("blocked", "overlapped"):
         if gpu_logits is not None and logits.get(mode) is not None:
@@ -707,9 +1403,22 @@ def run_all(run: RunConfig) -> dict:
     if run.json:
         Path(run.json).write_text(json.dumps(report, indent=2) + "\n")
     if run.save_output:
-        torch.save({"input_ids": input_ids, "logits": {m: t for m, t in logits.items() if t is not None}},
-                   run.save_output)
+        output = {"input_ids": input_ids, "logits": {m: t for m, t in logits.items() if t is not None}}
+        if run.train:
+            output["training"] = {"input_ids": train_ids, **{m: {"losses": r["losses"], "masters": r["masters"]}
+                                                            for m, r in trained.items() if not r.get("oom")}}
+        torch.save(output, run.save_output)
     return report
+
+
+def summary(result: dict, reference: dict | None, run: RunConfig) -> dict:
+    """The JSON view of an offloaded mode's training result, compared with gpu mode's; frees the tensors compared."""
+    if reference is not None and not reference.get("oom") and not result.get("oom"):
+        compare_training(result, reference, run)
+        result["grads"] = None
+        if not run.save_output:
+            result["masters"] = None
+    return {k: v for k, v in result.items() if k not in ("grads", "masters")}
 
 
 def main(argv=None) -> int:

@@ -25,7 +25,7 @@ def build(run: ol.RunConfig):
 def streamed_logits(model, ids, device, depth, pin=False, streamer_hook=None):
     """Logits of the offloaded model with layers streamed at `depth`; the store is built from `model`."""
     store = ol.ParamStore(model, pin=pin)
-    streamer = ol.LayerStreamer(store, model.config, torch.device(device), depth)
+    streamer = ol.layer_streamer(store, model.config, torch.device(device), depth)
     if streamer_hook:
         streamer_hook(streamer)
     shell = ol.offloaded_model(model, streamer, torch.device(device))
@@ -41,3 +41,29 @@ def resident_logits(model, ids, device):
 def cli(*args, timeout=600):
     return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True,
                           timeout=timeout)
+
+
+def offloaded_trainer(model, device, depth, micro_batches, adam=ol.Adam(lr=1e-3), pin=False):
+    """The blocked (depth 0) or overlapped training of `model` on `device`, as the CLI builds it."""
+    store = ol.MasterStore(ol.model_units(model.config), adam, pin=pin)
+    store.load(model)
+    dtype = next(model.parameters()).dtype
+    kwargs = ol.decoder_kwargs(model, tuple(micro_batches[0].shape), dtype, torch.device(device))
+    return ol.OffloadedTraining(store, model.config, dtype, torch.device(device), depth, model.loss_function, kwargs)
+
+
+def train(trainer, micro_batches, steps):
+    """(first step's float32 gradients, masters after it, final masters, losses), tensors with HF names on the CPU."""
+    losses = [trainer.step(micro_batches).item()]
+    grads, masters_1 = ol.first_step_state(trainer)
+    losses += [trainer.step(micro_batches).item() for _ in range(steps - 1)]
+    trainer.finish()
+    masters = trainer.state_dict(trainer.masters) if isinstance(trainer, ol.ResidentTraining) else \
+        trainer.store.state_dict()
+    return grads, masters_1, masters, losses
+
+
+def assert_masters_close(masters, expected, steps):
+    largest = max(m.abs().max().item() for m in expected.values())
+    for name, m in masters.items():
+        torch.testing.assert_close(m, expected[name], rtol=0, atol=ol.masters_tolerance(largest, steps), msg=name)

@@ -96,7 +96,7 @@ BAD_INPUT = {
     "not a llama folder": (["--model", "{gpt2}"], "model_type is 'gpt2', not 'llama'"),
     "cap below one layer": (["--preset", "tiny", "--mode", "gpu", "--max-gpu-memory", 1e-5],
                             "less than one decoder layer"),
-    "bad mode": (["--mode", "fast"], "invalid choice"),
+    "bad mode": (["--mode", "fast"], "choose all, or one or more of"),
     "zero prefetch": (["--prefetch", 0], "--prefetch must be at least 1"),
 }
 

@@ -45,7 +45,7 @@ def drop_freed_wait(streamer):
 
 def stretch_compute(streamer):
     """Each layer's kernels start 20 ms late, so an early copy into its slot would overwrite its weights first."""
-    for layer in streamer.layers:
+    for layer in (slot["layer"] for slot in streamer.modules):
         layer.register_forward_pre_hook(lambda module, args: torch.cuda._sleep(40_000_000))
 
 

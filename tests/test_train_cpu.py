@@ -1,0 +1,133 @@
+"""CPU tier, training: the offloaded path (per-unit autograd.Function, gradient offload, CPU Adam) with the CPU as
+compute device, against the plain model and torch.optim.Adam."""
+import json
+
+import pytest
+import torch
+
+import offload_llama as ol
+from helpers import assert_masters_close, build, cli, offloaded_trainer, tiny_run, train
+
+CPU = torch.device("cpu")
+
+
+def micro(ids, k):
+    return list(ids.chunk(k))
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("depth", [0, 1, 2])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_offloaded_training_equals_resident(dtype, depth, k):
+    model, ids = build(ol.dataclasses.replace(tiny_run(), dtype=dtype, batch_size=2))
+    batches = micro(ids, k)
+    grads, _, masters, losses = train(offloaded_trainer(model, CPU, depth, batches), batches, 3)
+    ref_grads, _, ref_masters, ref_losses = train(ol.ResidentTraining(model, model.dtype, CPU, ol.Adam(lr=1e-3)),
+                                               batches, 3)
+    assert grads.keys() == ref_grads.keys() == {name for name, _ in model.named_parameters()}
+    for name, g in grads.items():
+        assert torch.equal(g, ref_grads[name]), name
+    assert_masters_close(masters, ref_masters, 3)
+    assert losses == ref_losses
+
+
+def test_resident_training_is_torch_adam():
+    """The reference recipe in float32 is plain training with torch.optim.Adam on the model's own parameters."""
+    model, ids = build(ol.dataclasses.replace(tiny_run(), dtype="float32"))
+    grads, _, masters, _ = train(ol.ResidentTraining(model, torch.float32, CPU, ol.Adam(lr=1e-3)), [ids], 3)
+    plain = ol.copy.deepcopy(model)
+    optimizer = torch.optim.Adam(plain.parameters(), lr=1e-3)
+    for step in range(3):
+        optimizer.zero_grad()
+        plain(ids, labels=ids, use_cache=False).loss.backward()
+        if step == 0:
+            for name, p in plain.named_parameters():
+                assert torch.equal(grads[name], p.grad), name
+        optimizer.step()
+    assert_masters_close(masters, dict(plain.named_parameters()), 3)
+
+
+def test_grad_accumulation_equals_one_big_batch():
+    model, ids = build(ol.dataclasses.replace(tiny_run(), dtype="float32", batch_size=4))
+    grads, _, masters, _ = train(offloaded_trainer(model, CPU, 1, micro(ids, 4)), micro(ids, 4), 2)
+    big_grads, _, big_masters, _ = train(ol.ResidentTraining(model, torch.float32, CPU, ol.Adam(lr=1e-3)), [ids], 2)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, big_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert_masters_close(masters, big_masters, 2)
+
+
+def test_loss_decreases_over_10_steps():
+    model, ids = build(tiny_run())
+    *_, losses = train(offloaded_trainer(model, CPU, 1, [ids]), [ids], 10)
+    assert all(b < a for a, b in zip(losses, losses[1:])), losses
+
+
+def test_float16_skips_the_step_whose_gradients_overflow():
+    model, ids = build(ol.dataclasses.replace(tiny_run(), dtype="float16"))
+    trainer = offloaded_trainer(model, CPU, 1, [ids])
+    scale = trainer.loss_scale.scale
+    before = trainer.store.state_dict()
+    unit_grads = trainer.unit_grads
+
+    def overflowing(u, *args):  # one element of layer 1's gradients is inf
+        grad_in, grads = unit_grads(u, *args)
+        if u == 2:
+            grads[0].view(-1)[0] = float("inf")
+        return grad_in, grads
+
+    trainer.unit_grads = overflowing
+    trainer.step([ids])
+    trainer.adam.wait_all()
+    after = trainer.store.state_dict()
+    assert all(torch.equal(after[name], m) for name, m in before.items()), "an overflowing step must not update"
+    assert trainer.loss_scale.scale == scale / 2
+    trainer.unit_grads = unit_grads
+    trainer.step([ids])
+    trainer.finish()
+    assert not torch.equal(trainer.store.state_dict()["lm_head.weight"], before["lm_head.weight"])
+
+
+def test_master_store_holds_16_bytes_per_parameter():
+    """fp32 master and gradient (pinned), two fp32 Adam moments; alignment padding is under 0.1% at 7B sizes."""
+    config = ol.llama_config(ol.RunConfig(preset="7b-8l"))
+    units = ol.model_units(config)
+    padded = sum(u.layout.numel for u in units)
+    assert padded < 1.001 * ol.param_count(config)
+    model, ids = build(tiny_run())
+    trainer = offloaded_trainer(model, CPU, 1, [ids])
+    trainer.step([ids])
+    trainer.finish()
+    store = trainer.store
+    state = [t for opt in store.optimizers for s in opt.state.values() for t in s.values() if t.numel() > 1]
+    total = sum(t.nbytes for t in store.masters + store.grads + state)
+    assert total == 16 * sum(u.layout.numel for u in store.units)
+
+
+def test_cli_train_json_and_saved_masters(tmp_path):
+    out, saved = tmp_path / "r.json", tmp_path / "out.pt"
+    r = cli("--preset", "tiny", "--seq-len", "32", "--mode", "cpu", "--train", "--steps", "3", "--grad-accum", "2",
+            "--json", out, "--save-output", saved)
+    assert r.returncode == 0, r.stderr
+    assert "Table 2 (training)" in r.stdout and "step 2: loss" in r.stderr
+    t = json.loads(out.read_text())["results"]["cpu"]["training"]
+    assert len(t["losses"]) == 3 and t["tokens_per_step"] == 64 and t["peak_host_bytes"] > 0
+    masters = torch.load(saved)["training"]["cpu"]["masters"]
+    assert masters["model.layers.0.mlp.up_proj.weight"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--steps", "0"], "--steps must be at least 1"),
+    (["--grad-accum", "0"], "--grad-accum must be at least 1"),
+    (["--lr", "-1"], "Adam needs --lr > 0"),
+    (["--betas", "0.9", "1.0"], "betas in [0, 1)"),
+])
+def test_bad_training_flags(args, message):
+    r = cli("--preset", "tiny", "--mode", "cpu", "--train", *args)
+    assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_train_refuses_tied_embeddings(tmp_path):
+    config = ol.LlamaConfig(**ol.PRESETS["tiny"], tie_word_embeddings=True)
+    ol.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    r = cli("--model", tmp_path, "--mode", "cpu", "--train")
+    assert r.returncode == 2 and "untied embeddings" in r.stderr, r.stderr
