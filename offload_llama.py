@@ -523,6 +523,9 @@ class CpuAdam:
             return job
 
     def work(self) -> None:
+        # as the loss falls, v = beta2 * v + (1 - beta2) * g^2 goes denormal, and x86 takes microcode assists on
+        # denormals: flush them to zero. It moves no update: sqrt(v) is then far below eps in the denominator
+        torch.set_flush_denormal(True)
         while (job := self.next_job()) is not None:
             u, landed = job
             try:

