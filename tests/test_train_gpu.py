@@ -61,8 +61,8 @@ def drop_backward_copied_wait(trainer):
     """In the backward pass only, compute no longer waits for a unit's weights to land."""
     streamer, begin = trainer.streamer, trainer.streamer.begin
 
-    def begin_without_wait(order):
-        begin(order)
+    def begin_without_wait(order, keep=False):
+        begin(order, keep)
         if streamer.order[0] != 0:  # the backward pass starts from the head
             streamer.copied = [ol.InOrder() for _ in streamer.copied]
     streamer.begin = begin_without_wait
