@@ -20,6 +20,7 @@ import contextlib
 import copy
 import dataclasses
 import gc
+import hashlib
 import json
 import platform
 import statistics
@@ -1426,7 +1427,9 @@ def environment() -> dict:
     return {"device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
             "gpu_memory_bytes": torch.cuda.get_device_properties(0).total_memory if cuda else None,
             "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "cpu_threads": torch.get_num_threads()}
+            "python": platform.python_version(), "cpu_threads": torch.get_num_threads(),
+            # which code made the results: the report checks it against the committed script
+            "script_sha256": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()}
 
 
 def run_all(run: RunConfig) -> dict:

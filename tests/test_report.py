@@ -1,0 +1,22 @@
+"""report/REPORT.md is exactly what report/build_report.py makes of the JSON kept under report/."""
+import importlib.util
+from pathlib import Path
+
+REPORT = Path(__file__).resolve().parents[1] / "report"
+
+
+def build_report():
+    spec = importlib.util.spec_from_file_location("build_report", REPORT / "build_report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_report_is_rebuilt_exactly_from_the_json():
+    assert build_report().main(["--check"]) == 0, "run python3 report/build_report.py"
+
+
+def test_report_cites_every_json_it_reads():
+    report = (REPORT / "REPORT.md").read_text()
+    for path in build_report().SOURCES.values():
+        assert (REPORT / path).is_file() and f"`{path}`" in report
