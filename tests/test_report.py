@@ -18,5 +18,6 @@ def test_report_is_rebuilt_exactly_from_the_json():
 
 def test_report_cites_every_json_it_reads():
     report = (REPORT / "REPORT.md").read_text()
-    for path in build_report().SOURCES.values():
+    module = build_report()
+    for path in [*module.SOURCES.values(), *module.TRACES.values()]:
         assert (REPORT / path).is_file() and f"`{path}`" in report
