@@ -47,6 +47,21 @@ def test_stale_slot_is_caught():
     assert not torch.equal(streamed_logits(model, ids, "cpu", 2, streamer_hook=copy_only_layer_0), expected)
 
 
+def test_random_init_is_hf_llama_init_and_independent_of_thread_count(monkeypatch):
+    run = tiny_run()
+    model, _ = build(run)
+    monkeypatch.setattr(ol.os, "cpu_count", lambda: 1)
+    again, _ = build(run)
+    std = model.config.initializer_range
+    for (name, p), q in zip(model.named_parameters(), again.parameters()):
+        assert torch.equal(p, q), name
+        if p.dim() == 1:
+            assert torch.all(p == 1), name
+        else:
+            assert abs(p.float().std().item() - std) < 0.1 * std, name
+    assert not torch.equal(model.model.layers[0].mlp.up_proj.weight, model.model.layers[1].mlp.up_proj.weight)
+
+
 def test_store_holds_the_only_host_copy():
     model, _ = build(tiny_run())
     store = ol.ParamStore(model, pin=False)
