@@ -21,11 +21,14 @@ import copy
 import dataclasses
 import gc
 import hashlib
+import io
 import json
+import multiprocessing
 import os
 import platform
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -95,6 +98,7 @@ class RunConfig:
     betas: tuple = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
+    find_largest: bool = False          # search the most decoder layers that train under max_gpu_memory
 
     @property
     def adam(self) -> Adam:
@@ -1307,6 +1311,161 @@ def notes(results: dict, run: RunConfig) -> list[str]:
     return lines
 
 
+# ----------------------------------------------------------------------------- the largest model that trains
+
+MAX_SEARCH_LAYERS = 64
+RUNTIME_HOST_BYTES = 4 * GiB  # host memory a process holds besides the model and its state: CUDA, libraries
+
+
+def with_layers(run: RunConfig, layers: int) -> RunConfig:
+    return dataclasses.replace(run, sizes=tuple({**dict(run.sizes), "num_hidden_layers": layers}.items()))
+
+
+def params_with_layers(config: LlamaConfig, layers: int) -> int:
+    per_layer = sum(p.numel() for p in meta_layer(config).parameters())
+    return param_count(config) + (layers - config.num_hidden_layers) * per_layer
+
+
+def host_reserve(config: LlamaConfig) -> int:
+    """Host memory a probe needs beyond host_bytes_needed: the runtime, and the scratch Adam state (16 bytes per
+    parameter of one layer) on which the training bound times the CPU Adam."""
+    return RUNTIME_HOST_BYTES + 16 * (params_with_layers(config, 1) - params_with_layers(config, 0))
+
+
+def host_layer_limit(run: RunConfig, mode: str, config: LlamaConfig) -> int | None:
+    """The most decoder layers whose host memory this machine has free for `mode` (None: not known)."""
+    available = host_memory_available()
+    if available is None:
+        return None
+    need = lambda n: host_bytes_needed(dataclasses.replace(run, mode=mode), params_with_layers(config, n))[0]
+    n = 0
+    while n < MAX_SEARCH_LAYERS and need(n + 1) <= available - host_reserve(config):
+        n += 1
+    return n
+
+
+def gpu_layer_guess(run: RunConfig, config: LlamaConfig) -> int:
+    """Where the search starts for gpu mode: the layers whose resident training state fits the cap, counting the
+    compute-dtype weights and gradients and 16 bytes of float32 master, master gradient and Adam moments. Without a
+    cap it starts from one layer (asking CUDA for the GPU's size would cost this process a CUDA context)."""
+    if run.max_gpu_memory is None:
+        return 1
+    cap = run.max_gpu_memory * GiB
+    per_param = 2 * run.torch_dtype.itemsize + 16
+    per_layer = params_with_layers(config, 1) - params_with_layers(config, 0)
+    return int((cap / per_param - params_with_layers(config, 0)) // per_layer)
+
+
+def largest_that_trains(trains, first: int, upper: int) -> int:
+    """The largest n in [0, upper] with trains(n), where fewer layers train whenever more do. Probes start at
+    `first` and gallop away from it, then bisect: a good first guess costs two probes."""
+    lo, hi = 0, upper + 1  # lo trains (no layers, trivially), hi does not
+    n, step = min(max(first, 1), upper), 1
+    while hi - lo > 1:
+        if trains(n):
+            lo, n = n, n + step
+        else:
+            hi, n = n, n - step
+        step *= 2
+        if not lo < n < hi:
+            n = (lo + hi) // 2
+    return lo
+
+
+def probe(run: RunConfig, mode: str, layers: int) -> dict:
+    """`mode` run as the CLI runs it, with `layers` decoder layers, in a fresh process, so that an out-of-memory
+    leaves nothing behind: its training result, or {'oom': True}, {'refused': why} or {'failed': why}."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "probe.json"
+        child = dataclasses.replace(with_layers(run, layers), mode=mode, find_largest=False, json=str(path),
+                                    profile=None, save_output=None)
+        process = multiprocessing.get_context("spawn").Process(target=run_probe, args=(child,))
+        process.start()
+        process.join()
+        if not path.is_file():
+            return {"failed": f"the process ended with exit code {process.exitcode}"}
+        result = json.loads(path.read_text())
+    return result if "refused" in result else result["results"][mode]["training"]
+
+
+def run_probe(run: RunConfig) -> None:
+    """A probe's process: run_all with its tables kept off stdout; a refusal goes where its JSON would."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        try:
+            run_all(run)
+        except UsageError as e:
+            Path(run.json).write_text(json.dumps({"refused": str(e)}))
+
+
+def probe_line(mode: str, layers: int, params: int, r: dict) -> str:
+    head = f"probe {mode}, {layers} layers ({params / 1e9:.2f}B parameters): "
+    if r.get("oom"):
+        return head + "out of GPU memory"
+    if "refused" in r or "failed" in r:
+        return head + r.get("refused", r.get("failed"))
+    gpu = f"peak GPU {gib(r['peak_gpu_bytes'])} GiB, " if "peak_gpu_bytes" in r else ""
+    return head + f"trains, {r['time_ms']:.0f} ms per step, {gpu}peak host {gib(r.get('peak_host_bytes'))} GiB"
+
+
+def find_largest(run: RunConfig) -> dict:
+    """--find-largest: per mode, the most decoder layers of the preset's size that train, and what stops one more."""
+    config = llama_config(run)
+    check_devices(with_layers(run, 1), llama_config(with_layers(run, 1)))
+    found = {}
+    for mode in ("gpu", "overlapped") if run.mode == "all" else run.modes:  # with and without offload
+        host_limit = host_layer_limit(run, mode, config)
+        upper = MAX_SEARCH_LAYERS if host_limit is None else host_limit  # more layers: refused before a probe
+        first = gpu_layer_guess(run, config) if mode == "gpu" else upper  # offloaded: GPU memory flat in layers
+        probes = {}
+
+        def trains(n: int) -> bool:
+            probes[n] = probe(run, mode, n)
+            log(probe_line(mode, n, params_with_layers(config, n), probes[n]))
+            return not {"oom", "refused", "failed"} & probes[n].keys()
+
+        n = largest_that_trains(trains, first, upper)
+        found[mode] = {"layers": n, "parameters": params_with_layers(config, n), "training": probes.get(n),
+                       "limited_by": limit(run, mode, config, n, probes.get(n + 1)),
+                       "probes": {str(k): v for k, v in sorted(probes.items())}}
+    report = {**environment(), "run": dataclasses.asdict(run), "config": json.loads(config.to_json_string()),
+              "find_largest": found}
+    print(largest_table(found, run))
+    if run.json:
+        Path(run.json).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def limit(run: RunConfig, mode: str, config: LlamaConfig, n: int, after: dict | None) -> str:
+    """Why n + 1 layers do not train: what their probe met, or, unprobed, the host memory or the search's end."""
+    if after is not None:
+        if after.get("oom"):
+            return f"GPU memory: {n + 1} layers do not fit " + (
+                f"the {run.max_gpu_memory:g} GiB cap" if run.max_gpu_memory else "the GPU")
+        return after.get("refused") or after.get("failed")
+    needed, what = host_bytes_needed(dataclasses.replace(run, mode=mode), params_with_layers(config, n + 1))
+    available = host_memory_available()
+    if available is not None and needed > available - host_reserve(config):
+        return (f"host memory: with {n + 1} layers, {what} need {needed / GiB:.1f} GiB, and "
+                f"{(available - host_reserve(config)) / GiB:.1f} GiB are free beyond the "
+                f"{host_reserve(config) / GiB:.1f} GiB the process needs besides")
+    return f"the search stops at {MAX_SEARCH_LAYERS} layers"
+
+
+def largest_table(found: dict, run: RunConfig) -> str:
+    cap = f"GPU capped at {run.max_gpu_memory:g} GiB" if run.max_gpu_memory else "the whole GPU"
+    title = (f"The largest model that trains ({run.preset} layers, {run.dtype}, {run.batch_size}x{run.seq_len} "
+             f"tokens per micro-batch, Adam, {cap})")
+    columns = [("layers", "---:"), ("parameters (B)", "---:"), ("step (ms)", "---:"), ("peak GPU (GiB)", "---:"),
+               ("peak host (GiB)", "---:"), ("one more layer", "---")]
+
+    def cells(label, r):
+        t = r["training"] or {}
+        return [str(r["layers"]), f"{r['parameters'] / 1e9:.2f}", fmt(t.get("time_ms"), ".1f"),
+                gib(t.get("peak_gpu_bytes")), gib(t.get("peak_host_bytes")), r["limited_by"]]
+
+    return "\n".join(markdown(title, columns, [(MODE_NAMES[m], r) for m, r in found.items()], cells))
+
+
 # ----------------------------------------------------------------------------- CLI
 
 class Parser(argparse.ArgumentParser):
@@ -1358,6 +1517,10 @@ def parse_args(argv=None) -> RunConfig:
     t.add_argument("--eps", type=float, default=RunConfig.eps)
     t.add_argument("--weight-decay", type=float, default=RunConfig.weight_decay,
                    help="L2 penalty added to the gradient, as torch.optim.Adam does")
+    t.add_argument("--find-largest", action="store_true",
+                   help="per mode (default: gpu and overlapped), the most decoder layers of the preset's size that "
+                        "train (all --steps, no OOM) under --max-gpu-memory, each count tried in a fresh process, "
+                        "and what stops one more")
     a = p.parse_args(argv)
     for flag in ("batch_size", "seq_len", "repeat", "steps", "grad_accum"):
         if getattr(a, flag) < 1:
@@ -1368,13 +1531,16 @@ def parse_args(argv=None) -> RunConfig:
         p.error("--warmup must be at least 0")
     if not (a.lr > 0 and a.eps > 0 and a.weight_decay >= 0 and all(0 <= b < 1 for b in a.betas)):
         p.error("Adam needs --lr > 0, --eps > 0, --weight-decay >= 0 and betas in [0, 1)")
+    if a.find_largest and a.model:
+        p.error("--find-largest varies the preset's layer count: use --preset (and size flags), not --model")
     sizes = tuple((f, getattr(a, f)) for f in SIZE_FLAGS if getattr(a, f) is not None)
     return RunConfig(mode=a.mode, preset=a.preset, model=a.model, sizes=sizes, dtype=a.dtype or default_dtype(),
                      attention=a.attention,
                      batch_size=a.batch_size, seq_len=a.seq_len, seed=a.seed, prefetch=a.prefetch,
                      warmup=a.warmup, repeat=a.repeat, max_gpu_memory=a.max_gpu_memory, json=a.json,
-                     save_output=a.save_output, profile=a.profile, train=a.train, steps=a.steps,
-                     grad_accum=a.grad_accum, lr=a.lr, betas=tuple(a.betas), eps=a.eps, weight_decay=a.weight_decay)
+                     save_output=a.save_output, profile=a.profile, train=a.train or a.find_largest, steps=a.steps,
+                     grad_accum=a.grad_accum, lr=a.lr, betas=tuple(a.betas), eps=a.eps, weight_decay=a.weight_decay,
+                     find_largest=a.find_largest)
 
 
 def check_devices(run: RunConfig, config: LlamaConfig) -> None:
@@ -1400,7 +1566,10 @@ def check_devices(run: RunConfig, config: LlamaConfig) -> None:
     if available is not None and needed > available:
         raise UsageError(f"{what} need {needed / GiB:.1f} GiB of host memory, "
                          f"only {available / GiB:.1f} GiB are available")
-    if run.max_gpu_memory is not None and gpu_modes:
+
+
+def cap_gpu_memory(run: RunConfig) -> None:
+    if run.max_gpu_memory is not None and any(m != "cpu" for m in run.modes):
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, run.max_gpu_memory * GiB / total))
 
@@ -1445,6 +1614,7 @@ def environment() -> dict:
 def run_all(run: RunConfig) -> dict:
     config = llama_config(run)
     check_devices(run, config)
+    cap_gpu_memory(run)
     model = build_model(run, config)
     config = model.config
     input_ids = random_input_ids(run, config.vocab_size)
@@ -1494,7 +1664,7 @@ def summary(result: dict, reference: dict | None, run: RunConfig) -> dict:
 def main(argv=None) -> int:
     run = parse_args(argv)
     try:
-        run_all(run)
+        find_largest(run) if run.find_largest else run_all(run)
     except UsageError as e:
         print(f"offload_llama.py: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,48 @@
+"""--find-largest: the search, the host-memory limit, and a real search on the CPU (probes in fresh processes)."""
+import json
+
+import pytest
+
+import offload_llama as ol
+from helpers import cli, tiny_run
+
+
+@pytest.mark.parametrize("first", [1, 3, 7, 12])
+@pytest.mark.parametrize("threshold", [0, 1, 5, 12])
+def test_search_finds_the_largest_that_trains(threshold, first):
+    probed = []
+
+    def trains(n):
+        probed.append(n)
+        return n <= threshold
+
+    assert ol.largest_that_trains(trains, first, upper=12) == threshold
+    assert len(set(probed)) == len(probed) and all(1 <= n <= 12 for n in probed)
+    if first == threshold and 0 < threshold < 12:
+        assert probed == [threshold, threshold + 1]  # a right first guess costs two probes
+
+
+def test_host_limit_counts_the_training_state_of_each_layer(monkeypatch):
+    run = ol.dataclasses.replace(tiny_run(), train=True)
+    config = ol.llama_config(run)
+    needed = ol.host_bytes_needed(ol.dataclasses.replace(run, mode="overlapped"), ol.params_with_layers(config, 3))[0]
+    monkeypatch.setattr(ol, "host_memory_available", lambda: needed + ol.host_reserve(config))
+    assert ol.host_layer_limit(run, "overlapped", config) == 3
+    monkeypatch.setattr(ol, "host_memory_available", lambda: needed + ol.host_reserve(config) - 1)
+    assert ol.host_layer_limit(run, "overlapped", config) == 2
+
+
+def test_cli_find_largest_on_the_cpu(tmp_path):
+    out = tmp_path / "r.json"
+    r = cli("--find-largest", "--mode", "cpu", "--preset", "tiny", "--seq-len", "16", "--steps", "2", "--warmup", "1",
+            "--json", out)
+    assert r.returncode == 0, r.stderr
+    found = json.loads(out.read_text())["find_largest"]["cpu"]
+    assert found["layers"] == ol.MAX_SEARCH_LAYERS and "search stops" in found["limited_by"]
+    assert len(found["training"]["losses"]) == 2 and found["training"]["time_ms"] > 0
+    assert f"probe cpu, {ol.MAX_SEARCH_LAYERS} layers" in r.stderr and "The largest model that trains" in r.stdout
+
+
+def test_find_largest_needs_a_preset(tmp_path):
+    r = cli("--find-largest", "--model", tmp_path)
+    assert r.returncode == 2 and "--preset" in r.stderr
