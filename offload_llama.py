@@ -21,12 +21,11 @@ import copy
 import dataclasses
 import gc
 import hashlib
-import io
 import json
-import multiprocessing
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -1373,28 +1372,37 @@ def largest_that_trains(trains, first: int, upper: int) -> int:
 
 
 def probe(run: RunConfig, mode: str, layers: int) -> dict:
-    """`mode` run as the CLI runs it, with `layers` decoder layers, in a fresh process, so that an out-of-memory
-    leaves nothing behind: its training result, or {'oom': True}, {'refused': why} or {'failed': why}."""
+    """`mode` with `layers` decoder layers, run by the CLI in a fresh process, so that an out-of-memory leaves
+    nothing behind: its training result, or {'oom': True}, {'refused': why} (exit code 2) or {'failed': why}.
+    The process's progress lines pass through to stderr; its tables are not shown."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "probe.json"
-        child = dataclasses.replace(with_layers(run, layers), mode=mode, find_largest=False, json=str(path),
-                                    profile=None, save_output=None)
-        process = multiprocessing.get_context("spawn").Process(target=run_probe, args=(child,))
-        process.start()
-        process.join()
-        if not path.is_file():
-            return {"failed": f"the process ended with exit code {process.exitcode}"}
-        result = json.loads(path.read_text())
-    return result if "refused" in result else result["results"][mode]["training"]
+        child = dataclasses.replace(with_layers(run, layers), mode=mode, find_largest=False, json=str(path))
+        with subprocess.Popen([sys.executable, __file__, *cli_args(child)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) as process:
+            last = ""
+            for line in process.stderr:
+                sys.stderr.write(line)
+                last = line.strip() or last
+        if process.returncode == 0:
+            return json.loads(path.read_text())["results"][mode]["training"]
+    why = last.removeprefix("offload_llama.py: error: ")
+    return {"refused": why} if process.returncode == 2 else {"failed": f"exit code {process.returncode}: {why}"}
 
 
-def run_probe(run: RunConfig) -> None:
-    """A probe's process: run_all with its tables kept off stdout; a refusal goes where its JSON would."""
-    with contextlib.redirect_stdout(io.StringIO()):
-        try:
-            run_all(run)
-        except UsageError as e:
-            Path(run.json).write_text(json.dumps({"refused": str(e)}))
+def cli_args(run: RunConfig) -> list[str]:
+    """The command line that parse_args turns back into `run` (without --profile, --save-output, --model)."""
+    args = ["--mode", run.mode, "--preset", run.preset, "--dtype", run.dtype, "--attention", run.attention,
+            "--batch-size", str(run.batch_size), "--seq-len", str(run.seq_len), "--seed", str(run.seed),
+            "--prefetch", str(run.prefetch), "--warmup", str(run.warmup), "--repeat", str(run.repeat),
+            "--steps", str(run.steps), "--grad-accum", str(run.grad_accum), "--lr", repr(run.lr),
+            "--betas", *map(repr, run.betas), "--eps", repr(run.eps), "--weight-decay", repr(run.weight_decay)]
+    for field, value in run.sizes:
+        args += [f"--{SIZE_FLAGS[field]}", str(value)]
+    for flag, value in (("--max-gpu-memory", run.max_gpu_memory), ("--json", run.json)):
+        if value is not None:
+            args += [flag, str(value)]
+    return args + ["--train"] * run.train + ["--find-largest"] * run.find_largest
 
 
 def probe_line(mode: str, layers: int, params: int, r: dict) -> str:

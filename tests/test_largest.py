@@ -32,6 +32,14 @@ def test_host_limit_counts_the_training_state_of_each_layer(monkeypatch):
     assert ol.host_layer_limit(run, "overlapped", config) == 2
 
 
+def test_a_probe_runs_the_cli_with_the_same_settings():
+    run = ol.RunConfig(mode="overlapped", preset="tiny", sizes=(("num_hidden_layers", 3), ("vocab_size", 300)),
+                       dtype="float16", attention="eager", batch_size=2, seq_len=64, seed=5, prefetch=2, warmup=0,
+                       repeat=2, max_gpu_memory=11.5, json="r.json", train=True, steps=3, grad_accum=2, lr=3e-4,
+                       betas=(0.8, 0.95), eps=1e-6, weight_decay=0.01)
+    assert ol.parse_args(ol.cli_args(run)) == run
+
+
 def test_cli_find_largest_on_the_cpu(tmp_path):
     out = tmp_path / "r.json"
     r = cli("--find-largest", "--mode", "cpu", "--preset", "tiny", "--seq-len", "16", "--steps", "2", "--warmup", "1",
