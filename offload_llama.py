@@ -869,10 +869,11 @@ def measure_train_bound(trainer: OffloadedTraining, micro_batches, device, run: 
             copy_out()
 
     contended_ms = cpu_adam_ms(run.adam, numel, during=copy_both_ways) * total
-    torch.cuda.synchronize(device)
+    torch.cuda.synchronize(device)  # the queued copies end before anything else is timed
     return {**parts, "cpu_adam_during_copies_ms": contended_ms,
             "bound_ms": max(parts.values()), "bound_by": max(parts, key=parts.get).removesuffix("_ms"),
-            "h2d_bytes": 2 * sum(m.nbytes for m in store.masters) - kept, "d2h_bytes": sum(g.nbytes for g in store.grads)}
+            "h2d_bytes": 2 * sum(m.nbytes for m in store.masters) - kept,
+            "d2h_bytes": sum(g.nbytes for g in store.grads)}
 
 
 def unit_compute_ms(trainer: OffloadedTraining, u: int, micro_batches, device, run: RunConfig) -> float:
