@@ -1388,7 +1388,11 @@ def probe(run: RunConfig, mode: str, layers: int) -> dict:
         if process.returncode == 0:
             return json.loads(path.read_text())["results"][mode]["training"]
     why = last.removeprefix("offload_llama.py: error: ")
-    return {"refused": why} if process.returncode == 2 else {"failed": f"exit code {process.returncode}: {why}"}
+    if process.returncode == 2:
+        return {"refused": why}
+    if process.returncode < 0:  # SIGKILL, most likely from the kernel's out-of-memory killer: the host ran out
+        return {"failed": f"killed by signal {-process.returncode} after: {why}"}
+    return {"failed": f"exit code {process.returncode}: {why}"}
 
 
 def cli_args(run: RunConfig) -> list[str]:
@@ -1407,7 +1411,7 @@ def cli_args(run: RunConfig) -> list[str]:
 
 
 def probe_line(mode: str, layers: int, params: int, r: dict) -> str:
-    head = f"probe {mode}, {layers} layers ({params / 1e9:.2f}B parameters): "
+    head = f"probe {mode}, {layer_count(layers)} ({params / 1e9:.2f}B parameters): "
     if r.get("oom"):
         return head + "out of GPU memory"
     if "refused" in r or "failed" in r:
@@ -1448,16 +1452,20 @@ def limit(run: RunConfig, mode: str, config: LlamaConfig, n: int, after: dict | 
     """Why n + 1 layers do not train: what their probe met, or, unprobed, the host memory or the search's end."""
     if after is not None:
         if after.get("oom"):
-            return f"GPU memory: {n + 1} layers do not fit " + (
+            return f"GPU memory: the model with {layer_count(n + 1)} does not fit " + (
                 f"the {run.max_gpu_memory:g} GiB cap" if run.max_gpu_memory else "the GPU")
         return after.get("refused") or after.get("failed")
     needed, what = host_bytes_needed(dataclasses.replace(run, mode=mode), params_with_layers(config, n + 1))
     available = host_memory_available()
     if available is not None and needed > available - host_reserve(config):
-        return (f"host memory: with {n + 1} layers, {what} need {needed / GiB:.1f} GiB, and "
+        return (f"host memory: with {layer_count(n + 1)}, {what} need {needed / GiB:.1f} GiB, and "
                 f"{(available - host_reserve(config)) / GiB:.1f} GiB are free beyond the "
                 f"{host_reserve(config) / GiB:.1f} GiB the process needs besides")
     return f"the search stops at {MAX_SEARCH_LAYERS} layers"
+
+
+def layer_count(n: int) -> str:
+    return f"{n} layer" + "s" * (n != 1)
 
 
 def largest_table(found: dict, run: RunConfig) -> str:

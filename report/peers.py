@@ -1,0 +1,142 @@
+"""Peers of offload_llama.py on the same model and batch, timed and measured as it measures its own modes.
+
+- Training: PyTorch FSDP2, `fully_shard` with `CPUOffloadPolicy` on one GPU: float32 parameters, gradients and
+  Adam state in pinned CPU memory; each decoder layer's parameters are copied in and cast to the compute dtype
+  before it runs (again for its backward), and its float32 gradients copied out; the fused CPU Adam steps once the
+  backward pass has ended. The same recipe as offload_llama.py's offloaded training, without its overlap of the
+  CPU Adam with the backward pass.
+- Inference: Hugging Face accelerate's `cpu_offload`: the weights stay in (pageable) CPU memory, and a hook on each
+  module copies its weights in just before it runs, on the compute stream.
+
+Report tooling: offload_llama.py imports neither package. The flags after this script's own are offload_llama.py's
+(model, batch, dtype, --steps, --warmup, --repeat, Adam):
+
+    python3 report/peers.py --json peers_bf16.json --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import offload_llama as ol  # noqa: E402
+
+PEERS = ("accelerate", "fsdp2")
+NAMES = {"accelerate": "accelerate cpu_offload", "fsdp2": "FSDP2 fully_shard + CPUOffloadPolicy"}
+
+
+def accelerate_inference(model, input_ids, run: ol.RunConfig) -> dict:
+    """One forward pass with accelerate's cpu_offload, and whether its logits equal the resident model's."""
+    from accelerate import cpu_offload
+
+    device = torch.device("cuda")
+    ids = input_ids.to(device)
+    with torch.inference_mode():
+        _, reference = ol.infer_resident(model, input_ids, device, run, model.config)
+        ol.free_gpu_memory()
+        offloaded = cpu_offload(copy.deepcopy(model), execution_device=device)  # moves its copy's weights to meta
+        ol.reset_peak_memory(device)
+        ms, logits = ol.median_ms(lambda: ol.logits_of(offloaded, ids), device, run.warmup, run.repeat)
+        return {"time_ms": ms, "peak_gpu_bytes": torch.cuda.max_memory_allocated(device),
+                "peak_host_bytes": ol.peak_host_rss(), "equal_to_gpu": torch.equal(logits.cpu(), reference)}
+
+
+class Fsdp2Training:
+    """FSDP2 with CPU offload on a one-process group: a trainer for offload_llama.train_steps."""
+
+    def __init__(self, model, run: ol.RunConfig):
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        self.model = copy.deepcopy(model).float()  # the float32 masters; FSDP moves them to pinned CPU memory
+        self.model.requires_grad_()
+        mixed = MixedPrecisionPolicy(param_dtype=run.torch_dtype, reduce_dtype=torch.float32)
+        for layer in self.model.model.layers:  # one group per decoder layer, as offload_llama.py streams them
+            fully_shard(layer, mp_policy=mixed, offload_policy=CPUOffloadPolicy())
+        fully_shard(self.model, mp_policy=mixed, offload_policy=CPUOffloadPolicy())  # embeddings, norm, head
+        self.optimizer = run.adam.optimizer(list(self.model.parameters()))  # fused torch.optim.Adam, on the CPU
+
+    def step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
+        losses = []
+        for ids in micro_batches:
+            loss = self.model(ids, labels=ids, use_cache=False).loss
+            (loss / len(micro_batches)).backward()
+            losses.append(loss.detach())
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        return ol.mean_loss(losses)
+
+    def finish(self) -> None: ...
+
+
+def fsdp2_training(model, input_ids, run: ol.RunConfig) -> dict:
+    import torch.distributed as dist
+
+    device = torch.device("cuda")
+    torch.cuda.set_device(device)
+    # one process, world size 1: an in-memory store, no network
+    dist.init_process_group("cpu:gloo,cuda:nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        micro_batches = [ids.to(device) for ids in input_ids.chunk(run.grad_accum)]
+        ol.log(f"FSDP2 + CPUOffloadPolicy: training, {run.steps} steps of {input_ids.numel()} tokens ...")
+        ol.reset_peak_memory(device)
+        trainer = Fsdp2Training(model, run)
+        result = ol.train_steps(trainer, micro_batches, run, keep_grads=False)
+        del result["grads"]
+        return {**result, "peak_gpu_bytes": torch.cuda.max_memory_allocated(device),
+                "peak_host_bytes": ol.peak_host_rss()}
+    finally:
+        dist.destroy_process_group()
+
+
+def table(results: dict, run: ol.RunConfig, tokens: int) -> str:
+    what = f"{run.preset}, {run.dtype}, {tokens} tokens"
+    rows = [(NAMES[p], r) for p, r in results.items()]
+    return "\n".join(ol.markdown(
+        f"Peers ({what})", [("run", ":---:"), ("time (ms)", "---:"), ("peak GPU (GiB)", "---:"),
+                            ("peak host RSS (GiB)", "---:"), ("check", "---")], rows,
+        lambda label, r: ["inference" if "equal_to_gpu" in r else "training step", f"{r['time_ms']:.1f}",
+                          ol.gib(r["peak_gpu_bytes"]), ol.gib(r["peak_host_bytes"]),
+                          f"logits == gpu: {ol.yes_no(r['equal_to_gpu'])}" if "equal_to_gpu" in r else
+                          f"loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}"]))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="other flags: offload_llama.py's")
+    p.add_argument("--peers", default=",".join(PEERS), help="a comma-separated list of " + ", ".join(PEERS))
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    args, rest = p.parse_known_args(argv)
+    peers = args.peers.split(",")
+    if not set(peers) <= set(PEERS):
+        p.error(f"--peers {args.peers}: choose from {', '.join(PEERS)}")
+    if not torch.cuda.is_available():
+        p.error("the peers offload to a CUDA GPU, and torch.cuda.is_available() is False")
+    run = ol.parse_args(rest)  # offload_llama.py's flags, with its checks
+    config = ol.llama_config(run)
+    model = ol.build_model(run, config)
+    input_ids = ol.random_input_ids(run, config.vocab_size)
+    results = {}
+    if "accelerate" in peers:
+        ol.log(f"accelerate cpu_offload: inference over {input_ids.numel()} tokens ...")
+        results["accelerate"] = accelerate_inference(model, input_ids, run)
+        ol.free_gpu_memory()
+    if "fsdp2" in peers:
+        results["fsdp2"] = fsdp2_training(model, ol.random_input_ids(run, config.vocab_size, run.grad_accum), run)
+    print(table(results, run, input_ids.numel()))
+    if args.json:
+        report = {**ol.environment(), "peers_sha256": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
+                  "run": {**dataclasses.asdict(run), "peers": peers}, "tokens": input_ids.numel(), "parameters": ol.param_count(config),
+                  "config": json.loads(config.to_json_string()), "peers": results}
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
