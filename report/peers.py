@@ -80,7 +80,7 @@ def fsdp2_training(model, input_ids, run: ol.RunConfig) -> dict:
     import torch.distributed as dist
 
     device = torch.device("cuda")
-    torch.cuda.set_device(device)
+    torch.cuda.set_device(0)
     # one process, world size 1: an in-memory store, no network
     dist.init_process_group("cpu:gloo,cuda:nccl", store=dist.HashStore(), rank=0, world_size=1)
     try:

@@ -113,3 +113,16 @@ def test_mode_that_does_not_fit_is_oom_and_others_run(tmp_path):
     assert "| w/o offload (gpu) | OOM |" in r.stdout
     for mode in ("blocked", "overlapped", "cpu"):
         assert results[mode]["inference"]["time_ms"] > 0
+
+
+def test_pinned_buffers_take_exactly_their_size_and_stream_both_ways():
+    numel = 3 * 2**20 + 128  # just over a power of two of bytes: torch's pinned allocator would round it to 16 MiB
+    host = ol.host_zeros(numel, torch.float32, pin=True)
+    assert host.is_pinned() and host.untyped_storage().nbytes() == 4 * numel and not host.any()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        device = torch.arange(numel, dtype=torch.float32, device="cuda")
+        host.copy_(device, non_blocking=True)
+        back = host.to("cuda", non_blocking=True)
+    stream.synchronize()
+    assert torch.equal(host, torch.arange(numel, dtype=torch.float32)) and torch.equal(back, device)
