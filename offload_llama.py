@@ -1085,8 +1085,9 @@ def run_mode(mode: str, model, store, input_ids, run: RunConfig, config) -> tupl
         return {"oom": True}, None
 
 
-def train_mode(mode: str, model, masters: MasterStore | None, input_ids, run: RunConfig, keep_grads: bool) -> dict:
-    """One mode's training: `run.steps` steps on one fixed batch; {'oom': True} when it does not fit the GPU."""
+def train_mode(mode: str, model, masters: MasterStore | None, input_ids, run: RunConfig, compared: bool) -> dict:
+    """One mode's training: `run.steps` steps on one fixed batch; {'oom': True} when it does not fit the GPU. When
+    `compared` with gpu mode's, it keeps the first step's gradients and masters and the last step's masters."""
     device = torch.device("cpu" if mode == "cpu" else "cuda")
     micro_batches = [ids.to(device) for ids in input_ids.chunk(run.grad_accum)]
     log(f"mode {mode}: training, {run.steps} steps of {input_ids.numel()} tokens "
@@ -1096,12 +1097,11 @@ def train_mode(mode: str, model, masters: MasterStore | None, input_ids, run: Ru
     try:
         trainer = training(mode, model, masters, micro_batches, run, device)
         profile = train_trace_path(run.profile) if run.profile and mode == profiled_mode(run) else None
-        result = train_steps(trainer, micro_batches, run, keep_grads, profile)
+        result = train_steps(trainer, micro_batches, run, compared, profile)
         trainer.finish()
-        if isinstance(trainer, ResidentTraining):
-            result["masters"] = trainer.state_dict(trainer.masters)
-        else:
-            result["masters"] = masters.state_dict()
+        if compared or run.save_output:  # a copy of every master: for LLaMA-7B 25 GiB of host memory
+            result["masters"] = trainer.state_dict(trainer.masters) if isinstance(trainer, ResidentTraining) \
+                else masters.state_dict()
         if device.type == "cuda":
             result["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
         result["peak_host_bytes"] = peak_host_rss()
@@ -1667,12 +1667,13 @@ def run_all(run: RunConfig) -> dict:
     masters = MasterStore(model_units(config), run.adam, pin=True) if run.train and needs_store else None
     train_ids = random_input_ids(run, config.vocab_size, run.grad_accum)
     results, logits, trained = {}, {}, {}
+    compared = {"gpu", *needs_store} if "gpu" in run.modes and needs_store else set()  # offloaded against gpu
     for mode in run.modes:
         result, logits[mode] = run_mode(mode, model, store, input_ids, run, config)
         results[mode] = {"inference": result}
         free_gpu_memory()
         if run.train:
-            trained[mode] = train_mode(mode, model, masters, train_ids, run, "gpu" in run.modes and mode != "cpu")
+            trained[mode] = train_mode(mode, model, masters, train_ids, run, mode in compared)
             reference = trained.get("gpu") if mode in ("blocked", "overlapped") else None
             results[mode]["training"] = summary(trained[mode], reference, run)
             free_gpu_memory()
