@@ -57,8 +57,21 @@ class NoWaitStream(torch.cuda.Stream):
     def wait_event(self, event) -> None: ...
 
 
+def delay_backward_copies(trainer):
+    """In the backward pass each unit's weights land 20 ms late, so compute that does not wait for them reads what
+    the slot held before, however long the CPU takes to issue it."""
+    streamer, cast_in = trainer.streamer, trainer.streamer.cast_in
+
+    def late(src, dst):
+        if streamer.order[0] != 0:  # the backward pass starts from the head
+            torch.cuda._sleep(40_000_000)  # on the copy stream, ahead of the copy
+        cast_in(src, dst)
+    streamer.cast_in = late
+
+
 def drop_backward_copied_wait(trainer):
     """In the backward pass only, compute no longer waits for a unit's weights to land."""
+    delay_backward_copies(trainer)
     streamer, begin = trainer.streamer, trainer.streamer.begin
 
     def begin_without_wait(order, keep=False):
@@ -83,7 +96,7 @@ def drop_gradient_ready_wait(trainer):
     trainer.d2h_stream = NoWaitStream(CUDA)
 
 
-RACES = {"backward prefetch": (None, drop_backward_copied_wait),
+RACES = {"backward prefetch": (delay_backward_copies, drop_backward_copied_wait),
          "gradient copy": (stretch_backward, drop_gradient_ready_wait)}
 
 
