@@ -2,7 +2,7 @@
 # Regenerates the measured results on a GPU machine: JSON, tables (.md), logs and profiler traces under OUTDIR.
 #   bash report/run_benchmarks.sh OUTDIR [PART ...]   (default: every part, in the order below)
 set -euo pipefail
-parts="bf16 prefetch fp32 train train_fp32 accum eager largest peers"
+parts="bf16 prefetch fp32 train alone train_fp32 accum eager largest peers"
 out=${1:?usage: run_benchmarks.sh OUTDIR [PART ...], with PART one of: $parts}; shift
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
@@ -17,6 +17,9 @@ for p in ${@:-$parts}; do
     # the cpu mode trains at about 20 s a step: 2 steps
     train) run train_bf16 --mode gpu,blocked,overlapped --train --dtype bfloat16 --profile "$out/trace_bf16.json"
            run train_bf16_cpu --mode cpu --train --steps 2 --dtype bfloat16 ;;
+    # each mode in a process of its own, as the README's main command runs overlapped: the peak host memory of the
+    # mode alone (the train part also holds gpu mode's gradients and masters on the host, for the comparison)
+    alone) for m in gpu blocked overlapped; do run "train_bf16_$m" --mode "$m" --train --dtype bfloat16; done ;;
     # float32 compute: the GPU work outlasts the copies
     train_fp32) run train_fp32 --mode gpu,blocked,overlapped --train --steps 5 --warmup 1 --dtype float32 ;;
     accum) run train_bf16_accum16 --mode gpu,overlapped --train --grad-accum 16 --steps 5 --warmup 1 --dtype bfloat16 ;;
