@@ -1,11 +1,11 @@
-"""Builds report/REPORT.md from the JSON results kept under report/, and nothing else.
+"""Builds report/REPORT.md from the JSON results kept under report/results/, and nothing else.
 
     python3 report/build_report.py           # write REPORT.md, the figures and REPORT.pdf
     python3 report/build_report.py --check   # exit 1 if REPORT.md is not what the JSON gives
 
 Every number in the report is read from a JSON file named in SOURCES, and every figure from SOURCES or a
 profiler trace named in TRACES. The sources are listed at the end of the report, with the script version
-(sha256 of offload_llama.py) each was made by where the JSON records it. The figures and the PDF need
+(sha256 of offload_llama.py, and of report/peers.py for the peers) each was made by. The figures and the PDF need
 matplotlib; the check does not.
 """
 
@@ -18,17 +18,25 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 GiB = 2**30
-SOURCES = {  # name -> JSON file, relative to report/
-    "inference_bf16": "inference/inference_bf16.json",
-    "inference_fp32": "inference/inference_fp32.json",
-    "train_bf16": "training/train_bf16.json",
-    "train_bf16_cpu": "training/train_bf16_cpu.json",
-    "train_bf16_accum16": "training/train_bf16_accum16.json",
-    "train_bf16_eager": "training/train_bf16_eager.json",
+SOURCES = {  # name -> JSON file, relative to report/; all made by `bash report/run_benchmarks.sh report/results`
+    "inference_bf16": "results/inference_bf16.json",
+    "inference_bf16_prefetch2": "results/inference_bf16_prefetch2.json",
+    "inference_bf16_prefetch3": "results/inference_bf16_prefetch3.json",
+    "inference_fp32": "results/inference_fp32.json",
+    "train_bf16": "results/train_bf16.json",
+    "train_bf16_gpu": "results/train_bf16_gpu.json",
+    "train_bf16_blocked": "results/train_bf16_blocked.json",
+    "train_bf16_overlapped": "results/train_bf16_overlapped.json",
+    "train_bf16_cpu": "results/train_bf16_cpu.json",
+    "train_fp32": "results/train_fp32.json",
+    "train_bf16_accum16": "results/train_bf16_accum16.json",
+    "train_bf16_eager": "results/train_bf16_eager.json",
+    "largest_llama7b": "results/largest_llama7b.json",
+    "peers_bf16": "results/peers_bf16.json",
 }
 TRACES = {  # figure -> profiler trace (Chrome JSON) it is drawn from
-    "timeline_training.png": "training/trace_bf16.train.json",
-    "timeline_inference.png": "inference/trace_overlapped_bf16.json",
+    "timeline_training.png": "results/trace_bf16.train.json",
+    "timeline_inference.png": "results/trace_overlapped_bf16.json",
 }
 LABELS = {"gpu": "w/o offload (gpu)", "blocked": "blocked offload", "overlapped": "overlapped offload", "cpu": "cpu"}
 
@@ -38,7 +46,7 @@ def load() -> dict[str, dict]:
 
 
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
-    align = ["---"] + [":---:" if h == "bound by" else "---:" for h in header[1:]]
+    align = ["---"] + [":---:" if h == "bound by" else "---" if h == "implementation" else "---:" for h in header[1:]]
     return ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"] + ["| " + " | ".join(r) + " |" for r in rows]
 
 
@@ -55,44 +63,79 @@ def results(runs: dict, name: str, part: str) -> dict[str, dict]:
     return {mode: r[part] for mode, r in runs[name]["results"].items() if part in r}
 
 
+def alone(runs: dict) -> dict[str, dict]:
+    """mode -> its bfloat16 training result from a process of its own (no gpu-mode state kept for a comparison)."""
+    return {mode: results(runs, f"train_bf16_{mode}", "training")[mode] for mode in ("gpu", "blocked", "overlapped", "cpu")}
+
+
+def param_count(c: dict, layers: int | None = None) -> int:
+    """LlamaForCausalLM's parameters from its config: embeddings and head, final norm, and per decoder layer the
+    attention projections, the MLP and two norms."""
+    h, kv = c["hidden_size"], c["num_key_value_heads"] * c["head_dim"]
+    layer = 2 * h * h + 2 * h * kv + 3 * h * c["intermediate_size"] + 2 * h
+    return 2 * c["vocab_size"] * h + h + (c["num_hidden_layers"] if layers is None else layers) * layer
+
+
 def how_to_run() -> list[str]:
     return ["## 1. How to run", "",
             "```",
             "pip install -r requirements.txt",
             "python3 -m pytest -q tests",
             "python3 offload_llama.py --mode overlapped --train",
-            "bash report/run_benchmarks.sh OUTDIR      # on a GPU machine: every result, as JSON, logs and traces",
-            "python3 report/build_report.py            # this report, from the JSON kept under report/",
-            "```", ""]
+            "bash report/run_benchmarks.sh report/results   # on a GPU machine: every result below, as JSON,",
+            "                                               # tables, logs and profiler traces",
+            "python3 report/build_report.py                 # this report, its figures and REPORT.pdf, from them",
+            "```", "",
+            "`report/run_benchmarks.sh` names each run's command line; `report/results/README.md` says where and when "
+            "they ran.", ""]
 
 
 def model_section(runs: dict) -> list[str]:
-    r = runs["inference_bf16"]
-    c = r["config"]
-    rows = [["hidden size", str(c["hidden_size"])], ["intermediate size", str(c["intermediate_size"])],
-            ["decoder layers", str(c["num_hidden_layers"])], ["attention heads", str(c["num_attention_heads"])],
-            ["KV heads", str(c["num_key_value_heads"])], ["vocabulary", str(c["vocab_size"])],
-            ["parameters", f"{r['parameters'] / 1e9:.2f} B"],
-            ["bytes per decoder layer (bfloat16)", f"{r['layer_bytes'] / 2**20:.0f} MiB"],
-            ["tokens per batch", f"{r['tokens']} ({r['run']['batch_size']} x {r['run']['seq_len']})"]]
-    return ["## 2. Model and batch", "", f"Preset `{r['run']['preset']}`: LLaMA-7B's dimensions with fewer layers.", "",
-            *table(["", "value"], rows), ""]
+    small, large = runs["inference_bf16"], runs["largest_llama7b"]
+    a, b = small["config"], large["config"]
+    layer_params = param_count(a, 1) - param_count(a, 0)
+    rows = [[field, str(a[key]), str(b[key])] for field, key in (
+        ("hidden size", "hidden_size"), ("intermediate size", "intermediate_size"),
+        ("decoder layers", "num_hidden_layers"), ("attention heads", "num_attention_heads"),
+        ("KV heads", "num_key_value_heads"), ("vocabulary", "vocab_size"))]
+    rows += [["parameters", f"{small['parameters'] / 1e9:.2f} B", f"{param_count(b) / 1e9:.2f} B"],
+             ["parameters per decoder layer", f"{layer_params / 1e6:.1f} M", f"{layer_params / 1e6:.1f} M"],
+             ["bytes per decoder layer, bfloat16 / float32",
+              *[f"{small['layer_bytes'] / 2**20:.0f} / {2 * small['layer_bytes'] / 2**20:.0f} MiB"] * 2]]
+    return ["## 2. Model and batch", "",
+            f"Every section but 5 uses the preset `{small['run']['preset']}`: LLaMA-7B's dimensions with "
+            f"{a['num_hidden_layers']} decoder layers. Section 5 stacks as many LLaMA-7B layers as will train. The "
+            f"weights are random (HF's LLaMA initialisation, seed {small['run']['seed']}). One batch is "
+            f"{small['run']['batch_size']} x {small['run']['seq_len']} = {small['tokens']} tokens. The compute dtype is "
+            "bfloat16 unless a table says float32; training keeps float32 master weights, gradients and Adam moments "
+            f"(lr {small['run']['lr']:g}, betas {tuple(small['run']['betas'])}).", "",
+            *table(["", small["run"]["preset"], large["run"]["preset"]], rows), ""]
+
+
+def host_note(t: dict, params: int) -> str:
+    state = 18 * params
+    return (f"An offloaded mode holds 18 bytes per parameter on the host: the weights in bfloat16 (2), and in float32 "
+            f"the masters, the gradients and the two Adam moments (16), {state / GiB:.2f} GiB for "
+            f"{params / 1e9:.2f} B parameters. The other {(t['peak_host_bytes'] - state) / GiB:.2f} GiB of the "
+            "overlapped mode's peak are the CUDA runtime, the libraries and the interpreter.")
 
 
 def memory_section(runs: dict) -> list[str]:
-    inference, training = results(runs, "inference_bf16", "inference"), results(runs, "train_bf16", "training")
-    training |= results(runs, "train_bf16_cpu", "training")
+    i16, i32 = results(runs, "inference_bf16", "inference"), results(runs, "inference_fp32", "inference")
+    t16, t32 = alone(runs), results(runs, "train_fp32", "training")
     rows = []
     for mode, label in LABELS.items():
-        i, t = inference.get(mode, {}), training.get(mode, {})
-        on_cpu = "0 (CPU)" if mode == "cpu" else None
-        rows.append([label, on_cpu or gib(i.get("peak_gpu_bytes")), on_cpu or gib(t.get("peak_gpu_bytes")),
-                     gib(t.get("peak_host_bytes"))])
-    return ["## 3. Table 1: memory", "", "bfloat16, one batch of 4096 tokens; training with Adam (float32 masters and "
-            "moments). Peak GPU memory is `torch.cuda.max_memory_allocated`, peak host memory the process's peak "
-            "resident set.", "",
-            *table(["mode", "inference: peak GPU (GiB)", "training: peak GPU (GiB)", "training: peak host (GiB)"],
-                   rows), ""]
+        gpu = [("0 (CPU)" if mode in r else "not run") if mode == "cpu" else gib(r[mode]["peak_gpu_bytes"])
+               for r in (i16, i32, t16, t32)]
+        rows.append([label, *gpu, gib(t16[mode]["peak_host_bytes"])])
+    return ["## 3. Table 1: memory", "",
+            "Peak GPU memory in GiB, and in the last column peak host memory. Peak GPU memory is "
+            "`torch.cuda.max_memory_allocated`; peak host memory is the process's peak resident set "
+            "(pinned memory included) over the training steps, each bfloat16 training mode run in a process of its "
+            f"own. The cpu mode trains at {t16['cpu']['time_ms'] / 1e3:.0f} s a step, in bfloat16 only.", "",
+            *table(["mode (GiB)", "inference bf16", "inference fp32", "training bf16", "training fp32",
+                    "training bf16: host"], rows), "",
+            host_note(t16["overlapped"], runs["inference_bf16"]["parameters"]), ""]
 
 
 def time_table(inference: dict, training: dict) -> list[str]:
@@ -116,30 +159,106 @@ def time_table(inference: dict, training: dict) -> list[str]:
     return table(header, rows)
 
 
+def prefetch_table(runs: dict) -> list[str]:
+    depths = [results(runs, "inference_bf16", "inference")["overlapped"]]
+    depths += [results(runs, f"inference_bf16_prefetch{d}", "inference")["overlapped"] for d in (2, 3)]
+    return table(["--prefetch", "inference (ms)", "bound", "peak GPU (GiB)"],
+                 [[str(r["prefetch"]), f"{r['time_ms']:.1f}", f"{r['bound_ms']:.1f}", gib(r["peak_gpu_bytes"])]
+                  for r in depths])
+
+
 def time_section(runs: dict) -> list[str]:
     bf16_training = results(runs, "train_bf16", "training") | results(runs, "train_bf16_cpu", "training")
-    accum = results(runs, "train_bf16_accum16", "training")
+    fp32 = results(runs, "inference_fp32", "inference")
+    fp32_training = results(runs, "train_fp32", "training")
+    eager = results(runs, "train_bf16_eager", "training")["overlapped"]
+    same = alone(runs)["overlapped"]
+    equal = all(results(runs, name, "inference")[m]["equal_to_gpu"] for name in ("inference_bf16", "inference_fp32")
+                for m in ("blocked", "overlapped"))
+    run, short = runs["train_bf16"]["run"], runs["train_fp32"]["run"]
     return ["## 4. Table 2: time", "",
-            "Median after warm-up. Each offloaded row has its bound, measured in the same run, and "
-            "`efficiency = bound / measured`. Inference's bound comes from copy-only and compute-only runs of the same "
-            "layers. Training's is the largest of GPU compute, host-to-device copies, device-to-host copies and the "
-            "CPU Adam, each measured alone.", "",
+            f"Medians: inference over {run['repeat']} passes after {run['warmup']} warm-up passes, training over the "
+            f"steps after the first {run['warmup']} of {run['steps']} (float32 and `--grad-accum 16`: after "
+            f"{short['warmup']} of {short['steps']}); the cpu mode runs once (training: 2 steps, the second timed). "
+            "Each offloaded row has its bound, "
+            "measured in the same run, and `efficiency = bound / measured`. Inference's bound comes from copy-only "
+            "and compute-only runs of the same layers. Training's is the largest of GPU compute, host-to-device "
+            "copies, device-to-host copies and the CPU Adam, each measured alone.", "",
             "bfloat16:", "", *time_table(results(runs, "inference_bf16", "inference"), bf16_training), "",
-            "float32 inference, where compute outlasts the copies and overlap hides them:", "",
-            *time_table(results(runs, "inference_fp32", "inference"), {}), "",
-            "bfloat16 training with `--grad-accum 16` (65,536 tokens per step):", "", *time_table({}, accum), ""]
+            f"The same overlapped step in a process of its own (`{SOURCES['train_bf16_overlapped']}`) took "
+            f"{same['time_ms']:.1f} ms against a bound of {same['bound_ms']:.1f} ms (efficiency "
+            f"{same['efficiency']:.3f}; the CPU Adam alone {same['cpu_adam_ms']:.1f} ms there, "
+            f"{results(runs, 'train_bf16', 'training')['overlapped']['cpu_adam_ms']:.1f} ms here).", "",
+            "float32, where compute outlasts the copies and overlap hides them:", "",
+            *time_table(fp32, fp32_training), "",
+            "bfloat16 training with `--grad-accum 16` (65,536 tokens per step):", "",
+            *time_table({}, results(runs, "train_bf16_accum16", "training")), "",
+            "Overlapped inference by prefetch depth (bfloat16): one layer ahead already keeps the copy engine busy, "
+            "and each further slot costs a layer of GPU memory.", "", *prefetch_table(runs), "",
+            f"Correctness, checked in these runs: the blocked and overlapped logits are `torch.equal` to the gpu "
+            f"mode's in bfloat16 and float32: {'yes' if equal else 'NO'}. With `--attention eager` (a deterministic "
+            f"backward), the overlapped mode's first-step gradients are `torch.equal` to the gpu mode's: "
+            f"{'yes' if eager['grads_equal_to_gpu'] else 'NO'}, and its masters after that step differ by at most "
+            f"{eager['masters_step1_max_abs_diff']:.2g} (float32 rounding allows {eager['masters_tolerance']:.2g}); "
+            f"`{SOURCES['train_bf16_eager']}`.", ""]
 
 
-def gpu_section(runs: dict) -> list[str]:
-    r = runs["inference_bf16"]
-    overlapped = r["results"]["overlapped"]["inference"]
-    t = runs["train_bf16"]["results"]["overlapped"]["training"]
-    return ["## 5. The machine", "",
+def largest_section(runs: dict) -> list[str]:
+    r = runs["largest_llama7b"]
+    found, cap = r["find_largest"], r["run"]["max_gpu_memory"]
+    rows = []
+    for mode, f in found.items():
+        t = f["training"]
+        rows.append([LABELS[mode], str(f["layers"]), f"{f['parameters'] / 1e9:.2f}", f"{t['time_ms']:.1f}",
+                     gib(t["peak_gpu_bytes"]), gib(t["peak_host_bytes"])])
+    big = found["overlapped"]
+    t, params, c = big["training"], big["parameters"], r["config"]
+    layers = big["layers"]
+    weights_in_store = 2 * (param_count(c, layers) - param_count(c, 0))
+    parts = [("decoder layers in bfloat16, pinned (the inference store)", weights_in_store),
+             ("embeddings, head and norm in bfloat16 (the CPU model)", 2 * param_count(c, 0)),
+             ("float32 masters, pinned", 4 * params), ("float32 gradients, pinned", 4 * params),
+             ("Adam moments, float32", 8 * params)]
+    rest = t["peak_host_bytes"] - sum(b for _, b in parts)
+    parts.append(("the rest: CUDA runtime, libraries, interpreter", rest))
+    where = [[what, f"{b / GiB:.2f}", f"{b / params:.2f}"] for what, b in parts]
+    where.append(["peak resident set", gib(t["peak_host_bytes"]), f"{t['peak_host_bytes'] / params:.2f}"])
+    probes = "; ".join(f"{LABELS[mode]}: " + ", ".join(f"{n} ({'trains' if 'time_ms' in p else 'OOM' if p.get('oom') else 'fails'})"
+                                                   for n, p in f["probes"].items()) for mode, f in found.items())
+    steps = ", ".join(f"{ms:.0f}" for ms in t["step_ms"])
+    return [f"## 5. The GPU, and the largest model it trains", "",
             f"{r['device']}, {r['gpu_memory_bytes'] / GiB:.1f} GiB; {r['cpu_threads']} CPU threads; torch {r['torch']}, "
-            f"transformers {r['transformers']}.", "",
-            f"- Host to device, pinned, measured alone: {overlapped['h2d_gbps_copy_only']:.1f} GB/s (inference, "
-            f"bfloat16 layers), {t['h2d_bytes'] / t['h2d_ms'] / 1e6:.1f} GB/s (training, float32 masters).",
-            f"- Device to host, pinned: {t['d2h_bytes'] / t['d2h_ms'] / 1e6:.1f} GB/s (training gradients).", ""]
+            f"transformers {r['transformers']}. Measured by the runs above, each copy alone:", "",
+            *copy_rates(runs), "",
+            f"`offload_llama.py --find-largest --preset {r['run']['preset']} --max-gpu-memory {cap:g} --steps "
+            f"{r['run']['steps']} --warmup {r['run']['warmup']}` searches the number of LLaMA-7B-sized decoder layers "
+            f"that train ({r['run']['steps']} full steps of {r['run']['batch_size'] * r['run']['seq_len']} tokens, "
+            f"no OOM) with the GPU capped at {cap:g} GiB. Each count is tried in a fresh process; the probes were "
+            f"{probes}.", "",
+            *table(["mode", "layers", "parameters (B)", "step (ms)", "peak GPU (GiB)", "peak host (GiB)"], rows), "",
+            f"Without offload, what stops one more layer is {found['gpu']['limited_by']}. With overlapped offload, "
+            f"{layers} layers ({params / 1e9:.2f} B parameters, more than LLaMA-7B's {param_count(c) / 1e9:.2f} B) "
+            f"train in {gib(t['peak_gpu_bytes'])} GiB of GPU memory, at steps of {steps} ms (the table gives the "
+            f"median of the steps after the {steps_word(r['run']['warmup'])}; the bound, the CPU Adam alone, is "
+            f"{t['bound_ms']:.1f} ms). What stops one more layer is {big['limited_by']}. Where the host's bytes "
+            f"go at {layers} layers (over the training steps; the bound's scratch Adam state comes after):", "",
+            *table(["", "GiB", "bytes per parameter"], where), ""]
+
+
+def steps_word(n: int) -> str:
+    return "first" if n == 1 else f"first {n}"
+
+
+def copy_rates(runs: dict) -> list[str]:
+    i = results(runs, "inference_bf16", "inference")["overlapped"]
+    t = results(runs, "train_bf16", "training")["overlapped"]
+    return [f"- host to device, pinned: {i['h2d_gbps_copy_only']:.1f} GB/s (inference's bfloat16 layers), "
+            f"{t['h2d_bytes'] / t['h2d_ms'] / 1e6:.1f} GB/s (training's float32 masters, cast on the GPU);",
+            f"- device to host, pinned: {t['d2h_bytes'] / t['d2h_ms'] / 1e6:.1f} GB/s (training's float32 "
+            "gradients);",
+            f"- the fused CPU Adam: {t['cpu_adam_ms'] * 1e6 / runs['train_bf16']['parameters']:.3f} ns per parameter "
+            f"alone, {t['cpu_adam_during_copies_ms'] * 1e6 / runs['train_bf16']['parameters']:.3f} while both copy "
+            "engines stream."]
 
 
 def figures_section(runs: dict) -> list[str]:
@@ -162,8 +281,95 @@ def figures_section(runs: dict) -> list[str]:
             "One overlapped forward pass (bfloat16, inference), from its trace: the copy stream runs ahead of the "
             "compute stream by one layer.", "",
             "![inference timeline](figures/timeline_inference.png)", "",
-            "Time per mode against its bound (bfloat16).", "",
+            "Time against bound for each offloaded run.", "",
             "![time and bound](figures/time_vs_bound.png)", ""]
+
+
+def peers_section(runs: dict) -> list[str]:
+    p = runs["peers_bf16"]["peers"]
+    inference, training, own = results(runs, "inference_bf16", "inference"), results(runs, "train_bf16", "training"), alone(runs)
+    rows = [["inference", "offload_llama gpu (resident)", f"{inference['gpu']['time_ms']:.1f}",
+             gib(inference["gpu"]["peak_gpu_bytes"]), ""],
+            ["inference", "offload_llama overlapped", f"{inference['overlapped']['time_ms']:.1f}",
+             gib(inference["overlapped"]["peak_gpu_bytes"]), ""],
+            ["inference", "accelerate cpu_offload", f"{p['accelerate']['time_ms']:.1f}",
+             gib(p["accelerate"]["peak_gpu_bytes"]), gib(p["accelerate"]["peak_host_bytes"])],
+            ["training step", "offload_llama gpu (resident)", f"{training['gpu']['time_ms']:.1f}",
+             gib(training["gpu"]["peak_gpu_bytes"]), gib(own["gpu"]["peak_host_bytes"])],
+            ["training step", "offload_llama overlapped", f"{training['overlapped']['time_ms']:.1f}",
+             gib(training["overlapped"]["peak_gpu_bytes"]), gib(own["overlapped"]["peak_host_bytes"])],
+            ["training step", "FSDP2 fully_shard + CPUOffloadPolicy", f"{p['fsdp2']['time_ms']:.1f}",
+             gib(p["fsdp2"]["peak_gpu_bytes"]), gib(p["fsdp2"]["peak_host_bytes"])]]
+    fsdp = p["fsdp2"]
+    ours = training["overlapped"]
+    same_loss = fsdp["losses"][-1] == ours["losses"][-1]
+    return ["## 7. Peers", "",
+            "The same model, batch and Adam settings, run by `report/peers.py` in the same session on the same machine "
+            "(report tooling: `offload_llama.py` imports neither package). accelerate's `cpu_offload` keeps the "
+            "weights in CPU memory and a hook on each module copies them in when it runs. FSDP2 on one GPU with "
+            "`CPUOffloadPolicy` and bfloat16 `MixedPrecisionPolicy` keeps float32 parameters, gradients and Adam "
+            "state in pinned CPU memory, one `fully_shard` group per decoder layer, and steps the fused CPU Adam "
+            "after the backward pass.", "",
+            *table(["run", "implementation", "time (ms)", "peak GPU (GiB)", "peak host (GiB)"], rows), "",
+            f"accelerate's logits are `torch.equal` to the resident model's: "
+            f"{'yes' if p['accelerate']['equal_to_gpu'] else 'NO'}; it copies each module's weights from pageable "
+            f"memory on the compute stream, {runs['peers_bf16']['parameters'] * 2 / p['accelerate']['time_ms'] / 1e6:.1f}"
+            f" GB/s of weights per pass against {inference['overlapped']['h2d_gbps']:.1f} for the overlapped mode, "
+            "and holds one module at a time, hence its smaller GPU peak. FSDP2's loss went "
+            f"{fsdp['losses'][0]:.4f} -> {fsdp['losses'][-1]:.4f} in {len(fsdp['losses'])} steps "
+            f"({'the same' if same_loss else 'against'} {ours['losses'][0]:.4f} -> {ours['losses'][-1]:.4f} for the "
+            "overlapped mode); its step waits for the whole CPU Adam after the backward pass, where the overlapped "
+            "mode updates each layer as soon as its gradients land.", ""]
+
+
+def analysis_section(runs: dict) -> list[str]:
+    i16 = results(runs, "inference_bf16", "inference")["overlapped"]
+    i32 = results(runs, "inference_fp32", "inference")["overlapped"]
+    g32 = results(runs, "inference_fp32", "inference")["gpu"]
+    tokens = runs["inference_bf16"]["tokens"]
+    t = results(runs, "train_bf16", "training")["overlapped"]
+    a = results(runs, "train_bf16_accum16", "training")
+    f = results(runs, "train_fp32", "training")
+    params = runs["train_bf16"]["parameters"]
+    host_bytes = 28 * params + t["h2d_bytes"] + t["d2h_bytes"]
+    big = runs["largest_llama7b"]["find_largest"]["overlapped"]
+    return ["## 8. What the numbers mean", "",
+            f"When overlap hides the copies. A decoder layer's weights take the same time to copy whatever the batch; "
+            f"its compute grows with the tokens. At {tokens} tokens in bfloat16 a layer copies in "
+            f"{i16['copy_ms_per_layer']:.2f} ms and computes in {i16['compute_ms_per_layer']:.2f} ms: the pass is bound "
+            f"by PCIe, and overlap can only hide the compute under the copies (efficiency "
+            f"{i16['efficiency']:.3f} against that bound). Compute would match the copy at about "
+            f"{tokens * i16['copy_ms_per_layer'] / i16['compute_ms_per_layer']:,.0f} tokens per batch. In float32 the "
+            f"layer copies in {i32['copy_ms_per_layer']:.2f} ms and computes in {i32['compute_ms_per_layer']:.2f} ms "
+            f"({i32['compute_ms_per_layer'] / i16['compute_ms_per_layer']:.0f}x bfloat16's compute), so from about "
+            f"{tokens * i32['copy_ms_per_layer'] / i32['compute_ms_per_layer']:,.0f} tokens the copies are hidden: the "
+            f"overlapped pass took {i32['time_ms']:.1f} ms against {g32['time_ms']:.1f} ms resident. In general a layer "
+            "of N parameters of b bytes is hidden once its 2NT FLOPs at the achieved rate F outlast the bN bytes at "
+            "the PCIe rate B, that is from T = bF / 2B tokens.", "",
+            f"Where training time goes. The overlapped bfloat16 step ({t['time_ms']:.1f} ms) is bound by the CPU Adam: "
+            f"{t['cpu_adam_ms']:.1f} ms for {params / 1e9:.2f} B parameters alone, against {t['gpu_compute_ms']:.1f} ms "
+            f"of GPU compute, {t['h2d_ms']:.1f} ms of host-to-device and {t['d2h_ms']:.1f} ms of device-to-host "
+            "copies. The Adam and the copies share the host's memory bandwidth: Adam reads the master, gradient and "
+            "two moments and writes three of them back (28 bytes per parameter), the copies move the masters in twice "
+            f"and the gradients out, {host_bytes / 1e9:.1f} GB per step in all. While both copy engines stream, the "
+            f"same Adam takes {t['cpu_adam_during_copies_ms']:.1f} ms, and the step lies between the two figures. "
+            f"More tokens per step amortise the optimizer: with 16 micro-batches the bound is the GPU compute "
+            f"({a['overlapped']['bound_ms']:.1f} ms), and the overlapped step runs at "
+            f"{a['gpu']['time_ms'] / a['overlapped']['time_ms']:.2f}x the resident one's speed. In float32 the GPU "
+            f"compute ({f['overlapped']['gpu_compute_ms']:.1f} ms) bounds a single micro-batch, and the overlapped step "
+            f"reaches {f['overlapped']['efficiency']:.3f} of it.", "",
+            "The limits that remain. (1) Host memory capacity: at 18 bytes per parameter this machine's host memory "
+            f"holds {big['layers']} LLaMA-7B layers and no more (section 5), while their training takes "
+            f"{gib(big['training']['peak_gpu_bytes'])} GiB of the {runs['largest_llama7b']['run']['max_gpu_memory']:g} "
+            "GiB GPU cap. (2) Host memory bandwidth: the CPU Adam, not PCIe or the "
+            "GPU, bounds a one-micro-batch step, and the copies slow it further; only fewer bytes per parameter (for "
+            "example 16-bit moments, outside the torch.optim.Adam recipe this project keeps) would move that bound. "
+            f"(3) PCIe: bfloat16 inference at {tokens} tokens is copy-bound ({i16['h2d_gbps']:.1f} GB/s of weights over "
+            f"the pass), so offloaded inference runs at "
+            f"{results(runs, 'inference_bf16', 'inference')['gpu']['time_ms'] / i16['time_ms']:.2f}x the resident "
+            f"speed. (4) Noise: the CPU Adam and so the step vary from run to run on this machine (the same "
+            f"overlapped step took {t['time_ms']:.1f} and {alone(runs)['overlapped']['time_ms']:.1f} ms in two runs, "
+            "section 4); every figure here is one run's median.", ""]
 
 
 def trace_lanes(path: Path) -> tuple[dict[str, list[tuple[float, float]]], float]:
@@ -211,11 +417,16 @@ def bound_figure(runs: dict, out: Path) -> None:
     for part, name in (("inference", "inference_bf16"), ("training", "train_bf16")):
         for mode in ("blocked", "overlapped"):
             r = results(runs, name, part)[mode]
-            bars.append((f"{part}\n{mode}", r["time_ms"], r["bound_ms"]))
-    r = results(runs, "train_bf16_accum16", "training")["overlapped"]
-    bars.append(("training, 16 micro-\nbatches, overlapped", r["time_ms"], r["bound_ms"]))
-    fig, axes = plt.subplots(1, len(bars), figsize=(10, 3.2))
-    for ax, (label, measured, bound) in zip(axes, bars):
+            bars.append((f"bf16 {part}\n{mode}", r["time_ms"], r["bound_ms"]))
+    for label, name, part in (("fp32 inference", "inference_fp32", "inference"), ("fp32 training", "train_fp32", "training"),
+                              ("bf16 training,\n16 micro-batches", "train_bf16_accum16", "training")):
+        r = results(runs, name, part)["overlapped"]
+        bars.append((f"{label}\noverlapped" if "\n" not in label else label, r["time_ms"], r["bound_ms"]))
+    big = runs["largest_llama7b"]["find_largest"]["overlapped"]
+    bars.append((f"bf16 training,\n{big['layers']} LLaMA-7B layers", big["training"]["time_ms"],
+                 big["training"]["bound_ms"]))
+    fig, axes = plt.subplots(2, len(bars) // 2, figsize=(10, 5.6))
+    for ax, (label, measured, bound) in zip(axes.flat, bars):
         ax.bar([0, 1], [measured, bound], color=["tab:blue", "tab:gray"])
         ax.set_xticks([0, 1], ["measured", "bound"])
         ax.set_title(f"{label}\n{bound / measured:.2f} of bound", fontsize=9)
@@ -268,8 +479,11 @@ def pdf(markdown: str, out: Path) -> None:
             if line.startswith("|"):
                 rows.append(line)
                 continue
-            for row in aligned(rows):
-                text(row, 7, family="monospace")
+            table_lines = aligned(rows)
+            # 7 pt monospace fits 120 characters in the text width; a wider table gets a smaller font, not cut off
+            size = min(7.0, 7.0 * 120 / max(map(len, table_lines), default=1))
+            for row in table_lines:
+                text(row, size, family="monospace")
             rows = []
             if line.startswith("```"):
                 in_code = not in_code
@@ -285,6 +499,7 @@ def pdf(markdown: str, out: Path) -> None:
                 y -= h + 0.1
             elif line.startswith("#"):
                 level = len(line) - len(line.lstrip("#"))
+                need(1.2)  # no heading alone at the foot of a page
                 y -= 0.1
                 text(line.lstrip("# "), {1: 15, 2: 12}.get(level, 10), weight="bold")
             elif line.strip():
@@ -297,9 +512,11 @@ def pdf(markdown: str, out: Path) -> None:
 
 
 def sources_section(runs: dict) -> list[str]:
-    rows = [[f"`{SOURCES[name]}`", r.get("script_sha256", "not recorded")[:12]] for name, r in runs.items()]
-    rows += [[f"`{trace}`", "(profiler trace)"] for trace in TRACES.values()]
-    return ["## Sources", "", *table(["file", "offload_llama.py sha256"], rows), ""]
+    rows = [[f"`{SOURCES[name]}`", r["script_sha256"][:12], r.get("peers_sha256", "")[:12]] for name, r in runs.items()]
+    rows += [[f"`{trace}`", "(profiler trace)", ""] for trace in TRACES.values()]
+    return ["## Sources", "", "Every number above is read from these files by `report/build_report.py`; each JSON "
+            "records the sha256 of the script that made it.", "",
+            *table(["file", "offload_llama.py sha256", "peers.py sha256"], rows), ""]
 
 
 def build() -> str:
@@ -307,8 +524,9 @@ def build() -> str:
     lines = ["# offload_llama: measured report", "",
              "Layer-wise parameter offload for LLaMA on one GPU: what it costs in time and saves in memory, "
              "measured by `offload_llama.py`.", ""]
-    for section in (how_to_run(), model_section(runs), memory_section(runs), time_section(runs), gpu_section(runs),
-                    figures_section(runs), sources_section(runs)):
+    for section in (how_to_run(), model_section(runs), memory_section(runs), time_section(runs),
+                    largest_section(runs), figures_section(runs), peers_section(runs), analysis_section(runs),
+                    sources_section(runs)):
         lines += section
     return "\n".join(lines)
 

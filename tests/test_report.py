@@ -21,3 +21,9 @@ def test_report_cites_every_json_it_reads():
     module = build_report()
     for path in [*module.SOURCES.values(), *module.TRACES.values()]:
         assert (REPORT / path).is_file() and f"`{path}`" in report
+
+
+def test_every_result_was_made_by_one_version_of_the_script():
+    module = build_report()
+    versions = {name: run["script_sha256"] for name, run in module.load().items()}
+    assert len(set(versions.values())) == 1, versions
