@@ -1340,8 +1340,9 @@ def notes(results: dict, run: RunConfig) -> list[str]:
 # ----------------------------------------------------------------------------- the largest model that trains
 
 MAX_SEARCH_LAYERS = 64
-RUNTIME_HOST_BYTES = 5 * GiB  # host memory a process holds besides the model and its state: CUDA, libraries
-                              # (4.9 GiB in a 7b-8l overlapped training run on the H100 machine)
+# host memory a probe holds besides the model and its state: the CUDA runtime, libraries and interpreter (1.7 GiB
+# in the H100 machine's training runs), and headroom, as a probe that the kernel kills for memory costs minutes
+RUNTIME_HOST_BYTES = 5 * GiB
 
 
 def with_layers(run: RunConfig, layers: int) -> RunConfig:
