@@ -247,7 +247,8 @@ class PinnedBuffer(mmap.mmap):
 
     torch's pinned allocator (pin_memory=True) rounds every block up to a power of two: a decoder layer's 809 MB of
     float32 masters would pin 1 GiB. For LLaMA-7B that turns 62 GiB of pinned buffers into 82, and its 113 GiB of
-    training state into 133, more than the H100 machine's 128 GiB."""
+    training state into 133, more than the H100 machine's 128 GiB. Unlike that allocator it records no events, so
+    its tensors must outlive every copy queued from or to them (the stores do: they live as long as the run)."""
 
     def __new__(cls, nbytes: int):
         return super().__new__(cls, -1, nbytes)  # anonymous: zero-filled and page-aligned
