@@ -4,13 +4,33 @@ The weights of every decoder layer live in pinned CPU memory as one flat buffer;
 into a small ring of GPU slots just before it runs. `blocked` copies, then computes, one layer at a
 time; `overlapped` lets a copy stream fill the next slot(s) while the compute stream runs the current
 one. The forward pass is the unmodified Hugging Face `LlamaForCausalLM.forward`: only the decoder
-layers it calls are swapped for thin wrappers that fetch their weights from the ring.
+layers it calls are swapped for thin wrappers that fetch their weights from the ring. Training streams
+every unit (embeddings, layers, norm, head) through an autograd.Function and steps Adam on the CPU.
+
+The file reads top to bottom, the algorithm first and the instruments after it:
+
+    run configuration  RunConfig (the one frozen dataclass a run passes around), PRESETS
+    model              build_model: a random LlamaForCausalLM from a preset, or a save_pretrained folder
+    parameter store    FlatLayout (a layer's parameters as views into one flat buffer), PinnedBuffer, ParamStore
+    layer streamer     LayerStreamer (the ring of GPU slots, the copy stream, two events per slot);
+                       StreamedLayer and offloaded_model put it under the unmodified HF forward
+    training           StreamedUnit (the per-unit autograd.Function), OffloadedTraining (gradients out on a
+                       D2H stream), MasterStore (float32 masters, gradients, Adam state), CpuAdam (the worker
+                       thread that steps each unit), ResidentTraining (the gpu and cpu reference)
+    modes              run_mode, train_mode: one mode's inference or training
+    measurement        timed and median_ms, the bounds (inference_bound, measure_train_bound), peak memory,
+                       profiler traces, the comparison with gpu mode
+    tables             tables, notes
+    largest model      find_largest: the most layers that train, each count probed in a fresh process
+    CLI                parse_args, check_devices (bad input refused before anything is allocated), run_all
 
 References: torchao's CPUOffloadOptimizer (pinned buffers allocated once, one event per sync point),
 torchtune's activation offloading (streams named for their role), gau-nernst's offload.py (flat
 buffers with parameter views into them), nanoGPT/gpt-fast (presets, derived efficiency figures).
 
-    python offload_llama.py --mode all            # every mode, then the memory and time tables
+    python -m pytest -q tests                          # every mode computes the same thing
+    python offload_llama.py --mode overlapped --train  # LLaMA-7B-sized layers: memory and time tables
+    python offload_llama.py --find-largest --preset llama-7b --max-gpu-memory 11
 """
 
 from __future__ import annotations
@@ -75,6 +95,7 @@ SIZE_FLAGS = {"hidden_size": "hidden-size", "intermediate_size": "intermediate-s
 
 @dataclass(frozen=True)
 class RunConfig:
+    """Everything one run needs, from the command line (parse_args) or a test: frozen, passed explicitly."""
     mode: str = "all"
     preset: str = "7b-8l"
     model: str | None = None            # a save_pretrained folder; overrides preset and sizes
@@ -102,14 +123,17 @@ class RunConfig:
 
     @property
     def adam(self) -> Adam:
+        """The Adam hyper-parameters of this run."""
         return Adam(self.lr, tuple(self.betas), self.eps, self.weight_decay)
 
     @property
     def modes(self) -> tuple[str, ...]:
+        """The modes to run, in table order (gpu, blocked, overlapped, cpu)."""
         return MODES if self.mode == "all" else tuple(m for m in MODES if m in self.mode.split(","))
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        """The compute dtype as a torch.dtype."""
         return DTYPES[self.dtype]
 
 
@@ -141,6 +165,7 @@ def llama_config(run: RunConfig) -> LlamaConfig:
 
 
 def load_config(path: Path) -> LlamaConfig:
+    """A save_pretrained folder's LlamaConfig, refused with one line if the folder is not a LLaMA model."""
     if not path.is_dir():
         raise UsageError(f"--model {path}: no such folder (give a folder written by save_pretrained)")
     config_file = path / "config.json"
@@ -187,6 +212,7 @@ def init_random(model: LlamaForCausalLM, seed: int) -> None:
     weights = [p.detach() for p in model.parameters() if p.dim() > 1]  # no_grad does not reach the pool threads
 
     def draw(i: int) -> None:
+        """Draw weight i from its own generator."""
         weights[i].normal_(0.0, config.initializer_range, generator=torch.Generator().manual_seed((seed << 16) + i))
 
     with ThreadPoolExecutor(os.cpu_count()) as pool:  # normal_ releases the GIL
@@ -200,11 +226,24 @@ def init_random(model: LlamaForCausalLM, seed: int) -> None:
 
 
 def param_count(config: LlamaConfig) -> int:
+    """The model's parameter count, counted on the meta device (no memory allocated)."""
     with torch.device("meta"):
         return sum(p.numel() for p in LlamaForCausalLM(config).parameters())
 
 
+def meta_layer(config: LlamaConfig) -> nn.Module:
+    """One decoder layer on the meta device: its shapes without its memory."""
+    with torch.device("meta"):
+        return LlamaDecoderLayer(config, layer_idx=0)
+
+
+def layer_bytes(config: LlamaConfig, dtype: torch.dtype) -> int:
+    """Bytes of one decoder layer's weights in `dtype`, laid out as the store and the GPU slots hold them."""
+    return FlatLayout.of(meta_layer(config)).numel * dtype.itemsize
+
+
 def random_input_ids(run: RunConfig, vocab_size: int, micro_batches: int = 1) -> torch.Tensor:
+    """Token ids drawn from --seed: micro_batches x batch_size sequences of seq_len tokens."""
     generator = torch.Generator().manual_seed(run.seed)
     return torch.randint(vocab_size, (micro_batches * run.batch_size, run.seq_len), generator=generator)  # (K*B, T)
 
@@ -224,6 +263,7 @@ class FlatLayout:
 
     @staticmethod
     def of(layer: nn.Module) -> FlatLayout:
+        """The layout of `layer`'s parameters, each starting on an ALIGN boundary."""
         names, shapes, offsets, end = [], [], [], 0
         for name, p in layer.named_parameters():
             names.append(name), shapes.append(p.shape), offsets.append(end)
@@ -231,6 +271,7 @@ class FlatLayout:
         return FlatLayout(tuple(names), tuple(shapes), tuple(offsets), end)
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each parameter as a view into `flat`, by name."""
         return {name: flat[off:off + shape.numel()].view(shape)
                 for name, shape, off in zip(self.names, self.shapes, self.offsets)}
 
@@ -290,11 +331,8 @@ class ParamStore:
 
     @property
     def num_layers(self) -> int:
+        """How many decoder layers the store holds."""
         return len(self.flats)
-
-    @property
-    def layer_bytes(self) -> int:
-        return self.layout.numel * self.dtype.itemsize
 
 
 # ----------------------------------------------------------------------------- layer streamer
@@ -305,11 +343,11 @@ class InOrder:
     Tests also put it in place of a real event to remove one stream wait and watch the result go wrong.
     """
 
-    def wait_event(self, event) -> None: ...
-    def wait(self, stream=None) -> None: ...
-    def record(self, stream=None) -> None: ...
-    def synchronize(self) -> None: ...
-    def query(self) -> bool: return True
+    def wait_event(self, event) -> None: ...  # nothing to wait for: the CPU runs every op in order
+    def wait(self, stream=None) -> None: ...  # nothing to wait for
+    def record(self, stream=None) -> None: ...  # nothing to record
+    def synchronize(self) -> None: ...  # nothing to finish
+    def query(self) -> bool: return True  # always done
 
 
 def on_stream(stream):
@@ -318,6 +356,7 @@ def on_stream(stream):
 
 
 def new_stream(device: torch.device):
+    """A side stream on a GPU; on the CPU, a stand-in that needs no ordering."""
     return torch.cuda.Stream(device) if device.type == "cuda" else InOrder()
 
 
@@ -362,6 +401,7 @@ class LayerStreamer:
 
     @property
     def n_slots(self) -> int:
+        """How many units fit on the GPU at once."""
         return len(self.buffers)
 
     def begin(self, order, keep: bool = False) -> None:
@@ -391,6 +431,7 @@ class LayerStreamer:
         self.holds[s] = u
 
     def cast_in(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy float32 `src` into the compute-dtype slot `dst` through the staging buffer, a chunk at a time."""
         for a in range(0, src.numel(), STAGING):
             n = min(STAGING, src.numel() - a)  # in order on the copy stream: a chunk is cast before the next lands
             self.staging[:n].copy_(src[a:a + n], non_blocking=True)
@@ -416,17 +457,9 @@ class LayerStreamer:
 def layer_streamer(store: ParamStore, config: LlamaConfig, device: torch.device, depth: int) -> LayerStreamer:
     """Inference: the decoder layers from the pinned store, in the compute dtype."""
     def make_module(kind, buffer):
+        """A slot's decoder layer, its weights views into the slot's buffer."""
         return store.layout.bind(LlamaDecoderLayer(config, layer_idx=0), buffer).eval()
     return LayerStreamer(store.flats, ["layer"] * store.num_layers, make_module, store.dtype, device, depth)
-
-
-class SkipLayers:
-    """A strategy that runs no decoder layer: times the resident parts (embeddings, norm, head) alone."""
-
-    def acquire(self, i: int):
-        return lambda hidden_states, **kwargs: hidden_states
-
-    def release(self, i: int) -> None: ...
 
 
 class StreamedLayer(nn.Module):
@@ -437,6 +470,7 @@ class StreamedLayer(nn.Module):
         self.index, self.strategy = index, strategy
 
     def forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
+        """Run decoder layer `index` from the slot that holds it, then free the slot for the next copy."""
         out = self.strategy.acquire(self.index)(hidden_states, **kwargs)
         self.strategy.release(self.index)
         return out
@@ -453,11 +487,6 @@ def offloaded_model(model: LlamaForCausalLM, strategy, device: torch.device) -> 
         model.model.layers = layers
     shell.model.layers = nn.ModuleList(StreamedLayer(i, strategy) for i in range(len(layers)))
     return shell.train(model.training)
-
-
-def set_strategy(shell: LlamaForCausalLM, strategy) -> None:
-    for layer in shell.model.layers:
-        layer.strategy = strategy
 
 
 # ----------------------------------------------------------------------------- training
@@ -500,6 +529,7 @@ class Adam:
 
     def optimizer(self, params: list[torch.Tensor]) -> torch.optim.Adam:
         # fused: one vectorised kernel; on the CPU the plain one is 6x slower (DESIGN.md)
+        """torch.optim.Adam over `params` with these hyper-parameters, fused."""
         return torch.optim.Adam(params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
                                 fused=True)
 
@@ -555,21 +585,25 @@ class CpuAdam:
         self.thread.start()
 
     def submit(self, u: int, landed) -> None:
+        """Queue unit u's step; it runs once `landed` says its gradients are in pinned memory."""
         self.done[u].clear()
         with self.cond:
             self.pending.append((u, landed))
             self.cond.notify()
 
     def wait(self, u: int) -> None:
+        """Block until unit u's last update is done; re-raise an error of the worker."""
         self.done[u].wait()
         if self.error:
             raise self.error
 
     def wait_all(self) -> None:
+        """Block until every queued update is done."""
         for u in range(len(self.done)):
             self.wait(u)
 
     def close(self) -> None:
+        """Finish every update, then stop the worker thread."""
         self.wait_all()
         with self.cond:
             self.pending.append(None)
@@ -577,6 +611,7 @@ class CpuAdam:
         self.thread.join()
 
     def next_job(self):
+        """The next (unit, landed) to step, sleeping until one is queued; None once close() asked to stop."""
         with self.cond:
             while not self.pending:
                 self.cond.wait()
@@ -590,6 +625,7 @@ class CpuAdam:
     def work(self) -> None:
         # as the loss falls, v = beta2 * v + (1 - beta2) * g^2 goes denormal, and x86 takes microcode assists on
         # denormals: flush them to zero. It moves no update: sqrt(v) is then far below eps in the denominator
+        """The worker thread: step each unit as its job comes, and mark it done."""
         torch.set_flush_denormal(True)
         while (job := self.next_job()) is not None:
             u, landed = job
@@ -643,7 +679,9 @@ def decoder_kwargs(model: LlamaForCausalLM, shape: tuple[int, int], dtype: torch
     captured = {}
 
     class Recorder(nn.Module):
+        """Keeps the keyword arguments HF passes to a decoder layer; returns its input."""
         def forward(self, hidden_states, **kwargs):
+            """Record the kwargs, pass the hidden states through."""
             captured.update(kwargs)
             return hidden_states
 
@@ -668,6 +706,7 @@ class StreamedUnit(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, trainer: OffloadedTraining, u: int, anchor: torch.Tensor, *xs: torch.Tensor):
+        """Run unit u on every micro-batch from its slot; save the inputs, not the activations."""
         ctx.trainer, ctx.u = trainer, u
         ctx.save_for_backward(*xs)
         module = trainer.streamer.acquire(u)
@@ -677,6 +716,7 @@ class StreamedUnit(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_outs):
+        """Gradients of the inputs (one per micro-batch); none for trainer, u and anchor."""
         return None, None, None, *ctx.trainer.backward_unit(ctx.u, ctx.saved_tensors, grad_outs)
 
 
@@ -694,6 +734,7 @@ class OffloadedTraining:
         self.adam = CpuAdam(store.optimizers)
 
         def make_module(kind, buffer):
+            """A slot's module of this kind, its trainable weights views into the slot's buffer."""
             return self.layout(kind).bind(unit_module(kind, config), buffer, trainable=True).eval()
 
         self.streamer = LayerStreamer(store.masters, [u.kind for u in self.units], make_module, dtype, device, depth)
@@ -708,9 +749,11 @@ class OffloadedTraining:
         self.sent = []
 
     def layout(self, kind: str) -> FlatLayout:
+        """The flat layout of units of this kind."""
         return next(u.layout for u in self.units if u.kind == kind)
 
     def run_unit(self, u: int, module: nn.Module, x: torch.Tensor, k: int) -> torch.Tensor:
+        """Unit u's forward on micro-batch k: hidden states out, or the loss for the head."""
         kind = self.units[u].kind
         if kind == "layer":
             return module(x, **self.kwargs)
@@ -728,6 +771,8 @@ class OffloadedTraining:
         return (grads[0], grads[1:]) if x.requires_grad else (None, grads)
 
     def backward_unit(self, u: int, xs, grad_outs) -> list:
+        """Unit u's backward over every micro-batch: stream it in, recompute, accumulate its gradients in float32 and
+        send them to the CPU; returns the gradients of its inputs."""
         module = self.streamer.acquire(u)
         views = list(self.units[u].layout.views(self.grad_buffer).values())
         grads_in = []
@@ -773,6 +818,7 @@ class OffloadedTraining:
         return mean_loss(losses)
 
     def finish(self) -> None:
+        """Wait for the last updates and stop the CPU Adam worker."""
         self.adam.close()
 
 
@@ -789,6 +835,8 @@ class ResidentTraining:
         self.loss_scale = LossScale(dtype == torch.float16, device)
 
     def step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
+        """One optimizer step: backward each micro-batch, accumulate the gradients in float32, step Adam on the
+        masters and copy them into the compute-dtype weights; returns the mean loss."""
         losses = []
         for k, ids in enumerate(micro_batches):
             loss = self.model(ids, labels=ids, use_cache=False).loss
@@ -805,19 +853,146 @@ class ResidentTraining:
                     p.copy_(master)
         return mean_loss(losses)
 
-    def finish(self) -> None: ...
+    def finish(self) -> None: ...  # nothing runs in the background
 
     def state_dict(self, tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`tensors` (masters or their gradients) on the CPU under HF parameter names."""
         return {name: t.detach().cpu() for name, t in zip(self.names, tensors)}
 
 
 def mean_loss(losses) -> torch.Tensor:
+    """The mean of the micro-batches' losses, detached."""
     return sum(loss.detach() for loss in losses) / len(losses)
+
+
+# ----------------------------------------------------------------------------- modes
+
+def logits_of(model: LlamaForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
+    """One forward pass. No KV cache: a single pass needs none, and the slot modules share one layer_idx."""
+    return model(input_ids, use_cache=False).logits  # (B, T, vocab)
+
+
+def infer_resident(model, input_ids, device, run: RunConfig, config) -> tuple[dict, torch.Tensor]:
+    """gpu and cpu modes: the plain HF model, resident on `device`."""
+    if device.type == "cuda":
+        model = copy.deepcopy(model).to(device)
+    ids = input_ids.to(device)
+    # the CPU takes minutes per pass at full size: one run, no warm-up
+    warmup, repeat = (run.warmup, run.repeat) if device.type == "cuda" else (0, 1)
+    ms, logits = median_ms(lambda: logits_of(model, ids), device, warmup, repeat)
+    result = {"time_ms": ms}
+    if device.type == "cuda":
+        result |= gpu_memory(config, run.torch_dtype, ids.numel(), config.num_hidden_layers)
+    return result, logits.cpu()
+
+
+def infer_offloaded(model, store: ParamStore, input_ids, device, depth: int, run: RunConfig, config,
+                    profile: str | None) -> tuple[dict, torch.Tensor]:
+    """blocked (depth 0) and overlapped (depth >= 1) modes: the HF forward with layers streamed in."""
+    streamer = layer_streamer(store, config, device, depth)
+    shell = offloaded_model(model, streamer, device)
+    ids = input_ids.to(device)
+    ms, logits = median_ms(lambda: logits_of(shell, ids), device, run.warmup, run.repeat)
+    result = {"time_ms": ms, "prefetch": depth, "slots": streamer.n_slots}
+    if device.type == "cuda":
+        result |= gpu_memory(config, store.dtype, ids.numel(), streamer.n_slots)
+        result |= inference_bound(shell, streamer, ids, ms, run)
+        if profile:
+            result["trace"] = profile_forward(shell, ids, profile)
+    return result, logits.cpu()
+
+
+def run_mode(mode: str, model, store, input_ids, run: RunConfig, config) -> tuple[dict, torch.Tensor | None]:
+    """One mode's inference result; {'oom': True} when it does not fit the GPU (or the --max-gpu-memory cap)."""
+    device = torch.device("cpu" if mode == "cpu" else "cuda")
+    log(f"mode {mode}: inference over {input_ids.numel()} tokens ...")
+    reset_peak_memory(device)
+    try:
+        with torch.inference_mode():
+            if mode in ("gpu", "cpu"):
+                return infer_resident(model, input_ids, device, run, config)
+            depth = 0 if mode == "blocked" else run.prefetch
+            profile = run.profile if mode == profiled_mode(run) else None
+            return infer_offloaded(model, store, input_ids, device, depth, run, config, profile)
+    except torch.OutOfMemoryError:
+        log(f"mode {mode}: out of GPU memory")
+        return {"oom": True}, None
+
+
+def train_mode(mode: str, model, masters: MasterStore | None, input_ids, run: RunConfig, compared: bool) -> dict:
+    """One mode's training: `run.steps` steps on one fixed batch; {'oom': True} when it does not fit the GPU. When
+    `compared` with gpu mode's, it keeps the first step's gradients and masters and the last step's masters."""
+    device = torch.device("cpu" if mode == "cpu" else "cuda")
+    micro_batches = [ids.to(device) for ids in input_ids.chunk(run.grad_accum)]
+    log(f"mode {mode}: training, {run.steps} steps of {input_ids.numel()} tokens "
+        f"({run.grad_accum} micro-batch{'es' if run.grad_accum > 1 else ''}) ...")
+    reset_peak_memory(device)
+    trainer = None
+    try:
+        trainer = make_trainer(mode, model, masters, micro_batches, run, device)
+        profile = train_trace_path(run.profile) if run.profile and mode == profiled_mode(run) else None
+        result = train_steps(trainer, micro_batches, run, compared, profile)
+        trainer.finish()
+        if compared or run.save_output:  # a copy of every master: for LLaMA-7B 25 GiB of host memory
+            result["masters"] = trainer.state_dict(trainer.masters) if isinstance(trainer, ResidentTraining) \
+                else masters.state_dict()
+        return result | training_figures(trainer, micro_batches, device, run, result["time_ms"])
+    except torch.OutOfMemoryError:
+        log(f"mode {mode}: out of GPU memory")
+        if trainer is not None:
+            trainer.finish()
+        return {"oom": True}
+
+
+def make_trainer(mode: str, model, masters: MasterStore | None, micro_batches, run: RunConfig, device):
+    """The trainer for `mode`: the resident reference, or the streamed units with the CPU Adam."""
+    if mode in ("gpu", "cpu"):
+        return ResidentTraining(model, run.torch_dtype, device, run.adam)
+    masters.load(model)
+    kwargs = decoder_kwargs(model, tuple(micro_batches[0].shape), run.torch_dtype, device)
+    depth = 0 if mode == "blocked" else run.prefetch
+    return OffloadedTraining(masters, model.config, run.torch_dtype, device, depth, model.loss_function, kwargs)
+
+
+def train_steps(trainer, micro_batches, run: RunConfig, keep_grads: bool, profile: str | None = None) -> dict:
+    """Time each step from its start to the next one's: the offloaded modes overlap a step's last updates with the
+    next step's forward, so a step's end is where the next one can begin."""
+    losses, times, grads, trace = [], [], None, None
+    start = time.perf_counter()
+    for i in range(run.steps):
+        if i == run.steps - 1 and profile:  # the last step, traced and left out of the timing
+            trace = profile_step(trainer, micro_batches, profile)
+            losses.append(trace.pop("loss"))
+            break
+        loss = trainer.step(micro_batches).item()  # a sync: this step's forward has run
+        if i == 0 and keep_grads:  # the first step's gradients and masters, for the comparison with gpu mode
+            grads = first_step_state(trainer)
+        now = time.perf_counter()
+        losses.append(loss)
+        times.append((now - start) * 1e3)
+        start = now
+        log(f"  step {i}: loss {loss:.4f}, {times[-1]:.0f} ms")
+    timed = times[run.warmup:] or times
+    return {"time_ms": statistics.median(timed), "step_ms": times, "losses": losses, "grads": grads,
+            "tokens_per_step": sum(ids.numel() for ids in micro_batches), **({"trace": trace} if trace else {})}
+
+
+def profiled_mode(run: RunConfig) -> str:
+    """The mode --profile traces: overlapped, or blocked when overlapped is not run."""
+    return "overlapped" if "overlapped" in run.modes else "blocked"
+
+
+def free_gpu_memory() -> None:
+    """Drop the last mode's GPU copies (and an OOM's leftovers) before the next mode measures its peak."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 # ----------------------------------------------------------------------------- measurement
 
 CUBLAS_WORKSPACE = 32 * 2**20  # torch's default cuBLAS workspace on Hopper (":4096:8"), allocated once per stream
+
 
 def timed(fn, device: torch.device) -> tuple[float, object]:
     """Milliseconds fn() takes on `device`, and its result."""
@@ -847,6 +1022,28 @@ def median_ms(fn, device: torch.device, warmup: int, repeat: int) -> tuple[float
     return statistics.median(times), out
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak of GPU memory and of the host's resident set."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")  # resets the peak resident set size (Linux)
+
+
+def peak_host_rss() -> int | None:
+    """The process's peak resident set size since the last reset, in bytes (pinned memory included)."""
+    return proc_kib("/proc/self/status", "VmHWM")
+
+
+def proc_kib(path: str, field: str) -> int | None:
+    """A 'field: N kB' line of a Linux /proc file, in bytes (None where there is no such file or field)."""
+    with contextlib.suppress(OSError):
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
 def pipeline_bound_ms(n_layers: int, copy_ms: float, compute_ms: float, resident_ms: float, depth: int) -> float:
     """The fastest a pass can be given per-layer copy and compute times (DESIGN.md).
 
@@ -855,6 +1052,93 @@ def pipeline_bound_ms(n_layers: int, copy_ms: float, compute_ms: float, resident
     if depth == 0:
         return resident_ms + n_layers * (copy_ms + compute_ms)
     return resident_ms + copy_ms + (n_layers - 1) * max(copy_ms, compute_ms) + compute_ms
+
+
+def layer_inputs(shell: LlamaForCausalLM, input_ids: torch.Tensor) -> tuple[tuple, dict]:
+    """The arguments the HF forward passes to decoder layer 0 (hidden states, rotary embeddings, mask)."""
+    captured = {}
+    hook = shell.model.layers[0].register_forward_pre_hook(
+        lambda module, args, kwargs: captured.update(args=args, kwargs=kwargs), with_kwargs=True)
+    try:
+        logits_of(shell, input_ids)
+    finally:
+        hook.remove()
+    return captured["args"], captured["kwargs"]
+
+
+class SkipLayers:
+    """A strategy that runs no decoder layer: times the resident parts (embeddings, norm, head) alone."""
+
+    def acquire(self, i: int):
+        """A layer that returns its input."""
+        return lambda hidden_states, **kwargs: hidden_states
+
+    def release(self, i: int) -> None: ...  # no slot to free
+
+
+def set_strategy(shell: LlamaForCausalLM, strategy) -> None:
+    """Point every StreamedLayer of the shell at another strategy (the streamer, or SkipLayers)."""
+    for layer in shell.model.layers:
+        layer.strategy = strategy
+
+
+def inference_bound(shell, streamer: LayerStreamer, input_ids, measured_ms: float, run: RunConfig) -> dict:
+    """Copy-only and compute-only runs of the same layers, combined into the mode's bound (pipeline_bound_ms), and
+    the measured pass against it: efficiency and achieved host-to-device bandwidth."""
+    n, device = len(streamer.sources), input_ids.device
+
+    def copy_all():
+        """Copy every layer into its slot, nothing computed."""
+        for p in range(n):
+            streamer.prefetch(p)
+        # `timed` records its end event on this stream: make it wait for the copies
+        torch.cuda.current_stream(device).wait_stream(streamer.copy_stream)
+
+    copy_ms = median_ms(copy_all, device, run.warmup, run.repeat)[0] / n
+    args, kwargs = layer_inputs(shell, input_ids)
+    compute_ms = median_ms(lambda: streamer.modules[0]["layer"](*args, **kwargs), device, run.warmup, run.repeat)[0]
+    set_strategy(shell, SkipLayers())
+    resident_ms = median_ms(lambda: logits_of(shell, input_ids), device, run.warmup, run.repeat)[0]
+    set_strategy(shell, streamer)
+    bound_ms = pipeline_bound_ms(n, copy_ms, compute_ms, resident_ms, streamer.depth)
+    nbytes = streamer.sources[0].nbytes  # one layer's
+    return {"copy_ms_per_layer": copy_ms, "compute_ms_per_layer": compute_ms, "resident_ms": resident_ms,
+            "h2d_gbps_copy_only": nbytes / copy_ms / 1e6, "bound_ms": bound_ms, "efficiency": bound_ms / measured_ms,
+            "h2d_gbps": n * nbytes / measured_ms / 1e6}
+
+
+def gpu_memory(config: LlamaConfig, dtype: torch.dtype, tokens: int, layers_on_gpu: int) -> dict:
+    """The peak GPU memory of the pass just run, next to the analytic figure for it."""
+    return {"peak_gpu_bytes": torch.cuda.max_memory_allocated(),
+            "analytic_peak_bytes": analytic_peak_bytes(config, dtype, tokens, layers_on_gpu)}
+
+
+def analytic_peak_bytes(config: LlamaConfig, dtype: torch.dtype, tokens: int, resident_layers: int) -> dict[str, int]:
+    """The GPU memory a forward pass needs, term by term: layer weights on the GPU (all of them, or the slots),
+    the resident parts, the largest activation footprint (a decoder layer's MLP, or the head) and workspace."""
+    b, h, i, v = dtype.itemsize, config.hidden_size, config.intermediate_size, config.vocab_size
+    head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    resident = (2 * v * h + h) * b  # embeddings, head, final norm
+    # in a layer the peak is in the MLP: layer input, residual, attention sum, normed input; act(gate(x)), up(x),
+    # their product (measured on the H100: exact in bfloat16 and float32)
+    layer_act = tokens * b * (4 * h + 3 * i)
+    # at the head, counted together though they do not all coexist: hidden state, normed hidden state,
+    # float32 norm temporaries, logits
+    head_act = tokens * (2 * b * h + 2 * 4 * h + b * v)
+    rotary_and_ids = tokens * (2 * head_dim * b + 2 * 8)  # cos and sin, token ids and position ids (int64)
+    return {"layer weights": resident_layers * layer_bytes(config, dtype), "resident parts": resident,
+            "activations": max(layer_act, head_act) + rotary_and_ids, "workspace": CUBLAS_WORKSPACE + 8 * 512}
+
+
+def training_figures(trainer, micro_batches, device: torch.device, run: RunConfig, step_ms: float) -> dict:
+    """Peak GPU and host memory over the steps just run; for an offloaded mode on the GPU, also its bound and the
+    step's efficiency against it."""
+    figures = {"peak_gpu_bytes": torch.cuda.max_memory_allocated(device)} if device.type == "cuda" else {}
+    figures["peak_host_bytes"] = peak_host_rss()
+    if isinstance(trainer, OffloadedTraining) and device.type == "cuda":
+        figures |= measure_train_bound(trainer, micro_batches, device, run)
+        figures["efficiency"] = figures["bound_ms"] / step_ms
+    return figures
 
 
 def measure_train_bound(trainer: OffloadedTraining, micro_batches, device, run: RunConfig) -> dict:
@@ -866,6 +1150,7 @@ def measure_train_bound(trainer: OffloadedTraining, micro_batches, device, run: 
     current = torch.cuda.current_stream(device)
 
     def copy_in():
+        """Every H2D copy of a step: the forward pass, then the backward pass's, less the units it keeps."""
         for order, keep in ((range(n), False), (reversed(range(n)), True)):
             streamer.begin(order, keep)
             for p in range(n):
@@ -873,6 +1158,7 @@ def measure_train_bound(trainer: OffloadedTraining, micro_batches, device, run: 
         current.wait_stream(streamer.copy_stream)  # `timed` records its end event on this stream
 
     def copy_out():
+        """Every D2H copy of a step: each unit's float32 gradients."""
         with on_stream(trainer.d2h_stream):
             for grad in store.grads:
                 grad.copy_(trainer.grad_buffer[:grad.numel()], non_blocking=True)
@@ -912,6 +1198,7 @@ def unit_compute_ms(trainer: OffloadedTraining, u: int, micro_batches, device, r
     xs = micro_batches if trainer.units[u].kind == "embed" else [hidden] * len(micro_batches)
 
     def forward_and_backward():
+        """The forward pass, then the recompute and backward, of unit u over every micro-batch."""
         with torch.no_grad():
             outs = [trainer.run_unit(u, module, x, k) for k, x in enumerate(xs)]
         for k, (x, out) in enumerate(zip(xs, outs)):
@@ -933,132 +1220,6 @@ def cpu_adam_ms(adam: Adam, numel: int, during=None) -> float:
     return median_ms(optimizer.step, torch.device("cpu"), 0, 3)[0] / numel
 
 
-def analytic_peak_bytes(config: LlamaConfig, dtype: torch.dtype, tokens: int, resident_layers: int,
-                        layer_bytes: int) -> dict[str, int]:
-    """The GPU memory a forward pass needs, term by term: layer weights on the GPU (all of them, or the slots),
-    the resident parts, the largest activation footprint (a decoder layer's MLP, or the head) and workspace."""
-    b, h, i, v = dtype.itemsize, config.hidden_size, config.intermediate_size, config.vocab_size
-    head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
-    resident = (2 * v * h + h) * b  # embeddings, head, final norm
-    # in a layer the peak is in the MLP: layer input, residual, attention sum, normed input; act(gate(x)), up(x),
-    # their product (measured on the H100: exact in bfloat16 and float32)
-    layer_act = tokens * b * (4 * h + 3 * i)
-    # at the head, counted together though they do not all coexist: hidden state, normed hidden state,
-    # float32 norm temporaries, logits
-    head_act = tokens * (2 * b * h + 2 * 4 * h + b * v)
-    rotary_and_ids = tokens * (2 * head_dim * b + 2 * 8)  # cos and sin, token ids and position ids (int64)
-    return {"layer weights": resident_layers * layer_bytes, "resident parts": resident,
-            "activations": max(layer_act, head_act) + rotary_and_ids, "workspace": CUBLAS_WORKSPACE + 8 * 512}
-
-
-def trace_overlap(path: str, direction: str = "HtoD") -> dict:
-    """From a Chrome trace: total copy time in `direction` (HtoD or DtoH), and how much of it ran while a kernel ran
-    on another stream. Proof of overlap that does not rely on timing the whole pass."""
-    events = json.loads(Path(path).read_text())["traceEvents"]
-    copies = [e for e in events if e.get("cat") == "gpu_memcpy" and direction in e.get("name", "")]
-    kernels = [e for e in events if e.get("cat") == "kernel"]
-    kernel_spans = sorted((e["ts"], e["ts"] + e["dur"], e["args"].get("stream")) for e in kernels)
-    overlap_us = 0.0
-    for c in copies:
-        c0, c1, stream = c["ts"], c["ts"] + c["dur"], c["args"].get("stream")
-        overlap_us += union_length([(max(k0, c0), min(k1, c1)) for k0, k1, s in kernel_spans
-                                    if s != stream and k0 < c1 and k1 > c0])
-    return {"copy_ms": sum(c["dur"] for c in copies) / 1e3, "overlap_ms": overlap_us / 1e3,
-            "copy_streams": sorted({c["args"].get("stream") for c in copies}),
-            "kernel_streams": sorted({k[2] for k in kernel_spans})}
-
-
-def union_length(spans: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(spans):
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total
-
-
-# ----------------------------------------------------------------------------- modes
-
-def logits_of(model: LlamaForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
-    """One forward pass. No KV cache: a single pass needs none, and the slot modules share one layer_idx."""
-    return model(input_ids, use_cache=False).logits  # (B, T, vocab)
-
-
-def layer_inputs(shell: LlamaForCausalLM, input_ids: torch.Tensor) -> tuple[tuple, dict]:
-    """The arguments the HF forward passes to decoder layer 0 (hidden states, rotary embeddings, mask)."""
-    captured = {}
-    hook = shell.model.layers[0].register_forward_pre_hook(
-        lambda module, args, kwargs: captured.update(args=args, kwargs=kwargs), with_kwargs=True)
-    try:
-        logits_of(shell, input_ids)
-    finally:
-        hook.remove()
-    return captured["args"], captured["kwargs"]
-
-
-def measure_bound(shell, streamer: LayerStreamer, input_ids, device, run: RunConfig) -> dict:
-    """Copy-only and compute-only runs of the same layers, combined into each mode's bound."""
-    n = len(streamer.sources)
-
-    def copy_all():
-        for p in range(n):
-            streamer.prefetch(p)
-        # `timed` records its end event on this stream: make it wait for the copies
-        torch.cuda.current_stream(device).wait_stream(streamer.copy_stream)
-
-    copy_ms = median_ms(copy_all, device, run.warmup, run.repeat)[0] / n
-    args, kwargs = layer_inputs(shell, input_ids)
-    compute_ms = median_ms(lambda: streamer.modules[0]["layer"](*args, **kwargs), device, run.warmup, run.repeat)[0]
-    set_strategy(shell, SkipLayers())
-    resident_ms = median_ms(lambda: logits_of(shell, input_ids), device, run.warmup, run.repeat)[0]
-    set_strategy(shell, streamer)
-    return {"copy_ms_per_layer": copy_ms, "compute_ms_per_layer": compute_ms, "resident_ms": resident_ms,
-            "h2d_gbps_copy_only": streamer.sources[0].nbytes / copy_ms / 1e6}
-
-
-def infer_resident(model, input_ids, device, run: RunConfig, config) -> tuple[dict, torch.Tensor]:
-    """gpu and cpu modes: the plain HF model, resident on `device`."""
-    if device.type == "cuda":
-        model = copy.deepcopy(model).to(device)
-    ids = input_ids.to(device)
-    # the CPU takes minutes per pass at full size: one run, no warm-up
-    warmup, repeat = (run.warmup, run.repeat) if device.type == "cuda" else (0, 1)
-    ms, logits = median_ms(lambda: logits_of(model, ids), device, warmup, repeat)
-    result = {"time_ms": ms}
-    if device.type == "cuda":
-        result["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
-        result["analytic_peak_bytes"] = analytic_peak_bytes(
-            config, run.torch_dtype, ids.numel(), config.num_hidden_layers, layer_bytes_of(model))
-    return result, logits.cpu()
-
-
-def layer_bytes_of(model) -> int:
-    return sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
-
-
-def infer_offloaded(model, store: ParamStore, input_ids, device, depth: int, run: RunConfig, config,
-                    profile: str | None) -> tuple[dict, torch.Tensor]:
-    """blocked (depth 0) and overlapped (depth >= 1) modes: the HF forward with layers streamed in."""
-    streamer = layer_streamer(store, config, device, depth)
-    shell = offloaded_model(model, streamer, device)
-    ids = input_ids.to(device)
-    ms, logits = median_ms(lambda: logits_of(shell, ids), device, run.warmup, run.repeat)
-    result = {"time_ms": ms, "prefetch": depth, "slots": streamer.n_slots}
-    if device.type == "cuda":
-        result["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
-        result["analytic_peak_bytes"] = analytic_peak_bytes(config, store.dtype, ids.numel(), streamer.n_slots,
-                                                            store.layer_bytes)
-        result |= measure_bound(shell, streamer, ids, device, run)
-        n = store.num_layers
-        result["bound_ms"] = pipeline_bound_ms(n, result["copy_ms_per_layer"], result["compute_ms_per_layer"],
-                                               result["resident_ms"], depth)
-        result["efficiency"] = result["bound_ms"] / ms
-        result["h2d_gbps"] = n * store.layer_bytes / ms / 1e6
-        if profile:
-            result["trace"] = profile_forward(shell, ids, profile)
-    return result, logits.cpu()
-
-
 def profile_forward(shell, ids, path: str) -> dict:
     """Write a Chrome/Perfetto trace of one forward pass and say how much of its copying was hidden."""
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -1067,86 +1228,6 @@ def profile_forward(shell, ids, path: str) -> dict:
         torch.cuda.synchronize()  # the trace must hold the whole pass
     prof.export_chrome_trace(path)
     return trace_overlap(path)
-
-
-def run_mode(mode: str, model, store, input_ids, run: RunConfig, config) -> tuple[dict, torch.Tensor | None]:
-    """One mode's inference result; {'oom': True} when it does not fit the GPU (or the --max-gpu-memory cap)."""
-    device = torch.device("cpu" if mode == "cpu" else "cuda")
-    log(f"mode {mode}: inference over {input_ids.numel()} tokens ...")
-    reset_peak_memory(device)
-    try:
-        with torch.inference_mode():
-            if mode in ("gpu", "cpu"):
-                return infer_resident(model, input_ids, device, run, config)
-            depth = 0 if mode == "blocked" else run.prefetch
-            profile = run.profile if mode == profiled_mode(run) else None
-            return infer_offloaded(model, store, input_ids, device, depth, run, config, profile)
-    except torch.OutOfMemoryError:
-        log(f"mode {mode}: out of GPU memory")
-        return {"oom": True}, None
-
-
-def train_mode(mode: str, model, masters: MasterStore | None, input_ids, run: RunConfig, compared: bool) -> dict:
-    """One mode's training: `run.steps` steps on one fixed batch; {'oom': True} when it does not fit the GPU. When
-    `compared` with gpu mode's, it keeps the first step's gradients and masters and the last step's masters."""
-    device = torch.device("cpu" if mode == "cpu" else "cuda")
-    micro_batches = [ids.to(device) for ids in input_ids.chunk(run.grad_accum)]
-    log(f"mode {mode}: training, {run.steps} steps of {input_ids.numel()} tokens "
-        f"({run.grad_accum} micro-batch{'es' if run.grad_accum > 1 else ''}) ...")
-    reset_peak_memory(device)
-    trainer = None
-    try:
-        trainer = training(mode, model, masters, micro_batches, run, device)
-        profile = train_trace_path(run.profile) if run.profile and mode == profiled_mode(run) else None
-        result = train_steps(trainer, micro_batches, run, compared, profile)
-        trainer.finish()
-        if compared or run.save_output:  # a copy of every master: for LLaMA-7B 25 GiB of host memory
-            result["masters"] = trainer.state_dict(trainer.masters) if isinstance(trainer, ResidentTraining) \
-                else masters.state_dict()
-        if device.type == "cuda":
-            result["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
-        result["peak_host_bytes"] = peak_host_rss()
-        if isinstance(trainer, OffloadedTraining) and device.type == "cuda":
-            result |= measure_train_bound(trainer, micro_batches, device, run)
-            result["efficiency"] = result["bound_ms"] / result["time_ms"]
-        return result
-    except torch.OutOfMemoryError:
-        log(f"mode {mode}: out of GPU memory")
-        if trainer is not None:
-            trainer.finish()
-        return {"oom": True}
-
-
-def training(mode: str, model, masters: MasterStore | None, micro_batches, run: RunConfig, device):
-    if mode in ("gpu", "cpu"):
-        return ResidentTraining(model, run.torch_dtype, device, run.adam)
-    masters.load(model)
-    kwargs = decoder_kwargs(model, tuple(micro_batches[0].shape), run.torch_dtype, device)
-    depth = 0 if mode == "blocked" else run.prefetch
-    return OffloadedTraining(masters, model.config, run.torch_dtype, device, depth, model.loss_function, kwargs)
-
-
-def train_steps(trainer, micro_batches, run: RunConfig, keep_grads: bool, profile: str | None = None) -> dict:
-    """Time each step from its start to the next one's: the offloaded modes overlap a step's last updates with the
-    next step's forward, so a step's end is where the next one can begin."""
-    losses, times, grads, trace = [], [], None, None
-    start = time.perf_counter()
-    for i in range(run.steps):
-        if i == run.steps - 1 and profile:  # the last step, traced and left out of the timing
-            trace = profile_step(trainer, micro_batches, profile)
-            losses.append(trace.pop("loss"))
-            break
-        loss = trainer.step(micro_batches).item()  # a sync: this step's forward has run
-        if i == 0 and keep_grads:  # the first step's gradients and masters, for the comparison with gpu mode
-            grads = first_step_state(trainer)
-        now = time.perf_counter()
-        losses.append(loss)
-        times.append((now - start) * 1e3)
-        start = now
-        log(f"  step {i}: loss {loss:.4f}, {times[-1]:.0f} ms")
-    timed = times[run.warmup:] or times
-    return {"time_ms": statistics.median(timed), "step_ms": times, "losses": losses, "grads": grads,
-            "tokens_per_step": sum(ids.numel() for ids in micro_batches), **({"trace": trace} if trace else {})}
 
 
 def profile_step(trainer, micro_batches, path: str) -> dict:
@@ -1172,6 +1253,33 @@ def train_trace_path(path: str) -> str:
     """--profile's path for the training step's trace: trace.json -> trace.train.json."""
     p = Path(path)
     return str(p.with_name(p.stem + ".train" + p.suffix))
+
+
+def trace_overlap(path: str, direction: str = "HtoD") -> dict:
+    """From a Chrome trace: total copy time in `direction` (HtoD or DtoH), and how much of it ran while a kernel ran
+    on another stream. Proof of overlap that does not rely on timing the whole pass."""
+    events = json.loads(Path(path).read_text())["traceEvents"]
+    copies = [e for e in events if e.get("cat") == "gpu_memcpy" and direction in e.get("name", "")]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    kernel_spans = sorted((e["ts"], e["ts"] + e["dur"], e["args"].get("stream")) for e in kernels)
+    overlap_us = 0.0
+    for c in copies:
+        c0, c1, stream = c["ts"], c["ts"] + c["dur"], c["args"].get("stream")
+        overlap_us += union_length([(max(k0, c0), min(k1, c1)) for k0, k1, s in kernel_spans
+                                    if s != stream and k0 < c1 and k1 > c0])
+    return {"copy_ms": sum(c["dur"] for c in copies) / 1e3, "overlap_ms": overlap_us / 1e3,
+            "copy_streams": sorted({c["args"].get("stream") for c in copies}),
+            "kernel_streams": sorted({k[2] for k in kernel_spans})}
+
+
+def union_length(spans: list[tuple[float, float]]) -> float:
+    """Total length covered by `spans`, overlaps counted once."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
 
 
 def first_step_state(trainer) -> tuple[dict, dict]:
@@ -1200,53 +1308,29 @@ def compare_training(result: dict, reference: dict, run: RunConfig) -> None:
 
 
 def max_abs_diff(a: dict, b: dict) -> float:
+    """The largest absolute difference between two state dicts with the same names."""
     return max((t - b[name]).abs().max().item() for name, t in a.items())
 
 
 def masters_tolerance(largest: float, steps: int) -> float:
+    """How far float32 rounding may move masters as large as `largest` in `steps` Adam steps."""
     return 4 * steps * torch.finfo(torch.float32).eps * largest
-
-
-def reset_peak_memory(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    with contextlib.suppress(OSError):
-        Path("/proc/self/clear_refs").write_text("5")  # resets the peak resident set size (Linux)
-
-
-def peak_host_rss() -> int | None:
-    """The process's peak resident set size since the last reset, in bytes (pinned memory included)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def profiled_mode(run: RunConfig) -> str:
-    return "overlapped" if "overlapped" in run.modes else "blocked"
-
-
-def free_gpu_memory() -> None:
-    """Drop the last mode's GPU copies (and an OOM's leftovers) before the next mode measures its peak."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 # ----------------------------------------------------------------------------- tables
 
 def fmt(x, spec: str) -> str:
+    """format(x, spec), or an empty cell for None."""
     return "" if x is None else format(x, spec)
 
 
 def gib(x) -> str:
+    """Bytes as GiB with two decimals, or an empty cell."""
     return fmt(None if x is None else x / GiB, ".2f")
 
 
 def yes_no(x) -> str:
+    """A table cell for a check: yes, NO, or empty when it was not made."""
     return {True: "yes", False: "NO", None: ""}[x]
 
 
@@ -1261,15 +1345,18 @@ def markdown(title: str, columns: list[tuple[str, str]], rows: list[tuple[str, d
 
 
 def tables(results: dict, run: RunConfig, config, tokens: int) -> str:
+    """The memory and time tables of a run, inference then training, with notes below."""
     dtype = str(run.torch_dtype).removeprefix("torch.")
     what = f"{run.model or run.preset}, {dtype}, {run.batch_size}x{run.seq_len} = {tokens} tokens"
     modes = [mode for mode in ("gpu", "blocked", "overlapped", "cpu") if mode in results]
 
     def label(mode):
+        """A mode's row label; overlapped names its prefetch depth."""
         r = results[mode]["inference"]
         return MODE_NAMES[mode] + (f" (prefetch {r['prefetch']})" if mode == "overlapped" and "prefetch" in r else "")
 
     def of(part):
+        """The (label, result) rows of one part, inference or training, for the modes that ran it."""
         return [(label(mode), results[mode][part]) for mode in modes if part in results[mode]]
 
     out = markdown(f"Table 1: peak GPU memory, inference ({what})",
@@ -1300,6 +1387,7 @@ def tables(results: dict, run: RunConfig, config, tokens: int) -> str:
 
 
 def notes(results: dict, run: RunConfig) -> list[str]:
+    """The lines under the tables: per-layer copy and compute times, trace overlap, training bounds and comparisons."""
     lines = []
     for mode, rs in results.items():
         r, t = rs["inference"], rs.get("training", {})
@@ -1347,10 +1435,12 @@ RUNTIME_HOST_BYTES = 5 * GiB
 
 
 def with_layers(run: RunConfig, layers: int) -> RunConfig:
+    """`run` with its preset's layer count replaced."""
     return dataclasses.replace(run, sizes=tuple({**dict(run.sizes), "num_hidden_layers": layers}.items()))
 
 
 def params_with_layers(config: LlamaConfig, layers: int) -> int:
+    """The parameter count of the configured model with `layers` decoder layers."""
     per_layer = sum(p.numel() for p in meta_layer(config).parameters())
     return param_count(config) + (layers - config.num_hidden_layers) * per_layer
 
@@ -1440,6 +1530,7 @@ def cli_args(run: RunConfig) -> list[str]:
 
 
 def probe_line(mode: str, layers: int, params: int, r: dict) -> str:
+    """One progress line for a probe: trains (step time, peak memory), or why not."""
     head = f"probe {mode}, {layer_count(layers)} ({params / 1e9:.2f}B parameters): "
     if r.get("oom"):
         return head + "out of GPU memory"
@@ -1461,6 +1552,7 @@ def find_largest(run: RunConfig) -> dict:
         probes = {}
 
         def trains(n: int) -> bool:
+            """Probe n layers; they train when the probe ran every step."""
             probes[n] = probe(run, mode, n)
             log(probe_line(mode, n, params_with_layers(config, n), probes[n]))
             return not {"oom", "refused", "failed"} & probes[n].keys()
@@ -1494,10 +1586,12 @@ def limit(run: RunConfig, mode: str, config: LlamaConfig, n: int, after: dict | 
 
 
 def layer_count(n: int) -> str:
+    """'1 layer', 'n layers'."""
     return f"{n} layer" + "s" * (n != 1)
 
 
 def largest_table(found: dict, run: RunConfig) -> str:
+    """The --find-largest table: per mode the layers, parameters, step time, peak memory and what stops one more."""
     cap = f"GPU capped at {run.max_gpu_memory:g} GiB" if run.max_gpu_memory else "the whole GPU"
     title = (f"The largest model that trains ({run.preset} layers, {run.dtype}, {run.batch_size}x{run.seq_len} "
              f"tokens per micro-batch, Adam, {cap})")
@@ -1505,6 +1599,7 @@ def largest_table(found: dict, run: RunConfig) -> str:
                ("peak host (GiB)", "---:"), ("one more layer", "---")]
 
     def cells(label, r):
+        """A mode's row."""
         t = r["training"] or {}
         return [str(r["layers"]), f"{r['parameters'] / 1e9:.2f}", fmt(t.get("time_ms"), ".1f"),
                 gib(t.get("peak_gpu_bytes")), gib(t.get("peak_host_bytes")), r["limited_by"]]
@@ -1515,12 +1610,14 @@ def largest_table(found: dict, run: RunConfig) -> str:
 # ----------------------------------------------------------------------------- CLI
 
 class Parser(argparse.ArgumentParser):
+    """argparse with bad arguments reported as one line and exit code 2, like every other bad input."""
     def error(self, message):  # one line, exit 2, as for every other bad input
         print(f"offload_llama.py: error: {message} (see --help)", file=sys.stderr)
         sys.exit(2)
 
 
 def mode_list(text: str) -> str:
+    """Validate --mode: all, or a comma-separated list of known modes."""
     unknown = [m for m in text.split(",") if m not in (*MODES, "all")]
     if unknown or ("all" in text.split(",") and text != "all"):
         raise argparse.ArgumentTypeError(f"{text!r}: choose all, or one or more of {', '.join(MODES)} with commas")
@@ -1528,6 +1625,7 @@ def mode_list(text: str) -> str:
 
 
 def parse_args(argv=None) -> RunConfig:
+    """The command line as a RunConfig; flags out of range end with one line and exit 2."""
     p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--mode", type=mode_list, default="all",
                    help="gpu: resident model; cpu: on the CPU; blocked: copy each layer then run it; "
@@ -1592,10 +1690,10 @@ def parse_args(argv=None) -> RunConfig:
 def check_devices(run: RunConfig, config: LlamaConfig) -> None:
     """Everything about the GPU and host that can be refused before a byte is allocated."""
     dtype = run.torch_dtype
-    layer_bytes = FlatLayout.of(meta_layer(config)).numel * dtype.itemsize
-    if run.max_gpu_memory is not None and run.max_gpu_memory * GiB < layer_bytes:
+    one_layer = layer_bytes(config, dtype)
+    if run.max_gpu_memory is not None and run.max_gpu_memory * GiB < one_layer:
         raise UsageError(f"--max-gpu-memory {run.max_gpu_memory} GiB is less than one decoder layer "
-                         f"({layer_bytes / 2**20:.1f} MiB in {run.dtype}): no mode can run")
+                         f"({one_layer / 2**20:.1f} MiB in {run.dtype}): no mode can run")
     gpu_modes = [m for m in run.modes if m != "cpu"]
     if gpu_modes and not torch.cuda.is_available():
         raise UsageError(f"mode {gpu_modes[0]} needs a CUDA GPU, and torch.cuda.is_available() is False: "
@@ -1615,6 +1713,7 @@ def check_devices(run: RunConfig, config: LlamaConfig) -> None:
 
 
 def cap_gpu_memory(run: RunConfig) -> None:
+    """Apply --max-gpu-memory as the caching allocator's memory fraction."""
     if run.max_gpu_memory is not None and any(m != "cpu" for m in run.modes):
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, run.max_gpu_memory * GiB / total))
@@ -1631,23 +1730,13 @@ def host_bytes_needed(run: RunConfig, params: int) -> tuple[int, str]:
     return params * per_param, "the model and its pinned store"
 
 
-def meta_layer(config: LlamaConfig) -> nn.Module:
-    with torch.device("meta"):
-        return LlamaDecoderLayer(config, layer_idx=0)
-
-
 def host_memory_available() -> int | None:
     """MemAvailable from /proc/meminfo, in bytes (None where there is no such file)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return proc_kib("/proc/meminfo", "MemAvailable")
 
 
 def environment() -> dict:
+    """Where the results come from: device, versions, CPU threads and the script's sha256."""
     cuda = torch.cuda.is_available()
     return {"device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
             "gpu_memory_bytes": torch.cuda.get_device_properties(0).total_memory if cuda else None,
@@ -1658,6 +1747,8 @@ def environment() -> dict:
 
 
 def run_all(run: RunConfig) -> dict:
+    """Build the model and its stores once, run each mode (inference, then training), print the tables and write
+    the outputs."""
     config = llama_config(run)
     check_devices(run, config)
     cap_gpu_memory(run)
@@ -1684,8 +1775,8 @@ def run_all(run: RunConfig) -> dict:
         if gpu_logits is not None and logits.get(mode) is not None:
             results[mode]["inference"]["equal_to_gpu"] = torch.equal(logits[mode], gpu_logits)
     report = {**environment(), "run": dataclasses.asdict(run), "tokens": input_ids.numel(),
-              "parameters": param_count(config), "layer_bytes": FlatLayout.of(meta_layer(config)).numel
-              * run.torch_dtype.itemsize, "config": json.loads(config.to_json_string()), "results": results}
+              "parameters": param_count(config), "layer_bytes": layer_bytes(config, run.torch_dtype),
+              "config": json.loads(config.to_json_string()), "results": results}
     print(tables(results, run, config, input_ids.numel()))
     if run.json:
         Path(run.json).write_text(json.dumps(report, indent=2) + "\n")
@@ -1709,6 +1800,7 @@ def summary(result: dict, reference: dict | None, run: RunConfig) -> dict:
 
 
 def main(argv=None) -> int:
+    """The command line's entry point: exit code 0, or 2 with one line for bad input."""
     run = parse_args(argv)
     try:
         find_largest(run) if run.find_largest else run_all(run)
