@@ -42,6 +42,7 @@ import dataclasses
 import gc
 import hashlib
 import json
+import math
 import mmap
 import os
 import platform
@@ -603,7 +604,9 @@ class CpuAdam:
             self.wait(u)
 
     def close(self) -> None:
-        """Finish every update, then stop the worker thread."""
+        """Finish every update, then stop the worker thread (once; closing again does nothing)."""
+        if not self.thread.is_alive():
+            return
         self.wait_all()
         with self.cond:
             self.pending.append(None)
@@ -680,6 +683,7 @@ def decoder_kwargs(model: LlamaForCausalLM, shape: tuple[int, int], dtype: torch
 
     class Recorder(nn.Module):
         """Keeps the keyword arguments HF passes to a decoder layer; returns its input."""
+
         def forward(self, hidden_states, **kwargs):
             """Record the kwargs, pass the hidden states through."""
             captured.update(kwargs)
@@ -687,10 +691,12 @@ def decoder_kwargs(model: LlamaForCausalLM, shape: tuple[int, int], dtype: torch
 
     base = model.model
     kept = base.layers, base.norm, base.rotary_emb
-    base.layers, base.norm, base.rotary_emb = nn.ModuleList([Recorder()]), nn.Identity(), copy.deepcopy(kept[2]).to(device)
+    rotary = copy.deepcopy(kept[2]).to(device)
+    base.layers, base.norm, base.rotary_emb = nn.ModuleList([Recorder()]), nn.Identity(), rotary
     try:
         with torch.no_grad():
-            base(inputs_embeds=torch.zeros(*shape, model.config.hidden_size, dtype=dtype, device=device), use_cache=False)
+            zeros = torch.zeros(*shape, model.config.hidden_size, dtype=dtype, device=device)
+            base(inputs_embeds=zeros, use_cache=False)
     finally:
         base.layers, base.norm, base.rotary_emb = kept
     return captured
@@ -939,9 +945,10 @@ def train_mode(mode: str, model, masters: MasterStore | None, input_ids, run: Ru
         return result | training_figures(trainer, micro_batches, device, run, result["time_ms"])
     except torch.OutOfMemoryError:
         log(f"mode {mode}: out of GPU memory")
+        return {"oom": True}
+    finally:  # an OOM or an interrupt too: the CPU Adam worker must stop before the buffers it steps are freed
         if trainer is not None:
             trainer.finish()
-        return {"oom": True}
 
 
 def make_trainer(mode: str, model, masters: MasterStore | None, micro_batches, run: RunConfig, device):
@@ -1116,18 +1123,32 @@ def gpu_memory(config: LlamaConfig, dtype: torch.dtype, tokens: int, layers_on_g
 def analytic_peak_bytes(config: LlamaConfig, dtype: torch.dtype, tokens: int, resident_layers: int) -> dict[str, int]:
     """The GPU memory a forward pass needs, term by term: layer weights on the GPU (all of them, or the slots),
     the resident parts, the largest activation footprint (a decoder layer's MLP, or the head) and workspace."""
+    return {"layer weights": resident_layers * layer_bytes(config, dtype),
+            "resident parts": resident_bytes(config, dtype), "activations": activation_bytes(config, dtype, tokens),
+            "workspace": CUBLAS_WORKSPACE + 8 * 512}
+
+
+def resident_bytes(config: LlamaConfig, dtype: torch.dtype) -> int:
+    """What offloaded inference keeps on the GPU besides the slots: embeddings, head and final norm."""
+    return (2 * config.vocab_size * config.hidden_size + config.hidden_size) * dtype.itemsize
+
+
+def activation_bytes(config: LlamaConfig, dtype: torch.dtype, tokens: int, at_least: bool = False) -> int:
+    """The largest activation footprint of a forward pass over `tokens` tokens: a decoder layer's MLP or the head,
+    whichever is larger, and the rotary tables and ids. at_least: what the pass cannot do without (the MLP's peak,
+    or the logits alone), a figure that is never above the measured peak."""
     b, h, i, v = dtype.itemsize, config.hidden_size, config.intermediate_size, config.vocab_size
     head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
-    resident = (2 * v * h + h) * b  # embeddings, head, final norm
     # in a layer the peak is in the MLP: layer input, residual, attention sum, normed input; act(gate(x)), up(x),
     # their product (measured on the H100: exact in bfloat16 and float32)
     layer_act = tokens * b * (4 * h + 3 * i)
     # at the head, counted together though they do not all coexist: hidden state, normed hidden state,
     # float32 norm temporaries, logits
     head_act = tokens * (2 * b * h + 2 * 4 * h + b * v)
+    if at_least:
+        return max(layer_act, tokens * b * v)
     rotary_and_ids = tokens * (2 * head_dim * b + 2 * 8)  # cos and sin, token ids and position ids (int64)
-    return {"layer weights": resident_layers * layer_bytes(config, dtype), "resident parts": resident,
-            "activations": max(layer_act, head_act) + rotary_and_ids, "workspace": CUBLAS_WORKSPACE + 8 * 512}
+    return max(layer_act, head_act) + rotary_and_ids
 
 
 def training_figures(trainer, micro_batches, device: torch.device, run: RunConfig, step_ms: float) -> dict:
@@ -1226,7 +1247,7 @@ def profile_forward(shell, ids, path: str) -> dict:
     with torch.profiler.profile(activities=activities) as prof:
         logits_of(shell, ids)
         torch.cuda.synchronize()  # the trace must hold the whole pass
-    prof.export_chrome_trace(path)
+    write_atomically(path, prof.export_chrome_trace)
     return trace_overlap(path)
 
 
@@ -1237,7 +1258,7 @@ def profile_step(trainer, micro_batches, path: str) -> dict:
         loss = trainer.step(micro_batches).item()
         trainer.finish()
         torch.cuda.synchronize()  # the trace must hold the whole step
-    prof.export_chrome_trace(path)
+    write_atomically(path, prof.export_chrome_trace)
     return {"loss": loss, "path": path, "h2d": trace_overlap(path, "HtoD"), "d2h": trace_overlap(path, "DtoH")}
 
 
@@ -1501,9 +1522,13 @@ def probe(run: RunConfig, mode: str, layers: int) -> dict:
         with subprocess.Popen([sys.executable, __file__, *cli_args(child)], stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True) as process:
             last = ""
-            for line in process.stderr:
-                sys.stderr.write(line)
-                last = line.strip() or last
+            try:
+                for line in process.stderr:
+                    sys.stderr.write(line)
+                    last = line.strip() or last
+            except KeyboardInterrupt:
+                process.terminate()  # the probe writes nothing that lasts, so it need not clean up
+                raise
         if process.returncode == 0:
             return json.loads(path.read_text())["results"][mode]["training"]
     why = last.removeprefix("offload_llama.py: error: ")
@@ -1565,7 +1590,7 @@ def find_largest(run: RunConfig) -> dict:
               "find_largest": found}
     print(largest_table(found, run))
     if run.json:
-        Path(run.json).write_text(json.dumps(report, indent=2) + "\n")
+        write_json(run.json, report)
     return report
 
 
@@ -1673,8 +1698,11 @@ def parse_args(argv=None) -> RunConfig:
         p.error("--prefetch must be at least 1 (blocked mode is prefetch 0)")
     if a.warmup < 0:
         p.error("--warmup must be at least 0")
-    if not (a.lr > 0 and a.eps > 0 and a.weight_decay >= 0 and all(0 <= b < 1 for b in a.betas)):
-        p.error("Adam needs --lr > 0, --eps > 0, --weight-decay >= 0 and betas in [0, 1)")
+    if not all(map(math.isfinite, (a.lr, a.eps, a.weight_decay))) or not (
+            a.lr > 0 and a.eps > 0 and a.weight_decay >= 0 and all(0 <= b < 1 for b in a.betas)):
+        p.error("Adam needs --lr > 0, --eps > 0, --weight-decay >= 0 and betas in [0, 1), all finite")
+    if a.max_gpu_memory is not None and not (math.isfinite(a.max_gpu_memory) and a.max_gpu_memory > 0):
+        p.error(f"--max-gpu-memory must be a positive number of GiB, got {a.max_gpu_memory}")
     if a.find_largest and a.model:
         p.error("--find-largest varies the preset's layer count: use --preset (and size flags), not --model")
     sizes = tuple((f, getattr(a, f)) for f in SIZE_FLAGS if getattr(a, f) is not None)
@@ -1705,11 +1733,52 @@ def check_devices(run: RunConfig, config: LlamaConfig) -> None:
     if run.train and config.tie_word_embeddings:
         raise UsageError("--train needs untied embeddings (tie_word_embeddings is true in this config): the head "
                          "and the embeddings are streamed and updated as separate units")
-    needed, what = host_bytes_needed(run, param_count(config))
+    if run.max_gpu_memory is not None and gpu_modes:
+        needs = {mode: gpu_bytes_needed(run, config, mode) for mode in gpu_modes}
+        least = min(needs, key=needs.get)
+        if needs[least] > run.max_gpu_memory * GiB:
+            raise UsageError(f"mode {least} needs at least {needs[least] / GiB:.1f} GiB of GPU memory for "
+                             f"{run.grad_accum} x {run.batch_size} x {run.seq_len} tokens, more than the "
+                             f"--max-gpu-memory cap of {run.max_gpu_memory:g} GiB: use fewer or shorter sequences")
+    params, what = host_bytes_needed(run, param_count(config))
+    passes = host_pass_bytes(run, config)
     available = host_memory_available()
-    if available is not None and needed > available:
-        raise UsageError(f"{what} need {needed / GiB:.1f} GiB of host memory, "
-                         f"only {available / GiB:.1f} GiB are available")
+    if available is not None and params + passes > available:
+        advice = "use fewer or shorter sequences" if passes > params else "use fewer or smaller layers"
+        raise UsageError(f"{what} ({params / GiB:.1f} GiB) and the passes' token ids, logits and activations "
+                         f"({passes / GiB:.1f} GiB) need {(params + passes) / GiB:.1f} GiB of host memory, only "
+                         f"{available / GiB:.1f} GiB are available: {advice}")
+
+
+def check_outputs(run: RunConfig) -> None:
+    """Every file the run will write can be written: refused now rather than after a run of many minutes."""
+    for flag, path in (("--json", run.json), ("--save-output", run.save_output), ("--profile", run.profile)):
+        if path is None:
+            continue
+        folder = Path(path).parent
+        if Path(path).is_dir():
+            raise UsageError(f"{flag} {path} is a folder: give a file name")
+        if not folder.is_dir():
+            raise UsageError(f"{flag} {path}: the folder {folder} does not exist")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise UsageError(f"{flag} {path}: the folder {folder} cannot be written")
+
+
+def write_atomically(path: str, write) -> None:
+    """write(tmp) to a temporary file beside `path`, then rename it to `path`: a crash or an interrupt never leaves
+    a truncated file that looks complete."""
+    tmp = str(Path(path).with_name(f".{Path(path).name}.{os.getpid()}.tmp"))
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def write_json(path: str, report: dict) -> None:
+    """The results as indented JSON, written atomically."""
+    write_atomically(path, lambda tmp: Path(tmp).write_text(json.dumps(report, indent=2) + "\n"))
 
 
 def cap_gpu_memory(run: RunConfig) -> None:
@@ -1727,7 +1796,36 @@ def host_bytes_needed(run: RunConfig, params: int) -> tuple[int, str]:
         return params * (per_param + 16), "the model and its float32 masters, gradients and Adam state"
     if run.train and "cpu" in run.modes:
         return params * (2 * per_param + 16), "the model, its training copy and Adam state"
-    return params * per_param, "the model and its pinned store"
+    return params * per_param, "the model" + " and its pinned store" * bool({"blocked", "overlapped"} & set(run.modes))
+
+
+def host_pass_bytes(run: RunConfig, config: LlamaConfig) -> int:
+    """Host memory besides the parameters and their state: the token ids, each mode's logits (kept for the
+    comparison with gpu mode) and, for the cpu mode, the activations of its largest pass."""
+    tokens, dtype = run.batch_size * run.seq_len, run.torch_dtype
+    ids = (1 + run.grad_accum) * tokens * 8  # int64: inference's batch and training's micro-batches
+    logits = len(run.modes) * tokens * config.vocab_size * dtype.itemsize
+    return ids + logits + (activation_bytes(config, dtype, tokens) if "cpu" in run.modes else 0)
+
+
+def gpu_bytes_needed(run: RunConfig, config: LlamaConfig, mode: str) -> int:
+    """A lower bound on the GPU memory a mode takes, known before anything is allocated. gpu: every weight (in
+    training also its gradient, float32 master, master gradient and two Adam moments). Offloaded: the slots, the
+    resident parts in inference; in training the float32 gradient buffer and every unit's input per micro-batch,
+    kept for its backward. Each with the activations of one micro-batch's pass."""
+    dtype, b, h = run.torch_dtype, run.torch_dtype.itemsize, config.hidden_size
+    tokens, layers = run.batch_size * run.seq_len, config.num_hidden_layers
+    act = activation_bytes(config, dtype, tokens, at_least=True)
+    if mode == "gpu":
+        return param_count(config) * (2 * b + 16 if run.train else b) + act
+    depth = 0 if mode == "blocked" else run.prefetch
+    inference = min(depth + 1, layers) * layer_bytes(config, dtype) + resident_bytes(config, dtype) + act
+    if not run.train:
+        return inference
+    unit_numel = max(layer_bytes(config, dtype) // b, config.vocab_size * h)  # a decoder layer, or embeddings/head
+    saved = (layers + 2) * run.grad_accum * tokens * h * b  # the inputs of the layers, the norm and the head
+    training = min(depth + 1, layers + 3) * unit_numel * b + 4 * unit_numel + saved + act
+    return max(inference, training)
 
 
 def host_memory_available() -> int | None:
@@ -1779,13 +1877,13 @@ def run_all(run: RunConfig) -> dict:
               "config": json.loads(config.to_json_string()), "results": results}
     print(tables(results, run, config, input_ids.numel()))
     if run.json:
-        Path(run.json).write_text(json.dumps(report, indent=2) + "\n")
+        write_json(run.json, report)
     if run.save_output:
         output = {"input_ids": input_ids, "logits": {m: t for m, t in logits.items() if t is not None}}
         if run.train:
             output["training"] = {"input_ids": train_ids, **{m: {"losses": r["losses"], "masters": r["masters"]}
                                                             for m, r in trained.items() if not r.get("oom")}}
-        torch.save(output, run.save_output)
+        write_atomically(run.save_output, lambda tmp: torch.save(output, tmp))
     return report
 
 
@@ -1800,13 +1898,21 @@ def summary(result: dict, reference: dict | None, run: RunConfig) -> dict:
 
 
 def main(argv=None) -> int:
-    """The command line's entry point: exit code 0, or 2 with one line for bad input."""
+    """The command line's entry point: exit code 0; 2 with one line for bad input; 130 with one line for Ctrl-C."""
     run = parse_args(argv)
     try:
+        check_outputs(run)
         find_largest(run) if run.find_largest else run_all(run)
     except UsageError as e:
         print(f"offload_llama.py: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # the modes have stopped their CPU Adam workers on the way out; the copies still queued must land before
+        # the pinned buffers they read or write are unregistered, which happens as this handler drops the frames
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        print("offload_llama.py: interrupted; no output is left half-written", file=sys.stderr)
+        return 130
     return 0
 
 
