@@ -36,6 +36,7 @@ buffers with parameter views into them), nanoGPT/gpt-fast (presets, derived effi
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -46,6 +47,7 @@ import math
 import mmap
 import os
 import platform
+import queue
 import statistics
 import subprocess
 import sys
@@ -114,8 +116,11 @@ class RunConfig:
     save_output: str | None = None
     profile: str | None = None
     train: bool = False                 # also run training steps in every mode
+    inference: bool = True              # False (--no-inference): train only
     steps: int = 10
     grad_accum: int = 1                 # micro-batches of batch_size x seq_len per optimizer step
+    offload_activations: bool = False   # the units' saved inputs wait in pinned host memory, not on the GPU
+    fwd_bwd_reference: bool = False     # also time plain forward and backward of the resident model, uncapped
     lr: float = 1e-4
     betas: tuple = (0.9, 0.999)
     eps: float = 1e-8
@@ -131,6 +136,12 @@ class RunConfig:
     def modes(self) -> tuple[str, ...]:
         """The modes to run, in table order (gpu, blocked, overlapped, cpu)."""
         return MODES if self.mode == "all" else tuple(m for m in MODES if m in self.mode.split(","))
+
+    @property
+    def lean(self) -> bool:
+        """Training one offloaded mode alone: once the masters are loaded the host needs no compute-dtype copy of
+        the decoder layers, so the model's are freed."""
+        return self.train and not self.inference and self.modes in (("blocked",), ("overlapped",))
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -383,7 +394,7 @@ class LayerStreamer:
     """
 
     def __init__(self, sources: list[torch.Tensor], kinds: list[str], make_module, dtype: torch.dtype,
-                 device: torch.device, depth: int):
+                 device: torch.device, depth: int, copy_stream=None):
         self.sources, self.kinds, self.depth = sources, kinds, depth
         n_slots = min(depth + 1, len(sources))
         numel = max(src.numel() for src in sources)
@@ -393,7 +404,7 @@ class LayerStreamer:
         with torch.device("meta"):  # slot modules own no memory: their parameters are views into the buffers
             self.modules = [{kind: make_module(kind, buf) for kind in dict.fromkeys(kinds)} for buf in self.buffers]
         self.compute_stream = torch.cuda.current_stream(device) if device.type == "cuda" else InOrder()
-        self.copy_stream = new_stream(device)
+        self.copy_stream = copy_stream or new_stream(device)
         self.copied = [new_event(device) for _ in range(n_slots)]
         self.freed = [new_event(device) for _ in range(n_slots)]
         self.holds = [None] * n_slots  # the unit last copied into each slot
@@ -536,21 +547,33 @@ class Adam:
 
 
 class MasterStore:
-    """Training state on the CPU, one flat float32 buffer per unit and kind of state: 16 bytes per parameter.
+    """Training state on the CPU, one flat float32 buffer per unit and kind of state: 12 bytes per parameter that
+    live for the whole run, and the gradients' pool.
 
     masters  pinned: the copy stream streams them to the GPU, which casts them to the compute dtype
-    grads    pinned: the GPU copies each unit's float32 gradients into them
+    grads    unit u's float32 gradients, pinned, in a buffer of the pool from their copy until their Adam step
     and torch.optim.Adam's two moments, one optimizer per unit so each unit can step on its own.
     """
 
-    def __init__(self, units: list[Unit], adam: Adam, pin: bool):
+    def __init__(self, units: list[Unit], adam: Adam, pin: bool, grad_buffers: int | None = None):
         self.units = units
         self.masters = [host_zeros(u.layout.numel, torch.float32, pin) for u in units]
-        self.grads = [host_zeros(u.layout.numel, torch.float32, pin) for u in units]
+        self.pool = GradientPool([u.layout.numel for u in units], grad_buffers or len(units), pin)
+        self.grads = list(self.pool.buffers) if self.pool.dedicated else [None] * len(units)
         self.params = [nn.Parameter(master) for master in self.masters]  # share the masters' memory
-        for param, grad in zip(self.params, self.grads):
-            param.grad = grad
         self.optimizers = [adam.optimizer([param]) for param in self.params]
+
+    def take_grads(self, u: int) -> torch.Tensor:
+        """A pinned buffer for unit u's gradients, which its Adam step will read (waits while the pool is empty)."""
+        self.grads[u] = self.pool.take(u)[:self.masters[u].numel()]
+        self.params[u].grad = self.grads[u]
+        return self.grads[u]
+
+    def release_grads(self, u: int) -> None:
+        """Unit u's Adam step has read its gradients: their buffer goes back to the pool."""
+        if not self.pool.dedicated:
+            self.params[u].grad, grads, self.grads[u] = None, self.grads[u], None
+            self.pool.give(grads)
 
     @torch.no_grad()
     def load(self, model: LlamaForCausalLM) -> None:
@@ -567,6 +590,34 @@ class MasterStore:
                 for name, view in unit.layout.views(flat).items()}
 
 
+class GradientPool:
+    """The pinned float32 buffers the units' gradients land in. One per unit, of its size, where the host has room
+    (`dedicated`: the backward never waits); otherwise `count` shared buffers, each big enough for any unit, that the
+    CPU Adam hands back as it finishes a unit, and the backward waits for one when none is free (`waited_s`)."""
+
+    def __init__(self, numels: list[int], count: int, pin: bool):
+        self.dedicated = count >= len(numels)
+        sizes = numels if self.dedicated else [max(numels)] * count
+        self.buffers = [host_zeros(numel, torch.float32, pin) for numel in sizes]
+        self.free = queue.SimpleQueue()
+        for buffer in self.buffers:
+            self.free.put(buffer)
+        self.waited_s = 0.0
+
+    def take(self, u: int) -> torch.Tensor:
+        """Unit u's own buffer, or the next shared one that is free."""
+        if self.dedicated:
+            return self.buffers[u]
+        start = time.perf_counter()
+        buffer = self.free.get()
+        self.waited_s += time.perf_counter() - start
+        return buffer
+
+    def give(self, grads: torch.Tensor) -> None:
+        """A shared buffer (or a view at its start) is free again."""
+        self.free.put(next(b for b in self.buffers if b.data_ptr() == grads.data_ptr()))
+
+
 class CpuAdam:
     """Each unit's Adam step, on the CPU, in a worker thread, as soon as the unit's gradients have landed.
 
@@ -575,8 +626,9 @@ class CpuAdam:
     overlaps the updates of the layers after them. No unit is read before its update is done (`wait`).
     """
 
-    def __init__(self, optimizers: list[torch.optim.Adam]):
-        self.optimizers = optimizers
+    def __init__(self, optimizers: list[torch.optim.Adam], after_step=lambda u: None):
+        """after_step(u): called in the worker once unit u's step has read its gradients."""
+        self.optimizers, self.after_step = optimizers, after_step
         self.done = [threading.Event() for _ in optimizers]
         for event in self.done:
             event.set()
@@ -626,15 +678,16 @@ class CpuAdam:
             return job
 
     def work(self) -> None:
+        """The worker thread: step each unit as its job comes, and mark it done."""
         # as the loss falls, v = beta2 * v + (1 - beta2) * g^2 goes denormal, and x86 takes microcode assists on
         # denormals: flush them to zero. It moves no update: sqrt(v) is then far below eps in the denominator
-        """The worker thread: step each unit as its job comes, and mark it done."""
         torch.set_flush_denormal(True)
         while (job := self.next_job()) is not None:
             u, landed = job
             try:
                 landed.synchronize()  # the gradients must be in pinned memory before the CPU reads them
                 self.optimizers[u].step()
+                self.after_step(u)
             except Exception as e:  # hand it to the main thread, which waits on `done`
                 self.error = e
             self.done[u].set()
@@ -702,6 +755,47 @@ def decoder_kwargs(model: LlamaForCausalLM, shape: tuple[int, int], dtype: torch
     return captured
 
 
+class ActivationOffload:
+    """--offload-activations: the inputs each unit keeps for its backward (one hidden-state tensor per micro-batch)
+    wait in pinned host memory from the unit's forward to its backward, so the GPU holds a few units' inputs, not
+    all of them.
+
+    Forward: a unit's inputs leave on the D2H stream while the unit runs on them, and the GPU lets go of them once
+    they have landed. Backward: a LayerStreamer over the host copies brings them back into a ring of slots on the
+    weights' copy stream, `depth` units ahead, as the weights come. The embeddings' inputs (token ids) stay put, so
+    input a on the host is unit a + 1's."""
+
+    def __init__(self, n_units: int, micro_batches: int, shape: tuple[int, int, int], dtype: torch.dtype,
+                 device: torch.device, depth: int, copy_stream, d2h_stream):
+        self.micro_batches, self.shape, self.device, self.d2h_stream = micro_batches, shape, device, d2h_stream
+        count = micro_batches * math.prod(shape)
+        self.host = [host_zeros(count, dtype, pin=device.type == "cuda") for _ in range(n_units - 1)]
+        self.offloaded = [new_event(device) for _ in self.host]
+        self.leaving = collections.deque()  # (landed event, GPU inputs) of the copies that may still read them
+        self.streamer = LayerStreamer(self.host, ["inputs"] * len(self.host), lambda kind, flat: self.split(flat),
+                                      dtype, device, depth, copy_stream)
+        # a unit's inputs come back only once they have reached the host
+        self.streamer.wait_source = lambda a: self.streamer.copy_stream.wait_event(self.offloaded[a])
+
+    def split(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A flat buffer as one (B, T, hidden) view per micro-batch."""
+        return flat[:self.micro_batches * math.prod(self.shape)].view(self.micro_batches, *self.shape).unbind()
+
+    def send(self, u: int, xs: tuple[torch.Tensor, ...]) -> None:
+        """Copy unit u's inputs to the host on the D2H stream; called before the unit's kernels are issued."""
+        written = new_event(self.device)
+        written.record(self.streamer.compute_stream)
+        with on_stream(self.d2h_stream):
+            self.d2h_stream.wait_event(written)  # the unit before must have written them
+            for host, x in zip(self.split(self.host[u - 1]), xs):
+                host.copy_(x, non_blocking=True)
+            self.offloaded[u - 1].record(self.d2h_stream)
+        self.leaving.append((self.offloaded[u - 1], xs))
+        while self.leaving and (len(self.leaving) > 2 or self.leaving[0][0].query()):
+            # the copy reads them: the caching allocator must not hand their memory out before it has landed
+            self.leaving.popleft()[0].synchronize()
+
+
 class StreamedUnit(torch.autograd.Function):
     """One unit over every micro-batch while its weights are on the GPU (layer-major), for forward and backward.
 
@@ -712,9 +806,13 @@ class StreamedUnit(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, trainer: OffloadedTraining, u: int, anchor: torch.Tensor, *xs: torch.Tensor):
-        """Run unit u on every micro-batch from its slot; save the inputs, not the activations."""
+        """Run unit u on every micro-batch from its slot; keep the inputs (on the GPU, or sent to the host), not the
+        activations."""
         ctx.trainer, ctx.u = trainer, u
-        ctx.save_for_backward(*xs)
+        if trainer.acts is not None and u > 0:
+            trainer.acts.send(u, xs)
+        else:
+            ctx.save_for_backward(*xs)
         module = trainer.streamer.acquire(u)
         outs = tuple(trainer.run_unit(u, module, x, k) for k, x in enumerate(xs))
         trainer.streamer.release(u)
@@ -734,10 +832,14 @@ class OffloadedTraining:
     gradient buffer and the activations."""
 
     def __init__(self, store: MasterStore, config: LlamaConfig, dtype: torch.dtype, device: torch.device, depth: int,
-                 loss_function, kwargs: dict):
+                 loss_function, kwargs: dict, offload_inputs: tuple[int, int, int] | None = None):
+        """offload_inputs: (micro-batches, batch size, sequence length) to keep the units' inputs on the host between
+        forward and backward (--offload-activations); None keeps them on the GPU."""
+        if dtype == torch.float16 and not store.pool.dedicated:
+            raise ValueError("float16 steps only once every unit's gradients are in: give each unit a gradient buffer")
         self.store, self.units, self.kwargs, self.loss_function = store, store.units, kwargs, loss_function
         self.vocab_size, self.hidden_size = config.vocab_size, config.hidden_size
-        self.adam = CpuAdam(store.optimizers)
+        self.adam = CpuAdam(store.optimizers, after_step=store.release_grads)
 
         def make_module(kind, buffer):
             """A slot's module of this kind, its trainable weights views into the slot's buffer."""
@@ -748,6 +850,9 @@ class OffloadedTraining:
         self.streamer.wait_source = self.adam.wait
         self.grad_buffer = torch.empty(max(m.numel() for m in store.masters), dtype=torch.float32, device=device)
         self.d2h_stream = new_stream(device)
+        self.acts = None if offload_inputs is None else ActivationOffload(
+            len(self.units), offload_inputs[0], (*offload_inputs[1:], config.hidden_size), dtype, device, depth,
+            self.streamer.copy_stream, self.d2h_stream)
         self.landed = [new_event(device, blocking=True) for _ in self.units]
         self.last_landed = InOrder()  # the gradients that left grad_buffer last
         self.anchor = torch.empty(0, device=device, requires_grad=True)
@@ -780,6 +885,8 @@ class OffloadedTraining:
         """Unit u's backward over every micro-batch: stream it in, recompute, accumulate its gradients in float32 and
         send them to the CPU; returns the gradients of its inputs."""
         module = self.streamer.acquire(u)
+        if not xs:  # the inputs wait on the host
+            xs = self.acts.streamer.acquire(u - 1)
         views = list(self.units[u].layout.views(self.grad_buffer).values())
         grads_in = []
         for k, (x, grad_out) in enumerate(zip(xs, grad_outs)):
@@ -790,18 +897,21 @@ class OffloadedTraining:
                 view.copy_(grad) if k == 0 else view.add_(grad)
             grads_in.append(grad_in)
         self.streamer.release(u)
+        if self.acts is not None and u > 0:
+            self.acts.streamer.release(u - 1)
         self.send(u)
         return grads_in
 
     def send(self, u: int) -> None:
         """Unscale unit u's gradients, copy them to pinned memory on the D2H stream, and queue its Adam step."""
-        n = self.store.grads[u].numel()
+        n = self.store.masters[u].numel()
         self.loss_scale.unscale([self.grad_buffer[:n]])
         ready = new_event(self.grad_buffer.device)
         ready.record(self.streamer.compute_stream)
+        host = self.store.take_grads(u)
         with on_stream(self.d2h_stream):
             self.d2h_stream.wait_event(ready)  # the unit's backward must have written all its gradients
-            self.store.grads[u].copy_(self.grad_buffer[:n], non_blocking=True)
+            host.copy_(self.grad_buffer[:n], non_blocking=True)
             self.landed[u].record(self.d2h_stream)
         self.last_landed = self.landed[u]
         self.sent.append(u)
@@ -817,6 +927,8 @@ class OffloadedTraining:
         for u in range(1, n):
             losses = StreamedUnit.apply(self, u, self.anchor, *losses)
         self.streamer.begin(reversed(range(n)), keep=True)  # the forward's last units are still on the GPU
+        if self.acts is not None:
+            self.acts.streamer.begin(reversed(range(n - 1)))
         sum(objective(loss, len(losses), self.loss_scale.scale) for loss in losses).backward()
         if self.loss_scale.update() and self.loss_scale.enabled:
             for u in self.sent:
@@ -952,13 +1064,14 @@ def train_mode(mode: str, model, masters: MasterStore | None, input_ids, run: Ru
 
 
 def make_trainer(mode: str, model, masters: MasterStore | None, micro_batches, run: RunConfig, device):
-    """The trainer for `mode`: the resident reference, or the streamed units with the CPU Adam."""
+    """The trainer for `mode`: the resident reference, or the streamed units with the CPU Adam (`masters` loaded)."""
     if mode in ("gpu", "cpu"):
         return ResidentTraining(model, run.torch_dtype, device, run.adam)
-    masters.load(model)
     kwargs = decoder_kwargs(model, tuple(micro_batches[0].shape), run.torch_dtype, device)
     depth = 0 if mode == "blocked" else run.prefetch
-    return OffloadedTraining(masters, model.config, run.torch_dtype, device, depth, model.loss_function, kwargs)
+    offload_inputs = (len(micro_batches), *micro_batches[0].shape) if run.offload_activations else None
+    return OffloadedTraining(masters, model.config, run.torch_dtype, device, depth, model.loss_function, kwargs,
+                             offload_inputs)
 
 
 def train_steps(trainer, micro_batches, run: RunConfig, keep_grads: bool, profile: str | None = None) -> dict:
@@ -1156,10 +1269,42 @@ def training_figures(trainer, micro_batches, device: torch.device, run: RunConfi
     step's efficiency against it."""
     figures = {"peak_gpu_bytes": torch.cuda.max_memory_allocated(device)} if device.type == "cuda" else {}
     figures["peak_host_bytes"] = peak_host_rss()
+    if isinstance(trainer, OffloadedTraining):
+        pool = trainer.store.pool
+        figures["gradient_pool"] = {"buffers": len(pool.buffers), "per_unit": pool.dedicated,
+                                    "waited_ms": pool.waited_s * 1e3}
     if isinstance(trainer, OffloadedTraining) and device.type == "cuda":
         figures |= measure_train_bound(trainer, micro_batches, device, run)
         figures["efficiency"] = figures["bound_ms"] / step_ms
     return figures
+
+
+def forward_backward_reference(model: LlamaForCausalLM, input_ids: torch.Tensor, run: RunConfig) -> dict:
+    """What offloaded training is held to: plain forward and backward of the same model and micro-batches, resident
+    on the GPU in the compute dtype, gradients accumulated in the parameters, no optimizer and no cap."""
+    log(f"forward/backward reference: {run.grad_accum} micro-batches, the model resident on the GPU ...")
+    device = torch.device("cuda")
+    with torch.device("meta"):
+        gpu = LlamaForCausalLM._from_config(model.config, dtype=run.torch_dtype, attn_implementation=run.attention)
+    gpu.load_state_dict({k: v.to(device) for k, v in model.state_dict().items()}, assign=True)
+    gpu.model.rotary_emb = LlamaRotaryEmbedding(model.config).to(device)  # computed, not in the state dict
+    params = [p.requires_grad_() for p in gpu.parameters()]
+    micro_batches = [ids.to(device) for ids in input_ids.chunk(run.grad_accum)]
+
+    def forward_backward():
+        """One step's forward and backward; its gradients are dropped at the start of the next."""
+        for p in params:
+            p.grad = None
+        for ids in micro_batches:
+            objective(gpu(ids, labels=ids, use_cache=False).loss, len(micro_batches), 1.0).backward()
+
+    reset_peak_memory(device)
+    ms = median_ms(forward_backward, device, max(1, run.warmup), run.repeat)[0]
+    result = {"time_ms": ms, "sequences_per_s": input_ids.shape[0] / ms * 1e3,
+              "peak_gpu_bytes": torch.cuda.max_memory_allocated(device)}
+    del gpu, params, micro_batches
+    free_gpu_memory()
+    return result
 
 
 def measure_train_bound(trainer: OffloadedTraining, micro_batches, device, run: RunConfig) -> dict:
@@ -1181,8 +1326,9 @@ def measure_train_bound(trainer: OffloadedTraining, micro_batches, device, run: 
     def copy_out():
         """Every D2H copy of a step: each unit's float32 gradients."""
         with on_stream(trainer.d2h_stream):
-            for grad in store.grads:
-                grad.copy_(trainer.grad_buffer[:grad.numel()], non_blocking=True)
+            for u, master in enumerate(store.masters):  # into the pool's buffers, in turn
+                store.pool.buffers[u % len(store.pool.buffers)][:master.numel()].copy_(
+                    trainer.grad_buffer[:master.numel()], non_blocking=True)
         current.wait_stream(trainer.d2h_stream)
 
     h2d_ms = median_ms(copy_in, device, run.warmup, run.repeat)[0]
@@ -1207,7 +1353,7 @@ def measure_train_bound(trainer: OffloadedTraining, micro_batches, device, run: 
     return {**parts, "cpu_adam_during_copies_ms": contended_ms,
             "bound_ms": max(parts.values()), "bound_by": max(parts, key=parts.get).removesuffix("_ms"),
             "h2d_bytes": 2 * sum(m.nbytes for m in store.masters) - kept,
-            "d2h_bytes": sum(g.nbytes for g in store.grads)}
+            "d2h_bytes": sum(m.nbytes for m in store.masters)}
 
 
 def unit_compute_ms(trainer: OffloadedTraining, u: int, micro_batches, device, run: RunConfig) -> float:
@@ -1365,7 +1511,7 @@ def markdown(title: str, columns: list[tuple[str, str]], rows: list[tuple[str, d
     return lines + [""]
 
 
-def tables(results: dict, run: RunConfig, config, tokens: int) -> str:
+def tables(results: dict, run: RunConfig, config, tokens: int, reference: dict | None = None) -> str:
     """The memory and time tables of a run, inference then training, with notes below."""
     dtype = str(run.torch_dtype).removeprefix("torch.")
     what = f"{run.model or run.preset}, {dtype}, {run.batch_size}x{run.seq_len} = {tokens} tokens"
@@ -1373,18 +1519,17 @@ def tables(results: dict, run: RunConfig, config, tokens: int) -> str:
 
     def label(mode):
         """A mode's row label; overlapped names its prefetch depth."""
-        r = results[mode]["inference"]
-        return MODE_NAMES[mode] + (f" (prefetch {r['prefetch']})" if mode == "overlapped" and "prefetch" in r else "")
+        return MODE_NAMES[mode] + (f" (prefetch {run.prefetch})" if mode == "overlapped" else "")
 
     def of(part):
         """The (label, result) rows of one part, inference or training, for the modes that ran it."""
         return [(label(mode), results[mode][part]) for mode in modes if part in results[mode]]
 
-    out = markdown(f"Table 1: peak GPU memory, inference ({what})",
+    out = [] if not run.inference else markdown(f"Table 1: peak GPU memory, inference ({what})",
                    [("peak GPU (GiB)", "---:"), ("analytic (GiB)", "---:")], of("inference"),
                    lambda mode, r: ["0 (runs on the CPU)", ""] if "peak_gpu_bytes" not in r else
                    [gib(r["peak_gpu_bytes"]), gib(sum(r["analytic_peak_bytes"].values()))])
-    out += markdown(f"Table 2: time per forward pass, inference ({what})",
+    out += [] if not run.inference else markdown(f"Table 2: time per forward pass, inference ({what})",
                     [("time (ms)", "---:"), ("bound (ms)", "---:"), ("efficiency", "---:"), ("H2D (GB/s)", "---:"),
                      ("logits == gpu", ":---:")], of("inference"),
                     lambda mode, r: [f"{r['time_ms']:.1f}", fmt(r.get("bound_ms"), ".1f"),
@@ -1404,14 +1549,14 @@ def tables(results: dict, run: RunConfig, config, tokens: int) -> str:
                                          fmt(r.get("efficiency"), ".3f"),
                                          f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}",
                                          yes_no(r.get("grads_equal_to_gpu")), yes_no(r.get("masters_close_to_gpu"))])
-    return "\n".join(out + notes(results, run))
+    return "\n".join(out + notes(results, run, reference))
 
 
-def notes(results: dict, run: RunConfig) -> list[str]:
+def notes(results: dict, run: RunConfig, reference: dict | None = None) -> list[str]:
     """The lines under the tables: per-layer copy and compute times, trace overlap, training bounds and comparisons."""
     lines = []
     for mode, rs in results.items():
-        r, t = rs["inference"], rs.get("training", {})
+        r, t = rs.get("inference", {}), rs.get("training", {})
         if "copy_ms_per_layer" in r:
             lines.append(f"{mode}: per layer copy {r['copy_ms_per_layer']:.2f} ms "
                          f"({r['h2d_gbps_copy_only']:.1f} GB/s alone), compute {r['compute_ms_per_layer']:.2f} ms; "
@@ -1431,16 +1576,30 @@ def notes(results: dict, run: RunConfig) -> list[str]:
             h, d = t["trace"]["h2d"], t["trace"]["d2h"]
             lines.append(f"{mode} training trace: {h['overlap_ms']:.1f} of {h['copy_ms']:.1f} ms of H2D copies and "
                          f"{d['overlap_ms']:.1f} of {d['copy_ms']:.1f} ms of D2H copies ran under compute")
+        if not t.get("gradient_pool", {"per_unit": True})["per_unit"]:
+            g = t["gradient_pool"]
+            lines.append(f"{mode} training: {g['buffers']} shared gradient buffers; the backward waited "
+                         f"{g['waited_ms']:.0f} ms in all for the CPU Adam to free one")
         if "masters_max_abs_diff" in t:
             lines.append(f"{mode} training: masters differ from gpu mode's by at most "
                          f"{t['masters_step1_max_abs_diff']:.3g} after step 1 (float32 rounding allows "
                          f"{t['masters_tolerance']:.3g}) and {t['masters_max_abs_diff']:.3g} after step {run.steps}")
-    if "cpu" in results and not results["cpu"]["inference"].get("oom"):
+    if "cpu" in results and not results["cpu"].get("inference", {"oom": True}).get("oom"):
         lines.append("cpu: one run, no warm-up; GPU modes: median of "
                      f"{run.repeat} runs after {run.warmup} warm-up runs")
     if run.train and run.attention != "eager" and "gpu" in results:
         lines.append("training: gradients and masters are judged against gpu mode's with --attention eager only: "
                      "sdpa's backward accumulates with atomics, so two gpu-mode runs already differ in the last bits")
+    if reference:
+        lines.append(f"forward/backward reference (the model resident on the GPU, no optimizer, no cap): "
+                     f"{reference['time_ms']:.1f} ms per step, {reference['sequences_per_s']:.2f} sequences/s, "
+                     f"peak GPU {gib(reference['peak_gpu_bytes'])} GiB")
+        for mode, rs in results.items():
+            t = rs.get("training", {})
+            if "time_ms" in t:
+                seqs = run.grad_accum * run.batch_size / t["time_ms"] * 1e3
+                lines.append(f"{mode} training: {seqs:.2f} sequences/s, {seqs / reference['sequences_per_s']:.2f}x "
+                             "the reference's")
     if run.train:
         lines.append(f"training: median step time after the first {run.warmup} of {run.steps} steps, "
                      "each step timed from its start to the next one's")
@@ -1477,7 +1636,7 @@ def host_layer_limit(run: RunConfig, mode: str, config: LlamaConfig) -> int | No
     available = host_memory_available()
     if available is None:
         return None
-    need = lambda n: host_bytes_needed(dataclasses.replace(run, mode=mode), params_with_layers(config, n))[0]
+    need = lambda n: host_bytes_needed(dataclasses.replace(run, mode=mode), config, params_with_layers(config, n))[0]
     n = 0
     while n < MAX_SEARCH_LAYERS and need(n + 1) <= available - host_reserve(config):
         n += 1
@@ -1551,7 +1710,9 @@ def cli_args(run: RunConfig) -> list[str]:
     for flag, value in (("--max-gpu-memory", run.max_gpu_memory), ("--json", run.json)):
         if value is not None:
             args += [flag, str(value)]
-    return args + ["--train"] * run.train + ["--find-largest"] * run.find_largest
+    flags = {"--train": run.train, "--no-inference": not run.inference, "--find-largest": run.find_largest,
+             "--offload-activations": run.offload_activations, "--fwd-bwd-reference": run.fwd_bwd_reference}
+    return args + [flag for flag, on in flags.items() if on]
 
 
 def probe_line(mode: str, layers: int, params: int, r: dict) -> str:
@@ -1568,6 +1729,7 @@ def probe_line(mode: str, layers: int, params: int, r: dict) -> str:
 def find_largest(run: RunConfig) -> dict:
     """--find-largest: per mode, the most decoder layers of the preset's size that train, and what stops one more."""
     config = llama_config(run)
+    run = dataclasses.replace(run, inference=False)  # each probe trains one mode alone: lean where offloaded
     check_devices(with_layers(run, 1), llama_config(with_layers(run, 1)))
     found = {}
     for mode in ("gpu", "overlapped") if run.mode == "all" else run.modes:  # with and without offload
@@ -1601,7 +1763,7 @@ def limit(run: RunConfig, mode: str, config: LlamaConfig, n: int, after: dict | 
             return f"GPU memory: the model with {layer_count(n + 1)} does not fit " + (
                 f"the {run.max_gpu_memory:g} GiB cap" if run.max_gpu_memory else "the GPU")
         return after.get("refused") or after.get("failed")
-    needed, what = host_bytes_needed(dataclasses.replace(run, mode=mode), params_with_layers(config, n + 1))
+    needed, what = host_bytes_needed(dataclasses.replace(run, mode=mode), config, params_with_layers(config, n + 1))
     available = host_memory_available()
     if available is not None and needed > available - host_reserve(config):
         return (f"host memory: with {layer_count(n + 1)}, {what} need {needed / GiB:.1f} GiB, and "
@@ -1681,6 +1843,15 @@ def parse_args(argv=None) -> RunConfig:
                    "time is the median after the --warmup first steps")
     t.add_argument("--grad-accum", type=int, default=RunConfig.grad_accum, metavar="K",
                    help="micro-batches of batch-size x seq-len per optimizer step, accumulated in float32")
+    t.add_argument("--no-inference", action="store_true",
+                   help="train only; training one offloaded mode alone then frees the compute-dtype copy of the "
+                        "decoder layers once the float32 masters hold them")
+    t.add_argument("--fwd-bwd-reference", action="store_true",
+                   help="before the modes, time plain forward and backward of the same model and batch resident on "
+                        "the GPU (no optimizer, no --max-gpu-memory cap): the speed offloaded training is held to")
+    t.add_argument("--offload-activations", action="store_true",
+                   help="keep the inputs each unit saves for its backward in pinned host memory, not on the GPU "
+                        "(turned on by itself when they would not fit --max-gpu-memory)")
     t.add_argument("--lr", type=float, default=RunConfig.lr)
     t.add_argument("--betas", type=float, nargs=2, default=RunConfig.betas, metavar=("BETA1", "BETA2"))
     t.add_argument("--eps", type=float, default=RunConfig.eps)
@@ -1703,6 +1874,10 @@ def parse_args(argv=None) -> RunConfig:
         p.error("Adam needs --lr > 0, --eps > 0, --weight-decay >= 0 and betas in [0, 1), all finite")
     if a.max_gpu_memory is not None and not (math.isfinite(a.max_gpu_memory) and a.max_gpu_memory > 0):
         p.error(f"--max-gpu-memory must be a positive number of GiB, got {a.max_gpu_memory}")
+    if a.no_inference and not (a.train or a.find_largest):
+        p.error("--no-inference leaves nothing to run without --train")
+    if a.fwd_bwd_reference and not (a.train or a.find_largest):
+        p.error("--fwd-bwd-reference is the reference for training: add --train")
     if a.find_largest and a.model:
         p.error("--find-largest varies the preset's layer count: use --preset (and size flags), not --model")
     sizes = tuple((f, getattr(a, f)) for f in SIZE_FLAGS if getattr(a, f) is not None)
@@ -1710,9 +1885,11 @@ def parse_args(argv=None) -> RunConfig:
                      attention=a.attention,
                      batch_size=a.batch_size, seq_len=a.seq_len, seed=a.seed, prefetch=a.prefetch,
                      warmup=a.warmup, repeat=a.repeat, max_gpu_memory=a.max_gpu_memory, json=a.json,
-                     save_output=a.save_output, profile=a.profile, train=a.train or a.find_largest, steps=a.steps,
-                     grad_accum=a.grad_accum, lr=a.lr, betas=tuple(a.betas), eps=a.eps, weight_decay=a.weight_decay,
-                     find_largest=a.find_largest)
+                     save_output=a.save_output, profile=a.profile, train=a.train or a.find_largest,
+                     inference=not a.no_inference, steps=a.steps,
+                     grad_accum=a.grad_accum, offload_activations=a.offload_activations,
+                     fwd_bwd_reference=a.fwd_bwd_reference, lr=a.lr,
+                     betas=tuple(a.betas), eps=a.eps, weight_decay=a.weight_decay, find_largest=a.find_largest)
 
 
 def check_devices(run: RunConfig, config: LlamaConfig) -> None:
@@ -1723,6 +1900,8 @@ def check_devices(run: RunConfig, config: LlamaConfig) -> None:
         raise UsageError(f"--max-gpu-memory {run.max_gpu_memory} GiB is less than one decoder layer "
                          f"({one_layer / 2**20:.1f} MiB in {run.dtype}): no mode can run")
     gpu_modes = [m for m in run.modes if m != "cpu"]
+    if run.fwd_bwd_reference and not torch.cuda.is_available():
+        raise UsageError("--fwd-bwd-reference runs on a CUDA GPU, and torch.cuda.is_available() is False")
     if gpu_modes and not torch.cuda.is_available():
         raise UsageError(f"mode {gpu_modes[0]} needs a CUDA GPU, and torch.cuda.is_available() is False: "
                          "use --mode cpu, or a machine with a GPU")
@@ -1740,7 +1919,7 @@ def check_devices(run: RunConfig, config: LlamaConfig) -> None:
             raise UsageError(f"mode {least} needs at least {needs[least] / GiB:.1f} GiB of GPU memory for "
                              f"{run.grad_accum} x {run.batch_size} x {run.seq_len} tokens, more than the "
                              f"--max-gpu-memory cap of {run.max_gpu_memory:g} GiB: use fewer or shorter sequences")
-    params, what = host_bytes_needed(run, param_count(config))
+    params, what = host_bytes_needed(run, config, param_count(config))
     passes = host_pass_bytes(run, config)
     available = host_memory_available()
     if available is not None and params + passes > available:
@@ -1788,24 +1967,53 @@ def cap_gpu_memory(run: RunConfig) -> None:
         torch.cuda.set_per_process_memory_fraction(min(1.0, run.max_gpu_memory * GiB / total))
 
 
-def host_bytes_needed(run: RunConfig, params: int) -> tuple[int, str]:
-    """The model in the compute dtype (the pinned inference store reuses its memory), plus for offloaded training
-    16 bytes per parameter of float32 masters, gradients and Adam moments, or 18 for the cpu mode's resident copy."""
+def host_bytes_needed(run: RunConfig, config: LlamaConfig, params: int) -> tuple[int, str]:
+    """The model in the compute dtype (the pinned inference store reuses its memory; a lean run frees its decoder
+    layers), plus for offloaded training 12 bytes per parameter of float32 masters and Adam moments and the gradient
+    pool's two buffers at the least (gradient_buffers gives it more where there is room), or 18 for the cpu mode's
+    resident copy. A lean run's peak while the masters load, 6 bytes per parameter, stays under its steady state."""
     per_param = run.torch_dtype.itemsize
     if run.train and {"blocked", "overlapped"} & set(run.modes):
-        return params * (per_param + 16), "the model and its float32 masters, gradients and Adam state"
+        model = params_with_layers(config, 0) if run.lean else params  # lean: the decoder layers are freed
+        return (model * per_param + params * 12 + 2 * gradient_buffer_bytes(config),
+                "the model, its float32 masters and Adam state and two gradient buffers")
     if run.train and "cpu" in run.modes:
         return params * (2 * per_param + 16), "the model, its training copy and Adam state"
     return params * per_param, "the model" + " and its pinned store" * bool({"blocked", "overlapped"} & set(run.modes))
 
 
+def gradient_buffer_bytes(config: LlamaConfig) -> int:
+    """One shared buffer of the gradient pool: the float32 gradients of the largest unit."""
+    return 4 * max(unit.layout.numel for unit in model_units(config))
+
+
+def gradient_buffers(run: RunConfig, config: LlamaConfig, exact: bool) -> int:
+    """How many pinned gradient buffers offloaded training gets: one per unit where the host has room for them, and
+    always where the first step's gradients are compared with gpu mode's (`exact`) or float16 must see them all
+    before it steps; otherwise as many as fit, at least two, and the backward may wait for the CPU Adam."""
+    units = model_units(config)
+    available = host_memory_available()
+    if exact or run.dtype == "float16" or available is None:
+        return len(units)
+    spare = (available - host_bytes_needed(run, config, param_count(config))[0] - host_pass_bytes(run, config)
+             - host_reserve(config))
+    if spare + 2 * gradient_buffer_bytes(config) >= 4 * sum(unit.layout.numel for unit in units):
+        return len(units)
+    count = 2 + max(0, spare) // gradient_buffer_bytes(config)
+    log(f"gradients: {count} pinned buffers of {gradient_buffer_bytes(config) / GiB:.2f} GiB for {len(units)} units, "
+        "as many as host memory holds: the backward waits for the CPU Adam when none is free")
+    return count
+
+
 def host_pass_bytes(run: RunConfig, config: LlamaConfig) -> int:
     """Host memory besides the parameters and their state: the token ids, each mode's logits (kept for the
-    comparison with gpu mode) and, for the cpu mode, the activations of its largest pass."""
+    comparison with gpu mode), the pinned pool of the units' saved inputs with --offload-activations and, for the
+    cpu mode, the activations of its largest pass."""
     tokens, dtype = run.batch_size * run.seq_len, run.torch_dtype
     ids = (1 + run.grad_accum) * tokens * 8  # int64: inference's batch and training's micro-batches
     logits = len(run.modes) * tokens * config.vocab_size * dtype.itemsize
-    return ids + logits + (activation_bytes(config, dtype, tokens) if "cpu" in run.modes else 0)
+    pool = (config.num_hidden_layers + 2) * unit_inputs_bytes(run, config) if run.offload_activations else 0
+    return ids + logits + pool + (activation_bytes(config, dtype, tokens) if "cpu" in run.modes else 0)
 
 
 def gpu_bytes_needed(run: RunConfig, config: LlamaConfig, mode: str) -> int:
@@ -1823,9 +2031,31 @@ def gpu_bytes_needed(run: RunConfig, config: LlamaConfig, mode: str) -> int:
     if not run.train:
         return inference
     unit_numel = max(layer_bytes(config, dtype) // b, config.vocab_size * h)  # a decoder layer, or embeddings/head
-    saved = (layers + 2) * run.grad_accum * tokens * h * b  # the inputs of the layers, the norm and the head
-    training = min(depth + 1, layers + 3) * unit_numel * b + 4 * unit_numel + saved + act
-    return max(inference, training)
+    # the inputs the layers, the norm and the head keep for their backward: all of them, or with
+    # --offload-activations the ring of activation slots and the two units' inputs still being copied to the host
+    saved_units = min(depth + 1, layers + 2) + 2 if run.offload_activations else layers + 2
+    weights = min(depth + 1, layers + 3) * unit_numel * b + 4 * unit_numel  # the slots and the float32 gradients
+    return max(inference, weights + saved_units * unit_inputs_bytes(run, config) + act)
+
+
+def unit_inputs_bytes(run: RunConfig, config: LlamaConfig) -> int:
+    """What one unit keeps for its backward: its input hidden states, one tensor per micro-batch."""
+    return run.grad_accum * run.batch_size * run.seq_len * config.hidden_size * run.torch_dtype.itemsize
+
+
+def with_activation_offload(run: RunConfig, config: LlamaConfig) -> RunConfig:
+    """`run` with --offload-activations turned on (and said so) where the offloaded modes' saved inputs would not
+    fit the GPU cap, and would with it."""
+    offloaded = {"blocked", "overlapped"} & set(run.modes)
+    if run.offload_activations or not run.train or not offloaded or run.max_gpu_memory is None:
+        return run
+    cap, on = run.max_gpu_memory * GiB, dataclasses.replace(run, offload_activations=True)
+    if all(gpu_bytes_needed(run, config, m) > cap >= gpu_bytes_needed(on, config, m) for m in offloaded):
+        saved = (config.num_hidden_layers + 2) * unit_inputs_bytes(run, config)
+        log(f"activation offload on: the units' saved inputs ({saved / GiB:.1f} GiB) "
+            f"do not fit the {run.max_gpu_memory:g} GiB cap on the GPU, so they wait in pinned host memory")
+        return on
+    return run
 
 
 def host_memory_available() -> int | None:
@@ -1848,34 +2078,45 @@ def run_all(run: RunConfig) -> dict:
     """Build the model and its stores once, run each mode (inference, then training), print the tables and write
     the outputs."""
     config = llama_config(run)
+    run = with_activation_offload(run, config)
     check_devices(run, config)
-    cap_gpu_memory(run)
+    offloaded = {"blocked", "overlapped"} & set(run.modes)
+    compared = {"gpu", *offloaded} if "gpu" in run.modes and offloaded else set()  # offloaded against gpu
+    grad_buffers = gradient_buffers(run, config, exact=bool(compared))  # before the model takes host memory
     model = build_model(run, config)
     config = model.config
-    input_ids = random_input_ids(run, config.vocab_size)
-    needs_store = {"blocked", "overlapped"} & set(run.modes)
-    store = ParamStore(model, pin=True) if needs_store else None
-    masters = MasterStore(model_units(config), run.adam, pin=True) if run.train and needs_store else None
     train_ids = random_input_ids(run, config.vocab_size, run.grad_accum)
+    reference = forward_backward_reference(model, train_ids, run) if run.fwd_bwd_reference else None
+    cap_gpu_memory(run)
+    input_ids = random_input_ids(run, config.vocab_size)
+    store = ParamStore(model, pin=True) if offloaded and run.inference else None
+    masters = MasterStore(model_units(config), run.adam, pin=True, grad_buffers=grad_buffers) \
+        if run.train and offloaded else None
     results, logits, trained = {}, {}, {}
-    compared = {"gpu", *needs_store} if "gpu" in run.modes and needs_store else set()  # offloaded against gpu
     for mode in run.modes:
-        result, logits[mode] = run_mode(mode, model, store, input_ids, run, config)
-        results[mode] = {"inference": result}
-        free_gpu_memory()
+        results[mode] = {}
+        if run.inference:
+            result, logits[mode] = run_mode(mode, model, store, input_ids, run, config)
+            results[mode]["inference"] = result
+            free_gpu_memory()
+        if run.train and mode in offloaded:
+            masters.load(model)
+            if run.lean:  # the masters hold the layers now: 2 bytes per parameter less on the host
+                model.model.layers.to("meta")
         if run.train:
             trained[mode] = train_mode(mode, model, masters, train_ids, run, mode in compared)
-            reference = trained.get("gpu") if mode in ("blocked", "overlapped") else None
-            results[mode]["training"] = summary(trained[mode], reference, run)
+            gpu_mode = trained.get("gpu") if mode in ("blocked", "overlapped") else None
+            results[mode]["training"] = summary(trained[mode], gpu_mode, run)
             free_gpu_memory()
     gpu_logits = logits.get("gpu")
-    for mode in ("blocked", "overlapped"):
+    for mode in offloaded:
         if gpu_logits is not None and logits.get(mode) is not None:
             results[mode]["inference"]["equal_to_gpu"] = torch.equal(logits[mode], gpu_logits)
     report = {**environment(), "run": dataclasses.asdict(run), "tokens": input_ids.numel(),
               "parameters": param_count(config), "layer_bytes": layer_bytes(config, run.torch_dtype),
-              "config": json.loads(config.to_json_string()), "results": results}
-    print(tables(results, run, config, input_ids.numel()))
+              "config": json.loads(config.to_json_string()), "results": results,
+              **({"fwd_bwd_reference": reference} if reference else {})}
+    print(tables(results, run, config, input_ids.numel(), reference))
     if run.json:
         write_json(run.json, report)
     if run.save_output:

@@ -2,7 +2,7 @@
 # Regenerates the measured results on a GPU machine: JSON, tables (.md), logs and profiler traces under OUTDIR.
 #   bash report/run_benchmarks.sh OUTDIR [PART ...]   (default: every part, in the order below)
 set -euo pipefail
-parts="bf16 prefetch fp32 train alone train_fp32 accum eager largest peers"
+parts="bf16 prefetch fp32 train alone activations train_fp32 accum eager largest scale peers"
 out=${1:?usage: run_benchmarks.sh OUTDIR [PART ...], with PART one of: $parts}; shift
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
@@ -17,17 +17,29 @@ for p in ${@:-$parts}; do
     # the cpu mode trains at about 20 s a step: 2 steps
     train) run train_bf16 --mode gpu,blocked,overlapped --train --dtype bfloat16 --profile "$out/trace_bf16.json"
            run train_bf16_cpu --mode cpu --train --steps 2 --dtype bfloat16 ;;
-    # each mode in a process of its own, as the README's main command runs overlapped: the peak host memory of the
-    # mode alone (the train part also holds gpu mode's gradients and masters on the host, for the comparison)
-    alone) for m in gpu blocked overlapped; do run "train_bf16_$m" --mode "$m" --train --dtype bfloat16; done ;;
+    # each mode training alone in a process of its own: the peak host memory of its training state (the train part
+    # also holds the inference store and gpu mode's gradients and masters on the host, for the comparison)
+    alone) for m in gpu blocked overlapped; do run "train_bf16_$m" --mode "$m" --train --no-inference --dtype bfloat16
+           done ;;
+    # what activation offload costs where it is not needed: one micro-batch, and 16 against the accum part
+    activations) run train_bf16_offload_acts --mode overlapped --train --no-inference --offload-activations \
+                   --dtype bfloat16
+                 run train_bf16_accum16_offload_acts --mode overlapped --train --no-inference --offload-activations \
+                   --grad-accum 16 --steps 5 --warmup 1 --dtype bfloat16 ;;
     # float32 compute: the GPU work outlasts the copies
     train_fp32) run train_fp32 --mode gpu,blocked,overlapped --train --steps 5 --warmup 1 --dtype float32 ;;
-    accum) run train_bf16_accum16 --mode gpu,overlapped --train --grad-accum 16 --steps 5 --warmup 1 --dtype bfloat16 ;;
+    accum) run train_bf16_accum16 --mode gpu,overlapped --train --grad-accum 16 --steps 5 --warmup 1 --fwd-bwd-reference \
+             --dtype bfloat16 ;;
     # bitwise gradients at full size: eager attention, whose backward is deterministic
     eager) run train_bf16_eager --mode gpu,overlapped --train --steps 3 --warmup 1 --attention eager --dtype bfloat16 ;;
     # LLaMA-7B-sized layers under an 11 GiB GPU cap, with and without offload
     largest) run largest_llama7b --find-largest --preset llama-7b --max-gpu-memory 11 --steps 4 --warmup 1 \
                --dtype bfloat16 ;;
+    # LLaMA-7B on 64 x 1024 tokens a step under an 11 GiB cap (activation offload turns itself on), against plain
+    # forward and backward of the model resident on the GPU; training alone, so no bfloat16 copy of the layers
+    scale) run train_llama7b_65k --preset llama-7b --mode overlapped --train --no-inference --grad-accum 16 \
+             --batch-size 4 --seq-len 1024 --max-gpu-memory 11 --steps 5 --warmup 1 --fwd-bwd-reference \
+             --dtype bfloat16 ;;
     # report tooling: FSDP2 and accelerate on the same model and batch
     peers) record peers_bf16 python3 report/peers.py --dtype bfloat16 ;;
     *) echo "unknown part $p: choose from $parts" >&2; exit 2 ;;

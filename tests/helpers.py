@@ -43,13 +43,17 @@ def cli(*args, timeout=600):
                           timeout=timeout)
 
 
-def offloaded_trainer(model, device, depth, micro_batches, adam=ol.Adam(lr=1e-3), pin=False):
-    """The blocked (depth 0) or overlapped training of `model` on `device`, as the CLI builds it."""
-    store = ol.MasterStore(ol.model_units(model.config), adam, pin=pin)
+def offloaded_trainer(model, device, depth, micro_batches, adam=ol.Adam(lr=1e-3), pin=False, offload=False,
+                      grad_buffers=None):
+    """The blocked (depth 0) or overlapped training of `model` on `device`, as the CLI builds it; offload: the units'
+    saved inputs wait on the host (--offload-activations); grad_buffers: a shared gradient pool of that many."""
+    store = ol.MasterStore(ol.model_units(model.config), adam, pin=pin, grad_buffers=grad_buffers)
     store.load(model)
     dtype = next(model.parameters()).dtype
     kwargs = ol.decoder_kwargs(model, tuple(micro_batches[0].shape), dtype, torch.device(device))
-    return ol.OffloadedTraining(store, model.config, dtype, torch.device(device), depth, model.loss_function, kwargs)
+    offload_inputs = (len(micro_batches), *micro_batches[0].shape) if offload else None
+    return ol.OffloadedTraining(store, model.config, dtype, torch.device(device), depth, model.loss_function, kwargs,
+                                offload_inputs)
 
 
 def train(trainer, micro_batches, steps):

@@ -25,19 +25,34 @@ def test_search_finds_the_largest_that_trains(threshold, first):
 def test_host_limit_counts_the_training_state_of_each_layer(monkeypatch):
     run = ol.dataclasses.replace(tiny_run(), train=True)
     config = ol.llama_config(run)
-    needed = ol.host_bytes_needed(ol.dataclasses.replace(run, mode="overlapped"), ol.params_with_layers(config, 3))[0]
+    needed = ol.host_bytes_needed(ol.dataclasses.replace(run, mode="overlapped"), config,
+                                 ol.params_with_layers(config, 3))[0]
     monkeypatch.setattr(ol, "host_memory_available", lambda: needed + ol.host_reserve(config))
     assert ol.host_layer_limit(run, "overlapped", config) == 3
     monkeypatch.setattr(ol, "host_memory_available", lambda: needed + ol.host_reserve(config) - 1)
     assert ol.host_layer_limit(run, "overlapped", config) == 2
 
 
-def test_a_probe_runs_the_cli_with_the_same_settings():
+@pytest.mark.parametrize("flags", [{}, {"inference": False, "offload_activations": True, "fwd_bwd_reference": True}])
+def test_a_probe_runs_the_cli_with_the_same_settings(flags):
     run = ol.RunConfig(mode="overlapped", preset="tiny", sizes=(("num_hidden_layers", 3), ("vocab_size", 300)),
                        dtype="float16", attention="eager", batch_size=2, seq_len=64, seed=5, prefetch=2, warmup=0,
                        repeat=2, max_gpu_memory=11.5, json="r.json", train=True, steps=3, grad_accum=2, lr=3e-4,
-                       betas=(0.8, 0.95), eps=1e-6, weight_decay=0.01)
+                       betas=(0.8, 0.95), eps=1e-6, weight_decay=0.01, **flags)
     assert ol.parse_args(ol.cli_args(run)) == run
+
+
+def test_a_lean_run_counts_no_compute_copy_of_the_layers():
+    """Training one offloaded mode without inference: 12 bytes per parameter, the two gradient buffers, and the
+    embeddings and head in the compute dtype; with inference, 2 bytes more per parameter of the layers."""
+    lean = ol.dataclasses.replace(tiny_run(), mode="overlapped", train=True, inference=False)
+    config = ol.llama_config(lean)
+    params, outside = ol.param_count(config), ol.params_with_layers(config, 0)
+    buffers = 2 * ol.gradient_buffer_bytes(config)
+    assert lean.lean and ol.host_bytes_needed(lean, config, params)[0] == 12 * params + buffers + 2 * outside
+    full = ol.dataclasses.replace(lean, inference=True)
+    assert not full.lean and ol.host_bytes_needed(full, config, params)[0] == 14 * params + buffers
+    assert not ol.dataclasses.replace(lean, mode="gpu,overlapped").lean
 
 
 def test_cli_find_largest_on_the_cpu(tmp_path):

@@ -15,6 +15,12 @@ def micro(ids, k):
     return list(ids.chunk(k))
 
 
+def tiny_batches(k):
+    """The tiny model in bfloat16 and k micro-batches of 2 x 48 tokens."""
+    model, ids = build(ol.dataclasses.replace(tiny_run(), batch_size=2 * k))
+    return model, micro(ids, k)
+
+
 @pytest.mark.parametrize("k", [1, 2])
 @pytest.mark.parametrize("depth", [0, 1, 2])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -150,3 +156,74 @@ def test_train_refuses_tied_embeddings(tmp_path):
     ol.LlamaForCausalLM(config).save_pretrained(tmp_path)
     r = cli("--model", tmp_path, "--mode", "cpu", "--train")
     assert r.returncode == 2 and "untied embeddings" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_activation_offload_changes_no_bit(depth, k):
+    """The units' inputs through the host pool and back: the same gradients, masters and losses as kept in place."""
+    model, batches = tiny_batches(k)
+    kept = train(offloaded_trainer(model, "cpu", depth, batches), batches, 3)
+    offloaded = train(offloaded_trainer(model, "cpu", depth, batches, offload=True), batches, 3)
+    for ours, theirs in zip(offloaded[:3], kept[:3]):
+        assert all(torch.equal(t, theirs[name]) for name, t in ours.items())
+    assert offloaded[3] == kept[3]
+
+
+def test_activation_pool_is_allocated_once_and_read_back():
+    model, batches = tiny_batches(2)
+    trainer = offloaded_trainer(model, "cpu", 1, batches, offload=True)
+    pool = [t.data_ptr() for t in trainer.acts.host]
+    hidden = model.config.hidden_size
+    assert len(pool) == model.config.num_hidden_layers + 2  # the layers', the norm's and the head's inputs
+    assert all(t.numel() == 2 * batches[0].numel() * hidden for t in trainer.acts.host)
+    trainer.step(batches)
+    trainer.step(batches)
+    assert [t.data_ptr() for t in trainer.acts.host] == pool
+    assert all(t.abs().sum() > 0 for t in trainer.acts.host)  # every unit's inputs went through it
+    trainer.finish()
+
+
+def test_activations_that_do_not_come_back_are_caught():
+    """Negative control: a pool whose copies back never run gives other gradients."""
+    model, batches = tiny_batches(1)
+    kept = train(offloaded_trainer(model, "cpu", 1, batches), batches, 1)
+    trainer = offloaded_trainer(model, "cpu", 1, batches, offload=True)
+    trainer.acts.streamer.prefetch = lambda p: None
+    grads = train(trainer, batches, 1)[0]
+    assert not all(torch.equal(g, kept[0][name]) for name, g in grads.items())
+
+
+@pytest.mark.parametrize("buffers", [1, 2])
+def test_shared_gradient_pool_trains_the_same(buffers):
+    """Fewer gradient buffers than units: the backward waits for the CPU Adam to hand one back, nothing else
+    changes."""
+    model, batches = tiny_batches(2)
+    _, _, dedicated, losses = train(offloaded_trainer(model, "cpu", 1, batches), batches, 3)
+    trainer = offloaded_trainer(model, "cpu", 1, batches, grad_buffers=buffers)
+    trainer.step(batches)
+    shared = [trainer.step(batches).item() for _ in range(2)]
+    trainer.finish()
+    assert shared == losses[1:]
+    assert all(torch.equal(m, dedicated[name]) for name, m in trainer.store.state_dict().items())
+    largest = max(u.layout.numel for u in trainer.units)
+    assert [b.numel() for b in trainer.store.pool.buffers] == [largest] * buffers
+
+
+def test_host_holds_12_bytes_per_parameter_and_the_gradient_pool():
+    model, _ = build(tiny_run())
+    store = ol.MasterStore(ol.model_units(model.config), ol.Adam(), pin=False, grad_buffers=2)
+    for opt in store.optimizers:  # the moments, allocated at the first step as torch.optim.Adam does
+        opt.param_groups[0]["params"][0].grad = torch.zeros_like(opt.param_groups[0]["params"][0])
+        opt.step()
+    state = [t for opt in store.optimizers for s in opt.state.values() for t in s.values() if t.numel() > 1]
+    numel = sum(u.layout.numel for u in store.units)
+    pool = sum(b.nbytes for b in store.pool.buffers)
+    assert sum(t.nbytes for t in store.masters + state) == 12 * numel
+    assert pool == 2 * ol.gradient_buffer_bytes(model.config) < 4 * numel
+
+
+def test_float16_needs_a_gradient_buffer_per_unit():
+    model, ids = build(ol.dataclasses.replace(tiny_run(), dtype="float16"))
+    with pytest.raises(ValueError, match="give each unit a gradient buffer"):
+        offloaded_trainer(model, "cpu", 1, [ids], grad_buffers=2)

@@ -1,5 +1,6 @@
-"""GPU tier, training: gradients bitwise equal to gpu mode's, hostile races for the backward prefetch and the
-gradient copy, overlap of gradient copies with backward kernels in a trace, and no memory growth over 100 steps.
+"""GPU tier, training: gradients bitwise equal to gpu mode's, with and without activation offload; hostile races for
+the backward prefetch, the gradient copy and the activation copies both ways; overlap of gradient copies with
+backward kernels in a trace; and no memory growth over 100 steps.
 
 Attention is eager here: sdpa's backward accumulates with atomics and is not bitwise reproducible even against
 itself, so only a deterministic backward can show that offloading changes no bit."""
@@ -100,16 +101,102 @@ RACES = {"backward prefetch": (delay_backward_copies, drop_backward_copied_wait)
          "gradient copy": (stretch_backward, drop_gradient_ready_wait)}
 
 
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_activation_offload_grads_bitwise_equal_gpu_mode(depth, k):
+    model, batches = model_and_batches(SMALL, k=k)
+    trainer = offloaded_trainer(model, CUDA, depth, batches, pin=True, offload=True)
+    grads, masters_1, _, losses = train(trainer, batches, 3)
+    ref_grads, ref_masters_1, _, ref_losses = reference(model, batches)
+    for name, g in grads.items():
+        assert torch.equal(g, ref_grads[name]), name
+    assert losses[0] == ref_losses[0]
+    assert_masters_close(masters_1, ref_masters_1, 1)
+
+
+def sleep_on(stream) -> None:
+    """20 ms of nothing on `stream`, ahead of what is issued to it next."""
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(40_000_000)
+
+
+def poison_allocator() -> None:
+    """Leave NaN in the caching allocator's free small blocks, so that reading memory before it is written gives NaN,
+    not the values an earlier run left there."""
+    torch.cuda.empty_cache()
+    blocks = [torch.full((2**17,), float("nan"), device=CUDA) for _ in range(256)]  # 512 KiB each: the small pool
+    del blocks
+
+
+def stretch_forward(trainer):
+    """Each unit runs 20 ms late, so its outputs, the next unit's inputs, are written late."""
+    run_unit = trainer.run_unit
+
+    def late(u, module, x, k):
+        if k == 0:
+            torch.cuda._sleep(40_000_000)
+        return run_unit(u, module, x, k)
+    trainer.run_unit = late
+
+
+def drop_inputs_written_wait(trainer):
+    """The copy of a unit's inputs to the host no longer waits for the unit before to have written them."""
+    stretch_forward(trainer)
+    trainer.acts.d2h_stream = NoWaitStream(CUDA)
+
+
+def delay_inputs_out(trainer):
+    """Each unit's inputs reach the host 20 ms late."""
+    acts, send = trainer.acts, trainer.acts.send
+
+    def late(u, xs):
+        sleep_on(acts.d2h_stream)
+        send(u, xs)
+    acts.send = late
+
+
+def drop_inputs_landed_wait(trainer):
+    """Inputs come back to the GPU without waiting for them to have reached the host."""
+    delay_inputs_out(trainer)
+    trainer.acts.streamer.wait_source = lambda a: None
+
+
+def delay_inputs_in(trainer):
+    """In the backward pass each unit's inputs land on the GPU 20 ms late."""
+    acts = trainer.acts.streamer
+    wait_source = acts.wait_source
+
+    def late(a):
+        wait_source(a)
+        sleep_on(acts.copy_stream)
+    acts.wait_source = late
+
+
+def drop_inputs_copied_wait(trainer):
+    """The backward no longer waits for a unit's inputs to land in their slot."""
+    delay_inputs_in(trainer)
+    trainer.acts.streamer.copied = [ol.InOrder() for _ in trainer.acts.streamer.copied]
+
+
+ACTIVATION_RACES = {"inputs written before they leave": (stretch_forward, drop_inputs_written_wait),
+                    "inputs on the host before they come back": (delay_inputs_out, drop_inputs_landed_wait),
+                    "inputs back on the GPU before the backward": (delay_inputs_in, drop_inputs_copied_wait)}
+
+
 @pytest.mark.parametrize("depth", [0, 1])
-@pytest.mark.parametrize("race", RACES)
+@pytest.mark.parametrize("race", [*RACES, *ACTIVATION_RACES])
 def test_race_each_training_wait_is_needed(race, depth):
+    """Each hook pair: the intact wait survives a stretched kernel or a delayed copy, the removed one does not. With
+    activation offload the caching allocator poisons what it hands out again, so a read of freed inputs shows."""
     model, batches = model_and_batches(THIN, seq_len=16, batch_size=1)
     ref_grads, *_ = reference(model, batches, steps=1)
-    intact, broken = RACES[race]
-    for hook, should_match in ((intact, True), (broken, False)):
-        trainer = offloaded_trainer(model, CUDA, depth, batches, pin=True)
+    offload = race in ACTIVATION_RACES
+    for hook, should_match in zip((RACES | ACTIVATION_RACES)[race], (True, False)):
+        trainer = offloaded_trainer(model, CUDA, depth, batches, pin=True, offload=offload)
         if hook:
             hook(trainer)
+        if offload:
+            poison_allocator()
         grads, *_ = train(trainer, batches, 1)
         matches = all(torch.equal(g, ref_grads[name]) for name, g in grads.items())
         assert matches == should_match, f"{race}, {'intact' if should_match else 'wait removed'}"
@@ -127,9 +214,10 @@ def test_trace_shows_gradient_copies_under_backward_kernels(tmp_path):
     assert set(d2h["copy_streams"]) - set(d2h["kernel_streams"]), "gradients must leave on a stream of their own"
 
 
-def test_100_steps_grow_no_memory():
-    model, batches = model_and_batches(SMALL)
-    trainer = offloaded_trainer(model, CUDA, 1, batches, pin=True)
+@pytest.mark.parametrize("offload", [False, True])
+def test_100_steps_grow_no_memory(offload):
+    model, batches = model_and_batches(SMALL, k=2)
+    trainer = offloaded_trainer(model, CUDA, 1, batches, pin=True, offload=offload)
     pinned = getattr(torch.cuda, "host_memory_stats", lambda: {})
 
     def memory():
