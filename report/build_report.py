@@ -30,14 +30,19 @@ SOURCES = {  # name -> JSON file, relative to report/; all made by `bash report/
     "train_bf16_cpu": "results/train_bf16_cpu.json",
     "train_fp32": "results/train_fp32.json",
     "train_bf16_accum16": "results/train_bf16_accum16.json",
+    "train_bf16_offload_acts": "results/train_bf16_offload_acts.json",
+    "train_bf16_accum16_offload_acts": "results/train_bf16_accum16_offload_acts.json",
     "train_bf16_eager": "results/train_bf16_eager.json",
     "largest_llama7b": "results/largest_llama7b.json",
+    "train_llama7b_65k": "results/train_llama7b_65k.json",
     "peers_bf16": "results/peers_bf16.json",
 }
 TRACES = {  # figure -> profiler trace (Chrome JSON) it is drawn from
     "timeline_training.png": "results/trace_bf16.train.json",
     "timeline_inference.png": "results/trace_overlapped_bf16.json",
 }
+BOUND_NAMES = {"gpu_compute": "the GPU compute", "h2d": "the host-to-device copies",
+               "d2h": "the device-to-host copies", "cpu_adam": "the CPU Adam"}
 LABELS = {"gpu": "w/o offload (gpu)", "blocked": "blocked offload", "overlapped": "overlapped offload", "cpu": "cpu"}
 
 
@@ -76,6 +81,49 @@ def param_count(c: dict, layers: int | None = None) -> int:
     return 2 * c["vocab_size"] * h + h + (c["num_hidden_layers"] if layers is None else layers) * layer
 
 
+def layer_params(c: dict) -> int:
+    """The parameters of one decoder layer."""
+    return param_count(c, 1) - param_count(c, 0)
+
+
+def gradient_buffer_bytes(c: dict) -> int:
+    """One buffer of the gradient pool: the float32 gradients of the largest unit (a decoder layer, or the
+    embeddings or head)."""
+    return 4 * max(layer_params(c), c["vocab_size"] * c["hidden_size"])
+
+
+def activation_pool_bytes(r: dict) -> int:
+    """The pinned pool of the units' saved inputs in run `r`: per unit after the embeddings, every micro-batch's
+    hidden states in the compute dtype."""
+    c, run = r["config"], r["run"]
+    itemsize = {"bfloat16": 2, "float16": 2, "float32": 4}[run["dtype"]]
+    return (c["num_hidden_layers"] + 2) * run["grad_accum"] * run["batch_size"] * run["seq_len"] * c["hidden_size"] \
+        * itemsize
+
+
+def host_parts(t: dict, c: dict, params: int, acts: int = 0) -> list[tuple[str, int]]:
+    """Where an offloaded training run's peak host bytes go when it trains alone (`--no-inference`): the CPU
+    model's embeddings, head and norm in bfloat16 (its decoder layers are freed once the masters hold them), the
+    float32 masters and Adam moments, the pools of gradient buffers and saved inputs, and the rest."""
+    pool = t["gradient_pool"]
+    grads = pool["buffers"] * gradient_buffer_bytes(c) if not pool["per_unit"] else 4 * params
+    buffers = "one buffer per unit" if pool["per_unit"] else f"{pool['buffers']} shared buffers"
+    parts = [("embeddings, head and norm in bfloat16 (the CPU model)", 2 * param_count(c, 0)),
+             ("float32 masters, pinned", 4 * params), ("Adam moments, float32", 8 * params),
+             (f"gradient pool, pinned: {buffers}", grads)]
+    if acts:
+        parts.append(("saved-input pool, pinned (activation offload)", acts))
+    parts.append(("the rest: CUDA runtime, libraries, interpreter", t["peak_host_bytes"] - sum(b for _, b in parts)))
+    return parts
+
+
+def where_table(t: dict, parts: list[tuple[str, int]], params: int) -> list[str]:
+    """The host bytes of `parts` in GiB and per parameter, and the peak they add up to."""
+    rows = [[what, f"{b / GiB:.2f}", f"{b / params:.2f}"] for what, b in parts]
+    rows.append(["peak resident set", gib(t["peak_host_bytes"]), f"{t['peak_host_bytes'] / params:.2f}"])
+    return table(["", "GiB", "bytes per parameter"], rows)
+
+
 def how_to_run() -> list[str]:
     return ["## 1. How to run", "",
             "```",
@@ -103,8 +151,9 @@ def model_section(runs: dict) -> list[str]:
              ["bytes per decoder layer, bfloat16 / float32",
               *[f"{small['layer_bytes'] / 2**20:.0f} / {2 * small['layer_bytes'] / 2**20:.0f} MiB"] * 2]]
     return ["## 2. Model and batch", "",
-            f"Every section but 5 uses the preset `{small['run']['preset']}`: LLaMA-7B's dimensions with "
-            f"{a['num_hidden_layers']} decoder layers. Section 5 stacks as many LLaMA-7B layers as will train. The "
+            f"Every section but 5 and 6 uses the preset `{small['run']['preset']}`: LLaMA-7B's dimensions with "
+            f"{a['num_hidden_layers']} decoder layers. Section 5 stacks as many LLaMA-7B layers as will train; "
+            "section 6 trains LLaMA-7B itself on 64 sequences a step. The "
             f"weights are random (HF's LLaMA initialisation, seed {small['run']['seed']}). One batch is "
             f"{small['run']['batch_size']} x {small['run']['seq_len']} = {small['tokens']} tokens. The compute dtype is "
             "bfloat16 unless a table says float32; training keeps float32 master weights, gradients and Adam moments "
@@ -112,12 +161,16 @@ def model_section(runs: dict) -> list[str]:
             *table(["", small["run"]["preset"], large["run"]["preset"]], rows), ""]
 
 
-def host_note(t: dict, params: int) -> str:
-    state = 18 * params
-    return (f"An offloaded mode holds 18 bytes per parameter on the host: the weights in bfloat16 (2), and in float32 "
-            f"the masters, the gradients and the two Adam moments (16), {state / GiB:.2f} GiB for "
-            f"{params / 1e9:.2f} B parameters. The other {(t['peak_host_bytes'] - state) / GiB:.2f} GiB of the "
-            "overlapped mode's peak are the CUDA runtime, the libraries and the interpreter.")
+def host_note(t: dict, c: dict, params: int) -> list[str]:
+    """Where the overlapped mode's host bytes go when it trains alone, and what inference in the same process adds."""
+    store = 2 * (params - param_count(c, 0))
+    return [f"Training alone (`--no-inference`), an offloaded mode keeps on the host the float32 masters and Adam "
+            "moments (12 bytes per parameter, for the whole run), a pool of pinned gradient buffers (one per unit "
+            "when the host has room, as here: 4 more) and the CPU model's embeddings and head in bfloat16; the "
+            "bfloat16 decoder layers go once the masters hold them. The overlapped mode's peak:", "",
+            *where_table(t, host_parts(t, c, params), params), "",
+            "Where inference runs in the same process, its pinned bfloat16 store of the decoder layers "
+            f"({store / GiB:.2f} GiB, 2 bytes per parameter of the layers) stays while it trains."]
 
 
 def memory_section(runs: dict) -> list[str]:
@@ -128,14 +181,16 @@ def memory_section(runs: dict) -> list[str]:
         gpu = [("0 (CPU)" if mode in r else "not run") if mode == "cpu" else gib(r[mode]["peak_gpu_bytes"])
                for r in (i16, i32, t16, t32)]
         rows.append([label, *gpu, gib(t16[mode]["peak_host_bytes"])])
+    params, config = runs["inference_bf16"]["parameters"], runs["train_bf16_overlapped"]["config"]
     return ["## 3. Table 1: memory", "",
             "Peak GPU memory in GiB, and in the last column peak host memory. Peak GPU memory is "
             "`torch.cuda.max_memory_allocated`; peak host memory is the process's peak resident set "
-            "(pinned memory included) over the training steps, each bfloat16 training mode run in a process of its "
-            f"own. The cpu mode trains at {t16['cpu']['time_ms'] / 1e3:.0f} s a step, in bfloat16 only.", "",
+            "(pinned memory included) over the training steps, each bfloat16 training mode run alone "
+            f"(`--no-inference`) in a process of its own. The cpu mode trains at {t16['cpu']['time_ms'] / 1e3:.0f} s "
+            "a step, in bfloat16 only, and with inference.", "",
             *table(["mode (GiB)", "inference bf16", "inference fp32", "training bf16", "training fp32",
                     "training bf16: host"], rows), "",
-            host_note(t16["overlapped"], runs["inference_bf16"]["parameters"]), ""]
+            *host_note(t16["overlapped"], config, params), ""]
 
 
 def time_table(inference: dict, training: dict) -> list[str]:
@@ -176,6 +231,7 @@ def time_section(runs: dict) -> list[str]:
     equal = all(results(runs, name, "inference")[m]["equal_to_gpu"] for name in ("inference_bf16", "inference_fp32")
                 for m in ("blocked", "overlapped"))
     run, short = runs["train_bf16"]["run"], runs["train_fp32"]["run"]
+    accum, ref = results(runs, "train_bf16_accum16", "training"), runs["train_bf16_accum16"]["fwd_bwd_reference"]
     return ["## 4. Table 2: time", "",
             f"Medians: inference over {run['repeat']} passes after {run['warmup']} warm-up passes, training over the "
             f"steps after the first {run['warmup']} of {run['steps']} (float32 and `--grad-accum 16`: after "
@@ -185,14 +241,18 @@ def time_section(runs: dict) -> list[str]:
             "and compute-only runs of the same layers. Training's is the largest of GPU compute, host-to-device "
             "copies, device-to-host copies and the CPU Adam, each measured alone.", "",
             "bfloat16:", "", *time_table(results(runs, "inference_bf16", "inference"), bf16_training), "",
-            f"The same overlapped step in a process of its own (`{SOURCES['train_bf16_overlapped']}`) took "
+            f"The same overlapped step training alone (`--no-inference`) in a process of its own "
+            f"(`{SOURCES['train_bf16_overlapped']}`) took "
             f"{same['time_ms']:.1f} ms against a bound of {same['bound_ms']:.1f} ms (efficiency "
             f"{same['efficiency']:.3f}; the CPU Adam alone {same['cpu_adam_ms']:.1f} ms there, "
             f"{results(runs, 'train_bf16', 'training')['overlapped']['cpu_adam_ms']:.1f} ms here).", "",
             "float32, where compute outlasts the copies and overlap hides them:", "",
             *time_table(fp32, fp32_training), "",
             "bfloat16 training with `--grad-accum 16` (65,536 tokens per step):", "",
-            *time_table({}, results(runs, "train_bf16_accum16", "training")), "",
+            *time_table({}, accum), "",
+            f"Plain forward and backward of the same model and micro-batches resident on the GPU, without optimizer "
+            f"(`--fwd-bwd-reference`, same run), took {ref['time_ms']:.1f} ms: the overlapped step runs at "
+            f"{ref['time_ms'] / accum['overlapped']['time_ms']:.2f}x its speed.", "",
             "Overlapped inference by prefetch depth (bfloat16): one layer ahead already keeps the copy engine busy, "
             "and each further slot costs a layer of GPU memory.", "", *prefetch_table(runs), "",
             f"Correctness, checked in these runs: the blocked and overlapped logits are `torch.equal` to the gpu "
@@ -213,17 +273,8 @@ def largest_section(runs: dict) -> list[str]:
                      gib(t["peak_gpu_bytes"]), gib(t["peak_host_bytes"])])
     big = found["overlapped"]
     t, params, c = big["training"], big["parameters"], r["config"]
-    layers = big["layers"]
-    weights_in_store = 2 * (param_count(c, layers) - param_count(c, 0))
-    parts = [("decoder layers in bfloat16, pinned (the inference store)", weights_in_store),
-             ("embeddings, head and norm in bfloat16 (the CPU model)", 2 * param_count(c, 0)),
-             ("float32 masters, pinned", 4 * params), ("float32 gradients, pinned", 4 * params),
-             ("Adam moments, float32", 8 * params)]
-    rest = t["peak_host_bytes"] - sum(b for _, b in parts)
-    parts.append(("the rest: CUDA runtime, libraries, interpreter", rest))
-    where = [[what, f"{b / GiB:.2f}", f"{b / params:.2f}"] for what, b in parts]
-    where.append(["peak resident set", gib(t["peak_host_bytes"]), f"{t['peak_host_bytes'] / params:.2f}"])
-    probes = "; ".join(f"{LABELS[mode]}: " + ", ".join(f"{n} ({'trains' if 'time_ms' in p else 'OOM' if p.get('oom') else 'fails'})"
+    layers, pool = big["layers"], t["gradient_pool"]
+    probes = "; ".join(f"{LABELS[mode]}: " + ", ".join(f"{n} ({probe_outcome(p)})"
                                                    for n, p in f["probes"].items()) for mode, f in found.items())
     steps = ", ".join(f"{ms:.0f}" for ms in t["step_ms"])
     return [f"## 5. The GPU, and the largest model it trains", "",
@@ -239,10 +290,72 @@ def largest_section(runs: dict) -> list[str]:
             f"Without offload, what stops one more layer is {found['gpu']['limited_by']}. With overlapped offload, "
             f"{layers} layers ({params / 1e9:.2f} B parameters, more than LLaMA-7B's {param_count(c) / 1e9:.2f} B) "
             f"train in {gib(t['peak_gpu_bytes'])} GiB of GPU memory, at steps of {steps} ms (the table gives the "
-            f"median of the steps after the {steps_word(r['run']['warmup'])}; the bound, the CPU Adam alone, is "
-            f"{t['bound_ms']:.1f} ms). What stops one more layer is {big['limited_by']}. Where the host's bytes "
-            f"go at {layers} layers (over the training steps; the bound's scratch Adam state comes after):", "",
-            *table(["", "GiB", "bytes per parameter"], where), ""]
+            f"median of the steps after the {steps_word(r['run']['warmup'])}; the bound, {BOUND_NAMES[t['bound_by']]}"
+            f" alone, is {t['bound_ms']:.1f} ms). What stops one more layer is {big['limited_by']}. Each probe "
+            "trains alone, so the host keeps no bfloat16 copy of the decoder layers; with the rest of host memory "
+            f"taken by the masters and Adam state, the gradients land in {pool['buffers']} shared pinned buffers "
+            f"that the CPU Adam hands back as it finishes a unit, and the backward waited {pool['waited_ms'] / 1e3:.1f}"
+            f" s in all over the {r['run']['steps']} steps for one to be free. Where the host's bytes go at {layers} "
+            "layers (over the training steps; the bound's scratch Adam state comes after):", "",
+            *where_table(t, host_parts(t, c, params), params), ""]
+
+
+def probe_outcome(p: dict) -> str:
+    """What a --find-largest probe met."""
+    return "trains" if "time_ms" in p else "OOM" if p.get("oom") else "refused" if p.get("refused") else "fails"
+
+
+def scale_section(runs: dict) -> list[str]:
+    r = runs["train_llama7b_65k"]
+    run, c, params, ref = r["run"], r["config"], r["parameters"], r["fwd_bwd_reference"]
+    t = results(runs, "train_llama7b_65k", "training")["overlapped"]
+    sequences = run["grad_accum"] * run["batch_size"]
+    speed = sequences / t["time_ms"] * 1e3
+    acts = activation_pool_bytes(r)
+    parts = host_parts(t, c, params, acts)
+    pools = sum(b for what, b in parts if "pool" in what)
+    rows = [["forward and backward, resident (no optimizer, no cap)", f"{ref['time_ms']:.1f}",
+             f"{ref['sequences_per_s']:.2f}", "1.00", gib(ref["peak_gpu_bytes"]), ""],
+            [f"overlapped offload, Adam, capped at {run['max_gpu_memory']:g} GiB", f"{t['time_ms']:.1f}",
+             f"{speed:.2f}", f"{speed / ref['sequences_per_s']:.2f}", gib(t["peak_gpu_bytes"]),
+             gib(t["peak_host_bytes"])]]
+    return ["## 6. LLaMA-7B on 65,536-token steps under 11 GiB", "",
+            f"The GPT-2-Large quest's batch at LLaMA-7B size: `offload_llama.py --preset {run['preset']} --mode "
+            f"overlapped --train --no-inference --grad-accum {run['grad_accum']} --batch-size {run['batch_size']} "
+            f"--seq-len {run['seq_len']} --max-gpu-memory {run['max_gpu_memory']:g} --steps {run['steps']} --warmup "
+            f"{run['warmup']} --fwd-bwd-reference`: {sequences} sequences of {run['seq_len']} tokens a step, Adam with "
+            f"float32 masters, {params / 1e9:.2f} B parameters. The inputs the units keep for their backward, "
+            f"{acts / GiB:.1f} GiB, would not fit the cap, so activation offload turned itself on: each unit's "
+            "inputs leave for pinned host memory while the unit runs and come back on the copy stream ahead of its "
+            "backward, as the weights do. The reference is plain forward and backward of the same model and "
+            "micro-batches resident on the GPU in bfloat16, without optimizer or cap, timed in the same run.", "",
+            *table(["run", "step (ms)", "sequences/s", "x reference", "peak GPU (GiB)", "peak host (GiB)"], rows), "",
+            f"The loss went {t['losses'][0]:.4f} -> {t['losses'][-1]:.4f} in {len(t['losses'])} steps. The step's "
+            f"bound is {BOUND_NAMES[t['bound_by']]} ({t['bound_ms']:.1f} ms: forward, recompute and backward of "
+            f"every unit; the host-to-device copies take {t['h2d_ms']:.1f} ms, the device-to-host "
+            f"{t['d2h_ms']:.1f} ms and the CPU Adam {t['cpu_adam_ms']:.1f} ms, each alone), efficiency "
+            f"{t['efficiency']:.3f}; the checkpointed recompute is what the reference does not pay. The gradients "
+            f"land in {t['gradient_pool']['buffers']} shared pinned buffers, as many as host memory holds, and the "
+            f"backward waited {t['gradient_pool']['waited_ms']:.0f} ms in all for one. Where the host's bytes go: "
+            f"without the two pools, {(t['peak_host_bytes'] - pools) / params:.2f} bytes per parameter.", "",
+            *where_table(t, parts, params), "",
+            *activation_cost(runs)]
+
+
+def activation_cost(runs: dict) -> list[str]:
+    """What activation offload costs on 7b-8l, where the saved inputs would fit the GPU anyway."""
+    pairs = (("1", "train_bf16_overlapped", "train_bf16_offload_acts"),
+             ("16", "train_bf16_accum16", "train_bf16_accum16_offload_acts"))
+    rows = []
+    for k, without, with_ in pairs:
+        a, b = (results(runs, name, "training")["overlapped"] for name in (without, with_))
+        rows.append([k, f"{a['time_ms']:.1f}", f"{b['time_ms']:.1f}", f"{b['time_ms'] / a['time_ms']:.3f}",
+                     gib(a["peak_gpu_bytes"]), gib(b["peak_gpu_bytes"])])
+    return ["What activation offload costs where it is not needed (7b-8l, bfloat16, micro-batches of 4096 tokens; "
+            "each column from a run of its own, `" + "`, `".join(SOURCES[n] for _, *names in pairs for n in names) +
+            "`): the inputs cross PCIe on the device-to-host and copy streams beside the weights and gradients.", "",
+            *table(["micro-batches", "step, inputs on the GPU (ms)", "step, inputs offloaded (ms)", "ratio",
+                    "peak GPU, on the GPU (GiB)", "peak GPU, offloaded (GiB)"], rows), ""]
 
 
 def steps_word(n: int) -> str:
@@ -268,7 +381,7 @@ def figures_section(runs: dict) -> list[str]:
     gpu_end = max(a + b for lane, spans in lanes.items() if lane != "CPU Adam" for a, b in spans)
     adam = sorted(lanes["CPU Adam"])
     idle, idle_from = max((b[0] - (a[0] + a[1]), a[0] + a[1]) for a, b in zip(adam, adam[1:]))
-    return ["## 6. Figures", "",
+    return ["## 7. Figures", "",
             "One overlapped training step (bfloat16, 7b-8l, 4096 tokens), from its `--profile` trace. The lanes are the "
             "GPU's compute stream, the host-to-device copies (with the copy stream's casts), the device-to-host copies "
             f"of the gradients, and the CPU Adam thread. {h['overlap_ms']:.1f} of {h['copy_ms']:.1f} ms of "
@@ -303,7 +416,7 @@ def peers_section(runs: dict) -> list[str]:
     fsdp = p["fsdp2"]
     ours = training["overlapped"]
     same_loss = fsdp["losses"][-1] == ours["losses"][-1]
-    return ["## 7. Peers", "",
+    return ["## 8. Peers", "",
             "The same model, batch and Adam settings, run by `report/peers.py` in the same session on the same machine "
             "(report tooling: `offload_llama.py` imports neither package). accelerate's `cpu_offload` keeps the "
             "weights in CPU memory and a hook on each module copies them in when it runs. FSDP2 on one GPU with "
@@ -333,7 +446,7 @@ def analysis_section(runs: dict) -> list[str]:
     params = runs["train_bf16"]["parameters"]
     host_bytes = 28 * params + t["h2d_bytes"] + t["d2h_bytes"]
     big = runs["largest_llama7b"]["find_largest"]["overlapped"]
-    return ["## 8. What the numbers mean", "",
+    return ["## 9. What the numbers mean", "",
             f"When overlap hides the copies. A decoder layer's weights take the same time to copy whatever the batch; "
             f"its compute grows with the tokens. At {tokens} tokens in bfloat16 a layer copies in "
             f"{i16['copy_ms_per_layer']:.2f} ms and computes in {i16['compute_ms_per_layer']:.2f} ms: the pass is bound "
@@ -358,7 +471,8 @@ def analysis_section(runs: dict) -> list[str]:
             f"{a['gpu']['time_ms'] / a['overlapped']['time_ms']:.2f}x the resident one's speed. In float32 the GPU "
             f"compute ({f['overlapped']['gpu_compute_ms']:.1f} ms) bounds a single micro-batch, and the overlapped step "
             f"reaches {f['overlapped']['efficiency']:.3f} of it.", "",
-            "The limits that remain. (1) Host memory capacity: at 18 bytes per parameter this machine's host memory "
+            "The limits that remain. (1) Host memory capacity: the float32 master and the two Adam moments, 12 bytes "
+            "per parameter, must live for the whole run, and with two gradient buffers this machine's host memory "
             f"holds {big['layers']} LLaMA-7B layers and no more (section 5), while their training takes "
             f"{gib(big['training']['peak_gpu_bytes'])} GiB of the {runs['largest_llama7b']['run']['max_gpu_memory']:g} "
             "GiB GPU cap. (2) Host memory bandwidth: the CPU Adam, not PCIe or the "
@@ -425,7 +539,11 @@ def bound_figure(runs: dict, out: Path) -> None:
     big = runs["largest_llama7b"]["find_largest"]["overlapped"]
     bars.append((f"bf16 training,\n{big['layers']} LLaMA-7B layers", big["training"]["time_ms"],
                  big["training"]["bound_ms"]))
-    fig, axes = plt.subplots(2, len(bars) // 2, figsize=(10, 5.6))
+    scale = results(runs, "train_llama7b_65k", "training")["overlapped"]
+    bars.append(("bf16 training, LLaMA-7B,\n16 micro-batches", scale["time_ms"], scale["bound_ms"]))
+    fig, axes = plt.subplots(2, (len(bars) + 1) // 2, figsize=(12, 5.6))
+    for ax in axes.flat[len(bars):]:
+        ax.axis("off")
     for ax, (label, measured, bound) in zip(axes.flat, bars):
         ax.bar([0, 1], [measured, bound], color=["tab:blue", "tab:gray"])
         ax.set_xticks([0, 1], ["measured", "bound"])
@@ -525,7 +643,7 @@ def build() -> str:
              "Layer-wise parameter offload for LLaMA on one GPU: what it costs in time and saves in memory, "
              "measured by `offload_llama.py`.", ""]
     for section in (how_to_run(), model_section(runs), memory_section(runs), time_section(runs),
-                    largest_section(runs), figures_section(runs), peers_section(runs), analysis_section(runs),
+                    largest_section(runs), scale_section(runs), figures_section(runs), peers_section(runs), analysis_section(runs),
                     sources_section(runs)):
         lines += section
     return "\n".join(lines)
