@@ -24,6 +24,8 @@ REFUSED = {
     "infinite cap": (["--max-gpu-memory", "inf"], "--max-gpu-memory must be a positive number"),
     "nan cap": (["--max-gpu-memory", "nan"], "--max-gpu-memory must be a positive number"),
     "zero cap": (["--max-gpu-memory", "0"], "--max-gpu-memory must be a positive number"),
+    "inference off, nothing to train": (["--no-inference"], "--no-inference leaves nothing to run without --train"),
+    "reference without training": (["--fwd-bwd-reference"], "--fwd-bwd-reference is the reference for training"),
     # the embeddings' output alone is 52 GB: refused before the model is built, not by the allocator
     "batch beyond host memory": (["--batch-size", "100000", "--seq-len", "4096", "--json", "{tmp}/r.json"],
                                  "GiB of host memory"),
@@ -65,6 +67,19 @@ def test_cap_that_one_gpu_mode_fits_runs_the_others_as_oom(monkeypatch):
     alone = gpu_checked(monkeypatch, mode="gpu", seq_len=512, max_gpu_memory=2)
     with pytest.raises(ol.UsageError, match="mode gpu needs at least 3.6 GiB"):
         ol.check_devices(alone, ol.llama_config(alone))
+
+
+def test_activation_pool_beyond_host_memory_is_refused(monkeypatch):
+    """The pinned pool of saved inputs (LLaMA-7B, 64 x 1024 tokens: 17 GiB) counts before anything is allocated."""
+    run = gpu_checked(monkeypatch, preset="llama-7b", mode="overlapped", train=True, inference=False, grad_accum=16,
+                      batch_size=4, seq_len=1024, offload_activations=True)
+    config = ol.llama_config(run)
+    params = ol.host_bytes_needed(run, config, ol.param_count(config))[0]
+    monkeypatch.setattr(ol, "host_memory_available", lambda: params + 10 * ol.GiB)  # room for all but the pool
+    with pytest.raises(ol.UsageError, match=r"need \d+\.\d GiB of host memory, only \d+\.\d GiB are available"):
+        ol.check_devices(run, config)
+    monkeypatch.setattr(ol, "host_memory_available", lambda: params + 20 * ol.GiB)
+    ol.check_devices(run, config)
 
 
 def test_gpu_need_is_a_lower_bound_of_the_measured_peaks():

@@ -1,0 +1,1920 @@
+"""Layer-wise parameter offload for LLaMA, measured.
+
+The weights of every decoder layer live in pinned CPU memory as one flat buffer; each layer is copied
+into a small ring of GPU slots just before it runs. `blocked` copies, then computes, one layer at a
+time; `overlapped` lets a copy stream fill the next slot(s) while the compute stream runs the current
+one. The forward pass is the unmodified Hugging Face `LlamaForCausalLM.forward`: only the decoder
+layers it calls are swapped for thin wrappers that fetch their weights from the ring. Training streams
+every unit (embeddings, layers, norm, head) through an autograd.Function and steps Adam on the CPU.
+
+The file reads top to bottom, the algorithm first and the instruments after it:
+
+    run configuration  RunConfig (the one frozen dataclass a run passes around), PRESETS
+    model              build_model: a random LlamaForCausalLM from a preset, or a save_pretrained folder
+    parameter store    FlatLayout (a layer's parameters as views into one flat buffer), PinnedBuffer, ParamStore
+    layer streamer     LayerStreamer (the ring of GPU slots, the copy stream, two events per slot);
+                       StreamedLayer and offloaded_model put it under the unmodified HF forward
+    training           StreamedUnit (the per-unit autograd.Function), OffloadedTraining (gradients out on a
+                       D2H stream), MasterStore (float32 masters, gradients, Adam state), CpuAdam (the worker
+                       thread that steps each unit), ResidentTraining (the gpu and cpu reference)
+    modes              run_mode, train_mode: one mode's inference or training
+    measurement        timed and median_ms, the bounds (inference_bound, measure_train_bound), peak memory,
+                       profiler traces, the comparison with gpu mode
+    tables             tables, notes
+    largest model      find_largest: the most layers that train, each count probed in a fresh process
+    CLI                parse_args, check_devices (bad input refused before anything is allocated), run_all
+
+References: torchao's CPUOffloadOptimizer (pinned buffers allocated once, one event per sync point),
+torchtune's activation offloading (streams named for their role), gau-nernst's offload.py (flat
+buffers with parameter views into them), nanoGPT/gpt-fast (presets, derived efficiency figures).
+
+    python -m pytest -q tests                          # every mode computes the same thing
+    python offload_llama.py --mode overlapped --train  # LLaMA-7B-sized layers: memory and time tables
+    python offload_llama.py --find-largest --preset llama-7b --max-gpu-memory 11
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import dataclasses
+import gc
+import hashlib
+import json
+import math
+import mmap
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+
+GiB = 2**30
+MODES = ("gpu", "blocked", "overlapped", "cpu")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MODE_NAMES = {"gpu": "w/o offload (gpu)", "blocked": "blocked offload", "overlapped": "overlapped offload",
+              "cpu": "cpu"}
+
+
+def log(msg: str) -> None:
+    """Progress goes to stderr: stdout carries only the tables."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+class UsageError(Exception):
+    """Bad input: main() prints it as one line on stderr and exits with code 2."""
+
+
+# ----------------------------------------------------------------------------- run configuration
+
+PRESETS = {
+    # tiny: for tests; grouped-query attention (2 KV heads for 4 query heads) and an odd layer count
+    "tiny": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=256),
+    # LLaMA-7B dimensions with 8 layers (1.88B parameters): the report's model
+    "7b-8l": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=8, num_attention_heads=32,
+                  num_key_value_heads=32, vocab_size=32000),
+    "llama-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=32, vocab_size=32000),
+}
+SIZE_FLAGS = {"hidden_size": "hidden-size", "intermediate_size": "intermediate-size", "num_hidden_layers": "layers",
+              "num_attention_heads": "heads", "num_key_value_heads": "kv-heads", "vocab_size": "vocab-size"}
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything one run needs, from the command line (parse_args) or a test: frozen, passed explicitly."""
+    mode: str = "all"
+    preset: str = "7b-8l"
+    model: str | None = None            # a save_pretrained folder; overrides preset and sizes
+    sizes: tuple = ()                   # (field, value) pairs that override the preset
+    dtype: str = "bfloat16"             # the compute dtype; master weights stay float32
+    attention: str = "sdpa"             # eager: a backward that is bitwise reproducible (sdpa's is not)
+    batch_size: int = 1
+    seq_len: int = 4096
+    seed: int = 0
+    prefetch: int = 1                   # layers copied ahead in overlapped mode (ring of prefetch + 1 slots)
+    warmup: int = 2
+    repeat: int = 5
+    max_gpu_memory: float | None = None  # GiB
+    json: str | None = None
+    save_output: str | None = None
+    profile: str | None = None
+    train: bool = False                 # also run training steps in every mode
+    steps: int = 10
+    grad_accum: int = 1                 # micro-batches of batch_size x seq_len per optimizer step
+    lr: float = 1e-4
+    betas: tuple = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    find_largest: bool = False          # search the most decoder layers that train under max_gpu_memory
+
+    @property
+    def adam(self) -> Adam:
+        """The Adam hyper-parameters of this run."""
+        return Adam(self.lr, tuple(self.betas), self.eps, self.weight_decay)
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """The modes to run, in table order (gpu, blocked, overlapped, cpu)."""
+        return MODES if self.mode == "all" else tuple(m for m in MODES if m in self.mode.split(","))
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The compute dtype as a torch.dtype."""
+        return DTYPES[self.dtype]
+
+
+def default_dtype() -> str:
+    """bfloat16, unless the GPU cannot compute in it."""
+    cuda_without_bf16 = torch.cuda.is_available() and not torch.cuda.is_bf16_supported(including_emulation=False)
+    return "float16" if cuda_without_bf16 else "bfloat16"
+
+
+# ----------------------------------------------------------------------------- model
+
+def llama_config(run: RunConfig) -> LlamaConfig:
+    """The model's config: from --model's folder, or the preset with size flags applied; validated."""
+    if run.model is not None:
+        return load_config(Path(run.model))
+    sizes = {**PRESETS[run.preset], **dict(run.sizes)}
+    for field, value in sizes.items():
+        if value < 1:
+            raise UsageError(f"--{SIZE_FLAGS[field]} must be at least 1, got {value}")
+    if sizes["hidden_size"] % sizes["num_attention_heads"]:
+        raise UsageError(f"hidden size {sizes['hidden_size']} is not divisible by {sizes['num_attention_heads']} "
+                         "attention heads")
+    if sizes["num_attention_heads"] % sizes["num_key_value_heads"]:
+        raise UsageError(f"{sizes['num_attention_heads']} attention heads are not divisible by "
+                         f"{sizes['num_key_value_heads']} key/value heads")
+    if (sizes["hidden_size"] // sizes["num_attention_heads"]) % 2:
+        raise UsageError("the head dimension (hidden size / heads) must be even for rotary embeddings")
+    return LlamaConfig(**sizes, max_position_embeddings=max(4096, run.seq_len), tie_word_embeddings=False)
+
+
+def load_config(path: Path) -> LlamaConfig:
+    """A save_pretrained folder's LlamaConfig, refused with one line if the folder is not a LLaMA model."""
+    if not path.is_dir():
+        raise UsageError(f"--model {path}: no such folder (give a folder written by save_pretrained)")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise UsageError(f"--model {path}: no config.json, so not a save_pretrained folder")
+    try:
+        model_type = json.loads(config_file.read_text()).get("model_type")
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise UsageError(f"--model {path}: config.json is not valid JSON ({e})") from None
+    if model_type != "llama":
+        raise UsageError(f"--model {path}: model_type is {model_type!r}, not 'llama'")
+    return LlamaConfig.from_pretrained(path)
+
+
+def build_model(run: RunConfig, config: LlamaConfig) -> LlamaForCausalLM:
+    """The CPU model in the compute dtype: loaded from --model, or randomly initialised from --seed."""
+    dtype = run.torch_dtype
+    n = param_count(config)
+    what = run.model or run.preset
+    log(f"building {what}: {n / 1e9:.2f}B parameters, {str(dtype).removeprefix('torch.')} "
+        f"({n * dtype.itemsize / GiB:.1f} GiB) on the CPU ...")
+    t0 = time.perf_counter()
+    if run.model is not None:
+        try:
+            model = LlamaForCausalLM.from_pretrained(run.model, dtype=dtype, attn_implementation=run.attention)
+        except (OSError, ValueError) as e:
+            raise UsageError(f"--model {run.model}: cannot load the weights ({str(e).splitlines()[0]})") from None
+    else:
+        with torch.device("meta"):
+            model = LlamaForCausalLM._from_config(config, dtype=dtype, attn_implementation=run.attention)
+        init_random(model, run.seed)
+    log(f"built in {time.perf_counter() - t0:.1f} s")
+    return model.eval()
+
+
+@torch.no_grad()
+def init_random(model: LlamaForCausalLM, seed: int) -> None:
+    """Give a model built on the meta device HF's LLaMA initialisation, drawn on the CPU from `seed`: weights
+    N(0, initializer_range), norms 1. Built on the CPU, every nn.Linear would first run its own kaiming init, which
+    HF then overwrites. Each weight has its own generator, seeded from `seed` and its index, so the CPU's cores
+    draw them in parallel and the weights do not depend on how many there are."""
+    config = model.config
+    model.to_empty(device="cpu")
+    weights = [p.detach() for p in model.parameters() if p.dim() > 1]  # no_grad does not reach the pool threads
+
+    def draw(i: int) -> None:
+        """Draw weight i from its own generator."""
+        weights[i].normal_(0.0, config.initializer_range, generator=torch.Generator().manual_seed((seed << 16) + i))
+
+    with ThreadPoolExecutor(os.cpu_count()) as pool:  # normal_ releases the GIL
+        list(pool.map(draw, range(len(weights))))
+    for p in model.parameters():
+        if p.dim() == 1:
+            p.fill_(1.0)  # RMSNorm weights
+    if config.pad_token_id is not None:
+        model.model.embed_tokens.weight[config.pad_token_id].zero_()
+    model.model.rotary_emb = LlamaRotaryEmbedding(config)  # its buffers are computed, not drawn
+
+
+def param_count(config: LlamaConfig) -> int:
+    """The model's parameter count, counted on the meta device (no memory allocated)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in LlamaForCausalLM(config).parameters())
+
+
+def meta_layer(config: LlamaConfig) -> nn.Module:
+    """One decoder layer on the meta device: its shapes without its memory."""
+    with torch.device("meta"):
+        return LlamaDecoderLayer(config, layer_idx=0)
+
+
+def layer_bytes(config: LlamaConfig, dtype: torch.dtype) -> int:
+    """Bytes of one decoder layer's weights in `dtype`, laid out as the store and the GPU slots hold them."""
+    return FlatLayout.of(meta_layer(config)).numel * dtype.itemsize
+
+
+def random_input_ids(run: RunConfig, vocab_size: int, micro_batches: int = 1) -> torch.Tensor:
+    """Token ids drawn from --seed: micro_batches x batch_size sequences of seq_len tokens."""
+    generator = torch.Generator().manual_seed(run.seed)
+    return torch.randint(vocab_size, (micro_batches * run.batch_size, run.seq_len), generator=generator)  # (K*B, T)
+
+
+# ----------------------------------------------------------------------------- parameter store
+
+ALIGN = 128  # elements: 256 B in 16-bit dtypes, as the caching allocator aligns, so cuBLAS picks the same kernels
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Where each parameter of a decoder layer sits in its flat buffer (offsets in elements)."""
+    names: tuple[str, ...]
+    shapes: tuple[torch.Size, ...]
+    offsets: tuple[int, ...]
+    numel: int
+
+    @staticmethod
+    def of(layer: nn.Module) -> FlatLayout:
+        """The layout of `layer`'s parameters, each starting on an ALIGN boundary."""
+        names, shapes, offsets, end = [], [], [], 0
+        for name, p in layer.named_parameters():
+            names.append(name), shapes.append(p.shape), offsets.append(end)
+            end += -(-p.numel() // ALIGN) * ALIGN
+        return FlatLayout(tuple(names), tuple(shapes), tuple(offsets), end)
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each parameter as a view into `flat`, by name."""
+        return {name: flat[off:off + shape.numel()].view(shape)
+                for name, shape, off in zip(self.names, self.shapes, self.offsets)}
+
+    def bind(self, module: nn.Module, flat: torch.Tensor, trainable: bool = False) -> nn.Module:
+        """Make `module`'s parameters views into `flat`: filling `flat` then changes the weights it runs."""
+        for name, view in self.views(flat).items():
+            owner, _, leaf = name.rpartition(".")
+            setattr(module.get_submodule(owner), leaf, nn.Parameter(view, requires_grad=trainable))
+        return module
+
+
+class PinnedBuffer(mmap.mmap):
+    """Zeroed host memory of exactly `nbytes`, page-locked for the copy engines until the last tensor on it is freed.
+
+    torch's pinned allocator (pin_memory=True) rounds every block up to a power of two: a decoder layer's 809 MB of
+    float32 masters would pin 1 GiB. For LLaMA-7B that turns 62 GiB of pinned buffers into 82, and its 113 GiB of
+    training state into 133, more than the H100 machine's 128 GiB. Unlike that allocator it records no events, so
+    its tensors must outlive every copy queued from or to them (the stores do: they live as long as the run)."""
+
+    def __new__(cls, nbytes: int):
+        return super().__new__(cls, -1, nbytes)  # anonymous: zero-filled and page-aligned
+
+    def __init__(self, nbytes: int):
+        cudart = torch.cuda.cudart()
+        self.address, self.unregister = torch.frombuffer(self, dtype=torch.uint8).data_ptr(), cudart.cudaHostUnregister
+        torch.cuda.check_error(cudart.cudaHostRegister(self.address, nbytes, 0))
+
+    def __del__(self):  # before the memory is unmapped: the driver must let go of its pages first
+        self.unregister(self.address)
+
+
+def host_zeros(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A zeroed flat CPU buffer, pinned when a GPU streams it. Allocate once: pinning costs about 0.6 s per GiB."""
+    if not pin:
+        return torch.zeros(numel, dtype=dtype)
+    return torch.frombuffer(PinnedBuffer(numel * dtype.itemsize), dtype=dtype)  # the tensor keeps its buffer alive
+
+
+class ParamStore:
+    """Every decoder layer's weights as one flat CPU buffer in the compute dtype, pinned when a GPU streams it.
+
+    The CPU model's layer parameters are rebound as views into these buffers, so the host holds one copy.
+    """
+
+    @torch.no_grad()
+    def __init__(self, model: LlamaForCausalLM, pin: bool):
+        layers = model.model.layers
+        self.layout = FlatLayout.of(layers[0])
+        self.dtype = next(layers[0].parameters()).dtype
+        self.flats = []
+        for layer in layers:
+            flat = host_zeros(self.layout.numel, self.dtype, pin)
+            for name, view in self.layout.views(flat).items():
+                view.copy_(layer.get_parameter(name))
+            self.layout.bind(layer, flat)
+            self.flats.append(flat)
+
+    @property
+    def num_layers(self) -> int:
+        """How many decoder layers the store holds."""
+        return len(self.flats)
+
+
+# ----------------------------------------------------------------------------- layer streamer
+
+class InOrder:
+    """Stands in for a CUDA stream or event on the CPU, where every op already runs in program order.
+
+    Tests also put it in place of a real event to remove one stream wait and watch the result go wrong.
+    """
+
+    def wait_event(self, event) -> None: ...  # nothing to wait for: the CPU runs every op in order
+    def wait(self, stream=None) -> None: ...  # nothing to wait for
+    def record(self, stream=None) -> None: ...  # nothing to record
+    def synchronize(self) -> None: ...  # nothing to finish
+    def query(self) -> bool: return True  # always done
+
+
+def on_stream(stream):
+    """A `with` block that issues its work on `stream` (nothing to switch on the CPU)."""
+    return torch.cuda.stream(stream) if isinstance(stream, torch.cuda.Stream) else contextlib.nullcontext()
+
+
+def new_stream(device: torch.device):
+    """A side stream on a GPU; on the CPU, a stand-in that needs no ordering."""
+    return torch.cuda.Stream(device) if device.type == "cuda" else InOrder()
+
+
+def new_event(device: torch.device, blocking: bool = False):
+    """blocking: a host thread that waits on it sleeps instead of spinning on a core the CPU Adam needs."""
+    return torch.cuda.Event(blocking=blocking) if device.type == "cuda" else InOrder()
+
+
+STAGING = 2**24  # elements: fp32 masters cross PCIe in chunks this size, cast to the compute dtype on the GPU
+
+
+class LayerStreamer:
+    """Streams units (decoder layers; in training also embeddings, norm and head) from flat CPU buffers into a ring
+    of GPU slots; unit u runs in slot u % n_slots, so a pass in either direction cycles through the ring.
+
+    depth is how many units the copy stream runs ahead of the compute stream: 0 is blocked offload (copy a unit,
+    run it, copy the next), >= 1 is overlapped. Two events per slot order the two streams:
+      copied[s]  the copy into slot s has landed:        compute may read the slot
+      freed[s]   compute has finished the slot's unit:   the next copy may overwrite it
+    Sources in float32 with a lower compute dtype (training's master weights) cross PCIe in chunks through one
+    staging buffer and are cast on the copy stream: the GPU casts in microseconds what would cost the CPU, whose
+    Adam bounds a training step, 0.08 ns per parameter.
+    """
+
+    def __init__(self, sources: list[torch.Tensor], kinds: list[str], make_module, dtype: torch.dtype,
+                 device: torch.device, depth: int):
+        self.sources, self.kinds, self.depth = sources, kinds, depth
+        n_slots = min(depth + 1, len(sources))
+        numel = max(src.numel() for src in sources)
+        self.buffers = [torch.empty(numel, dtype=dtype, device=device) for _ in range(n_slots)]
+        cast = sources[0].dtype != dtype
+        self.staging = torch.empty(min(numel, STAGING), dtype=sources[0].dtype, device=device) if cast else None
+        with torch.device("meta"):  # slot modules own no memory: their parameters are views into the buffers
+            self.modules = [{kind: make_module(kind, buf) for kind in dict.fromkeys(kinds)} for buf in self.buffers]
+        self.compute_stream = torch.cuda.current_stream(device) if device.type == "cuda" else InOrder()
+        self.copy_stream = new_stream(device)
+        self.copied = [new_event(device) for _ in range(n_slots)]
+        self.freed = [new_event(device) for _ in range(n_slots)]
+        self.holds = [None] * n_slots  # the unit last copied into each slot
+        self.wait_source = lambda u: None  # training: block until unit u's CPU update is done
+        self.begin(range(len(sources)))
+
+    @property
+    def n_slots(self) -> int:
+        """How many units fit on the GPU at once."""
+        return len(self.buffers)
+
+    def begin(self, order, keep: bool = False) -> None:
+        """The next pass visits the units in `order` (training's backward pass: in reverse). keep: the units the
+        last pass left in the slots are still current (the backward pass, right after the forward), so they are
+        not copied again."""
+        self.order = list(order)
+        self.position = {u: p for p, u in enumerate(self.order)}
+        self.issued = 0  # positions whose copy has been issued in this pass
+        self.kept = {u for u in self.holds if u is not None} if keep else set()
+
+    def prefetch(self, p: int) -> None:
+        """Start copying the unit at position p of the pass into its slot, on the copy stream."""
+        u = self.order[p]
+        s, src = u % self.n_slots, self.sources[u]
+        if u in self.kept and self.holds[s] == u:
+            return
+        dst = self.buffers[s][:src.numel()]
+        self.wait_source(u)
+        with on_stream(self.copy_stream):
+            self.copy_stream.wait_event(self.freed[s])  # the slot's previous unit may still be running from it
+            if self.staging is None:
+                dst.copy_(src, non_blocking=True)
+            else:
+                self.cast_in(src, dst)
+            self.copied[s].record(self.copy_stream)
+        self.holds[s] = u
+
+    def cast_in(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy float32 `src` into the compute-dtype slot `dst` through the staging buffer, a chunk at a time."""
+        for a in range(0, src.numel(), STAGING):
+            n = min(STAGING, src.numel() - a)  # in order on the copy stream: a chunk is cast before the next lands
+            self.staging[:n].copy_(src[a:a + n], non_blocking=True)
+            dst[a:a + n].copy_(self.staging[:n])
+
+    def acquire(self, u: int) -> nn.Module:
+        """The module that runs unit u; also starts the copies of the units up to `depth` positions ahead."""
+        p = self.position[u]
+        if p == 0:
+            self.issued = 0  # a pass opens by filling the whole ring
+        while self.issued <= min(p + self.depth, len(self.order) - 1):
+            self.prefetch(self.issued)
+            self.issued += 1
+        s = u % self.n_slots
+        self.compute_stream.wait_event(self.copied[s])  # unit u's weights must have landed before its kernels read them
+        return self.modules[s][self.kinds[u]]
+
+    def release(self, u: int) -> None:
+        """Unit u's kernels are all issued: its slot is free once they have run."""
+        self.freed[u % self.n_slots].record(self.compute_stream)
+
+
+def layer_streamer(store: ParamStore, config: LlamaConfig, device: torch.device, depth: int) -> LayerStreamer:
+    """Inference: the decoder layers from the pinned store, in the compute dtype."""
+    def make_module(kind, buffer):
+        """A slot's decoder layer, its weights views into the slot's buffer."""
+        return store.layout.bind(LlamaDecoderLayer(config, layer_idx=0), buffer).eval()
+    return LayerStreamer(store.flats, ["layer"] * store.num_layers, make_module, store.dtype, device, depth)
+
+
+class StreamedLayer(nn.Module):
+    """Stands in for decoder layer `index` inside the HF forward: gets a module holding its weights, runs it."""
+
+    def __init__(self, index: int, strategy):
+        super().__init__()
+        self.index, self.strategy = index, strategy
+
+    def forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
+        """Run decoder layer `index` from the slot that holds it, then free the slot for the next copy."""
+        out = self.strategy.acquire(self.index)(hidden_states, **kwargs)
+        self.strategy.release(self.index)
+        return out
+
+
+def offloaded_model(model: LlamaForCausalLM, strategy, device: torch.device) -> LlamaForCausalLM:
+    """A copy of `model` on `device` without its decoder layers (embeddings, norm, head, rotary stay resident);
+    its layer list holds StreamedLayer wrappers, so the unmodified HF forward runs the layers from `strategy`."""
+    layers = model.model.layers
+    model.model.layers = nn.ModuleList()
+    try:
+        shell = copy.deepcopy(model).to(device)
+    finally:
+        model.model.layers = layers
+    shell.model.layers = nn.ModuleList(StreamedLayer(i, strategy) for i in range(len(layers)))
+    return shell.train(model.training)
+
+
+# ----------------------------------------------------------------------------- training
+
+@dataclass(frozen=True)
+class Unit:
+    """A piece of the model that is streamed whole in training: the embeddings, a decoder layer, the norm, the head."""
+    name: str  # its module's name in the HF model, so master weights map back to HF parameter names
+    kind: str  # embed, layer, norm or head
+    layout: FlatLayout
+
+
+def unit_module(kind: str, config: LlamaConfig) -> nn.Module:
+    """A module of this kind, built as LlamaForCausalLM builds its own (call it under torch.device('meta'))."""
+    if kind == "embed":
+        return nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+    if kind == "layer":
+        return LlamaDecoderLayer(config, layer_idx=0)
+    if kind == "norm":
+        return LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+    return nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+
+def model_units(config: LlamaConfig) -> list[Unit]:
+    """The units in forward order: embeddings, decoder layers, final norm, head."""
+    with torch.device("meta"):
+        layout = {kind: FlatLayout.of(unit_module(kind, config)) for kind in ("embed", "layer", "norm", "head")}
+    return ([Unit("model.embed_tokens", "embed", layout["embed"])]
+            + [Unit(f"model.layers.{i}", "layer", layout["layer"]) for i in range(config.num_hidden_layers)]
+            + [Unit("model.norm", "norm", layout["norm"]), Unit("lm_head", "head", layout["head"])])
+
+
+@dataclass(frozen=True)
+class Adam:
+    """torch.optim.Adam's hyper-parameters, with its meaning (L2 weight decay added to the gradient)."""
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+    def optimizer(self, params: list[torch.Tensor]) -> torch.optim.Adam:
+        # fused: one vectorised kernel; on the CPU the plain one is 6x slower (DESIGN.md)
+        """torch.optim.Adam over `params` with these hyper-parameters, fused."""
+        return torch.optim.Adam(params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
+                                fused=True)
+
+
+class MasterStore:
+    """Training state on the CPU, one flat float32 buffer per unit and kind of state: 16 bytes per parameter.
+
+    masters  pinned: the copy stream streams them to the GPU, which casts them to the compute dtype
+    grads    pinned: the GPU copies each unit's float32 gradients into them
+    and torch.optim.Adam's two moments, one optimizer per unit so each unit can step on its own.
+    """
+
+    def __init__(self, units: list[Unit], adam: Adam, pin: bool):
+        self.units = units
+        self.masters = [host_zeros(u.layout.numel, torch.float32, pin) for u in units]
+        self.grads = [host_zeros(u.layout.numel, torch.float32, pin) for u in units]
+        self.params = [nn.Parameter(master) for master in self.masters]  # share the masters' memory
+        for param, grad in zip(self.params, self.grads):
+            param.grad = grad
+        self.optimizers = [adam.optimizer([param]) for param in self.params]
+
+    @torch.no_grad()
+    def load(self, model: LlamaForCausalLM) -> None:
+        """Start from `model`'s weights, with fresh Adam state."""
+        for unit, master, opt in zip(self.units, self.masters, self.optimizers):
+            module = model.get_submodule(unit.name)
+            for name, view in unit.layout.views(master).items():
+                view.copy_(module.get_parameter(name))
+            opt.state.clear()
+
+    def state_dict(self, flats: list[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """The masters (or other per-unit flats, such as the gradients) as tensors with HF parameter names."""
+        return {f"{unit.name}.{name}": view.clone() for unit, flat in zip(self.units, flats or self.masters)
+                for name, view in unit.layout.views(flat).items()}
+
+
+class CpuAdam:
+    """Each unit's Adam step, on the CPU, in a worker thread, as soon as the unit's gradients have landed.
+
+    Of the units whose gradients have landed it steps first the one the next forward pass needs first: the
+    embeddings and first layers, whose gradients come last, are then ready soonest, and the next step's forward
+    overlaps the updates of the layers after them. No unit is read before its update is done (`wait`).
+    """
+
+    def __init__(self, optimizers: list[torch.optim.Adam]):
+        self.optimizers = optimizers
+        self.done = [threading.Event() for _ in optimizers]
+        for event in self.done:
+            event.set()
+        self.pending, self.error = [], None  # (unit, landed event), in the order submitted
+        self.cond = threading.Condition()
+        self.thread = threading.Thread(target=self.work, name="cpu-adam", daemon=True)
+        self.thread.start()
+
+    def submit(self, u: int, landed) -> None:
+        """Queue unit u's step; it runs once `landed` says its gradients are in pinned memory."""
+        self.done[u].clear()
+        with self.cond:
+            self.pending.append((u, landed))
+            self.cond.notify()
+
+    def wait(self, u: int) -> None:
+        """Block until unit u's last update is done; re-raise an error of the worker."""
+        self.done[u].wait()
+        if self.error:
+            raise self.error
+
+    def wait_all(self) -> None:
+        """Block until every queued update is done."""
+        for u in range(len(self.done)):
+            self.wait(u)
+
+    def close(self) -> None:
+        """Finish every update, then stop the worker thread (once; closing again does nothing)."""
+        if not self.thread.is_alive():
+            return
+        self.wait_all()
+        with self.cond:
+            self.pending.append(None)
+            self.cond.notify()
+        self.thread.join()
+
+    def next_job(self):
+        """The next (unit, landed) to step, sleeping until one is queued; None once close() asked to stop."""
+        with self.cond:
+            while not self.pending:
+                self.cond.wait()
+            if self.pending[0] is None:
+                return None
+            landed = [job for job in self.pending if job is not None and job[1].query()]
+            job = min(landed, key=lambda job: job[0]) if landed else self.pending[0]
+            self.pending.remove(job)
+            return job
+
+    def work(self) -> None:
+        # as the loss falls, v = beta2 * v + (1 - beta2) * g^2 goes denormal, and x86 takes microcode assists on
+        # denormals: flush them to zero. It moves no update: sqrt(v) is then far below eps in the denominator
+        """The worker thread: step each unit as its job comes, and mark it done."""
+        torch.set_flush_denormal(True)
+        while (job := self.next_job()) is not None:
+            u, landed = job
+            try:
+                landed.synchronize()  # the gradients must be in pinned memory before the CPU reads them
+                self.optimizers[u].step()
+            except Exception as e:  # hand it to the main thread, which waits on `done`
+                self.error = e
+            self.done[u].set()
+
+
+class LossScale:
+    """Dynamic loss scaling for float16, as torch.amp.GradScaler does it: the loss is multiplied by the scale so
+    small gradients do not flush to zero; a step whose gradients overflow is skipped and halves the scale, 2000
+    good steps in a row double it. Scales are powers of two, so scaling and unscaling are exact."""
+
+    def __init__(self, enabled: bool, device: torch.device):
+        self.enabled, self.scale, self.good_steps = enabled, 2.0**16 if enabled else 1.0, 0
+        self.found_inf = torch.zeros(1, device=device)
+        self.device = device
+
+    def unscale(self, grads: list[torch.Tensor]) -> None:
+        """Divide the float32 gradients by the scale and note any inf or NaN (no sync)."""
+        if self.enabled:
+            inv_scale = torch.full((1,), 1 / self.scale, device=self.device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found_inf, inv_scale)
+
+    def update(self) -> bool:
+        """After the backward pass: whether the step may be applied (a sync on float16 only)."""
+        if not self.enabled:
+            return True
+        overflow = bool(self.found_inf.item())
+        self.found_inf.zero_()
+        self.good_steps = 0 if overflow else self.good_steps + 1
+        if overflow:
+            self.scale /= 2
+        elif self.good_steps == 2000:
+            self.scale, self.good_steps = self.scale * 2, 0
+        return not overflow
+
+
+def objective(loss: torch.Tensor, micro_batches: int, scale: float) -> torch.Tensor:
+    """What backward starts from for one micro-batch: its share of the mean loss, times the loss scale. The gpu mode
+    and the offloaded modes build it alike, so its gradient is the same bits in both."""
+    return loss / micro_batches * scale
+
+
+def decoder_kwargs(model: LlamaForCausalLM, shape: tuple[int, int], dtype: torch.dtype, device) -> dict:
+    """What HF's LlamaModel.forward passes its decoder layers besides the hidden states (rotary cos/sin, causal
+    mask, positions), computed by HF itself on `device`: its forward runs on zero embeddings through one recorder."""
+    captured = {}
+
+    class Recorder(nn.Module):
+        """Keeps the keyword arguments HF passes to a decoder layer; returns its input."""
+
+        def forward(self, hidden_states, **kwargs):
+            """Record the kwargs, pass the hidden states through."""
+            captured.update(kwargs)
+            return hidden_states
+
+    base = model.model
+    kept = base.layers, base.norm, base.rotary_emb
+    rotary = copy.deepcopy(kept[2]).to(device)
+    base.layers, base.norm, base.rotary_emb = nn.ModuleList([Recorder()]), nn.Identity(), rotary
+    try:
+        with torch.no_grad():
+            zeros = torch.zeros(*shape, model.config.hidden_size, dtype=dtype, device=device)
+            base(inputs_embeds=zeros, use_cache=False)
+    finally:
+        base.layers, base.norm, base.rotary_emb = kept
+    return captured
+
+
+class StreamedUnit(torch.autograd.Function):
+    """One unit over every micro-batch while its weights are on the GPU (layer-major), for forward and backward.
+
+    Forward streams the unit in and keeps only its inputs; backward streams it in again, recomputes and
+    back-propagates each micro-batch, and sends the unit's gradients to the CPU, where Adam updates it while the
+    GPU goes on with the units below. `anchor` requires grad, so autograd calls backward for the embeddings too,
+    whose inputs are token ids."""
+
+    @staticmethod
+    def forward(ctx, trainer: OffloadedTraining, u: int, anchor: torch.Tensor, *xs: torch.Tensor):
+        """Run unit u on every micro-batch from its slot; save the inputs, not the activations."""
+        ctx.trainer, ctx.u = trainer, u
+        ctx.save_for_backward(*xs)
+        module = trainer.streamer.acquire(u)
+        outs = tuple(trainer.run_unit(u, module, x, k) for k, x in enumerate(xs))
+        trainer.streamer.release(u)
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grad_outs):
+        """Gradients of the inputs (one per micro-batch); none for trainer, u and anchor."""
+        return None, None, None, *ctx.trainer.backward_unit(ctx.u, ctx.saved_tensors, grad_outs)
+
+
+class OffloadedTraining:
+    """blocked and overlapped training: every unit streamed from the CPU masters, CPU Adam per unit.
+
+    Streams: the compute stream runs the units; the streamer's copy stream brings weights in; `d2h_stream` takes
+    gradients out, so copies in both directions overlap. The GPU holds the streamer's slots, one float32
+    gradient buffer and the activations."""
+
+    def __init__(self, store: MasterStore, config: LlamaConfig, dtype: torch.dtype, device: torch.device, depth: int,
+                 loss_function, kwargs: dict):
+        self.store, self.units, self.kwargs, self.loss_function = store, store.units, kwargs, loss_function
+        self.vocab_size, self.hidden_size = config.vocab_size, config.hidden_size
+        self.adam = CpuAdam(store.optimizers)
+
+        def make_module(kind, buffer):
+            """A slot's module of this kind, its trainable weights views into the slot's buffer."""
+            return self.layout(kind).bind(unit_module(kind, config), buffer, trainable=True).eval()
+
+        self.streamer = LayerStreamer(store.masters, [u.kind for u in self.units], make_module, dtype, device, depth)
+        # the next forward streams a unit only once its last update is done
+        self.streamer.wait_source = self.adam.wait
+        self.grad_buffer = torch.empty(max(m.numel() for m in store.masters), dtype=torch.float32, device=device)
+        self.d2h_stream = new_stream(device)
+        self.landed = [new_event(device, blocking=True) for _ in self.units]
+        self.last_landed = InOrder()  # the gradients that left grad_buffer last
+        self.anchor = torch.empty(0, device=device, requires_grad=True)
+        self.loss_scale = LossScale(dtype == torch.float16, device)
+        self.sent = []
+
+    def layout(self, kind: str) -> FlatLayout:
+        """The flat layout of units of this kind."""
+        return next(u.layout for u in self.units if u.kind == kind)
+
+    def run_unit(self, u: int, module: nn.Module, x: torch.Tensor, k: int) -> torch.Tensor:
+        """Unit u's forward on micro-batch k: hidden states out, or the loss for the head."""
+        kind = self.units[u].kind
+        if kind == "layer":
+            return module(x, **self.kwargs)
+        if kind == "head":  # the head's output is micro-batch k's loss, so no more than one batch of logits lives
+            return self.loss_function(module(x), self.labels[k], vocab_size=self.vocab_size)
+        return module(x)
+
+    def unit_grads(self, u: int, module: nn.Module, x: torch.Tensor, k: int, grad_out: torch.Tensor):
+        """Recompute unit u on micro-batch k and back-propagate: (gradient of its input or None, parameter grads)."""
+        params = list(module.parameters())
+        with torch.enable_grad():
+            x = x.detach().requires_grad_(x.is_floating_point())
+            inputs = [x, *params] if x.requires_grad else params
+            grads = torch.autograd.grad(self.run_unit(u, module, x, k), inputs, grad_out)
+        return (grads[0], grads[1:]) if x.requires_grad else (None, grads)
+
+    def backward_unit(self, u: int, xs, grad_outs) -> list:
+        """Unit u's backward over every micro-batch: stream it in, recompute, accumulate its gradients in float32 and
+        send them to the CPU; returns the gradients of its inputs."""
+        module = self.streamer.acquire(u)
+        views = list(self.units[u].layout.views(self.grad_buffer).values())
+        grads_in = []
+        for k, (x, grad_out) in enumerate(zip(xs, grad_outs)):
+            grad_in, grads = self.unit_grads(u, module, x, k, grad_out)
+            if k == 0:
+                self.streamer.compute_stream.wait_event(self.last_landed)  # the last unit's grads must have left
+            for view, grad in zip(views, grads):  # float32 accumulation in micro-batch order, as the gpu mode does
+                view.copy_(grad) if k == 0 else view.add_(grad)
+            grads_in.append(grad_in)
+        self.streamer.release(u)
+        self.send(u)
+        return grads_in
+
+    def send(self, u: int) -> None:
+        """Unscale unit u's gradients, copy them to pinned memory on the D2H stream, and queue its Adam step."""
+        n = self.store.grads[u].numel()
+        self.loss_scale.unscale([self.grad_buffer[:n]])
+        ready = new_event(self.grad_buffer.device)
+        ready.record(self.streamer.compute_stream)
+        with on_stream(self.d2h_stream):
+            self.d2h_stream.wait_event(ready)  # the unit's backward must have written all its gradients
+            self.store.grads[u].copy_(self.grad_buffer[:n], non_blocking=True)
+            self.landed[u].record(self.d2h_stream)
+        self.last_landed = self.landed[u]
+        self.sent.append(u)
+        if not self.loss_scale.enabled:  # float16 must first see every gradient: one overflow skips the step
+            self.adam.submit(u, self.landed[u])
+
+    def step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
+        """One optimizer step over the micro-batches; returns the mean loss. The updates may still be running."""
+        self.labels, self.sent = micro_batches, []
+        n = len(self.units)
+        self.streamer.begin(range(n))
+        losses = StreamedUnit.apply(self, 0, self.anchor, *micro_batches)
+        for u in range(1, n):
+            losses = StreamedUnit.apply(self, u, self.anchor, *losses)
+        self.streamer.begin(reversed(range(n)), keep=True)  # the forward's last units are still on the GPU
+        sum(objective(loss, len(losses), self.loss_scale.scale) for loss in losses).backward()
+        if self.loss_scale.update() and self.loss_scale.enabled:
+            for u in self.sent:
+                self.adam.submit(u, self.landed[u])
+        return mean_loss(losses)
+
+    def finish(self) -> None:
+        """Wait for the last updates and stop the CPU Adam worker."""
+        self.adam.close()
+
+
+class ResidentTraining:
+    """gpu and cpu modes, the reference: the plain HF model on `device`, float32 master weights and
+    torch.optim.Adam on the same device, a compute-dtype copy of the weights for forward and backward."""
+
+    def __init__(self, model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device, adam: Adam):
+        self.model = copy.deepcopy(model).to(device)
+        self.names = [name for name, _ in self.model.named_parameters()]
+        self.params = [p.requires_grad_() for p in self.model.parameters()]  # the inference store froze the layers
+        self.masters = [p.detach().float().clone() for p in self.params]
+        self.optimizer = adam.optimizer(self.masters)
+        self.loss_scale = LossScale(dtype == torch.float16, device)
+
+    def step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
+        """One optimizer step: backward each micro-batch, accumulate the gradients in float32, step Adam on the
+        masters and copy them into the compute-dtype weights; returns the mean loss."""
+        losses = []
+        for k, ids in enumerate(micro_batches):
+            loss = self.model(ids, labels=ids, use_cache=False).loss
+            objective(loss, len(micro_batches), self.loss_scale.scale).backward()
+            for master, p in zip(self.masters, self.params):
+                master.grad = p.grad.float() if k == 0 else master.grad.add_(p.grad)
+                p.grad = None
+            losses.append(loss.detach())
+        self.loss_scale.unscale([m.grad for m in self.masters])
+        if self.loss_scale.update():
+            self.optimizer.step()
+            with torch.no_grad():
+                for p, master in zip(self.params, self.masters):
+                    p.copy_(master)
+        return mean_loss(losses)
+
+    def finish(self) -> None: ...  # nothing runs in the background
+
+    def state_dict(self, tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`tensors` (masters or their gradients) on the CPU under HF parameter names."""
+        return {name: t.detach().cpu() for name, t in zip(self.names, tensors)}
+
+
+def mean_loss(losses) -> torch.Tensor:
+    """The mean of the micro-batches' losses, detached."""
+    return sum(loss.detach() for loss in losses) / len(losses)
+
+
+# ----------------------------------------------------------------------------- modes
+
+def logits_of(model: LlamaForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
+    """One forward pass. No KV cache: a single pass needs none, and the slot modules share one layer_idx."""
+    return model(input_ids, use_cache=False).logits  # (B, T, vocab)
+
+
+def infer_resident(model, input_ids, device, run: RunConfig, config) -> tuple[dict, torch.Tensor]:
+    """gpu and cpu modes: the plain HF model, resident on `device`."""
+    if device.type == "cuda":
+        model = copy.deepcopy(model).to(device)
+    ids = input_ids.to(device)
+    # the CPU takes minutes per pass at full size: one run, no warm-up
+    warmup, repeat = (run.warmup, run.repeat) if device.type == "cuda" else (0, 1)
+    ms, logits = median_ms(lambda: logits_of(model, ids), device, warmup, repeat)
+    result = {"time_ms": ms}
+    if device.type == "cuda":
+        result |= gpu_memory(config, run.torch_dtype, ids.numel(), config.num_hidden_layers)
+    return result, logits.cpu()
+
+
+def infer_offloaded(model, store: ParamStore, input_ids, device, depth: int, run: RunConfig, config,
+                    profile: str | None) -> tuple[dict, torch.Tensor]:
+    """blocked (depth 0) and overlapped (depth >= 1) modes: the HF forward with layers streamed in."""
+    streamer = layer_streamer(store, config, device, depth)
+    shell = offloaded_model(model, streamer, device)
+    ids = input_ids.to(device)
+    ms, logits = median_ms(lambda: logits_of(shell, ids), device, run.warmup, run.repeat)
+    result = {"time_ms": ms, "prefetch": depth, "slots": streamer.n_slots}
+    if device.type == "cuda":
+        result |= gpu_memory(config, store.dtype, ids.numel(), streamer.n_slots)
+        result |= inference_bound(shell, streamer, ids, ms, run)
+        if profile:
+            result["trace"] = profile_forward(shell, ids, profile)
+    return result, logits.cpu()
+
+
+def run_mode(mode: str, model, store, input_ids, run: RunConfig, config) -> tuple[dict, torch.Tensor | None]:
+    """One mode's inference result; {'oom': True} when it does not fit the GPU (or the --max-gpu-memory cap)."""
+    device = torch.device("cpu" if mode == "cpu" else "cuda")
+    log(f"mode {mode}: inference over {input_ids.numel()} tokens ...")
+    reset_peak_memory(device)
+    try:
+        with torch.inference_mode():
+            if mode in ("gpu", "cpu"):
+                return infer_resident(model, input_ids, device, run, config)
+            depth = 0 if mode == "blocked" else run.prefetch
+            profile = run.profile if mode == profiled_mode(run) else None
+            return infer_offloaded(model, store, input_ids, device, depth, run, config, profile)
+    except torch.OutOfMemoryError:
+        log(f"mode {mode}: out of GPU memory")
+        return {"oom": True}, None
+
+
+def train_mode(mode: str, model, masters: MasterStore | None, input_ids, run: RunConfig, compared: bool) -> dict:
+    """One mode's training: `run.steps` steps on one fixed batch; {'oom': True} when it does not fit the GPU. When
+    `compared` with gpu mode's, it keeps the first step's gradients and masters and the last step's masters."""
+    device = torch.device("cpu" if mode == "cpu" else "cuda")
+    micro_batches = [ids.to(device) for ids in input_ids.chunk(run.grad_accum)]
+    log(f"mode {mode}: training, {run.steps} steps of {input_ids.numel()} tokens "
+        f"({run.grad_accum} micro-batch{'es' if run.grad_accum > 1 else ''}) ...")
+    reset_peak_memory(device)
+    trainer = None
+    try:
+        trainer = make_trainer(mode, model, masters, micro_batches, run, device)
+        profile = train_trace_path(run.profile) if run.profile and mode == profiled_mode(run) else None
+        result = train_steps(trainer, micro_batches, run, compared, profile)
+        trainer.finish()
+        if compared or run.save_output:  # a copy of every master: for LLaMA-7B 25 GiB of host memory
+            result["masters"] = trainer.state_dict(trainer.masters) if isinstance(trainer, ResidentTraining) \
+                else masters.state_dict()
+        return result | training_figures(trainer, micro_batches, device, run, result["time_ms"])
+    except torch.OutOfMemoryError:
+        log(f"mode {mode}: out of GPU memory")
+        return {"oom": True}
+    finally:  # an OOM or an interrupt too: the CPU Adam worker must stop before the buffers it steps are freed
+        if trainer is not None:
+            trainer.finish()
+
+
+def make_trainer(mode: str, model, masters: MasterStore | None, micro_batches, run: RunConfig, device):
+    """The trainer for `mode`: the resident reference, or the streamed units with the CPU Adam."""
+    if mode in ("gpu", "cpu"):
+        return ResidentTraining(model, run.torch_dtype, device, run.adam)
+    masters.load(model)
+    kwargs = decoder_kwargs(model, tuple(micro_batches[0].shape), run.torch_dtype, device)
+    depth = 0 if mode == "blocked" else run.prefetch
+    return OffloadedTraining(masters, model.config, run.torch_dtype, device, depth, model.loss_function, kwargs)
+
+
+def train_steps(trainer, micro_batches, run: RunConfig, keep_grads: bool, profile: str | None = None) -> dict:
+    """Time each step from its start to the next one's: the offloaded modes overlap a step's last updates with the
+    next step's forward, so a step's end is where the next one can begin."""
+    losses, times, grads, trace = [], [], None, None
+    start = time.perf_counter()
+    for i in range(run.steps):
+        if i == run.steps - 1 and profile:  # the last step, traced and left out of the timing
+            trace = profile_step(trainer, micro_batches, profile)
+            losses.append(trace.pop("loss"))
+            break
+        loss = trainer.step(micro_batches).item()  # a sync: this step's forward has run
+        if i == 0 and keep_grads:  # the first step's gradients and masters, for the comparison with gpu mode
+            grads = first_step_state(trainer)
+        now = time.perf_counter()
+        losses.append(loss)
+        times.append((now - start) * 1e3)
+        start = now
+        log(f"  step {i}: loss {loss:.4f}, {times[-1]:.0f} ms")
+    timed = times[run.warmup:] or times
+    return {"time_ms": statistics.median(timed), "step_ms": times, "losses": losses, "grads": grads,
+            "tokens_per_step": sum(ids.numel() for ids in micro_batches), **({"trace": trace} if trace else {})}
+
+
+def profiled_mode(run: RunConfig) -> str:
+    """The mode --profile traces: overlapped, or blocked when overlapped is not run."""
+    return "overlapped" if "overlapped" in run.modes else "blocked"
+
+
+def free_gpu_memory() -> None:
+    """Drop the last mode's GPU copies (and an OOM's leftovers) before the next mode measures its peak."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------- measurement
+
+CUBLAS_WORKSPACE = 32 * 2**20  # torch's default cuBLAS workspace on Hopper (":4096:8"), allocated once per stream
+
+
+def timed(fn, device: torch.device) -> tuple[float, object]:
+    """Milliseconds fn() takes on `device`, and its result."""
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        out = fn()
+        return (time.perf_counter() - t0) * 1e3, out
+    # start from an idle GPU, so no stream can begin work before `start` is recorded
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    out = fn()
+    end.record()  # fn's side-stream work is all waited for by the current stream, so `end` covers it
+    end.synchronize()
+    return start.elapsed_time(end), out
+
+
+def median_ms(fn, device: torch.device, warmup: int, repeat: int) -> tuple[float, object]:
+    """Median time of `repeat` runs after `warmup` untimed ones, and the last run's result."""
+    for _ in range(warmup):
+        fn()
+    times, out = [], None
+    for _ in range(repeat):
+        out = None  # free the last output before the next run allocates its own
+        ms, out = timed(fn, device)
+        times.append(ms)
+    return statistics.median(times), out
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak of GPU memory and of the host's resident set."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")  # resets the peak resident set size (Linux)
+
+
+def peak_host_rss() -> int | None:
+    """The process's peak resident set size since the last reset, in bytes (pinned memory included)."""
+    return proc_kib("/proc/self/status", "VmHWM")
+
+
+def proc_kib(path: str, field: str) -> int | None:
+    """A 'field: N kB' line of a Linux /proc file, in bytes (None where there is no such file or field)."""
+    with contextlib.suppress(OSError):
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def pipeline_bound_ms(n_layers: int, copy_ms: float, compute_ms: float, resident_ms: float, depth: int) -> float:
+    """The fastest a pass can be given per-layer copy and compute times (DESIGN.md).
+
+    Blocked (depth 0) serialises each copy with its layer. Overlapped hides the shorter of the two behind the
+    longer, except the first copy and the last layer's compute, which have nothing to overlap with."""
+    if depth == 0:
+        return resident_ms + n_layers * (copy_ms + compute_ms)
+    return resident_ms + copy_ms + (n_layers - 1) * max(copy_ms, compute_ms) + compute_ms
+
+
+def layer_inputs(shell: LlamaForCausalLM, input_ids: torch.Tensor) -> tuple[tuple, dict]:
+    """The arguments the HF forward passes to decoder layer 0 (hidden states, rotary embeddings, mask)."""
+    captured = {}
+    hook = shell.model.layers[0].register_forward_pre_hook(
+        lambda module, args, kwargs: captured.update(args=args, kwargs=kwargs), with_kwargs=True)
+    try:
+        logits_of(shell, input_ids)
+    finally:
+        hook.remove()
+    return captured["args"], captured["kwargs"]
+
+
+class SkipLayers:
+    """A strategy that runs no decoder layer: times the resident parts (embeddings, norm, head) alone."""
+
+    def acquire(self, i: int):
+        """A layer that returns its input."""
+        return lambda hidden_states, **kwargs: hidden_states
+
+    def release(self, i: int) -> None: ...  # no slot to free
+
+
+def set_strategy(shell: LlamaForCausalLM, strategy) -> None:
+    """Point every StreamedLayer of the shell at another strategy (the streamer, or SkipLayers)."""
+    for layer in shell.model.layers:
+        layer.strategy = strategy
+
+
+def inference_bound(shell, streamer: LayerStreamer, input_ids, measured_ms: float, run: RunConfig) -> dict:
+    """Copy-only and compute-only runs of the same layers, combined into the mode's bound (pipeline_bound_ms), and
+    the measured pass against it: efficiency and achieved host-to-device bandwidth."""
+    n, device = len(streamer.sources), input_ids.device
+
+    def copy_all():
+        """Copy every layer into its slot, nothing computed."""
+        for p in range(n):
+            streamer.prefetch(p)
+        # `timed` records its end event on this stream: make it wait for the copies
+        torch.cuda.current_stream(device).wait_stream(streamer.copy_stream)
+
+    copy_ms = median_ms(copy_all, device, run.warmup, run.repeat)[0] / n
+    args, kwargs = layer_inputs(shell, input_ids)
+    compute_ms = median_ms(lambda: streamer.modules[0]["layer"](*args, **kwargs), device, run.warmup, run.repeat)[0]
+    set_strategy(shell, SkipLayers())
+    resident_ms = median_ms(lambda: logits_of(shell, input_ids), device, run.warmup, run.repeat)[0]
+    set_strategy(shell, streamer)
+    bound_ms = pipeline_bound_ms(n, copy_ms, compute_ms, resident_ms, streamer.depth)
+    nbytes = streamer.sources[0].nbytes  # one layer's
+    return {"copy_ms_per_layer": copy_ms, "compute_ms_per_layer": compute_ms, "resident_ms": resident_ms,
+            "h2d_gbps_copy_only": nbytes / copy_ms / 1e6, "bound_ms": bound_ms, "efficiency": bound_ms / measured_ms,
+            "h2d_gbps": n * nbytes / measured_ms / 1e6}
+
+
+def gpu_memory(config: LlamaConfig, dtype: torch.dtype, tokens: int, layers_on_gpu: int) -> dict:
+    """The peak GPU memory of the pass just run, next to the analytic figure for it."""
+    return {"peak_gpu_bytes": torch.cuda.max_memory_allocated(),
+            "analytic_peak_bytes": analytic_peak_bytes(config, dtype, tokens, layers_on_gpu)}
+
+
+def analytic_peak_bytes(config: LlamaConfig, dtype: torch.dtype, tokens: int, resident_layers: int) -> dict[str, int]:
+    """The GPU memory a forward pass needs, term by term: layer weights on the GPU (all of them, or the slots),
+    the resident parts, the largest activation footprint (a decoder layer's MLP, or the head) and workspace."""
+    return {"layer weights": resident_layers * layer_bytes(config, dtype),
+            "resident parts": resident_bytes(config, dtype), "activations": activation_bytes(config, dtype, tokens),
+            "workspace": CUBLAS_WORKSPACE + 8 * 512}
+
+
+def resident_bytes(config: LlamaConfig, dtype: torch.dtype) -> int:
+    """What offloaded inference keeps on the GPU besides the slots: embeddings, head and final norm."""
+    return (2 * config.vocab_size * config.hidden_size + config.hidden_size) * dtype.itemsize
+
+
+def activation_bytes(config: LlamaConfig, dtype: torch.dtype, tokens: int, at_least: bool = False) -> int:
+    """The largest activation footprint of a forward pass over `tokens` tokens: a decoder layer's MLP or the head,
+    whichever is larger, and the rotary tables and ids. at_least: what the pass cannot do without (the MLP's peak,
+    or the logits alone), a figure that is never above the measured peak."""
+    b, h, i, v = dtype.itemsize, config.hidden_size, config.intermediate_size, config.vocab_size
+    head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    # in a layer the peak is in the MLP: layer input, residual, attention sum, normed input; act(gate(x)), up(x),
+    # their product (measured on the H100: exact in bfloat16 and float32)
+    layer_act = tokens * b * (4 * h + 3 * i)
+    # at the head, counted together though they do not all coexist: hidden state, normed hidden state,
+    # float32 norm temporaries, logits
+    head_act = tokens * (2 * b * h + 2 * 4 * h + b * v)
+    if at_least:
+        return max(layer_act, tokens * b * v)
+    rotary_and_ids = tokens * (2 * head_dim * b + 2 * 8)  # cos and sin, token ids and position ids (int64)
+    return max(layer_act, head_act) + rotary_and_ids
+
+
+def training_figures(trainer, micro_batches, device: torch.device, run: RunConfig, step_ms: float) -> dict:
+    """Peak GPU and host memory over the steps just run; for an offloaded mode on the GPU, also its bound and the
+    step's efficiency against it."""
+    figures = {"peak_gpu_bytes": torch.cuda.max_memory_allocated(device)} if device.type == "cuda" else {}
+    figures["peak_host_bytes"] = peak_host_rss()
+    if isinstance(trainer, OffloadedTraining) and device.type == "cuda":
+        figures |= measure_train_bound(trainer, micro_batches, device, run)
+        figures["efficiency"] = figures["bound_ms"] / step_ms
+    return figures
+
+
+def measure_train_bound(trainer: OffloadedTraining, micro_batches, device, run: RunConfig) -> dict:
+    """The four things a training step cannot beat, each measured alone: GPU compute (forward, recompute and
+    backward of every unit, weights resident), the host-to-device copies (every unit, twice, less the units the
+    backward pass finds still on the GPU), the device-to-host copies (every unit's float32 gradients) and the CPU
+    Adam over every parameter."""
+    streamer, store, n = trainer.streamer, trainer.store, len(trainer.units)
+    current = torch.cuda.current_stream(device)
+
+    def copy_in():
+        """Every H2D copy of a step: the forward pass, then the backward pass's, less the units it keeps."""
+        for order, keep in ((range(n), False), (reversed(range(n)), True)):
+            streamer.begin(order, keep)
+            for p in range(n):
+                streamer.prefetch(p)
+        current.wait_stream(streamer.copy_stream)  # `timed` records its end event on this stream
+
+    def copy_out():
+        """Every D2H copy of a step: each unit's float32 gradients."""
+        with on_stream(trainer.d2h_stream):
+            for grad in store.grads:
+                grad.copy_(trainer.grad_buffer[:grad.numel()], non_blocking=True)
+        current.wait_stream(trainer.d2h_stream)
+
+    h2d_ms = median_ms(copy_in, device, run.warmup, run.repeat)[0]
+    kept = sum(store.masters[u].nbytes for u in streamer.kept)
+    d2h_ms = median_ms(copy_out, device, run.warmup, run.repeat)[0]
+    kinds = [u.kind for u in trainer.units]
+    compute_ms = sum(kinds.count(kind) * unit_compute_ms(trainer, kinds.index(kind), micro_batches, device, run)
+                     for kind in dict.fromkeys(kinds))
+    numel, total = max(m.numel() for m in store.masters), sum(m.numel() for m in store.masters)
+    adam_ms = cpu_adam_ms(run.adam, numel) * total
+    parts = {"gpu_compute_ms": compute_ms, "h2d_ms": h2d_ms, "d2h_ms": d2h_ms, "cpu_adam_ms": adam_ms}
+
+    # not a part of the bound: the same Adam while both copy engines stream, as they do in a step. Adam and the
+    # copies share the host's memory bandwidth, and the difference is what the copies cost the CPU
+    def copy_both_ways():  # queued, not waited for: the copy engines run while the CPU steps Adam
+        for _ in range(2):
+            copy_in()
+            copy_out()
+
+    contended_ms = cpu_adam_ms(run.adam, numel, during=copy_both_ways) * total
+    torch.cuda.synchronize(device)  # the queued copies end before anything else is timed
+    return {**parts, "cpu_adam_during_copies_ms": contended_ms,
+            "bound_ms": max(parts.values()), "bound_by": max(parts, key=parts.get).removesuffix("_ms"),
+            "h2d_bytes": 2 * sum(m.nbytes for m in store.masters) - kept,
+            "d2h_bytes": sum(g.nbytes for g in store.grads)}
+
+
+def unit_compute_ms(trainer: OffloadedTraining, u: int, micro_batches, device, run: RunConfig) -> float:
+    """Forward, recompute and backward of unit u over every micro-batch, its weights already on the GPU."""
+    streamer = trainer.streamer
+    streamer.begin([u])
+    module = streamer.acquire(u)
+    hidden = torch.randn(*micro_batches[0].shape, trainer.hidden_size, dtype=streamer.buffers[0].dtype, device=device)
+    xs = micro_batches if trainer.units[u].kind == "embed" else [hidden] * len(micro_batches)
+
+    def forward_and_backward():
+        """The forward pass, then the recompute and backward, of unit u over every micro-batch."""
+        with torch.no_grad():
+            outs = [trainer.run_unit(u, module, x, k) for k, x in enumerate(xs)]
+        for k, (x, out) in enumerate(zip(xs, outs)):
+            trainer.unit_grads(u, module, x, k, torch.ones_like(out))
+
+    trainer.labels = micro_batches
+    return median_ms(forward_and_backward, device, run.warmup, run.repeat)[0]
+
+
+def cpu_adam_ms(adam: Adam, numel: int, during=None) -> float:
+    """Milliseconds per parameter of the CPU Adam step, measured on one unit's worth of scratch state: alone, or
+    while the GPU works through what `during()` queued."""
+    param = nn.Parameter(torch.randn(numel))
+    param.grad = torch.randn(numel).mul_(1e-3)
+    optimizer = adam.optimizer([param])
+    optimizer.step()  # allocates the moments
+    if during:
+        during()
+    return median_ms(optimizer.step, torch.device("cpu"), 0, 3)[0] / numel
+
+
+def profile_forward(shell, ids, path: str) -> dict:
+    """Write a Chrome/Perfetto trace of one forward pass and say how much of its copying was hidden."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        logits_of(shell, ids)
+        torch.cuda.synchronize()  # the trace must hold the whole pass
+    write_atomically(path, prof.export_chrome_trace)
+    return trace_overlap(path)
+
+
+def profile_step(trainer, micro_batches, path: str) -> dict:
+    """Write a Chrome trace of one training step, its CPU updates included; say how much copying was hidden."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities, experimental_config=all_threads()) as prof:
+        loss = trainer.step(micro_batches).item()
+        trainer.finish()
+        torch.cuda.synchronize()  # the trace must hold the whole step
+    write_atomically(path, prof.export_chrome_trace)
+    return {"loss": loss, "path": path, "h2d": trace_overlap(path, "HtoD"), "d2h": trace_overlap(path, "DtoH")}
+
+
+def all_threads():
+    """A profiler setting that records the CPU Adam worker's ops too; without it only the threads that start the
+    profiler and autograd's are traced."""
+    with contextlib.suppress(AttributeError, TypeError):  # a torch without the option
+        return torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    return None
+
+
+def train_trace_path(path: str) -> str:
+    """--profile's path for the training step's trace: trace.json -> trace.train.json."""
+    p = Path(path)
+    return str(p.with_name(p.stem + ".train" + p.suffix))
+
+
+def trace_overlap(path: str, direction: str = "HtoD") -> dict:
+    """From a Chrome trace: total copy time in `direction` (HtoD or DtoH), and how much of it ran while a kernel ran
+    on another stream. Proof of overlap that does not rely on timing the whole pass."""
+    events = json.loads(Path(path).read_text())["traceEvents"]
+    copies = [e for e in events if e.get("cat") == "gpu_memcpy" and direction in e.get("name", "")]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    kernel_spans = sorted((e["ts"], e["ts"] + e["dur"], e["args"].get("stream")) for e in kernels)
+    overlap_us = 0.0
+    for c in copies:
+        c0, c1, stream = c["ts"], c["ts"] + c["dur"], c["args"].get("stream")
+        overlap_us += union_length([(max(k0, c0), min(k1, c1)) for k0, k1, s in kernel_spans
+                                    if s != stream and k0 < c1 and k1 > c0])
+    return {"copy_ms": sum(c["dur"] for c in copies) / 1e3, "overlap_ms": overlap_us / 1e3,
+            "copy_streams": sorted({c["args"].get("stream") for c in copies}),
+            "kernel_streams": sorted({k[2] for k in kernel_spans})}
+
+
+def union_length(spans: list[tuple[float, float]]) -> float:
+    """Total length covered by `spans`, overlaps counted once."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def first_step_state(trainer) -> tuple[dict, dict]:
+    """(float32 gradients, float32 masters) after a step, with HF names, on the CPU."""
+    if isinstance(trainer, ResidentTraining):
+        return trainer.state_dict([m.grad for m in trainer.masters]), trainer.state_dict(trainer.masters)
+    trainer.adam.wait_all()  # gradients have landed once their updates are done
+    return trainer.store.state_dict(trainer.store.grads), trainer.store.state_dict()
+
+
+def compare_training(result: dict, reference: dict, run: RunConfig) -> None:
+    """The first step's gradients bitwise, and its masters to float32 rounding (the CPU and GPU Adam kernels round
+    differently, DESIGN.md), judged with eager attention only: sdpa's backward differs even from itself in the last
+    bits, and Adam's first step moves each weight by about lr * sign(gradient), so a gradient near zero that flips
+    sign moves a master by 2 * lr. Later steps are reported, not judged: in 16-bit compute a one-ulp master
+    difference flips the rounding of some compute-dtype weights, and Adam's normalisation turns that into lr-sized
+    moves."""
+    grads, masters = result["grads"]
+    ref_grads, ref_masters = reference["grads"]
+    result["masters_step1_max_abs_diff"] = max_abs_diff(masters, ref_masters)
+    result["masters_tolerance"] = masters_tolerance(max(m.abs().max().item() for m in ref_masters.values()), 1)
+    result["masters_max_abs_diff"] = max_abs_diff(result["masters"], reference["masters"])
+    if run.attention == "eager":
+        result["grads_equal_to_gpu"] = all(torch.equal(g, ref_grads[name]) for name, g in grads.items())
+        result["masters_close_to_gpu"] = result["masters_step1_max_abs_diff"] <= result["masters_tolerance"]
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    """The largest absolute difference between two state dicts with the same names."""
+    return max((t - b[name]).abs().max().item() for name, t in a.items())
+
+
+def masters_tolerance(largest: float, steps: int) -> float:
+    """How far float32 rounding may move masters as large as `largest` in `steps` Adam steps."""
+    return 4 * steps * torch.finfo(torch.float32).eps * largest
+
+
+# ----------------------------------------------------------------------------- tables
+
+def fmt(x, spec: str) -> str:
+    """format(x, spec), or an empty cell for None."""
+    return "" if x is None else format(x, spec)
+
+
+def gib(x) -> str:
+    """Bytes as GiB with two decimals, or an empty cell."""
+    return fmt(None if x is None else x / GiB, ".2f")
+
+
+def yes_no(x) -> str:
+    """A table cell for a check: yes, NO, or empty when it was not made."""
+    return {True: "yes", False: "NO", None: ""}[x]
+
+
+def markdown(title: str, columns: list[tuple[str, str]], rows: list[tuple[str, dict]], cells) -> list[str]:
+    """A markdown table: `cells(mode, r)` gives a row's cells; an OOM result shows OOM in its first column."""
+    lines = [title, "", "| mode | " + " | ".join(h for h, _ in columns) + " |",
+             "|---|" + "|".join(align for _, align in columns) + "|"]
+    for label, r in rows:
+        row = ["OOM"] + [""] * (len(columns) - 1) if r.get("oom") else cells(label, r)
+        lines.append(f"| {label} | " + " | ".join(row) + " |")
+    return lines + [""]
+
+
+def tables(results: dict, run: RunConfig, config, tokens: int) -> str:
+    """The memory and time tables of a run, inference then training, with notes below."""
+    dtype = str(run.torch_dtype).removeprefix("torch.")
+    what = f"{run.model or run.preset}, {dtype}, {run.batch_size}x{run.seq_len} = {tokens} tokens"
+    modes = [mode for mode in ("gpu", "blocked", "overlapped", "cpu") if mode in results]
+
+    def label(mode):
+        """A mode's row label; overlapped names its prefetch depth."""
+        r = results[mode]["inference"]
+        return MODE_NAMES[mode] + (f" (prefetch {r['prefetch']})" if mode == "overlapped" and "prefetch" in r else "")
+
+    def of(part):
+        """The (label, result) rows of one part, inference or training, for the modes that ran it."""
+        return [(label(mode), results[mode][part]) for mode in modes if part in results[mode]]
+
+    out = markdown(f"Table 1: peak GPU memory, inference ({what})",
+                   [("peak GPU (GiB)", "---:"), ("analytic (GiB)", "---:")], of("inference"),
+                   lambda mode, r: ["0 (runs on the CPU)", ""] if "peak_gpu_bytes" not in r else
+                   [gib(r["peak_gpu_bytes"]), gib(sum(r["analytic_peak_bytes"].values()))])
+    out += markdown(f"Table 2: time per forward pass, inference ({what})",
+                    [("time (ms)", "---:"), ("bound (ms)", "---:"), ("efficiency", "---:"), ("H2D (GB/s)", "---:"),
+                     ("logits == gpu", ":---:")], of("inference"),
+                    lambda mode, r: [f"{r['time_ms']:.1f}", fmt(r.get("bound_ms"), ".1f"),
+                                     fmt(r.get("efficiency"), ".3f"), fmt(r.get("h2d_gbps"), ".1f"),
+                                     yes_no(r.get("equal_to_gpu"))])
+    if run.train:
+        steps = f"{dtype}, {run.grad_accum}x{run.batch_size}x{run.seq_len} tokens per step, Adam"
+        out += markdown(f"Table 1 (training): peak memory per step ({steps})",
+                        [("peak GPU (GiB)", "---:"), ("peak host RSS (GiB)", "---:")], of("training"),
+                        lambda mode, r: [gib(r.get("peak_gpu_bytes")) or "0 (runs on the CPU)",
+                                         gib(r.get("peak_host_bytes"))])
+        out += markdown(f"Table 2 (training): time per step ({steps})",
+                        [("step (ms)", "---:"), ("bound (ms)", "---:"), ("bound by", ":---:"), ("efficiency", "---:"),
+                         ("loss first -> last", ":---:"), ("grads == gpu", ":---:"), ("step-1 masters ~ gpu", ":---:")],
+                        of("training"),
+                        lambda mode, r: [f"{r['time_ms']:.1f}", fmt(r.get("bound_ms"), ".1f"), r.get("bound_by", ""),
+                                         fmt(r.get("efficiency"), ".3f"),
+                                         f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}",
+                                         yes_no(r.get("grads_equal_to_gpu")), yes_no(r.get("masters_close_to_gpu"))])
+    return "\n".join(out + notes(results, run))
+
+
+def notes(results: dict, run: RunConfig) -> list[str]:
+    """The lines under the tables: per-layer copy and compute times, trace overlap, training bounds and comparisons."""
+    lines = []
+    for mode, rs in results.items():
+        r, t = rs["inference"], rs.get("training", {})
+        if "copy_ms_per_layer" in r:
+            lines.append(f"{mode}: per layer copy {r['copy_ms_per_layer']:.2f} ms "
+                         f"({r['h2d_gbps_copy_only']:.1f} GB/s alone), compute {r['compute_ms_per_layer']:.2f} ms; "
+                         f"embeddings + norm + head {r['resident_ms']:.2f} ms")
+        if "trace" in r:
+            tr = r["trace"]
+            lines.append(f"{mode} trace: {tr['overlap_ms']:.1f} of {tr['copy_ms']:.1f} ms of copies ran under "
+                         f"compute on another stream (copy streams {tr['copy_streams']}, "
+                         f"kernel streams {tr['kernel_streams']})")
+        if "gpu_compute_ms" in t:
+            lines.append(f"{mode} training bound, each part alone: GPU compute {t['gpu_compute_ms']:.1f} ms "
+                         f"(forward, recompute, backward), H2D {t['h2d_ms']:.1f} ms "
+                         f"({t['h2d_bytes'] / t['h2d_ms'] / 1e6:.1f} GB/s), D2H {t['d2h_ms']:.1f} ms "
+                         f"({t['d2h_bytes'] / t['d2h_ms'] / 1e6:.1f} GB/s), CPU Adam {t['cpu_adam_ms']:.1f} ms "
+                         f"({t['cpu_adam_during_copies_ms']:.1f} ms while both copy engines stream)")
+        if "trace" in t:
+            h, d = t["trace"]["h2d"], t["trace"]["d2h"]
+            lines.append(f"{mode} training trace: {h['overlap_ms']:.1f} of {h['copy_ms']:.1f} ms of H2D copies and "
+                         f"{d['overlap_ms']:.1f} of {d['copy_ms']:.1f} ms of D2H copies ran under compute")
+        if "masters_max_abs_diff" in t:
+            lines.append(f"{mode} training: masters differ from gpu mode's by at most "
+                         f"{t['masters_step1_max_abs_diff']:.3g} after step 1 (float32 rounding allows "
+                         f"{t['masters_tolerance']:.3g}) and {t['masters_max_abs_diff']:.3g} after step {run.steps}")
+    if "cpu" in results and not results["cpu"]["inference"].get("oom"):
+        lines.append("cpu: one run, no warm-up; GPU modes: median of "
+                     f"{run.repeat} runs after {run.warmup} warm-up runs")
+    if run.train and run.attention != "eager" and "gpu" in results:
+        lines.append("training: gradients and masters are judged against gpu mode's with --attention eager only: "
+                     "sdpa's backward accumulates with atomics, so two gpu-mode runs already differ in the last bits")
+    if run.train:
+        lines.append(f"training: median step time after the first {run.warmup} of {run.steps} steps, "
+                     "each step timed from its start to the next one's")
+    return lines
+
+
+# ----------------------------------------------------------------------------- the largest model that trains
+
+MAX_SEARCH_LAYERS = 64
+# host memory a probe holds besides the model and its state: the CUDA runtime, libraries and interpreter (1.7 GiB
+# in the H100 machine's training runs), and headroom, as a probe that the kernel kills for memory costs minutes
+RUNTIME_HOST_BYTES = 5 * GiB
+
+
+def with_layers(run: RunConfig, layers: int) -> RunConfig:
+    """`run` with its preset's layer count replaced."""
+    return dataclasses.replace(run, sizes=tuple({**dict(run.sizes), "num_hidden_layers": layers}.items()))
+
+
+def params_with_layers(config: LlamaConfig, layers: int) -> int:
+    """The parameter count of the configured model with `layers` decoder layers."""
+    per_layer = sum(p.numel() for p in meta_layer(config).parameters())
+    return param_count(config) + (layers - config.num_hidden_layers) * per_layer
+
+
+def host_reserve(config: LlamaConfig) -> int:
+    """Host memory a probe needs beyond host_bytes_needed: the runtime, and the scratch Adam state (16 bytes per
+    parameter of one layer) on which the training bound times the CPU Adam."""
+    return RUNTIME_HOST_BYTES + 16 * (params_with_layers(config, 1) - params_with_layers(config, 0))
+
+
+def host_layer_limit(run: RunConfig, mode: str, config: LlamaConfig) -> int | None:
+    """The most decoder layers whose host memory this machine has free for `mode` (None: not known)."""
+    available = host_memory_available()
+    if available is None:
+        return None
+    need = lambda n: host_bytes_needed(dataclasses.replace(run, mode=mode), params_with_layers(config, n))[0]
+    n = 0
+    while n < MAX_SEARCH_LAYERS and need(n + 1) <= available - host_reserve(config):
+        n += 1
+    return n
+
+
+def gpu_layer_guess(run: RunConfig, config: LlamaConfig) -> int:
+    """Where the search starts for gpu mode: the layers whose resident training state fits the cap, counting the
+    compute-dtype weights and gradients and 16 bytes of float32 master, master gradient and Adam moments. Without a
+    cap it starts from one layer (asking CUDA for the GPU's size would cost this process a CUDA context)."""
+    if run.max_gpu_memory is None:
+        return 1
+    cap = run.max_gpu_memory * GiB
+    per_param = 2 * run.torch_dtype.itemsize + 16
+    per_layer = params_with_layers(config, 1) - params_with_layers(config, 0)
+    return int((cap / per_param - params_with_layers(config, 0)) // per_layer)
+
+
+def largest_that_trains(trains, first: int, upper: int) -> int:
+    """The largest n in [0, upper] with trains(n), where fewer layers train whenever more do. Probes start at
+    `first` and gallop away from it, then bisect: a good first guess costs two probes."""
+    lo, hi = 0, upper + 1  # lo trains (no layers, trivially), hi does not
+    n, step = min(max(first, 1), upper), 1
+    while hi - lo > 1:
+        if trains(n):
+            lo, n = n, n + step
+        else:
+            hi, n = n, n - step
+        step *= 2
+        if not lo < n < hi:
+            n = (lo + hi) // 2
+    return lo
+
+
+def probe(run: RunConfig, mode: str, layers: int) -> dict:
+    """`mode` with `layers` decoder layers, run by the CLI in a fresh process, so that an out-of-memory leaves
+    nothing behind: its training result, or {'oom': True}, {'refused': why} (exit code 2) or {'failed': why}.
+    The process's progress lines pass through to stderr; its tables are not shown."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "probe.json"
+        child = dataclasses.replace(with_layers(run, layers), mode=mode, find_largest=False, json=str(path))
+        with subprocess.Popen([sys.executable, __file__, *cli_args(child)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) as process:
+            last = ""
+            try:
+                for line in process.stderr:
+                    sys.stderr.write(line)
+                    last = line.strip() or last
+            except KeyboardInterrupt:
+                process.terminate()  # the probe writes nothing that lasts, so it need not clean up
+                raise
+        if process.returncode == 0:
+            return json.loads(path.read_text())["results"][mode]["training"]
+    why = last.removeprefix("offload_llama.py: error: ")
+    if process.returncode == 2:
+        return {"refused": why}
+    if process.returncode < 0:  # SIGKILL, most likely from the kernel's out-of-memory killer: the host ran out
+        return {"failed": f"killed by signal {-process.returncode} after: {why}"}
+    return {"failed": f"exit code {process.returncode}: {why}"}
+
+
+def cli_args(run: RunConfig) -> list[str]:
+    """The command line that parse_args turns back into `run` (without --profile, --save-output, --model)."""
+    args = ["--mode", run.mode, "--preset", run.preset, "--dtype", run.dtype, "--attention", run.attention,
+            "--batch-size", str(run.batch_size), "--seq-len", str(run.seq_len), "--seed", str(run.seed),
+            "--prefetch", str(run.prefetch), "--warmup", str(run.warmup), "--repeat", str(run.repeat),
+            "--steps", str(run.steps), "--grad-accum", str(run.grad_accum), "--lr", repr(run.lr),
+            "--betas", *map(repr, run.betas), "--eps", repr(run.eps), "--weight-decay", repr(run.weight_decay)]
+    for field, value in run.sizes:
+        args += [f"--{SIZE_FLAGS[field]}", str(value)]
+    for flag, value in (("--max-gpu-memory", run.max_gpu_memory), ("--json", run.json)):
+        if value is not None:
+            args += [flag, str(value)]
+    return args + ["--train"] * run.train + ["--find-largest"] * run.find_largest
+
+
+def probe_line(mode: str, layers: int, params: int, r: dict) -> str:
+    """One progress line for a probe: trains (step time, peak memory), or why not."""
+    head = f"probe {mode}, {layer_count(layers)} ({params / 1e9:.2f}B parameters): "
+    if r.get("oom"):
+        return head + "out of GPU memory"
+    if "refused" in r or "failed" in r:
+        return head + r.get("refused", r.get("failed"))
+    gpu = f"peak GPU {gib(r['peak_gpu_bytes'])} GiB, " if "peak_gpu_bytes" in r else ""
+    return head + f"trains, {r['time_ms']:.0f} ms per step, {gpu}peak host {gib(r.get('peak_host_bytes'))} GiB"
+
+
+def find_largest(run: RunConfig) -> dict:
+    """--find-largest: per mode, the most decoder layers of the preset's size that train, and what stops one more."""
+    config = llama_config(run)
+    check_devices(with_layers(run, 1), llama_config(with_layers(run, 1)))
+    found = {}
+    for mode in ("gpu", "overlapped") if run.mode == "all" else run.modes:  # with and without offload
+        host_limit = host_layer_limit(run, mode, config)
+        upper = MAX_SEARCH_LAYERS if host_limit is None else host_limit  # more layers: refused before a probe
+        first = gpu_layer_guess(run, config) if mode == "gpu" else upper  # offloaded: GPU memory flat in layers
+        probes = {}
+
+        def trains(n: int) -> bool:
+            """Probe n layers; they train when the probe ran every step."""
+            probes[n] = probe(run, mode, n)
+            log(probe_line(mode, n, params_with_layers(config, n), probes[n]))
+            return not {"oom", "refused", "failed"} & probes[n].keys()
+
+        n = largest_that_trains(trains, first, upper)
+        found[mode] = {"layers": n, "parameters": params_with_layers(config, n), "training": probes.get(n),
+                       "limited_by": limit(run, mode, config, n, probes.get(n + 1)),
+                       "probes": {str(k): v for k, v in sorted(probes.items())}}
+    report = {**environment(), "run": dataclasses.asdict(run), "config": json.loads(config.to_json_string()),
+              "find_largest": found}
+    print(largest_table(found, run))
+    if run.json:
+        write_json(run.json, report)
+    return report
+
+
+def limit(run: RunConfig, mode: str, config: LlamaConfig, n: int, after: dict | None) -> str:
+    """Why n + 1 layers do not train: what their probe met, or, unprobed, the host memory or the search's end."""
+    if after is not None:
+        if after.get("oom"):
+            return f"GPU memory: the model with {layer_count(n + 1)} does not fit " + (
+                f"the {run.max_gpu_memory:g} GiB cap" if run.max_gpu_memory else "the GPU")
+        return after.get("refused") or after.get("failed")
+    needed, what = host_bytes_needed(dataclasses.replace(run, mode=mode), params_with_layers(config, n + 1))
+    available = host_memory_available()
+    if available is not None and needed > available - host_reserve(config):
+        return (f"host memory: with {layer_count(n + 1)}, {what} need {needed / GiB:.1f} GiB, and "
+                f"{(available - host_reserve(config)) / GiB:.1f} GiB are free beyond the "
+                f"{host_reserve(config) / GiB:.1f} GiB the process needs besides")
+    return f"the search stops at {MAX_SEARCH_LAYERS} layers"
+
+
+def layer_count(n: int) -> str:
+    """'1 layer', 'n layers'."""
+    return f"{n} layer" + "s" * (n != 1)
+
+
+def largest_table(found: dict, run: RunConfig) -> str:
+    """The --find-largest table: per mode the layers, parameters, step time, peak memory and what stops one more."""
+    cap = f"GPU capped at {run.max_gpu_memory:g} GiB" if run.max_gpu_memory else "the whole GPU"
+    title = (f"The largest model that trains ({run.preset} layers, {run.dtype}, {run.batch_size}x{run.seq_len} "
+             f"tokens per micro-batch, Adam, {cap})")
+    columns = [("layers", "---:"), ("parameters (B)", "---:"), ("step (ms)", "---:"), ("peak GPU (GiB)", "---:"),
+               ("peak host (GiB)", "---:"), ("one more layer", "---")]
+
+    def cells(label, r):
+        """A mode's row."""
+        t = r["training"] or {}
+        return [str(r["layers"]), f"{r['parameters'] / 1e9:.2f}", fmt(t.get("time_ms"), ".1f"),
+                gib(t.get("peak_gpu_bytes")), gib(t.get("peak_host_bytes")), r["limited_by"]]
+
+    return "\n".join(markdown(title, columns, [(MODE_NAMES[m], r) for m, r in found.items()], cells))
+
+
+# ----------------------------------------------------------------------------- CLI
+
+class Parser(argparse.ArgumentParser):
+    """argparse with bad arguments reported as one line and exit code 2, like every other bad input."""
+    def error(self, message):  # one line, exit 2, as for every other bad input
+        print(f"offload_llama.py: error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def mode_list(text: str) -> str:
+    """Validate --mode: all, or a comma-separated list of known modes."""
+    unknown = [m for m in text.split(",") if m not in (*MODES, "all")]
+    if unknown or ("all" in text.split(",") and text != "all"):
+        raise argparse.ArgumentTypeError(f"{text!r}: choose all, or one or more of {', '.join(MODES)} with commas")
+    return text
+
+
+def parse_args(argv=None) -> RunConfig:
+    """The command line as a RunConfig; flags out of range end with one line and exit 2."""
+    p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--mode", type=mode_list, default="all",
+                   help="gpu: resident model; cpu: on the CPU; blocked: copy each layer then run it; "
+                        "overlapped: copy ahead on a second stream; all: every mode, then the tables; "
+                        "or a comma-separated list such as gpu,overlapped")
+    p.add_argument("--preset", choices=tuple(PRESETS), default="7b-8l")
+    p.add_argument("--model", help="load a save_pretrained LLaMA folder instead of building a random model")
+    for field, flag in SIZE_FLAGS.items():
+        p.add_argument(f"--{flag}", type=int, dest=field, help=f"override the preset's {field}")
+    p.add_argument("--dtype", choices=tuple(DTYPES), help="compute dtype (default: bfloat16 where supported)")
+    p.add_argument("--attention", choices=("sdpa", "eager"), default=RunConfig.attention,
+                   help="sdpa: flash attention, whose backward is not bitwise reproducible; eager: matmul and "
+                        "softmax, bitwise reproducible, memory quadratic in --seq-len")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--seed", type=int, default=0, help="seeds the random weights and the input token ids")
+    p.add_argument("--prefetch", type=int, default=RunConfig.prefetch,
+                   help="layers the copy stream runs ahead in overlapped mode")
+    p.add_argument("--warmup", type=int, default=RunConfig.warmup)
+    p.add_argument("--repeat", type=int, default=RunConfig.repeat, help="timed runs; the median is reported")
+    p.add_argument("--max-gpu-memory", type=float, metavar="GIB", help="cap the GPU memory this process may use")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.add_argument("--save-output", metavar="PATH", help="torch.save the input ids and each mode's logits")
+    p.add_argument("--profile", metavar="PATH", help="write a Chrome trace of one offloaded forward pass")
+    t = p.add_argument_group("training (--train)")
+    t.add_argument("--train", action="store_true", help="after inference, train each mode: forward, backward, Adam")
+    t.add_argument("--steps", type=int, default=RunConfig.steps, help="training steps on one fixed batch; the step "
+                   "time is the median after the --warmup first steps")
+    t.add_argument("--grad-accum", type=int, default=RunConfig.grad_accum, metavar="K",
+                   help="micro-batches of batch-size x seq-len per optimizer step, accumulated in float32")
+    t.add_argument("--lr", type=float, default=RunConfig.lr)
+    t.add_argument("--betas", type=float, nargs=2, default=RunConfig.betas, metavar=("BETA1", "BETA2"))
+    t.add_argument("--eps", type=float, default=RunConfig.eps)
+    t.add_argument("--weight-decay", type=float, default=RunConfig.weight_decay,
+                   help="L2 penalty added to the gradient, as torch.optim.Adam does")
+    t.add_argument("--find-largest", action="store_true",
+                   help="per mode (default: gpu and overlapped), the most decoder layers of the preset's size that "
+                        "train (all --steps, no OOM) under --max-gpu-memory, each count tried in a fresh process, "
+                        "and what stops one more")
+    a = p.parse_args(argv)
+    for flag in ("batch_size", "seq_len", "repeat", "steps", "grad_accum"):
+        if getattr(a, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be at least 1")
+    if a.prefetch < 1:
+        p.error("--prefetch must be at least 1 (blocked mode is prefetch 0)")
+    if a.warmup < 0:
+        p.error("--warmup must be at least 0")
+    if not all(map(math.isfinite, (a.lr, a.eps, a.weight_decay))) or not (
+            a.lr > 0 and a.eps > 0 and a.weight_decay >= 0 and all(0 <= b < 1 for b in a.betas)):
+        p.error("Adam needs --lr > 0, --eps > 0, --weight-decay >= 0 and betas in [0, 1), all finite")
+    if a.max_gpu_memory is not None and not (math.isfinite(a.max_gpu_memory) and a.max_gpu_memory > 0):
+        p.error(f"--max-gpu-memory must be a positive number of GiB, got {a.max_gpu_memory}")
+    if a.find_largest and a.model:
+        p.error("--find-largest varies the preset's layer count: use --preset (and size flags), not --model")
+    sizes = tuple((f, getattr(a, f)) for f in SIZE_FLAGS if getattr(a, f) is not None)
+    return RunConfig(mode=a.mode, preset=a.preset, model=a.model, sizes=sizes, dtype=a.dtype or default_dtype(),
+                     attention=a.attention,
+                     batch_size=a.batch_size, seq_len=a.seq_len, seed=a.seed, prefetch=a.prefetch,
+                     warmup=a.warmup, repeat=a.repeat, max_gpu_memory=a.max_gpu_memory, json=a.json,
+                     save_output=a.save_output, profile=a.profile, train=a.train or a.find_largest, steps=a.steps,
+                     grad_accum=a.grad_accum, lr=a.lr, betas=tuple(a.betas), eps=a.eps, weight_decay=a.weight_decay,
+                     find_largest=a.find_largest)
+
+
+def check_devices(run: RunConfig, config: LlamaConfig) -> None:
+    """Everything about the GPU and host that can be refused before a byte is allocated."""
+    dtype = run.torch_dtype
+    one_layer = layer_bytes(config, dtype)
+    if run.max_gpu_memory is not None and run.max_gpu_memory * GiB < one_layer:
+        raise UsageError(f"--max-gpu-memory {run.max_gpu_memory} GiB is less than one decoder layer "
+                         f"({one_layer / 2**20:.1f} MiB in {run.dtype}): no mode can run")
+    gpu_modes = [m for m in run.modes if m != "cpu"]
+    if gpu_modes and not torch.cuda.is_available():
+        raise UsageError(f"mode {gpu_modes[0]} needs a CUDA GPU, and torch.cuda.is_available() is False: "
+                         "use --mode cpu, or a machine with a GPU")
+    if gpu_modes and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(including_emulation=False):
+        raise UsageError(f"{torch.cuda.get_device_name()} cannot compute in bfloat16: use --dtype float16 or float32")
+    if run.profile and not {"blocked", "overlapped"} & set(run.modes):
+        raise UsageError("--profile traces an offloaded pass: use --mode overlapped, blocked or all")
+    if run.train and config.tie_word_embeddings:
+        raise UsageError("--train needs untied embeddings (tie_word_embeddings is true in this config): the head "
+                         "and the embeddings are streamed and updated as separate units")
+    if run.max_gpu_memory is not None and gpu_modes:
+        needs = {mode: gpu_bytes_needed(run, config, mode) for mode in gpu_modes}
+        least = min(needs, key=needs.get)
+        if needs[least] > run.max_gpu_memory * GiB:
+            raise UsageError(f"mode {least} needs at least {needs[least] / GiB:.1f} GiB of GPU memory for "
+                             f"{run.grad_accum} x {run.batch_size} x {run.seq_len} tokens, more than the "
+                             f"--max-gpu-memory cap of {run.max_gpu_memory:g} GiB: use fewer or shorter sequences")
+    params, what = host_bytes_needed(run, param_count(config))
+    passes = host_pass_bytes(run, config)
+    available = host_memory_available()
+    if available is not None and params + passes > available:
+        advice = "use fewer or shorter sequences" if passes > params else "use fewer or smaller layers"
+        raise UsageError(f"{what} ({params / GiB:.1f} GiB) and the passes' token ids, logits and activations "
+                         f"({passes / GiB:.1f} GiB) need {(params + passes) / GiB:.1f} GiB of host memory, only "
+                         f"{available / GiB:.1f} GiB are available: {advice}")
+
+
+def check_outputs(run: RunConfig) -> None:
+    """Every file the run will write can be written: refused now rather than after a run of many minutes."""
+    for flag, path in (("--json", run.json), ("--save-output", run.save_output), ("--profile", run.profile)):
+        if path is None:
+            continue
+        folder = Path(path).parent
+        if Path(path).is_dir():
+            raise UsageError(f"{flag} {path} is a folder: give a file name")
+        if not folder.is_dir():
+            raise UsageError(f"{flag} {path}: the folder {folder} does not exist")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise UsageError(f"{flag} {path}: the folder {folder} cannot be written")
+
+
+def write_atomically(path: str, write) -> None:
+    """write(tmp) to a temporary file beside `path`, then rename it to `path`: a crash or an interrupt never leaves
+    a truncated file that looks complete."""
+    tmp = str(Path(path).with_name(f".{Path(path).name}.{os.getpid()}.tmp"))
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def write_json(path: str, report: dict) -> None:
+    """The results as indented JSON, written atomically."""
+    write_atomically(path, lambda tmp: Path(tmp).write_text(json.dumps(report, indent=2) + "\n"))
+
+
+def cap_gpu_memory(run: RunConfig) -> None:
+    """Apply --max-gpu-memory as the caching allocator's memory fraction."""
+    if run.max_gpu_memory is not None and any(m != "cpu" for m in run.modes):
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, run.max_gpu_memory * GiB / total))
+
+
+def host_bytes_needed(run: RunConfig, params: int) -> tuple[int, str]:
+    """The model in the compute dtype (the pinned inference store reuses its memory), plus for offloaded training
+    16 bytes per parameter of float32 masters, gradients and Adam moments, or 18 for the cpu mode's resident copy."""
+    per_param = run.torch_dtype.itemsize
+    if run.train and {"blocked", "overlapped"} & set(run.modes):
+        return params * (per_param + 16), "the model and its float32 masters, gradients and Adam state"
+    if run.train and "cpu" in run.modes:
+        return params * (2 * per_param + 16), "the model, its training copy and Adam state"
+    return params * per_param, "the model" + " and its pinned store" * bool({"blocked", "overlapped"} & set(run.modes))
+
+
+def host_pass_bytes(run: RunConfig, config: LlamaConfig) -> int:
+    """Host memory besides the parameters and their state: the token ids, each mode's logits (kept for the
+    comparison with gpu mode) and, for the cpu mode, the activations of its largest pass."""
+    tokens, dtype = run.batch_size * run.seq_len, run.torch_dtype
+    ids = (1 + run.grad_accum) * tokens * 8  # int64: inference's batch and training's micro-batches
+    logits = len(run.modes) * tokens * config.vocab_size * dtype.itemsize
+    return ids + logits + (activation_bytes(config, dtype, tokens) if "cpu" in run.modes else 0)
+
+
+def gpu_bytes_needed(run: RunConfig, config: LlamaConfig, mode: str) -> int:
+    """A lower bound on the GPU memory a mode takes, known before anything is allocated. gpu: every weight (in
+    training also its gradient, float32 master, master gradient and two Adam moments). Offloaded: the slots, the
+    resident parts in inference; in training the float32 gradient buffer and every unit's input per micro-batch,
+    kept for its backward. Each with the activations of one micro-batch's pass."""
+    dtype, b, h = run.torch_dtype, run.torch_dtype.itemsize, config.hidden_size
+    tokens, layers = run.batch_size * run.seq_len, config.num_hidden_layers
+    act = activation_bytes(config, dtype, tokens, at_least=True)
+    if mode == "gpu":
+        return param_count(config) * (2 * b + 16 if run.train else b) + act
+    depth = 0 if mode == "blocked" else run.prefetch
+    inference = min(depth + 1, layers) * layer_bytes(config, dtype) + resident_bytes(config, dtype) + act
+    if not run.train:
+        return inference
+    unit_numel = max(layer_bytes(config, dtype) // b, config.vocab_size * h)  # a decoder layer, or embeddings/head
+    saved = (layers + 2) * run.grad_accum * tokens * h * b  # the inputs of the layers, the norm and the head
+    training = min(depth + 1, layers + 3) * unit_numel * b + 4 * unit_numel + saved + act
+    return max(inference, training)
+
+
+def host_memory_available() -> int | None:
+    """MemAvailable from /proc/meminfo, in bytes (None where there is no such file)."""
+    return proc_kib("/proc/meminfo", "MemAvailable")
+
+
+def environment() -> dict:
+    """Where the results come from: device, versions, CPU threads and the script's sha256."""
+    cuda = torch.cuda.is_available()
+    return {"device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
+            "gpu_memory_bytes": torch.cuda.get_device_properties(0).total_memory if cuda else None,
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "cpu_threads": torch.get_num_threads(),
+            # which code made the results: the report checks it against the committed script
+            "script_sha256": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()}
+
+
+def run_all(run: RunConfig) -> dict:
+    """Build the model and its stores once, run each mode (inference, then training), print the tables and write
+    the outputs."""
+    config = llama_config(run)
+    check_devices(run, config)
+    cap_gpu_memory(run)
+    model = build_model(run, config)
+    config = model.config
+    input_ids = random_input_ids(run, config.vocab_size)
+    needs_store = {"blocked", "overlapped"} & set(run.modes)
+    store = ParamStore(model, pin=True) if needs_store else None
+    masters = MasterStore(model_units(config), run.adam, pin=True) if run.train and needs_store else None
+    train_ids = random_input_ids(run, config.vocab_size, run.grad_accum)
+    results, logits, trained = {}, {}, {}
+    compared = {"gpu", *needs_store} if "gpu" in run.modes and needs_store else set()  # offloaded against gpu
+    for mode in run.modes:
+        result, logits[mode] = run_mode(mode, model, store, input_ids, run, config)
+        results[mode] = {"inference": result}
+        free_gpu_memory()
+        if run.train:
+            trained[mode] = train_mode(mode, model, masters, train_ids, run, mode in compared)
+            reference = trained.get("gpu") if mode in ("blocked", "overlapped") else None
+            results[mode]["training"] = summary(trained[mode], reference, run)
+            free_gpu_memory()
+    gpu_logits = logits.get("gpu")
+    for mode in ("blocked", "overlapped"):
+        if gpu_logits is not None and logits.get(mode) is not None:
+            results[mode]["inference"]["equal_to_gpu"] = torch.equal(logits[mode], gpu_logits)
+    report = {**environment(), "run": dataclasses.asdict(run), "tokens": input_ids.numel(),
+              "parameters": param_count(config), "layer_bytes": layer_bytes(config, run.torch_dtype),
+              "config": json.loads(config.to_json_string()), "results": results}
+    print(tables(results, run, config, input_ids.numel()))
+    if run.json:
+        write_json(run.json, report)
+    if run.save_output:
+        output = {"input_ids": input_ids, "logits": {m: t for m, t in logits.items() if t is not None}}
+        if run.train:
+            output["training"] = {"input_ids": train_ids, **{m: {"losses": r["losses"], "masters": r["masters"]}
+                                                            for m, r in trained.items() if not r.get("oom")}}
+        write_atomically(run.save_output, lambda tmp: torch.save(output, tmp))
+    return report
+
+
+def summary(result: dict, reference: dict | None, run: RunConfig) -> dict:
+    """The JSON view of an offloaded mode's training result, compared with gpu mode's; frees the tensors compared."""
+    if reference is not None and not reference.get("oom") and not result.get("oom"):
+        compare_training(result, reference, run)
+        result["grads"] = None
+        if not run.save_output:
+            result["masters"] = None
+    return {k: v for k, v in result.items() if k not in ("grads", "masters")}
+
+
+def main(argv=None) -> int:
+    """The command line's entry point: exit code 0; 2 with one line for bad input; 130 with one line for Ctrl-C."""
+    run = parse_args(argv)
+    try:
+        check_outputs(run)
+        find_largest(run) if run.find_largest else run_all(run)
+    except UsageError as e:
+        print(f"offload_llama.py: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        # the modes have stopped their CPU Adam workers on the way out; the copies still queued must land before
+        # the pinned buffers they read or write are unregistered, which happens as this handler drops the frames
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        print("offload_llama.py: interrupted; no output is left half-written", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
