@@ -15,8 +15,9 @@ The file reads top to bottom, the algorithm first and the instruments after it:
     layer streamer     LayerStreamer (the ring of GPU slots, the copy stream, two events per slot);
                        StreamedLayer and offloaded_model put it under the unmodified HF forward
     training           StreamedUnit (the per-unit autograd.Function), OffloadedTraining (gradients out on a
-                       D2H stream), MasterStore (float32 masters, gradients, Adam state), CpuAdam (the worker
-                       thread that steps each unit), ResidentTraining (the gpu and cpu reference)
+                       D2H stream), MasterStore (float32 masters and Adam state) and its GradientPool, CpuAdam
+                       (the worker thread that steps each unit), ActivationOffload (saved inputs to pinned host
+                       memory and back), ResidentTraining (the gpu and cpu reference)
     modes              run_mode, train_mode: one mode's inference or training
     measurement        timed and median_ms, the bounds (inference_bound, measure_train_bound), peak memory,
                        profiler traces, the comparison with gpu mode
