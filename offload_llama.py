@@ -11,16 +11,18 @@ The file reads top to bottom, the algorithm first and the instruments after it:
 
     run configuration  RunConfig (the one frozen dataclass a run passes around), PRESETS
     model              build_model: a random LlamaForCausalLM from a preset, or a save_pretrained folder
-    parameter store    FlatLayout (a layer's parameters as views into one flat buffer), PinnedBuffer, ParamStore
+    parameter store    FlatLayout (a layer's parameters as views into one flat buffer), HostBuffer, ParamStore
     layer streamer     LayerStreamer (the ring of GPU slots, the copy stream, two events per slot);
                        StreamedLayer and offloaded_model put it under the unmodified HF forward
-    training           StreamedUnit (the per-unit autograd.Function), OffloadedTraining (gradients out on a
-                       D2H stream), MasterStore (float32 masters and Adam state) and its GradientPool, CpuAdam
-                       (the worker thread that steps each unit), ActivationOffload (saved inputs to pinned host
-                       memory and back), ResidentTraining (the gpu and cpu reference)
+    training           adam_update and AdamUpdate (one unit's Adam step in one pass over host memory, compiled
+                       once), MasterStore (float32 masters, Adam state, the compute-dtype copy the GPU streams)
+                       and its GradientPool, CpuAdam (the worker thread that steps each unit), ActivationOffload
+                       (saved inputs to pinned host memory and back), StreamedUnit (the per-unit
+                       autograd.Function), OffloadedTraining (gradients out on a D2H stream), ResidentTraining
+                       (the gpu and cpu reference)
     modes              run_mode, train_mode: one mode's inference or training
-    measurement        timed and median_ms, the bounds (inference_bound, measure_train_bound), peak memory,
-                       profiler traces, the comparison with gpu mode
+    measurement        timed, median_ms and interleaved_ms, the bounds (inference_parts and inference_bound,
+                       measure_train_bound), peak memory, profiler traces, the comparison with gpu mode
     tables             tables, notes
     largest model      find_largest: the most layers that train, each count probed in a fresh process
     CLI                parse_args, check_devices (bad input refused before anything is allocated), run_all
@@ -41,6 +43,7 @@ import collections
 import contextlib
 import copy
 import dataclasses
+import functools
 import gc
 import hashlib
 import json
@@ -296,31 +299,38 @@ class FlatLayout:
         return module
 
 
-class PinnedBuffer(mmap.mmap):
-    """Zeroed host memory of exactly `nbytes`, page-locked for the copy engines until the last tensor on it is freed.
+class HostBuffer(mmap.mmap):
+    """Zeroed host memory of exactly `nbytes`, in 2 MiB pages where the kernel allows it, and page-locked for the copy
+    engines when `pin`, until the last tensor on it is freed.
 
-    torch's pinned allocator (pin_memory=True) rounds every block up to a power of two: a decoder layer's 809 MB of
-    float32 masters would pin 1 GiB. For LLaMA-7B that turns 62 GiB of pinned buffers into 82, and its 113 GiB of
-    training state into 133, more than the H100 machine's 128 GiB. Unlike that allocator it records no events, so
-    its tensors must outlive every copy queued from or to them (the stores do: they live as long as the run)."""
+    Huge pages: the CPU Adam streams five buffers at once through every core, and with 4 KiB pages it ran 6 to 8%
+    slower on the H100 machine (fused Adam over one layer, alone). Pinning: torch's pinned allocator
+    (pin_memory=True) rounds every block up to a power of two, so a decoder layer's 809 MB of float32 masters would
+    pin 1 GiB: for LLaMA-7B that turns 62 GiB of pinned buffers into 82, and its 113 GiB of training state into 133,
+    more than the H100 machine's 128 GiB.
+    Unlike that allocator it records no events, so its tensors must outlive every copy queued from or to them (the
+    stores do: they live as long as the run)."""
 
-    def __new__(cls, nbytes: int):
+    def __new__(cls, nbytes: int, pin: bool):
         return super().__new__(cls, -1, nbytes)  # anonymous: zero-filled and page-aligned
 
-    def __init__(self, nbytes: int):
-        cudart = torch.cuda.cudart()
-        self.address, self.unregister = torch.frombuffer(self, dtype=torch.uint8).data_ptr(), cudart.cudaHostUnregister
-        torch.cuda.check_error(cudart.cudaHostRegister(self.address, nbytes, 0))
+    def __init__(self, nbytes: int, pin: bool):
+        with contextlib.suppress(AttributeError, OSError):  # a platform or kernel without transparent huge pages
+            self.madvise(mmap.MADV_HUGEPAGE)  # before the first touch, which allocates the pages
+        self.address, self.unregister = torch.frombuffer(self, dtype=torch.uint8).data_ptr(), None
+        if pin:
+            cudart = torch.cuda.cudart()
+            torch.cuda.check_error(cudart.cudaHostRegister(self.address, nbytes, 0))
+            self.unregister = cudart.cudaHostUnregister
 
     def __del__(self):  # before the memory is unmapped: the driver must let go of its pages first
-        self.unregister(self.address)
+        if self.unregister is not None:
+            self.unregister(self.address)
 
 
 def host_zeros(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     """A zeroed flat CPU buffer, pinned when a GPU streams it. Allocate once: pinning costs about 0.6 s per GiB."""
-    if not pin:
-        return torch.zeros(numel, dtype=dtype)
-    return torch.frombuffer(PinnedBuffer(numel * dtype.itemsize), dtype=dtype)  # the tensor keeps its buffer alive
+    return torch.frombuffer(HostBuffer(numel * dtype.itemsize, pin), dtype=dtype)  # the tensor keeps it alive
 
 
 class ParamStore:
@@ -389,9 +399,8 @@ class LayerStreamer:
     run it, copy the next), >= 1 is overlapped. Two events per slot order the two streams:
       copied[s]  the copy into slot s has landed:        compute may read the slot
       freed[s]   compute has finished the slot's unit:   the next copy may overwrite it
-    Sources in float32 with a lower compute dtype (training's master weights) cross PCIe in chunks through one
-    staging buffer and are cast on the copy stream: the GPU casts in microseconds what would cost the CPU, whose
-    Adam bounds a training step, 0.08 ns per parameter.
+    Sources in float32 with a lower compute dtype (training's masters, where the host has no room for their copy in
+    the compute dtype) cross PCIe in chunks through one staging buffer and are cast on the copy stream.
     """
 
     def __init__(self, sources: list[torch.Tensor], kinds: list[str], make_module, dtype: torch.dtype,
@@ -546,60 +555,163 @@ class Adam:
         return torch.optim.Adam(params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
                                 fused=True)
 
+    def scalars(self, step: int) -> torch.Tensor:
+        """adam_update's scalars for step `step` (from 1): bias corrections in double precision, then float32, as
+        torch's fused CPU kernel computes and rounds them. A tensor, not Python floats, so one compiled kernel
+        serves every step."""
+        beta1, beta2 = self.betas
+        return torch.tensor([1 - beta1, beta2, 1 - beta2, math.sqrt(1 - beta2**step), self.eps,
+                             -self.lr / (1 - beta1**step), self.weight_decay], dtype=torch.float32)
+
+
+def adam_update(master, grads, exp_avg, exp_avg_sq, copy, scalars) -> None:
+    """torch.optim.Adam's update of one unit (L2 weight decay, bias correction, eps outside the square root), written
+    for torch.compile to fuse into one pass over memory: it reads the float32 master and moments and the gradients
+    (float32, or the compute dtype as the backward made them), and writes the master, the moments and, where there
+    is one (`copy`), the compute-dtype copy of the new master that the GPU streams. 28 bytes per parameter with
+    16-bit gradients and copy, no temporaries. scalars: Adam.scalars."""
+    grads = grads.float() + master * scalars[6]
+    exp_avg_new = exp_avg + (grads - exp_avg) * scalars[0]  # exp_avg.lerp_(grads, 1 - beta1)
+    exp_avg_sq_new = exp_avg_sq * scalars[1] + scalars[2] * grads * grads
+    master_new = master + scalars[5] * exp_avg_new / (exp_avg_sq_new.sqrt() / scalars[3] + scalars[4])
+    exp_avg.copy_(exp_avg_new)
+    exp_avg_sq.copy_(exp_avg_sq_new)
+    master.copy_(master_new)
+    if copy is not None:
+        copy.copy_(master_new)  # rounded to nearest even, as the GPU casts
+
+
+ADAM_SPARE_CORES = 1  # cores the CPU Adam leaves to the main thread
+
+
+@functools.cache
+def compiled_adam_update(grad_dtype: torch.dtype, copy_dtype: torch.dtype | None):
+    """adam_update compiled by inductor's C++ backend (one vectorised loop over OpenMP threads) for these dtypes and
+    any size, and run once, so the compile happens here, not in a timed step; None, said on stderr, where
+    torch.compile cannot build it (no C++ compiler)."""
+    n = 2**24  # inductor builds a serial loop if the size it compiles for looks small, and reuses it for any size
+    # cpp_wrapper: the kernel runs from C++ without the GIL, so the main thread drives the GPU meanwhile (the Python
+    # binding of the plain wrapper holds it for the whole pass, as no torch op does). cpp.threads: one core fewer than
+    # torch uses, left to the main thread, since a static OpenMP loop runs at the pace of its slowest thread
+    options = {"cpp_wrapper": True, "cpp.threads": max(1, torch.get_num_threads() - ADAM_SPARE_CORES),
+               "compile_threads": 1}  # compile in this process, without a pool of compile workers
+    try:
+        compiled = torch.compile(adam_update, dynamic=True, fullgraph=True, options=options)
+        with torch.no_grad():
+            compiled(torch.zeros(n), torch.zeros(n, dtype=grad_dtype), torch.zeros(n), torch.zeros(n),
+                     None if copy_dtype is None else torch.zeros(n, dtype=copy_dtype), Adam().scalars(1))
+    except Exception as e:  # inductor's errors have no common class; the fallback is exact too
+        log(f"CPU Adam: torch.compile could not build the fused update ({type(e).__name__}: {str(e)[:200]}); "
+            "using torch.optim.Adam(fused=True) and a cast, float32 gradients, more host memory traffic")
+        return None
+    return compiled
+
+
+class AdamUpdate:
+    """One unit's Adam step on the CPU: adam_update compiled, or where that cannot be built, torch.optim.Adam's fused
+    CPU kernel and then the cast into the compute-dtype copy (gradients then come in float32, the dtype that kernel
+    takes). Both do the same math; they round differently in the last bit of float32."""
+
+    def __init__(self, adam: Adam, grad_dtype: torch.dtype, copy_dtype: torch.dtype | None):
+        self.adam, self.copy_dtype = adam, copy_dtype
+        self.compiled = compiled_adam_update(grad_dtype, copy_dtype)
+        self.grad_dtype = grad_dtype if self.compiled else torch.float32
+
+    @property
+    def bytes_per_param(self) -> int:
+        """Host memory bytes one step moves per parameter: float32 master and moments in and out, the gradients in,
+        the copy out; the fallback reads the master again to cast it."""
+        copy = self.copy_dtype.itemsize if self.copy_dtype else 0
+        recast = 4 if self.copy_dtype and not self.compiled else 0
+        return 24 + self.grad_dtype.itemsize + copy + recast
+
+    @torch.no_grad()
+    def __call__(self, master, grads, exp_avg, exp_avg_sq, copy, step: torch.Tensor) -> None:
+        """Step `master` by `grads`; `step` counts the unit's steps (a float32 tensor, as torch.optim.Adam keeps it)."""
+        if self.compiled is None:
+            param = nn.Parameter(master)  # shares the master's memory
+            param.grad = grads
+            optimizer = self.adam.optimizer([param])
+            optimizer.state[param] = {"step": step, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}  # steps it
+            optimizer.step()
+            if copy is not None:
+                copy.copy_(master)
+            return
+        step += 1
+        self.compiled(master, grads, exp_avg, exp_avg_sq, copy, self.adam.scalars(int(step.item())))
+
 
 class MasterStore:
-    """Training state on the CPU, one flat float32 buffer per unit and kind of state: 12 bytes per parameter that
-    live for the whole run, and the gradients' pool.
+    """Training state on the CPU, one flat buffer per unit and kind of state: 12 bytes per parameter that live for
+    the whole run (float32 master and Adam moments), 2 more for the compute-dtype copy where there is room, and the
+    gradients' pool.
 
-    masters  pinned: the copy stream streams them to the GPU, which casts them to the compute dtype
-    grads    unit u's float32 gradients, pinned, in a buffer of the pool from their copy until their Adam step
-    and torch.optim.Adam's two moments, one optimizer per unit so each unit can step on its own.
+    masters  float32, pinned: the copy stream streams them where there is no copy, and the GPU casts them
+    copies   the compute dtype, pinned: what the GPU streams, rewritten by each Adam step in the pass that updates
+             the master, so the copy engines move 2 bytes per parameter, not 4
+    grads    unit u's gradients (the compute dtype with one micro-batch, else float32), pinned, in a buffer of the
+             pool from their copy until their Adam step
     """
 
-    def __init__(self, units: list[Unit], adam: Adam, pin: bool, grad_buffers: int | None = None):
+    def __init__(self, units: list[Unit], adam: Adam, pin: bool, grad_buffers: int | None = None,
+                 grad_dtype: torch.dtype = torch.float32, copy_dtype: torch.dtype | None = None):
         self.units = units
-        self.masters = [host_zeros(u.layout.numel, torch.float32, pin) for u in units]
-        self.pool = GradientPool([u.layout.numel for u in units], grad_buffers or len(units), pin)
+        numels = [u.layout.numel for u in units]
+        self.update = AdamUpdate(adam, grad_dtype, copy_dtype)
+        self.grad_dtype = self.update.grad_dtype
+        self.masters = [host_zeros(numel, torch.float32, pin) for numel in numels]
+        self.copies = [host_zeros(numel, copy_dtype, pin) for numel in numels] if copy_dtype else None
+        self.moments = [(host_zeros(n, torch.float32, False), host_zeros(n, torch.float32, False)) for n in numels]
+        self.steps = [torch.zeros(()) for _ in units]
+        self.pool = GradientPool(numels, grad_buffers or len(units), pin, self.grad_dtype)
         self.grads = list(self.pool.buffers) if self.pool.dedicated else [None] * len(units)
-        self.params = [nn.Parameter(master) for master in self.masters]  # share the masters' memory
-        self.optimizers = [adam.optimizer([param]) for param in self.params]
+
+    @property
+    def weights(self) -> list[torch.Tensor]:
+        """What the GPU streams: the compute-dtype copies, or the float32 masters where there are none."""
+        return self.copies or self.masters
 
     def take_grads(self, u: int) -> torch.Tensor:
         """A pinned buffer for unit u's gradients, which its Adam step will read (waits while the pool is empty)."""
         self.grads[u] = self.pool.take(u)[:self.masters[u].numel()]
-        self.params[u].grad = self.grads[u]
         return self.grads[u]
 
-    def release_grads(self, u: int) -> None:
-        """Unit u's Adam step has read its gradients: their buffer goes back to the pool."""
+    def step(self, u: int) -> None:
+        """Unit u's Adam step (master, moments and copy in one pass); its gradients' buffer goes back to the pool."""
+        copy = self.copies[u] if self.copies else None
+        self.update(self.masters[u], self.grads[u], *self.moments[u], copy, self.steps[u])
         if not self.pool.dedicated:
-            self.params[u].grad, grads, self.grads[u] = None, self.grads[u], None
+            grads, self.grads[u] = self.grads[u], None
             self.pool.give(grads)
 
     @torch.no_grad()
     def load(self, model: LlamaForCausalLM) -> None:
         """Start from `model`'s weights, with fresh Adam state."""
-        for unit, master, opt in zip(self.units, self.masters, self.optimizers):
+        for u, (unit, master) in enumerate(zip(self.units, self.masters)):
             module = model.get_submodule(unit.name)
             for name, view in unit.layout.views(master).items():
                 view.copy_(module.get_parameter(name))
-            opt.state.clear()
+            if self.copies:
+                self.copies[u].copy_(master)
+            for state in (*self.moments[u], self.steps[u]):
+                state.zero_()
 
     def state_dict(self, flats: list[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        """The masters (or other per-unit flats, such as the gradients) as tensors with HF parameter names."""
-        return {f"{unit.name}.{name}": view.clone() for unit, flat in zip(self.units, flats or self.masters)
+        """The masters (or other per-unit flats, such as the gradients) as float32 tensors with HF parameter names."""
+        return {f"{unit.name}.{name}": view.to(torch.float32, copy=True)
+                for unit, flat in zip(self.units, flats or self.masters)
                 for name, view in unit.layout.views(flat).items()}
 
 
 class GradientPool:
-    """The pinned float32 buffers the units' gradients land in. One per unit, of its size, where the host has room
+    """The pinned buffers the units' gradients land in. One per unit, of its size, where the host has room
     (`dedicated`: the backward never waits); otherwise `count` shared buffers, each big enough for any unit, that the
     CPU Adam hands back as it finishes a unit, and the backward waits for one when none is free (`waited_s`)."""
 
-    def __init__(self, numels: list[int], count: int, pin: bool):
+    def __init__(self, numels: list[int], count: int, pin: bool, dtype: torch.dtype):
         self.dedicated = count >= len(numels)
         sizes = numels if self.dedicated else [max(numels)] * count
-        self.buffers = [host_zeros(numel, torch.float32, pin) for numel in sizes]
+        self.buffers = [host_zeros(numel, dtype, pin) for numel in sizes]
         self.free = queue.SimpleQueue()
         for buffer in self.buffers:
             self.free.put(buffer)
@@ -627,10 +739,10 @@ class CpuAdam:
     overlaps the updates of the layers after them. No unit is read before its update is done (`wait`).
     """
 
-    def __init__(self, optimizers: list[torch.optim.Adam], after_step=lambda u: None):
-        """after_step(u): called in the worker once unit u's step has read its gradients."""
-        self.optimizers, self.after_step = optimizers, after_step
-        self.done = [threading.Event() for _ in optimizers]
+    def __init__(self, n_units: int, step):
+        """step(u): unit u's update, run in the worker once its gradients have landed."""
+        self.step = step
+        self.done = [threading.Event() for _ in range(n_units)]
         for event in self.done:
             event.set()
         self.pending, self.error = [], None  # (unit, landed event), in the order submitted
@@ -687,8 +799,7 @@ class CpuAdam:
             u, landed = job
             try:
                 landed.synchronize()  # the gradients must be in pinned memory before the CPU reads them
-                self.optimizers[u].step()
-                self.after_step(u)
+                self.step(u)
             except Exception as e:  # hand it to the main thread, which waits on `done`
                 self.error = e
             self.done[u].set()
@@ -826,11 +937,13 @@ class StreamedUnit(torch.autograd.Function):
 
 
 class OffloadedTraining:
-    """blocked and overlapped training: every unit streamed from the CPU masters, CPU Adam per unit.
+    """blocked and overlapped training: every unit streamed from the host (the masters' compute-dtype copy, or the
+    masters), CPU Adam per unit.
 
     Streams: the compute stream runs the units; the streamer's copy stream brings weights in; `d2h_stream` takes
-    gradients out, so copies in both directions overlap. The GPU holds the streamer's slots, one float32
-    gradient buffer and the activations."""
+    gradients out, so copies in both directions overlap. The GPU holds the streamer's slots, one gradient buffer and
+    the activations. A unit's update rewrites the copy its backward streamed from with no wait of its own: the update
+    waits for the unit's gradients, which exist only once that copy has landed."""
 
     def __init__(self, store: MasterStore, config: LlamaConfig, dtype: torch.dtype, device: torch.device, depth: int,
                  loss_function, kwargs: dict, offload_inputs: tuple[int, int, int] | None = None):
@@ -840,16 +953,18 @@ class OffloadedTraining:
             raise ValueError("float16 steps only once every unit's gradients are in: give each unit a gradient buffer")
         self.store, self.units, self.kwargs, self.loss_function = store, store.units, kwargs, loss_function
         self.vocab_size, self.hidden_size = config.vocab_size, config.hidden_size
-        self.adam = CpuAdam(store.optimizers, after_step=store.release_grads)
+        self.adam = CpuAdam(len(self.units), store.step)
 
         def make_module(kind, buffer):
             """A slot's module of this kind, its trainable weights views into the slot's buffer."""
             return self.layout(kind).bind(unit_module(kind, config), buffer, trainable=True).eval()
 
-        self.streamer = LayerStreamer(store.masters, [u.kind for u in self.units], make_module, dtype, device, depth)
-        # the next forward streams a unit only once its last update is done
+        self.streamer = LayerStreamer(store.weights, [u.kind for u in self.units], make_module, dtype, device, depth)
+        # the next forward streams a unit only once its last update has written its master and copy
         self.streamer.wait_source = self.adam.wait
-        self.grad_buffer = torch.empty(max(m.numel() for m in store.masters), dtype=torch.float32, device=device)
+        # float32 to accumulate micro-batches (or unscale float16); with one micro-batch the gradients leave as the
+        # backward made them, in the compute dtype
+        self.grad_buffer = torch.empty(max(m.numel() for m in store.masters), dtype=store.grad_dtype, device=device)
         self.d2h_stream = new_stream(device)
         self.acts = None if offload_inputs is None else ActivationOffload(
             len(self.units), offload_inputs[0], (*offload_inputs[1:], config.hidden_size), dtype, device, depth,
@@ -921,6 +1036,8 @@ class OffloadedTraining:
 
     def step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
         """One optimizer step over the micro-batches; returns the mean loss. The updates may still be running."""
+        if len(micro_batches) > 1 and self.grad_buffer.dtype != torch.float32:
+            raise ValueError("micro-batches accumulate their gradients in float32: give the store float32 gradients")
         self.labels, self.sent = micro_batches, []
         n = len(self.units)
         self.streamer.begin(range(n))
@@ -1011,13 +1128,18 @@ def infer_offloaded(model, store: ParamStore, input_ids, device, depth: int, run
     streamer = layer_streamer(store, config, device, depth)
     shell = offloaded_model(model, streamer, device)
     ids = input_ids.to(device)
-    ms, logits = median_ms(lambda: logits_of(shell, ids), device, run.warmup, run.repeat)
-    result = {"time_ms": ms, "prefetch": depth, "slots": streamer.n_slots}
-    if device.type == "cuda":
-        result |= gpu_memory(config, store.dtype, ids.numel(), streamer.n_slots)
-        result |= inference_bound(shell, streamer, ids, ms, run)
-        if profile:
-            result["trace"] = profile_forward(shell, ids, profile)
+    if device.type != "cuda":
+        ms, logits = median_ms(lambda: logits_of(shell, ids), device, run.warmup, run.repeat)
+        return {"time_ms": ms, "prefetch": depth, "slots": streamer.n_slots}, logits.cpu()
+    logits_of(shell, ids)  # the peak of one pass, before the bound's parts add theirs
+    result = {"prefetch": depth, "slots": streamer.n_slots} | gpu_memory(config, store.dtype, ids.numel(),
+                                                                        streamer.n_slots)
+    parts = inference_parts(shell, streamer, ids)
+    times, logits = interleaved_ms({**parts, "pass": (device, lambda: logits_of(shell, ids))}, run.warmup, run.repeat)
+    result["time_ms"] = statistics.median(times["pass"])
+    result |= inference_bound(streamer, {name: min(times[name]) for name in parts}, result["time_ms"])
+    if profile:
+        result["trace"] = profile_forward(shell, ids, profile)
     return result, logits.cpu()
 
 
@@ -1143,6 +1265,21 @@ def median_ms(fn, device: torch.device, warmup: int, repeat: int) -> tuple[float
     return statistics.median(times), out
 
 
+def interleaved_ms(fns: dict, warmup: int, repeat: int) -> tuple[dict[str, list[float]], object]:
+    """Time each of `fns` (name -> (device, fn)) `repeat` times in rounds, one run of each per round after `warmup`
+    untimed rounds: a bound's parts then see the same machine (clocks, other traffic) as what they bound, and their
+    best times are bounds, not figures from another moment. Returns each one's times and the last function's result
+    in the last round; every other result is dropped at once, so no part runs beside another's outputs."""
+    times, out = {name: [] for name in fns}, None
+    for r in range(warmup + repeat):
+        for name, (device, fn) in fns.items():
+            out = None
+            ms, out = timed(fn, device)
+            if r >= warmup:
+                times[name].append(ms)
+    return times, out
+
+
 def reset_peak_memory(device: torch.device) -> None:
     """Start a new peak of GPU memory and of the host's resident set."""
     if device.type == "cuda":
@@ -1203,27 +1340,39 @@ def set_strategy(shell: LlamaForCausalLM, strategy) -> None:
         layer.strategy = strategy
 
 
-def inference_bound(shell, streamer: LayerStreamer, input_ids, measured_ms: float, run: RunConfig) -> dict:
-    """Copy-only and compute-only runs of the same layers, combined into the mode's bound (pipeline_bound_ms), and
-    the measured pass against it: efficiency and achieved host-to-device bandwidth."""
-    n, device = len(streamer.sources), input_ids.device
+def inference_parts(shell, streamer: LayerStreamer, input_ids) -> dict:
+    """What bounds an offloaded pass, as functions to time: every layer's copy alone (nothing computed), one layer's
+    compute alone (its weights in place) and the resident parts alone (embeddings, norm, head; no layer run)."""
+    device = input_ids.device
 
     def copy_all():
         """Copy every layer into its slot, nothing computed."""
-        for p in range(n):
+        for p in range(len(streamer.sources)):
             streamer.prefetch(p)
         # `timed` records its end event on this stream: make it wait for the copies
         torch.cuda.current_stream(device).wait_stream(streamer.copy_stream)
 
-    copy_ms = median_ms(copy_all, device, run.warmup, run.repeat)[0] / n
     args, kwargs = layer_inputs(shell, input_ids)
-    compute_ms = median_ms(lambda: streamer.modules[0]["layer"](*args, **kwargs), device, run.warmup, run.repeat)[0]
-    set_strategy(shell, SkipLayers())
-    resident_ms = median_ms(lambda: logits_of(shell, input_ids), device, run.warmup, run.repeat)[0]
-    set_strategy(shell, streamer)
-    bound_ms = pipeline_bound_ms(n, copy_ms, compute_ms, resident_ms, streamer.depth)
-    nbytes = streamer.sources[0].nbytes  # one layer's
-    return {"copy_ms_per_layer": copy_ms, "compute_ms_per_layer": compute_ms, "resident_ms": resident_ms,
+
+    def resident_only():
+        """The pass with every decoder layer skipped."""
+        set_strategy(shell, SkipLayers())
+        try:
+            logits_of(shell, input_ids)
+        finally:
+            set_strategy(shell, streamer)
+
+    return {"copy": (device, copy_all), "compute": (device, lambda: streamer.modules[0]["layer"](*args, **kwargs)),
+            "resident": (device, resident_only)}
+
+
+def inference_bound(streamer: LayerStreamer, best: dict[str, float], measured_ms: float) -> dict:
+    """The parts' best times (ms) combined into the mode's bound (pipeline_bound_ms), and the measured pass against
+    it: efficiency and achieved host-to-device bandwidth."""
+    n, nbytes = len(streamer.sources), streamer.sources[0].nbytes  # layers, and one layer's bytes
+    copy_ms = best["copy"] / n
+    bound_ms = pipeline_bound_ms(n, copy_ms, best["compute"], best["resident"], streamer.depth)
+    return {"copy_ms_per_layer": copy_ms, "compute_ms_per_layer": best["compute"], "resident_ms": best["resident"],
             "h2d_gbps_copy_only": nbytes / copy_ms / 1e6, "bound_ms": bound_ms, "efficiency": bound_ms / measured_ms,
             "h2d_gbps": n * nbytes / measured_ms / 1e6}
 
@@ -1309,12 +1458,13 @@ def forward_backward_reference(model: LlamaForCausalLM, input_ids: torch.Tensor,
 
 
 def measure_train_bound(trainer: OffloadedTraining, micro_batches, device, run: RunConfig) -> dict:
-    """The four things a training step cannot beat, each measured alone: GPU compute (forward, recompute and
-    backward of every unit, weights resident), the host-to-device copies (every unit, twice, less the units the
-    backward pass finds still on the GPU), the device-to-host copies (every unit's float32 gradients) and the CPU
-    Adam over every parameter."""
+    """The five things a training step cannot beat, each timed alone as the best of `run.repeat` rounds that time
+    every part once: GPU compute (forward, recompute and backward of every unit, weights resident), the host-to-device
+    copies (every unit, twice, less the units the backward pass finds still on the GPU), the device-to-host copies
+    (every unit's gradients), the CPU Adam over every parameter, and host memory: the bytes that cross it in a step
+    (the Adam's and the copies') over the rate it reaches when the CPU Adam and both copy engines run together."""
     streamer, store, n = trainer.streamer, trainer.store, len(trainer.units)
-    current = torch.cuda.current_stream(device)
+    current, cpu = torch.cuda.current_stream(device), torch.device("cpu")
 
     def copy_in():
         """Every H2D copy of a step: the forward pass, then the backward pass's, less the units it keeps."""
@@ -1325,45 +1475,59 @@ def measure_train_bound(trainer: OffloadedTraining, micro_batches, device, run: 
         current.wait_stream(streamer.copy_stream)  # `timed` records its end event on this stream
 
     def copy_out():
-        """Every D2H copy of a step: each unit's float32 gradients."""
+        """Every D2H copy of a step: each unit's gradients, into the pool's buffers in turn."""
         with on_stream(trainer.d2h_stream):
-            for u, master in enumerate(store.masters):  # into the pool's buffers, in turn
+            for u, master in enumerate(store.masters):
                 store.pool.buffers[u % len(store.pool.buffers)][:master.numel()].copy_(
                     trainer.grad_buffer[:master.numel()], non_blocking=True)
         current.wait_stream(trainer.d2h_stream)
 
-    h2d_ms = median_ms(copy_in, device, run.warmup, run.repeat)[0]
-    kept = sum(store.masters[u].nbytes for u in streamer.kept)
-    d2h_ms = median_ms(copy_out, device, run.warmup, run.repeat)[0]
+    numels = [m.numel() for m in store.masters]
+    big = numels.index(max(numels))  # the largest unit: the host part times its traffic
+    adam = adam_scratch(store, numels[big])
+
+    def adam_and_copies():
+        """The largest unit's host traffic in a step, all at once: its weights copied in twice and its gradients out
+        (queued on the copy streams, not waited for), while the CPU Adam steps a unit's worth of scratch state."""
+        streamer.begin([big, big])
+        for p in range(2):
+            streamer.prefetch(p)
+        with on_stream(trainer.d2h_stream):  # into the unit's own buffer, or a shared one: either holds it
+            store.pool.buffers[big % len(store.pool.buffers)][:numels[big]].copy_(
+                trainer.grad_buffer[:numels[big]], non_blocking=True)
+        adam()
+        torch.cuda.synchronize(device)
+
     kinds = [u.kind for u in trainer.units]
-    compute_ms = sum(kinds.count(kind) * unit_compute_ms(trainer, kinds.index(kind), micro_batches, device, run)
-                     for kind in dict.fromkeys(kinds))
-    numel, total = max(m.numel() for m in store.masters), sum(m.numel() for m in store.masters)
-    adam_ms = cpu_adam_ms(run.adam, numel) * total
-    parts = {"gpu_compute_ms": compute_ms, "h2d_ms": h2d_ms, "d2h_ms": d2h_ms, "cpu_adam_ms": adam_ms}
+    computes = {kind: (device, unit_compute(trainer, kinds.index(kind), micro_batches, device))
+                for kind in dict.fromkeys(kinds)}
+    times, _ = interleaved_ms({"h2d": (device, copy_in), "d2h": (device, copy_out), **computes,
+                               "adam": (cpu, adam), "host": (cpu, adam_and_copies)}, run.warmup, run.repeat)
+    best = {name: min(t) for name, t in times.items()}
+    total = sum(numels)
+    h2d_bytes = 2 * sum(w.nbytes for w in store.weights) - sum(store.weights[u].nbytes for u in streamer.kept)
+    d2h_bytes = total * store.grad_dtype.itemsize
+    host_bytes = total * store.update.bytes_per_param + h2d_bytes + d2h_bytes
+    unit_host_bytes = (numels[big] * store.update.bytes_per_param + 2 * store.weights[big].nbytes
+                       + numels[big] * store.grad_dtype.itemsize)
+    host_gbps = unit_host_bytes / best["host"] / 1e6  # the rate the Adam and the copies reached together
+    parts = {"gpu_compute_ms": sum(kinds.count(kind) * best[kind] for kind in computes), "h2d_ms": best["h2d"],
+             "d2h_ms": best["d2h"], "cpu_adam_ms": best["adam"] / numels[big] * total,
+             "host_memory_ms": host_bytes / host_gbps / 1e6}
+    return {**parts, "bound_ms": max(parts.values()), "bound_by": max(parts, key=parts.get).removesuffix("_ms"),
+            "h2d_bytes": h2d_bytes, "d2h_bytes": d2h_bytes, "host_bytes": host_bytes, "host_gbps": host_gbps,
+            "host_bytes_per_param": host_bytes / total, "adam_bytes_per_param": store.update.bytes_per_param}
 
-    # not a part of the bound: the same Adam while both copy engines stream, as they do in a step. Adam and the
-    # copies share the host's memory bandwidth, and the difference is what the copies cost the CPU
-    def copy_both_ways():  # queued, not waited for: the copy engines run while the CPU steps Adam
-        for _ in range(2):
-            copy_in()
-            copy_out()
 
-    contended_ms = cpu_adam_ms(run.adam, numel, during=copy_both_ways) * total
-    torch.cuda.synchronize(device)  # the queued copies end before anything else is timed
-    return {**parts, "cpu_adam_during_copies_ms": contended_ms,
-            "bound_ms": max(parts.values()), "bound_by": max(parts, key=parts.get).removesuffix("_ms"),
-            "h2d_bytes": 2 * sum(m.nbytes for m in store.masters) - kept,
-            "d2h_bytes": sum(m.nbytes for m in store.masters)}
-
-
-def unit_compute_ms(trainer: OffloadedTraining, u: int, micro_batches, device, run: RunConfig) -> float:
-    """Forward, recompute and backward of unit u over every micro-batch, its weights already on the GPU."""
+def unit_compute(trainer: OffloadedTraining, u: int, micro_batches, device):
+    """A function to time: forward, recompute and backward of unit u over every micro-batch, its weights already on
+    the GPU (whatever its slot holds: the values do not change the time)."""
     streamer = trainer.streamer
     streamer.begin([u])
     module = streamer.acquire(u)
     hidden = torch.randn(*micro_batches[0].shape, trainer.hidden_size, dtype=streamer.buffers[0].dtype, device=device)
     xs = micro_batches if trainer.units[u].kind == "embed" else [hidden] * len(micro_batches)
+    trainer.labels = micro_batches
 
     def forward_and_backward():
         """The forward pass, then the recompute and backward, of unit u over every micro-batch."""
@@ -1371,21 +1535,17 @@ def unit_compute_ms(trainer: OffloadedTraining, u: int, micro_batches, device, r
             outs = [trainer.run_unit(u, module, x, k) for k, x in enumerate(xs)]
         for k, (x, out) in enumerate(zip(xs, outs)):
             trainer.unit_grads(u, module, x, k, torch.ones_like(out))
-
-    trainer.labels = micro_batches
-    return median_ms(forward_and_backward, device, run.warmup, run.repeat)[0]
+    return forward_and_backward
 
 
-def cpu_adam_ms(adam: Adam, numel: int, during=None) -> float:
-    """Milliseconds per parameter of the CPU Adam step, measured on one unit's worth of scratch state: alone, or
-    while the GPU works through what `during()` queued."""
-    param = nn.Parameter(torch.randn(numel))
-    param.grad = torch.randn(numel).mul_(1e-3)
-    optimizer = adam.optimizer([param])
-    optimizer.step()  # allocates the moments
-    if during:
-        during()
-    return median_ms(optimizer.step, torch.device("cpu"), 0, 3)[0] / numel
+def adam_scratch(store: MasterStore, numel: int):
+    """A function to time: the store's Adam update (compiled or not, its dtypes) on `numel` parameters of scratch
+    state, with gradients of Adam's scale so that no moment goes denormal."""
+    master, exp_avg, exp_avg_sq = torch.randn(numel), torch.zeros(numel), torch.zeros(numel)
+    grads = torch.randn(numel).mul_(1e-3).to(store.grad_dtype)
+    copy = torch.empty(numel, dtype=store.update.copy_dtype) if store.update.copy_dtype else None
+    step = torch.zeros(())
+    return lambda: store.update(master, grads, exp_avg, exp_avg_sq, copy, step)
 
 
 def profile_forward(shell, ids, path: str) -> dict:
@@ -1544,10 +1704,11 @@ def tables(results: dict, run: RunConfig, config, tokens: int, reference: dict |
                                          gib(r.get("peak_host_bytes"))])
         out += markdown(f"Table 2 (training): time per step ({steps})",
                         [("step (ms)", "---:"), ("bound (ms)", "---:"), ("bound by", ":---:"), ("efficiency", "---:"),
-                         ("loss first -> last", ":---:"), ("grads == gpu", ":---:"), ("step-1 masters ~ gpu", ":---:")],
+                         ("host bytes / param", "---:"), ("loss first -> last", ":---:"), ("grads == gpu", ":---:"),
+                         ("step-1 masters ~ gpu", ":---:")],
                         of("training"),
                         lambda mode, r: [f"{r['time_ms']:.1f}", fmt(r.get("bound_ms"), ".1f"), r.get("bound_by", ""),
-                                         fmt(r.get("efficiency"), ".3f"),
+                                         fmt(r.get("efficiency"), ".3f"), fmt(r.get("host_bytes_per_param"), ".1f"),
                                          f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}",
                                          yes_no(r.get("grads_equal_to_gpu")), yes_no(r.get("masters_close_to_gpu"))])
     return "\n".join(out + notes(results, run, reference))
@@ -1568,11 +1729,14 @@ def notes(results: dict, run: RunConfig, reference: dict | None = None) -> list[
                          f"compute on another stream (copy streams {tr['copy_streams']}, "
                          f"kernel streams {tr['kernel_streams']})")
         if "gpu_compute_ms" in t:
-            lines.append(f"{mode} training bound, each part alone: GPU compute {t['gpu_compute_ms']:.1f} ms "
-                         f"(forward, recompute, backward), H2D {t['h2d_ms']:.1f} ms "
+            lines.append(f"{mode} training bound, each part alone (best of {run.repeat}): GPU compute "
+                         f"{t['gpu_compute_ms']:.1f} ms (forward, recompute, backward), H2D {t['h2d_ms']:.1f} ms "
                          f"({t['h2d_bytes'] / t['h2d_ms'] / 1e6:.1f} GB/s), D2H {t['d2h_ms']:.1f} ms "
-                         f"({t['d2h_bytes'] / t['d2h_ms'] / 1e6:.1f} GB/s), CPU Adam {t['cpu_adam_ms']:.1f} ms "
-                         f"({t['cpu_adam_during_copies_ms']:.1f} ms while both copy engines stream)")
+                         f"({t['d2h_bytes'] / t['d2h_ms'] / 1e6:.1f} GB/s), CPU Adam {t['cpu_adam_ms']:.1f} ms, "
+                         f"host memory {t['host_memory_ms']:.1f} ms ({t['host_bytes'] / 1e9:.1f} GB: "
+                         f"{t['adam_bytes_per_param']} bytes per parameter for the Adam and "
+                         f"{t['host_bytes_per_param'] - t['adam_bytes_per_param']:.1f} for the copies, at "
+                         f"{t['host_gbps']:.0f} GB/s with the Adam and both copy engines running together)")
         if "trace" in t:
             h, d = t["trace"]["h2d"], t["trace"]["d2h"]
             lines.append(f"{mode} training trace: {h['overlap_ms']:.1f} of {h['copy_ms']:.1f} ms of H2D copies and "
@@ -1627,8 +1791,9 @@ def params_with_layers(config: LlamaConfig, layers: int) -> int:
 
 
 def host_reserve(config: LlamaConfig) -> int:
-    """Host memory a probe needs beyond host_bytes_needed: the runtime, and the scratch Adam state (16 bytes per
-    parameter of one layer) on which the training bound times the CPU Adam."""
+    """Host memory a probe needs beyond host_bytes_needed: the runtime, and the scratch Adam state on which the
+    training bound times the CPU Adam (16 bytes per parameter of one layer: float32 master and moments, 16-bit
+    gradients and copy; float32 gradients with a copy take 2 more, which the runtime's headroom holds)."""
     return RUNTIME_HOST_BYTES + 16 * (params_with_layers(config, 1) - params_with_layers(config, 0))
 
 
@@ -1983,26 +2148,59 @@ def host_bytes_needed(run: RunConfig, config: LlamaConfig, params: int) -> tuple
     return params * per_param, "the model" + " and its pinned store" * bool({"blocked", "overlapped"} & set(run.modes))
 
 
-def gradient_buffer_bytes(config: LlamaConfig) -> int:
-    """One shared buffer of the gradient pool: the float32 gradients of the largest unit."""
-    return 4 * max(unit.layout.numel for unit in model_units(config))
+def gradient_buffer_bytes(config: LlamaConfig, dtype: torch.dtype = torch.float32) -> int:
+    """One shared buffer of the gradient pool: the gradients of the largest unit (the host check counts two at
+    float32 size, whatever dtype they come in: the fallback CPU Adam takes float32)."""
+    return dtype.itemsize * max(unit.layout.numel for unit in model_units(config))
 
 
-def gradient_buffers(run: RunConfig, config: LlamaConfig, exact: bool) -> int:
-    """How many pinned gradient buffers offloaded training gets: one per unit where the host has room for them, and
-    always where the first step's gradients are compared with gpu mode's (`exact`) or float16 must see them all
-    before it steps; otherwise as many as fit, at least two, and the backward may wait for the CPU Adam."""
-    units = model_units(config)
+def gradient_dtype(run: RunConfig) -> torch.dtype:
+    """The dtype gradients leave the GPU in: bfloat16 with one micro-batch, exactly what the backward made (gpu mode
+    casts the same values to float32); float32 where micro-batches accumulate or float16's loss scale is undone."""
+    return torch.bfloat16 if run.torch_dtype == torch.bfloat16 and run.grad_accum == 1 else torch.float32
+
+
+def host_spare_bytes(run: RunConfig, config: LlamaConfig) -> int | None:
+    """Host memory left once the run has what it needs (host_bytes_needed, the passes, the reserve); None: not known."""
     available = host_memory_available()
-    if exact or run.dtype == "float16" or available is None:
+    if available is None:
+        return None
+    return (available - host_bytes_needed(run, config, param_count(config))[0] - host_pass_bytes(run, config)
+            - host_reserve(config))
+
+
+def host_copy_dtype(run: RunConfig, config: LlamaConfig) -> torch.dtype | None:
+    """The dtype of the masters' host copy that offloaded training streams: the compute dtype, where the host has
+    room for its 2 bytes per parameter; None where the compute dtype is float32 (the masters are what the GPU
+    computes with) or, said on stderr, where the host has no room (the GPU then streams the float32 masters and casts
+    them, 4 bytes per parameter over PCIe instead of 2)."""
+    if run.torch_dtype == torch.float32:
+        return None
+    spare, copy = host_spare_bytes(run, config), run.torch_dtype.itemsize * param_count(config)
+    if spare is not None and spare < copy:
+        log(f"no room on the host for the {run.dtype} copy of the masters ({copy / GiB:.1f} GiB, "
+            f"{max(0, spare) / GiB:.1f} GiB spare): the GPU streams the float32 masters and casts them")
+        return None
+    return run.torch_dtype
+
+
+def gradient_buffers(run: RunConfig, config: LlamaConfig, exact: bool, copy: bool) -> int:
+    """How many pinned gradient buffers offloaded training gets: one per unit where the host has room for them (after
+    the masters' copy, if `copy`), and always where the first step's gradients are compared with gpu mode's (`exact`)
+    or float16 must see them all before it steps; otherwise as many as fit, at least two, and the backward may wait
+    for the CPU Adam."""
+    units = model_units(config)
+    spare = host_spare_bytes(run, config)
+    if exact or run.dtype == "float16" or spare is None:
         return len(units)
-    spare = (available - host_bytes_needed(run, config, param_count(config))[0] - host_pass_bytes(run, config)
-             - host_reserve(config))
-    if spare + 2 * gradient_buffer_bytes(config) >= 4 * sum(unit.layout.numel for unit in units):
+    spare -= run.torch_dtype.itemsize * param_count(config) if copy else 0
+    dtype = gradient_dtype(run)
+    buffer = gradient_buffer_bytes(config, dtype)
+    if spare + 2 * gradient_buffer_bytes(config) >= dtype.itemsize * sum(unit.layout.numel for unit in units):
         return len(units)
-    count = 2 + max(0, spare) // gradient_buffer_bytes(config)
-    log(f"gradients: {count} pinned buffers of {gradient_buffer_bytes(config) / GiB:.2f} GiB for {len(units)} units, "
-        "as many as host memory holds: the backward waits for the CPU Adam when none is free")
+    count = 2 + max(0, spare) // buffer
+    log(f"gradients: {count} pinned buffers of {buffer / GiB:.2f} GiB for {len(units)} units, as many as host "
+        "memory holds: the backward waits for the CPU Adam when none is free")
     return count
 
 
@@ -2083,7 +2281,8 @@ def run_all(run: RunConfig) -> dict:
     check_devices(run, config)
     offloaded = {"blocked", "overlapped"} & set(run.modes)
     compared = {"gpu", *offloaded} if "gpu" in run.modes and offloaded else set()  # offloaded against gpu
-    grad_buffers = gradient_buffers(run, config, exact=bool(compared))  # before the model takes host memory
+    copy_dtype = host_copy_dtype(run, config) if run.train and offloaded else None  # before the model takes host
+    grad_buffers = gradient_buffers(run, config, bool(compared), copy_dtype is not None)  # memory
     model = build_model(run, config)
     config = model.config
     train_ids = random_input_ids(run, config.vocab_size, run.grad_accum)
@@ -2091,8 +2290,8 @@ def run_all(run: RunConfig) -> dict:
     cap_gpu_memory(run)
     input_ids = random_input_ids(run, config.vocab_size)
     store = ParamStore(model, pin=True) if offloaded and run.inference else None
-    masters = MasterStore(model_units(config), run.adam, pin=True, grad_buffers=grad_buffers) \
-        if run.train and offloaded else None
+    masters = MasterStore(model_units(config), run.adam, pin=True, grad_buffers=grad_buffers,
+                          grad_dtype=gradient_dtype(run), copy_dtype=copy_dtype) if run.train and offloaded else None
     results, logits, trained = {}, {}, {}
     for mode in run.modes:
         results[mode] = {}

@@ -44,12 +44,16 @@ def cli(*args, timeout=600):
 
 
 def offloaded_trainer(model, device, depth, micro_batches, adam=ol.Adam(lr=1e-3), pin=False, offload=False,
-                      grad_buffers=None):
+                      grad_buffers=None, copy=True):
     """The blocked (depth 0) or overlapped training of `model` on `device`, as the CLI builds it; offload: the units'
-    saved inputs wait on the host (--offload-activations); grad_buffers: a shared gradient pool of that many."""
-    store = ol.MasterStore(ol.model_units(model.config), adam, pin=pin, grad_buffers=grad_buffers)
-    store.load(model)
+    saved inputs wait on the host (--offload-activations); grad_buffers: a shared gradient pool of that many; copy:
+    the GPU streams the masters' compute-dtype copy (False: the float32 masters, cast on the GPU)."""
     dtype = next(model.parameters()).dtype
+    run = ol.RunConfig(dtype=str(dtype).removeprefix("torch."), grad_accum=len(micro_batches))
+    store = ol.MasterStore(ol.model_units(model.config), adam, pin=pin, grad_buffers=grad_buffers,
+                           grad_dtype=ol.gradient_dtype(run),
+                           copy_dtype=dtype if copy and dtype != torch.float32 else None)
+    store.load(model)
     kwargs = ol.decoder_kwargs(model, tuple(micro_batches[0].shape), dtype, torch.device(device))
     offload_inputs = (len(micro_batches), *micro_batches[0].shape) if offload else None
     return ol.OffloadedTraining(store, model.config, dtype, torch.device(device), depth, model.loss_function, kwargs,

@@ -37,6 +37,16 @@ def test_offloaded_training_equals_resident(dtype, depth, k):
     assert losses == ref_losses
 
 
+def test_streaming_the_masters_without_a_copy_trains_the_same():
+    """bfloat16 without the masters' bfloat16 copy: the float32 masters are streamed and cast, the same bits."""
+    model, batches = tiny_batches(1)
+    with_copy = train(offloaded_trainer(model, CPU, 1, batches), batches, 3)
+    without = train(offloaded_trainer(model, CPU, 1, batches, copy=False), batches, 3)
+    for ours, theirs in zip(without[:3], with_copy[:3]):
+        assert all(torch.equal(t, theirs[name]) for name, t in ours.items())
+    assert without[3] == with_copy[3]
+
+
 def test_resident_training_is_torch_adam():
     """The reference recipe in float32 is plain training with torch.optim.Adam on the model's own parameters."""
     model, ids = build(ol.dataclasses.replace(tiny_run(), dtype="float32"))
@@ -113,7 +123,8 @@ def test_float16_skips_the_step_whose_gradients_overflow():
 
 
 def test_master_store_holds_16_bytes_per_parameter():
-    """fp32 master and gradient (pinned), two fp32 Adam moments; alignment padding is under 0.1% at 7B sizes."""
+    """bfloat16, one micro-batch: float32 master and two Adam moments, the gradients and the masters' copy in bfloat16;
+    alignment padding is under 0.1% at 7B sizes."""
     config = ol.llama_config(ol.RunConfig(preset="7b-8l"))
     units = ol.model_units(config)
     padded = sum(u.layout.numel for u in units)
@@ -123,8 +134,9 @@ def test_master_store_holds_16_bytes_per_parameter():
     trainer.step([ids])
     trainer.finish()
     store = trainer.store
-    state = [t for opt in store.optimizers for s in opt.state.values() for t in s.values() if t.numel() > 1]
-    total = sum(t.nbytes for t in store.masters + store.grads + state)
+    state = [t for pair in store.moments for t in pair]
+    assert [g.dtype for g in store.grads] == [c.dtype for c in store.copies] == [torch.bfloat16] * len(store.units)
+    total = sum(t.nbytes for t in store.masters + store.grads + store.copies + state)
     assert total == 16 * sum(u.layout.numel for u in store.units)
 
 
@@ -213,13 +225,10 @@ def test_shared_gradient_pool_trains_the_same(buffers):
 def test_host_holds_12_bytes_per_parameter_and_the_gradient_pool():
     model, _ = build(tiny_run())
     store = ol.MasterStore(ol.model_units(model.config), ol.Adam(), pin=False, grad_buffers=2)
-    for opt in store.optimizers:  # the moments, allocated at the first step as torch.optim.Adam does
-        opt.param_groups[0]["params"][0].grad = torch.zeros_like(opt.param_groups[0]["params"][0])
-        opt.step()
-    state = [t for opt in store.optimizers for s in opt.state.values() for t in s.values() if t.numel() > 1]
+    state = [t for pair in store.moments for t in pair]
     numel = sum(u.layout.numel for u in store.units)
     pool = sum(b.nbytes for b in store.pool.buffers)
-    assert sum(t.nbytes for t in store.masters + state) == 12 * numel
+    assert store.copies is None and sum(t.nbytes for t in store.masters + state) == 12 * numel
     assert pool == 2 * ol.gradient_buffer_bytes(model.config) < 4 * numel
 
 

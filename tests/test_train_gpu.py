@@ -5,6 +5,7 @@ backward kernels in a trace; and no memory growth over 100 steps.
 Attention is eager here: sdpa's backward accumulates with atomics and is not bitwise reproducible even against
 itself, so only a deterministic backward can show that offloading changes no bit."""
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -61,13 +62,13 @@ class NoWaitStream(torch.cuda.Stream):
 def delay_backward_copies(trainer):
     """In the backward pass each unit's weights land 20 ms late, so compute that does not wait for them reads what
     the slot held before, however long the CPU takes to issue it."""
-    streamer, cast_in = trainer.streamer, trainer.streamer.cast_in
+    streamer, wait_source = trainer.streamer, trainer.streamer.wait_source
 
-    def late(src, dst):
+    def late(u):  # called just before the unit's copy is issued
+        wait_source(u)
         if streamer.order[0] != 0:  # the backward pass starts from the head
-            torch.cuda._sleep(40_000_000)  # on the copy stream, ahead of the copy
-        cast_in(src, dst)
-    streamer.cast_in = late
+            sleep_on(streamer.copy_stream)
+    streamer.wait_source = late
 
 
 def drop_backward_copied_wait(trainer):
@@ -99,6 +100,18 @@ def drop_gradient_ready_wait(trainer):
 
 RACES = {"backward prefetch": (delay_backward_copies, drop_backward_copied_wait),
          "gradient copy": (stretch_backward, drop_gradient_ready_wait)}
+
+
+@pytest.mark.parametrize("depth", [0, 1])
+def test_float32_masters_streamed_without_a_copy_give_the_same_grads(depth):
+    """Where the host has no room for the masters' bfloat16 copy the GPU casts the float32 masters: same bits."""
+    model, batches = model_and_batches(SMALL)
+    trainer = offloaded_trainer(model, CUDA, depth, batches, pin=True, copy=False)
+    grads, masters_1, _, losses = train(trainer, batches, 3)
+    ref_grads, ref_masters_1, _, ref_losses = reference(model, batches)
+    assert all(torch.equal(g, ref_grads[name]) for name, g in grads.items())
+    assert losses[0] == ref_losses[0]
+    assert_masters_close(masters_1, ref_masters_1, 1)
 
 
 @pytest.mark.parametrize("k", [1, 2])
@@ -200,6 +213,33 @@ def test_race_each_training_wait_is_needed(race, depth):
         grads, *_ = train(trainer, batches, 1)
         matches = all(torch.equal(g, ref_grads[name]) for name, g in grads.items())
         assert matches == should_match, f"{race}, {'intact' if should_match else 'wait removed'}"
+
+
+def slow_cpu_adam(trainer):
+    """Each unit's update starts 20 ms late, so a copy that does not wait for it streams the last step's weights."""
+    step = trainer.adam.step
+    trainer.adam.step = lambda u: (time.sleep(0.02), step(u))
+
+
+def drop_update_done_wait(trainer):
+    """The next forward streams a unit without waiting for its update to have written the master and its copy."""
+    slow_cpu_adam(trainer)
+    trainer.streamer.wait_source = lambda u: None
+
+
+@pytest.mark.parametrize("copy", [True, False])
+def test_race_the_forward_streams_a_unit_once_its_update_is_written(copy):
+    """The CPU Adam writes the master and, in the same pass, the compute-dtype copy the copy stream reads: the third
+    step's forward, issued while the second step's updates still run, must wait for them. The intact wait survives
+    a slow Adam; without it the step trains on stale or torn weights."""
+    model, batches = model_and_batches(THIN, seq_len=16, batch_size=1)
+    _, _, ref_masters, ref_losses = train(offloaded_trainer(model, CUDA, 1, batches, pin=True, copy=copy), batches, 3)
+    for hook, should_match in ((slow_cpu_adam, True), (drop_update_done_wait, False)):
+        trainer = offloaded_trainer(model, CUDA, 1, batches, pin=True, copy=copy)
+        hook(trainer)
+        _, _, masters, losses = train(trainer, batches, 3)
+        matches = losses == ref_losses and all(torch.equal(m, ref_masters[name]) for name, m in masters.items())
+        assert matches == should_match, f"copy {copy}, {'intact' if should_match else 'wait removed'}"
 
 
 def test_trace_shows_gradient_copies_under_backward_kernels(tmp_path):
