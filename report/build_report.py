@@ -42,7 +42,8 @@ TRACES = {  # figure -> profiler trace (Chrome JSON) it is drawn from
     "timeline_inference.png": "results/trace_overlapped_bf16.json",
 }
 BOUND_NAMES = {"gpu_compute": "the GPU compute", "h2d": "the host-to-device copies",
-               "d2h": "the device-to-host copies", "cpu_adam": "the CPU Adam"}
+               "d2h": "the device-to-host copies", "cpu_adam": "the CPU Adam",
+               "host_memory": "host memory (the CPU Adam's and the copies' bytes)"}
 LABELS = {"gpu": "w/o offload (gpu)", "blocked": "blocked offload", "overlapped": "overlapped offload", "cpu": "cpu"}
 
 
