@@ -115,7 +115,8 @@ class RunConfig:
     prefetch: int = 1                   # layers copied ahead in overlapped mode (ring of prefetch + 1 slots)
     warmup: int = 2
     repeat: int = 5
-    max_gpu_memory: float | None = None  # GiB
+    max_gpu_memory: float | None = None  # GiB; overlapped keeps on the GPU what this budget holds
+    resident_layers: int | None = None  # overlapped: this many decoder layers resident instead of the budget's plan
     json: str | None = None
     save_output: str | None = None
     profile: str | None = None
@@ -393,10 +394,11 @@ STAGING = 2**24  # elements: fp32 masters cross PCIe in chunks this size, cast t
 
 class LayerStreamer:
     """Streams units (decoder layers; in training also embeddings, norm and head) from flat CPU buffers into a ring
-    of GPU slots; unit u runs in slot u % n_slots, so a pass in either direction cycles through the ring.
+    of GPU slots; the streamed units take the slots in turn, so a pass in either direction cycles through the ring.
+    Resident units (keep_resident) stay on the GPU and run from their own buffers, with no copy and no event.
 
-    depth is how many units the copy stream runs ahead of the compute stream: 0 is blocked offload (copy a unit,
-    run it, copy the next), >= 1 is overlapped. Two events per slot order the two streams:
+    depth is how many streamed units the copy stream runs ahead of the compute stream: 0 is blocked offload (copy a
+    unit, run it, copy the next), >= 1 is overlapped. Two events per slot order the two streams:
       copied[s]  the copy into slot s has landed:        compute may read the slot
       freed[s]   compute has finished the slot's unit:   the next copy may overwrite it
     Sources in float32 with a lower compute dtype (training's masters, where the host has no room for their copy in
@@ -405,47 +407,68 @@ class LayerStreamer:
 
     def __init__(self, sources: list[torch.Tensor], kinds: list[str], make_module, dtype: torch.dtype,
                  device: torch.device, depth: int, copy_stream=None):
-        self.sources, self.kinds, self.depth = sources, kinds, depth
-        n_slots = min(depth + 1, len(sources))
-        numel = max(src.numel() for src in sources)
-        self.buffers = [torch.empty(numel, dtype=dtype, device=device) for _ in range(n_slots)]
-        cast = sources[0].dtype != dtype
-        self.staging = torch.empty(min(numel, STAGING), dtype=sources[0].dtype, device=device) if cast else None
-        with torch.device("meta"):  # slot modules own no memory: their parameters are views into the buffers
-            self.modules = [{kind: make_module(kind, buf) for kind in dict.fromkeys(kinds)} for buf in self.buffers]
+        self.sources, self.kinds, self.make_module, self.dtype, self.depth = sources, kinds, make_module, dtype, depth
+        self.device = device
         self.compute_stream = torch.cuda.current_stream(device) if device.type == "cuda" else InOrder()
         self.copy_stream = copy_stream or new_stream(device)
-        self.copied = [new_event(device) for _ in range(n_slots)]
-        self.freed = [new_event(device) for _ in range(n_slots)]
-        self.holds = [None] * n_slots  # the unit last copied into each slot
         self.wait_source = lambda u: None  # training: block until unit u's CPU update is done
-        self.begin(range(len(sources)))
+        self.keep_resident(())
+
+    def keep_resident(self, units, load=None) -> None:
+        """Run `units` from GPU buffers of their own, load(u) in the compute dtype, and stream the others through a
+        ring built anew for them alone. The old ring's memory is freed before load is called."""
+        landed = new_event(self.device)
+        landed.record(self.copy_stream)
+        self.compute_stream.wait_event(landed)  # copies into the old ring must land before its memory is reused
+        self.buffers = self.modules = self.staging = None
+        flats = {u: load(u) for u in units}
+        with torch.device("meta"):  # the modules own no memory: their parameters are views into the buffers
+            self.resident = {u: self.make_module(self.kinds[u], flat) for u, flat in flats.items()}
+        self.streamed = [u for u in range(len(self.sources)) if u not in self.resident]
+        n_slots = min(self.depth + 1, len(self.streamed))
+        self.slot = {u: i % n_slots for i, u in enumerate(self.streamed)}  # consecutive streamed units, other slots
+        numel = max((self.sources[u].numel() for u in self.streamed), default=0)
+        self.buffers = [torch.empty(numel, dtype=self.dtype, device=self.device) for _ in range(n_slots)]
+        cast = {self.sources[u].dtype for u in self.streamed} - {self.dtype}
+        self.staging = torch.empty(min(numel, STAGING), dtype=cast.pop(), device=self.device) if cast else None
+        with torch.device("meta"):
+            kinds = dict.fromkeys(self.kinds[u] for u in self.streamed)
+            self.modules = [{kind: self.make_module(kind, buf) for kind in kinds} for buf in self.buffers]
+        self.copied = [new_event(self.device) for _ in range(n_slots)]
+        self.freed = [new_event(self.device) for _ in range(n_slots)]
+        self.holds = [None] * n_slots  # the unit last copied into each slot
+        self.begin(range(len(self.sources)))
 
     @property
     def n_slots(self) -> int:
-        """How many units fit on the GPU at once."""
+        """How many streamed units fit on the GPU at once."""
         return len(self.buffers)
 
     def begin(self, order, keep: bool = False) -> None:
         """The next pass visits the units in `order` (training's backward pass: in reverse). keep: the units the
         last pass left in the slots are still current (the backward pass, right after the forward), so they are
         not copied again."""
-        self.order = list(order)
-        self.position = {u: p for p, u in enumerate(self.order)}
+        order = list(order)
+        self.opening = order[0] if order else None
+        self.order = [u for u in order if u not in self.resident]  # what the copy stream brings in, in turn
+        self.position, p = {}, 0  # a streamed unit's position in `order`; a resident unit's, the next streamed one's
+        for u in order:
+            self.position[u] = p
+            p += u not in self.resident
         self.issued = 0  # positions whose copy has been issued in this pass
         self.kept = {u for u in self.holds if u is not None} if keep else set()
 
     def prefetch(self, p: int) -> None:
-        """Start copying the unit at position p of the pass into its slot, on the copy stream."""
+        """Start copying the streamed unit at position p of the pass into its slot, on the copy stream."""
         u = self.order[p]
-        s, src = u % self.n_slots, self.sources[u]
+        s, src = self.slot[u], self.sources[u]
         if u in self.kept and self.holds[s] == u:
             return
         dst = self.buffers[s][:src.numel()]
         self.wait_source(u)
         with on_stream(self.copy_stream):
             self.copy_stream.wait_event(self.freed[s])  # the slot's previous unit may still be running from it
-            if self.staging is None:
+            if src.dtype == self.dtype:
                 dst.copy_(src, non_blocking=True)
             else:
                 self.cast_in(src, dst)
@@ -460,28 +483,42 @@ class LayerStreamer:
             dst[a:a + n].copy_(self.staging[:n])
 
     def acquire(self, u: int) -> nn.Module:
-        """The module that runs unit u; also starts the copies of the units up to `depth` positions ahead."""
-        p = self.position[u]
-        if p == 0:
+        """The module that runs unit u; a streamed unit also starts the copies up to `depth` positions ahead."""
+        if u == self.opening:
             self.issued = 0  # a pass opens by filling the whole ring
-        while self.issued <= min(p + self.depth, len(self.order) - 1):
-            self.prefetch(self.issued)
-            self.issued += 1
-        s = u % self.n_slots
+        if u in self.resident:  # its copies ahead wait for its kernels to be issued (release): in training they
+            return self.resident[u]  # block until the CPU Adam has updated their units, and the GPU can run this one
+        self.issue_through(self.position[u] + self.depth)
+        s = self.slot[u]
         self.compute_stream.wait_event(self.copied[s])  # unit u's weights must have landed before its kernels read them
         return self.modules[s][self.kinds[u]]
 
     def release(self, u: int) -> None:
-        """Unit u's kernels are all issued: its slot is free once they have run."""
-        self.freed[u % self.n_slots].record(self.compute_stream)
+        """Unit u's kernels are all issued: a streamed unit's slot is free once they have run; after a resident unit
+        the copies of the next streamed ones start, to run under its compute."""
+        if u in self.resident:
+            self.issue_through(self.position[u] + self.depth)
+        else:
+            self.freed[self.slot[u]].record(self.compute_stream)
+
+    def issue_through(self, p: int) -> None:
+        """Issue the copies of the pass's positions up to p that are not issued yet."""
+        while self.issued <= min(p, len(self.order) - 1):
+            self.prefetch(self.issued)
+            self.issued += 1
 
 
-def layer_streamer(store: ParamStore, config: LlamaConfig, device: torch.device, depth: int) -> LayerStreamer:
-    """Inference: the decoder layers from the pinned store, in the compute dtype."""
+def layer_streamer(store: ParamStore, config: LlamaConfig, device: torch.device, depth: int,
+                   resident: tuple[int, ...] = ()) -> LayerStreamer:
+    """Inference: the decoder layers from the pinned store, in the compute dtype; the `resident` ones copied to the
+    GPU once, the others streamed."""
     def make_module(kind, buffer):
-        """A slot's decoder layer, its weights views into the slot's buffer."""
+        """A decoder layer, its weights views into `buffer` (a slot's, or a resident layer's own)."""
         return store.layout.bind(LlamaDecoderLayer(config, layer_idx=0), buffer).eval()
-    return LayerStreamer(store.flats, ["layer"] * store.num_layers, make_module, store.dtype, device, depth)
+    streamer = LayerStreamer(store.flats, ["layer"] * store.num_layers, make_module, store.dtype, device, depth)
+    if resident:
+        streamer.keep_resident(resident, lambda i: store.flats[i].to(device))
+    return streamer
 
 
 class StreamedLayer(nn.Module):
@@ -607,6 +644,16 @@ def compiled_adam_update(grad_dtype: torch.dtype, copy_dtype: torch.dtype | None
     return compiled
 
 
+def torch_adam_step(adam: Adam, master, grads, exp_avg, exp_avg_sq, step: torch.Tensor) -> None:
+    """torch.optim.Adam's fused kernel, on the device `master` lives on, stepping it by `grads` (float32 both) with
+    the moments and step count given, which it updates in place."""
+    param = nn.Parameter(master)  # shares the master's memory
+    param.grad = grads
+    optimizer = adam.optimizer([param])
+    optimizer.state[param] = {"step": step, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}  # steps it
+    optimizer.step()
+
+
 class AdamUpdate:
     """One unit's Adam step on the CPU: adam_update compiled, or where that cannot be built, torch.optim.Adam's fused
     CPU kernel and then the cast into the compute-dtype copy (gradients then come in float32, the dtype that kernel
@@ -629,11 +676,7 @@ class AdamUpdate:
     def __call__(self, master, grads, exp_avg, exp_avg_sq, copy, step: torch.Tensor) -> None:
         """Step `master` by `grads`; `step` counts the unit's steps (a float32 tensor, as torch.optim.Adam keeps it)."""
         if self.compiled is None:
-            param = nn.Parameter(master)  # shares the master's memory
-            param.grad = grads
-            optimizer = self.adam.optimizer([param])
-            optimizer.state[param] = {"step": step, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}  # steps it
-            optimizer.step()
+            torch_adam_step(self.adam, master, grads, exp_avg, exp_avg_sq, step)
             if copy is not None:
                 copy.copy_(master)
             return
@@ -698,7 +741,7 @@ class MasterStore:
 
     def state_dict(self, flats: list[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """The masters (or other per-unit flats, such as the gradients) as float32 tensors with HF parameter names."""
-        return {f"{unit.name}.{name}": view.to(torch.float32, copy=True)
+        return {f"{unit.name}.{name}": view.to("cpu", torch.float32, copy=True)
                 for unit, flat in zip(self.units, flats or self.masters)
                 for name, view in unit.layout.views(flat).items()}
 
@@ -746,6 +789,7 @@ class CpuAdam:
         for event in self.done:
             event.set()
         self.pending, self.error = [], None  # (unit, landed event), in the order submitted
+        self.busy_s = 0.0  # time spent in updates
         self.cond = threading.Condition()
         self.thread = threading.Thread(target=self.work, name="cpu-adam", daemon=True)
         self.thread.start()
@@ -799,7 +843,9 @@ class CpuAdam:
             u, landed = job
             try:
                 landed.synchronize()  # the gradients must be in pinned memory before the CPU reads them
+                start = time.perf_counter()
                 self.step(u)
+                self.busy_s += time.perf_counter() - start
             except Exception as e:  # hand it to the main thread, which waits on `done`
                 self.error = e
             self.done[u].set()
@@ -936,14 +982,37 @@ class StreamedUnit(torch.autograd.Function):
         return None, None, None, *ctx.trainer.backward_unit(ctx.u, ctx.saved_tensors, grad_outs)
 
 
+class ResidentUnit:
+    """A unit a placement keeps on the GPU in offloaded training: its compute-dtype weights, float32 master and Adam
+    moments live there, and the GPU's fused Adam steps it right after its backward, as gpu mode steps every weight.
+    Its float32 gradients live from its backward to that step only, so `grads` may be a view of a buffer the resident
+    units share."""
+
+    def __init__(self, master: torch.Tensor, adam: Adam, dtype: torch.dtype, device: torch.device,
+                 grads: torch.Tensor):
+        self.master = master.to(device, copy=True)
+        self.weights = self.master if dtype == torch.float32 else self.master.to(dtype)  # what the GPU computes with
+        self.moments = (torch.zeros_like(self.master), torch.zeros_like(self.master))
+        self.steps = torch.zeros((), device=device)  # float32 on the master's device, as the fused kernel keeps it
+        self.adam, self.grads = adam, grads
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Adam on the master, then the compute-dtype weights from it; on the compute stream, after the backward."""
+        torch_adam_step(self.adam, self.master, self.grads, *self.moments, self.steps)
+        if self.weights is not self.master:
+            self.weights.copy_(self.master)
+
+
 class OffloadedTraining:
-    """blocked and overlapped training: every unit streamed from the host (the masters' compute-dtype copy, or the
-    masters), CPU Adam per unit.
+    """blocked and overlapped training: units streamed from the host (the masters' compute-dtype copy, or the
+    masters), CPU Adam per unit; the units a placement keeps on the GPU (keep_on_gpu) are stepped there.
 
     Streams: the compute stream runs the units; the streamer's copy stream brings weights in; `d2h_stream` takes
-    gradients out, so copies in both directions overlap. The GPU holds the streamer's slots, one gradient buffer and
-    the activations. A unit's update rewrites the copy its backward streamed from with no wait of its own: the update
-    waits for the unit's gradients, which exist only once that copy has landed."""
+    gradients out, so copies in both directions overlap. The GPU holds the streamer's slots, one gradient buffer,
+    the activations and the resident units. A unit's update rewrites the copy its backward streamed from with no
+    wait of its own: the update waits for the unit's gradients, which exist only once that copy has landed. A
+    resident unit's update runs on the compute stream, in order with the kernels that read its weights."""
 
     def __init__(self, store: MasterStore, config: LlamaConfig, dtype: torch.dtype, device: torch.device, depth: int,
                  loss_function, kwargs: dict, offload_inputs: tuple[int, int, int] | None = None):
@@ -952,6 +1021,7 @@ class OffloadedTraining:
         if dtype == torch.float16 and not store.pool.dedicated:
             raise ValueError("float16 steps only once every unit's gradients are in: give each unit a gradient buffer")
         self.store, self.units, self.kwargs, self.loss_function = store, store.units, kwargs, loss_function
+        self.dtype, self.device, self.resident = dtype, device, {}
         self.vocab_size, self.hidden_size = config.vocab_size, config.hidden_size
         self.adam = CpuAdam(len(self.units), store.step)
 
@@ -1003,11 +1073,12 @@ class OffloadedTraining:
         module = self.streamer.acquire(u)
         if not xs:  # the inputs wait on the host
             xs = self.acts.streamer.acquire(u - 1)
-        views = list(self.units[u].layout.views(self.grad_buffer).values())
+        resident = self.resident.get(u)
+        views = list(self.units[u].layout.views(resident.grads if resident else self.grad_buffer).values())
         grads_in = []
         for k, (x, grad_out) in enumerate(zip(xs, grad_outs)):
             grad_in, grads = self.unit_grads(u, module, x, k, grad_out)
-            if k == 0:
+            if k == 0 and not resident:
                 self.streamer.compute_stream.wait_event(self.last_landed)  # the last unit's grads must have left
             for view, grad in zip(views, grads):  # float32 accumulation in micro-batch order, as the gpu mode does
                 view.copy_(grad) if k == 0 else view.add_(grad)
@@ -1019,19 +1090,31 @@ class OffloadedTraining:
         return grads_in
 
     def send(self, u: int) -> None:
-        """Unscale unit u's gradients, copy them to pinned memory on the D2H stream, and queue its Adam step."""
-        n = self.store.masters[u].numel()
-        self.loss_scale.unscale([self.grad_buffer[:n]])
-        ready = new_event(self.grad_buffer.device)
-        ready.record(self.streamer.compute_stream)
-        host = self.store.take_grads(u)
-        with on_stream(self.d2h_stream):
-            self.d2h_stream.wait_event(ready)  # the unit's backward must have written all its gradients
-            host.copy_(self.grad_buffer[:n], non_blocking=True)
-            self.landed[u].record(self.d2h_stream)
-        self.last_landed = self.landed[u]
+        """Unscale unit u's gradients and step it: a resident unit on the GPU; a streamed unit's gradients go to
+        pinned memory on the D2H stream, and its CPU Adam step is queued."""
         self.sent.append(u)
+        if u in self.resident:
+            self.loss_scale.unscale([self.resident[u].grads])
+        else:
+            n = self.store.masters[u].numel()
+            self.loss_scale.unscale([self.grad_buffer[:n]])
+            ready = new_event(self.device)
+            ready.record(self.streamer.compute_stream)
+            host = self.store.take_grads(u)
+            with on_stream(self.d2h_stream):
+                self.d2h_stream.wait_event(ready)  # the unit's backward must have written all its gradients
+                host.copy_(self.grad_buffer[:n], non_blocking=True)
+                self.landed[u].record(self.d2h_stream)
+            self.last_landed = self.landed[u]
         if not self.loss_scale.enabled:  # float16 must first see every gradient: one overflow skips the step
+            self.update(u)
+
+    def update(self, u: int) -> None:
+        """Unit u's Adam step: now, on the compute stream, where it is resident; else queued for the CPU Adam, which
+        runs it once its gradients have landed."""
+        if u in self.resident:
+            self.resident[u].step()
+        else:
             self.adam.submit(u, self.landed[u])
 
     def step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
@@ -1050,8 +1133,39 @@ class OffloadedTraining:
         sum(objective(loss, len(losses), self.loss_scale.scale) for loss in losses).backward()
         if self.loss_scale.update() and self.loss_scale.enabled:
             for u in self.sent:
-                self.adam.submit(u, self.landed[u])
+                self.update(u)
         return mean_loss(losses)
+
+    def keep_on_gpu(self, units, own_grads: bool) -> None:
+        """Keep `units` resident on the GPU (a placement) and stream the rest: the slots and the gradient buffer are
+        sized anew for the streamed units. own_grads: each resident unit keeps its float32 gradients until the step
+        ends (float16, whose loss scale must see every gradient before any unit steps, and the first step's comparison
+        with gpu mode); otherwise they share one buffer, the largest resident unit's."""
+        if self.dtype == torch.float16 and units and not own_grads:
+            raise ValueError("float16 steps only once every gradient is in: resident units need their own gradients")
+        numels = [m.numel() for m in self.store.masters]
+        self.grad_buffer = None  # freed before the resident state is allocated
+        shared = None if own_grads else torch.empty(max((numels[u] for u in units), default=0), device=self.device)
+
+        def load(u: int) -> torch.Tensor:
+            """Unit u's state on the GPU; its compute-dtype weights, for the streamer to run it from."""
+            grads = torch.empty(numels[u], device=self.device) if own_grads else shared[:numels[u]]
+            self.resident[u] = ResidentUnit(self.store.masters[u], self.store.update.adam, self.dtype, self.device,
+                                            grads)
+            return self.resident[u].weights
+
+        self.resident = {}
+        self.streamer.keep_resident(units, load)
+        self.grad_buffer = torch.empty(max((numels[u] for u in self.streamer.streamed), default=0),
+                                       dtype=self.store.grad_dtype, device=self.device)
+
+    def state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        """The float32 masters (grads: the last step's gradients) with HF names on the CPU, the resident units' from
+        the GPU."""
+        flats = self.store.grads if grads else self.store.masters
+        return self.store.state_dict([flat if u not in self.resident else
+                                      self.resident[u].grads if grads else self.resident[u].master
+                                      for u, flat in enumerate(flats)])
 
     def finish(self) -> None:
         """Wait for the last updates and stop the CPU Adam worker."""
@@ -1092,13 +1206,103 @@ class ResidentTraining:
     def finish(self) -> None: ...  # nothing runs in the background
 
     def state_dict(self, tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        """`tensors` (masters or their gradients) on the CPU under HF parameter names."""
-        return {name: t.detach().cpu() for name, t in zip(self.names, tensors)}
+        """Copies of `tensors` (masters or their gradients) on the CPU under HF parameter names."""
+        return {name: t.detach().to("cpu", copy=True) for name, t in zip(self.names, tensors)}
 
 
 def mean_loss(losses) -> torch.Tensor:
     """The mean of the micro-batches' losses, detached."""
     return sum(loss.detach() for loss in losses) / len(losses)
+
+
+# ----------------------------------------------------------------------------- placement
+
+PLAN_MARGIN = GiB // 2  # of a --max-gpu-memory budget, left out of the plan: the caching allocator's fragmentation
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which units stay resident on the GPU (the others are streamed), and the GPU memory that takes, by part."""
+    resident: tuple[int, ...]
+    parts: dict  # part -> bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        """The predicted peak GPU memory."""
+        return sum(self.parts.values())
+
+
+def plan_budget(run: RunConfig) -> int | None:
+    """The GPU bytes a placement may plan for: the --max-gpu-memory cap (or the GPU, where it is smaller) less
+    PLAN_MARGIN; None without a cap (overlapped then streams every unit, as the assignment's tables compare full
+    offload with the resident model)."""
+    if run.max_gpu_memory is None:
+        return None
+    gpu = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else math.inf
+    return int(min(run.max_gpu_memory * GiB, gpu)) - PLAN_MARGIN
+
+
+def spread(n: int, k: int) -> tuple[int, ...]:
+    """k of range(n), evenly spaced and starting at 0: resident layers between streamed ones, so that each streamed
+    layer's copy runs under a resident layer's compute, and the first layer's copy has nothing to wait behind."""
+    return tuple(i for i in range(n) if -(-(i + 1) * k // n) > -(-i * k // n))
+
+
+def inference_placement(run: RunConfig, config: LlamaConfig, tokens: int, mode: str) -> Placement:
+    """overlapped inference: as many decoder layers resident as the budget holds (--resident-layers: that many),
+    spread among the streamed ones; each layer costs the same bytes and saves the same copy, so only their spacing
+    matters. blocked streams every layer. The parts are analytic_peak_bytes's."""
+    layers, depth = config.num_hidden_layers, run.prefetch if mode == "overlapped" else 0
+    parts = lambda k: analytic_peak_bytes(config, run.torch_dtype, tokens, k + min(depth + 1, layers - k))
+    count, budget = run.resident_layers, plan_budget(run)
+    if mode != "overlapped":
+        count = 0
+    elif count is None:
+        count = max((k for k in range(layers + 1) if budget is not None and sum(parts(k).values()) <= budget),
+                    default=0)
+    return Placement(spread(layers, count), parts(count))
+
+
+def training_placement(trainer: OffloadedTraining, run: RunConfig, mode: str, besides: dict[str, int],
+                       own_grads: bool) -> Placement:
+    """overlapped training: which units stay on the GPU, from the budget (--resident-layers: the first that many
+    decoder layers). Resident, a parameter costs 14 bytes of GPU memory (compute-dtype weights, float32 master and
+    moments; 12 in float32, where the master is the weights), plus float32 gradients: 4 more where each unit keeps
+    its own (own_grads), else one buffer of the largest resident unit. Streamed units need the slots (and the
+    staging buffer where float32 masters are cast) and one gradient buffer, of the largest streamed unit. `besides`:
+    the bytes that do not depend on the placement (the forward's saved inputs, one unit's working set, ...).
+
+    The resident units are the longest run from the start of the forward order (embeddings, layers from the first,
+    norm, head) that fits: per byte of GPU memory a resident unit saves as many host bytes as any other, so what
+    decides is where the CPU Adam waits or idles. The next forward needs the embeddings and the first layers first,
+    and their gradients come last: resident, the GPU runs them while the CPU Adam updates the units after them.
+    And the CPU Adam idles once a step, from its last update until the first gradients of the next backward land:
+    the round trip of the last streamed unit (copied in, forward, backward, gradients out) and of the resident units
+    after it. The head, streamed, keeps that trip short (it is smaller than a layer and last); made resident while
+    layers stream, it lengthened it (7b-8l under 11 GiB on the H100: 419 ms per step with the head resident, 401
+    without, 528 with nothing resident)."""
+    numels, b = [m.numel() for m in trainer.store.masters], run.torch_dtype.itemsize
+    depth = run.prefetch if mode == "overlapped" else 0
+    casts = trainer.store.copies is None and run.torch_dtype != torch.float32
+
+    def parts(resident) -> dict[str, int]:
+        """The GPU bytes of a placement, by part."""
+        kept = [numels[u] for u in resident]
+        streamed = [n for u, n in enumerate(numels) if u not in resident]
+        largest = max(streamed, default=0)
+        return {"slots": min(depth + 1, len(streamed)) * largest * b + casts * min(largest, STAGING) * 4,
+                "gradient buffer": largest * trainer.store.grad_dtype.itemsize,
+                "resident weights": sum(kept) * (0 if run.torch_dtype == torch.float32 else b),
+                "resident masters and moments": 12 * sum(kept),
+                "resident gradients": 4 * (sum(kept) if own_grads else max(kept, default=0)), **besides}
+
+    resident, budget = [], plan_budget(run)
+    if mode == "overlapped" and run.resident_layers is not None:
+        resident = list(range(1, 1 + run.resident_layers))  # unit 0 is the embeddings
+    elif mode == "overlapped" and budget is not None:
+        while len(resident) < len(numels) and sum(parts(resident + [len(resident)]).values()) <= budget:
+            resident.append(len(resident))
+    return Placement(tuple(resident), parts(resident))
 
 
 # ----------------------------------------------------------------------------- modes
@@ -1123,17 +1327,18 @@ def infer_resident(model, input_ids, device, run: RunConfig, config) -> tuple[di
 
 
 def infer_offloaded(model, store: ParamStore, input_ids, device, depth: int, run: RunConfig, config,
-                    profile: str | None) -> tuple[dict, torch.Tensor]:
-    """blocked (depth 0) and overlapped (depth >= 1) modes: the HF forward with layers streamed in."""
-    streamer = layer_streamer(store, config, device, depth)
+                    profile: str | None, resident: tuple[int, ...] = ()) -> tuple[dict, torch.Tensor]:
+    """blocked (depth 0) and overlapped (depth >= 1) modes: the HF forward with layers streamed in, but for the
+    `resident` ones."""
+    streamer = layer_streamer(store, config, device, depth, resident)
     shell = offloaded_model(model, streamer, device)
     ids = input_ids.to(device)
+    placed = {"prefetch": depth, "slots": streamer.n_slots, "resident_layers": list(resident)}
     if device.type != "cuda":
         ms, logits = median_ms(lambda: logits_of(shell, ids), device, run.warmup, run.repeat)
-        return {"time_ms": ms, "prefetch": depth, "slots": streamer.n_slots}, logits.cpu()
+        return {"time_ms": ms} | placed, logits.cpu()
     logits_of(shell, ids)  # the peak of one pass, before the bound's parts add theirs
-    result = {"prefetch": depth, "slots": streamer.n_slots} | gpu_memory(config, store.dtype, ids.numel(),
-                                                                        streamer.n_slots)
+    result = placed | gpu_memory(config, store.dtype, ids.numel(), len(resident) + streamer.n_slots)
     parts = inference_parts(shell, streamer, ids)
     times, logits = interleaved_ms({**parts, "pass": (device, lambda: logits_of(shell, ids))}, run.warmup, run.repeat)
     result["time_ms"] = statistics.median(times["pass"])
@@ -1154,10 +1359,36 @@ def run_mode(mode: str, model, store, input_ids, run: RunConfig, config) -> tupl
                 return infer_resident(model, input_ids, device, run, config)
             depth = 0 if mode == "blocked" else run.prefetch
             profile = run.profile if mode == profiled_mode(run) else None
-            return infer_offloaded(model, store, input_ids, device, depth, run, config, profile)
+            placement = inference_placement(run, config, input_ids.numel(), mode)
+            if placement.resident:
+                log(f"mode {mode}: {len(placement.resident)} of {config.num_hidden_layers} decoder layers resident "
+                    f"on the GPU ({', '.join(map(str, placement.resident))}), predicted peak "
+                    f"{gib(placement.peak_bytes)} GiB")
+            return infer_offloaded(model, store, input_ids, device, depth, run, config, profile, placement.resident)
     except torch.OutOfMemoryError:
         log(f"mode {mode}: out of GPU memory")
         return {"oom": True}, None
+
+
+def place_units(trainer: OffloadedTraining, micro_batches, run: RunConfig, mode: str, own_grads: bool) -> Placement:
+    """Plan which units stay on the GPU (training_placement) from what the trainer holds there now and from one
+    unit's working set, measured on it; keep them there; say so on stderr."""
+    device, b = trainer.device, trainer.dtype.itemsize
+    streaming = trainer.grad_buffer.nbytes + sum(t.nbytes for t in [*trainer.streamer.buffers, trainer.streamer.staging]
+                                                 if t is not None)
+    other = torch.cuda.memory_allocated(device) - streaming  # token ids, rotary tables, the activation slots, ...
+    inputs = sum(ids.numel() for ids in micro_batches) * trainer.hidden_size * b  # one unit's, over the micro-batches
+    saved = 2 if trainer.acts is not None else len(trainer.units) - 1  # the embeddings keep only the token ids
+    besides = {"saved inputs": saved * inputs, "working set": working_bytes(trainer, micro_batches), "other": other}
+    placement = training_placement(trainer, run, mode, besides, own_grads)
+    if placement.resident:
+        trainer.keep_on_gpu(placement.resident, own_grads)
+    torch.cuda.reset_peak_memory_stats(device)  # the step's peak, not the working set's measurement
+    names = ", ".join(trainer.units[u].name for u in placement.resident) or "none"
+    log(f"mode {mode}: {len(placement.resident)} of {len(trainer.units)} units resident on the GPU ({names}), "
+        f"predicted peak {gib(placement.peak_bytes)} GiB: "
+        + ", ".join(f"{part} {gib(n)}" for part, n in placement.parts.items()))
+    return placement
 
 
 def train_mode(mode: str, model, masters: MasterStore | None, input_ids, run: RunConfig, compared: bool) -> dict:
@@ -1171,13 +1402,19 @@ def train_mode(mode: str, model, masters: MasterStore | None, input_ids, run: Ru
     trainer = None
     try:
         trainer = make_trainer(mode, model, masters, micro_batches, run, device)
+        placed = {}
+        if isinstance(trainer, OffloadedTraining) and device.type == "cuda":
+            placement = place_units(trainer, micro_batches, run, mode, own_grads=compared or run.dtype == "float16")
+            placed = {"units": len(trainer.units),
+                      "resident_units": [trainer.units[u].name for u in placement.resident],
+                      "predicted_peak_bytes": placement.peak_bytes, "predicted_parts": placement.parts}
         profile = train_trace_path(run.profile) if run.profile and mode == profiled_mode(run) else None
         result = train_steps(trainer, micro_batches, run, compared, profile)
         trainer.finish()
         if compared or run.save_output:  # a copy of every master: for LLaMA-7B 25 GiB of host memory
             result["masters"] = trainer.state_dict(trainer.masters) if isinstance(trainer, ResidentTraining) \
-                else masters.state_dict()
-        return result | training_figures(trainer, micro_batches, device, run, result["time_ms"])
+                else trainer.state_dict()
+        return result | placed | training_figures(trainer, micro_batches, device, run, result["time_ms"])
     except torch.OutOfMemoryError:
         log(f"mode {mode}: out of GPU memory")
         return {"oom": True}
@@ -1200,8 +1437,9 @@ def make_trainer(mode: str, model, masters: MasterStore | None, micro_batches, r
 def train_steps(trainer, micro_batches, run: RunConfig, keep_grads: bool, profile: str | None = None) -> dict:
     """Time each step from its start to the next one's: the offloaded modes overlap a step's last updates with the
     next step's forward, so a step's end is where the next one can begin."""
-    losses, times, grads, trace = [], [], None, None
-    start = time.perf_counter()
+    losses, times, busy, grads, trace = [], [], [], None, None
+    adam = trainer.adam if isinstance(trainer, OffloadedTraining) else None
+    start, busy_s = time.perf_counter(), adam and adam.busy_s
     for i in range(run.steps):
         if i == run.steps - 1 and profile:  # the last step, traced and left out of the timing
             trace = profile_step(trainer, micro_batches, profile)
@@ -1214,10 +1452,14 @@ def train_steps(trainer, micro_batches, run: RunConfig, keep_grads: bool, profil
         losses.append(loss)
         times.append((now - start) * 1e3)
         start = now
-        log(f"  step {i}: loss {loss:.4f}, {times[-1]:.0f} ms")
+        if adam:  # how long the CPU Adam worked in this step's time, on this step's or the last one's updates
+            busy.append((adam.busy_s - busy_s) * 1e3)
+            busy_s = adam.busy_s
+        log(f"  step {i}: loss {loss:.4f}, {times[-1]:.0f} ms" + (f", CPU Adam busy {busy[-1]:.0f} ms" if adam else ""))
     timed = times[run.warmup:] or times
     return {"time_ms": statistics.median(timed), "step_ms": times, "losses": losses, "grads": grads,
-            "tokens_per_step": sum(ids.numel() for ids in micro_batches), **({"trace": trace} if trace else {})}
+            "tokens_per_step": sum(ids.numel() for ids in micro_batches), **({"trace": trace} if trace else {}),
+            **({"cpu_adam_busy_ms": busy} if adam else {})}
 
 
 def profiled_mode(run: RunConfig) -> str:
@@ -1302,14 +1544,25 @@ def proc_kib(path: str, field: str) -> int | None:
     return None
 
 
-def pipeline_bound_ms(n_layers: int, copy_ms: float, compute_ms: float, resident_ms: float, depth: int) -> float:
-    """The fastest a pass can be given per-layer copy and compute times (DESIGN.md).
+def pipeline_bound_ms(streamed: list[bool], copy_ms: float, compute_ms: float, resident_ms: float,
+                      depth: int) -> float:
+    """The fastest a pass can be given per-layer copy and compute times (DESIGN.md); `streamed` says which layers,
+    in order, are copied in (the others are resident).
 
-    Blocked (depth 0) serialises each copy with its layer. Overlapped hides the shorter of the two behind the
-    longer, except the first copy and the last layer's compute, which have nothing to overlap with."""
+    Blocked (depth 0) serialises each copy with its layer. Overlapped: the copy stream brings the streamed layers in
+    one after another and the compute stream runs every layer in order, a streamed one only once its copy has
+    landed; so a pass takes at least all the compute, and at least the copies up to any streamed layer and the
+    compute from it to the end. With every layer streamed that is the first copy, then the longer of copy and
+    compute for each further layer, then the last layer's compute."""
+    n = len(streamed)
     if depth == 0:
-        return resident_ms + n_layers * (copy_ms + compute_ms)
-    return resident_ms + copy_ms + (n_layers - 1) * max(copy_ms, compute_ms) + compute_ms
+        return resident_ms + sum(streamed) * copy_ms + n * compute_ms
+    longest, copies = n * compute_ms, 0
+    for i, s in enumerate(streamed):
+        copies += s
+        if s:
+            longest = max(longest, copies * copy_ms + (n - i) * compute_ms)
+    return resident_ms + longest
 
 
 def layer_inputs(shell: LlamaForCausalLM, input_ids: torch.Tensor) -> tuple[tuple, dict]:
@@ -1341,13 +1594,14 @@ def set_strategy(shell: LlamaForCausalLM, strategy) -> None:
 
 
 def inference_parts(shell, streamer: LayerStreamer, input_ids) -> dict:
-    """What bounds an offloaded pass, as functions to time: every layer's copy alone (nothing computed), one layer's
-    compute alone (its weights in place) and the resident parts alone (embeddings, norm, head; no layer run)."""
+    """What bounds an offloaded pass, as functions to time: every streamed layer's copy alone (nothing computed), one
+    layer's compute alone (its weights in place) and the resident parts alone (embeddings, norm, head; no layer
+    run)."""
     device = input_ids.device
 
     def copy_all():
-        """Copy every layer into its slot, nothing computed."""
-        for p in range(len(streamer.sources)):
+        """Copy every streamed layer into its slot, nothing computed."""
+        for p in range(len(streamer.order)):
             streamer.prefetch(p)
         # `timed` records its end event on this stream: make it wait for the copies
         torch.cuda.current_stream(device).wait_stream(streamer.copy_stream)
@@ -1362,19 +1616,21 @@ def inference_parts(shell, streamer: LayerStreamer, input_ids) -> dict:
         finally:
             set_strategy(shell, streamer)
 
-    return {"copy": (device, copy_all), "compute": (device, lambda: streamer.modules[0]["layer"](*args, **kwargs)),
+    layer = streamer.modules[0]["layer"] if streamer.modules else streamer.resident[0]  # any layer: same time
+    return {"copy": (device, copy_all), "compute": (device, lambda: layer(*args, **kwargs)),
             "resident": (device, resident_only)}
 
 
 def inference_bound(streamer: LayerStreamer, best: dict[str, float], measured_ms: float) -> dict:
     """The parts' best times (ms) combined into the mode's bound (pipeline_bound_ms), and the measured pass against
     it: efficiency and achieved host-to-device bandwidth."""
-    n, nbytes = len(streamer.sources), streamer.sources[0].nbytes  # layers, and one layer's bytes
-    copy_ms = best["copy"] / n
-    bound_ms = pipeline_bound_ms(n, copy_ms, best["compute"], best["resident"], streamer.depth)
+    n, nbytes = len(streamer.streamed), streamer.sources[0].nbytes  # streamed layers, and one layer's bytes
+    copy_ms = best["copy"] / n if n else 0.0
+    streamed = [u not in streamer.resident for u in range(len(streamer.sources))]
+    bound_ms = pipeline_bound_ms(streamed, copy_ms, best["compute"], best["resident"], streamer.depth)
     return {"copy_ms_per_layer": copy_ms, "compute_ms_per_layer": best["compute"], "resident_ms": best["resident"],
-            "h2d_gbps_copy_only": nbytes / copy_ms / 1e6, "bound_ms": bound_ms, "efficiency": bound_ms / measured_ms,
-            "h2d_gbps": n * nbytes / measured_ms / 1e6}
+            "h2d_gbps_copy_only": nbytes / copy_ms / 1e6 if n else None, "bound_ms": bound_ms,
+            "efficiency": bound_ms / measured_ms, "h2d_gbps": n * nbytes / measured_ms / 1e6}
 
 
 def gpu_memory(config: LlamaConfig, dtype: torch.dtype, tokens: int, layers_on_gpu: int) -> dict:
@@ -1459,32 +1715,30 @@ def forward_backward_reference(model: LlamaForCausalLM, input_ids: torch.Tensor,
 
 def measure_train_bound(trainer: OffloadedTraining, micro_batches, device, run: RunConfig) -> dict:
     """The five things a training step cannot beat, each timed alone as the best of `run.repeat` rounds that time
-    every part once: GPU compute (forward, recompute and backward of every unit, weights resident), the host-to-device
-    copies (every unit, twice, less the units the backward pass finds still on the GPU), the device-to-host copies
-    (every unit's gradients), the CPU Adam over every parameter, and host memory: the bytes that cross it in a step
-    (the Adam's and the copies') over the rate it reaches when the CPU Adam and both copy engines run together."""
+    every part once: GPU compute (forward, recompute and backward of every unit, weights resident; the resident
+    units' Adam, a few ms, left out), the host-to-device copies (every streamed unit, twice, less the units the
+    backward pass finds still on the GPU), the device-to-host copies (the streamed units' gradients), the CPU Adam
+    over the streamed units, and host memory: the bytes that cross it in a step (the Adam's and the copies') over
+    the rate it reaches when the CPU Adam and both copy engines run together."""
     streamer, store, n = trainer.streamer, trainer.store, len(trainer.units)
     current, cpu = torch.cuda.current_stream(device), torch.device("cpu")
+    numels = {u: store.masters[u].numel() for u in streamer.streamed}
+    pool = store.pool.buffers
 
     def copy_in():
         """Every H2D copy of a step: the forward pass, then the backward pass's, less the units it keeps."""
         for order, keep in ((range(n), False), (reversed(range(n)), True)):
             streamer.begin(order, keep)
-            for p in range(n):
+            for p in range(len(streamer.order)):
                 streamer.prefetch(p)
         current.wait_stream(streamer.copy_stream)  # `timed` records its end event on this stream
 
     def copy_out():
-        """Every D2H copy of a step: each unit's gradients, into the pool's buffers in turn."""
+        """Every D2H copy of a step: each streamed unit's gradients, into the pool's buffers in turn."""
         with on_stream(trainer.d2h_stream):
-            for u, master in enumerate(store.masters):
-                store.pool.buffers[u % len(store.pool.buffers)][:master.numel()].copy_(
-                    trainer.grad_buffer[:master.numel()], non_blocking=True)
+            for u, numel in numels.items():
+                pool[u % len(pool)][:numel].copy_(trainer.grad_buffer[:numel], non_blocking=True)
         current.wait_stream(trainer.d2h_stream)
-
-    numels = [m.numel() for m in store.masters]
-    big = numels.index(max(numels))  # the largest unit: the host part times its traffic
-    adam = adam_scratch(store, numels[big])
 
     def adam_and_copies():
         """The largest unit's host traffic in a step, all at once: its weights copied in twice and its gradients out
@@ -1493,30 +1747,37 @@ def measure_train_bound(trainer: OffloadedTraining, micro_batches, device, run: 
         for p in range(2):
             streamer.prefetch(p)
         with on_stream(trainer.d2h_stream):  # into the unit's own buffer, or a shared one: either holds it
-            store.pool.buffers[big % len(store.pool.buffers)][:numels[big]].copy_(
-                trainer.grad_buffer[:numels[big]], non_blocking=True)
+            pool[big % len(pool)][:numels[big]].copy_(trainer.grad_buffer[:numels[big]], non_blocking=True)
         adam()
         torch.cuda.synchronize(device)
 
     kinds = [u.kind for u in trainer.units]
-    computes = {kind: (device, unit_compute(trainer, kinds.index(kind), micro_batches, device))
-                for kind in dict.fromkeys(kinds)}
-    times, _ = interleaved_ms({"h2d": (device, copy_in), "d2h": (device, copy_out), **computes,
-                               "adam": (cpu, adam), "host": (cpu, adam_and_copies)}, run.warmup, run.repeat)
+    fns = {kind: (device, unit_compute(trainer, kinds.index(kind), micro_batches, device))
+           for kind in dict.fromkeys(kinds)}
+    if numels:  # something is streamed
+        big = max(numels, key=numels.get)  # the largest streamed unit: the host part times its traffic
+        adam = adam_scratch(store, numels[big])
+        fns |= {"h2d": (device, copy_in), "d2h": (device, copy_out), "adam": (cpu, adam),
+                "host": (cpu, adam_and_copies)}
+    times, _ = interleaved_ms(fns, run.warmup, run.repeat)
     best = {name: min(t) for name, t in times.items()}
-    total = sum(numels)
-    h2d_bytes = 2 * sum(w.nbytes for w in store.weights) - sum(store.weights[u].nbytes for u in streamer.kept)
-    d2h_bytes = total * store.grad_dtype.itemsize
-    host_bytes = total * store.update.bytes_per_param + h2d_bytes + d2h_bytes
-    unit_host_bytes = (numels[big] * store.update.bytes_per_param + 2 * store.weights[big].nbytes
-                       + numels[big] * store.grad_dtype.itemsize)
-    host_gbps = unit_host_bytes / best["host"] / 1e6  # the rate the Adam and the copies reached together
-    parts = {"gpu_compute_ms": sum(kinds.count(kind) * best[kind] for kind in computes), "h2d_ms": best["h2d"],
-             "d2h_ms": best["d2h"], "cpu_adam_ms": best["adam"] / numels[big] * total,
-             "host_memory_ms": host_bytes / host_gbps / 1e6}
+    parts = {"gpu_compute_ms": sum(kinds.count(kind) * best[kind] for kind in dict.fromkeys(kinds))}
+    figures = {}
+    if numels:
+        total, weights = sum(numels.values()), store.weights
+        h2d_bytes = 2 * sum(weights[u].nbytes for u in numels) - sum(weights[u].nbytes for u in streamer.kept)
+        d2h_bytes = total * store.grad_dtype.itemsize
+        host_bytes = total * store.update.bytes_per_param + h2d_bytes + d2h_bytes
+        unit_host_bytes = numels[big] * (store.update.bytes_per_param + store.grad_dtype.itemsize) \
+            + 2 * weights[big].nbytes
+        host_gbps = unit_host_bytes / best["host"] / 1e6  # the rate the Adam and the copies reached together
+        parts |= {"h2d_ms": best["h2d"], "d2h_ms": best["d2h"], "cpu_adam_ms": best["adam"] / numels[big] * total,
+                  "host_memory_ms": host_bytes / host_gbps / 1e6}
+        figures = {"h2d_bytes": h2d_bytes, "d2h_bytes": d2h_bytes, "host_bytes": host_bytes, "host_gbps": host_gbps,
+                   "host_bytes_per_param": host_bytes / sum(m.numel() for m in store.masters),
+                   "adam_bytes_per_param": store.update.bytes_per_param}
     return {**parts, "bound_ms": max(parts.values()), "bound_by": max(parts, key=parts.get).removesuffix("_ms"),
-            "h2d_bytes": h2d_bytes, "d2h_bytes": d2h_bytes, "host_bytes": host_bytes, "host_gbps": host_gbps,
-            "host_bytes_per_param": host_bytes / total, "adam_bytes_per_param": store.update.bytes_per_param}
+            **figures}
 
 
 def unit_compute(trainer: OffloadedTraining, u: int, micro_batches, device):
@@ -1525,7 +1786,7 @@ def unit_compute(trainer: OffloadedTraining, u: int, micro_batches, device):
     streamer = trainer.streamer
     streamer.begin([u])
     module = streamer.acquire(u)
-    hidden = torch.randn(*micro_batches[0].shape, trainer.hidden_size, dtype=streamer.buffers[0].dtype, device=device)
+    hidden = torch.randn(*micro_batches[0].shape, trainer.hidden_size, dtype=streamer.dtype, device=device)
     xs = micro_batches if trainer.units[u].kind == "embed" else [hidden] * len(micro_batches)
     trainer.labels = micro_batches
 
@@ -1536,6 +1797,20 @@ def unit_compute(trainer: OffloadedTraining, u: int, micro_batches, device):
         for k, (x, out) in enumerate(zip(xs, outs)):
             trainer.unit_grads(u, module, x, k, torch.ones_like(out))
     return forward_and_backward
+
+
+def working_bytes(trainer: OffloadedTraining, micro_batches) -> int:
+    """The most GPU memory that one unit's forward, recompute and backward allocate beyond what is there already
+    (its input aside), over the kinds of unit: measured, as the one part of a placement's peak not counted."""
+    kinds, most = [u.kind for u in trainer.units], 0
+    for kind in dict.fromkeys(kinds):
+        forward_and_backward = unit_compute(trainer, kinds.index(kind), micro_batches, trainer.device)
+        torch.cuda.synchronize(trainer.device)
+        torch.cuda.reset_peak_memory_stats(trainer.device)
+        before = torch.cuda.memory_allocated(trainer.device)
+        forward_and_backward()
+        most = max(most, torch.cuda.max_memory_allocated(trainer.device) - before)
+    return most
 
 
 def adam_scratch(store: MasterStore, numel: int):
@@ -1615,7 +1890,7 @@ def first_step_state(trainer) -> tuple[dict, dict]:
     if isinstance(trainer, ResidentTraining):
         return trainer.state_dict([m.grad for m in trainer.masters]), trainer.state_dict(trainer.masters)
     trainer.adam.wait_all()  # gradients have landed once their updates are done
-    return trainer.store.state_dict(trainer.store.grads), trainer.store.state_dict()
+    return trainer.state_dict(grads=True), trainer.state_dict()
 
 
 def compare_training(result: dict, reference: dict, run: RunConfig) -> None:
@@ -1699,8 +1974,11 @@ def tables(results: dict, run: RunConfig, config, tokens: int, reference: dict |
     if run.train:
         steps = f"{dtype}, {run.grad_accum}x{run.batch_size}x{run.seq_len} tokens per step, Adam"
         out += markdown(f"Table 1 (training): peak memory per step ({steps})",
-                        [("peak GPU (GiB)", "---:"), ("peak host RSS (GiB)", "---:")], of("training"),
+                        [("peak GPU (GiB)", "---:"), ("predicted (GiB)", "---:"), ("units resident", "---:"),
+                         ("peak host RSS (GiB)", "---:")], of("training"),
                         lambda mode, r: [gib(r.get("peak_gpu_bytes")) or "0 (runs on the CPU)",
+                                         gib(r.get("predicted_peak_bytes")),
+                                         f"{len(r['resident_units'])} of {r['units']}" if "units" in r else "",
                                          gib(r.get("peak_host_bytes"))])
         out += markdown(f"Table 2 (training): time per step ({steps})",
                         [("step (ms)", "---:"), ("bound (ms)", "---:"), ("bound by", ":---:"), ("efficiency", "---:"),
@@ -1719,24 +1997,34 @@ def notes(results: dict, run: RunConfig, reference: dict | None = None) -> list[
     lines = []
     for mode, rs in results.items():
         r, t = rs.get("inference", {}), rs.get("training", {})
-        if "copy_ms_per_layer" in r:
-            lines.append(f"{mode}: per layer copy {r['copy_ms_per_layer']:.2f} ms "
-                         f"({r['h2d_gbps_copy_only']:.1f} GB/s alone), compute {r['compute_ms_per_layer']:.2f} ms; "
+        if r.get("resident_layers"):
+            lines.append(f"{mode}: decoder layers {', '.join(map(str, r['resident_layers']))} resident on the GPU, "
+                         "the others streamed")
+        if "compute_ms_per_layer" in r:
+            copy = f"copy {r['copy_ms_per_layer']:.2f} ms ({r['h2d_gbps_copy_only']:.1f} GB/s alone), " \
+                if r["h2d_gbps_copy_only"] else ""
+            lines.append(f"{mode}: per layer {copy}compute {r['compute_ms_per_layer']:.2f} ms; "
                          f"embeddings + norm + head {r['resident_ms']:.2f} ms")
         if "trace" in r:
             tr = r["trace"]
             lines.append(f"{mode} trace: {tr['overlap_ms']:.1f} of {tr['copy_ms']:.1f} ms of copies ran under "
                          f"compute on another stream (copy streams {tr['copy_streams']}, "
                          f"kernel streams {tr['kernel_streams']})")
+        if "predicted_peak_bytes" in t:
+            lines.append(f"{mode} training: {len(t['resident_units'])} of {t['units']} "
+                         f"units resident on the GPU ({', '.join(t['resident_units']) or 'none'}); peak GPU "
+                         f"{gib(t['peak_gpu_bytes'])} GiB against {gib(t['predicted_peak_bytes'])} predicted: "
+                         + ", ".join(f"{part} {gib(n)}" for part, n in t["predicted_parts"].items()))
         if "gpu_compute_ms" in t:
+            host = "" if "host_memory_ms" not in t else (
+                f", H2D {t['h2d_ms']:.1f} ms ({t['h2d_bytes'] / t['h2d_ms'] / 1e6:.1f} GB/s), D2H {t['d2h_ms']:.1f} "
+                f"ms ({t['d2h_bytes'] / t['d2h_ms'] / 1e6:.1f} GB/s), CPU Adam {t['cpu_adam_ms']:.1f} ms, host "
+                f"memory {t['host_memory_ms']:.1f} ms ({t['host_bytes'] / 1e9:.1f} GB, "
+                f"{t['host_bytes_per_param']:.1f} bytes per parameter of the model with {t['adam_bytes_per_param']} "
+                f"per streamed parameter for the Adam, at {t['host_gbps']:.0f} GB/s with the Adam and both copy "
+                "engines running together)")
             lines.append(f"{mode} training bound, each part alone (best of {run.repeat}): GPU compute "
-                         f"{t['gpu_compute_ms']:.1f} ms (forward, recompute, backward), H2D {t['h2d_ms']:.1f} ms "
-                         f"({t['h2d_bytes'] / t['h2d_ms'] / 1e6:.1f} GB/s), D2H {t['d2h_ms']:.1f} ms "
-                         f"({t['d2h_bytes'] / t['d2h_ms'] / 1e6:.1f} GB/s), CPU Adam {t['cpu_adam_ms']:.1f} ms, "
-                         f"host memory {t['host_memory_ms']:.1f} ms ({t['host_bytes'] / 1e9:.1f} GB: "
-                         f"{t['adam_bytes_per_param']} bytes per parameter for the Adam and "
-                         f"{t['host_bytes_per_param'] - t['adam_bytes_per_param']:.1f} for the copies, at "
-                         f"{t['host_gbps']:.0f} GB/s with the Adam and both copy engines running together)")
+                         f"{t['gpu_compute_ms']:.1f} ms (forward, recompute, backward){host}")
         if "trace" in t:
             h, d = t["trace"]["h2d"], t["trace"]["d2h"]
             lines.append(f"{mode} training trace: {h['overlap_ms']:.1f} of {h['copy_ms']:.1f} ms of H2D copies and "
@@ -1873,7 +2161,8 @@ def cli_args(run: RunConfig) -> list[str]:
             "--betas", *map(repr, run.betas), "--eps", repr(run.eps), "--weight-decay", repr(run.weight_decay)]
     for field, value in run.sizes:
         args += [f"--{SIZE_FLAGS[field]}", str(value)]
-    for flag, value in (("--max-gpu-memory", run.max_gpu_memory), ("--json", run.json)):
+    for flag, value in (("--max-gpu-memory", run.max_gpu_memory), ("--resident-layers", run.resident_layers),
+                        ("--json", run.json)):
         if value is not None:
             args += [flag, str(value)]
     flags = {"--train": run.train, "--no-inference": not run.inference, "--find-largest": run.find_largest,
@@ -1949,13 +2238,14 @@ def largest_table(found: dict, run: RunConfig) -> str:
     title = (f"The largest model that trains ({run.preset} layers, {run.dtype}, {run.batch_size}x{run.seq_len} "
              f"tokens per micro-batch, Adam, {cap})")
     columns = [("layers", "---:"), ("parameters (B)", "---:"), ("step (ms)", "---:"), ("peak GPU (GiB)", "---:"),
-               ("peak host (GiB)", "---:"), ("one more layer", "---")]
+               ("units resident", "---:"), ("peak host (GiB)", "---:"), ("one more layer", "---")]
 
     def cells(label, r):
         """A mode's row."""
         t = r["training"] or {}
+        resident = f"{len(t['resident_units'])} of {t['units']}" if "units" in t else ""
         return [str(r["layers"]), f"{r['parameters'] / 1e9:.2f}", fmt(t.get("time_ms"), ".1f"),
-                gib(t.get("peak_gpu_bytes")), gib(t.get("peak_host_bytes")), r["limited_by"]]
+                gib(t.get("peak_gpu_bytes")), resident, gib(t.get("peak_host_bytes")), r["limited_by"]]
 
     return "\n".join(markdown(title, columns, [(MODE_NAMES[m], r) for m, r in found.items()], cells))
 
@@ -1999,7 +2289,13 @@ def parse_args(argv=None) -> RunConfig:
                    help="layers the copy stream runs ahead in overlapped mode")
     p.add_argument("--warmup", type=int, default=RunConfig.warmup)
     p.add_argument("--repeat", type=int, default=RunConfig.repeat, help="timed runs; the median is reported")
-    p.add_argument("--max-gpu-memory", type=float, metavar="GIB", help="cap the GPU memory this process may use")
+    p.add_argument("--max-gpu-memory", type=float, metavar="GIB",
+                   help="cap the GPU memory this process may use; overlapped keeps resident on the GPU the layers "
+                        "(in training: with their optimizer state) that the cap holds, and streams the rest")
+    p.add_argument("--resident-layers", type=int, metavar="N",
+                   help="overlapped: keep N decoder layers resident on the GPU (inference: spread among the "
+                        "streamed ones; training: the first N) instead of planning from --max-gpu-memory; 0 "
+                        "streams every layer")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--save-output", metavar="PATH", help="torch.save the input ids and each mode's logits")
     p.add_argument("--profile", metavar="PATH", help="write a Chrome trace of one offloaded forward pass")
@@ -2035,6 +2331,8 @@ def parse_args(argv=None) -> RunConfig:
         p.error("--prefetch must be at least 1 (blocked mode is prefetch 0)")
     if a.warmup < 0:
         p.error("--warmup must be at least 0")
+    if a.resident_layers is not None and a.resident_layers < 0:
+        p.error("--resident-layers must be at least 0")
     if not all(map(math.isfinite, (a.lr, a.eps, a.weight_decay))) or not (
             a.lr > 0 and a.eps > 0 and a.weight_decay >= 0 and all(0 <= b < 1 for b in a.betas)):
         p.error("Adam needs --lr > 0, --eps > 0, --weight-decay >= 0 and betas in [0, 1), all finite")
@@ -2044,13 +2342,17 @@ def parse_args(argv=None) -> RunConfig:
         p.error("--no-inference leaves nothing to run without --train")
     if a.fwd_bwd_reference and not (a.train or a.find_largest):
         p.error("--fwd-bwd-reference is the reference for training: add --train")
+    if a.find_largest and a.resident_layers is not None:
+        p.error("--find-largest varies the layer count and plans each probe from --max-gpu-memory: drop "
+                "--resident-layers")
     if a.find_largest and a.model:
         p.error("--find-largest varies the preset's layer count: use --preset (and size flags), not --model")
     sizes = tuple((f, getattr(a, f)) for f in SIZE_FLAGS if getattr(a, f) is not None)
     return RunConfig(mode=a.mode, preset=a.preset, model=a.model, sizes=sizes, dtype=a.dtype or default_dtype(),
                      attention=a.attention,
                      batch_size=a.batch_size, seq_len=a.seq_len, seed=a.seed, prefetch=a.prefetch,
-                     warmup=a.warmup, repeat=a.repeat, max_gpu_memory=a.max_gpu_memory, json=a.json,
+                     warmup=a.warmup, repeat=a.repeat, max_gpu_memory=a.max_gpu_memory,
+                     resident_layers=a.resident_layers, json=a.json,
                      save_output=a.save_output, profile=a.profile, train=a.train or a.find_largest,
                      inference=not a.no_inference, steps=a.steps,
                      grad_accum=a.grad_accum, offload_activations=a.offload_activations,
@@ -2060,6 +2362,11 @@ def parse_args(argv=None) -> RunConfig:
 
 def check_devices(run: RunConfig, config: LlamaConfig) -> None:
     """Everything about the GPU and host that can be refused before a byte is allocated."""
+    if run.resident_layers is not None and "overlapped" not in run.modes:
+        raise UsageError("--resident-layers places the layers of overlapped mode: add overlapped to --mode")
+    if run.resident_layers is not None and run.resident_layers > config.num_hidden_layers:
+        raise UsageError(f"--resident-layers {run.resident_layers}: the model has {config.num_hidden_layers} "
+                         "decoder layers")
     dtype = run.torch_dtype
     one_layer = layer_bytes(config, dtype)
     if run.max_gpu_memory is not None and run.max_gpu_memory * GiB < one_layer:

@@ -2,7 +2,7 @@
 # Regenerates the measured results on a GPU machine: JSON, tables (.md), logs and profiler traces under OUTDIR.
 #   bash report/run_benchmarks.sh OUTDIR [PART ...]   (default: every part, in the order below)
 set -euo pipefail
-parts="bf16 prefetch fp32 train alone activations train_fp32 accum eager largest scale peers"
+parts="bf16 prefetch fp32 train alone activations train_fp32 accum eager largest scale peers budget"
 out=${1:?usage: run_benchmarks.sh OUTDIR [PART ...], with PART one of: $parts}; shift
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
@@ -40,6 +40,14 @@ for p in ${@:-$parts}; do
     scale) run train_llama7b_65k --preset llama-7b --mode overlapped --train --no-inference --grad-accum 16 \
              --batch-size 4 --seq-len 1024 --max-gpu-memory 11 --steps 5 --warmup 1 --fwd-bwd-reference \
              --dtype bfloat16 ;;
+    # time against the GPU budget: gpu mode and every unit streamed (no cap) at the two ends, then overlapped under
+    # each cap, keeping resident what it holds (80: the whole GPU); BUDGETS="4 6" runs some caps only
+    budget) [ -n "${BUDGETS:-}" ] || run budget_ends --mode gpu,overlapped --train --steps 12 --warmup 2 --repeat 3 \
+              --dtype bfloat16
+            for gib in ${BUDGETS:-4 6 8 11 16 24 80}; do
+              run "budget_$gib" --mode overlapped --train --max-gpu-memory "$gib" --steps 12 --warmup 2 --repeat 3 \
+                --dtype bfloat16
+            done ;;
     # report tooling: FSDP2 and accelerate on the same model and batch
     peers) record peers_bf16 python3 report/peers.py --dtype bfloat16 ;;
     *) echo "unknown part $p: choose from $parts" >&2; exit 2 ;;

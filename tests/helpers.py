@@ -22,10 +22,11 @@ def build(run: ol.RunConfig):
     return model, ids
 
 
-def streamed_logits(model, ids, device, depth, pin=False, streamer_hook=None):
-    """Logits of the offloaded model with layers streamed at `depth`; the store is built from `model`."""
+def streamed_logits(model, ids, device, depth, pin=False, streamer_hook=None, resident=()):
+    """Logits of the offloaded model with layers streamed at `depth`, but for the `resident` ones; the store is built
+    from `model`."""
     store = ol.ParamStore(model, pin=pin)
-    streamer = ol.layer_streamer(store, model.config, torch.device(device), depth)
+    streamer = ol.layer_streamer(store, model.config, torch.device(device), depth, resident)
     if streamer_hook:
         streamer_hook(streamer)
     shell = ol.offloaded_model(model, streamer, torch.device(device))
@@ -44,10 +45,11 @@ def cli(*args, timeout=600):
 
 
 def offloaded_trainer(model, device, depth, micro_batches, adam=ol.Adam(lr=1e-3), pin=False, offload=False,
-                      grad_buffers=None, copy=True):
+                      grad_buffers=None, copy=True, resident=(), own_grads=True):
     """The blocked (depth 0) or overlapped training of `model` on `device`, as the CLI builds it; offload: the units'
     saved inputs wait on the host (--offload-activations); grad_buffers: a shared gradient pool of that many; copy:
-    the GPU streams the masters' compute-dtype copy (False: the float32 masters, cast on the GPU)."""
+    the GPU streams the masters' compute-dtype copy (False: the float32 masters, cast on the GPU); resident: the
+    units kept on the device and stepped there, with gradients of their own or (own_grads False) shared."""
     dtype = next(model.parameters()).dtype
     run = ol.RunConfig(dtype=str(dtype).removeprefix("torch."), grad_accum=len(micro_batches))
     store = ol.MasterStore(ol.model_units(model.config), adam, pin=pin, grad_buffers=grad_buffers,
@@ -56,8 +58,11 @@ def offloaded_trainer(model, device, depth, micro_batches, adam=ol.Adam(lr=1e-3)
     store.load(model)
     kwargs = ol.decoder_kwargs(model, tuple(micro_batches[0].shape), dtype, torch.device(device))
     offload_inputs = (len(micro_batches), *micro_batches[0].shape) if offload else None
-    return ol.OffloadedTraining(store, model.config, dtype, torch.device(device), depth, model.loss_function, kwargs,
-                                offload_inputs)
+    trainer = ol.OffloadedTraining(store, model.config, dtype, torch.device(device), depth, model.loss_function,
+                                   kwargs, offload_inputs)
+    if resident:
+        trainer.keep_on_gpu(resident, own_grads)
+    return trainer
 
 
 def train(trainer, micro_batches, steps):
@@ -67,7 +72,7 @@ def train(trainer, micro_batches, steps):
     losses += [trainer.step(micro_batches).item() for _ in range(steps - 1)]
     trainer.finish()
     masters = trainer.state_dict(trainer.masters) if isinstance(trainer, ol.ResidentTraining) else \
-        trainer.store.state_dict()
+        trainer.state_dict()
     return grads, masters_1, masters, losses
 
 

@@ -113,6 +113,11 @@ BAD_INPUT = {
                             "less than one decoder layer"),
     "bad mode": (["--mode", "fast"], "choose all, or one or more of"),
     "zero prefetch": (["--prefetch", 0], "--prefetch must be at least 1"),
+    "negative resident layers": (["--resident-layers", -1], "--resident-layers must be at least 0"),
+    "more resident layers than the model has": (["--preset", "tiny", "--mode", "overlapped", "--resident-layers", 4],
+                                                "--resident-layers 4: the model has 3 decoder layers"),
+    "resident layers without overlapped": (["--preset", "tiny", "--mode", "cpu", "--resident-layers", 1],
+                                           "add overlapped to --mode"),
 }
 
 
@@ -144,12 +149,20 @@ def test_dtype_the_gpu_cannot_run(monkeypatch):
 
 
 def test_pipeline_bound():
+    every = [True] * 8
     # copy-bound: every copy is on the critical path, plus the last layer's compute
-    assert ol.pipeline_bound_ms(8, copy_ms=7.0, compute_ms=4.0, resident_ms=2.0, depth=1) == 2 + 7 + 7 * 7 + 4
+    assert ol.pipeline_bound_ms(every, copy_ms=7.0, compute_ms=4.0, resident_ms=2.0, depth=1) == 2 + 7 + 7 * 7 + 4
     # compute-bound: every layer's compute, plus the first copy
-    assert ol.pipeline_bound_ms(8, copy_ms=3.0, compute_ms=5.0, resident_ms=2.0, depth=2) == 2 + 3 + 7 * 5 + 5
+    assert ol.pipeline_bound_ms(every, copy_ms=3.0, compute_ms=5.0, resident_ms=2.0, depth=2) == 2 + 3 + 7 * 5 + 5
     # blocked: nothing overlaps
-    assert ol.pipeline_bound_ms(8, copy_ms=3.0, compute_ms=5.0, resident_ms=2.0, depth=0) == 2 + 8 * 8
+    assert ol.pipeline_bound_ms(every, copy_ms=3.0, compute_ms=5.0, resident_ms=2.0, depth=0) == 2 + 8 * 8
+    # resident layers 0, 2, 4, 6: layer 1 waits for its copy (7 ms, under layer 0's 4), then every later copy hides
+    # under two layers' compute
+    spread = [False, True] * 4
+    assert ol.pipeline_bound_ms(spread, copy_ms=7.0, compute_ms=4.0, resident_ms=2.0, depth=1) == 2 + 7 + 7 * 4
+    # the same four resident at the end: the four copies come first, then most of the compute
+    assert ol.pipeline_bound_ms([True] * 4 + [False] * 4, 7.0, 4.0, 2.0, 1) == 2 + 4 * 7 + 5 * 4
+    assert ol.pipeline_bound_ms([True] * 4 + [False] * 4, 7.0, 4.0, 2.0, 0) == 2 + 4 * 7 + 8 * 4
 
 
 def test_trace_overlap_counts_copy_time_under_kernels_of_other_streams(tmp_path):

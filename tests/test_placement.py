@@ -1,0 +1,139 @@
+"""CPU tier, placement: layers and units kept resident on the device change no bit of the logits or the gradients;
+only the streamed ones are copied, ahead of the resident ones' compute; the plans fit their budget and take units in
+their order."""
+import pytest
+import torch
+
+import offload_llama as ol
+from helpers import build, offloaded_trainer, resident_logits, streamed_logits, tiny_run, train
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("resident", [(0,), (3,), (0, 2), (1, 2), (0, 1, 2, 3)])
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_resident_layers_change_no_logit(depth, resident):
+    model, ids = build(tiny_run(num_hidden_layers=4))
+    assert torch.equal(streamed_logits(model, ids, "cpu", depth, resident=resident), resident_logits(model, ids, "cpu"))
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_streamed_layers_are_copied_before_the_resident_layers_ahead_of_them_run(depth):
+    model, ids = build(tiny_run(num_hidden_layers=4))
+    events = []
+
+    def record(streamer):
+        acquire, release, prefetch = streamer.acquire, streamer.release, streamer.prefetch
+        streamer.acquire = lambda u: (events.append(("run", u)), acquire(u))[1]
+        streamer.release = lambda u: (events.append(("issued", u)), release(u))
+        streamer.prefetch = lambda p: (events.append(("copy", streamer.order[p])), prefetch(p))
+
+    streamed_logits(model, ids, "cpu", depth, streamer_hook=record, resident=(0, 2))
+    # both streamed layers' copies start once layer 0's kernels are issued, and the ring has a slot for each
+    assert events == [("run", 0), ("issued", 0), ("copy", 1), ("copy", 3), ("run", 1), ("issued", 1),
+                      ("run", 2), ("issued", 2), ("run", 3), ("issued", 3)]
+
+
+def tiny_training(dtype="bfloat16", k=1):
+    model, ids = build(ol.dataclasses.replace(tiny_run(), dtype=dtype, batch_size=2 * k))
+    return model, list(ids.chunk(k))
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("resident", [(0,), (1, 3), (4, 5), (0, 1, 2, 3, 4, 5)])  # the tiny model has 6 units
+def test_resident_units_train_like_gpu_mode(resident, dtype, k):
+    """Gradients bitwise; the resident units' masters after the first step bitwise too (the same torch Adam on the
+    same device as the reference's), the streamed ones' to float32 rounding (the CPU Adam's kernel)."""
+    model, batches = tiny_training(dtype, k)
+    grads, masters_1, _, losses = train(offloaded_trainer(model, CPU, 1, batches, resident=resident), batches, 2)
+    ref_grads, ref_masters_1, _, ref_losses = train(ol.ResidentTraining(model, model.dtype, CPU, ol.Adam(lr=1e-3)),
+                                                    batches, 2)
+    assert all(torch.equal(g, ref_grads[name]) for name, g in grads.items())
+    names = [unit.name for unit in ol.model_units(model.config)]
+    for name, m in masters_1.items():
+        if any(name.startswith(names[u] + ".") for u in resident):
+            assert torch.equal(m, ref_masters_1[name]), name
+        else:
+            torch.testing.assert_close(m, ref_masters_1[name], rtol=0, atol=ol.masters_tolerance(1.0, 1), msg=name)
+    assert losses[0] == ref_losses[0]
+
+
+def test_resident_units_sharing_one_gradient_buffer_train_the_same():
+    model, batches = tiny_training()
+    own = train(offloaded_trainer(model, CPU, 1, batches, resident=(0, 1, 5)), batches, 3)
+    shared = train(offloaded_trainer(model, CPU, 1, batches, resident=(0, 1, 5), own_grads=False), batches, 3)
+    assert all(torch.equal(m, own[2][name]) for name, m in shared[2].items())
+    assert shared[3] == own[3]
+
+
+def test_every_unit_resident_streams_nothing():
+    model, batches = tiny_training()
+    trainer = offloaded_trainer(model, CPU, 1, batches, resident=range(6))
+    trainer.streamer.prefetch = lambda p: pytest.fail("a resident unit was copied")
+    *_, losses = train(trainer, batches, 3)
+    assert trainer.streamer.n_slots == 0 and trainer.grad_buffer.numel() == 0
+    assert losses[-1] < losses[0]
+
+
+def test_float16_resident_units_need_their_own_gradients():
+    model, batches = tiny_training("float16")
+    with pytest.raises(ValueError, match="resident units need their own gradients"):
+        offloaded_trainer(model, CPU, 1, batches, resident=(1,), own_grads=False)
+
+
+def budget_run(budget_bytes: int, **fields) -> ol.RunConfig:
+    """A run whose placement budget is about `budget_bytes`."""
+    return ol.RunConfig(preset="tiny", max_gpu_memory=(ol.PLAN_MARGIN + budget_bytes) / ol.GiB, **fields)
+
+
+def test_training_plan_fits_its_budget_and_keeps_a_run_from_the_start_of_the_forward_order():
+    model, batches = tiny_training()
+    trainer = offloaded_trainer(model, CPU, 1, batches)
+    besides = {"saved inputs": 1000, "working set": 5000, "other": 300}
+    numels = [m.numel() for m in trainer.store.masters]
+    streamed = ol.training_placement(trainer, budget_run(0), "overlapped", besides, own_grads=False)
+    assert streamed.resident == () and streamed.parts["saved inputs"] == 1000
+    assert streamed.parts["slots"] == 2 * max(numels) * 2 and streamed.parts["resident weights"] == 0
+    budgets = range(streamed.peak_bytes, streamed.peak_bytes + 20 * sum(numels), sum(numels) // 4)
+    plans = [ol.training_placement(trainer, budget_run(b), "overlapped", besides, own_grads=False) for b in budgets]
+    for plan, budget in zip(plans, budgets):
+        k = len(plan.resident)
+        assert plan.resident == tuple(range(k)) and plan.peak_bytes <= budget + 1
+    assert [len(p.resident) for p in plans] == sorted(len(p.resident) for p in plans)
+    assert plans[-1].resident == tuple(range(6)) and plans[-1].parts["slots"] == 0
+    # resident, a parameter takes 14 bytes and the largest resident unit's gradients 4 more; 18 with own gradients
+    kept = sum(numels)
+    assert plans[-1].parts["resident weights"] + plans[-1].parts["resident masters and moments"] == 14 * kept
+    assert plans[-1].parts["resident gradients"] == 4 * max(numels)
+    own = ol.training_placement(trainer, budget_run(10**9), "overlapped", besides, own_grads=True)
+    assert own.parts["resident gradients"] == 4 * kept
+
+
+def test_training_plan_overrides_and_blocked():
+    model, batches = tiny_training()
+    trainer = offloaded_trainer(model, CPU, 1, batches)
+    plan = lambda run, mode="overlapped": ol.training_placement(trainer, run, mode, {}, own_grads=False).resident
+    assert plan(budget_run(10**9)) == tuple(range(6))
+    assert plan(budget_run(10**9), "blocked") == ()
+    assert plan(budget_run(10**9, resident_layers=2)) == (1, 2)  # layers: unit 0 is the embeddings
+    assert plan(budget_run(10**9, resident_layers=0)) == ()
+    assert plan(ol.RunConfig(preset="tiny")) == ()  # no budget: every unit streamed
+
+
+def test_inference_plan_spreads_what_the_budget_holds():
+    run = ol.RunConfig(preset="7b-8l", max_gpu_memory=11)
+    config = ol.llama_config(run)
+    assert ol.inference_placement(run, config, 4096, "overlapped").resident == tuple(range(8))
+    assert ol.inference_placement(run, config, 4096, "blocked").resident == ()
+    assert ol.inference_placement(ol.RunConfig(preset="7b-8l"), config, 4096, "overlapped").resident == ()
+    counts = []
+    for gib in (2, 3, 4, 5, 6):
+        plan = ol.inference_placement(ol.dataclasses.replace(run, max_gpu_memory=gib), config, 4096, "overlapped")
+        assert plan.peak_bytes <= gib * ol.GiB - ol.PLAN_MARGIN or not plan.resident
+        assert plan.resident == ol.spread(8, len(plan.resident))
+        counts.append(len(plan.resident))
+    assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 8
+    assert ol.spread(8, 4) == (0, 2, 4, 6) and ol.spread(8, 1) == (0,) and ol.spread(8, 8) == tuple(range(8))
+    forced = ol.dataclasses.replace(run, resident_layers=3)
+    assert ol.inference_placement(forced, config, 4096, "overlapped").resident == (0, 2, 5)
