@@ -1594,9 +1594,10 @@ def set_strategy(shell: LlamaForCausalLM, strategy) -> None:
 
 
 def inference_parts(shell, streamer: LayerStreamer, input_ids) -> dict:
-    """What bounds an offloaded pass, as functions to time: every streamed layer's copy alone (nothing computed), one
-    layer's compute alone (its weights in place) and the resident parts alone (embeddings, norm, head; no layer
-    run)."""
+    """What bounds an offloaded pass, as functions to time: every streamed layer's copy alone (nothing computed),
+    every layer's compute alone (one layer's weights in place, run as many times back to back: one layer timed alone
+    would add the wait for its first kernels' launch, which a pass hides) and the resident parts alone (embeddings,
+    norm, head; no layer run)."""
     device = input_ids.device
 
     def copy_all():
@@ -1617,18 +1618,23 @@ def inference_parts(shell, streamer: LayerStreamer, input_ids) -> dict:
             set_strategy(shell, streamer)
 
     layer = streamer.modules[0]["layer"] if streamer.modules else streamer.resident[0]  # any layer: same time
-    return {"copy": (device, copy_all), "compute": (device, lambda: layer(*args, **kwargs)),
-            "resident": (device, resident_only)}
+
+    def compute_all():
+        """One layer's compute once for every layer of the model, back to back."""
+        for _ in streamer.sources:
+            layer(*args, **kwargs)
+
+    return {"copy": (device, copy_all), "compute": (device, compute_all), "resident": (device, resident_only)}
 
 
 def inference_bound(streamer: LayerStreamer, best: dict[str, float], measured_ms: float) -> dict:
     """The parts' best times (ms) combined into the mode's bound (pipeline_bound_ms), and the measured pass against
     it: efficiency and achieved host-to-device bandwidth."""
     n, nbytes = len(streamer.streamed), streamer.sources[0].nbytes  # streamed layers, and one layer's bytes
-    copy_ms = best["copy"] / n if n else 0.0
+    copy_ms, compute_ms = best["copy"] / n if n else 0.0, best["compute"] / len(streamer.sources)
     streamed = [u not in streamer.resident for u in range(len(streamer.sources))]
-    bound_ms = pipeline_bound_ms(streamed, copy_ms, best["compute"], best["resident"], streamer.depth)
-    return {"copy_ms_per_layer": copy_ms, "compute_ms_per_layer": best["compute"], "resident_ms": best["resident"],
+    bound_ms = pipeline_bound_ms(streamed, copy_ms, compute_ms, best["resident"], streamer.depth)
+    return {"copy_ms_per_layer": copy_ms, "compute_ms_per_layer": compute_ms, "resident_ms": best["resident"],
             "h2d_gbps_copy_only": nbytes / copy_ms / 1e6 if n else None, "bound_ms": bound_ms,
             "efficiency": bound_ms / measured_ms, "h2d_gbps": n * nbytes / measured_ms / 1e6}
 
