@@ -5,7 +5,8 @@ into a small ring of GPU slots just before it runs. `blocked` copies, then compu
 time; `overlapped` lets a copy stream fill the next slot(s) while the compute stream runs the current
 one. The forward pass is the unmodified Hugging Face `LlamaForCausalLM.forward`: only the decoder
 layers it calls are swapped for thin wrappers that fetch their weights from the ring. Training streams
-every unit (embeddings, layers, norm, head) through an autograd.Function and steps Adam on the CPU.
+every unit (embeddings, layers, norm, head) through an autograd.Function and steps Adam on the CPU. Under a
+GPU budget (--max-gpu-memory), overlapped keeps resident what the budget holds and streams the rest.
 
 The file reads top to bottom, the algorithm first and the instruments after it:
 
@@ -18,8 +19,11 @@ The file reads top to bottom, the algorithm first and the instruments after it:
                        once), MasterStore (float32 masters, Adam state, the compute-dtype copy the GPU streams)
                        and its GradientPool, CpuAdam (the worker thread that steps each unit), ActivationOffload
                        (saved inputs to pinned host memory and back), StreamedUnit (the per-unit
-                       autograd.Function), OffloadedTraining (gradients out on a D2H stream), ResidentTraining
-                       (the gpu and cpu reference)
+                       autograd.Function), ResidentUnit (a unit kept on the GPU and stepped there),
+                       OffloadedTraining (gradients out on a D2H stream), ResidentTraining (the gpu and cpu
+                       reference)
+    placement          inference_placement, training_placement: which units stay resident under the budget, and
+                       the peak that predicts
     modes              run_mode, train_mode: one mode's inference or training
     measurement        timed, median_ms and interleaved_ms, the bounds (inference_parts and inference_bound,
                        measure_train_bound), peak memory, profiler traces, the comparison with gpu mode
@@ -486,8 +490,10 @@ class LayerStreamer:
         """The module that runs unit u; a streamed unit also starts the copies up to `depth` positions ahead."""
         if u == self.opening:
             self.issued = 0  # a pass opens by filling the whole ring
-        if u in self.resident:  # its copies ahead wait for its kernels to be issued (release): in training they
-            return self.resident[u]  # block until the CPU Adam has updated their units, and the GPU can run this one
+        if u in self.resident:
+            # the copies ahead start in release, once its kernels are issued: in training a copy first waits for the
+            # CPU Adam to update its unit, and the GPU can run this one meanwhile
+            return self.resident[u]
         self.issue_through(self.position[u] + self.depth)
         s = self.slot[u]
         self.compute_stream.wait_event(self.copied[s])  # unit u's weights must have landed before its kernels read them
