@@ -2,7 +2,7 @@
 # Regenerates the measured results on a GPU machine: JSON, tables (.md), logs and profiler traces under OUTDIR.
 #   bash report/run_benchmarks.sh OUTDIR [PART ...]   (default: every part, in the order below)
 set -euo pipefail
-parts="bf16 prefetch fp32 train alone activations train_fp32 accum eager largest scale peers budget"
+parts="bf16 prefetch fp32 train alone activations train_fp32 accum eager largest scale peers budget budget_ab"
 out=${1:?usage: run_benchmarks.sh OUTDIR [PART ...], with PART one of: $parts}; shift
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
@@ -48,6 +48,13 @@ for p in ${@:-$parts}; do
               run "budget_$gib" --mode overlapped --train --max-gpu-memory "$gib" --steps 12 --warmup 2 --repeat 3 \
                 --dtype bfloat16
             done ;;
+    # training under 11 GiB against every unit streamed, three times each, interleaved: the step time of one process
+    # varies by up to 20% with the host (where its pinned memory lands), so one run of each does not settle the ratio
+    budget_ab) for i in 1 2 3; do
+                 run "budget_ab_streamed_$i" --mode overlapped --train --no-inference --steps 12 --warmup 2 --dtype bfloat16
+                 run "budget_ab_11_$i" --mode overlapped --train --no-inference --max-gpu-memory 11 --steps 12 --warmup 2 \
+                   --dtype bfloat16
+               done ;;
     # report tooling: FSDP2 and accelerate on the same model and batch
     peers) record peers_bf16 python3 report/peers.py --dtype bfloat16 ;;
     *) echo "unknown part $p: choose from $parts" >&2; exit 2 ;;

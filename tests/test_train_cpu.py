@@ -236,3 +236,42 @@ def test_float16_needs_a_gradient_buffer_per_unit():
     model, ids = build(ol.dataclasses.replace(tiny_run(), dtype="float16"))
     with pytest.raises(ValueError, match="give each unit a gradient buffer"):
         offloaded_trainer(model, "cpu", 1, [ids], grad_buffers=2)
+
+
+def pages_present(t: torch.Tensor) -> int:
+    """How many of the pages under `t` the process has touched (the present bit of /proc/self/pagemap)."""
+    size = 4096
+    first, last = t.data_ptr() // size, (t.data_ptr() + t.nbytes - 1) // size
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        pagemap.seek(first * 8)
+        entries = pagemap.read((last - first + 1) * 8)
+    return sum(entries[i + 7] >> 7 for i in range(0, len(entries), 8))
+
+
+@pytest.mark.skipif(not ol.Path("/proc/self/pagemap").exists(), reason="needs Linux's /proc/self/pagemap")
+def test_loading_the_store_touches_no_moment():
+    """The moments take their host memory at the unit's first step, once a lean run has freed the model's layers."""
+    model, _ = build(tiny_run())
+    store = ol.MasterStore(ol.model_units(model.config), ol.Adam(), pin=False, grad_buffers=2)
+    store.load(model)
+    assert all(pages_present(m) > 0 for m in store.masters)
+    assert sum(pages_present(t) for pair in store.moments for t in pair) == 0
+
+
+def test_reloading_the_store_starts_adam_afresh():
+    """A second load (the next offloaded mode) gives the same first steps: each unit's first step zeroes its moments."""
+    model, _ = build(tiny_run())
+    store = ol.MasterStore(ol.model_units(model.config), ol.Adam(lr=1e-3), pin=False, grad_buffers=2)
+    grads = [torch.randn(m.numel(), generator=torch.Generator().manual_seed(u)).to(store.grad_dtype)
+             for u, m in enumerate(store.masters)]
+
+    def two_steps():
+        store.load(model)
+        for _ in range(2):
+            for u, g in enumerate(grads):
+                store.take_grads(u).copy_(g)
+                store.step(u)
+        return {name: t.clone() for name, t in store.state_dict().items()}
+
+    first = two_steps()
+    assert all(torch.equal(t, first[name]) for name, t in two_steps().items())
