@@ -1032,7 +1032,7 @@ class OffloadedTraining:
         if dtype == torch.float16 and not store.pool.dedicated:
             raise ValueError("float16 steps only once every unit's gradients are in: give each unit a gradient buffer")
         self.store, self.units, self.kwargs, self.loss_function = store, store.units, kwargs, loss_function
-        self.dtype, self.device, self.resident = dtype, device, {}
+        self.dtype, self.device, self.resident, self.shared_grads = dtype, device, {}, False
         self.vocab_size, self.hidden_size = config.vocab_size, config.hidden_size
         self.adam = CpuAdam(len(self.units), store.step)
 
@@ -1089,8 +1089,8 @@ class OffloadedTraining:
         grads_in = []
         for k, (x, grad_out) in enumerate(zip(xs, grad_outs)):
             grad_in, grads = self.unit_grads(u, module, x, k, grad_out)
-            if k == 0 and not resident:
-                self.streamer.compute_stream.wait_event(self.last_landed)  # the last unit's grads must have left
+            if k == 0 and (not resident or self.shared_grads):  # the last streamed unit's gradients must have left
+                self.streamer.compute_stream.wait_event(self.last_landed)  # the memory these are written into
             for view, grad in zip(views, grads):  # float32 accumulation in micro-batch order, as the gpu mode does
                 view.copy_(grad) if k == 0 else view.add_(grad)
             grads_in.append(grad_in)
@@ -1151,24 +1151,29 @@ class OffloadedTraining:
         """Keep `units` resident on the GPU (a placement) and stream the rest: the slots and the gradient buffer are
         sized anew for the streamed units. own_grads: each resident unit keeps its float32 gradients until the step
         ends (float16, whose loss scale must see every gradient before any unit steps, and the first step's comparison
-        with gpu mode); otherwise they share one buffer, the largest resident unit's."""
+        with gpu mode); otherwise they share the streamed units' gradient buffer, grown to the largest of theirs."""
         if self.dtype == torch.float16 and units and not own_grads:
             raise ValueError("float16 steps only once every gradient is in: resident units need their own gradients")
         numels = [m.numel() for m in self.store.masters]
         self.grad_buffer = None  # freed before the resident state is allocated
-        shared = None if own_grads else torch.empty(max((numels[u] for u in units), default=0), device=self.device)
+        streamed = max((n for u, n in enumerate(numels) if u not in units), default=0) * self.store.grad_dtype.itemsize
+        # shared: the resident units' float32 gradients live in the streamed units' gradient buffer, made large
+        # enough (backward_unit waits for the last streamed unit's gradients to have left it)
+        self.shared_grads = not own_grads and bool(units)
+        memory = torch.empty(streamed if own_grads else max(streamed, 4 * max((numels[u] for u in units), default=0)),
+                             dtype=torch.uint8, device=self.device)
 
         def load(u: int) -> torch.Tensor:
             """Unit u's state on the GPU; its compute-dtype weights, for the streamer to run it from."""
-            grads = torch.empty(numels[u], device=self.device) if own_grads else shared[:numels[u]]
+            grads = torch.empty(numels[u], device=self.device) if own_grads else \
+                memory[:4 * numels[u]].view(torch.float32)
             self.resident[u] = ResidentUnit(self.store.masters[u], self.store.update.adam, self.dtype, self.device,
                                             grads)
             return self.resident[u].weights
 
         self.resident = {}
         self.streamer.keep_resident(units, load)
-        self.grad_buffer = torch.empty(max((numels[u] for u in self.streamer.streamed), default=0),
-                                       dtype=self.store.grad_dtype, device=self.device)
+        self.grad_buffer = memory[:streamed].view(self.store.grad_dtype)
 
     def state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
         """The float32 masters (grads: the last step's gradients) with HF names on the CPU, the resident units' from
@@ -1279,8 +1284,9 @@ def training_placement(trainer: OffloadedTraining, run: RunConfig, mode: str, be
     """overlapped training: which units stay on the GPU, from the budget (--resident-layers: the first that many
     decoder layers). Resident, a parameter costs 14 bytes of GPU memory (compute-dtype weights, float32 master and
     moments; 12 in float32, where the master is the weights), plus float32 gradients: 4 more where each unit keeps
-    its own (own_grads), else one buffer of the largest resident unit. Streamed units need the slots (and the
-    staging buffer where float32 masters are cast) and one gradient buffer, of the largest streamed unit. `besides`:
+    its own (own_grads), else they share the streamed units' gradient buffer, made as large as the largest resident
+    unit's. Streamed units need the slots (and the staging buffer where float32 masters are cast) and that gradient
+    buffer, of the largest streamed unit's gradients at the least. `besides`:
     the bytes that do not depend on the placement (the forward's saved inputs, one unit's working set, ...).
 
     The resident units are the longest run from the start of the forward order (embeddings, layers from the first,
@@ -1301,11 +1307,12 @@ def training_placement(trainer: OffloadedTraining, run: RunConfig, mode: str, be
         kept = [numels[u] for u in resident]
         streamed = [n for u, n in enumerate(numels) if u not in resident]
         largest = max(streamed, default=0)
+        grads = largest * trainer.store.grad_dtype.itemsize
         return {"slots": min(depth + 1, len(streamed)) * largest * b + casts * min(largest, STAGING) * 4,
-                "gradient buffer": largest * trainer.store.grad_dtype.itemsize,
+                "gradient buffer": grads if own_grads else max(grads, 4 * max(kept, default=0)),
                 "resident weights": sum(kept) * (0 if run.torch_dtype == torch.float32 else b),
                 "resident masters and moments": 12 * sum(kept),
-                "resident gradients": 4 * (sum(kept) if own_grads else max(kept, default=0)), **besides}
+                "resident gradients": 4 * sum(kept) if own_grads else 0, **besides}
 
     resident, budget = [], plan_budget(run)
     if mode == "overlapped" and run.resident_layers is not None:

@@ -67,6 +67,21 @@ def test_resident_units_sharing_one_gradient_buffer_train_the_same():
     assert shared[3] == own[3]
 
 
+def test_shared_gradients_live_in_the_streamed_units_gradient_buffer():
+    """Without gradients of their own the resident units' float32 gradients take the memory of the streamed units'
+    gradient buffer, made as large as the largest resident unit's."""
+    model, batches = tiny_training()
+    trainer = offloaded_trainer(model, CPU, 1, batches, resident=(0, 2), own_grads=False)
+    numels = [m.numel() for m in trainer.store.masters]
+    streamed = max(n for u, n in enumerate(numels) if u not in (0, 2))
+    assert trainer.shared_grads and trainer.grad_buffer.numel() == streamed
+    for u in (0, 2):
+        grads = trainer.resident[u].grads
+        assert grads.dtype == torch.float32 and grads.numel() == numels[u]
+        assert grads.untyped_storage().data_ptr() == trainer.grad_buffer.untyped_storage().data_ptr()
+    assert not offloaded_trainer(model, CPU, 1, batches, resident=(0, 2)).shared_grads
+
+
 def test_every_unit_resident_streams_nothing():
     model, batches = tiny_training()
     trainer = offloaded_trainer(model, CPU, 1, batches, resident=range(6))
@@ -102,12 +117,14 @@ def test_training_plan_fits_its_budget_and_keeps_a_run_from_the_start_of_the_for
         assert plan.resident == tuple(range(k)) and plan.peak_bytes <= budget + 1
     assert [len(p.resident) for p in plans] == sorted(len(p.resident) for p in plans)
     assert plans[-1].resident == tuple(range(6)) and plans[-1].parts["slots"] == 0
-    # resident, a parameter takes 14 bytes and the largest resident unit's gradients 4 more; 18 with own gradients
+    # resident, a parameter takes 14 bytes, and the gradient buffer holds the largest resident unit's float32
+    # gradients; 18 bytes with gradients of their own, beside the streamed units' buffer
     kept = sum(numels)
     assert plans[-1].parts["resident weights"] + plans[-1].parts["resident masters and moments"] == 14 * kept
-    assert plans[-1].parts["resident gradients"] == 4 * max(numels)
+    assert plans[-1].parts["gradient buffer"] == 4 * max(numels) and plans[-1].parts["resident gradients"] == 0
+    assert streamed.parts["gradient buffer"] == 2 * max(numels)
     own = ol.training_placement(trainer, budget_run(10**9), "overlapped", besides, own_grads=True)
-    assert own.parts["resident gradients"] == 4 * kept
+    assert own.parts["resident gradients"] == 4 * kept and own.parts["gradient buffer"] == 0
 
 
 def test_training_plan_overrides_and_blocked():

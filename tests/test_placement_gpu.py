@@ -59,6 +59,29 @@ def test_resident_units_sharing_one_gradient_buffer_train_the_same():
     assert all(torch.equal(m, own[2][name]) for name, m in shared[2].items()) and shared[3] == own[3]
 
 
+def test_race_shared_resident_gradients_wait_for_the_last_copy_out():
+    """Shared, resident unit 1's float32 gradients take the memory that streamed unit 2, just before it in the backward,
+    leaves its gradients in for the host. With unit 2's copy to the host held back 20 ms the intact wait trains as
+    gradients of their own do; without it unit 2's Adam reads unit 1's bytes."""
+    model, batches = small()
+    own = train(offloaded_trainer(model, CUDA, 1, batches, pin=True, resident=(0, 1)), batches, 2)
+    for drop, should_match in ((False, True), (True, False)):
+        trainer = offloaded_trainer(model, CUDA, 1, batches, pin=True, resident=(0, 1), own_grads=False)
+
+        def late(u, trainer=trainer, send=trainer.send, drop=drop):
+            """Unit 2's gradients leave 20 ms late; `drop`: unit 1 no longer waits for them."""
+            if u == 2:
+                with torch.cuda.stream(trainer.d2h_stream):
+                    torch.cuda._sleep(40_000_000)
+            send(u)
+            if u == 2 and drop:
+                trainer.last_landed = ol.InOrder()
+        trainer.send = late
+        shared = train(trainer, batches, 2)
+        matches = all(torch.equal(m, own[2][name]) for name, m in shared[2].items())
+        assert matches == should_match, "intact" if should_match else "wait removed"
+
+
 def mid_args(*extra):
     sizes = [a for field, value in MID.items() for a in (f"--{ol.SIZE_FLAGS[field]}", value)]
     return ["--preset", "tiny", *sizes, "--seq-len", 2048, "--mode", "overlapped", "--steps", 3, "--warmup", 1,
