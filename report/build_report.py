@@ -37,6 +37,12 @@ SOURCES = {  # name -> JSON file, relative to report/; all made by `bash report/
     "train_llama7b_65k": "results/train_llama7b_65k.json",
     "peers_bf16": "results/peers_bf16.json",
 }
+# issue 13's time against the GPU budget (run_benchmarks.sh part budget): the two ends, then one run per cap. They join
+# SOURCES at the next full regeneration, when one version of the script makes them and the rest; until then
+# REPORT.md has no budget section (tests/test_report.py builds it from report/results/budget/)
+BUDGETS = (4, 6, 8, 11, 16, 24, 80)  # GiB
+BUDGET_SOURCES = {"budget_ends": "results/budget_ends.json", **{f"budget_{b}": f"results/budget_{b}.json"
+                                                                   for b in BUDGETS}}
 TRACES = {  # figure -> profiler trace (Chrome JSON) it is drawn from
     "timeline_training.png": "results/trace_bf16.train.json",
     "timeline_inference.png": "results/trace_overlapped_bf16.json",
@@ -299,6 +305,70 @@ def largest_section(runs: dict) -> list[str]:
             f" s in all over the {r['run']['steps']} steps for one to be free. Where the host's bytes go at {layers} "
             "layers (over the training steps; the bound's scratch Adam state comes after):", "",
             *where_table(t, host_parts(t, c, params), params), ""]
+
+
+def budget_rows(runs: dict) -> list[tuple[str, float | None, dict, dict]]:
+    """(label, cap in GiB or None, inference result, training result) from gpu mode through every unit streamed to
+    each cap of the budget part."""
+    ends = runs["budget_ends"]["results"]
+    rows = [("gpu mode (resident model)", None, ends["gpu"]["inference"], ends["gpu"]["training"]),
+            ("overlapped, no cap (every unit streamed)", None, ends["overlapped"]["inference"],
+             ends["overlapped"]["training"])]
+    for b in BUDGETS:
+        r = runs[f"budget_{b}"]
+        cap, o = r["run"]["max_gpu_memory"], r["results"]["overlapped"]
+        rows.append((f"overlapped, `--max-gpu-memory {cap:g}`", cap, o["inference"], o["training"]))
+    return rows
+
+
+def budget_section(runs: dict) -> list[str]:
+    ends, layers = runs["budget_ends"], runs["budget_ends"]["config"]["num_hidden_layers"]
+    rows = budget_rows(runs)
+    gpu, streamed = rows[0], rows[1]
+    table_rows = []
+    for label, cap, i, t in rows:
+        resident = "all" if label.startswith("gpu") else (
+            f"{len(i['resident_layers'])} of {layers} / {len(t['resident_units'])} of {t['units']}")
+        table_rows.append([label, f"{i['time_ms']:.1f}", f"{t['time_ms']:.1f}", resident, gib(t["peak_gpu_bytes"]),
+                           gib(t.get("predicted_peak_bytes"))])
+    capped = [(cap, i, t) for _, cap, i, t in rows if cap is not None]
+    error = max(abs(t["peak_gpu_bytes"] - t["predicted_peak_bytes"]) for *_, t in capped)
+    i11, t11 = next((i, t) for cap, i, t in capped if cap == 11)
+    run = ends["run"]
+    return ["## 10. Time against the GPU budget", "",
+            f"`bash report/run_benchmarks.sh OUT budget`: {ends['parameters'] / 1e9:.2f} B parameters "
+            f"({run['preset']}), {run['dtype']}, {ends['tokens']} tokens; inference and {run['steps']} training steps "
+            f"(median after {steps_word(run['warmup'])}) in each run. Under `--max-gpu-memory`, overlapped keeps "
+            "resident on the GPU what the cap holds: decoder layers spread among the streamed ones for inference, "
+            "the longest run of units from the embeddings for training, whose resident units the GPU's fused Adam "
+            "steps. The predicted peak is the plan's bytes plus one unit's measured working set.", "",
+            *table(["run", "inference (ms)", "training step (ms)", "resident: layers / units",
+                    "peak GPU, training (GiB)", "predicted (GiB)"], table_rows), "",
+            f"Under 11 GiB inference takes {i11['time_ms'] / gpu[2]['time_ms']:.2f}x gpu mode's time and a training "
+            f"step {t11['time_ms'] / streamed[3]['time_ms']:.2f}x the all-streamed one's; every peak is within "
+            f"{error / GiB:.2f} GiB of its prediction.", "",
+            "![time against budget](figures/time_vs_budget.png)", ""]
+
+
+def budget_figure(runs: dict, out: Path) -> None:
+    import matplotlib.pyplot as plt
+    rows = budget_rows(runs)
+    caps = [cap for _, cap, _, _ in rows if cap is not None]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, (title, part) in zip(axes, (("inference", 2), ("training step", 3))):
+        ax.plot(caps, [r[part]["time_ms"] for r in rows if r[1] is not None], "o-", label="overlapped, capped")
+        for r, style in zip(rows[:2], ("--", ":")):  # the two ends: gpu mode and every unit streamed
+            ax.axhline(r[part]["time_ms"], linestyle=style, color="gray", label=r[0].split(" (")[0])
+        ax.set_xscale("log")
+        ax.set_xticks(caps, [f"{c:g}" for c in caps])
+        ax.minorticks_off()
+        ax.set_xlabel("--max-gpu-memory (GiB)")
+        ax.set_ylabel("ms")
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=150, metadata={"Software": None})
+    plt.close(fig)
 
 
 def probe_outcome(p: dict) -> str:
@@ -645,7 +715,7 @@ def build() -> str:
              "measured by `offload_llama.py`.", ""]
     for section in (how_to_run(), model_section(runs), memory_section(runs), time_section(runs),
                     largest_section(runs), scale_section(runs), figures_section(runs), peers_section(runs), analysis_section(runs),
-                    sources_section(runs)):
+                    budget_section(runs) if "budget_ends" in runs else [], sources_section(runs)):
         lines += section
     return "\n".join(lines)
 
@@ -668,6 +738,8 @@ def main(argv=None) -> int:
         timeline_figure(HERE / trace, figures / name, f"{Path(trace).name}: one overlapped "
                         f"{'training step' if 'train' in name else 'forward pass'}")
     bound_figure(runs, figures / "time_vs_bound.png")
+    if "budget_ends" in runs:
+        budget_figure(runs, figures / "time_vs_budget.png")
     pdf(text, HERE / "REPORT.pdf")
     return 0
 
