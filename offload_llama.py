@@ -636,8 +636,12 @@ def compiled_adam_update(grad_dtype: torch.dtype, copy_dtype: torch.dtype | None
     # cpp_wrapper: the kernel runs from C++ without the GIL, so the main thread drives the GPU meanwhile (the Python
     # binding of the plain wrapper holds it for the whole pass, as no torch op does). cpp.threads: one core fewer than
     # torch uses, left to the main thread, since a static OpenMP loop runs at the pace of its slowest thread
+    # cpp.vec_isa_ok: take the widest vector ISA the CPU reports without probing each one (torch 2.11 builds a probe
+    # per ISA and loads it in a child Python that imports torch: 30 of the 50 s a warm-cache compile took on the H100
+    # machine); where the compiler cannot build for it, the compile fails and the fallback below takes over
     options = {"cpp_wrapper": True, "cpp.threads": max(1, torch.get_num_threads() - ADAM_SPARE_CORES),
-               "compile_threads": 1}  # compile in this process, without a pool of compile workers
+               "cpp.vec_isa_ok": True, "compile_threads": 1}  # compile in this process, without a pool of workers
+    t0 = time.perf_counter()
     try:
         compiled = torch.compile(adam_update, dynamic=True, fullgraph=True, options=options)
         with torch.no_grad():
@@ -647,6 +651,7 @@ def compiled_adam_update(grad_dtype: torch.dtype, copy_dtype: torch.dtype | None
         log(f"CPU Adam: torch.compile could not build the fused update ({type(e).__name__}: {str(e)[:200]}); "
             "using torch.optim.Adam(fused=True) and a cast, float32 gradients, more host memory traffic")
         return None
+    log(f"CPU Adam: fused update compiled in {time.perf_counter() - t0:.1f} s")
     return compiled
 
 
@@ -2621,8 +2626,7 @@ def run_all(run: RunConfig) -> dict:
     cap_gpu_memory(run)
     input_ids = random_input_ids(run, config.vocab_size)
     store = ParamStore(model, pin=True) if offloaded and run.inference else None
-    masters = MasterStore(model_units(config), run.adam, pin=True, grad_buffers=grad_buffers,
-                          grad_dtype=gradient_dtype(run), copy_dtype=copy_dtype) if run.train and offloaded else None
+    masters = training_store(run, config, grad_buffers, copy_dtype) if run.train and offloaded else None
     results, logits, trained = {}, {}, {}
     for mode in run.modes:
         results[mode] = {}
@@ -2657,6 +2661,17 @@ def run_all(run: RunConfig) -> dict:
                                                             for m, r in trained.items() if not r.get("oom")}}
         write_atomically(run.save_output, lambda tmp: torch.save(output, tmp))
     return report
+
+
+def training_store(run: RunConfig, config: LlamaConfig, grad_buffers: int, copy_dtype) -> MasterStore:
+    """The offloaded modes' pinned training state on the host, its set-up time said on stderr."""
+    t0 = time.perf_counter()
+    masters = MasterStore(model_units(config), run.adam, pin=True, grad_buffers=grad_buffers,
+                          grad_dtype=gradient_dtype(run), copy_dtype=copy_dtype)
+    pinned = sum(t.nbytes for t in [*masters.masters, *(masters.copies or []), *masters.pool.buffers])
+    log(f"training state on the host in {time.perf_counter() - t0:.1f} s, the CPU Adam's compile included: "
+        f"{gib(pinned)} GiB pinned, {gib(sum(2 * m.nbytes for m in masters.masters))} GiB of Adam moments")
+    return masters
 
 
 def summary(result: dict, reference: dict | None, run: RunConfig) -> dict:
