@@ -3,9 +3,10 @@
     python3 report/build_report.py           # write REPORT.md, the figures and REPORT.pdf
     python3 report/build_report.py --check   # exit 1 if REPORT.md is not what the JSON gives
 
-Every number in the report is read from a JSON file named in SOURCES, and every figure from SOURCES or a
-profiler trace named in TRACES. The sources are listed at the end of the report, with the script version
-(sha256 of offload_llama.py, and of report/peers.py for the peers) each was made by. The figures and the PDF need
+Every number in the report is read from a JSON file named in SOURCES or BUDGET_SOURCES (each group made by one
+version of the script), and every figure from those or a profiler trace named in TRACES. The sources are listed at
+the end of the report, with the script version (sha256 of offload_llama.py, and of report/peers.py for the peers)
+each was made by. The figures and the PDF need
 matplotlib; the check does not.
 """
 
@@ -37,12 +38,15 @@ SOURCES = {  # name -> JSON file, relative to report/; all made by `bash report/
     "train_llama7b_65k": "results/train_llama7b_65k.json",
     "peers_bf16": "results/peers_bf16.json",
 }
-# issue 13's time against the GPU budget (run_benchmarks.sh part budget): the two ends, then one run per cap. They join
-# SOURCES at the next full regeneration, when one version of the script makes them and the rest; until then
-# REPORT.md has no budget section (tests/test_report.py builds it from report/results/budget/)
+# issue 13's time against the GPU budget (run_benchmarks.sh parts budget and budget_ab): the two ends, one run per cap,
+# and the 11 GiB cap against every unit streamed, each in a process of its own, three times; one version of the script
+# made them all, which may be later than SOURCES' (the report says which)
 BUDGETS = (4, 6, 8, 11, 16, 24, 80)  # GiB
-BUDGET_SOURCES = {"budget_ends": "results/budget_ends.json", **{f"budget_{b}": f"results/budget_{b}.json"
-                                                                   for b in BUDGETS}}
+PAIRS = 3
+BUDGET_SOURCES = {"budget_ends": "results/budget/budget_ends.json",
+                  **{f"budget_{b}": f"results/budget/budget_{b}.json" for b in BUDGETS},
+                  **{f"budget_ab_{arm}_{i}": f"results/budget/ab/budget_ab_{arm}_{i}.json"
+                     for i in range(1, PAIRS + 1) for arm in ("streamed", "11")}}
 TRACES = {  # figure -> profiler trace (Chrome JSON) it is drawn from
     "timeline_training.png": "results/trace_bf16.train.json",
     "timeline_inference.png": "results/trace_overlapped_bf16.json",
@@ -53,8 +57,9 @@ BOUND_NAMES = {"gpu_compute": "the GPU compute", "h2d": "the host-to-device copi
 LABELS = {"gpu": "w/o offload (gpu)", "blocked": "blocked offload", "overlapped": "overlapped offload", "cpu": "cpu"}
 
 
-def load() -> dict[str, dict]:
-    return {name: json.loads((HERE / path).read_text()) for name, path in SOURCES.items()}
+def load(sources: dict[str, str] = SOURCES) -> dict[str, dict]:
+    """name -> the JSON of each file in `sources`."""
+    return {name: json.loads((HERE / path).read_text()) for name, path in sources.items()}
 
 
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -321,7 +326,8 @@ def budget_rows(runs: dict) -> list[tuple[str, float | None, dict, dict]]:
     return rows
 
 
-def budget_section(runs: dict) -> list[str]:
+def budget_section(runs: dict, main_sha: str) -> list[str]:
+    """Section 10 from the budget runs; `main_sha` is the script version of the other sections' runs."""
     ends, layers = runs["budget_ends"], runs["budget_ends"]["config"]["num_hidden_layers"]
     rows = budget_rows(runs)
     gpu, streamed = rows[0], rows[1]
@@ -329,25 +335,61 @@ def budget_section(runs: dict) -> list[str]:
     for label, cap, i, t in rows:
         resident = "all" if label.startswith("gpu") else (
             f"{len(i['resident_layers'])} of {layers} / {len(t['resident_units'])} of {t['units']}")
-        table_rows.append([label, f"{i['time_ms']:.1f}", f"{t['time_ms']:.1f}", resident, gib(t["peak_gpu_bytes"]),
-                           gib(t.get("predicted_peak_bytes"))])
+        table_rows.append([label, f"{i['time_ms']:.1f}", f"{t['time_ms']:.1f}", num(t.get("bound_ms"), ".1f"),
+                           resident, gib(t["peak_gpu_bytes"]), gib(t.get("predicted_peak_bytes"))])
     capped = [(cap, i, t) for _, cap, i, t in rows if cap is not None]
     error = max(abs(t["peak_gpu_bytes"] - t["predicted_peak_bytes"]) for *_, t in capped)
     i11, t11 = next((i, t) for cap, i, t in capped if cap == 11)
-    run = ends["run"]
+    run, sha = ends["run"], ends["script_sha256"]
+    version = ("the version that made the runs above" if sha == main_sha else
+               f"a later version than the runs above (`{main_sha[:12]}`), with issue 12's 16-bit copies and fused CPU "
+               "Adam: its all-streamed step is not the one of sections 4 and 9")
     return ["## 10. Time against the GPU budget", "",
-            f"`bash report/run_benchmarks.sh OUT budget`: {ends['parameters'] / 1e9:.2f} B parameters "
-            f"({run['preset']}), {run['dtype']}, {ends['tokens']} tokens; inference and {run['steps']} training steps "
-            f"(median after {steps_word(run['warmup'])}) in each run. Under `--max-gpu-memory`, overlapped keeps "
-            "resident on the GPU what the cap holds: decoder layers spread among the streamed ones for inference, "
-            "the longest run of units from the embeddings for training, whose resident units the GPU's fused Adam "
-            "steps. The predicted peak is the plan's bytes plus one unit's measured working set.", "",
-            *table(["run", "inference (ms)", "training step (ms)", "resident: layers / units",
+            f"`bash report/run_benchmarks.sh OUT budget budget_ab`, made by `offload_llama.py` sha256 `{sha[:12]}`, "
+            f"{version}. {ends['parameters'] / 1e9:.2f} B parameters ({run['preset']}), {run['dtype']}, "
+            f"{ends['tokens']} tokens; inference and {run['steps']} training steps (median after the "
+            f"{steps_word(run['warmup'])}) in each run. Under `--max-gpu-memory`, overlapped keeps resident on the GPU "
+            "what the cap holds: decoder layers spread among the streamed ones for inference, the longest run of units "
+            "from the embeddings for training, whose resident units the GPU's fused Adam steps. The predicted peak "
+            "is the plan's bytes plus one unit's measured working set. The training bound is the run's own: the longest of "
+            "the GPU compute, the copies each way, the CPU Adam and the host memory traffic, each timed alone in the "
+            f"run. The all-streamed inference pass ran at {streamed[2]['efficiency']:.2f} of its own bound here.", "",
+            *table(["run", "inference (ms)", "training step (ms)", "training bound (ms)", "resident: layers / units",
                     "peak GPU, training (GiB)", "predicted (GiB)"], table_rows), "",
             f"Under 11 GiB inference takes {i11['time_ms'] / gpu[2]['time_ms']:.2f}x gpu mode's time and a training "
             f"step {t11['time_ms'] / streamed[3]['time_ms']:.2f}x the all-streamed one's; every peak is within "
-            f"{error / GiB:.2f} GiB of its prediction.", "",
-            "![time against budget](figures/time_vs_budget.png)", ""]
+            f"{error / GiB:.2f} GiB of its prediction.", *same_placement_note(rows), "",
+            "![time against budget](figures/time_vs_budget.png)", "", *pairs_table(runs)]
+
+
+def same_placement_note(rows: list) -> list[str]:
+    """How far apart two capped runs that stream every unit, as the uncapped one does, came out: the noise between
+    processes, next to how far their own bounds moved."""
+    streamed = rows[1][3]
+    same = [(cap, t) for _, cap, _, t in rows[2:] if not t["resident_units"]]
+    if not same:
+        return []
+    cap, t = max(same, key=lambda ct: abs(ct[1]["time_ms"] - streamed["time_ms"]))
+    return [f"Under {cap:g} GiB every unit is streamed, as with no cap, and the step took {t['time_ms']:.1f} ms "
+            f"against {streamed['time_ms']:.1f}; its own bound moved as much ({t['bound_ms']:.1f} ms against "
+            f"{streamed['bound_ms']:.1f}, the CPU Adam alone {t['cpu_adam_ms']:.1f} ms against "
+            f"{streamed['cpu_adam_ms']:.1f}): the host's speed differs between processes, not the placement's."]
+
+
+def pairs_table(runs: dict) -> list[str]:
+    """The budget_ab pairs: training under 11 GiB against every unit streamed, each run a process of its own."""
+    rows, streamed = [], [t["time_ms"] for *_, t in budget_rows(runs)[1:] if not t["resident_units"]]
+    for i in range(1, PAIRS + 1):
+        s, c = (runs[f"budget_ab_{arm}_{i}"]["results"]["overlapped"]["training"] for arm in ("streamed", "11"))
+        rows.append([str(i), f"{s['time_ms']:.1f}", f"{c['time_ms']:.1f}", f"{c['time_ms'] / s['time_ms']:.2f}",
+                     f"{len(c['resident_units'])} of {c['units']}", gib(c["peak_gpu_bytes"])])
+        streamed.append(s["time_ms"])
+    return ["Training alone (`--no-inference`), every unit streamed and then under 11 GiB, one process after the "
+            f"other, {PAIRS} times (`results/budget/ab/`). The runs above and these that stream every unit took "
+            f"{min(streamed):.1f} to {max(streamed):.1f} ms a step ({max(streamed) / min(streamed) - 1:.0%} apart), so "
+            "one pair does not settle the ratio.", "",
+            *table(["pair", "every unit streamed (ms)", "11 GiB (ms)", "ratio", "units resident",
+                    "peak GPU (GiB)"], rows), ""]
 
 
 def budget_figure(runs: dict, out: Path) -> None:
@@ -701,7 +743,8 @@ def pdf(markdown: str, out: Path) -> None:
 
 
 def sources_section(runs: dict) -> list[str]:
-    rows = [[f"`{SOURCES[name]}`", r["script_sha256"][:12], r.get("peers_sha256", "")[:12]] for name, r in runs.items()]
+    paths = SOURCES | BUDGET_SOURCES
+    rows = [[f"`{paths[name]}`", r["script_sha256"][:12], r.get("peers_sha256", "")[:12]] for name, r in runs.items()]
     rows += [[f"`{trace}`", "(profiler trace)", ""] for trace in TRACES.values()]
     return ["## Sources", "", "Every number above is read from these files by `report/build_report.py`; each JSON "
             "records the sha256 of the script that made it.", "",
@@ -709,13 +752,13 @@ def sources_section(runs: dict) -> list[str]:
 
 
 def build() -> str:
-    runs = load()
+    runs, budget = load(), load(BUDGET_SOURCES)
     lines = ["# offload_llama: measured report", "",
              "Layer-wise parameter offload for LLaMA on one GPU: what it costs in time and saves in memory, "
              "measured by `offload_llama.py`.", ""]
     for section in (how_to_run(), model_section(runs), memory_section(runs), time_section(runs),
                     largest_section(runs), scale_section(runs), figures_section(runs), peers_section(runs), analysis_section(runs),
-                    budget_section(runs) if "budget_ends" in runs else [], sources_section(runs)):
+                    budget_section(budget, runs["train_bf16"]["script_sha256"]), sources_section(runs | budget)):
         lines += section
     return "\n".join(lines)
 
@@ -738,8 +781,7 @@ def main(argv=None) -> int:
         timeline_figure(HERE / trace, figures / name, f"{Path(trace).name}: one overlapped "
                         f"{'training step' if 'train' in name else 'forward pass'}")
     bound_figure(runs, figures / "time_vs_bound.png")
-    if "budget_ends" in runs:
-        budget_figure(runs, figures / "time_vs_budget.png")
+    budget_figure(load(BUDGET_SOURCES), figures / "time_vs_budget.png")
     pdf(text, HERE / "REPORT.pdf")
     return 0
 
