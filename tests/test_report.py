@@ -1,6 +1,5 @@
 """report/REPORT.md is exactly what report/build_report.py makes of the JSON kept under report/."""
 import importlib.util
-import json
 from pathlib import Path
 
 import pytest
