@@ -1844,10 +1844,13 @@ def working_bytes(trainer: OffloadedTraining, micro_batches) -> int:
 
 def adam_scratch(store: MasterStore, numel: int):
     """A function to time: the store's Adam update (compiled or not, its dtypes) on `numel` parameters of scratch
-    state, with gradients of Adam's scale so that no moment goes denormal."""
-    master, exp_avg, exp_avg_sq = torch.randn(numel), torch.zeros(numel), torch.zeros(numel)
-    grads = torch.randn(numel).mul_(1e-3).to(store.grad_dtype)
-    copy = torch.empty(numel, dtype=store.update.copy_dtype) if store.update.copy_dtype else None
+    state in memory like the store's (HostBuffer's 2 MiB pages: a plain tensor gets 4 KiB ones where the kernel gives
+    huge pages only on request, as on the H100 machine, and the Adam runs slower on them), with gradients of Adam's
+    scale so that no moment goes denormal."""
+    master, exp_avg, exp_avg_sq = (host_zeros(numel, torch.float32, pin=False) for _ in range(3))
+    master.normal_()
+    grads = host_zeros(numel, store.grad_dtype, pin=False).normal_().mul_(1e-3)
+    copy = host_zeros(numel, store.update.copy_dtype, pin=False) if store.update.copy_dtype else None
     step = torch.zeros(())
     return lambda: store.update(master, grads, exp_avg, exp_avg_sq, copy, step)
 

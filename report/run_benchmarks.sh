@@ -18,8 +18,10 @@ for p in ${@:-$parts}; do
     train) run train_bf16 --mode gpu,blocked,overlapped --train --dtype bfloat16 --profile "$out/trace_bf16.json"
            run train_bf16_cpu --mode cpu --train --steps 2 --dtype bfloat16 ;;
     # each mode training alone in a process of its own: the peak host memory of its training state (the train part
-    # also holds the inference store and gpu mode's gradients and masters on the host, for the comparison)
-    alone) for m in gpu blocked overlapped; do run "train_bf16_$m" --mode "$m" --train --no-inference --dtype bfloat16
+    # also holds the inference store and gpu mode's gradients and masters on the host, for the comparison), and the
+    # step time as a median of 58 steps
+    alone) for m in gpu blocked overlapped; do
+             run "train_bf16_$m" --mode "$m" --train --no-inference --steps 60 --dtype bfloat16
            done ;;
     # what activation offload costs where it is not needed: one micro-batch, and 16 against the accum part
     activations) run train_bf16_offload_acts --mode overlapped --train --no-inference --offload-activations \
