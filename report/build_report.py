@@ -43,6 +43,7 @@ SOURCES = {  # name -> JSON file, relative to report/; all made by `bash report/
 # made them all, which may be later than SOURCES' (the report says which)
 BUDGETS = (4, 6, 8, 11, 16, 24, 80)  # GiB
 PAIRS = 3
+OOM_RUN = "results/train_llama7b_65k_placed_oom.json"  # the scale run left to the cap's placement, out of memory
 BUDGET_SOURCES = {"budget_ends": "results/budget/budget_ends.json",
                   **{f"budget_{b}": f"results/budget/budget_{b}.json" for b in BUDGETS},
                   **{f"budget_ab_{arm}_{i}": f"results/budget/ab/budget_ab_{arm}_{i}.json"
@@ -98,10 +99,16 @@ def layer_params(c: dict) -> int:
     return param_count(c, 1) - param_count(c, 0)
 
 
-def gradient_buffer_bytes(c: dict) -> int:
-    """One buffer of the gradient pool: the float32 gradients of the largest unit (a decoder layer, or the
-    embeddings or head)."""
-    return 4 * max(layer_params(c), c["vocab_size"] * c["hidden_size"])
+def gradient_itemsize(run: dict) -> int:
+    """The bytes of a gradient on the host (offload_llama.gradient_dtype): bfloat16 with one micro-batch, else
+    float32."""
+    return 2 if run["dtype"] == "bfloat16" and run["grad_accum"] == 1 else 4
+
+
+def gradient_buffer_bytes(c: dict, run: dict) -> int:
+    """One buffer of the gradient pool: the gradients of the largest unit (a decoder layer, or the embeddings or
+    head)."""
+    return gradient_itemsize(run) * max(layer_params(c), c["vocab_size"] * c["hidden_size"])
 
 
 def activation_pool_bytes(r: dict) -> int:
@@ -113,16 +120,21 @@ def activation_pool_bytes(r: dict) -> int:
         * itemsize
 
 
-def host_parts(t: dict, c: dict, params: int, acts: int = 0) -> list[tuple[str, int]]:
+def host_parts(t: dict, c: dict, run: dict, params: int, acts: int = 0) -> list[tuple[str, int]]:
     """Where an offloaded training run's peak host bytes go when it trains alone (`--no-inference`): the CPU
     model's embeddings, head and norm in bfloat16 (its decoder layers are freed once the masters hold them), the
-    float32 masters and Adam moments, the pools of gradient buffers and saved inputs, and the rest."""
-    pool = t["gradient_pool"]
-    grads = pool["buffers"] * gradient_buffer_bytes(c) if not pool["per_unit"] else 4 * params
+    float32 masters and Adam moments, the masters' bfloat16 copy where the host had room for it (the Adam's bytes
+    per parameter say: 24 for master and moments, the gradient's, the copy's), the pools of gradient buffers and
+    saved inputs, and the rest."""
+    pool, itemsize = t["gradient_pool"], gradient_itemsize(run)
+    grads = pool["buffers"] * gradient_buffer_bytes(c, run) if not pool["per_unit"] else itemsize * params
     buffers = "one buffer per unit" if pool["per_unit"] else f"{pool['buffers']} shared buffers"
+    dtype = "bfloat16" if itemsize == 2 else "float32"
+    copy = t["adam_bytes_per_param"] - 24 - itemsize
     parts = [("embeddings, head and norm in bfloat16 (the CPU model)", 2 * param_count(c, 0)),
              ("float32 masters, pinned", 4 * params), ("Adam moments, float32", 8 * params),
-             (f"gradient pool, pinned: {buffers}", grads)]
+             *([("the masters' bfloat16 copy, pinned", copy * params)] if copy else []),
+             (f"gradient pool, pinned, {dtype}: {buffers}", grads)]
     if acts:
         parts.append(("saved-input pool, pinned (activation offload)", acts))
     parts.append(("the rest: CUDA runtime, libraries, interpreter", t["peak_host_bytes"] - sum(b for _, b in parts)))
@@ -173,14 +185,16 @@ def model_section(runs: dict) -> list[str]:
             *table(["", small["run"]["preset"], large["run"]["preset"]], rows), ""]
 
 
-def host_note(t: dict, c: dict, params: int) -> list[str]:
+def host_note(t: dict, c: dict, run: dict, params: int) -> list[str]:
     """Where the overlapped mode's host bytes go when it trains alone, and what inference in the same process adds."""
     store = 2 * (params - param_count(c, 0))
     return [f"Training alone (`--no-inference`), an offloaded mode keeps on the host the float32 masters and Adam "
-            "moments (12 bytes per parameter, for the whole run), a pool of pinned gradient buffers (one per unit "
-            "when the host has room, as here: 4 more) and the CPU model's embeddings and head in bfloat16; the "
-            "bfloat16 decoder layers go once the masters hold them. The overlapped mode's peak:", "",
-            *where_table(t, host_parts(t, c, params), params), "",
+            "moments (12 bytes per parameter, for the whole run), the masters' bfloat16 copy that the GPU streams and "
+            "the Adam rewrites (2 more, where the host has room), a pool of pinned gradient buffers (one per unit when "
+            "the host has room, as here; bfloat16 with one micro-batch: 2 more) and the CPU model's embeddings and "
+            "head in bfloat16; the bfloat16 decoder layers go once the masters hold them. The overlapped mode's "
+            "peak:", "",
+            *where_table(t, host_parts(t, c, run, params), params), "",
             "Where inference runs in the same process, its pinned bfloat16 store of the decoder layers "
             f"({store / GiB:.2f} GiB, 2 bytes per parameter of the layers) stays while it trains."]
 
@@ -202,7 +216,7 @@ def memory_section(runs: dict) -> list[str]:
             "a step, in bfloat16 only, and with inference.", "",
             *table(["mode (GiB)", "inference bf16", "inference fp32", "training bf16", "training fp32",
                     "training bf16: host"], rows), "",
-            *host_note(t16["overlapped"], config, params), ""]
+            *host_note(t16["overlapped"], config, runs["train_bf16_overlapped"]["run"], params), ""]
 
 
 def time_table(inference: dict, training: dict) -> list[str]:
@@ -240,6 +254,7 @@ def time_section(runs: dict) -> list[str]:
     fp32_training = results(runs, "train_fp32", "training")
     eager = results(runs, "train_bf16_eager", "training")["overlapped"]
     same = alone(runs)["overlapped"]
+    same_run = runs["train_bf16_overlapped"]["run"]
     equal = all(results(runs, name, "inference")[m]["equal_to_gpu"] for name in ("inference_bf16", "inference_fp32")
                 for m in ("blocked", "overlapped"))
     run, short = runs["train_bf16"]["run"], runs["train_fp32"]["run"]
@@ -250,12 +265,15 @@ def time_section(runs: dict) -> list[str]:
             f"{short['warmup']} of {short['steps']}); the cpu mode runs once (training: 2 steps, the second timed). "
             "Each offloaded row has its bound, "
             "measured in the same run, and `efficiency = bound / measured`. Inference's bound comes from copy-only "
-            "and compute-only runs of the same layers. Training's is the largest of GPU compute, host-to-device "
-            "copies, device-to-host copies and the CPU Adam, each measured alone.", "",
+            "and compute-only runs of the same layers, timed in rounds with the passes, best of each. Training's is "
+            "the largest of GPU compute, host-to-device copies, device-to-host copies, the CPU Adam, each measured alone, "
+            "and host memory: the bytes that cross it in a step over the rate it reaches with the Adam and both copy "
+            "engines running together.", "",
             "bfloat16:", "", *time_table(results(runs, "inference_bf16", "inference"), bf16_training), "",
             f"The same overlapped step training alone (`--no-inference`) in a process of its own "
             f"(`{SOURCES['train_bf16_overlapped']}`) took "
-            f"{same['time_ms']:.1f} ms against a bound of {same['bound_ms']:.1f} ms (efficiency "
+            f"{same['time_ms']:.1f} ms (the median of {same_run['steps'] - same_run['warmup']} steps) against a bound "
+            f"of {same['bound_ms']:.1f} ms (efficiency "
             f"{same['efficiency']:.3f}; the CPU Adam alone {same['cpu_adam_ms']:.1f} ms there, "
             f"{results(runs, 'train_bf16', 'training')['overlapped']['cpu_adam_ms']:.1f} ms here).", "",
             "float32, where compute outlasts the copies and overlap hides them:", "",
@@ -309,7 +327,7 @@ def largest_section(runs: dict) -> list[str]:
             f"that the CPU Adam hands back as it finishes a unit, and the backward waited {pool['waited_ms'] / 1e3:.1f}"
             f" s in all over the {r['run']['steps']} steps for one to be free. Where the host's bytes go at {layers} "
             "layers (over the training steps; the bound's scratch Adam state comes after):", "",
-            *where_table(t, host_parts(t, c, params), params), ""]
+            *where_table(t, host_parts(t, c, r["run"], params), params), ""]
 
 
 def budget_rows(runs: dict) -> list[tuple[str, float | None, dict, dict]]:
@@ -425,7 +443,7 @@ def scale_section(runs: dict) -> list[str]:
     sequences = run["grad_accum"] * run["batch_size"]
     speed = sequences / t["time_ms"] * 1e3
     acts = activation_pool_bytes(r)
-    parts = host_parts(t, c, params, acts)
+    parts = host_parts(t, c, run, params, acts)
     pools = sum(b for what, b in parts if "pool" in what)
     rows = [["forward and backward, resident (no optimizer, no cap)", f"{ref['time_ms']:.1f}",
              f"{ref['sequences_per_s']:.2f}", "1.00", gib(ref["peak_gpu_bytes"]), ""],
@@ -435,13 +453,22 @@ def scale_section(runs: dict) -> list[str]:
     return ["## 6. LLaMA-7B on 65,536-token steps under 11 GiB", "",
             f"The GPT-2-Large quest's batch at LLaMA-7B size: `offload_llama.py --preset {run['preset']} --mode "
             f"overlapped --train --no-inference --grad-accum {run['grad_accum']} --batch-size {run['batch_size']} "
-            f"--seq-len {run['seq_len']} --max-gpu-memory {run['max_gpu_memory']:g} --steps {run['steps']} --warmup "
-            f"{run['warmup']} --fwd-bwd-reference`: {sequences} sequences of {run['seq_len']} tokens a step, Adam with "
+            f"--seq-len {run['seq_len']} --max-gpu-memory {run['max_gpu_memory']:g} "
+            + ("" if run["resident_layers"] is None else f"--resident-layers {run['resident_layers']} ")
+            + f"--steps {run['steps']} --warmup {run['warmup']} --fwd-bwd-reference`: {sequences} sequences of {run['seq_len']} tokens a step, Adam with "
             f"float32 masters, {params / 1e9:.2f} B parameters. The inputs the units keep for their backward, "
             f"{acts / GiB:.1f} GiB, would not fit the cap, so activation offload turned itself on: each unit's "
             "inputs leave for pinned host memory while the unit runs and come back on the copy stream ahead of its "
             "backward, as the weights do. The reference is plain forward and backward of the same model and "
-            "micro-batches resident on the GPU in bfloat16, without optimizer or cap, timed in the same run.", "",
+            "micro-batches resident on the GPU in bfloat16, without optimizer or cap, timed in the same run."
+            + (" Every unit is streamed (`--resident-layers 0`): left to the cap, the placement keeps 2 units "
+               f"resident and runs out of GPU memory (`{OOM_RUN}`): its prediction leaves out what 16 micro-batches "
+               "add, as the runs of the last table show (predicted against measured peak: "
+               + ", ".join(f"{gib(m['predicted_peak_bytes'])} against {gib(m['peak_gpu_bytes'])} GiB" for m in (
+                   results(runs, name, "training")["overlapped"]
+                   for name in ("train_bf16_accum16", "train_bf16_accum16_offload_acts")))
+               + "). That is an open bug." if run["resident_layers"] == 0 else ""),
+            "",
             *table(["run", "step (ms)", "sequences/s", "x reference", "peak GPU (GiB)", "peak host (GiB)"], rows), "",
             f"The loss went {t['losses'][0]:.4f} -> {t['losses'][-1]:.4f} in {len(t['losses'])} steps. The step's "
             f"bound is {BOUND_NAMES[t['bound_by']]} ({t['bound_ms']:.1f} ms: forward, recompute and backward of "
@@ -479,12 +506,12 @@ def copy_rates(runs: dict) -> list[str]:
     i = results(runs, "inference_bf16", "inference")["overlapped"]
     t = results(runs, "train_bf16", "training")["overlapped"]
     return [f"- host to device, pinned: {i['h2d_gbps_copy_only']:.1f} GB/s (inference's bfloat16 layers), "
-            f"{t['h2d_bytes'] / t['h2d_ms'] / 1e6:.1f} GB/s (training's float32 masters, cast on the GPU);",
-            f"- device to host, pinned: {t['d2h_bytes'] / t['d2h_ms'] / 1e6:.1f} GB/s (training's float32 "
+            f"{t['h2d_bytes'] / t['h2d_ms'] / 1e6:.1f} GB/s (training's bfloat16 copies of the masters);",
+            f"- device to host, pinned: {t['d2h_bytes'] / t['d2h_ms'] / 1e6:.1f} GB/s (training's bfloat16 "
             "gradients);",
-            f"- the fused CPU Adam: {t['cpu_adam_ms'] * 1e6 / runs['train_bf16']['parameters']:.3f} ns per parameter "
-            f"alone, {t['cpu_adam_during_copies_ms'] * 1e6 / runs['train_bf16']['parameters']:.3f} while both copy "
-            "engines stream."]
+            f"- the fused CPU Adam (torch.compile'd, {t['adam_bytes_per_param']} bytes per parameter): "
+            f"{t['cpu_adam_ms'] * 1e6 / runs['train_bf16']['parameters']:.3f} ns per parameter alone; host memory "
+            f"with the Adam and both copy engines running together: {t['host_gbps']:.0f} GB/s."]
 
 
 def figures_section(runs: dict) -> list[str]:
@@ -572,13 +599,20 @@ def analysis_section(runs: dict) -> list[str]:
             f"overlapped pass took {i32['time_ms']:.1f} ms against {g32['time_ms']:.1f} ms resident. In general a layer "
             "of N parameters of b bytes is hidden once its 2NT FLOPs at the achieved rate F outlast the bN bytes at "
             "the PCIe rate B, that is from T = bF / 2B tokens.", "",
-            f"Where training time goes. The overlapped bfloat16 step ({t['time_ms']:.1f} ms) is bound by the CPU Adam: "
-            f"{t['cpu_adam_ms']:.1f} ms for {params / 1e9:.2f} B parameters alone, against {t['gpu_compute_ms']:.1f} ms "
-            f"of GPU compute, {t['h2d_ms']:.1f} ms of host-to-device and {t['d2h_ms']:.1f} ms of device-to-host "
-            "copies. The Adam and the copies share the host's memory bandwidth: Adam reads the master, gradient and "
-            "two moments and writes three of them back (28 bytes per parameter), the copies move the masters in twice "
-            f"and the gradients out, {host_bytes / 1e9:.1f} GB per step in all. While both copy engines stream, the "
-            f"same Adam takes {t['cpu_adam_during_copies_ms']:.1f} ms, and the step lies between the two figures. "
+            f"Where training time goes. The overlapped bfloat16 step ({t['time_ms']:.1f} ms) is bound by host memory: "
+            f"{t['host_bytes'] / 1e9:.1f} GB cross it per step, {t['host_bytes_per_param']:.0f} bytes per parameter. "
+            f"The CPU Adam moves {t['adam_bytes_per_param']} of them in one compiled pass (the float32 master and "
+            "moments read and written, the bfloat16 gradient read, the bfloat16 copy of the new master written), "
+            "the copies 6 (that copy in twice, the gradients out). At the rate host memory reached with the Adam and "
+            f"both copy engines running together, {t['host_gbps']:.0f} GB/s, those bytes take "
+            f"{t['host_memory_ms']:.1f} ms, against {t['cpu_adam_ms']:.1f} ms for the Adam alone, "
+            f"{t['gpu_compute_ms']:.1f} ms of GPU compute, {t['h2d_ms']:.1f} ms of host-to-device and "
+            f"{t['d2h_ms']:.1f} ms of device-to-host copies. The step reached {t['efficiency']:.3f} of that bound "
+            f"in this run and {alone(runs)['overlapped']['efficiency']:.3f} in the run alone (section 4), whose "
+            f"bound measured the host at {alone(runs)['overlapped']['host_gbps']:.0f} GB/s: the host's rate varies "
+            "between processes, and so the bound. What keeps the step above it: once a step the CPU Adam idles from "
+            "its last update until the next backward's first gradients (the head's) land, while the last updated "
+            "units are copied in and the head runs forward and backward (the gap in the figure of section 7). "
             f"More tokens per step amortise the optimizer: with 16 micro-batches the bound is the GPU compute "
             f"({a['overlapped']['bound_ms']:.1f} ms), and the overlapped step runs at "
             f"{a['gpu']['time_ms'] / a['overlapped']['time_ms']:.2f}x the resident one's speed. In float32 the GPU "
@@ -589,8 +623,9 @@ def analysis_section(runs: dict) -> list[str]:
             f"holds {big['layers']} LLaMA-7B layers and no more (section 5), while their training takes "
             f"{gib(big['training']['peak_gpu_bytes'])} GiB of the {runs['largest_llama7b']['run']['max_gpu_memory']:g} "
             "GiB GPU cap. (2) Host memory bandwidth: the CPU Adam, not PCIe or the "
-            "GPU, bounds a one-micro-batch step, and the copies slow it further; only fewer bytes per parameter (for "
-            "example 16-bit moments, outside the torch.optim.Adam recipe this project keeps) would move that bound. "
+            "GPU, bounds a one-micro-batch step; the 16-bit copies and gradients took its bytes per parameter from 40 "
+            "to 34, and only fewer still (for example 16-bit moments, outside the torch.optim.Adam recipe this "
+            "project keeps) would move it further. "
             f"(3) PCIe: bfloat16 inference at {tokens} tokens is copy-bound ({i16['h2d_gbps']:.1f} GB/s of weights over "
             f"the pass), so offloaded inference runs at "
             f"{results(runs, 'inference_bf16', 'inference')['gpu']['time_ms'] / i16['time_ms']:.2f}x the resident "
@@ -606,7 +641,7 @@ def trace_lanes(path: Path) -> tuple[dict[str, list[tuple[float, float]]], float
     copy_streams = {e["tid"] for e in gpu if "HtoD" in e["name"]}
     lanes = {"CPU Adam": [], "D2H copies": [], "H2D copies + casts": [], "GPU compute": []}
     for e in events:
-        if e["name"] == "aten::_fused_adam_":
+        if e["name"].startswith("Torch-Compiled Region") or e["name"] == "aten::_fused_adam_":  # compiled, fallback
             lane = "CPU Adam"
         elif e.get("cat") == "gpu_memcpy":
             lane = "H2D copies + casts" if "HtoD" in e["name"] else "D2H copies" if "DtoH" in e["name"] else None
