@@ -969,6 +969,14 @@ class ActivationOffload:
             # the copy reads them: the caching allocator must not hand their memory out before it has landed
             self.leaving.popleft()[0].synchronize()
 
+    def let_go(self) -> None:
+        """At the end of the forward: the GPU lets go of the inputs still leaving, so that the backward does not carry
+        them. The compute stream waits for their copies to land: the caching allocator hands their memory out again
+        on that stream, so whatever it writes there runs after the copies have read it."""
+        for landed, _ in self.leaving:
+            self.streamer.compute_stream.wait_event(landed)
+        self.leaving.clear()
+
 
 class StreamedUnit(torch.autograd.Function):
     """One unit over every micro-batch while its weights are on the GPU (layer-major), for forward and backward.
@@ -1083,22 +1091,33 @@ class OffloadedTraining:
             grads = torch.autograd.grad(self.run_unit(u, module, x, k), inputs, grad_out)
         return (grads[0], grads[1:]) if x.requires_grad else (None, grads)
 
+    def grad_views(self, u: int) -> list[torch.Tensor]:
+        """Where unit u's float32 gradients are accumulated on the GPU, one view per parameter: its own buffer where it
+        is resident, else the streamed units' gradient buffer."""
+        return list(self.units[u].layout.views(self.resident[u].grads if u in self.resident else self.grad_buffer)
+                    .values())
+
+    def add_unit_grads(self, u: int, module: nn.Module, x: torch.Tensor, k: int, grad_out: torch.Tensor,
+                       views: list[torch.Tensor]) -> torch.Tensor | None:
+        """Micro-batch k's share of unit u's backward: its parameter gradients added into `views` in float32 (written,
+        for k = 0), in micro-batch order as gpu mode does; returns the gradient of its input. The parameter gradients
+        die on return, before the next micro-batch's recompute (a LLaMA-7B layer's are 0.4 GB)."""
+        grad_in, grads = self.unit_grads(u, module, x, k, grad_out)
+        if k == 0 and (u not in self.resident or self.shared_grads):  # the last streamed unit's gradients must have
+            self.streamer.compute_stream.wait_event(self.last_landed)  # left the memory these are written into
+        for view, grad in zip(views, grads):
+            view.copy_(grad) if k == 0 else view.add_(grad)
+        return grad_in
+
     def backward_unit(self, u: int, xs, grad_outs) -> list:
         """Unit u's backward over every micro-batch: stream it in, recompute, accumulate its gradients in float32 and
         send them to the CPU; returns the gradients of its inputs."""
         module = self.streamer.acquire(u)
         if not xs:  # the inputs wait on the host
             xs = self.acts.streamer.acquire(u - 1)
-        resident = self.resident.get(u)
-        views = list(self.units[u].layout.views(resident.grads if resident else self.grad_buffer).values())
-        grads_in = []
-        for k, (x, grad_out) in enumerate(zip(xs, grad_outs)):
-            grad_in, grads = self.unit_grads(u, module, x, k, grad_out)
-            if k == 0 and (not resident or self.shared_grads):  # the last streamed unit's gradients must have left
-                self.streamer.compute_stream.wait_event(self.last_landed)  # the memory these are written into
-            for view, grad in zip(views, grads):  # float32 accumulation in micro-batch order, as the gpu mode does
-                view.copy_(grad) if k == 0 else view.add_(grad)
-            grads_in.append(grad_in)
+        views = self.grad_views(u)
+        grads_in = [self.add_unit_grads(u, module, x, k, grad_out, views)
+                    for k, (x, grad_out) in enumerate(zip(xs, grad_outs))]
         self.streamer.release(u)
         if self.acts is not None and u > 0:
             self.acts.streamer.release(u - 1)
@@ -1145,6 +1164,7 @@ class OffloadedTraining:
             losses = StreamedUnit.apply(self, u, self.anchor, *losses)
         self.streamer.begin(reversed(range(n)), keep=True)  # the forward's last units are still on the GPU
         if self.acts is not None:
+            self.acts.let_go()
             self.acts.streamer.begin(reversed(range(n - 1)))
         sum(objective(loss, len(losses), self.loss_scale.scale) for loss in losses).backward()
         if self.loss_scale.update() and self.loss_scale.enabled:
@@ -1401,8 +1421,20 @@ def place_units(trainer: OffloadedTraining, micro_batches, run: RunConfig, mode:
                                                  if t is not None)
     other = torch.cuda.memory_allocated(device) - streaming  # token ids, rotary tables, the activation slots, ...
     inputs = sum(ids.numel() for ids in micro_batches) * trainer.hidden_size * b  # one unit's, over the micro-batches
-    saved = 2 if trainer.acts is not None else len(trainer.units) - 1  # the embeddings keep only the token ids
-    besides = {"saved inputs": saved * inputs, "working set": working_bytes(trainer, micro_batches), "other": other}
+    working, kinds = working_bytes(trainer, micro_batches), [unit.kind for unit in trainer.units]
+
+    def held(u: int, backward: bool) -> int:
+        """The saved inputs on the GPU while unit u runs, its own among them: those of units 1 to u (the embeddings
+        keep only the token ids); with activation offload, in the forward the two units' that the copies to the host
+        may still read (ActivationOffload.send), in the backward none (they come back into slots: `other`)."""
+        if trainer.acts is not None:
+            return 0 if backward else min(u, 2) * inputs
+        return u * inputs
+
+    # where the step peaks: a unit's forward or its backward
+    u, backward = max(((u, b) for u in range(len(kinds)) for b in (0, 1)),
+                      key=lambda ub: held(*ub) + working[kinds[ub[0]]][ub[1]])
+    besides = {"saved inputs": held(u, backward), "working set": working[kinds[u]][backward], "other": other}
     placement = training_placement(trainer, run, mode, besides, own_grads)
     if placement.resident:
         trainer.keep_on_gpu(placement.resident, own_grads)
@@ -1809,37 +1841,56 @@ def measure_train_bound(trainer: OffloadedTraining, micro_batches, device, run: 
             **figures}
 
 
-def unit_compute(trainer: OffloadedTraining, u: int, micro_batches, device):
-    """A function to time: forward, recompute and backward of unit u over every micro-batch, its weights already on
-    the GPU (whatever its slot holds: the values do not change the time)."""
+def unit_passes(trainer: OffloadedTraining, u: int, micro_batches, device):
+    """Unit u's forward and backward over every micro-batch as a step runs them, its weights already on the GPU
+    (whatever its slot holds: the values change neither time nor memory), as two functions: forward() returns the
+    outputs, backward(outs) recomputes and back-propagates with the outputs standing in for the gradients that come
+    back (they have their size) and returns every micro-batch's input gradient, as the step keeps them; the parameter
+    gradients go where the step's go."""
     streamer = trainer.streamer
     streamer.begin([u])
     module = streamer.acquire(u)
     hidden = torch.randn(*micro_batches[0].shape, trainer.hidden_size, dtype=streamer.dtype, device=device)
     xs = micro_batches if trainer.units[u].kind == "embed" else [hidden] * len(micro_batches)
-    trainer.labels = micro_batches
+    trainer.labels, views = micro_batches, trainer.grad_views(u)
 
-    def forward_and_backward():
-        """The forward pass, then the recompute and backward, of unit u over every micro-batch."""
-        with torch.no_grad():
-            outs = [trainer.run_unit(u, module, x, k) for k, x in enumerate(xs)]
-        for k, (x, out) in enumerate(zip(xs, outs)):
-            trainer.unit_grads(u, module, x, k, torch.ones_like(out))
-    return forward_and_backward
+    @torch.no_grad()
+    def forward() -> list[torch.Tensor]:
+        """The forward pass of unit u over every micro-batch."""
+        return [trainer.run_unit(u, module, x, k) for k, x in enumerate(xs)]
+
+    def backward(outs) -> list:
+        """The recompute and backward of unit u over every micro-batch."""
+        return [trainer.add_unit_grads(u, module, x, k, out, views) for k, (x, out) in enumerate(zip(xs, outs))]
+    return forward, backward
 
 
-def working_bytes(trainer: OffloadedTraining, micro_batches) -> int:
-    """The most GPU memory that one unit's forward, recompute and backward allocate beyond what is there already
-    (its input aside), over the kinds of unit: measured, as the one part of a placement's peak not counted."""
-    kinds, most = [u.kind for u in trainer.units], 0
-    for kind in dict.fromkeys(kinds):
-        forward_and_backward = unit_compute(trainer, kinds.index(kind), micro_batches, trainer.device)
-        torch.cuda.synchronize(trainer.device)
-        torch.cuda.reset_peak_memory_stats(trainer.device)
-        before = torch.cuda.memory_allocated(trainer.device)
-        forward_and_backward()
-        most = max(most, torch.cuda.max_memory_allocated(trainer.device) - before)
-    return most
+def unit_compute(trainer: OffloadedTraining, u: int, micro_batches, device):
+    """A function to time: unit u's forward, then its recompute and backward, over every micro-batch (unit_passes)."""
+    forward, backward = unit_passes(trainer, u, micro_batches, device)
+    return lambda: backward(forward())
+
+
+def working_bytes(trainer: OffloadedTraining, micro_batches) -> dict[str, tuple[int, int]]:
+    """Per kind of unit, the most GPU memory its forward, and its backward, over every micro-batch allocate beyond its
+    inputs (unit_passes: the outputs, or the gradients that come back; the input gradients; the activations):
+    measured, as the one part of a placement's peak not counted."""
+    kinds = [u.kind for u in trainer.units]
+    return {kind: passes_peak_bytes(trainer, kinds.index(kind), micro_batches) for kind in dict.fromkeys(kinds)}
+
+
+def passes_peak_bytes(trainer: OffloadedTraining, u: int, micro_batches) -> tuple[int, int]:
+    """The most GPU memory unit u's forward, and then its backward, allocate beyond its inputs; what they allocate is
+    freed on return, before the next unit is measured."""
+    forward, backward = unit_passes(trainer, u, micro_batches, trainer.device)
+    torch.cuda.synchronize(trainer.device)
+    before = torch.cuda.memory_allocated(trainer.device)
+    torch.cuda.reset_peak_memory_stats(trainer.device)
+    outs = forward()
+    forward_peak = torch.cuda.max_memory_allocated(trainer.device) - before
+    torch.cuda.reset_peak_memory_stats(trainer.device)
+    backward(outs)
+    return forward_peak, torch.cuda.max_memory_allocated(trainer.device) - before
 
 
 def adam_scratch(store: MasterStore, numel: int):

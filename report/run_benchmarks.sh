@@ -37,13 +37,11 @@ for p in ${@:-$parts}; do
     # LLaMA-7B-sized layers under an 11 GiB GPU cap, with and without offload
     largest) run largest_llama7b --find-largest --preset llama-7b --max-gpu-memory 11 --steps 4 --warmup 1 \
                --dtype bfloat16 ;;
-    # LLaMA-7B on 64 x 1024 tokens a step under an 11 GiB cap (activation offload turns itself on), against plain
-    # forward and backward of the model resident on the GPU; training alone, so no bfloat16 copy of the layers.
-    # Every unit streamed (--resident-layers 0): the placement the cap picks by itself (2 units resident) ran out of
-    # GPU memory at commit 8ae362d, as its prediction leaves out what 16 micro-batches add (0.65 and 0.81 GiB in
-    # parts accum and activations)
+    # LLaMA-7B on 64 x 1024 tokens a step under an 11 GiB cap (activation offload turns itself on), keeping resident
+    # what the cap holds, against plain forward and backward of the model resident on the GPU; training alone, so no
+    # bfloat16 copy of the layers
     scale) run train_llama7b_65k --preset llama-7b --mode overlapped --train --no-inference --grad-accum 16 \
-             --batch-size 4 --seq-len 1024 --max-gpu-memory 11 --resident-layers 0 --steps 5 --warmup 1 \
+             --batch-size 4 --seq-len 1024 --max-gpu-memory 11 --steps 5 --warmup 1 \
              --fwd-bwd-reference \
              --dtype bfloat16 ;;
     # time against the GPU budget: gpu mode and every unit streamed (no cap) at the two ends, then overlapped under

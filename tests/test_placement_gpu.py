@@ -88,8 +88,12 @@ def mid_args(*extra):
             "--repeat", 2, *extra]
 
 
+ACCUM = ["--grad-accum", 16]  # 16 micro-batches of 2048 tokens: 64 MiB of inputs per unit
+
+
 @pytest.mark.parametrize("extra", [[], ["--max-gpu-memory", 0.9], ["--max-gpu-memory", 1.4], ["--resident-layers", 4],
-                                   ["--max-gpu-memory", 4]])
+                                   ["--max-gpu-memory", 4], ACCUM, [*ACCUM, "--offload-activations"],
+                                   [*ACCUM, "--max-gpu-memory", 2.5]])
 def test_training_peak_is_the_predicted_one_and_under_the_cap(extra, tmp_path):
     r = cli(*mid_args("--train", "--no-inference", "--json", tmp_path / "r.json", *extra))
     assert r.returncode == 0, r.stderr
