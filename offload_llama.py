@@ -416,6 +416,7 @@ class LayerStreamer:
         self.compute_stream = torch.cuda.current_stream(device) if device.type == "cuda" else InOrder()
         self.copy_stream = copy_stream or new_stream(device)
         self.wait_source = lambda u: None  # training: block until unit u's CPU update is done
+        self.source_ready = lambda u: True  # training: whether it is done, without blocking
         self.keep_resident(())
 
     def keep_resident(self, units, load=None) -> None:
@@ -459,7 +460,8 @@ class LayerStreamer:
         for u in order:
             self.position[u] = p
             p += u not in self.resident
-        self.issued = 0  # positions whose copy has been issued in this pass
+        self.issued = 0  # positions taken into the copy window in this pass
+        self.waiting = []  # of those, the ones whose copy is not issued yet: their sources were not ready
         self.kept = {u for u in self.holds if u is not None} if keep else set()
 
     def prefetch(self, p: int) -> None:
@@ -489,12 +491,12 @@ class LayerStreamer:
     def acquire(self, u: int) -> nn.Module:
         """The module that runs unit u; a streamed unit also starts the copies up to `depth` positions ahead."""
         if u == self.opening:
-            self.issued = 0  # a pass opens by filling the whole ring
+            self.issued, self.waiting = 0, []  # a pass opens by filling the whole ring
         if u in self.resident:
             # the copies ahead start in release, once its kernels are issued: in training a copy first waits for the
             # CPU Adam to update its unit, and the GPU can run this one meanwhile
             return self.resident[u]
-        self.issue_through(self.position[u] + self.depth)
+        self.issue_through(self.position[u] + self.depth, need=self.position[u])
         s = self.slot[u]
         self.compute_stream.wait_event(self.copied[s])  # unit u's weights must have landed before its kernels read them
         return self.modules[s][self.kinds[u]]
@@ -507,11 +509,19 @@ class LayerStreamer:
         else:
             self.freed[self.slot[u]].record(self.compute_stream)
 
-    def issue_through(self, p: int) -> None:
-        """Issue the copies of the pass's positions up to p that are not issued yet."""
-        while self.issued <= min(p, len(self.order) - 1):
-            self.prefetch(self.issued)
-            self.issued += 1
+    def issue_through(self, p: int, need: int | None = None) -> None:
+        """Issue the copies of the pass's positions up to p that are not issued yet, in order, but without waiting for
+        a source that is not ready (training: its CPU update still runs): the ready ones behind it go first and land
+        meanwhile. Only position `need`, the unit about to run, is worth waiting for."""
+        end = min(p + 1, len(self.order))
+        self.waiting += range(self.issued, end)
+        self.issued = max(self.issued, end)
+        ready = [q for q in self.waiting if self.source_ready(self.order[q])]
+        if need in self.waiting and need not in ready:
+            ready.append(need)
+        for q in ready:
+            self.prefetch(q)
+            self.waiting.remove(q)
 
 
 def layer_streamer(store: ParamStore, config: LlamaConfig, device: torch.device, depth: int,
@@ -823,6 +833,10 @@ class CpuAdam:
         if self.error:
             raise self.error
 
+    def updated(self, u: int) -> bool:
+        """Whether unit u's last update is done (an error of the worker counts as done: wait re-raises it)."""
+        return self.done[u].is_set()
+
     def wait_all(self) -> None:
         """Block until every queued update is done."""
         for u in range(len(self.done)):
@@ -1055,7 +1069,7 @@ class OffloadedTraining:
 
         self.streamer = LayerStreamer(store.weights, [u.kind for u in self.units], make_module, dtype, device, depth)
         # the next forward streams a unit only once its last update has written its master and copy
-        self.streamer.wait_source = self.adam.wait
+        self.streamer.wait_source, self.streamer.source_ready = self.adam.wait, self.adam.updated
         # float32 to accumulate micro-batches (or unscale float16); with one micro-batch the gradients leave as the
         # backward made them, in the compute dtype
         self.grad_buffer = torch.empty(max(m.numel() for m in store.masters), dtype=store.grad_dtype, device=device)

@@ -35,6 +35,23 @@ def test_each_pass_copies_every_layer_once_in_order(depth):
     assert copies == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_a_copy_whose_source_is_not_ready_lets_the_ready_ones_go_first(depth):
+    """Layer 1's source is not ready until it is about to run (training: its CPU update still runs): the copies
+    behind it in the window go first, into the ring's other slots, and the logits do not change."""
+    model, ids = build(tiny_run(num_hidden_layers=4))
+    copies = []
+
+    def layer_1_late(streamer):
+        prefetch = streamer.prefetch
+        streamer.prefetch = lambda p: (copies.append(streamer.order[p]), prefetch(p))
+        streamer.source_ready = lambda u: u != 1
+
+    logits = streamed_logits(model, ids, "cpu", depth, streamer_hook=layer_1_late)
+    assert torch.equal(logits, resident_logits(model, ids, "cpu"))
+    assert copies == ([0, 2, 1, 3] if depth == 1 else [0, 2, 3, 1])
+
+
 def test_stale_slot_is_caught():
     """Negative control: a streamer that stops copying after the first layer must give other logits."""
     model, ids = build(tiny_run())

@@ -74,7 +74,9 @@ def test_backward_pass_reuses_the_units_the_forward_left_in_the_slots(depth):
     for _ in range(2):
         copies.clear()
         trainer.step([ids])
-        assert copies == list(range(n)) + list(reversed(range(n - streamer.n_slots)))
+        # the forward copies a unit whose update is done ahead of one whose update still runs
+        assert sorted(copies[:n]) == list(range(n))
+        assert copies[n:] == list(reversed(range(n - streamer.n_slots)))
     trainer.finish()
 
 
