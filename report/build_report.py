@@ -262,17 +262,22 @@ def time_section(runs: dict) -> list[str]:
     return ["## 4. Table 2: time", "",
             f"Medians: inference over {run['repeat']} passes after {run['warmup']} warm-up passes, training over the "
             f"steps after the first {run['warmup']} of {run['steps']} (float32 and `--grad-accum 16`: after "
-            f"{short['warmup']} of {short['steps']}); the cpu mode runs once (training: 2 steps, the second timed). "
+            f"{short['warmup']} of {short['steps']}"
+            + ("; the offloaded modes leave out the step after each round of their bound's parts"
+               if "timed_steps" in same else "")
+            + "); the cpu mode runs once (training: 2 steps, the second timed). "
             "Each offloaded row has its bound, "
             "measured in the same run, and `efficiency = bound / measured`. Inference's bound comes from copy-only "
             "and compute-only runs of the same layers, timed in rounds with the passes, best of each. Training's is "
             "the largest of GPU compute, host-to-device copies, device-to-host copies, the CPU Adam, each measured alone, "
             "and host memory: the bytes that cross it in a step over the rate it reaches with the Adam and both copy "
-            "engines running together.", "",
+            "engines running together"
+            + (", each the best of rounds run between blocks of steps (the step after a round is not timed)."
+               if "bound_parts_ms" in same else "."), "",
             "bfloat16:", "", *time_table(results(runs, "inference_bf16", "inference"), bf16_training), "",
             f"The same overlapped step training alone (`--no-inference`) in a process of its own "
             f"(`{SOURCES['train_bf16_overlapped']}`) took "
-            f"{same['time_ms']:.1f} ms (the median of {same_run['steps'] - same_run['warmup']} steps) against a bound "
+            f"{same['time_ms']:.1f} ms (the median of {timed_steps(same, same_run)} steps) against a bound "
             f"of {same['bound_ms']:.1f} ms (efficiency "
             f"{same['efficiency']:.3f}; the CPU Adam alone {same['cpu_adam_ms']:.1f} ms there, "
             f"{results(runs, 'train_bf16', 'training')['overlapped']['cpu_adam_ms']:.1f} ms here).", "",
@@ -496,6 +501,11 @@ def activation_cost(runs: dict) -> list[str]:
             "`): the inputs cross PCIe on the device-to-host and copy streams beside the weights and gradients.", "",
             *table(["micro-batches", "step, inputs on the GPU (ms)", "step, inputs offloaded (ms)", "ratio",
                     "peak GPU, on the GPU (GiB)", "peak GPU, offloaded (GiB)"], rows), ""]
+
+
+def timed_steps(t: dict, run: dict) -> int:
+    """How many steps a training median is over: the runs that time their bound between steps leave some out."""
+    return len(t["timed_steps"]) if "timed_steps" in t else run["steps"] - run["warmup"]
 
 
 def steps_word(n: int) -> str:

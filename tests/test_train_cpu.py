@@ -277,3 +277,39 @@ def test_reloading_the_store_starts_adam_afresh():
 
     first = two_steps()
     assert all(torch.equal(t, first[name]) for name, t in two_steps().items())
+
+
+@pytest.mark.parametrize("steps, warmup, repeat, rounds", [
+    (10, 2, 5, [2, 4, 6, 8, 10]),  # blocks of two steps: four, not five
+    (70, 5, 5, [5, 18, 31, 44, 57, 70]),
+    (6, 1, 2, [1, 3, 6]),
+    (2, 1, 3, [2, 2, 2, 2]),  # one step after the warm-up: every round after it
+    (1, 2, 1, [1, 1]),
+])
+def test_bound_rounds_share_the_timed_steps(steps, warmup, repeat, rounds):
+    assert ol.bound_rounds(ol.RunConfig(steps=steps, warmup=warmup, repeat=repeat)) == rounds
+
+
+def test_bound_rounds_run_between_steps_with_every_update_done():
+    """Each round's parts run once each, after the CPU Adam has stepped every unit; the step after a round is not
+    timed, the warm-up round is not counted, and the steps train as they would without rounds."""
+    model, ids = build(tiny_run())
+    trainer = offloaded_trainer(model, CPU, 1, [ids])
+    events, step = [], trainer.step
+    trainer.step = lambda micro_batches: events.append("step") or step(micro_batches)
+
+    def part():
+        assert all(trainer.adam.updated(u) for u in range(len(trainer.units)))
+        events.append("part")
+
+    def parts():
+        return {"a": (CPU, part), "b": (CPU, lambda: None)}
+
+    run = ol.RunConfig(steps=6, warmup=1, repeat=2)
+    r = ol.train_steps(trainer, [ids], run, keep_grads=False, bound_parts=parts)
+    trainer.finish()
+    assert events == ["step", "part", "step", "step", "part", "step", "step", "step", "part"]
+    assert r["timed_steps"] == [2, 4, 5] and r["time_ms"] == ol.statistics.median(r["step_ms"][i] for i in [2, 4, 5])
+    assert sorted(r["bound_parts_ms"]) == ["a", "b"] and len(r["bound_parts_ms"]["a"]) == 2
+    *_, losses = train(offloaded_trainer(model, CPU, 1, [ids]), [ids], 6)
+    assert r["losses"] == losses

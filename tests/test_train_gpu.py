@@ -277,3 +277,19 @@ def test_100_steps_grow_no_memory(offload):
     assert memory() == before
     assert torch.cuda.max_memory_allocated() <= peak_early
     trainer.finish()
+
+
+def test_bound_parts_are_timed_in_rounds_between_the_steps():
+    model, batches = model_and_batches(SMALL)
+    trainer = offloaded_trainer(model, CUDA, 1, batches, pin=True)
+    run = ol.RunConfig(steps=6, warmup=1, repeat=2)
+    r = ol.train_steps(trainer, batches, run, keep_grads=False,
+                       bound_parts=lambda: ol.train_bound_parts(trainer, batches, CUDA))
+    trainer.finish()
+    assert r["timed_steps"] == [2, 4, 5]
+    assert set(r["bound_parts_ms"]) == {"embed", "layer", "norm", "head", "h2d", "d2h", "adam", "host"}
+    assert all(len(ms) == 2 and min(ms) > 0 for ms in r["bound_parts_ms"].values())
+    t = ol.training_figures(trainer, r)
+    assert t["efficiency"] == t["bound_ms"] / r["time_ms"]
+    weights = [w.nbytes for w in trainer.store.weights]  # every unit streamed; the backward finds the last two there
+    assert t["h2d_bytes"] == 2 * sum(weights) - sum(weights[-2:])
