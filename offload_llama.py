@@ -135,6 +135,7 @@ class RunConfig:
     eps: float = 1e-8
     weight_decay: float = 0.0
     find_largest: bool = False          # search the most decoder layers that train under max_gpu_memory
+    gpu_adam_share: float | None = None  # overlapped training: of the streamed parameters, the GPU Adam's share
 
     @property
     def adam(self) -> Adam:
@@ -156,6 +157,14 @@ class RunConfig:
     def torch_dtype(self) -> torch.dtype:
         """The compute dtype as a torch.dtype."""
         return DTYPES[self.dtype]
+
+    @property
+    def gpu_adam(self) -> float:
+        """Of the streamed parameters, the share overlapped training steps with the GPU's Adam over state streamed
+        from the host (StreamedAdam): --gpu-adam-share, by default GPU_ADAM_SHARE, and none in float16."""
+        if self.gpu_adam_share is not None:
+            return self.gpu_adam_share
+        return 0.0 if self.dtype == "float16" else GPU_ADAM_SHARE
 
 
 def default_dtype() -> str:
@@ -715,6 +724,7 @@ class MasterStore:
              the master, so the copy engines move 2 bytes per parameter, not 4
     grads    unit u's gradients (the compute dtype with one micro-batch, else float32), pinned, in a buffer of the
              pool from their copy until their Adam step
+    moments  float32, pinned only for the units the GPU's Adam steps over streamed state (pin_moments)
     """
 
     def __init__(self, units: list[Unit], adam: Adam, pin: bool, grad_buffers: int | None = None,
@@ -726,6 +736,7 @@ class MasterStore:
         self.masters = [host_zeros(numel, torch.float32, pin) for numel in numels]
         self.copies = [host_zeros(numel, copy_dtype, pin) for numel in numels] if copy_dtype else None
         self.moments = [(host_zeros(n, torch.float32, False), host_zeros(n, torch.float32, False)) for n in numels]
+        self.pin, self.pinned_moments = pin, set()  # the units whose moments StreamedAdam streams
         self.steps = [torch.zeros(()) for _ in units]
         self.pool = GradientPool(numels, grad_buffers or len(units), pin, self.grad_dtype)
         self.grads = list(self.pool.buffers) if self.pool.dedicated else [None] * len(units)
@@ -750,6 +761,13 @@ class MasterStore:
         if not self.pool.dedicated:
             grads, self.grads[u] = self.grads[u], None
             self.pool.give(grads)
+
+    def pin_moments(self, u: int) -> None:
+        """Move unit u's Adam moments into pinned memory, for the copy engines to stream (StreamedAdam); one unit at a
+        time, so the host holds one unit's moments twice at the most."""
+        if u not in self.pinned_moments:
+            self.moments[u] = tuple(host_zeros(m.numel(), torch.float32, self.pin).copy_(m) for m in self.moments[u])
+            self.pinned_moments.add(u)
 
     @torch.no_grad()
     def load(self, model: LlamaForCausalLM) -> None:
@@ -1042,9 +1060,112 @@ class ResidentUnit:
             self.weights.copy_(self.master)
 
 
+GPU_ADAM_CHUNK = 2**23  # parameters: the state StreamedAdam streams crosses PCIe in chunks this size
+
+
+class StreamedAdam:
+    """The GPU's fused Adam for streamed units whose state stays on the host: after a unit's backward its float32
+    master and moments cross PCIe in chunks through two staging slots, the GPU steps each chunk, and master, moments
+    and compute-dtype copy go back, while the CPU Adam steps the other units. Per parameter 12 bytes come in and 14 go
+    out (12 in float32, which has no copy), moved by the copy engines: on the H100 machine both engines streaming at
+    full rate slowed the CPU Adam by 19%, where moving the same bytes through the cores would take as long as the
+    Adam's own 28 (DESIGN.md). The unit's gradients are copied first, so the backward of the next unit can reuse the
+    gradient buffer at once. A unit's first step starts its moments at zero on the GPU, as torch.optim.Adam does.
+
+    Three streams of its own, ordered per slot k and per unit u:
+      s_in    state in    waits out_done[k]: slot k's last chunk has left (s_out runs in order, so the unit's last
+                          step has been written back too: its chunks left before any later one)
+      s_adam  the step    waits `ready` (the backward wrote the gradients) and in_done[k]: the chunk has landed
+      s_out   state out   waits computed[k]: the chunk is stepped; records stepped[u] after u's last chunk
+    The next forward's copy of unit u waits for stepped[u] (OffloadedTraining.wait_source), as it waits for the CPU
+    Adam's update of the others."""
+
+    def __init__(self, store: MasterStore, units, device: torch.device):
+        self.store, self.units, self.device = store, tuple(units), device
+        for u in self.units:
+            store.pin_moments(u)
+        numel = max(store.masters[u].numel() for u in self.units)
+        chunk = min(numel, GPU_ADAM_CHUNK)
+        copy_dtype = store.copies[0].dtype if store.copies else None
+        self.grads = torch.empty(numel, dtype=store.grad_dtype, device=device)  # the unit's, out of the gradient buffer
+        self.slots = [(*(torch.empty(chunk, device=device) for _ in range(3)),  # master and moments, float32
+                       None if copy_dtype is None else torch.empty(chunk, dtype=copy_dtype, device=device))
+                      for _ in range(2)]
+        self.s_in, self.s_adam, self.s_out = (new_stream(device) for _ in range(3))
+        self.in_done, self.computed, self.out_done = ([new_event(device) for _ in range(2)] for _ in range(3))
+        self.stepped = {u: new_event(device, blocking=True) for u in self.units}
+
+    def chunks(self, u: int):
+        """(slot, start, length) of unit u's chunks, in order; consecutive chunks take the two slots in turn."""
+        n, chunk = self.store.masters[u].numel(), self.slots[0][0].numel()
+        return [(i % 2, lo, min(chunk, n - lo)) for i, lo in enumerate(range(0, n, chunk))]
+
+    def host_state(self, u: int, lo: int, n: int) -> tuple:
+        """Unit u's master, moments and compute-dtype copy (or None) from lo, n parameters: pinned host views."""
+        copy = self.store.copies[u][lo:lo + n] if self.store.copies else None
+        return self.store.masters[u][lo:lo + n], *(m[lo:lo + n] for m in self.store.moments[u]), copy
+
+    def copy_in(self, u: int, k: int, lo: int, n: int, fresh: bool = False) -> None:
+        """Unit u's chunk into slot k, on the current stream: master, and moments unless `fresh` (zeroed instead)."""
+        master, exp_avg, exp_avg_sq, _ = self.host_state(u, lo, n)
+        p, m, v, _ = self.slots[k]
+        p[:n].copy_(master, non_blocking=True)
+        for dst, src in ((m, exp_avg), (v, exp_avg_sq)):
+            dst[:n].zero_() if fresh else dst[:n].copy_(src, non_blocking=True)
+
+    def copy_out(self, u: int, k: int, lo: int, n: int) -> None:
+        """Slot k's stepped chunk back into unit u's host state, on the current stream."""
+        for dst, src in zip(self.host_state(u, lo, n), self.slots[k]):
+            if dst is not None:
+                dst.copy_(src[:n], non_blocking=True)
+
+    def take(self, u: int, grads: torch.Tensor, ready, host: torch.Tensor | None = None):
+        """Copy unit u's gradients (`grads`, written once `ready` has passed) out of the gradient buffer, and to the
+        pinned `host` buffer too where given (the first step's, compared with gpu mode's); returns the event after
+        which the gradient buffer may be overwritten."""
+        n = grads.numel()
+        consumed = new_event(self.device)
+        with on_stream(self.s_adam):
+            self.s_adam.wait_event(ready)  # the unit's backward must have written all its gradients
+            self.grads[:n].copy_(grads)
+            consumed.record(self.s_adam)
+            if host is not None:  # before the next unit's gradients overwrite self.grads, in order on this stream
+                host.copy_(self.grads[:n], non_blocking=True)
+        return consumed
+
+    def step(self, u: int) -> None:
+        """Queue unit u's Adam step over its streamed state, chunk by chunk; its gradients were taken (take)."""
+        adam, steps = self.store.update.adam, self.store.steps[u]
+        fresh, done = not steps, float(steps)  # steps done: the fused kernel counts this one in
+        steps += 1  # this count lives on the host: only the main thread issues this unit's steps
+        for k, lo, n in self.chunks(u):
+            p, m, v, copy = (t[:n] if t is not None else None for t in self.slots[k])
+            with on_stream(self.s_in):
+                self.s_in.wait_event(self.out_done[k])  # the slot's last chunk (and this unit's last step) must be out
+                self.copy_in(u, k, lo, n, fresh)
+                self.in_done[k].record(self.s_in)
+            with on_stream(self.s_adam):
+                self.s_adam.wait_event(self.in_done[k])  # the chunk's state must have landed
+                torch_adam_step(adam, p, self.grads[lo:lo + n].float(), m, v, torch.full((), done, device=p.device))
+                if copy is not None:
+                    copy.copy_(p)  # rounded to nearest even, as the CPU Adam writes the copy
+                self.computed[k].record(self.s_adam)
+            with on_stream(self.s_out):
+                self.s_out.wait_event(self.computed[k])  # the chunk must be stepped before it leaves
+                self.copy_out(u, k, lo, n)
+                self.out_done[k].record(self.s_out)
+        self.stepped[u].record(self.s_out)
+
+    def wait_all(self) -> None:
+        """Block until every queued step has written its state back to the host."""
+        for event in self.stepped.values():
+            event.synchronize()
+
+
 class OffloadedTraining:
     """blocked and overlapped training: units streamed from the host (the masters' compute-dtype copy, or the
-    masters), CPU Adam per unit; the units a placement keeps on the GPU (keep_on_gpu) are stepped there.
+    masters), CPU Adam per unit; the units a placement keeps on the GPU (keep_on_gpu) are stepped there, and those it
+    gives the GPU's Adam over streamed state (adam_on_gpu) are stepped there from their host state (StreamedAdam).
 
     Streams: the compute stream runs the units; the streamer's copy stream brings weights in; `d2h_stream` takes
     gradients out, so copies in both directions overlap. The GPU holds the streamer's slots, one gradient buffer,
@@ -1068,8 +1189,8 @@ class OffloadedTraining:
             return self.layout(kind).bind(unit_module(kind, config), buffer, trainable=True).eval()
 
         self.streamer = LayerStreamer(store.weights, [u.kind for u in self.units], make_module, dtype, device, depth)
-        # the next forward streams a unit only once its last update has written its master and copy
-        self.streamer.wait_source, self.streamer.source_ready = self.adam.wait, self.adam.updated
+        self.streamer.wait_source, self.streamer.source_ready = self.wait_source, self.adam.updated
+        self.gpu_adam, self.keep_first_grads = None, False  # the streamed units the GPU steps (adam_on_gpu)
         # float32 to accumulate micro-batches (or unscale float16); with one micro-batch the gradients leave as the
         # backward made them, in the compute dtype
         self.grad_buffer = torch.empty(max(m.numel() for m in store.masters), dtype=store.grad_dtype, device=device)
@@ -1082,6 +1203,28 @@ class OffloadedTraining:
         self.anchor = torch.empty(0, device=device, requires_grad=True)
         self.loss_scale = LossScale(dtype == torch.float16, device)
         self.sent = []
+
+    def wait_source(self, u: int) -> None:
+        """The next forward streams unit u only once its last update has written its master and copy: the CPU Adam's
+        (the main thread blocks), or the GPU's over streamed state (the copy stream waits)."""
+        if self.gpu_adam and u in self.gpu_adam.stepped:
+            self.streamer.copy_stream.wait_event(self.gpu_adam.stepped[u])  # its state must be back on the host
+        else:
+            self.adam.wait(u)
+
+    def adam_on_gpu(self, units, keep_first_grads: bool = False) -> None:
+        """Step these streamed units with the GPU's Adam over their state streamed from the host (StreamedAdam), the
+        others with the CPU Adam. keep_first_grads: their first step's gradients go to the host too, for the
+        comparison with gpu mode. Not for float16, whose loss scale must see every gradient before any unit steps:
+        the GPU would have to hold them all."""
+        if self.loss_scale.enabled and units:
+            raise ValueError("float16 steps only once every gradient is in: its streamed units stay on the CPU Adam")
+        if set(units) & set(self.resident):
+            raise ValueError("resident units are stepped on the GPU already")
+        if keep_first_grads and units and not self.store.pool.dedicated:
+            raise ValueError("the first step's gradients stay on the host: give each unit a gradient buffer")
+        self.gpu_adam = StreamedAdam(self.store, units, self.device) if units else None
+        self.keep_first_grads = keep_first_grads
 
     def layout(self, kind: str) -> FlatLayout:
         """The flat layout of units of this kind."""
@@ -1149,20 +1292,28 @@ class OffloadedTraining:
             self.loss_scale.unscale([self.grad_buffer[:n]])
             ready = new_event(self.device)
             ready.record(self.streamer.compute_stream)
-            host = self.store.take_grads(u)
-            with on_stream(self.d2h_stream):
-                self.d2h_stream.wait_event(ready)  # the unit's backward must have written all its gradients
-                host.copy_(self.grad_buffer[:n], non_blocking=True)
-                self.landed[u].record(self.d2h_stream)
-            self.last_landed = self.landed[u]
+            if self.gpu_adam and u in self.gpu_adam.stepped:
+                first = self.keep_first_grads and not self.store.steps[u]
+                self.last_landed = self.gpu_adam.take(u, self.grad_buffer[:n], ready,
+                                                      self.store.take_grads(u) if first else None)
+            else:
+                host = self.store.take_grads(u)
+                with on_stream(self.d2h_stream):
+                    self.d2h_stream.wait_event(ready)  # the unit's backward must have written all its gradients
+                    host.copy_(self.grad_buffer[:n], non_blocking=True)
+                    self.landed[u].record(self.d2h_stream)
+                self.last_landed = self.landed[u]
         if not self.loss_scale.enabled:  # float16 must first see every gradient: one overflow skips the step
             self.update(u)
 
     def update(self, u: int) -> None:
-        """Unit u's Adam step: now, on the compute stream, where it is resident; else queued for the CPU Adam, which
-        runs it once its gradients have landed."""
+        """Unit u's Adam step: now, on the compute stream, where it is resident; queued on the GPU Adam's streams where
+        it steps the unit over streamed state; else queued for the CPU Adam, which runs it once its gradients have
+        landed."""
         if u in self.resident:
             self.resident[u].step()
+        elif self.gpu_adam and u in self.gpu_adam.stepped:
+            self.gpu_adam.step(u)
         else:
             self.adam.submit(u, self.landed[u])
 
@@ -1215,15 +1366,24 @@ class OffloadedTraining:
         self.grad_buffer = memory[:streamed].view(self.store.grad_dtype)
 
     def state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
-        """The float32 masters (grads: the last step's gradients) with HF names on the CPU, the resident units' from
-        the GPU."""
+        """The float32 masters (grads: the last step's gradients; the first step's for the units the GPU Adam steps
+        over streamed state) with HF names on the CPU, the resident units' from the GPU, once every update is done."""
+        self.wait_updates()
         flats = self.store.grads if grads else self.store.masters
         return self.store.state_dict([flat if u not in self.resident else
                                       self.resident[u].grads if grads else self.resident[u].master
                                       for u, flat in enumerate(flats)])
 
+    def wait_updates(self) -> None:
+        """Block until every update is done and written back: the CPU Adam's and the GPU's over streamed state."""
+        self.adam.wait_all()
+        if self.gpu_adam:
+            self.gpu_adam.wait_all()
+
     def finish(self) -> None:
         """Wait for the last updates and stop the CPU Adam worker."""
+        if self.gpu_adam:
+            self.gpu_adam.wait_all()
         self.adam.close()
 
 
@@ -1277,9 +1437,11 @@ PLAN_MARGIN = GiB // 2  # of a --max-gpu-memory budget, left out of the plan: th
 
 @dataclass(frozen=True)
 class Placement:
-    """Which units stay resident on the GPU (the others are streamed), and the GPU memory that takes, by part."""
+    """Which units stay resident on the GPU (the others are streamed), and the GPU memory that takes, by part; in
+    training, which streamed units the GPU's Adam steps over streamed state."""
     resident: tuple[int, ...]
     parts: dict  # part -> bytes
+    gpu_adam: tuple[int, ...] = ()
 
     @property
     def peak_bytes(self) -> int:
@@ -1318,6 +1480,40 @@ def inference_placement(run: RunConfig, config: LlamaConfig, tokens: int, mode: 
     return Placement(spread(layers, count), parts(count))
 
 
+GPU_ADAM_SHARE = 0.4  # default --gpu-adam-share (gpu_adam_units)
+
+
+def gpu_adam_units(units: list[Unit], resident, share: float) -> tuple[int, ...]:
+    """Of the streamed units, those the GPU's Adam steps over their streamed state (StreamedAdam): the embeddings, the
+    head, then decoder layers from the first, as long as their parameters stay within `share` of the streamed ones'.
+    The embeddings and first layers because their gradients come last: on the CPU their updates would start once
+    the backward is over, and the next forward waits for them first; on the GPU they run on the copy engines while
+    the CPU Adam still steps the units after them. The share trades host memory traffic for PCIe bytes (12 in and
+    14 out per parameter against 2 and 2): on the H100 machine (7b-8l, report/results/next/twin_flow) the step took
+    512 to 545 ms with every streamed unit on the CPU Adam, 478 with the embeddings and head on the GPU's, 451 to
+    474 with the first two layers too (35%), and 509 with three layers (46%), the PCIe then saturated."""
+    numels = {u: unit.layout.numel for u, unit in enumerate(units) if u not in resident}
+    kinds = [unit.kind for unit in units]
+    order = [kinds.index("embed"), kinds.index("head"), *(u for u, kind in enumerate(kinds) if kind == "layer")]
+    chosen, budget = [], share * sum(numels.values())
+    for u in (u for u in order if u in numels):
+        if numels[u] > budget:
+            break
+        chosen.append(u)
+        budget -= numels[u]
+    return tuple(chosen)
+
+
+def gpu_adam_bytes(numels: list[int], grad_dtype: torch.dtype, copy_dtype: torch.dtype | None) -> int:
+    """The GPU memory StreamedAdam takes for units of these sizes: the largest one's gradients, two staging slots of
+    a chunk's float32 master and moments and compute-dtype copy, and a chunk of 16-bit gradients made float32."""
+    if not numels:
+        return 0
+    chunk = min(max(numels), GPU_ADAM_CHUNK)
+    return (max(numels) * grad_dtype.itemsize + 2 * chunk * (12 + (copy_dtype.itemsize if copy_dtype else 0))
+            + 4 * chunk * (grad_dtype != torch.float32))
+
+
 def training_placement(trainer: OffloadedTraining, run: RunConfig, mode: str, besides: dict[str, int],
                        own_grads: bool) -> Placement:
     """overlapped training: which units stay on the GPU, from the budget (--resident-layers: the first that many
@@ -1336,19 +1532,27 @@ def training_placement(trainer: OffloadedTraining, run: RunConfig, mode: str, be
     the round trip of the last streamed unit (copied in, forward, backward, gradients out) and of the resident units
     after it. The head, streamed, keeps that trip short (it is smaller than a layer and last); made resident while
     layers stream, it lengthened it (7b-8l under 11 GiB on the H100: 419 ms per step with the head resident, 401
-    without, 528 with nothing resident)."""
-    numels, b = [m.numel() for m in trainer.store.masters], run.torch_dtype.itemsize
+    without, 528 with nothing resident).
+
+    Of the streamed units, gpu_adam_units gives the GPU's Adam its share (overlapped only), whose staging and
+    gradients count too."""
+    store, b = trainer.store, run.torch_dtype.itemsize
+    numels = [m.numel() for m in store.masters]
     depth = run.prefetch if mode == "overlapped" else 0
-    casts = trainer.store.copies is None and run.torch_dtype != torch.float32
+    casts = store.copies is None and run.torch_dtype != torch.float32
+    share = run.gpu_adam if mode == "overlapped" else 0.0
+    gpu_adam = lambda resident: gpu_adam_units(trainer.units, resident, share)
 
     def parts(resident) -> dict[str, int]:
         """The GPU bytes of a placement, by part."""
         kept = [numels[u] for u in resident]
         streamed = [n for u, n in enumerate(numels) if u not in resident]
         largest = max(streamed, default=0)
-        grads = largest * trainer.store.grad_dtype.itemsize
+        grads = largest * store.grad_dtype.itemsize
         return {"slots": min(depth + 1, len(streamed)) * largest * b + casts * min(largest, STAGING) * 4,
                 "gradient buffer": grads if own_grads else max(grads, 4 * max(kept, default=0)),
+                "GPU Adam staging": gpu_adam_bytes([numels[u] for u in gpu_adam(resident)], store.grad_dtype,
+                                                   store.copies[0].dtype if store.copies else None),
                 "resident weights": sum(kept) * (0 if run.torch_dtype == torch.float32 else b),
                 "resident masters and moments": 12 * sum(kept),
                 "resident gradients": 4 * sum(kept) if own_grads else 0, **besides}
@@ -1359,7 +1563,7 @@ def training_placement(trainer: OffloadedTraining, run: RunConfig, mode: str, be
     elif mode == "overlapped" and budget is not None:
         while len(resident) < len(numels) and sum(parts(resident + [len(resident)]).values()) <= budget:
             resident.append(len(resident))
-    return Placement(tuple(resident), parts(resident))
+    return Placement(tuple(resident), parts(resident), gpu_adam(resident))
 
 
 # ----------------------------------------------------------------------------- modes
@@ -1452,10 +1656,12 @@ def place_units(trainer: OffloadedTraining, micro_batches, run: RunConfig, mode:
     placement = training_placement(trainer, run, mode, besides, own_grads)
     if placement.resident:
         trainer.keep_on_gpu(placement.resident, own_grads)
+    trainer.adam_on_gpu(placement.gpu_adam, keep_first_grads=own_grads)
     torch.cuda.reset_peak_memory_stats(device)  # the step's peak, not the working set's measurement
-    names = ", ".join(trainer.units[u].name for u in placement.resident) or "none"
-    log(f"mode {mode}: {len(placement.resident)} of {len(trainer.units)} units resident on the GPU ({names}), "
-        f"predicted peak {gib(placement.peak_bytes)} GiB: "
+    names = lambda units: ", ".join(trainer.units[u].name for u in units) or "none"
+    log(f"mode {mode}: {len(placement.resident)} of {len(trainer.units)} units resident on the GPU "
+        f"({names(placement.resident)}), {len(placement.gpu_adam)} stepped by the GPU's Adam over streamed state "
+        f"({names(placement.gpu_adam)}), predicted peak {gib(placement.peak_bytes)} GiB: "
         + ", ".join(f"{part} {gib(n)}" for part, n in placement.parts.items()))
     return placement
 
@@ -1476,6 +1682,7 @@ def train_mode(mode: str, model, masters: MasterStore | None, input_ids, run: Ru
             placement = place_units(trainer, micro_batches, run, mode, own_grads=compared or run.dtype == "float16")
             placed = {"units": len(trainer.units),
                       "resident_units": [trainer.units[u].name for u in placement.resident],
+                      "gpu_adam_units": [trainer.units[u].name for u in placement.gpu_adam],
                       "predicted_peak_bytes": placement.peak_bytes, "predicted_parts": placement.parts}
         profile = train_trace_path(run.profile) if run.profile and mode == profiled_mode(run) else None
         bound_parts = (lambda: train_bound_parts(trainer, micro_batches, device)) \
@@ -1523,7 +1730,7 @@ def train_steps(trainer, micro_batches, run: RunConfig, keep_grads: bool, profil
     for i in range(run.steps + 1):
         if i in rounds:
             if adam:
-                adam.wait_all()  # every part runs alone
+                trainer.wait_updates()  # every part runs alone
             peaks.note()
             for _ in range(rounds.count(i)):
                 for name, ms in time_round(bound_parts()).items():
@@ -1853,77 +2060,112 @@ def forward_backward_reference(model: LlamaForCausalLM, input_ids: torch.Tensor,
 
 def train_bound_parts(trainer: OffloadedTraining, micro_batches, device) -> dict:
     """The parts of what a training step cannot beat, as functions to time alone (name -> (device, fn)): each kind of
-    unit's GPU compute (forward, recompute and backward, weights resident; the resident units' Adam, a few ms, left
-    out), the host-to-device copies (every streamed unit, twice, less the units the backward pass finds still on the
-    GPU), the device-to-host copies (the streamed units' gradients), the CPU Adam over the largest streamed unit
-    (scratch state), and `host`: that unit's host traffic in a step, the Adam and both copy engines at once. Built
+    unit's GPU compute (forward, recompute and backward, weights resident; the Adam of the resident units and of the
+    GPU's over streamed state, a few ms, left out), every host-to-device copy of a step (step_copy_bytes), every
+    device-to-host copy, the CPU Adam over the largest unit it steps (scratch state), and `host`: that Adam with the
+    copy engines moving its unit's share of the step's copies at once, the host traffic of a step in small. Built
     anew for each round: what they allocate is freed before the next steps."""
-    streamer, store, n = trainer.streamer, trainer.store, len(trainer.units)
+    streamer, store, n, gpu_adam = trainer.streamer, trainer.store, len(trainer.units), trainer.gpu_adam
     current, cpu = torch.cuda.current_stream(device), torch.device("cpu")
-    numels = {u: store.masters[u].numel() for u in streamer.streamed}
-    pool = store.pool.buffers
+    on_cpu, on_gpu = cpu_and_gpu_adam_units(trainer)
+    pool = [buffer.view(torch.uint8) for buffer in store.pool.buffers]
 
     def copy_in():
-        """Every H2D copy of a step: the forward pass, then the backward pass's, less the units it keeps."""
+        """Every H2D copy of a step: the forward pass, then the backward pass's, less the units it keeps; then the
+        state of the units the GPU's Adam steps."""
         for order, keep in ((range(n), False), (reversed(range(n)), True)):
             streamer.begin(order, keep)
             for p in range(len(streamer.order)):
                 streamer.prefetch(p)
+        with on_stream(streamer.copy_stream):
+            for u in on_gpu:
+                for k, lo, count in gpu_adam.chunks(u):
+                    gpu_adam.copy_in(u, k, lo, count)
         current.wait_stream(streamer.copy_stream)  # `timed` records its end event on this stream
 
     def copy_out():
-        """Every D2H copy of a step: each streamed unit's gradients, into the pool's buffers in turn."""
-        with on_stream(trainer.d2h_stream):
-            for u, numel in numels.items():
-                pool[u % len(pool)][:numel].copy_(trainer.grad_buffer[:numel], non_blocking=True)
+        """Every D2H copy of a step: the gradients of the units the CPU Adam steps, then the state the GPU's Adam
+        writes back (into the pool's buffers in turn: the training state must not change)."""
+        grads = trainer.grad_buffer.view(torch.uint8)
+        for u, numel in on_cpu.items():
+            queue_copies(numel * store.grad_dtype.itemsize, grads, pool[u % len(pool)], trainer.d2h_stream)
+        queue_copies(step_copy_bytes(trainer)[2], gpu_adam.grads.view(torch.uint8) if on_gpu else grads, pool[0],
+                     trainer.d2h_stream)
         current.wait_stream(trainer.d2h_stream)
 
     def adam_and_copies():
-        """The largest unit's host traffic in a step, all at once: its weights copied in twice and its gradients out
-        (queued on the copy streams, not waited for), while the CPU Adam steps a unit's worth of scratch state."""
-        streamer.begin([big, big])
-        for p in range(2):
-            streamer.prefetch(p)
-        with on_stream(trainer.d2h_stream):  # into the unit's own buffer, or a shared one: either holds it
-            pool[big % len(pool)][:numels[big]].copy_(trainer.grad_buffer[:numels[big]], non_blocking=True)
+        """The largest CPU-stepped unit's share of a step's host traffic, all at once: the copies in and out queued on
+        the copy streams, not waited for, while the CPU Adam steps a unit's worth of scratch state."""
+        h2d, d2h, _ = (count * on_cpu[big] // sum(on_cpu.values()) for count in step_copy_bytes(trainer))
+        queue_copies(h2d, store.masters[big].view(torch.uint8), streamer.buffers[0].view(torch.uint8),
+                     streamer.copy_stream)
+        queue_copies(d2h, trainer.grad_buffer.view(torch.uint8), pool[big % len(pool)], trainer.d2h_stream)
         adam()
         torch.cuda.synchronize(device)
 
     kinds = [u.kind for u in trainer.units]
     fns = {kind: (device, unit_compute(trainer, kinds.index(kind), micro_batches, device))
            for kind in dict.fromkeys(kinds)}
-    if numels:  # something is streamed
-        big = max(numels, key=numels.get)  # the largest streamed unit: the host part times its traffic
-        adam = adam_scratch(store, numels[big])
-        fns |= {"h2d": (device, copy_in), "d2h": (device, copy_out), "adam": (cpu, adam),
-                "host": (cpu, adam_and_copies)}
+    if streamer.streamed:
+        fns |= {"h2d": (device, copy_in), "d2h": (device, copy_out)}
+    if on_cpu:  # the CPU Adam steps something
+        big = max(on_cpu, key=on_cpu.get)
+        adam = adam_scratch(store, on_cpu[big])
+        fns |= {"adam": (cpu, adam), "host": (cpu, adam_and_copies)}
     return fns
+
+
+def cpu_and_gpu_adam_units(trainer: OffloadedTraining) -> tuple[dict[int, int], dict[int, int]]:
+    """The streamed units the CPU Adam steps, and those the GPU's Adam steps over streamed state: unit -> size."""
+    gpu = trainer.gpu_adam.units if trainer.gpu_adam else ()
+    numels = {u: trainer.store.masters[u].numel() for u in trainer.streamer.streamed}
+    return {u: n for u, n in numels.items() if u not in gpu}, {u: n for u, n in numels.items() if u in gpu}
+
+
+def step_copy_bytes(trainer: OffloadedTraining) -> tuple[int, int, int]:
+    """(H2D, D2H, of the D2H the GPU Adam's) bytes of a step: each streamed unit's weights twice, less the units the
+    backward finds still in the slots; the gradients of the units the CPU Adam steps; for those the GPU's Adam steps,
+    their float32 master and moments in, and those and the compute-dtype copy back out."""
+    store, streamer = trainer.store, trainer.streamer
+    on_cpu, on_gpu = cpu_and_gpu_adam_units(trainer)
+    weights = store.weights
+    kept = streamer.streamed[-streamer.n_slots:]  # the forward's last units, still in the slots for the backward
+    state_in = 12 * sum(on_gpu.values())
+    state_out = state_in + sum(on_gpu.values()) * (store.copies[0].itemsize if store.copies else 0)
+    h2d = 2 * sum(weights[u].nbytes for u in streamer.streamed) - sum(weights[u].nbytes for u in kept) + state_in
+    return h2d, sum(on_cpu.values()) * store.grad_dtype.itemsize + state_out, state_out
+
+
+def queue_copies(nbytes: int, src: torch.Tensor, dst: torch.Tensor, stream) -> None:
+    """Queue copies of `nbytes` in all from `src` into `dst` (byte views, each copy from their starts) on `stream`."""
+    step = min(src.numel(), dst.numel())
+    with on_stream(stream):
+        for a in range(0, nbytes, step):
+            dst[:min(step, nbytes - a)].copy_(src[:min(step, nbytes - a)], non_blocking=True)
 
 
 def train_bound(trainer: OffloadedTraining, best: dict[str, float]) -> dict:
     """The five things a training step cannot beat, from the best times (ms) of train_bound_parts: GPU compute, H2D,
-    D2H, the CPU Adam over every streamed unit, and host memory: the bytes that cross it in a step (the Adam's and the
-    copies') over the rate it reached when the CPU Adam and both copy engines ran together."""
-    streamer, store = trainer.streamer, trainer.store
-    numels = {u: store.masters[u].numel() for u in streamer.streamed}
+    D2H, the CPU Adam over every unit it steps, and host memory: the bytes that cross it in a step (the CPU Adam's
+    and the copies') over the rate it reached when the CPU Adam and the copy engines ran together on one unit's
+    share."""
+    store = trainer.store
+    on_cpu, on_gpu = cpu_and_gpu_adam_units(trainer)
     kinds = [u.kind for u in trainer.units]
     parts = {"gpu_compute_ms": sum(kinds.count(kind) * best[kind] for kind in dict.fromkeys(kinds))}
     figures = {}
-    if numels:
-        big = max(numels, key=numels.get)
-        total, weights = sum(numels.values()), store.weights
-        kept = streamer.streamed[-streamer.n_slots:]  # the forward's last units, still in the slots for the backward
-        h2d_bytes = 2 * sum(weights[u].nbytes for u in numels) - sum(weights[u].nbytes for u in kept)
-        d2h_bytes = total * store.grad_dtype.itemsize
-        host_bytes = total * store.update.bytes_per_param + h2d_bytes + d2h_bytes
-        unit_host_bytes = numels[big] * (store.update.bytes_per_param + store.grad_dtype.itemsize) \
-            + 2 * weights[big].nbytes
-        host_gbps = unit_host_bytes / best["host"] / 1e6  # the rate the Adam and the copies reached together
-        parts |= {"h2d_ms": best["h2d"], "d2h_ms": best["d2h"], "cpu_adam_ms": best["adam"] / numels[big] * total,
-                  "host_memory_ms": host_bytes / host_gbps / 1e6}
-        figures = {"h2d_bytes": h2d_bytes, "d2h_bytes": d2h_bytes, "host_bytes": host_bytes, "host_gbps": host_gbps,
+    if trainer.streamer.streamed:
+        h2d_bytes, d2h_bytes, _ = step_copy_bytes(trainer)
+        host_bytes = sum(on_cpu.values()) * store.update.bytes_per_param + h2d_bytes + d2h_bytes
+        parts |= {"h2d_ms": best["h2d"], "d2h_ms": best["d2h"]}
+        figures = {"h2d_bytes": h2d_bytes, "d2h_bytes": d2h_bytes, "host_bytes": host_bytes,
                    "host_bytes_per_param": host_bytes / sum(m.numel() for m in store.masters),
-                   "adam_bytes_per_param": store.update.bytes_per_param}
+                   "adam_bytes_per_param": store.update.bytes_per_param,
+                   "gpu_adam_params": sum(on_gpu.values())}
+    if on_cpu:
+        scale = sum(on_cpu.values()) / max(on_cpu.values())  # the parts timed the largest unit the CPU Adam steps
+        parts |= {"cpu_adam_ms": best["adam"] * scale, "host_memory_ms": best["host"] * scale}
+        figures["host_gbps"] = host_bytes / parts["host_memory_ms"] / 1e6
     return {**parts, "bound_ms": max(parts.values()), "bound_by": max(parts, key=parts.get).removesuffix("_ms"),
             **figures}
 
@@ -2064,7 +2306,7 @@ def first_step_state(trainer) -> tuple[dict, dict]:
     """(float32 gradients, float32 masters) after a step, with HF names, on the CPU."""
     if isinstance(trainer, ResidentTraining):
         return trainer.state_dict([m.grad for m in trainer.masters]), trainer.state_dict(trainer.masters)
-    trainer.adam.wait_all()  # gradients have landed once their updates are done
+    trainer.wait_updates()  # gradients have landed once their updates are done
     return trainer.state_dict(grads=True), trainer.state_dict()
 
 
@@ -2186,21 +2428,24 @@ def notes(results: dict, run: RunConfig, reference: dict | None = None) -> list[
                          f"compute on another stream (copy streams {tr['copy_streams']}, "
                          f"kernel streams {tr['kernel_streams']})")
         if "predicted_peak_bytes" in t:
+            gpu_adam = t.get("gpu_adam_units", [])
             lines.append(f"{mode} training: {len(t['resident_units'])} of {t['units']} "
-                         f"units resident on the GPU ({', '.join(t['resident_units']) or 'none'}); peak GPU "
+                         f"units resident on the GPU ({', '.join(t['resident_units']) or 'none'}), {len(gpu_adam)} "
+                         f"stepped by the GPU's Adam over streamed state ({', '.join(gpu_adam) or 'none'}); peak GPU "
                          f"{gib(t['peak_gpu_bytes'])} GiB against {gib(t['predicted_peak_bytes'])} predicted: "
                          + ", ".join(f"{part} {gib(n)}" for part, n in t["predicted_parts"].items()))
         if "gpu_compute_ms" in t:
-            host = "" if "host_memory_ms" not in t else (
+            copies = "" if "h2d_ms" not in t else (
                 f", H2D {t['h2d_ms']:.1f} ms ({t['h2d_bytes'] / t['h2d_ms'] / 1e6:.1f} GB/s), D2H {t['d2h_ms']:.1f} "
-                f"ms ({t['d2h_bytes'] / t['d2h_ms'] / 1e6:.1f} GB/s), CPU Adam {t['cpu_adam_ms']:.1f} ms, host "
-                f"memory {t['host_memory_ms']:.1f} ms ({t['host_bytes'] / 1e9:.1f} GB, "
-                f"{t['host_bytes_per_param']:.1f} bytes per parameter of the model with {t['adam_bytes_per_param']} "
-                f"per streamed parameter for the Adam, at {t['host_gbps']:.0f} GB/s with the Adam and both copy "
-                "engines running together)")
+                f"ms ({t['d2h_bytes'] / t['d2h_ms'] / 1e6:.1f} GB/s)")
+            host = "" if "host_memory_ms" not in t else (
+                f", CPU Adam {t['cpu_adam_ms']:.1f} ms, host memory {t['host_memory_ms']:.1f} ms "
+                f"({t['host_bytes'] / 1e9:.1f} GB, {t['host_bytes_per_param']:.1f} bytes per parameter of the model "
+                f"with {t['adam_bytes_per_param']} per CPU-stepped parameter for the Adam, at {t['host_gbps']:.0f} "
+                "GB/s with the Adam and the copy engines running together)")
             rounds = len(next(iter(t["bound_parts_ms"].values())))
             lines.append(f"{mode} training bound, each part alone (best of {rounds} rounds among the steps): GPU "
-                         f"compute {t['gpu_compute_ms']:.1f} ms (forward, recompute, backward){host}")
+                         f"compute {t['gpu_compute_ms']:.1f} ms (forward, recompute, backward){copies}{host}")
         if "trace" in t:
             h, d = t["trace"]["h2d"], t["trace"]["d2h"]
             lines.append(f"{mode} training trace: {h['overlap_ms']:.1f} of {h['copy_ms']:.1f} ms of H2D copies and "
@@ -2339,7 +2584,7 @@ def cli_args(run: RunConfig) -> list[str]:
     for field, value in run.sizes:
         args += [f"--{SIZE_FLAGS[field]}", str(value)]
     for flag, value in (("--max-gpu-memory", run.max_gpu_memory), ("--resident-layers", run.resident_layers),
-                        ("--json", run.json)):
+                        ("--gpu-adam-share", run.gpu_adam_share), ("--json", run.json)):
         if value is not None:
             args += [flag, str(value)]
     flags = {"--train": run.train, "--no-inference": not run.inference, "--find-largest": run.find_largest,
@@ -2496,6 +2741,11 @@ def parse_args(argv=None) -> RunConfig:
     t.add_argument("--eps", type=float, default=RunConfig.eps)
     t.add_argument("--weight-decay", type=float, default=RunConfig.weight_decay,
                    help="L2 penalty added to the gradient, as torch.optim.Adam does")
+    t.add_argument("--gpu-adam-share", type=float, metavar="F",
+                   help="overlapped: of the streamed parameters, the share (0 to 1) the GPU's Adam steps over their "
+                        "float32 state streamed from the host by the copy engines, while the CPU Adam steps the rest "
+                        "(the embeddings, the head, then layers from the first); 0: the CPU Adam steps them all "
+                        f"(default: {GPU_ADAM_SHARE}; 0 in float16)")
     t.add_argument("--find-largest", action="store_true",
                    help="per mode (default: gpu and overlapped), the most decoder layers of the preset's size that "
                         "train (all --steps, no OOM) under --max-gpu-memory, each count tried in a fresh process, "
@@ -2515,6 +2765,10 @@ def parse_args(argv=None) -> RunConfig:
         p.error("Adam needs --lr > 0, --eps > 0, --weight-decay >= 0 and betas in [0, 1), all finite")
     if a.max_gpu_memory is not None and not (math.isfinite(a.max_gpu_memory) and a.max_gpu_memory > 0):
         p.error(f"--max-gpu-memory must be a positive number of GiB, got {a.max_gpu_memory}")
+    if a.gpu_adam_share is not None and not 0 <= a.gpu_adam_share <= 1:
+        p.error(f"--gpu-adam-share must be between 0 and 1, got {a.gpu_adam_share}")
+    if a.gpu_adam_share and (a.dtype or default_dtype()) == "float16":
+        p.error("--gpu-adam-share must be 0 in float16: its loss scale must see every gradient before any unit steps")
     if a.no_inference and not (a.train or a.find_largest):
         p.error("--no-inference leaves nothing to run without --train")
     if a.fwd_bwd_reference and not (a.train or a.find_largest):
@@ -2534,7 +2788,8 @@ def parse_args(argv=None) -> RunConfig:
                      inference=not a.no_inference, steps=a.steps,
                      grad_accum=a.grad_accum, offload_activations=a.offload_activations,
                      fwd_bwd_reference=a.fwd_bwd_reference, lr=a.lr,
-                     betas=tuple(a.betas), eps=a.eps, weight_decay=a.weight_decay, find_largest=a.find_largest)
+                     betas=tuple(a.betas), eps=a.eps, weight_decay=a.weight_decay, find_largest=a.find_largest,
+                     gpu_adam_share=a.gpu_adam_share)
 
 
 def check_devices(run: RunConfig, config: LlamaConfig) -> None:

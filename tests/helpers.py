@@ -45,11 +45,13 @@ def cli(*args, timeout=600):
 
 
 def offloaded_trainer(model, device, depth, micro_batches, adam=ol.Adam(lr=1e-3), pin=False, offload=False,
-                      grad_buffers=None, copy=True, resident=(), own_grads=True):
+                      grad_buffers=None, copy=True, resident=(), own_grads=True, gpu_adam=()):
     """The blocked (depth 0) or overlapped training of `model` on `device`, as the CLI builds it; offload: the units'
     saved inputs wait on the host (--offload-activations); grad_buffers: a shared gradient pool of that many; copy:
     the GPU streams the masters' compute-dtype copy (False: the float32 masters, cast on the GPU); resident: the
-    units kept on the device and stepped there, with gradients of their own or (own_grads False) shared."""
+    units kept on the device and stepped there, with gradients of their own or (own_grads False) shared; gpu_adam: the
+    streamed units the device's Adam steps over their state streamed from the host, their first step's gradients
+    kept on the host for first_step_state."""
     dtype = next(model.parameters()).dtype
     run = ol.RunConfig(dtype=str(dtype).removeprefix("torch."), grad_accum=len(micro_batches))
     store = ol.MasterStore(ol.model_units(model.config), adam, pin=pin, grad_buffers=grad_buffers,
@@ -62,6 +64,7 @@ def offloaded_trainer(model, device, depth, micro_batches, adam=ol.Adam(lr=1e-3)
                                    kwargs, offload_inputs)
     if resident:
         trainer.keep_on_gpu(resident, own_grads)
+    trainer.adam_on_gpu(gpu_adam, keep_first_grads=True)
     return trainer
 
 

@@ -47,6 +47,42 @@ def test_streaming_the_masters_without_a_copy_trains_the_same():
     assert without[3] == with_copy[3]
 
 
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("depth", [0, 1])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_adam_over_streamed_state_trains_as_the_cpu_adam(dtype, depth, k, monkeypatch):
+    """Units the device's Adam steps over state streamed from the host, in chunks of 1000 through two slots taken in
+    turn (the first layer's 3 of them): the same gradients as the CPU Adam's run, masters to float32 rounding
+    (torch's fused kernel against the compiled update), the same losses."""
+    monkeypatch.setattr(ol, "GPU_ADAM_CHUNK", 1000)
+    model, ids = build(ol.dataclasses.replace(tiny_run(), dtype=dtype, batch_size=2))
+    batches = micro(ids, k)
+    ref_grads, _, ref_masters, ref_losses = train(offloaded_trainer(model, CPU, depth, batches), batches, 3)
+    trainer = offloaded_trainer(model, CPU, depth, batches, gpu_adam=(0, 5, 1))
+    assert len(trainer.gpu_adam.chunks(1)) >= 3
+    grads, _, masters, losses = train(trainer, batches, 3)
+    assert all(torch.equal(g, ref_grads[name]) for name, g in grads.items())
+    assert_masters_close(masters, ref_masters, 3)
+    assert losses == ref_losses
+
+
+def test_adam_over_streamed_state_takes_the_embeddings_head_and_first_layers():
+    config = ol.llama_config(ol.RunConfig(preset="7b-8l"))
+    units = ol.model_units(config)  # embeddings, 8 layers, norm, head; a layer is 10.7% of the parameters
+    assert ol.gpu_adam_units(units, (), 0.4) == (0, 10, 1, 2)
+    assert ol.gpu_adam_units(units, (), 0.0) == ()
+    assert ol.gpu_adam_units(units, (0, 1, 2), 0.4) == (10, 3, 4)  # of the streamed ones, the resident ones left out
+    assert ol.gpu_adam_units(units, (), 1.0) == tuple([0, 10, *range(1, 9)])  # the norm stays on the CPU Adam
+    assert ol.RunConfig(dtype="float16").gpu_adam == 0 and ol.RunConfig().gpu_adam == ol.GPU_ADAM_SHARE
+
+
+def test_float16_keeps_every_streamed_unit_on_the_cpu_adam():
+    model, batches = tiny_batches(1)
+    model = model.to(torch.float16)
+    with pytest.raises(ValueError, match="float16"):
+        offloaded_trainer(model, CPU, 1, batches, gpu_adam=(0,))
+
+
 def test_resident_training_is_torch_adam():
     """The reference recipe in float32 is plain training with torch.optim.Adam on the model's own parameters."""
     model, ids = build(ol.dataclasses.replace(tiny_run(), dtype="float32"))
@@ -159,6 +195,8 @@ def test_cli_train_json_and_saved_masters(tmp_path):
     (["--grad-accum", "0"], "--grad-accum must be at least 1"),
     (["--lr", "-1"], "Adam needs --lr > 0"),
     (["--betas", "0.9", "1.0"], "betas in [0, 1)"),
+    (["--gpu-adam-share", "1.5"], "--gpu-adam-share must be between 0 and 1"),
+    (["--gpu-adam-share", "0.2", "--dtype", "float16"], "--gpu-adam-share must be 0 in float16"),
 ])
 def test_bad_training_flags(args, message):
     r = cli("--preset", "tiny", "--mode", "cpu", "--train", *args)

@@ -243,6 +243,111 @@ def test_race_the_forward_streams_a_unit_once_its_update_is_written(copy):
         assert matches == should_match, f"copy {copy}, {'intact' if should_match else 'wait removed'}"
 
 
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_adam_over_streamed_state_grads_bitwise_equal_gpu_mode(dtype, k, monkeypatch):
+    """The embeddings, the head and the first layer stepped by the GPU's Adam over state streamed through two slots
+    in chunks (several per layer): the gradients are gpu mode's bits, the masters its to float32 rounding."""
+    monkeypatch.setattr(ol, "GPU_ADAM_CHUNK", 2**14)
+    model, batches = model_and_batches(SMALL, dtype, k=k)
+    trainer = offloaded_trainer(model, CUDA, 1, batches, pin=True, gpu_adam=(0, 5, 1))
+    assert len(trainer.gpu_adam.chunks(1)) >= 3
+    grads, masters_1, masters, losses = train(trainer, batches, 3)
+    ref_grads, ref_masters_1, ref_masters, ref_losses = reference(model, batches)
+    assert all(torch.equal(g, ref_grads[name]) for name, g in grads.items())
+    assert losses[0] == ref_losses[0]
+    if dtype == "float32":
+        assert_masters_close(masters, ref_masters, 3)
+    else:
+        assert_masters_close(masters_1, ref_masters_1, 1)
+
+
+class SkipWaits(torch.cuda.Stream):
+    """A stream that ignores the waits on the events `skip(event)` picks: removes one ordering to show it is
+    needed."""
+
+    def __new__(cls, skip):
+        return super().__new__(cls, CUDA)
+
+    def __init__(self, skip):
+        self.skip = skip
+
+    def wait_event(self, event) -> None:
+        if not self.skip(event):
+            super().wait_event(event)
+
+
+def delay(obj, name):
+    """obj.name (a method that issues copies or kernels on the current stream) first sleeps 20 ms on that stream."""
+    fn = getattr(obj, name)
+    setattr(obj, name, lambda *a, **kw: (torch.cuda._sleep(40_000_000), fn(*a, **kw))[1])
+
+
+def slow_take(trainer):
+    """The GPU Adam copies each unit's gradients out of the gradient buffer 20 ms late."""
+    take, gpu_adam = trainer.gpu_adam.take, trainer.gpu_adam
+
+    def late(*args):
+        with torch.cuda.stream(gpu_adam.s_adam):
+            torch.cuda._sleep(40_000_000)
+        return take(*args)
+    gpu_adam.take = late
+
+
+def slow_adam_step(trainer):
+    """Each chunk's Adam step runs 20 ms late (the GPU Adam's copies of the chunk stay as they are)."""
+    step = ol.torch_adam_step
+    ol.torch_adam_step = lambda *a: (torch.cuda._sleep(40_000_000), step(*a))[1]
+
+
+def without_gpu_adam_waits(trainer):
+    """The next forward streams a unit the GPU's Adam steps without waiting for its state to be written back."""
+    wait = trainer.wait_source
+    trainer.streamer.wait_source = lambda u: None if u in trainer.gpu_adam.stepped else wait(u)
+
+
+STREAMED_ADAM_RACES = {  # name: (hook that delays, hook that also removes the wait that covers the delay)
+    "gradients written before they are taken": (
+        stretch_backward,
+        lambda t: (stretch_backward(t), setattr(t.gpu_adam, "s_adam", SkipWaits(lambda e: e not in t.gpu_adam.in_done)))),
+    "gradient buffer reused once they are taken": (
+        slow_take,
+        lambda t: (slow_take(t), setattr(t.gpu_adam, "take", lambda *a, take=t.gpu_adam.take: (take(*a), ol.InOrder())[1]))),
+    "a chunk in before it is stepped": (
+        lambda t: delay(t.gpu_adam, "copy_in"),
+        lambda t: (delay(t.gpu_adam, "copy_in"), setattr(t.gpu_adam, "in_done", [ol.InOrder()] * 2))),
+    "a chunk stepped before it leaves": (
+        slow_adam_step,
+        lambda t: (slow_adam_step(t), setattr(t.gpu_adam, "computed", [ol.InOrder()] * 2))),
+    "a slot emptied before the next chunk fills it": (
+        lambda t: delay(t.gpu_adam, "copy_out"),
+        lambda t: (delay(t.gpu_adam, "copy_out"), setattr(t.gpu_adam, "out_done", [ol.InOrder()] * 2))),
+    "the state written back before the next forward streams the unit": (
+        lambda t: delay(t.gpu_adam, "copy_out"),
+        lambda t: (delay(t.gpu_adam, "copy_out"), without_gpu_adam_waits(t))),
+}
+
+
+@pytest.mark.parametrize("race", STREAMED_ADAM_RACES)
+def test_race_each_wait_of_the_adam_over_streamed_state_is_needed(race, monkeypatch):
+    """Each hook pair: the intact waits survive a delayed copy or a stretched kernel of the GPU Adam over streamed
+    state, the removed one does not: three steps with the embeddings and two layers on it (chunks of 2^22, 13 per
+    layer) change no bit, or change some."""
+    monkeypatch.setattr(ol, "GPU_ADAM_CHUNK", 2**22)
+    model, batches = model_and_batches(THIN, seq_len=16, batch_size=1)
+    units = (0, 1, 2)
+    ref = train(offloaded_trainer(model, CUDA, 1, batches, pin=True, gpu_adam=units), batches, 3)
+    adam_step = ol.torch_adam_step
+    for hook, should_match in zip(STREAMED_ADAM_RACES[race], (True, False)):
+        monkeypatch.setattr(ol, "torch_adam_step", adam_step)  # a hook may replace it; undone after the test
+        trainer = offloaded_trainer(model, CUDA, 1, batches, pin=True, gpu_adam=units)
+        hook(trainer)
+        got = train(trainer, batches, 3)
+        matches = got[3] == ref[3] and all(torch.equal(t, r[name]) for ours, r in zip(got[:3], ref[:3])
+                                             for name, t in ours.items())
+        assert matches == should_match, f"{race}, {'intact' if should_match else 'wait removed'}"
+
+
 def test_trace_shows_gradient_copies_under_backward_kernels(tmp_path):
     sizes = {**THIN, "vocab_size": 32000}
     # 4096 tokens: a layer's backward takes about as long as copying its float32 gradients out
@@ -255,14 +360,14 @@ def test_trace_shows_gradient_copies_under_backward_kernels(tmp_path):
     assert set(d2h["copy_streams"]) - set(d2h["kernel_streams"]), "gradients must leave on a stream of their own"
 
 
-@pytest.mark.parametrize("offload", [False, True])
-def test_100_steps_grow_no_memory(offload):
+@pytest.mark.parametrize("offload, gpu_adam", [(False, ()), (True, ()), (False, (0, 5, 1))])
+def test_100_steps_grow_no_memory(offload, gpu_adam):
     model, batches = model_and_batches(SMALL, k=2)
-    trainer = offloaded_trainer(model, CUDA, 1, batches, pin=True, offload=offload)
+    trainer = offloaded_trainer(model, CUDA, 1, batches, pin=True, offload=offload, gpu_adam=gpu_adam)
     pinned = getattr(torch.cuda, "host_memory_stats", lambda: {})
 
     def memory():
-        trainer.adam.wait_all()
+        trainer.wait_updates()
         torch.cuda.synchronize()
         gc.collect()  # an earlier test's garbage, freed by a collection during the steps, would read as a change
         return torch.cuda.memory_allocated(), pinned().get("allocated_bytes.current")
@@ -293,3 +398,22 @@ def test_bound_parts_are_timed_in_rounds_between_the_steps():
     assert t["efficiency"] == t["bound_ms"] / r["time_ms"]
     weights = [w.nbytes for w in trainer.store.weights]  # every unit streamed; the backward finds the last two there
     assert t["h2d_bytes"] == 2 * sum(weights) - sum(weights[-2:])
+
+
+def test_bound_counts_the_state_the_gpu_adam_streams():
+    """With units on the GPU's Adam over streamed state, the copies carry their float32 master and moments in and
+    those and the bfloat16 copy out instead of their gradients, and the CPU Adam's parts count the other units."""
+    model, batches = model_and_batches(SMALL)
+    trainer = offloaded_trainer(model, CUDA, 1, batches, pin=True, gpu_adam=(0, 5))
+    run = ol.RunConfig(steps=6, warmup=1, repeat=2)
+    r = ol.train_steps(trainer, batches, run, keep_grads=False,
+                       bound_parts=lambda: ol.train_bound_parts(trainer, batches, CUDA))
+    trainer.finish()
+    t = ol.training_figures(trainer, r)
+    numels = [m.numel() for m in trainer.store.masters]
+    weights = [2 * n for n in numels]
+    gpu = numels[0] + numels[5]
+    assert t["h2d_bytes"] == 2 * sum(weights) - sum(weights[-2:]) + 12 * gpu
+    assert t["d2h_bytes"] == 2 * (sum(numels) - gpu) + 14 * gpu and t["gpu_adam_params"] == gpu
+    largest_on_cpu = max(numels[1:5])
+    assert t["cpu_adam_ms"] == pytest.approx(min(r["bound_parts_ms"]["adam"]) * (sum(numels) - gpu) / largest_on_cpu)
