@@ -1067,10 +1067,11 @@ class StreamedAdam:
     """The GPU's fused Adam for streamed units whose state stays on the host: after a unit's backward its float32
     master and moments cross PCIe in chunks through two staging slots, the GPU steps each chunk, and master, moments
     and compute-dtype copy go back, while the CPU Adam steps the other units. Per parameter 12 bytes come in and 14 go
-    out (12 in float32, which has no copy), moved by the copy engines: on the H100 machine both engines streaming at
-    full rate slowed the CPU Adam by 19%, where moving the same bytes through the cores would take as long as the
-    Adam's own 28 (DESIGN.md). The unit's gradients are copied first, so the backward of the next unit can reuse the
-    gradient buffer at once. A unit's first step starts its moments at zero on the GPU, as torch.optim.Adam does.
+    out (12 in float32, which has no copy), moved by the copy engines, not by the cores: host memory carries about as
+    many bytes as for the CPU Adam's update and its gradient copy (28 and 2), but the cores are left to the CPU
+    Adam's other units (7b-8l on the H100 machine, a share of 0.4: its busy time per step fell from 431 to 346 ms).
+    The unit's gradients are copied first, so the backward of the next unit can reuse the gradient buffer at once.
+    A unit's first step starts its moments at zero on the GPU, as torch.optim.Adam does.
 
     Three streams of its own, ordered per slot k and per unit u:
       s_in    state in    waits out_done[k]: slot k's last chunk has left (s_out runs in order, so the unit's last
@@ -1207,10 +1208,14 @@ class OffloadedTraining:
     def wait_source(self, u: int) -> None:
         """The next forward streams unit u only once its last update has written its master and copy: the CPU Adam's
         (the main thread blocks), or the GPU's over streamed state (the copy stream waits)."""
-        if self.gpu_adam and u in self.gpu_adam.stepped:
+        if self.on_gpu_adam(u):
             self.streamer.copy_stream.wait_event(self.gpu_adam.stepped[u])  # its state must be back on the host
         else:
             self.adam.wait(u)
+
+    def on_gpu_adam(self, u: int) -> bool:
+        """Whether the GPU's Adam steps unit u over its streamed state."""
+        return self.gpu_adam is not None and u in self.gpu_adam.stepped
 
     def adam_on_gpu(self, units, keep_first_grads: bool = False) -> None:
         """Step these streamed units with the GPU's Adam over their state streamed from the host (StreamedAdam), the
@@ -1292,7 +1297,7 @@ class OffloadedTraining:
             self.loss_scale.unscale([self.grad_buffer[:n]])
             ready = new_event(self.device)
             ready.record(self.streamer.compute_stream)
-            if self.gpu_adam and u in self.gpu_adam.stepped:
+            if self.on_gpu_adam(u):
                 first = self.keep_first_grads and not self.store.steps[u]
                 self.last_landed = self.gpu_adam.take(u, self.grad_buffer[:n], ready,
                                                       self.store.take_grads(u) if first else None)
@@ -1312,7 +1317,7 @@ class OffloadedTraining:
         landed."""
         if u in self.resident:
             self.resident[u].step()
-        elif self.gpu_adam and u in self.gpu_adam.stepped:
+        elif self.on_gpu_adam(u):
             self.gpu_adam.step(u)
         else:
             self.adam.submit(u, self.landed[u])
@@ -1382,8 +1387,7 @@ class OffloadedTraining:
 
     def finish(self) -> None:
         """Wait for the last updates and stop the CPU Adam worker."""
-        if self.gpu_adam:
-            self.gpu_adam.wait_all()
+        self.wait_updates()
         self.adam.close()
 
 
