@@ -138,6 +138,22 @@ def test_training_plan_overrides_and_blocked():
     assert plan(ol.RunConfig(preset="tiny")) == ()  # no budget: every unit streamed
 
 
+def test_training_plan_gives_the_gpu_adam_its_share_of_the_streamed_units_and_counts_its_staging():
+    model, batches = tiny_training()
+    trainer = offloaded_trainer(model, CPU, 1, batches)
+    numels = [m.numel() for m in trainer.store.masters]
+    plan = lambda run, mode="overlapped": ol.training_placement(trainer, run, mode, {}, own_grads=False)
+    streamed = plan(ol.RunConfig(preset="tiny", gpu_adam_share=0.5))
+    assert streamed.gpu_adam == ol.gpu_adam_units(trainer.units, (), 0.5) != ()
+    assert sum(numels[u] for u in streamed.gpu_adam) <= 0.5 * sum(numels)
+    largest = max(numels[u] for u in streamed.gpu_adam)  # bfloat16 gradients and copy: 14 bytes a slot, 4 to cast
+    assert streamed.parts["GPU Adam staging"] == 2 * largest + 2 * 14 * largest + 4 * largest
+    assert plan(ol.RunConfig(preset="tiny", gpu_adam_share=0.5), "blocked").gpu_adam == ()
+    assert plan(ol.RunConfig(preset="tiny", gpu_adam_share=0.0)).parts["GPU Adam staging"] == 0
+    everything = plan(budget_run(10**9))  # every unit resident: nothing left for it
+    assert everything.resident == tuple(range(6)) and everything.gpu_adam == ()
+
+
 def test_inference_plan_spreads_what_the_budget_holds():
     run = ol.RunConfig(preset="7b-8l", max_gpu_memory=11)
     config = ol.llama_config(run)
