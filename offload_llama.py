@@ -1069,7 +1069,7 @@ class StreamedAdam:
     and compute-dtype copy go back, while the CPU Adam steps the other units. Per parameter 12 bytes come in and 14 go
     out (12 in float32, which has no copy), moved by the copy engines, not by the cores: host memory carries about as
     many bytes as for the CPU Adam's update and its gradient copy (28 and 2), but the cores are left to the CPU
-    Adam's other units (7b-8l on the H100 machine, a share of 0.4: its busy time per step fell from 431 to 346 ms).
+    Adam's other units (7b-8l on the H100 machine, the default share: its busy time per step fell from 464 to 384 ms).
     The unit's gradients are copied first, so the backward of the next unit can reuse the gradient buffer at once.
     A unit's first step starts its moments at zero on the GPU, as torch.optim.Adam does.
 
@@ -1484,21 +1484,24 @@ def inference_placement(run: RunConfig, config: LlamaConfig, tokens: int, mode: 
     return Placement(spread(layers, count), parts(count))
 
 
-GPU_ADAM_SHARE = 0.4  # default --gpu-adam-share (gpu_adam_units)
+GPU_ADAM_SHARE = 0.3  # default --gpu-adam-share (gpu_adam_units)
 
 
 def gpu_adam_units(units: list[Unit], resident, share: float) -> tuple[int, ...]:
-    """Of the streamed units, those the GPU's Adam steps over their streamed state (StreamedAdam): the embeddings, the
-    head, then decoder layers from the first, as long as their parameters stay within `share` of the streamed ones'.
-    The embeddings and first layers because their gradients come last: on the CPU their updates would start once
-    the backward is over, and the next forward waits for them first; on the GPU they run on the copy engines while
-    the CPU Adam still steps the units after them. The share trades host memory traffic for PCIe bytes (12 in and
-    14 out per parameter against 2 and 2): on the H100 machine (7b-8l, report/results/next/twin_flow) the step took
-    512 to 545 ms with every streamed unit on the CPU Adam, 478 with the embeddings and head on the GPU's, 451 to
-    474 with the first two layers too (35%), and 509 with three layers (46%), the PCIe then saturated."""
+    """Of the streamed units, those the GPU's Adam steps over their streamed state (StreamedAdam): the embeddings,
+    then decoder layers from the first, then the head, as long as their parameters stay within `share` of the
+    streamed ones'. The embeddings and first layers because their gradients come last: on the CPU their updates
+    would start once the backward is over, and the next forward waits for them first; on the GPU they run on the
+    copy engines while the CPU Adam still steps the units after them. The head last, though its gradients come
+    first: on the GPU its state (1.6 GB in for 7b-8l) queues on the link ahead of the backward's next weights and
+    stalls the backward, and with it the gradients the CPU Adam waits for; on the CPU Adam its update has until the
+    end of the next forward. A share much above the default makes the GPU's queue at the end of the backward so
+    long that the next forward waits for its embeddings. On the H100 machine (7b-8l, report/results/next/cpu_idle,
+    one process, the splits in turn): the embeddings and layers 0 and 1 (28%) took 426 ms a step; with the head
+    too 450, with layer 2 too 465, layers 0 to 2 without the embeddings 444, every unit on the CPU Adam 506."""
     numels = {u: unit.layout.numel for u, unit in enumerate(units) if u not in resident}
     kinds = [unit.kind for unit in units]
-    order = [kinds.index("embed"), kinds.index("head"), *(u for u, kind in enumerate(kinds) if kind == "layer")]
+    order = [kinds.index("embed"), *(u for u, kind in enumerate(kinds) if kind == "layer"), kinds.index("head")]
     chosen, budget = [], share * sum(numels.values())
     for u in (u for u in order if u in numels):
         if numels[u] > budget:
@@ -2748,7 +2751,7 @@ def parse_args(argv=None) -> RunConfig:
     t.add_argument("--gpu-adam-share", type=float, metavar="F",
                    help="overlapped: of the streamed parameters, the share (0 to 1) the GPU's Adam steps over their "
                         "float32 state streamed from the host by the copy engines, while the CPU Adam steps the rest "
-                        "(the embeddings, the head, then layers from the first); 0: the CPU Adam steps them all "
+                        "(the embeddings, then layers from the first, then the head); 0: the CPU Adam steps them all "
                         f"(default: {GPU_ADAM_SHARE}; 0 in float16)")
     t.add_argument("--find-largest", action="store_true",
                    help="per mode (default: gpu and overlapped), the most decoder layers of the preset's size that "

@@ -66,13 +66,14 @@ def test_adam_over_streamed_state_trains_as_the_cpu_adam(dtype, depth, k, monkey
     assert losses == ref_losses
 
 
-def test_adam_over_streamed_state_takes_the_embeddings_head_and_first_layers():
+def test_adam_over_streamed_state_takes_the_embeddings_then_the_first_layers_and_the_head_last():
     config = ol.llama_config(ol.RunConfig(preset="7b-8l"))
     units = ol.model_units(config)  # embeddings, 8 layers, norm, head; a layer is 10.7% of the parameters
-    assert ol.gpu_adam_units(units, (), 0.4) == (0, 10, 1, 2)
+    assert ol.gpu_adam_units(units, (), 0.3) == (0, 1, 2)
+    assert ol.gpu_adam_units(units, (), 0.4) == (0, 1, 2, 3)
     assert ol.gpu_adam_units(units, (), 0.0) == ()
-    assert ol.gpu_adam_units(units, (0, 1, 2), 0.4) == (10, 3, 4)  # of the streamed ones, the resident ones left out
-    assert ol.gpu_adam_units(units, (), 1.0) == tuple([0, 10, *range(1, 9)])  # the norm stays on the CPU Adam
+    assert ol.gpu_adam_units(units, (0, 1, 2), 0.4) == (3, 4)  # of the streamed ones, the resident ones left out
+    assert ol.gpu_adam_units(units, (), 1.0) == (0, *range(1, 9), 10)  # the norm stays on the CPU Adam
     assert ol.RunConfig(dtype="float16").gpu_adam == 0 and ol.RunConfig().gpu_adam == ol.GPU_ADAM_SHARE
 
 
