@@ -458,10 +458,11 @@ class LayerStreamer:
         """How many streamed units fit on the GPU at once."""
         return len(self.buffers)
 
-    def begin(self, order, keep: bool = False) -> None:
-        """The next pass visits the units in `order` (training's backward pass: in reverse). keep: the units the
-        last pass left in the slots are still current (the backward pass, right after the forward), so they are
-        not copied again."""
+    def begin(self, order, keep: bool | set = False) -> None:
+        """The next pass visits the units in `order` (training's backward pass: in reverse). keep: which of the units
+        the last pass left in the slots are still current, so they are not copied again: True, all of them (the
+        backward pass, right after the forward), or a set of units (the forward pass, after a backward whose last
+        units the GPU's Adam rewrote in their slots: OffloadedTraining.refresh_target)."""
         order = list(order)
         self.opening = order[0] if order else None
         self.order = [u for u in order if u not in self.resident]  # what the copy stream brings in, in turn
@@ -471,7 +472,8 @@ class LayerStreamer:
             p += u not in self.resident
         self.issued = 0  # positions taken into the copy window in this pass
         self.waiting = []  # of those, the ones whose copy is not issued yet: their sources were not ready
-        self.kept = {u for u in self.holds if u is not None} if keep else set()
+        held = {u for u in self.holds if u is not None}
+        self.kept = held if keep is True else held & set(keep or ())
 
     def prefetch(self, p: int) -> None:
         """Start copying the streamed unit at position p of the pass into its slot, on the copy stream."""
@@ -1079,7 +1081,10 @@ class StreamedAdam:
       s_adam  the step    waits `ready` (the backward wrote the gradients) and in_done[k]: the chunk has landed
       s_out   state out   waits computed[k]: the chunk is stepped; records stepped[u] after u's last chunk
     The next forward's copy of unit u waits for stepped[u] (OffloadedTraining.wait_source), as it waits for the CPU
-    Adam's update of the others."""
+    Adam's update of the others. The backward's last units are still in their slots, and the next forward needs
+    them first: for those (`into`) s_adam also writes each stepped chunk's compute-dtype weights into the slot and
+    then records the streamer's copied event of that slot, so the forward computes from the slot once the step is
+    done, with no copy and no wait for the state to be written back."""
 
     def __init__(self, store: MasterStore, units, device: torch.device):
         self.store, self.units, self.device = store, tuple(units), device
@@ -1134,8 +1139,9 @@ class StreamedAdam:
                 host.copy_(self.grads[:n], non_blocking=True)
         return consumed
 
-    def step(self, u: int) -> None:
-        """Queue unit u's Adam step over its streamed state, chunk by chunk; its gradients were taken (take)."""
+    def step(self, u: int, into: tuple | None = None) -> None:
+        """Queue unit u's Adam step over its streamed state, chunk by chunk; its gradients were taken (take). into:
+        (the GPU slot holding unit u's compute-dtype weights, the event to record once they are rewritten), or None."""
         adam, steps = self.store.update.adam, self.store.steps[u]
         fresh, done = not steps, float(steps)  # steps done: the fused kernel counts this one in
         steps += 1  # this count lives on the host: only the main thread issues this unit's steps
@@ -1150,11 +1156,15 @@ class StreamedAdam:
                 torch_adam_step(adam, p, self.grads[lo:lo + n].float(), m, v, torch.full((), done, device=p.device))
                 if copy is not None:
                     copy.copy_(p)  # rounded to nearest even, as the CPU Adam writes the copy
+                if into is not None:  # the same rounding as the copy the forward would stream, or cast
+                    into[0][lo:lo + n].copy_(p)
                 self.computed[k].record(self.s_adam)
             with on_stream(self.s_out):
                 self.s_out.wait_event(self.computed[k])  # the chunk must be stepped before it leaves
                 self.copy_out(u, k, lo, n)
                 self.out_done[k].record(self.s_out)
+        if into is not None:
+            into[1].record(self.s_adam)  # the slot holds the stepped weights: the next forward may compute from it
         self.stepped[u].record(self.s_out)
 
     def wait_all(self) -> None:
@@ -1166,7 +1176,9 @@ class StreamedAdam:
 class OffloadedTraining:
     """blocked and overlapped training: units streamed from the host (the masters' compute-dtype copy, or the
     masters), CPU Adam per unit; the units a placement keeps on the GPU (keep_on_gpu) are stepped there, and those it
-    gives the GPU's Adam over streamed state (adam_on_gpu) are stepped there from their host state (StreamedAdam).
+    gives the GPU's Adam over streamed state (adam_on_gpu) are stepped there from their host state (StreamedAdam); of
+    those, the ones the backward leaves in the slots are rewritten there too, so the next forward starts on them
+    without a copy (refresh_target).
 
     Streams: the compute stream runs the units; the streamer's copy stream brings weights in; `d2h_stream` takes
     gradients out, so copies in both directions overlap. The GPU holds the streamer's slots, one gradient buffer,
@@ -1192,6 +1204,7 @@ class OffloadedTraining:
         self.streamer = LayerStreamer(store.weights, [u.kind for u in self.units], make_module, dtype, device, depth)
         self.streamer.wait_source, self.streamer.source_ready = self.wait_source, self.adam.updated
         self.gpu_adam, self.keep_first_grads = None, False  # the streamed units the GPU steps (adam_on_gpu)
+        self.refreshed = set()  # the units whose slots the GPU's Adam rewrote in the last backward (refresh_target)
         # float32 to accumulate micro-batches (or unscale float16); with one micro-batch the gradients leave as the
         # backward made them, in the compute dtype
         self.grad_buffer = torch.empty(max(m.numel() for m in store.masters), dtype=store.grad_dtype, device=device)
@@ -1230,6 +1243,23 @@ class OffloadedTraining:
             raise ValueError("the first step's gradients stay on the host: give each unit a gradient buffer")
         self.gpu_adam = StreamedAdam(self.store, units, self.device) if units else None
         self.keep_first_grads = keep_first_grads
+
+    def refreshed_units(self) -> list[int]:
+        """The units the GPU's Adam steps whose slots it also rewrites (refresh_target): those among the backward's
+        last streamed units, one per slot, as no later copy of the backward reuses their slots; the next forward
+        needs them first."""
+        first = self.streamer.streamed[:self.streamer.n_slots]  # the forward's first, the backward's last
+        return [u for u in first if self.on_gpu_adam(u)]
+
+    def refresh_target(self, u: int) -> tuple | None:
+        """Where the GPU's Adam also writes unit u's stepped compute-dtype weights: the slot the backward leaves it in
+        (refreshed_units), with the event the next forward's compute waits for before it reads them; None for the
+        other units, which the next forward streams from the host."""
+        if u not in self.refreshed_units():
+            return None
+        self.refreshed.add(u)
+        s = self.streamer.slot[u]
+        return self.streamer.buffers[s][:self.store.masters[u].numel()], self.streamer.copied[s]
 
     def layout(self, kind: str) -> FlatLayout:
         """The flat layout of units of this kind."""
@@ -1318,7 +1348,7 @@ class OffloadedTraining:
         if u in self.resident:
             self.resident[u].step()
         elif self.on_gpu_adam(u):
-            self.gpu_adam.step(u)
+            self.gpu_adam.step(u, self.refresh_target(u))
         else:
             self.adam.submit(u, self.landed[u])
 
@@ -1328,7 +1358,8 @@ class OffloadedTraining:
             raise ValueError("micro-batches accumulate their gradients in float32: give the store float32 gradients")
         self.labels, self.sent = micro_batches, []
         n = len(self.units)
-        self.streamer.begin(range(n))
+        self.streamer.begin(range(n), keep=self.refreshed)  # the slots the GPU's Adam rewrote need no copy
+        self.refreshed = set()
         losses = StreamedUnit.apply(self, 0, self.anchor, *micro_batches)
         for u in range(1, n):
             losses = StreamedUnit.apply(self, u, self.anchor, *losses)
@@ -2074,13 +2105,14 @@ def train_bound_parts(trainer: OffloadedTraining, micro_batches, device) -> dict
     anew for each round: what they allocate is freed before the next steps."""
     streamer, store, n, gpu_adam = trainer.streamer, trainer.store, len(trainer.units), trainer.gpu_adam
     current, cpu = torch.cuda.current_stream(device), torch.device("cpu")
+    trainer.refreshed = set()  # the parts write into the slots: the next forward copies every unit in
     on_cpu, on_gpu = cpu_and_gpu_adam_units(trainer)
     pool = [buffer.view(torch.uint8) for buffer in store.pool.buffers]
 
     def copy_in():
-        """Every H2D copy of a step: the forward pass, then the backward pass's, less the units it keeps; then the
-        state of the units the GPU's Adam steps."""
-        for order, keep in ((range(n), False), (reversed(range(n)), True)):
+        """Every H2D copy of a step: the forward pass's, less the units the GPU's Adam rewrote in their slots, then
+        the backward pass's, less the units it keeps; then the state of the units the GPU's Adam steps."""
+        for order, keep in ((range(n), set(trainer.refreshed_units())), (reversed(range(n)), True)):
             streamer.begin(order, keep)
             for p in range(len(streamer.order)):
                 streamer.prefetch(p)
@@ -2131,12 +2163,13 @@ def cpu_and_gpu_adam_units(trainer: OffloadedTraining) -> tuple[dict[int, int], 
 
 def step_copy_bytes(trainer: OffloadedTraining) -> tuple[int, int, int]:
     """(H2D, D2H, of the D2H the GPU Adam's) bytes of a step: each streamed unit's weights twice, less the units the
-    backward finds still in the slots; the gradients of the units the CPU Adam steps; for those the GPU's Adam steps,
-    their float32 master and moments in, and those and the compute-dtype copy back out."""
+    backward finds still in the slots and those the GPU's Adam rewrote in theirs for the forward; the gradients of
+    the units the CPU Adam steps; for those the GPU's Adam steps, their float32 master and moments in, and those and
+    the compute-dtype copy back out."""
     store, streamer = trainer.store, trainer.streamer
     on_cpu, on_gpu = cpu_and_gpu_adam_units(trainer)
     weights = store.weights
-    kept = streamer.streamed[-streamer.n_slots:]  # the forward's last units, still in the slots for the backward
+    kept = streamer.streamed[-streamer.n_slots:] + trainer.refreshed_units()  # no copy in one of the passes
     state_in = 12 * sum(on_gpu.values())
     state_out = state_in + sum(on_gpu.values()) * (store.copies[0].itemsize if store.copies else 0)
     h2d = 2 * sum(weights[u].nbytes for u in streamer.streamed) - sum(weights[u].nbytes for u in kept) + state_in
