@@ -1257,7 +1257,6 @@ class OffloadedTraining:
         other units, which the next forward streams from the host."""
         if u not in self.refreshed_units():
             return None
-        self.refreshed.add(u)
         s = self.streamer.slot[u]
         return self.streamer.buffers[s][:self.store.masters[u].numel()], self.streamer.copied[s]
 
@@ -1348,7 +1347,10 @@ class OffloadedTraining:
         if u in self.resident:
             self.resident[u].step()
         elif self.on_gpu_adam(u):
-            self.gpu_adam.step(u, self.refresh_target(u))
+            into = self.refresh_target(u)
+            self.gpu_adam.step(u, into)
+            if into is not None:
+                self.refreshed.add(u)
         else:
             self.adam.submit(u, self.landed[u])
 
