@@ -659,7 +659,9 @@ def compiled_adam_update(grad_dtype: torch.dtype, copy_dtype: torch.dtype | None
     # torch uses, left to the main thread, since a static OpenMP loop runs at the pace of its slowest thread
     # cpp.vec_isa_ok: take the widest vector ISA the CPU reports without probing each one (torch 2.11 builds a probe
     # per ISA and loads it in a child Python that imports torch: 30 of the 50 s a warm-cache compile took on the H100
-    # machine); where the compiler cannot build for it, the compile fails and the fallback below takes over
+    # machine); where the compiler cannot build for it, the compile fails and the fallback below takes over. The
+    # AVX-512 ISAs still probe for bf16 and VNNI, three children (4.3 of the 6.0 s a warm-cache compile took with
+    # torch 2.11 on a 2-core AVX-512 machine; torch 2.13's children no longer import torch: 1.7 s in all there)
     options = {"cpp_wrapper": True, "cpp.threads": max(1, torch.get_num_threads() - ADAM_SPARE_CORES),
                "cpp.vec_isa_ok": True, "compile_threads": 1}  # compile in this process, without a pool of workers
     t0 = time.perf_counter()
