@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections import Counter
 from pathlib import Path
+from statistics import median
 
 HERE = Path(__file__).resolve().parent
 GiB = 2**30
@@ -216,7 +218,19 @@ def memory_section(runs: dict) -> list[str]:
             "a step, in bfloat16 only, and with inference.", "",
             *table(["mode (GiB)", "inference bf16", "inference fp32", "training bf16", "training fp32",
                     "training bf16: host"], rows), "",
+            *gpu_adam_memory_note(t16["overlapped"]),
             *host_note(t16["overlapped"], config, runs["train_bf16_overlapped"]["run"], params), ""]
+
+
+def gpu_adam_memory_note(t: dict) -> list[str]:
+    """What the GPU's Adam over streamed state adds to a training peak on the GPU, where it has units."""
+    staging = t["predicted_parts"].get("GPU Adam staging", 0)
+    if not staging:
+        return []
+    return [f"Of the overlapped mode's {gib(t['peak_gpu_bytes'])} GiB training peak on the GPU, {gib(staging)} GiB "
+            f"is staging for the GPU's Adam, which steps {gpu_adam_note(t)} over their state kept on the host "
+            "(section 9): a unit's gradients, and two chunks of float32 master and moments with their bfloat16 copy, "
+            "one stepped while the other crosses PCIe.", ""]
 
 
 def time_table(inference: dict, training: dict) -> list[str]:
@@ -277,7 +291,7 @@ def time_section(runs: dict) -> list[str]:
             "bfloat16:", "", *time_table(results(runs, "inference_bf16", "inference"), bf16_training), "",
             f"The same overlapped step training alone (`--no-inference`) in a process of its own "
             f"(`{SOURCES['train_bf16_overlapped']}`) took "
-            f"{same['time_ms']:.1f} ms (the median of {timed_steps(same, same_run)} steps) against a bound "
+            f"{same['time_ms']:.1f} ms (the median of {len(timed_steps(same, same_run))} steps) against a bound "
             f"of {same['bound_ms']:.1f} ms (efficiency "
             f"{same['efficiency']:.3f}; the CPU Adam alone {same['cpu_adam_ms']:.1f} ms there, "
             f"{results(runs, 'train_bf16', 'training')['overlapped']['cpu_adam_ms']:.1f} ms here).", "",
@@ -503,9 +517,9 @@ def activation_cost(runs: dict) -> list[str]:
                     "peak GPU, on the GPU (GiB)", "peak GPU, offloaded (GiB)"], rows), ""]
 
 
-def timed_steps(t: dict, run: dict) -> int:
-    """How many steps a training median is over: the runs that time their bound between steps leave some out."""
-    return len(t["timed_steps"]) if "timed_steps" in t else run["steps"] - run["warmup"]
+def timed_steps(t: dict, run: dict) -> list[int]:
+    """The steps a training median is over: the runs that time their bound between steps leave some out."""
+    return t.get("timed_steps", list(range(run["warmup"], run["steps"])))
 
 
 def steps_word(n: int) -> str:
@@ -515,31 +529,45 @@ def steps_word(n: int) -> str:
 def copy_rates(runs: dict) -> list[str]:
     i = results(runs, "inference_bf16", "inference")["overlapped"]
     t = results(runs, "train_bf16", "training")["overlapped"]
+    state = t.get("gpu_adam_params")  # the GPU's Adam's float32 state crosses PCIe beside the bfloat16 copies
     return [f"- host to device, pinned: {i['h2d_gbps_copy_only']:.1f} GB/s (inference's bfloat16 layers), "
-            f"{t['h2d_bytes'] / t['h2d_ms'] / 1e6:.1f} GB/s (training's bfloat16 copies of the masters);",
+            f"{t['h2d_bytes'] / t['h2d_ms'] / 1e6:.1f} GB/s (training's bfloat16 copies of the masters"
+            + (", and the float32 state the GPU's Adam steps" if state else "") + ");",
             f"- device to host, pinned: {t['d2h_bytes'] / t['d2h_ms'] / 1e6:.1f} GB/s (training's bfloat16 "
-            "gradients);",
+            + ("gradients, and the stepped state" if state else "gradients") + ");",
             f"- the fused CPU Adam (torch.compile'd, {t['adam_bytes_per_param']} bytes per parameter): "
             f"{t['cpu_adam_ms'] * 1e6 / runs['train_bf16']['parameters']:.3f} ns per parameter alone; host memory "
             f"with the Adam and both copy engines running together: {t['host_gbps']:.0f} GB/s."]
 
 
+def gpu_adam_note(t: dict) -> str:
+    """How many parameters a training run's GPU Adam stepped over streamed state, and in which units."""
+    return (f"{t['gpu_adam_params'] / 1e9:.2f} B parameters (" + ", ".join(f"`{u}`" for u in t["gpu_adam_units"])
+            + ")")
+
+
 def figures_section(runs: dict) -> list[str]:
-    t = runs["train_bf16"]["results"]["overlapped"]["training"]["trace"]
-    h, d = t["h2d"], t["d2h"]
+    training = runs["train_bf16"]["results"]["overlapped"]["training"]
+    h, d = training["trace"]["h2d"], training["trace"]["d2h"]
     lanes, _ = trace_lanes(HERE / TRACES["timeline_training.png"])
     gpu_end = max(a + b for lane, spans in lanes.items() if lane != "CPU Adam" for a, b in spans)
     adam = sorted(lanes["CPU Adam"])
     idle, idle_from = max((b[0] - (a[0] + a[1]), a[0] + a[1]) for a, b in zip(adam, adam[1:]))
+    gpu_adam = sorted(lanes.get("GPU Adam", []))
     return ["## 7. Figures", "",
             "One overlapped training step (bfloat16, 7b-8l, 4096 tokens), from its `--profile` trace. The lanes are the "
             "GPU's compute stream, the host-to-device copies (with the copy stream's casts), the device-to-host copies "
-            f"of the gradients, and the CPU Adam thread. {h['overlap_ms']:.1f} of {h['copy_ms']:.1f} ms of "
+            + ("(the gradients, and the state the GPU's Adam has stepped), the GPU's Adam's stream"
+               if gpu_adam else "of the gradients")
+            + f", and the CPU Adam thread. {h['overlap_ms']:.1f} of {h['copy_ms']:.1f} ms of "
             f"host-to-device copies and {d['overlap_ms']:.1f} of {d['copy_ms']:.1f} ms of device-to-host copies ran "
             "under compute. The step opens with the CPU Adam finishing the previous step's updates, which the forward "
-            f"waits on; from {idle_from:.0f} ms the CPU waits {idle:.0f} ms for this step's first gradients. The "
-            f"trace ends when the last update is done, {adam[-1][0] + adam[-1][1] - gpu_end:.0f} ms after the GPU's "
-            "last event.", "",
+            f"waits on; from {idle_from:.0f} ms the CPU waits {idle:.0f} ms for this step's first gradients. "
+            + (f"The GPU's Adam steps {gpu_adam_note(training)} from {gpu_adam[0][0]:.0f} to "
+               f"{gpu_adam[-1][0] + gpu_adam[-1][1]:.0f} ms, a chunk at a time as their float32 state comes in, while "
+               "the CPU Adam steps the others. " if gpu_adam else "")
+            + f"The trace ends when the last update is done, {adam[-1][0] + adam[-1][1] - gpu_end:.0f} ms after the "
+            "GPU's last event.", "",
             "![training timeline](figures/timeline_training.png)", "",
             "One overlapped forward pass (bfloat16, inference), from its trace: the copy stream runs ahead of the "
             "compute stream by one layer.", "",
@@ -594,7 +622,8 @@ def analysis_section(runs: dict) -> list[str]:
     a = results(runs, "train_bf16_accum16", "training")
     f = results(runs, "train_fp32", "training")
     params = runs["train_bf16"]["parameters"]
-    host_bytes = 28 * params + t["h2d_bytes"] + t["d2h_bytes"]
+    own, own_run = alone(runs)["overlapped"], runs["train_bf16_overlapped"]["run"]
+    busy, idle = cpu_adam_busy_and_idle(own, own_run)
     big = runs["largest_llama7b"]["find_largest"]["overlapped"]
     return ["## 9. What the numbers mean", "",
             f"When overlap hides the copies. A decoder layer's weights take the same time to copy whatever the batch; "
@@ -610,17 +639,19 @@ def analysis_section(runs: dict) -> list[str]:
             "of N parameters of b bytes is hidden once its 2NT FLOPs at the achieved rate F outlast the bN bytes at "
             "the PCIe rate B, that is from T = bF / 2B tokens.", "",
             f"Where training time goes. The overlapped bfloat16 step ({t['time_ms']:.1f} ms) is bound by host memory: "
-            f"{t['host_bytes'] / 1e9:.1f} GB cross it per step, {t['host_bytes_per_param']:.0f} bytes per parameter. "
-            f"The CPU Adam moves {t['adam_bytes_per_param']} of them in one compiled pass (the float32 master and "
-            "moments read and written, the bfloat16 gradient read, the bfloat16 copy of the new master written), "
-            "the copies 6 (that copy in twice, the gradients out). At the rate host memory reached with the Adam and "
+            f"{t['host_bytes'] / 1e9:.1f} GB cross it per step, {t['host_bytes_per_param']:.1f} bytes per parameter. "
+            + host_bytes_note(t, params)
+            + f" At the rate host memory reached with the Adam and "
             f"both copy engines running together, {t['host_gbps']:.0f} GB/s, those bytes take "
             f"{t['host_memory_ms']:.1f} ms, against {t['cpu_adam_ms']:.1f} ms for the Adam alone, "
             f"{t['gpu_compute_ms']:.1f} ms of GPU compute, {t['h2d_ms']:.1f} ms of host-to-device and "
             f"{t['d2h_ms']:.1f} ms of device-to-host copies. The step reached {t['efficiency']:.3f} of that bound "
-            f"in this run and {alone(runs)['overlapped']['efficiency']:.3f} in the run alone (section 4), whose "
-            f"bound measured the host at {alone(runs)['overlapped']['host_gbps']:.0f} GB/s: the host's rate varies "
-            "between processes, and so the bound. What keeps the step above it: once a step the CPU Adam idles from "
+            f"in this run and {own['efficiency']:.3f} in the run alone (section 4), whose "
+            f"bound measured the host at {own['host_gbps']:.0f} GB/s: the host's rate varies "
+            "between processes, and so the bound. What keeps the step above it: in the run alone the CPU Adam was "
+            f"busy a median of {busy:.1f} ms a step, against the {own['host_memory_ms']:.1f} ms that bound gives "
+            "host memory (beside the copies the Adam runs at the pace host memory allows), and a step took a median "
+            f"of {idle:.0f} ms more than that: once a step the CPU Adam idles from "
             "its last update until the next backward's first gradients (the head's) land, while the last updated "
             "units are copied in and the head runs forward and backward (the gap in the figure of section 7). "
             f"More tokens per step amortise the optimizer: with 16 micro-batches the bound is the GPU compute "
@@ -633,8 +664,12 @@ def analysis_section(runs: dict) -> list[str]:
             f"holds {big['layers']} LLaMA-7B layers and no more (section 5), while their training takes "
             f"{gib(big['training']['peak_gpu_bytes'])} GiB of the {runs['largest_llama7b']['run']['max_gpu_memory']:g} "
             "GiB GPU cap. (2) Host memory bandwidth: the bytes the CPU Adam and the copies move through it, not "
-            "PCIe or the GPU, bound a one-micro-batch step; the 16-bit copies and gradients took its bytes per parameter from 40 "
-            "to 34, and only fewer still (for example 16-bit moments, outside the torch.optim.Adam recipe this "
+            "PCIe or the GPU, bound a one-micro-batch step; the 16-bit copies and gradients took its bytes per "
+            "parameter from 40 to 34"
+            + (f", and the GPU's Adam to {t['host_bytes_per_param']:.1f}, by taking the cores' work on "
+               f"{t['gpu_adam_params'] / params:.0%} of the parameters to the copy engines"
+               if t.get("gpu_adam_params") else "")
+            + "; only fewer bytes still (for example 16-bit moments, outside the torch.optim.Adam recipe this "
             "project keeps) would move it further. "
             f"(3) PCIe: bfloat16 inference at {tokens} tokens is copy-bound ({i16['h2d_gbps']:.1f} GB/s of weights over "
             f"the pass), so offloaded inference runs at "
@@ -644,19 +679,55 @@ def analysis_section(runs: dict) -> list[str]:
             "section 4); every figure here is one run's median.", ""]
 
 
+def host_bytes_note(t: dict, params: int) -> str:
+    """Who moves a training step's host bytes: the CPU Adam, the copies, and the GPU's Adam's state where it has
+    units."""
+    on_gpu = t.get("gpu_adam_params", 0)
+    adam = (f"{t['adam_bytes_per_param']} bytes per parameter in one compiled pass (the float32 master and moments "
+            "read and written, the bfloat16 gradient read, the bfloat16 copy of the new master written)")
+    if not on_gpu:
+        return (f"The CPU Adam moves {adam}, the copies {(t['h2d_bytes'] + t['d2h_bytes']) / params:.0f} (that copy "
+                "in twice, the gradients out).")
+    return (f"The CPU Adam steps {(params - on_gpu) / 1e9:.2f} B of the {params / 1e9:.2f} B parameters and moves "
+            f"{adam}. The GPU's Adam steps the other {gpu_adam_note(t)} over streamed state: their float32 master "
+            "and moments come in over PCIe (12 bytes per parameter) and go back stepped, with their bfloat16 copy "
+            "(14): about as many bytes of host memory as the CPU Adam's update and gradient would take (28 and 2), "
+            "but moved by the copy engines, which have time to spare, and not by the cores. With the bfloat16 "
+            "copies in (twice, but for the units still in their slots, among them those the GPU's Adam rewrites "
+            "there) and the CPU Adam's units' gradients out, the copies move "
+            f"{t['h2d_bytes'] / 1e9:.1f} GB in and {t['d2h_bytes'] / 1e9:.1f} GB out.")
+
+
+def cpu_adam_busy_and_idle(t: dict, run: dict) -> tuple[float, float]:
+    """The medians over a training run's timed steps of the CPU Adam's busy time and of the rest of the step (ms)."""
+    steps = timed_steps(t, run)
+    return (median(t["cpu_adam_busy_ms"][i] for i in steps),
+            median(t["step_ms"][i] - t["cpu_adam_busy_ms"][i] for i in steps))
+
+
 def trace_lanes(path: Path) -> tuple[dict[str, list[tuple[float, float]]], float]:
-    """(lane -> [(start ms, duration ms)], end ms) of a profiler trace, from its first GPU event."""
+    """(lane -> [(start ms, duration ms)], end ms) of a profiler trace, from the first event on its lanes."""
     events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
     gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy")]
     copy_streams = {e["tid"] for e in gpu if "HtoD" in e["name"]}
-    lanes = {"CPU Adam": [], "D2H copies": [], "H2D copies + casts": [], "GPU compute": []}
+    kernel_us = Counter()
+    for e in gpu:
+        if e["cat"] == "kernel":
+            kernel_us[e["tid"]] += e["dur"]
+    compute = max(kernel_us, key=kernel_us.get, default=None)  # the stream with the most kernel time
+    # the GPU's Adam over streamed state has a stream of its own, which runs torch's fused Adam (multi_tensor_apply)
+    adam_streams = {e["tid"] for e in gpu if "multi_tensor_apply" in e["name"]} - {compute}
+    launched = {e["args"].get("External id") for e in gpu}  # ops that ran on the GPU: not the CPU Adam's
+    lanes = {"CPU Adam": [], "GPU Adam": [], "D2H copies": [], "H2D copies + casts": [], "GPU compute": []}
     for e in events:
-        if e["name"].startswith("Torch-Compiled Region") or e["name"] == "aten::_fused_adam_":  # compiled, fallback
+        if ((e["name"].startswith("Torch-Compiled Region") or e["name"] == "aten::_fused_adam_")  # compiled, fallback
+                and e.get("args", {}).get("External id") not in launched):
             lane = "CPU Adam"
         elif e.get("cat") == "gpu_memcpy":
             lane = "H2D copies + casts" if "HtoD" in e["name"] else "D2H copies" if "DtoH" in e["name"] else None
         elif e.get("cat") == "kernel":
-            lane = "H2D copies + casts" if e["tid"] in copy_streams else "GPU compute"
+            lane = ("H2D copies + casts" if e["tid"] in copy_streams else "GPU Adam" if e["tid"] in adam_streams
+                    else "GPU compute")
         else:
             lane = None
         if lane:
@@ -671,12 +742,12 @@ def timeline_figure(trace: Path, out: Path, title: str) -> None:
     lanes, end = trace_lanes(trace)
     fig, ax = plt.subplots(figsize=(10, 0.6 * len(lanes) + 1.2))
     colors = {"GPU compute": "tab:blue", "H2D copies + casts": "tab:orange", "D2H copies": "tab:green",
-              "CPU Adam": "tab:red"}
+              "GPU Adam": "tab:purple", "CPU Adam": "tab:red"}
     for y, (lane, spans) in enumerate(lanes.items()):
         ax.broken_barh(spans, (y - 0.35, 0.7), color=colors[lane], linewidth=0)
     ax.set_yticks(range(len(lanes)), list(lanes))
     ax.set_xlim(0, end)
-    ax.set_xlabel("ms from the first GPU event")
+    ax.set_xlabel("ms from the first event drawn")
     ax.set_title(title)
     fig.tight_layout()
     fig.savefig(out, dpi=150, metadata={"Software": None})
