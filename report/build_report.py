@@ -125,16 +125,19 @@ def activation_pool_bytes(r: dict) -> int:
 def host_parts(t: dict, c: dict, run: dict, params: int, acts: int = 0) -> list[tuple[str, int]]:
     """Where an offloaded training run's peak host bytes go when it trains alone (`--no-inference`): the CPU
     model's embeddings, head and norm in bfloat16 (its decoder layers are freed once the masters hold them), the
-    float32 masters and Adam moments, the masters' bfloat16 copy where the host had room for it (the Adam's bytes
-    per parameter say: 24 for master and moments, the gradient's, the copy's), the pools of gradient buffers and
-    saved inputs, and the rest."""
+    float32 masters, the Adam moments of the streamed units (the resident units' live on the GPU, and their host
+    pages are never touched), the masters' bfloat16 copy where the host had room for it (the Adam's bytes per
+    parameter say: 24 for master and moments, the gradient's, the copy's), the pools of gradient buffers and saved
+    inputs, and the rest."""
     pool, itemsize = t["gradient_pool"], gradient_itemsize(run)
+    resident = t["predicted_parts"]["resident masters and moments"] // 12  # parameters: float32 master, 2 moments
     grads = pool["buffers"] * gradient_buffer_bytes(c, run) if not pool["per_unit"] else itemsize * params
     buffers = "one buffer per unit" if pool["per_unit"] else f"{pool['buffers']} shared buffers"
     dtype = "bfloat16" if itemsize == 2 else "float32"
     copy = t["adam_bytes_per_param"] - 24 - itemsize
     parts = [("embeddings, head and norm in bfloat16 (the CPU model)", 2 * param_count(c, 0)),
-             ("float32 masters, pinned", 4 * params), ("Adam moments, float32", 8 * params),
+             ("float32 masters, pinned", 4 * params),
+             ("Adam moments, float32" + (", of the streamed units" if resident else ""), 8 * (params - resident)),
              *([("the masters' bfloat16 copy, pinned", copy * params)] if copy else []),
              (f"gradient pool, pinned, {dtype}: {buffers}", grads)]
     if acts:
@@ -486,7 +489,7 @@ def scale_section(runs: dict) -> list[str]:
                + ", ".join(f"{gib(m['predicted_peak_bytes'])} against {gib(m['peak_gpu_bytes'])} GiB" for m in (
                    results(runs, name, "training")["overlapped"]
                    for name in ("train_bf16_accum16", "train_bf16_accum16_offload_acts")))
-               + "). That is an open bug." if run["resident_layers"] == 0 else ""),
+               + "). That is an open bug." if run["resident_layers"] == 0 else placement_note(t)),
             "",
             *table(["run", "step (ms)", "sequences/s", "x reference", "peak GPU (GiB)", "peak host (GiB)"], rows), "",
             f"The loss went {t['losses'][0]:.4f} -> {t['losses'][-1]:.4f} in {len(t['losses'])} steps. The step's "
@@ -499,6 +502,18 @@ def scale_section(runs: dict) -> list[str]:
             f"without the two pools, {(t['peak_host_bytes'] - pools) / params:.2f} bytes per parameter.", "",
             *where_table(t, parts, params), "",
             *activation_cost(runs)]
+
+
+def placement_note(t: dict) -> str:
+    """What a capped training run's placement kept on the GPU, and its predicted peak against the measured one."""
+    resident = t["resident_units"]
+    return (f" Under the cap, the placement keeps {len(resident)} of the {t['units']} units resident ("
+            + ", ".join(f"`{u}`" for u in resident) + f"; their float32 masters and moments on the GPU take "
+            f"{gib(t['predicted_parts']['resident masters and moments'])} GiB)"
+            + (f", and the GPU's Adam steps {gpu_adam_note(t)} over their state on the host"
+               if t.get("gpu_adam_units") else "")
+            + f"; it predicted a peak of {gib(t['predicted_peak_bytes'])} GiB, and "
+            f"{gib(t['peak_gpu_bytes'])} GiB was measured.")
 
 
 def activation_cost(runs: dict) -> list[str]:
