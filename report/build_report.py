@@ -42,7 +42,7 @@ SOURCES = {  # name -> JSON file, relative to report/; all made by `bash report/
 }
 # issue 13's time against the GPU budget (run_benchmarks.sh parts budget and budget_ab): the two ends, one run per cap,
 # and the 11 GiB cap against every unit streamed, each in a process of its own, three times; one version of the script
-# made them all, which may be later than SOURCES' (the report says which)
+# made them all, earlier than SOURCES' (budget_section says so: change it where a later one makes them)
 BUDGETS = (4, 6, 8, 11, 16, 24, 80)  # GiB
 PAIRS = 3
 OOM_RUN = "results/train_llama7b_65k_placed_oom.json"  # the scale run left to the cap's placement, out of memory
@@ -382,8 +382,8 @@ def budget_section(runs: dict, main_sha: str) -> list[str]:
     i11, t11 = next((i, t) for cap, i, t in capped if cap == 11)
     run, sha = ends["run"], ends["script_sha256"]
     version = ("the version that made the runs above" if sha == main_sha else
-               f"a later version than the runs above (`{main_sha[:12]}`), with issue 12's 16-bit copies and fused CPU "
-               "Adam: its all-streamed step is not the one of sections 4 and 9")
+               f"an earlier version than the runs above (`{main_sha[:12]}`): its all-streamed step is not the one of "
+               "sections 4 and 9 (`report/results/README.md` says what changed between them)")
     return ["## 10. Time against the GPU budget", "",
             f"`bash report/run_benchmarks.sh OUT budget budget_ab`, made by `offload_llama.py` sha256 `{sha[:12]}`, "
             f"{version}. {ends['parameters'] / 1e9:.2f} B parameters ({run['preset']}), {run['dtype']}, "

@@ -37,7 +37,7 @@ def test_the_budget_section_names_the_version_that_made_it():
     module = build_report()
     budget = module.load(module.BUDGET_SOURCES)
     text = "\n".join(module.budget_section(budget, "f" * 64))
-    assert f"sha256 `{budget['budget_ends']['script_sha256'][:12]}`, a later version than the runs above" in text
+    assert f"sha256 `{budget['budget_ends']['script_sha256'][:12]}`, an earlier version than the runs above" in text
     rows = [line for line in text.splitlines() if line.startswith("| ")]
     assert len(rows) == (1 + 2 + len(module.BUDGETS)) + (1 + module.PAIRS)  # header, ends and caps; header and pairs
 
