@@ -45,7 +45,6 @@ SOURCES = {  # name -> JSON file, relative to report/; all made by `bash report/
 # made them all, earlier than SOURCES' (budget_section says so: change it where a later one makes them)
 BUDGETS = (4, 6, 8, 11, 16, 24, 80)  # GiB
 PAIRS = 3
-OOM_RUN = "results/train_llama7b_65k_placed_oom.json"  # the scale run left to the cap's placement, out of memory
 BUDGET_SOURCES = {"budget_ends": "results/budget/budget_ends.json",
                   **{f"budget_{b}": f"results/budget/budget_{b}.json" for b in BUDGETS},
                   **{f"budget_ab_{arm}_{i}": f"results/budget/ab/budget_ab_{arm}_{i}.json"
@@ -343,7 +342,8 @@ def largest_section(runs: dict) -> list[str]:
             f"{layers} layers ({params / 1e9:.2f} B parameters, more than LLaMA-7B's {param_count(c) / 1e9:.2f} B) "
             f"train in {gib(t['peak_gpu_bytes'])} GiB of GPU memory, at steps of {steps} ms (the table gives the "
             f"median of the steps after the {steps_word(r['run']['warmup'])}; the bound, {BOUND_NAMES[t['bound_by']]}"
-            f" alone, is {t['bound_ms']:.1f} ms). What stops one more layer is {big['limited_by']}. Each probe "
+            f" alone, is {t['bound_ms']:.1f} ms).{placement_note(t)} What stops one more layer is {big['limited_by']}. "
+            "Each probe "
             "trains alone, so the host keeps no bfloat16 copy of the decoder layers; with the rest of host memory "
             f"taken by the masters and Adam state, the gradients land in {pool['buffers']} shared pinned buffers "
             f"that the CPU Adam hands back as it finishes a unit, and the backward waited {pool['waited_ms'] / 1e3:.1f}"
@@ -483,13 +483,7 @@ def scale_section(runs: dict) -> list[str]:
             "inputs leave for pinned host memory while the unit runs and come back on the copy stream ahead of its "
             "backward, as the weights do. The reference is plain forward and backward of the same model and "
             "micro-batches resident on the GPU in bfloat16, without optimizer or cap, timed in the same run."
-            + (" Every unit is streamed (`--resident-layers 0`): left to the cap, the placement keeps 2 units "
-               f"resident and runs out of GPU memory (`{OOM_RUN}`): its prediction leaves out what 16 micro-batches "
-               "add, as the runs of the last table show (predicted against measured peak: "
-               + ", ".join(f"{gib(m['predicted_peak_bytes'])} against {gib(m['peak_gpu_bytes'])} GiB" for m in (
-                   results(runs, name, "training")["overlapped"]
-                   for name in ("train_bf16_accum16", "train_bf16_accum16_offload_acts")))
-               + "). That is an open bug." if run["resident_layers"] == 0 else placement_note(t)),
+            + placement_note(t),
             "",
             *table(["run", "step (ms)", "sequences/s", "x reference", "peak GPU (GiB)", "peak host (GiB)"], rows), "",
             f"The loss went {t['losses'][0]:.4f} -> {t['losses'][-1]:.4f} in {len(t['losses'])} steps. The step's "
