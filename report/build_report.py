@@ -343,8 +343,8 @@ def largest_section(runs: dict) -> list[str]:
             f"train in {gib(t['peak_gpu_bytes'])} GiB of GPU memory, at steps of {steps} ms (the table gives the "
             f"median of the steps after the {steps_word(r['run']['warmup'])}; the bound, {BOUND_NAMES[t['bound_by']]}"
             f" alone, is {t['bound_ms']:.1f} ms).{placement_note(t)} What stops one more layer is {big['limited_by']}. "
-            "Each probe trains alone, so the host keeps no bfloat16 copy of the decoder layers; with the rest of host memory "
-            f"taken by the masters and Adam state, the gradients land in {pool['buffers']} shared pinned buffers "
+            "Each probe trains alone, so the host keeps no bfloat16 copy of the decoder layers; with the rest of "
+            f"host memory taken by the masters and Adam state, the gradients land in {pool['buffers']} shared pinned buffers "
             f"that the CPU Adam hands back as it finishes a unit, and the backward waited {pool['waited_ms'] / 1e3:.1f}"
             f" s in all over the {r['run']['steps']} steps for one to be free. Where the host's bytes go at {layers} "
             "layers (over the training steps; the bound's scratch Adam state comes after):", "",
