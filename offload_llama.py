@@ -1,43 +1,20 @@
 """Layer-wise parameter offload for LLaMA, measured.
 
-The weights of every decoder layer live in pinned CPU memory as one flat buffer; each layer is copied
-into a small ring of GPU slots just before it runs. `blocked` copies, then computes, one layer at a
-time; `overlapped` lets a copy stream fill the next slot(s) while the compute stream runs the current
-one. The forward pass is the unmodified Hugging Face `LlamaForCausalLM.forward`: only the decoder
-layers it calls are swapped for thin wrappers that fetch their weights from the ring. Training streams
-every unit (embeddings, layers, norm, head) through an autograd.Function and steps Adam on the CPU. Under a
-GPU budget (--max-gpu-memory), overlapped keeps resident what the budget holds and streams the rest.
+Every decoder layer's weights live in pinned CPU memory as one flat buffer and are copied into a small ring of GPU
+slots just before they run: `blocked` copies, then computes, one layer at a time; `overlapped` lets a copy stream fill
+the next slot(s) while the compute stream runs the current one. Inference runs the unmodified Hugging Face forward
+with thin wrappers in place of its decoder layers. Training streams every unit (embeddings, layers, norm, head)
+through a torch.autograd.Function, sends its gradients to the host and steps Adam there, on float32 masters.
 
-The file reads top to bottom, the algorithm first and the instruments after it:
+The file reads top to bottom: configuration, model, parameter store, layer streamer, training (the plain path:
+every unit streamed and stepped by the CPU Adam), then the accelerations that plug into it (resident units, the
+GPU's Adam over streamed state, activation offload, float16 loss scaling), then the instruments (placement, modes,
+timing, bounds, tables, the largest-model search) and the CLI.
 
-    run configuration  RunConfig (the one frozen dataclass a run passes around), PRESETS
-    model              build_model: a random LlamaForCausalLM from a preset, or a save_pretrained folder
-    parameter store    FlatLayout (a layer's parameters as views into one flat buffer), HostBuffer, ParamStore
-    layer streamer     LayerStreamer (the ring of GPU slots, the copy stream, two events per slot);
-                       StreamedLayer and offloaded_model put it under the unmodified HF forward
-    training           adam_update and AdamUpdate (one unit's Adam step in one pass over host memory, compiled
-                       once), MasterStore (float32 masters, Adam state, the compute-dtype copy the GPU streams)
-                       and its GradientPool, CpuAdam (the worker thread that steps each unit), ActivationOffload
-                       (saved inputs to pinned host memory and back), StreamedUnit (the per-unit
-                       autograd.Function), ResidentUnit (a unit kept on the GPU and stepped there),
-                       OffloadedTraining (gradients out on a D2H stream), ResidentTraining (the gpu and cpu
-                       reference)
-    placement          inference_placement, training_placement: which units stay resident under the budget, and
-                       the peak that predicts
-    modes              run_mode, train_mode: one mode's inference or training
-    measurement        timed, median_ms and interleaved_ms, the bounds (inference_parts and inference_bound,
-                       train_bound_parts, train_bound), peak memory, profiler traces, the comparison with gpu mode
-    tables             tables, notes
-    largest model      find_largest: the most layers that train, each count probed in a fresh process
-    CLI                parse_args, check_devices (bad input refused before anything is allocated), run_all
-
-References: torchao's CPUOffloadOptimizer (pinned buffers allocated once, one event per sync point),
-torchtune's activation offloading (streams named for their role), gau-nernst's offload.py (flat
-buffers with parameter views into them), nanoGPT/gpt-fast (presets, derived efficiency figures).
+References: torchao's CPUOffloadOptimizer, torchtune's activation offloading, gau-nernst's offload.py, gpt-fast.
 
     python -m pytest -q tests                          # every mode computes the same thing
     python offload_llama.py --mode overlapped --train  # LLaMA-7B-sized layers: memory and time tables
-    python offload_llama.py --find-largest --preset llama-7b --max-gpu-memory 11
 """
 
 from __future__ import annotations
@@ -57,9 +34,7 @@ import os
 import platform
 import queue
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -72,11 +47,62 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
+# ---------------------------------------------------------------------------------------------------- constants
+
 GiB = 2**30
 MODES = ("gpu", "blocked", "overlapped", "cpu")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-MODE_NAMES = {"gpu": "w/o offload (gpu)", "blocked": "blocked offload", "overlapped": "overlapped offload",
-              "cpu": "cpu"}
+MODE_NAMES = {
+    "gpu": "w/o offload (gpu)",
+    "blocked": "blocked offload",
+    "overlapped": "overlapped offload",
+    "cpu": "cpu",
+}
+PRESETS = {
+    # tiny: for tests; grouped-query attention (2 KV heads for 4 query heads) and an odd layer count
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+    ),
+    # LLaMA-7B dimensions with 8 layers (1.88B parameters): the report's model
+    "7b-8l": dict(
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=8,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=32000,
+    ),
+    "llama-7b": dict(
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=32000,
+    ),
+}
+SIZE_FLAGS = {
+    "hidden_size": "hidden-size",
+    "intermediate_size": "intermediate-size",
+    "num_hidden_layers": "layers",
+    "num_attention_heads": "heads",
+    "num_key_value_heads": "kv-heads",
+    "vocab_size": "vocab-size",
+}
+ALIGN = 128  # elements: each parameter starts 256 B in, as the caching allocator aligns, so cuBLAS picks its kernels
+STAGING = 2**24  # elements: float32 masters cross PCIe in chunks this size, cast to the compute dtype on the GPU
+ADAM_SPARE_CORES = 1  # cores the CPU Adam leaves to the main thread, which drives the GPU meanwhile
+GPU_ADAM_SHARE = 0.3  # of the streamed parameters, the default share of the GPU's Adam over streamed state
+GPU_ADAM_CHUNK = 2**23  # parameters: the state the GPU's Adam streams crosses PCIe in chunks this size
+PLAN_MARGIN = GiB // 2  # of a --max-gpu-memory budget, left out of a placement: the caching allocator's fragmentation
+CUBLAS_WORKSPACE = 32 * 2**20  # torch's default cuBLAS workspace on Hopper, allocated once per stream
+MAX_SEARCH_LAYERS = 64  # the largest-model search stops here
+RUNTIME_HOST_BYTES = 5 * GiB  # host memory a process holds besides the model and its state, with headroom
 
 
 def log(msg: str) -> None:
@@ -88,54 +114,46 @@ class UsageError(Exception):
     """Bad input: main() prints it as one line on stderr and exits with code 2."""
 
 
-# ----------------------------------------------------------------------------- run configuration
-
-PRESETS = {
-    # tiny: for tests; grouped-query attention (2 KV heads for 4 query heads) and an odd layer count
-    "tiny": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=256),
-    # LLaMA-7B dimensions with 8 layers (1.88B parameters): the report's model
-    "7b-8l": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=8, num_attention_heads=32,
-                  num_key_value_heads=32, vocab_size=32000),
-    "llama-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-                     num_key_value_heads=32, vocab_size=32000),
-}
-SIZE_FLAGS = {"hidden_size": "hidden-size", "intermediate_size": "intermediate-size", "num_hidden_layers": "layers",
-              "num_attention_heads": "heads", "num_key_value_heads": "kv-heads", "vocab_size": "vocab-size"}
+# ---------------------------------------------------------------------------------------------------- configuration
 
 
 @dataclass(frozen=True)
 class RunConfig:
     """Everything one run needs, from the command line (parse_args) or a test: frozen, passed explicitly."""
+
+    # the model
     mode: str = "all"
     preset: str = "7b-8l"
-    model: str | None = None            # a save_pretrained folder; overrides preset and sizes
-    sizes: tuple = ()                   # (field, value) pairs that override the preset
-    dtype: str = "bfloat16"             # the compute dtype; master weights stay float32
-    attention: str = "sdpa"             # eager: a backward that is bitwise reproducible (sdpa's is not)
+    model: str | None = None  # a save_pretrained folder; overrides preset and sizes
+    sizes: tuple = ()  # (field, value) pairs that override the preset
+    dtype: str = "bfloat16"  # the compute dtype; master weights stay float32
+    attention: str = "sdpa"  # eager: a backward that is bitwise reproducible (sdpa's is not)
+    # the batch and the timing
     batch_size: int = 1
     seq_len: int = 4096
     seed: int = 0
-    prefetch: int = 1                   # layers copied ahead in overlapped mode (ring of prefetch + 1 slots)
+    prefetch: int = 1  # units copied ahead in overlapped mode (a ring of prefetch + 1 slots)
     warmup: int = 2
     repeat: int = 5
+    # placement
     max_gpu_memory: float | None = None  # GiB; overlapped keeps on the GPU what this budget holds
     resident_layers: int | None = None  # overlapped: this many decoder layers resident instead of the budget's plan
+    gpu_adam_share: float | None = None  # overlapped training: of the streamed parameters, the GPU Adam's share
+    offload_activations: bool = False  # the units' saved inputs wait in pinned host memory, not on the GPU
+    # outputs
     json: str | None = None
     save_output: str | None = None
     profile: str | None = None
-    train: bool = False                 # also run training steps in every mode
-    inference: bool = True              # False (--no-inference): train only
+    # training
+    train: bool = False  # also run training steps in every mode
+    inference: bool = True  # False (--no-inference): train only
     steps: int = 10
-    grad_accum: int = 1                 # micro-batches of batch_size x seq_len per optimizer step
-    offload_activations: bool = False   # the units' saved inputs wait in pinned host memory, not on the GPU
-    fwd_bwd_reference: bool = False     # also time plain forward and backward of the resident model, uncapped
+    grad_accum: int = 1  # micro-batches of batch_size x seq_len per optimizer step
+    fwd_bwd_reference: bool = False  # also time plain forward and backward of the resident model, uncapped
     lr: float = 1e-4
     betas: tuple = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
-    find_largest: bool = False          # search the most decoder layers that train under max_gpu_memory
-    gpu_adam_share: float | None = None  # overlapped training: of the streamed parameters, the GPU Adam's share
 
     @property
     def adam(self) -> Adam:
@@ -149,9 +167,13 @@ class RunConfig:
 
     @property
     def lean(self) -> bool:
-        """Training one offloaded mode alone: once the masters are loaded the host needs no compute-dtype copy of
-        the decoder layers, so the model's are freed."""
+        """One offloaded mode trains alone: once its masters are loaded, the model's decoder layers are freed."""
         return self.train and not self.inference and self.modes in (("blocked",), ("overlapped",))
+
+    @property
+    def profile_mode(self) -> str:
+        """The mode --profile traces: overlapped, or blocked when overlapped is not run."""
+        return "overlapped" if "overlapped" in self.modes else "blocked"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -160,8 +182,7 @@ class RunConfig:
 
     @property
     def gpu_adam(self) -> float:
-        """Of the streamed parameters, the share overlapped training steps with the GPU's Adam over state streamed
-        from the host (StreamedAdam): --gpu-adam-share, by default GPU_ADAM_SHARE, and none in float16."""
+        """The GPU Adam's share of the streamed parameters: --gpu-adam-share, else GPU_ADAM_SHARE (0 in float16)."""
         if self.gpu_adam_share is not None:
             return self.gpu_adam_share
         return 0.0 if self.dtype == "float16" else GPU_ADAM_SHARE
@@ -173,7 +194,8 @@ def default_dtype() -> str:
     return "float16" if cuda_without_bf16 else "bfloat16"
 
 
-# ----------------------------------------------------------------------------- model
+# ---------------------------------------------------------------------------------------------------- model
+
 
 def llama_config(run: RunConfig) -> LlamaConfig:
     """The model's config: from --model's folder, or the preset with size flags applied; validated."""
@@ -183,13 +205,12 @@ def llama_config(run: RunConfig) -> LlamaConfig:
     for field, value in sizes.items():
         if value < 1:
             raise UsageError(f"--{SIZE_FLAGS[field]} must be at least 1, got {value}")
-    if sizes["hidden_size"] % sizes["num_attention_heads"]:
-        raise UsageError(f"hidden size {sizes['hidden_size']} is not divisible by {sizes['num_attention_heads']} "
-                         "attention heads")
-    if sizes["num_attention_heads"] % sizes["num_key_value_heads"]:
-        raise UsageError(f"{sizes['num_attention_heads']} attention heads are not divisible by "
-                         f"{sizes['num_key_value_heads']} key/value heads")
-    if (sizes["hidden_size"] // sizes["num_attention_heads"]) % 2:
+    hidden, heads, kv_heads = sizes["hidden_size"], sizes["num_attention_heads"], sizes["num_key_value_heads"]
+    if hidden % heads:
+        raise UsageError(f"hidden size {hidden} is not divisible by {heads} attention heads")
+    if heads % kv_heads:
+        raise UsageError(f"{heads} attention heads are not divisible by {kv_heads} key/value heads")
+    if (hidden // heads) % 2:
         raise UsageError("the head dimension (hidden size / heads) must be even for rotary embeddings")
     return LlamaConfig(**sizes, max_position_embeddings=max(4096, run.seq_len), tie_word_embeddings=False)
 
@@ -212,11 +233,11 @@ def load_config(path: Path) -> LlamaConfig:
 
 def build_model(run: RunConfig, config: LlamaConfig) -> LlamaForCausalLM:
     """The CPU model in the compute dtype: loaded from --model, or randomly initialised from --seed."""
-    dtype = run.torch_dtype
-    n = param_count(config)
-    what = run.model or run.preset
-    log(f"building {what}: {n / 1e9:.2f}B parameters, {str(dtype).removeprefix('torch.')} "
-        f"({n * dtype.itemsize / GiB:.1f} GiB) on the CPU ...")
+    dtype, n = run.torch_dtype, param_count(config)
+    log(
+        f"building {run.model or run.preset}: {n / 1e9:.2f}B parameters, {run.dtype} "
+        f"({n * dtype.itemsize / GiB:.1f} GiB) on the CPU ..."
+    )
     t0 = time.perf_counter()
     if run.model is not None:
         try:
@@ -233,17 +254,16 @@ def build_model(run: RunConfig, config: LlamaConfig) -> LlamaForCausalLM:
 
 @torch.no_grad()
 def init_random(model: LlamaForCausalLM, seed: int) -> None:
-    """Give a model built on the meta device HF's LLaMA initialisation, drawn on the CPU from `seed`: weights
-    N(0, initializer_range), norms 1. Built on the CPU, every nn.Linear would first run its own kaiming init, which
-    HF then overwrites. Each weight has its own generator, seeded from `seed` and its index, so the CPU's cores
-    draw them in parallel and the weights do not depend on how many there are."""
+    """HF's LLaMA initialisation for a model built on the meta device: weights N(0, initializer_range), norms 1.
+    Each weight has a generator of its own, seeded from `seed` and its index, so the cores draw them in parallel."""
     config = model.config
     model.to_empty(device="cpu")
     weights = [p.detach() for p in model.parameters() if p.dim() > 1]  # no_grad does not reach the pool threads
 
     def draw(i: int) -> None:
         """Draw weight i from its own generator."""
-        weights[i].normal_(0.0, config.initializer_range, generator=torch.Generator().manual_seed((seed << 16) + i))
+        generator = torch.Generator().manual_seed((seed << 16) + i)
+        weights[i].normal_(0.0, config.initializer_range, generator=generator)
 
     with ThreadPoolExecutor(os.cpu_count()) as pool:  # normal_ releases the GIL
         list(pool.map(draw, range(len(weights))))
@@ -278,32 +298,33 @@ def random_input_ids(run: RunConfig, vocab_size: int, micro_batches: int = 1) ->
     return torch.randint(vocab_size, (micro_batches * run.batch_size, run.seq_len), generator=generator)  # (K*B, T)
 
 
-# ----------------------------------------------------------------------------- parameter store
-
-ALIGN = 128  # elements: 256 B in 16-bit dtypes, as the caching allocator aligns, so cuBLAS picks the same kernels
+# ---------------------------------------------------------------------------------------------------- parameter store
 
 
 @dataclass(frozen=True)
 class FlatLayout:
-    """Where each parameter of a decoder layer sits in its flat buffer (offsets in elements)."""
+    """Where each parameter of a module sits in its flat buffer (offsets in elements, each on an ALIGN boundary)."""
+
     names: tuple[str, ...]
     shapes: tuple[torch.Size, ...]
     offsets: tuple[int, ...]
     numel: int
 
     @staticmethod
-    def of(layer: nn.Module) -> FlatLayout:
-        """The layout of `layer`'s parameters, each starting on an ALIGN boundary."""
+    def of(module: nn.Module) -> FlatLayout:
+        """The layout of `module`'s parameters."""
         names, shapes, offsets, end = [], [], [], 0
-        for name, p in layer.named_parameters():
-            names.append(name), shapes.append(p.shape), offsets.append(end)
+        for name, p in module.named_parameters():
+            names.append(name)
+            shapes.append(p.shape)
+            offsets.append(end)
             end += -(-p.numel() // ALIGN) * ALIGN
         return FlatLayout(tuple(names), tuple(shapes), tuple(offsets), end)
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Each parameter as a view into `flat`, by name."""
-        return {name: flat[off:off + shape.numel()].view(shape)
-                for name, shape, off in zip(self.names, self.shapes, self.offsets)}
+        places = zip(self.names, self.shapes, self.offsets, strict=True)
+        return {name: flat[off : off + shape.numel()].view(shape) for name, shape, off in places}
 
     def bind(self, module: nn.Module, flat: torch.Tensor, trainable: bool = False) -> nn.Module:
         """Make `module`'s parameters views into `flat`: filling `flat` then changes the weights it runs."""
@@ -314,16 +335,10 @@ class FlatLayout:
 
 
 class HostBuffer(mmap.mmap):
-    """Zeroed host memory of exactly `nbytes`, in 2 MiB pages where the kernel allows it, and page-locked for the copy
-    engines when `pin`, until the last tensor on it is freed.
-
-    Huge pages: the CPU Adam streams five buffers at once through every core, and with 4 KiB pages it ran 6 to 8%
-    slower on the H100 machine (fused Adam over one layer, alone). Pinning: torch's pinned allocator
-    (pin_memory=True) rounds every block up to a power of two, so a decoder layer's 809 MB of float32 masters would
-    pin 1 GiB: for LLaMA-7B that turns 62 GiB of pinned buffers into 82, and its 113 GiB of training state into 133,
-    more than the H100 machine's 128 GiB.
-    Unlike that allocator it records no events, so its tensors must outlive every copy queued from or to them (the
-    stores do: they live as long as the run)."""
+    """Zeroed host memory of exactly `nbytes`, in 2 MiB pages where the kernel allows it (the CPU Adam streams through
+    it faster), and page-locked for the copy engines when `pin`. torch's pinned allocator would round each buffer up
+    to a power of two (LLaMA-7B's training state from 113 to 133 GiB). It records no events: its tensors must outlive
+    every copy queued from or to them, as the stores, which live as long as the run, do."""
 
     def __new__(cls, nbytes: int, pin: bool):
         return super().__new__(cls, -1, nbytes)  # anonymous: zero-filled and page-aligned
@@ -331,7 +346,8 @@ class HostBuffer(mmap.mmap):
     def __init__(self, nbytes: int, pin: bool):
         with contextlib.suppress(AttributeError, OSError):  # a platform or kernel without transparent huge pages
             self.madvise(mmap.MADV_HUGEPAGE)  # before the first touch, which allocates the pages
-        self.address, self.unregister = torch.frombuffer(self, dtype=torch.uint8).data_ptr(), None
+        self.address = torch.frombuffer(self, dtype=torch.uint8).data_ptr()
+        self.unregister = None
         if pin:
             cudart = torch.cuda.cudart()
             torch.cuda.check_error(cudart.cudaHostRegister(self.address, nbytes, 0))
@@ -348,10 +364,8 @@ def host_zeros(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
 
 
 class ParamStore:
-    """Every decoder layer's weights as one flat CPU buffer in the compute dtype, pinned when a GPU streams it.
-
-    The CPU model's layer parameters are rebound as views into these buffers, so the host holds one copy.
-    """
+    """Inference: every decoder layer's weights as one flat CPU buffer in the compute dtype, pinned when a GPU streams
+    it. The CPU model's layer parameters become views into these buffers, so the host holds one copy."""
 
     @torch.no_grad()
     def __init__(self, model: LlamaForCausalLM, pin: bool):
@@ -372,19 +386,19 @@ class ParamStore:
         return len(self.flats)
 
 
-# ----------------------------------------------------------------------------- layer streamer
+# ---------------------------------------------------------------------------------------------------- layer streamer
+
 
 class InOrder:
-    """Stands in for a CUDA stream or event on the CPU, where every op already runs in program order.
-
-    Tests also put it in place of a real event to remove one stream wait and watch the result go wrong.
-    """
+    """Stands in for a CUDA stream or event on the CPU, where every op already runs in program order. Tests also put
+    it in place of a real event to remove one stream wait and watch the result go wrong."""
 
     def wait_event(self, event) -> None: ...  # nothing to wait for: the CPU runs every op in order
     def wait(self, stream=None) -> None: ...  # nothing to wait for
     def record(self, stream=None) -> None: ...  # nothing to record
     def synchronize(self) -> None: ...  # nothing to finish
-    def query(self) -> bool: return True  # always done
+    def query(self) -> bool:  # always done
+        return True
 
 
 def on_stream(stream):
@@ -402,30 +416,25 @@ def new_event(device: torch.device, blocking: bool = False):
     return torch.cuda.Event(blocking=blocking) if device.type == "cuda" else InOrder()
 
 
-STAGING = 2**24  # elements: fp32 masters cross PCIe in chunks this size, cast to the compute dtype on the GPU
-
-
 class LayerStreamer:
-    """Streams units (decoder layers; in training also embeddings, norm and head) from flat CPU buffers into a ring
-    of GPU slots; the streamed units take the slots in turn, so a pass in either direction cycles through the ring.
-    Resident units (keep_resident) stay on the GPU and run from their own buffers, with no copy and no event.
-
-    depth is how many streamed units the copy stream runs ahead of the compute stream: 0 is blocked offload (copy a
-    unit, run it, copy the next), >= 1 is overlapped. Two events per slot order the two streams:
+    """Streams units (decoder layers; in training also embeddings, norm and head) from flat host buffers into a ring of
+    GPU slots, which consecutive streamed units take in turn. `depth` is how many units the copy stream runs ahead of
+    the compute stream: 0 is blocked offload, >= 1 overlapped. Two events per slot order the two streams:
       copied[s]  the copy into slot s has landed:        compute may read the slot
       freed[s]   compute has finished the slot's unit:   the next copy may overwrite it
-    Sources in float32 with a lower compute dtype (training's masters, where the host has no room for their copy in
-    the compute dtype) cross PCIe in chunks through one staging buffer and are cast on the copy stream.
-    """
+    Resident units (keep_resident) run from GPU buffers of their own. Float32 sources with a lower compute dtype (the
+    masters, where the host has no room for their copy) cross PCIe in chunks through a staging buffer and are cast."""
 
-    def __init__(self, sources: list[torch.Tensor], kinds: list[str], make_module, dtype: torch.dtype,
-                 device: torch.device, depth: int, copy_stream=None):
-        self.sources, self.kinds, self.make_module, self.dtype, self.depth = sources, kinds, make_module, dtype, depth
-        self.device = device
+    def __init__(
+        self, sources, kinds, make_module, dtype: torch.dtype, device: torch.device, depth: int, copy_stream=None
+    ):
+        self.sources, self.kinds, self.make_module = sources, kinds, make_module
+        self.dtype, self.device, self.depth = dtype, device, depth
         self.compute_stream = torch.cuda.current_stream(device) if device.type == "cuda" else InOrder()
         self.copy_stream = copy_stream or new_stream(device)
-        self.wait_source = lambda u: None  # training: block until unit u's CPU update is done
+        self.wait_source = lambda u: None  # training: block until unit u's update is done
         self.source_ready = lambda u: True  # training: whether it is done, without blocking
+        self.fresh = set()  # units whose slot was rewritten with their new weights (rewritten)
         self.keep_resident(())
 
     def keep_resident(self, units, load=None) -> None:
@@ -439,19 +448,22 @@ class LayerStreamer:
         with torch.device("meta"):  # the modules own no memory: their parameters are views into the buffers
             self.resident = {u: self.make_module(self.kinds[u], flat) for u, flat in flats.items()}
         self.streamed = [u for u in range(len(self.sources)) if u not in self.resident]
-        n_slots = min(self.depth + 1, len(self.streamed))
-        self.slot = {u: i % n_slots for i, u in enumerate(self.streamed)}  # consecutive streamed units, other slots
+        self.build_ring(min(self.depth + 1, len(self.streamed)))
+        self.begin(range(len(self.sources)))
+
+    def build_ring(self, n_slots: int) -> None:
+        """The slots, each as large as the largest streamed unit, their modules and events; the staging buffer."""
+        self.slot = {u: i % n_slots for i, u in enumerate(self.streamed)}  # consecutive units take other slots
         numel = max((self.sources[u].numel() for u in self.streamed), default=0)
         self.buffers = [torch.empty(numel, dtype=self.dtype, device=self.device) for _ in range(n_slots)]
         cast = {self.sources[u].dtype for u in self.streamed} - {self.dtype}
         self.staging = torch.empty(min(numel, STAGING), dtype=cast.pop(), device=self.device) if cast else None
+        kinds = dict.fromkeys(self.kinds[u] for u in self.streamed)
         with torch.device("meta"):
-            kinds = dict.fromkeys(self.kinds[u] for u in self.streamed)
             self.modules = [{kind: self.make_module(kind, buf) for kind in kinds} for buf in self.buffers]
         self.copied = [new_event(self.device) for _ in range(n_slots)]
         self.freed = [new_event(self.device) for _ in range(n_slots)]
         self.holds = [None] * n_slots  # the unit last copied into each slot
-        self.begin(range(len(self.sources)))
 
     @property
     def n_slots(self) -> int:
@@ -459,10 +471,9 @@ class LayerStreamer:
         return len(self.buffers)
 
     def begin(self, order, keep: bool | set = False) -> None:
-        """The next pass visits the units in `order` (training's backward pass: in reverse). keep: which of the units
-        the last pass left in the slots are still current, so they are not copied again: True, all of them (the
-        backward pass, right after the forward), or a set of units (the forward pass, after a backward whose last
-        units the GPU's Adam rewrote in their slots: OffloadedTraining.refresh_target)."""
+        """The next pass visits the units in `order`. Units the last pass left in the slots are not copied again if they
+        are still current: all of them (keep True: the backward, right after the forward), those in `keep`, and those
+        rewritten in their slot since the last pass began."""
         order = list(order)
         self.opening = order[0] if order else None
         self.order = [u for u in order if u not in self.resident]  # what the copy stream brings in, in turn
@@ -473,7 +484,12 @@ class LayerStreamer:
         self.issued = 0  # positions taken into the copy window in this pass
         self.waiting = []  # of those, the ones whose copy is not issued yet: their sources were not ready
         held = {u for u in self.holds if u is not None}
-        self.kept = held if keep is True else held & set(keep or ())
+        self.kept = held if keep is True else held & (set(keep or ()) | self.fresh)
+        self.fresh = set()
+
+    def rewritten(self, u: int) -> None:
+        """Someone else wrote unit u's new weights into the slot holding it: the next pass need not copy it."""
+        self.fresh.add(u)
 
     def prefetch(self, p: int) -> None:
         """Start copying the streamed unit at position p of the pass into its slot, on the copy stream."""
@@ -481,7 +497,7 @@ class LayerStreamer:
         s, src = self.slot[u], self.sources[u]
         if u in self.kept and self.holds[s] == u:
             return
-        dst = self.buffers[s][:src.numel()]
+        dst = self.buffers[s][: src.numel()]
         self.wait_source(u)
         with on_stream(self.copy_stream):
             self.copy_stream.wait_event(self.freed[s])  # the slot's previous unit may still be running from it
@@ -496,16 +512,16 @@ class LayerStreamer:
         """Copy float32 `src` into the compute-dtype slot `dst` through the staging buffer, a chunk at a time."""
         for a in range(0, src.numel(), STAGING):
             n = min(STAGING, src.numel() - a)  # in order on the copy stream: a chunk is cast before the next lands
-            self.staging[:n].copy_(src[a:a + n], non_blocking=True)
-            dst[a:a + n].copy_(self.staging[:n])
+            self.staging[:n].copy_(src[a : a + n], non_blocking=True)
+            dst[a : a + n].copy_(self.staging[:n])
 
     def acquire(self, u: int) -> nn.Module:
         """The module that runs unit u; a streamed unit also starts the copies up to `depth` positions ahead."""
         if u == self.opening:
             self.issued, self.waiting = 0, []  # a pass opens by filling the whole ring
         if u in self.resident:
-            # the copies ahead start in release, once its kernels are issued: in training a copy first waits for the
-            # CPU Adam to update its unit, and the GPU can run this one meanwhile
+            # the copies ahead start in release, once its kernels are issued: in training a copy first waits for its
+            # unit's update, and the GPU can run this one meanwhile
             return self.resident[u]
         self.issue_through(self.position[u] + self.depth, need=self.position[u])
         s = self.slot[u]
@@ -521,9 +537,8 @@ class LayerStreamer:
             self.freed[self.slot[u]].record(self.compute_stream)
 
     def issue_through(self, p: int, need: int | None = None) -> None:
-        """Issue the copies of the pass's positions up to p that are not issued yet, in order, but without waiting for
-        a source that is not ready (training: its CPU update still runs): the ready ones behind it go first and land
-        meanwhile. Only position `need`, the unit about to run, is worth waiting for."""
+        """Issue the copies of the positions up to p not issued yet, in order, but past any whose source is not ready
+        (its update still runs): the ready ones behind it go first. Only `need`, about to run, is waited for."""
         end = min(p + 1, len(self.order))
         self.waiting += range(self.issued, end)
         self.issued = max(self.issued, end)
@@ -535,13 +550,13 @@ class LayerStreamer:
             self.waiting.remove(q)
 
 
-def layer_streamer(store: ParamStore, config: LlamaConfig, device: torch.device, depth: int,
-                   resident: tuple[int, ...] = ()) -> LayerStreamer:
-    """Inference: the decoder layers from the pinned store, in the compute dtype; the `resident` ones copied to the
-    GPU once, the others streamed."""
+def layer_streamer(store: ParamStore, config: LlamaConfig, device: torch.device, depth: int, resident=()):
+    """Inference: the decoder layers from the pinned store, the `resident` ones copied to the GPU once."""
+
     def make_module(kind, buffer):
         """A decoder layer, its weights views into `buffer` (a slot's, or a resident layer's own)."""
         return store.layout.bind(LlamaDecoderLayer(config, layer_idx=0), buffer).eval()
+
     streamer = LayerStreamer(store.flats, ["layer"] * store.num_layers, make_module, store.dtype, device, depth)
     if resident:
         streamer.keep_resident(resident, lambda i: store.flats[i].to(device))
@@ -563,8 +578,8 @@ class StreamedLayer(nn.Module):
 
 
 def offloaded_model(model: LlamaForCausalLM, strategy, device: torch.device) -> LlamaForCausalLM:
-    """A copy of `model` on `device` without its decoder layers (embeddings, norm, head, rotary stay resident);
-    its layer list holds StreamedLayer wrappers, so the unmodified HF forward runs the layers from `strategy`."""
+    """A copy of `model` on `device` without its decoder layers (embeddings, norm, head, rotary stay resident); its
+    layer list holds StreamedLayer wrappers, so the unmodified HF forward runs the layers from `strategy`."""
     layers = model.model.layers
     model.model.layers = nn.ModuleList()
     try:
@@ -575,11 +590,13 @@ def offloaded_model(model: LlamaForCausalLM, strategy, device: torch.device) -> 
     return shell.train(model.training)
 
 
-# ----------------------------------------------------------------------------- training
+# ---------------------------------------------------------------------------------------------------- training
+
 
 @dataclass(frozen=True)
 class Unit:
     """A piece of the model that is streamed whole in training: the embeddings, a decoder layer, the norm, the head."""
+
     name: str  # its module's name in the HF model, so master weights map back to HF parameter names
     kind: str  # embed, layer, norm or head
     layout: FlatLayout
@@ -600,40 +617,37 @@ def model_units(config: LlamaConfig) -> list[Unit]:
     """The units in forward order: embeddings, decoder layers, final norm, head."""
     with torch.device("meta"):
         layout = {kind: FlatLayout.of(unit_module(kind, config)) for kind in ("embed", "layer", "norm", "head")}
-    return ([Unit("model.embed_tokens", "embed", layout["embed"])]
-            + [Unit(f"model.layers.{i}", "layer", layout["layer"]) for i in range(config.num_hidden_layers)]
-            + [Unit("model.norm", "norm", layout["norm"]), Unit("lm_head", "head", layout["head"])])
+    layers = [Unit(f"model.layers.{i}", "layer", layout["layer"]) for i in range(config.num_hidden_layers)]
+    return [Unit("model.embed_tokens", "embed", layout["embed"]), *layers, Unit("model.norm", "norm", layout["norm"]),
+            Unit("lm_head", "head", layout["head"])]  # fmt: skip
 
 
 @dataclass(frozen=True)
 class Adam:
     """torch.optim.Adam's hyper-parameters, with its meaning (L2 weight decay added to the gradient)."""
+
     lr: float = 1e-4
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
 
     def optimizer(self, params: list[torch.Tensor]) -> torch.optim.Adam:
-        # fused: one vectorised kernel; on the CPU the plain one is 6x slower (DESIGN.md)
-        """torch.optim.Adam over `params` with these hyper-parameters, fused."""
-        return torch.optim.Adam(params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
-                                fused=True)
+        """torch.optim.Adam over `params` with these hyper-parameters, fused (on the CPU 6x the plain one's speed)."""
+        return torch.optim.Adam(params, self.lr, self.betas, self.eps, self.weight_decay, fused=True)
 
     def scalars(self, step: int) -> torch.Tensor:
-        """adam_update's scalars for step `step` (from 1): bias corrections in double precision, then float32, as
-        torch's fused CPU kernel computes and rounds them. A tensor, not Python floats, so one compiled kernel
-        serves every step."""
+        """adam_update's scalars for step `step` (from 1), computed and rounded as torch's fused CPU kernel does; a
+        tensor, not Python floats, so one compiled kernel serves every step."""
         beta1, beta2 = self.betas
-        return torch.tensor([1 - beta1, beta2, 1 - beta2, math.sqrt(1 - beta2**step), self.eps,
-                             -self.lr / (1 - beta1**step), self.weight_decay], dtype=torch.float32)
+        bias2_sqrt, step_size = math.sqrt(1 - beta2**step), -self.lr / (1 - beta1**step)
+        values = [1 - beta1, beta2, 1 - beta2, bias2_sqrt, self.eps, step_size, self.weight_decay]
+        return torch.tensor(values, dtype=torch.float32)
 
 
 def adam_update(master, grads, exp_avg, exp_avg_sq, copy, scalars) -> None:
-    """torch.optim.Adam's update of one unit (L2 weight decay, bias correction, eps outside the square root), written
-    for torch.compile to fuse into one pass over memory: it reads the float32 master and moments and the gradients
-    (float32, or the compute dtype as the backward made them), and writes the master, the moments and, where there
-    is one (`copy`), the compute-dtype copy of the new master that the GPU streams. 28 bytes per parameter with
-    16-bit gradients and copy, no temporaries. scalars: Adam.scalars."""
+    """torch.optim.Adam's update of one unit, for torch.compile to fuse into one pass over memory: float32 master and
+    moments and the gradients (float32 or 16-bit) in; master, moments and, where given, the compute-dtype `copy` of
+    the new master out. 28 bytes per parameter with 16-bit gradients and copy. scalars: Adam.scalars."""
     grads = grads.float() + master * scalars[6]
     exp_avg_new = exp_avg + (grads - exp_avg) * scalars[0]  # exp_avg.lerp_(grads, 1 - beta1)
     exp_avg_sq_new = exp_avg_sq * scalars[1] + scalars[2] * grads * grads
@@ -645,42 +659,52 @@ def adam_update(master, grads, exp_avg, exp_avg_sq, copy, scalars) -> None:
         copy.copy_(master_new)  # rounded to nearest even, as the GPU casts
 
 
-ADAM_SPARE_CORES = 1  # cores the CPU Adam leaves to the main thread
+@contextlib.contextmanager
+def without_isa_probes():
+    """inductor checks the CPU's AVX-512 bf16 and VNNI extensions by building a library and loading it in a child
+    process, anew in every process (with torch 2.11 the children import torch: seconds each). The update uses neither
+    extension, so they are reported absent while it compiles, and a later process finds it in the compile cache."""
+    probes = ("_is_avx512_bf16_supported", "_is_vnni_supported")
+    saved = {name: getattr(torch.cpu, name) for name in probes if hasattr(torch.cpu, name)}
+    try:
+        for name in saved:
+            setattr(torch.cpu, name, lambda: False)
+        yield
+    finally:
+        for name, probe in saved.items():
+            setattr(torch.cpu, name, probe)
 
 
 @functools.cache
 def compiled_adam_update(grad_dtype: torch.dtype, copy_dtype: torch.dtype | None):
-    """adam_update compiled by inductor's C++ backend (one vectorised loop over OpenMP threads) for these dtypes and
-    any size, and run once, so the compile happens here, not in a timed step; None, said on stderr, where
-    torch.compile cannot build it (no C++ compiler)."""
+    """adam_update compiled by inductor's C++ backend for these dtypes and any size, and run once, so that the compile
+    happens here, not in a timed step; None, said on stderr, where it cannot be built (no C++ compiler)."""
     n = 2**24  # inductor builds a serial loop if the size it compiles for looks small, and reuses it for any size
-    # cpp_wrapper: the kernel runs from C++ without the GIL, so the main thread drives the GPU meanwhile (the Python
-    # binding of the plain wrapper holds it for the whole pass, as no torch op does). cpp.threads: one core fewer than
-    # torch uses, left to the main thread, since a static OpenMP loop runs at the pace of its slowest thread
-    # cpp.vec_isa_ok: take the widest vector ISA the CPU reports without probing each one (torch 2.11 builds a probe
-    # per ISA and loads it in a child Python that imports torch: 30 of the 50 s a warm-cache compile took on the H100
-    # machine); where the compiler cannot build for it, the compile fails and the fallback below takes over. The
-    # AVX-512 ISAs still probe for bf16 and VNNI, three children (4.3 of the 6.0 s a warm-cache compile took with
-    # torch 2.11 on a 2-core AVX-512 machine; torch 2.13's children no longer import torch: 1.7 s in all there)
-    options = {"cpp_wrapper": True, "cpp.threads": max(1, torch.get_num_threads() - ADAM_SPARE_CORES),
-               "cpp.vec_isa_ok": True, "compile_threads": 1}  # compile in this process, without a pool of workers
+    # cpp_wrapper: the kernel runs from C++ without the GIL, so the main thread drives the GPU meanwhile. cpp.threads:
+    # one core left to the main thread, as a static OpenMP loop runs at the pace of its slowest thread. vec_isa_ok:
+    # the widest vector ISA the CPU reports, without a probe; where the compiler cannot build it, the fallback runs
+    threads = max(1, torch.get_num_threads() - ADAM_SPARE_CORES)
+    options = {"cpp_wrapper": True, "cpp.threads": threads, "cpp.vec_isa_ok": True, "compile_threads": 1}
     t0 = time.perf_counter()
     try:
         compiled = torch.compile(adam_update, dynamic=True, fullgraph=True, options=options)
-        with torch.no_grad():
-            compiled(torch.zeros(n), torch.zeros(n, dtype=grad_dtype), torch.zeros(n), torch.zeros(n),
-                     None if copy_dtype is None else torch.zeros(n, dtype=copy_dtype), Adam().scalars(1))
+        copy = None if copy_dtype is None else torch.zeros(n, dtype=copy_dtype)
+        with torch.no_grad(), without_isa_probes():
+            compiled(torch.zeros(n), torch.zeros(n, dtype=grad_dtype), torch.zeros(n), torch.zeros(n), copy,
+                     Adam().scalars(1))  # fmt: skip
     except Exception as e:  # inductor's errors have no common class; the fallback is exact too
-        log(f"CPU Adam: torch.compile could not build the fused update ({type(e).__name__}: {str(e)[:200]}); "
-            "using torch.optim.Adam(fused=True) and a cast, float32 gradients, more host memory traffic")
+        log(
+            f"CPU Adam: torch.compile could not build the fused update ({type(e).__name__}: {str(e)[:200]}); "
+            "using torch.optim.Adam(fused=True) and a cast, float32 gradients, more host memory traffic"
+        )
         return None
     log(f"CPU Adam: fused update compiled in {time.perf_counter() - t0:.1f} s")
     return compiled
 
 
 def torch_adam_step(adam: Adam, master, grads, exp_avg, exp_avg_sq, step: torch.Tensor) -> None:
-    """torch.optim.Adam's fused kernel, on the device `master` lives on, stepping it by `grads` (float32 both) with
-    the moments and step count given, which it updates in place."""
+    """torch.optim.Adam's fused kernel on the device `master` lives on: steps it by `grads` (float32 both) with the
+    moments and step count given, which it updates in place."""
     param = nn.Parameter(master)  # shares the master's memory
     param.grad = grads
     optimizer = adam.optimizer([param])
@@ -690,8 +714,8 @@ def torch_adam_step(adam: Adam, master, grads, exp_avg, exp_avg_sq, step: torch.
 
 class AdamUpdate:
     """One unit's Adam step on the CPU: adam_update compiled, or where that cannot be built, torch.optim.Adam's fused
-    CPU kernel and then the cast into the compute-dtype copy (gradients then come in float32, the dtype that kernel
-    takes). Both do the same math; they round differently in the last bit of float32."""
+    CPU kernel and then the cast into the compute-dtype copy (on float32 gradients). The two round differently in the
+    last bit of float32."""
 
     def __init__(self, adam: Adam, grad_dtype: torch.dtype, copy_dtype: torch.dtype | None):
         self.adam, self.copy_dtype = adam, copy_dtype
@@ -700,8 +724,7 @@ class AdamUpdate:
 
     @property
     def bytes_per_param(self) -> int:
-        """Host memory bytes one step moves per parameter: float32 master and moments in and out, the gradients in,
-        the copy out; the fallback reads the master again to cast it."""
+        """Host memory bytes one step moves per parameter (the fallback reads the master again to cast it)."""
         copy = self.copy_dtype.itemsize if self.copy_dtype else 0
         recast = 4 if self.copy_dtype and not self.compiled else 0
         return 24 + self.grad_dtype.itemsize + copy + recast
@@ -719,28 +742,23 @@ class AdamUpdate:
 
 
 class MasterStore:
-    """Training state on the CPU, one flat buffer per unit and kind of state: 12 bytes per parameter that live for
-    the whole run (float32 master and Adam moments), 2 more for the compute-dtype copy where there is room, and the
-    gradients' pool.
-
-    masters  float32, pinned: the copy stream streams them where there is no copy, and the GPU casts them
-    copies   the compute dtype, pinned: what the GPU streams, rewritten by each Adam step in the pass that updates
-             the master, so the copy engines move 2 bytes per parameter, not 4
-    grads    unit u's gradients (the compute dtype with one micro-batch, else float32), pinned, in a buffer of the
-             pool from their copy until their Adam step
-    moments  float32, pinned only for the units the GPU's Adam steps over streamed state (pin_moments)
+    """Training state on the host, one flat buffer per unit and kind of state:
+    masters  float32, pinned: 4 bytes per parameter, streamed and cast on the GPU where there are no copies
+    copies   the compute dtype, pinned, rewritten by each Adam step: what the GPU streams where there is room
+    moments  float32 (pinned only where the GPU's Adam streams them: pin_moments): 8 bytes per parameter
+    grads    the gradients, pinned, in a buffer of the pool from their copy to the host until their Adam step
     """
 
     def __init__(self, units: list[Unit], adam: Adam, pin: bool, grad_buffers: int | None = None,
-                 grad_dtype: torch.dtype = torch.float32, copy_dtype: torch.dtype | None = None):
-        self.units = units
+                 grad_dtype: torch.dtype = torch.float32, copy_dtype: torch.dtype | None = None):  # fmt: skip
+        self.units, self.pin = units, pin
         numels = [u.layout.numel for u in units]
         self.update = AdamUpdate(adam, grad_dtype, copy_dtype)
         self.grad_dtype = self.update.grad_dtype
         self.masters = [host_zeros(numel, torch.float32, pin) for numel in numels]
         self.copies = [host_zeros(numel, copy_dtype, pin) for numel in numels] if copy_dtype else None
         self.moments = [(host_zeros(n, torch.float32, False), host_zeros(n, torch.float32, False)) for n in numels]
-        self.pin, self.pinned_moments = pin, set()  # the units whose moments StreamedAdam streams
+        self.pinned_moments = set()
         self.steps = [torch.zeros(()) for _ in units]
         self.pool = GradientPool(numels, grad_buffers or len(units), pin, self.grad_dtype)
         self.grads = list(self.pool.buffers) if self.pool.dedicated else [None] * len(units)
@@ -752,34 +770,31 @@ class MasterStore:
 
     def take_grads(self, u: int) -> torch.Tensor:
         """A pinned buffer for unit u's gradients, which its Adam step will read (waits while the pool is empty)."""
-        self.grads[u] = self.pool.take(u)[:self.masters[u].numel()]
+        self.grads[u] = self.pool.take(u)[: self.masters[u].numel()]
         return self.grads[u]
 
     def step(self, u: int) -> None:
         """Unit u's Adam step (master, moments and copy in one pass); its gradients' buffer goes back to the pool."""
-        if not self.steps[u]:  # the first step starts the moments at zero, as torch.optim.Adam creates them (see load)
+        if not self.steps[u]:  # the first step starts the moments at zero, as torch.optim.Adam creates them
             for moment in self.moments[u]:
                 moment.zero_()
         copy = self.copies[u] if self.copies else None
         self.update(self.masters[u], self.grads[u], *self.moments[u], copy, self.steps[u])
         if not self.pool.dedicated:
-            grads, self.grads[u] = self.grads[u], None
-            self.pool.give(grads)
+            self.pool.give(self.grads[u])
+            self.grads[u] = None
 
     def pin_moments(self, u: int) -> None:
-        """Move unit u's Adam moments into pinned memory, for the copy engines to stream (StreamedAdam); one unit at a
-        time, so the host holds one unit's moments twice at the most."""
+        """Move unit u's Adam moments into pinned memory for the copy engines; one unit at a time."""
         if u not in self.pinned_moments:
             self.moments[u] = tuple(host_zeros(m.numel(), torch.float32, self.pin).copy_(m) for m in self.moments[u])
             self.pinned_moments.add(u)
 
     @torch.no_grad()
     def load(self, model: LlamaForCausalLM) -> None:
-        """Start from `model`'s weights, with fresh Adam state: step counts at zero, so each unit's first step zeroes
-        its moments. Not here: their 8 bytes per parameter, touched while a lean run still holds the model's decoder
-        layers, took its host peak 2 bytes per parameter over the steady state (a 49-layer LLaMA-7B probe was
-        killed for memory)."""
-        for u, (unit, master) in enumerate(zip(self.units, self.masters)):
+        """Start from `model`'s weights with fresh Adam state. The moments are not touched here but zeroed at each
+        unit's first step, once a lean run has freed the model's layers: the host's peak stays at its steady state."""
+        for u, (unit, master) in enumerate(zip(self.units, self.masters, strict=True)):
             module = model.get_submodule(unit.name)
             for name, view in unit.layout.views(master).items():
                 view.copy_(module.get_parameter(name))
@@ -789,15 +804,17 @@ class MasterStore:
 
     def state_dict(self, flats: list[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """The masters (or other per-unit flats, such as the gradients) as float32 tensors with HF parameter names."""
-        return {f"{unit.name}.{name}": view.to("cpu", torch.float32, copy=True)
-                for unit, flat in zip(self.units, flats or self.masters)
-                for name, view in unit.layout.views(flat).items()}
+        return {
+            f"{unit.name}.{name}": view.to("cpu", torch.float32, copy=True)
+            for unit, flat in zip(self.units, flats or self.masters, strict=True)
+            for name, view in unit.layout.views(flat).items()
+        }
 
 
 class GradientPool:
-    """The pinned buffers the units' gradients land in. One per unit, of its size, where the host has room
-    (`dedicated`: the backward never waits); otherwise `count` shared buffers, each big enough for any unit, that the
-    CPU Adam hands back as it finishes a unit, and the backward waits for one when none is free (`waited_s`)."""
+    """The pinned buffers the units' gradients land in: one per unit where the host has room (`dedicated`), otherwise
+    `count` shared ones, each big enough for any unit, which the CPU Adam hands back as it finishes a unit; the
+    backward then waits for a free one (`waited_s`)."""
 
     def __init__(self, numels: list[int], count: int, pin: bool, dtype: torch.dtype):
         self.dedicated = count >= len(numels)
@@ -823,12 +840,9 @@ class GradientPool:
 
 
 class CpuAdam:
-    """Each unit's Adam step, on the CPU, in a worker thread, as soon as the unit's gradients have landed.
-
-    Of the units whose gradients have landed it steps first the one the next forward pass needs first: the
-    embeddings and first layers, whose gradients come last, are then ready soonest, and the next step's forward
-    overlaps the updates of the layers after them. No unit is read before its update is done (`wait`).
-    """
+    """Each unit's Adam step in a worker thread, as soon as the unit's gradients have landed in pinned memory. Of the
+    landed units it steps first the one the next forward needs first (the embeddings and first layers, whose
+    gradients come last), so the next forward overlaps the updates of the layers after them."""
 
     def __init__(self, n_units: int, step):
         """step(u): unit u's update, run in the worker once its gradients have landed."""
@@ -836,7 +850,8 @@ class CpuAdam:
         self.done = [threading.Event() for _ in range(n_units)]
         for event in self.done:
             event.set()
-        self.pending, self.error = [], None  # (unit, landed event), in the order submitted
+        self.pending = []  # (unit, landed event), in the order submitted; None asks the worker to stop
+        self.error = None
         self.busy_s = 0.0  # time spent in updates
         self.cond = threading.Condition()
         self.thread = threading.Thread(target=self.work, name="cpu-adam", daemon=True)
@@ -903,45 +918,92 @@ class CpuAdam:
             self.done[u].set()
 
 
-class LossScale:
-    """Dynamic loss scaling for float16, as torch.amp.GradScaler does it: the loss is multiplied by the scale so
-    small gradients do not flush to zero; a step whose gradients overflow is skipped and halves the scale, 2000
-    good steps in a row double it. Scales are powers of two, so scaling and unscaling are exact."""
+class HostAdam:
+    """How the plain path steps a unit: its gradients leave on the D2H stream for a pinned buffer of the store, and the
+    CPU Adam steps it once they have landed. Each way of stepping units answers the same calls: where the unit's
+    gradients accumulate (grads, and whether that memory is the shared gradient buffer), how they leave (send), the
+    update, what the next forward's copy of the unit waits for (wait_written, written) and where the state is."""
 
-    def __init__(self, enabled: bool, device: torch.device):
-        self.enabled, self.scale, self.good_steps = enabled, 2.0**16 if enabled else 1.0, 0
-        self.found_inf = torch.zeros(1, device=device)
-        self.device = device
+    shares_buffer = True  # the gradients accumulate in the trainer's gradient buffer
 
-    def unscale(self, grads: list[torch.Tensor]) -> None:
-        """Divide the float32 gradients by the scale and note any inf or NaN (no sync)."""
-        if self.enabled:
-            inv_scale = torch.full((1,), 1 / self.scale, device=self.device)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found_inf, inv_scale)
+    def __init__(self, trainer: OffloadedTraining):
+        self.trainer = trainer
+        self.landed = [new_event(trainer.device, blocking=True) for _ in trainer.units]
+
+    def grads(self, u: int) -> torch.Tensor:
+        """The GPU memory unit u's gradients accumulate in: the start of the shared gradient buffer."""
+        return self.trainer.grad_buffer[: self.trainer.store.masters[u].numel()]
+
+    def send(self, u: int, grads: torch.Tensor, ready):
+        """Copy the gradients to the host once `ready`; returns the event after which their memory may be reused."""
+        host, stream = self.trainer.store.take_grads(u), self.trainer.d2h_stream
+        with on_stream(stream):
+            stream.wait_event(ready)  # the unit's backward must have written all its gradients
+            host.copy_(grads, non_blocking=True)
+            self.landed[u].record(stream)
+        return self.landed[u]
+
+    def update(self, u: int) -> None:
+        """Queue unit u's step for the CPU Adam, which runs it once the gradients have landed."""
+        self.trainer.cpu_adam.submit(u, self.landed[u])
+
+    def wait_written(self, u: int) -> None:
+        """Block until unit u's update has written its master and copy: the next forward streams them."""
+        self.trainer.cpu_adam.wait(u)
+
+    def written(self, u: int) -> bool:
+        """Whether unit u's update is done, without blocking."""
+        return self.trainer.cpu_adam.updated(u)
+
+    def state(self, u: int, grads: bool = False) -> torch.Tensor:
+        """Unit u's float32 master (grads: its last gradients) on the host."""
+        return self.trainer.store.grads[u] if grads else self.trainer.store.masters[u]
+
+    def wait_all(self) -> None:
+        """Block until every queued update is done."""
+        self.trainer.cpu_adam.wait_all()
+
+
+class KeptInputs:
+    """The plain path's saved inputs: each unit keeps its inputs (one tensor per micro-batch) on the GPU from its
+    forward to its backward. ActivationOffload answers the same calls with the inputs in host memory."""
+
+    def save(self, ctx, u: int, xs) -> None:
+        """Keep unit u's inputs for its backward."""
+        ctx.save_for_backward(*xs)
+
+    def load(self, u: int, saved: tuple) -> tuple:
+        """Unit u's inputs, at its backward."""
+        return saved
+
+    def release(self, u: int) -> None: ...  # nothing to free
+
+    def backward_begins(self, n_units: int) -> None: ...  # nothing to bring back
+
+
+class Unscaled:
+    """The plain path's loss: not scaled, each unit stepped as soon as its gradients are out. LossScale (float16)
+    answers the same calls, and holds the updates until every gradient is in."""
+
+    scale = 1.0
+    holds_updates = False
+
+    def unscale(self, grads: list[torch.Tensor]) -> None: ...  # nothing to undo
 
     def update(self) -> bool:
-        """After the backward pass: whether the step may be applied (a sync on float16 only)."""
-        if not self.enabled:
-            return True
-        overflow = bool(self.found_inf.item())
-        self.found_inf.zero_()
-        self.good_steps = 0 if overflow else self.good_steps + 1
-        if overflow:
-            self.scale /= 2
-        elif self.good_steps == 2000:
-            self.scale, self.good_steps = self.scale * 2, 0
-        return not overflow
+        """After the backward: whether the step may be applied."""
+        return True
 
 
 def objective(loss: torch.Tensor, micro_batches: int, scale: float) -> torch.Tensor:
-    """What backward starts from for one micro-batch: its share of the mean loss, times the loss scale. The gpu mode
-    and the offloaded modes build it alike, so its gradient is the same bits in both."""
+    """What backward starts from for one micro-batch: its share of the mean loss, times the loss scale. gpu mode and
+    the offloaded modes build it alike, so its gradient is the same bits in both."""
     return loss / micro_batches * scale
 
 
 def decoder_kwargs(model: LlamaForCausalLM, shape: tuple[int, int], dtype: torch.dtype, device) -> dict:
-    """What HF's LlamaModel.forward passes its decoder layers besides the hidden states (rotary cos/sin, causal
-    mask, positions), computed by HF itself on `device`: its forward runs on zero embeddings through one recorder."""
+    """What HF's LlamaModel.forward passes its decoder layers besides the hidden states (rotary cos/sin, causal mask,
+    positions), computed by HF itself: its forward runs on zero embeddings through one recorder."""
     captured = {}
 
     class Recorder(nn.Module):
@@ -954,8 +1016,8 @@ def decoder_kwargs(model: LlamaForCausalLM, shape: tuple[int, int], dtype: torch
 
     base = model.model
     kept = base.layers, base.norm, base.rotary_emb
-    rotary = copy.deepcopy(kept[2]).to(device)
-    base.layers, base.norm, base.rotary_emb = nn.ModuleList([Recorder()]), nn.Identity(), rotary
+    base.layers, base.norm, base.rotary_emb = nn.ModuleList([Recorder()]), nn.Identity(), copy.deepcopy(kept[2])
+    base.rotary_emb.to(device)
     try:
         with torch.no_grad():
             zeros = torch.zeros(*shape, model.config.hidden_size, dtype=dtype, device=device)
@@ -965,72 +1027,17 @@ def decoder_kwargs(model: LlamaForCausalLM, shape: tuple[int, int], dtype: torch
     return captured
 
 
-class ActivationOffload:
-    """--offload-activations: the inputs each unit keeps for its backward (one hidden-state tensor per micro-batch)
-    wait in pinned host memory from the unit's forward to its backward, so the GPU holds a few units' inputs, not
-    all of them.
-
-    Forward: a unit's inputs leave on the D2H stream while the unit runs on them, and the GPU lets go of them once
-    they have landed. Backward: a LayerStreamer over the host copies brings them back into a ring of slots on the
-    weights' copy stream, `depth` units ahead, as the weights come. The embeddings' inputs (token ids) stay put, so
-    input a on the host is unit a + 1's."""
-
-    def __init__(self, n_units: int, micro_batches: int, shape: tuple[int, int, int], dtype: torch.dtype,
-                 device: torch.device, depth: int, copy_stream, d2h_stream):
-        self.micro_batches, self.shape, self.device, self.d2h_stream = micro_batches, shape, device, d2h_stream
-        count = micro_batches * math.prod(shape)
-        self.host = [host_zeros(count, dtype, pin=device.type == "cuda") for _ in range(n_units - 1)]
-        self.offloaded = [new_event(device) for _ in self.host]
-        self.leaving = collections.deque()  # (landed event, GPU inputs) of the copies that may still read them
-        self.streamer = LayerStreamer(self.host, ["inputs"] * len(self.host), lambda kind, flat: self.split(flat),
-                                      dtype, device, depth, copy_stream)
-        # a unit's inputs come back only once they have reached the host
-        self.streamer.wait_source = lambda a: self.streamer.copy_stream.wait_event(self.offloaded[a])
-
-    def split(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """A flat buffer as one (B, T, hidden) view per micro-batch."""
-        return flat[:self.micro_batches * math.prod(self.shape)].view(self.micro_batches, *self.shape).unbind()
-
-    def send(self, u: int, xs: tuple[torch.Tensor, ...]) -> None:
-        """Copy unit u's inputs to the host on the D2H stream; called before the unit's kernels are issued."""
-        written = new_event(self.device)
-        written.record(self.streamer.compute_stream)
-        with on_stream(self.d2h_stream):
-            self.d2h_stream.wait_event(written)  # the unit before must have written them
-            for host, x in zip(self.split(self.host[u - 1]), xs):
-                host.copy_(x, non_blocking=True)
-            self.offloaded[u - 1].record(self.d2h_stream)
-        self.leaving.append((self.offloaded[u - 1], xs))
-        while self.leaving and (len(self.leaving) > 2 or self.leaving[0][0].query()):
-            # the copy reads them: the caching allocator must not hand their memory out before it has landed
-            self.leaving.popleft()[0].synchronize()
-
-    def let_go(self) -> None:
-        """At the end of the forward: the GPU lets go of the inputs still leaving, so that the backward does not carry
-        them. The compute stream waits for their copies to land: the caching allocator hands their memory out again
-        on that stream, so whatever it writes there runs after the copies have read it."""
-        for landed, _ in self.leaving:
-            self.streamer.compute_stream.wait_event(landed)
-        self.leaving.clear()
-
-
 class StreamedUnit(torch.autograd.Function):
-    """One unit over every micro-batch while its weights are on the GPU (layer-major), for forward and backward.
-
-    Forward streams the unit in and keeps only its inputs; backward streams it in again, recomputes and
-    back-propagates each micro-batch, and sends the unit's gradients to the CPU, where Adam updates it while the
-    GPU goes on with the units below. `anchor` requires grad, so autograd calls backward for the embeddings too,
-    whose inputs are token ids."""
+    """One unit over every micro-batch while its weights are on the GPU (layer-major). Forward streams the unit in and
+    keeps only its inputs; backward streams it in again, recomputes and back-propagates, and sends its gradients to be
+    stepped while the GPU goes on with the units below. `anchor` requires grad, so autograd calls backward for the
+    embeddings too, whose inputs are token ids."""
 
     @staticmethod
     def forward(ctx, trainer: OffloadedTraining, u: int, anchor: torch.Tensor, *xs: torch.Tensor):
-        """Run unit u on every micro-batch from its slot; keep the inputs (on the GPU, or sent to the host), not the
-        activations."""
+        """Run unit u on every micro-batch from its slot; keep the inputs, not the activations."""
         ctx.trainer, ctx.u = trainer, u
-        if trainer.acts is not None and u > 0:
-            trainer.acts.send(u, xs)
-        else:
-            ctx.save_for_backward(*xs)
+        trainer.inputs.save(ctx, u, xs)
         module = trainer.streamer.acquire(u)
         outs = tuple(trainer.run_unit(u, module, x, k) for k, x in enumerate(xs))
         trainer.streamer.release(u)
@@ -1042,229 +1049,40 @@ class StreamedUnit(torch.autograd.Function):
         return None, None, None, *ctx.trainer.backward_unit(ctx.u, ctx.saved_tensors, grad_outs)
 
 
-class ResidentUnit:
-    """A unit a placement keeps on the GPU in offloaded training: its compute-dtype weights, float32 master and Adam
-    moments live there, and the GPU's fused Adam steps it right after its backward, as gpu mode steps every weight.
-    Its float32 gradients live from its backward to that step only, so `grads` may be a view of a buffer the resident
-    units share."""
-
-    def __init__(self, master: torch.Tensor, adam: Adam, dtype: torch.dtype, device: torch.device,
-                 grads: torch.Tensor):
-        self.master = master.to(device, copy=True)
-        self.weights = self.master if dtype == torch.float32 else self.master.to(dtype)  # what the GPU computes with
-        self.moments = (torch.zeros_like(self.master), torch.zeros_like(self.master))
-        self.steps = torch.zeros((), device=device)  # float32 on the master's device, as the fused kernel keeps it
-        self.adam, self.grads = adam, grads
-
-    @torch.no_grad()
-    def step(self) -> None:
-        """Adam on the master, then the compute-dtype weights from it; on the compute stream, after the backward."""
-        torch_adam_step(self.adam, self.master, self.grads, *self.moments, self.steps)
-        if self.weights is not self.master:
-            self.weights.copy_(self.master)
-
-
-GPU_ADAM_CHUNK = 2**23  # parameters: the state StreamedAdam streams crosses PCIe in chunks this size
-
-
-class StreamedAdam:
-    """The GPU's fused Adam for streamed units whose state stays on the host: after a unit's backward its float32
-    master and moments cross PCIe in chunks through two staging slots, the GPU steps each chunk, and master, moments
-    and compute-dtype copy go back, while the CPU Adam steps the other units. Per parameter 12 bytes come in and 14 go
-    out (12 in float32, which has no copy), moved by the copy engines, not by the cores: host memory carries about as
-    many bytes as for the CPU Adam's update and its gradient copy (28 and 2), but the cores are left to the CPU
-    Adam's other units (7b-8l on the H100 machine, the default share: its busy time per step fell from 464 to 384 ms).
-    The unit's gradients are copied first, so the backward of the next unit can reuse the gradient buffer at once.
-    A unit's first step starts its moments at zero on the GPU, as torch.optim.Adam does.
-
-    Three streams of its own, ordered per slot k and per unit u:
-      s_in    state in    waits out_done[k]: slot k's last chunk has left (s_out runs in order, so the unit's last
-                          step has been written back too: its chunks left before any later one)
-      s_adam  the step    waits `ready` (the backward wrote the gradients) and in_done[k]: the chunk has landed
-      s_out   state out   waits computed[k]: the chunk is stepped; records stepped[u] after u's last chunk
-    The next forward's copy of unit u waits for stepped[u] (OffloadedTraining.wait_source), as it waits for the CPU
-    Adam's update of the others. The backward's last units are still in their slots, and the next forward needs
-    them first: for those (`into`) s_adam also writes each stepped chunk's compute-dtype weights into the slot and
-    then records the streamer's copied event of that slot, so the forward computes from the slot once the step is
-    done, with no copy and no wait for the state to be written back."""
-
-    def __init__(self, store: MasterStore, units, device: torch.device):
-        self.store, self.units, self.device = store, tuple(units), device
-        for u in self.units:
-            store.pin_moments(u)
-        numel = max(store.masters[u].numel() for u in self.units)
-        chunk = min(numel, GPU_ADAM_CHUNK)
-        copy_dtype = store.copies[0].dtype if store.copies else None
-        self.grads = torch.empty(numel, dtype=store.grad_dtype, device=device)  # the unit's, out of the gradient buffer
-        self.slots = [(*(torch.empty(chunk, device=device) for _ in range(3)),  # master and moments, float32
-                       None if copy_dtype is None else torch.empty(chunk, dtype=copy_dtype, device=device))
-                      for _ in range(2)]
-        self.s_in, self.s_adam, self.s_out = (new_stream(device) for _ in range(3))
-        self.in_done, self.computed, self.out_done = ([new_event(device) for _ in range(2)] for _ in range(3))
-        self.stepped = {u: new_event(device, blocking=True) for u in self.units}
-
-    def chunks(self, u: int):
-        """(slot, start, length) of unit u's chunks, in order; consecutive chunks take the two slots in turn."""
-        n, chunk = self.store.masters[u].numel(), self.slots[0][0].numel()
-        return [(i % 2, lo, min(chunk, n - lo)) for i, lo in enumerate(range(0, n, chunk))]
-
-    def host_state(self, u: int, lo: int, n: int) -> tuple:
-        """Unit u's master, moments and compute-dtype copy (or None) from lo, n parameters: pinned host views."""
-        copy = self.store.copies[u][lo:lo + n] if self.store.copies else None
-        return self.store.masters[u][lo:lo + n], *(m[lo:lo + n] for m in self.store.moments[u]), copy
-
-    def copy_in(self, u: int, k: int, lo: int, n: int, fresh: bool = False) -> None:
-        """Unit u's chunk into slot k, on the current stream: master, and moments unless `fresh` (zeroed instead)."""
-        master, exp_avg, exp_avg_sq, _ = self.host_state(u, lo, n)
-        p, m, v, _ = self.slots[k]
-        p[:n].copy_(master, non_blocking=True)
-        for dst, src in ((m, exp_avg), (v, exp_avg_sq)):
-            dst[:n].zero_() if fresh else dst[:n].copy_(src, non_blocking=True)
-
-    def copy_out(self, u: int, k: int, lo: int, n: int) -> None:
-        """Slot k's stepped chunk back into unit u's host state, on the current stream."""
-        for dst, src in zip(self.host_state(u, lo, n), self.slots[k]):
-            if dst is not None:
-                dst.copy_(src[:n], non_blocking=True)
-
-    def take(self, u: int, grads: torch.Tensor, ready, host: torch.Tensor | None = None):
-        """Copy unit u's gradients (`grads`, written once `ready` has passed) out of the gradient buffer, and to the
-        pinned `host` buffer too where given (the first step's, compared with gpu mode's); returns the event after
-        which the gradient buffer may be overwritten."""
-        n = grads.numel()
-        consumed = new_event(self.device)
-        with on_stream(self.s_adam):
-            self.s_adam.wait_event(ready)  # the unit's backward must have written all its gradients
-            self.grads[:n].copy_(grads)
-            consumed.record(self.s_adam)
-            if host is not None:  # before the next unit's gradients overwrite self.grads, in order on this stream
-                host.copy_(self.grads[:n], non_blocking=True)
-        return consumed
-
-    def step(self, u: int, into: tuple | None = None) -> None:
-        """Queue unit u's Adam step over its streamed state, chunk by chunk; its gradients were taken (take). into:
-        (the GPU slot holding unit u's compute-dtype weights, the event to record once they are rewritten), or None."""
-        adam, steps = self.store.update.adam, self.store.steps[u]
-        fresh, done = not steps, float(steps)  # steps done: the fused kernel counts this one in
-        steps += 1  # this count lives on the host: only the main thread issues this unit's steps
-        for k, lo, n in self.chunks(u):
-            p, m, v, copy = (t[:n] if t is not None else None for t in self.slots[k])
-            with on_stream(self.s_in):
-                self.s_in.wait_event(self.out_done[k])  # the slot's last chunk (and this unit's last step) must be out
-                self.copy_in(u, k, lo, n, fresh)
-                self.in_done[k].record(self.s_in)
-            with on_stream(self.s_adam):
-                self.s_adam.wait_event(self.in_done[k])  # the chunk's state must have landed
-                torch_adam_step(adam, p, self.grads[lo:lo + n].float(), m, v, torch.full((), done, device=p.device))
-                if copy is not None:
-                    copy.copy_(p)  # rounded to nearest even, as the CPU Adam writes the copy
-                if into is not None:  # the same rounding as the copy the forward would stream, or cast
-                    into[0][lo:lo + n].copy_(p)
-                self.computed[k].record(self.s_adam)
-            with on_stream(self.s_out):
-                self.s_out.wait_event(self.computed[k])  # the chunk must be stepped before it leaves
-                self.copy_out(u, k, lo, n)
-                self.out_done[k].record(self.s_out)
-        if into is not None:
-            into[1].record(self.s_adam)  # the slot holds the stepped weights: the next forward may compute from it
-        self.stepped[u].record(self.s_out)
-
-    def wait_all(self) -> None:
-        """Block until every queued step has written its state back to the host."""
-        for event in self.stepped.values():
-            event.synchronize()
-
-
 class OffloadedTraining:
-    """blocked and overlapped training: units streamed from the host (the masters' compute-dtype copy, or the
-    masters), CPU Adam per unit; the units a placement keeps on the GPU (keep_on_gpu) are stepped there, and those it
-    gives the GPU's Adam over streamed state (adam_on_gpu) are stepped there from their host state (StreamedAdam); of
-    those, the ones the backward leaves in the slots are rewritten there too, so the next forward starts on them
-    without a copy (refresh_target).
-
-    Streams: the compute stream runs the units; the streamer's copy stream brings weights in; `d2h_stream` takes
-    gradients out, so copies in both directions overlap. The GPU holds the streamer's slots, one gradient buffer,
-    the activations and the resident units. A unit's update rewrites the copy its backward streamed from with no
-    wait of its own: the update waits for the unit's gradients, which exist only once that copy has landed. A
-    resident unit's update runs on the compute stream, in order with the kernels that read its weights."""
+    """blocked and overlapped training: every unit streamed in by the LayerStreamer for its forward and again for its
+    backward, its gradients sent out and stepped. Streams: compute runs the units, the streamer's copy stream brings
+    weights in, `d2h_stream` takes gradients out. A unit's update rewrites the copy its backward streamed from with no
+    wait of its own: it waits for the unit's gradients, which exist only once that copy has landed. Three policies
+    plug in: steppers[u] steps unit u (HostAdam; ResidentUnits, StreamedAdam), `inputs` keeps the saved inputs
+    (KeptInputs; ActivationOffload), `scaling` scales the loss (Unscaled; LossScale for float16)."""
 
     def __init__(self, store: MasterStore, config: LlamaConfig, dtype: torch.dtype, device: torch.device, depth: int,
-                 loss_function, kwargs: dict, offload_inputs: tuple[int, int, int] | None = None):
-        """offload_inputs: (micro-batches, batch size, sequence length) to keep the units' inputs on the host between
-        forward and backward (--offload-activations); None keeps them on the GPU."""
-        if dtype == torch.float16 and not store.pool.dedicated:
-            raise ValueError("float16 steps only once every unit's gradients are in: give each unit a gradient buffer")
-        self.store, self.units, self.kwargs, self.loss_function = store, store.units, kwargs, loss_function
-        self.dtype, self.device, self.resident, self.shared_grads = dtype, device, {}, False
+                 loss_function, kwargs: dict):  # fmt: skip
+        self.store, self.units, self.dtype, self.device = store, store.units, dtype, device
+        self.loss_function, self.kwargs = loss_function, kwargs
         self.vocab_size, self.hidden_size = config.vocab_size, config.hidden_size
-        self.adam = CpuAdam(len(self.units), store.step)
+        kinds = [unit.kind for unit in self.units]
+        layouts = {unit.kind: unit.layout for unit in self.units}
 
         def make_module(kind, buffer):
             """A slot's module of this kind, its trainable weights views into the slot's buffer."""
-            return self.layout(kind).bind(unit_module(kind, config), buffer, trainable=True).eval()
+            return layouts[kind].bind(unit_module(kind, config), buffer, trainable=True).eval()
 
-        self.streamer = LayerStreamer(store.weights, [u.kind for u in self.units], make_module, dtype, device, depth)
-        self.streamer.wait_source, self.streamer.source_ready = self.wait_source, self.adam.updated
-        self.gpu_adam, self.keep_first_grads = None, False  # the streamed units the GPU steps (adam_on_gpu)
-        self.refreshed = set()  # the units whose slots the GPU's Adam rewrote in the last backward (refresh_target)
-        # float32 to accumulate micro-batches (or unscale float16); with one micro-batch the gradients leave as the
-        # backward made them, in the compute dtype
+        self.streamer = LayerStreamer(store.weights, kinds, make_module, dtype, device, depth)
+        # float32 to accumulate micro-batches (or unscale float16); with one micro-batch the compute dtype
         self.grad_buffer = torch.empty(max(m.numel() for m in store.masters), dtype=store.grad_dtype, device=device)
         self.d2h_stream = new_stream(device)
-        self.acts = None if offload_inputs is None else ActivationOffload(
-            len(self.units), offload_inputs[0], (*offload_inputs[1:], config.hidden_size), dtype, device, depth,
-            self.streamer.copy_stream, self.d2h_stream)
-        self.landed = [new_event(device, blocking=True) for _ in self.units]
-        self.last_landed = InOrder()  # the gradients that left grad_buffer last
+        self.last_landed = InOrder()  # the event after which the gradients that left grad_buffer last are out
         self.anchor = torch.empty(0, device=device, requires_grad=True)
-        self.loss_scale = LossScale(dtype == torch.float16, device)
-        self.sent = []
-
-    def wait_source(self, u: int) -> None:
-        """The next forward streams unit u only once its last update has written its master and copy: the CPU Adam's
-        (the main thread blocks), or the GPU's over streamed state (the copy stream waits)."""
-        if self.on_gpu_adam(u):
-            self.streamer.copy_stream.wait_event(self.gpu_adam.stepped[u])  # its state must be back on the host
-        else:
-            self.adam.wait(u)
-
-    def on_gpu_adam(self, u: int) -> bool:
-        """Whether the GPU's Adam steps unit u over its streamed state."""
-        return self.gpu_adam is not None and u in self.gpu_adam.stepped
-
-    def adam_on_gpu(self, units, keep_first_grads: bool = False) -> None:
-        """Step these streamed units with the GPU's Adam over their state streamed from the host (StreamedAdam), the
-        others with the CPU Adam. keep_first_grads: their first step's gradients go to the host too, for the
-        comparison with gpu mode. Not for float16, whose loss scale must see every gradient before any unit steps:
-        the GPU would have to hold them all."""
-        if self.loss_scale.enabled and units:
-            raise ValueError("float16 steps only once every gradient is in: its streamed units stay on the CPU Adam")
-        if set(units) & set(self.resident):
-            raise ValueError("resident units are stepped on the GPU already")
-        if keep_first_grads and units and not self.store.pool.dedicated:
-            raise ValueError("the first step's gradients stay on the host: give each unit a gradient buffer")
-        self.gpu_adam = StreamedAdam(self.store, units, self.device) if units else None
-        self.keep_first_grads = keep_first_grads
-
-    def refreshed_units(self) -> list[int]:
-        """The units the GPU's Adam steps whose slots it also rewrites (refresh_target): those among the backward's
-        last streamed units, one per slot, as no later copy of the backward reuses their slots; the next forward
-        needs them first."""
-        first = self.streamer.streamed[:self.streamer.n_slots]  # the forward's first, the backward's last
-        return [u for u in first if self.on_gpu_adam(u)]
-
-    def refresh_target(self, u: int) -> tuple | None:
-        """Where the GPU's Adam also writes unit u's stepped compute-dtype weights: the slot the backward leaves it in
-        (refreshed_units), with the event the next forward's compute waits for before it reads them; None for the
-        other units, which the next forward streams from the host."""
-        if u not in self.refreshed_units():
-            return None
-        s = self.streamer.slot[u]
-        return self.streamer.buffers[s][:self.store.masters[u].numel()], self.streamer.copied[s]
-
-    def layout(self, kind: str) -> FlatLayout:
-        """The flat layout of units of this kind."""
-        return next(u.layout for u in self.units if u.kind == kind)
+        self.cpu_adam = CpuAdam(len(self.units), store.step)
+        self.steppers = [HostAdam(self)] * len(self.units)
+        self.inputs = KeptInputs()
+        self.scaling = LossScale(device) if dtype == torch.float16 else Unscaled()
+        if self.scaling.holds_updates and not store.pool.dedicated:
+            raise ValueError("float16 steps only once every unit's gradients are in: give each unit a gradient buffer")
+        self.streamer.wait_source = lambda u: self.steppers[u].wait_written(u)
+        self.streamer.source_ready = lambda u: self.steppers[u].written(u)
 
     def run_unit(self, u: int, module: nn.Module, x: torch.Tensor, k: int) -> torch.Tensor:
         """Unit u's forward on micro-batch k: hidden states out, or the loss for the head."""
@@ -1285,150 +1103,84 @@ class OffloadedTraining:
         return (grads[0], grads[1:]) if x.requires_grad else (None, grads)
 
     def grad_views(self, u: int) -> list[torch.Tensor]:
-        """Where unit u's float32 gradients are accumulated on the GPU, one view per parameter: its own buffer where it
-        is resident, else the streamed units' gradient buffer."""
-        return list(self.units[u].layout.views(self.resident[u].grads if u in self.resident else self.grad_buffer)
-                    .values())
+        """Where unit u's gradients accumulate on the GPU, one view per parameter."""
+        return list(self.units[u].layout.views(self.steppers[u].grads(u)).values())
 
-    def add_unit_grads(self, u: int, module: nn.Module, x: torch.Tensor, k: int, grad_out: torch.Tensor,
-                       views: list[torch.Tensor]) -> torch.Tensor | None:
-        """Micro-batch k's share of unit u's backward: its parameter gradients added into `views` in float32 (written,
-        for k = 0), in micro-batch order as gpu mode does; returns the gradient of its input. The parameter gradients
-        die on return, before the next micro-batch's recompute (a LLaMA-7B layer's are 0.4 GB)."""
+    def add_unit_grads(self, u: int, module, x, k: int, grad_out, views: list[torch.Tensor]) -> torch.Tensor | None:
+        """Micro-batch k's share of unit u's backward: its parameter gradients added into `views` (written for k = 0)
+        in micro-batch order, as gpu mode does; returns the gradient of its input. The parameter gradients die on
+        return, before the next micro-batch's recompute."""
         grad_in, grads = self.unit_grads(u, module, x, k, grad_out)
-        if k == 0 and (u not in self.resident or self.shared_grads):  # the last streamed unit's gradients must have
-            self.streamer.compute_stream.wait_event(self.last_landed)  # left the memory these are written into
-        for view, grad in zip(views, grads):
-            view.copy_(grad) if k == 0 else view.add_(grad)
+        if k == 0 and self.steppers[u].shares_buffer:  # the last unit's gradients must have left the shared buffer
+            self.streamer.compute_stream.wait_event(self.last_landed)
+        for view, grad in zip(views, grads, strict=True):
+            if k == 0:
+                view.copy_(grad)
+            else:
+                view.add_(grad)
         return grad_in
 
-    def backward_unit(self, u: int, xs, grad_outs) -> list:
-        """Unit u's backward over every micro-batch: stream it in, recompute, accumulate its gradients in float32 and
-        send them to the CPU; returns the gradients of its inputs."""
+    def backward_unit(self, u: int, saved: tuple, grad_outs) -> list:
+        """Unit u's backward over every micro-batch: stream it in, recompute, accumulate its gradients and send them to
+        be stepped; returns the gradients of its inputs."""
         module = self.streamer.acquire(u)
-        if not xs:  # the inputs wait on the host
-            xs = self.acts.streamer.acquire(u - 1)
+        xs = self.inputs.load(u, saved)
         views = self.grad_views(u)
-        grads_in = [self.add_unit_grads(u, module, x, k, grad_out, views)
-                    for k, (x, grad_out) in enumerate(zip(xs, grad_outs))]
+        pairs = enumerate(zip(xs, grad_outs, strict=True))
+        grads_in = [self.add_unit_grads(u, module, x, k, grad_out, views) for k, (x, grad_out) in pairs]
         self.streamer.release(u)
-        if self.acts is not None and u > 0:
-            self.acts.streamer.release(u - 1)
+        self.inputs.release(u)
         self.send(u)
         return grads_in
 
     def send(self, u: int) -> None:
-        """Unscale unit u's gradients and step it: a resident unit on the GPU; a streamed unit's gradients go to
-        pinned memory on the D2H stream, and its CPU Adam step is queued."""
+        """Unscale unit u's gradients and send them to its stepper; the update follows, or waits for the others."""
+        grads = self.steppers[u].grads(u)
+        self.scaling.unscale([grads])
+        ready = new_event(self.device)
+        ready.record(self.streamer.compute_stream)
+        self.last_landed = self.steppers[u].send(u, grads, ready)
         self.sent.append(u)
-        if u in self.resident:
-            self.loss_scale.unscale([self.resident[u].grads])
-        else:
-            n = self.store.masters[u].numel()
-            self.loss_scale.unscale([self.grad_buffer[:n]])
-            ready = new_event(self.device)
-            ready.record(self.streamer.compute_stream)
-            if self.on_gpu_adam(u):
-                first = self.keep_first_grads and not self.store.steps[u]
-                self.last_landed = self.gpu_adam.take(u, self.grad_buffer[:n], ready,
-                                                      self.store.take_grads(u) if first else None)
-            else:
-                host = self.store.take_grads(u)
-                with on_stream(self.d2h_stream):
-                    self.d2h_stream.wait_event(ready)  # the unit's backward must have written all its gradients
-                    host.copy_(self.grad_buffer[:n], non_blocking=True)
-                    self.landed[u].record(self.d2h_stream)
-                self.last_landed = self.landed[u]
-        if not self.loss_scale.enabled:  # float16 must first see every gradient: one overflow skips the step
-            self.update(u)
-
-    def update(self, u: int) -> None:
-        """Unit u's Adam step: now, on the compute stream, where it is resident; queued on the GPU Adam's streams where
-        it steps the unit over streamed state; else queued for the CPU Adam, which runs it once its gradients have
-        landed."""
-        if u in self.resident:
-            self.resident[u].step()
-        elif self.on_gpu_adam(u):
-            into = self.refresh_target(u)
-            self.gpu_adam.step(u, into)
-            if into is not None:
-                self.refreshed.add(u)
-        else:
-            self.adam.submit(u, self.landed[u])
+        if not self.scaling.holds_updates:
+            self.steppers[u].update(u)
 
     def step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
         """One optimizer step over the micro-batches; returns the mean loss. The updates may still be running."""
         if len(micro_batches) > 1 and self.grad_buffer.dtype != torch.float32:
             raise ValueError("micro-batches accumulate their gradients in float32: give the store float32 gradients")
-        self.labels, self.sent = micro_batches, []
-        n = len(self.units)
-        self.streamer.begin(range(n), keep=self.refreshed)  # the slots the GPU's Adam rewrote need no copy
-        self.refreshed = set()
+        self.labels, self.sent, n = micro_batches, [], len(self.units)
+        self.streamer.begin(range(n))
         losses = StreamedUnit.apply(self, 0, self.anchor, *micro_batches)
         for u in range(1, n):
             losses = StreamedUnit.apply(self, u, self.anchor, *losses)
-        self.streamer.begin(reversed(range(n)), keep=True)  # the forward's last units are still on the GPU
-        if self.acts is not None:
-            self.acts.let_go()
-            self.acts.streamer.begin(reversed(range(n - 1)))
-        sum(objective(loss, len(losses), self.loss_scale.scale) for loss in losses).backward()
-        if self.loss_scale.update() and self.loss_scale.enabled:
+        self.streamer.begin(reversed(range(n)), keep=True)  # the forward's last units are still in the slots
+        self.inputs.backward_begins(n)
+        sum(objective(loss, len(losses), self.scaling.scale) for loss in losses).backward()
+        if self.scaling.update() and self.scaling.holds_updates:
             for u in self.sent:
-                self.update(u)
+                self.steppers[u].update(u)
         return mean_loss(losses)
 
-    def keep_on_gpu(self, units, own_grads: bool) -> None:
-        """Keep `units` resident on the GPU (a placement) and stream the rest: the slots and the gradient buffer are
-        sized anew for the streamed units. own_grads: each resident unit keeps its float32 gradients until the step
-        ends (float16, whose loss scale must see every gradient before any unit steps, and the first step's comparison
-        with gpu mode); otherwise they share the streamed units' gradient buffer, grown to the largest of theirs."""
-        if self.dtype == torch.float16 and units and not own_grads:
-            raise ValueError("float16 steps only once every gradient is in: resident units need their own gradients")
-        numels = [m.numel() for m in self.store.masters]
-        self.grad_buffer = None  # freed before the resident state is allocated
-        streamed = max((n for u, n in enumerate(numels) if u not in units), default=0) * self.store.grad_dtype.itemsize
-        # shared: the resident units' float32 gradients live in the streamed units' gradient buffer, made large
-        # enough (backward_unit waits for the last streamed unit's gradients to have left it)
-        self.shared_grads = not own_grads and bool(units)
-        memory = torch.empty(streamed if own_grads else max(streamed, 4 * max((numels[u] for u in units), default=0)),
-                             dtype=torch.uint8, device=self.device)
-
-        def load(u: int) -> torch.Tensor:
-            """Unit u's state on the GPU; its compute-dtype weights, for the streamer to run it from."""
-            grads = torch.empty(numels[u], device=self.device) if own_grads else \
-                memory[:4 * numels[u]].view(torch.float32)
-            self.resident[u] = ResidentUnit(self.store.masters[u], self.store.update.adam, self.dtype, self.device,
-                                            grads)
-            return self.resident[u].weights
-
-        self.resident = {}
-        self.streamer.keep_resident(units, load)
-        self.grad_buffer = memory[:streamed].view(self.store.grad_dtype)
-
     def state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
-        """The float32 masters (grads: the last step's gradients; the first step's for the units the GPU Adam steps
-        over streamed state) with HF names on the CPU, the resident units' from the GPU, once every update is done."""
+        """The float32 masters (grads: the last step's gradients, or the first step's where they are kept) with HF
+        names on the CPU, once every update is done."""
         self.wait_updates()
-        flats = self.store.grads if grads else self.store.masters
-        return self.store.state_dict([flat if u not in self.resident else
-                                      self.resident[u].grads if grads else self.resident[u].master
-                                      for u, flat in enumerate(flats)])
+        return self.store.state_dict([self.steppers[u].state(u, grads) for u in range(len(self.units))])
 
     def wait_updates(self) -> None:
-        """Block until every update is done and written back: the CPU Adam's and the GPU's over streamed state."""
-        self.adam.wait_all()
-        if self.gpu_adam:
-            self.gpu_adam.wait_all()
+        """Block until every update is done and written back."""
+        for stepper in dict.fromkeys(self.steppers):
+            stepper.wait_all()
 
     def finish(self) -> None:
         """Wait for the last updates and stop the CPU Adam worker."""
         self.wait_updates()
-        self.adam.close()
+        self.cpu_adam.close()
 
 
 class ResidentTraining:
-    """gpu and cpu modes, the reference: the plain HF model on `device`, float32 master weights and
-    torch.optim.Adam on the same device, a compute-dtype copy of the weights for forward and backward."""
+    """gpu and cpu modes, the reference: the plain HF model on `device`, float32 master weights and torch.optim.Adam
+    on the same device, a compute-dtype copy of the weights for forward and backward."""
 
     def __init__(self, model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device, adam: Adam):
         self.model = copy.deepcopy(model).to(device)
@@ -1436,24 +1188,24 @@ class ResidentTraining:
         self.params = [p.requires_grad_() for p in self.model.parameters()]  # the inference store froze the layers
         self.masters = [p.detach().float().clone() for p in self.params]
         self.optimizer = adam.optimizer(self.masters)
-        self.loss_scale = LossScale(dtype == torch.float16, device)
+        self.scaling = LossScale(device) if dtype == torch.float16 else Unscaled()
 
     def step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
-        """One optimizer step: backward each micro-batch, accumulate the gradients in float32, step Adam on the
-        masters and copy them into the compute-dtype weights; returns the mean loss."""
+        """One optimizer step: backward each micro-batch, accumulate the gradients in float32, step Adam on the masters
+        and copy them into the compute-dtype weights; returns the mean loss."""
         losses = []
         for k, ids in enumerate(micro_batches):
             loss = self.model(ids, labels=ids, use_cache=False).loss
-            objective(loss, len(micro_batches), self.loss_scale.scale).backward()
-            for master, p in zip(self.masters, self.params):
+            objective(loss, len(micro_batches), self.scaling.scale).backward()
+            for master, p in zip(self.masters, self.params, strict=True):
                 master.grad = p.grad.float() if k == 0 else master.grad.add_(p.grad)
                 p.grad = None
             losses.append(loss.detach())
-        self.loss_scale.unscale([m.grad for m in self.masters])
-        if self.loss_scale.update():
+        self.scaling.unscale([m.grad for m in self.masters])
+        if self.scaling.update():
             self.optimizer.step()
             with torch.no_grad():
-                for p, master in zip(self.params, self.masters):
+                for p, master in zip(self.params, self.masters, strict=True):
                     p.copy_(master)
         return mean_loss(losses)
 
@@ -1461,7 +1213,7 @@ class ResidentTraining:
 
     def state_dict(self, tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """Copies of `tensors` (masters or their gradients) on the CPU under HF parameter names."""
-        return {name: t.detach().to("cpu", copy=True) for name, t in zip(self.names, tensors)}
+        return {name: t.detach().to("cpu", copy=True) for name, t in zip(self.names, tensors, strict=True)}
 
 
 def mean_loss(losses) -> torch.Tensor:
@@ -1469,15 +1221,346 @@ def mean_loss(losses) -> torch.Tensor:
     return sum(loss.detach() for loss in losses) / len(losses)
 
 
-# ----------------------------------------------------------------------------- placement
+# ---------------------------------------------------------------------------------------------------- accelerations
+# Each piece plugs into the plain path above through its policies (OffloadedTraining's steppers, inputs, scaling):
+# without them the program still trains, exactly, and slower.
 
-PLAN_MARGIN = GiB // 2  # of a --max-gpu-memory budget, left out of the plan: the caching allocator's fragmentation
+
+class ResidentUnit:
+    """One unit a placement keeps on the GPU: its compute-dtype weights, float32 master and Adam moments live there.
+    Its float32 gradients live from its backward to its step only, so `grads` may be memory the units share."""
+
+    def __init__(self, master: torch.Tensor, adam: Adam, dtype: torch.dtype, device, grads: torch.Tensor):
+        self.master = master.to(device, copy=True)
+        self.weights = self.master if dtype == torch.float32 else self.master.to(dtype)  # what the GPU computes with
+        self.moments = (torch.zeros_like(self.master), torch.zeros_like(self.master))
+        self.steps = torch.zeros((), device=device)  # float32 on the master's device, as the fused kernel keeps it
+        self.adam, self.grads = adam, grads
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Adam on the master, then the compute-dtype weights from it; on the compute stream, after the backward."""
+        torch_adam_step(self.adam, self.master, self.grads, *self.moments, self.steps)
+        if self.weights is not self.master:
+            self.weights.copy_(self.master)
+
+
+class ResidentUnits:
+    """Units resident under a GPU budget: the streamer runs them from their own buffers, and the GPU's fused Adam steps
+    each right after its backward, on the compute stream, as gpu mode steps every weight; their state never crosses
+    PCIe. Their float32 gradients have buffers of their own (own_grads: float16, whose loss scale must see every
+    gradient before any unit steps, and the comparison with gpu mode), or else share the streamed units' gradient
+    buffer, grown to the largest of theirs (they wait for the last gradients to have left it)."""
+
+    def __init__(self, trainer: OffloadedTraining, units, own_grads: bool):
+        if trainer.scaling.holds_updates and units and not own_grads:
+            raise ValueError("float16 steps only once every gradient is in: resident units need their own gradients")
+        self.trainer, self.shares_buffer, self.units = trainer, not own_grads, {}
+        numels = [m.numel() for m in trainer.store.masters]
+        trainer.grad_buffer = None  # freed before the resident state is allocated
+        streamed = max((n for u, n in enumerate(numels) if u not in units), default=0)
+        streamed_bytes = streamed * trainer.store.grad_dtype.itemsize
+        shared_bytes = 0 if own_grads else 4 * max((numels[u] for u in units), default=0)
+        memory = torch.empty(max(streamed_bytes, shared_bytes), dtype=torch.uint8, device=trainer.device)
+        trainer.streamer.keep_resident(units, lambda u: self.load(u, memory))
+        trainer.grad_buffer = memory[:streamed_bytes].view(trainer.store.grad_dtype)
+        for u in units:
+            trainer.steppers[u] = self
+
+    def load(self, u: int, memory: torch.Tensor) -> torch.Tensor:
+        """Unit u's state on the GPU; its compute-dtype weights, for the streamer to run it from."""
+        numel, device = self.trainer.store.masters[u].numel(), self.trainer.device
+        grads = memory[: 4 * numel].view(torch.float32) if self.shares_buffer else torch.empty(numel, device=device)
+        adam = self.trainer.store.update.adam
+        self.units[u] = ResidentUnit(self.trainer.store.masters[u], adam, self.trainer.dtype, device, grads)
+        return self.units[u].weights
+
+    def grads(self, u: int) -> torch.Tensor:
+        """Unit u's float32 gradients on the GPU."""
+        return self.units[u].grads
+
+    def send(self, u: int, grads: torch.Tensor, ready):
+        """Nothing leaves the GPU: the shared gradient buffer holds what it held."""
+        return self.trainer.last_landed
+
+    def update(self, u: int) -> None:
+        """Unit u's Adam step, now, on the compute stream."""
+        self.units[u].step()
+
+    def wait_written(self, u: int) -> None: ...  # never streamed
+
+    def written(self, u: int) -> bool:  # never streamed
+        return True
+
+    def state(self, u: int, grads: bool = False) -> torch.Tensor:
+        """Unit u's float32 master (grads: its last gradients) on the GPU."""
+        return self.units[u].grads if grads else self.units[u].master
+
+    def wait_all(self) -> None: ...  # its steps run on the compute stream, which every read of the state waits for
+
+
+class StreamedAdam:
+    """The GPU's fused Adam for streamed units whose state stays on the host: after a unit's backward its float32
+    master and moments cross PCIe in chunks through two staging slots, the GPU steps each chunk, and master, moments
+    and compute-dtype copy go back, moved by the copy engines while the cores run the CPU Adam on the other units.
+    Three streams of its own, ordered per slot k and per unit u:
+      s_in    state in    waits out_done[k]: slot k's last chunk has left (and so the unit's last step)
+      s_adam  the step    waits `ready` (the gradients are written) and in_done[k]: the chunk has landed
+      s_out   state out   waits computed[k]: the chunk is stepped; records stepped[u] after u's last chunk
+    The backward's last units, still in their slots, are rewritten there too (refresh_target)."""
+
+    shares_buffer = True  # the gradients accumulate in the trainer's gradient buffer
+
+    def __init__(self, trainer: OffloadedTraining, units, keep_first_grads: bool = False):
+        store = trainer.store
+        if trainer.scaling.holds_updates and units:
+            raise ValueError("float16 steps only once every gradient is in: its streamed units stay on the CPU Adam")
+        if set(units) & set(trainer.streamer.resident):
+            raise ValueError("resident units are stepped on the GPU already")
+        if keep_first_grads and units and not store.pool.dedicated:
+            raise ValueError("the first step's gradients stay on the host: give each unit a gradient buffer")
+        self.trainer, self.store, self.units, self.device = trainer, store, tuple(units), trainer.device
+        self.keep_first_grads = keep_first_grads  # the first step's gradients go to the host, to compare them
+        for u in self.units:
+            store.pin_moments(u)
+            trainer.steppers[u] = self
+        numel = max((store.masters[u].numel() for u in self.units), default=0)
+        chunk = min(numel, GPU_ADAM_CHUNK)
+        copy_dtype = store.copies[0].dtype if store.copies else None
+        self.buffer = torch.empty(numel, dtype=store.grad_dtype, device=self.device)  # the unit's gradients, taken
+        self.slots = [self.staging_slot(chunk, copy_dtype) for _ in range(2)]
+        self.s_in, self.s_adam, self.s_out = (new_stream(self.device) for _ in range(3))
+        self.in_done, self.computed, self.out_done = ([new_event(self.device) for _ in range(2)] for _ in range(3))
+        self.stepped = {u: new_event(self.device, blocking=True) for u in self.units}
+
+    def staging_slot(self, chunk: int, copy_dtype) -> tuple:
+        """A chunk's float32 master and moments and, where the store has one, its compute-dtype copy, on the GPU."""
+        copy = None if copy_dtype is None else torch.empty(chunk, dtype=copy_dtype, device=self.device)
+        return (*(torch.empty(chunk, device=self.device) for _ in range(3)), copy)
+
+    def chunks(self, u: int):
+        """(slot, start, length) of unit u's chunks, in order; consecutive chunks take the two slots in turn."""
+        n, chunk = self.store.masters[u].numel(), self.slots[0][0].numel()
+        return [(i % 2, lo, min(chunk, n - lo)) for i, lo in enumerate(range(0, n, chunk))]
+
+    def host_state(self, u: int, lo: int, n: int) -> tuple:
+        """Unit u's master, moments and compute-dtype copy (or None) from lo, n parameters: pinned host views."""
+        copy = self.store.copies[u][lo : lo + n] if self.store.copies else None
+        return self.store.masters[u][lo : lo + n], *(m[lo : lo + n] for m in self.store.moments[u]), copy
+
+    def copy_in(self, u: int, k: int, lo: int, n: int, fresh: bool = False) -> None:
+        """Unit u's chunk into slot k, on the current stream: master, and moments unless `fresh` (zeroed instead)."""
+        master, exp_avg, exp_avg_sq, _ = self.host_state(u, lo, n)
+        p, m, v, _ = self.slots[k]
+        p[:n].copy_(master, non_blocking=True)
+        for dst, src in ((m, exp_avg), (v, exp_avg_sq)):
+            if fresh:
+                dst[:n].zero_()
+            else:
+                dst[:n].copy_(src, non_blocking=True)
+
+    def copy_out(self, u: int, k: int, lo: int, n: int) -> None:
+        """Slot k's stepped chunk back into unit u's host state, on the current stream."""
+        for dst, src in zip(self.host_state(u, lo, n), self.slots[k], strict=True):
+            if dst is not None:
+                dst.copy_(src[:n], non_blocking=True)
+
+    def grads(self, u: int) -> torch.Tensor:
+        """The GPU memory unit u's gradients accumulate in: the start of the shared gradient buffer."""
+        return self.trainer.grad_buffer[: self.store.masters[u].numel()]
+
+    def send(self, u: int, grads: torch.Tensor, ready):
+        """Take unit u's gradients out of the shared buffer (take), and to the host too at the first step where the
+        comparison keeps them; returns the event after which the buffer may be overwritten."""
+        first = self.keep_first_grads and not self.store.steps[u]
+        return self.take(u, grads, ready, self.store.take_grads(u) if first else None)
+
+    def take(self, u: int, grads: torch.Tensor, ready, host: torch.Tensor | None = None):
+        """Copy unit u's gradients (written once `ready` has passed) into this Adam's own buffer, and on to `host`
+        where given; returns the event after which `grads` may be overwritten."""
+        n, consumed = grads.numel(), new_event(self.device)
+        with on_stream(self.s_adam):
+            self.s_adam.wait_event(ready)  # the unit's backward must have written all its gradients
+            self.buffer[:n].copy_(grads)
+            consumed.record(self.s_adam)
+            if host is not None:  # before the next unit's gradients overwrite the buffer, in order on this stream
+                host.copy_(self.buffer[:n], non_blocking=True)
+        return consumed
+
+    def update(self, u: int) -> None:
+        """Queue unit u's step on this Adam's streams; where the slot holding u is rewritten too, tell the streamer."""
+        into = self.refresh_target(u)
+        self.step(u, into)
+        if into is not None:
+            self.trainer.streamer.rewritten(u)
+
+    def step(self, u: int, into: tuple | None = None) -> None:
+        """Queue unit u's Adam step over its streamed state, chunk by chunk; its gradients were taken. into: (the slot
+        holding unit u's compute-dtype weights, the event to record once they are rewritten), or None."""
+        steps = self.store.steps[u]
+        fresh, done = not steps, float(steps)  # steps done: the fused kernel counts this one in
+        steps += 1  # this count lives on the host: only the main thread issues this unit's steps
+        for k, lo, n in self.chunks(u):
+            with on_stream(self.s_in):
+                self.s_in.wait_event(self.out_done[k])  # the slot's last chunk (and this unit's last step) must be out
+                self.copy_in(u, k, lo, n, fresh)
+                self.in_done[k].record(self.s_in)
+            with on_stream(self.s_adam):
+                self.s_adam.wait_event(self.in_done[k])  # the chunk's state must have landed
+                self.step_chunk(u, k, lo, n, done, into)
+                self.computed[k].record(self.s_adam)
+            with on_stream(self.s_out):
+                self.s_out.wait_event(self.computed[k])  # the chunk must be stepped before it leaves
+                self.copy_out(u, k, lo, n)
+                self.out_done[k].record(self.s_out)
+        if into is not None:
+            into[1].record(self.s_adam)  # the slot holds the stepped weights: the next forward may compute from it
+        self.stepped[u].record(self.s_out)
+
+    def step_chunk(self, u: int, k: int, lo: int, n: int, done: float, into: tuple | None) -> None:
+        """torch's fused Adam on slot k's chunk; its compute-dtype copy, and into the slot where `into` says."""
+        p, m, v, copy = (t[:n] if t is not None else None for t in self.slots[k])
+        step = torch.full((), done, device=p.device)
+        torch_adam_step(self.store.update.adam, p, self.buffer[lo : lo + n].float(), m, v, step)
+        if copy is not None:
+            copy.copy_(p)  # rounded to nearest even, as the CPU Adam writes the copy
+        if into is not None:  # the same rounding as the copy the forward would stream, or cast
+            into[0][lo : lo + n].copy_(p)
+
+    def refreshed_units(self) -> list[int]:
+        """The units whose slots the step rewrites: those among the backward's last streamed units, one per slot, as
+        no later copy of the backward reuses their slots; the next forward needs them first."""
+        streamer = self.trainer.streamer
+        return [u for u in streamer.streamed[: streamer.n_slots] if u in self.stepped]
+
+    def refresh_target(self, u: int) -> tuple | None:
+        """(The slot the backward leaves unit u in, the event the next forward's compute waits for before it reads
+        it), or None for the units the next forward streams from the host."""
+        if u not in self.refreshed_units():
+            return None
+        streamer = self.trainer.streamer
+        s = streamer.slot[u]
+        return streamer.buffers[s][: self.store.masters[u].numel()], streamer.copied[s]
+
+    def wait_written(self, u: int) -> None:
+        """The next forward's copy of unit u waits on the copy stream, not the host, for its state to be back."""
+        self.trainer.streamer.copy_stream.wait_event(self.stepped[u])  # its state must be back on the host
+
+    def written(self, u: int) -> bool:  # the copy stream waits for it: the copy may be issued now
+        return True
+
+    def state(self, u: int, grads: bool = False) -> torch.Tensor:
+        """Unit u's float32 master (grads: its first step's gradients) on the host."""
+        return self.store.grads[u] if grads else self.store.masters[u]
+
+    def wait_all(self) -> None:
+        """Block until every queued step has written its state back to the host."""
+        for event in self.stepped.values():
+            event.synchronize()
+
+
+class ActivationOffload:
+    """--offload-activations: each unit's inputs (one hidden-state tensor per micro-batch) wait in pinned host memory
+    from the unit's forward to its backward, so the GPU holds a few units' inputs, not all of them. Forward: they leave
+    on the D2H stream while the unit runs on them. Backward: a LayerStreamer over the host copies brings them back into
+    a ring of slots on the weights' copy stream, `depth` units ahead. The embeddings' inputs (token ids) stay put, so
+    input a on the host is unit a + 1's."""
+
+    def __init__(self, trainer: OffloadedTraining, micro_batches: int, shape: tuple[int, int]):
+        device, streamer = trainer.device, trainer.streamer
+        self.micro_batches, self.shape, self.device = micro_batches, (*shape, trainer.hidden_size), device
+        self.d2h_stream = trainer.d2h_stream  # the gradients' stream: the inputs leave on it too
+        count = micro_batches * math.prod(self.shape)
+        self.host = [host_zeros(count, trainer.dtype, pin=device.type == "cuda") for _ in trainer.units[1:]]
+        self.offloaded = [new_event(device) for _ in self.host]
+        self.leaving = collections.deque()  # (landed event, GPU inputs) of the copies that may still read them
+        kinds = ["inputs"] * len(self.host)
+        self.streamer = LayerStreamer(self.host, kinds, lambda kind, flat: self.split(flat), trainer.dtype, device,
+                                      streamer.depth, streamer.copy_stream)  # fmt: skip
+        # a unit's inputs come back only once they have reached the host
+        self.streamer.wait_source = lambda a: self.streamer.copy_stream.wait_event(self.offloaded[a])
+        trainer.inputs = self
+
+    def split(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A flat buffer as one (B, T, hidden) view per micro-batch."""
+        return flat[: self.micro_batches * math.prod(self.shape)].view(self.micro_batches, *self.shape).unbind()
+
+    def save(self, ctx, u: int, xs) -> None:
+        """Unit u's inputs to the host; the embeddings' token ids stay in ctx."""
+        if u == 0:
+            ctx.save_for_backward(*xs)
+        else:
+            self.send(u, xs)
+
+    def send(self, u: int, xs: tuple[torch.Tensor, ...]) -> None:
+        """Copy unit u's inputs to the host on the D2H stream; called before the unit's kernels are issued."""
+        written, stream = new_event(self.device), self.d2h_stream
+        written.record(self.streamer.compute_stream)
+        with on_stream(stream):
+            stream.wait_event(written)  # the unit before must have written them
+            for host, x in zip(self.split(self.host[u - 1]), xs, strict=True):
+                host.copy_(x, non_blocking=True)
+            self.offloaded[u - 1].record(stream)
+        self.leaving.append((self.offloaded[u - 1], xs))
+        while self.leaving and (len(self.leaving) > 2 or self.leaving[0][0].query()):
+            # the copy reads them: the caching allocator must not hand their memory out before it has landed
+            self.leaving.popleft()[0].synchronize()
+
+    def backward_begins(self, n_units: int) -> None:
+        """The GPU lets go of the inputs still leaving, so the backward does not carry them, and the backward's ring
+        starts. The compute stream waits for their copies: the allocator hands their memory out on that stream."""
+        for landed, _ in self.leaving:
+            self.streamer.compute_stream.wait_event(landed)
+        self.leaving.clear()
+        self.streamer.begin(reversed(range(n_units - 1)))
+
+    def load(self, u: int, saved: tuple) -> tuple:
+        """Unit u's inputs, at its backward: back from the host into a slot, or the token ids kept in ctx."""
+        return saved if u == 0 else self.streamer.acquire(u - 1)
+
+    def release(self, u: int) -> None:
+        """Unit u's backward is issued: its inputs' slot may take the next unit's."""
+        if u > 0:
+            self.streamer.release(u - 1)
+
+
+class LossScale:
+    """float16's dynamic loss scaling, as torch.amp.GradScaler does it: the loss is multiplied by the scale so small
+    gradients do not flush to zero; a step whose gradients overflow is skipped and halves the scale, 2000 good steps
+    in a row double it. Powers of two, so scaling is exact. Every unit's gradients must be in before any unit steps."""
+
+    holds_updates = True
+
+    def __init__(self, device: torch.device):
+        self.scale, self.good_steps, self.device = 2.0**16, 0, device
+        self.found_inf = torch.zeros(1, device=device)
+
+    def unscale(self, grads: list[torch.Tensor]) -> None:
+        """Divide the float32 gradients by the scale and note any inf or NaN (no sync)."""
+        inv_scale = torch.full((1,), 1 / self.scale, device=self.device)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found_inf, inv_scale)
+
+    def update(self) -> bool:
+        """After the backward pass: whether the step may be applied (a sync)."""
+        overflow = bool(self.found_inf.item())
+        self.found_inf.zero_()
+        self.good_steps = 0 if overflow else self.good_steps + 1
+        if overflow:
+            self.scale /= 2
+        elif self.good_steps == 2000:
+            self.scale *= 2
+            self.good_steps = 0
+        return not overflow
+
+
+# ---------------------------------------------------------------------------------------------------- placement
 
 
 @dataclass(frozen=True)
 class Placement:
-    """Which units stay resident on the GPU (the others are streamed), and the GPU memory that takes, by part; in
+    """Which units stay resident on the GPU (the others are streamed) and the GPU memory that takes, by part; in
     training, which streamed units the GPU's Adam steps over streamed state."""
+
     resident: tuple[int, ...]
     parts: dict  # part -> bytes
     gpu_adam: tuple[int, ...] = ()
@@ -1489,9 +1572,8 @@ class Placement:
 
 
 def plan_budget(run: RunConfig) -> int | None:
-    """The GPU bytes a placement may plan for: the --max-gpu-memory cap (or the GPU, where it is smaller) less
-    PLAN_MARGIN; None without a cap (overlapped then streams every unit, as the assignment's tables compare full
-    offload with the resident model)."""
+    """The GPU bytes a placement may plan for: the --max-gpu-memory cap (or the GPU, if smaller) less PLAN_MARGIN;
+    None without a cap: overlapped then streams every unit, as the tables compare full offload with gpu mode."""
     if run.max_gpu_memory is None:
         return None
     gpu = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else math.inf
@@ -1499,41 +1581,31 @@ def plan_budget(run: RunConfig) -> int | None:
 
 
 def spread(n: int, k: int) -> tuple[int, ...]:
-    """k of range(n), evenly spaced and starting at 0: resident layers between streamed ones, so that each streamed
-    layer's copy runs under a resident layer's compute, and the first layer's copy has nothing to wait behind."""
+    """k of range(n), evenly spaced from 0: each streamed layer's copy then runs under a resident layer's compute."""
     return tuple(i for i in range(n) if -(-(i + 1) * k // n) > -(-i * k // n))
 
 
 def inference_placement(run: RunConfig, config: LlamaConfig, tokens: int, mode: str) -> Placement:
-    """overlapped inference: as many decoder layers resident as the budget holds (--resident-layers: that many),
-    spread among the streamed ones; each layer costs the same bytes and saves the same copy, so only their spacing
-    matters. blocked streams every layer. The parts are analytic_peak_bytes's."""
+    """overlapped inference: as many decoder layers resident as the budget holds (or --resident-layers), spread among
+    the streamed ones: each costs the same bytes and saves the same copy. blocked streams every layer."""
     layers, depth = config.num_hidden_layers, run.prefetch if mode == "overlapped" else 0
-    parts = lambda k: analytic_peak_bytes(config, run.torch_dtype, tokens, k + min(depth + 1, layers - k))
+
+    def parts(k: int) -> dict[str, int]:
+        """The forward's GPU memory with k layers resident."""
+        return analytic_peak_bytes(config, run.torch_dtype, tokens, k + min(depth + 1, layers - k))
+
     count, budget = run.resident_layers, plan_budget(run)
-    if mode != "overlapped":
+    if mode != "overlapped" or (count is None and budget is None):
         count = 0
     elif count is None:
-        count = max((k for k in range(layers + 1) if budget is not None and sum(parts(k).values()) <= budget),
-                    default=0)
+        count = max((k for k in range(layers + 1) if sum(parts(k).values()) <= budget), default=0)
     return Placement(spread(layers, count), parts(count))
 
 
-GPU_ADAM_SHARE = 0.3  # default --gpu-adam-share (gpu_adam_units)
-
-
 def gpu_adam_units(units: list[Unit], resident, share: float) -> tuple[int, ...]:
-    """Of the streamed units, those the GPU's Adam steps over their streamed state (StreamedAdam): the embeddings,
-    then decoder layers from the first, then the head, as long as their parameters stay within `share` of the
-    streamed ones'. The embeddings and first layers because their gradients come last: on the CPU their updates
-    would start once the backward is over, and the next forward waits for them first; on the GPU they run on the
-    copy engines while the CPU Adam still steps the units after them. The head last, though its gradients come
-    first: on the GPU its state (1.6 GB in for 7b-8l) queues on the link ahead of the backward's next weights and
-    stalls the backward, and with it the gradients the CPU Adam waits for; on the CPU Adam its update has until the
-    end of the next forward. A share much above the default makes the GPU's queue at the end of the backward so
-    long that the next forward waits for its embeddings. On the H100 machine (7b-8l, report/results/next/cpu_idle,
-    one process, the splits in turn): the embeddings and layers 0 and 1 (28%) took 426 ms a step; with the head
-    too 450, with layer 2 too 465, layers 0 to 2 without the embeddings 444, every unit on the CPU Adam 506."""
+    """Of the streamed units, those the GPU's Adam steps over streamed state, within `share` of their parameters: the
+    embeddings and first layers, whose gradients come last and which the next forward needs first, then the head,
+    whose state would queue on the link ahead of the backward's weights (report: ablations)."""
     numels = {u: unit.layout.numel for u, unit in enumerate(units) if u not in resident}
     kinds = [unit.kind for unit in units]
     order = [kinds.index("embed"), *(u for u, kind in enumerate(kinds) if kind == "layer"), kinds.index("head")]
@@ -1547,68 +1619,58 @@ def gpu_adam_units(units: list[Unit], resident, share: float) -> tuple[int, ...]
 
 
 def gpu_adam_bytes(numels: list[int], grad_dtype: torch.dtype, copy_dtype: torch.dtype | None) -> int:
-    """The GPU memory StreamedAdam takes for units of these sizes: the largest one's gradients, two staging slots of
-    a chunk's float32 master and moments and compute-dtype copy, and a chunk of 16-bit gradients made float32."""
+    """StreamedAdam's GPU memory: the largest unit's gradients, two staging slots of a chunk's float32 state and
+    compute-dtype copy, and a chunk of 16-bit gradients made float32."""
     if not numels:
         return 0
-    chunk = min(max(numels), GPU_ADAM_CHUNK)
-    return (max(numels) * grad_dtype.itemsize + 2 * chunk * (12 + (copy_dtype.itemsize if copy_dtype else 0))
-            + 4 * chunk * (grad_dtype != torch.float32))
+    chunk, copy = min(max(numels), GPU_ADAM_CHUNK), copy_dtype.itemsize if copy_dtype else 0
+    return max(numels) * grad_dtype.itemsize + 2 * chunk * (12 + copy) + 4 * chunk * (grad_dtype != torch.float32)
 
 
-def training_placement(trainer: OffloadedTraining, run: RunConfig, mode: str, besides: dict[str, int],
-                       own_grads: bool) -> Placement:
-    """overlapped training: which units stay on the GPU, from the budget (--resident-layers: the first that many
-    decoder layers). Resident, a parameter costs 14 bytes of GPU memory (compute-dtype weights, float32 master and
-    moments; 12 in float32, where the master is the weights), plus float32 gradients: 4 more where each unit keeps
-    its own (own_grads), else they share the streamed units' gradient buffer, made as large as the largest resident
-    unit's. Streamed units need the slots (and the staging buffer where float32 masters are cast) and that gradient
-    buffer, of the largest streamed unit's gradients at the least. `besides`:
-    the bytes that do not depend on the placement (the forward's saved inputs, one unit's working set, ...).
+def training_parts(store: MasterStore, run: RunConfig, depth: int, own_grads: bool, resident, gpu_adam) -> dict:
+    """A training placement's GPU bytes by part. Resident, a parameter takes 14 bytes (weights, float32 master and
+    moments; 12 in float32) and its float32 gradients 4 more, or a share of the gradient buffer (not own_grads)."""
+    b, numels = run.torch_dtype.itemsize, [m.numel() for m in store.masters]
+    kept = [numels[u] for u in resident]
+    streamed = [n for u, n in enumerate(numels) if u not in resident]
+    largest = max(streamed, default=0)
+    grads = largest * store.grad_dtype.itemsize
+    casts = store.copies is None and run.torch_dtype != torch.float32  # the staging buffer of LayerStreamer.cast_in
+    copy_dtype = store.copies[0].dtype if store.copies else None
+    return {
+        "slots": min(depth + 1, len(streamed)) * largest * b + casts * min(largest, STAGING) * 4,
+        "gradient buffer": grads if own_grads else max(grads, 4 * max(kept, default=0)),
+        "GPU Adam staging": gpu_adam_bytes([numels[u] for u in gpu_adam], store.grad_dtype, copy_dtype),
+        "resident weights": sum(kept) * (0 if run.torch_dtype == torch.float32 else b),
+        "resident masters and moments": 12 * sum(kept),
+        "resident gradients": 4 * sum(kept) if own_grads else 0,
+    }
 
-    The resident units are the longest run from the start of the forward order (embeddings, layers from the first,
-    norm, head) that fits: per byte of GPU memory a resident unit saves as many host bytes as any other, so what
-    decides is where the CPU Adam waits or idles. The next forward needs the embeddings and the first layers first,
-    and their gradients come last: resident, the GPU runs them while the CPU Adam updates the units after them.
-    And the CPU Adam idles once a step, from its last update until the first gradients of the next backward land:
-    the round trip of the last streamed unit (copied in, forward, backward, gradients out) and of the resident units
-    after it. The head, streamed, keeps that trip short (it is smaller than a layer and last); made resident while
-    layers stream, it lengthened it (7b-8l under 11 GiB on the H100: 419 ms per step with the head resident, 401
-    without, 528 with nothing resident).
 
-    Of the streamed units, gpu_adam_units gives the GPU's Adam its share (overlapped only), whose staging and
-    gradients count too."""
-    store, b = trainer.store, run.torch_dtype.itemsize
-    numels = [m.numel() for m in store.masters]
+def training_placement(trainer, run: RunConfig, mode: str, besides: dict[str, int], own_grads: bool) -> Placement:
+    """overlapped training: the longest run of units from the start of the forward order that fits the budget stays
+    resident (--resident-layers: the first that many layers), then gpu_adam_units. The first units, because their
+    gradients come last and the next forward needs them first. `besides`: the bytes no placement changes."""
     depth = run.prefetch if mode == "overlapped" else 0
-    casts = store.copies is None and run.torch_dtype != torch.float32
     share = run.gpu_adam if mode == "overlapped" else 0.0
-    gpu_adam = lambda resident: gpu_adam_units(trainer.units, resident, share)
 
-    def parts(resident) -> dict[str, int]:
-        """The GPU bytes of a placement, by part."""
-        kept = [numels[u] for u in resident]
-        streamed = [n for u, n in enumerate(numels) if u not in resident]
-        largest = max(streamed, default=0)
-        grads = largest * store.grad_dtype.itemsize
-        return {"slots": min(depth + 1, len(streamed)) * largest * b + casts * min(largest, STAGING) * 4,
-                "gradient buffer": grads if own_grads else max(grads, 4 * max(kept, default=0)),
-                "GPU Adam staging": gpu_adam_bytes([numels[u] for u in gpu_adam(resident)], store.grad_dtype,
-                                                   store.copies[0].dtype if store.copies else None),
-                "resident weights": sum(kept) * (0 if run.torch_dtype == torch.float32 else b),
-                "resident masters and moments": 12 * sum(kept),
-                "resident gradients": 4 * sum(kept) if own_grads else 0, **besides}
+    def placement(resident: list[int]) -> Placement:
+        """The placement keeping `resident`, with its parts."""
+        gpu_adam = gpu_adam_units(trainer.units, resident, share)
+        parts = training_parts(trainer.store, run, depth, own_grads, resident, gpu_adam)
+        return Placement(tuple(resident), parts | besides, gpu_adam)
 
     resident, budget = [], plan_budget(run)
     if mode == "overlapped" and run.resident_layers is not None:
         resident = list(range(1, 1 + run.resident_layers))  # unit 0 is the embeddings
     elif mode == "overlapped" and budget is not None:
-        while len(resident) < len(numels) and sum(parts(resident + [len(resident)]).values()) <= budget:
+        while len(resident) < len(trainer.units) and placement([*resident, len(resident)]).peak_bytes <= budget:
             resident.append(len(resident))
-    return Placement(tuple(resident), parts(resident), gpu_adam(resident))
+    return placement(resident)
 
 
-# ----------------------------------------------------------------------------- modes
+# ---------------------------------------------------------------------------------------------------- modes
+
 
 def logits_of(model: LlamaForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
     """One forward pass. No KV cache: a single pass needs none, and the slot modules share one layer_idx."""
@@ -1616,11 +1678,10 @@ def logits_of(model: LlamaForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def infer_resident(model, input_ids, device, run: RunConfig, config) -> tuple[dict, torch.Tensor]:
-    """gpu and cpu modes: the plain HF model, resident on `device`."""
+    """gpu and cpu modes: the plain HF model, resident on `device`; on the CPU one run, no warm-up."""
     if device.type == "cuda":
         model = copy.deepcopy(model).to(device)
     ids = input_ids.to(device)
-    # the CPU takes minutes per pass at full size: one run, no warm-up
     warmup, repeat = (run.warmup, run.repeat) if device.type == "cuda" else (0, 1)
     ms, logits = median_ms(lambda: logits_of(model, ids), device, warmup, repeat)
     result = {"time_ms": ms}
@@ -1629,25 +1690,24 @@ def infer_resident(model, input_ids, device, run: RunConfig, config) -> tuple[di
     return result, logits.cpu()
 
 
-def infer_offloaded(model, store: ParamStore, input_ids, device, depth: int, run: RunConfig, config,
-                    profile: str | None, resident: tuple[int, ...] = ()) -> tuple[dict, torch.Tensor]:
-    """blocked (depth 0) and overlapped (depth >= 1) modes: the HF forward with layers streamed in, but for the
-    `resident` ones."""
+def infer_offloaded(model, store: ParamStore, input_ids, device, depth: int, run: RunConfig, config, resident=()):
+    """blocked (depth 0) and overlapped modes: the HF forward with the layers streamed in, but for the `resident`
+    ones; on the GPU, timed in rounds with the parts of its bound."""
     streamer = layer_streamer(store, config, device, depth, resident)
     shell = offloaded_model(model, streamer, device)
     ids = input_ids.to(device)
-    placed = {"prefetch": depth, "slots": streamer.n_slots, "resident_layers": list(resident)}
+    result = {"prefetch": depth, "slots": streamer.n_slots, "resident_layers": list(resident)}
     if device.type != "cuda":
         ms, logits = median_ms(lambda: logits_of(shell, ids), device, run.warmup, run.repeat)
-        return {"time_ms": ms} | placed, logits.cpu()
+        return result | {"time_ms": ms}, logits.cpu()
     logits_of(shell, ids)  # the peak of one pass, before the bound's parts add theirs
-    result = placed | gpu_memory(config, store.dtype, ids.numel(), len(resident) + streamer.n_slots)
+    result |= gpu_memory(config, store.dtype, ids.numel(), len(resident) + streamer.n_slots)
     parts = inference_parts(shell, streamer, ids)
     times, logits = interleaved_ms({**parts, "pass": (device, lambda: logits_of(shell, ids))}, run.warmup, run.repeat)
     result["time_ms"] = statistics.median(times["pass"])
     result |= inference_bound(streamer, {name: min(times[name]) for name in parts}, result["time_ms"])
-    if profile:
-        result["trace"] = profile_forward(shell, ids, profile)
+    if run.profile and run.profile_mode == ("overlapped" if depth else "blocked"):
+        result["trace"] = profile_forward(shell, ids, run.profile)
     return result, logits.cpu()
 
 
@@ -1660,52 +1720,55 @@ def run_mode(mode: str, model, store, input_ids, run: RunConfig, config) -> tupl
         with torch.inference_mode():
             if mode in ("gpu", "cpu"):
                 return infer_resident(model, input_ids, device, run, config)
-            depth = 0 if mode == "blocked" else run.prefetch
-            profile = run.profile if mode == profiled_mode(run) else None
             placement = inference_placement(run, config, input_ids.numel(), mode)
             if placement.resident:
-                log(f"mode {mode}: {len(placement.resident)} of {config.num_hidden_layers} decoder layers resident "
-                    f"on the GPU ({', '.join(map(str, placement.resident))}), predicted peak "
-                    f"{gib(placement.peak_bytes)} GiB")
-            return infer_offloaded(model, store, input_ids, device, depth, run, config, profile, placement.resident)
+                layers = ", ".join(map(str, placement.resident))
+                log(f"mode {mode}: decoder layers {layers} resident, predicted peak {gib(placement.peak_bytes)} GiB")
+            depth = run.prefetch if mode == "overlapped" else 0
+            return infer_offloaded(model, store, input_ids, device, depth, run, config, placement.resident)
     except torch.OutOfMemoryError:
         log(f"mode {mode}: out of GPU memory")
         return {"oom": True}, None
 
 
 def place_units(trainer: OffloadedTraining, micro_batches, run: RunConfig, mode: str, own_grads: bool) -> Placement:
-    """Plan which units stay on the GPU (training_placement) from what the trainer holds there now and from one
-    unit's working set, measured on it; keep them there; say so on stderr."""
-    device, b = trainer.device, trainer.dtype.itemsize
-    streaming = trainer.grad_buffer.nbytes + sum(t.nbytes for t in [*trainer.streamer.buffers, trainer.streamer.staging]
-                                                 if t is not None)
+    """Plan which units stay on the GPU and which the GPU's Adam steps (training_placement), from what the trainer
+    holds there now and each unit's working set, measured; install them; say so on stderr."""
+    device, streamer = trainer.device, trainer.streamer
+    streaming = sum(t.nbytes for t in [trainer.grad_buffer, *streamer.buffers, streamer.staging] if t is not None)
     other = torch.cuda.memory_allocated(device) - streaming  # token ids, rotary tables, the activation slots, ...
-    inputs = sum(ids.numel() for ids in micro_batches) * trainer.hidden_size * b  # one unit's, over the micro-batches
-    working, kinds = working_bytes(trainer, micro_batches), [unit.kind for unit in trainer.units]
-
-    def held(u: int, backward: bool) -> int:
-        """The saved inputs on the GPU while unit u runs, its own among them: those of units 1 to u (the embeddings
-        keep only the token ids); with activation offload, in the forward the two units' that the copies to the host
-        may still read (ActivationOffload.send), in the backward none (they come back into slots: `other`)."""
-        if trainer.acts is not None:
-            return 0 if backward else min(u, 2) * inputs
-        return u * inputs
-
+    saved, working = saved_inputs_bytes(trainer, micro_batches), working_bytes(trainer, micro_batches)
+    kinds = [unit.kind for unit in trainer.units]
     # where the step peaks: a unit's forward or its backward
     u, backward = max(((u, b) for u in range(len(kinds)) for b in (0, 1)),
-                      key=lambda ub: held(*ub) + working[kinds[ub[0]]][ub[1]])
-    besides = {"saved inputs": held(u, backward), "working set": working[kinds[u]][backward], "other": other}
+                      key=lambda ub: saved(*ub) + working[kinds[ub[0]]][ub[1]])  # fmt: skip
+    besides = {"saved inputs": saved(u, backward), "working set": working[kinds[u]][backward], "other": other}
     placement = training_placement(trainer, run, mode, besides, own_grads)
     if placement.resident:
-        trainer.keep_on_gpu(placement.resident, own_grads)
-    trainer.adam_on_gpu(placement.gpu_adam, keep_first_grads=own_grads)
+        ResidentUnits(trainer, placement.resident, own_grads)
+    if placement.gpu_adam:
+        StreamedAdam(trainer, placement.gpu_adam, keep_first_grads=own_grads)
     torch.cuda.reset_peak_memory_stats(device)  # the step's peak, not the working set's measurement
-    names = lambda units: ", ".join(trainer.units[u].name for u in units) or "none"
-    log(f"mode {mode}: {len(placement.resident)} of {len(trainer.units)} units resident on the GPU "
-        f"({names(placement.resident)}), {len(placement.gpu_adam)} stepped by the GPU's Adam over streamed state "
-        f"({names(placement.gpu_adam)}), predicted peak {gib(placement.peak_bytes)} GiB: "
-        + ", ".join(f"{part} {gib(n)}" for part, n in placement.parts.items()))
+    resident, gpu_adam = unit_names(trainer, placement.resident), unit_names(trainer, placement.gpu_adam)
+    parts = ", ".join(f"{part} {gib(n)}" for part, n in placement.parts.items())
+    log(
+        f"mode {mode}: units resident on the GPU: {resident or 'none'}; stepped by the GPU's Adam over streamed "
+        f"state: {gpu_adam or 'none'}; predicted peak {gib(placement.peak_bytes)} GiB: {parts}"
+    )
     return placement
+
+
+def saved_inputs_bytes(trainer: OffloadedTraining, micro_batches):
+    """saved(u, backward): the saved inputs on the GPU while unit u runs: units 1 to u's (the embeddings keep token
+    ids); with activation offload the two units' still leaving in the forward, none in the backward (in `other`)."""
+    inputs = sum(ids.numel() for ids in micro_batches) * trainer.hidden_size * trainer.dtype.itemsize
+    offloaded = isinstance(trainer.inputs, ActivationOffload)
+    return lambda u, backward: (0 if backward else min(u, 2) * inputs) if offloaded else u * inputs
+
+
+def unit_names(trainer: OffloadedTraining, units) -> str:
+    """The units' HF module names, comma-separated."""
+    return ", ".join(trainer.units[u].name for u in units)
 
 
 def train_mode(mode: str, model, masters: MasterStore | None, input_ids, run: RunConfig, compared: bool) -> dict:
@@ -1713,27 +1776,19 @@ def train_mode(mode: str, model, masters: MasterStore | None, input_ids, run: Ru
     `compared` with gpu mode's, it keeps the first step's gradients and masters and the last step's masters."""
     device = torch.device("cpu" if mode == "cpu" else "cuda")
     micro_batches = [ids.to(device) for ids in input_ids.chunk(run.grad_accum)]
-    log(f"mode {mode}: training, {run.steps} steps of {input_ids.numel()} tokens "
-        f"({run.grad_accum} micro-batch{'es' if run.grad_accum > 1 else ''}) ...")
+    log(f"mode {mode}: training, {run.steps} steps of {input_ids.numel()} tokens in {run.grad_accum} micro-batch(es)")
     reset_peak_memory(device)
     trainer = None
     try:
         trainer = make_trainer(mode, model, masters, micro_batches, run, device)
-        placed = {}
-        if isinstance(trainer, OffloadedTraining) and device.type == "cuda":
-            placement = place_units(trainer, micro_batches, run, mode, own_grads=compared or run.dtype == "float16")
-            placed = {"units": len(trainer.units),
-                      "resident_units": [trainer.units[u].name for u in placement.resident],
-                      "gpu_adam_units": [trainer.units[u].name for u in placement.gpu_adam],
-                      "predicted_peak_bytes": placement.peak_bytes, "predicted_parts": placement.parts}
-        profile = train_trace_path(run.profile) if run.profile and mode == profiled_mode(run) else None
-        bound_parts = (lambda: train_bound_parts(trainer, micro_batches, device)) \
-            if isinstance(trainer, OffloadedTraining) and device.type == "cuda" else None
+        offloaded_on_gpu = isinstance(trainer, OffloadedTraining) and device.type == "cuda"
+        placed = place_and_describe(trainer, micro_batches, run, mode, compared) if offloaded_on_gpu else {}
+        profile = train_trace_path(run.profile) if run.profile and mode == run.profile_mode else None
+        bound_parts = (lambda: train_bound_parts(trainer, micro_batches, device)) if offloaded_on_gpu else None
         result = train_steps(trainer, micro_batches, run, compared, profile, bound_parts)
         trainer.finish()
         if compared or run.save_output:  # a copy of every master: for LLaMA-7B 25 GiB of host memory
-            result["masters"] = trainer.state_dict(trainer.masters) if isinstance(trainer, ResidentTraining) \
-                else trainer.state_dict()
+            result["masters"] = final_masters(trainer)
         return result | placed | training_figures(trainer, result)
     except torch.OutOfMemoryError:
         log(f"mode {mode}: out of GPU memory")
@@ -1743,75 +1798,116 @@ def train_mode(mode: str, model, masters: MasterStore | None, input_ids, run: Ru
             trainer.finish()
 
 
+def place_and_describe(trainer: OffloadedTraining, micro_batches, run: RunConfig, mode: str, compared: bool) -> dict:
+    """Place the units (place_units) and describe the placement for the JSON."""
+    placement = place_units(trainer, micro_batches, run, mode, own_grads=compared or run.dtype == "float16")
+    return {
+        "units": len(trainer.units),
+        "resident_units": [trainer.units[u].name for u in placement.resident],
+        "gpu_adam_units": [trainer.units[u].name for u in placement.gpu_adam],
+        "predicted_peak_bytes": placement.peak_bytes,
+        "predicted_parts": placement.parts,
+    }
+
+
 def make_trainer(mode: str, model, masters: MasterStore | None, micro_batches, run: RunConfig, device):
     """The trainer for `mode`: the resident reference, or the streamed units with the CPU Adam (`masters` loaded)."""
     if mode in ("gpu", "cpu"):
         return ResidentTraining(model, run.torch_dtype, device, run.adam)
     kwargs = decoder_kwargs(model, tuple(micro_batches[0].shape), run.torch_dtype, device)
     depth = 0 if mode == "blocked" else run.prefetch
-    offload_inputs = (len(micro_batches), *micro_batches[0].shape) if run.offload_activations else None
-    return OffloadedTraining(masters, model.config, run.torch_dtype, device, depth, model.loss_function, kwargs,
-                             offload_inputs)
+    trainer = OffloadedTraining(masters, model.config, run.torch_dtype, device, depth, model.loss_function, kwargs)
+    if run.offload_activations:
+        ActivationOffload(trainer, len(micro_batches), tuple(micro_batches[0].shape))
+    return trainer
 
 
-def train_steps(trainer, micro_batches, run: RunConfig, keep_grads: bool, profile: str | None = None,
-                bound_parts=None) -> dict:
-    """Time each step from its start to the next one's: the offloaded modes overlap a step's last updates with the
-    next step's forward, so a step's end is where the next one can begin.
+def final_masters(trainer) -> dict[str, torch.Tensor]:
+    """The trained float32 masters with HF names, on the CPU."""
+    return trainer.state_dict(trainer.masters) if isinstance(trainer, ResidentTraining) else trainer.state_dict()
 
-    bound_parts() (offloaded modes on the GPU): the training bound's parts, as functions to time alone. A round times
-    each once, between blocks of steps (bound_rounds), so the parts meet the host as the steps around them do: on the
-    H100 machine its speed moved by 20% from one minute to the next, and parts timed after all the steps gave bounds
-    that the steps beat. A round first waits for every update, so the step after it, which then waits for none, is
-    not timed. The peaks of GPU and host memory are the steps', not the rounds'."""
-    losses, times, untimed, busy, grads, trace = [], [], set(), [], None, None
-    adam = trainer.adam if isinstance(trainer, OffloadedTraining) else None
-    device = micro_batches[0].device
-    rounds, parts, peaks = bound_rounds(run) if bound_parts else [], collections.defaultdict(list), Peaks(device)
-    start, busy_s = time.perf_counter(), adam and adam.busy_s
+
+def train_steps(trainer, micro_batches, run: RunConfig, keep_grads: bool, profile=None, bound_parts=None) -> dict:
+    """Run the steps, each timed from its start to the next one's (a step's last updates overlap the next forward).
+    bound_parts(): the training bound's parts, timed alone in rounds between blocks of steps (bound_rounds), so they
+    meet the host as the steps around them do. keep_grads: the first step's gradients and masters, to compare."""
+    clock, rounds = StepClock(trainer, micro_batches[0].device), bound_rounds(run) if bound_parts else []
+    losses, grads, parts, extra = [], None, collections.defaultdict(list), {}
     for i in range(run.steps + 1):
         if i in rounds:
-            if adam:
-                trainer.wait_updates()  # every part runs alone
-            peaks.note()
+            clock.pause(i)
             for _ in range(rounds.count(i)):
                 for name, ms in time_round(bound_parts()).items():
                     parts[name].append(ms)
-            peaks.restart()
-            untimed.add(i)
-            start, busy_s = time.perf_counter(), adam and adam.busy_s
+            clock.resume(after_round=True)
         if i == run.steps:
             break
         if i == run.steps - 1 and profile:  # the last step, traced and left out of the timing
-            trace = profile_step(trainer, micro_batches, profile)
-            losses.append(trace.pop("loss"))
+            extra["trace"] = profile_step(trainer, micro_batches, profile)
+            losses.append(extra["trace"].pop("loss"))
             continue  # to the rounds after the last step
-        loss = trainer.step(micro_batches).item()  # a sync: this step's forward and backward have run
-        if i == 0 and keep_grads:  # the first step's gradients and masters, for the comparison with gpu mode
+        losses.append(trainer.step(micro_batches).item())  # a sync: this step's forward and backward have run
+        if i == 0 and keep_grads:
             grads = first_step_state(trainer)
+        clock.lap(i, losses[-1])
+    if parts:
+        extra["bound_parts_ms"] = {name: ms[1:] for name, ms in parts.items()}  # the first round is a warm-up
+    tokens = sum(ids.numel() for ids in micro_batches)
+    return clock.result(run.warmup) | {"losses": losses, "grads": grads, "tokens_per_step": tokens} | extra
+
+
+class StepClock:
+    """The training steps' times, the CPU Adam's busy time in each and the peaks of GPU and host memory, leaving out
+    the bound's rounds between the steps and the step after each round, which waits for no update."""
+
+    def __init__(self, trainer, device: torch.device):
+        self.trainer, self.peaks = trainer, Peaks(device)
+        self.adam = trainer.cpu_adam if isinstance(trainer, OffloadedTraining) else None
+        self.times, self.busy, self.untimed = [], [], set()
+        self.resume()
+
+    def resume(self, after_round: bool = False) -> None:
+        """Start timing the next step now; after a round, what the round held does not count in the peaks."""
+        if after_round:
+            self.peaks.restart()
+        self.start, self.busy_s = time.perf_counter(), self.adam and self.adam.busy_s
+
+    def pause(self, i: int) -> None:
+        """A round before step i: every update done first, so each part runs alone; step i is not timed."""
+        if self.adam:
+            self.trainer.wait_updates()
+        self.peaks.note()
+        self.untimed.add(i)
+
+    def lap(self, i: int, loss: float) -> None:
+        """Step i has run: its time, and how long the CPU Adam worked in it; a progress line."""
         now = time.perf_counter()
-        losses.append(loss)
-        times.append((now - start) * 1e3)
-        start = now
-        if adam:  # how long the CPU Adam worked in this step's time, on this step's or the last one's updates
-            busy.append((adam.busy_s - busy_s) * 1e3)
-            busy_s = adam.busy_s
-        log(f"  step {i}: loss {loss:.4f}, {times[-1]:.0f} ms" + (f", CPU Adam busy {busy[-1]:.0f} ms" if adam else ""))
-    peaks.note()
-    timed = [i for i in range(run.warmup, len(times)) if i not in untimed] or list(range(len(times)))
-    return {"time_ms": statistics.median(times[i] for i in timed), "step_ms": times, "timed_steps": timed,
-            "losses": losses, "grads": grads, "tokens_per_step": sum(ids.numel() for ids in micro_batches),
-            **({"peak_gpu_bytes": peaks.gpu} if peaks.gpu is not None else {}), "peak_host_bytes": peaks.host,
-            **({"trace": trace} if trace else {}),
-            **({"cpu_adam_busy_ms": busy} if adam else {}),
-            **({"bound_parts_ms": {name: ms[1:] for name, ms in parts.items()}} if parts else {})}  # 1st: warm-up
+        self.times.append((now - self.start) * 1e3)
+        self.start = now
+        line = f"  step {i}: loss {loss:.4f}, {self.times[-1]:.0f} ms"
+        if self.adam:
+            self.busy.append((self.adam.busy_s - self.busy_s) * 1e3)
+            self.busy_s = self.adam.busy_s
+            line += f", CPU Adam busy {self.busy[-1]:.0f} ms"
+        log(line)
+
+    def result(self, warmup: int) -> dict:
+        """The median step after the warm-up, the steps timed, the peaks."""
+        self.peaks.note()
+        timed = [i for i in range(warmup, len(self.times)) if i not in self.untimed] or list(range(len(self.times)))
+        result = {"time_ms": statistics.median(self.times[i] for i in timed), "step_ms": self.times}
+        result |= {"timed_steps": timed, "peak_host_bytes": self.peaks.host}
+        if self.peaks.gpu is not None:
+            result["peak_gpu_bytes"] = self.peaks.gpu
+        if self.adam:
+            result["cpu_adam_busy_ms"] = self.busy
+        return result
 
 
 def bound_rounds(run: RunConfig) -> list[int]:
-    """Before which steps a round of the training bound's parts runs (run.steps: after the last), one entry per
-    round. The first, untimed, is the parts' own warm-up, before the first step after the warm-up steps; then one
-    ends each of up to run.repeat blocks, of two steps at least, that share the steps after it. With fewer than two
-    steps after the warm-up, every round follows the last step."""
+    """Before which steps a round of the training bound's parts runs (run.steps: after the last): first the parts'
+    own warm-up, after the warm-up steps, then one after each of up to run.repeat blocks of two steps or more. With
+    fewer than two steps after the warm-up, every round follows the last step."""
     after_warmup = run.steps - run.warmup
     blocks = max(0, min(run.repeat, after_warmup // 2))
     if blocks == 0:
@@ -1826,8 +1922,7 @@ def time_round(fns: dict) -> dict[str, float]:
 
 
 class Peaks:
-    """The most GPU and host memory a run held over the stretches it chose to count (the training steps, not the
-    bound's rounds between them)."""
+    """The most GPU and host memory a run held over the stretches it chose to count (the steps, not the rounds)."""
 
     def __init__(self, device: torch.device):
         self.device, self.gpu, self.host = device, None, None
@@ -1844,11 +1939,6 @@ class Peaks:
         reset_peak_memory(self.device)
 
 
-def profiled_mode(run: RunConfig) -> str:
-    """The mode --profile traces: overlapped, or blocked when overlapped is not run."""
-    return "overlapped" if "overlapped" in run.modes else "blocked"
-
-
 def free_gpu_memory() -> None:
     """Drop the last mode's GPU copies (and an OOM's leftovers) before the next mode measures its peak."""
     gc.collect()
@@ -1856,9 +1946,7 @@ def free_gpu_memory() -> None:
         torch.cuda.empty_cache()
 
 
-# ----------------------------------------------------------------------------- measurement
-
-CUBLAS_WORKSPACE = 32 * 2**20  # torch's default cuBLAS workspace on Hopper (":4096:8"), allocated once per stream
+# ---------------------------------------------------------------------------------------------------- measurement
 
 
 def timed(fn, device: torch.device) -> tuple[float, object]:
@@ -1890,10 +1978,9 @@ def median_ms(fn, device: torch.device, warmup: int, repeat: int) -> tuple[float
 
 
 def interleaved_ms(fns: dict, warmup: int, repeat: int) -> tuple[dict[str, list[float]], object]:
-    """Time each of `fns` (name -> (device, fn)) `repeat` times in rounds, one run of each per round after `warmup`
-    untimed rounds: a bound's parts then see the same machine (clocks, other traffic) as what they bound, and their
-    best times are bounds, not figures from another moment. Returns each one's times and the last function's result
-    in the last round; every other result is dropped at once, so no part runs beside another's outputs."""
+    """Time each of `fns` (name -> (device, fn)) in rounds, one run of each per round, so a bound's parts see the same
+    machine as what they bound. Returns each one's times and the last function's result in the last round; every
+    other result is dropped at once, so no part runs beside another's outputs."""
     times, out = {name: [] for name in fns}, None
     for r in range(warmup + repeat):
         for name, (device, fn) in fns.items():
@@ -1926,16 +2013,10 @@ def proc_kib(path: str, field: str) -> int | None:
     return None
 
 
-def pipeline_bound_ms(streamed: list[bool], copy_ms: float, compute_ms: float, resident_ms: float,
-                      depth: int) -> float:
-    """The fastest a pass can be given per-layer copy and compute times (DESIGN.md); `streamed` says which layers,
-    in order, are copied in (the others are resident).
-
-    Blocked (depth 0) serialises each copy with its layer. Overlapped: the copy stream brings the streamed layers in
-    one after another and the compute stream runs every layer in order, a streamed one only once its copy has
-    landed; so a pass takes at least all the compute, and at least the copies up to any streamed layer and the
-    compute from it to the end. With every layer streamed that is the first copy, then the longer of copy and
-    compute for each further layer, then the last layer's compute."""
+def pipeline_bound_ms(streamed: list[bool], copy_ms: float, compute_ms: float, resident_ms: float, depth: int):
+    """The fastest a pass can be, given per-layer copy and compute times; `streamed` says which layers are copied in.
+    Blocked serialises each copy with its layer. Overlapped takes at least all the compute, and at least the copies
+    up to any streamed layer and the compute from it to the end: x + (L-1) max(x, c) + c with every layer streamed."""
     n = len(streamed)
     if depth == 0:
         return resident_ms + sum(streamed) * copy_ms + n * compute_ms
@@ -1951,7 +2032,8 @@ def layer_inputs(shell: LlamaForCausalLM, input_ids: torch.Tensor) -> tuple[tupl
     """The arguments the HF forward passes to decoder layer 0 (hidden states, rotary embeddings, mask)."""
     captured = {}
     hook = shell.model.layers[0].register_forward_pre_hook(
-        lambda module, args, kwargs: captured.update(args=args, kwargs=kwargs), with_kwargs=True)
+        lambda module, args, kwargs: captured.update(args=args, kwargs=kwargs), with_kwargs=True
+    )
     try:
         logits_of(shell, input_ids)
     finally:
@@ -1976,10 +2058,8 @@ def set_strategy(shell: LlamaForCausalLM, strategy) -> None:
 
 
 def inference_parts(shell, streamer: LayerStreamer, input_ids) -> dict:
-    """What bounds an offloaded pass, as functions to time: every streamed layer's copy alone (nothing computed),
-    every layer's compute alone (one layer's weights in place, run as many times back to back: one layer timed alone
-    would add the wait for its first kernels' launch, which a pass hides) and the resident parts alone (embeddings,
-    norm, head; no layer run)."""
+    """What bounds an offloaded pass, as functions to time: every streamed layer's copy alone, every layer's compute
+    alone (one layer run as many times back to back, as a pass hides its launch) and the resident parts alone."""
     device = input_ids.device
 
     def copy_all():
@@ -2010,29 +2090,34 @@ def inference_parts(shell, streamer: LayerStreamer, input_ids) -> dict:
 
 
 def inference_bound(streamer: LayerStreamer, best: dict[str, float], measured_ms: float) -> dict:
-    """The parts' best times (ms) combined into the mode's bound (pipeline_bound_ms), and the measured pass against
-    it: efficiency and achieved host-to-device bandwidth."""
+    """The parts' best times combined into the mode's bound, and the pass against it: efficiency, H2D bandwidth."""
     n, nbytes = len(streamer.streamed), streamer.sources[0].nbytes  # streamed layers, and one layer's bytes
     copy_ms, compute_ms = best["copy"] / n if n else 0.0, best["compute"] / len(streamer.sources)
     streamed = [u not in streamer.resident for u in range(len(streamer.sources))]
     bound_ms = pipeline_bound_ms(streamed, copy_ms, compute_ms, best["resident"], streamer.depth)
-    return {"copy_ms_per_layer": copy_ms, "compute_ms_per_layer": compute_ms, "resident_ms": best["resident"],
-            "h2d_gbps_copy_only": nbytes / copy_ms / 1e6 if n else None, "bound_ms": bound_ms,
-            "efficiency": bound_ms / measured_ms, "h2d_gbps": n * nbytes / measured_ms / 1e6}
+    parts = {"copy_ms_per_layer": copy_ms, "compute_ms_per_layer": compute_ms, "resident_ms": best["resident"]}
+    parts["h2d_gbps_copy_only"] = nbytes / copy_ms / 1e6 if n else None
+    return parts | {
+        "bound_ms": bound_ms,
+        "efficiency": bound_ms / measured_ms,
+        "h2d_gbps": n * nbytes / measured_ms / 1e6,
+    }
 
 
 def gpu_memory(config: LlamaConfig, dtype: torch.dtype, tokens: int, layers_on_gpu: int) -> dict:
     """The peak GPU memory of the pass just run, next to the analytic figure for it."""
-    return {"peak_gpu_bytes": torch.cuda.max_memory_allocated(),
-            "analytic_peak_bytes": analytic_peak_bytes(config, dtype, tokens, layers_on_gpu)}
+    return {
+        "peak_gpu_bytes": torch.cuda.max_memory_allocated(),
+        "analytic_peak_bytes": analytic_peak_bytes(config, dtype, tokens, layers_on_gpu),
+    }
 
 
-def analytic_peak_bytes(config: LlamaConfig, dtype: torch.dtype, tokens: int, resident_layers: int) -> dict[str, int]:
-    """The GPU memory a forward pass needs, term by term: layer weights on the GPU (all of them, or the slots),
-    the resident parts, the largest activation footprint (a decoder layer's MLP, or the head) and workspace."""
-    return {"layer weights": resident_layers * layer_bytes(config, dtype),
-            "resident parts": resident_bytes(config, dtype), "activations": activation_bytes(config, dtype, tokens),
-            "workspace": CUBLAS_WORKSPACE + 8 * 512}
+def analytic_peak_bytes(config: LlamaConfig, dtype: torch.dtype, tokens: int, layers_on_gpu: int) -> dict[str, int]:
+    """The GPU memory a forward pass needs, term by term: layer weights on the GPU (all of them, or the slots), the
+    resident parts, the largest activation footprint (a decoder layer's MLP, or the head) and workspace."""
+    weights, resident = layers_on_gpu * layer_bytes(config, dtype), resident_bytes(config, dtype)
+    activations, workspace = activation_bytes(config, dtype, tokens), CUBLAS_WORKSPACE + 8 * 512
+    return {"layer weights": weights, "resident parts": resident, "activations": activations, "workspace": workspace}
 
 
 def resident_bytes(config: LlamaConfig, dtype: torch.dtype) -> int:
@@ -2041,9 +2126,8 @@ def resident_bytes(config: LlamaConfig, dtype: torch.dtype) -> int:
 
 
 def activation_bytes(config: LlamaConfig, dtype: torch.dtype, tokens: int, at_least: bool = False) -> int:
-    """The largest activation footprint of a forward pass over `tokens` tokens: a decoder layer's MLP or the head,
-    whichever is larger, and the rotary tables and ids. at_least: what the pass cannot do without (the MLP's peak,
-    or the logits alone), a figure that is never above the measured peak."""
+    """The largest activation footprint of a forward pass: a decoder layer's MLP or the head, and the rotary tables and
+    ids. at_least: what the pass cannot do without (the MLP's peak, or the logits alone), never above the measured."""
     b, h, i, v = dtype.itemsize, config.hidden_size, config.intermediate_size, config.vocab_size
     head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
     # in a layer the peak is in the MLP: layer input, residual, attention sum, normed input; act(gate(x)), up(x),
@@ -2059,13 +2143,13 @@ def activation_bytes(config: LlamaConfig, dtype: torch.dtype, tokens: int, at_le
 
 
 def training_figures(trainer, result: dict) -> dict:
-    """For an offloaded mode, its gradient pool; on the GPU, also its bound (the best of each part's times in the
-    rounds between the steps) and the step's efficiency against it."""
+    """For an offloaded mode, its gradient pool; on the GPU, also its bound (each part's best time in the rounds) and
+    the step's efficiency against it."""
     if not isinstance(trainer, OffloadedTraining):
         return {}
     pool = trainer.store.pool
-    figures = {"gradient_pool": {"buffers": len(pool.buffers), "per_unit": pool.dedicated,
-                                 "waited_ms": pool.waited_s * 1e3}}
+    figures = {"gradient_pool": {"buffers": len(pool.buffers), "per_unit": pool.dedicated}}
+    figures["gradient_pool"]["waited_ms"] = pool.waited_s * 1e3
     if "bound_parts_ms" in result:
         figures |= train_bound(trainer, {name: min(ms) for name, ms in result["bound_parts_ms"].items()})
         figures["efficiency"] = figures["bound_ms"] / result["time_ms"]
@@ -2074,8 +2158,20 @@ def training_figures(trainer, result: dict) -> dict:
 
 def forward_backward_reference(model: LlamaForCausalLM, input_ids: torch.Tensor, run: RunConfig) -> dict:
     """What offloaded training is held to: plain forward and backward of the same model and micro-batches, resident
-    on the GPU in the compute dtype, gradients accumulated in the parameters, no optimizer and no cap."""
+    on the GPU, no optimizer and no cap."""
     log(f"forward/backward reference: {run.grad_accum} micro-batches, the model resident on the GPU ...")
+    reset_peak_memory(torch.device("cuda"))
+    ms = median_ms(
+        resident_forward_backward(model, input_ids, run), torch.device("cuda"), max(1, run.warmup), run.repeat
+    )[0]
+    result = {"time_ms": ms, "sequences_per_s": input_ids.shape[0] / ms * 1e3}
+    result["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
+    free_gpu_memory()  # the model's GPU copy is gone with the function timed
+    return result
+
+
+def resident_forward_backward(model: LlamaForCausalLM, input_ids: torch.Tensor, run: RunConfig):
+    """A function to time: one step's forward and backward of a GPU copy of `model` over the micro-batches."""
     device = torch.device("cuda")
     with torch.device("meta"):
         gpu = LlamaForCausalLM._from_config(model.config, dtype=run.torch_dtype, attn_implementation=run.attention)
@@ -2091,78 +2187,90 @@ def forward_backward_reference(model: LlamaForCausalLM, input_ids: torch.Tensor,
         for ids in micro_batches:
             objective(gpu(ids, labels=ids, use_cache=False).loss, len(micro_batches), 1.0).backward()
 
-    reset_peak_memory(device)
-    ms = median_ms(forward_backward, device, max(1, run.warmup), run.repeat)[0]
-    result = {"time_ms": ms, "sequences_per_s": input_ids.shape[0] / ms * 1e3,
-              "peak_gpu_bytes": torch.cuda.max_memory_allocated(device)}
-    del gpu, params, micro_batches
-    free_gpu_memory()
-    return result
+    return forward_backward
 
 
 def train_bound_parts(trainer: OffloadedTraining, micro_batches, device) -> dict:
     """The parts of what a training step cannot beat, as functions to time alone (name -> (device, fn)): each kind of
-    unit's GPU compute (forward, recompute and backward, weights resident; the Adam of the resident units and of the
-    GPU's over streamed state, a few ms, left out), every host-to-device copy of a step (step_copy_bytes), every
-    device-to-host copy, the CPU Adam over the largest unit it steps (scratch state), and `host`: that Adam with the
-    copy engines moving its unit's share of the step's copies at once, the host traffic of a step in small. Built
-    anew for each round: what they allocate is freed before the next steps."""
-    streamer, store, n, gpu_adam = trainer.streamer, trainer.store, len(trainer.units), trainer.gpu_adam
-    current, cpu = torch.cuda.current_stream(device), torch.device("cpu")
-    trainer.refreshed = set()  # the parts write into the slots: the next forward copies every unit in
-    on_cpu, on_gpu = cpu_and_gpu_adam_units(trainer)
-    pool = [buffer.view(torch.uint8) for buffer in store.pool.buffers]
-
-    def copy_in():
-        """Every H2D copy of a step: the forward pass's, less the units the GPU's Adam rewrote in their slots, then
-        the backward pass's, less the units it keeps; then the state of the units the GPU's Adam steps."""
-        for order, keep in ((range(n), set(trainer.refreshed_units())), (reversed(range(n)), True)):
-            streamer.begin(order, keep)
-            for p in range(len(streamer.order)):
-                streamer.prefetch(p)
-        with on_stream(streamer.copy_stream):
-            for u in on_gpu:
-                for k, lo, count in gpu_adam.chunks(u):
-                    gpu_adam.copy_in(u, k, lo, count)
-        current.wait_stream(streamer.copy_stream)  # `timed` records its end event on this stream
-
-    def copy_out():
-        """Every D2H copy of a step: the gradients of the units the CPU Adam steps, then the state the GPU's Adam
-        writes back (into the pool's buffers in turn: the training state must not change)."""
-        grads = trainer.grad_buffer.view(torch.uint8)
-        for u, numel in on_cpu.items():
-            queue_copies(numel * store.grad_dtype.itemsize, grads, pool[u % len(pool)], trainer.d2h_stream)
-        queue_copies(step_copy_bytes(trainer)[2], gpu_adam.grads.view(torch.uint8) if on_gpu else grads, pool[0],
-                     trainer.d2h_stream)
-        current.wait_stream(trainer.d2h_stream)
-
-    def adam_and_copies():
-        """The largest CPU-stepped unit's share of a step's host traffic, all at once: the copies in and out queued on
-        the copy streams, not waited for, while the CPU Adam steps a unit's worth of scratch state."""
-        h2d, d2h, _ = (count * on_cpu[big] // sum(on_cpu.values()) for count in step_copy_bytes(trainer))
-        queue_copies(h2d, store.masters[big].view(torch.uint8), streamer.buffers[0].view(torch.uint8),
-                     streamer.copy_stream)
-        queue_copies(d2h, trainer.grad_buffer.view(torch.uint8), pool[big % len(pool)], trainer.d2h_stream)
-        adam()
-        torch.cuda.synchronize(device)
-
+    unit's GPU compute, every H2D copy of a step, every D2H copy, the CPU Adam over the largest unit it steps, and
+    `host`: that Adam with the copy engines moving its share of a step's copies. Built anew for each round."""
+    trainer.streamer.fresh.clear()  # the parts write into the slots: the next forward copies every unit in
     kinds = [u.kind for u in trainer.units]
-    fns = {kind: (device, unit_compute(trainer, kinds.index(kind), micro_batches, device))
-           for kind in dict.fromkeys(kinds)}
-    if streamer.streamed:
-        fns |= {"h2d": (device, copy_in), "d2h": (device, copy_out)}
+    fns = {
+        kind: (device, unit_compute(trainer, kinds.index(kind), micro_batches, device)) for kind in dict.fromkeys(kinds)
+    }
+    if trainer.streamer.streamed:
+        fns |= {"h2d": (device, lambda: copy_in(trainer)), "d2h": (device, lambda: copy_out(trainer))}
+    on_cpu, _ = cpu_and_gpu_adam_units(trainer)
     if on_cpu:  # the CPU Adam steps something
         big = max(on_cpu, key=on_cpu.get)
-        adam = adam_scratch(store, on_cpu[big])
-        fns |= {"adam": (cpu, adam), "host": (cpu, adam_and_copies)}
+        adam = adam_scratch(trainer.store, on_cpu[big])
+        fns |= {
+            "adam": (torch.device("cpu"), adam),
+            "host": (torch.device("cpu"), lambda: adam_and_copies(trainer, big, adam)),
+        }
     return fns
+
+
+def copy_in(trainer: OffloadedTraining) -> None:
+    """Every H2D copy of a step: the forward's, less the units the GPU's Adam rewrote in their slots; the backward's,
+    less the units it finds there; then the state of the units the GPU's Adam steps."""
+    streamer, n, gpu_adam = trainer.streamer, len(trainer.units), streamed_adam(trainer)
+    for order, keep in ((range(n), set(refreshed_units(trainer))), (reversed(range(n)), True)):
+        streamer.begin(order, keep)
+        for p in range(len(streamer.order)):
+            streamer.prefetch(p)
+    with on_stream(streamer.copy_stream):
+        for u in gpu_adam.units if gpu_adam else ():
+            for k, lo, count in gpu_adam.chunks(u):
+                gpu_adam.copy_in(u, k, lo, count)
+    torch.cuda.current_stream().wait_stream(streamer.copy_stream)  # `timed` records its end event on this stream
+
+
+def copy_out(trainer: OffloadedTraining) -> None:
+    """Every D2H copy of a step: the gradients of the CPU Adam's units, then the state the GPU's Adam writes back
+    (into the pool's buffers in turn: the training state must not change)."""
+    store, gpu_adam = trainer.store, streamed_adam(trainer)
+    pool, grads = [buffer.view(torch.uint8) for buffer in store.pool.buffers], trainer.grad_buffer.view(torch.uint8)
+    on_cpu, _ = cpu_and_gpu_adam_units(trainer)
+    for u, numel in on_cpu.items():
+        queue_copies(numel * store.grad_dtype.itemsize, grads, pool[u % len(pool)], trainer.d2h_stream)
+    source = gpu_adam.buffer.view(torch.uint8) if gpu_adam else grads
+    queue_copies(step_copy_bytes(trainer)[2], source, pool[0], trainer.d2h_stream)
+    torch.cuda.current_stream().wait_stream(trainer.d2h_stream)
+
+
+def adam_and_copies(trainer: OffloadedTraining, big: int, adam) -> None:
+    """Unit `big`'s share of a step's host traffic, all at once: its share of the copies queued on the copy streams,
+    not waited for, while the CPU Adam steps a unit's worth of scratch state."""
+    on_cpu, _ = cpu_and_gpu_adam_units(trainer)
+    h2d, d2h, _ = (count * on_cpu[big] // sum(on_cpu.values()) for count in step_copy_bytes(trainer))
+    pool = trainer.store.pool.buffers
+    weights, slot = trainer.store.masters[big].view(torch.uint8), trainer.streamer.buffers[0].view(torch.uint8)
+    queue_copies(h2d, weights, slot, trainer.streamer.copy_stream)
+    queue_copies(
+        d2h, trainer.grad_buffer.view(torch.uint8), pool[big % len(pool)].view(torch.uint8), trainer.d2h_stream
+    )
+    adam()
+    torch.cuda.synchronize()
 
 
 def cpu_and_gpu_adam_units(trainer: OffloadedTraining) -> tuple[dict[int, int], dict[int, int]]:
     """The streamed units the CPU Adam steps, and those the GPU's Adam steps over streamed state: unit -> size."""
-    gpu = trainer.gpu_adam.units if trainer.gpu_adam else ()
+    gpu = streamed_adam(trainer).units if streamed_adam(trainer) else ()
     numels = {u: trainer.store.masters[u].numel() for u in trainer.streamer.streamed}
     return {u: n for u, n in numels.items() if u not in gpu}, {u: n for u, n in numels.items() if u in gpu}
+
+
+def streamed_adam(trainer: OffloadedTraining) -> StreamedAdam | None:
+    """The trainer's GPU Adam over streamed state, where a placement gave it units."""
+    return next((s for s in trainer.steppers if isinstance(s, StreamedAdam)), None)
+
+
+def refreshed_units(trainer: OffloadedTraining) -> list[int]:
+    """The units whose slots the GPU's Adam over streamed state rewrites (none without it)."""
+    gpu_adam = streamed_adam(trainer)
+    return gpu_adam.refreshed_units() if gpu_adam else []
 
 
 def step_copy_bytes(trainer: OffloadedTraining) -> tuple[int, int, int]:
@@ -2173,7 +2281,7 @@ def step_copy_bytes(trainer: OffloadedTraining) -> tuple[int, int, int]:
     store, streamer = trainer.store, trainer.streamer
     on_cpu, on_gpu = cpu_and_gpu_adam_units(trainer)
     weights = store.weights
-    kept = streamer.streamed[-streamer.n_slots:] + trainer.refreshed_units()  # no copy in one of the passes
+    kept = streamer.streamed[-streamer.n_slots :] + refreshed_units(trainer)  # no copy in one of the passes
     state_in = 12 * sum(on_gpu.values())
     state_out = state_in + sum(on_gpu.values()) * (store.copies[0].itemsize if store.copies else 0)
     h2d = 2 * sum(weights[u].nbytes for u in streamer.streamed) - sum(weights[u].nbytes for u in kept) + state_in
@@ -2185,7 +2293,7 @@ def queue_copies(nbytes: int, src: torch.Tensor, dst: torch.Tensor, stream) -> N
     step = min(src.numel(), dst.numel())
     with on_stream(stream):
         for a in range(0, nbytes, step):
-            dst[:min(step, nbytes - a)].copy_(src[:min(step, nbytes - a)], non_blocking=True)
+            dst[: min(step, nbytes - a)].copy_(src[: min(step, nbytes - a)], non_blocking=True)
 
 
 def train_bound(trainer: OffloadedTraining, best: dict[str, float]) -> dict:
@@ -2202,24 +2310,30 @@ def train_bound(trainer: OffloadedTraining, best: dict[str, float]) -> dict:
         h2d_bytes, d2h_bytes, _ = step_copy_bytes(trainer)
         host_bytes = sum(on_cpu.values()) * store.update.bytes_per_param + h2d_bytes + d2h_bytes
         parts |= {"h2d_ms": best["h2d"], "d2h_ms": best["d2h"]}
-        figures = {"h2d_bytes": h2d_bytes, "d2h_bytes": d2h_bytes, "host_bytes": host_bytes,
-                   "host_bytes_per_param": host_bytes / sum(m.numel() for m in store.masters),
-                   "adam_bytes_per_param": store.update.bytes_per_param,
-                   "gpu_adam_params": sum(on_gpu.values())}
+        figures = {
+            "h2d_bytes": h2d_bytes,
+            "d2h_bytes": d2h_bytes,
+            "host_bytes": host_bytes,
+            "host_bytes_per_param": host_bytes / sum(m.numel() for m in store.masters),
+            "adam_bytes_per_param": store.update.bytes_per_param,
+            "gpu_adam_params": sum(on_gpu.values()),
+        }
     if on_cpu:
         scale = sum(on_cpu.values()) / max(on_cpu.values())  # the parts timed the largest unit the CPU Adam steps
         parts |= {"cpu_adam_ms": best["adam"] * scale, "host_memory_ms": best["host"] * scale}
         figures["host_gbps"] = host_bytes / parts["host_memory_ms"] / 1e6
-    return {**parts, "bound_ms": max(parts.values()), "bound_by": max(parts, key=parts.get).removesuffix("_ms"),
-            **figures}
+    return {
+        **parts,
+        "bound_ms": max(parts.values()),
+        "bound_by": max(parts, key=parts.get).removesuffix("_ms"),
+        **figures,
+    }
 
 
 def unit_passes(trainer: OffloadedTraining, u: int, micro_batches, device):
-    """Unit u's forward and backward over every micro-batch as a step runs them, its weights already on the GPU
-    (whatever its slot holds: the values change neither time nor memory), as two functions: forward() returns the
-    outputs, backward(outs) recomputes and back-propagates with the outputs standing in for the gradients that come
-    back (they have their size) and returns every micro-batch's input gradient, as the step keeps them; the parameter
-    gradients go where the step's go."""
+    """Unit u's forward and backward over every micro-batch as a step runs them, from whatever its slot holds, as two
+    functions: forward() returns the outputs; backward(outs) recomputes and back-propagates with the outputs standing
+    in for the gradients that come back, and returns the input gradients, as the step keeps them."""
     streamer = trainer.streamer
     streamer.begin([u])
     module = streamer.acquire(u)
@@ -2234,7 +2348,9 @@ def unit_passes(trainer: OffloadedTraining, u: int, micro_batches, device):
 
     def backward(outs) -> list:
         """The recompute and backward of unit u over every micro-batch."""
-        return [trainer.add_unit_grads(u, module, x, k, out, views) for k, (x, out) in enumerate(zip(xs, outs))]
+        pairs = enumerate(zip(xs, outs, strict=True))
+        return [trainer.add_unit_grads(u, module, x, k, out, views) for k, (x, out) in pairs]
+
     return forward, backward
 
 
@@ -2245,16 +2361,14 @@ def unit_compute(trainer: OffloadedTraining, u: int, micro_batches, device):
 
 
 def working_bytes(trainer: OffloadedTraining, micro_batches) -> dict[str, tuple[int, int]]:
-    """Per kind of unit, the most GPU memory its forward, and its backward, over every micro-batch allocate beyond its
-    inputs (unit_passes: the outputs, or the gradients that come back; the input gradients; the activations):
-    measured, as the one part of a placement's peak not counted."""
+    """Per kind of unit, the most GPU memory its forward, and its backward, allocate beyond its inputs: measured, as the
+    one part of a placement's peak not counted."""
     kinds = [u.kind for u in trainer.units]
     return {kind: passes_peak_bytes(trainer, kinds.index(kind), micro_batches) for kind in dict.fromkeys(kinds)}
 
 
 def passes_peak_bytes(trainer: OffloadedTraining, u: int, micro_batches) -> tuple[int, int]:
-    """The most GPU memory unit u's forward, and then its backward, allocate beyond its inputs; what they allocate is
-    freed on return, before the next unit is measured."""
+    """The most GPU memory unit u's forward, and then its backward, allocate beyond its inputs (freed on return)."""
     forward, backward = unit_passes(trainer, u, micro_batches, trainer.device)
     torch.cuda.synchronize(trainer.device)
     before = torch.cuda.memory_allocated(trainer.device)
@@ -2267,16 +2381,13 @@ def passes_peak_bytes(trainer: OffloadedTraining, u: int, micro_batches) -> tupl
 
 
 def adam_scratch(store: MasterStore, numel: int):
-    """A function to time: the store's Adam update (compiled or not, its dtypes) on `numel` parameters of scratch
-    state in memory like the store's (HostBuffer's 2 MiB pages: a plain tensor gets 4 KiB ones where the kernel gives
-    huge pages only on request, as on the H100 machine, and the Adam runs slower on them), with gradients of Adam's
-    scale so that no moment goes denormal."""
+    """A function to time: the store's Adam update on `numel` parameters of scratch state in memory like the store's
+    (HostBuffer: huge pages), with gradients of Adam's scale so that no moment goes denormal."""
     master, exp_avg, exp_avg_sq = (host_zeros(numel, torch.float32, pin=False) for _ in range(3))
     master.normal_()
     grads = host_zeros(numel, store.grad_dtype, pin=False).normal_().mul_(1e-3)
     copy = host_zeros(numel, store.update.copy_dtype, pin=False) if store.update.copy_dtype else None
-    # written now: the kernel maps a page at its first touch, and the timed update would pay for it (on the H100
-    # machine 0.16 s for a LLaMA-7B layer's moments and copy, against 44 ms for the update)
+    # written now: the kernel maps a page at its first touch, and the timed update would pay for it
     for untouched in (exp_avg, exp_avg_sq, copy):
         if untouched is not None:
             untouched.zero_()
@@ -2306,8 +2417,7 @@ def profile_step(trainer, micro_batches, path: str) -> dict:
 
 
 def all_threads():
-    """A profiler setting that records the CPU Adam worker's ops too; without it only the threads that start the
-    profiler and autograd's are traced."""
+    """A profiler setting that records the CPU Adam worker's ops too (by default only the profiler's and autograd's)."""
     with contextlib.suppress(AttributeError, TypeError):  # a torch without the option
         return torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
     return None
@@ -2321,7 +2431,7 @@ def train_trace_path(path: str) -> str:
 
 def trace_overlap(path: str, direction: str = "HtoD") -> dict:
     """From a Chrome trace: total copy time in `direction` (HtoD or DtoH), and how much of it ran while a kernel ran
-    on another stream. Proof of overlap that does not rely on timing the whole pass."""
+    on another stream: proof of overlap that does not rely on timing the whole pass."""
     events = json.loads(Path(path).read_text())["traceEvents"]
     copies = [e for e in events if e.get("cat") == "gpu_memcpy" and direction in e.get("name", "")]
     kernels = [e for e in events if e.get("cat") == "kernel"]
@@ -2329,11 +2439,11 @@ def trace_overlap(path: str, direction: str = "HtoD") -> dict:
     overlap_us = 0.0
     for c in copies:
         c0, c1, stream = c["ts"], c["ts"] + c["dur"], c["args"].get("stream")
-        overlap_us += union_length([(max(k0, c0), min(k1, c1)) for k0, k1, s in kernel_spans
-                                    if s != stream and k0 < c1 and k1 > c0])
-    return {"copy_ms": sum(c["dur"] for c in copies) / 1e3, "overlap_ms": overlap_us / 1e3,
-            "copy_streams": sorted({c["args"].get("stream") for c in copies}),
-            "kernel_streams": sorted({k[2] for k in kernel_spans})}
+        under = [(max(k0, c0), min(k1, c1)) for k0, k1, s in kernel_spans if s != stream and k0 < c1 and k1 > c0]
+        overlap_us += union_length(under)
+    result = {"copy_ms": sum(c["dur"] for c in copies) / 1e3, "overlap_ms": overlap_us / 1e3}
+    result["copy_streams"] = sorted({c["args"].get("stream") for c in copies})
+    return result | {"kernel_streams": sorted({k[2] for k in kernel_spans})}
 
 
 def union_length(spans: list[tuple[float, float]]) -> float:
@@ -2355,12 +2465,9 @@ def first_step_state(trainer) -> tuple[dict, dict]:
 
 
 def compare_training(result: dict, reference: dict, run: RunConfig) -> None:
-    """The first step's gradients bitwise, and its masters to float32 rounding (the CPU and GPU Adam kernels round
-    differently, DESIGN.md), judged with eager attention only: sdpa's backward differs even from itself in the last
-    bits, and Adam's first step moves each weight by about lr * sign(gradient), so a gradient near zero that flips
-    sign moves a master by 2 * lr. Later steps are reported, not judged: in 16-bit compute a one-ulp master
-    difference flips the rounding of some compute-dtype weights, and Adam's normalisation turns that into lr-sized
-    moves."""
+    """The first step's gradients bitwise and its masters to float32 rounding, judged with eager attention only (sdpa's
+    backward differs even from itself in the last bits); later steps are reported, not judged: in 16-bit compute a
+    one-ulp master difference flips some weights' rounding, which Adam turns into lr-sized moves."""
     grads, masters = result["grads"]
     ref_grads, ref_masters = reference["grads"]
     result["masters_step1_max_abs_diff"] = max_abs_diff(masters, ref_masters)
@@ -2381,7 +2488,8 @@ def masters_tolerance(largest: float, steps: int) -> float:
     return 4 * steps * torch.finfo(torch.float32).eps * largest
 
 
-# ----------------------------------------------------------------------------- tables
+# ---------------------------------------------------------------------------------------------------- tables
+
 
 def fmt(x, spec: str) -> str:
     """format(x, spec), or an empty cell for None."""
@@ -2400,142 +2508,229 @@ def yes_no(x) -> str:
 
 def markdown(title: str, columns: list[tuple[str, str]], rows: list[tuple[str, dict]], cells) -> list[str]:
     """A markdown table: `cells(mode, r)` gives a row's cells; an OOM result shows OOM in its first column."""
-    lines = [title, "", "| mode | " + " | ".join(h for h, _ in columns) + " |",
-             "|---|" + "|".join(align for _, align in columns) + "|"]
+    header = "| mode | " + " | ".join(h for h, _ in columns) + " |"
+    lines = [title, "", header, "|---|" + "|".join(align for _, align in columns) + "|"]
     for label, r in rows:
         row = ["OOM"] + [""] * (len(columns) - 1) if r.get("oom") else cells(label, r)
         lines.append(f"| {label} | " + " | ".join(row) + " |")
     return lines + [""]
 
 
+def inference_memory_cells(mode: str, r: dict) -> list[str]:
+    """Table 1's cells: the peak GPU memory of a pass and its analytic figure."""
+    if "peak_gpu_bytes" not in r:
+        return ["0 (runs on the CPU)", ""]
+    return [gib(r["peak_gpu_bytes"]), gib(sum(r["analytic_peak_bytes"].values()))]
+
+
+def inference_time_cells(mode: str, r: dict) -> list[str]:
+    """Table 2's cells: time, bound, efficiency, H2D bandwidth, logits against gpu mode's."""
+    bound, efficiency, h2d = (
+        fmt(r.get("bound_ms"), ".1f"),
+        fmt(r.get("efficiency"), ".3f"),
+        fmt(r.get("h2d_gbps"), ".1f"),
+    )
+    return [f"{r['time_ms']:.1f}", bound, efficiency, h2d, yes_no(r.get("equal_to_gpu"))]
+
+
+def training_memory_cells(mode: str, r: dict) -> list[str]:
+    """Training Table 1's cells: peak GPU memory, the placement's prediction, the units resident, peak host memory."""
+    resident = f"{len(r['resident_units'])} of {r['units']}" if "units" in r else ""
+    gpu = gib(r.get("peak_gpu_bytes")) or "0 (runs on the CPU)"
+    return [gpu, gib(r.get("predicted_peak_bytes")), resident, gib(r.get("peak_host_bytes"))]
+
+
+def training_time_cells(mode: str, r: dict) -> list[str]:
+    """Training Table 2's cells: step time, bound, what bounds it, efficiency, host bytes, losses, the checks."""
+    bound, efficiency = fmt(r.get("bound_ms"), ".1f"), fmt(r.get("efficiency"), ".3f")
+    losses = f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}"
+    checks = [yes_no(r.get("grads_equal_to_gpu")), yes_no(r.get("masters_close_to_gpu"))]
+    return [
+        f"{r['time_ms']:.1f}",
+        bound,
+        r.get("bound_by", ""),
+        efficiency,
+        fmt(r.get("host_bytes_per_param"), ".1f"),
+        losses,
+        *checks,
+    ]
+
+
+TABLES = {  # (part, title, columns, cells): the tables a run prints, in order
+    "inference memory": (
+        "inference",
+        "Table 1: peak GPU memory, inference",
+        ["peak GPU (GiB)", "analytic (GiB)"],
+        inference_memory_cells,
+    ),
+    "inference time": (
+        "inference",
+        "Table 2: time per forward pass, inference",
+        ["time (ms)", "bound (ms)", "efficiency", "H2D (GB/s)", "logits == gpu:"],
+        inference_time_cells,
+    ),
+    "training memory": (
+        "training",
+        "Table 1 (training): peak memory per step",
+        ["peak GPU (GiB)", "predicted (GiB)", "units resident", "peak host RSS (GiB)"],
+        training_memory_cells,
+    ),
+    "training time": (
+        "training",
+        "Table 2 (training): time per step",
+        [
+            "step (ms)",
+            "bound (ms)",
+            "bound by:",
+            "efficiency",
+            "host bytes / param",
+            "loss first -> last:",
+            "grads == gpu:",
+            "step-1 masters ~ gpu:",
+        ],
+        training_time_cells,
+    ),
+}
+
+
 def tables(results: dict, run: RunConfig, config, tokens: int, reference: dict | None = None) -> str:
     """The memory and time tables of a run, inference then training, with notes below."""
-    dtype = str(run.torch_dtype).removeprefix("torch.")
-    what = f"{run.model or run.preset}, {dtype}, {run.batch_size}x{run.seq_len} = {tokens} tokens"
-    modes = [mode for mode in ("gpu", "blocked", "overlapped", "cpu") if mode in results]
+    what = f"{run.model or run.preset}, {run.dtype}, {run.batch_size}x{run.seq_len} = {tokens} tokens"
+    steps = f"{run.dtype}, {run.grad_accum}x{run.batch_size}x{run.seq_len} tokens per step, Adam"
+    modes = [mode for mode in MODES if mode in results]
+    lines = []
+    for part, title, columns, cells in TABLES.values():
+        if (part == "inference" and not run.inference) or (part == "training" and not run.train):
+            continue
+        rows = [(mode_label(mode, run), results[mode][part]) for mode in modes if part in results[mode]]
+        aligned = [(c.removesuffix(":"), ":---:" if c.endswith(":") else "---:") for c in columns]
+        lines += markdown(f"{title} ({what if part == 'inference' else steps})", aligned, rows, cells)
+    return "\n".join(lines + notes(results, run, reference))
 
-    def label(mode):
-        """A mode's row label; overlapped names its prefetch depth."""
-        return MODE_NAMES[mode] + (f" (prefetch {run.prefetch})" if mode == "overlapped" else "")
 
-    def of(part):
-        """The (label, result) rows of one part, inference or training, for the modes that ran it."""
-        return [(label(mode), results[mode][part]) for mode in modes if part in results[mode]]
-
-    out = [] if not run.inference else markdown(f"Table 1: peak GPU memory, inference ({what})",
-                   [("peak GPU (GiB)", "---:"), ("analytic (GiB)", "---:")], of("inference"),
-                   lambda mode, r: ["0 (runs on the CPU)", ""] if "peak_gpu_bytes" not in r else
-                   [gib(r["peak_gpu_bytes"]), gib(sum(r["analytic_peak_bytes"].values()))])
-    out += [] if not run.inference else markdown(f"Table 2: time per forward pass, inference ({what})",
-                    [("time (ms)", "---:"), ("bound (ms)", "---:"), ("efficiency", "---:"), ("H2D (GB/s)", "---:"),
-                     ("logits == gpu", ":---:")], of("inference"),
-                    lambda mode, r: [f"{r['time_ms']:.1f}", fmt(r.get("bound_ms"), ".1f"),
-                                     fmt(r.get("efficiency"), ".3f"), fmt(r.get("h2d_gbps"), ".1f"),
-                                     yes_no(r.get("equal_to_gpu"))])
-    if run.train:
-        steps = f"{dtype}, {run.grad_accum}x{run.batch_size}x{run.seq_len} tokens per step, Adam"
-        out += markdown(f"Table 1 (training): peak memory per step ({steps})",
-                        [("peak GPU (GiB)", "---:"), ("predicted (GiB)", "---:"), ("units resident", "---:"),
-                         ("peak host RSS (GiB)", "---:")], of("training"),
-                        lambda mode, r: [gib(r.get("peak_gpu_bytes")) or "0 (runs on the CPU)",
-                                         gib(r.get("predicted_peak_bytes")),
-                                         f"{len(r['resident_units'])} of {r['units']}" if "units" in r else "",
-                                         gib(r.get("peak_host_bytes"))])
-        out += markdown(f"Table 2 (training): time per step ({steps})",
-                        [("step (ms)", "---:"), ("bound (ms)", "---:"), ("bound by", ":---:"), ("efficiency", "---:"),
-                         ("host bytes / param", "---:"), ("loss first -> last", ":---:"), ("grads == gpu", ":---:"),
-                         ("step-1 masters ~ gpu", ":---:")],
-                        of("training"),
-                        lambda mode, r: [f"{r['time_ms']:.1f}", fmt(r.get("bound_ms"), ".1f"), r.get("bound_by", ""),
-                                         fmt(r.get("efficiency"), ".3f"), fmt(r.get("host_bytes_per_param"), ".1f"),
-                                         f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}",
-                                         yes_no(r.get("grads_equal_to_gpu")), yes_no(r.get("masters_close_to_gpu"))])
-    return "\n".join(out + notes(results, run, reference))
+def mode_label(mode: str, run: RunConfig) -> str:
+    """A mode's row label; overlapped names its prefetch depth."""
+    return MODE_NAMES[mode] + (f" (prefetch {run.prefetch})" if mode == "overlapped" else "")
 
 
 def notes(results: dict, run: RunConfig, reference: dict | None = None) -> list[str]:
-    """The lines under the tables: per-layer copy and compute times, trace overlap, training bounds and comparisons."""
+    """The lines under the tables: per-layer times, trace overlap, training placement, bounds and comparisons."""
     lines = []
     for mode, rs in results.items():
-        r, t = rs.get("inference", {}), rs.get("training", {})
-        if r.get("resident_layers"):
-            lines.append(f"{mode}: decoder layers {', '.join(map(str, r['resident_layers']))} resident on the GPU, "
-                         "the others streamed")
-        if "compute_ms_per_layer" in r:
-            copy = f"copy {r['copy_ms_per_layer']:.2f} ms ({r['h2d_gbps_copy_only']:.1f} GB/s alone), " \
-                if r["h2d_gbps_copy_only"] else ""
-            lines.append(f"{mode}: per layer {copy}compute {r['compute_ms_per_layer']:.2f} ms; "
-                         f"embeddings + norm + head {r['resident_ms']:.2f} ms")
-        if "trace" in r:
-            tr = r["trace"]
-            lines.append(f"{mode} trace: {tr['overlap_ms']:.1f} of {tr['copy_ms']:.1f} ms of copies ran under "
-                         f"compute on another stream (copy streams {tr['copy_streams']}, "
-                         f"kernel streams {tr['kernel_streams']})")
-        if "predicted_peak_bytes" in t:
-            gpu_adam = t.get("gpu_adam_units", [])
-            lines.append(f"{mode} training: {len(t['resident_units'])} of {t['units']} "
-                         f"units resident on the GPU ({', '.join(t['resident_units']) or 'none'}), {len(gpu_adam)} "
-                         f"stepped by the GPU's Adam over streamed state ({', '.join(gpu_adam) or 'none'}); peak GPU "
-                         f"{gib(t['peak_gpu_bytes'])} GiB against {gib(t['predicted_peak_bytes'])} predicted: "
-                         + ", ".join(f"{part} {gib(n)}" for part, n in t["predicted_parts"].items()))
-        if "gpu_compute_ms" in t:
-            copies = "" if "h2d_ms" not in t else (
-                f", H2D {t['h2d_ms']:.1f} ms ({t['h2d_bytes'] / t['h2d_ms'] / 1e6:.1f} GB/s), D2H {t['d2h_ms']:.1f} "
-                f"ms ({t['d2h_bytes'] / t['d2h_ms'] / 1e6:.1f} GB/s)")
-            host = "" if "host_memory_ms" not in t else (
-                f", CPU Adam {t['cpu_adam_ms']:.1f} ms, host memory {t['host_memory_ms']:.1f} ms "
-                f"({t['host_bytes'] / 1e9:.1f} GB, {t['host_bytes_per_param']:.1f} bytes per parameter of the model "
-                f"with {t['adam_bytes_per_param']} per CPU-stepped parameter for the Adam, at {t['host_gbps']:.0f} "
-                "GB/s with the Adam and the copy engines running together)")
-            rounds = len(next(iter(t["bound_parts_ms"].values())))
-            lines.append(f"{mode} training bound, each part alone (best of {rounds} rounds among the steps): GPU "
-                         f"compute {t['gpu_compute_ms']:.1f} ms (forward, recompute, backward){copies}{host}")
-        if "trace" in t:
-            h, d = t["trace"]["h2d"], t["trace"]["d2h"]
-            lines.append(f"{mode} training trace: {h['overlap_ms']:.1f} of {h['copy_ms']:.1f} ms of H2D copies and "
-                         f"{d['overlap_ms']:.1f} of {d['copy_ms']:.1f} ms of D2H copies ran under compute")
-        if not t.get("gradient_pool", {"per_unit": True})["per_unit"]:
-            g = t["gradient_pool"]
-            lines.append(f"{mode} training: {g['buffers']} shared gradient buffers; the backward waited "
-                         f"{g['waited_ms']:.0f} ms in all for the CPU Adam to free one")
-        if "masters_max_abs_diff" in t:
-            lines.append(f"{mode} training: masters differ from gpu mode's by at most "
-                         f"{t['masters_step1_max_abs_diff']:.3g} after step 1 (float32 rounding allows "
-                         f"{t['masters_tolerance']:.3g}) and {t['masters_max_abs_diff']:.3g} after step {run.steps}")
+        lines += inference_notes(mode, rs.get("inference", {})) + training_notes(mode, rs.get("training", {}), run)
     if "cpu" in results and not results["cpu"].get("inference", {"oom": True}).get("oom"):
-        lines.append("cpu: one run, no warm-up; GPU modes: median of "
-                     f"{run.repeat} runs after {run.warmup} warm-up runs")
+        lines.append(
+            f"cpu: one run, no warm-up; GPU modes: median of {run.repeat} runs after {run.warmup} warm-up runs"
+        )
     if run.train and run.attention != "eager" and "gpu" in results:
-        lines.append("training: gradients and masters are judged against gpu mode's with --attention eager only: "
-                     "sdpa's backward accumulates with atomics, so two gpu-mode runs already differ in the last bits")
+        lines.append(
+            "training: gradients and masters are judged against gpu mode's with --attention eager only: "
+            "sdpa's backward accumulates with atomics, so two gpu-mode runs already differ in the last bits"
+        )
     if reference:
-        lines.append(f"forward/backward reference (the model resident on the GPU, no optimizer, no cap): "
-                     f"{reference['time_ms']:.1f} ms per step, {reference['sequences_per_s']:.2f} sequences/s, "
-                     f"peak GPU {gib(reference['peak_gpu_bytes'])} GiB")
-        for mode, rs in results.items():
-            t = rs.get("training", {})
-            if "time_ms" in t:
-                seqs = run.grad_accum * run.batch_size / t["time_ms"] * 1e3
-                lines.append(f"{mode} training: {seqs:.2f} sequences/s, {seqs / reference['sequences_per_s']:.2f}x "
-                             "the reference's")
+        lines += reference_notes(results, run, reference)
     if run.train:
-        lines.append(f"training: median step time after the first {run.warmup} of {run.steps} steps, each step timed "
-                     "from its start to the next one's; offloaded modes on the GPU leave out the step after each "
-                     "round of their bound's parts (it waits for no update)")
+        lines.append(
+            f"training: median step time after the first {run.warmup} of {run.steps} steps, each step timed from its "
+            "start to the next one's; offloaded modes on the GPU leave out the step after each round of their bound's "
+            "parts (it waits for no update)"
+        )
     return lines
 
 
-# ----------------------------------------------------------------------------- the largest model that trains
+def inference_notes(mode: str, r: dict) -> list[str]:
+    """A mode's inference notes: resident layers, per-layer copy and compute times, the trace's overlap."""
+    lines = []
+    if r.get("resident_layers"):
+        layers = ", ".join(map(str, r["resident_layers"]))
+        lines.append(f"{mode}: decoder layers {layers} resident on the GPU, the others streamed")
+    if "compute_ms_per_layer" in r:
+        copy = ""
+        if r["h2d_gbps_copy_only"]:
+            copy = f"copy {r['copy_ms_per_layer']:.2f} ms ({r['h2d_gbps_copy_only']:.1f} GB/s alone), "
+        lines.append(
+            f"{mode}: per layer {copy}compute {r['compute_ms_per_layer']:.2f} ms; "
+            f"embeddings + norm + head {r['resident_ms']:.2f} ms"
+        )
+    if "trace" in r:
+        t = r["trace"]
+        lines.append(
+            f"{mode} trace: {t['overlap_ms']:.1f} of {t['copy_ms']:.1f} ms of copies ran under compute on another "
+            f"stream (copy streams {t['copy_streams']}, kernel streams {t['kernel_streams']})"
+        )
+    return lines
 
-MAX_SEARCH_LAYERS = 64
-# host memory a probe holds besides the model and its state: the CUDA runtime, libraries and interpreter (1.7 GiB
-# in the H100 machine's training runs), and headroom, as a probe that the kernel kills for memory costs minutes
-RUNTIME_HOST_BYTES = 5 * GiB
+
+def training_notes(mode: str, t: dict, run: RunConfig) -> list[str]:
+    """A mode's training notes: placement and peak, the bound's parts, the trace, the gradient pool, the masters."""
+    lines = []
+    if "predicted_peak_bytes" in t:
+        resident, gpu_adam = ", ".join(t["resident_units"]) or "none", ", ".join(t.get("gpu_adam_units", [])) or "none"
+        parts = ", ".join(f"{part} {gib(n)}" for part, n in t["predicted_parts"].items())
+        lines.append(
+            f"{mode} training: {len(t['resident_units'])} of {t['units']} units resident on the GPU ({resident}), "
+            f"{len(t.get('gpu_adam_units', []))} stepped by the GPU's Adam over streamed state ({gpu_adam}); peak GPU "
+            f"{gib(t['peak_gpu_bytes'])} GiB against {gib(t['predicted_peak_bytes'])} predicted: {parts}"
+        )
+    if "gpu_compute_ms" in t:
+        lines.append(bound_note(mode, t))
+    if "trace" in t:
+        h, d = t["trace"]["h2d"], t["trace"]["d2h"]
+        lines.append(
+            f"{mode} training trace: {h['overlap_ms']:.1f} of {h['copy_ms']:.1f} ms of H2D copies and "
+            f"{d['overlap_ms']:.1f} of {d['copy_ms']:.1f} ms of D2H copies ran under compute"
+        )
+    if not t.get("gradient_pool", {"per_unit": True})["per_unit"]:
+        g = t["gradient_pool"]
+        lines.append(
+            f"{mode} training: {g['buffers']} shared gradient buffers; the backward waited {g['waited_ms']:.0f} ms in "
+            "all for the CPU Adam to free one"
+        )
+    if "masters_max_abs_diff" in t:
+        lines.append(
+            f"{mode} training: masters differ from gpu mode's by at most {t['masters_step1_max_abs_diff']:.3g} after "
+            f"step 1 (float32 rounding allows {t['masters_tolerance']:.3g}) and {t['masters_max_abs_diff']:.3g} after "
+            f"step {run.steps}"
+        )
+    return lines
 
 
-def with_layers(run: RunConfig, layers: int) -> RunConfig:
-    """`run` with its preset's layer count replaced."""
-    return dataclasses.replace(run, sizes=tuple({**dict(run.sizes), "num_hidden_layers": layers}.items()))
+def bound_note(mode: str, t: dict) -> str:
+    """A mode's training bound, each part alone."""
+    copies = host = ""
+    if "h2d_ms" in t:
+        h2d, d2h = t["h2d_bytes"] / t["h2d_ms"] / 1e6, t["d2h_bytes"] / t["d2h_ms"] / 1e6
+        copies = f", H2D {t['h2d_ms']:.1f} ms ({h2d:.1f} GB/s), D2H {t['d2h_ms']:.1f} ms ({d2h:.1f} GB/s)"
+    if "host_memory_ms" in t:
+        host = (
+            f", CPU Adam {t['cpu_adam_ms']:.1f} ms, host memory {t['host_memory_ms']:.1f} ms "
+            f"({t['host_bytes'] / 1e9:.1f} GB, {t['host_bytes_per_param']:.1f} bytes per parameter of the model "
+            f"with {t['adam_bytes_per_param']} per CPU-stepped parameter for the Adam, at {t['host_gbps']:.0f} "
+            "GB/s with the Adam and the copy engines running together)"
+        )
+    rounds = len(next(iter(t["bound_parts_ms"].values())))
+    return (
+        f"{mode} training bound, each part alone (best of {rounds} rounds among the steps): GPU compute "
+        f"{t['gpu_compute_ms']:.1f} ms (forward, recompute, backward){copies}{host}"
+    )
+
+
+def reference_notes(results: dict, run: RunConfig, reference: dict) -> list[str]:
+    """The forward/backward reference, and each mode's training speed against it."""
+    lines = [
+        f"forward/backward reference (the model resident on the GPU, no optimizer, no cap): {reference['time_ms']:.1f} "
+        f"ms per step, {reference['sequences_per_s']:.2f} sequences/s, peak GPU {gib(reference['peak_gpu_bytes'])} GiB"
+    ]
+    for mode, rs in results.items():
+        if "time_ms" in rs.get("training", {}):
+            seqs = run.grad_accum * run.batch_size / rs["training"]["time_ms"] * 1e3
+            lines.append(
+                f"{mode} training: {seqs:.2f} sequences/s, {seqs / reference['sequences_per_s']:.2f}x the reference's"
+            )
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------------- sizing
 
 
 def params_with_layers(config: LlamaConfig, layers: int) -> int:
@@ -2545,181 +2740,143 @@ def params_with_layers(config: LlamaConfig, layers: int) -> int:
 
 
 def host_reserve(config: LlamaConfig) -> int:
-    """Host memory a probe needs beyond host_bytes_needed: the runtime, and the scratch Adam state on which the
-    training bound times the CPU Adam (16 bytes per parameter of one layer: float32 master and moments, 16-bit
-    gradients and copy; float32 gradients with a copy take 2 more, which the runtime's headroom holds)."""
+    """Host memory a run needs beyond host_bytes_needed: the runtime, and the scratch state on which the training bound
+    times the CPU Adam (16 bytes per parameter of one layer)."""
     return RUNTIME_HOST_BYTES + 16 * (params_with_layers(config, 1) - params_with_layers(config, 0))
 
 
-def host_layer_limit(run: RunConfig, mode: str, config: LlamaConfig) -> int | None:
-    """The most decoder layers whose host memory this machine has free for `mode` (None: not known)."""
+def host_memory_available() -> int | None:
+    """MemAvailable from /proc/meminfo, in bytes (None where there is no such file)."""
+    return proc_kib("/proc/meminfo", "MemAvailable")
+
+
+def host_bytes_needed(run: RunConfig, config: LlamaConfig, params: int) -> tuple[int, str]:
+    """The model in the compute dtype (a lean run frees its decoder layers), plus for offloaded training 12 bytes per
+    parameter of float32 masters and Adam moments and two gradient buffers at the least, or for the cpu mode's
+    training 18 bytes per parameter; and what that is, in words."""
+    per_param = run.torch_dtype.itemsize
+    if run.train and {"blocked", "overlapped"} & set(run.modes):
+        model = params_with_layers(config, 0) if run.lean else params  # lean: the decoder layers are freed
+        needed = model * per_param + params * 12 + 2 * gradient_buffer_bytes(config)
+        return needed, "the model, its float32 masters and Adam state and two gradient buffers"
+    if run.train and "cpu" in run.modes:
+        return params * (2 * per_param + 16), "the model, its training copy and Adam state"
+    return params * per_param, "the model" + " and its pinned store" * bool({"blocked", "overlapped"} & set(run.modes))
+
+
+def gradient_buffer_bytes(config: LlamaConfig, dtype: torch.dtype = torch.float32) -> int:
+    """One shared buffer of the gradient pool: the largest unit's gradients (float32 unless told)."""
+    return dtype.itemsize * max(unit.layout.numel for unit in model_units(config))
+
+
+def gradient_dtype(run: RunConfig) -> torch.dtype:
+    """The dtype gradients leave the GPU in: bfloat16 with one micro-batch, exactly what the backward made; float32
+    where micro-batches accumulate or float16's loss scale is undone."""
+    return torch.bfloat16 if run.torch_dtype == torch.bfloat16 and run.grad_accum == 1 else torch.float32
+
+
+def host_spare_bytes(run: RunConfig, config: LlamaConfig) -> int | None:
+    """Host memory left once the run has what it needs (host_bytes_needed, the passes, the reserve); None: not known."""
     available = host_memory_available()
     if available is None:
         return None
-    need = lambda n: host_bytes_needed(dataclasses.replace(run, mode=mode), config, params_with_layers(config, n))[0]
-    n = 0
-    while n < MAX_SEARCH_LAYERS and need(n + 1) <= available - host_reserve(config):
-        n += 1
-    return n
+    needed = host_bytes_needed(run, config, param_count(config))[0] + host_pass_bytes(run, config)
+    return available - needed - host_reserve(config)
 
 
-def gpu_layer_guess(run: RunConfig, config: LlamaConfig) -> int:
-    """Where the search starts for gpu mode: the layers whose resident training state fits the cap, counting the
-    compute-dtype weights and gradients and 16 bytes of float32 master, master gradient and Adam moments. Without a
-    cap it starts from one layer (asking CUDA for the GPU's size would cost this process a CUDA context)."""
-    if run.max_gpu_memory is None:
-        return 1
-    cap = run.max_gpu_memory * GiB
-    per_param = 2 * run.torch_dtype.itemsize + 16
-    per_layer = params_with_layers(config, 1) - params_with_layers(config, 0)
-    return int((cap / per_param - params_with_layers(config, 0)) // per_layer)
+def host_copy_dtype(run: RunConfig, config: LlamaConfig) -> torch.dtype | None:
+    """The dtype of the masters' copy that offloaded training streams: the compute dtype where the host has room;
+    None in float32 or, said on stderr, where there is no room (the GPU then streams the masters and casts them)."""
+    if run.torch_dtype == torch.float32:
+        return None
+    spare, copy = host_spare_bytes(run, config), run.torch_dtype.itemsize * param_count(config)
+    if spare is not None and spare < copy:
+        log(
+            f"no room on the host for the {run.dtype} copy of the masters ({copy / GiB:.1f} GiB, "
+            f"{max(0, spare) / GiB:.1f} GiB spare): the GPU streams the float32 masters and casts them"
+        )
+        return None
+    return run.torch_dtype
 
 
-def largest_that_trains(trains, first: int, upper: int) -> int:
-    """The largest n in [0, upper] with trains(n), where fewer layers train whenever more do. Probes start at
-    `first` and gallop away from it, then bisect: a good first guess costs two probes."""
-    lo, hi = 0, upper + 1  # lo trains (no layers, trivially), hi does not
-    n, step = min(max(first, 1), upper), 1
-    while hi - lo > 1:
-        if trains(n):
-            lo, n = n, n + step
-        else:
-            hi, n = n, n - step
-        step *= 2
-        if not lo < n < hi:
-            n = (lo + hi) // 2
-    return lo
+def gradient_buffers(run: RunConfig, config: LlamaConfig, exact: bool, copy: bool) -> int:
+    """How many pinned gradient buffers offloaded training gets: one per unit where the host has room (after the
+    masters' copy, if `copy`), and always to compare with gpu mode (`exact`) or in float16; else as many as fit."""
+    units = model_units(config)
+    spare = host_spare_bytes(run, config)
+    if exact or run.dtype == "float16" or spare is None:
+        return len(units)
+    spare -= run.torch_dtype.itemsize * param_count(config) if copy else 0
+    dtype = gradient_dtype(run)
+    buffer = gradient_buffer_bytes(config, dtype)
+    if spare + 2 * gradient_buffer_bytes(config) >= dtype.itemsize * sum(unit.layout.numel for unit in units):
+        return len(units)
+    count = 2 + max(0, spare) // buffer
+    log(
+        f"gradients: {count} pinned buffers of {buffer / GiB:.2f} GiB for {len(units)} units, as many as host memory "
+        "holds: the backward waits for the CPU Adam when none is free"
+    )
+    return count
 
 
-def probe(run: RunConfig, mode: str, layers: int) -> dict:
-    """`mode` with `layers` decoder layers, run by the CLI in a fresh process, so that an out-of-memory leaves
-    nothing behind: its training result, or {'oom': True}, {'refused': why} (exit code 2) or {'failed': why}.
-    The process's progress lines pass through to stderr; its tables are not shown."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "probe.json"
-        child = dataclasses.replace(with_layers(run, layers), mode=mode, find_largest=False, json=str(path))
-        with subprocess.Popen([sys.executable, __file__, *cli_args(child)], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True) as process:
-            last = ""
-            try:
-                for line in process.stderr:
-                    sys.stderr.write(line)
-                    last = line.strip() or last
-            except KeyboardInterrupt:
-                process.terminate()  # the probe writes nothing that lasts, so it need not clean up
-                raise
-        if process.returncode == 0:
-            return json.loads(path.read_text())["results"][mode]["training"]
-    why = last.removeprefix("offload_llama.py: error: ")
-    if process.returncode == 2:
-        return {"refused": why}
-    if process.returncode < 0:  # SIGKILL, most likely from the kernel's out-of-memory killer: the host ran out
-        return {"failed": f"killed by signal {-process.returncode} after: {why}"}
-    return {"failed": f"exit code {process.returncode}: {why}"}
+def host_pass_bytes(run: RunConfig, config: LlamaConfig) -> int:
+    """Host memory besides the parameters and their state: the token ids, each mode's logits, the pinned pool of the
+    saved inputs with --offload-activations and, for the cpu mode, the activations of its largest pass."""
+    tokens, dtype = run.batch_size * run.seq_len, run.torch_dtype
+    ids = (1 + run.grad_accum) * tokens * 8  # int64: inference's batch and training's micro-batches
+    logits = len(run.modes) * tokens * config.vocab_size * dtype.itemsize
+    pool = (config.num_hidden_layers + 2) * unit_inputs_bytes(run, config) if run.offload_activations else 0
+    return ids + logits + pool + (activation_bytes(config, dtype, tokens) if "cpu" in run.modes else 0)
 
 
-def cli_args(run: RunConfig) -> list[str]:
-    """The command line that parse_args turns back into `run` (without --profile, --save-output, --model)."""
-    args = ["--mode", run.mode, "--preset", run.preset, "--dtype", run.dtype, "--attention", run.attention,
-            "--batch-size", str(run.batch_size), "--seq-len", str(run.seq_len), "--seed", str(run.seed),
-            "--prefetch", str(run.prefetch), "--warmup", str(run.warmup), "--repeat", str(run.repeat),
-            "--steps", str(run.steps), "--grad-accum", str(run.grad_accum), "--lr", repr(run.lr),
-            "--betas", *map(repr, run.betas), "--eps", repr(run.eps), "--weight-decay", repr(run.weight_decay)]
-    for field, value in run.sizes:
-        args += [f"--{SIZE_FLAGS[field]}", str(value)]
-    for flag, value in (("--max-gpu-memory", run.max_gpu_memory), ("--resident-layers", run.resident_layers),
-                        ("--gpu-adam-share", run.gpu_adam_share), ("--json", run.json)):
-        if value is not None:
-            args += [flag, str(value)]
-    flags = {"--train": run.train, "--no-inference": not run.inference, "--find-largest": run.find_largest,
-             "--offload-activations": run.offload_activations, "--fwd-bwd-reference": run.fwd_bwd_reference}
-    return args + [flag for flag, on in flags.items() if on]
+def gpu_bytes_needed(run: RunConfig, config: LlamaConfig, mode: str) -> int:
+    """A lower bound on the GPU memory a mode takes, known before anything is allocated: gpu mode's weights (and
+    training state), or the offloaded modes' slots, resident parts, gradient buffer, saved inputs; and activations."""
+    dtype, b, h = run.torch_dtype, run.torch_dtype.itemsize, config.hidden_size
+    tokens, layers = run.batch_size * run.seq_len, config.num_hidden_layers
+    act = activation_bytes(config, dtype, tokens, at_least=True)
+    if mode == "gpu":
+        return param_count(config) * (2 * b + 16 if run.train else b) + act
+    depth = 0 if mode == "blocked" else run.prefetch
+    inference = min(depth + 1, layers) * layer_bytes(config, dtype) + resident_bytes(config, dtype) + act
+    if not run.train:
+        return inference
+    unit_numel = max(layer_bytes(config, dtype) // b, config.vocab_size * h)  # a decoder layer, or embeddings/head
+    # the inputs the layers, the norm and the head keep for their backward: all of them, or with activation offload
+    # the ring of activation slots and the two units' inputs still being copied to the host
+    saved_units = min(depth + 1, layers + 2) + 2 if run.offload_activations else layers + 2
+    weights = min(depth + 1, layers + 3) * unit_numel * b + 4 * unit_numel  # the slots and the float32 gradients
+    return max(inference, weights + saved_units * unit_inputs_bytes(run, config) + act)
 
 
-def probe_line(mode: str, layers: int, params: int, r: dict) -> str:
-    """One progress line for a probe: trains (step time, peak memory), or why not."""
-    head = f"probe {mode}, {layer_count(layers)} ({params / 1e9:.2f}B parameters): "
-    if r.get("oom"):
-        return head + "out of GPU memory"
-    if "refused" in r or "failed" in r:
-        return head + r.get("refused", r.get("failed"))
-    gpu = f"peak GPU {gib(r['peak_gpu_bytes'])} GiB, " if "peak_gpu_bytes" in r else ""
-    return head + f"trains, {r['time_ms']:.0f} ms per step, {gpu}peak host {gib(r.get('peak_host_bytes'))} GiB"
+def unit_inputs_bytes(run: RunConfig, config: LlamaConfig) -> int:
+    """What one unit keeps for its backward: its input hidden states, one tensor per micro-batch."""
+    return run.grad_accum * run.batch_size * run.seq_len * config.hidden_size * run.torch_dtype.itemsize
 
 
-def find_largest(run: RunConfig) -> dict:
-    """--find-largest: per mode, the most decoder layers of the preset's size that train, and what stops one more."""
-    config = llama_config(run)
-    run = dataclasses.replace(run, inference=False)  # each probe trains one mode alone: lean where offloaded
-    check_devices(with_layers(run, 1), llama_config(with_layers(run, 1)))
-    found = {}
-    for mode in ("gpu", "overlapped") if run.mode == "all" else run.modes:  # with and without offload
-        host_limit = host_layer_limit(run, mode, config)
-        upper = MAX_SEARCH_LAYERS if host_limit is None else host_limit  # more layers: refused before a probe
-        first = gpu_layer_guess(run, config) if mode == "gpu" else upper  # offloaded: GPU memory flat in layers
-        probes = {}
-
-        def trains(n: int) -> bool:
-            """Probe n layers; they train when the probe ran every step."""
-            probes[n] = probe(run, mode, n)
-            log(probe_line(mode, n, params_with_layers(config, n), probes[n]))
-            return not {"oom", "refused", "failed"} & probes[n].keys()
-
-        n = largest_that_trains(trains, first, upper)
-        found[mode] = {"layers": n, "parameters": params_with_layers(config, n), "training": probes.get(n),
-                       "limited_by": limit(run, mode, config, n, probes.get(n + 1)),
-                       "probes": {str(k): v for k, v in sorted(probes.items())}}
-    report = {**environment(), "run": dataclasses.asdict(run), "config": json.loads(config.to_json_string()),
-              "find_largest": found}
-    print(largest_table(found, run))
-    if run.json:
-        write_json(run.json, report)
-    return report
+def with_activation_offload(run: RunConfig, config: LlamaConfig) -> RunConfig:
+    """`run` with --offload-activations turned on (and said so) where the offloaded modes' saved inputs would not fit
+    the GPU cap, and would with it."""
+    offloaded = {"blocked", "overlapped"} & set(run.modes)
+    if run.offload_activations or not run.train or not offloaded or run.max_gpu_memory is None:
+        return run
+    cap, on = run.max_gpu_memory * GiB, dataclasses.replace(run, offload_activations=True)
+    if all(gpu_bytes_needed(run, config, m) > cap >= gpu_bytes_needed(on, config, m) for m in offloaded):
+        saved = (config.num_hidden_layers + 2) * unit_inputs_bytes(run, config)
+        log(
+            f"activation offload on: the units' saved inputs ({saved / GiB:.1f} GiB) do not fit the "
+            f"{run.max_gpu_memory:g} GiB cap on the GPU, so they wait in pinned host memory"
+        )
+        return on
+    return run
 
 
-def limit(run: RunConfig, mode: str, config: LlamaConfig, n: int, after: dict | None) -> str:
-    """Why n + 1 layers do not train: what their probe met, or, unprobed, the host memory or the search's end."""
-    if after is not None:
-        if after.get("oom"):
-            return f"GPU memory: the model with {layer_count(n + 1)} does not fit " + (
-                f"the {run.max_gpu_memory:g} GiB cap" if run.max_gpu_memory else "the GPU")
-        return after.get("refused") or after.get("failed")
-    needed, what = host_bytes_needed(dataclasses.replace(run, mode=mode), config, params_with_layers(config, n + 1))
-    available = host_memory_available()
-    if available is not None and needed > available - host_reserve(config):
-        return (f"host memory: with {layer_count(n + 1)}, {what} need {needed / GiB:.1f} GiB, and "
-                f"{(available - host_reserve(config)) / GiB:.1f} GiB are free beyond the "
-                f"{host_reserve(config) / GiB:.1f} GiB the process needs besides")
-    return f"the search stops at {MAX_SEARCH_LAYERS} layers"
+# ---------------------------------------------------------------------------------------------------- CLI
 
-
-def layer_count(n: int) -> str:
-    """'1 layer', 'n layers'."""
-    return f"{n} layer" + "s" * (n != 1)
-
-
-def largest_table(found: dict, run: RunConfig) -> str:
-    """The --find-largest table: per mode the layers, parameters, step time, peak memory and what stops one more."""
-    cap = f"GPU capped at {run.max_gpu_memory:g} GiB" if run.max_gpu_memory else "the whole GPU"
-    title = (f"The largest model that trains ({run.preset} layers, {run.dtype}, {run.batch_size}x{run.seq_len} "
-             f"tokens per micro-batch, Adam, {cap})")
-    columns = [("layers", "---:"), ("parameters (B)", "---:"), ("step (ms)", "---:"), ("peak GPU (GiB)", "---:"),
-               ("units resident", "---:"), ("peak host (GiB)", "---:"), ("one more layer", "---")]
-
-    def cells(label, r):
-        """A mode's row."""
-        t = r["training"] or {}
-        resident = f"{len(t['resident_units'])} of {t['units']}" if "units" in t else ""
-        return [str(r["layers"]), f"{r['parameters'] / 1e9:.2f}", fmt(t.get("time_ms"), ".1f"),
-                gib(t.get("peak_gpu_bytes")), resident, gib(t.get("peak_host_bytes")), r["limited_by"]]
-
-    return "\n".join(markdown(title, columns, [(MODE_NAMES[m], r) for m, r in found.items()], cells))
-
-
-# ----------------------------------------------------------------------------- CLI
 
 class Parser(argparse.ArgumentParser):
     """argparse with bad arguments reported as one line and exit code 2, like every other bad input."""
+
     def error(self, message):  # one line, exit 2, as for every other bad input
         print(f"offload_llama.py: error: {message} (see --help)", file=sys.stderr)
         sys.exit(2)
@@ -2733,68 +2890,66 @@ def mode_list(text: str) -> str:
     return text
 
 
-def parse_args(argv=None) -> RunConfig:
-    """The command line as a RunConfig; flags out of range end with one line and exit 2."""
-    p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--mode", type=mode_list, default="all",
-                   help="gpu: resident model; cpu: on the CPU; blocked: copy each layer then run it; "
-                        "overlapped: copy ahead on a second stream; all: every mode, then the tables; "
-                        "or a comma-separated list such as gpu,overlapped")
-    p.add_argument("--preset", choices=tuple(PRESETS), default="7b-8l")
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """The model, the batch and the timing."""
+    modes = "gpu: resident model; cpu: on the CPU; blocked: copy each layer then run it; overlapped: copy ahead on a "
+    modes += "second stream; all: every mode, then the tables; or a comma-separated list such as gpu,overlapped"
+    p.add_argument("--mode", type=mode_list, default="all", help=modes)
+    p.add_argument("--preset", choices=tuple(PRESETS), default=RunConfig.preset)
     p.add_argument("--model", help="load a save_pretrained LLaMA folder instead of building a random model")
     for field, flag in SIZE_FLAGS.items():
         p.add_argument(f"--{flag}", type=int, dest=field, help=f"override the preset's {field}")
     p.add_argument("--dtype", choices=tuple(DTYPES), help="compute dtype (default: bfloat16 where supported)")
-    p.add_argument("--attention", choices=("sdpa", "eager"), default=RunConfig.attention,
-                   help="sdpa: flash attention, whose backward is not bitwise reproducible; eager: matmul and "
-                        "softmax, bitwise reproducible, memory quadratic in --seq-len")
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--seed", type=int, default=0, help="seeds the random weights and the input token ids")
-    p.add_argument("--prefetch", type=int, default=RunConfig.prefetch,
-                   help="layers the copy stream runs ahead in overlapped mode")
+    attention = "sdpa: flash attention, whose backward is not bitwise reproducible; eager: matmul and softmax, "
+    attention += "bitwise reproducible, memory quadratic in --seq-len"
+    p.add_argument("--attention", choices=("sdpa", "eager"), default=RunConfig.attention, help=attention)
+    p.add_argument("--batch-size", type=int, default=RunConfig.batch_size)
+    p.add_argument("--seq-len", type=int, default=RunConfig.seq_len)
+    p.add_argument("--seed", type=int, default=RunConfig.seed, help="seeds the random weights and the input token ids")
+    p.add_argument("--prefetch", type=int, default=RunConfig.prefetch, help="units copied ahead in overlapped mode")
     p.add_argument("--warmup", type=int, default=RunConfig.warmup)
     p.add_argument("--repeat", type=int, default=RunConfig.repeat, help="timed runs; the median is reported")
-    p.add_argument("--max-gpu-memory", type=float, metavar="GIB",
-                   help="cap the GPU memory this process may use; overlapped keeps resident on the GPU the layers "
-                        "(in training: with their optimizer state) that the cap holds, and streams the rest")
-    p.add_argument("--resident-layers", type=int, metavar="N",
-                   help="overlapped: keep N decoder layers resident on the GPU (inference: spread among the "
-                        "streamed ones; training: the first N) instead of planning from --max-gpu-memory; 0 "
-                        "streams every layer")
+
+
+def add_placement_flags(p: argparse.ArgumentParser) -> None:
+    """What stays on the GPU, and the outputs."""
+    cap = "cap the GPU memory this process may use; overlapped keeps resident on the GPU the layers (in training: with "
+    cap += "their optimizer state) that the cap holds, and streams the rest"
+    p.add_argument("--max-gpu-memory", type=float, metavar="GIB", help=cap)
+    resident = "overlapped: keep N decoder layers resident on the GPU (inference: spread among the streamed ones; "
+    resident += "training: the first N) instead of planning from --max-gpu-memory; 0 streams every layer"
+    p.add_argument("--resident-layers", type=int, metavar="N", help=resident)
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    p.add_argument("--save-output", metavar="PATH", help="torch.save the input ids and each mode's logits")
-    p.add_argument("--profile", metavar="PATH", help="write a Chrome trace of one offloaded forward pass")
+    p.add_argument("--save-output", metavar="PATH", help="torch.save the input ids, logits and trained masters")
+    p.add_argument("--profile", metavar="PATH", help="write a Chrome trace of one offloaded forward pass and step")
+
+
+def add_training_flags(p: argparse.ArgumentParser) -> None:
+    """Training and its accelerations."""
     t = p.add_argument_group("training (--train)")
     t.add_argument("--train", action="store_true", help="after inference, train each mode: forward, backward, Adam")
-    t.add_argument("--steps", type=int, default=RunConfig.steps, help="training steps on one fixed batch; the step "
-                   "time is the median after the --warmup first steps")
-    t.add_argument("--grad-accum", type=int, default=RunConfig.grad_accum, metavar="K",
-                   help="micro-batches of batch-size x seq-len per optimizer step, accumulated in float32")
-    t.add_argument("--no-inference", action="store_true",
-                   help="train only; training one offloaded mode alone then frees the compute-dtype copy of the "
-                        "decoder layers once the float32 masters hold them")
-    t.add_argument("--fwd-bwd-reference", action="store_true",
-                   help="before the modes, time plain forward and backward of the same model and batch resident on "
-                        "the GPU (no optimizer, no --max-gpu-memory cap): the speed offloaded training is held to")
-    t.add_argument("--offload-activations", action="store_true",
-                   help="keep the inputs each unit saves for its backward in pinned host memory, not on the GPU "
-                        "(turned on by itself when they would not fit --max-gpu-memory)")
+    t.add_argument("--steps", type=int, default=RunConfig.steps, help="training steps on one fixed batch")
+    accum = "micro-batches of batch-size x seq-len per optimizer step, accumulated in float32"
+    t.add_argument("--grad-accum", type=int, default=RunConfig.grad_accum, metavar="K", help=accum)
+    lean = "train only; one offloaded mode alone then frees the model's decoder layers once the masters hold them"
+    t.add_argument("--no-inference", dest="inference", action="store_false", help=lean)
+    reference = "before the modes, time plain forward and backward of the same model and batch resident on the GPU"
+    t.add_argument("--fwd-bwd-reference", action="store_true", help=reference + " (no optimizer, no cap)")
+    acts = "keep the inputs each unit saves for its backward in pinned host memory, not on the GPU (turned on by "
+    t.add_argument("--offload-activations", action="store_true", help=acts + "itself when they would not fit the cap)")
     t.add_argument("--lr", type=float, default=RunConfig.lr)
     t.add_argument("--betas", type=float, nargs=2, default=RunConfig.betas, metavar=("BETA1", "BETA2"))
     t.add_argument("--eps", type=float, default=RunConfig.eps)
-    t.add_argument("--weight-decay", type=float, default=RunConfig.weight_decay,
-                   help="L2 penalty added to the gradient, as torch.optim.Adam does")
-    t.add_argument("--gpu-adam-share", type=float, metavar="F",
-                   help="overlapped: of the streamed parameters, the share (0 to 1) the GPU's Adam steps over their "
-                        "float32 state streamed from the host by the copy engines, while the CPU Adam steps the rest "
-                        "(the embeddings, then layers from the first, then the head); 0: the CPU Adam steps them all "
-                        f"(default: {GPU_ADAM_SHARE}; 0 in float16)")
-    t.add_argument("--find-largest", action="store_true",
-                   help="per mode (default: gpu and overlapped), the most decoder layers of the preset's size that "
-                        "train (all --steps, no OOM) under --max-gpu-memory, each count tried in a fresh process, "
-                        "and what stops one more")
-    a = p.parse_args(argv)
+    decay = "L2 penalty added to the gradient, as torch.optim.Adam does"
+    t.add_argument("--weight-decay", type=float, default=RunConfig.weight_decay, help=decay)
+    share = "overlapped: of the streamed parameters, the share (0 to 1) the GPU's Adam steps over their float32 state "
+    share += "streamed from the host by the copy engines (the embeddings, then layers from the first, then the head) "
+    share += f"while the CPU Adam steps the rest (default: {GPU_ADAM_SHARE}; 0 in float16)"
+    t.add_argument("--gpu-adam-share", type=float, metavar="F", help=share)
+
+
+def check_flags(p: Parser, a: argparse.Namespace) -> None:
+    """Flags out of range or that do not go together: one line, exit 2."""
     for flag in ("batch_size", "seq_len", "repeat", "steps", "grad_accum"):
         if getattr(a, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be at least 1")
@@ -2804,36 +2959,33 @@ def parse_args(argv=None) -> RunConfig:
         p.error("--warmup must be at least 0")
     if a.resident_layers is not None and a.resident_layers < 0:
         p.error("--resident-layers must be at least 0")
-    if not all(map(math.isfinite, (a.lr, a.eps, a.weight_decay))) or not (
-            a.lr > 0 and a.eps > 0 and a.weight_decay >= 0 and all(0 <= b < 1 for b in a.betas)):
+    adam_ok = a.lr > 0 and a.eps > 0 and a.weight_decay >= 0 and all(0 <= b < 1 for b in a.betas)
+    if not all(map(math.isfinite, (a.lr, a.eps, a.weight_decay))) or not adam_ok:
         p.error("Adam needs --lr > 0, --eps > 0, --weight-decay >= 0 and betas in [0, 1), all finite")
     if a.max_gpu_memory is not None and not (math.isfinite(a.max_gpu_memory) and a.max_gpu_memory > 0):
         p.error(f"--max-gpu-memory must be a positive number of GiB, got {a.max_gpu_memory}")
     if a.gpu_adam_share is not None and not 0 <= a.gpu_adam_share <= 1:
         p.error(f"--gpu-adam-share must be between 0 and 1, got {a.gpu_adam_share}")
-    if a.gpu_adam_share and (a.dtype or default_dtype()) == "float16":
+    if a.gpu_adam_share and a.dtype == "float16":
         p.error("--gpu-adam-share must be 0 in float16: its loss scale must see every gradient before any unit steps")
-    if a.no_inference and not (a.train or a.find_largest):
+    if not a.inference and not a.train:
         p.error("--no-inference leaves nothing to run without --train")
-    if a.fwd_bwd_reference and not (a.train or a.find_largest):
+    if a.fwd_bwd_reference and not a.train:
         p.error("--fwd-bwd-reference is the reference for training: add --train")
-    if a.find_largest and a.resident_layers is not None:
-        p.error("--find-largest varies the layer count and plans each probe from --max-gpu-memory: drop "
-                "--resident-layers")
-    if a.find_largest and a.model:
-        p.error("--find-largest varies the preset's layer count: use --preset (and size flags), not --model")
-    sizes = tuple((f, getattr(a, f)) for f in SIZE_FLAGS if getattr(a, f) is not None)
-    return RunConfig(mode=a.mode, preset=a.preset, model=a.model, sizes=sizes, dtype=a.dtype or default_dtype(),
-                     attention=a.attention,
-                     batch_size=a.batch_size, seq_len=a.seq_len, seed=a.seed, prefetch=a.prefetch,
-                     warmup=a.warmup, repeat=a.repeat, max_gpu_memory=a.max_gpu_memory,
-                     resident_layers=a.resident_layers, json=a.json,
-                     save_output=a.save_output, profile=a.profile, train=a.train or a.find_largest,
-                     inference=not a.no_inference, steps=a.steps,
-                     grad_accum=a.grad_accum, offload_activations=a.offload_activations,
-                     fwd_bwd_reference=a.fwd_bwd_reference, lr=a.lr,
-                     betas=tuple(a.betas), eps=a.eps, weight_decay=a.weight_decay, find_largest=a.find_largest,
-                     gpu_adam_share=a.gpu_adam_share)
+
+
+def parse_args(argv=None) -> RunConfig:
+    """The command line as a RunConfig; flags out of range end with one line and exit 2."""
+    p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_model_flags(p)
+    add_placement_flags(p)
+    add_training_flags(p)
+    a = p.parse_args(argv)
+    a.dtype = a.dtype or default_dtype()
+    check_flags(p, a)
+    a.sizes = tuple((f, getattr(a, f)) for f in SIZE_FLAGS if getattr(a, f) is not None)
+    a.betas = tuple(a.betas)
+    return RunConfig(**{field.name: getattr(a, field.name) for field in dataclasses.fields(RunConfig)})
 
 
 def check_devices(run: RunConfig, config: LlamaConfig) -> None:
@@ -2841,41 +2993,55 @@ def check_devices(run: RunConfig, config: LlamaConfig) -> None:
     if run.resident_layers is not None and "overlapped" not in run.modes:
         raise UsageError("--resident-layers places the layers of overlapped mode: add overlapped to --mode")
     if run.resident_layers is not None and run.resident_layers > config.num_hidden_layers:
-        raise UsageError(f"--resident-layers {run.resident_layers}: the model has {config.num_hidden_layers} "
-                         "decoder layers")
-    dtype = run.torch_dtype
-    one_layer = layer_bytes(config, dtype)
+        layers = config.num_hidden_layers
+        raise UsageError(f"--resident-layers {run.resident_layers}: the model has {layers} decoder layers")
+    one_layer = layer_bytes(config, run.torch_dtype)
     if run.max_gpu_memory is not None and run.max_gpu_memory * GiB < one_layer:
-        raise UsageError(f"--max-gpu-memory {run.max_gpu_memory} GiB is less than one decoder layer "
-                         f"({one_layer / 2**20:.1f} MiB in {run.dtype}): no mode can run")
+        raise UsageError(
+            f"--max-gpu-memory {run.max_gpu_memory} GiB is less than one decoder layer "
+            f"({one_layer / 2**20:.1f} MiB in {run.dtype}): no mode can run"
+        )
     gpu_modes = [m for m in run.modes if m != "cpu"]
     if run.fwd_bwd_reference and not torch.cuda.is_available():
         raise UsageError("--fwd-bwd-reference runs on a CUDA GPU, and torch.cuda.is_available() is False")
     if gpu_modes and not torch.cuda.is_available():
-        raise UsageError(f"mode {gpu_modes[0]} needs a CUDA GPU, and torch.cuda.is_available() is False: "
-                         "use --mode cpu, or a machine with a GPU")
-    if gpu_modes and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(including_emulation=False):
+        raise UsageError(
+            f"mode {gpu_modes[0]} needs a CUDA GPU, and torch.cuda.is_available() is False: "
+            "use --mode cpu, or a machine with a GPU"
+        )
+    if gpu_modes and run.dtype == "bfloat16" and not torch.cuda.is_bf16_supported(including_emulation=False):
         raise UsageError(f"{torch.cuda.get_device_name()} cannot compute in bfloat16: use --dtype float16 or float32")
     if run.profile and not {"blocked", "overlapped"} & set(run.modes):
         raise UsageError("--profile traces an offloaded pass: use --mode overlapped, blocked or all")
     if run.train and config.tie_word_embeddings:
-        raise UsageError("--train needs untied embeddings (tie_word_embeddings is true in this config): the head "
-                         "and the embeddings are streamed and updated as separate units")
+        raise UsageError(
+            "--train needs untied embeddings (tie_word_embeddings is true in this config): the head and the "
+            "embeddings are streamed and updated as separate units"
+        )
+    check_memory(run, config, gpu_modes)
+
+
+def check_memory(run: RunConfig, config: LlamaConfig, gpu_modes: list[str]) -> None:
+    """The GPU cap holds at least one mode, and the host has the memory the run needs."""
     if run.max_gpu_memory is not None and gpu_modes:
         needs = {mode: gpu_bytes_needed(run, config, mode) for mode in gpu_modes}
         least = min(needs, key=needs.get)
         if needs[least] > run.max_gpu_memory * GiB:
-            raise UsageError(f"mode {least} needs at least {needs[least] / GiB:.1f} GiB of GPU memory for "
-                             f"{run.grad_accum} x {run.batch_size} x {run.seq_len} tokens, more than the "
-                             f"--max-gpu-memory cap of {run.max_gpu_memory:g} GiB: use fewer or shorter sequences")
+            raise UsageError(
+                f"mode {least} needs at least {needs[least] / GiB:.1f} GiB of GPU memory for {run.grad_accum} x "
+                f"{run.batch_size} x {run.seq_len} tokens, more than the --max-gpu-memory cap of "
+                f"{run.max_gpu_memory:g} GiB: use fewer or shorter sequences"
+            )
     params, what = host_bytes_needed(run, config, param_count(config))
     passes = host_pass_bytes(run, config)
     available = host_memory_available()
     if available is not None and params + passes > available:
         advice = "use fewer or shorter sequences" if passes > params else "use fewer or smaller layers"
-        raise UsageError(f"{what} ({params / GiB:.1f} GiB) and the passes' token ids, logits and activations "
-                         f"({passes / GiB:.1f} GiB) need {(params + passes) / GiB:.1f} GiB of host memory, only "
-                         f"{available / GiB:.1f} GiB are available: {advice}")
+        raise UsageError(
+            f"{what} ({params / GiB:.1f} GiB) and the passes' token ids, logits and activations "
+            f"({passes / GiB:.1f} GiB) need {(params + passes) / GiB:.1f} GiB of host memory, only "
+            f"{available / GiB:.1f} GiB are available: {advice}"
+        )
 
 
 def check_outputs(run: RunConfig) -> None:
@@ -2893,8 +3059,8 @@ def check_outputs(run: RunConfig) -> None:
 
 
 def write_atomically(path: str, write) -> None:
-    """write(tmp) to a temporary file beside `path`, then rename it to `path`: a crash or an interrupt never leaves
-    a truncated file that looks complete."""
+    """write(tmp) to a temporary file beside `path`, then rename it to `path`: a crash or an interrupt never leaves a
+    truncated file that looks complete."""
     tmp = str(Path(path).with_name(f".{Path(path).name}.{os.getpid()}.tmp"))
     try:
         write(tmp)
@@ -2916,172 +3082,62 @@ def cap_gpu_memory(run: RunConfig) -> None:
         torch.cuda.set_per_process_memory_fraction(min(1.0, run.max_gpu_memory * GiB / total))
 
 
-def host_bytes_needed(run: RunConfig, config: LlamaConfig, params: int) -> tuple[int, str]:
-    """The model in the compute dtype (the pinned inference store reuses its memory; a lean run frees its decoder
-    layers), plus for offloaded training 12 bytes per parameter of float32 masters and Adam moments and the gradient
-    pool's two buffers at the least (gradient_buffers gives it more where there is room), or 18 for the cpu mode's
-    resident copy. A lean run's peak while the masters load, 6 bytes per parameter, stays under its steady state."""
-    per_param = run.torch_dtype.itemsize
-    if run.train and {"blocked", "overlapped"} & set(run.modes):
-        model = params_with_layers(config, 0) if run.lean else params  # lean: the decoder layers are freed
-        return (model * per_param + params * 12 + 2 * gradient_buffer_bytes(config),
-                "the model, its float32 masters and Adam state and two gradient buffers")
-    if run.train and "cpu" in run.modes:
-        return params * (2 * per_param + 16), "the model, its training copy and Adam state"
-    return params * per_param, "the model" + " and its pinned store" * bool({"blocked", "overlapped"} & set(run.modes))
-
-
-def gradient_buffer_bytes(config: LlamaConfig, dtype: torch.dtype = torch.float32) -> int:
-    """One shared buffer of the gradient pool: the gradients of the largest unit (the host check counts two at
-    float32 size, whatever dtype they come in: the fallback CPU Adam takes float32)."""
-    return dtype.itemsize * max(unit.layout.numel for unit in model_units(config))
-
-
-def gradient_dtype(run: RunConfig) -> torch.dtype:
-    """The dtype gradients leave the GPU in: bfloat16 with one micro-batch, exactly what the backward made (gpu mode
-    casts the same values to float32); float32 where micro-batches accumulate or float16's loss scale is undone."""
-    return torch.bfloat16 if run.torch_dtype == torch.bfloat16 and run.grad_accum == 1 else torch.float32
-
-
-def host_spare_bytes(run: RunConfig, config: LlamaConfig) -> int | None:
-    """Host memory left once the run has what it needs (host_bytes_needed, the passes, the reserve); None: not known."""
-    available = host_memory_available()
-    if available is None:
-        return None
-    return (available - host_bytes_needed(run, config, param_count(config))[0] - host_pass_bytes(run, config)
-            - host_reserve(config))
-
-
-def host_copy_dtype(run: RunConfig, config: LlamaConfig) -> torch.dtype | None:
-    """The dtype of the masters' host copy that offloaded training streams: the compute dtype, where the host has
-    room for its 2 bytes per parameter; None where the compute dtype is float32 (the masters are what the GPU
-    computes with) or, said on stderr, where the host has no room (the GPU then streams the float32 masters and casts
-    them, 4 bytes per parameter over PCIe instead of 2)."""
-    if run.torch_dtype == torch.float32:
-        return None
-    spare, copy = host_spare_bytes(run, config), run.torch_dtype.itemsize * param_count(config)
-    if spare is not None and spare < copy:
-        log(f"no room on the host for the {run.dtype} copy of the masters ({copy / GiB:.1f} GiB, "
-            f"{max(0, spare) / GiB:.1f} GiB spare): the GPU streams the float32 masters and casts them")
-        return None
-    return run.torch_dtype
-
-
-def gradient_buffers(run: RunConfig, config: LlamaConfig, exact: bool, copy: bool) -> int:
-    """How many pinned gradient buffers offloaded training gets: one per unit where the host has room for them (after
-    the masters' copy, if `copy`), and always where the first step's gradients are compared with gpu mode's (`exact`)
-    or float16 must see them all before it steps; otherwise as many as fit, at least two, and the backward may wait
-    for the CPU Adam."""
-    units = model_units(config)
-    spare = host_spare_bytes(run, config)
-    if exact or run.dtype == "float16" or spare is None:
-        return len(units)
-    spare -= run.torch_dtype.itemsize * param_count(config) if copy else 0
-    dtype = gradient_dtype(run)
-    buffer = gradient_buffer_bytes(config, dtype)
-    if spare + 2 * gradient_buffer_bytes(config) >= dtype.itemsize * sum(unit.layout.numel for unit in units):
-        return len(units)
-    count = 2 + max(0, spare) // buffer
-    log(f"gradients: {count} pinned buffers of {buffer / GiB:.2f} GiB for {len(units)} units, as many as host "
-        "memory holds: the backward waits for the CPU Adam when none is free")
-    return count
-
-
-def host_pass_bytes(run: RunConfig, config: LlamaConfig) -> int:
-    """Host memory besides the parameters and their state: the token ids, each mode's logits (kept for the
-    comparison with gpu mode), the pinned pool of the units' saved inputs with --offload-activations and, for the
-    cpu mode, the activations of its largest pass."""
-    tokens, dtype = run.batch_size * run.seq_len, run.torch_dtype
-    ids = (1 + run.grad_accum) * tokens * 8  # int64: inference's batch and training's micro-batches
-    logits = len(run.modes) * tokens * config.vocab_size * dtype.itemsize
-    pool = (config.num_hidden_layers + 2) * unit_inputs_bytes(run, config) if run.offload_activations else 0
-    return ids + logits + pool + (activation_bytes(config, dtype, tokens) if "cpu" in run.modes else 0)
-
-
-def gpu_bytes_needed(run: RunConfig, config: LlamaConfig, mode: str) -> int:
-    """A lower bound on the GPU memory a mode takes, known before anything is allocated. gpu: every weight (in
-    training also its gradient, float32 master, master gradient and two Adam moments). Offloaded: the slots, the
-    resident parts in inference; in training the float32 gradient buffer and every unit's input per micro-batch,
-    kept for its backward. Each with the activations of one micro-batch's pass."""
-    dtype, b, h = run.torch_dtype, run.torch_dtype.itemsize, config.hidden_size
-    tokens, layers = run.batch_size * run.seq_len, config.num_hidden_layers
-    act = activation_bytes(config, dtype, tokens, at_least=True)
-    if mode == "gpu":
-        return param_count(config) * (2 * b + 16 if run.train else b) + act
-    depth = 0 if mode == "blocked" else run.prefetch
-    inference = min(depth + 1, layers) * layer_bytes(config, dtype) + resident_bytes(config, dtype) + act
-    if not run.train:
-        return inference
-    unit_numel = max(layer_bytes(config, dtype) // b, config.vocab_size * h)  # a decoder layer, or embeddings/head
-    # the inputs the layers, the norm and the head keep for their backward: all of them, or with
-    # --offload-activations the ring of activation slots and the two units' inputs still being copied to the host
-    saved_units = min(depth + 1, layers + 2) + 2 if run.offload_activations else layers + 2
-    weights = min(depth + 1, layers + 3) * unit_numel * b + 4 * unit_numel  # the slots and the float32 gradients
-    return max(inference, weights + saved_units * unit_inputs_bytes(run, config) + act)
-
-
-def unit_inputs_bytes(run: RunConfig, config: LlamaConfig) -> int:
-    """What one unit keeps for its backward: its input hidden states, one tensor per micro-batch."""
-    return run.grad_accum * run.batch_size * run.seq_len * config.hidden_size * run.torch_dtype.itemsize
-
-
-def with_activation_offload(run: RunConfig, config: LlamaConfig) -> RunConfig:
-    """`run` with --offload-activations turned on (and said so) where the offloaded modes' saved inputs would not
-    fit the GPU cap, and would with it."""
-    offloaded = {"blocked", "overlapped"} & set(run.modes)
-    if run.offload_activations or not run.train or not offloaded or run.max_gpu_memory is None:
-        return run
-    cap, on = run.max_gpu_memory * GiB, dataclasses.replace(run, offload_activations=True)
-    if all(gpu_bytes_needed(run, config, m) > cap >= gpu_bytes_needed(on, config, m) for m in offloaded):
-        saved = (config.num_hidden_layers + 2) * unit_inputs_bytes(run, config)
-        log(f"activation offload on: the units' saved inputs ({saved / GiB:.1f} GiB) "
-            f"do not fit the {run.max_gpu_memory:g} GiB cap on the GPU, so they wait in pinned host memory")
-        return on
-    return run
-
-
-def host_memory_available() -> int | None:
-    """MemAvailable from /proc/meminfo, in bytes (None where there is no such file)."""
-    return proc_kib("/proc/meminfo", "MemAvailable")
-
-
 def environment() -> dict:
     """Where the results come from: device, versions, CPU threads and the script's sha256."""
     cuda = torch.cuda.is_available()
-    return {"device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
-            "gpu_memory_bytes": torch.cuda.get_device_properties(0).total_memory if cuda else None,
-            "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "cpu_threads": torch.get_num_threads(),
-            # which code made the results: the report checks it against the committed script
-            "script_sha256": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()}
+    device = torch.cuda.get_device_name() if cuda else platform.processor() or "cpu"
+    return {
+        "device": device,
+        "gpu_memory_bytes": torch.cuda.get_device_properties(0).total_memory if cuda else None,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "cpu_threads": torch.get_num_threads(),
+        # which code made the results: the report checks it against the committed script
+        "script_sha256": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
+    }
 
 
 def run_all(run: RunConfig) -> dict:
-    """Build the model and its stores once, run each mode (inference, then training), print the tables and write
-    the outputs."""
+    """Build the model and its stores once, run each mode (inference, then training), print the tables and write the
+    outputs."""
     config = llama_config(run)
     run = with_activation_offload(run, config)
     check_devices(run, config)
     offloaded = {"blocked", "overlapped"} & set(run.modes)
     compared = {"gpu", *offloaded} if "gpu" in run.modes and offloaded else set()  # offloaded against gpu
-    copy_dtype = host_copy_dtype(run, config) if run.train and offloaded else None  # before the model takes host
-    grad_buffers = gradient_buffers(run, config, bool(compared), copy_dtype is not None)  # memory
+    copy_dtype = host_copy_dtype(run, config) if run.train and offloaded else None  # before the model takes memory
+    grad_buffers = gradient_buffers(run, config, bool(compared), copy_dtype is not None)
     model = build_model(run, config)
-    config = model.config
-    train_ids = random_input_ids(run, config.vocab_size, run.grad_accum)
+    train_ids = random_input_ids(run, model.config.vocab_size, run.grad_accum)
     reference = forward_backward_reference(model, train_ids, run) if run.fwd_bwd_reference else None
     cap_gpu_memory(run)
-    input_ids = random_input_ids(run, config.vocab_size)
+    input_ids = random_input_ids(run, model.config.vocab_size)
     store = ParamStore(model, pin=True) if offloaded and run.inference else None
-    masters = training_store(run, config, grad_buffers, copy_dtype) if run.train and offloaded else None
+    masters = training_store(run, model.config, grad_buffers, copy_dtype) if run.train and offloaded else None
+    results, logits, trained = run_modes(run, model, store, masters, input_ids, train_ids, compared)
+    report = {**environment(), "run": dataclasses.asdict(run), "tokens": input_ids.numel()}
+    report |= {"parameters": param_count(model.config), "layer_bytes": layer_bytes(model.config, run.torch_dtype)}
+    report |= {"config": json.loads(model.config.to_json_string()), "results": results}
+    if reference:
+        report["fwd_bwd_reference"] = reference
+    print(tables(results, run, model.config, input_ids.numel(), reference))
+    if run.json:
+        write_json(run.json, report)
+    if run.save_output:
+        save_output(run, input_ids, logits, train_ids, trained)
+    return report
+
+
+def run_modes(run: RunConfig, model, store, masters, input_ids, train_ids, compared: set) -> tuple[dict, dict, dict]:
+    """Each mode's inference, then its training: (results, logits, training results with tensors)."""
     results, logits, trained = {}, {}, {}
     for mode in run.modes:
         results[mode] = {}
         if run.inference:
-            result, logits[mode] = run_mode(mode, model, store, input_ids, run, config)
-            results[mode]["inference"] = result
+            results[mode]["inference"], logits[mode] = run_mode(mode, model, store, input_ids, run, model.config)
             free_gpu_memory()
-        if run.train and mode in offloaded:
+        if run.train and mode in ("blocked", "overlapped"):
             masters.load(model)
             if run.lean:  # the masters hold the layers now: 2 bytes per parameter less on the host
                 model.model.layers.to("meta")
@@ -3090,34 +3146,32 @@ def run_all(run: RunConfig) -> dict:
             gpu_mode = trained.get("gpu") if mode in ("blocked", "overlapped") else None
             results[mode]["training"] = summary(trained[mode], gpu_mode, run)
             free_gpu_memory()
-    gpu_logits = logits.get("gpu")
-    for mode in offloaded:
-        if gpu_logits is not None and logits.get(mode) is not None:
-            results[mode]["inference"]["equal_to_gpu"] = torch.equal(logits[mode], gpu_logits)
-    report = {**environment(), "run": dataclasses.asdict(run), "tokens": input_ids.numel(),
-              "parameters": param_count(config), "layer_bytes": layer_bytes(config, run.torch_dtype),
-              "config": json.loads(config.to_json_string()), "results": results,
-              **({"fwd_bwd_reference": reference} if reference else {})}
-    print(tables(results, run, config, input_ids.numel(), reference))
-    if run.json:
-        write_json(run.json, report)
-    if run.save_output:
-        output = {"input_ids": input_ids, "logits": {m: t for m, t in logits.items() if t is not None}}
-        if run.train:
-            output["training"] = {"input_ids": train_ids, **{m: {"losses": r["losses"], "masters": r["masters"]}
-                                                            for m, r in trained.items() if not r.get("oom")}}
-        write_atomically(run.save_output, lambda tmp: torch.save(output, tmp))
-    return report
+    for mode in ("blocked", "overlapped"):
+        if logits.get("gpu") is not None and logits.get(mode) is not None:
+            results[mode]["inference"]["equal_to_gpu"] = torch.equal(logits[mode], logits["gpu"])
+    return results, logits, trained
+
+
+def save_output(run: RunConfig, input_ids, logits: dict, train_ids, trained: dict) -> None:
+    """--save-output: the input ids and each mode's logits; the training ids, losses and final float32 masters."""
+    output = {"input_ids": input_ids, "logits": {m: t for m, t in logits.items() if t is not None}}
+    if run.train:
+        modes = {m: {"losses": r["losses"], "masters": r["masters"]} for m, r in trained.items() if not r.get("oom")}
+        output["training"] = {"input_ids": train_ids, **modes}
+    write_atomically(run.save_output, lambda tmp: torch.save(output, tmp))
 
 
 def training_store(run: RunConfig, config: LlamaConfig, grad_buffers: int, copy_dtype) -> MasterStore:
     """The offloaded modes' pinned training state on the host, its set-up time said on stderr."""
     t0 = time.perf_counter()
-    masters = MasterStore(model_units(config), run.adam, pin=True, grad_buffers=grad_buffers,
-                          grad_dtype=gradient_dtype(run), copy_dtype=copy_dtype)
+    units, grad_dtype = model_units(config), gradient_dtype(run)
+    masters = MasterStore(units, run.adam, True, grad_buffers, grad_dtype, copy_dtype)
     pinned = sum(t.nbytes for t in [*masters.masters, *(masters.copies or []), *masters.pool.buffers])
-    log(f"training state on the host in {time.perf_counter() - t0:.1f} s, the CPU Adam's compile included: "
-        f"{gib(pinned)} GiB pinned, {gib(sum(2 * m.nbytes for m in masters.masters))} GiB of Adam moments")
+    moments = sum(2 * m.nbytes for m in masters.masters)
+    log(
+        f"training state on the host in {time.perf_counter() - t0:.1f} s, the CPU Adam's compile included: "
+        f"{gib(pinned)} GiB pinned, {gib(moments)} GiB of Adam moments"
+    )
     return masters
 
 
@@ -3136,13 +3190,13 @@ def main(argv=None) -> int:
     run = parse_args(argv)
     try:
         check_outputs(run)
-        find_largest(run) if run.find_largest else run_all(run)
+        run_all(run)
     except UsageError as e:
         print(f"offload_llama.py: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        # the modes have stopped their CPU Adam workers on the way out; the copies still queued must land before
-        # the pinned buffers they read or write are unregistered, which happens as this handler drops the frames
+        # the modes have stopped their CPU Adam workers on the way out; the copies still queued must land before the
+        # pinned buffers they read or write are unregistered, which happens as this handler drops the frames
         if torch.cuda.is_initialized():
             torch.cuda.synchronize()
         print("offload_llama.py: interrupted; no output is left half-written", file=sys.stderr)

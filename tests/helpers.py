@@ -1,4 +1,5 @@
 """Small models and runs shared by the CPU and GPU tests."""
+
 import copy
 import subprocess
 import sys
@@ -40,31 +41,51 @@ def resident_logits(model, ids, device):
 
 
 def cli(*args, timeout=600):
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True, timeout=timeout
+    )
 
 
-def offloaded_trainer(model, device, depth, micro_batches, adam=ol.Adam(lr=1e-3), pin=False, offload=False,
-                      grad_buffers=None, copy=True, resident=(), own_grads=True, gpu_adam=()):
+def offloaded_trainer(
+    model,
+    device,
+    depth,
+    micro_batches,
+    adam=None,
+    pin=False,
+    offload=False,
+    grad_buffers=None,
+    copy=True,
+    resident=(),
+    own_grads=True,
+    gpu_adam=(),
+):
     """The blocked (depth 0) or overlapped training of `model` on `device`, as the CLI builds it; offload: the units'
     saved inputs wait on the host (--offload-activations); grad_buffers: a shared gradient pool of that many; copy:
     the GPU streams the masters' compute-dtype copy (False: the float32 masters, cast on the GPU); resident: the
     units kept on the device and stepped there, with gradients of their own or (own_grads False) shared; gpu_adam: the
     streamed units the device's Adam steps over their state streamed from the host, their first step's gradients
     kept on the host for first_step_state."""
+    adam = adam or ol.Adam(lr=1e-3)
     dtype = next(model.parameters()).dtype
     run = ol.RunConfig(dtype=str(dtype).removeprefix("torch."), grad_accum=len(micro_batches))
-    store = ol.MasterStore(ol.model_units(model.config), adam, pin=pin, grad_buffers=grad_buffers,
-                           grad_dtype=ol.gradient_dtype(run),
-                           copy_dtype=dtype if copy and dtype != torch.float32 else None)
+    store = ol.MasterStore(
+        ol.model_units(model.config),
+        adam,
+        pin=pin,
+        grad_buffers=grad_buffers,
+        grad_dtype=ol.gradient_dtype(run),
+        copy_dtype=dtype if copy and dtype != torch.float32 else None,
+    )
     store.load(model)
     kwargs = ol.decoder_kwargs(model, tuple(micro_batches[0].shape), dtype, torch.device(device))
-    offload_inputs = (len(micro_batches), *micro_batches[0].shape) if offload else None
-    trainer = ol.OffloadedTraining(store, model.config, dtype, torch.device(device), depth, model.loss_function,
-                                   kwargs, offload_inputs)
+    trainer = ol.OffloadedTraining(store, model.config, dtype, torch.device(device), depth, model.loss_function, kwargs)
+    if offload:
+        ol.ActivationOffload(trainer, len(micro_batches), tuple(micro_batches[0].shape))
     if resident:
-        trainer.keep_on_gpu(resident, own_grads)
-    trainer.adam_on_gpu(gpu_adam, keep_first_grads=True)
+        ol.ResidentUnits(trainer, resident, own_grads)
+    if gpu_adam:
+        ol.StreamedAdam(trainer, gpu_adam, keep_first_grads=True)
     return trainer
 
 
@@ -74,8 +95,7 @@ def train(trainer, micro_batches, steps):
     grads, masters_1 = ol.first_step_state(trainer)
     losses += [trainer.step(micro_batches).item() for _ in range(steps - 1)]
     trainer.finish()
-    masters = trainer.state_dict(trainer.masters) if isinstance(trainer, ol.ResidentTraining) else \
-        trainer.state_dict()
+    masters = trainer.state_dict(trainer.masters) if isinstance(trainer, ol.ResidentTraining) else trainer.state_dict()
     return grads, masters_1, masters, losses
 
 

@@ -1,5 +1,6 @@
 """Bad input is refused before the run, with one line and exit code 2; an interrupt or a crash leaves no partial
 output; the memory checks count the passes, not only the parameters."""
+
 import os
 import signal
 import subprocess
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 import offload_llama as ol
-from helpers import SCRIPT, cli, tiny_run
+from helpers import SCRIPT, cli
 
 TINY_CPU = ["--mode", "cpu", "--preset", "tiny"]
 REFUSED = {
@@ -27,8 +28,10 @@ REFUSED = {
     "inference off, nothing to train": (["--no-inference"], "--no-inference leaves nothing to run without --train"),
     "reference without training": (["--fwd-bwd-reference"], "--fwd-bwd-reference is the reference for training"),
     # the embeddings' output alone is 52 GB: refused before the model is built, not by the allocator
-    "batch beyond host memory": (["--batch-size", "100000", "--seq-len", "4096", "--json", "{tmp}/r.json"],
-                                 "GiB of host memory"),
+    "batch beyond host memory": (
+        ["--batch-size", "100000", "--seq-len", "4096", "--json", "{tmp}/r.json"],
+        "GiB of host memory",
+    ),
 }
 
 
@@ -53,8 +56,9 @@ def gpu_checked(monkeypatch, **fields) -> ol.RunConfig:
 def test_cap_below_what_every_gpu_mode_needs_is_refused(monkeypatch):
     # 64 x 1024 tokens in 16 micro-batches: every unit's input per micro-batch (10 units x 16 x 32 MiB) takes 5 GiB,
     # two slots and the float32 gradient buffer 1.5 GiB more
-    run = gpu_checked(monkeypatch, mode="overlapped", train=True, grad_accum=16, batch_size=4, seq_len=1024,
-                      max_gpu_memory=5)
+    run = gpu_checked(
+        monkeypatch, mode="overlapped", train=True, grad_accum=16, batch_size=4, seq_len=1024, max_gpu_memory=5
+    )
     with pytest.raises(ol.UsageError, match=r"mode overlapped needs at least 6\.9 GiB of GPU memory .* cap of 5 GiB"):
         ol.check_devices(run, ol.llama_config(run))
 
@@ -71,8 +75,17 @@ def test_cap_that_one_gpu_mode_fits_runs_the_others_as_oom(monkeypatch):
 
 def test_activation_pool_beyond_host_memory_is_refused(monkeypatch):
     """The pinned pool of saved inputs (LLaMA-7B, 64 x 1024 tokens: 17 GiB) counts before anything is allocated."""
-    run = gpu_checked(monkeypatch, preset="llama-7b", mode="overlapped", train=True, inference=False, grad_accum=16,
-                      batch_size=4, seq_len=1024, offload_activations=True)
+    run = gpu_checked(
+        monkeypatch,
+        preset="llama-7b",
+        mode="overlapped",
+        train=True,
+        inference=False,
+        grad_accum=16,
+        batch_size=4,
+        seq_len=1024,
+        offload_activations=True,
+    )
     config = ol.llama_config(run)
     params = ol.host_bytes_needed(run, config, ol.param_count(config))[0]
     monkeypatch.setattr(ol, "host_memory_available", lambda: params + 10 * ol.GiB)  # room for all but the pool
@@ -84,8 +97,14 @@ def test_activation_pool_beyond_host_memory_is_refused(monkeypatch):
 
 def test_gpu_need_is_a_lower_bound_of_the_measured_peaks():
     """Against the peaks measured on the H100 for 7b-8l at 4096 tokens (report/results): never above them."""
-    measured_gib = {("gpu", False, 1): 3.91, ("overlapped", False, 1): 1.65, ("blocked", False, 1): 1.28,
-                    ("gpu", True, 1): 38.88, ("overlapped", True, 1): 3.41, ("overlapped", True, 16): 8.81}
+    measured_gib = {
+        ("gpu", False, 1): 3.91,
+        ("overlapped", False, 1): 1.65,
+        ("blocked", False, 1): 1.28,
+        ("gpu", True, 1): 38.88,
+        ("overlapped", True, 1): 3.41,
+        ("overlapped", True, 16): 8.81,
+    }
     for (mode, train, k), peak in measured_gib.items():
         run = ol.RunConfig(mode=mode, preset="7b-8l", dtype="bfloat16", train=train, grad_accum=k)
         need = ol.gpu_bytes_needed(run, ol.llama_config(run), mode) / ol.GiB
@@ -94,11 +113,11 @@ def test_gpu_need_is_a_lower_bound_of_the_measured_peaks():
 
 def test_written_atomically_or_not_at_all(tmp_path):
     target = tmp_path / "r.json"
-    ol.write_atomically(str(target), lambda tmp: open(tmp, "w").write("complete"))
+    ol.write_atomically(str(target), lambda tmp: ol.Path(tmp).write_text("complete"))
     assert target.read_text() == "complete"
 
     def crash(tmp):
-        open(tmp, "w").write("half")
+        ol.Path(tmp).write_text("half")
         raise RuntimeError("the disk is full")
 
     with pytest.raises(RuntimeError):
@@ -108,8 +127,9 @@ def test_written_atomically_or_not_at_all(tmp_path):
 
 def interrupt_after(args: list[str], line: str, tmp_path) -> subprocess.CompletedProcess:
     """Run the CLI, send it SIGINT once `line` shows on its stderr, and return what it did."""
-    process = subprocess.Popen([sys.executable, str(SCRIPT), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, cwd=tmp_path)
+    process = subprocess.Popen(
+        [sys.executable, str(SCRIPT), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path
+    )
     seen = []
     for text in process.stderr:
         seen.append(text)
@@ -124,8 +144,21 @@ def interrupt_after(args: list[str], line: str, tmp_path) -> subprocess.Complete
 def test_interrupt_mid_training_stops_cleanly_and_writes_nothing(mode, tmp_path):
     if mode != "cpu" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    args = ["--mode", mode, "--preset", "tiny", "--seq-len", "64", "--train", "--steps", "100000",
-            "--json", "r.json", "--save-output", "o.pt"] + (["--profile", "trace.json"] if mode != "cpu" else [])
+    args = [
+        "--mode",
+        mode,
+        "--preset",
+        "tiny",
+        "--seq-len",
+        "64",
+        "--train",
+        "--steps",
+        "100000",
+        "--json",
+        "r.json",
+        "--save-output",
+        "o.pt",
+    ] + (["--profile", "trace.json"] if mode != "cpu" else [])
     r = interrupt_after(args, "step 3:", tmp_path)
     assert r.returncode == 130, r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("offload_llama.py: interrupted") and "Traceback" not in r.stderr

@@ -1,4 +1,5 @@
 """CPU tier: the offload logic with the CPU as compute device, the CLI contracts, and bad input."""
+
 import json
 
 import pytest
@@ -8,7 +9,7 @@ import offload_llama as ol
 from helpers import build, cli, resident_logits, streamed_logits, tiny_run
 
 CONFIGS = {
-    "gqa-3-layers": {},                                   # the tiny preset: 4 heads over 2 KV heads, 3 layers
+    "gqa-3-layers": {},  # the tiny preset: 4 heads over 2 KV heads, 3 layers
     "one-layer": {"num_hidden_layers": 1},
     "mha-5-layers": {"num_hidden_layers": 5, "num_key_value_heads": 4},
 }
@@ -58,6 +59,8 @@ def test_stale_slot_is_caught():
     expected = resident_logits(model, ids, "cpu")
 
     def copy_only_layer_0(streamer):
+        for buffer in streamer.buffers:  # what the slots held before: never the layers' weights by chance
+            buffer.fill_(float("nan"))
         prefetch = streamer.prefetch
         streamer.prefetch = lambda i: prefetch(i) if i == 0 else None
 
@@ -70,7 +73,7 @@ def test_random_init_is_hf_llama_init_and_independent_of_thread_count(monkeypatc
     monkeypatch.setattr(ol.os, "cpu_count", lambda: 1)
     again, _ = build(run)
     std = model.config.initializer_range
-    for (name, p), q in zip(model.named_parameters(), again.parameters()):
+    for (name, p), q in zip(model.named_parameters(), again.parameters(), strict=False):
         assert torch.equal(p, q), name
         if p.dim() == 1:
             assert torch.all(p == 1), name
@@ -82,7 +85,7 @@ def test_random_init_is_hf_llama_init_and_independent_of_thread_count(monkeypatc
 def test_store_holds_the_only_host_copy():
     model, _ = build(tiny_run())
     store = ol.ParamStore(model, pin=False)
-    for layer, flat in zip(model.model.layers, store.flats):
+    for layer, flat in zip(model.model.layers, store.flats, strict=False):
         for p in layer.parameters():
             assert p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
     assert store.layout.offsets == tuple(sorted(store.layout.offsets))
@@ -91,8 +94,20 @@ def test_store_holds_the_only_host_copy():
 
 def test_cli_cpu_json_and_saved_output(tmp_path):
     out_json, out_pt = tmp_path / "r.json", tmp_path / "o.pt"
-    r = cli("--mode", "cpu", "--preset", "tiny", "--batch-size", 2, "--seq-len", 48, "--json", out_json,
-            "--save-output", out_pt)
+    r = cli(
+        "--mode",
+        "cpu",
+        "--preset",
+        "tiny",
+        "--batch-size",
+        2,
+        "--seq-len",
+        48,
+        "--json",
+        out_json,
+        "--save-output",
+        out_pt,
+    )
     assert r.returncode == 0, r.stderr
     assert "| cpu | " in r.stdout and "Table 2" in r.stdout
     report = json.loads(out_json.read_text())
@@ -100,7 +115,7 @@ def test_cli_cpu_json_and_saved_output(tmp_path):
     assert report["config"]["num_key_value_heads"] == 2 and report["tokens"] == 96
     assert {"device", "torch", "transformers", "parameters", "layer_bytes"} <= report.keys()
     saved = torch.load(out_pt)
-    model, ids = build(tiny_run())   # the same preset and seed rebuild the same weights and inputs
+    model, ids = build(tiny_run())  # the same preset and seed rebuild the same weights and inputs
     assert torch.equal(saved["input_ids"], ids)
     assert torch.equal(saved["logits"]["cpu"], resident_logits(model, ids, "cpu"))
 
@@ -108,8 +123,18 @@ def test_cli_cpu_json_and_saved_output(tmp_path):
 def test_cli_loads_a_save_pretrained_folder(tmp_path):
     model, ids = build(tiny_run(num_hidden_layers=2))
     model.save_pretrained(tmp_path / "m")
-    r = cli("--mode", "cpu", "--model", tmp_path / "m", "--batch-size", 2, "--seq-len", 48,
-            "--save-output", tmp_path / "o.pt")
+    r = cli(
+        "--mode",
+        "cpu",
+        "--model",
+        tmp_path / "m",
+        "--batch-size",
+        2,
+        "--seq-len",
+        48,
+        "--save-output",
+        tmp_path / "o.pt",
+    )
     assert r.returncode == 0, r.stderr
     assert torch.equal(torch.load(tmp_path / "o.pt")["logits"]["cpu"], resident_logits(model, ids, "cpu"))
 
@@ -126,15 +151,21 @@ BAD_INPUT = {
     "missing folder": (["--model", "/no/such/folder"], "no such folder"),
     "folder without config": (["--model", "{tmp}"], "no config.json"),
     "not a llama folder": (["--model", "{gpt2}"], "model_type is 'gpt2', not 'llama'"),
-    "cap below one layer": (["--preset", "tiny", "--mode", "gpu", "--max-gpu-memory", 1e-5],
-                            "less than one decoder layer"),
+    "cap below one layer": (
+        ["--preset", "tiny", "--mode", "gpu", "--max-gpu-memory", 1e-5],
+        "less than one decoder layer",
+    ),
     "bad mode": (["--mode", "fast"], "choose all, or one or more of"),
     "zero prefetch": (["--prefetch", 0], "--prefetch must be at least 1"),
     "negative resident layers": (["--resident-layers", -1], "--resident-layers must be at least 0"),
-    "more resident layers than the model has": (["--preset", "tiny", "--mode", "overlapped", "--resident-layers", 4],
-                                                "--resident-layers 4: the model has 3 decoder layers"),
-    "resident layers without overlapped": (["--preset", "tiny", "--mode", "cpu", "--resident-layers", 1],
-                                           "add overlapped to --mode"),
+    "more resident layers than the model has": (
+        ["--preset", "tiny", "--mode", "overlapped", "--resident-layers", 4],
+        "--resident-layers 4: the model has 3 decoder layers",
+    ),
+    "resident layers without overlapped": (
+        ["--preset", "tiny", "--mode", "cpu", "--resident-layers", 1],
+        "add overlapped to --mode",
+    ),
 }
 
 
@@ -186,15 +217,17 @@ def test_trace_overlap_counts_copy_time_under_kernels_of_other_streams(tmp_path)
     def event(cat, name, ts, dur, stream):
         return {"cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
 
-    trace = {"traceEvents": [
-        event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 0, 10, 20),
-        event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 30, 10, 20),
-        event("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 0, 50, 7),   # not host-to-device: ignored
-        event("kernel", "gemm", 5, 10, 7),       # covers copy 1 from 5 to 10
-        event("kernel", "gemm", 6, 2, 7),        # nested in the last: counted once
-        event("kernel", "gemm", 32, 3, 20),      # same stream as the copy: not overlap
-        event("kernel", "gemm", 38, 10, 7),      # covers copy 2 from 38 to 40
-    ]}
+    trace = {
+        "traceEvents": [
+            event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 0, 10, 20),
+            event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 30, 10, 20),
+            event("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 0, 50, 7),  # not host-to-device: ignored
+            event("kernel", "gemm", 5, 10, 7),  # covers copy 1 from 5 to 10
+            event("kernel", "gemm", 6, 2, 7),  # nested in the last: counted once
+            event("kernel", "gemm", 32, 3, 20),  # same stream as the copy: not overlap
+            event("kernel", "gemm", 38, 10, 7),  # covers copy 2 from 38 to 40
+        ]
+    }
     path = tmp_path / "t.json"
     path.write_text(json.dumps(trace))
     t = ol.trace_overlap(str(path))

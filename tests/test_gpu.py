@@ -1,4 +1,5 @@
 """GPU tier: bitwise equality with the resident model, hostile races, overlap in a trace, memory bounds."""
+
 import json
 
 import pytest
@@ -9,19 +10,32 @@ from helpers import build, cli, resident_logits, streamed_logits
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-SMALL = {"hidden_size": 256, "intermediate_size": 688, "num_attention_heads": 8, "num_key_value_heads": 2,
-         "vocab_size": 512}
-CONFIGS = {"gqa-3-layers": {**SMALL, "num_hidden_layers": 3}, "one-layer": {**SMALL, "num_hidden_layers": 1},
-           "mha-5-layers": {**SMALL, "num_hidden_layers": 5, "num_key_value_heads": 8}}
+SMALL = {
+    "hidden_size": 256,
+    "intermediate_size": 688,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+}
+CONFIGS = {
+    "gqa-3-layers": {**SMALL, "num_hidden_layers": 3},
+    "one-layer": {**SMALL, "num_hidden_layers": 1},
+    "mha-5-layers": {**SMALL, "num_hidden_layers": 5, "num_key_value_heads": 8},
+}
 # low arithmetic intensity: 100 MB of bf16 weights per layer against 16 tokens, so a copy takes milliseconds
 # and a layer's compute microseconds: a missing wait shows up as wrong numbers, not as luck
-THIN = {"hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 16, "num_key_value_heads": 16,
-        "vocab_size": 256, "num_hidden_layers": 4}
+THIN = {
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "vocab_size": 256,
+    "num_hidden_layers": 4,
+}
 
 
 def gpu_run(sizes, dtype="bfloat16", seq_len=256, batch_size=2):
-    return ol.RunConfig(preset="tiny", sizes=tuple(sizes.items()), dtype=dtype, seq_len=seq_len,
-                        batch_size=batch_size)
+    return ol.RunConfig(preset="tiny", sizes=tuple(sizes.items()), dtype=dtype, seq_len=seq_len, batch_size=batch_size)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float16"])
@@ -53,6 +67,7 @@ def both(*hooks):
     def hook(streamer):
         for h in hooks:
             h(streamer)
+
     return hook
 
 
@@ -72,7 +87,6 @@ def test_race_each_wait_is_needed(race, depth):
     expected = resident_logits(model, ids, "cuda")
     assert torch.equal(streamed_logits(model, ids, "cuda", depth, pin=True, streamer_hook=intact), expected)
     assert not torch.equal(streamed_logits(model, ids, "cuda", depth, pin=True, streamer_hook=broken), expected)
-
 
 
 def seven_b(layers, seq_len=4096):

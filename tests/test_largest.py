@@ -1,10 +1,24 @@
-"""--find-largest: the search, the host-memory limit, and a real search on the CPU (probes in fresh processes)."""
+"""report/find_largest.py: the search, the host-memory limit, and a real search on the CPU (probes in fresh
+processes)."""
+
+import importlib.util
 import json
+import subprocess
+import sys
 
 import pytest
 
 import offload_llama as ol
-from helpers import cli, tiny_run
+from helpers import SCRIPT, tiny_run
+
+TOOL = SCRIPT.parent / "report" / "find_largest.py"
+spec = importlib.util.spec_from_file_location("find_largest", TOOL)
+fl = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(fl)
+
+
+def find_largest(*args):
+    return subprocess.run([sys.executable, str(TOOL), *map(str, args)], capture_output=True, text=True, timeout=600)
 
 
 @pytest.mark.parametrize("first", [1, 3, 7, 12])
@@ -16,7 +30,7 @@ def test_search_finds_the_largest_that_trains(threshold, first):
         probed.append(n)
         return n <= threshold
 
-    assert ol.largest_that_trains(trains, first, upper=12) == threshold
+    assert fl.largest_that_trains(trains, first, upper=12) == threshold
     assert len(set(probed)) == len(probed) and all(1 <= n <= 12 for n in probed)
     if first == threshold and 0 < threshold < 12:
         assert probed == [threshold, threshold + 1]  # a right first guess costs two probes
@@ -25,21 +39,41 @@ def test_search_finds_the_largest_that_trains(threshold, first):
 def test_host_limit_counts_the_training_state_of_each_layer(monkeypatch):
     run = ol.dataclasses.replace(tiny_run(), train=True)
     config = ol.llama_config(run)
-    needed = ol.host_bytes_needed(ol.dataclasses.replace(run, mode="overlapped"), config,
-                                 ol.params_with_layers(config, 3))[0]
+    needed = ol.host_bytes_needed(
+        ol.dataclasses.replace(run, mode="overlapped"), config, ol.params_with_layers(config, 3)
+    )[0]
     monkeypatch.setattr(ol, "host_memory_available", lambda: needed + ol.host_reserve(config))
-    assert ol.host_layer_limit(run, "overlapped", config) == 3
+    assert fl.host_layer_limit(run, "overlapped", config) == 3
     monkeypatch.setattr(ol, "host_memory_available", lambda: needed + ol.host_reserve(config) - 1)
-    assert ol.host_layer_limit(run, "overlapped", config) == 2
+    assert fl.host_layer_limit(run, "overlapped", config) == 2
 
 
 @pytest.mark.parametrize("flags", [{}, {"inference": False, "offload_activations": True, "fwd_bwd_reference": True}])
 def test_a_probe_runs_the_cli_with_the_same_settings(flags):
-    run = ol.RunConfig(mode="overlapped", preset="tiny", sizes=(("num_hidden_layers", 3), ("vocab_size", 300)),
-                       dtype="float16", attention="eager", batch_size=2, seq_len=64, seed=5, prefetch=2, warmup=0,
-                       repeat=2, max_gpu_memory=11.5, json="r.json", train=True, steps=3, grad_accum=2, lr=3e-4,
-                       betas=(0.8, 0.95), eps=1e-6, weight_decay=0.01, **flags)
-    assert ol.parse_args(ol.cli_args(run)) == run
+    run = ol.RunConfig(
+        mode="overlapped",
+        preset="tiny",
+        sizes=(("num_hidden_layers", 3), ("vocab_size", 300)),
+        dtype="float16",
+        attention="eager",
+        batch_size=2,
+        seq_len=64,
+        seed=5,
+        prefetch=2,
+        warmup=0,
+        repeat=2,
+        max_gpu_memory=11.5,
+        json="r.json",
+        train=True,
+        steps=3,
+        grad_accum=2,
+        lr=3e-4,
+        betas=(0.8, 0.95),
+        eps=1e-6,
+        weight_decay=0.01,
+        **flags,
+    )
+    assert ol.parse_args(fl.cli_args(run)) == run
 
 
 def test_a_lean_run_counts_no_compute_copy_of_the_layers():
@@ -57,8 +91,9 @@ def test_a_lean_run_counts_no_compute_copy_of_the_layers():
 
 def test_cli_find_largest_on_the_cpu(tmp_path):
     out = tmp_path / "r.json"
-    r = cli("--find-largest", "--mode", "cpu", "--preset", "tiny", "--seq-len", "16", "--steps", "2", "--warmup", "1",
-            "--json", out)
+    r = find_largest(
+        "--mode", "cpu", "--preset", "tiny", "--seq-len", "16", "--steps", "2", "--warmup", "1", "--json", out
+    )
     assert r.returncode == 0, r.stderr
     found = json.loads(out.read_text())["find_largest"]["cpu"]
     assert found["layers"] == ol.MAX_SEARCH_LAYERS and "search stops" in found["limited_by"]
@@ -67,5 +102,5 @@ def test_cli_find_largest_on_the_cpu(tmp_path):
 
 
 def test_find_largest_needs_a_preset(tmp_path):
-    r = cli("--find-largest", "--model", tmp_path)
+    r = find_largest("--model", tmp_path)
     assert r.returncode == 2 and "--preset" in r.stderr

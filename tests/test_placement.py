@@ -1,6 +1,7 @@
 """CPU tier, placement: layers and units kept resident on the device change no bit of the logits or the gradients;
 only the streamed ones are copied, ahead of the resident ones' compute; the plans fit their budget and take units in
 their order."""
+
 import pytest
 import torch
 
@@ -30,8 +31,18 @@ def test_streamed_layers_are_copied_before_the_resident_layers_ahead_of_them_run
 
     streamed_logits(model, ids, "cpu", depth, streamer_hook=record, resident=(0, 2))
     # both streamed layers' copies start once layer 0's kernels are issued, and the ring has a slot for each
-    assert events == [("run", 0), ("issued", 0), ("copy", 1), ("copy", 3), ("run", 1), ("issued", 1),
-                      ("run", 2), ("issued", 2), ("run", 3), ("issued", 3)]
+    assert events == [
+        ("run", 0),
+        ("issued", 0),
+        ("copy", 1),
+        ("copy", 3),
+        ("run", 1),
+        ("issued", 1),
+        ("run", 2),
+        ("issued", 2),
+        ("run", 3),
+        ("issued", 3),
+    ]
 
 
 def tiny_training(dtype="bfloat16", k=1):
@@ -47,8 +58,9 @@ def test_resident_units_train_like_gpu_mode(resident, dtype, k):
     same device as the reference's), the streamed ones' to float32 rounding (the CPU Adam's kernel)."""
     model, batches = tiny_training(dtype, k)
     grads, masters_1, _, losses = train(offloaded_trainer(model, CPU, 1, batches, resident=resident), batches, 2)
-    ref_grads, ref_masters_1, _, ref_losses = train(ol.ResidentTraining(model, model.dtype, CPU, ol.Adam(lr=1e-3)),
-                                                    batches, 2)
+    ref_grads, ref_masters_1, _, ref_losses = train(
+        ol.ResidentTraining(model, model.dtype, CPU, ol.Adam(lr=1e-3)), batches, 2
+    )
     assert all(torch.equal(g, ref_grads[name]) for name, g in grads.items())
     names = [unit.name for unit in ol.model_units(model.config)]
     for name, m in masters_1.items():
@@ -74,12 +86,12 @@ def test_shared_gradients_live_in_the_streamed_units_gradient_buffer():
     trainer = offloaded_trainer(model, CPU, 1, batches, resident=(0, 2), own_grads=False)
     numels = [m.numel() for m in trainer.store.masters]
     streamed = max(n for u, n in enumerate(numels) if u not in (0, 2))
-    assert trainer.shared_grads and trainer.grad_buffer.numel() == streamed
+    assert trainer.steppers[0].shares_buffer and trainer.grad_buffer.numel() == streamed
     for u in (0, 2):
-        grads = trainer.resident[u].grads
+        grads = trainer.steppers[u].grads(u)
         assert grads.dtype == torch.float32 and grads.numel() == numels[u]
         assert grads.untyped_storage().data_ptr() == trainer.grad_buffer.untyped_storage().data_ptr()
-    assert not offloaded_trainer(model, CPU, 1, batches, resident=(0, 2)).shared_grads
+    assert not offloaded_trainer(model, CPU, 1, batches, resident=(0, 2)).steppers[0].shares_buffer
 
 
 def test_every_unit_resident_streams_nothing():
@@ -112,7 +124,7 @@ def test_training_plan_fits_its_budget_and_keeps_a_run_from_the_start_of_the_for
     assert streamed.parts["slots"] == 2 * max(numels) * 2 and streamed.parts["resident weights"] == 0
     budgets = range(streamed.peak_bytes, streamed.peak_bytes + 20 * sum(numels), sum(numels) // 4)
     plans = [ol.training_placement(trainer, budget_run(b), "overlapped", besides, own_grads=False) for b in budgets]
-    for plan, budget in zip(plans, budgets):
+    for plan, budget in zip(plans, budgets, strict=False):
         k = len(plan.resident)
         assert plan.resident == tuple(range(k)) and plan.peak_bytes <= budget + 1
     assert [len(p.resident) for p in plans] == sorted(len(p.resident) for p in plans)
@@ -130,7 +142,10 @@ def test_training_plan_fits_its_budget_and_keeps_a_run_from_the_start_of_the_for
 def test_training_plan_overrides_and_blocked():
     model, batches = tiny_training()
     trainer = offloaded_trainer(model, CPU, 1, batches)
-    plan = lambda run, mode="overlapped": ol.training_placement(trainer, run, mode, {}, own_grads=False).resident
+
+    def plan(run, mode="overlapped"):
+        return ol.training_placement(trainer, run, mode, {}, own_grads=False).resident
+
     assert plan(budget_run(10**9)) == tuple(range(6))
     assert plan(budget_run(10**9), "blocked") == ()
     assert plan(budget_run(10**9, resident_layers=2)) == (1, 2)  # layers: unit 0 is the embeddings
@@ -142,7 +157,10 @@ def test_training_plan_gives_the_gpu_adam_its_share_of_the_streamed_units_and_co
     model, batches = tiny_training()
     trainer = offloaded_trainer(model, CPU, 1, batches)
     numels = [m.numel() for m in trainer.store.masters]
-    plan = lambda run, mode="overlapped": ol.training_placement(trainer, run, mode, {}, own_grads=False)
+
+    def plan(run, mode="overlapped"):
+        return ol.training_placement(trainer, run, mode, {}, own_grads=False)
+
     streamed = plan(ol.RunConfig(preset="tiny", gpu_adam_share=0.5))
     assert streamed.gpu_adam == ol.gpu_adam_units(trainer.units, (), 0.5) != ()
     assert sum(numels[u] for u in streamed.gpu_adam) <= 0.5 * sum(numels)

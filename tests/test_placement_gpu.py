@@ -1,6 +1,7 @@
 """GPU tier, placement: resident layers and units change no bit (logits; eager gradients; the resident units'
 first-step masters, which the GPU's fused Adam steps as gpu mode's does), and under a cap the plan's predicted peak
 is the measured one, within 3% or 64 MiB, and under the cap."""
+
 import json
 
 import pytest
@@ -11,17 +12,30 @@ from helpers import assert_masters_close, build, cli, offloaded_trainer, residen
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CUDA = torch.device("cuda")
-SMALL = {"hidden_size": 256, "intermediate_size": 688, "num_attention_heads": 8, "num_key_value_heads": 2,
-         "vocab_size": 512, "num_hidden_layers": 4}
+SMALL = {
+    "hidden_size": 256,
+    "intermediate_size": 688,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "num_hidden_layers": 4,
+}
 # 13M parameters a layer, 94M in all: placements from none to every unit fit a GPU between 0.6 and 2.5 GiB
-MID = {"hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 8, "num_key_value_heads": 8,
-       "vocab_size": 8192, "num_hidden_layers": 6}
+MID = {
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "vocab_size": 8192,
+    "num_hidden_layers": 6,
+}
 
 
 def small(dtype="bfloat16"):
     """The small model (eager attention, whose backward is deterministic) and one batch of 2 x 128 tokens."""
-    run = ol.RunConfig(preset="tiny", sizes=tuple(SMALL.items()), dtype=dtype, seq_len=128, batch_size=2,
-                       attention="eager")
+    run = ol.RunConfig(
+        preset="tiny", sizes=tuple(SMALL.items()), dtype=dtype, seq_len=128, batch_size=2, attention="eager"
+    )
     model, ids = build(run)
     return model, [ids.to(CUDA)]
 
@@ -31,18 +45,21 @@ def small(dtype="bfloat16"):
 def test_resident_layers_logits_bitwise_equal_gpu(depth, resident):
     model, batches = small()
     ids = batches[0].cpu()
-    assert torch.equal(streamed_logits(model, ids, "cuda", depth, pin=True, resident=resident),
-                       resident_logits(model, ids, "cuda"))
+    assert torch.equal(
+        streamed_logits(model, ids, "cuda", depth, pin=True, resident=resident), resident_logits(model, ids, "cuda")
+    )
 
 
 @pytest.mark.parametrize("resident", [(0,), (1, 3), (5, 6), tuple(range(7))])  # the small model has 7 units
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_resident_units_grads_bitwise_and_masters_as_gpu_modes(dtype, resident):
     model, batches = small(dtype)
-    grads, masters_1, _, losses = train(offloaded_trainer(model, CUDA, 1, batches, pin=True, resident=resident),
-                                        batches, 2)
-    ref_grads, ref_masters_1, _, ref_losses = train(ol.ResidentTraining(model, model.dtype, CUDA, ol.Adam(lr=1e-3)),
-                                                    batches, 2)
+    grads, masters_1, _, losses = train(
+        offloaded_trainer(model, CUDA, 1, batches, pin=True, resident=resident), batches, 2
+    )
+    ref_grads, ref_masters_1, _, ref_losses = train(
+        ol.ResidentTraining(model, model.dtype, CUDA, ol.Adam(lr=1e-3)), batches, 2
+    )
     assert all(torch.equal(g, ref_grads[name]) for name, g in grads.items())
     assert losses[0] == ref_losses[0]
     names = [unit.name + "." for unit in ol.model_units(model.config)]
@@ -54,8 +71,9 @@ def test_resident_units_grads_bitwise_and_masters_as_gpu_modes(dtype, resident):
 def test_resident_units_sharing_one_gradient_buffer_train_the_same():
     model, batches = small()
     own = train(offloaded_trainer(model, CUDA, 1, batches, pin=True, resident=(0, 1, 6)), batches, 3)
-    shared = train(offloaded_trainer(model, CUDA, 1, batches, pin=True, resident=(0, 1, 6), own_grads=False),
-                   batches, 3)
+    shared = train(
+        offloaded_trainer(model, CUDA, 1, batches, pin=True, resident=(0, 1, 6), own_grads=False), batches, 3
+    )
     assert all(torch.equal(m, own[2][name]) for name, m in shared[2].items()) and shared[3] == own[3]
 
 
@@ -76,6 +94,7 @@ def test_race_shared_resident_gradients_wait_for_the_last_copy_out():
             send(u)
             if u == 2 and drop:
                 trainer.last_landed = ol.InOrder()
+
         trainer.send = late
         shared = train(trainer, batches, 2)
         matches = all(torch.equal(m, own[2][name]) for name, m in shared[2].items())
@@ -84,22 +103,46 @@ def test_race_shared_resident_gradients_wait_for_the_last_copy_out():
 
 def mid_args(*extra):
     sizes = [a for field, value in MID.items() for a in (f"--{ol.SIZE_FLAGS[field]}", value)]
-    return ["--preset", "tiny", *sizes, "--seq-len", 2048, "--mode", "overlapped", "--steps", 3, "--warmup", 1,
-            "--repeat", 2, *extra]
+    return [
+        "--preset",
+        "tiny",
+        *sizes,
+        "--seq-len",
+        2048,
+        "--mode",
+        "overlapped",
+        "--steps",
+        3,
+        "--warmup",
+        1,
+        "--repeat",
+        2,
+        *extra,
+    ]
 
 
 ACCUM = ["--grad-accum", 16]  # 16 micro-batches of 2048 tokens: 64 MiB of inputs per unit
 
 
-@pytest.mark.parametrize("extra", [[], ["--max-gpu-memory", 0.9], ["--max-gpu-memory", 1.4], ["--resident-layers", 4],
-                                   ["--max-gpu-memory", 4], ACCUM, [*ACCUM, "--offload-activations"],
-                                   [*ACCUM, "--max-gpu-memory", 2.5]])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],
+        ["--max-gpu-memory", 0.9],
+        ["--max-gpu-memory", 1.4],
+        ["--resident-layers", 4],
+        ["--max-gpu-memory", 4],
+        ACCUM,
+        [*ACCUM, "--offload-activations"],
+        [*ACCUM, "--max-gpu-memory", 2.5],
+    ],
+)
 def test_training_peak_is_the_predicted_one_and_under_the_cap(extra, tmp_path):
     r = cli(*mid_args("--train", "--no-inference", "--json", tmp_path / "r.json", *extra))
     assert r.returncode == 0, r.stderr
     t = json.loads((tmp_path / "r.json").read_text())["results"]["overlapped"]["training"]
     assert abs(t["peak_gpu_bytes"] - t["predicted_peak_bytes"]) <= max(0.03 * t["peak_gpu_bytes"], 64 * 2**20), t
-    flags = dict(zip(extra[::2], extra[1::2]))
+    flags = dict(zip(extra[::2], extra[1::2], strict=False))
     cap = flags.get("--max-gpu-memory")
     if cap is not None:
         assert t["peak_gpu_bytes"] <= cap * ol.GiB

@@ -1,4 +1,5 @@
 """report/REPORT.md is exactly what report/build_report.py makes of the JSON kept under report/."""
+
 import importlib.util
 import json
 from pathlib import Path
@@ -51,18 +52,34 @@ def test_budget_figure_builds_from_the_stored_sweep(tmp_path):
 
 def test_trace_lanes_give_the_gpu_adam_its_own_lane_and_leave_its_launches_out_of_the_cpu_adam(tmp_path):
     def event(name, cat, tid, ts, dur, external_id):
-        return {"ph": "X", "name": name, "cat": cat, "tid": tid, "ts": ts, "dur": dur,
-                "args": {"External id": external_id}}
-    trace = {"traceEvents": [
-        event("Torch-Compiled Region: 0/0", "cpu_op", 2, 0, 5000, 1),  # the CPU Adam thread
-        event("Memcpy HtoD (Pinned -> Device)", "gpu_memcpy", 61, 1000, 1000, 2),
-        event("nvjet_gemm", "kernel", 7, 2000, 3000, 3),  # the compute stream: the most kernel time
-        event("aten::_fused_adam_", "cpu_op", 1, 5000, 10, 4),  # the main thread launches the GPU's Adam
-        event("multi_tensor_apply_kernel<FusedAdamMathFunctor>", "kernel", 73, 5100, 500, 4),
-        event("Memcpy DtoH (Device -> Pinned)", "gpu_memcpy", 77, 5600, 1000, 5)]}
+        return {
+            "ph": "X",
+            "name": name,
+            "cat": cat,
+            "tid": tid,
+            "ts": ts,
+            "dur": dur,
+            "args": {"External id": external_id},
+        }
+
+    trace = {
+        "traceEvents": [
+            event("Torch-Compiled Region: 0/0", "cpu_op", 2, 0, 5000, 1),  # the CPU Adam thread
+            event("Memcpy HtoD (Pinned -> Device)", "gpu_memcpy", 61, 1000, 1000, 2),
+            event("nvjet_gemm", "kernel", 7, 2000, 3000, 3),  # the compute stream: the most kernel time
+            event("aten::_fused_adam_", "cpu_op", 1, 5000, 10, 4),  # the main thread launches the GPU's Adam
+            event("multi_tensor_apply_kernel<FusedAdamMathFunctor>", "kernel", 73, 5100, 500, 4),
+            event("Memcpy DtoH (Device -> Pinned)", "gpu_memcpy", 77, 5600, 1000, 5),
+        ]
+    }
     path = tmp_path / "trace.json"
     path.write_text(json.dumps(trace))
     lanes, end = build_report().trace_lanes(path)
-    assert lanes == {"CPU Adam": [(0.0, 5.0)], "GPU Adam": [(5.1, 0.5)], "D2H copies": [(5.6, 1.0)],
-                     "H2D copies + casts": [(1.0, 1.0)], "GPU compute": [(2.0, 3.0)]}
+    assert lanes == {
+        "CPU Adam": [(0.0, 5.0)],
+        "GPU Adam": [(5.1, 0.5)],
+        "D2H copies": [(5.6, 1.0)],
+        "H2D copies + casts": [(1.0, 1.0)],
+        "GPU compute": [(2.0, 3.0)],
+    }
     assert end == 6.6

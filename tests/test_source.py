@@ -1,4 +1,5 @@
 """The script as a text: every function, method and class says what it is for (the assignment asks for it)."""
+
 import ast
 
 from helpers import SCRIPT

@@ -1,5 +1,6 @@
 """CPU tier, training: the offloaded path (per-unit autograd.Function, gradient offload, CPU Adam) with the CPU as
 compute device, against the plain model and torch.optim.Adam."""
+
 import json
 
 import pytest
@@ -28,8 +29,9 @@ def test_offloaded_training_equals_resident(dtype, depth, k):
     model, ids = build(ol.dataclasses.replace(tiny_run(), dtype=dtype, batch_size=2))
     batches = micro(ids, k)
     grads, _, masters, losses = train(offloaded_trainer(model, CPU, depth, batches), batches, 3)
-    ref_grads, _, ref_masters, ref_losses = train(ol.ResidentTraining(model, model.dtype, CPU, ol.Adam(lr=1e-3)),
-                                               batches, 3)
+    ref_grads, _, ref_masters, ref_losses = train(
+        ol.ResidentTraining(model, model.dtype, CPU, ol.Adam(lr=1e-3)), batches, 3
+    )
     assert grads.keys() == ref_grads.keys() == {name for name, _ in model.named_parameters()}
     for name, g in grads.items():
         assert torch.equal(g, ref_grads[name]), name
@@ -42,7 +44,7 @@ def test_streaming_the_masters_without_a_copy_trains_the_same():
     model, batches = tiny_batches(1)
     with_copy = train(offloaded_trainer(model, CPU, 1, batches), batches, 3)
     without = train(offloaded_trainer(model, CPU, 1, batches, copy=False), batches, 3)
-    for ours, theirs in zip(without[:3], with_copy[:3]):
+    for ours, theirs in zip(without[:3], with_copy[:3], strict=False):
         assert all(torch.equal(t, theirs[name]) for name, t in ours.items())
     assert without[3] == with_copy[3]
 
@@ -60,7 +62,7 @@ def test_adam_over_streamed_state_trains_as_the_cpu_adam(dtype, depth, k, monkey
     batches = micro(ids, k)
     ref_grads, _, ref_masters, ref_losses = train(offloaded_trainer(model, CPU, depth, batches), batches, 3)
     trainer = offloaded_trainer(model, CPU, depth, batches, gpu_adam=(0, 5, 1))
-    assert len(trainer.gpu_adam.chunks(1)) >= 3
+    assert len(ol.streamed_adam(trainer).chunks(1)) >= 3
     kept, begin = [], trainer.streamer.begin
     trainer.streamer.begin = lambda order, keep=False: (begin(order, keep), kept.append(trainer.streamer.kept))
     grads, _, masters, losses = train(trainer, batches, 3)
@@ -137,13 +139,13 @@ def test_grad_accumulation_equals_one_big_batch():
 def test_loss_decreases_over_10_steps():
     model, ids = build(tiny_run())
     *_, losses = train(offloaded_trainer(model, CPU, 1, [ids]), [ids], 10)
-    assert all(b < a for a, b in zip(losses, losses[1:])), losses
+    assert all(b < a for a, b in zip(losses, losses[1:], strict=False)), losses
 
 
 def test_float16_skips_the_step_whose_gradients_overflow():
     model, ids = build(ol.dataclasses.replace(tiny_run(), dtype="float16"))
     trainer = offloaded_trainer(model, CPU, 1, [ids])
-    scale = trainer.loss_scale.scale
+    scale = trainer.scaling.scale
     before = trainer.store.state_dict()
     unit_grads = trainer.unit_grads
 
@@ -155,10 +157,10 @@ def test_float16_skips_the_step_whose_gradients_overflow():
 
     trainer.unit_grads = overflowing
     trainer.step([ids])
-    trainer.adam.wait_all()
+    trainer.cpu_adam.wait_all()
     after = trainer.store.state_dict()
     assert all(torch.equal(after[name], m) for name, m in before.items()), "an overflowing step must not update"
-    assert trainer.loss_scale.scale == scale / 2
+    assert trainer.scaling.scale == scale / 2
     trainer.unit_grads = unit_grads
     trainer.step([ids])
     trainer.finish()
@@ -185,8 +187,23 @@ def test_master_store_holds_16_bytes_per_parameter():
 
 def test_cli_train_json_and_saved_masters(tmp_path):
     out, saved = tmp_path / "r.json", tmp_path / "out.pt"
-    r = cli("--preset", "tiny", "--seq-len", "32", "--mode", "cpu", "--train", "--steps", "3", "--grad-accum", "2",
-            "--json", out, "--save-output", saved)
+    r = cli(
+        "--preset",
+        "tiny",
+        "--seq-len",
+        "32",
+        "--mode",
+        "cpu",
+        "--train",
+        "--steps",
+        "3",
+        "--grad-accum",
+        "2",
+        "--json",
+        out,
+        "--save-output",
+        saved,
+    )
     assert r.returncode == 0, r.stderr
     assert "Table 2 (training)" in r.stdout and "step 2: loss" in r.stderr
     t = json.loads(out.read_text())["results"]["cpu"]["training"]
@@ -195,14 +212,17 @@ def test_cli_train_json_and_saved_masters(tmp_path):
     assert masters["model.layers.0.mlp.up_proj.weight"].dtype == torch.float32
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--steps", "0"], "--steps must be at least 1"),
-    (["--grad-accum", "0"], "--grad-accum must be at least 1"),
-    (["--lr", "-1"], "Adam needs --lr > 0"),
-    (["--betas", "0.9", "1.0"], "betas in [0, 1)"),
-    (["--gpu-adam-share", "1.5"], "--gpu-adam-share must be between 0 and 1"),
-    (["--gpu-adam-share", "0.2", "--dtype", "float16"], "--gpu-adam-share must be 0 in float16"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--steps", "0"], "--steps must be at least 1"),
+        (["--grad-accum", "0"], "--grad-accum must be at least 1"),
+        (["--lr", "-1"], "Adam needs --lr > 0"),
+        (["--betas", "0.9", "1.0"], "betas in [0, 1)"),
+        (["--gpu-adam-share", "1.5"], "--gpu-adam-share must be between 0 and 1"),
+        (["--gpu-adam-share", "0.2", "--dtype", "float16"], "--gpu-adam-share must be 0 in float16"),
+    ],
+)
 def test_bad_training_flags(args, message):
     r = cli("--preset", "tiny", "--mode", "cpu", "--train", *args)
     assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
@@ -222,7 +242,7 @@ def test_activation_offload_changes_no_bit(depth, k):
     model, batches = tiny_batches(k)
     kept = train(offloaded_trainer(model, "cpu", depth, batches), batches, 3)
     offloaded = train(offloaded_trainer(model, "cpu", depth, batches, offload=True), batches, 3)
-    for ours, theirs in zip(offloaded[:3], kept[:3]):
+    for ours, theirs in zip(offloaded[:3], kept[:3], strict=False):
         assert all(torch.equal(t, theirs[name]) for name, t in ours.items())
     assert offloaded[3] == kept[3]
 
@@ -230,14 +250,14 @@ def test_activation_offload_changes_no_bit(depth, k):
 def test_activation_pool_is_allocated_once_and_read_back():
     model, batches = tiny_batches(2)
     trainer = offloaded_trainer(model, "cpu", 1, batches, offload=True)
-    pool = [t.data_ptr() for t in trainer.acts.host]
+    pool = [t.data_ptr() for t in trainer.inputs.host]
     hidden = model.config.hidden_size
     assert len(pool) == model.config.num_hidden_layers + 2  # the layers', the norm's and the head's inputs
-    assert all(t.numel() == 2 * batches[0].numel() * hidden for t in trainer.acts.host)
+    assert all(t.numel() == 2 * batches[0].numel() * hidden for t in trainer.inputs.host)
     trainer.step(batches)
     trainer.step(batches)
-    assert [t.data_ptr() for t in trainer.acts.host] == pool
-    assert all(t.abs().sum() > 0 for t in trainer.acts.host)  # every unit's inputs went through it
+    assert [t.data_ptr() for t in trainer.inputs.host] == pool
+    assert all(t.abs().sum() > 0 for t in trainer.inputs.host)  # every unit's inputs went through it
     trainer.finish()
 
 
@@ -246,7 +266,7 @@ def test_activations_that_do_not_come_back_are_caught():
     model, batches = tiny_batches(1)
     kept = train(offloaded_trainer(model, "cpu", 1, batches), batches, 1)
     trainer = offloaded_trainer(model, "cpu", 1, batches, offload=True)
-    trainer.acts.streamer.prefetch = lambda p: None
+    trainer.inputs.streamer.prefetch = lambda p: None
     grads = train(trainer, batches, 1)[0]
     assert not all(torch.equal(g, kept[0][name]) for name, g in grads.items())
 
@@ -307,8 +327,10 @@ def test_reloading_the_store_starts_adam_afresh():
     """A second load (the next offloaded mode) gives the same first steps: each unit's first step zeroes its moments."""
     model, _ = build(tiny_run())
     store = ol.MasterStore(ol.model_units(model.config), ol.Adam(lr=1e-3), pin=False, grad_buffers=2)
-    grads = [torch.randn(m.numel(), generator=torch.Generator().manual_seed(u)).to(store.grad_dtype)
-             for u, m in enumerate(store.masters)]
+    grads = [
+        torch.randn(m.numel(), generator=torch.Generator().manual_seed(u)).to(store.grad_dtype)
+        for u, m in enumerate(store.masters)
+    ]
 
     def two_steps():
         store.load(model)
@@ -322,13 +344,16 @@ def test_reloading_the_store_starts_adam_afresh():
     assert all(torch.equal(t, first[name]) for name, t in two_steps().items())
 
 
-@pytest.mark.parametrize("steps, warmup, repeat, rounds", [
-    (10, 2, 5, [2, 4, 6, 8, 10]),  # blocks of two steps: four, not five
-    (70, 5, 5, [5, 18, 31, 44, 57, 70]),
-    (6, 1, 2, [1, 3, 6]),
-    (2, 1, 3, [2, 2, 2, 2]),  # one step after the warm-up: every round after it
-    (1, 2, 1, [1, 1]),
-])
+@pytest.mark.parametrize(
+    "steps, warmup, repeat, rounds",
+    [
+        (10, 2, 5, [2, 4, 6, 8, 10]),  # blocks of two steps: four, not five
+        (70, 5, 5, [5, 18, 31, 44, 57, 70]),
+        (6, 1, 2, [1, 3, 6]),
+        (2, 1, 3, [2, 2, 2, 2]),  # one step after the warm-up: every round after it
+        (1, 2, 1, [1, 1]),
+    ],
+)
 def test_bound_rounds_share_the_timed_steps(steps, warmup, repeat, rounds):
     assert ol.bound_rounds(ol.RunConfig(steps=steps, warmup=warmup, repeat=repeat)) == rounds
 
@@ -342,7 +367,7 @@ def test_bound_rounds_run_between_steps_with_every_update_done():
     trainer.step = lambda micro_batches: events.append("step") or step(micro_batches)
 
     def part():
-        assert all(trainer.adam.updated(u) for u in range(len(trainer.units)))
+        assert all(trainer.cpu_adam.updated(u) for u in range(len(trainer.units)))
         events.append("part")
 
     def parts():

@@ -4,7 +4,7 @@ backward kernels in a trace; and no memory growth over 100 steps.
 
 Attention is eager here: sdpa's backward accumulates with atomics and is not bitwise reproducible even against
 itself, so only a deterministic backward can show that offloading changes no bit."""
-import dataclasses
+
 import gc
 import time
 
@@ -17,17 +17,35 @@ from helpers import assert_masters_close, build, offloaded_trainer, train
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CUDA = torch.device("cuda")
 
-SMALL = {"hidden_size": 256, "intermediate_size": 688, "num_attention_heads": 8, "num_key_value_heads": 2,
-         "vocab_size": 512, "num_hidden_layers": 3}
+SMALL = {
+    "hidden_size": 256,
+    "intermediate_size": 688,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "num_hidden_layers": 3,
+}
 # low arithmetic intensity: 400 MB of float32 masters per layer against 16 tokens, so a copy takes milliseconds
 # and a layer's compute microseconds: a missing wait shows up as wrong numbers, not as luck
-THIN = {"hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 16, "num_key_value_heads": 16,
-        "vocab_size": 256, "num_hidden_layers": 4}
+THIN = {
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "vocab_size": 256,
+    "num_hidden_layers": 4,
+}
 
 
 def model_and_batches(sizes, dtype="bfloat16", seq_len=128, batch_size=2, k=1):
-    run = ol.RunConfig(preset="tiny", sizes=tuple(sizes.items()), dtype=dtype, seq_len=seq_len,
-                       batch_size=batch_size, attention="eager")
+    run = ol.RunConfig(
+        preset="tiny",
+        sizes=tuple(sizes.items()),
+        dtype=dtype,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        attention="eager",
+    )
     model, ids = build(run)
     return model, [b.to(CUDA) for b in ids.chunk(k)]
 
@@ -69,6 +87,7 @@ def delay_backward_copies(trainer):
         wait_source(u)
         if streamer.order[0] != 0:  # the backward pass starts from the head
             sleep_on(streamer.copy_stream)
+
     streamer.wait_source = late
 
 
@@ -81,6 +100,7 @@ def drop_backward_copied_wait(trainer):
         begin(order, keep)
         if streamer.order[0] != 0:  # the backward pass starts from the head
             streamer.copied = [ol.InOrder() for _ in streamer.copied]
+
     streamer.begin = begin_without_wait
 
 
@@ -91,6 +111,7 @@ def stretch_backward(trainer):
     def late(*args):
         torch.cuda._sleep(40_000_000)
         return unit_grads(*args)
+
     trainer.unit_grads = late
 
 
@@ -99,8 +120,10 @@ def drop_gradient_ready_wait(trainer):
     trainer.d2h_stream = NoWaitStream(CUDA)
 
 
-RACES = {"backward prefetch": (delay_backward_copies, drop_backward_copied_wait),
-         "gradient copy": (stretch_backward, drop_gradient_ready_wait)}
+RACES = {
+    "backward prefetch": (delay_backward_copies, drop_backward_copied_wait),
+    "gradient copy": (stretch_backward, drop_gradient_ready_wait),
+}
 
 
 @pytest.mark.parametrize("depth", [0, 1])
@@ -150,51 +173,56 @@ def stretch_forward(trainer):
         if k == 0:
             torch.cuda._sleep(40_000_000)
         return run_unit(u, module, x, k)
+
     trainer.run_unit = late
 
 
 def drop_inputs_written_wait(trainer):
     """The copy of a unit's inputs to the host no longer waits for the unit before to have written them."""
     stretch_forward(trainer)
-    trainer.acts.d2h_stream = NoWaitStream(CUDA)
+    trainer.inputs.d2h_stream = NoWaitStream(CUDA)
 
 
 def delay_inputs_out(trainer):
     """Each unit's inputs reach the host 20 ms late."""
-    acts, send = trainer.acts, trainer.acts.send
+    acts, send = trainer.inputs, trainer.inputs.send
 
     def late(u, xs):
         sleep_on(acts.d2h_stream)
         send(u, xs)
+
     acts.send = late
 
 
 def drop_inputs_landed_wait(trainer):
     """Inputs come back to the GPU without waiting for them to have reached the host."""
     delay_inputs_out(trainer)
-    trainer.acts.streamer.wait_source = lambda a: None
+    trainer.inputs.streamer.wait_source = lambda a: None
 
 
 def delay_inputs_in(trainer):
     """In the backward pass each unit's inputs land on the GPU 20 ms late."""
-    acts = trainer.acts.streamer
+    acts = trainer.inputs.streamer
     wait_source = acts.wait_source
 
     def late(a):
         wait_source(a)
         sleep_on(acts.copy_stream)
+
     acts.wait_source = late
 
 
 def drop_inputs_copied_wait(trainer):
     """The backward no longer waits for a unit's inputs to land in their slot."""
     delay_inputs_in(trainer)
-    trainer.acts.streamer.copied = [ol.InOrder() for _ in trainer.acts.streamer.copied]
+    trainer.inputs.streamer.copied = [ol.InOrder() for _ in trainer.inputs.streamer.copied]
 
 
-ACTIVATION_RACES = {"inputs written before they leave": (stretch_forward, drop_inputs_written_wait),
-                    "inputs on the host before they come back": (delay_inputs_out, drop_inputs_landed_wait),
-                    "inputs back on the GPU before the backward": (delay_inputs_in, drop_inputs_copied_wait)}
+ACTIVATION_RACES = {
+    "inputs written before they leave": (stretch_forward, drop_inputs_written_wait),
+    "inputs on the host before they come back": (delay_inputs_out, drop_inputs_landed_wait),
+    "inputs back on the GPU before the backward": (delay_inputs_in, drop_inputs_copied_wait),
+}
 
 
 @pytest.mark.parametrize("depth", [0, 1])
@@ -205,7 +233,7 @@ def test_race_each_training_wait_is_needed(race, depth):
     model, batches = model_and_batches(THIN, seq_len=16, batch_size=1)
     ref_grads, *_ = reference(model, batches, steps=1)
     offload = race in ACTIVATION_RACES
-    for hook, should_match in zip((RACES | ACTIVATION_RACES)[race], (True, False)):
+    for hook, should_match in zip((RACES | ACTIVATION_RACES)[race], (True, False), strict=False):
         trainer = offloaded_trainer(model, CUDA, depth, batches, pin=True, offload=offload)
         if hook:
             hook(trainer)
@@ -218,8 +246,8 @@ def test_race_each_training_wait_is_needed(race, depth):
 
 def slow_cpu_adam(trainer):
     """Each unit's update starts 20 ms late, so a copy that does not wait for it streams the last step's weights."""
-    step = trainer.adam.step
-    trainer.adam.step = lambda u: (time.sleep(0.02), step(u))
+    step = trainer.cpu_adam.step
+    trainer.cpu_adam.step = lambda u: (time.sleep(0.02), step(u))
 
 
 def drop_update_done_wait(trainer):
@@ -251,7 +279,7 @@ def test_adam_over_streamed_state_grads_bitwise_equal_gpu_mode(dtype, k, monkeyp
     monkeypatch.setattr(ol, "GPU_ADAM_CHUNK", 2**14)
     model, batches = model_and_batches(SMALL, dtype, k=k)
     trainer = offloaded_trainer(model, CUDA, 1, batches, pin=True, gpu_adam=(0, 5, 1))
-    assert len(trainer.gpu_adam.chunks(1)) >= 3
+    assert len(ol.streamed_adam(trainer).chunks(1)) >= 3
     grads, masters_1, masters, losses = train(trainer, batches, 3)
     ref_grads, ref_masters_1, ref_masters, ref_losses = reference(model, batches)
     assert all(torch.equal(g, ref_grads[name]) for name, g in grads.items())
@@ -285,12 +313,13 @@ def delay(obj, name):
 
 def slow_take(trainer):
     """The GPU Adam copies each unit's gradients out of the gradient buffer 20 ms late."""
-    take, gpu_adam = trainer.gpu_adam.take, trainer.gpu_adam
+    take, gpu_adam = ol.streamed_adam(trainer).take, ol.streamed_adam(trainer)
 
     def late(*args):
         with torch.cuda.stream(gpu_adam.s_adam):
             torch.cuda._sleep(40_000_000)
         return take(*args)
+
     gpu_adam.take = late
 
 
@@ -302,38 +331,72 @@ def slow_adam_step(trainer):
 
 def without_gpu_adam_waits(trainer):
     """The next forward streams a unit the GPU's Adam steps without waiting for its state to be written back."""
-    wait = trainer.wait_source
-    trainer.streamer.wait_source = lambda u: None if u in trainer.gpu_adam.stepped else wait(u)
+    wait = trainer.streamer.wait_source
+    trainer.streamer.wait_source = lambda u: None if u in ol.streamed_adam(trainer).stepped else wait(u)
 
 
 def without_refresh_wait(trainer):
     """The next forward computes from the slots the GPU's Adam rewrites without waiting for the rewrite."""
-    target = trainer.refresh_target
-    trainer.refresh_target = lambda u: None if (into := target(u)) is None else (into[0], ol.InOrder())
+    gpu_adam = ol.streamed_adam(trainer)
+    target = gpu_adam.refresh_target
+    gpu_adam.refresh_target = lambda u: None if (into := target(u)) is None else (into[0], ol.InOrder())
+
+
+def without_gradients_written_wait(trainer):
+    """The GPU Adam takes a unit's gradients without waiting for the backward to have written them."""
+    stretch_backward(trainer)
+    gpu_adam = ol.streamed_adam(trainer)
+    gpu_adam.s_adam = SkipWaits(lambda event: event not in gpu_adam.in_done)
+
+
+def without_taken_wait(trainer):
+    """The next unit's backward overwrites the gradient buffer without waiting for the GPU Adam to have taken it."""
+    slow_take(trainer)
+    gpu_adam = ol.streamed_adam(trainer)
+    take = gpu_adam.take
+
+    def take_and_forget(*args):
+        take(*args)
+        return ol.InOrder()
+
+    gpu_adam.take = take_and_forget
+
+
+def without_event(name):
+    """A hook that replaces the GPU Adam's two events `name` by stand-ins that order nothing, after delaying."""
+
+    def hook(trainer, delayed):
+        delayed(trainer)
+        setattr(ol.streamed_adam(trainer), name, [ol.InOrder()] * 2)
+
+    return hook
+
+
+def delay_copy_in(trainer):
+    delay(ol.streamed_adam(trainer), "copy_in")
+
+
+def delay_copy_out(trainer):
+    delay(ol.streamed_adam(trainer), "copy_out")
 
 
 STREAMED_ADAM_RACES = {  # name: (hook that delays, hook that also removes the wait that covers the delay)
-    "gradients written before they are taken": (
-        stretch_backward,
-        lambda t: (stretch_backward(t), setattr(t.gpu_adam, "s_adam", SkipWaits(lambda e: e not in t.gpu_adam.in_done)))),
-    "gradient buffer reused once they are taken": (
-        slow_take,
-        lambda t: (slow_take(t), setattr(t.gpu_adam, "take", lambda *a, take=t.gpu_adam.take: (take(*a), ol.InOrder())[1]))),
-    "a chunk in before it is stepped": (
-        lambda t: delay(t.gpu_adam, "copy_in"),
-        lambda t: (delay(t.gpu_adam, "copy_in"), setattr(t.gpu_adam, "in_done", [ol.InOrder()] * 2))),
-    "a chunk stepped before it leaves": (
-        slow_adam_step,
-        lambda t: (slow_adam_step(t), setattr(t.gpu_adam, "computed", [ol.InOrder()] * 2))),
+    "gradients written before they are taken": (stretch_backward, without_gradients_written_wait),
+    "gradient buffer reused once they are taken": (slow_take, without_taken_wait),
+    "a chunk in before it is stepped": (delay_copy_in, lambda t: without_event("in_done")(t, delay_copy_in)),
+    "a chunk stepped before it leaves": (slow_adam_step, lambda t: without_event("computed")(t, slow_adam_step)),
     "a slot emptied before the next chunk fills it": (
-        lambda t: delay(t.gpu_adam, "copy_out"),
-        lambda t: (delay(t.gpu_adam, "copy_out"), setattr(t.gpu_adam, "out_done", [ol.InOrder()] * 2))),
+        delay_copy_out,
+        lambda t: without_event("out_done")(t, delay_copy_out),
+    ),
     "the state written back before the next forward streams the unit": (
-        lambda t: delay(t.gpu_adam, "copy_out"),
-        lambda t: (delay(t.gpu_adam, "copy_out"), without_gpu_adam_waits(t))),
+        delay_copy_out,
+        lambda t: (delay_copy_out(t), without_gpu_adam_waits(t)),
+    ),
     "a slot rewritten before the next forward computes from it": (
         slow_adam_step,
-        lambda t: (slow_adam_step(t), without_refresh_wait(t))),
+        lambda t: (slow_adam_step(t), without_refresh_wait(t)),
+    ),
 }
 
 
@@ -349,13 +412,14 @@ def test_race_each_wait_of_the_adam_over_streamed_state_is_needed(race, monkeypa
     units = (2, 3) if race == "the state written back before the next forward streams the unit" else (0, 1, 2)
     ref = train(offloaded_trainer(model, CUDA, 1, batches, pin=True, gpu_adam=units), batches, 3)
     adam_step = ol.torch_adam_step
-    for hook, should_match in zip(STREAMED_ADAM_RACES[race], (True, False)):
+    for hook, should_match in zip(STREAMED_ADAM_RACES[race], (True, False), strict=False):
         monkeypatch.setattr(ol, "torch_adam_step", adam_step)  # a hook may replace it; undone after the test
         trainer = offloaded_trainer(model, CUDA, 1, batches, pin=True, gpu_adam=units)
         hook(trainer)
         got = train(trainer, batches, 3)
-        matches = got[3] == ref[3] and all(torch.equal(t, r[name]) for ours, r in zip(got[:3], ref[:3])
-                                             for name, t in ours.items())
+        matches = got[3] == ref[3] and all(
+            torch.equal(t, r[name]) for ours, r in zip(got[:3], ref[:3], strict=False) for name, t in ours.items()
+        )
         assert matches == should_match, f"{race}, {'intact' if should_match else 'wait removed'}"
 
 
@@ -399,8 +463,9 @@ def test_bound_parts_are_timed_in_rounds_between_the_steps():
     model, batches = model_and_batches(SMALL)
     trainer = offloaded_trainer(model, CUDA, 1, batches, pin=True)
     run = ol.RunConfig(steps=6, warmup=1, repeat=2)
-    r = ol.train_steps(trainer, batches, run, keep_grads=False,
-                       bound_parts=lambda: ol.train_bound_parts(trainer, batches, CUDA))
+    r = ol.train_steps(
+        trainer, batches, run, keep_grads=False, bound_parts=lambda: ol.train_bound_parts(trainer, batches, CUDA)
+    )
     trainer.finish()
     assert r["timed_steps"] == [2, 4, 5]
     assert set(r["bound_parts_ms"]) == {"embed", "layer", "norm", "head", "h2d", "d2h", "adam", "host"}
@@ -417,8 +482,9 @@ def test_bound_counts_the_state_the_gpu_adam_streams():
     model, batches = model_and_batches(SMALL)
     trainer = offloaded_trainer(model, CUDA, 1, batches, pin=True, gpu_adam=(0, 5))
     run = ol.RunConfig(steps=6, warmup=1, repeat=2)
-    r = ol.train_steps(trainer, batches, run, keep_grads=False,
-                       bound_parts=lambda: ol.train_bound_parts(trainer, batches, CUDA))
+    r = ol.train_steps(
+        trainer, batches, run, keep_grads=False, bound_parts=lambda: ol.train_bound_parts(trainer, batches, CUDA)
+    )
     trainer.finish()
     t = ol.training_figures(trainer, r)
     numels = [m.numel() for m in trainer.store.masters]

@@ -1,0 +1,224 @@
+"""The largest model that trains: per mode, the most decoder layers of a preset's size that train under a GPU cap,
+each count probed by running offload_llama.py in a fresh process (an out-of-memory leaves nothing behind), and what
+stops one more layer.
+
+    python3 report/find_largest.py --preset llama-7b --max-gpu-memory 11 --steps 4 --warmup 1 --json largest.json
+
+The flags are offload_llama.py's; --mode picks the modes searched (default: gpu and overlapped). Report tooling: it
+prints one table and writes the JSON that report/build_report.py reads (key find_largest).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import offload_llama as ol  # noqa: E402
+
+SCRIPT = Path(ol.__file__)
+
+
+def with_layers(run: ol.RunConfig, layers: int) -> ol.RunConfig:
+    """`run` with its preset's layer count replaced."""
+    return dataclasses.replace(run, sizes=tuple({**dict(run.sizes), "num_hidden_layers": layers}.items()))
+
+
+def host_layer_limit(run: ol.RunConfig, mode: str, config) -> int | None:
+    """The most decoder layers whose host memory this machine has free for `mode` (None: not known)."""
+    available = ol.host_memory_available()
+    if available is None:
+        return None
+    run = dataclasses.replace(run, mode=mode)
+    n = 0
+    while n < ol.MAX_SEARCH_LAYERS:
+        needed = ol.host_bytes_needed(run, config, ol.params_with_layers(config, n + 1))[0]
+        if needed > available - ol.host_reserve(config):
+            break
+        n += 1
+    return n
+
+
+def gpu_layer_guess(run: ol.RunConfig, config) -> int:
+    """Where the search starts for gpu mode: the layers whose resident training state fits the cap (compute-dtype
+    weights and gradients, 16 bytes of float32 state); one layer without a cap."""
+    if run.max_gpu_memory is None:
+        return 1
+    per_param = 2 * run.torch_dtype.itemsize + 16
+    per_layer = ol.params_with_layers(config, 1) - ol.params_with_layers(config, 0)
+    return int((run.max_gpu_memory * ol.GiB / per_param - ol.params_with_layers(config, 0)) // per_layer)
+
+
+def largest_that_trains(trains, first: int, upper: int) -> int:
+    """The largest n in [0, upper] with trains(n), where fewer layers train whenever more do. Probes start at `first`
+    and gallop away from it, then bisect: a good first guess costs two probes."""
+    lo, hi = 0, upper + 1  # lo trains (no layers, trivially), hi does not
+    n, step = min(max(first, 1), upper), 1
+    while hi - lo > 1:
+        if trains(n):
+            lo, n = n, n + step
+        else:
+            hi, n = n, n - step
+        step *= 2
+        if not lo < n < hi:
+            n = (lo + hi) // 2
+    return lo
+
+
+def cli_args(run: ol.RunConfig) -> list[str]:
+    """The command line that offload_llama.parse_args turns back into `run` (without --profile, --save-output,
+    --model)."""
+    args = ["--mode", run.mode, "--preset", run.preset, "--dtype", run.dtype, "--attention", run.attention]
+    args += ["--batch-size", str(run.batch_size), "--seq-len", str(run.seq_len), "--seed", str(run.seed)]
+    args += ["--prefetch", str(run.prefetch), "--warmup", str(run.warmup), "--repeat", str(run.repeat)]
+    args += ["--steps", str(run.steps), "--grad-accum", str(run.grad_accum), "--lr", repr(run.lr)]
+    args += ["--betas", *map(repr, run.betas), "--eps", repr(run.eps), "--weight-decay", repr(run.weight_decay)]
+    for field, value in run.sizes:
+        args += [f"--{ol.SIZE_FLAGS[field]}", str(value)]
+    options = {"--max-gpu-memory": run.max_gpu_memory, "--resident-layers": run.resident_layers}
+    options |= {"--gpu-adam-share": run.gpu_adam_share, "--json": run.json}
+    args += [arg for flag, value in options.items() if value is not None for arg in (flag, str(value))]
+    flags = {"--train": run.train, "--no-inference": not run.inference}
+    flags |= {"--offload-activations": run.offload_activations, "--fwd-bwd-reference": run.fwd_bwd_reference}
+    return args + [flag for flag, on in flags.items() if on]
+
+
+def probe(run: ol.RunConfig, mode: str, layers: int) -> dict:
+    """`mode` with `layers` decoder layers, run by offload_llama.py in a fresh process: its training result, or
+    {'oom': True}, {'refused': why} (exit code 2) or {'failed': why}. Its progress lines pass through to stderr."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "probe.json"
+        child = dataclasses.replace(with_layers(run, layers), mode=mode, json=str(path))
+        command = [sys.executable, str(SCRIPT), *cli_args(child)]
+        with subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as process:
+            last = ""
+            try:
+                for line in process.stderr:
+                    sys.stderr.write(line)
+                    last = line.strip() or last
+            except KeyboardInterrupt:
+                process.terminate()  # the probe writes nothing that lasts, so it need not clean up
+                raise
+        if process.returncode == 0:
+            return json.loads(path.read_text())["results"][mode]["training"]
+    why = last.removeprefix("offload_llama.py: error: ")
+    if process.returncode == 2:
+        return {"refused": why}
+    if process.returncode < 0:  # SIGKILL, most likely from the kernel's out-of-memory killer: the host ran out
+        return {"failed": f"killed by signal {-process.returncode} after: {why}"}
+    return {"failed": f"exit code {process.returncode}: {why}"}
+
+
+def probe_line(mode: str, layers: int, params: int, r: dict) -> str:
+    """One progress line for a probe: trains (step time, peak memory), or why not."""
+    head = f"probe {mode}, {layer_count(layers)} ({params / 1e9:.2f}B parameters): "
+    if r.get("oom"):
+        return head + "out of GPU memory"
+    if "refused" in r or "failed" in r:
+        return head + r.get("refused", r.get("failed"))
+    gpu = f"peak GPU {ol.gib(r['peak_gpu_bytes'])} GiB, " if "peak_gpu_bytes" in r else ""
+    return head + f"trains, {r['time_ms']:.0f} ms per step, {gpu}peak host {ol.gib(r.get('peak_host_bytes'))} GiB"
+
+
+def search(run: ol.RunConfig, mode: str, config) -> dict:
+    """The most layers of `mode` that train, the probes made, and what stops one more."""
+    host_limit = host_layer_limit(run, mode, config)
+    upper = ol.MAX_SEARCH_LAYERS if host_limit is None else host_limit  # more layers: refused before a probe
+    first = gpu_layer_guess(run, config) if mode == "gpu" else upper  # offloaded: GPU memory flat in layers
+    probes = {}
+
+    def trains(n: int) -> bool:
+        """Probe n layers; they train when the probe ran every step."""
+        probes[n] = probe(run, mode, n)
+        ol.log(probe_line(mode, n, ol.params_with_layers(config, n), probes[n]))
+        return not {"oom", "refused", "failed"} & probes[n].keys()
+
+    n = largest_that_trains(trains, first, upper)
+    found = {"layers": n, "parameters": ol.params_with_layers(config, n), "training": probes.get(n)}
+    found["limited_by"] = limit(run, mode, config, n, probes.get(n + 1))
+    return found | {"probes": {str(k): v for k, v in sorted(probes.items())}}
+
+
+def limit(run: ol.RunConfig, mode: str, config, n: int, after: dict | None) -> str:
+    """Why n + 1 layers do not train: what their probe met, or, unprobed, the host memory or the search's end."""
+    if after is not None:
+        if after.get("oom"):
+            cap = f"the {run.max_gpu_memory:g} GiB cap" if run.max_gpu_memory else "the GPU"
+            return f"GPU memory: the model with {layer_count(n + 1)} does not fit {cap}"
+        return after.get("refused") or after.get("failed")
+    params = ol.params_with_layers(config, n + 1)
+    needed, what = ol.host_bytes_needed(dataclasses.replace(run, mode=mode), config, params)
+    available, reserve = ol.host_memory_available(), ol.host_reserve(config)
+    if available is not None and needed > available - reserve:
+        return (
+            f"host memory: with {layer_count(n + 1)}, {what} need {needed / ol.GiB:.1f} GiB, and "
+            f"{(available - reserve) / ol.GiB:.1f} GiB are free beyond the {reserve / ol.GiB:.1f} GiB the process "
+            "needs besides"
+        )
+    return f"the search stops at {ol.MAX_SEARCH_LAYERS} layers"
+
+
+def layer_count(n: int) -> str:
+    """'1 layer', 'n layers'."""
+    return f"{n} layer" + "s" * (n != 1)
+
+
+def largest_table(found: dict, run: ol.RunConfig) -> str:
+    """Per mode the layers, parameters, step time, peak memory and what stops one more."""
+    cap = f"GPU capped at {run.max_gpu_memory:g} GiB" if run.max_gpu_memory else "the whole GPU"
+    title = f"The largest model that trains ({run.preset} layers, {run.dtype}, {run.batch_size}x{run.seq_len} "
+    title += f"tokens per micro-batch, Adam, {cap})"
+    columns = [("layers", "---:"), ("parameters (B)", "---:"), ("step (ms)", "---:"), ("peak GPU (GiB)", "---:")]
+    columns += [("units resident", "---:"), ("peak host (GiB)", "---:"), ("one more layer", "---")]
+
+    def cells(label: str, r: dict) -> list[str]:
+        """A mode's row."""
+        t = r["training"] or {}
+        resident = f"{len(t['resident_units'])} of {t['units']}" if "units" in t else ""
+        step, gpu, host = (
+            ol.fmt(t.get("time_ms"), ".1f"),
+            ol.gib(t.get("peak_gpu_bytes")),
+            ol.gib(t.get("peak_host_bytes")),
+        )
+        return [str(r["layers"]), f"{r['parameters'] / 1e9:.2f}", step, gpu, resident, host, r["limited_by"]]
+
+    return "\n".join(ol.markdown(title, columns, [(ol.MODE_NAMES[m], r) for m, r in found.items()], cells))
+
+
+def find_largest(run: ol.RunConfig) -> dict:
+    """Per mode (default: gpu and overlapped), the most decoder layers that train; the table, and the JSON."""
+    if run.model is not None:
+        raise ol.UsageError("find_largest.py varies the preset's layer count: use --preset (and size flags)")
+    if run.resident_layers is not None:
+        raise ol.UsageError("find_largest.py plans each probe from --max-gpu-memory: drop --resident-layers")
+    config = ol.llama_config(run)
+    run = dataclasses.replace(run, train=True, inference=False)  # each probe trains one mode alone: lean
+    ol.check_devices(with_layers(run, 1), ol.llama_config(with_layers(run, 1)))
+    modes = ("gpu", "overlapped") if run.mode == "all" else run.modes
+    found = {mode: search(run, mode, config) for mode in modes}
+    report = {**ol.environment(), "run": dataclasses.asdict(run), "config": json.loads(config.to_json_string())}
+    report["find_largest"] = found
+    print(largest_table(found, run))
+    if run.json:
+        ol.write_json(run.json, report)
+    return report
+
+
+def main(argv=None) -> int:
+    """The command line: offload_llama.py's flags; exit code 2 with one line for bad input."""
+    run = ol.parse_args(["--train", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        ol.check_outputs(run)
+        find_largest(run)
+    except ol.UsageError as e:
+        print(f"find_largest.py: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
