@@ -4,10 +4,10 @@
     python3 report/build_report.py --check   # exit 1 if REPORT.md is not what the JSON gives
 
 Every number in the report is read from a JSON file named in SOURCES or BUDGET_SOURCES (each group made by one
-version of the script), and every figure from those or a profiler trace named in TRACES. The sources are listed at
-the end of the report, with the script version (sha256 of offload_llama.py, and of report/peers.py for the peers)
-each was made by. The figures and the PDF need
-matplotlib; the check does not.
+version of the script), but section 11's (ablations_section), which quotes as text experiments made by earlier
+versions, whose files are no longer kept; every figure is drawn from those JSON files or a profiler trace named in
+TRACES. The sources are listed at the end of the report, with the script version (sha256 of offload_llama.py, and
+of report/peers.py for the peers) each was made by. The figures and the PDF need matplotlib; the check does not.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import argparse
 import json
 import sys
 from collections import Counter
+from itertools import pairwise
 from pathlib import Path
 from statistics import median
 
@@ -45,17 +46,26 @@ SOURCES = {  # name -> JSON file, relative to report/; all made by `bash report/
 # made them all, earlier than SOURCES' (budget_section says so: change it where a later one makes them)
 BUDGETS = (4, 6, 8, 11, 16, 24, 80)  # GiB
 PAIRS = 3
-BUDGET_SOURCES = {"budget_ends": "results/budget/budget_ends.json",
-                  **{f"budget_{b}": f"results/budget/budget_{b}.json" for b in BUDGETS},
-                  **{f"budget_ab_{arm}_{i}": f"results/budget/ab/budget_ab_{arm}_{i}.json"
-                     for i in range(1, PAIRS + 1) for arm in ("streamed", "11")}}
+BUDGET_SOURCES = {
+    "budget_ends": "results/budget/budget_ends.json",
+    **{f"budget_{b}": f"results/budget/budget_{b}.json" for b in BUDGETS},
+    **{
+        f"budget_ab_{arm}_{i}": f"results/budget/ab/budget_ab_{arm}_{i}.json"
+        for i in range(1, PAIRS + 1)
+        for arm in ("streamed", "11")
+    },
+}
 TRACES = {  # figure -> profiler trace (Chrome JSON) it is drawn from
     "timeline_training.png": "results/trace_bf16.train.json",
     "timeline_inference.png": "results/trace_overlapped_bf16.json",
 }
-BOUND_NAMES = {"gpu_compute": "the GPU compute", "h2d": "the host-to-device copies",
-               "d2h": "the device-to-host copies", "cpu_adam": "the CPU Adam",
-               "host_memory": "host memory (the CPU Adam's and the copies' bytes)"}
+BOUND_NAMES = {
+    "gpu_compute": "the GPU compute",
+    "h2d": "the host-to-device copies",
+    "d2h": "the device-to-host copies",
+    "cpu_adam": "the CPU Adam",
+    "host_memory": "host memory (the CPU Adam's and the copies' bytes)",
+}
 LABELS = {"gpu": "w/o offload (gpu)", "blocked": "blocked offload", "overlapped": "overlapped offload", "cpu": "cpu"}
 
 
@@ -65,15 +75,18 @@ def load(sources: dict[str, str] = SOURCES) -> dict[str, dict]:
 
 
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table: the first column left-aligned, "bound by" centred, "implementation" left, the rest right."""
     align = ["---"] + [":---:" if h == "bound by" else "---" if h == "implementation" else "---:" for h in header[1:]]
     return ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"] + ["| " + " | ".join(r) + " |" for r in rows]
 
 
 def num(x, spec: str) -> str:
+    """`x` formatted by `spec`, or empty for None."""
     return "" if x is None else format(x, spec)
 
 
 def gib(x) -> str:
+    """Bytes as GiB with two decimals, or empty for None."""
     return "" if x is None else f"{x / GiB:.2f}"
 
 
@@ -84,7 +97,9 @@ def results(runs: dict, name: str, part: str) -> dict[str, dict]:
 
 def alone(runs: dict) -> dict[str, dict]:
     """mode -> its bfloat16 training result from a process of its own (no gpu-mode state kept for a comparison)."""
-    return {mode: results(runs, f"train_bf16_{mode}", "training")[mode] for mode in ("gpu", "blocked", "overlapped", "cpu")}
+    return {
+        mode: results(runs, f"train_bf16_{mode}", "training")[mode] for mode in ("gpu", "blocked", "overlapped", "cpu")
+    }
 
 
 def param_count(c: dict, layers: int | None = None) -> int:
@@ -117,8 +132,14 @@ def activation_pool_bytes(r: dict) -> int:
     hidden states in the compute dtype."""
     c, run = r["config"], r["run"]
     itemsize = {"bfloat16": 2, "float16": 2, "float32": 4}[run["dtype"]]
-    return (c["num_hidden_layers"] + 2) * run["grad_accum"] * run["batch_size"] * run["seq_len"] * c["hidden_size"] \
+    return (
+        (c["num_hidden_layers"] + 2)
+        * run["grad_accum"]
+        * run["batch_size"]
+        * run["seq_len"]
+        * c["hidden_size"]
         * itemsize
+    )
 
 
 def host_parts(t: dict, c: dict, run: dict, params: int, acts: int = 0) -> list[tuple[str, int]]:
@@ -134,11 +155,13 @@ def host_parts(t: dict, c: dict, run: dict, params: int, acts: int = 0) -> list[
     buffers = "one buffer per unit" if pool["per_unit"] else f"{pool['buffers']} shared buffers"
     dtype = "bfloat16" if itemsize == 2 else "float32"
     copy = t["adam_bytes_per_param"] - 24 - itemsize
-    parts = [("embeddings, head and norm in bfloat16 (the CPU model)", 2 * param_count(c, 0)),
-             ("float32 masters, pinned", 4 * params),
-             ("Adam moments, float32" + (", of the streamed units" if resident else ""), 8 * (params - resident)),
-             *([("the masters' bfloat16 copy, pinned", copy * params)] if copy else []),
-             (f"gradient pool, pinned, {dtype}: {buffers}", grads)]
+    parts = [
+        ("embeddings, head and norm in bfloat16 (the CPU model)", 2 * param_count(c, 0)),
+        ("float32 masters, pinned", 4 * params),
+        ("Adam moments, float32" + (", of the streamed units" if resident else ""), 8 * (params - resident)),
+        *([("the masters' bfloat16 copy, pinned", copy * params)] if copy else []),
+        (f"gradient pool, pinned, {dtype}: {buffers}", grads),
+    ]
     if acts:
         parts.append(("saved-input pool, pinned (activation offload)", acts))
     parts.append(("the rest: CUDA runtime, libraries, interpreter", t["peak_host_bytes"] - sum(b for _, b in parts)))
@@ -153,75 +176,113 @@ def where_table(t: dict, parts: list[tuple[str, int]], params: int) -> list[str]
 
 
 def how_to_run() -> list[str]:
-    return ["## 1. How to run", "",
-            "```",
-            "pip install -r requirements.txt",
-            "python3 -m pytest -q tests",
-            "python3 offload_llama.py --mode overlapped --train",
-            "bash report/run_benchmarks.sh report/results   # on a GPU machine: every result below, as JSON,",
-            "                                               # tables, logs and profiler traces",
-            "python3 report/build_report.py                 # this report, its figures and REPORT.pdf, from them",
-            "```", "",
-            "`report/run_benchmarks.sh` names each run's command line; `report/results/README.md` says where and when "
-            "they ran.", ""]
+    """Section 1: the commands that test, run, measure and build this report."""
+    return [
+        "## 1. How to run",
+        "",
+        "```",
+        "pip install -r requirements.txt",
+        "python3 -m pytest -q tests",
+        "python3 offload_llama.py --mode overlapped --train",
+        "bash report/run_benchmarks.sh report/results   # on a GPU machine: every result below, as JSON,",
+        "                                               # tables, logs and profiler traces",
+        "python3 report/build_report.py                 # this report, its figures and REPORT.pdf, from them",
+        "```",
+        "",
+        "`report/run_benchmarks.sh` names each run's command line; `report/results/README.md` says where and when "
+        "they ran.",
+        "",
+    ]
 
 
 def model_section(runs: dict) -> list[str]:
+    """Section 2: the two presets' dimensions and the batch."""
     small, large = runs["inference_bf16"], runs["largest_llama7b"]
     a, b = small["config"], large["config"]
     layer_params = param_count(a, 1) - param_count(a, 0)
-    rows = [[field, str(a[key]), str(b[key])] for field, key in (
-        ("hidden size", "hidden_size"), ("intermediate size", "intermediate_size"),
-        ("decoder layers", "num_hidden_layers"), ("attention heads", "num_attention_heads"),
-        ("KV heads", "num_key_value_heads"), ("vocabulary", "vocab_size"))]
-    rows += [["parameters", f"{small['parameters'] / 1e9:.2f} B", f"{param_count(b) / 1e9:.2f} B"],
-             ["parameters per decoder layer", f"{layer_params / 1e6:.1f} M", f"{layer_params / 1e6:.1f} M"],
-             ["bytes per decoder layer, bfloat16 / float32",
-              *[f"{small['layer_bytes'] / 2**20:.0f} / {2 * small['layer_bytes'] / 2**20:.0f} MiB"] * 2]]
-    return ["## 2. Model and batch", "",
-            f"Every section but 5 and 6 uses the preset `{small['run']['preset']}`: LLaMA-7B's dimensions with "
-            f"{a['num_hidden_layers']} decoder layers. Section 5 stacks as many LLaMA-7B layers as will train; "
-            "section 6 trains LLaMA-7B itself on 64 sequences a step. The "
-            f"weights are random (HF's LLaMA initialisation, seed {small['run']['seed']}). One batch is "
-            f"{small['run']['batch_size']} x {small['run']['seq_len']} = {small['tokens']} tokens. The compute dtype is "
-            "bfloat16 unless a table says float32; training keeps float32 master weights, gradients and Adam moments "
-            f"(lr {small['run']['lr']:g}, betas {tuple(small['run']['betas'])}).", "",
-            *table(["", small["run"]["preset"], large["run"]["preset"]], rows), ""]
+    rows = [
+        [field, str(a[key]), str(b[key])]
+        for field, key in (
+            ("hidden size", "hidden_size"),
+            ("intermediate size", "intermediate_size"),
+            ("decoder layers", "num_hidden_layers"),
+            ("attention heads", "num_attention_heads"),
+            ("KV heads", "num_key_value_heads"),
+            ("vocabulary", "vocab_size"),
+        )
+    ]
+    rows += [
+        ["parameters", f"{small['parameters'] / 1e9:.2f} B", f"{param_count(b) / 1e9:.2f} B"],
+        ["parameters per decoder layer", f"{layer_params / 1e6:.1f} M", f"{layer_params / 1e6:.1f} M"],
+        [
+            "bytes per decoder layer, bfloat16 / float32",
+            *[f"{small['layer_bytes'] / 2**20:.0f} / {2 * small['layer_bytes'] / 2**20:.0f} MiB"] * 2,
+        ],
+    ]
+    return [
+        "## 2. Model and batch",
+        "",
+        f"Every section but 5 and 6 uses the preset `{small['run']['preset']}`: LLaMA-7B's dimensions with "
+        f"{a['num_hidden_layers']} decoder layers. Section 5 stacks as many LLaMA-7B layers as will train; "
+        "section 6 trains LLaMA-7B itself on 64 sequences a step. The "
+        f"weights are random (HF's LLaMA initialisation, seed {small['run']['seed']}). One batch is "
+        f"{small['run']['batch_size']} x {small['run']['seq_len']} = {small['tokens']} tokens. The compute dtype is "
+        "bfloat16 unless a table says float32; training keeps float32 master weights, gradients and Adam moments "
+        f"(lr {small['run']['lr']:g}, betas {tuple(small['run']['betas'])}).",
+        "",
+        *table(["", small["run"]["preset"], large["run"]["preset"]], rows),
+        "",
+    ]
 
 
 def host_note(t: dict, c: dict, run: dict, params: int) -> list[str]:
     """Where the overlapped mode's host bytes go when it trains alone, and what inference in the same process adds."""
     store = 2 * (params - param_count(c, 0))
-    return [f"Training alone (`--no-inference`), an offloaded mode keeps on the host the float32 masters and Adam "
-            "moments (12 bytes per parameter, for the whole run), the masters' bfloat16 copy that the GPU streams and "
-            "the Adam rewrites (2 more, where the host has room), a pool of pinned gradient buffers (one per unit when "
-            "the host has room, as here; bfloat16 with one micro-batch: 2 more) and the CPU model's embeddings and "
-            "head in bfloat16; the bfloat16 decoder layers go once the masters hold them. The overlapped mode's "
-            "peak:", "",
-            *where_table(t, host_parts(t, c, run, params), params), "",
-            "Where inference runs in the same process, its pinned bfloat16 store of the decoder layers "
-            f"({store / GiB:.2f} GiB, 2 bytes per parameter of the layers) stays while it trains."]
+    return [
+        "Training alone (`--no-inference`), an offloaded mode keeps on the host the float32 masters and Adam "
+        "moments (12 bytes per parameter, for the whole run), the masters' bfloat16 copy that the GPU streams and "
+        "the Adam rewrites (2 more, where the host has room), a pool of pinned gradient buffers (one per unit when "
+        "the host has room, as here; bfloat16 with one micro-batch: 2 more) and the CPU model's embeddings and "
+        "head in bfloat16; the bfloat16 decoder layers go once the masters hold them. The overlapped mode's "
+        "peak:",
+        "",
+        *where_table(t, host_parts(t, c, run, params), params),
+        "",
+        "Where inference runs in the same process, its pinned bfloat16 store of the decoder layers "
+        f"({store / GiB:.2f} GiB, 2 bytes per parameter of the layers) stays while it trains.",
+    ]
 
 
 def memory_section(runs: dict) -> list[str]:
+    """Section 3: peak GPU and host memory per mode, and where the host bytes go."""
     i16, i32 = results(runs, "inference_bf16", "inference"), results(runs, "inference_fp32", "inference")
     t16, t32 = alone(runs), results(runs, "train_fp32", "training")
     rows = []
     for mode, label in LABELS.items():
-        gpu = [("0 (CPU)" if mode in r else "not run") if mode == "cpu" else gib(r[mode]["peak_gpu_bytes"])
-               for r in (i16, i32, t16, t32)]
+        gpu = [
+            ("0 (CPU)" if mode in r else "not run") if mode == "cpu" else gib(r[mode]["peak_gpu_bytes"])
+            for r in (i16, i32, t16, t32)
+        ]
         rows.append([label, *gpu, gib(t16[mode]["peak_host_bytes"])])
     params, config = runs["inference_bf16"]["parameters"], runs["train_bf16_overlapped"]["config"]
-    return ["## 3. Table 1: memory", "",
-            "Peak GPU memory in GiB, and in the last column peak host memory. Peak GPU memory is "
-            "`torch.cuda.max_memory_allocated`; peak host memory is the process's peak resident set "
-            "(pinned memory included) over the training steps, each bfloat16 training mode run alone "
-            f"(`--no-inference`) in a process of its own. The cpu mode trains at {t16['cpu']['time_ms'] / 1e3:.0f} s "
-            "a step, in bfloat16 only, and with inference.", "",
-            *table(["mode (GiB)", "inference bf16", "inference fp32", "training bf16", "training fp32",
-                    "training bf16: host"], rows), "",
-            *gpu_adam_memory_note(t16["overlapped"]),
-            *host_note(t16["overlapped"], config, runs["train_bf16_overlapped"]["run"], params), ""]
+    return [
+        "## 3. Table 1: memory",
+        "",
+        "Peak GPU memory in GiB, and in the last column peak host memory. Peak GPU memory is "
+        "`torch.cuda.max_memory_allocated`; peak host memory is the process's peak resident set "
+        "(pinned memory included) over the training steps, each bfloat16 training mode run alone "
+        f"(`--no-inference`) in a process of its own. The cpu mode trains at {t16['cpu']['time_ms'] / 1e3:.0f} s "
+        "a step, in bfloat16 only, and with inference.",
+        "",
+        *table(
+            ["mode (GiB)", "inference bf16", "inference fp32", "training bf16", "training fp32", "training bf16: host"],
+            rows,
+        ),
+        "",
+        *gpu_adam_memory_note(t16["overlapped"]),
+        *host_note(t16["overlapped"], config, runs["train_bf16_overlapped"]["run"], params),
+        "",
+    ]
 
 
 def gpu_adam_memory_note(t: dict) -> list[str]:
@@ -229,10 +290,13 @@ def gpu_adam_memory_note(t: dict) -> list[str]:
     staging = t["predicted_parts"].get("GPU Adam staging", 0)
     if not staging:
         return []
-    return [f"Of the overlapped mode's {gib(t['peak_gpu_bytes'])} GiB training peak on the GPU, {gib(staging)} GiB "
-            f"is staging for the GPU's Adam, which steps {gpu_adam_note(t)} over their state kept on the host "
-            "(section 9): a unit's gradients, and two chunks of float32 master and moments with their bfloat16 copy, "
-            "one stepped while the other crosses PCIe.", ""]
+    return [
+        f"Of the overlapped mode's {gib(t['peak_gpu_bytes'])} GiB training peak on the GPU, {gib(staging)} GiB "
+        f"is staging for the GPU's Adam, which steps {gpu_adam_note(t)} over their state kept on the host "
+        "(section 9): a unit's gradients, and two chunks of float32 master and moments with their bfloat16 copy, "
+        "one stepped while the other crosses PCIe.",
+        "",
+    ]
 
 
 def time_table(inference: dict, training: dict) -> list[str]:
@@ -250,114 +314,174 @@ def time_table(inference: dict, training: dict) -> list[str]:
         if inference:
             row += [num(i.get("time_ms"), ".1f"), num(i.get("bound_ms"), ".1f"), num(i.get("efficiency"), ".3f")]
         if training:
-            row += [num(t.get("time_ms"), ".1f"), num(t.get("bound_ms"), ".1f"), t.get("bound_by", ""),
-                    num(t.get("efficiency"), ".3f")]
+            row += [
+                num(t.get("time_ms"), ".1f"),
+                num(t.get("bound_ms"), ".1f"),
+                t.get("bound_by", ""),
+                num(t.get("efficiency"), ".3f"),
+            ]
         rows.append(row)
     return table(header, rows)
 
 
 def prefetch_table(runs: dict) -> list[str]:
+    """Overlapped bfloat16 inference at prefetch depths 1 to 3: time, bound and GPU peak."""
     depths = [results(runs, "inference_bf16", "inference")["overlapped"]]
     depths += [results(runs, f"inference_bf16_prefetch{d}", "inference")["overlapped"] for d in (2, 3)]
-    return table(["--prefetch", "inference (ms)", "bound", "peak GPU (GiB)"],
-                 [[str(r["prefetch"]), f"{r['time_ms']:.1f}", f"{r['bound_ms']:.1f}", gib(r["peak_gpu_bytes"])]
-                  for r in depths])
+    return table(
+        ["--prefetch", "inference (ms)", "bound", "peak GPU (GiB)"],
+        [[str(r["prefetch"]), f"{r['time_ms']:.1f}", f"{r['bound_ms']:.1f}", gib(r["peak_gpu_bytes"])] for r in depths],
+    )
 
 
 def time_section(runs: dict) -> list[str]:
+    """Section 4: time per mode against its bound, and the correctness checks of the same runs."""
     bf16_training = results(runs, "train_bf16", "training") | results(runs, "train_bf16_cpu", "training")
     fp32 = results(runs, "inference_fp32", "inference")
     fp32_training = results(runs, "train_fp32", "training")
     eager = results(runs, "train_bf16_eager", "training")["overlapped"]
     same = alone(runs)["overlapped"]
     same_run = runs["train_bf16_overlapped"]["run"]
-    equal = all(results(runs, name, "inference")[m]["equal_to_gpu"] for name in ("inference_bf16", "inference_fp32")
-                for m in ("blocked", "overlapped"))
+    equal = all(
+        results(runs, name, "inference")[m]["equal_to_gpu"]
+        for name in ("inference_bf16", "inference_fp32")
+        for m in ("blocked", "overlapped")
+    )
     run, short = runs["train_bf16"]["run"], runs["train_fp32"]["run"]
     accum, ref = results(runs, "train_bf16_accum16", "training"), runs["train_bf16_accum16"]["fwd_bwd_reference"]
-    return ["## 4. Table 2: time", "",
-            f"Medians: inference over {run['repeat']} passes after {run['warmup']} warm-up passes, training over the "
-            f"steps after the first {run['warmup']} of {run['steps']} (float32 and `--grad-accum 16`: after "
-            f"{short['warmup']} of {short['steps']}"
-            + ("; the offloaded modes leave out the step after each round of their bound's parts"
-               if "timed_steps" in same else "")
-            + "); the cpu mode runs once (training: 2 steps, the second timed). "
-            "Each offloaded row has its bound, "
-            "measured in the same run, and `efficiency = bound / measured`. Inference's bound comes from copy-only "
-            "and compute-only runs of the same layers, timed in rounds with the passes, best of each. Training's is "
-            "the largest of GPU compute, host-to-device copies, device-to-host copies, the CPU Adam, each measured alone, "
-            "and host memory: the bytes that cross it in a step over the rate it reaches with the Adam and both copy "
-            "engines running together"
-            + (", each the best of rounds run between blocks of steps (the step after a round is not timed)."
-               if "bound_parts_ms" in same else "."), "",
-            "bfloat16:", "", *time_table(results(runs, "inference_bf16", "inference"), bf16_training), "",
-            f"The same overlapped step training alone (`--no-inference`) in a process of its own "
-            f"(`{SOURCES['train_bf16_overlapped']}`) took "
-            f"{same['time_ms']:.1f} ms (the median of {len(timed_steps(same, same_run))} steps) against a bound "
-            f"of {same['bound_ms']:.1f} ms (efficiency "
-            f"{same['efficiency']:.3f}; the CPU Adam alone {same['cpu_adam_ms']:.1f} ms there, "
-            f"{results(runs, 'train_bf16', 'training')['overlapped']['cpu_adam_ms']:.1f} ms here).", "",
-            "float32, where compute outlasts the copies and overlap hides them:", "",
-            *time_table(fp32, fp32_training), "",
-            "bfloat16 training with `--grad-accum 16` (65,536 tokens per step):", "",
-            *time_table({}, accum), "",
-            f"Plain forward and backward of the same model and micro-batches resident on the GPU, without optimizer "
-            f"(`--fwd-bwd-reference`, same run), took {ref['time_ms']:.1f} ms: the overlapped step runs at "
-            f"{ref['time_ms'] / accum['overlapped']['time_ms']:.2f}x its speed.", "",
-            "Overlapped inference by prefetch depth (bfloat16): one layer ahead already keeps the copy engine busy, "
-            "and each further slot costs a layer of GPU memory.", "", *prefetch_table(runs), "",
-            f"Correctness, checked in these runs: the blocked and overlapped logits are `torch.equal` to the gpu "
-            f"mode's in bfloat16 and float32: {'yes' if equal else 'NO'}. With `--attention eager` (a deterministic "
-            f"backward), the overlapped mode's first-step gradients are `torch.equal` to the gpu mode's: "
-            f"{'yes' if eager['grads_equal_to_gpu'] else 'NO'}, and its masters after that step differ by at most "
-            f"{eager['masters_step1_max_abs_diff']:.2g} (float32 rounding allows {eager['masters_tolerance']:.2g}); "
-            f"`{SOURCES['train_bf16_eager']}`.", ""]
+    return [
+        "## 4. Table 2: time",
+        "",
+        f"Medians: inference over {run['repeat']} passes after {run['warmup']} warm-up passes, training over the "
+        f"steps after the first {run['warmup']} of {run['steps']} (float32 and `--grad-accum 16`: after "
+        f"{short['warmup']} of {short['steps']}"
+        + (
+            "; the offloaded modes leave out the step after each round of their bound's parts"
+            if "timed_steps" in same
+            else ""
+        )
+        + "); the cpu mode runs once (training: 2 steps, the second timed). "
+        "Each offloaded row has its bound, "
+        "measured in the same run, and `efficiency = bound / measured`. Inference's bound comes from copy-only "
+        "and compute-only runs of the same layers, timed in rounds with the passes, best of each. Training's is "
+        "the largest of GPU compute, host-to-device copies, device-to-host copies, the CPU Adam, each measured alone, "
+        "and host memory: the bytes that cross it in a step over the rate it reaches with the Adam and both copy "
+        "engines running together"
+        + (
+            ", each the best of rounds run between blocks of steps (the step after a round is not timed)."
+            if "bound_parts_ms" in same
+            else "."
+        ),
+        "",
+        "bfloat16:",
+        "",
+        *time_table(results(runs, "inference_bf16", "inference"), bf16_training),
+        "",
+        f"The same overlapped step training alone (`--no-inference`) in a process of its own "
+        f"(`{SOURCES['train_bf16_overlapped']}`) took "
+        f"{same['time_ms']:.1f} ms (the median of {len(timed_steps(same, same_run))} steps) against a bound "
+        f"of {same['bound_ms']:.1f} ms (efficiency "
+        f"{same['efficiency']:.3f}; the CPU Adam alone {same['cpu_adam_ms']:.1f} ms there, "
+        f"{results(runs, 'train_bf16', 'training')['overlapped']['cpu_adam_ms']:.1f} ms here).",
+        "",
+        "float32, where compute outlasts the copies and overlap hides them:",
+        "",
+        *time_table(fp32, fp32_training),
+        "",
+        "bfloat16 training with `--grad-accum 16` (65,536 tokens per step):",
+        "",
+        *time_table({}, accum),
+        "",
+        f"Plain forward and backward of the same model and micro-batches resident on the GPU, without optimizer "
+        f"(`--fwd-bwd-reference`, same run), took {ref['time_ms']:.1f} ms: the overlapped step runs at "
+        f"{ref['time_ms'] / accum['overlapped']['time_ms']:.2f}x its speed.",
+        "",
+        "Overlapped inference by prefetch depth (bfloat16): one layer ahead already keeps the copy engine busy, "
+        "and each further slot costs a layer of GPU memory.",
+        "",
+        *prefetch_table(runs),
+        "",
+        f"Correctness, checked in these runs: the blocked and overlapped logits are `torch.equal` to the gpu "
+        f"mode's in bfloat16 and float32: {'yes' if equal else 'NO'}. With `--attention eager` (a deterministic "
+        f"backward), the overlapped mode's first-step gradients are `torch.equal` to the gpu mode's: "
+        f"{'yes' if eager['grads_equal_to_gpu'] else 'NO'}, and its masters after that step differ by at most "
+        f"{eager['masters_step1_max_abs_diff']:.2g} (float32 rounding allows {eager['masters_tolerance']:.2g}); "
+        f"`{SOURCES['train_bf16_eager']}`.",
+        "",
+    ]
 
 
 def largest_section(runs: dict) -> list[str]:
+    """Section 5: the machine's copy rates, and the most LLaMA-7B layers each mode trains under the cap."""
     r = runs["largest_llama7b"]
     found, cap = r["find_largest"], r["run"]["max_gpu_memory"]
     rows = []
     for mode, f in found.items():
         t = f["training"]
-        rows.append([LABELS[mode], str(f["layers"]), f"{f['parameters'] / 1e9:.2f}", f"{t['time_ms']:.1f}",
-                     gib(t["peak_gpu_bytes"]), gib(t["peak_host_bytes"])])
+        rows.append(
+            [
+                LABELS[mode],
+                str(f["layers"]),
+                f"{f['parameters'] / 1e9:.2f}",
+                f"{t['time_ms']:.1f}",
+                gib(t["peak_gpu_bytes"]),
+                gib(t["peak_host_bytes"]),
+            ]
+        )
     big = found["overlapped"]
     t, params, c = big["training"], big["parameters"], r["config"]
     layers, pool = big["layers"], t["gradient_pool"]
-    probes = "; ".join(f"{LABELS[mode]}: " + ", ".join(f"{n} ({probe_outcome(p)})"
-                                                   for n, p in f["probes"].items()) for mode, f in found.items())
+    probes = "; ".join(
+        f"{LABELS[mode]}: " + ", ".join(f"{n} ({probe_outcome(p)})" for n, p in f["probes"].items())
+        for mode, f in found.items()
+    )
     steps = ", ".join(f"{ms:.0f}" for ms in t["step_ms"])
-    return [f"## 5. The GPU, and the largest model it trains", "",
-            f"{r['device']}, {r['gpu_memory_bytes'] / GiB:.1f} GiB; {r['cpu_threads']} CPU threads; torch {r['torch']}, "
-            f"transformers {r['transformers']}. Measured by the runs above, each copy alone:", "",
-            *copy_rates(runs), "",
-            f"`offload_llama.py --find-largest --preset {r['run']['preset']} --max-gpu-memory {cap:g} --steps "
-            f"{r['run']['steps']} --warmup {r['run']['warmup']}` searches the number of LLaMA-7B-sized decoder layers "
-            f"that train ({r['run']['steps']} full steps of {r['run']['batch_size'] * r['run']['seq_len']} tokens, "
-            f"no OOM) with the GPU capped at {cap:g} GiB. Each count is tried in a fresh process; the probes were "
-            f"{probes}.", "",
-            *table(["mode", "layers", "parameters (B)", "step (ms)", "peak GPU (GiB)", "peak host (GiB)"], rows), "",
-            f"Without offload, what stops one more layer is {found['gpu']['limited_by']}. With overlapped offload, "
-            f"{layers} layers ({params / 1e9:.2f} B parameters, more than LLaMA-7B's {param_count(c) / 1e9:.2f} B) "
-            f"train in {gib(t['peak_gpu_bytes'])} GiB of GPU memory, at steps of {steps} ms (the table gives the "
-            f"median of the steps after the {steps_word(r['run']['warmup'])}; the bound, {BOUND_NAMES[t['bound_by']]}"
-            f" alone, is {t['bound_ms']:.1f} ms).{placement_note(t)} What stops one more layer is {big['limited_by']}. "
-            "Each probe trains alone, so the host keeps no bfloat16 copy of the decoder layers; with the rest of "
-            f"host memory taken by the masters and Adam state, the gradients land in {pool['buffers']} shared pinned buffers "
-            f"that the CPU Adam hands back as it finishes a unit, and the backward waited {pool['waited_ms'] / 1e3:.1f}"
-            f" s in all over the {r['run']['steps']} steps for one to be free. Where the host's bytes go at {layers} "
-            "layers (over the training steps; the bound's scratch Adam state comes after):", "",
-            *where_table(t, host_parts(t, c, r["run"], params), params), ""]
+    return [
+        "## 5. The GPU, and the largest model it trains",
+        "",
+        f"{r['device']}, {r['gpu_memory_bytes'] / GiB:.1f} GiB; {r['cpu_threads']} CPU threads; torch {r['torch']}, "
+        f"transformers {r['transformers']}. Measured by the runs above, each copy alone:",
+        "",
+        *copy_rates(runs),
+        "",
+        f"`offload_llama.py --find-largest --preset {r['run']['preset']} --max-gpu-memory {cap:g} --steps "
+        f"{r['run']['steps']} --warmup {r['run']['warmup']}` searches the number of LLaMA-7B-sized decoder layers "
+        f"that train ({r['run']['steps']} full steps of {r['run']['batch_size'] * r['run']['seq_len']} tokens, "
+        f"no OOM) with the GPU capped at {cap:g} GiB. Each count is tried in a fresh process; the probes were "
+        f"{probes}.",
+        "",
+        *table(["mode", "layers", "parameters (B)", "step (ms)", "peak GPU (GiB)", "peak host (GiB)"], rows),
+        "",
+        f"Without offload, what stops one more layer is {found['gpu']['limited_by']}. With overlapped offload, "
+        f"{layers} layers ({params / 1e9:.2f} B parameters, more than LLaMA-7B's {param_count(c) / 1e9:.2f} B) "
+        f"train in {gib(t['peak_gpu_bytes'])} GiB of GPU memory, at steps of {steps} ms (the table gives the "
+        f"median of the steps after the {steps_word(r['run']['warmup'])}; the bound, {BOUND_NAMES[t['bound_by']]}"
+        f" alone, is {t['bound_ms']:.1f} ms).{placement_note(t)} What stops one more layer is {big['limited_by']}. "
+        "Each probe trains alone, so the host keeps no bfloat16 copy of the decoder layers; with the rest of "
+        f"host memory taken by the masters and Adam state, the gradients land in {pool['buffers']} shared pinned "
+        "buffers "
+        f"that the CPU Adam hands back as it finishes a unit, and the backward waited {pool['waited_ms'] / 1e3:.1f}"
+        f" s in all over the {r['run']['steps']} steps for one to be free. Where the host's bytes go at {layers} "
+        "layers (over the training steps; the bound's scratch Adam state comes after):",
+        "",
+        *where_table(t, host_parts(t, c, r["run"], params), params),
+        "",
+    ]
 
 
 def budget_rows(runs: dict) -> list[tuple[str, float | None, dict, dict]]:
     """(label, cap in GiB or None, inference result, training result) from gpu mode through every unit streamed to
     each cap of the budget part."""
     ends = runs["budget_ends"]["results"]
-    rows = [("gpu mode (resident model)", None, ends["gpu"]["inference"], ends["gpu"]["training"]),
-            ("overlapped, no cap (every unit streamed)", None, ends["overlapped"]["inference"],
-             ends["overlapped"]["training"])]
+    rows = [
+        ("gpu mode (resident model)", None, ends["gpu"]["inference"], ends["gpu"]["training"]),
+        (
+            "overlapped, no cap (every unit streamed)",
+            None,
+            ends["overlapped"]["inference"],
+            ends["overlapped"]["training"],
+        ),
+    ]
     for b in BUDGETS:
         r = runs[f"budget_{b}"]
         cap, o = r["run"]["max_gpu_memory"], r["results"]["overlapped"]
@@ -371,34 +495,68 @@ def budget_section(runs: dict, main_sha: str) -> list[str]:
     rows = budget_rows(runs)
     gpu, streamed = rows[0], rows[1]
     table_rows = []
-    for label, cap, i, t in rows:
-        resident = "all" if label.startswith("gpu") else (
-            f"{len(i['resident_layers'])} of {layers} / {len(t['resident_units'])} of {t['units']}")
-        table_rows.append([label, f"{i['time_ms']:.1f}", f"{t['time_ms']:.1f}", num(t.get("bound_ms"), ".1f"),
-                           resident, gib(t["peak_gpu_bytes"]), gib(t.get("predicted_peak_bytes"))])
+    for label, _cap, i, t in rows:
+        resident = (
+            "all"
+            if label.startswith("gpu")
+            else (f"{len(i['resident_layers'])} of {layers} / {len(t['resident_units'])} of {t['units']}")
+        )
+        table_rows.append(
+            [
+                label,
+                f"{i['time_ms']:.1f}",
+                f"{t['time_ms']:.1f}",
+                num(t.get("bound_ms"), ".1f"),
+                resident,
+                gib(t["peak_gpu_bytes"]),
+                gib(t.get("predicted_peak_bytes")),
+            ]
+        )
     capped = [(cap, i, t) for _, cap, i, t in rows if cap is not None]
     error = max(abs(t["peak_gpu_bytes"] - t["predicted_peak_bytes"]) for *_, t in capped)
     i11, t11 = next((i, t) for cap, i, t in capped if cap == 11)
     run, sha = ends["run"], ends["script_sha256"]
-    version = ("the version that made the runs above" if sha == main_sha else
-               f"an earlier version than the runs above (`{main_sha[:12]}`): its all-streamed step is not the one of "
-               "sections 4 and 9 (`report/results/README.md` says what changed between them)")
-    return ["## 10. Time against the GPU budget", "",
-            f"`bash report/run_benchmarks.sh OUT budget budget_ab`, made by `offload_llama.py` sha256 `{sha[:12]}`, "
-            f"{version}. {ends['parameters'] / 1e9:.2f} B parameters ({run['preset']}), {run['dtype']}, "
-            f"{ends['tokens']} tokens; inference and {run['steps']} training steps (median after the "
-            f"{steps_word(run['warmup'])}) in each run. Under `--max-gpu-memory`, overlapped keeps resident on the GPU "
-            "what the cap holds: decoder layers spread among the streamed ones for inference, the longest run of units "
-            "from the embeddings for training, whose resident units the GPU's fused Adam steps. The predicted peak "
-            "is the plan's bytes plus one unit's measured working set. The training bound is the run's own: the longest of "
-            "the GPU compute, the copies each way, the CPU Adam and the host memory traffic, each timed alone in the "
-            f"run. The all-streamed inference pass ran at {streamed[2]['efficiency']:.2f} of its own bound here.", "",
-            *table(["run", "inference (ms)", "training step (ms)", "training bound (ms)", "resident: layers / units",
-                    "peak GPU, training (GiB)", "predicted (GiB)"], table_rows), "",
-            f"Under 11 GiB inference takes {i11['time_ms'] / gpu[2]['time_ms']:.2f}x gpu mode's time and a training "
-            f"step {t11['time_ms'] / streamed[3]['time_ms']:.2f}x the all-streamed one's; every peak is within "
-            f"{error / GiB:.2f} GiB of its prediction.", *same_placement_note(rows), "",
-            "![time against budget](figures/time_vs_budget.png)", "", *pairs_table(runs)]
+    version = (
+        "the version that made the runs above"
+        if sha == main_sha
+        else f"an earlier version than the runs above (`{main_sha[:12]}`): its all-streamed step is not the one of "
+        "sections 4 and 9 (`report/results/README.md` says what changed between them)"
+    )
+    return [
+        "## 10. Time against the GPU budget",
+        "",
+        f"`bash report/run_benchmarks.sh OUT budget budget_ab`, made by `offload_llama.py` sha256 `{sha[:12]}`, "
+        f"{version}. {ends['parameters'] / 1e9:.2f} B parameters ({run['preset']}), {run['dtype']}, "
+        f"{ends['tokens']} tokens; inference and {run['steps']} training steps (median after the "
+        f"{steps_word(run['warmup'])}) in each run. Under `--max-gpu-memory`, overlapped keeps resident on the GPU "
+        "what the cap holds: decoder layers spread among the streamed ones for inference, the longest run of units "
+        "from the embeddings for training, whose resident units the GPU's fused Adam steps. The predicted peak "
+        "is the plan's bytes plus one unit's measured working set. The training bound is the run's own: the longest of "
+        "the GPU compute, the copies each way, the CPU Adam and the host memory traffic, each timed alone in the "
+        f"run. The all-streamed inference pass ran at {streamed[2]['efficiency']:.2f} of its own bound here.",
+        "",
+        *table(
+            [
+                "run",
+                "inference (ms)",
+                "training step (ms)",
+                "training bound (ms)",
+                "resident: layers / units",
+                "peak GPU, training (GiB)",
+                "predicted (GiB)",
+            ],
+            table_rows,
+        ),
+        "",
+        f"Under 11 GiB inference takes {i11['time_ms'] / gpu[2]['time_ms']:.2f}x gpu mode's time and a training "
+        f"step {t11['time_ms'] / streamed[3]['time_ms']:.2f}x the all-streamed one's; every peak is within "
+        f"{error / GiB:.2f} GiB of its prediction.",
+        *same_placement_note(rows),
+        "",
+        "![time against budget](figures/time_vs_budget.png)",
+        "",
+        *pairs_table(runs),
+    ]
 
 
 def same_placement_note(rows: list) -> list[str]:
@@ -409,10 +567,12 @@ def same_placement_note(rows: list) -> list[str]:
     if not same:
         return []
     cap, t = max(same, key=lambda ct: abs(ct[1]["time_ms"] - streamed["time_ms"]))
-    return [f"Under {cap:g} GiB every unit is streamed, as with no cap, and the step took {t['time_ms']:.1f} ms "
-            f"against {streamed['time_ms']:.1f}; its own bound moved as much ({t['bound_ms']:.1f} ms against "
-            f"{streamed['bound_ms']:.1f}, the CPU Adam alone {t['cpu_adam_ms']:.1f} ms against "
-            f"{streamed['cpu_adam_ms']:.1f}): the host's speed differs between processes, not the placement's."]
+    return [
+        f"Under {cap:g} GiB every unit is streamed, as with no cap, and the step took {t['time_ms']:.1f} ms "
+        f"against {streamed['time_ms']:.1f}; its own bound moved as much ({t['bound_ms']:.1f} ms against "
+        f"{streamed['bound_ms']:.1f}, the CPU Adam alone {t['cpu_adam_ms']:.1f} ms against "
+        f"{streamed['cpu_adam_ms']:.1f}): the host's speed differs between processes, not the placement's."
+    ]
 
 
 def pairs_table(runs: dict) -> list[str]:
@@ -420,25 +580,38 @@ def pairs_table(runs: dict) -> list[str]:
     rows, streamed = [], [t["time_ms"] for *_, t in budget_rows(runs)[1:] if not t["resident_units"]]
     for i in range(1, PAIRS + 1):
         s, c = (runs[f"budget_ab_{arm}_{i}"]["results"]["overlapped"]["training"] for arm in ("streamed", "11"))
-        rows.append([str(i), f"{s['time_ms']:.1f}", f"{c['time_ms']:.1f}", f"{c['time_ms'] / s['time_ms']:.2f}",
-                     f"{len(c['resident_units'])} of {c['units']}", gib(c["peak_gpu_bytes"])])
+        rows.append(
+            [
+                str(i),
+                f"{s['time_ms']:.1f}",
+                f"{c['time_ms']:.1f}",
+                f"{c['time_ms'] / s['time_ms']:.2f}",
+                f"{len(c['resident_units'])} of {c['units']}",
+                gib(c["peak_gpu_bytes"]),
+            ]
+        )
         streamed.append(s["time_ms"])
-    return ["Training alone (`--no-inference`), every unit streamed and then under 11 GiB, one process after the "
-            f"other, {PAIRS} times (`results/budget/ab/`). The runs above and these that stream every unit took "
-            f"{min(streamed):.1f} to {max(streamed):.1f} ms a step ({max(streamed) / min(streamed) - 1:.0%} apart), so "
-            "one pair does not settle the ratio.", "",
-            *table(["pair", "every unit streamed (ms)", "11 GiB (ms)", "ratio", "units resident",
-                    "peak GPU (GiB)"], rows), ""]
+    return [
+        "Training alone (`--no-inference`), every unit streamed and then under 11 GiB, one process after the "
+        f"other, {PAIRS} times (`results/budget/ab/`). The runs above and these that stream every unit took "
+        f"{min(streamed):.1f} to {max(streamed):.1f} ms a step ({max(streamed) / min(streamed) - 1:.0%} apart), so "
+        "one pair does not settle the ratio.",
+        "",
+        *table(["pair", "every unit streamed (ms)", "11 GiB (ms)", "ratio", "units resident", "peak GPU (GiB)"], rows),
+        "",
+    ]
 
 
 def budget_figure(runs: dict, out: Path) -> None:
+    """The figure of section 10: inference and training time against the GPU cap."""
     import matplotlib.pyplot as plt
+
     rows = budget_rows(runs)
     caps = [cap for _, cap, _, _ in rows if cap is not None]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, (title, part) in zip(axes, (("inference", 2), ("training step", 3))):
+    for ax, (title, part) in zip(axes, (("inference", 2), ("training step", 3)), strict=True):
         ax.plot(caps, [r[part]["time_ms"] for r in rows if r[1] is not None], "o-", label="overlapped, capped")
-        for r, style in zip(rows[:2], ("--", ":")):  # the two ends: gpu mode and every unit streamed
+        for r, style in zip(rows[:2], ("--", ":"), strict=True):  # the two ends: gpu mode and every unit streamed
             ax.axhline(r[part]["time_ms"], linestyle=style, color="gray", label=r[0].split(" (")[0])
         ax.set_xscale("log")
         ax.set_xticks(caps, [f"{c:g}" for c in caps])
@@ -458,6 +631,7 @@ def probe_outcome(p: dict) -> str:
 
 
 def scale_section(runs: dict) -> list[str]:
+    """Section 6: LLaMA-7B on 65,536-token steps under 11 GiB, against the resident forward and backward."""
     r = runs["train_llama7b_65k"]
     run, c, params, ref = r["run"], r["config"], r["parameters"], r["fwd_bwd_reference"]
     t = results(runs, "train_llama7b_65k", "training")["overlapped"]
@@ -466,63 +640,113 @@ def scale_section(runs: dict) -> list[str]:
     acts = activation_pool_bytes(r)
     parts = host_parts(t, c, run, params, acts)
     pools = sum(b for what, b in parts if "pool" in what)
-    rows = [["forward and backward, resident (no optimizer, no cap)", f"{ref['time_ms']:.1f}",
-             f"{ref['sequences_per_s']:.2f}", "1.00", gib(ref["peak_gpu_bytes"]), ""],
-            [f"overlapped offload, Adam, capped at {run['max_gpu_memory']:g} GiB", f"{t['time_ms']:.1f}",
-             f"{speed:.2f}", f"{speed / ref['sequences_per_s']:.2f}", gib(t["peak_gpu_bytes"]),
-             gib(t["peak_host_bytes"])]]
-    return ["## 6. LLaMA-7B on 65,536-token steps under 11 GiB", "",
-            f"The GPT-2-Large quest's batch at LLaMA-7B size: `offload_llama.py --preset {run['preset']} --mode "
-            f"overlapped --train --no-inference --grad-accum {run['grad_accum']} --batch-size {run['batch_size']} "
-            f"--seq-len {run['seq_len']} --max-gpu-memory {run['max_gpu_memory']:g} "
-            + ("" if run["resident_layers"] is None else f"--resident-layers {run['resident_layers']} ")
-            + f"--steps {run['steps']} --warmup {run['warmup']} --fwd-bwd-reference`: {sequences} sequences of {run['seq_len']} tokens a step, Adam with "
-            f"float32 masters, {params / 1e9:.2f} B parameters. The inputs the units keep for their backward, "
-            f"{acts / GiB:.1f} GiB, would not fit the cap, so activation offload turned itself on: each unit's "
-            "inputs leave for pinned host memory while the unit runs and come back on the copy stream ahead of its "
-            "backward, as the weights do. The reference is plain forward and backward of the same model and "
-            "micro-batches resident on the GPU in bfloat16, without optimizer or cap, timed in the same run."
-            + placement_note(t),
+    rows = [
+        [
+            "forward and backward, resident (no optimizer, no cap)",
+            f"{ref['time_ms']:.1f}",
+            f"{ref['sequences_per_s']:.2f}",
+            "1.00",
+            gib(ref["peak_gpu_bytes"]),
             "",
-            *table(["run", "step (ms)", "sequences/s", "x reference", "peak GPU (GiB)", "peak host (GiB)"], rows), "",
-            f"The loss went {t['losses'][0]:.4f} -> {t['losses'][-1]:.4f} in {len(t['losses'])} steps. The step's "
-            f"bound is {BOUND_NAMES[t['bound_by']]} ({t['bound_ms']:.1f} ms: forward, recompute and backward of "
-            f"every unit; the host-to-device copies take {t['h2d_ms']:.1f} ms, the device-to-host "
-            f"{t['d2h_ms']:.1f} ms and the CPU Adam {t['cpu_adam_ms']:.1f} ms, each alone), efficiency "
-            f"{t['efficiency']:.3f}; the checkpointed recompute is what the reference does not pay. The gradients "
-            f"land in {t['gradient_pool']['buffers']} shared pinned buffers, as many as host memory holds, and the "
-            f"backward waited {t['gradient_pool']['waited_ms']:.0f} ms in all for one. Where the host's bytes go: "
-            f"without the two pools, {(t['peak_host_bytes'] - pools) / params:.2f} bytes per parameter.", "",
-            *where_table(t, parts, params), "",
-            *activation_cost(runs)]
+        ],
+        [
+            f"overlapped offload, Adam, capped at {run['max_gpu_memory']:g} GiB",
+            f"{t['time_ms']:.1f}",
+            f"{speed:.2f}",
+            f"{speed / ref['sequences_per_s']:.2f}",
+            gib(t["peak_gpu_bytes"]),
+            gib(t["peak_host_bytes"]),
+        ],
+    ]
+    return [
+        "## 6. LLaMA-7B on 65,536-token steps under 11 GiB",
+        "",
+        f"The GPT-2-Large quest's batch at LLaMA-7B size: `offload_llama.py --preset {run['preset']} --mode "
+        f"overlapped --train --no-inference --grad-accum {run['grad_accum']} --batch-size {run['batch_size']} "
+        f"--seq-len {run['seq_len']} --max-gpu-memory {run['max_gpu_memory']:g} "
+        + ("" if run["resident_layers"] is None else f"--resident-layers {run['resident_layers']} ")
+        + f"--steps {run['steps']} --warmup {run['warmup']} --fwd-bwd-reference`: {sequences} sequences of "
+        f"{run['seq_len']} tokens a step, Adam with "
+        f"float32 masters, {params / 1e9:.2f} B parameters. The inputs the units keep for their backward, "
+        f"{acts / GiB:.1f} GiB, would not fit the cap, so activation offload turned itself on: each unit's "
+        "inputs leave for pinned host memory while the unit runs and come back on the copy stream ahead of its "
+        "backward, as the weights do. The reference is plain forward and backward of the same model and "
+        "micro-batches resident on the GPU in bfloat16, without optimizer or cap, timed in the same run."
+        + placement_note(t),
+        "",
+        *table(["run", "step (ms)", "sequences/s", "x reference", "peak GPU (GiB)", "peak host (GiB)"], rows),
+        "",
+        f"The loss went {t['losses'][0]:.4f} -> {t['losses'][-1]:.4f} in {len(t['losses'])} steps. The step's "
+        f"bound is {BOUND_NAMES[t['bound_by']]} ({t['bound_ms']:.1f} ms: forward, recompute and backward of "
+        f"every unit; the host-to-device copies take {t['h2d_ms']:.1f} ms, the device-to-host "
+        f"{t['d2h_ms']:.1f} ms and the CPU Adam {t['cpu_adam_ms']:.1f} ms, each alone), efficiency "
+        f"{t['efficiency']:.3f}; the checkpointed recompute is what the reference does not pay. The gradients "
+        f"land in {t['gradient_pool']['buffers']} shared pinned buffers, as many as host memory holds, and the "
+        f"backward waited {t['gradient_pool']['waited_ms']:.0f} ms in all for one. Where the host's bytes go: "
+        f"without the two pools, {(t['peak_host_bytes'] - pools) / params:.2f} bytes per parameter.",
+        "",
+        *where_table(t, parts, params),
+        "",
+        *activation_cost(runs),
+    ]
 
 
 def placement_note(t: dict) -> str:
     """What a capped training run's placement kept on the GPU, and its predicted peak against the measured one."""
     resident = t["resident_units"]
-    return (f" Under the cap, the placement keeps {len(resident)} of the {t['units']} units resident ("
-            + ", ".join(f"`{u}`" for u in resident) + f"; their float32 masters and moments on the GPU take "
-            f"{gib(t['predicted_parts']['resident masters and moments'])} GiB)"
-            + (f", and the GPU's Adam steps {gpu_adam_note(t)} over their state on the host"
-               if t.get("gpu_adam_units") else "")
-            + f"; it predicted a peak of {gib(t['predicted_peak_bytes'])} GiB, and "
-            f"{gib(t['peak_gpu_bytes'])} GiB was measured.")
+    return (
+        f" Under the cap, the placement keeps {len(resident)} of the {t['units']} units resident ("
+        + ", ".join(f"`{u}`" for u in resident)
+        + f"; their float32 masters and moments on the GPU take "
+        f"{gib(t['predicted_parts']['resident masters and moments'])} GiB)"
+        + (
+            f", and the GPU's Adam steps {gpu_adam_note(t)} over their state on the host"
+            if t.get("gpu_adam_units")
+            else ""
+        )
+        + f"; it predicted a peak of {gib(t['predicted_peak_bytes'])} GiB, and "
+        f"{gib(t['peak_gpu_bytes'])} GiB was measured."
+    )
 
 
 def activation_cost(runs: dict) -> list[str]:
     """What activation offload costs on 7b-8l, where the saved inputs would fit the GPU anyway."""
-    pairs = (("1", "train_bf16_overlapped", "train_bf16_offload_acts"),
-             ("16", "train_bf16_accum16", "train_bf16_accum16_offload_acts"))
+    pairs = (
+        ("1", "train_bf16_overlapped", "train_bf16_offload_acts"),
+        ("16", "train_bf16_accum16", "train_bf16_accum16_offload_acts"),
+    )
     rows = []
     for k, without, with_ in pairs:
         a, b = (results(runs, name, "training")["overlapped"] for name in (without, with_))
-        rows.append([k, f"{a['time_ms']:.1f}", f"{b['time_ms']:.1f}", f"{b['time_ms'] / a['time_ms']:.3f}",
-                     gib(a["peak_gpu_bytes"]), gib(b["peak_gpu_bytes"])])
-    return ["What activation offload costs where it is not needed (7b-8l, bfloat16, micro-batches of 4096 tokens; "
-            "each column from a run of its own, `" + "`, `".join(SOURCES[n] for _, *names in pairs for n in names) +
-            "`): the inputs cross PCIe on the device-to-host and copy streams beside the weights and gradients.", "",
-            *table(["micro-batches", "step, inputs on the GPU (ms)", "step, inputs offloaded (ms)", "ratio",
-                    "peak GPU, on the GPU (GiB)", "peak GPU, offloaded (GiB)"], rows), ""]
+        rows.append(
+            [
+                k,
+                f"{a['time_ms']:.1f}",
+                f"{b['time_ms']:.1f}",
+                f"{b['time_ms'] / a['time_ms']:.3f}",
+                gib(a["peak_gpu_bytes"]),
+                gib(b["peak_gpu_bytes"]),
+            ]
+        )
+    return [
+        "What activation offload costs where it is not needed (7b-8l, bfloat16, micro-batches of 4096 tokens; "
+        "each column from a run of its own, `"
+        + "`, `".join(SOURCES[n] for _, *names in pairs for n in names)
+        + "`): the inputs cross PCIe on the device-to-host and copy streams beside the weights and gradients.",
+        "",
+        *table(
+            [
+                "micro-batches",
+                "step, inputs on the GPU (ms)",
+                "step, inputs offloaded (ms)",
+                "ratio",
+                "peak GPU, on the GPU (GiB)",
+                "peak GPU, offloaded (GiB)",
+            ],
+            rows,
+        ),
+        "",
+    ]
 
 
 def timed_steps(t: dict, run: dict) -> list[int]:
@@ -531,97 +755,163 @@ def timed_steps(t: dict, run: dict) -> list[int]:
 
 
 def steps_word(n: int) -> str:
+    """ "first" or "first n": the warm-up steps a median leaves out."""
     return "first" if n == 1 else f"first {n}"
 
 
 def copy_rates(runs: dict) -> list[str]:
+    """The measured copy rates each way and the CPU Adam's rate, as a list."""
     i = results(runs, "inference_bf16", "inference")["overlapped"]
     t = results(runs, "train_bf16", "training")["overlapped"]
     state = t.get("gpu_adam_params")  # the GPU's Adam's float32 state crosses PCIe beside the bfloat16 copies
-    return [f"- host to device, pinned: {i['h2d_gbps_copy_only']:.1f} GB/s (inference's bfloat16 layers), "
-            f"{t['h2d_bytes'] / t['h2d_ms'] / 1e6:.1f} GB/s (training's bfloat16 copies of the masters"
-            + (", and the float32 state the GPU's Adam steps" if state else "") + ");",
-            f"- device to host, pinned: {t['d2h_bytes'] / t['d2h_ms'] / 1e6:.1f} GB/s (training's bfloat16 "
-            + ("gradients, and the stepped state" if state else "gradients") + ");",
-            f"- the fused CPU Adam (torch.compile'd, {t['adam_bytes_per_param']} bytes per parameter): "
-            f"{t['cpu_adam_ms'] * 1e6 / runs['train_bf16']['parameters']:.3f} ns per parameter alone; host memory "
-            f"with the Adam and both copy engines running together: {t['host_gbps']:.0f} GB/s."]
+    return [
+        f"- host to device, pinned: {i['h2d_gbps_copy_only']:.1f} GB/s (inference's bfloat16 layers), "
+        f"{t['h2d_bytes'] / t['h2d_ms'] / 1e6:.1f} GB/s (training's bfloat16 copies of the masters"
+        + (", and the float32 state the GPU's Adam steps" if state else "")
+        + ");",
+        f"- device to host, pinned: {t['d2h_bytes'] / t['d2h_ms'] / 1e6:.1f} GB/s (training's bfloat16 "
+        + ("gradients, and the stepped state" if state else "gradients")
+        + ");",
+        f"- the fused CPU Adam (torch.compile'd, {t['adam_bytes_per_param']} bytes per parameter): "
+        f"{t['cpu_adam_ms'] * 1e6 / runs['train_bf16']['parameters']:.3f} ns per parameter alone; host memory "
+        f"with the Adam and both copy engines running together: {t['host_gbps']:.0f} GB/s.",
+    ]
 
 
 def gpu_adam_note(t: dict) -> str:
     """How many parameters a training run's GPU Adam stepped over streamed state, and in which units."""
-    return (f"{t['gpu_adam_params'] / 1e9:.2f} B parameters (" + ", ".join(f"`{u}`" for u in t["gpu_adam_units"])
-            + ")")
+    return f"{t['gpu_adam_params'] / 1e9:.2f} B parameters (" + ", ".join(f"`{u}`" for u in t["gpu_adam_units"]) + ")"
 
 
 def figures_section(runs: dict) -> list[str]:
+    """Section 7: the timelines of one training step and one forward pass, and time against bound."""
     training = runs["train_bf16"]["results"]["overlapped"]["training"]
     h, d = training["trace"]["h2d"], training["trace"]["d2h"]
     lanes, _ = trace_lanes(HERE / TRACES["timeline_training.png"])
     gpu_end = max(a + b for lane, spans in lanes.items() if lane != "CPU Adam" for a, b in spans)
     adam = sorted(lanes["CPU Adam"])
-    idle, idle_from = max((b[0] - (a[0] + a[1]), a[0] + a[1]) for a, b in zip(adam, adam[1:]))
+    idle, idle_from = max((b[0] - (a[0] + a[1]), a[0] + a[1]) for a, b in pairwise(adam))
     gpu_adam = sorted(lanes.get("GPU Adam", []))
-    return ["## 7. Figures", "",
-            "One overlapped training step (bfloat16, 7b-8l, 4096 tokens), from its `--profile` trace. The lanes are the "
-            "GPU's compute stream, the host-to-device copies (with the copy stream's casts), the device-to-host copies "
-            + ("(the gradients, and the state the GPU's Adam has stepped), the GPU's Adam's stream"
-               if gpu_adam else "of the gradients")
-            + f", and the CPU Adam thread. {h['overlap_ms']:.1f} of {h['copy_ms']:.1f} ms of "
-            f"host-to-device copies and {d['overlap_ms']:.1f} of {d['copy_ms']:.1f} ms of device-to-host copies ran "
-            "under compute. The step opens with the CPU Adam finishing the previous step's updates, which the forward "
-            f"waits on; from {idle_from:.0f} ms the CPU waits {idle:.0f} ms for this step's first gradients. "
-            + (f"The GPU's Adam steps {gpu_adam_note(training)} from {gpu_adam[0][0]:.0f} to "
-               f"{gpu_adam[-1][0] + gpu_adam[-1][1]:.0f} ms, a chunk at a time as their float32 state comes in, while "
-               "the CPU Adam steps the others. " if gpu_adam else "")
-            + f"The trace ends when the last update is done, {adam[-1][0] + adam[-1][1] - gpu_end:.0f} ms after the "
-            "GPU's last event.", "",
-            "![training timeline](figures/timeline_training.png)", "",
-            "One overlapped forward pass (bfloat16, inference), from its trace: the copy stream runs ahead of the "
-            "compute stream by one layer.", "",
-            "![inference timeline](figures/timeline_inference.png)", "",
-            "Time against bound for each offloaded run.", "",
-            "![time and bound](figures/time_vs_bound.png)", ""]
+    return [
+        "## 7. Figures",
+        "",
+        "One overlapped training step (bfloat16, 7b-8l, 4096 tokens), from its `--profile` trace. The lanes are the "
+        "GPU's compute stream, the host-to-device copies (with the copy stream's casts), the device-to-host copies "
+        + (
+            "(the gradients, and the state the GPU's Adam has stepped), the GPU's Adam's stream"
+            if gpu_adam
+            else "of the gradients"
+        )
+        + f", and the CPU Adam thread. {h['overlap_ms']:.1f} of {h['copy_ms']:.1f} ms of "
+        f"host-to-device copies and {d['overlap_ms']:.1f} of {d['copy_ms']:.1f} ms of device-to-host copies ran "
+        "under compute. The step opens with the CPU Adam finishing the previous step's updates, which the forward "
+        f"waits on; from {idle_from:.0f} ms the CPU waits {idle:.0f} ms for this step's first gradients. "
+        + (
+            f"The GPU's Adam steps {gpu_adam_note(training)} from {gpu_adam[0][0]:.0f} to "
+            f"{gpu_adam[-1][0] + gpu_adam[-1][1]:.0f} ms, a chunk at a time as their float32 state comes in, while "
+            "the CPU Adam steps the others. "
+            if gpu_adam
+            else ""
+        )
+        + f"The trace ends when the last update is done, {adam[-1][0] + adam[-1][1] - gpu_end:.0f} ms after the "
+        "GPU's last event.",
+        "",
+        "![training timeline](figures/timeline_training.png)",
+        "",
+        "One overlapped forward pass (bfloat16, inference), from its trace: the copy stream runs ahead of the "
+        "compute stream by one layer.",
+        "",
+        "![inference timeline](figures/timeline_inference.png)",
+        "",
+        "Time against bound for each offloaded run.",
+        "",
+        "![time and bound](figures/time_vs_bound.png)",
+        "",
+    ]
 
 
 def peers_section(runs: dict) -> list[str]:
+    """Section 8: accelerate's cpu_offload and FSDP2 with CPUOffloadPolicy against the script's modes."""
     p = runs["peers_bf16"]["peers"]
-    inference, training, own = results(runs, "inference_bf16", "inference"), results(runs, "train_bf16", "training"), alone(runs)
-    rows = [["inference", "offload_llama gpu (resident)", f"{inference['gpu']['time_ms']:.1f}",
-             gib(inference["gpu"]["peak_gpu_bytes"]), ""],
-            ["inference", "offload_llama overlapped", f"{inference['overlapped']['time_ms']:.1f}",
-             gib(inference["overlapped"]["peak_gpu_bytes"]), ""],
-            ["inference", "accelerate cpu_offload", f"{p['accelerate']['time_ms']:.1f}",
-             gib(p["accelerate"]["peak_gpu_bytes"]), gib(p["accelerate"]["peak_host_bytes"])],
-            ["training step", "offload_llama gpu (resident)", f"{training['gpu']['time_ms']:.1f}",
-             gib(training["gpu"]["peak_gpu_bytes"]), gib(own["gpu"]["peak_host_bytes"])],
-            ["training step", "offload_llama overlapped", f"{training['overlapped']['time_ms']:.1f}",
-             gib(training["overlapped"]["peak_gpu_bytes"]), gib(own["overlapped"]["peak_host_bytes"])],
-            ["training step", "FSDP2 fully_shard + CPUOffloadPolicy", f"{p['fsdp2']['time_ms']:.1f}",
-             gib(p["fsdp2"]["peak_gpu_bytes"]), gib(p["fsdp2"]["peak_host_bytes"])]]
+    inference, training, own = (
+        results(runs, "inference_bf16", "inference"),
+        results(runs, "train_bf16", "training"),
+        alone(runs),
+    )
+    rows = [
+        [
+            "inference",
+            "offload_llama gpu (resident)",
+            f"{inference['gpu']['time_ms']:.1f}",
+            gib(inference["gpu"]["peak_gpu_bytes"]),
+            "",
+        ],
+        [
+            "inference",
+            "offload_llama overlapped",
+            f"{inference['overlapped']['time_ms']:.1f}",
+            gib(inference["overlapped"]["peak_gpu_bytes"]),
+            "",
+        ],
+        [
+            "inference",
+            "accelerate cpu_offload",
+            f"{p['accelerate']['time_ms']:.1f}",
+            gib(p["accelerate"]["peak_gpu_bytes"]),
+            gib(p["accelerate"]["peak_host_bytes"]),
+        ],
+        [
+            "training step",
+            "offload_llama gpu (resident)",
+            f"{training['gpu']['time_ms']:.1f}",
+            gib(training["gpu"]["peak_gpu_bytes"]),
+            gib(own["gpu"]["peak_host_bytes"]),
+        ],
+        [
+            "training step",
+            "offload_llama overlapped",
+            f"{training['overlapped']['time_ms']:.1f}",
+            gib(training["overlapped"]["peak_gpu_bytes"]),
+            gib(own["overlapped"]["peak_host_bytes"]),
+        ],
+        [
+            "training step",
+            "FSDP2 fully_shard + CPUOffloadPolicy",
+            f"{p['fsdp2']['time_ms']:.1f}",
+            gib(p["fsdp2"]["peak_gpu_bytes"]),
+            gib(p["fsdp2"]["peak_host_bytes"]),
+        ],
+    ]
     fsdp = p["fsdp2"]
     ours = training["overlapped"]
     same_loss = fsdp["losses"][-1] == ours["losses"][-1]
-    return ["## 8. Peers", "",
-            "The same model, batch and Adam settings, run by `report/peers.py` in the same session on the same machine "
-            "(report tooling: `offload_llama.py` imports neither package). accelerate's `cpu_offload` keeps the "
-            "weights in CPU memory and a hook on each module copies them in when it runs. FSDP2 on one GPU with "
-            "`CPUOffloadPolicy` and bfloat16 `MixedPrecisionPolicy` keeps float32 parameters, gradients and Adam "
-            "state in pinned CPU memory, one `fully_shard` group per decoder layer, and steps the fused CPU Adam "
-            "after the backward pass.", "",
-            *table(["run", "implementation", "time (ms)", "peak GPU (GiB)", "peak host (GiB)"], rows), "",
-            f"accelerate's logits are `torch.equal` to the resident model's: "
-            f"{'yes' if p['accelerate']['equal_to_gpu'] else 'NO'}; it copies each module's weights from pageable "
-            f"memory on the compute stream, {runs['peers_bf16']['parameters'] * 2 / p['accelerate']['time_ms'] / 1e6:.1f}"
-            f" GB/s of weights per pass against {inference['overlapped']['h2d_gbps']:.1f} for the overlapped mode, "
-            "and holds one module at a time, hence its smaller GPU peak. FSDP2's loss went "
-            f"{fsdp['losses'][0]:.4f} -> {fsdp['losses'][-1]:.4f} in {len(fsdp['losses'])} steps "
-            f"({'the same' if same_loss else 'against'} {ours['losses'][0]:.4f} -> {ours['losses'][-1]:.4f} for the "
-            "overlapped mode); its step waits for the whole CPU Adam after the backward pass, where the overlapped "
-            "mode updates each layer as soon as its gradients land.", ""]
+    return [
+        "## 8. Peers",
+        "",
+        "The same model, batch and Adam settings, run by `report/peers.py` in the same session on the same machine "
+        "(report tooling: `offload_llama.py` imports neither package). accelerate's `cpu_offload` keeps the "
+        "weights in CPU memory and a hook on each module copies them in when it runs. FSDP2 on one GPU with "
+        "`CPUOffloadPolicy` and bfloat16 `MixedPrecisionPolicy` keeps float32 parameters, gradients and Adam "
+        "state in pinned CPU memory, one `fully_shard` group per decoder layer, and steps the fused CPU Adam "
+        "after the backward pass.",
+        "",
+        *table(["run", "implementation", "time (ms)", "peak GPU (GiB)", "peak host (GiB)"], rows),
+        "",
+        f"accelerate's logits are `torch.equal` to the resident model's: "
+        f"{'yes' if p['accelerate']['equal_to_gpu'] else 'NO'}; it copies each module's weights from pageable "
+        f"memory on the compute stream, {runs['peers_bf16']['parameters'] * 2 / p['accelerate']['time_ms'] / 1e6:.1f}"
+        f" GB/s of weights per pass against {inference['overlapped']['h2d_gbps']:.1f} for the overlapped mode, "
+        "and holds one module at a time, hence its smaller GPU peak. FSDP2's loss went "
+        f"{fsdp['losses'][0]:.4f} -> {fsdp['losses'][-1]:.4f} in {len(fsdp['losses'])} steps "
+        f"({'the same' if same_loss else 'against'} {ours['losses'][0]:.4f} -> {ours['losses'][-1]:.4f} for the "
+        "overlapped mode); its step waits for the whole CPU Adam after the backward pass, where the overlapped "
+        "mode updates each layer as soon as its gradients land.",
+        "",
+    ]
 
 
 def analysis_section(runs: dict) -> list[str]:
+    """Section 9: when overlap hides the copies, where training time goes, and the limits that remain."""
     i16 = results(runs, "inference_bf16", "inference")["overlapped"]
     i32 = results(runs, "inference_fp32", "inference")["overlapped"]
     g32 = results(runs, "inference_fp32", "inference")["gpu"]
@@ -633,84 +923,101 @@ def analysis_section(runs: dict) -> list[str]:
     own, own_run = alone(runs)["overlapped"], runs["train_bf16_overlapped"]["run"]
     busy, idle = cpu_adam_busy_and_idle(own, own_run)
     big = runs["largest_llama7b"]["find_largest"]["overlapped"]
-    return ["## 9. What the numbers mean", "",
-            f"When overlap hides the copies. A decoder layer's weights take the same time to copy whatever the batch; "
-            f"its compute grows with the tokens. At {tokens} tokens in bfloat16 a layer copies in "
-            f"{i16['copy_ms_per_layer']:.2f} ms and computes in {i16['compute_ms_per_layer']:.2f} ms: the pass is bound "
-            f"by PCIe, and overlap can only hide the compute under the copies (efficiency "
-            f"{i16['efficiency']:.3f} against that bound). Compute would match the copy at about "
-            f"{tokens * i16['copy_ms_per_layer'] / i16['compute_ms_per_layer']:,.0f} tokens per batch. In float32 the "
-            f"layer copies in {i32['copy_ms_per_layer']:.2f} ms and computes in {i32['compute_ms_per_layer']:.2f} ms "
-            f"({i32['compute_ms_per_layer'] / i16['compute_ms_per_layer']:.0f}x bfloat16's compute), so from about "
-            f"{tokens * i32['copy_ms_per_layer'] / i32['compute_ms_per_layer']:,.0f} tokens the copies are hidden: the "
-            f"overlapped pass took {i32['time_ms']:.1f} ms against {g32['time_ms']:.1f} ms resident. In general a layer "
-            "of N parameters of b bytes is hidden once its 2NT FLOPs at the achieved rate F outlast the bN bytes at "
-            "the PCIe rate B, that is from T = bF / 2B tokens.", "",
-            f"Where training time goes. The overlapped bfloat16 step ({t['time_ms']:.1f} ms) is bound by host memory: "
-            f"{t['host_bytes'] / 1e9:.1f} GB cross it per step, {t['host_bytes_per_param']:.1f} bytes per parameter. "
-            + host_bytes_note(t, params)
-            + f" At the rate host memory reached with the Adam and "
-            f"both copy engines running together, {t['host_gbps']:.0f} GB/s, those bytes take "
-            f"{t['host_memory_ms']:.1f} ms, against {t['cpu_adam_ms']:.1f} ms for the Adam alone, "
-            f"{t['gpu_compute_ms']:.1f} ms of GPU compute, {t['h2d_ms']:.1f} ms of host-to-device and "
-            f"{t['d2h_ms']:.1f} ms of device-to-host copies. The step reached {t['efficiency']:.3f} of that bound "
-            f"in this run and {own['efficiency']:.3f} in the run alone (section 4), whose "
-            f"bound measured the host at {own['host_gbps']:.0f} GB/s: the host's rate varies "
-            "between processes, and so the bound. What keeps the step above it: in the run alone the CPU Adam was "
-            f"busy a median of {busy:.1f} ms a step, against the {own['host_memory_ms']:.1f} ms that bound gives "
-            "host memory (beside the copies the Adam runs at the pace host memory allows), and a step took a median "
-            f"of {idle:.0f} ms more than that: once a step the CPU Adam idles from "
-            "its last update until the next backward's first gradients (the head's) land, while the last updated "
-            "units are copied in and the head runs forward and backward (the gap in the figure of section 7). "
-            f"More tokens per step amortise the optimizer: with 16 micro-batches the bound is the GPU compute "
-            f"({a['overlapped']['bound_ms']:.1f} ms), and the overlapped step runs at "
-            f"{a['gpu']['time_ms'] / a['overlapped']['time_ms']:.2f}x the resident one's speed. In float32 the GPU "
-            f"compute ({f['overlapped']['gpu_compute_ms']:.1f} ms) bounds a single micro-batch, and the overlapped step "
-            f"reaches {f['overlapped']['efficiency']:.3f} of it.", "",
-            "The limits that remain. (1) Host memory capacity: the float32 master and the two Adam moments, 12 bytes "
-            "per parameter, must live for the whole run, and with two gradient buffers this machine's host memory "
-            f"holds {big['layers']} LLaMA-7B layers and no more (section 5), while their training takes "
-            f"{gib(big['training']['peak_gpu_bytes'])} GiB of the {runs['largest_llama7b']['run']['max_gpu_memory']:g} "
-            "GiB GPU cap. (2) Host memory bandwidth: the bytes the CPU Adam and the copies move through it, not "
-            "PCIe or the GPU, bound a one-micro-batch step; the 16-bit copies and gradients took its bytes per "
-            "parameter from 40 to 34"
-            + (f", and the GPU's Adam to {t['host_bytes_per_param']:.1f}, by taking the cores' work on "
-               f"{t['gpu_adam_params'] / params:.0%} of the parameters to the copy engines"
-               if t.get("gpu_adam_params") else "")
-            + "; only fewer bytes still (for example 16-bit moments, outside the torch.optim.Adam recipe this "
-            "project keeps) would move it further. "
-            f"(3) PCIe: bfloat16 inference at {tokens} tokens is copy-bound ({i16['h2d_gbps']:.1f} GB/s of weights over "
-            f"the pass), so offloaded inference runs at "
-            f"{results(runs, 'inference_bf16', 'inference')['gpu']['time_ms'] / i16['time_ms']:.2f}x the resident "
-            f"speed. (4) Noise: the CPU Adam and so the step vary from run to run on this machine (the same "
-            f"overlapped step took {t['time_ms']:.1f} and {alone(runs)['overlapped']['time_ms']:.1f} ms in two runs, "
-            "section 4); every figure here is one run's median.", ""]
+    return [
+        "## 9. What the numbers mean",
+        "",
+        f"When overlap hides the copies. A decoder layer's weights take the same time to copy whatever the batch; "
+        f"its compute grows with the tokens. At {tokens} tokens in bfloat16 a layer copies in "
+        f"{i16['copy_ms_per_layer']:.2f} ms and computes in {i16['compute_ms_per_layer']:.2f} ms: the pass is bound "
+        f"by PCIe, and overlap can only hide the compute under the copies (efficiency "
+        f"{i16['efficiency']:.3f} against that bound). Compute would match the copy at about "
+        f"{tokens * i16['copy_ms_per_layer'] / i16['compute_ms_per_layer']:,.0f} tokens per batch. In float32 the "
+        f"layer copies in {i32['copy_ms_per_layer']:.2f} ms and computes in {i32['compute_ms_per_layer']:.2f} ms "
+        f"({i32['compute_ms_per_layer'] / i16['compute_ms_per_layer']:.0f}x bfloat16's compute), so from about "
+        f"{tokens * i32['copy_ms_per_layer'] / i32['compute_ms_per_layer']:,.0f} tokens the copies are hidden: the "
+        f"overlapped pass took {i32['time_ms']:.1f} ms against {g32['time_ms']:.1f} ms resident. In general a layer "
+        "of N parameters of b bytes is hidden once its 2NT FLOPs at the achieved rate F outlast the bN bytes at "
+        "the PCIe rate B, that is from T = bF / 2B tokens.",
+        "",
+        f"Where training time goes. The overlapped bfloat16 step ({t['time_ms']:.1f} ms) is bound by host memory: "
+        f"{t['host_bytes'] / 1e9:.1f} GB cross it per step, {t['host_bytes_per_param']:.1f} bytes per parameter. "
+        + host_bytes_note(t, params)
+        + f" At the rate host memory reached with the Adam and "
+        f"both copy engines running together, {t['host_gbps']:.0f} GB/s, those bytes take "
+        f"{t['host_memory_ms']:.1f} ms, against {t['cpu_adam_ms']:.1f} ms for the Adam alone, "
+        f"{t['gpu_compute_ms']:.1f} ms of GPU compute, {t['h2d_ms']:.1f} ms of host-to-device and "
+        f"{t['d2h_ms']:.1f} ms of device-to-host copies. The step reached {t['efficiency']:.3f} of that bound "
+        f"in this run and {own['efficiency']:.3f} in the run alone (section 4), whose "
+        f"bound measured the host at {own['host_gbps']:.0f} GB/s: the host's rate varies "
+        "between processes, and so the bound. What keeps the step above it: in the run alone the CPU Adam was "
+        f"busy a median of {busy:.1f} ms a step, against the {own['host_memory_ms']:.1f} ms that bound gives "
+        "host memory (beside the copies the Adam runs at the pace host memory allows), and a step took a median "
+        f"of {idle:.0f} ms more than that: once a step the CPU Adam idles from "
+        "its last update until the next backward's first gradients (the head's) land, while the last updated "
+        "units are copied in and the head runs forward and backward (the gap in the figure of section 7). "
+        f"More tokens per step amortise the optimizer: with 16 micro-batches the bound is the GPU compute "
+        f"({a['overlapped']['bound_ms']:.1f} ms), and the overlapped step runs at "
+        f"{a['gpu']['time_ms'] / a['overlapped']['time_ms']:.2f}x the resident one's speed. In float32 the GPU "
+        f"compute ({f['overlapped']['gpu_compute_ms']:.1f} ms) bounds a single micro-batch, and the overlapped step "
+        f"reaches {f['overlapped']['efficiency']:.3f} of it.",
+        "",
+        "The limits that remain. (1) Host memory capacity: the float32 master and the two Adam moments, 12 bytes "
+        "per parameter, must live for the whole run, and with two gradient buffers this machine's host memory "
+        f"holds {big['layers']} LLaMA-7B layers and no more (section 5), while their training takes "
+        f"{gib(big['training']['peak_gpu_bytes'])} GiB of the {runs['largest_llama7b']['run']['max_gpu_memory']:g} "
+        "GiB GPU cap. (2) Host memory bandwidth: the bytes the CPU Adam and the copies move through it, not "
+        "PCIe or the GPU, bound a one-micro-batch step; the 16-bit copies and gradients took its bytes per "
+        "parameter from 40 to 34"
+        + (
+            f", and the GPU's Adam to {t['host_bytes_per_param']:.1f}, by taking the cores' work on "
+            f"{t['gpu_adam_params'] / params:.0%} of the parameters to the copy engines"
+            if t.get("gpu_adam_params")
+            else ""
+        )
+        + "; only fewer bytes still (for example 16-bit moments, outside the torch.optim.Adam recipe this "
+        "project keeps) would move it further. "
+        f"(3) PCIe: bfloat16 inference at {tokens} tokens is copy-bound ({i16['h2d_gbps']:.1f} GB/s of weights over "
+        f"the pass), so offloaded inference runs at "
+        f"{results(runs, 'inference_bf16', 'inference')['gpu']['time_ms'] / i16['time_ms']:.2f}x the resident "
+        f"speed. (4) Noise: the CPU Adam and so the step vary from run to run on this machine (the same "
+        f"overlapped step took {t['time_ms']:.1f} and {alone(runs)['overlapped']['time_ms']:.1f} ms in two runs, "
+        "section 4); every figure here is one run's median.",
+        "",
+    ]
 
 
 def host_bytes_note(t: dict, params: int) -> str:
     """Who moves a training step's host bytes: the CPU Adam, the copies, and the GPU's Adam's state where it has
     units."""
     on_gpu = t.get("gpu_adam_params", 0)
-    adam = (f"{t['adam_bytes_per_param']} bytes per parameter in one compiled pass (the float32 master and moments "
-            "read and written, the bfloat16 gradient read, the bfloat16 copy of the new master written)")
+    adam = (
+        f"{t['adam_bytes_per_param']} bytes per parameter in one compiled pass (the float32 master and moments "
+        "read and written, the bfloat16 gradient read, the bfloat16 copy of the new master written)"
+    )
     if not on_gpu:
-        return (f"The CPU Adam moves {adam}, the copies {(t['h2d_bytes'] + t['d2h_bytes']) / params:.0f} (that copy "
-                "in twice, the gradients out).")
-    return (f"The CPU Adam steps {(params - on_gpu) / 1e9:.2f} B of the {params / 1e9:.2f} B parameters and moves "
-            f"{adam}. The GPU's Adam steps the other {gpu_adam_note(t)} over streamed state: their float32 master "
-            "and moments come in over PCIe (12 bytes per parameter) and go back stepped, with their bfloat16 copy "
-            "(14): about as many bytes of host memory as the CPU Adam's update and gradient would take (28 and 2), "
-            "but moved by the copy engines, which have time to spare, and not by the cores. With the bfloat16 "
-            "copies in (twice, but for the units still in their slots, among them those the GPU's Adam rewrites "
-            "there) and the CPU Adam's units' gradients out, the copies move "
-            f"{t['h2d_bytes'] / 1e9:.1f} GB in and {t['d2h_bytes'] / 1e9:.1f} GB out.")
+        return (
+            f"The CPU Adam moves {adam}, the copies {(t['h2d_bytes'] + t['d2h_bytes']) / params:.0f} (that copy "
+            "in twice, the gradients out)."
+        )
+    return (
+        f"The CPU Adam steps {(params - on_gpu) / 1e9:.2f} B of the {params / 1e9:.2f} B parameters and moves "
+        f"{adam}. The GPU's Adam steps the other {gpu_adam_note(t)} over streamed state: their float32 master "
+        "and moments come in over PCIe (12 bytes per parameter) and go back stepped, with their bfloat16 copy "
+        "(14): about as many bytes of host memory as the CPU Adam's update and gradient would take (28 and 2), "
+        "but moved by the copy engines, which have time to spare, and not by the cores. With the bfloat16 "
+        "copies in (twice, but for the units still in their slots, among them those the GPU's Adam rewrites "
+        "there) and the CPU Adam's units' gradients out, the copies move "
+        f"{t['h2d_bytes'] / 1e9:.1f} GB in and {t['d2h_bytes'] / 1e9:.1f} GB out."
+    )
 
 
 def cpu_adam_busy_and_idle(t: dict, run: dict) -> tuple[float, float]:
     """The medians over a training run's timed steps of the CPU Adam's busy time and of the rest of the step (ms)."""
     steps = timed_steps(t, run)
-    return (median(t["cpu_adam_busy_ms"][i] for i in steps),
-            median(t["step_ms"][i] - t["cpu_adam_busy_ms"][i] for i in steps))
+    return (
+        median(t["cpu_adam_busy_ms"][i] for i in steps),
+        median(t["step_ms"][i] - t["cpu_adam_busy_ms"][i] for i in steps),
+    )
 
 
 def trace_lanes(path: Path) -> tuple[dict[str, list[tuple[float, float]]], float]:
@@ -728,14 +1035,21 @@ def trace_lanes(path: Path) -> tuple[dict[str, list[tuple[float, float]]], float
     launched = {e["args"].get("External id") for e in gpu}  # ops that ran on the GPU: not the CPU Adam's
     lanes = {"CPU Adam": [], "GPU Adam": [], "D2H copies": [], "H2D copies + casts": [], "GPU compute": []}
     for e in events:
-        if ((e["name"].startswith("Torch-Compiled Region") or e["name"] == "aten::_fused_adam_")  # compiled, fallback
-                and e.get("args", {}).get("External id") not in launched):
+        if (
+            (e["name"].startswith("Torch-Compiled Region") or e["name"] == "aten::_fused_adam_")  # compiled, fallback
+            and e.get("args", {}).get("External id") not in launched
+        ):
             lane = "CPU Adam"
         elif e.get("cat") == "gpu_memcpy":
             lane = "H2D copies + casts" if "HtoD" in e["name"] else "D2H copies" if "DtoH" in e["name"] else None
         elif e.get("cat") == "kernel":
-            lane = ("H2D copies + casts" if e["tid"] in copy_streams else "GPU Adam" if e["tid"] in adam_streams
-                    else "GPU compute")
+            lane = (
+                "H2D copies + casts"
+                if e["tid"] in copy_streams
+                else "GPU Adam"
+                if e["tid"] in adam_streams
+                else "GPU compute"
+            )
         else:
             lane = None
         if lane:
@@ -746,11 +1060,18 @@ def trace_lanes(path: Path) -> tuple[dict[str, list[tuple[float, float]]], float
 
 
 def timeline_figure(trace: Path, out: Path, title: str) -> None:
+    """A figure of a profiler trace's lanes (trace_lanes) over time."""
     import matplotlib.pyplot as plt
+
     lanes, end = trace_lanes(trace)
     fig, ax = plt.subplots(figsize=(10, 0.6 * len(lanes) + 1.2))
-    colors = {"GPU compute": "tab:blue", "H2D copies + casts": "tab:orange", "D2H copies": "tab:green",
-              "GPU Adam": "tab:purple", "CPU Adam": "tab:red"}
+    colors = {
+        "GPU compute": "tab:blue",
+        "H2D copies + casts": "tab:orange",
+        "D2H copies": "tab:green",
+        "GPU Adam": "tab:purple",
+        "CPU Adam": "tab:red",
+    }
     for y, (lane, spans) in enumerate(lanes.items()):
         ax.broken_barh(spans, (y - 0.35, 0.7), color=colors[lane], linewidth=0)
     ax.set_yticks(range(len(lanes)), list(lanes))
@@ -763,25 +1084,31 @@ def timeline_figure(trace: Path, out: Path, title: str) -> None:
 
 
 def bound_figure(runs: dict, out: Path) -> None:
+    """The figure of time against bound for each offloaded run."""
     import matplotlib.pyplot as plt
+
     bars = []  # (label, measured ms, bound ms)
     for part, name in (("inference", "inference_bf16"), ("training", "train_bf16")):
         for mode in ("blocked", "overlapped"):
             r = results(runs, name, part)[mode]
             bars.append((f"bf16 {part}\n{mode}", r["time_ms"], r["bound_ms"]))
-    for label, name, part in (("fp32 inference", "inference_fp32", "inference"), ("fp32 training", "train_fp32", "training"),
-                              ("bf16 training,\n16 micro-batches", "train_bf16_accum16", "training")):
+    for label, name, part in (
+        ("fp32 inference", "inference_fp32", "inference"),
+        ("fp32 training", "train_fp32", "training"),
+        ("bf16 training,\n16 micro-batches", "train_bf16_accum16", "training"),
+    ):
         r = results(runs, name, part)["overlapped"]
         bars.append((f"{label}\noverlapped" if "\n" not in label else label, r["time_ms"], r["bound_ms"]))
     big = runs["largest_llama7b"]["find_largest"]["overlapped"]
-    bars.append((f"bf16 training,\n{big['layers']} LLaMA-7B layers", big["training"]["time_ms"],
-                 big["training"]["bound_ms"]))
+    bars.append(
+        (f"bf16 training,\n{big['layers']} LLaMA-7B layers", big["training"]["time_ms"], big["training"]["bound_ms"])
+    )
     scale = results(runs, "train_llama7b_65k", "training")["overlapped"]
     bars.append(("bf16 training, LLaMA-7B,\n16 micro-batches", scale["time_ms"], scale["bound_ms"]))
     fig, axes = plt.subplots(2, (len(bars) + 1) // 2, figsize=(12, 5.6))
-    for ax in axes.flat[len(bars):]:
+    for ax in axes.flat[len(bars) :]:
         ax.axis("off")
-    for ax, (label, measured, bound) in zip(axes.flat, bars):
+    for ax, (label, measured, bound) in zip(axes.flat, bars, strict=False):  # the grid may have a panel to spare
         ax.bar([0, 1], [measured, bound], color=["tab:blue", "tab:gray"])
         ax.set_xticks([0, 1], ["measured", "bound"])
         ax.set_title(f"{label}\n{bound / measured:.2f} of bound", fontsize=9)
@@ -798,8 +1125,17 @@ def aligned(rows: list[str]) -> list[str]:
     cells = [[c.strip().replace("`", "") for c in row.strip().strip("|").split("|")] for row in rows]
     rule, body = cells[1], [cells[0], *cells[2:]]
     widths = [max(len(r[i]) for r in body) for i in range(len(rule))]
-    lines = ["  ".join(c.rjust(w) if a.endswith(":") and not a.startswith(":") else c.center(w) if a.startswith(":")
-                       else c.ljust(w) for c, w, a in zip(r, widths, rule)) for r in body]
+    lines = [
+        "  ".join(
+            c.rjust(w)
+            if a.endswith(":") and not a.startswith(":")
+            else c.center(w)
+            if a.startswith(":")
+            else c.ljust(w)
+            for c, w, a in zip(r, widths, rule, strict=True)
+        )
+        for r in body
+    ]
     return [lines[0], "-" * len(lines[0]), *lines[1:]]
 
 
@@ -816,6 +1152,7 @@ def pdf(markdown: str, out: Path) -> None:
         fig, y = None, 0.0
 
         def need(inches: float):
+            """Start a new page unless `inches` fit above the bottom margin."""
             nonlocal fig, y
             if fig is None or y - inches < margin:
                 if fig is not None:
@@ -824,6 +1161,7 @@ def pdf(markdown: str, out: Path) -> None:
                 fig, y = plt.figure(figsize=(width, height)), height - margin
 
         def text(line: str, size: float, **kw):
+            """One line of text at `size` points, then move down a line."""
             nonlocal y
             need(size / 72 * 1.45)
             fig.text(margin / width, y / height, line, fontsize=size, va="top", **kw)
@@ -845,7 +1183,7 @@ def pdf(markdown: str, out: Path) -> None:
             elif in_code:
                 text(line, 7, family="monospace")
             elif line.startswith("!["):
-                image = mpimg.imread(HERE / line[line.index("(") + 1:-1])
+                image = mpimg.imread(HERE / line[line.index("(") + 1 : -1])
                 h = (width - 2 * margin) * image.shape[0] / image.shape[1]
                 need(h)
                 ax = fig.add_axes([margin / width, (y - h) / height, (width - 2 * margin) / width, h / height])
@@ -866,44 +1204,138 @@ def pdf(markdown: str, out: Path) -> None:
         plt.close(fig)
 
 
+# the command the ablations' flags are added to
+ABLATION_COMMAND = (
+    "python3 offload_llama.py --mode overlapped --train --no-inference "
+    "--steps 70 --warmup 5 --repeat 5 --dtype bfloat16"
+)
+
+
+def ablations_section() -> list[str]:
+    """Section 11: what the experiments on the 7b-8l training step found, quoted as text (their runs were made by
+    earlier versions of the script and are no longer kept), each with the flags that reproduce it."""
+    not_a_flag = "prototype, not reproducible with a flag"
+    findings = [
+        "The GPU's Adam over streamed state off and on, `--gpu-adam-share 0` against the default (0.4 at e2fc90a: the "
+        "embeddings, the head and layers 0 and 1; 0.3 now: the embeddings and layers 0 and 1): 463.5 against 449.9 ms "
+        "a step, the CPU Adam busy 430.5 against 345.5 ms (e2fc90a).",
+        "The GPU's Adam's units, one process taking turns between splits in blocks of 6 steps (7d80339): the "
+        "embeddings and layers 0 and 1 (`--gpu-adam-share 0.3`, the default) 426.1 ms a step; with layer 2 "
+        "(`--gpu-adam-share 0.4`) 465.1; every unit on the CPU Adam (`--gpu-adam-share 0`) 505.5. The embeddings, "
+        "the head and layers 0 and 1: 450.3; layers 0 to 2: 443.9; the embeddings, the head and layers 0 to 2: 503.5; "
+        "the head and layers 7 and 6: 543.9, with layer 5: 570.4: " + not_a_flag + " (the share takes the "
+        "embeddings, then layers from the first, the head last).",
+        "The head on the GPU's Adam stalls the backward: its 1.6 GB of state crossed PCIe ahead of layer 7's weights, "
+        "and the backward stood 42 ms before layer 7 (4 ms without), in a timeline of one step (7d80339): "
+        + not_a_flag
+        + ".",
+        "The CPU Adam in chunks of 2^24 elements, taking between chunks the landed unit the next forward needs first: "
+        "516.3, 440.0, 475.5 and 548.7 ms a step against 450.3, 426.1, 465.1 and 505.5 unchunked (the embeddings, "
+        "the head and layers 0 and 1; the embeddings and layers 0 and 1; the same and layer 2; every unit on the CPU "
+        "Adam), its busy time 8 to 36% longer (7d80339): " + not_a_flag + ".",
+        "The premise of the GPU's Adam over streamed state (cab0004 and the tree just before it): both copy engines "
+        "streaming 79 GB/s beside the CPU Adam cost it 19% (43.8 against 52.3 ms for one LLaMA-7B layer), and the "
+        "GPU's Adam over state streamed by the copy engines, beside the CPU Adam, took the two together to 1.3-1.4x "
+        "the parameters per ms of the CPU Adam alone: " + not_a_flag + ".",
+        "A step-level prototype of it (cab0004's trainer wrapped): 511.6 ms a step with every unit on the CPU Adam, "
+        "477.9 with the embeddings and head on the GPU's Adam, 451.5 with layers 0 and 1 too (peak GPU 3.57 GiB); its "
+        "masters within 7.5e-9 of the CPU Adam's after a step (float32 rounding allows 4.8e-7): " + not_a_flag + ".",
+        "Prefetch depth, every unit on the CPU Adam (cab0004): `--gpu-adam-share 0 --prefetch 1` against "
+        "`--gpu-adam-share 0 --prefetch 3`: 499.1 against 489.7 ms a step, bounds 439.1 and 445.4 ms (efficiency "
+        "0.880 and 0.910), peak GPU 2.97 and 3.73 GiB.",
+        "The copy order that lets the copies whose updates are done go ahead of one whose update still runs: the CPU "
+        "Adam's idle time a step (the step less its busy time) went from 36.6 to 31.3 ms (ef669a2 against ea1feb6; "
+        "with `--prefetch 3` 32.7 and 28.1). `--gpu-adam-share 0` measures the order since ea1feb6; the earlier order "
+        "has no flag.",
+        "Host noise (ea1feb6): on one machine FSDP2 (`python3 report/peers.py --peers fsdp2 --dtype bfloat16`) took "
+        "1007.0 ms and, minutes later, 873.2 ms, the training bound's CPU Adam 540-544 ms and then 372.8 ms; within "
+        "one run of `--steps 60 --gpu-adam-share 0` the CPU Adam was busy 436 to 639 ms from step to step.",
+        "The default command with the head last (2020b60), then with the GPU's Adam also rewriting the backward's "
+        "last units in their slots (8d1737e): 409.5 and 409.3 ms a step against bounds of 368.5 and 383.0 ms "
+        "(efficiency 0.900 and 0.936), FSDP2 1.89x and 2.02x slower; the rewrite has no flag.",
+        "Section 6's command at ef669a2: 8693.9 ms a step, 8.90 GiB of GPU memory predicted and measured, 2 units "
+        "resident.",
+    ]
+    return [
+        "## 11. Ablations",
+        "",
+        "Experiments on the overlapped bfloat16 training step of 7b-8l on H100 machines, measured by earlier "
+        "versions of `offload_llama.py` (the commit in parentheses) or by prototypes wrapping them, whose files are "
+        "no longer kept. "
+        f"Their flags are added to `{ABLATION_COMMAND}`; the next full regeneration of the report re-measures them "
+        "with these flags (`report/run_benchmarks.sh` part `ablations`).",
+        "",
+        *[f"- {finding}" for finding in findings],
+        "",
+    ]
+
+
 def sources_section(runs: dict) -> list[str]:
+    """The last section: each JSON and trace the report reads, with the script versions that made them."""
     paths = SOURCES | BUDGET_SOURCES
     rows = [[f"`{paths[name]}`", r["script_sha256"][:12], r.get("peers_sha256", "")[:12]] for name, r in runs.items()]
     rows += [[f"`{trace}`", "(profiler trace)", ""] for trace in TRACES.values()]
-    return ["## Sources", "", "Every number above is read from these files by `report/build_report.py`; each JSON "
-            "records the sha256 of the script that made it.", "",
-            *table(["file", "offload_llama.py sha256", "peers.py sha256"], rows), ""]
+    return [
+        "## Sources",
+        "",
+        "Every number above but section 11's is read from these files by "
+        "`report/build_report.py`; each JSON records the sha256 of the script that made it.",
+        "",
+        *table(["file", "offload_llama.py sha256", "peers.py sha256"], rows),
+        "",
+    ]
 
 
 def build() -> str:
+    """REPORT.md's text, section by section."""
     runs, budget = load(), load(BUDGET_SOURCES)
-    lines = ["# offload_llama: measured report", "",
-             "Layer-wise parameter offload for LLaMA on one GPU: what it costs in time and saves in memory, "
-             "measured by `offload_llama.py`.", ""]
-    for section in (how_to_run(), model_section(runs), memory_section(runs), time_section(runs),
-                    largest_section(runs), scale_section(runs), figures_section(runs), peers_section(runs), analysis_section(runs),
-                    budget_section(budget, runs["train_bf16"]["script_sha256"]), sources_section(runs | budget)):
+    lines = [
+        "# offload_llama: measured report",
+        "",
+        "Layer-wise parameter offload for LLaMA on one GPU: what it costs in time and saves in memory, "
+        "measured by `offload_llama.py`.",
+        "",
+    ]
+    for section in (
+        how_to_run(),
+        model_section(runs),
+        memory_section(runs),
+        time_section(runs),
+        largest_section(runs),
+        scale_section(runs),
+        figures_section(runs),
+        peers_section(runs),
+        analysis_section(runs),
+        budget_section(budget, runs["train_bf16"]["script_sha256"]),
+        ablations_section(),
+        sources_section(runs | budget),
+    ):
         lines += section
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
+    """The command line: write REPORT.md, the figures and REPORT.pdf, or with --check compare REPORT.md only."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if REPORT.md is not what the JSON gives")
     args = parser.parse_args(argv)
     text, path = build(), HERE / "REPORT.md"
     if args.check:
         if not path.is_file() or path.read_text() != text:
-            print(f"{path} is not what the JSON under report/ gives: run python3 report/build_report.py",
-                  file=sys.stderr)
+            print(
+                f"{path} is not what the JSON under report/ gives: run python3 report/build_report.py", file=sys.stderr
+            )
             return 1
         return 0
     path.write_text(text)
     runs, figures = load(), HERE / "figures"
     figures.mkdir(exist_ok=True)
     for name, trace in TRACES.items():
-        timeline_figure(HERE / trace, figures / name, f"{Path(trace).name}: one overlapped "
-                        f"{'training step' if 'train' in name else 'forward pass'}")
+        timeline_figure(
+            HERE / trace,
+            figures / name,
+            f"{Path(trace).name}: one overlapped {'training step' if 'train' in name else 'forward pass'}",
+        )
     bound_figure(runs, figures / "time_vs_bound.png")
     budget_figure(load(BUDGET_SOURCES), figures / "time_vs_budget.png")
     pdf(text, HERE / "REPORT.pdf")

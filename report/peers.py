@@ -45,14 +45,19 @@ def accelerate_inference(model, input_ids, run: ol.RunConfig) -> dict:
         offloaded = cpu_offload(copy.deepcopy(model), execution_device=device)  # moves its copy's weights to meta
         ol.reset_peak_memory(device)
         ms, logits = ol.median_ms(lambda: ol.logits_of(offloaded, ids), device, run.warmup, run.repeat)
-        return {"time_ms": ms, "peak_gpu_bytes": torch.cuda.max_memory_allocated(device),
-                "peak_host_bytes": ol.peak_host_rss(), "equal_to_gpu": torch.equal(logits.cpu(), reference)}
+        return {
+            "time_ms": ms,
+            "peak_gpu_bytes": torch.cuda.max_memory_allocated(device),
+            "peak_host_bytes": ol.peak_host_rss(),
+            "equal_to_gpu": torch.equal(logits.cpu(), reference),
+        }
 
 
 class Fsdp2Training:
     """FSDP2 with CPU offload on a one-process group: a trainer for offload_llama.train_steps."""
 
     def __init__(self, model, run: ol.RunConfig):
+        """A float32 copy of `model`, one fully_shard group per decoder layer and one for the rest, and its Adam."""
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         self.model = copy.deepcopy(model).float()  # the float32 masters; FSDP moves them to pinned CPU memory
@@ -64,6 +69,7 @@ class Fsdp2Training:
         self.optimizer = run.adam.optimizer(list(self.model.parameters()))  # fused torch.optim.Adam, on the CPU
 
     def step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
+        """One training step: forward and backward of each micro-batch, then the CPU Adam; the mean loss."""
         losses = []
         for ids in micro_batches:
             loss = self.model(ids, labels=ids, use_cache=False).loss
@@ -73,10 +79,12 @@ class Fsdp2Training:
         self.optimizer.zero_grad()
         return ol.mean_loss(losses)
 
-    def finish(self) -> None: ...
+    def finish(self) -> None:  # the trainer interface's end (offload_llama's stops its CPU Adam): nothing here
+        ...
 
 
 def fsdp2_training(model, input_ids, run: ol.RunConfig) -> dict:
+    """Training steps with FSDP2 and CPUOffloadPolicy in a one-process group: train_steps' results and the peaks."""
     import torch.distributed as dist
 
     device = torch.device("cuda")
@@ -90,25 +98,45 @@ def fsdp2_training(model, input_ids, run: ol.RunConfig) -> dict:
         trainer = Fsdp2Training(model, run)
         result = ol.train_steps(trainer, micro_batches, run, keep_grads=False)
         del result["grads"]
-        return {**result, "peak_gpu_bytes": torch.cuda.max_memory_allocated(device),
-                "peak_host_bytes": ol.peak_host_rss()}
+        return {
+            **result,
+            "peak_gpu_bytes": torch.cuda.max_memory_allocated(device),
+            "peak_host_bytes": ol.peak_host_rss(),
+        }
     finally:
         dist.destroy_process_group()
 
 
 def table(results: dict, run: ol.RunConfig, tokens: int) -> str:
+    """The peers' results as a markdown table."""
     what = f"{run.preset}, {run.dtype}, {tokens} tokens"
     rows = [(NAMES[p], r) for p, r in results.items()]
-    return "\n".join(ol.markdown(
-        f"Peers ({what})", [("run", ":---:"), ("time (ms)", "---:"), ("peak GPU (GiB)", "---:"),
-                            ("peak host RSS (GiB)", "---:"), ("check", "---")], rows,
-        lambda label, r: ["inference" if "equal_to_gpu" in r else "training step", f"{r['time_ms']:.1f}",
-                          ol.gib(r["peak_gpu_bytes"]), ol.gib(r["peak_host_bytes"]),
-                          f"logits == gpu: {ol.yes_no(r['equal_to_gpu'])}" if "equal_to_gpu" in r else
-                          f"loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}"]))
+    return "\n".join(
+        ol.markdown(
+            f"Peers ({what})",
+            [
+                ("run", ":---:"),
+                ("time (ms)", "---:"),
+                ("peak GPU (GiB)", "---:"),
+                ("peak host RSS (GiB)", "---:"),
+                ("check", "---"),
+            ],
+            rows,
+            lambda label, r: [
+                "inference" if "equal_to_gpu" in r else "training step",
+                f"{r['time_ms']:.1f}",
+                ol.gib(r["peak_gpu_bytes"]),
+                ol.gib(r["peak_host_bytes"]),
+                f"logits == gpu: {ol.yes_no(r['equal_to_gpu'])}"
+                if "equal_to_gpu" in r
+                else f"loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}",
+            ],
+        )
+    )
 
 
 def main(argv=None) -> int:
+    """The command line: --peers and --json, then offload_llama.py's flags."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="other flags: offload_llama.py's")
     p.add_argument("--peers", default=",".join(PEERS), help="a comma-separated list of " + ", ".join(PEERS))
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
@@ -131,9 +159,15 @@ def main(argv=None) -> int:
         results["fsdp2"] = fsdp2_training(model, ol.random_input_ids(run, config.vocab_size, run.grad_accum), run)
     print(table(results, run, input_ids.numel()))
     if args.json:
-        report = {**ol.environment(), "peers_sha256": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
-                  "run": {**dataclasses.asdict(run), "peers": peers}, "tokens": input_ids.numel(), "parameters": ol.param_count(config),
-                  "config": json.loads(config.to_json_string()), "peers": results}
+        report = {
+            **ol.environment(),
+            "peers_sha256": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
+            "run": {**dataclasses.asdict(run), "peers": peers},
+            "tokens": input_ids.numel(),
+            "parameters": ol.param_count(config),
+            "config": json.loads(config.to_json_string()),
+            "peers": results,
+        }
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return 0
 

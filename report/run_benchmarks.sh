@@ -2,7 +2,7 @@
 # Regenerates the measured results on a GPU machine: JSON, tables (.md), logs and profiler traces under OUTDIR.
 #   bash report/run_benchmarks.sh OUTDIR [PART ...]   (default: every part, in the order below)
 set -euo pipefail
-parts="bf16 prefetch fp32 train alone activations train_fp32 accum eager largest scale peers budget budget_ab"
+parts="bf16 prefetch fp32 train alone activations train_fp32 accum eager largest scale peers budget budget_ab ablations"
 out=${1:?usage: run_benchmarks.sh OUTDIR [PART ...], with PART one of: $parts}; shift
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
@@ -35,8 +35,8 @@ for p in ${@:-$parts}; do
     # bitwise gradients at full size: eager attention, whose backward is deterministic
     eager) run train_bf16_eager --mode gpu,overlapped --train --steps 3 --warmup 1 --attention eager --dtype bfloat16 ;;
     # LLaMA-7B-sized layers under an 11 GiB GPU cap, with and without offload
-    largest) run largest_llama7b --find-largest --preset llama-7b --max-gpu-memory 11 --steps 4 --warmup 1 \
-               --dtype bfloat16 ;;
+    largest) record largest_llama7b python3 report/find_largest.py --preset llama-7b --max-gpu-memory 11 --steps 4 \
+               --warmup 1 --dtype bfloat16 ;;
     # LLaMA-7B on 64 x 1024 tokens a step under an 11 GiB cap (activation offload turns itself on), keeping resident
     # what the cap holds, against plain forward and backward of the model resident on the GPU; training alone, so no
     # bfloat16 copy of the layers
@@ -63,6 +63,14 @@ for p in ${@:-$parts}; do
                done ;;
     # report tooling: FSDP2 and accelerate on the same model and batch
     peers) record peers_bf16 python3 report/peers.py --dtype bfloat16 ;;
+    # the report's section 11 (build_report.ablations_section), 7b-8l training alone: the GPU's Adam over streamed state
+    # off, at its default share and with one layer more; prefetch 3 with every unit on the CPU Adam; FSDP2 again, and
+    # the default step again last, minutes after the first (the host's noise)
+    ablations) base=(--mode overlapped --train --no-inference --steps 70 --warmup 5 --repeat 5 --dtype bfloat16)
+               for share in 0 0.3 0.4; do run "ablation_share_$share" "${base[@]}" --gpu-adam-share "$share"; done
+               run ablation_share_0_prefetch3 "${base[@]}" --gpu-adam-share 0 --prefetch 3
+               record ablation_fsdp2 python3 report/peers.py --peers fsdp2 --dtype bfloat16
+               run ablation_share_0.3_again "${base[@]}" --gpu-adam-share 0.3 ;;
     *) echo "unknown part $p: choose from $parts" >&2; exit 2 ;;
   esac
 done
