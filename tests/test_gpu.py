@@ -47,6 +47,21 @@ def test_offloaded_logits_bitwise_equal_gpu(name, depth, dtype):
     assert torch.equal(streamed_logits(model, ids, "cuda", depth, pin=True), expected)
 
 
+def delay_copies(streamer):
+    """Each layer's weights land 20 ms late, into slots that hold NaN before: compute that does not wait for them
+    reads NaN, however fast the CPU issues it."""
+    for buffer in streamer.buffers:
+        buffer.fill_(float("nan"))
+    wait_source = streamer.wait_source  # called just before each copy is issued
+
+    def late(u):
+        wait_source(u)
+        with torch.cuda.stream(streamer.copy_stream):
+            torch.cuda._sleep(40_000_000)
+
+    streamer.wait_source = late
+
+
 def drop_copied_wait(streamer):
     """The compute stream no longer waits for a slot's copy to land."""
     streamer.copied = [ol.InOrder() for _ in streamer.copied]
@@ -73,7 +88,7 @@ def both(*hooks):
 
 RACES = {
     # the copy is slow and the compute instant: compute runs ahead onto a slot still being filled
-    "copied": (None, drop_copied_wait),
+    "copied": (delay_copies, both(delay_copies, drop_copied_wait)),
     # the compute is stretched and the copy fast: the next copy overwrites a slot still to be read
     "freed": (stretch_compute, both(stretch_compute, drop_freed_wait)),
 }
