@@ -58,35 +58,7 @@ MODE_NAMES = {
     "overlapped": "overlapped offload",
     "cpu": "cpu",
 }
-PRESETS = {
-    # tiny: for tests; grouped-query attention (2 KV heads for 4 query heads) and an odd layer count
-    "tiny": dict(
-        hidden_size=64,
-        intermediate_size=176,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-    ),
-    # LLaMA-7B dimensions with 8 layers (1.88B parameters): the report's model
-    "7b-8l": dict(
-        hidden_size=4096,
-        intermediate_size=11008,
-        num_hidden_layers=8,
-        num_attention_heads=32,
-        num_key_value_heads=32,
-        vocab_size=32000,
-    ),
-    "llama-7b": dict(
-        hidden_size=4096,
-        intermediate_size=11008,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=32,
-        vocab_size=32000,
-    ),
-}
-SIZE_FLAGS = {
+SIZE_FLAGS = {  # a LlamaConfig size and its flag, in the order of PRESET_SIZES
     "hidden_size": "hidden-size",
     "intermediate_size": "intermediate-size",
     "num_hidden_layers": "layers",
@@ -94,6 +66,12 @@ SIZE_FLAGS = {
     "num_key_value_heads": "kv-heads",
     "vocab_size": "vocab-size",
 }
+PRESET_SIZES = {  # hidden, intermediate, layers, heads, key/value heads, vocabulary
+    "tiny": (64, 176, 3, 4, 2, 256),  # for tests: grouped-query attention (2 KV heads for 4) and an odd layer count
+    "7b-8l": (4096, 11008, 8, 32, 32, 32000),  # LLaMA-7B with 8 layers (1.88B parameters): the report's model
+    "llama-7b": (4096, 11008, 32, 32, 32, 32000),
+}
+PRESETS = {name: dict(zip(SIZE_FLAGS, sizes, strict=True)) for name, sizes in PRESET_SIZES.items()}  # field -> size
 ALIGN = 128  # elements: each parameter starts 256 B in, as the caching allocator aligns, so cuBLAS picks its kernels
 STAGING = 2**24  # elements: float32 masters cross PCIe in chunks this size, cast to the compute dtype on the GPU
 ADAM_SPARE_CORES = 1  # cores the CPU Adam leaves to the main thread, which drives the GPU meanwhile
