@@ -757,10 +757,12 @@ class MasterStore:
             for moment in self.moments[u]:
                 moment.zero_()
         copy = self.copies[u] if self.copies else None
-        self.update(self.masters[u], self.grads[u], *self.moments[u], copy, self.steps[u])
-        if not self.pool.dedicated:
-            self.pool.give(self.grads[u])
-            self.grads[u] = None
+        try:
+            self.update(self.masters[u], self.grads[u], *self.moments[u], copy, self.steps[u])
+        finally:  # an update that fails still frees the buffer: the backward waiting for one sees the error instead
+            if not self.pool.dedicated:
+                self.pool.give(self.grads[u])
+                self.grads[u] = None
 
     def pin_moments(self, u: int) -> None:
         """Move unit u's Adam moments into pinned memory for the copy engines; one unit at a time."""
@@ -960,8 +962,8 @@ class KeptInputs:
 
 
 class Unscaled:
-    """The plain path's loss: not scaled, each unit stepped as soon as its gradients are out. LossScale (float16)
-    answers the same calls, and holds the updates until every gradient is in."""
+    """The plain path's loss: not scaled, each unit's update queued as soon as its gradients are sent. LossScale
+    (float16) answers the same calls, and holds the updates until every gradient is in."""
 
     scale = 1.0
     holds_updates = False
@@ -1377,7 +1379,7 @@ class StreamedAdam:
         holding unit u's compute-dtype weights, the event to record once they are rewritten), or None."""
         steps = self.store.steps[u]
         fresh, done = not steps, float(steps)  # steps done: the fused kernel counts this one in
-        steps += 1  # this count lives on the host: only the main thread issues this unit's steps
+        steps += 1  # this count lives on the host: only the thread that runs the backward issues this unit's steps
         for k, lo, n in self.chunks(u):
             with on_stream(self.s_in):
                 self.s_in.wait_event(self.out_done[k])  # the slot's last chunk (and this unit's last step) must be out

@@ -2,6 +2,8 @@
 compute device, against the plain model and torch.optim.Adam."""
 
 import json
+import threading
+import time
 
 import pytest
 import torch
@@ -285,6 +287,35 @@ def test_shared_gradient_pool_trains_the_same(buffers):
     assert all(torch.equal(m, dedicated[name]) for name, m in trainer.store.state_dict().items())
     largest = max(u.layout.numel for u in trainer.units)
     assert [b.numel() for b in trainer.store.pool.buffers] == [largest] * buffers
+
+
+def test_a_failed_update_with_a_shared_gradient_pool_raises_instead_of_hanging():
+    """The CPU Adam's update of the head fails while the backward waits for the one buffer of the pool: the buffer still
+    goes back, so the backward goes on and the error comes out of the trainer, not a backward stuck forever."""
+    model, batches = tiny_batches(1)
+    trainer = offloaded_trainer(model, "cpu", 1, batches, grad_buffers=1)
+    update, head = trainer.store.update, trainer.store.masters[-1]
+
+    def failing(master, *args):
+        if master.data_ptr() == head.data_ptr():
+            time.sleep(0.5)  # the backward meanwhile asks for the one buffer
+            raise RuntimeError("the update failed")
+        update(master, *args)
+
+    trainer.store.update = failing
+    outcome = []
+
+    def step_and_finish():
+        try:
+            trainer.step(batches)
+            trainer.finish()
+        except RuntimeError as e:
+            outcome.append(str(e))
+
+    thread = threading.Thread(target=step_and_finish, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert outcome == ["the update failed"]
 
 
 def test_host_holds_12_bytes_per_parameter_and_the_gradient_pool():
