@@ -119,15 +119,20 @@ def test_trace_shows_copies_under_compute_only_when_overlapped(mode, tmp_path):
     if mode == "overlapped":
         # 2 of the 3 copies can run under compute, each for about a layer's compute time
         assert trace["overlap_ms"] > 0.3 * trace["copy_ms"], trace
+        assert_peak_within_analytic_figure(r, tmp_path / "r.json")  # bfloat16, the default
     else:
         assert trace["overlap_ms"] < 0.05 * trace["copy_ms"], trace
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_peak_memory_within_analytic_figure(dtype, tmp_path):
-    r = cli("--mode", "overlapped", *seven_b(3), "--dtype", dtype, "--json", tmp_path / "r.json")
+def test_peak_memory_within_analytic_figure_in_float32(tmp_path):
+    r = cli("--mode", "overlapped", *seven_b(3), "--dtype", "float32", "--json", tmp_path / "r.json")
     assert r.returncode == 0, r.stderr
-    result = json.loads((tmp_path / "r.json").read_text())["results"]["overlapped"]["inference"]
+    assert_peak_within_analytic_figure(r, tmp_path / "r.json")
+
+
+def assert_peak_within_analytic_figure(r, path):
+    """The overlapped pass's peak GPU memory is within the analytic figure, which the table prints."""
+    result = json.loads(path.read_text())["results"]["overlapped"]["inference"]
     analytic = sum(result["analytic_peak_bytes"].values())
     assert result["peak_gpu_bytes"] <= analytic, (result["peak_gpu_bytes"], result["analytic_peak_bytes"])
     assert f"| {sum(result['analytic_peak_bytes'].values()) / ol.GiB:.2f} |" in r.stdout  # the printed figure
