@@ -448,10 +448,10 @@ class LayerStreamer:
         """How many streamed units fit on the GPU at once."""
         return len(self.buffers)
 
-    def begin(self, order, keep: bool | set = False) -> None:
+    def begin(self, order, keep: bool = False) -> None:
         """The next pass visits the units in `order`. Units the last pass left in the slots are not copied again if they
-        are still current: all of them (keep True: the backward, right after the forward), those in `keep`, and those
-        rewritten in their slot since the last pass began."""
+        are still current: all of them (keep: the backward, right after the forward), or those rewritten in their slot
+        since the last pass began."""
         order = list(order)
         self.opening = order[0] if order else None
         self.order = [u for u in order if u not in self.resident]  # what the copy stream brings in, in turn
@@ -462,7 +462,7 @@ class LayerStreamer:
         self.issued = 0  # positions taken into the copy window in this pass
         self.waiting = []  # of those, the ones whose copy is not issued yet: their sources were not ready
         held = {u for u in self.holds if u is not None}
-        self.kept = held if keep is True else held & (set(keep or ()) | self.fresh)
+        self.kept = held if keep else held & self.fresh
         self.fresh = set()
 
     def rewritten(self, u: int) -> None:
@@ -898,25 +898,37 @@ class CpuAdam:
             self.done[u].set()
 
 
-class HostAdam:
-    """How the plain path steps a unit: its gradients leave on the D2H stream for a pinned buffer of the store, and the
-    CPU Adam steps it once they have landed. Each way of stepping units answers the same calls: where the unit's
+class HostState:
+    """What the steppers of streamed units share: the gradients accumulate in the trainer's gradient buffer, and the
+    state lives in the store on the host. Each way of stepping units answers the same calls: where the unit's
     gradients accumulate (grads, and whether that memory is the shared gradient buffer), how they leave (send), the
     update, what the next forward's copy of the unit waits for (wait_written, written) and where the state is."""
 
     shares_buffer = True  # the gradients accumulate in the trainer's gradient buffer
 
     def __init__(self, trainer: OffloadedTraining):
-        self.trainer = trainer
-        self.landed = [new_event(trainer.device, blocking=True) for _ in trainer.units]
+        self.trainer, self.store = trainer, trainer.store
 
     def grads(self, u: int) -> torch.Tensor:
         """The GPU memory unit u's gradients accumulate in: the start of the shared gradient buffer."""
-        return self.trainer.grad_buffer[: self.trainer.store.masters[u].numel()]
+        return self.trainer.grad_buffer[: self.store.masters[u].numel()]
+
+    def state(self, u: int, grads: bool = False) -> torch.Tensor:
+        """Unit u's float32 master (grads: the gradients the host holds) on the host."""
+        return self.store.grads[u] if grads else self.store.masters[u]
+
+
+class HostAdam(HostState):
+    """How the plain path steps a unit: its gradients leave on the D2H stream for a pinned buffer of the store, and the
+    CPU Adam steps it once they have landed."""
+
+    def __init__(self, trainer: OffloadedTraining):
+        super().__init__(trainer)
+        self.landed = [new_event(trainer.device, blocking=True) for _ in trainer.units]
 
     def send(self, u: int, grads: torch.Tensor, ready):
         """Copy the gradients to the host once `ready`; returns the event after which their memory may be reused."""
-        host, stream = self.trainer.store.take_grads(u), self.trainer.d2h_stream
+        host, stream = self.store.take_grads(u), self.trainer.d2h_stream
         with on_stream(stream):
             stream.wait_event(ready)  # the unit's backward must have written all its gradients
             host.copy_(grads, non_blocking=True)
@@ -934,10 +946,6 @@ class HostAdam:
     def written(self, u: int) -> bool:
         """Whether unit u's update is done, without blocking."""
         return self.trainer.cpu_adam.updated(u)
-
-    def state(self, u: int, grads: bool = False) -> torch.Tensor:
-        """Unit u's float32 master (grads: its last gradients) on the host."""
-        return self.trainer.store.grads[u] if grads else self.trainer.store.masters[u]
 
     def wait_all(self) -> None:
         """Block until every queued update is done."""
@@ -973,6 +981,11 @@ class Unscaled:
     def update(self) -> bool:
         """After the backward: whether the step may be applied."""
         return True
+
+
+def loss_scaling(dtype: torch.dtype, device: torch.device):
+    """float16's dynamic loss scaling (LossScale), or none."""
+    return LossScale(device) if dtype == torch.float16 else Unscaled()
 
 
 def objective(loss: torch.Tensor, micro_batches: int, scale: float) -> torch.Tensor:
@@ -1058,7 +1071,7 @@ class OffloadedTraining:
         self.cpu_adam = CpuAdam(len(self.units), store.step)
         self.steppers = [HostAdam(self)] * len(self.units)
         self.inputs = KeptInputs()
-        self.scaling = LossScale(device) if dtype == torch.float16 else Unscaled()
+        self.scaling = loss_scaling(dtype, device)
         if self.scaling.holds_updates and not store.pool.dedicated:
             raise ValueError("float16 steps only once every unit's gradients are in: give each unit a gradient buffer")
         self.streamer.wait_source = lambda u: self.steppers[u].wait_written(u)
@@ -1168,7 +1181,7 @@ class ResidentTraining:
         self.params = [p.requires_grad_() for p in self.model.parameters()]  # the inference store froze the layers
         self.masters = [p.detach().float().clone() for p in self.params]
         self.optimizer = adam.optimizer(self.masters)
-        self.scaling = LossScale(device) if dtype == torch.float16 else Unscaled()
+        self.scaling = loss_scaling(dtype, device)
 
     def step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
         """One optimizer step: backward each micro-batch, accumulate the gradients in float32, step Adam on the masters
@@ -1279,7 +1292,7 @@ class ResidentUnits:
     def wait_all(self) -> None: ...  # its steps run on the compute stream, which every read of the state waits for
 
 
-class StreamedAdam:
+class StreamedAdam(HostState):
     """The GPU's fused Adam for streamed units whose state stays on the host: after a unit's backward its float32
     master and moments cross PCIe in chunks through two staging slots, the GPU steps each chunk, and master, moments
     and compute-dtype copy go back, moved by the copy engines while the cores run the CPU Adam on the other units.
@@ -1289,8 +1302,6 @@ class StreamedAdam:
       s_out   state out   waits computed[k]: the chunk is stepped; records stepped[u] after u's last chunk
     The backward's last units, still in their slots, are rewritten there too (refresh_target)."""
 
-    shares_buffer = True  # the gradients accumulate in the trainer's gradient buffer
-
     def __init__(self, trainer: OffloadedTraining, units, keep_first_grads: bool = False):
         store = trainer.store
         if trainer.scaling.holds_updates and units:
@@ -1299,7 +1310,8 @@ class StreamedAdam:
             raise ValueError("resident units are stepped on the GPU already")
         if keep_first_grads and units and not store.pool.dedicated:
             raise ValueError("the first step's gradients stay on the host: give each unit a gradient buffer")
-        self.trainer, self.store, self.units, self.device = trainer, store, tuple(units), trainer.device
+        super().__init__(trainer)
+        self.units, self.device = tuple(units), trainer.device
         self.keep_first_grads = keep_first_grads  # the first step's gradients go to the host, to compare them
         for u in self.units:
             store.pin_moments(u)
@@ -1344,10 +1356,6 @@ class StreamedAdam:
         for dst, src in zip(self.host_state(u, lo, n), self.slots[k], strict=True):
             if dst is not None:
                 dst.copy_(src[:n], non_blocking=True)
-
-    def grads(self, u: int) -> torch.Tensor:
-        """The GPU memory unit u's gradients accumulate in: the start of the shared gradient buffer."""
-        return self.trainer.grad_buffer[: self.store.masters[u].numel()]
 
     def send(self, u: int, grads: torch.Tensor, ready):
         """Take unit u's gradients out of the shared buffer (take), and to the host too at the first step where the
@@ -1428,10 +1436,6 @@ class StreamedAdam:
 
     def written(self, u: int) -> bool:  # the copy stream waits for it: the copy may be issued now
         return True
-
-    def state(self, u: int, grads: bool = False) -> torch.Tensor:
-        """Unit u's float32 master (grads: its first step's gradients) on the host."""
-        return self.store.grads[u] if grads else self.store.masters[u]
 
     def wait_all(self) -> None:
         """Block until every queued step has written its state back to the host."""
@@ -2196,7 +2200,9 @@ def copy_in(trainer: OffloadedTraining) -> None:
     """Every H2D copy of a step: the forward's, less the units the GPU's Adam rewrote in their slots; the backward's,
     less the units it finds there; then the state of the units the GPU's Adam steps."""
     streamer, n, gpu_adam = trainer.streamer, len(trainer.units), streamed_adam(trainer)
-    for order, keep in ((range(n), set(refreshed_units(trainer))), (reversed(range(n)), True)):
+    for u in refreshed_units(trainer):  # as the GPU's Adam marks them in a step
+        streamer.rewritten(u)
+    for order, keep in ((range(n), False), (reversed(range(n)), True)):
         streamer.begin(order, keep)
         for p in range(len(streamer.order)):
             streamer.prefetch(p)
@@ -2237,7 +2243,8 @@ def adam_and_copies(trainer: OffloadedTraining, big: int, adam) -> None:
 
 def cpu_and_gpu_adam_units(trainer: OffloadedTraining) -> tuple[dict[int, int], dict[int, int]]:
     """The streamed units the CPU Adam steps, and those the GPU's Adam steps over streamed state: unit -> size."""
-    gpu = streamed_adam(trainer).units if streamed_adam(trainer) else ()
+    gpu_adam = streamed_adam(trainer)
+    gpu = gpu_adam.units if gpu_adam else ()
     numels = {u: trainer.store.masters[u].numel() for u in trainer.streamer.streamed}
     return {u: n for u, n in numels.items() if u not in gpu}, {u: n for u, n in numels.items() if u in gpu}
 
