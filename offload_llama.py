@@ -412,7 +412,6 @@ class LayerStreamer:
         self.copy_stream = copy_stream or new_stream(device)
         self.wait_source = lambda u: None  # training: block until unit u's update is done
         self.source_ready = lambda u: True  # training: whether it is done, without blocking
-        self.fresh = set()  # units whose slot was rewritten with their new weights (rewritten)
         self.keep_resident(())
 
     def keep_resident(self, units, load=None) -> None:
@@ -449,9 +448,8 @@ class LayerStreamer:
         return len(self.buffers)
 
     def begin(self, order, keep: bool = False) -> None:
-        """The next pass visits the units in `order`. Units the last pass left in the slots are not copied again if they
-        are still current: all of them (keep: the backward, right after the forward), or those rewritten in their slot
-        since the last pass began."""
+        """The next pass visits the units in `order`; keep: the units the last pass left in the slots are still current
+        (the backward, right after the forward), so they are not copied again."""
         order = list(order)
         self.opening = order[0] if order else None
         self.order = [u for u in order if u not in self.resident]  # what the copy stream brings in, in turn
@@ -461,13 +459,7 @@ class LayerStreamer:
             p += u not in self.resident
         self.issued = 0  # positions taken into the copy window in this pass
         self.waiting = []  # of those, the ones whose copy is not issued yet: their sources were not ready
-        held = {u for u in self.holds if u is not None}
-        self.kept = held if keep else held & self.fresh
-        self.fresh = set()
-
-    def rewritten(self, u: int) -> None:
-        """Someone else wrote unit u's new weights into the slot holding it: the next pass need not copy it."""
-        self.fresh.add(u)
+        self.kept = {u for u in self.holds if u is not None} if keep else set()
 
     def prefetch(self, p: int) -> None:
         """Start copying the streamed unit at position p of the pass into its slot, on the copy stream."""
@@ -1299,8 +1291,7 @@ class StreamedAdam(HostState):
     Three streams of its own, ordered per slot k and per unit u:
       s_in    state in    waits out_done[k]: slot k's last chunk has left (and so the unit's last step)
       s_adam  the step    waits `ready` (the gradients are written) and in_done[k]: the chunk has landed
-      s_out   state out   waits computed[k]: the chunk is stepped; records stepped[u] after u's last chunk
-    The backward's last units, still in their slots, are rewritten there too (refresh_target)."""
+      s_out   state out   waits computed[k]: the chunk is stepped; records stepped[u] after u's last chunk"""
 
     def __init__(self, trainer: OffloadedTraining, units, keep_first_grads: bool = False):
         store = trainer.store
@@ -1376,15 +1367,7 @@ class StreamedAdam(HostState):
         return consumed
 
     def update(self, u: int) -> None:
-        """Queue unit u's step on this Adam's streams; where the slot holding u is rewritten too, tell the streamer."""
-        into = self.refresh_target(u)
-        self.step(u, into)
-        if into is not None:
-            self.trainer.streamer.rewritten(u)
-
-    def step(self, u: int, into: tuple | None = None) -> None:
-        """Queue unit u's Adam step over its streamed state, chunk by chunk; its gradients were taken. into: (the slot
-        holding unit u's compute-dtype weights, the event to record once they are rewritten), or None."""
+        """Queue unit u's Adam step over its streamed state, chunk by chunk, on this Adam's streams."""
         steps = self.store.steps[u]
         fresh, done = not steps, float(steps)  # steps done: the fused kernel counts this one in
         steps += 1  # this count lives on the host: only the thread that runs the backward issues this unit's steps
@@ -1395,40 +1378,21 @@ class StreamedAdam(HostState):
                 self.in_done[k].record(self.s_in)
             with on_stream(self.s_adam):
                 self.s_adam.wait_event(self.in_done[k])  # the chunk's state must have landed
-                self.step_chunk(u, k, lo, n, done, into)
+                self.step_chunk(k, lo, n, done)
                 self.computed[k].record(self.s_adam)
             with on_stream(self.s_out):
                 self.s_out.wait_event(self.computed[k])  # the chunk must be stepped before it leaves
                 self.copy_out(u, k, lo, n)
                 self.out_done[k].record(self.s_out)
-        if into is not None:
-            into[1].record(self.s_adam)  # the slot holds the stepped weights: the next forward may compute from it
         self.stepped[u].record(self.s_out)
 
-    def step_chunk(self, u: int, k: int, lo: int, n: int, done: float, into: tuple | None) -> None:
-        """torch's fused Adam on slot k's chunk; its compute-dtype copy, and into the slot where `into` says."""
+    def step_chunk(self, k: int, lo: int, n: int, done: float) -> None:
+        """torch's fused Adam on slot k's chunk, then its compute-dtype copy."""
         p, m, v, copy = (t[:n] if t is not None else None for t in self.slots[k])
         step = torch.full((), done, device=p.device)
         torch_adam_step(self.store.update.adam, p, self.buffer[lo : lo + n].float(), m, v, step)
         if copy is not None:
             copy.copy_(p)  # rounded to nearest even, as the CPU Adam writes the copy
-        if into is not None:  # the same rounding as the copy the forward would stream, or cast
-            into[0][lo : lo + n].copy_(p)
-
-    def refreshed_units(self) -> list[int]:
-        """The units whose slots the step rewrites: those among the backward's last streamed units, one per slot, as
-        no later copy of the backward reuses their slots; the next forward needs them first."""
-        streamer = self.trainer.streamer
-        return [u for u in streamer.streamed[: streamer.n_slots] if u in self.stepped]
-
-    def refresh_target(self, u: int) -> tuple | None:
-        """(The slot the backward leaves unit u in, the event the next forward's compute waits for before it reads
-        it), or None for the units the next forward streams from the host."""
-        if u not in self.refreshed_units():
-            return None
-        streamer = self.trainer.streamer
-        s = streamer.slot[u]
-        return streamer.buffers[s][: self.store.masters[u].numel()], streamer.copied[s]
 
     def wait_written(self, u: int) -> None:
         """The next forward's copy of unit u waits on the copy stream, not the host, for its state to be back."""
@@ -2178,7 +2142,6 @@ def train_bound_parts(trainer: OffloadedTraining, micro_batches, device) -> dict
     """The parts of what a training step cannot beat, as functions to time alone (name -> (device, fn)): each kind of
     unit's GPU compute, every H2D copy of a step, every D2H copy, the CPU Adam over the largest unit it steps, and
     `host`: that Adam with the copy engines moving its share of a step's copies. Built anew for each round."""
-    trainer.streamer.fresh.clear()  # the parts write into the slots: the next forward copies every unit in
     kinds = [u.kind for u in trainer.units]
     fns = {
         kind: (device, unit_compute(trainer, kinds.index(kind), micro_batches, device)) for kind in dict.fromkeys(kinds)
@@ -2200,8 +2163,6 @@ def copy_in(trainer: OffloadedTraining) -> None:
     """Every H2D copy of a step: the forward's, less the units the GPU's Adam rewrote in their slots; the backward's,
     less the units it finds there; then the state of the units the GPU's Adam steps."""
     streamer, n, gpu_adam = trainer.streamer, len(trainer.units), streamed_adam(trainer)
-    for u in refreshed_units(trainer):  # as the GPU's Adam marks them in a step
-        streamer.rewritten(u)
     for order, keep in ((range(n), False), (reversed(range(n)), True)):
         streamer.begin(order, keep)
         for p in range(len(streamer.order)):
@@ -2254,21 +2215,14 @@ def streamed_adam(trainer: OffloadedTraining) -> StreamedAdam | None:
     return next((s for s in trainer.steppers if isinstance(s, StreamedAdam)), None)
 
 
-def refreshed_units(trainer: OffloadedTraining) -> list[int]:
-    """The units whose slots the GPU's Adam over streamed state rewrites (none without it)."""
-    gpu_adam = streamed_adam(trainer)
-    return gpu_adam.refreshed_units() if gpu_adam else []
-
-
 def step_copy_bytes(trainer: OffloadedTraining) -> tuple[int, int, int]:
     """(H2D, D2H, of the D2H the GPU Adam's) bytes of a step: each streamed unit's weights twice, less the units the
-    backward finds still in the slots and those the GPU's Adam rewrote in theirs for the forward; the gradients of
-    the units the CPU Adam steps; for those the GPU's Adam steps, their float32 master and moments in, and those and
-    the compute-dtype copy back out."""
+    backward finds still in the slots; the gradients of the units the CPU Adam steps; for those the GPU's Adam steps,
+    their float32 master and moments in, and those and the compute-dtype copy back out."""
     store, streamer = trainer.store, trainer.streamer
     on_cpu, on_gpu = cpu_and_gpu_adam_units(trainer)
     weights = store.weights
-    kept = streamer.streamed[-streamer.n_slots :] + refreshed_units(trainer)  # no copy in one of the passes
+    kept = streamer.streamed[-streamer.n_slots :]  # the backward finds them in the slots
     state_in = 12 * sum(on_gpu.values())
     state_out = state_in + sum(on_gpu.values()) * (store.copies[0].itemsize if store.copies else 0)
     h2d = 2 * sum(weights[u].nbytes for u in streamer.streamed) - sum(weights[u].nbytes for u in kept) + state_in

@@ -57,18 +57,14 @@ def test_streaming_the_masters_without_a_copy_trains_the_same():
 def test_adam_over_streamed_state_trains_as_the_cpu_adam(dtype, depth, k, monkeypatch):
     """Units the device's Adam steps over state streamed from the host, in chunks of 1000 through two slots taken in
     turn (the first layer's 3 of them): the same gradients as the CPU Adam's run, masters to float32 rounding
-    (torch's fused kernel against the compiled update), the same losses. The backward's last units, one per slot,
-    are rewritten in their slots, and the next forward computes from them without copying them in."""
+    (torch's fused kernel against the compiled update), the same losses."""
     monkeypatch.setattr(ol, "GPU_ADAM_CHUNK", 1000)
     model, ids = build(ol.dataclasses.replace(tiny_run(), dtype=dtype, batch_size=2))
     batches = micro(ids, k)
     ref_grads, _, ref_masters, ref_losses = train(offloaded_trainer(model, CPU, depth, batches), batches, 3)
     trainer = offloaded_trainer(model, CPU, depth, batches, gpu_adam=(0, 5, 1))
     assert len(ol.streamed_adam(trainer).chunks(1)) >= 3
-    kept, begin = [], trainer.streamer.begin
-    trainer.streamer.begin = lambda order, keep=False: (begin(order, keep), kept.append(trainer.streamer.kept))
     grads, _, masters, losses = train(trainer, batches, 3)
-    assert kept[0::2] == [set(), *[set(range(depth + 1))] * 2]  # each forward's: the embeddings (and layer 0)
     assert all(torch.equal(g, ref_grads[name]) for name, g in grads.items())
     assert_masters_close(masters, ref_masters, 3)
     assert losses == ref_losses
