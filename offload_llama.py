@@ -1,17 +1,12 @@
 """Layer-wise parameter offload for LLaMA, measured.
 
-Every decoder layer's weights live in pinned CPU memory as one flat buffer and are copied into a small ring of GPU
-slots just before they run: `blocked` copies, then computes, one layer at a time; `overlapped` lets a copy stream fill
-the next slot(s) while the compute stream runs the current one. Inference runs the unmodified Hugging Face forward
-with thin wrappers in place of its decoder layers. Training streams every unit (embeddings, layers, norm, head)
-through a torch.autograd.Function, sends its gradients to the host and steps Adam there, on float32 masters.
-
-The file reads top to bottom: configuration, model, parameter store, layer streamer, training (the plain path:
-every unit streamed and stepped by the CPU Adam), then the accelerations that plug into it (resident units, the
-GPU's Adam over streamed state, activation offload, float16 loss scaling), then the instruments (placement, modes,
-timing, bounds, tables, the largest-model search) and the CLI.
-
-References: torchao's CPUOffloadOptimizer, torchtune's activation offloading, gau-nernst's offload.py, gpt-fast.
+Each decoder layer's weights live in pinned host memory as one flat buffer, copied into a ring of GPU slots just
+before they run: `blocked` copies then computes; `overlapped` fills the next slot(s) on a copy stream while the
+current one computes. Inference runs the unmodified Hugging Face forward with stand-ins for its decoder layers.
+Training streams every unit through an autograd Function and steps Adam on float32 masters on the host.
+Top to bottom: configuration, model, parameter store, layer streamer, training, the accelerations that plug into
+it, the instruments (placement, timing, bounds, tables, largest-model search) and the CLI. References: torchao's
+CPUOffloadOptimizer, torchtune's activation offloading, gau-nernst's offload.py, gpt-fast.
 
     python -m pytest -q tests                          # every mode computes the same thing
     python offload_llama.py --mode overlapped --train  # LLaMA-7B-sized layers: memory and time tables
@@ -99,30 +94,25 @@ class UsageError(Exception):
 class RunConfig:
     """Everything one run needs, from the command line (parse_args) or a test: frozen, passed explicitly."""
 
-    # the model
     mode: str = "all"
     preset: str = "7b-8l"
     model: str | None = None  # a save_pretrained folder; overrides preset and sizes
     sizes: tuple = ()  # (field, value) pairs that override the preset
     dtype: str = "bfloat16"  # the compute dtype; master weights stay float32
     attention: str = "sdpa"  # eager: a backward that is bitwise reproducible (sdpa's is not)
-    # the batch and the timing
     batch_size: int = 1
     seq_len: int = 4096
     seed: int = 0
     prefetch: int = 1  # units copied ahead in overlapped mode (a ring of prefetch + 1 slots)
     warmup: int = 2
     repeat: int = 5
-    # placement
     max_gpu_memory: float | None = None  # GiB; overlapped keeps on the GPU what this budget holds
     resident_layers: int | None = None  # overlapped: this many decoder layers resident instead of the budget's plan
     gpu_adam_share: float | None = None  # overlapped training: of the streamed parameters, the GPU Adam's share
     offload_activations: bool = False  # the units' saved inputs wait in pinned host memory, not on the GPU
-    # outputs
     json: str | None = None
     save_output: str | None = None
     profile: str | None = None
-    # training
     train: bool = False  # also run training steps in every mode
     inference: bool = True  # False (--no-inference): train only
     steps: int = 10
@@ -212,10 +202,8 @@ def load_config(path: Path) -> LlamaConfig:
 def build_model(run: RunConfig, config: LlamaConfig) -> LlamaForCausalLM:
     """The CPU model in the compute dtype: loaded from --model, or randomly initialised from --seed."""
     dtype, n = run.torch_dtype, param_count(config)
-    log(
-        f"building {run.model or run.preset}: {n / 1e9:.2f}B parameters, {run.dtype} "
-        f"({n * dtype.itemsize / GiB:.1f} GiB) on the CPU ..."
-    )
+    gib = n * dtype.itemsize / GiB
+    log(f"building {run.model or run.preset} on the CPU: {n / 1e9:.2f}B {run.dtype} parameters, {gib:.1f} GiB")
     t0 = time.perf_counter()
     if run.model is not None:
         try:
@@ -232,19 +220,13 @@ def build_model(run: RunConfig, config: LlamaConfig) -> LlamaForCausalLM:
 
 @torch.no_grad()
 def init_random(model: LlamaForCausalLM, seed: int) -> None:
-    """HF's LLaMA initialisation for a model built on the meta device: weights N(0, initializer_range), norms 1.
-    Each weight has a generator of its own, seeded from `seed` and its index, so the cores draw them in parallel."""
+    """HF's LLaMA initialisation of a meta-device model: weights N(0, initializer_range) drawn in parallel, norms 1."""
     config = model.config
     model.to_empty(device="cpu")
     weights = [p.detach() for p in model.parameters() if p.dim() > 1]  # no_grad does not reach the pool threads
-
-    def draw(i: int) -> None:
-        """Draw weight i from its own generator."""
-        generator = torch.Generator().manual_seed((seed << 16) + i)
-        weights[i].normal_(0.0, config.initializer_range, generator=generator)
-
+    generators = [torch.Generator().manual_seed((seed << 16) + i) for i in range(len(weights))]  # one per weight
     with ThreadPoolExecutor(os.cpu_count()) as pool:  # normal_ releases the GIL
-        list(pool.map(draw, range(len(weights))))
+        list(pool.map(lambda w, g: w.normal_(0.0, config.initializer_range, generator=g), weights, generators))
     for p in model.parameters():
         if p.dim() == 1:
             p.fill_(1.0)  # RMSNorm weights
@@ -291,13 +273,10 @@ class FlatLayout:
     @staticmethod
     def of(module: nn.Module) -> FlatLayout:
         """The layout of `module`'s parameters."""
-        names, shapes, offsets, end = [], [], [], 0
-        for name, p in module.named_parameters():
-            names.append(name)
-            shapes.append(p.shape)
-            offsets.append(end)
-            end += -(-p.numel() // ALIGN) * ALIGN
-        return FlatLayout(tuple(names), tuple(shapes), tuple(offsets), end)
+        params = dict(module.named_parameters())
+        sizes = [-(-p.numel() // ALIGN) * ALIGN for p in params.values()]  # each rounded up to a multiple of ALIGN
+        offsets = tuple(sum(sizes[:i]) for i in range(len(sizes)))
+        return FlatLayout(tuple(params), tuple(p.shape for p in params.values()), offsets, sum(sizes))
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Each parameter as a view into `flat`, by name."""
@@ -313,10 +292,9 @@ class FlatLayout:
 
 
 class HostBuffer(mmap.mmap):
-    """Zeroed host memory of exactly `nbytes`, in 2 MiB pages where the kernel allows it (the CPU Adam streams through
-    it faster), and page-locked for the copy engines when `pin`. torch's pinned allocator would round each buffer up
-    to a power of two (LLaMA-7B's training state from 113 to 133 GiB). It records no events: its tensors must outlive
-    every copy queued from or to them, as the stores, which live as long as the run, do."""
+    """Zeroed host memory of exactly `nbytes` (torch's pinned allocator rounds up to a power of two), in 2 MiB pages
+    where the kernel allows (the CPU Adam streams them faster), page-locked when `pin`. It records no events: its
+    tensors must outlive every copy queued from or to them, as the run-long stores do."""
 
     def __new__(cls, nbytes: int, pin: bool):
         return super().__new__(cls, -1, nbytes)  # anonymous: zero-filled and page-aligned
@@ -337,13 +315,13 @@ class HostBuffer(mmap.mmap):
 
 
 def host_zeros(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """A zeroed flat CPU buffer, pinned when a GPU streams it. Allocate once: pinning costs about 0.6 s per GiB."""
+    """A zeroed flat CPU buffer, pinned when a GPU streams it. Allocate once: pinning is slow."""
     return torch.frombuffer(HostBuffer(numel * dtype.itemsize, pin), dtype=dtype)  # the tensor keeps it alive
 
 
 class ParamStore:
-    """Inference: every decoder layer's weights as one flat CPU buffer in the compute dtype, pinned when a GPU streams
-    it. The CPU model's layer parameters become views into these buffers, so the host holds one copy."""
+    """Inference: each decoder layer's weights as one flat CPU buffer in the compute dtype, pinned when a GPU streams
+    it; the CPU model's layer parameters become views into them, so the host holds one copy."""
 
     @torch.no_grad()
     def __init__(self, model: LlamaForCausalLM, pin: bool):
@@ -358,18 +336,12 @@ class ParamStore:
             self.layout.bind(layer, flat)
             self.flats.append(flat)
 
-    @property
-    def num_layers(self) -> int:
-        """How many decoder layers the store holds."""
-        return len(self.flats)
-
 
 # ---------------------------------------------------------------------------------------------------- layer streamer
 
 
 class InOrder:
-    """Stands in for a CUDA stream or event on the CPU, where every op already runs in program order. Tests also put
-    it in place of a real event to remove one stream wait and watch the result go wrong."""
+    """A CUDA stream or event's stand-in on the CPU, where ops run in order; tests swap it in to drop one wait."""
 
     def wait_event(self, event) -> None: ...  # nothing to wait for: the CPU runs every op in order
     def wait(self, stream=None) -> None: ...  # nothing to wait for
@@ -395,13 +367,12 @@ def new_event(device: torch.device, blocking: bool = False):
 
 
 class LayerStreamer:
-    """Streams units (decoder layers; in training also embeddings, norm and head) from flat host buffers into a ring of
-    GPU slots, which consecutive streamed units take in turn. `depth` is how many units the copy stream runs ahead of
-    the compute stream: 0 is blocked offload, >= 1 overlapped. Two events per slot order the two streams:
-      copied[s]  the copy into slot s has landed:        compute may read the slot
-      freed[s]   compute has finished the slot's unit:   the next copy may overwrite it
-    Resident units (keep_resident) run from GPU buffers of their own. Float32 sources with a lower compute dtype (the
-    masters, where the host has no room for their copy) cross PCIe in chunks through a staging buffer and are cast."""
+    """Streams units (decoder layers; in training also embeddings, norm, head) from flat host buffers through a ring of
+    GPU slots taken in turn. The copy stream runs `depth` units ahead of compute: 0 is blocked, >= 1 overlapped.
+      copied[s]  the copy into slot s has landed:   compute may read the slot
+      freed[s]   compute has finished with slot s:  the next copy may overwrite it
+    Resident units run from GPU buffers of their own. Float32 sources (the masters) in a lower compute dtype cross
+    PCIe in chunks through a staging buffer and are cast on the GPU."""
 
     def __init__(
         self, sources, kinds, make_module, dtype: torch.dtype, device: torch.device, depth: int, copy_stream=None
@@ -415,12 +386,11 @@ class LayerStreamer:
         self.keep_resident(())
 
     def keep_resident(self, units, load=None) -> None:
-        """Run `units` from GPU buffers of their own, load(u) in the compute dtype, and stream the others through a
-        ring built anew for them alone. The old ring's memory is freed before load is called."""
+        """Run `units` from GPU buffers of their own, filled by load(u), and stream the rest through a new ring."""
         landed = new_event(self.device)
         landed.record(self.copy_stream)
         self.compute_stream.wait_event(landed)  # copies into the old ring must land before its memory is reused
-        self.buffers = self.modules = self.staging = None
+        self.buffers = self.modules = self.staging = None  # the old ring is freed before load runs
         flats = {u: load(u) for u in units}
         with torch.device("meta"):  # the modules own no memory: their parameters are views into the buffers
             self.resident = {u: self.make_module(self.kinds[u], flat) for u, flat in flats.items()}
@@ -448,8 +418,7 @@ class LayerStreamer:
         return len(self.buffers)
 
     def begin(self, order, keep: bool = False) -> None:
-        """The next pass visits the units in `order`; keep: the units the last pass left in the slots are still current
-        (the backward, right after the forward), so they are not copied again."""
+        """The next pass visits `order`; keep: the units the slots hold are current (backward right after forward)."""
         order = list(order)
         self.opening = order[0] if order else None
         self.order = [u for u in order if u not in self.resident]  # what the copy stream brings in, in turn
@@ -475,7 +444,7 @@ class LayerStreamer:
                 dst.copy_(src, non_blocking=True)
             else:
                 self.cast_in(src, dst)
-            self.copied[s].record(self.copy_stream)
+            self.copied[s].record(self.copy_stream)  # compute waits for it before it reads the slot
         self.holds[s] = u
 
     def cast_in(self, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -490,8 +459,7 @@ class LayerStreamer:
         if u == self.opening:
             self.issued, self.waiting = 0, []  # a pass opens by filling the whole ring
         if u in self.resident:
-            # the copies ahead start in release, once its kernels are issued: in training a copy first waits for its
-            # unit's update, and the GPU can run this one meanwhile
+            # the copies ahead start in release: in training a copy may wait for its unit's update, while this runs
             return self.resident[u]
         self.issue_through(self.position[u] + self.depth, need=self.position[u])
         s = self.slot[u]
@@ -499,16 +467,14 @@ class LayerStreamer:
         return self.modules[s][self.kinds[u]]
 
     def release(self, u: int) -> None:
-        """Unit u's kernels are all issued: a streamed unit's slot is free once they have run; after a resident unit
-        the copies of the next streamed ones start, to run under its compute."""
+        """Unit u's kernels are issued: its slot frees once they run; a resident unit starts the next copies."""
         if u in self.resident:
             self.issue_through(self.position[u] + self.depth)
         else:
-            self.freed[self.slot[u]].record(self.compute_stream)
+            self.freed[self.slot[u]].record(self.compute_stream)  # the slot's next copy waits for it
 
     def issue_through(self, p: int, need: int | None = None) -> None:
-        """Issue the copies of the positions up to p not issued yet, in order, but past any whose source is not ready
-        (its update still runs): the ready ones behind it go first. Only `need`, about to run, is waited for."""
+        """Issue the copies up to position p in order, ready sources first; only `need`, about to run, may wait."""
         end = min(p + 1, len(self.order))
         self.waiting += range(self.issued, end)
         self.issued = max(self.issued, end)
@@ -527,7 +493,7 @@ def layer_streamer(store: ParamStore, config: LlamaConfig, device: torch.device,
         """A decoder layer, its weights views into `buffer` (a slot's, or a resident layer's own)."""
         return store.layout.bind(LlamaDecoderLayer(config, layer_idx=0), buffer).eval()
 
-    streamer = LayerStreamer(store.flats, ["layer"] * store.num_layers, make_module, store.dtype, device, depth)
+    streamer = LayerStreamer(store.flats, ["layer"] * len(store.flats), make_module, store.dtype, device, depth)
     if resident:
         streamer.keep_resident(resident, lambda i: store.flats[i].to(device))
     return streamer
@@ -548,8 +514,7 @@ class StreamedLayer(nn.Module):
 
 
 def offloaded_model(model: LlamaForCausalLM, strategy, device: torch.device) -> LlamaForCausalLM:
-    """A copy of `model` on `device` without its decoder layers (embeddings, norm, head, rotary stay resident); its
-    layer list holds StreamedLayer wrappers, so the unmodified HF forward runs the layers from `strategy`."""
+    """`model` on `device` with StreamedLayer stand-ins, run from `strategy`, in place of its decoder layers."""
     layers = model.model.layers
     model.model.layers = nn.ModuleList()
     try:
@@ -565,7 +530,7 @@ def offloaded_model(model: LlamaForCausalLM, strategy, device: torch.device) -> 
 
 @dataclass(frozen=True)
 class Unit:
-    """A piece of the model that is streamed whole in training: the embeddings, a decoder layer, the norm, the head."""
+    """A piece of the model streamed whole in training: the embeddings, a decoder layer, the norm or the head."""
 
     name: str  # its module's name in the HF model, so master weights map back to HF parameter names
     kind: str  # embed, layer, norm or head
@@ -587,9 +552,10 @@ def model_units(config: LlamaConfig) -> list[Unit]:
     """The units in forward order: embeddings, decoder layers, final norm, head."""
     with torch.device("meta"):
         layout = {kind: FlatLayout.of(unit_module(kind, config)) for kind in ("embed", "layer", "norm", "head")}
-    layers = [Unit(f"model.layers.{i}", "layer", layout["layer"]) for i in range(config.num_hidden_layers)]
-    return [Unit("model.embed_tokens", "embed", layout["embed"]), *layers, Unit("model.norm", "norm", layout["norm"]),
-            Unit("lm_head", "head", layout["head"])]  # fmt: skip
+    layers = range(config.num_hidden_layers)
+    names = ["model.embed_tokens", *(f"model.layers.{i}" for i in layers), "model.norm", "lm_head"]
+    kinds = ["embed", *("layer" for _ in layers), "norm", "head"]
+    return [Unit(name, kind, layout[kind]) for name, kind in zip(names, kinds, strict=True)]
 
 
 @dataclass(frozen=True)
@@ -602,22 +568,21 @@ class Adam:
     weight_decay: float = 0.0
 
     def optimizer(self, params: list[torch.Tensor]) -> torch.optim.Adam:
-        """torch.optim.Adam over `params` with these hyper-parameters, fused (on the CPU 6x the plain one's speed)."""
+        """torch.optim.Adam over `params` with these hyper-parameters, fused (on the CPU, far faster than plain)."""
         return torch.optim.Adam(params, self.lr, self.betas, self.eps, self.weight_decay, fused=True)
 
     def scalars(self, step: int) -> torch.Tensor:
-        """adam_update's scalars for step `step` (from 1), computed and rounded as torch's fused CPU kernel does; a
-        tensor, not Python floats, so one compiled kernel serves every step."""
+        """adam_update's scalars for step `step` (from 1), as torch's fused CPU kernel rounds them; a tensor, not
+        floats, so one compiled kernel serves every step."""
         beta1, beta2 = self.betas
-        bias2_sqrt, step_size = math.sqrt(1 - beta2**step), -self.lr / (1 - beta1**step)
-        values = [1 - beta1, beta2, 1 - beta2, bias2_sqrt, self.eps, step_size, self.weight_decay]
+        step_size = -self.lr / (1 - beta1**step)
+        values = [1 - beta1, beta2, 1 - beta2, math.sqrt(1 - beta2**step), self.eps, step_size, self.weight_decay]
         return torch.tensor(values, dtype=torch.float32)
 
 
 def adam_update(master, grads, exp_avg, exp_avg_sq, copy, scalars) -> None:
-    """torch.optim.Adam's update of one unit, for torch.compile to fuse into one pass over memory: float32 master and
-    moments and the gradients (float32 or 16-bit) in; master, moments and, where given, the compute-dtype `copy` of
-    the new master out. 28 bytes per parameter with 16-bit gradients and copy. scalars: Adam.scalars."""
+    """torch.optim.Adam's step of one unit, for torch.compile to fuse into one pass over memory: float32 master and
+    moments and the gradients (float32 or 16-bit) in; master, moments and the compute-dtype `copy` (or None) out."""
     grads = grads.float() + master * scalars[6]
     exp_avg_new = exp_avg + (grads - exp_avg) * scalars[0]  # exp_avg.lerp_(grads, 1 - beta1)
     exp_avg_sq_new = exp_avg_sq * scalars[1] + scalars[2] * grads * grads
@@ -631,9 +596,8 @@ def adam_update(master, grads, exp_avg, exp_avg_sq, copy, scalars) -> None:
 
 @contextlib.contextmanager
 def without_isa_probes():
-    """inductor checks the CPU's AVX-512 bf16 and VNNI extensions by building a library and loading it in a child
-    process, anew in every process (with torch 2.11 the children import torch: seconds each). The update uses neither
-    extension, so they are reported absent while it compiles, and a later process finds it in the compile cache."""
+    """Report AVX-512 bf16 and VNNI absent while the update compiles: inductor probes each by building and loading a
+    library in a child process, slowly, and the update uses neither."""
     probes = ("_is_avx512_bf16_supported", "_is_vnni_supported")
     saved = {name: getattr(torch.cpu, name) for name in probes if hasattr(torch.cpu, name)}
     try:
@@ -647,34 +611,29 @@ def without_isa_probes():
 
 @functools.cache
 def compiled_adam_update(grad_dtype: torch.dtype, copy_dtype: torch.dtype | None):
-    """adam_update compiled by inductor's C++ backend for these dtypes and any size, and run once, so that the compile
-    happens here, not in a timed step; None, said on stderr, where it cannot be built (no C++ compiler)."""
-    n = 2**24  # inductor builds a serial loop if the size it compiles for looks small, and reuses it for any size
-    # cpp_wrapper: the kernel runs from C++ without the GIL, so the main thread drives the GPU meanwhile. cpp.threads:
-    # one core left to the main thread, as a static OpenMP loop runs at the pace of its slowest thread. vec_isa_ok:
-    # the widest vector ISA the CPU reports, without a probe; where the compiler cannot build it, the fallback runs
+    """adam_update built by inductor's C++ backend and run once, so no timed step compiles it; None if it cannot be."""
+    n = 2**24  # inductor builds a serial loop for a size that looks small, and reuses it for any size
+    # cpp_wrapper: the kernel runs without the GIL, so the main thread drives the GPU meanwhile. cpp.threads: a core
+    # left to the main thread, as a static OpenMP loop runs at its slowest thread's pace. vec_isa_ok: no ISA probe
     threads = max(1, torch.get_num_threads() - ADAM_SPARE_CORES)
     options = {"cpp_wrapper": True, "cpp.threads": threads, "cpp.vec_isa_ok": True, "compile_threads": 1}
     t0 = time.perf_counter()
     try:
         compiled = torch.compile(adam_update, dynamic=True, fullgraph=True, options=options)
+        master, grads = torch.zeros(n), torch.zeros(n, dtype=grad_dtype)
         copy = None if copy_dtype is None else torch.zeros(n, dtype=copy_dtype)
         with torch.no_grad(), without_isa_probes():
-            compiled(torch.zeros(n), torch.zeros(n, dtype=grad_dtype), torch.zeros(n), torch.zeros(n), copy,
-                     Adam().scalars(1))  # fmt: skip
+            compiled(master, grads, torch.zeros(n), torch.zeros(n), copy, Adam().scalars(1))
     except Exception as e:  # inductor's errors have no common class; the fallback is exact too
-        log(
-            f"CPU Adam: torch.compile could not build the fused update ({type(e).__name__}: {str(e)[:200]}); "
-            "using torch.optim.Adam(fused=True) and a cast, float32 gradients, more host memory traffic"
-        )
+        reason = f"{type(e).__name__}: {str(e)[:200]}"
+        log(f"CPU Adam: no fused update ({reason}); using torch.optim.Adam(fused=True) and a cast, float32 gradients")
         return None
     log(f"CPU Adam: fused update compiled in {time.perf_counter() - t0:.1f} s")
     return compiled
 
 
 def torch_adam_step(adam: Adam, master, grads, exp_avg, exp_avg_sq, step: torch.Tensor) -> None:
-    """torch.optim.Adam's fused kernel on the device `master` lives on: steps it by `grads` (float32 both) with the
-    moments and step count given, which it updates in place."""
+    """Step `master` by `grads` (float32 both) with torch.optim.Adam's fused kernel on its device, state in place."""
     param = nn.Parameter(master)  # shares the master's memory
     param.grad = grads
     optimizer = adam.optimizer([param])
@@ -683,12 +642,12 @@ def torch_adam_step(adam: Adam, master, grads, exp_avg, exp_avg_sq, step: torch.
 
 
 class AdamUpdate:
-    """One unit's Adam step on the CPU: adam_update compiled, or where that cannot be built, torch.optim.Adam's fused
-    CPU kernel and then the cast into the compute-dtype copy (on float32 gradients). The two round differently in the
-    last bit of float32."""
+    """One unit's Adam step on the CPU: adam_update compiled, else torch.optim.Adam's fused kernel on float32 gradients
+    and a cast into the copy (the two round differently in float32's last bit)."""
 
     def __init__(self, adam: Adam, grad_dtype: torch.dtype, copy_dtype: torch.dtype | None):
-        self.adam, self.copy_dtype = adam, copy_dtype
+        self.adam = adam
+        self.copy_dtype = copy_dtype
         self.compiled = compiled_adam_update(grad_dtype, copy_dtype)
         self.grad_dtype = grad_dtype if self.compiled else torch.float32
 
@@ -701,7 +660,7 @@ class AdamUpdate:
 
     @torch.no_grad()
     def __call__(self, master, grads, exp_avg, exp_avg_sq, copy, step: torch.Tensor) -> None:
-        """Step `master` by `grads`; `step` counts the unit's steps (a float32 tensor, as torch.optim.Adam keeps it)."""
+        """Step `master` by `grads`; `step`: the unit's step count (a float32 tensor, as torch.optim.Adam keeps it)."""
         if self.compiled is None:
             torch_adam_step(self.adam, master, grads, exp_avg, exp_avg_sq, step)
             if copy is not None:
@@ -712,16 +671,15 @@ class AdamUpdate:
 
 
 class MasterStore:
-    """Training state on the host, one flat buffer per unit and kind of state:
-    masters  float32, pinned: 4 bytes per parameter, streamed and cast on the GPU where there are no copies
-    copies   the compute dtype, pinned, rewritten by each Adam step: what the GPU streams where there is room
-    moments  float32 (pinned only where the GPU's Adam streams them: pin_moments): 8 bytes per parameter
-    grads    the gradients, pinned, in a buffer of the pool from their copy to the host until their Adam step
-    """
+    """Training state on the host, one flat buffer per unit and kind: float32 masters and, where there is room, the
+    compute-dtype copies each Adam step rewrites for the GPU to stream (pinned); float32 moments (pinned only for the
+    GPU's Adam: pin_moments); the gradients, in a pinned buffer of the pool from their copy until their Adam step."""
 
-    def __init__(self, units: list[Unit], adam: Adam, pin: bool, grad_buffers: int | None = None,
-                 grad_dtype: torch.dtype = torch.float32, copy_dtype: torch.dtype | None = None):  # fmt: skip
-        self.units, self.pin = units, pin
+    def __init__(
+        self, units: list[Unit], adam: Adam, pin: bool, grad_buffers=None, grad_dtype=torch.float32, copy_dtype=None
+    ):
+        self.units = units
+        self.pin = pin  # whether the host buffers are pinned
         numels = [u.layout.numel for u in units]
         self.update = AdamUpdate(adam, grad_dtype, copy_dtype)
         self.grad_dtype = self.update.grad_dtype
@@ -764,8 +722,8 @@ class MasterStore:
 
     @torch.no_grad()
     def load(self, model: LlamaForCausalLM) -> None:
-        """Start from `model`'s weights with fresh Adam state. The moments are not touched here but zeroed at each
-        unit's first step, once a lean run has freed the model's layers: the host's peak stays at its steady state."""
+        """Start from `model`'s weights with fresh Adam state; each unit's first step zeroes its moments, once a lean
+        run has freed the model's layers, so the host's peak stays at its steady state."""
         for u, (unit, master) in enumerate(zip(self.units, self.masters, strict=True)):
             module = model.get_submodule(unit.name)
             for name, view in unit.layout.views(master).items():
@@ -775,7 +733,7 @@ class MasterStore:
             self.steps[u].zero_()
 
     def state_dict(self, flats: list[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        """The masters (or other per-unit flats, such as the gradients) as float32 tensors with HF parameter names."""
+        """The masters (or other per-unit flats, such as the gradients) as float32 CPU tensors with HF names."""
         return {
             f"{unit.name}.{name}": view.to("cpu", torch.float32, copy=True)
             for unit, flat in zip(self.units, flats or self.masters, strict=True)
@@ -784,9 +742,8 @@ class MasterStore:
 
 
 class GradientPool:
-    """The pinned buffers the units' gradients land in: one per unit where the host has room (`dedicated`), otherwise
-    `count` shared ones, each big enough for any unit, which the CPU Adam hands back as it finishes a unit; the
-    backward then waits for a free one (`waited_s`)."""
+    """The pinned buffers gradients land in: one per unit (`dedicated`), or `count` shared ones as big as the largest
+    unit, each given back as the CPU Adam finishes its unit, which the backward then waits for (`waited_s`)."""
 
     def __init__(self, numels: list[int], count: int, pin: bool, dtype: torch.dtype):
         self.dedicated = count >= len(numels)
@@ -811,15 +768,35 @@ class GradientPool:
         self.free.put(next(b for b in self.buffers if b.data_ptr() == grads.data_ptr()))
 
 
-class CpuAdam:
-    """Each unit's Adam step in a worker thread, as soon as the unit's gradients have landed in pinned memory. Of the
-    landed units it steps first the one the next forward needs first (the embeddings and first layers, whose
-    gradients come last), so the next forward overlaps the updates of the layers after them."""
+class HostState:
+    """What the steppers of streamed units share: gradients accumulate in the trainer's gradient buffer, state lives in
+    the host store. Every stepper answers grads, shares_buffer, send, update, wait_written, written, state, wait_all."""
 
-    def __init__(self, n_units: int, step):
-        """step(u): unit u's update, run in the worker once its gradients have landed."""
-        self.step = step
-        self.done = [threading.Event() for _ in range(n_units)]
+    shares_buffer = True  # the gradients accumulate in the trainer's gradient buffer
+
+    def __init__(self, trainer: OffloadedTraining):
+        self.trainer = trainer
+        self.store = trainer.store
+
+    def grads(self, u: int) -> torch.Tensor:
+        """The GPU memory unit u's gradients accumulate in: the start of the shared gradient buffer."""
+        return self.trainer.grad_buffer[: self.store.masters[u].numel()]
+
+    def state(self, u: int, grads: bool = False) -> torch.Tensor:
+        """Unit u's float32 master (grads: the gradients the host holds) on the host."""
+        return self.store.grads[u] if grads else self.store.masters[u]
+
+
+class CpuAdam(HostState):
+    """The plain path's stepper: a unit's gradients leave on the D2H stream for a pinned buffer of the store, and a
+    worker thread steps the unit once they have landed, of the landed units first the one the next forward needs
+    first (the embeddings and first layers come last): the next forward overlaps the later layers' updates."""
+
+    def __init__(self, trainer: OffloadedTraining):
+        super().__init__(trainer)
+        self.step = trainer.store.step  # step(u): unit u's update, run in the worker
+        self.landed = [new_event(trainer.device, blocking=True) for _ in trainer.units]
+        self.done = [threading.Event() for _ in trainer.units]
         for event in self.done:
             event.set()
         self.pending = []  # (unit, landed event), in the order submitted; None asks the worker to stop
@@ -829,27 +806,39 @@ class CpuAdam:
         self.thread = threading.Thread(target=self.work, name="cpu-adam", daemon=True)
         self.thread.start()
 
-    def submit(self, u: int, landed) -> None:
-        """Queue unit u's step; it runs once `landed` says its gradients are in pinned memory."""
+    def send(self, u: int, grads: torch.Tensor, ready):
+        """Copy the gradients to the host once `ready`; returns the event after which their memory may be reused."""
+        host = self.store.take_grads(u)
+        stream = self.trainer.d2h_stream
+        with on_stream(stream):
+            stream.wait_event(ready)  # the unit's backward must have written all its gradients
+            host.copy_(grads, non_blocking=True)
+            self.landed[u].record(stream)
+        return self.landed[u]
+
+    def update(self, u: int) -> None:
+        """Queue unit u's step; the worker runs it once its gradients have landed."""
         self.done[u].clear()
         with self.cond:
-            self.pending.append((u, landed))
+            self.pending.append((u, self.landed[u]))
             self.cond.notify()
 
-    def wait(self, u: int) -> None:
-        """Block until unit u's last update is done; re-raise an error of the worker."""
+    def wait_written(self, u: int) -> None:
+        """Block until unit u's last update has written its master and copy; re-raise an error of the worker."""
         self.done[u].wait()
         if self.error:
             raise self.error
 
     def updated(self, u: int) -> bool:
-        """Whether unit u's last update is done (an error of the worker counts as done: wait re-raises it)."""
+        """Whether unit u's last update is done (an error of the worker counts as done: wait_written re-raises it)."""
         return self.done[u].is_set()
+
+    written = updated  # the stepper's name for it: the next forward may copy the unit now
 
     def wait_all(self) -> None:
         """Block until every queued update is done."""
         for u in range(len(self.done)):
-            self.wait(u)
+            self.wait_written(u)
 
     def close(self) -> None:
         """Finish every update, then stop the worker thread (once; closing again does nothing)."""
@@ -875,8 +864,7 @@ class CpuAdam:
 
     def work(self) -> None:
         """The worker thread: step each unit as its job comes, and mark it done."""
-        # as the loss falls, v = beta2 * v + (1 - beta2) * g^2 goes denormal, and x86 takes microcode assists on
-        # denormals: flush them to zero. It moves no update: sqrt(v) is then far below eps in the denominator
+        # Adam's v goes denormal as the loss falls, slow on x86: flush to zero (sqrt(v) is then far below eps anyway)
         torch.set_flush_denormal(True)
         while (job := self.next_job()) is not None:
             u, landed = job
@@ -890,63 +878,8 @@ class CpuAdam:
             self.done[u].set()
 
 
-class HostState:
-    """What the steppers of streamed units share: the gradients accumulate in the trainer's gradient buffer, and the
-    state lives in the store on the host. Each way of stepping units answers the same calls: where the unit's
-    gradients accumulate (grads, and whether that memory is the shared gradient buffer), how they leave (send), the
-    update, what the next forward's copy of the unit waits for (wait_written, written) and where the state is."""
-
-    shares_buffer = True  # the gradients accumulate in the trainer's gradient buffer
-
-    def __init__(self, trainer: OffloadedTraining):
-        self.trainer, self.store = trainer, trainer.store
-
-    def grads(self, u: int) -> torch.Tensor:
-        """The GPU memory unit u's gradients accumulate in: the start of the shared gradient buffer."""
-        return self.trainer.grad_buffer[: self.store.masters[u].numel()]
-
-    def state(self, u: int, grads: bool = False) -> torch.Tensor:
-        """Unit u's float32 master (grads: the gradients the host holds) on the host."""
-        return self.store.grads[u] if grads else self.store.masters[u]
-
-
-class HostAdam(HostState):
-    """How the plain path steps a unit: its gradients leave on the D2H stream for a pinned buffer of the store, and the
-    CPU Adam steps it once they have landed."""
-
-    def __init__(self, trainer: OffloadedTraining):
-        super().__init__(trainer)
-        self.landed = [new_event(trainer.device, blocking=True) for _ in trainer.units]
-
-    def send(self, u: int, grads: torch.Tensor, ready):
-        """Copy the gradients to the host once `ready`; returns the event after which their memory may be reused."""
-        host, stream = self.store.take_grads(u), self.trainer.d2h_stream
-        with on_stream(stream):
-            stream.wait_event(ready)  # the unit's backward must have written all its gradients
-            host.copy_(grads, non_blocking=True)
-            self.landed[u].record(stream)
-        return self.landed[u]
-
-    def update(self, u: int) -> None:
-        """Queue unit u's step for the CPU Adam, which runs it once the gradients have landed."""
-        self.trainer.cpu_adam.submit(u, self.landed[u])
-
-    def wait_written(self, u: int) -> None:
-        """Block until unit u's update has written its master and copy: the next forward streams them."""
-        self.trainer.cpu_adam.wait(u)
-
-    def written(self, u: int) -> bool:
-        """Whether unit u's update is done, without blocking."""
-        return self.trainer.cpu_adam.updated(u)
-
-    def wait_all(self) -> None:
-        """Block until every queued update is done."""
-        self.trainer.cpu_adam.wait_all()
-
-
 class KeptInputs:
-    """The plain path's saved inputs: each unit keeps its inputs (one tensor per micro-batch) on the GPU from its
-    forward to its backward. ActivationOffload answers the same calls with the inputs in host memory."""
+    """The plain path's saved inputs, on the GPU until the unit's backward (ActivationOffload: on the host)."""
 
     def save(self, ctx, u: int, xs) -> None:
         """Keep unit u's inputs for its backward."""
@@ -962,8 +895,7 @@ class KeptInputs:
 
 
 class Unscaled:
-    """The plain path's loss: not scaled, each unit's update queued as soon as its gradients are sent. LossScale
-    (float16) answers the same calls, and holds the updates until every gradient is in."""
+    """The plain path's loss, unscaled: each unit steps once sent (LossScale, float16: once every gradient is in)."""
 
     scale = 1.0
     holds_updates = False
@@ -981,18 +913,17 @@ def loss_scaling(dtype: torch.dtype, device: torch.device):
 
 
 def objective(loss: torch.Tensor, micro_batches: int, scale: float) -> torch.Tensor:
-    """What backward starts from for one micro-batch: its share of the mean loss, times the loss scale. gpu mode and
-    the offloaded modes build it alike, so its gradient is the same bits in both."""
+    """One micro-batch's share of the mean loss times the loss scale, built here for every mode: the same gradients."""
     return loss / micro_batches * scale
 
 
 def decoder_kwargs(model: LlamaForCausalLM, shape: tuple[int, int], dtype: torch.dtype, device) -> dict:
-    """What HF's LlamaModel.forward passes its decoder layers besides the hidden states (rotary cos/sin, causal mask,
-    positions), computed by HF itself: its forward runs on zero embeddings through one recorder."""
+    """What HF's LlamaModel.forward passes its decoder layers besides the hidden states (rotary cos/sin, mask,
+    positions), computed by HF itself: its forward runs on zero embeddings through one recording layer."""
     captured = {}
 
     class Recorder(nn.Module):
-        """Keeps the keyword arguments HF passes to a decoder layer; returns its input."""
+        """A decoder layer that keeps the keyword arguments HF passes it and returns its input."""
 
         def forward(self, hidden_states, **kwargs):
             """Record the kwargs, pass the hidden states through."""
@@ -1013,10 +944,9 @@ def decoder_kwargs(model: LlamaForCausalLM, shape: tuple[int, int], dtype: torch
 
 
 class StreamedUnit(torch.autograd.Function):
-    """One unit over every micro-batch while its weights are on the GPU (layer-major). Forward streams the unit in and
-    keeps only its inputs; backward streams it in again, recomputes and back-propagates, and sends its gradients to be
-    stepped while the GPU goes on with the units below. `anchor` requires grad, so autograd calls backward for the
-    embeddings too, whose inputs are token ids."""
+    """One unit over every micro-batch while its weights are in a slot. Forward streams the unit in and keeps only
+    its inputs; backward streams it in again, recomputes, back-propagates and sends its gradients to be stepped.
+    `anchor` requires grad, so autograd calls backward for the embeddings too, whose inputs are token ids."""
 
     @staticmethod
     def forward(ctx, trainer: OffloadedTraining, u: int, anchor: torch.Tensor, *xs: torch.Tensor):
@@ -1030,38 +960,49 @@ class StreamedUnit(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_outs):
-        """Gradients of the inputs (one per micro-batch); none for trainer, u and anchor."""
-        return None, None, None, *ctx.trainer.backward_unit(ctx.u, ctx.saved_tensors, grad_outs)
+        """Stream unit u in, accumulate its gradients over the micro-batches and send them; the inputs' gradients."""
+        trainer, u = ctx.trainer, ctx.u
+        module = trainer.streamer.acquire(u)
+        xs = trainer.inputs.load(u, ctx.saved_tensors)
+        views = trainer.grad_views(u)
+        pairs = enumerate(zip(xs, grad_outs, strict=True))
+        grads_in = [trainer.add_unit_grads(u, module, x, k, grad_out, views) for k, (x, grad_out) in pairs]
+        trainer.streamer.release(u)
+        trainer.inputs.release(u)
+        trainer.send(u)
+        return None, None, None, *grads_in  # none for trainer, u and anchor
 
 
 class OffloadedTraining:
-    """blocked and overlapped training: every unit streamed in by the LayerStreamer for its forward and again for its
+    """blocked and overlapped training: each unit streamed in by the LayerStreamer for its forward and again for its
     backward, its gradients sent out and stepped. Streams: compute runs the units, the streamer's copy stream brings
     weights in, `d2h_stream` takes gradients out. A unit's update rewrites the copy its backward streamed from with no
     wait of its own: it waits for the unit's gradients, which exist only once that copy has landed. Three policies
-    plug in: steppers[u] steps unit u (HostAdam; ResidentUnits, StreamedAdam), `inputs` keeps the saved inputs
+    plug in: steppers[u] steps unit u (CpuAdam; ResidentUnits, StreamedAdam), `inputs` keeps the saved inputs
     (KeptInputs; ActivationOffload), `scaling` scales the loss (Unscaled; LossScale for float16)."""
 
-    def __init__(self, store: MasterStore, config: LlamaConfig, dtype: torch.dtype, device: torch.device, depth: int,
-                 loss_function, kwargs: dict):  # fmt: skip
-        self.store, self.units, self.dtype, self.device = store, store.units, dtype, device
-        self.loss_function, self.kwargs = loss_function, kwargs
+    def __init__(
+        self, store: MasterStore, config: LlamaConfig, dtype: torch.dtype, device, depth: int, loss_function, kwargs
+    ):
+        self.store = store
+        self.units = store.units
+        self.dtype, self.device = dtype, device  # where the units compute
+        self.loss_function, self.kwargs = loss_function, kwargs  # for the head and the decoder layers
         self.vocab_size, self.hidden_size = config.vocab_size, config.hidden_size
-        kinds = [unit.kind for unit in self.units]
         layouts = {unit.kind: unit.layout for unit in self.units}
 
         def make_module(kind, buffer):
             """A slot's module of this kind, its trainable weights views into the slot's buffer."""
             return layouts[kind].bind(unit_module(kind, config), buffer, trainable=True).eval()
 
-        self.streamer = LayerStreamer(store.weights, kinds, make_module, dtype, device, depth)
+        self.streamer = LayerStreamer(store.weights, [u.kind for u in self.units], make_module, dtype, device, depth)
         # float32 to accumulate micro-batches (or unscale float16); with one micro-batch the compute dtype
         self.grad_buffer = torch.empty(max(m.numel() for m in store.masters), dtype=store.grad_dtype, device=device)
         self.d2h_stream = new_stream(device)
         self.last_landed = InOrder()  # the event after which the gradients that left grad_buffer last are out
         self.anchor = torch.empty(0, device=device, requires_grad=True)
-        self.cpu_adam = CpuAdam(len(self.units), store.step)
-        self.steppers = [HostAdam(self)] * len(self.units)
+        self.cpu_adam = CpuAdam(self)
+        self.steppers = [self.cpu_adam] * len(self.units)
         self.inputs = KeptInputs()
         self.scaling = loss_scaling(dtype, device)
         if self.scaling.holds_updates and not store.pool.dedicated:
@@ -1092,9 +1033,8 @@ class OffloadedTraining:
         return list(self.units[u].layout.views(self.steppers[u].grads(u)).values())
 
     def add_unit_grads(self, u: int, module, x, k: int, grad_out, views: list[torch.Tensor]) -> torch.Tensor | None:
-        """Micro-batch k's share of unit u's backward: its parameter gradients added into `views` (written for k = 0)
-        in micro-batch order, as gpu mode does; returns the gradient of its input. The parameter gradients die on
-        return, before the next micro-batch's recompute."""
+        """Micro-batch k's backward of unit u: its parameter gradients added into `views` (written for k = 0) in
+        micro-batch order, as gpu mode does, and freed before the next recompute; returns its input's gradient."""
         grad_in, grads = self.unit_grads(u, module, x, k, grad_out)
         if k == 0 and self.steppers[u].shares_buffer:  # the last unit's gradients must have left the shared buffer
             self.streamer.compute_stream.wait_event(self.last_landed)
@@ -1105,25 +1045,12 @@ class OffloadedTraining:
                 view.add_(grad)
         return grad_in
 
-    def backward_unit(self, u: int, saved: tuple, grad_outs) -> list:
-        """Unit u's backward over every micro-batch: stream it in, recompute, accumulate its gradients and send them to
-        be stepped; returns the gradients of its inputs."""
-        module = self.streamer.acquire(u)
-        xs = self.inputs.load(u, saved)
-        views = self.grad_views(u)
-        pairs = enumerate(zip(xs, grad_outs, strict=True))
-        grads_in = [self.add_unit_grads(u, module, x, k, grad_out, views) for k, (x, grad_out) in pairs]
-        self.streamer.release(u)
-        self.inputs.release(u)
-        self.send(u)
-        return grads_in
-
     def send(self, u: int) -> None:
         """Unscale unit u's gradients and send them to its stepper; the update follows, or waits for the others."""
         grads = self.steppers[u].grads(u)
         self.scaling.unscale([grads])
         ready = new_event(self.device)
-        ready.record(self.streamer.compute_stream)
+        ready.record(self.streamer.compute_stream)  # marks the end of the unit's backward, for its stepper to wait on
         self.last_landed = self.steppers[u].send(u, grads, ready)
         self.sent.append(u)
         if not self.scaling.holds_updates:
@@ -1133,7 +1060,9 @@ class OffloadedTraining:
         """One optimizer step over the micro-batches; returns the mean loss. The updates may still be running."""
         if len(micro_batches) > 1 and self.grad_buffer.dtype != torch.float32:
             raise ValueError("micro-batches accumulate their gradients in float32: give the store float32 gradients")
-        self.labels, self.sent, n = micro_batches, [], len(self.units)
+        n = len(self.units)
+        self.labels = micro_batches
+        self.sent = []
         self.streamer.begin(range(n))
         losses = StreamedUnit.apply(self, 0, self.anchor, *micro_batches)
         for u in range(1, n):
@@ -1147,8 +1076,7 @@ class OffloadedTraining:
         return mean_loss(losses)
 
     def state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
-        """The float32 masters (grads: the last step's gradients, or the first step's where they are kept) with HF
-        names on the CPU, once every update is done."""
+        """The float32 masters (grads: the gradients the steppers keep) with HF names on the CPU, after every update."""
         self.wait_updates()
         return self.store.state_dict([self.steppers[u].state(u, grads) for u in range(len(self.units))])
 
@@ -1164,8 +1092,7 @@ class OffloadedTraining:
 
 
 class ResidentTraining:
-    """gpu and cpu modes, the reference: the plain HF model on `device`, float32 master weights and torch.optim.Adam
-    on the same device, a compute-dtype copy of the weights for forward and backward."""
+    """gpu and cpu modes, the reference: the plain HF model on `device`, torch.optim.Adam on float32 masters there."""
 
     def __init__(self, model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device, adam: Adam):
         self.model = copy.deepcopy(model).to(device)
@@ -1176,8 +1103,8 @@ class ResidentTraining:
         self.scaling = loss_scaling(dtype, device)
 
     def step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
-        """One optimizer step: backward each micro-batch, accumulate the gradients in float32, step Adam on the masters
-        and copy them into the compute-dtype weights; returns the mean loss."""
+        """One step: backward each micro-batch, gradients summed in float32, Adam on the masters copied into the
+        weights; returns the mean loss."""
         losses = []
         for k, ids in enumerate(micro_batches):
             loss = self.model(ids, labels=ids, use_cache=False).loss
@@ -1207,35 +1134,31 @@ def mean_loss(losses) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------- accelerations
-# Each piece plugs into the plain path above through its policies (OffloadedTraining's steppers, inputs, scaling):
-# without them the program still trains, exactly, and slower.
+# Each plugs into a policy of OffloadedTraining (steppers, inputs, scaling): without them it trains the same, slower.
 
 
 class ResidentUnit:
-    """One unit a placement keeps on the GPU: its compute-dtype weights, float32 master and Adam moments live there.
-    Its float32 gradients live from its backward to its step only, so `grads` may be memory the units share."""
+    """One unit kept on the GPU: weights, float32 master and Adam moments; `grads` may be memory the units share."""
 
-    def __init__(self, master: torch.Tensor, adam: Adam, dtype: torch.dtype, device, grads: torch.Tensor):
-        self.master = master.to(device, copy=True)
+    def __init__(self, store: MasterStore, u: int, dtype: torch.dtype, grads: torch.Tensor):
+        self.master = store.masters[u].to(grads.device, copy=True)
         self.weights = self.master if dtype == torch.float32 else self.master.to(dtype)  # what the GPU computes with
         self.moments = (torch.zeros_like(self.master), torch.zeros_like(self.master))
-        self.steps = torch.zeros((), device=device)  # float32 on the master's device, as the fused kernel keeps it
-        self.adam, self.grads = adam, grads
+        self.steps = torch.zeros((), device=grads.device)  # float32 beside the master, as the fused kernel keeps it
+        self.adam, self.grads = store.update.adam, grads  # grads: float32, alive from the unit's backward to its step
 
     @torch.no_grad()
     def step(self) -> None:
-        """Adam on the master, then the compute-dtype weights from it; on the compute stream, after the backward."""
+        """Adam on the master, then the compute-dtype weights from it."""
         torch_adam_step(self.adam, self.master, self.grads, *self.moments, self.steps)
         if self.weights is not self.master:
             self.weights.copy_(self.master)
 
 
 class ResidentUnits:
-    """Units resident under a GPU budget: the streamer runs them from their own buffers, and the GPU's fused Adam steps
-    each right after its backward, on the compute stream, as gpu mode steps every weight; their state never crosses
-    PCIe. Their float32 gradients have buffers of their own (own_grads: float16, whose loss scale must see every
-    gradient before any unit steps, and the comparison with gpu mode), or else share the streamed units' gradient
-    buffer, grown to the largest of theirs (they wait for the last gradients to have left it)."""
+    """Units kept on the GPU, stepped by its fused Adam right after their backward, as gpu mode does. Their float32
+    gradients get buffers of their own (own_grads: float16's loss scale sees every gradient before any step; the
+    comparison with gpu mode) or share the streamed units' gradient buffer, grown to fit."""
 
     def __init__(self, trainer: OffloadedTraining, units, own_grads: bool):
         if trainer.scaling.holds_updates and units and not own_grads:
@@ -1253,11 +1176,10 @@ class ResidentUnits:
             trainer.steppers[u] = self
 
     def load(self, u: int, memory: torch.Tensor) -> torch.Tensor:
-        """Unit u's state on the GPU; its compute-dtype weights, for the streamer to run it from."""
+        """Put unit u's state on the GPU; returns its compute-dtype weights, for the streamer to run it from."""
         numel, device = self.trainer.store.masters[u].numel(), self.trainer.device
         grads = memory[: 4 * numel].view(torch.float32) if self.shares_buffer else torch.empty(numel, device=device)
-        adam = self.trainer.store.update.adam
-        self.units[u] = ResidentUnit(self.trainer.store.masters[u], adam, self.trainer.dtype, device, grads)
+        self.units[u] = ResidentUnit(self.trainer.store, u, self.trainer.dtype, grads)
         return self.units[u].weights
 
     def grads(self, u: int) -> torch.Tensor:
@@ -1285,10 +1207,9 @@ class ResidentUnits:
 
 
 class StreamedAdam(HostState):
-    """The GPU's fused Adam for streamed units whose state stays on the host: after a unit's backward its float32
-    master and moments cross PCIe in chunks through two staging slots, the GPU steps each chunk, and master, moments
-    and compute-dtype copy go back, moved by the copy engines while the cores run the CPU Adam on the other units.
-    Three streams of its own, ordered per slot k and per unit u:
+    """The GPU's fused Adam for streamed units whose state stays on the host: after a unit's backward its master and
+    moments cross PCIe in chunks through two staging slots, are stepped, and go back with the compute-dtype copy, while
+    the CPU Adam steps the other units. Its three streams, per slot k and unit u:
       s_in    state in    waits out_done[k]: slot k's last chunk has left (and so the unit's last step)
       s_adam  the step    waits `ready` (the gradients are written) and in_done[k]: the chunk has landed
       s_out   state out   waits computed[k]: the chunk is stepped; records stepped[u] after u's last chunk"""
@@ -1308,17 +1229,16 @@ class StreamedAdam(HostState):
             store.pin_moments(u)
             trainer.steppers[u] = self
         numel = max((store.masters[u].numel() for u in self.units), default=0)
-        chunk = min(numel, GPU_ADAM_CHUNK)
-        copy_dtype = store.copies[0].dtype if store.copies else None
         self.buffer = torch.empty(numel, dtype=store.grad_dtype, device=self.device)  # the unit's gradients, taken
-        self.slots = [self.staging_slot(chunk, copy_dtype) for _ in range(2)]
+        self.slots = [self.staging_slot(min(numel, GPU_ADAM_CHUNK)) for _ in range(2)]
         self.s_in, self.s_adam, self.s_out = (new_stream(self.device) for _ in range(3))
         self.in_done, self.computed, self.out_done = ([new_event(self.device) for _ in range(2)] for _ in range(3))
         self.stepped = {u: new_event(self.device, blocking=True) for u in self.units}
 
-    def staging_slot(self, chunk: int, copy_dtype) -> tuple:
+    def staging_slot(self, chunk: int) -> tuple:
         """A chunk's float32 master and moments and, where the store has one, its compute-dtype copy, on the GPU."""
-        copy = None if copy_dtype is None else torch.empty(chunk, dtype=copy_dtype, device=self.device)
+        copies = self.store.copies
+        copy = torch.empty(chunk, dtype=copies[0].dtype, device=self.device) if copies else None
         return (*(torch.empty(chunk, device=self.device) for _ in range(3)), copy)
 
     def chunks(self, u: int):
@@ -1333,11 +1253,8 @@ class StreamedAdam(HostState):
 
     def copy_in(self, u: int, k: int, lo: int, n: int, fresh: bool = False) -> None:
         """Unit u's chunk into slot k, on the current stream: master, and moments unless `fresh` (zeroed instead)."""
-        master, exp_avg, exp_avg_sq, _ = self.host_state(u, lo, n)
-        p, m, v, _ = self.slots[k]
-        p[:n].copy_(master, non_blocking=True)
-        for dst, src in ((m, exp_avg), (v, exp_avg_sq)):
-            if fresh:
+        for i, (dst, src) in enumerate(zip(self.slots[k][:3], self.host_state(u, lo, n)[:3], strict=True)):
+            if fresh and i > 0:
                 dst[:n].zero_()
             else:
                 dst[:n].copy_(src, non_blocking=True)
@@ -1349,14 +1266,12 @@ class StreamedAdam(HostState):
                 dst.copy_(src[:n], non_blocking=True)
 
     def send(self, u: int, grads: torch.Tensor, ready):
-        """Take unit u's gradients out of the shared buffer (take), and to the host too at the first step where the
-        comparison keeps them; returns the event after which the buffer may be overwritten."""
+        """Take unit u's gradients (take); at the first step to the host too, where the comparison keeps them."""
         first = self.keep_first_grads and not self.store.steps[u]
         return self.take(u, grads, ready, self.store.take_grads(u) if first else None)
 
     def take(self, u: int, grads: torch.Tensor, ready, host: torch.Tensor | None = None):
-        """Copy unit u's gradients (written once `ready` has passed) into this Adam's own buffer, and on to `host`
-        where given; returns the event after which `grads` may be overwritten."""
+        """Copy unit u's gradients, once `ready`, to this Adam's buffer (and `host`); returns when `grads` is free."""
         n, consumed = grads.numel(), new_event(self.device)
         with on_stream(self.s_adam):
             self.s_adam.wait_event(ready)  # the unit's backward must have written all its gradients
@@ -1395,7 +1310,7 @@ class StreamedAdam(HostState):
             copy.copy_(p)  # rounded to nearest even, as the CPU Adam writes the copy
 
     def wait_written(self, u: int) -> None:
-        """The next forward's copy of unit u waits on the copy stream, not the host, for its state to be back."""
+        """The next forward's copy of unit u waits on the copy stream, not the host."""
         self.trainer.streamer.copy_stream.wait_event(self.stepped[u])  # its state must be back on the host
 
     def written(self, u: int) -> bool:  # the copy stream waits for it: the copy may be issued now
@@ -1408,14 +1323,12 @@ class StreamedAdam(HostState):
 
 
 class ActivationOffload:
-    """--offload-activations: each unit's inputs (one hidden-state tensor per micro-batch) wait in pinned host memory
-    from the unit's forward to its backward, so the GPU holds a few units' inputs, not all of them. Forward: they leave
-    on the D2H stream while the unit runs on them. Backward: a LayerStreamer over the host copies brings them back into
-    a ring of slots on the weights' copy stream, `depth` units ahead. The embeddings' inputs (token ids) stay put, so
-    input a on the host is unit a + 1's."""
+    """--offload-activations: each unit's inputs wait in pinned host memory from its forward to its backward: they
+    leave on the D2H stream, and a LayerStreamer on the weights' copy stream brings them back `depth` units ahead. The
+    embeddings' inputs (token ids) stay put, so host input a is unit a + 1's."""
 
     def __init__(self, trainer: OffloadedTraining, micro_batches: int, shape: tuple[int, int]):
-        device, streamer = trainer.device, trainer.streamer
+        device, ring = trainer.device, trainer.streamer
         self.micro_batches, self.shape, self.device = micro_batches, (*shape, trainer.hidden_size), device
         self.d2h_stream = trainer.d2h_stream  # the gradients' stream: the inputs leave on it too
         count = micro_batches * math.prod(self.shape)
@@ -1423,8 +1336,9 @@ class ActivationOffload:
         self.offloaded = [new_event(device) for _ in self.host]
         self.leaving = collections.deque()  # (landed event, GPU inputs) of the copies that may still read them
         kinds = ["inputs"] * len(self.host)
-        self.streamer = LayerStreamer(self.host, kinds, lambda kind, flat: self.split(flat), trainer.dtype, device,
-                                      streamer.depth, streamer.copy_stream)  # fmt: skip
+        self.streamer = LayerStreamer(
+            self.host, kinds, lambda _, flat: self.split(flat), trainer.dtype, device, ring.depth, ring.copy_stream
+        )
         # a unit's inputs come back only once they have reached the host
         self.streamer.wait_source = lambda a: self.streamer.copy_stream.wait_event(self.offloaded[a])
         trainer.inputs = self
@@ -1455,10 +1369,9 @@ class ActivationOffload:
             self.leaving.popleft()[0].synchronize()
 
     def backward_begins(self, n_units: int) -> None:
-        """The GPU lets go of the inputs still leaving, so the backward does not carry them, and the backward's ring
-        starts. The compute stream waits for their copies: the allocator hands their memory out on that stream."""
+        """Let go of the inputs still leaving, so the backward does not carry them, and start the backward's ring."""
         for landed, _ in self.leaving:
-            self.streamer.compute_stream.wait_event(landed)
+            self.streamer.compute_stream.wait_event(landed)  # the allocator hands their memory out on this stream
         self.leaving.clear()
         self.streamer.begin(reversed(range(n_units - 1)))
 
@@ -1473,9 +1386,8 @@ class ActivationOffload:
 
 
 class LossScale:
-    """float16's dynamic loss scaling, as torch.amp.GradScaler does it: the loss is multiplied by the scale so small
-    gradients do not flush to zero; a step whose gradients overflow is skipped and halves the scale, 2000 good steps
-    in a row double it. Powers of two, so scaling is exact. Every unit's gradients must be in before any unit steps."""
+    """float16's dynamic loss scaling, as torch.amp.GradScaler does it, so small gradients do not flush to zero: a step
+    whose gradients overflow is skipped. Powers of two, so exact. Every unit's gradients must be in before any step."""
 
     holds_updates = True
 
@@ -1493,10 +1405,8 @@ class LossScale:
         overflow = bool(self.found_inf.item())
         self.found_inf.zero_()
         self.good_steps = 0 if overflow else self.good_steps + 1
-        if overflow:
-            self.scale /= 2
-        elif self.good_steps == 2000:
-            self.scale *= 2
+        if overflow or self.good_steps == 2000:  # an overflow halves the scale, 2000 good steps in a row double it
+            self.scale *= 0.5 if overflow else 2.0
             self.good_steps = 0
         return not overflow
 
@@ -1506,8 +1416,7 @@ class LossScale:
 
 @dataclass(frozen=True)
 class Placement:
-    """Which units stay resident on the GPU (the others are streamed) and the GPU memory that takes, by part; in
-    training, which streamed units the GPU's Adam steps over streamed state."""
+    """The units resident on the GPU, the GPU bytes that takes by part, and in training the GPU's Adam's units."""
 
     resident: tuple[int, ...]
     parts: dict  # part -> bytes
@@ -1520,8 +1429,8 @@ class Placement:
 
 
 def plan_budget(run: RunConfig) -> int | None:
-    """The GPU bytes a placement may plan for: the --max-gpu-memory cap (or the GPU, if smaller) less PLAN_MARGIN;
-    None without a cap: overlapped then streams every unit, as the tables compare full offload with gpu mode."""
+    """The GPU bytes a placement may plan for: the --max-gpu-memory cap (or the GPU) less PLAN_MARGIN; None without a
+    cap, so overlapped streams every unit, as the tables compare full offload with gpu mode."""
     if run.max_gpu_memory is None:
         return None
     gpu = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else math.inf
@@ -1534,8 +1443,7 @@ def spread(n: int, k: int) -> tuple[int, ...]:
 
 
 def inference_placement(run: RunConfig, config: LlamaConfig, tokens: int, mode: str) -> Placement:
-    """overlapped inference: as many decoder layers resident as the budget holds (or --resident-layers), spread among
-    the streamed ones: each costs the same bytes and saves the same copy. blocked streams every layer."""
+    """overlapped: as many decoder layers resident as the budget holds (or --resident-layers), spread; blocked: none."""
     layers, depth = config.num_hidden_layers, run.prefetch if mode == "overlapped" else 0
 
     def parts(k: int) -> dict[str, int]:
@@ -1551,9 +1459,8 @@ def inference_placement(run: RunConfig, config: LlamaConfig, tokens: int, mode: 
 
 
 def gpu_adam_units(units: list[Unit], resident, share: float) -> tuple[int, ...]:
-    """Of the streamed units, those the GPU's Adam steps over streamed state, within `share` of their parameters: the
-    embeddings and first layers, whose gradients come last and which the next forward needs first, then the head,
-    whose state would queue on the link ahead of the backward's weights (report: ablations)."""
+    """The streamed units the GPU's Adam steps, up to `share` of their parameters: the embeddings and first layers
+    (their gradients come last, the next forward needs them first), then the head (its state would delay weights)."""
     numels = {u: unit.layout.numel for u, unit in enumerate(units) if u not in resident}
     kinds = [unit.kind for unit in units]
     order = [kinds.index("embed"), *(u for u, kind in enumerate(kinds) if kind == "layer"), kinds.index("head")]
@@ -1566,13 +1473,13 @@ def gpu_adam_units(units: list[Unit], resident, share: float) -> tuple[int, ...]
     return tuple(chosen)
 
 
-def gpu_adam_bytes(numels: list[int], grad_dtype: torch.dtype, copy_dtype: torch.dtype | None) -> int:
-    """StreamedAdam's GPU memory: the largest unit's gradients, two staging slots of a chunk's float32 state and
-    compute-dtype copy, and a chunk of 16-bit gradients made float32."""
-    if not numels:
-        return 0
-    chunk, copy = min(max(numels), GPU_ADAM_CHUNK), copy_dtype.itemsize if copy_dtype else 0
-    return max(numels) * grad_dtype.itemsize + 2 * chunk * (12 + copy) + 4 * chunk * (grad_dtype != torch.float32)
+def gpu_adam_bytes(store: MasterStore, units) -> int:
+    """StreamedAdam's GPU memory: the largest unit's gradients, two staging slots, a chunk of gradients made float32."""
+    largest = max((store.masters[u].numel() for u in units), default=0)
+    chunk = min(largest, GPU_ADAM_CHUNK)
+    copy = store.copies[0].itemsize if store.copies else 0
+    grads = largest * store.grad_dtype.itemsize
+    return grads + 2 * chunk * (12 + copy) + 4 * chunk * (store.grad_dtype != torch.float32)
 
 
 def training_parts(store: MasterStore, run: RunConfig, depth: int, own_grads: bool, resident, gpu_adam) -> dict:
@@ -1584,11 +1491,10 @@ def training_parts(store: MasterStore, run: RunConfig, depth: int, own_grads: bo
     largest = max(streamed, default=0)
     grads = largest * store.grad_dtype.itemsize
     casts = store.copies is None and run.torch_dtype != torch.float32  # the staging buffer of LayerStreamer.cast_in
-    copy_dtype = store.copies[0].dtype if store.copies else None
     return {
         "slots": min(depth + 1, len(streamed)) * largest * b + casts * min(largest, STAGING) * 4,
         "gradient buffer": grads if own_grads else max(grads, 4 * max(kept, default=0)),
-        "GPU Adam staging": gpu_adam_bytes([numels[u] for u in gpu_adam], store.grad_dtype, copy_dtype),
+        "GPU Adam staging": gpu_adam_bytes(store, gpu_adam),
         "resident weights": sum(kept) * (0 if run.torch_dtype == torch.float32 else b),
         "resident masters and moments": 12 * sum(kept),
         "resident gradients": 4 * sum(kept) if own_grads else 0,
@@ -1596,9 +1502,8 @@ def training_parts(store: MasterStore, run: RunConfig, depth: int, own_grads: bo
 
 
 def training_placement(trainer, run: RunConfig, mode: str, besides: dict[str, int], own_grads: bool) -> Placement:
-    """overlapped training: the longest run of units from the start of the forward order that fits the budget stays
-    resident (--resident-layers: the first that many layers), then gpu_adam_units. The first units, because their
-    gradients come last and the next forward needs them first. `besides`: the bytes no placement changes."""
+    """overlapped: resident, the longest run of units from the forward's start that fits the budget (or the first
+    --resident-layers layers), then gpu_adam_units; blocked: none. `besides`: bytes no placement changes."""
     depth = run.prefetch if mode == "overlapped" else 0
     share = run.gpu_adam if mode == "overlapped" else 0.0
 
@@ -1627,20 +1532,17 @@ def logits_of(model: LlamaForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
 
 def infer_resident(model, input_ids, device, run: RunConfig, config) -> tuple[dict, torch.Tensor]:
     """gpu and cpu modes: the plain HF model, resident on `device`; on the CPU one run, no warm-up."""
-    if device.type == "cuda":
-        model = copy.deepcopy(model).to(device)
+    if device.type != "cuda":
+        ms, logits = median_ms(lambda: logits_of(model, input_ids), device, 0, 1)
+        return {"time_ms": ms}, logits.cpu()
+    model = copy.deepcopy(model).to(device)
     ids = input_ids.to(device)
-    warmup, repeat = (run.warmup, run.repeat) if device.type == "cuda" else (0, 1)
-    ms, logits = median_ms(lambda: logits_of(model, ids), device, warmup, repeat)
-    result = {"time_ms": ms}
-    if device.type == "cuda":
-        result |= gpu_memory(config, run.torch_dtype, ids.numel(), config.num_hidden_layers)
-    return result, logits.cpu()
+    ms, logits = median_ms(lambda: logits_of(model, ids), device, run.warmup, run.repeat)
+    return {"time_ms": ms} | gpu_memory(config, run.torch_dtype, ids.numel(), config.num_hidden_layers), logits.cpu()
 
 
 def infer_offloaded(model, store: ParamStore, input_ids, device, depth: int, run: RunConfig, config, resident=()):
-    """blocked (depth 0) and overlapped modes: the HF forward with the layers streamed in, but for the `resident`
-    ones; on the GPU, timed in rounds with the parts of its bound."""
+    """blocked (depth 0) and overlapped modes: the HF forward streaming all but the `resident` layers; its bound too."""
     streamer = layer_streamer(store, config, device, depth, resident)
     shell = offloaded_model(model, streamer, device)
     ids = input_ids.to(device)
@@ -1654,8 +1556,13 @@ def infer_offloaded(model, store: ParamStore, input_ids, device, depth: int, run
     times, logits = interleaved_ms({**parts, "pass": (device, lambda: logits_of(shell, ids))}, run.warmup, run.repeat)
     result["time_ms"] = statistics.median(times["pass"])
     result |= inference_bound(streamer, {name: min(times[name]) for name in parts}, result["time_ms"])
-    if run.profile and run.profile_mode == ("overlapped" if depth else "blocked"):
-        result["trace"] = profile_forward(shell, ids, run.profile)
+    if run.profile and run.profile_mode == ("overlapped" if depth else "blocked"):  # a trace of one more pass
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as prof:
+            logits_of(shell, ids)
+            torch.cuda.synchronize()  # the trace must hold the whole pass
+        write_atomically(run.profile, prof.export_chrome_trace)
+        result["trace"] = trace_overlap(run.profile)
     return result, logits.cpu()
 
 
@@ -1679,44 +1586,42 @@ def run_mode(mode: str, model, store, input_ids, run: RunConfig, config) -> tupl
         return {"oom": True}, None
 
 
-def place_units(trainer: OffloadedTraining, micro_batches, run: RunConfig, mode: str, own_grads: bool) -> Placement:
-    """Plan which units stay on the GPU and which the GPU's Adam steps (training_placement), from what the trainer
-    holds there now and each unit's working set, measured; install them; say so on stderr."""
-    device, streamer = trainer.device, trainer.streamer
-    streaming = sum(t.nbytes for t in [trainer.grad_buffer, *streamer.buffers, streamer.staging] if t is not None)
-    other = torch.cuda.memory_allocated(device) - streaming  # token ids, rotary tables, the activation slots, ...
-    saved, working = saved_inputs_bytes(trainer, micro_batches), working_bytes(trainer, micro_batches)
-    kinds = [unit.kind for unit in trainer.units]
-    # where the step peaks: a unit's forward or its backward
-    u, backward = max(((u, b) for u in range(len(kinds)) for b in (0, 1)),
-                      key=lambda ub: saved(*ub) + working[kinds[ub[0]]][ub[1]])  # fmt: skip
-    besides = {"saved inputs": saved(u, backward), "working set": working[kinds[u]][backward], "other": other}
-    placement = training_placement(trainer, run, mode, besides, own_grads)
+def place_units(trainer: OffloadedTraining, micro_batches, run: RunConfig, mode: str, compared: bool) -> dict:
+    """Place the units (training_placement) and install them; log the placement and describe it for the JSON."""
+    own_grads = compared or run.dtype == "float16"
+    placement = training_placement(trainer, run, mode, unplaced_bytes(trainer, micro_batches), own_grads)
     if placement.resident:
         ResidentUnits(trainer, placement.resident, own_grads)
     if placement.gpu_adam:
         StreamedAdam(trainer, placement.gpu_adam, keep_first_grads=own_grads)
-    torch.cuda.reset_peak_memory_stats(device)  # the step's peak, not the working set's measurement
-    resident, gpu_adam = unit_names(trainer, placement.resident), unit_names(trainer, placement.gpu_adam)
+    torch.cuda.reset_peak_memory_stats(trainer.device)  # the step's peak, not the working set's measurement
+    resident = [trainer.units[u].name for u in placement.resident]
+    gpu_adam = [trainer.units[u].name for u in placement.gpu_adam]
     parts = ", ".join(f"{part} {gib(n)}" for part, n in placement.parts.items())
     log(
-        f"mode {mode}: units resident on the GPU: {resident or 'none'}; stepped by the GPU's Adam over streamed "
-        f"state: {gpu_adam or 'none'}; predicted peak {gib(placement.peak_bytes)} GiB: {parts}"
+        f"mode {mode}: units resident on the GPU: {', '.join(resident) or 'none'}; stepped by the GPU's Adam over "
+        f"streamed state: {', '.join(gpu_adam) or 'none'}; predicted peak {gib(placement.peak_bytes)} GiB: {parts}"
     )
-    return placement
+    described = {"units": len(trainer.units), "resident_units": resident, "gpu_adam_units": gpu_adam}
+    return described | {"predicted_peak_bytes": placement.peak_bytes, "predicted_parts": placement.parts}
 
 
-def saved_inputs_bytes(trainer: OffloadedTraining, micro_batches):
-    """saved(u, backward): the saved inputs on the GPU while unit u runs: units 1 to u's (the embeddings keep token
-    ids); with activation offload the two units' still leaving in the forward, none in the backward (in `other`)."""
+def unplaced_bytes(trainer: OffloadedTraining, micro_batches) -> dict[str, int]:
+    """The part of the step's peak GPU memory that no placement changes: saved inputs, working set (measured), other."""
+    streamer = trainer.streamer
+    streaming = sum(t.nbytes for t in [trainer.grad_buffer, *streamer.buffers, streamer.staging] if t is not None)
+    other = torch.cuda.memory_allocated(trainer.device) - streaming  # token ids, rotary tables, activation slots, ...
+    kinds = [unit.kind for unit in trainer.units]
+    working = {kind: passes_peak_bytes(trainer, kinds.index(kind), micro_batches) for kind in dict.fromkeys(kinds)}
+    # saved inputs while unit u runs: units 1 to u's (the embeddings keep token ids); with activation offload, the two
+    # units' still leaving in the forward and none in the backward (they are in `other`)
     inputs = sum(ids.numel() for ids in micro_batches) * trainer.hidden_size * trainer.dtype.itemsize
-    offloaded = isinstance(trainer.inputs, ActivationOffload)
-    return lambda u, backward: (0 if backward else min(u, 2) * inputs) if offloaded else u * inputs
-
-
-def unit_names(trainer: OffloadedTraining, units) -> str:
-    """The units' HF module names, comma-separated."""
-    return ", ".join(trainer.units[u].name for u in units)
+    saved = {(u, b): u * inputs for u in range(len(kinds)) for b in (0, 1)}
+    if isinstance(trainer.inputs, ActivationOffload):
+        saved = {(u, b): 0 if b else min(u, 2) * inputs for u, b in saved}
+    # where the step peaks: in a unit's forward or its backward
+    u, backward = max(saved, key=lambda ub: saved[ub] + working[kinds[ub[0]]][ub[1]])
+    return {"saved inputs": saved[u, backward], "working set": working[kinds[u]][backward], "other": other}
 
 
 def train_mode(mode: str, model, masters: MasterStore | None, input_ids, run: RunConfig, compared: bool) -> dict:
@@ -1730,13 +1635,14 @@ def train_mode(mode: str, model, masters: MasterStore | None, input_ids, run: Ru
     try:
         trainer = make_trainer(mode, model, masters, micro_batches, run, device)
         offloaded_on_gpu = isinstance(trainer, OffloadedTraining) and device.type == "cuda"
-        placed = place_and_describe(trainer, micro_batches, run, mode, compared) if offloaded_on_gpu else {}
+        placed = place_units(trainer, micro_batches, run, mode, compared) if offloaded_on_gpu else {}
         profile = train_trace_path(run.profile) if run.profile and mode == run.profile_mode else None
         bound_parts = (lambda: train_bound_parts(trainer, micro_batches, device)) if offloaded_on_gpu else None
         result = train_steps(trainer, micro_batches, run, compared, profile, bound_parts)
         trainer.finish()
-        if compared or run.save_output:  # a copy of every master: for LLaMA-7B 25 GiB of host memory
-            result["masters"] = final_masters(trainer)
+        if compared or run.save_output:  # a float32 copy of every master, in host memory
+            resident = isinstance(trainer, ResidentTraining)
+            result["masters"] = trainer.state_dict(trainer.masters) if resident else trainer.state_dict()
         return result | placed | training_figures(trainer, result)
     except torch.OutOfMemoryError:
         log(f"mode {mode}: out of GPU memory")
@@ -1744,18 +1650,6 @@ def train_mode(mode: str, model, masters: MasterStore | None, input_ids, run: Ru
     finally:  # an OOM or an interrupt too: the CPU Adam worker must stop before the buffers it steps are freed
         if trainer is not None:
             trainer.finish()
-
-
-def place_and_describe(trainer: OffloadedTraining, micro_batches, run: RunConfig, mode: str, compared: bool) -> dict:
-    """Place the units (place_units) and describe the placement for the JSON."""
-    placement = place_units(trainer, micro_batches, run, mode, own_grads=compared or run.dtype == "float16")
-    return {
-        "units": len(trainer.units),
-        "resident_units": [trainer.units[u].name for u in placement.resident],
-        "gpu_adam_units": [trainer.units[u].name for u in placement.gpu_adam],
-        "predicted_peak_bytes": placement.peak_bytes,
-        "predicted_parts": placement.parts,
-    }
 
 
 def make_trainer(mode: str, model, masters: MasterStore | None, micro_batches, run: RunConfig, device):
@@ -1770,23 +1664,19 @@ def make_trainer(mode: str, model, masters: MasterStore | None, micro_batches, r
     return trainer
 
 
-def final_masters(trainer) -> dict[str, torch.Tensor]:
-    """The trained float32 masters with HF names, on the CPU."""
-    return trainer.state_dict(trainer.masters) if isinstance(trainer, ResidentTraining) else trainer.state_dict()
-
-
 def train_steps(trainer, micro_batches, run: RunConfig, keep_grads: bool, profile=None, bound_parts=None) -> dict:
     """Run the steps, each timed from its start to the next one's (a step's last updates overlap the next forward).
     bound_parts(): the training bound's parts, timed alone in rounds between blocks of steps (bound_rounds), so they
     meet the host as the steps around them do. keep_grads: the first step's gradients and masters, to compare."""
-    clock, rounds = StepClock(trainer, micro_batches[0].device), bound_rounds(run) if bound_parts else []
+    clock = StepClock(trainer, micro_batches[0].device)
+    rounds = bound_rounds(run) if bound_parts else []
     losses, grads, parts, extra = [], None, collections.defaultdict(list), {}
     for i in range(run.steps + 1):
         if i in rounds:
             clock.pause(i)
             for _ in range(rounds.count(i)):
-                for name, ms in time_round(bound_parts()).items():
-                    parts[name].append(ms)
+                for name, (device, fn) in bound_parts().items():  # each alone: its output is dropped at once
+                    parts[name].append(timed(fn, device)[0])
             clock.resume(after_round=True)
         if i == run.steps:
             break
@@ -1809,23 +1699,33 @@ class StepClock:
     the bound's rounds between the steps and the step after each round, which waits for no update."""
 
     def __init__(self, trainer, device: torch.device):
-        self.trainer, self.peaks = trainer, Peaks(device)
+        self.trainer = trainer
+        self.device = device
         self.adam = trainer.cpu_adam if isinstance(trainer, OffloadedTraining) else None
-        self.times, self.busy, self.untimed = [], [], set()
+        self.times, self.busy = [], []  # each step's time, and the CPU Adam's busy time in it (ms)
+        self.untimed = set()  # the steps right after a round
+        self.peaks = {"peak_host_bytes": None}  # and on the GPU peak_gpu_bytes
         self.resume()
 
     def resume(self, after_round: bool = False) -> None:
         """Start timing the next step now; after a round, what the round held does not count in the peaks."""
         if after_round:
-            self.peaks.restart()
+            reset_peak_memory(self.device)
         self.start, self.busy_s = time.perf_counter(), self.adam and self.adam.busy_s
 
     def pause(self, i: int) -> None:
         """A round before step i: every update done first, so each part runs alone; step i is not timed."""
         if self.adam:
             self.trainer.wait_updates()
-        self.peaks.note()
+        self.note_peaks()
         self.untimed.add(i)
+
+    def note_peaks(self) -> None:
+        """Count the GPU and host memory peaks since they were last reset (the host's is None without /proc)."""
+        gpu = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+        for key, peak in (("peak_host_bytes", peak_host_rss()), ("peak_gpu_bytes", gpu)):
+            if peak is not None:
+                self.peaks[key] = max(self.peaks.get(key) or 0, peak)
 
     def lap(self, i: int, loss: float) -> None:
         """Step i has run: its time, and how long the CPU Adam worked in it; a progress line."""
@@ -1841,50 +1741,23 @@ class StepClock:
 
     def result(self, warmup: int) -> dict:
         """The median step after the warm-up, the steps timed, the peaks."""
-        self.peaks.note()
+        self.note_peaks()
         timed = [i for i in range(warmup, len(self.times)) if i not in self.untimed] or list(range(len(self.times)))
         result = {"time_ms": statistics.median(self.times[i] for i in timed), "step_ms": self.times}
-        result |= {"timed_steps": timed, "peak_host_bytes": self.peaks.host}
-        if self.peaks.gpu is not None:
-            result["peak_gpu_bytes"] = self.peaks.gpu
+        result |= {"timed_steps": timed} | self.peaks
         if self.adam:
             result["cpu_adam_busy_ms"] = self.busy
         return result
 
 
 def bound_rounds(run: RunConfig) -> list[int]:
-    """Before which steps a round of the training bound's parts runs (run.steps: after the last): first the parts'
-    own warm-up, after the warm-up steps, then one after each of up to run.repeat blocks of two steps or more. With
-    fewer than two steps after the warm-up, every round follows the last step."""
+    """Before which steps a round of the training bound's parts runs (run.steps: after the last): a warm-up round, then
+    one after each of up to run.repeat blocks of 2+ steps; with under 2 steps after the warm-up, all after the last."""
     after_warmup = run.steps - run.warmup
     blocks = max(0, min(run.repeat, after_warmup // 2))
     if blocks == 0:
         return [run.steps] * (1 + run.repeat)
     return [run.warmup] + [run.warmup + after_warmup * (b + 1) // blocks for b in range(blocks)]
-
-
-def time_round(fns: dict) -> dict[str, float]:
-    """Milliseconds each of `fns` (name -> (device, fn)) takes, once each, in order; each output is dropped at once,
-    so no part runs beside another's."""
-    return {name: timed(fn, device)[0] for name, (device, fn) in fns.items()}
-
-
-class Peaks:
-    """The most GPU and host memory a run held over the stretches it chose to count (the steps, not the rounds)."""
-
-    def __init__(self, device: torch.device):
-        self.device, self.gpu, self.host = device, None, None
-
-    def note(self) -> None:
-        """Count the stretch since the last restart (or since the peaks were last reset)."""
-        if self.device.type == "cuda":
-            self.gpu = max(self.gpu or 0, torch.cuda.max_memory_allocated(self.device))
-        if (host := peak_host_rss()) is not None:  # None: no /proc (not Linux)
-            self.host = max(self.host or 0, host)
-
-    def restart(self) -> None:
-        """Start a new stretch: what ran since the last note is not counted."""
-        reset_peak_memory(self.device)
 
 
 def free_gpu_memory() -> None:
@@ -1915,20 +1788,13 @@ def timed(fn, device: torch.device) -> tuple[float, object]:
 
 def median_ms(fn, device: torch.device, warmup: int, repeat: int) -> tuple[float, object]:
     """Median time of `repeat` runs after `warmup` untimed ones, and the last run's result."""
-    for _ in range(warmup):
-        fn()
-    times, out = [], None
-    for _ in range(repeat):
-        out = None  # free the last output before the next run allocates its own
-        ms, out = timed(fn, device)
-        times.append(ms)
-    return statistics.median(times), out
+    times, out = interleaved_ms({"fn": (device, fn)}, warmup, repeat)
+    return statistics.median(times["fn"]), out
 
 
 def interleaved_ms(fns: dict, warmup: int, repeat: int) -> tuple[dict[str, list[float]], object]:
-    """Time each of `fns` (name -> (device, fn)) in rounds, one run of each per round, so a bound's parts see the same
-    machine as what they bound. Returns each one's times and the last function's result in the last round; every
-    other result is dropped at once, so no part runs beside another's outputs."""
+    """Time each of `fns` (name -> (device, fn)) in rounds, one run of each, so a bound's parts meet the machine as
+    what they bound does; the times, and the last function's last result (the others are dropped at once)."""
     times, out = {name: [] for name in fns}, None
     for r in range(warmup + repeat):
         for name, (device, fn) in fns.items():
@@ -1976,39 +1842,13 @@ def pipeline_bound_ms(streamed: list[bool], copy_ms: float, compute_ms: float, r
     return resident_ms + longest
 
 
-def layer_inputs(shell: LlamaForCausalLM, input_ids: torch.Tensor) -> tuple[tuple, dict]:
-    """The arguments the HF forward passes to decoder layer 0 (hidden states, rotary embeddings, mask)."""
-    captured = {}
-    hook = shell.model.layers[0].register_forward_pre_hook(
-        lambda module, args, kwargs: captured.update(args=args, kwargs=kwargs), with_kwargs=True
-    )
-    try:
-        logits_of(shell, input_ids)
-    finally:
-        hook.remove()
-    return captured["args"], captured["kwargs"]
-
-
-class SkipLayers:
-    """A strategy that runs no decoder layer: times the resident parts (embeddings, norm, head) alone."""
-
-    def acquire(self, i: int):
-        """A layer that returns its input."""
-        return lambda hidden_states, **kwargs: hidden_states
-
-    def release(self, i: int) -> None: ...  # no slot to free
-
-
-def set_strategy(shell: LlamaForCausalLM, strategy) -> None:
-    """Point every StreamedLayer of the shell at another strategy (the streamer, or SkipLayers)."""
-    for layer in shell.model.layers:
-        layer.strategy = strategy
-
-
 def inference_parts(shell, streamer: LayerStreamer, input_ids) -> dict:
     """What bounds an offloaded pass, as functions to time: every streamed layer's copy alone, every layer's compute
     alone (one layer run as many times back to back, as a pass hides its launch) and the resident parts alone."""
     device = input_ids.device
+    hidden = shell.model.embed_tokens(input_ids)  # what the pass gives decoder layer 0, with decoder_kwargs
+    kwargs = decoder_kwargs(shell, tuple(input_ids.shape), streamer.dtype, device)
+    layer = streamer.modules[0]["layer"] if streamer.modules else streamer.resident[0]  # any layer: same time
 
     def copy_all():
         """Copy every streamed layer into its slot, nothing computed."""
@@ -2017,22 +1857,19 @@ def inference_parts(shell, streamer: LayerStreamer, input_ids) -> dict:
         # `timed` records its end event on this stream: make it wait for the copies
         torch.cuda.current_stream(device).wait_stream(streamer.copy_stream)
 
-    args, kwargs = layer_inputs(shell, input_ids)
-
-    def resident_only():
-        """The pass with every decoder layer skipped."""
-        set_strategy(shell, SkipLayers())
-        try:
-            logits_of(shell, input_ids)
-        finally:
-            set_strategy(shell, streamer)
-
-    layer = streamer.modules[0]["layer"] if streamer.modules else streamer.resident[0]  # any layer: same time
-
     def compute_all():
         """One layer's compute once for every layer of the model, back to back."""
         for _ in streamer.sources:
-            layer(*args, **kwargs)
+            layer(hidden, **kwargs)
+
+    def resident_only():
+        """The pass without its decoder layers: embeddings, norm and head."""
+        layers = shell.model.layers
+        shell.model.layers = nn.ModuleList()
+        try:
+            logits_of(shell, input_ids)
+        finally:
+            shell.model.layers = layers
 
     return {"copy": (device, copy_all), "compute": (device, compute_all), "resident": (device, resident_only)}
 
@@ -2045,24 +1882,18 @@ def inference_bound(streamer: LayerStreamer, best: dict[str, float], measured_ms
     bound_ms = pipeline_bound_ms(streamed, copy_ms, compute_ms, best["resident"], streamer.depth)
     parts = {"copy_ms_per_layer": copy_ms, "compute_ms_per_layer": compute_ms, "resident_ms": best["resident"]}
     parts["h2d_gbps_copy_only"] = nbytes / copy_ms / 1e6 if n else None
-    return parts | {
-        "bound_ms": bound_ms,
-        "efficiency": bound_ms / measured_ms,
-        "h2d_gbps": n * nbytes / measured_ms / 1e6,
-    }
+    parts |= {"bound_ms": bound_ms, "efficiency": bound_ms / measured_ms}
+    return parts | {"h2d_gbps": n * nbytes / measured_ms / 1e6}
 
 
 def gpu_memory(config: LlamaConfig, dtype: torch.dtype, tokens: int, layers_on_gpu: int) -> dict:
     """The peak GPU memory of the pass just run, next to the analytic figure for it."""
-    return {
-        "peak_gpu_bytes": torch.cuda.max_memory_allocated(),
-        "analytic_peak_bytes": analytic_peak_bytes(config, dtype, tokens, layers_on_gpu),
-    }
+    analytic = analytic_peak_bytes(config, dtype, tokens, layers_on_gpu)
+    return {"peak_gpu_bytes": torch.cuda.max_memory_allocated(), "analytic_peak_bytes": analytic}
 
 
 def analytic_peak_bytes(config: LlamaConfig, dtype: torch.dtype, tokens: int, layers_on_gpu: int) -> dict[str, int]:
-    """The GPU memory a forward pass needs, term by term: layer weights on the GPU (all of them, or the slots), the
-    resident parts, the largest activation footprint (a decoder layer's MLP, or the head) and workspace."""
+    """The GPU memory a forward pass needs by term: layer weights on the GPU, resident parts, activations, workspace."""
     weights, resident = layers_on_gpu * layer_bytes(config, dtype), resident_bytes(config, dtype)
     activations, workspace = activation_bytes(config, dtype, tokens), CUBLAS_WORKSPACE + 8 * 512
     return {"layer weights": weights, "resident parts": resident, "activations": activations, "workspace": workspace}
@@ -2078,11 +1909,9 @@ def activation_bytes(config: LlamaConfig, dtype: torch.dtype, tokens: int, at_le
     ids. at_least: what the pass cannot do without (the MLP's peak, or the logits alone), never above the measured."""
     b, h, i, v = dtype.itemsize, config.hidden_size, config.intermediate_size, config.vocab_size
     head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
-    # in a layer the peak is in the MLP: layer input, residual, attention sum, normed input; act(gate(x)), up(x),
-    # their product (measured on the H100: exact in bfloat16 and float32)
+    # a layer peaks in its MLP: layer input, residual, attention sum, normed input; act(gate(x)), up(x), their product
     layer_act = tokens * b * (4 * h + 3 * i)
-    # at the head, counted together though they do not all coexist: hidden state, normed hidden state,
-    # float32 norm temporaries, logits
+    # the head, counted together though not all coexist: hidden state, normed, float32 norm temporaries, logits
     head_act = tokens * (2 * b * h + 2 * 4 * h + b * v)
     if at_least:
         return max(layer_act, tokens * b * v)
@@ -2091,8 +1920,7 @@ def activation_bytes(config: LlamaConfig, dtype: torch.dtype, tokens: int, at_le
 
 
 def training_figures(trainer, result: dict) -> dict:
-    """For an offloaded mode, its gradient pool; on the GPU, also its bound (each part's best time in the rounds) and
-    the step's efficiency against it."""
+    """An offloaded mode's gradient pool; on the GPU also its bound, from the parts' best times, and efficiency."""
     if not isinstance(trainer, OffloadedTraining):
         return {}
     pool = trainer.store.pool
@@ -2105,13 +1933,11 @@ def training_figures(trainer, result: dict) -> dict:
 
 
 def forward_backward_reference(model: LlamaForCausalLM, input_ids: torch.Tensor, run: RunConfig) -> dict:
-    """What offloaded training is held to: plain forward and backward of the same model and micro-batches, resident
-    on the GPU, no optimizer and no cap."""
+    """What offloaded training is held to: plain forward and backward, the model resident on the GPU, no optimizer."""
     log(f"forward/backward reference: {run.grad_accum} micro-batches, the model resident on the GPU ...")
-    reset_peak_memory(torch.device("cuda"))
-    ms = median_ms(
-        resident_forward_backward(model, input_ids, run), torch.device("cuda"), max(1, run.warmup), run.repeat
-    )[0]
+    device = torch.device("cuda")
+    reset_peak_memory(device)
+    ms, _ = median_ms(resident_forward_backward(model, input_ids, run), device, max(1, run.warmup), run.repeat)
     result = {"time_ms": ms, "sequences_per_s": input_ids.shape[0] / ms * 1e3}
     result["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
     free_gpu_memory()  # the model's GPU copy is gone with the function timed
@@ -2139,9 +1965,9 @@ def resident_forward_backward(model: LlamaForCausalLM, input_ids: torch.Tensor, 
 
 
 def train_bound_parts(trainer: OffloadedTraining, micro_batches, device) -> dict:
-    """The parts of what a training step cannot beat, as functions to time alone (name -> (device, fn)): each kind of
-    unit's GPU compute, every H2D copy of a step, every D2H copy, the CPU Adam over the largest unit it steps, and
-    `host`: that Adam with the copy engines moving its share of a step's copies. Built anew for each round."""
+    """The parts of what a training step cannot beat, as functions to time alone (name -> (device, fn)), built anew
+    for each round: each kind of unit's GPU compute, a step's H2D copies, its D2H copies, the CPU Adam over the
+    largest unit it steps, and `host`: that Adam with the copy engines moving its share of a step's copies."""
     kinds = [u.kind for u in trainer.units]
     fns = {
         kind: (device, unit_compute(trainer, kinds.index(kind), micro_batches, device)) for kind in dict.fromkeys(kinds)
@@ -2152,10 +1978,8 @@ def train_bound_parts(trainer: OffloadedTraining, micro_batches, device) -> dict
     if on_cpu:  # the CPU Adam steps something
         big = max(on_cpu, key=on_cpu.get)
         adam = adam_scratch(trainer.store, on_cpu[big])
-        fns |= {
-            "adam": (torch.device("cpu"), adam),
-            "host": (torch.device("cpu"), lambda: adam_and_copies(trainer, big, adam)),
-        }
+        cpu = torch.device("cpu")
+        fns |= {"adam": (cpu, adam), "host": (cpu, lambda: adam_and_copies(trainer, big, adam))}
     return fns
 
 
@@ -2175,8 +1999,8 @@ def copy_in(trainer: OffloadedTraining) -> None:
 
 
 def copy_out(trainer: OffloadedTraining) -> None:
-    """Every D2H copy of a step: the gradients of the CPU Adam's units, then the state the GPU's Adam writes back
-    (into the pool's buffers in turn: the training state must not change)."""
+    """Every D2H copy of a step, into the pool's buffers (the training state must not change): the gradients of the
+    CPU Adam's units, then the state the GPU's Adam writes back."""
     store, gpu_adam = trainer.store, streamed_adam(trainer)
     pool, grads = [buffer.view(torch.uint8) for buffer in store.pool.buffers], trainer.grad_buffer.view(torch.uint8)
     on_cpu, _ = cpu_and_gpu_adam_units(trainer)
@@ -2184,7 +2008,7 @@ def copy_out(trainer: OffloadedTraining) -> None:
         queue_copies(numel * store.grad_dtype.itemsize, grads, pool[u % len(pool)], trainer.d2h_stream)
     source = gpu_adam.buffer.view(torch.uint8) if gpu_adam else grads
     queue_copies(step_copy_bytes(trainer)[2], source, pool[0], trainer.d2h_stream)
-    torch.cuda.current_stream().wait_stream(trainer.d2h_stream)
+    torch.cuda.current_stream().wait_stream(trainer.d2h_stream)  # `timed` records its end event on this stream
 
 
 def adam_and_copies(trainer: OffloadedTraining, big: int, adam) -> None:
@@ -2192,14 +2016,12 @@ def adam_and_copies(trainer: OffloadedTraining, big: int, adam) -> None:
     not waited for, while the CPU Adam steps a unit's worth of scratch state."""
     on_cpu, _ = cpu_and_gpu_adam_units(trainer)
     h2d, d2h, _ = (count * on_cpu[big] // sum(on_cpu.values()) for count in step_copy_bytes(trainer))
-    pool = trainer.store.pool.buffers
-    weights, slot = trainer.store.masters[big].view(torch.uint8), trainer.streamer.buffers[0].view(torch.uint8)
-    queue_copies(h2d, weights, slot, trainer.streamer.copy_stream)
-    queue_copies(
-        d2h, trainer.grad_buffer.view(torch.uint8), pool[big % len(pool)].view(torch.uint8), trainer.d2h_stream
-    )
+    store, streamer = trainer.store, trainer.streamer
+    buffer = store.pool.buffers[big % len(store.pool.buffers)].view(torch.uint8)
+    queue_copies(h2d, store.masters[big].view(torch.uint8), streamer.buffers[0].view(torch.uint8), streamer.copy_stream)
+    queue_copies(d2h, trainer.grad_buffer.view(torch.uint8), buffer, trainer.d2h_stream)
     adam()
-    torch.cuda.synchronize()
+    torch.cuda.synchronize()  # the copies count in the time, which the CPU clock takes
 
 
 def cpu_and_gpu_adam_units(trainer: OffloadedTraining) -> tuple[dict[int, int], dict[int, int]]:
@@ -2217,15 +2039,15 @@ def streamed_adam(trainer: OffloadedTraining) -> StreamedAdam | None:
 
 def step_copy_bytes(trainer: OffloadedTraining) -> tuple[int, int, int]:
     """(H2D, D2H, of the D2H the GPU Adam's) bytes of a step: each streamed unit's weights twice, less the units the
-    backward finds still in the slots; the gradients of the units the CPU Adam steps; for those the GPU's Adam steps,
-    their float32 master and moments in, and those and the compute-dtype copy back out."""
+    backward finds in the slots, and the GPU Adam's float32 state; the gradients the CPU Adam steps, and that state
+    with its compute-dtype copy back out."""
     store, streamer = trainer.store, trainer.streamer
     on_cpu, on_gpu = cpu_and_gpu_adam_units(trainer)
-    weights = store.weights
     kept = streamer.streamed[-streamer.n_slots :]  # the backward finds them in the slots
     state_in = 12 * sum(on_gpu.values())
     state_out = state_in + sum(on_gpu.values()) * (store.copies[0].itemsize if store.copies else 0)
-    h2d = 2 * sum(weights[u].nbytes for u in streamer.streamed) - sum(weights[u].nbytes for u in kept) + state_in
+    h2d = 2 * sum(store.weights[u].nbytes for u in streamer.streamed) - sum(store.weights[u].nbytes for u in kept)
+    h2d += state_in
     return h2d, sum(on_cpu.values()) * store.grad_dtype.itemsize + state_out, state_out
 
 
@@ -2238,10 +2060,9 @@ def queue_copies(nbytes: int, src: torch.Tensor, dst: torch.Tensor, stream) -> N
 
 
 def train_bound(trainer: OffloadedTraining, best: dict[str, float]) -> dict:
-    """The five things a training step cannot beat, from the best times (ms) of train_bound_parts: GPU compute, H2D,
-    D2H, the CPU Adam over every unit it steps, and host memory: the bytes that cross it in a step (the CPU Adam's
-    and the copies') over the rate it reached when the CPU Adam and the copy engines ran together on one unit's
-    share."""
+    """What a training step cannot beat, from the best times (ms) of train_bound_parts: GPU compute, H2D, D2H, the CPU
+    Adam over all its units, and host memory: the bytes crossing it in a step (the CPU Adam's and the copies') at the
+    rate reached when the CPU Adam and the copy engines ran together on one unit's share."""
     store = trainer.store
     on_cpu, on_gpu = cpu_and_gpu_adam_units(trainer)
     kinds = [u.kind for u in trainer.units]
@@ -2251,36 +2072,28 @@ def train_bound(trainer: OffloadedTraining, best: dict[str, float]) -> dict:
         h2d_bytes, d2h_bytes, _ = step_copy_bytes(trainer)
         host_bytes = sum(on_cpu.values()) * store.update.bytes_per_param + h2d_bytes + d2h_bytes
         parts |= {"h2d_ms": best["h2d"], "d2h_ms": best["d2h"]}
-        figures = {
-            "h2d_bytes": h2d_bytes,
-            "d2h_bytes": d2h_bytes,
-            "host_bytes": host_bytes,
-            "host_bytes_per_param": host_bytes / sum(m.numel() for m in store.masters),
-            "adam_bytes_per_param": store.update.bytes_per_param,
-            "gpu_adam_params": sum(on_gpu.values()),
-        }
+        figures = {"h2d_bytes": h2d_bytes, "d2h_bytes": d2h_bytes, "host_bytes": host_bytes}
+        figures["host_bytes_per_param"] = host_bytes / sum(m.numel() for m in store.masters)
+        figures |= {"adam_bytes_per_param": store.update.bytes_per_param, "gpu_adam_params": sum(on_gpu.values())}
     if on_cpu:
         scale = sum(on_cpu.values()) / max(on_cpu.values())  # the parts timed the largest unit the CPU Adam steps
         parts |= {"cpu_adam_ms": best["adam"] * scale, "host_memory_ms": best["host"] * scale}
         figures["host_gbps"] = host_bytes / parts["host_memory_ms"] / 1e6
-    return {
-        **parts,
-        "bound_ms": max(parts.values()),
-        "bound_by": max(parts, key=parts.get).removesuffix("_ms"),
-        **figures,
-    }
+    bound = {"bound_ms": max(parts.values()), "bound_by": max(parts, key=parts.get).removesuffix("_ms")}
+    return parts | bound | figures
 
 
 def unit_passes(trainer: OffloadedTraining, u: int, micro_batches, device):
-    """Unit u's forward and backward over every micro-batch as a step runs them, from whatever its slot holds, as two
-    functions: forward() returns the outputs; backward(outs) recomputes and back-propagates with the outputs standing
-    in for the gradients that come back, and returns the input gradients, as the step keeps them."""
+    """Unit u's forward and backward over every micro-batch, as a step runs them from whatever its slot holds:
+    forward() returns the outputs; backward(outs) recomputes and back-propagates with the outputs standing in for the
+    gradients that come back, and returns the input gradients."""
     streamer = trainer.streamer
     streamer.begin([u])
     module = streamer.acquire(u)
     hidden = torch.randn(*micro_batches[0].shape, trainer.hidden_size, dtype=streamer.dtype, device=device)
     xs = micro_batches if trainer.units[u].kind == "embed" else [hidden] * len(micro_batches)
-    trainer.labels, views = micro_batches, trainer.grad_views(u)
+    trainer.labels = micro_batches
+    views = trainer.grad_views(u)
 
     @torch.no_grad()
     def forward() -> list[torch.Tensor]:
@@ -2301,17 +2114,10 @@ def unit_compute(trainer: OffloadedTraining, u: int, micro_batches, device):
     return lambda: backward(forward())
 
 
-def working_bytes(trainer: OffloadedTraining, micro_batches) -> dict[str, tuple[int, int]]:
-    """Per kind of unit, the most GPU memory its forward, and its backward, allocate beyond its inputs: measured, as the
-    one part of a placement's peak not counted."""
-    kinds = [u.kind for u in trainer.units]
-    return {kind: passes_peak_bytes(trainer, kinds.index(kind), micro_batches) for kind in dict.fromkeys(kinds)}
-
-
 def passes_peak_bytes(trainer: OffloadedTraining, u: int, micro_batches) -> tuple[int, int]:
     """The most GPU memory unit u's forward, and then its backward, allocate beyond its inputs (freed on return)."""
     forward, backward = unit_passes(trainer, u, micro_batches, trainer.device)
-    torch.cuda.synchronize(trainer.device)
+    torch.cuda.synchronize(trainer.device)  # start from an idle GPU: nothing queued before runs into the measurement
     before = torch.cuda.memory_allocated(trainer.device)
     torch.cuda.reset_peak_memory_stats(trainer.device)
     outs = forward()
@@ -2322,46 +2128,29 @@ def passes_peak_bytes(trainer: OffloadedTraining, u: int, micro_batches) -> tupl
 
 
 def adam_scratch(store: MasterStore, numel: int):
-    """A function to time: the store's Adam update on `numel` parameters of scratch state in memory like the store's
-    (HostBuffer: huge pages), with gradients of Adam's scale so that no moment goes denormal."""
-    master, exp_avg, exp_avg_sq = (host_zeros(numel, torch.float32, pin=False) for _ in range(3))
-    master.normal_()
+    """A function to time: the store's Adam update on `numel` parameters of scratch state in host memory like the
+    store's, with gradients of Adam's scale so that no moment goes denormal."""
+    # each written now: the kernel maps a page at its first touch, and the timed update would pay for it
+    master = host_zeros(numel, torch.float32, pin=False).normal_()
+    exp_avg, exp_avg_sq = (host_zeros(numel, torch.float32, pin=False).zero_() for _ in range(2))
     grads = host_zeros(numel, store.grad_dtype, pin=False).normal_().mul_(1e-3)
-    copy = host_zeros(numel, store.update.copy_dtype, pin=False) if store.update.copy_dtype else None
-    # written now: the kernel maps a page at its first touch, and the timed update would pay for it
-    for untouched in (exp_avg, exp_avg_sq, copy):
-        if untouched is not None:
-            untouched.zero_()
+    copy = host_zeros(numel, store.update.copy_dtype, pin=False).zero_() if store.update.copy_dtype else None
     step = torch.zeros(())
     return lambda: store.update(master, grads, exp_avg, exp_avg_sq, copy, step)
-
-
-def profile_forward(shell, ids, path: str) -> dict:
-    """Write a Chrome/Perfetto trace of one forward pass and say how much of its copying was hidden."""
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
-        logits_of(shell, ids)
-        torch.cuda.synchronize()  # the trace must hold the whole pass
-    write_atomically(path, prof.export_chrome_trace)
-    return trace_overlap(path)
 
 
 def profile_step(trainer, micro_batches, path: str) -> dict:
     """Write a Chrome trace of one training step, its CPU updates included; say how much copying was hidden."""
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities, experimental_config=all_threads()) as prof:
+    all_threads = None  # by default only the profiler's and autograd's threads are recorded, not the CPU Adam worker's
+    with contextlib.suppress(AttributeError, TypeError):  # a torch without the option
+        all_threads = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    with torch.profiler.profile(activities=activities, experimental_config=all_threads) as prof:
         loss = trainer.step(micro_batches).item()
         trainer.finish()
         torch.cuda.synchronize()  # the trace must hold the whole step
     write_atomically(path, prof.export_chrome_trace)
     return {"loss": loss, "path": path, "h2d": trace_overlap(path, "HtoD"), "d2h": trace_overlap(path, "DtoH")}
-
-
-def all_threads():
-    """A profiler setting that records the CPU Adam worker's ops too (by default only the profiler's and autograd's)."""
-    with contextlib.suppress(AttributeError, TypeError):  # a torch without the option
-        return torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
-    return None
 
 
 def train_trace_path(path: str) -> str:
@@ -2371,8 +2160,8 @@ def train_trace_path(path: str) -> str:
 
 
 def trace_overlap(path: str, direction: str = "HtoD") -> dict:
-    """From a Chrome trace: total copy time in `direction` (HtoD or DtoH), and how much of it ran while a kernel ran
-    on another stream: proof of overlap that does not rely on timing the whole pass."""
+    """From a Chrome trace: the copy time in `direction` (HtoD or DtoH), and how much of it ran under a kernel on
+    another stream: proof of overlap that does not rely on timing."""
     events = json.loads(Path(path).read_text())["traceEvents"]
     copies = [e for e in events if e.get("cat") == "gpu_memcpy" and direction in e.get("name", "")]
     kernels = [e for e in events if e.get("cat") == "kernel"]
@@ -2381,20 +2170,15 @@ def trace_overlap(path: str, direction: str = "HtoD") -> dict:
     for c in copies:
         c0, c1, stream = c["ts"], c["ts"] + c["dur"], c["args"].get("stream")
         under = [(max(k0, c0), min(k1, c1)) for k0, k1, s in kernel_spans if s != stream and k0 < c1 and k1 > c0]
-        overlap_us += union_length(under)
+        covered, end = 0.0, float("-inf")  # the length of their union: overlaps counted once
+        for a, b in sorted(under):
+            if b > end:
+                covered += b - max(a, end)
+                end = b
+        overlap_us += covered
     result = {"copy_ms": sum(c["dur"] for c in copies) / 1e3, "overlap_ms": overlap_us / 1e3}
     result["copy_streams"] = sorted({c["args"].get("stream") for c in copies})
     return result | {"kernel_streams": sorted({k[2] for k in kernel_spans})}
-
-
-def union_length(spans: list[tuple[float, float]]) -> float:
-    """Total length covered by `spans`, overlaps counted once."""
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(spans):
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total
 
 
 def first_step_state(trainer) -> tuple[dict, dict]:
@@ -2443,8 +2227,13 @@ def gib(x) -> str:
 
 
 def yes_no(x) -> str:
-    """A table cell for a check: yes, NO, or empty when it was not made."""
+    """A check's cell: yes, NO, or empty when it was not made."""
     return {True: "yes", False: "NO", None: ""}[x]
+
+
+def formatted(r: dict, **specs: str) -> list[str]:
+    """The cells of r's fields named in `specs`, each in its format spec; empty where r lacks the field."""
+    return [fmt(r.get(field), spec) for field, spec in specs.items()]
 
 
 def markdown(title: str, columns: list[tuple[str, str]], rows: list[tuple[str, dict]], cells) -> list[str]:
@@ -2466,12 +2255,8 @@ def inference_memory_cells(mode: str, r: dict) -> list[str]:
 
 def inference_time_cells(mode: str, r: dict) -> list[str]:
     """Table 2's cells: time, bound, efficiency, H2D bandwidth, logits against gpu mode's."""
-    bound, efficiency, h2d = (
-        fmt(r.get("bound_ms"), ".1f"),
-        fmt(r.get("efficiency"), ".3f"),
-        fmt(r.get("h2d_gbps"), ".1f"),
-    )
-    return [f"{r['time_ms']:.1f}", bound, efficiency, h2d, yes_no(r.get("equal_to_gpu"))]
+    times = formatted(r, time_ms=".1f", bound_ms=".1f", efficiency=".3f", h2d_gbps=".1f")
+    return times + [yes_no(r.get("equal_to_gpu"))]
 
 
 def training_memory_cells(mode: str, r: dict) -> list[str]:
@@ -2483,98 +2268,76 @@ def training_memory_cells(mode: str, r: dict) -> list[str]:
 
 def training_time_cells(mode: str, r: dict) -> list[str]:
     """Training Table 2's cells: step time, bound, what bounds it, efficiency, host bytes, losses, the checks."""
-    bound, efficiency = fmt(r.get("bound_ms"), ".1f"), fmt(r.get("efficiency"), ".3f")
     losses = f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}"
     checks = [yes_no(r.get("grads_equal_to_gpu")), yes_no(r.get("masters_close_to_gpu"))]
-    return [
-        f"{r['time_ms']:.1f}",
-        bound,
-        r.get("bound_by", ""),
-        efficiency,
-        fmt(r.get("host_bytes_per_param"), ".1f"),
-        losses,
-        *checks,
-    ]
+    rest = formatted(r, efficiency=".3f", host_bytes_per_param=".1f")
+    return [*formatted(r, time_ms=".1f", bound_ms=".1f"), r.get("bound_by", ""), *rest, losses, *checks]
 
 
-TABLES = {  # (part, title, columns, cells): the tables a run prints, in order
-    "inference memory": (
-        "inference",
-        "Table 1: peak GPU memory, inference",
-        ["peak GPU (GiB)", "analytic (GiB)"],
-        inference_memory_cells,
-    ),
-    "inference time": (
-        "inference",
-        "Table 2: time per forward pass, inference",
-        ["time (ms)", "bound (ms)", "efficiency", "H2D (GB/s)", "logits == gpu:"],
-        inference_time_cells,
-    ),
-    "training memory": (
-        "training",
-        "Table 1 (training): peak memory per step",
-        ["peak GPU (GiB)", "predicted (GiB)", "units resident", "peak host RSS (GiB)"],
-        training_memory_cells,
-    ),
-    "training time": (
-        "training",
-        "Table 2 (training): time per step",
-        [
-            "step (ms)",
-            "bound (ms)",
-            "bound by:",
-            "efficiency",
-            "host bytes / param",
-            "loss first -> last:",
-            "grads == gpu:",
+TABLES = {  # part: its tables as (title, columns split on "|", cells), in print order; "x:" is a centred column x
+    "inference": [
+        ("Table 1: peak GPU memory, inference", "peak GPU (GiB)|analytic (GiB)", inference_memory_cells),
+        (
+            "Table 2: time per forward pass, inference",
+            "time (ms)|bound (ms)|efficiency|H2D (GB/s)|logits == gpu:",
+            inference_time_cells,
+        ),
+    ],
+    "training": [
+        (
+            "Table 1 (training): peak memory per step",
+            "peak GPU (GiB)|predicted (GiB)|units resident|peak host RSS (GiB)",
+            training_memory_cells,
+        ),
+        (
+            "Table 2 (training): time per step",
+            "step (ms)|bound (ms)|bound by:|efficiency|host bytes / param|loss first -> last:|grads == gpu:|"
             "step-1 masters ~ gpu:",
-        ],
-        training_time_cells,
-    ),
+            training_time_cells,
+        ),
+    ],
 }
 
 
-def tables(results: dict, run: RunConfig, config, tokens: int, reference: dict | None = None) -> str:
+def tables(results: dict, run: RunConfig, tokens: int, reference: dict | None = None) -> str:
     """The memory and time tables of a run, inference then training, with notes below."""
-    what = f"{run.model or run.preset}, {run.dtype}, {run.batch_size}x{run.seq_len} = {tokens} tokens"
-    steps = f"{run.dtype}, {run.grad_accum}x{run.batch_size}x{run.seq_len} tokens per step, Adam"
-    modes = [mode for mode in MODES if mode in results]
+    what = {
+        "inference": f"{run.model or run.preset}, {run.dtype}, {run.batch_size}x{run.seq_len} = {tokens} tokens",
+        "training": f"{run.dtype}, {run.grad_accum}x{run.batch_size}x{run.seq_len} tokens per step, Adam",
+    }
+    labels = dict(MODE_NAMES, overlapped=f"{MODE_NAMES['overlapped']} (prefetch {run.prefetch})")
     lines = []
-    for part, title, columns, cells in TABLES.values():
-        if (part == "inference" and not run.inference) or (part == "training" and not run.train):
-            continue
-        rows = [(mode_label(mode, run), results[mode][part]) for mode in modes if part in results[mode]]
-        aligned = [(c.removesuffix(":"), ":---:" if c.endswith(":") else "---:") for c in columns]
-        lines += markdown(f"{title} ({what if part == 'inference' else steps})", aligned, rows, cells)
+    for part in [part for part, wanted in (("inference", run.inference), ("training", run.train)) if wanted]:
+        rows = [(labels[mode], results[mode][part]) for mode in MODES if part in results.get(mode, {})]
+        for title, columns, cells in TABLES[part]:
+            aligned = [(c.removesuffix(":"), ":---:" if c.endswith(":") else "---:") for c in columns.split("|")]
+            lines += markdown(f"{title} ({what[part]})", aligned, rows, cells)
     return "\n".join(lines + notes(results, run, reference))
 
 
-def mode_label(mode: str, run: RunConfig) -> str:
-    """A mode's row label; overlapped names its prefetch depth."""
-    return MODE_NAMES[mode] + (f" (prefetch {run.prefetch})" if mode == "overlapped" else "")
-
-
 def notes(results: dict, run: RunConfig, reference: dict | None = None) -> list[str]:
-    """The lines under the tables: per-layer times, trace overlap, training placement, bounds and comparisons."""
+    """The lines under the tables: each mode's notes, how the times were taken, the reference and speeds against it."""
     lines = []
     for mode, rs in results.items():
         lines += inference_notes(mode, rs.get("inference", {})) + training_notes(mode, rs.get("training", {}), run)
     if "cpu" in results and not results["cpu"].get("inference", {"oom": True}).get("oom"):
-        lines.append(
-            f"cpu: one run, no warm-up; GPU modes: median of {run.repeat} runs after {run.warmup} warm-up runs"
-        )
+        lines.append(f"cpu: one run, no warm-up; GPU modes: median of {run.repeat} runs after {run.warmup} warm-ups")
     if run.train and run.attention != "eager" and "gpu" in results:
-        lines.append(
-            "training: gradients and masters are judged against gpu mode's with --attention eager only: "
-            "sdpa's backward accumulates with atomics, so two gpu-mode runs already differ in the last bits"
-        )
+        lines.append("training: grads and masters judged against gpu mode with --attention eager only (sdpa: atomics)")
     if reference:
-        lines += reference_notes(results, run, reference)
+        lines.append(
+            f"forward/backward reference (resident model, no optimizer, no cap): {reference['time_ms']:.1f} ms per "
+            f"step, {reference['sequences_per_s']:.2f} sequences/s, peak GPU {gib(reference['peak_gpu_bytes'])} GiB"
+        )
+        for mode, rs in results.items():
+            if "time_ms" in rs.get("training", {}):
+                seqs = run.grad_accum * run.batch_size / rs["training"]["time_ms"] * 1e3
+                ratio = seqs / reference["sequences_per_s"]
+                lines.append(f"{mode} training: {seqs:.2f} sequences/s, {ratio:.2f}x the reference's")
     if run.train:
         lines.append(
-            f"training: median step time after the first {run.warmup} of {run.steps} steps, each step timed from its "
-            "start to the next one's; offloaded modes on the GPU leave out the step after each round of their bound's "
-            "parts (it waits for no update)"
+            f"training: median step time, start to next start, after the first {run.warmup} of {run.steps} steps; "
+            "offloaded GPU modes skip the step after each round of their bound's parts (it waits for no update)"
         )
     return lines
 
@@ -2589,16 +2352,12 @@ def inference_notes(mode: str, r: dict) -> list[str]:
         copy = ""
         if r["h2d_gbps_copy_only"]:
             copy = f"copy {r['copy_ms_per_layer']:.2f} ms ({r['h2d_gbps_copy_only']:.1f} GB/s alone), "
-        lines.append(
-            f"{mode}: per layer {copy}compute {r['compute_ms_per_layer']:.2f} ms; "
-            f"embeddings + norm + head {r['resident_ms']:.2f} ms"
-        )
+        times = f"compute {r['compute_ms_per_layer']:.2f} ms; embeddings + norm + head {r['resident_ms']:.2f} ms"
+        lines.append(f"{mode}: per layer {copy}{times}")
     if "trace" in r:
         t = r["trace"]
-        lines.append(
-            f"{mode} trace: {t['overlap_ms']:.1f} of {t['copy_ms']:.1f} ms of copies ran under compute on another "
-            f"stream (copy streams {t['copy_streams']}, kernel streams {t['kernel_streams']})"
-        )
+        streams = f"(copy streams {t['copy_streams']}, kernel streams {t['kernel_streams']})"
+        lines.append(f"{mode} trace: {t['overlap_ms']:.1f} of {t['copy_ms']:.1f} ms of copies under compute {streams}")
     return lines
 
 
@@ -2606,33 +2365,25 @@ def training_notes(mode: str, t: dict, run: RunConfig) -> list[str]:
     """A mode's training notes: placement and peak, the bound's parts, the trace, the gradient pool, the masters."""
     lines = []
     if "predicted_peak_bytes" in t:
-        resident, gpu_adam = ", ".join(t["resident_units"]) or "none", ", ".join(t.get("gpu_adam_units", [])) or "none"
+        resident, gpu_adam = t["resident_units"], t.get("gpu_adam_units", [])
+        units = f"{len(resident)} of {t['units']} units resident ({', '.join(resident) or 'none'})"
+        adam = f"{len(gpu_adam)} stepped by the GPU's Adam ({', '.join(gpu_adam) or 'none'})"
         parts = ", ".join(f"{part} {gib(n)}" for part, n in t["predicted_parts"].items())
-        lines.append(
-            f"{mode} training: {len(t['resident_units'])} of {t['units']} units resident on the GPU ({resident}), "
-            f"{len(t.get('gpu_adam_units', []))} stepped by the GPU's Adam over streamed state ({gpu_adam}); peak GPU "
-            f"{gib(t['peak_gpu_bytes'])} GiB against {gib(t['predicted_peak_bytes'])} predicted: {parts}"
-        )
+        peak = f"peak GPU {gib(t['peak_gpu_bytes'])} GiB against {gib(t['predicted_peak_bytes'])} predicted: {parts}"
+        lines.append(f"{mode} training: {units}, {adam}; {peak}")
     if "gpu_compute_ms" in t:
         lines.append(bound_note(mode, t))
     if "trace" in t:
-        h, d = t["trace"]["h2d"], t["trace"]["d2h"]
-        lines.append(
-            f"{mode} training trace: {h['overlap_ms']:.1f} of {h['copy_ms']:.1f} ms of H2D copies and "
-            f"{d['overlap_ms']:.1f} of {d['copy_ms']:.1f} ms of D2H copies ran under compute"
-        )
+        h2d, d2h = (f"{c['overlap_ms']:.1f} of {c['copy_ms']:.1f} ms" for c in (t["trace"]["h2d"], t["trace"]["d2h"]))
+        lines.append(f"{mode} training trace: {h2d} of H2D copies and {d2h} of D2H copies ran under compute")
     if not t.get("gradient_pool", {"per_unit": True})["per_unit"]:
         g = t["gradient_pool"]
-        lines.append(
-            f"{mode} training: {g['buffers']} shared gradient buffers; the backward waited {g['waited_ms']:.0f} ms in "
-            "all for the CPU Adam to free one"
-        )
+        waited = f"the backward waited {g['waited_ms']:.0f} ms in all for the CPU Adam to free one"
+        lines.append(f"{mode} training: {g['buffers']} shared gradient buffers; {waited}")
     if "masters_max_abs_diff" in t:
-        lines.append(
-            f"{mode} training: masters differ from gpu mode's by at most {t['masters_step1_max_abs_diff']:.3g} after "
-            f"step 1 (float32 rounding allows {t['masters_tolerance']:.3g}) and {t['masters_max_abs_diff']:.3g} after "
-            f"step {run.steps}"
-        )
+        step1 = f"{t['masters_step1_max_abs_diff']:.3g} after step 1 (rounding allows {t['masters_tolerance']:.3g})"
+        last = f"{t['masters_max_abs_diff']:.3g} after step {run.steps}"
+        lines.append(f"{mode} training: masters differ from gpu mode's by at most {step1} and {last}")
     return lines
 
 
@@ -2645,30 +2396,15 @@ def bound_note(mode: str, t: dict) -> str:
     if "host_memory_ms" in t:
         host = (
             f", CPU Adam {t['cpu_adam_ms']:.1f} ms, host memory {t['host_memory_ms']:.1f} ms "
-            f"({t['host_bytes'] / 1e9:.1f} GB, {t['host_bytes_per_param']:.1f} bytes per parameter of the model "
-            f"with {t['adam_bytes_per_param']} per CPU-stepped parameter for the Adam, at {t['host_gbps']:.0f} "
-            "GB/s with the Adam and the copy engines running together)"
+            f"({t['host_bytes'] / 1e9:.1f} GB, {t['host_bytes_per_param']:.1f} bytes per parameter, "
+            f"{t['adam_bytes_per_param']} per CPU-stepped one for the Adam, at {t['host_gbps']:.0f} GB/s with the Adam "
+            "and the copies running together)"
         )
     rounds = len(next(iter(t["bound_parts_ms"].values())))
     return (
-        f"{mode} training bound, each part alone (best of {rounds} rounds among the steps): GPU compute "
-        f"{t['gpu_compute_ms']:.1f} ms (forward, recompute, backward){copies}{host}"
+        f"{mode} training bound, each part alone (best of {rounds} rounds): GPU compute {t['gpu_compute_ms']:.1f} ms "
+        f"(forward, recompute, backward){copies}{host}"
     )
-
-
-def reference_notes(results: dict, run: RunConfig, reference: dict) -> list[str]:
-    """The forward/backward reference, and each mode's training speed against it."""
-    lines = [
-        f"forward/backward reference (the model resident on the GPU, no optimizer, no cap): {reference['time_ms']:.1f} "
-        f"ms per step, {reference['sequences_per_s']:.2f} sequences/s, peak GPU {gib(reference['peak_gpu_bytes'])} GiB"
-    ]
-    for mode, rs in results.items():
-        if "time_ms" in rs.get("training", {}):
-            seqs = run.grad_accum * run.batch_size / rs["training"]["time_ms"] * 1e3
-            lines.append(
-                f"{mode} training: {seqs:.2f} sequences/s, {seqs / reference['sequences_per_s']:.2f}x the reference's"
-            )
-    return lines
 
 
 # ---------------------------------------------------------------------------------------------------- sizing
@@ -2681,8 +2417,7 @@ def params_with_layers(config: LlamaConfig, layers: int) -> int:
 
 
 def host_reserve(config: LlamaConfig) -> int:
-    """Host memory a run needs beyond host_bytes_needed: the runtime, and the scratch state on which the training bound
-    times the CPU Adam (16 bytes per parameter of one layer)."""
+    """Host memory needed beyond host_bytes_needed: the runtime, and the scratch state of one layer's timed CPU Adam."""
     return RUNTIME_HOST_BYTES + 16 * (params_with_layers(config, 1) - params_with_layers(config, 0))
 
 
@@ -2692,17 +2427,16 @@ def host_memory_available() -> int | None:
 
 
 def host_bytes_needed(run: RunConfig, config: LlamaConfig, params: int) -> tuple[int, str]:
-    """The model in the compute dtype (a lean run frees its decoder layers), plus for offloaded training 12 bytes per
-    parameter of float32 masters and Adam moments and two gradient buffers at the least, or for the cpu mode's
-    training 18 bytes per parameter; and what that is, in words."""
+    """Host memory for the parameters and their training state, and what that is in words."""
     per_param = run.torch_dtype.itemsize
-    if run.train and {"blocked", "overlapped"} & set(run.modes):
+    offloaded = {"blocked", "overlapped"} & set(run.modes)
+    if run.train and offloaded:
         model = params_with_layers(config, 0) if run.lean else params  # lean: the decoder layers are freed
-        needed = model * per_param + params * 12 + 2 * gradient_buffer_bytes(config)
+        needed = model * per_param + params * 12 + 2 * gradient_buffer_bytes(config)  # 12: float32 masters, moments
         return needed, "the model, its float32 masters and Adam state and two gradient buffers"
     if run.train and "cpu" in run.modes:
         return params * (2 * per_param + 16), "the model, its training copy and Adam state"
-    return params * per_param, "the model" + " and its pinned store" * bool({"blocked", "overlapped"} & set(run.modes))
+    return params * per_param, "the model" + " and its pinned store" * bool(offloaded)
 
 
 def gradient_buffer_bytes(config: LlamaConfig, dtype: torch.dtype = torch.float32) -> int:
@@ -2711,8 +2445,7 @@ def gradient_buffer_bytes(config: LlamaConfig, dtype: torch.dtype = torch.float3
 
 
 def gradient_dtype(run: RunConfig) -> torch.dtype:
-    """The dtype gradients leave the GPU in: bfloat16 with one micro-batch, exactly what the backward made; float32
-    where micro-batches accumulate or float16's loss scale is undone."""
+    """The dtype gradients leave the GPU in: the backward's own bfloat16 with one micro-batch, else float32."""
     return torch.bfloat16 if run.torch_dtype == torch.bfloat16 and run.grad_accum == 1 else torch.float32
 
 
@@ -2726,8 +2459,7 @@ def host_spare_bytes(run: RunConfig, config: LlamaConfig) -> int | None:
 
 
 def host_copy_dtype(run: RunConfig, config: LlamaConfig) -> torch.dtype | None:
-    """The dtype of the masters' copy that offloaded training streams: the compute dtype where the host has room;
-    None in float32 or, said on stderr, where there is no room (the GPU then streams the masters and casts them)."""
+    """The dtype of the masters' copy offloaded training streams; None in float32 or without host room (GPU casts)."""
     if run.torch_dtype == torch.float32:
         return None
     spare, copy = host_spare_bytes(run, config), run.torch_dtype.itemsize * param_count(config)
@@ -2741,8 +2473,7 @@ def host_copy_dtype(run: RunConfig, config: LlamaConfig) -> torch.dtype | None:
 
 
 def gradient_buffers(run: RunConfig, config: LlamaConfig, exact: bool, copy: bool) -> int:
-    """How many pinned gradient buffers offloaded training gets: one per unit where the host has room (after the
-    masters' copy, if `copy`), and always to compare with gpu mode (`exact`) or in float16; else as many as fit."""
+    """Offloaded training's gradient buffers: one per unit if `exact`, in float16 or with room, else what fits."""
     units = model_units(config)
     spare = host_spare_bytes(run, config)
     if exact or run.dtype == "float16" or spare is None:
@@ -2753,16 +2484,12 @@ def gradient_buffers(run: RunConfig, config: LlamaConfig, exact: bool, copy: boo
     if spare + 2 * gradient_buffer_bytes(config) >= dtype.itemsize * sum(unit.layout.numel for unit in units):
         return len(units)
     count = 2 + max(0, spare) // buffer
-    log(
-        f"gradients: {count} pinned buffers of {buffer / GiB:.2f} GiB for {len(units)} units, as many as host memory "
-        "holds: the backward waits for the CPU Adam when none is free"
-    )
+    log(f"gradients: {count} pinned buffers of {buffer / GiB:.2f} GiB for {len(units)} units, all the host holds")
     return count
 
 
 def host_pass_bytes(run: RunConfig, config: LlamaConfig) -> int:
-    """Host memory besides the parameters and their state: the token ids, each mode's logits, the pinned pool of the
-    saved inputs with --offload-activations and, for the cpu mode, the activations of its largest pass."""
+    """Host memory besides the parameters: token ids, logits, the pinned saved inputs, the cpu mode's activations."""
     tokens, dtype = run.batch_size * run.seq_len, run.torch_dtype
     ids = (1 + run.grad_accum) * tokens * 8  # int64: inference's batch and training's micro-batches
     logits = len(run.modes) * tokens * config.vocab_size * dtype.itemsize
@@ -2771,20 +2498,18 @@ def host_pass_bytes(run: RunConfig, config: LlamaConfig) -> int:
 
 
 def gpu_bytes_needed(run: RunConfig, config: LlamaConfig, mode: str) -> int:
-    """A lower bound on the GPU memory a mode takes, known before anything is allocated: gpu mode's weights (and
-    training state), or the offloaded modes' slots, resident parts, gradient buffer, saved inputs; and activations."""
-    dtype, b, h = run.torch_dtype, run.torch_dtype.itemsize, config.hidden_size
-    tokens, layers = run.batch_size * run.seq_len, config.num_hidden_layers
-    act = activation_bytes(config, dtype, tokens, at_least=True)
+    """A lower bound on a mode's GPU memory, known before allocating: weights or slots, state, inputs, activations."""
+    dtype, b = run.torch_dtype, run.torch_dtype.itemsize
+    layers = config.num_hidden_layers
+    act = activation_bytes(config, dtype, run.batch_size * run.seq_len, at_least=True)
     if mode == "gpu":
         return param_count(config) * (2 * b + 16 if run.train else b) + act
     depth = 0 if mode == "blocked" else run.prefetch
     inference = min(depth + 1, layers) * layer_bytes(config, dtype) + resident_bytes(config, dtype) + act
     if not run.train:
         return inference
-    unit_numel = max(layer_bytes(config, dtype) // b, config.vocab_size * h)  # a decoder layer, or embeddings/head
-    # the inputs the layers, the norm and the head keep for their backward: all of them, or with activation offload
-    # the ring of activation slots and the two units' inputs still being copied to the host
+    unit_numel = max(layer_bytes(config, dtype) // b, config.vocab_size * config.hidden_size)  # a layer or the head
+    # the units' saved inputs: all, or with activation offload the ring of slots and two still being copied out
     saved_units = min(depth + 1, layers + 2) + 2 if run.offload_activations else layers + 2
     weights = min(depth + 1, layers + 3) * unit_numel * b + 4 * unit_numel  # the slots and the float32 gradients
     return max(inference, weights + saved_units * unit_inputs_bytes(run, config) + act)
@@ -2796,20 +2521,16 @@ def unit_inputs_bytes(run: RunConfig, config: LlamaConfig) -> int:
 
 
 def with_activation_offload(run: RunConfig, config: LlamaConfig) -> RunConfig:
-    """`run` with --offload-activations turned on (and said so) where the offloaded modes' saved inputs would not fit
-    the GPU cap, and would with it."""
+    """`run` with --offload-activations on (said on stderr) where only then do the saved inputs fit the GPU cap."""
     offloaded = {"blocked", "overlapped"} & set(run.modes)
     if run.offload_activations or not run.train or not offloaded or run.max_gpu_memory is None:
         return run
     cap, on = run.max_gpu_memory * GiB, dataclasses.replace(run, offload_activations=True)
-    if all(gpu_bytes_needed(run, config, m) > cap >= gpu_bytes_needed(on, config, m) for m in offloaded):
-        saved = (config.num_hidden_layers + 2) * unit_inputs_bytes(run, config)
-        log(
-            f"activation offload on: the units' saved inputs ({saved / GiB:.1f} GiB) do not fit the "
-            f"{run.max_gpu_memory:g} GiB cap on the GPU, so they wait in pinned host memory"
-        )
-        return on
-    return run
+    if not all(gpu_bytes_needed(run, config, m) > cap >= gpu_bytes_needed(on, config, m) for m in offloaded):
+        return run
+    saved = (config.num_hidden_layers + 2) * unit_inputs_bytes(run, config) / GiB
+    log(f"activation offload on: the saved inputs ({saved:.1f} GiB) exceed the {run.max_gpu_memory:g} GiB cap")
+    return on
 
 
 # ---------------------------------------------------------------------------------------------------- CLI
@@ -2818,31 +2539,21 @@ def with_activation_offload(run: RunConfig, config: LlamaConfig) -> RunConfig:
 class Parser(argparse.ArgumentParser):
     """argparse with bad arguments reported as one line and exit code 2, like every other bad input."""
 
-    def error(self, message):  # one line, exit 2, as for every other bad input
+    def error(self, message):  # one line, exit 2
         print(f"offload_llama.py: error: {message} (see --help)", file=sys.stderr)
         sys.exit(2)
 
 
-def mode_list(text: str) -> str:
-    """Validate --mode: all, or a comma-separated list of known modes."""
-    unknown = [m for m in text.split(",") if m not in (*MODES, "all")]
-    if unknown or ("all" in text.split(",") and text != "all"):
-        raise argparse.ArgumentTypeError(f"{text!r}: choose all, or one or more of {', '.join(MODES)} with commas")
-    return text
-
-
-def add_model_flags(p: argparse.ArgumentParser) -> None:
-    """The model, the batch and the timing."""
-    modes = "gpu: resident model; cpu: on the CPU; blocked: copy each layer then run it; overlapped: copy ahead on a "
-    modes += "second stream; all: every mode, then the tables; or a comma-separated list such as gpu,overlapped"
-    p.add_argument("--mode", type=mode_list, default="all", help=modes)
+def add_run_flags(p: argparse.ArgumentParser) -> None:
+    """The model, the batch, the timing, what stays on the GPU, and the outputs."""
+    modes = "gpu: resident; cpu; blocked: copy each layer, then run it; overlapped: copy ahead; all; or a list: gpu,cpu"
+    p.add_argument("--mode", default="all", help=modes)
     p.add_argument("--preset", choices=tuple(PRESETS), default=RunConfig.preset)
     p.add_argument("--model", help="load a save_pretrained LLaMA folder instead of building a random model")
     for field, flag in SIZE_FLAGS.items():
         p.add_argument(f"--{flag}", type=int, dest=field, help=f"override the preset's {field}")
     p.add_argument("--dtype", choices=tuple(DTYPES), help="compute dtype (default: bfloat16 where supported)")
-    attention = "sdpa: flash attention, whose backward is not bitwise reproducible; eager: matmul and softmax, "
-    attention += "bitwise reproducible, memory quadratic in --seq-len"
+    attention = "sdpa: flash, backward not bitwise reproducible; eager: reproducible, memory quadratic in --seq-len"
     p.add_argument("--attention", choices=("sdpa", "eager"), default=RunConfig.attention, help=attention)
     p.add_argument("--batch-size", type=int, default=RunConfig.batch_size)
     p.add_argument("--seq-len", type=int, default=RunConfig.seq_len)
@@ -2850,15 +2561,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefetch", type=int, default=RunConfig.prefetch, help="units copied ahead in overlapped mode")
     p.add_argument("--warmup", type=int, default=RunConfig.warmup)
     p.add_argument("--repeat", type=int, default=RunConfig.repeat, help="timed runs; the median is reported")
-
-
-def add_placement_flags(p: argparse.ArgumentParser) -> None:
-    """What stays on the GPU, and the outputs."""
-    cap = "cap the GPU memory this process may use; overlapped keeps resident on the GPU the layers (in training: with "
-    cap += "their optimizer state) that the cap holds, and streams the rest"
+    cap = "GPU memory cap; overlapped keeps on the GPU the layers (and their Adam state) it holds and streams the rest"
     p.add_argument("--max-gpu-memory", type=float, metavar="GIB", help=cap)
-    resident = "overlapped: keep N decoder layers resident on the GPU (inference: spread among the streamed ones; "
-    resident += "training: the first N) instead of planning from --max-gpu-memory; 0 streams every layer"
+    resident = "overlapped: N decoder layers resident (inference: spread; training: the first N), not the cap's plan"
     p.add_argument("--resident-layers", type=int, metavar="N", help=resident)
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--save-output", metavar="PATH", help="torch.save the input ids, logits and trained masters")
@@ -2874,32 +2579,28 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     t.add_argument("--grad-accum", type=int, default=RunConfig.grad_accum, metavar="K", help=accum)
     lean = "train only; one offloaded mode alone then frees the model's decoder layers once the masters hold them"
     t.add_argument("--no-inference", dest="inference", action="store_false", help=lean)
-    reference = "before the modes, time plain forward and backward of the same model and batch resident on the GPU"
-    t.add_argument("--fwd-bwd-reference", action="store_true", help=reference + " (no optimizer, no cap)")
-    acts = "keep the inputs each unit saves for its backward in pinned host memory, not on the GPU (turned on by "
-    t.add_argument("--offload-activations", action="store_true", help=acts + "itself when they would not fit the cap)")
+    reference = "first time plain forward and backward of the model resident on the GPU (no optimizer, no cap)"
+    t.add_argument("--fwd-bwd-reference", action="store_true", help=reference)
+    acts = "keep the units' saved inputs in pinned host memory (turned on by itself when they would not fit the cap)"
+    t.add_argument("--offload-activations", action="store_true", help=acts)
     t.add_argument("--lr", type=float, default=RunConfig.lr)
     t.add_argument("--betas", type=float, nargs=2, default=RunConfig.betas, metavar=("BETA1", "BETA2"))
     t.add_argument("--eps", type=float, default=RunConfig.eps)
-    decay = "L2 penalty added to the gradient, as torch.optim.Adam does"
-    t.add_argument("--weight-decay", type=float, default=RunConfig.weight_decay, help=decay)
-    share = "overlapped: of the streamed parameters, the share (0 to 1) the GPU's Adam steps over their float32 state "
-    share += "streamed from the host by the copy engines (the embeddings, then layers from the first, then the head) "
-    share += f"while the CPU Adam steps the rest (default: {GPU_ADAM_SHARE}; 0 in float16)"
+    t.add_argument("--weight-decay", type=float, default=RunConfig.weight_decay, help="L2 penalty, as in torch's Adam")
+    share = "overlapped: the share (0 to 1) of streamed parameters the GPU's Adam steps over float32 state streamed "
+    share += f"in (embeddings, first layers, head), the CPU Adam the rest (default: {GPU_ADAM_SHARE}; 0 in float16)"
     t.add_argument("--gpu-adam-share", type=float, metavar="F", help=share)
 
 
 def check_flags(p: Parser, a: argparse.Namespace) -> None:
     """Flags out of range or that do not go together: one line, exit 2."""
-    for flag in ("batch_size", "seq_len", "repeat", "steps", "grad_accum"):
-        if getattr(a, flag) < 1:
-            p.error(f"--{flag.replace('_', '-')} must be at least 1")
-    if a.prefetch < 1:
-        p.error("--prefetch must be at least 1 (blocked mode is prefetch 0)")
-    if a.warmup < 0:
-        p.error("--warmup must be at least 0")
-    if a.resident_layers is not None and a.resident_layers < 0:
-        p.error("--resident-layers must be at least 0")
+    if a.mode != "all" and not set(a.mode.split(",")) <= set(MODES):
+        p.error(f"argument --mode: {a.mode!r}: choose all, or one or more of {', '.join(MODES)} with commas")
+    least = dict(batch_size=1, seq_len=1, repeat=1, steps=1, grad_accum=1, prefetch=1, warmup=0, resident_layers=0)
+    for field, low in least.items():
+        if getattr(a, field) is not None and getattr(a, field) < low:
+            hint = " (blocked mode is prefetch 0)" if field == "prefetch" else ""
+            p.error(f"--{field.replace('_', '-')} must be at least {low}{hint}")
     adam_ok = a.lr > 0 and a.eps > 0 and a.weight_decay >= 0 and all(0 <= b < 1 for b in a.betas)
     if not all(map(math.isfinite, (a.lr, a.eps, a.weight_decay))) or not adam_ok:
         p.error("Adam needs --lr > 0, --eps > 0, --weight-decay >= 0 and betas in [0, 1), all finite")
@@ -2918,8 +2619,7 @@ def check_flags(p: Parser, a: argparse.Namespace) -> None:
 def parse_args(argv=None) -> RunConfig:
     """The command line as a RunConfig; flags out of range end with one line and exit 2."""
     p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_model_flags(p)
-    add_placement_flags(p)
+    add_run_flags(p)
     add_training_flags(p)
     a = p.parse_args(argv)
     a.dtype = a.dtype or default_dtype()
@@ -2938,27 +2638,19 @@ def check_devices(run: RunConfig, config: LlamaConfig) -> None:
         raise UsageError(f"--resident-layers {run.resident_layers}: the model has {layers} decoder layers")
     one_layer = layer_bytes(config, run.torch_dtype)
     if run.max_gpu_memory is not None and run.max_gpu_memory * GiB < one_layer:
-        raise UsageError(
-            f"--max-gpu-memory {run.max_gpu_memory} GiB is less than one decoder layer "
-            f"({one_layer / 2**20:.1f} MiB in {run.dtype}): no mode can run"
-        )
+        size = f"{one_layer / 2**20:.1f} MiB in {run.dtype}"
+        raise UsageError(f"--max-gpu-memory {run.max_gpu_memory} GiB is less than one decoder layer ({size})")
     gpu_modes = [m for m in run.modes if m != "cpu"]
     if run.fwd_bwd_reference and not torch.cuda.is_available():
         raise UsageError("--fwd-bwd-reference runs on a CUDA GPU, and torch.cuda.is_available() is False")
     if gpu_modes and not torch.cuda.is_available():
-        raise UsageError(
-            f"mode {gpu_modes[0]} needs a CUDA GPU, and torch.cuda.is_available() is False: "
-            "use --mode cpu, or a machine with a GPU"
-        )
+        raise UsageError(f"mode {gpu_modes[0]} needs a CUDA GPU; torch.cuda.is_available() is False: use --mode cpu")
     if gpu_modes and run.dtype == "bfloat16" and not torch.cuda.is_bf16_supported(including_emulation=False):
         raise UsageError(f"{torch.cuda.get_device_name()} cannot compute in bfloat16: use --dtype float16 or float32")
     if run.profile and not {"blocked", "overlapped"} & set(run.modes):
         raise UsageError("--profile traces an offloaded pass: use --mode overlapped, blocked or all")
     if run.train and config.tie_word_embeddings:
-        raise UsageError(
-            "--train needs untied embeddings (tie_word_embeddings is true in this config): the head and the "
-            "embeddings are streamed and updated as separate units"
-        )
+        raise UsageError("--train needs untied embeddings (tie_word_embeddings is true): the head is a unit of its own")
     check_memory(run, config, gpu_modes)
 
 
@@ -2979,9 +2671,8 @@ def check_memory(run: RunConfig, config: LlamaConfig, gpu_modes: list[str]) -> N
     if available is not None and params + passes > available:
         advice = "use fewer or shorter sequences" if passes > params else "use fewer or smaller layers"
         raise UsageError(
-            f"{what} ({params / GiB:.1f} GiB) and the passes' token ids, logits and activations "
-            f"({passes / GiB:.1f} GiB) need {(params + passes) / GiB:.1f} GiB of host memory, only "
-            f"{available / GiB:.1f} GiB are available: {advice}"
+            f"{what} ({params / GiB:.1f} GiB) and the passes' ids, logits, activations ({passes / GiB:.1f} GiB) need "
+            f"{(params + passes) / GiB:.1f} GiB of host memory, only {available / GiB:.1f} GiB are available: {advice}"
         )
 
 
@@ -3000,8 +2691,7 @@ def check_outputs(run: RunConfig) -> None:
 
 
 def write_atomically(path: str, write) -> None:
-    """write(tmp) to a temporary file beside `path`, then rename it to `path`: a crash or an interrupt never leaves a
-    truncated file that looks complete."""
+    """write(tmp) to a temporary file beside `path`, then rename it: an interrupt never leaves a truncated file."""
     tmp = str(Path(path).with_name(f".{Path(path).name}.{os.getpid()}.tmp"))
     try:
         write(tmp)
@@ -3016,32 +2706,22 @@ def write_json(path: str, report: dict) -> None:
     write_atomically(path, lambda tmp: Path(tmp).write_text(json.dumps(report, indent=2) + "\n"))
 
 
-def cap_gpu_memory(run: RunConfig) -> None:
-    """Apply --max-gpu-memory as the caching allocator's memory fraction."""
-    if run.max_gpu_memory is not None and any(m != "cpu" for m in run.modes):
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, run.max_gpu_memory * GiB / total))
-
-
 def environment() -> dict:
     """Where the results come from: device, versions, CPU threads and the script's sha256."""
     cuda = torch.cuda.is_available()
-    device = torch.cuda.get_device_name() if cuda else platform.processor() or "cpu"
     return {
-        "device": device,
+        "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
         "gpu_memory_bytes": torch.cuda.get_device_properties(0).total_memory if cuda else None,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "cpu_threads": torch.get_num_threads(),
-        # which code made the results: the report checks it against the committed script
         "script_sha256": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
     }
 
 
 def run_all(run: RunConfig) -> dict:
-    """Build the model and its stores once, run each mode (inference, then training), print the tables and write the
-    outputs."""
+    """Build the model and its stores once, run each mode, print the tables and write the outputs."""
     config = llama_config(run)
     run = with_activation_offload(run, config)
     check_devices(run, config)
@@ -3052,7 +2732,9 @@ def run_all(run: RunConfig) -> dict:
     model = build_model(run, config)
     train_ids = random_input_ids(run, model.config.vocab_size, run.grad_accum)
     reference = forward_backward_reference(model, train_ids, run) if run.fwd_bwd_reference else None
-    cap_gpu_memory(run)
+    if run.max_gpu_memory is not None and any(m != "cpu" for m in run.modes):  # the cap as the allocator's fraction
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, run.max_gpu_memory * GiB / total))
     input_ids = random_input_ids(run, model.config.vocab_size)
     store = ParamStore(model, pin=True) if offloaded and run.inference else None
     masters = training_store(run, model.config, grad_buffers, copy_dtype) if run.train and offloaded else None
@@ -3062,7 +2744,7 @@ def run_all(run: RunConfig) -> dict:
     report |= {"config": json.loads(model.config.to_json_string()), "results": results}
     if reference:
         report["fwd_bwd_reference"] = reference
-    print(tables(results, run, model.config, input_ids.numel(), reference))
+    print(tables(results, run, input_ids.numel(), reference))
     if run.json:
         write_json(run.json, report)
     if run.save_output:
@@ -3083,9 +2765,14 @@ def run_modes(run: RunConfig, model, store, masters, input_ids, train_ids, compa
             if run.lean:  # the masters hold the layers now: 2 bytes per parameter less on the host
                 model.model.layers.to("meta")
         if run.train:
-            trained[mode] = train_mode(mode, model, masters, train_ids, run, mode in compared)
-            gpu_mode = trained.get("gpu") if mode in ("blocked", "overlapped") else None
-            results[mode]["training"] = summary(trained[mode], gpu_mode, run)
+            result = trained[mode] = train_mode(mode, model, masters, train_ids, run, mode in compared)
+            gpu = trained.get("gpu") if mode in ("blocked", "overlapped") else None
+            if gpu is not None and not gpu.get("oom") and not result.get("oom"):  # then frees the tensors compared
+                compare_training(result, gpu, run)
+                result["grads"] = None
+                if not run.save_output:
+                    result["masters"] = None
+            results[mode]["training"] = {k: v for k, v in result.items() if k not in ("grads", "masters")}
             free_gpu_memory()
     for mode in ("blocked", "overlapped"):
         if logits.get("gpu") is not None and logits.get(mode) is not None:
@@ -3105,25 +2792,14 @@ def save_output(run: RunConfig, input_ids, logits: dict, train_ids, trained: dic
 def training_store(run: RunConfig, config: LlamaConfig, grad_buffers: int, copy_dtype) -> MasterStore:
     """The offloaded modes' pinned training state on the host, its set-up time said on stderr."""
     t0 = time.perf_counter()
-    units, grad_dtype = model_units(config), gradient_dtype(run)
-    masters = MasterStore(units, run.adam, True, grad_buffers, grad_dtype, copy_dtype)
+    masters = MasterStore(model_units(config), run.adam, True, grad_buffers, gradient_dtype(run), copy_dtype)
     pinned = sum(t.nbytes for t in [*masters.masters, *(masters.copies or []), *masters.pool.buffers])
     moments = sum(2 * m.nbytes for m in masters.masters)
     log(
-        f"training state on the host in {time.perf_counter() - t0:.1f} s, the CPU Adam's compile included: "
+        f"training state on the host in {time.perf_counter() - t0:.1f} s, CPU Adam compile included: "
         f"{gib(pinned)} GiB pinned, {gib(moments)} GiB of Adam moments"
     )
     return masters
-
-
-def summary(result: dict, reference: dict | None, run: RunConfig) -> dict:
-    """The JSON view of an offloaded mode's training result, compared with gpu mode's; frees the tensors compared."""
-    if reference is not None and not reference.get("oom") and not result.get("oom"):
-        compare_training(result, reference, run)
-        result["grads"] = None
-        if not run.save_output:
-            result["masters"] = None
-    return {k: v for k, v in result.items() if k not in ("grads", "masters")}
 
 
 def main(argv=None) -> int:
@@ -3136,8 +2812,7 @@ def main(argv=None) -> int:
         print(f"offload_llama.py: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        # the modes have stopped their CPU Adam workers on the way out; the copies still queued must land before the
-        # pinned buffers they read or write are unregistered, which happens as this handler drops the frames
+        # the copies still queued must land before the pinned buffers they use are unregistered as the frames drop
         if torch.cuda.is_initialized():
             torch.cuda.synchronize()
         print("offload_llama.py: interrupted; no output is left half-written", file=sys.stderr)

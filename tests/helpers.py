@@ -3,6 +3,7 @@
 import copy
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -46,6 +47,36 @@ def cli(*args, timeout=600):
     )
 
 
+def cli_all(commands: dict, workers: int = 5) -> dict:
+    """Run the command lines (name -> args) side by side, `workers` at a time. Only for runs that are judged on
+    memory, never on time: each process has its own allocator, peaks and cap, whatever runs beside it."""
+    with ThreadPoolExecutor(workers) as pool:
+        futures = {name: pool.submit(cli, *args) for name, args in commands.items()}
+    return {name: future.result() for name, future in futures.items()}
+
+
+_stores = {}  # the last pinned store built with reuse, by what it was built for
+
+
+def master_store(model, adam, pin, grad_buffers, grad_dtype, copy_dtype, reuse):
+    """A MasterStore loaded from `model`. reuse: the last one built for the same model and settings, its gradient
+    buffers and moments filled with NaN first, so a read before a write shows; pinning a new one takes seconds."""
+    key = (model.config.to_json_string(), str(adam), pin, grad_buffers, grad_dtype, copy_dtype)
+    store = _stores.get(key) if reuse else None
+    if store is None:
+        units = ol.model_units(model.config)
+        store = ol.MasterStore(units, adam, pin, grad_buffers, grad_dtype, copy_dtype)
+    else:
+        torch.cuda.synchronize()  # the last trainer's copies from and to the store have landed
+        for t in [*store.pool.buffers, *(m for pair in store.moments for m in pair)]:
+            t.fill_(float("nan"))
+    if reuse:
+        _stores.clear()
+        _stores[key] = store
+    store.load(model)
+    return store
+
+
 def offloaded_trainer(
     model,
     device,
@@ -59,25 +90,19 @@ def offloaded_trainer(
     resident=(),
     own_grads=True,
     gpu_adam=(),
+    reuse=False,
 ):
     """The blocked (depth 0) or overlapped training of `model` on `device`, as the CLI builds it; offload: the units'
     saved inputs wait on the host (--offload-activations); grad_buffers: a shared gradient pool of that many; copy:
     the GPU streams the masters' compute-dtype copy (False: the float32 masters, cast on the GPU); resident: the
     units kept on the device and stepped there, with gradients of their own or (own_grads False) shared; gpu_adam: the
     streamed units the device's Adam steps over their state streamed from the host, their first step's gradients
-    kept on the host for first_step_state."""
+    kept on the host for first_step_state; reuse: the last such store, poisoned (master_store)."""
     adam = adam or ol.Adam(lr=1e-3)
     dtype = next(model.parameters()).dtype
     run = ol.RunConfig(dtype=str(dtype).removeprefix("torch."), grad_accum=len(micro_batches))
-    store = ol.MasterStore(
-        ol.model_units(model.config),
-        adam,
-        pin=pin,
-        grad_buffers=grad_buffers,
-        grad_dtype=ol.gradient_dtype(run),
-        copy_dtype=dtype if copy and dtype != torch.float32 else None,
-    )
-    store.load(model)
+    copy_dtype = dtype if copy and dtype != torch.float32 else None
+    store = master_store(model, adam, pin, grad_buffers, ol.gradient_dtype(run), copy_dtype, reuse)
     kwargs = ol.decoder_kwargs(model, tuple(micro_batches[0].shape), dtype, torch.device(device))
     trainer = ol.OffloadedTraining(store, model.config, dtype, torch.device(device), depth, model.loss_function, kwargs)
     if offload:

@@ -124,10 +124,17 @@ def test_trace_shows_copies_under_compute_only_when_overlapped(mode, tmp_path):
         assert trace["overlap_ms"] < 0.05 * trace["copy_ms"], trace
 
 
-def test_peak_memory_within_analytic_figure_in_float32(tmp_path):
-    r = cli("--mode", "overlapped", *seven_b(3), "--dtype", "float32", "--json", tmp_path / "r.json")
+MEMORY_RUNS = {  # run side by side by conftest's memory_runs
+    # 6 layers of 7B need 2.4 GB resident: over a 2 GiB cap, while 2 slots and the head fit
+    "oom": ["--mode", "all", *seven_b(6, seq_len=512), "--max-gpu-memory", 2],
+    "float32": ["--mode", "overlapped", *seven_b(3), "--dtype", "float32"],
+}
+
+
+def test_peak_memory_within_analytic_figure_in_float32(memory_runs):
+    r, path = memory_runs["float32"]
     assert r.returncode == 0, r.stderr
-    assert_peak_within_analytic_figure(r, tmp_path / "r.json")
+    assert_peak_within_analytic_figure(r, path)
 
 
 def assert_peak_within_analytic_figure(r, path):
@@ -138,11 +145,10 @@ def assert_peak_within_analytic_figure(r, path):
     assert f"| {sum(result['analytic_peak_bytes'].values()) / ol.GiB:.2f} |" in r.stdout  # the printed figure
 
 
-def test_mode_that_does_not_fit_is_oom_and_others_run(tmp_path):
-    # 6 layers of 7B need 2.4 GB resident: over a 2 GiB cap, while 2 slots and the head fit
-    r = cli("--mode", "all", *seven_b(6, seq_len=512), "--max-gpu-memory", 2, "--json", tmp_path / "r.json")
+def test_mode_that_does_not_fit_is_oom_and_others_run(memory_runs):
+    r, path = memory_runs["oom"]
     assert r.returncode == 0, r.stderr
-    results = json.loads((tmp_path / "r.json").read_text())["results"]
+    results = json.loads(path.read_text())["results"]
     assert results["gpu"]["inference"] == {"oom": True}
     assert "| w/o offload (gpu) | OOM |" in r.stdout
     for mode in ("blocked", "overlapped", "cpu"):

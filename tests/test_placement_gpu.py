@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import offload_llama as ol
-from helpers import assert_masters_close, build, cli, offloaded_trainer, resident_logits, streamed_logits, train
+from helpers import assert_masters_close, build, offloaded_trainer, resident_logits, streamed_logits, train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CUDA = torch.device("cuda")
@@ -101,46 +101,45 @@ def test_race_shared_resident_gradients_wait_for_the_last_copy_out():
         assert matches == should_match, "intact" if should_match else "wait removed"
 
 
+RUN = ["--preset", "tiny", "--seq-len", 2048, "--mode", "overlapped", "--steps", 3, "--warmup", 1, "--repeat", 2]
+
+
 def mid_args(*extra):
     sizes = [a for field, value in MID.items() for a in (f"--{ol.SIZE_FLAGS[field]}", value)]
-    return [
-        "--preset",
-        "tiny",
-        *sizes,
-        "--seq-len",
-        2048,
-        "--mode",
-        "overlapped",
-        "--steps",
-        3,
-        "--warmup",
-        1,
-        "--repeat",
-        2,
-        *extra,
-    ]
+    return [*RUN, *sizes, *extra]
 
 
 ACCUM = ["--grad-accum", 16]  # 16 micro-batches of 2048 tokens: 64 MiB of inputs per unit
+TRAINING = {
+    "all streamed": [],
+    "cap 0.9": ["--max-gpu-memory", 0.9],
+    "cap 1.4": ["--max-gpu-memory", 1.4],
+    "4 resident layers": ["--resident-layers", 4],
+    "cap 4": ["--max-gpu-memory", 4],
+    "accumulation": ACCUM,
+    "accumulation, activation offload": [*ACCUM, "--offload-activations"],
+    "accumulation, cap 2.5": [*ACCUM, "--max-gpu-memory", 2.5],
+}
+INFERENCE = {"cap 0.8": ["--max-gpu-memory", 0.8], "3 resident layers": ["--resident-layers", 3]}
 
 
-@pytest.mark.parametrize(
-    "extra",
-    [
-        [],
-        ["--max-gpu-memory", 0.9],
-        ["--max-gpu-memory", 1.4],
-        ["--resident-layers", 4],
-        ["--max-gpu-memory", 4],
-        ACCUM,
-        [*ACCUM, "--offload-activations"],
-        [*ACCUM, "--max-gpu-memory", 2.5],
-    ],
-)
-def test_training_peak_is_the_predicted_one_and_under_the_cap(extra, tmp_path):
-    r = cli(*mid_args("--train", "--no-inference", "--json", tmp_path / "r.json", *extra))
+MEMORY_RUNS = {  # run side by side by conftest's memory_runs
+    **{f"training: {name}": mid_args("--train", "--no-inference", *flags) for name, flags in TRAINING.items()},
+    **{f"inference: {name}": mid_args(*flags) for name, flags in INFERENCE.items()},
+}
+
+
+def overlapped_result(memory_runs, name: str, part: str):
+    """The process that ran MEMORY_RUNS[name] and its overlapped mode's result for `part`, once it exited cleanly."""
+    r, path = memory_runs[name]
     assert r.returncode == 0, r.stderr
-    t = json.loads((tmp_path / "r.json").read_text())["results"]["overlapped"]["training"]
+    return json.loads(path.read_text())["results"]["overlapped"][part]
+
+
+@pytest.mark.parametrize("name", TRAINING)
+def test_training_peak_is_the_predicted_one_and_under_the_cap(name, memory_runs):
+    t = overlapped_result(memory_runs, f"training: {name}", "training")
+    extra = TRAINING[name]
     assert abs(t["peak_gpu_bytes"] - t["predicted_peak_bytes"]) <= max(0.03 * t["peak_gpu_bytes"], 64 * 2**20), t
     flags = dict(zip(extra[::2], extra[1::2], strict=False))
     cap = flags.get("--max-gpu-memory")
@@ -154,11 +153,9 @@ def test_training_peak_is_the_predicted_one_and_under_the_cap(extra, tmp_path):
         assert t["resident_units"] == [f"model.layers.{i}" for i in range(4)]
 
 
-@pytest.mark.parametrize("extra", [["--max-gpu-memory", 0.8], ["--resident-layers", 3]])
-def test_inference_peak_with_resident_layers_is_the_predicted_one(extra, tmp_path):
-    r = cli(*mid_args("--json", tmp_path / "r.json", *extra))
-    assert r.returncode == 0, r.stderr
-    result = json.loads((tmp_path / "r.json").read_text())["results"]["overlapped"]["inference"]
+@pytest.mark.parametrize("name", INFERENCE)
+def test_inference_peak_with_resident_layers_is_the_predicted_one(name, memory_runs):
+    result = overlapped_result(memory_runs, f"inference: {name}", "inference")
     predicted = sum(result["analytic_peak_bytes"].values())
     assert result["resident_layers"] and result["peak_gpu_bytes"] <= predicted
     assert predicted - result["peak_gpu_bytes"] <= max(0.03 * predicted, 64 * 2**20)

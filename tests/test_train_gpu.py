@@ -5,6 +5,7 @@ backward kernels in a trace; and no memory growth over 100 steps.
 Attention is eager here: sdpa's backward accumulates with atomics and is not bitwise reproducible even against
 itself, so only a deterministic backward can show that offloading changes no bit."""
 
+import functools
 import gc
 import time
 
@@ -16,6 +17,7 @@ from helpers import assert_masters_close, build, offloaded_trainer, train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CUDA = torch.device("cuda")
+
 
 SMALL = {
     "hidden_size": 256,
@@ -38,9 +40,15 @@ THIN = {
 
 
 def model_and_batches(sizes, dtype="bfloat16", seq_len=128, batch_size=2, k=1):
+    """A random model and its batch in k micro-batches, built once per module: the tests only read them."""
+    return cached_model_and_batches(tuple(sizes.items()), dtype, seq_len, batch_size, k)
+
+
+@functools.cache
+def cached_model_and_batches(sizes, dtype, seq_len, batch_size, k):
     run = ol.RunConfig(
         preset="tiny",
-        sizes=tuple(sizes.items()),
+        sizes=sizes,
         dtype=dtype,
         seq_len=seq_len,
         batch_size=batch_size,
@@ -50,8 +58,22 @@ def model_and_batches(sizes, dtype="bfloat16", seq_len=128, batch_size=2, k=1):
     return model, [b.to(CUDA) for b in ids.chunk(k)]
 
 
+_references = {}
+
+
 def reference(model, batches, steps=3):
-    return train(ol.ResidentTraining(model, model.dtype, CUDA, ol.Adam(lr=1e-3)), batches, steps)
+    """gpu mode's run of `model` on `batches`, once per module for each (the tests only read it)."""
+    key = (id(model), id(batches[0]), steps)
+    if key not in _references:
+        _references[key] = train(ol.ResidentTraining(model, model.dtype, CUDA, ol.Adam(lr=1e-3)), batches, steps)
+    return _references[key]
+
+
+@functools.cache
+def streamed_adam_reference():
+    """Three steps of the thin model with the embeddings and layers 0 and 1 on the GPU's Adam: what its races match."""
+    model, batches = model_and_batches(THIN, seq_len=16, batch_size=1)
+    return train(offloaded_trainer(model, CUDA, 1, batches, pin=True, gpu_adam=(0, 1, 2), reuse=True), batches, 3)
 
 
 @pytest.mark.parametrize("k", [1, 2])
@@ -234,7 +256,7 @@ def test_race_each_training_wait_is_needed(race, depth):
     ref_grads, *_ = reference(model, batches, steps=1)
     offload = race in ACTIVATION_RACES
     for hook, should_match in zip((RACES | ACTIVATION_RACES)[race], (True, False), strict=False):
-        trainer = offloaded_trainer(model, CUDA, depth, batches, pin=True, offload=offload)
+        trainer = offloaded_trainer(model, CUDA, depth, batches, pin=True, offload=offload, reuse=True)
         if hook:
             hook(trainer)
         if offload:
@@ -262,9 +284,10 @@ def test_race_the_forward_streams_a_unit_once_its_update_is_written(copy):
     step's forward, issued while the second step's updates still run, must wait for them. The intact wait survives
     a slow Adam; without it the step trains on stale or torn weights."""
     model, batches = model_and_batches(THIN, seq_len=16, batch_size=1)
-    _, _, ref_masters, ref_losses = train(offloaded_trainer(model, CUDA, 1, batches, pin=True, copy=copy), batches, 3)
+    ref_trainer = offloaded_trainer(model, CUDA, 1, batches, pin=True, copy=copy, reuse=True)
+    _, _, ref_masters, ref_losses = train(ref_trainer, batches, 3)
     for hook, should_match in ((slow_cpu_adam, True), (drop_update_done_wait, False)):
-        trainer = offloaded_trainer(model, CUDA, 1, batches, pin=True, copy=copy)
+        trainer = offloaded_trainer(model, CUDA, 1, batches, pin=True, copy=copy, reuse=True)
         hook(trainer)
         _, _, masters, losses = train(trainer, batches, 3)
         matches = losses == ref_losses and all(torch.equal(m, ref_masters[name]) for name, m in masters.items())
@@ -396,12 +419,11 @@ def test_race_each_wait_of_the_adam_over_streamed_state_is_needed(race, monkeypa
     layer) change no bit, or change some."""
     monkeypatch.setattr(ol, "GPU_ADAM_CHUNK", 2**22)
     model, batches = model_and_batches(THIN, seq_len=16, batch_size=1)
-    units = (0, 1, 2)
-    ref = train(offloaded_trainer(model, CUDA, 1, batches, pin=True, gpu_adam=units), batches, 3)
+    ref = streamed_adam_reference()
     adam_step = ol.torch_adam_step
     for hook, should_match in zip(STREAMED_ADAM_RACES[race], (True, False), strict=False):
         monkeypatch.setattr(ol, "torch_adam_step", adam_step)  # a hook may replace it; undone after the test
-        trainer = offloaded_trainer(model, CUDA, 1, batches, pin=True, gpu_adam=units)
+        trainer = offloaded_trainer(model, CUDA, 1, batches, pin=True, gpu_adam=(0, 1, 2), reuse=True)
         hook(trainer)
         got = train(trainer, batches, 3)
         matches = got[3] == ref[3] and all(
