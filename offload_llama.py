@@ -1984,8 +1984,8 @@ def train_bound_parts(trainer: OffloadedTraining, micro_batches, device) -> dict
 
 
 def copy_in(trainer: OffloadedTraining) -> None:
-    """Every H2D copy of a step: the forward's, less the units the GPU's Adam rewrote in their slots; the backward's,
-    less the units it finds there; then the state of the units the GPU's Adam steps."""
+    """Every H2D copy of a step: the forward's, the backward's less the units it finds in the slots, then the state of
+    the units the GPU's Adam steps."""
     streamer, n, gpu_adam = trainer.streamer, len(trainer.units), streamed_adam(trainer)
     for order, keep in ((range(n), False), (reversed(range(n)), True)):
         streamer.begin(order, keep)
