@@ -94,25 +94,30 @@ class UsageError(Exception):
 class RunConfig:
     """Everything one run needs, from the command line (parse_args) or a test: frozen, passed explicitly."""
 
+    # the model
     mode: str = "all"
     preset: str = "7b-8l"
     model: str | None = None  # a save_pretrained folder; overrides preset and sizes
     sizes: tuple = ()  # (field, value) pairs that override the preset
     dtype: str = "bfloat16"  # the compute dtype; master weights stay float32
     attention: str = "sdpa"  # eager: a backward that is bitwise reproducible (sdpa's is not)
+    # the batch and the timing
     batch_size: int = 1
     seq_len: int = 4096
     seed: int = 0
     prefetch: int = 1  # units copied ahead in overlapped mode (a ring of prefetch + 1 slots)
     warmup: int = 2
     repeat: int = 5
+    # placement
     max_gpu_memory: float | None = None  # GiB; overlapped keeps on the GPU what this budget holds
     resident_layers: int | None = None  # overlapped: this many decoder layers resident instead of the budget's plan
     gpu_adam_share: float | None = None  # overlapped training: of the streamed parameters, the GPU Adam's share
     offload_activations: bool = False  # the units' saved inputs wait in pinned host memory, not on the GPU
+    # outputs
     json: str | None = None
     save_output: str | None = None
     profile: str | None = None
+    # training
     train: bool = False  # also run training steps in every mode
     inference: bool = True  # False (--no-inference): train only
     steps: int = 10
@@ -381,7 +386,7 @@ class LayerStreamer:
         self.dtype, self.device, self.depth = dtype, device, depth
         self.compute_stream = torch.cuda.current_stream(device) if device.type == "cuda" else InOrder()
         self.copy_stream = copy_stream or new_stream(device)
-        self.wait_source = lambda u: None  # training: block until unit u's update is done
+        self.wait_source = lambda u: None  # training: hold unit u's copy (host or stream) until its update is written
         self.source_ready = lambda u: True  # training: whether it is done, without blocking
         self.keep_resident(())
 
@@ -457,7 +462,7 @@ class LayerStreamer:
     def acquire(self, u: int) -> nn.Module:
         """The module that runs unit u; a streamed unit also starts the copies up to `depth` positions ahead."""
         if u == self.opening:
-            self.issued, self.waiting = 0, []  # a pass opens by filling the whole ring
+            self.issued, self.waiting = 0, []  # each pass opens by filling the ring (inference repeats passes)
         if u in self.resident:
             # the copies ahead start in release: in training a copy may wait for its unit's update, while this runs
             return self.resident[u]
@@ -478,6 +483,7 @@ class LayerStreamer:
         end = min(p + 1, len(self.order))
         self.waiting += range(self.issued, end)
         self.issued = max(self.issued, end)
+        # out of order is safe: the window holds at most n_slots positions, so each slot's last unit is released
         ready = [q for q in self.waiting if self.source_ready(self.order[q])]
         if need in self.waiting and need not in ready:
             ready.append(need)
@@ -789,8 +795,8 @@ class HostState:
 
 class CpuAdam(HostState):
     """The plain path's stepper: a unit's gradients leave on the D2H stream for a pinned buffer of the store, and a
-    worker thread steps the unit once they have landed, of the landed units first the one the next forward needs
-    first (the embeddings and first layers come last): the next forward overlaps the later layers' updates."""
+    worker thread steps the unit once they have landed; of the landed units, first the one the next forward needs
+    first (the embeddings and first layers, whose gradients come last), so it overlaps the later layers' updates."""
 
     def __init__(self, trainer: OffloadedTraining):
         super().__init__(trainer)
@@ -829,11 +835,9 @@ class CpuAdam(HostState):
         if self.error:
             raise self.error
 
-    def updated(self, u: int) -> bool:
+    def written(self, u: int) -> bool:
         """Whether unit u's last update is done (an error of the worker counts as done: wait_written re-raises it)."""
         return self.done[u].is_set()
-
-    written = updated  # the stepper's name for it: the next forward may copy the unit now
 
     def wait_all(self) -> None:
         """Block until every queued update is done."""
@@ -944,7 +948,7 @@ def decoder_kwargs(model: LlamaForCausalLM, shape: tuple[int, int], dtype: torch
 
 
 class StreamedUnit(torch.autograd.Function):
-    """One unit over every micro-batch while its weights are in a slot. Forward streams the unit in and keeps only
+    """One unit over every micro-batch while its weights are on the GPU. Forward streams the unit in and keeps only
     its inputs; backward streams it in again, recomputes, back-propagates and sends its gradients to be stepped.
     `anchor` requires grad, so autograd calls backward for the embeddings too, whose inputs are token ids."""
 
@@ -976,8 +980,8 @@ class StreamedUnit(torch.autograd.Function):
 class OffloadedTraining:
     """blocked and overlapped training: each unit streamed in by the LayerStreamer for its forward and again for its
     backward, its gradients sent out and stepped. Streams: compute runs the units, the streamer's copy stream brings
-    weights in, `d2h_stream` takes gradients out. A unit's update rewrites the copy its backward streamed from with no
-    wait of its own: it waits for the unit's gradients, which exist only once that copy has landed. Three policies
+    weights in, `d2h_stream` takes gradients out. A unit's update rewrites the host copy the GPU streamed it from with
+    no wait of its own: it waits for the unit's gradients, which exist only once that copy has landed. Three policies
     plug in: steppers[u] steps unit u (CpuAdam; ResidentUnits, StreamedAdam), `inputs` keeps the saved inputs
     (KeptInputs; ActivationOffload), `scaling` scales the loss (Unscaled; LossScale for float16)."""
 
@@ -999,7 +1003,7 @@ class OffloadedTraining:
         # float32 to accumulate micro-batches (or unscale float16); with one micro-batch the compute dtype
         self.grad_buffer = torch.empty(max(m.numel() for m in store.masters), dtype=store.grad_dtype, device=device)
         self.d2h_stream = new_stream(device)
-        self.last_landed = InOrder()  # the event after which the gradients that left grad_buffer last are out
+        self.last_landed = InOrder()  # the event after which grad_buffer may be overwritten: its last gradients left
         self.anchor = torch.empty(0, device=device, requires_grad=True)
         self.cpu_adam = CpuAdam(self)
         self.steppers = [self.cpu_adam] * len(self.units)
@@ -1156,9 +1160,9 @@ class ResidentUnit:
 
 
 class ResidentUnits:
-    """Units kept on the GPU, stepped by its fused Adam right after their backward, as gpu mode does. Their float32
-    gradients get buffers of their own (own_grads: float16's loss scale sees every gradient before any step; the
-    comparison with gpu mode) or share the streamed units' gradient buffer, grown to fit."""
+    """Units kept on the GPU, each stepped by gpu mode's fused Adam after its backward (float16: after every unit's).
+    Their float32 gradients get buffers of their own (own_grads: float16's loss scale sees every gradient before any
+    step; the comparison with gpu mode) or share the streamed units' gradient buffer, grown to fit."""
 
     def __init__(self, trainer: OffloadedTraining, units, own_grads: bool):
         if trainer.scaling.holds_updates and units and not own_grads:
@@ -1187,7 +1191,7 @@ class ResidentUnits:
         return self.units[u].grads
 
     def send(self, u: int, grads: torch.Tensor, ready):
-        """Nothing leaves the GPU: the shared gradient buffer holds what it held."""
+        """Nothing leaves the GPU: the gradient buffer may be overwritten once the last gradients sent have left."""
         return self.trainer.last_landed
 
     def update(self, u: int) -> None:
@@ -1211,7 +1215,7 @@ class StreamedAdam(HostState):
     moments cross PCIe in chunks through two staging slots, are stepped, and go back with the compute-dtype copy, while
     the CPU Adam steps the other units. Its three streams, per slot k and unit u:
       s_in    state in    waits out_done[k]: slot k's last chunk has left (and so the unit's last step)
-      s_adam  the step    waits `ready` (the gradients are written) and in_done[k]: the chunk has landed
+      s_adam  the step    waits `ready` in take (the gradients are written) and in_done[k]: the chunk has landed
       s_out   state out   waits computed[k]: the chunk is stepped; records stepped[u] after u's last chunk"""
 
     def __init__(self, trainer: OffloadedTraining, units, keep_first_grads: bool = False):
@@ -1271,7 +1275,8 @@ class StreamedAdam(HostState):
         return self.take(u, grads, ready, self.store.take_grads(u) if first else None)
 
     def take(self, u: int, grads: torch.Tensor, ready, host: torch.Tensor | None = None):
-        """Copy unit u's gradients, once `ready`, to this Adam's buffer (and `host`); returns when `grads` is free."""
+        """Copy unit u's gradients, once `ready`, to this Adam's buffer (and `host`); returns the event after which
+        `grads` may be overwritten. In order on s_adam: a unit's gradients are in the buffer before the next's land."""
         n, consumed = grads.numel(), new_event(self.device)
         with on_stream(self.s_adam):
             self.s_adam.wait_event(ready)  # the unit's backward must have written all its gradients
