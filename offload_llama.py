@@ -30,6 +30,7 @@ import platform
 import queue
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -173,19 +174,27 @@ def default_dtype() -> str:
 def llama_config(run: RunConfig) -> LlamaConfig:
     """The model's config: from --model's folder, or the preset with size flags applied; validated."""
     if run.model is not None:
-        return load_config(Path(run.model))
+        config = load_config(Path(run.model))
+        check_sizes({field: getattr(config, field) for field in SIZE_FLAGS}, f"--model {run.model}: config.json's ")
+        return config
     sizes = {**PRESETS[run.preset], **dict(run.sizes)}
+    check_sizes(sizes)
+    return LlamaConfig(**sizes, max_position_embeddings=max(4096, run.seq_len), tie_word_embeddings=False)
+
+
+def check_sizes(sizes: dict, origin: str = "") -> None:
+    """Refuse sizes (LlamaConfig field -> value) no LLaMA has; `origin` says where they came from in the message."""
     for field, value in sizes.items():
         if value < 1:
-            raise UsageError(f"--{SIZE_FLAGS[field]} must be at least 1, got {value}")
+            name = field if origin else f"--{SIZE_FLAGS[field]}"
+            raise UsageError(f"{origin}{name} must be at least 1, got {value}")
     hidden, heads, kv_heads = sizes["hidden_size"], sizes["num_attention_heads"], sizes["num_key_value_heads"]
     if hidden % heads:
-        raise UsageError(f"hidden size {hidden} is not divisible by {heads} attention heads")
+        raise UsageError(f"{origin}hidden size {hidden} is not divisible by {heads} attention heads")
     if heads % kv_heads:
-        raise UsageError(f"{heads} attention heads are not divisible by {kv_heads} key/value heads")
+        raise UsageError(f"{origin}{heads} attention heads are not divisible by {kv_heads} key/value heads")
     if (hidden // heads) % 2:
-        raise UsageError("the head dimension (hidden size / heads) must be even for rotary embeddings")
-    return LlamaConfig(**sizes, max_position_embeddings=max(4096, run.seq_len), tie_word_embeddings=False)
+        raise UsageError(f"{origin}head dimension (hidden size / heads) must be even for rotary embeddings")
 
 
 def load_config(path: Path) -> LlamaConfig:
@@ -201,7 +210,11 @@ def load_config(path: Path) -> LlamaConfig:
         raise UsageError(f"--model {path}: config.json is not valid JSON ({e})") from None
     if model_type != "llama":
         raise UsageError(f"--model {path}: model_type is {model_type!r}, not 'llama'")
-    return LlamaConfig.from_pretrained(path)
+    try:
+        return LlamaConfig.from_pretrained(path)
+    except Exception as e:  # transformers' own validation, whose error classes vary between versions
+        reason = str(e.__cause__ or e).splitlines()[0]
+        raise UsageError(f"--model {path}: transformers rejects its config.json ({reason})") from None
 
 
 def build_model(run: RunConfig, config: LlamaConfig) -> LlamaForCausalLM:
@@ -2691,8 +2704,12 @@ def check_outputs(run: RunConfig) -> None:
             raise UsageError(f"{flag} {path} is a folder: give a file name")
         if not folder.is_dir():
             raise UsageError(f"{flag} {path}: the folder {folder} does not exist")
-        if not os.access(folder, os.W_OK | os.X_OK):
-            raise UsageError(f"{flag} {path}: the folder {folder} cannot be written")
+        try:  # the permission bits do not say whether a file can be created there (/proc, a read-only mount)
+            tempfile.TemporaryFile(dir=folder).close()
+        except OSError as e:
+            raise UsageError(
+                f"{flag} {path}: the folder {folder} cannot be written: no file can be created there ({e.strerror})"
+            ) from None
 
 
 def write_atomically(path: str, write) -> None:

@@ -18,6 +18,8 @@ REFUSED = {
     "saved output folder missing": (["--save-output", "{tmp}/no/dir/o.pt"], "does not exist"),
     "json is a folder": (["--json", "{tmp}"], "is a folder"),
     "profile folder missing": (["--profile", "{tmp}/no/trace.json"], "does not exist"),
+    # the folder exists and its permission bits may allow writing (as root), but no file can be created in it
+    "saved output in /proc": (["--save-output", "/proc/x.pt"], "the folder /proc cannot be written"),
     "infinite lr": (["--train", "--lr", "inf", "--json", "{tmp}/r.json"], "all finite"),
     "infinite eps": (["--train", "--eps", "inf", "--json", "{tmp}/r.json"], "all finite"),
     "infinite weight decay": (["--train", "--weight-decay", "inf"], "all finite"),

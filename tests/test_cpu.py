@@ -151,6 +151,7 @@ BAD_INPUT = {
     "missing folder": (["--model", "/no/such/folder"], "no such folder"),
     "folder without config": (["--model", "{tmp}"], "no config.json"),
     "not a llama folder": (["--model", "{gpt2}"], "model_type is 'gpt2', not 'llama'"),
+    "negative hidden size in config.json": (["--model", "{negative}"], "config.json"),  # transformers' message, or ours
     "cap below one layer": (
         ["--preset", "tiny", "--mode", "gpu", "--max-gpu-memory", 1e-5],
         "less than one decoder layer",
@@ -172,8 +173,9 @@ BAD_INPUT = {
 @pytest.mark.parametrize("case", BAD_INPUT)
 def test_bad_input_exits_2_with_one_line(case, tmp_path):
     gpt2 = write_config(tmp_path / "gpt2", model_type="gpt2")
+    negative = write_config(tmp_path / "negative", model_type="llama", hidden_size=-3)
     args, message = BAD_INPUT[case]
-    r = cli(*[str(a).format(tmp=tmp_path, gpt2=gpt2) for a in args])
+    r = cli(*[str(a).format(tmp=tmp_path, gpt2=gpt2, negative=negative) for a in args])
     assert r.returncode == 2
     assert message in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
