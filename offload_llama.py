@@ -2562,6 +2562,16 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help with each flag's default, where it says something: not None, not a switch's."""
+
+    def _get_help_string(self, action):
+        """The flag's help, and its default unless None or a switch's."""
+        if action.default is None or isinstance(action.default, bool):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def add_run_flags(p: argparse.ArgumentParser) -> None:
     """The model, the batch, the timing, what stays on the GPU, and the outputs."""
     modes = "gpu: resident; cpu; blocked: copy each layer, then run it; overlapped: copy ahead; all; or a list: gpu,cpu"
@@ -2636,7 +2646,7 @@ def check_flags(p: Parser, a: argparse.Namespace) -> None:
 
 def parse_args(argv=None) -> RunConfig:
     """The command line as a RunConfig; flags out of range end with one line and exit 2."""
-    p = Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     add_run_flags(p)
     add_training_flags(p)
     a = p.parse_args(argv)

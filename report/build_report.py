@@ -1,7 +1,7 @@
 """Builds report/REPORT.md from the JSON results kept under report/results/, and nothing else.
 
     python3 report/build_report.py           # write REPORT.md, the figures and REPORT.pdf
-    python3 report/build_report.py --check   # exit 1 if REPORT.md is not what the JSON gives
+    python3 report/build_report.py --check   # exit 1 if REPORT.md or README.md's results are not what the JSON gives
 
 Every number in the report is read from a JSON file named in SOURCES or BUDGET_SOURCES (each group made by one
 version of the script), but section 11's (ablations_section), which quotes as text experiments made by earlier
@@ -1314,10 +1314,45 @@ def build() -> str:
     return "\n".join(lines)
 
 
+README = HERE.parent / "README.md"
+
+
+def readme_figures(runs: dict) -> list[str]:
+    """The figures README.md's results table quotes, each as it must read there, from the JSON the report cites."""
+    inference = results(runs, "inference_bf16", "inference")
+    training = results(runs, "train_bf16", "training")
+    largest = runs["largest_llama7b"]["find_largest"]["overlapped"]
+    big = results(runs, "train_llama7b_65k", "training")["overlapped"]
+    run, reference = runs["train_llama7b_65k"]["run"], runs["train_llama7b_65k"]["fwd_bwd_reference"]
+    speed = run["grad_accum"] * run["batch_size"] / big["time_ms"] * 1e3 / reference["sequences_per_s"]
+    peers = runs["peers_bf16"]["peers"]
+    figures = []
+    for part in (inference, training):
+        offloaded, resident = part["overlapped"], part["gpu"]
+        figures.append(f"overlapped {offloaded['time_ms']:.1f} ms, efficiency {offloaded['efficiency']:.3f}")
+        figures.append(f"peak GPU {gib(offloaded['peak_gpu_bytes'])} GiB ({gib(resident['peak_gpu_bytes'])} resident)")
+    size = f"{largest['layers']} LLaMA-7B layers, {largest['parameters'] / 1e9:.2f}B parameters"
+    figures.append(f"{size}, {largest['training']['time_ms'] / 1e3:.2f} s")
+    figures.append(f"{big['time_ms'] / 1e3:.2f} s a step, {speed:.2f}x plain resident forward and backward")
+    figures.append(f"peak GPU {gib(big['peak_gpu_bytes'])} GiB")
+    figures.append(f"FSDP2 with `CPUOffloadPolicy` {peers['fsdp2']['time_ms']:.1f} ms")
+    figures.append(f"accelerate `cpu_offload` {peers['accelerate']['time_ms']:.1f} ms")
+    return figures
+
+
+def readme_mismatches(runs: dict, readme: Path = README) -> list[str]:
+    """The figures of readme_figures that README.md's results section does not quote as the JSON gives them."""
+    text = readme.read_text()
+    start = text.find("## Results")
+    section = text[start : text.find("\n## ", start + 1)] if start >= 0 else ""
+    return [figure for figure in readme_figures(runs) if figure not in section]
+
+
 def main(argv=None) -> int:
     """The command line: write REPORT.md, the figures and REPORT.pdf, or with --check compare REPORT.md only."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if REPORT.md is not what the JSON gives")
+    check = "exit 1 if REPORT.md, or a figure of README.md's results table, is not what the JSON gives"
+    parser.add_argument("--check", action="store_true", help=check)
     args = parser.parse_args(argv)
     text, path = build(), HERE / "REPORT.md"
     if args.check:
@@ -1325,6 +1360,9 @@ def main(argv=None) -> int:
             print(
                 f"{path} is not what the JSON under report/ gives: run python3 report/build_report.py", file=sys.stderr
             )
+            return 1
+        if missing := readme_mismatches(load()):
+            print(f"{README}'s results table does not quote, as the JSON gives: {missing}", file=sys.stderr)
             return 1
         return 0
     path.write_text(text)

@@ -83,3 +83,13 @@ def test_trace_lanes_give_the_gpu_adam_its_own_lane_and_leave_its_launches_out_o
         "GPU compute": [(2.0, 3.0)],
     }
     assert end == 6.6
+
+
+def test_readme_results_quote_the_json(tmp_path):
+    module = build_report()
+    runs = module.load()
+    assert module.readme_mismatches(runs) == []
+    figure = module.readme_figures(runs)[0]
+    changed = tmp_path / "README.md"
+    changed.write_text(module.README.read_text().replace(figure, figure.replace("ms", "ms (changed)", 1)))
+    assert module.readme_mismatches(runs, changed) == [figure]
