@@ -1180,7 +1180,9 @@ class ResidentUnits:
     def __init__(self, trainer: OffloadedTraining, units, own_grads: bool):
         if trainer.scaling.holds_updates and units and not own_grads:
             raise ValueError("float16 steps only once every gradient is in: resident units need their own gradients")
-        self.trainer, self.shares_buffer, self.units = trainer, not own_grads, {}
+        self.trainer = trainer
+        self.shares_buffer = not own_grads  # the gradients take the streamed units' gradient buffer
+        self.units = {}  # unit -> its ResidentUnit
         numels = [m.numel() for m in trainer.store.masters]
         trainer.grad_buffer = None  # freed before the resident state is allocated
         streamed = max((n for u, n in enumerate(numels) if u not in units), default=0)
@@ -1270,9 +1272,12 @@ class StreamedAdam(HostState):
 
     def copy_in(self, u: int, k: int, lo: int, n: int, fresh: bool = False) -> None:
         """Unit u's chunk into slot k, on the current stream: master, and moments unless `fresh` (zeroed instead)."""
-        for i, (dst, src) in enumerate(zip(self.slots[k][:3], self.host_state(u, lo, n)[:3], strict=True)):
-            if fresh and i > 0:
-                dst[:n].zero_()
+        master, exp_avg, exp_avg_sq, _ = self.host_state(u, lo, n)
+        p, m, v, _ = self.slots[k]
+        p[:n].copy_(master, non_blocking=True)
+        for dst, src in ((m, exp_avg), (v, exp_avg_sq)):
+            if fresh:
+                dst[:n].zero_()  # a unit's first step starts its moments at zero, as torch.optim.Adam does
             else:
                 dst[:n].copy_(src, non_blocking=True)
 
@@ -1347,7 +1352,9 @@ class ActivationOffload:
 
     def __init__(self, trainer: OffloadedTraining, micro_batches: int, shape: tuple[int, int]):
         device, ring = trainer.device, trainer.streamer
-        self.micro_batches, self.shape, self.device = micro_batches, (*shape, trainer.hidden_size), device
+        self.micro_batches = micro_batches
+        self.shape = (*shape, trainer.hidden_size)  # one micro-batch's inputs
+        self.device = device
         self.d2h_stream = trainer.d2h_stream  # the gradients' stream: the inputs leave on it too
         count = micro_batches * math.prod(self.shape)
         self.host = [host_zeros(count, trainer.dtype, pin=device.type == "cuda") for _ in trainer.units[1:]]
@@ -1410,7 +1417,9 @@ class LossScale:
     holds_updates = True
 
     def __init__(self, device: torch.device):
-        self.scale, self.good_steps, self.device = 2.0**16, 0, device
+        self.scale = 2.0**16
+        self.good_steps = 0  # in a row, since the scale last changed
+        self.device = device
         self.found_inf = torch.zeros(1, device=device)
 
     def unscale(self, grads: list[torch.Tensor]) -> None:
@@ -1423,8 +1432,10 @@ class LossScale:
         overflow = bool(self.found_inf.item())
         self.found_inf.zero_()
         self.good_steps = 0 if overflow else self.good_steps + 1
-        if overflow or self.good_steps == 2000:  # an overflow halves the scale, 2000 good steps in a row double it
-            self.scale *= 0.5 if overflow else 2.0
+        if overflow:
+            self.scale /= 2
+        elif self.good_steps == 2000:  # 2000 good steps in a row double the scale
+            self.scale *= 2
             self.good_steps = 0
         return not overflow
 
