@@ -395,8 +395,11 @@ class LayerStreamer:
     def __init__(
         self, sources, kinds, make_module, dtype: torch.dtype, device: torch.device, depth: int, copy_stream=None
     ):
-        self.sources, self.kinds, self.make_module = sources, kinds, make_module
-        self.dtype, self.device, self.depth = dtype, device, depth
+        self.sources = sources  # each unit's flat host buffer
+        self.kinds = kinds  # each unit's kind, which make_module(kind, buffer) builds a module of
+        self.make_module = make_module
+        self.dtype, self.device = dtype, device  # of the slots
+        self.depth = depth  # units the copy stream runs ahead
         self.compute_stream = torch.cuda.current_stream(device) if device.type == "cuda" else InOrder()
         self.copy_stream = copy_stream or new_stream(device)
         self.wait_source = lambda u: None  # training: hold unit u's copy (host or stream) until its update is written
@@ -1162,7 +1165,8 @@ class ResidentUnit:
         self.weights = self.master if dtype == torch.float32 else self.master.to(dtype)  # what the GPU computes with
         self.moments = (torch.zeros_like(self.master), torch.zeros_like(self.master))
         self.steps = torch.zeros((), device=grads.device)  # float32 beside the master, as the fused kernel keeps it
-        self.adam, self.grads = store.update.adam, grads  # grads: float32, alive from the unit's backward to its step
+        self.adam = store.update.adam
+        self.grads = grads  # float32, alive from the unit's backward to its step
 
     @torch.no_grad()
     def step(self) -> None:
@@ -1242,7 +1246,8 @@ class StreamedAdam(HostState):
         if keep_first_grads and units and not store.pool.dedicated:
             raise ValueError("the first step's gradients stay on the host: give each unit a gradient buffer")
         super().__init__(trainer)
-        self.units, self.device = tuple(units), trainer.device
+        self.units = tuple(units)
+        self.device = trainer.device
         self.keep_first_grads = keep_first_grads  # the first step's gradients go to the host, to compare them
         for u in self.units:
             store.pin_moments(u)
