@@ -1709,8 +1709,7 @@ def train_steps(trainer, micro_batches, run: RunConfig, keep_grads: bool, profil
         if i in rounds:
             clock.pause(i)
             for _ in range(rounds.count(i)):
-                for name, (device, fn) in bound_parts().items():  # each alone: its output is dropped at once
-                    parts[name].append(timed(fn, device)[0])
+                time_round(bound_parts(), parts)
             clock.resume(after_round=True)
         if i == run.steps:
             break
@@ -1726,6 +1725,13 @@ def train_steps(trainer, micro_batches, run: RunConfig, keep_grads: bool, profil
         extra["bound_parts_ms"] = {name: ms[1:] for name, ms in parts.items()}  # the first round is a warm-up
     tokens = sum(ids.numel() for ids in micro_batches)
     return clock.result(run.warmup) | {"losses": losses, "grads": grads, "tokens_per_step": tokens} | extra
+
+
+def time_round(fns: dict, parts: dict[str, list[float]]) -> None:
+    """Time each of `fns` (name -> (device, fn)) once, alone, into `parts`; their outputs and scratch memory are freed
+    on return, before the steps resume and their host peak restarts."""
+    for name, (device, fn) in fns.items():
+        parts[name].append(timed(fn, device)[0])
 
 
 class StepClock:
