@@ -5,8 +5,8 @@ before they run: `blocked` copies then computes; `overlapped` fills the next slo
 current one computes. Inference runs the unmodified Hugging Face forward with stand-ins for its decoder layers.
 Training streams every unit through an autograd Function and steps Adam on float32 masters on the host.
 Top to bottom: configuration, model, parameter store, layer streamer, training, the accelerations that plug into
-it, the instruments (placement, timing, bounds, tables, largest-model search) and the CLI. References: torchao's
-CPUOffloadOptimizer, torchtune's activation offloading, gau-nernst's offload.py, gpt-fast.
+it, placement, the modes, saving and resuming, the instruments (timing, bounds, tables, sizing) and the CLI.
+References: torchao's CPUOffloadOptimizer, torchtune's activation offloading, gau-nernst's offload.py, gpt-fast.
 
     python -m pytest -q tests                          # every mode computes the same thing
     python offload_llama.py --mode overlapped --train  # LLaMA-7B-sized layers: memory and time tables
@@ -28,6 +28,7 @@ import mmap
 import os
 import platform
 import queue
+import shutil
 import statistics
 import sys
 import tempfile
@@ -77,11 +78,25 @@ PLAN_MARGIN = GiB // 2  # of a --max-gpu-memory budget, left out of a placement:
 CUBLAS_WORKSPACE = 32 * 2**20  # torch's default cuBLAS workspace on Hopper, allocated once per stream
 MAX_SEARCH_LAYERS = 64  # the largest-model search stops here
 RUNTIME_HOST_BYTES = 5 * GiB  # host memory a process holds besides the model and its state, with headroom
+SAVE_SHARD = "2GB"  # save_pretrained's shard size: a safetensors writer may hold a whole shard's bytes in memory
+CHECKPOINT_FILE = "checkpoint.json"  # names the unit files of the last whole checkpoint in its folder
+CHECKPOINT_FORMAT = 1
 
 
 def log(msg: str) -> None:
-    """Progress goes to stderr: stdout carries only the tables."""
-    print(msg, file=sys.stderr, flush=True)
+    """Progress goes to stderr, each line after the seconds since the process started: stdout carries the tables."""
+    print(f"{time.perf_counter() - STARTED:6.1f} s  {msg}", file=sys.stderr, flush=True)
+
+
+def process_age() -> float:
+    """Seconds since this process started (Linux), so the log counts the imports too; 0 where /proc cannot say."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        started = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+        return float(Path("/proc/uptime").read_text().split()[0]) - started
+    return 0.0
+
+
+STARTED = time.perf_counter() - process_age()
 
 
 class UsageError(Exception):
@@ -118,6 +133,10 @@ class RunConfig:
     json: str | None = None
     save_output: str | None = None
     profile: str | None = None
+    save_pretrained: str | None = None  # a folder: the trained float32 weights, for from_pretrained
+    checkpoint: str | None = None  # a folder: the whole training state, every checkpoint_every steps and at the end
+    checkpoint_every: int | None = None
+    resume: str | None = None  # a --checkpoint folder to go on from
     # training
     train: bool = False  # also run training steps in every mode
     inference: bool = True  # False (--no-inference): train only
@@ -710,6 +729,7 @@ class MasterStore:
         self.moments = [(host_zeros(n, torch.float32, False), host_zeros(n, torch.float32, False)) for n in numels]
         self.pinned_moments = set()
         self.steps = [torch.zeros(()) for _ in units]
+        self.unstarted = set(range(len(units)))  # units whose moments are not zeroed for their first step yet
         self.pool = GradientPool(numels, grad_buffers or len(units), pin, self.grad_dtype)
         self.grads = list(self.pool.buffers) if self.pool.dedicated else [None] * len(units)
 
@@ -725,9 +745,8 @@ class MasterStore:
 
     def step(self, u: int) -> None:
         """Unit u's Adam step (master, moments and copy in one pass); its gradients' buffer goes back to the pool."""
-        if not self.steps[u]:  # the first step starts the moments at zero, as torch.optim.Adam creates them
-            for moment in self.moments[u]:
-                moment.zero_()
+        if u in self.unstarted:
+            self.zero_moments([u])
         copy = self.copies[u] if self.copies else None
         try:
             self.update(self.masters[u], self.grads[u], *self.moments[u], copy, self.steps[u])
@@ -735,6 +754,13 @@ class MasterStore:
             if not self.pool.dedicated:
                 self.pool.give(self.grads[u])
                 self.grads[u] = None
+
+    def zero_moments(self, units) -> None:
+        """Start the moments of those of `units` not started since load at zero, as torch.optim.Adam creates them."""
+        for u in self.unstarted.intersection(units):
+            for moment in self.moments[u]:
+                moment.zero_()
+            self.unstarted.discard(u)
 
     def pin_moments(self, u: int) -> None:
         """Move unit u's Adam moments into pinned memory for the copy engines; one unit at a time."""
@@ -753,6 +779,19 @@ class MasterStore:
             if self.copies:
                 self.copies[u].copy_(master)
             self.steps[u].zero_()
+        self.unstarted = set(range(len(self.units)))  # their moments: zeroed before their first step
+
+    @torch.no_grad()
+    def load_unit(self, u: int, state: dict) -> None:
+        """Unit u's master, Adam moments and step count from a checkpoint (unit_state's dict), and its copy."""
+        layout = self.units[u].layout
+        for key, flat in zip(("master", "exp_avg", "exp_avg_sq"), (self.masters[u], *self.moments[u]), strict=True):
+            for name, view in layout.views(flat).items():
+                view.copy_(state[key][name])
+        if self.copies:
+            self.copies[u].copy_(self.masters[u])
+        self.steps[u].fill_(state["step"])
+        self.unstarted.discard(u)
 
     def state_dict(self, flats: list[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """The masters (or other per-unit flats, such as the gradients) as float32 CPU tensors with HF names."""
@@ -807,6 +846,10 @@ class HostState:
     def state(self, u: int, grads: bool = False) -> torch.Tensor:
         """Unit u's float32 master (grads: the gradients the host holds) on the host."""
         return self.store.grads[u] if grads else self.store.masters[u]
+
+    def adam_state(self, u: int) -> tuple[torch.Tensor, ...]:
+        """Unit u's float32 master, Adam moments and step count, on the host."""
+        return self.store.masters[u], *self.store.moments[u], self.store.steps[u]
 
 
 class CpuAdam(HostState):
@@ -1100,6 +1143,29 @@ class OffloadedTraining:
         self.wait_updates()
         return self.store.state_dict([self.steppers[u].state(u, grads) for u in range(len(self.units))])
 
+    def zero_moments(self) -> None:
+        """Zero the CPU Adam's moments now, in set-up, not in each unit's first step: a page's first touch is slow. The
+        other steppers keep their moments elsewhere (resident units) or zero them on the GPU (StreamedAdam), so the
+        host never touches theirs."""
+        self.store.zero_moments([u for u, stepper in enumerate(self.steppers) if stepper is self.cpu_adam])
+
+    def unit_state(self, u: int) -> dict:
+        """Unit u's training state for a checkpoint: its step count, and its float32 master and moments by name."""
+        master, exp_avg, exp_avg_sq, step = self.steppers[u].adam_state(u)
+        flats = {"master": master, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+        return {"step": step.item()} | {key: self.units[u].layout.views(flat.cpu()) for key, flat in flats.items()}
+
+    def load_unit(self, u: int, state: dict) -> None:
+        """Set unit u's training state from a checkpoint, before placement: it is all on the host then."""
+        self.store.load_unit(u, state)
+
+    def named_masters(self):
+        """Each parameter's float32 master on the CPU by HF name: host masters in place, each its own storage."""
+        for u, unit in enumerate(self.units):
+            master = self.steppers[u].adam_state(u)[0].cpu()  # a resident unit's is copied from the GPU
+            for name, shape, offset in zip(unit.layout.names, unit.layout.shapes, unit.layout.offsets, strict=True):
+                yield f"{unit.name}.{name}", own_storage(master, offset, shape)
+
     def wait_updates(self) -> None:
         """Block until every update is done and written back."""
         for stepper in dict.fromkeys(self.steppers):
@@ -1121,6 +1187,7 @@ class ResidentTraining:
         self.masters = [p.detach().float().clone() for p in self.params]
         self.optimizer = adam.optimizer(self.masters)
         self.scaling = loss_scaling(dtype, device)
+        self.units = model_units(model.config)
 
     def step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
         """One step: backward each micro-batch, gradients summed in float32, Adam on the masters copied into the
@@ -1143,6 +1210,42 @@ class ResidentTraining:
 
     def finish(self) -> None: ...  # nothing runs in the background
 
+    def wait_updates(self) -> None: ...  # each step is done when step() returns
+
+    def unit_params(self, u: int):
+        """Unit u's parameters as (name within the unit, float32 master, compute-dtype weight)."""
+        prefix = self.units[u].name + "."
+        for name, master, param in zip(self.names, self.masters, self.params, strict=True):
+            if name.startswith(prefix):
+                yield name.removeprefix(prefix), master, param
+
+    def unit_state(self, u: int) -> dict:
+        """Unit u's training state for a checkpoint, as OffloadedTraining.unit_state gives it."""
+        state = {"step": 0.0, "master": {}, "exp_avg": {}, "exp_avg_sq": {}}
+        for name, master, _ in self.unit_params(u):
+            adam = self.optimizer.state.get(master)  # none before the first step that was applied
+            state["master"][name] = master.cpu()
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key][name] = adam[key].cpu() if adam else torch.zeros_like(master, device="cpu")
+            state["step"] = adam["step"].item() if adam else 0.0
+        return state
+
+    @torch.no_grad()
+    def load_unit(self, u: int, state: dict) -> None:
+        """Set unit u's masters, weights and Adam state from a checkpoint."""
+        for name, master, param in self.unit_params(u):
+            master.copy_(state["master"][name])
+            param.copy_(master)
+            if state["step"]:  # as torch.optim.Adam(fused=True) keeps it: tensors on the master's device
+                moments = {key: state[key][name].to(master.device, copy=True) for key in ("exp_avg", "exp_avg_sq")}
+                step = torch.tensor(state["step"], device=master.device)
+                self.optimizer.state[master] = {"step": step, **moments}
+
+    def named_masters(self):
+        """Each parameter's float32 master on the CPU by HF name."""
+        for name, master in zip(self.names, self.masters, strict=True):
+            yield name, master.detach().cpu()
+
     def state_dict(self, tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """Copies of `tensors` (masters or their gradients) on the CPU under HF parameter names."""
         return {name: t.detach().to("cpu", copy=True) for name, t in zip(self.names, tensors, strict=True)}
@@ -1163,8 +1266,13 @@ class ResidentUnit:
     def __init__(self, store: MasterStore, u: int, dtype: torch.dtype, grads: torch.Tensor):
         self.master = store.masters[u].to(grads.device, copy=True)
         self.weights = self.master if dtype == torch.float32 else self.master.to(dtype)  # what the GPU computes with
-        self.moments = (torch.zeros_like(self.master), torch.zeros_like(self.master))
-        self.steps = torch.zeros((), device=grads.device)  # float32 beside the master, as the fused kernel keeps it
+        resumed = bool(store.steps[u])  # else the store's moments are not written yet: they start at zero
+        self.moments = tuple(
+            m.to(grads.device, copy=True) if resumed else torch.zeros_like(self.master) for m in store.moments[u]
+        )
+        self.steps = store.steps[u].to(
+            grads.device, copy=True
+        )  # float32 beside the master, as the fused kernel keeps it
         self.adam = store.update.adam
         self.grads = grads  # float32, alive from the unit's backward to its step
 
@@ -1225,6 +1333,11 @@ class ResidentUnits:
     def state(self, u: int, grads: bool = False) -> torch.Tensor:
         """Unit u's float32 master (grads: its last gradients) on the GPU."""
         return self.units[u].grads if grads else self.units[u].master
+
+    def adam_state(self, u: int) -> tuple[torch.Tensor, ...]:
+        """Unit u's float32 master, Adam moments and step count, on the GPU."""
+        unit = self.units[u]
+        return unit.master, *unit.moments, unit.steps
 
     def wait_all(self) -> None: ...  # its steps run on the compute stream, which every read of the state waits for
 
@@ -1668,12 +1781,19 @@ def train_mode(mode: str, model, masters: MasterStore | None, input_ids, run: Ru
     trainer = None
     try:
         trainer = make_trainer(mode, model, masters, micro_batches, run, device)
-        offloaded_on_gpu = isinstance(trainer, OffloadedTraining) and device.type == "cuda"
-        placed = place_units(trainer, micro_batches, run, mode, compared) if offloaded_on_gpu else {}
+        manifest = checkpoint_manifest(run, model.config, mode)
+        placed = prepare_steps(trainer, micro_batches, run, mode, compared, manifest)
         profile = train_trace_path(run.profile) if run.profile and mode == run.profile_mode else None
+        offloaded_on_gpu = isinstance(trainer, OffloadedTraining) and device.type == "cuda"
         bound_parts = (lambda: train_bound_parts(trainer, micro_batches, device)) if offloaded_on_gpu else None
-        result = train_steps(trainer, micro_batches, run, compared, profile, bound_parts)
+        folder = mode_folder(run.checkpoint, run, mode) if run.checkpoint else None
+        checkpoint = functools.partial(write_checkpoint, trainer, folder, manifest) if folder else None
+        result = train_steps(trainer, micro_batches, run, compared, profile, bound_parts, checkpoint)
         trainer.finish()
+        if checkpoint:
+            checkpoint(run.steps)
+        if run.save_pretrained:
+            save_pretrained(trainer, model.config, mode_folder(run.save_pretrained, run, mode))
         if compared or run.save_output:  # a float32 copy of every master, in host memory
             resident = isinstance(trainer, ResidentTraining)
             result["masters"] = trainer.state_dict(trainer.masters) if resident else trainer.state_dict()
@@ -1684,6 +1804,18 @@ def train_mode(mode: str, model, masters: MasterStore | None, input_ids, run: Ru
     finally:  # an OOM or an interrupt too: the CPU Adam worker must stop before the buffers it steps are freed
         if trainer is not None:
             trainer.finish()
+
+
+def prepare_steps(trainer, micro_batches, run: RunConfig, mode: str, compared: bool, manifest: dict) -> dict:
+    """Before the first step: the state from --resume, the units placed (offloaded modes on the GPU) and the CPU
+    Adam's moments zeroed; returns the placement for the JSON."""
+    if run.resume:
+        manifest["resumed_from"] = resume(trainer, mode_folder(run.resume, run, mode), manifest)
+    if not isinstance(trainer, OffloadedTraining):
+        return {}
+    placed = place_units(trainer, micro_batches, run, mode, compared) if trainer.device.type == "cuda" else {}
+    trainer.zero_moments()
+    return placed
 
 
 def make_trainer(mode: str, model, masters: MasterStore | None, micro_batches, run: RunConfig, device):
@@ -1698,10 +1830,11 @@ def make_trainer(mode: str, model, masters: MasterStore | None, micro_batches, r
     return trainer
 
 
-def train_steps(trainer, micro_batches, run: RunConfig, keep_grads: bool, profile=None, bound_parts=None) -> dict:
+def train_steps(trainer, micro_batches, run: RunConfig, keep_grads: bool, profile=None, bound_parts=None, save=None):
     """Run the steps, each timed from its start to the next one's (a step's last updates overlap the next forward).
     bound_parts(): the training bound's parts, timed alone in rounds between blocks of steps (bound_rounds), so they
-    meet the host as the steps around them do. keep_grads: the first step's gradients and masters, to compare."""
+    meet the host as the steps around them do. keep_grads: the first step's gradients and masters, to compare.
+    save(i): a checkpoint after i steps, every run.checkpoint_every; the step after it is not timed."""
     clock = StepClock(trainer, micro_batches[0].device)
     rounds = bound_rounds(run) if bound_parts else []
     losses, grads, parts, extra = [], None, collections.defaultdict(list), {}
@@ -1721,6 +1854,10 @@ def train_steps(trainer, micro_batches, run: RunConfig, keep_grads: bool, profil
         if i == 0 and keep_grads:
             grads = first_step_state(trainer)
         clock.lap(i, losses[-1])
+        if save and run.checkpoint_every and (i + 1) % run.checkpoint_every == 0 and i + 1 < run.steps:
+            clock.pause(i + 1)  # the updates are written first
+            save(i + 1)
+            clock.resume(after_round=True)
     if parts:
         extra["bound_parts_ms"] = {name: ms[1:] for name, ms in parts.items()}  # the first round is a warm-up
     tokens = sum(ids.numel() for ids in micro_batches)
@@ -1805,6 +1942,100 @@ def free_gpu_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+# -------------------------------------------------------------------------------------------------- saving and resuming
+
+
+def mode_folder(path: str, run: RunConfig, mode: str) -> Path:
+    """A mode's folder for --save-pretrained, --checkpoint or --resume: the folder given, or when several modes train,
+    its subfolder named after the mode."""
+    return Path(path) / mode if len(run.modes) > 1 else Path(path)
+
+
+def own_storage(flat: torch.Tensor, offset: int, shape: torch.Size) -> torch.Tensor:
+    """flat[offset:] as a tensor of `shape` with a storage of its own over the same memory: save_pretrained clones
+    tensors that share a storage, which would copy the whole model."""
+    count = shape.numel()
+    return torch.frombuffer(flat.numpy(), dtype=flat.dtype, count=count, offset=offset * flat.itemsize).view(shape)
+
+
+def save_pretrained(trainer, config: LlamaConfig, folder: Path) -> None:
+    """The trained float32 masters as a Hugging Face folder, by save_pretrained, from a meta-device model whose
+    parameters are the masters themselves: shard by shard, with no copy of the model in host memory."""
+    t0 = time.perf_counter()
+    reset_peak_memory(torch.device("cpu"))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    for name, master in trainer.named_masters():
+        owner, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, nn.Parameter(master, requires_grad=False))
+    transformers.utils.logging.disable_progress_bar()  # stderr carries this script's progress lines alone
+    model.save_pretrained(folder, max_shard_size=SAVE_SHARD)
+    seconds = time.perf_counter() - t0
+    log(f"trained float32 weights saved to {folder} in {seconds:.1f} s, host peak {gib(peak_host_rss())} GiB meanwhile")
+
+
+def checkpoint_manifest(run: RunConfig, config: LlamaConfig, mode: str) -> dict:
+    """What a checkpoint records besides its unit files: what a resumed run must match (the model's sizes, the dtype,
+    Adam), and the mode, seed and batch it trained with."""
+    adam = json.loads(json.dumps(dataclasses.asdict(run.adam)))  # as read back: betas a list
+    sizes = {field: getattr(config, field) for field in SIZE_FLAGS}
+    batch = {"grad_accum": run.grad_accum, "batch_size": run.batch_size, "seq_len": run.seq_len, "seed": run.seed}
+    return {"format": CHECKPOINT_FORMAT, "mode": mode, "sizes": sizes, "dtype": run.dtype, "adam": adam} | batch
+
+
+def write_checkpoint(trainer, folder: Path, manifest: dict, done: int) -> None:
+    """The whole training state after `done` steps of this run: a file per unit, then CHECKPOINT_FILE naming them,
+    each written to a temporary name and renamed. The previous checkpoint's files go only once the new
+    CHECKPOINT_FILE is in place, so a process killed while writing leaves the previous checkpoint whole."""
+    t0 = time.perf_counter()
+    trainer.wait_updates()
+    steps = manifest.get("resumed_from", 0) + done
+    folder.mkdir(exist_ok=True)
+    files = [f"unit{u:03d}.step{steps}.pt" for u in range(len(trainer.units))]
+    for u, name in enumerate(files):
+        write_atomically(str(folder / name), functools.partial(torch.save, trainer.unit_state(u)))
+    loss_scale = {"loss_scale": trainer.scaling.scale, "good_steps": getattr(trainer.scaling, "good_steps", 0)}
+    write_json(str(folder / CHECKPOINT_FILE), manifest | loss_scale | {"steps": steps, "files": files})
+    for stale in [*folder.glob("unit*.pt"), *folder.glob(".unit*.tmp")]:  # also a killed writer's
+        if stale.name not in files:
+            stale.unlink()
+    log(f"checkpoint after step {steps} written to {folder} in {time.perf_counter() - t0:.1f} s")
+
+
+def read_checkpoint(folder: Path, manifest: dict) -> dict:
+    """A checkpoint's record, refused with one line when it is not one, or of another model, dtype or Adam setting."""
+    path = folder / CHECKPOINT_FILE
+    if not path.is_file():
+        raise UsageError(f"--resume {folder}: no {CHECKPOINT_FILE} there: give a folder written by --checkpoint")
+    try:
+        saved = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE} is not valid JSON ({e})") from None
+    if saved.get("format") != CHECKPOINT_FORMAT:
+        raise UsageError(
+            f"--resume {folder}: checkpoint format {saved.get('format')}, this script reads {CHECKPOINT_FORMAT}"
+        )
+    for key, what in (("sizes", "model"), ("dtype", "dtype"), ("adam", "Adam setting")):
+        if saved.get(key) != manifest[key]:
+            raise UsageError(
+                f"--resume {folder}: a checkpoint of another {what}: {saved.get(key)}, not {manifest[key]}"
+            )
+    return saved
+
+
+def resume(trainer, folder: Path, manifest: dict) -> int:
+    """Load a checkpoint into `trainer`, before placement; returns the steps it had done."""
+    t0 = time.perf_counter()
+    saved = read_checkpoint(folder, manifest)
+    for u, name in enumerate(saved["files"]):
+        trainer.load_unit(u, torch.load(folder / name, mmap=True, weights_only=True))
+    if isinstance(trainer.scaling, LossScale):
+        trainer.scaling.scale = saved["loss_scale"]
+        trainer.scaling.good_steps = saved["good_steps"]
+    log(f"resumed from {folder} after step {saved['steps']} in {time.perf_counter() - t0:.1f} s")
+    return saved["steps"]
 
 
 # ---------------------------------------------------------------------------------------------------- measurement
@@ -2169,11 +2400,12 @@ def passes_peak_bytes(trainer: OffloadedTraining, u: int, micro_batches) -> tupl
 
 def adam_scratch(store: MasterStore, numel: int):
     """A function to time: the store's Adam update on `numel` parameters of scratch state in host memory like the
-    store's, with gradients of Adam's scale so that no moment goes denormal."""
+    store's, with gradients of Adam's scale so that no moment goes denormal (the update's time does not depend on the
+    values otherwise, so constants do: a fill is parallel, a random draw is not)."""
     # each written now: the kernel maps a page at its first touch, and the timed update would pay for it
-    master = host_zeros(numel, torch.float32, pin=False).normal_()
+    master = host_zeros(numel, torch.float32, pin=False).fill_(1.0)
     exp_avg, exp_avg_sq = (host_zeros(numel, torch.float32, pin=False).zero_() for _ in range(2))
-    grads = host_zeros(numel, store.grad_dtype, pin=False).normal_().mul_(1e-3)
+    grads = host_zeros(numel, store.grad_dtype, pin=False).fill_(1e-3)
     copy = host_zeros(numel, store.update.copy_dtype, pin=False).zero_() if store.update.copy_dtype else None
     step = torch.zeros(())
     return lambda: store.update(master, grads, exp_avg, exp_avg_sq, copy, step)
@@ -2642,11 +2874,21 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     t.add_argument("--gpu-adam-share", type=float, metavar="F", help=share)
 
 
+def add_saving_flags(p: argparse.ArgumentParser) -> None:
+    """What training leaves behind, and where it goes on from."""
+    s = p.add_argument_group("saving and resuming (--train)")
+    s.add_argument("--save-pretrained", metavar="DIR", help="after training, the float32 weights as a HF model folder")
+    s.add_argument("--checkpoint", metavar="DIR", help="the whole training state, after the last step")
+    s.add_argument("--checkpoint-every", type=int, metavar="N", help="also after every N steps")
+    s.add_argument("--resume", metavar="DIR", help="go on from a --checkpoint folder for --steps more steps")
+
+
 def check_flags(p: Parser, a: argparse.Namespace) -> None:
     """Flags out of range or that do not go together: one line, exit 2."""
     if a.mode != "all" and not set(a.mode.split(",")) <= set(MODES):
         p.error(f"argument --mode: {a.mode!r}: choose all, or one or more of {', '.join(MODES)} with commas")
     least = dict(batch_size=1, seq_len=1, repeat=1, steps=1, grad_accum=1, prefetch=1, warmup=0, resident_layers=0)
+    least["checkpoint_every"] = 1
     for field, low in least.items():
         if getattr(a, field) is not None and getattr(a, field) < low:
             hint = " (blocked mode is prefetch 0)" if field == "prefetch" else ""
@@ -2664,6 +2906,10 @@ def check_flags(p: Parser, a: argparse.Namespace) -> None:
         p.error("--no-inference leaves nothing to run without --train")
     if a.fwd_bwd_reference and not a.train:
         p.error("--fwd-bwd-reference is the reference for training: add --train")
+    if (a.save_pretrained or a.checkpoint or a.resume) and not a.train:
+        p.error("--save-pretrained, --checkpoint and --resume save or resume training: add --train")
+    if a.checkpoint_every and not a.checkpoint:
+        p.error("--checkpoint-every needs --checkpoint DIR, the folder to write in")
 
 
 def parse_args(argv=None) -> RunConfig:
@@ -2671,6 +2917,7 @@ def parse_args(argv=None) -> RunConfig:
     p = Parser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     add_run_flags(p)
     add_training_flags(p)
+    add_saving_flags(p)
     a = p.parse_args(argv)
     a.dtype = a.dtype or default_dtype()
     check_flags(p, a)
@@ -2702,6 +2949,7 @@ def check_devices(run: RunConfig, config: LlamaConfig) -> None:
     if run.train and config.tie_word_embeddings:
         raise UsageError("--train needs untied embeddings (tie_word_embeddings is true): the head is a unit of its own")
     check_memory(run, config, gpu_modes)
+    check_saving(run, config)
 
 
 def check_memory(run: RunConfig, config: LlamaConfig, gpu_modes: list[str]) -> None:
@@ -2727,21 +2975,58 @@ def check_memory(run: RunConfig, config: LlamaConfig, gpu_modes: list[str]) -> N
 
 
 def check_outputs(run: RunConfig) -> None:
-    """Every file the run will write can be written: refused now rather than after a run of many minutes."""
+    """Every file and folder the run will write can be written: refused now rather than after a run of many minutes."""
     for flag, path in (("--json", run.json), ("--save-output", run.save_output), ("--profile", run.profile)):
-        if path is None:
-            continue
-        folder = Path(path).parent
-        if Path(path).is_dir():
+        if path is not None and Path(path).is_dir():
             raise UsageError(f"{flag} {path} is a folder: give a file name")
-        if not folder.is_dir():
-            raise UsageError(f"{flag} {path}: the folder {folder} does not exist")
-        try:  # the permission bits do not say whether a file can be created there (/proc, a read-only mount)
-            tempfile.TemporaryFile(dir=folder).close()
+        if path is not None:
+            check_writable(flag, path, Path(path).parent)
+    for flag, path in (("--save-pretrained", run.save_pretrained), ("--checkpoint", run.checkpoint)):
+        if path is not None and Path(path).exists() and not Path(path).is_dir():
+            raise UsageError(f"{flag} {path} is a file: give a folder")
+        if path is not None:
+            check_writable(flag, path, Path(path), make=True)
+
+
+def check_writable(flag: str, path: str, folder: Path, make: bool = False) -> None:
+    """A file can be created in `folder`; make: the folder is made first, where its parent exists."""
+    if make and not folder.exists() and folder.parent.is_dir():
+        try:
+            folder.mkdir()
         except OSError as e:
-            raise UsageError(
-                f"{flag} {path}: the folder {folder} cannot be written: no file can be created there ({e.strerror})"
-            ) from None
+            raise UsageError(f"{flag} {path}: the folder {folder} cannot be made ({e.strerror})") from None
+    if not folder.is_dir():
+        raise UsageError(f"{flag} {path}: the folder {folder} does not exist")
+    try:  # the permission bits do not say whether a file can be created there (/proc, a read-only mount)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        raise UsageError(
+            f"{flag} {path}: the folder {folder} cannot be written: no file can be created there ({e.strerror})"
+        ) from None
+
+
+def check_saving(run: RunConfig, config: LlamaConfig) -> None:
+    """--resume's checkpoints are whole and of this model, dtype and Adam; --checkpoint overwrites none that is not
+    resumed; the folders have room: 4 bytes a parameter for --save-pretrained, 12 for a checkpoint (twice that when a
+    second is written while the first stays whole), for each mode that trains."""
+    same = bool(run.resume and run.checkpoint) and Path(run.resume).resolve() == Path(run.checkpoint).resolve()
+    for mode in run.modes if run.train else ():
+        if run.resume:
+            read_checkpoint(mode_folder(run.resume, run, mode), checkpoint_manifest(run, config, mode))
+        if run.checkpoint and not same and (mode_folder(run.checkpoint, run, mode) / CHECKPOINT_FILE).exists():
+            advice = f"go on from it with --resume {run.checkpoint}, or give another folder"
+            raise UsageError(f"--checkpoint {run.checkpoint} holds a checkpoint already: {advice}")
+    twice = bool(run.checkpoint_every and run.checkpoint_every < run.steps) and not same
+    params = param_count(config) * len(run.modes)
+    needs = {
+        "--save-pretrained": (run.save_pretrained, 4 * params),
+        "--checkpoint": (run.checkpoint, 12 * params * (1 + twice)),
+    }
+    for flag, (path, needed) in needs.items():
+        free = shutil.disk_usage(path).free if path else needed
+        if needed > free:
+            short = f"{needed / GiB:.1f} GiB to write, {(needed - free) / GiB:.1f} GiB more than is free there"
+            raise UsageError(f"{flag} {path}: {short}; free some space or give a folder on another disk")
 
 
 def write_atomically(path: str, write) -> None:

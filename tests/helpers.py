@@ -1,6 +1,7 @@
 """Small models and runs shared by the CPU and GPU tests."""
 
 import copy
+import json
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -128,3 +129,20 @@ def assert_masters_close(masters, expected, steps):
     largest = max(m.abs().max().item() for m in expected.values())
     for name, m in masters.items():
         torch.testing.assert_close(m, expected[name], rtol=0, atol=ol.masters_tolerance(largest, steps), msg=name)
+
+
+def checkpoint_state(folder) -> tuple[dict, list[dict]]:
+    """A checkpoint's record and each unit's state."""
+    saved = json.loads((folder / ol.CHECKPOINT_FILE).read_text())
+    return saved, [torch.load(folder / name) for name in saved["files"]]
+
+
+def assert_same_checkpoint(a, b) -> None:
+    """Two checkpoints hold the same step counts, masters and moments, bit for bit."""
+    (saved_a, units_a), (saved_b, units_b) = checkpoint_state(a), checkpoint_state(b)
+    assert saved_a["steps"] == saved_b["steps"]
+    for unit_a, unit_b in zip(units_a, units_b, strict=True):
+        assert unit_a["step"] == unit_b["step"] == saved_a["steps"]
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            assert unit_a[key].keys() == unit_b[key].keys()
+            assert all(torch.equal(unit_a[key][n], unit_b[key][n]) for n in unit_a[key]), key

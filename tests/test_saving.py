@@ -1,0 +1,131 @@
+"""Saving and resuming training on the CPU: the Hugging Face folder round trip, a resumed run equal to one run bit
+for bit, a writer killed mid-checkpoint, and the refused paths."""
+
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+import offload_llama as ol
+from helpers import SCRIPT, assert_same_checkpoint, checkpoint_state, cli
+
+TRAIN = ["--preset", "tiny", "--seq-len", "32", "--mode", "cpu", "--train", "--no-inference"]
+
+
+def test_save_pretrained_round_trip(tmp_path):
+    """from_pretrained loads the folder as the trained float32 masters, bit for bit, and --model goes on from it."""
+    folder, out = tmp_path / "hf", tmp_path / "out.pt"
+    r = cli(*TRAIN, "--steps", "3", "--save-pretrained", folder, "--save-output", out)
+    assert r.returncode == 0, r.stderr
+    assert f"trained float32 weights saved to {folder}" in r.stderr and "Writing model shards" not in r.stderr
+    masters = torch.load(out)["training"]["cpu"]["masters"]
+    loaded = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
+    assert loaded.keys() == masters.keys()
+    assert all(torch.equal(loaded[name], t) for name, t in masters.items())
+    r = cli("--model", folder, "--seq-len", "32", "--mode", "cpu", "--train", "--no-inference", "--steps", "1")
+    assert r.returncode == 0, r.stderr
+
+
+def test_resumed_run_equals_one_run(tmp_path):
+    """6 steps in one run, against 3 (a checkpoint after 2 and 3) and then 3 more in a new process that resumes."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert cli(*TRAIN, "--steps", "6", "--checkpoint", one).returncode == 0
+    r = cli(*TRAIN, "--steps", "3", "--checkpoint", two, "--checkpoint-every", "2")
+    assert r.returncode == 0 and "checkpoint after step 2" in r.stderr, r.stderr
+    r = cli(*TRAIN, "--steps", "3", "--resume", two, "--checkpoint", two)
+    assert r.returncode == 0 and f"resumed from {two} after step 3" in r.stderr, r.stderr
+    assert_same_checkpoint(one, two)
+    assert sorted(p.name for p in two.iterdir()) == sorted([ol.CHECKPOINT_FILE, *checkpoint_state(two)[0]["files"]])
+
+
+def test_killed_writer_leaves_the_last_checkpoint_whole(tmp_path):
+    """SIGKILL while a checkpoint is written: the one before is whole, and resuming from it gives the uninterrupted
+    run's state bit for bit."""
+    sizes = ["--hidden-size", "512", "--intermediate-size", "1408", "--layers", "2", "--heads", "8", "--kv-heads", "8"]
+    train = [*TRAIN, *sizes, "--seq-len", "16"]
+    killed, straight = tmp_path / "killed", tmp_path / "straight"
+    args = [*train, "--steps", "200", "--checkpoint", killed, "--checkpoint-every", "1"]
+    writer = subprocess.Popen([sys.executable, SCRIPT, *map(str, args)], stderr=subprocess.DEVNULL)
+    try:
+        while writer.poll() is None:  # until a checkpoint is whole and the next one is being written
+            if (killed / ol.CHECKPOINT_FILE).exists() and any(killed.glob(".unit*.tmp")):
+                writer.send_signal(signal.SIGKILL)
+                break
+    finally:
+        writer.kill()
+        writer.wait()
+    assert writer.returncode == -signal.SIGKILL, "the writer ended before it was killed"
+    steps = checkpoint_state(killed)[0]["steps"]
+    assert steps >= 1
+    r = cli(*train, "--steps", "2", "--resume", killed, "--checkpoint", killed)
+    assert r.returncode == 0, r.stderr
+    assert cli(*train, "--steps", str(steps + 2), "--checkpoint", straight).returncode == 0
+    assert_same_checkpoint(killed, straight)
+    assert not list(killed.glob(".*.tmp"))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny cpu-mode checkpoint after one step."""
+    folder = tmp_path_factory.mktemp("saved")
+    r = cli(*TRAIN, "--steps", "1", "--checkpoint", folder)
+    assert r.returncode == 0, r.stderr
+    return folder
+
+
+REFUSED = {
+    "another model": (["--layers", "2"], "a checkpoint of another model"),
+    "another dtype": (["--dtype", "float32"], "a checkpoint of another dtype"),
+    "another Adam": (["--lr", "0.001"], "a checkpoint of another Adam setting"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_resume_refuses_another_run(checkpoint, case):
+    args, message = REFUSED[case]
+    r = cli(*TRAIN, "--resume", checkpoint, *args)
+    assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_refused_paths(checkpoint, tmp_path):
+    """Each refused before any model is built, with one line."""
+    (tmp_path / "file").write_text("")
+    cases = {
+        "holds a checkpoint already": ["--checkpoint", checkpoint],
+        "no checkpoint.json there": ["--resume", tmp_path],
+        "is a file: give a folder": ["--save-pretrained", tmp_path / "file"],
+        "does not exist": ["--checkpoint", tmp_path / "no" / "dir"],
+        "the folder /proc/x cannot be made": ["--save-pretrained", "/proc/x"],
+    }
+    for message, args in cases.items():
+        r = cli(*TRAIN, *args)
+        assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert "building" not in r.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--save-pretrained", "x"], "add --train"),
+        (["--train", "--checkpoint-every", "2"], "--checkpoint-every needs --checkpoint"),
+        (["--train", "--checkpoint", "x", "--checkpoint-every", "0"], "--checkpoint-every must be at least 1"),
+    ],
+)
+def test_bad_saving_flags(args, message):
+    r = cli("--preset", "tiny", "--mode", "cpu", *args)
+    assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_no_room_on_disk_is_refused(tmp_path, monkeypatch):
+    """A folder without room for what will be written: one line saying how much is missing, before the run."""
+    run = ol.RunConfig(preset="tiny", mode="cpu", train=True, checkpoint=str(tmp_path), steps=4, checkpoint_every=2)
+    config = ol.llama_config(run)
+    needed = 2 * 12 * ol.param_count(config)  # a second checkpoint is written while the first stays whole
+    monkeypatch.setattr(ol.shutil, "disk_usage", lambda path: type("Usage", (), {"free": needed - 1})())
+    with pytest.raises(ol.UsageError, match="GiB more than is free there"):
+        ol.check_saving(run, config)
+    monkeypatch.setattr(ol.shutil, "disk_usage", lambda path: type("Usage", (), {"free": needed})())
+    ol.check_saving(run, config)
