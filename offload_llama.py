@@ -147,6 +147,7 @@ class RunConfig:
     betas: tuple = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
+    clip_grad_norm: float | None = None  # the gradients' largest float32 norm, as torch.nn.utils.clip_grad_norm_
 
     @property
     def adam(self) -> Adam:
@@ -174,11 +175,17 @@ class RunConfig:
         return DTYPES[self.dtype]
 
     @property
+    def holds_updates(self) -> bool:
+        """Offloaded units step only once every unit's gradients are in: float16's loss scale or clipping sees them."""
+        return self.dtype == "float16" or self.clip_grad_norm is not None
+
+    @property
     def gpu_adam(self) -> float:
-        """The GPU Adam's share of the streamed parameters: --gpu-adam-share, else GPU_ADAM_SHARE (0 in float16)."""
+        """The GPU Adam's share of the streamed parameters: --gpu-adam-share, else GPU_ADAM_SHARE (0 where updates wait
+        for every unit's gradients)."""
         if self.gpu_adam_share is not None:
             return self.gpu_adam_share
-        return 0.0 if self.dtype == "float16" else GPU_ADAM_SHARE
+        return 0.0 if self.holds_updates else GPU_ADAM_SHARE
 
 
 def default_dtype() -> str:
@@ -612,19 +619,23 @@ class Adam:
         """torch.optim.Adam over `params` with these hyper-parameters, fused (on the CPU, far faster than plain)."""
         return torch.optim.Adam(params, self.lr, self.betas, self.eps, self.weight_decay, fused=True)
 
-    def scalars(self, step: int) -> torch.Tensor:
-        """adam_update's scalars for step `step` (from 1), as torch's fused CPU kernel rounds them; a tensor, not
-        floats, so one compiled kernel serves every step."""
+    def scalars(self, step: int, multiplier: float = 1.0) -> torch.Tensor:
+        """adam_update's scalars for step `step` (from 1), as torch's fused CPU kernel rounds them, and the gradients'
+        multiplier (--clip-grad-norm); a tensor, not floats, so one compiled kernel serves every step."""
         beta1, beta2 = self.betas
         step_size = -self.lr / (1 - beta1**step)
         values = [1 - beta1, beta2, 1 - beta2, math.sqrt(1 - beta2**step), self.eps, step_size, self.weight_decay]
-        return torch.tensor(values, dtype=torch.float32)
+        return torch.tensor([*values, multiplier], dtype=torch.float32)
 
 
-def adam_update(master, grads, exp_avg, exp_avg_sq, copy, scalars) -> None:
+def adam_update(master, grads, exp_avg, exp_avg_sq, copy, scalars, scaled: bool = False) -> None:
     """torch.optim.Adam's step of one unit, for torch.compile to fuse into one pass over memory: float32 master and
-    moments and the gradients (float32 or 16-bit) in; master, moments and the compute-dtype `copy` (or None) out."""
-    grads = grads.float() + master * scalars[6]
+    moments and the gradients (float32 or 16-bit; scaled: times scalars[7] first, as clip_grad_norm_ multiplies them)
+    in; master, moments and the compute-dtype `copy` (or None) out."""
+    grads = grads.float()
+    if scaled:
+        grads = grads * scalars[7]
+    grads = grads + master * scalars[6]
     exp_avg_new = exp_avg + (grads - exp_avg) * scalars[0]  # exp_avg.lerp_(grads, 1 - beta1)
     exp_avg_sq_new = exp_avg_sq * scalars[1] + scalars[2] * grads * grads
     master_new = master + scalars[5] * exp_avg_new / (exp_avg_sq_new.sqrt() / scalars[3] + scalars[4])
@@ -651,7 +662,7 @@ def without_isa_probes():
 
 
 @functools.cache
-def compiled_adam_update(grad_dtype: torch.dtype, copy_dtype: torch.dtype | None):
+def compiled_adam_update(grad_dtype: torch.dtype, copy_dtype: torch.dtype | None, scaled: bool = False):
     """adam_update built by inductor's C++ backend and run once, so no timed step compiles it; None if it cannot be."""
     n = 2**24  # inductor builds a serial loop for a size that looks small, and reuses it for any size
     # cpp_wrapper: the kernel runs without the GIL, so the main thread drives the GPU meanwhile. cpp.threads: a core
@@ -660,7 +671,8 @@ def compiled_adam_update(grad_dtype: torch.dtype, copy_dtype: torch.dtype | None
     options = {"cpp_wrapper": True, "cpp.threads": threads, "cpp.vec_isa_ok": True, "compile_threads": 1}
     t0 = time.perf_counter()
     try:
-        compiled = torch.compile(adam_update, dynamic=True, fullgraph=True, options=options)
+        update = functools.partial(adam_update, scaled=scaled)
+        compiled = torch.compile(update, dynamic=True, fullgraph=True, options=options)
         master, grads = torch.zeros(n), torch.zeros(n, dtype=grad_dtype)
         copy = None if copy_dtype is None else torch.zeros(n, dtype=copy_dtype)
         with torch.no_grad(), without_isa_probes():
@@ -686,10 +698,11 @@ class AdamUpdate:
     """One unit's Adam step on the CPU: adam_update compiled, else torch.optim.Adam's fused kernel on float32 gradients
     and a cast into the copy (the two round differently in float32's last bit)."""
 
-    def __init__(self, adam: Adam, grad_dtype: torch.dtype, copy_dtype: torch.dtype | None):
+    def __init__(self, adam: Adam, grad_dtype: torch.dtype, copy_dtype: torch.dtype | None, scaled: bool = False):
         self.adam = adam
         self.copy_dtype = copy_dtype
-        self.compiled = compiled_adam_update(grad_dtype, copy_dtype)
+        self.scaled = scaled  # the compiled update multiplies the gradients (clipping)
+        self.compiled = compiled_adam_update(grad_dtype, copy_dtype, scaled)
         self.grad_dtype = grad_dtype if self.compiled else torch.float32
 
     @property
@@ -700,15 +713,18 @@ class AdamUpdate:
         return 24 + self.grad_dtype.itemsize + copy + recast
 
     @torch.no_grad()
-    def __call__(self, master, grads, exp_avg, exp_avg_sq, copy, step: torch.Tensor) -> None:
-        """Step `master` by `grads`; `step`: the unit's step count (a float32 tensor, as torch.optim.Adam keeps it)."""
+    def __call__(self, master, grads, exp_avg, exp_avg_sq, copy, step: torch.Tensor, multiplier: float = 1.0) -> None:
+        """Step `master` by `grads` times `multiplier` (the compiled update heeds it only where built `scaled`; clipping
+        builds it so); `step`: the unit's step count (a float32 tensor, as torch.optim.Adam keeps it)."""
         if self.compiled is None:
+            if multiplier != 1.0:
+                grads.mul_(multiplier)  # float32 here
             torch_adam_step(self.adam, master, grads, exp_avg, exp_avg_sq, step)
             if copy is not None:
                 copy.copy_(master)
             return
         step += 1
-        self.compiled(master, grads, exp_avg, exp_avg_sq, copy, self.adam.scalars(int(step.item())))
+        self.compiled(master, grads, exp_avg, exp_avg_sq, copy, self.adam.scalars(int(step.item()), multiplier))
 
 
 class MasterStore:
@@ -717,12 +733,19 @@ class MasterStore:
     GPU's Adam: pin_moments); the gradients, in a pinned buffer of the pool from their copy until their Adam step."""
 
     def __init__(
-        self, units: list[Unit], adam: Adam, pin: bool, grad_buffers=None, grad_dtype=torch.float32, copy_dtype=None
+        self,
+        units: list[Unit],
+        adam: Adam,
+        pin: bool,
+        grad_buffers=None,
+        grad_dtype=torch.float32,
+        copy_dtype=None,
+        scaled_grads: bool = False,
     ):
         self.units = units
         self.pin = pin  # whether the host buffers are pinned
         numels = [u.layout.numel for u in units]
-        self.update = AdamUpdate(adam, grad_dtype, copy_dtype)
+        self.update = AdamUpdate(adam, grad_dtype, copy_dtype, scaled_grads)  # scaled: --clip-grad-norm
         self.grad_dtype = self.update.grad_dtype
         self.masters = [host_zeros(numel, torch.float32, pin) for numel in numels]
         self.copies = [host_zeros(numel, copy_dtype, pin) for numel in numels] if copy_dtype else None
@@ -743,13 +766,14 @@ class MasterStore:
         self.grads[u] = self.pool.take(u)[: self.masters[u].numel()]
         return self.grads[u]
 
-    def step(self, u: int) -> None:
-        """Unit u's Adam step (master, moments and copy in one pass); its gradients' buffer goes back to the pool."""
+    def step(self, u: int, multiplier: float = 1.0) -> None:
+        """Unit u's Adam step (master, moments and copy in one pass), its gradients times `multiplier`; its gradients'
+        buffer goes back to the pool."""
         if u in self.unstarted:
             self.zero_moments([u])
         copy = self.copies[u] if self.copies else None
         try:
-            self.update(self.masters[u], self.grads[u], *self.moments[u], copy, self.steps[u])
+            self.update(self.masters[u], self.grads[u], *self.moments[u], copy, self.steps[u], multiplier)
         finally:  # an update that fails still frees the buffer: the backward waiting for one sees the error instead
             if not self.pool.dedicated:
                 self.pool.give(self.grads[u])
@@ -831,7 +855,8 @@ class GradientPool:
 
 class HostState:
     """What the steppers of streamed units share: gradients accumulate in the trainer's gradient buffer, state lives in
-    the host store. Every stepper answers grads, shares_buffer, send, update, wait_written, written, state, wait_all."""
+    the host store. Every stepper answers grads, shares_buffer, send, update, wait_written, written, state, adam_state,
+    wait_all."""
 
     shares_buffer = True  # the gradients accumulate in the trainer's gradient buffer
 
@@ -864,7 +889,7 @@ class CpuAdam(HostState):
         self.done = [threading.Event() for _ in trainer.units]
         for event in self.done:
             event.set()
-        self.pending = []  # (unit, landed event), in the order submitted; None asks the worker to stop
+        self.pending = []  # (unit, landed event, multiplier), in the order submitted; None asks the worker to stop
         self.error = None
         self.busy_s = 0.0  # time spent in updates
         self.cond = threading.Condition()
@@ -882,10 +907,11 @@ class CpuAdam(HostState):
         return self.landed[u]
 
     def update(self, u: int) -> None:
-        """Queue unit u's step; the worker runs it once its gradients have landed."""
+        """Queue unit u's step, with the step's gradient multiplier; the worker runs it once its gradients land."""
         self.done[u].clear()
         with self.cond:
-            self.pending.append((u, self.landed[u]))
+            # this step's multiplier travels with the job: a later step's must never reach these gradients
+            self.pending.append((u, self.landed[u], self.trainer.grad_multiplier))
             self.cond.notify()
 
     def wait_written(self, u: int) -> None:
@@ -914,7 +940,7 @@ class CpuAdam(HostState):
         self.thread.join()
 
     def next_job(self):
-        """The next (unit, landed) to step, sleeping until one is queued; None once close() asked to stop."""
+        """The next (unit, landed, multiplier) to step, sleeping until one is queued; None once close() asks to stop."""
         with self.cond:
             while not self.pending:
                 self.cond.wait()
@@ -930,11 +956,11 @@ class CpuAdam(HostState):
         # Adam's v goes denormal as the loss falls, slow on x86: flush to zero (sqrt(v) is then far below eps anyway)
         torch.set_flush_denormal(True)
         while (job := self.next_job()) is not None:
-            u, landed = job
+            u, landed, multiplier = job
             try:
                 landed.synchronize()  # the gradients must be in pinned memory before the CPU reads them
                 start = time.perf_counter()
-                self.step(u)
+                self.step(u, multiplier)
                 self.busy_s += time.perf_counter() - start
             except Exception as e:  # hand it to the main thread, which waits on `done`
                 self.error = e
@@ -958,7 +984,7 @@ class KeptInputs:
 
 
 class Unscaled:
-    """The plain path's loss, unscaled: each unit steps once sent (LossScale, float16: once every gradient is in)."""
+    """The plain path's loss, unscaled (LossScale, float16: units step once every gradient is in, to check them)."""
 
     scale = 1.0
     holds_updates = False
@@ -968,6 +994,19 @@ class Unscaled:
     def update(self) -> bool:
         """After the backward: whether the step may be applied."""
         return True
+
+
+class Unclipped:
+    """The plain path's gradients, unclipped (GradClip: times a coefficient once every unit's norm is in)."""
+
+    holds_updates = False
+    grad_norms = ()  # none taken
+
+    def add(self, u: int, grads: list[torch.Tensor]) -> None: ...  # no norm to take
+
+    def multiplier(self) -> float:
+        """The gradients' multiplier for this step."""
+        return 1.0
 
 
 def loss_scaling(dtype: torch.dtype, device: torch.device):
@@ -1040,9 +1079,10 @@ class OffloadedTraining:
     """blocked and overlapped training: each unit streamed in by the LayerStreamer for its forward and again for its
     backward, its gradients sent out and stepped. Streams: compute runs the units, the streamer's copy stream brings
     weights in, `d2h_stream` takes gradients out. A unit's update rewrites the host copy the GPU streamed it from with
-    no wait of its own: it waits for the unit's gradients, which exist only once that copy has landed. Three policies
+    no wait of its own: it waits for the unit's gradients, which exist only once that copy has landed. Four policies
     plug in: steppers[u] steps unit u (CpuAdam; ResidentUnits, StreamedAdam), `inputs` keeps the saved inputs
-    (KeptInputs; ActivationOffload), `scaling` scales the loss (Unscaled; LossScale for float16)."""
+    (KeptInputs; ActivationOffload), `scaling` scales the loss (Unscaled; LossScale for float16), `clip` clips the
+    gradients (Unclipped; GradClip)."""
 
     def __init__(
         self, store: MasterStore, config: LlamaConfig, dtype: torch.dtype, device, depth: int, loss_function, kwargs
@@ -1068,6 +1108,8 @@ class OffloadedTraining:
         self.steppers = [self.cpu_adam] * len(self.units)
         self.inputs = KeptInputs()
         self.scaling = loss_scaling(dtype, device)
+        self.clip = Unclipped()
+        self.grad_multiplier = 1.0  # this step's, which the steppers apply: the clip's coefficient
         if self.scaling.holds_updates and not store.pool.dedicated:
             raise ValueError("float16 steps only once every unit's gradients are in: give each unit a gradient buffer")
         self.streamer.wait_source = lambda u: self.steppers[u].wait_written(u)
@@ -1108,15 +1150,27 @@ class OffloadedTraining:
                 view.add_(grad)
         return grad_in
 
+    @property
+    def grad_norms(self):
+        """Each applied step's gradient norm before clipping (none without it)."""
+        return self.clip.grad_norms
+
+    @property
+    def holds_updates(self) -> bool:
+        """Whether each unit steps only once every unit's gradients are in (float16's loss scale, clipping)."""
+        return self.scaling.holds_updates or self.clip.holds_updates
+
     def send(self, u: int) -> None:
-        """Unscale unit u's gradients and send them to its stepper; the update follows, or waits for the others."""
+        """Unscale unit u's gradients, take their norm where they are clipped, and send them to its stepper; the update
+        follows, or waits for the others."""
         grads = self.steppers[u].grads(u)
         self.scaling.unscale([grads])
+        self.clip.add(u, self.grad_views(u))
         ready = new_event(self.device)
         ready.record(self.streamer.compute_stream)  # marks the end of the unit's backward, for its stepper to wait on
         self.last_landed = self.steppers[u].send(u, grads, ready)
         self.sent.append(u)
-        if not self.scaling.holds_updates:
+        if not self.holds_updates:
             self.steppers[u].update(u)
 
     def step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
@@ -1133,7 +1187,8 @@ class OffloadedTraining:
         self.streamer.begin(reversed(range(n)), keep=True)  # the forward's last units are still in the slots
         self.inputs.backward_begins(n)
         sum(objective(loss, len(losses), self.scaling.scale) for loss in losses).backward()
-        if self.scaling.update() and self.scaling.holds_updates:
+        if self.scaling.update() and self.holds_updates:
+            self.grad_multiplier = self.clip.multiplier()
             for u in self.sent:
                 self.steppers[u].update(u)
         return mean_loss(losses)
@@ -1142,12 +1197,6 @@ class OffloadedTraining:
         """The float32 masters (grads: the gradients the steppers keep) with HF names on the CPU, after every update."""
         self.wait_updates()
         return self.store.state_dict([self.steppers[u].state(u, grads) for u in range(len(self.units))])
-
-    def zero_moments(self) -> None:
-        """Zero the CPU Adam's moments now, in set-up, not in each unit's first step: a page's first touch is slow. The
-        other steppers keep their moments elsewhere (resident units) or zero them on the GPU (StreamedAdam), so the
-        host never touches theirs."""
-        self.store.zero_moments([u for u, stepper in enumerate(self.steppers) if stepper is self.cpu_adam])
 
     def unit_state(self, u: int) -> dict:
         """Unit u's training state for a checkpoint: its step count, and its float32 master and moments by name."""
@@ -1180,8 +1229,10 @@ class OffloadedTraining:
 class ResidentTraining:
     """gpu and cpu modes, the reference: the plain HF model on `device`, torch.optim.Adam on float32 masters there."""
 
-    def __init__(self, model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device, adam: Adam):
+    def __init__(self, model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device, adam: Adam, clip=None):
         self.model = copy.deepcopy(model).to(device)
+        self.clip = clip  # --clip-grad-norm: torch.nn.utils.clip_grad_norm_ over every master's gradients
+        self.grad_norms = []  # each applied step's, before clipping
         self.names = [name for name, _ in self.model.named_parameters()]
         self.params = [p.requires_grad_() for p in self.model.parameters()]  # the inference store froze the layers
         self.masters = [p.detach().float().clone() for p in self.params]
@@ -1202,6 +1253,8 @@ class ResidentTraining:
             losses.append(loss.detach())
         self.scaling.unscale([m.grad for m in self.masters])
         if self.scaling.update():
+            if self.clip is not None:
+                self.grad_norms.append(torch.nn.utils.clip_grad_norm_(self.masters, self.clip).item())
             self.optimizer.step()
             with torch.no_grad():
                 for p, master in zip(self.params, self.masters, strict=True):
@@ -1257,7 +1310,8 @@ def mean_loss(losses) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------- accelerations
-# Each plugs into a policy of OffloadedTraining (steppers, inputs, scaling): without them it trains the same, slower.
+# Each plugs into a policy of OffloadedTraining (steppers, inputs, scaling, clip): without the accelerations it trains
+# the same, slower; float16's LossScale and GradClip (--clip-grad-norm) change what it computes, as gpu mode does.
 
 
 class ResidentUnit:
@@ -1270,15 +1324,16 @@ class ResidentUnit:
         self.moments = tuple(
             m.to(grads.device, copy=True) if resumed else torch.zeros_like(self.master) for m in store.moments[u]
         )
-        self.steps = store.steps[u].to(
-            grads.device, copy=True
-        )  # float32 beside the master, as the fused kernel keeps it
+        # the step count: float32 beside the master, as the fused kernel keeps it
+        self.steps = store.steps[u].to(grads.device, copy=True)
         self.adam = store.update.adam
         self.grads = grads  # float32, alive from the unit's backward to its step
 
     @torch.no_grad()
-    def step(self) -> None:
-        """Adam on the master, then the compute-dtype weights from it."""
+    def step(self, multiplier: float = 1.0) -> None:
+        """Adam on the master, its gradients times `multiplier` first, then the compute-dtype weights from it."""
+        if multiplier != 1.0:
+            self.grads.mul_(multiplier)
         torch_adam_step(self.adam, self.master, self.grads, *self.moments, self.steps)
         if self.weights is not self.master:
             self.weights.copy_(self.master)
@@ -1290,8 +1345,10 @@ class ResidentUnits:
     step; the comparison with gpu mode) or share the streamed units' gradient buffer, grown to fit."""
 
     def __init__(self, trainer: OffloadedTraining, units, own_grads: bool):
-        if trainer.scaling.holds_updates and units and not own_grads:
-            raise ValueError("float16 steps only once every gradient is in: resident units need their own gradients")
+        if trainer.holds_updates and units and not own_grads:
+            raise ValueError(
+                "float16 or clipping steps once every gradient is in: resident units need their own gradients"
+            )
         self.trainer = trainer
         self.shares_buffer = not own_grads  # the gradients take the streamed units' gradient buffer
         self.units = {}  # unit -> its ResidentUnit
@@ -1323,7 +1380,7 @@ class ResidentUnits:
 
     def update(self, u: int) -> None:
         """Unit u's Adam step, now, on the compute stream."""
-        self.units[u].step()
+        self.units[u].step(self.trainer.grad_multiplier)
 
     def wait_written(self, u: int) -> None: ...  # never streamed
 
@@ -1352,8 +1409,10 @@ class StreamedAdam(HostState):
 
     def __init__(self, trainer: OffloadedTraining, units, keep_first_grads: bool = False):
         store = trainer.store
-        if trainer.scaling.holds_updates and units:
-            raise ValueError("float16 steps only once every gradient is in: its streamed units stay on the CPU Adam")
+        if trainer.holds_updates and units:
+            raise ValueError(
+                "float16 or clipping steps once every gradient is in: the streamed units stay on the CPU Adam"
+            )
         if set(units) & set(trainer.streamer.resident):
             raise ValueError("resident units are stepped on the GPU already")
         if keep_first_grads and units and not store.pool.dedicated:
@@ -1558,6 +1617,44 @@ class LossScale:
         return not overflow
 
 
+class GradClip:
+    """--clip-grad-norm: every gradient times min(1, max_norm / (norm + 1e-6)), as torch.nn.utils.clip_grad_norm_ does
+    it, with the float32 norm taken on the GPU as each unit's gradients are sent, so units step only once every
+    unit's gradients are in (each in a host buffer of its own, as in float16). The GPU's Adam over streamed state does
+    not take part: its buffer holds one unit's gradients."""
+
+    holds_updates = True
+
+    def __init__(self, trainer: OffloadedTraining, max_norm: float):
+        if not trainer.store.pool.dedicated:
+            raise ValueError("clipping steps only once every unit's gradients are in: give each unit a gradient buffer")
+        if not trainer.store.update.scaled:
+            raise ValueError("the CPU Adam must multiply the gradients: build the store with scaled_grads")
+        if any(stepper is not trainer.cpu_adam for stepper in trainer.steppers):
+            raise ValueError("clip before placing units: the other steppers check for it when they are installed")
+        self.max_norm = max_norm
+        self.norms = {}  # unit -> its parameters' gradient norms, float32 on the GPU
+        self.grad_norms = []  # each applied step's, before clipping
+        trainer.clip = self
+
+    def add(self, u: int, grads: list[torch.Tensor]) -> None:
+        """Unit u's parameters' gradient norms, queued on the compute stream before the next unit's overwrite them."""
+        if grads[0].dtype == torch.float32:
+            self.norms[u] = torch._foreach_norm(grads, 2.0)  # as clip_grad_norm_ takes them
+        else:  # 16-bit gradients, summed in float32 without a float32 copy of the unit
+            self.norms[u] = [torch.linalg.vector_norm(g, 2.0, dtype=torch.float32) for g in grads]
+
+    def multiplier(self) -> float:
+        """This step's coefficient, once the backward is done (a sync): the norm of the norms, in parameter order."""
+        norms = [norm for u in sorted(self.norms) for norm in self.norms[u]]
+        self.norms = {}
+        total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        coefficient = torch.clamp(self.max_norm / (total + 1e-6), max=1.0)
+        norm, multiplier = torch.stack([total, coefficient]).tolist()  # one sync for both
+        self.grad_norms.append(norm)
+        return multiplier
+
+
 # ---------------------------------------------------------------------------------------------------- placement
 
 
@@ -1735,7 +1832,7 @@ def run_mode(mode: str, model, store, input_ids, run: RunConfig, config) -> tupl
 
 def place_units(trainer: OffloadedTraining, micro_batches, run: RunConfig, mode: str, compared: bool) -> dict:
     """Place the units (training_placement) and install them; log the placement and describe it for the JSON."""
-    own_grads = compared or run.dtype == "float16"
+    own_grads = compared or run.holds_updates
     placement = training_placement(trainer, run, mode, unplaced_bytes(trainer, micro_batches), own_grads)
     if placement.resident:
         ResidentUnits(trainer, placement.resident, own_grads)
@@ -1794,6 +1891,8 @@ def train_mode(mode: str, model, masters: MasterStore | None, input_ids, run: Ru
             checkpoint(run.steps)
         if run.save_pretrained:
             save_pretrained(trainer, model.config, mode_folder(run.save_pretrained, run, mode))
+        if run.clip_grad_norm is not None:
+            result["grad_norms"] = list(trainer.grad_norms)
         if compared or run.save_output:  # a float32 copy of every master, in host memory
             resident = isinstance(trainer, ResidentTraining)
             result["masters"] = trainer.state_dict(trainer.masters) if resident else trainer.state_dict()
@@ -1814,27 +1913,30 @@ def prepare_steps(trainer, micro_batches, run: RunConfig, mode: str, compared: b
     if not isinstance(trainer, OffloadedTraining):
         return {}
     placed = place_units(trainer, micro_batches, run, mode, compared) if trainer.device.type == "cuda" else {}
-    trainer.zero_moments()
+    # the CPU Adam's moments zeroed now, not in each unit's first step, where a page's first touch is slow; the other
+    # steppers keep theirs on the GPU (resident units) or zero them there (StreamedAdam): the host's stay untouched
+    trainer.store.zero_moments([u for u, stepper in enumerate(trainer.steppers) if stepper is trainer.cpu_adam])
     return placed
 
 
 def make_trainer(mode: str, model, masters: MasterStore | None, micro_batches, run: RunConfig, device):
     """The trainer for `mode`: the resident reference, or the streamed units with the CPU Adam (`masters` loaded)."""
     if mode in ("gpu", "cpu"):
-        return ResidentTraining(model, run.torch_dtype, device, run.adam)
+        return ResidentTraining(model, run.torch_dtype, device, run.adam, run.clip_grad_norm)
     kwargs = decoder_kwargs(model, tuple(micro_batches[0].shape), run.torch_dtype, device)
     depth = 0 if mode == "blocked" else run.prefetch
     trainer = OffloadedTraining(masters, model.config, run.torch_dtype, device, depth, model.loss_function, kwargs)
     if run.offload_activations:
         ActivationOffload(trainer, len(micro_batches), tuple(micro_batches[0].shape))
+    if run.clip_grad_norm is not None:
+        GradClip(trainer, run.clip_grad_norm)
     return trainer
 
 
 def train_steps(trainer, micro_batches, run: RunConfig, keep_grads: bool, profile=None, bound_parts=None, save=None):
     """Run the steps, each timed from its start to the next one's (a step's last updates overlap the next forward).
-    bound_parts(): the training bound's parts, timed alone in rounds between blocks of steps (bound_rounds), so they
-    meet the host as the steps around them do. keep_grads: the first step's gradients and masters, to compare.
-    save(i): a checkpoint after i steps, every run.checkpoint_every; the step after it is not timed."""
+    bound_parts(): the bound's parts, timed in rounds between blocks of steps (bound_rounds); save(i): a checkpoint
+    after i steps, every run.checkpoint_every; the step after either is not timed. keep_grads: step 1's, to compare."""
     clock = StepClock(trainer, micro_batches[0].device)
     rounds = bound_rounds(run) if bound_parts else []
     losses, grads, parts, extra = [], None, collections.defaultdict(list), {}
@@ -1986,22 +2088,44 @@ def checkpoint_manifest(run: RunConfig, config: LlamaConfig, mode: str) -> dict:
 
 
 def write_checkpoint(trainer, folder: Path, manifest: dict, done: int) -> None:
-    """The whole training state after `done` steps of this run: a file per unit, then CHECKPOINT_FILE naming them,
-    each written to a temporary name and renamed. The previous checkpoint's files go only once the new
-    CHECKPOINT_FILE is in place, so a process killed while writing leaves the previous checkpoint whole."""
+    """The training state after `done` steps of this run: a file per unit, then CHECKPOINT_FILE naming them, each
+    written aside, flushed to the disk and renamed; the previous checkpoint's files go once the new CHECKPOINT_FILE is
+    on the disk, so a process killed (or a machine stopped) while writing leaves the previous checkpoint whole."""
     t0 = time.perf_counter()
     trainer.wait_updates()
     steps = manifest.get("resumed_from", 0) + done
     folder.mkdir(exist_ok=True)
     files = [f"unit{u:03d}.step{steps}.pt" for u in range(len(trainer.units))]
     for u, name in enumerate(files):
-        write_atomically(str(folder / name), functools.partial(torch.save, trainer.unit_state(u)))
+        write_atomically(str(folder / name), functools.partial(save_synced, trainer.unit_state(u)))
     loss_scale = {"loss_scale": trainer.scaling.scale, "good_steps": getattr(trainer.scaling, "good_steps", 0)}
-    write_json(str(folder / CHECKPOINT_FILE), manifest | loss_scale | {"steps": steps, "files": files})
+    record = json.dumps(manifest | loss_scale | {"steps": steps, "files": files}, indent=2)
+    write_atomically(str(folder / CHECKPOINT_FILE), functools.partial(save_synced, record))
+    sync_folder(folder)  # the renames too, before the files they replace go
     for stale in [*folder.glob("unit*.pt"), *folder.glob(".unit*.tmp")]:  # also a killed writer's
         if stale.name not in files:
             stale.unlink()
     log(f"checkpoint after step {steps} written to {folder} in {time.perf_counter() - t0:.1f} s")
+
+
+def save_synced(obj, path: str) -> None:
+    """`obj` (text, or what torch.save takes) to `path`, flushed to the disk before it is renamed into a checkpoint."""
+    with open(path, "w" if isinstance(obj, str) else "wb") as f:
+        if isinstance(obj, str):
+            f.write(obj + "\n")
+        else:
+            torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def sync_folder(folder: Path) -> None:
+    """Flush a folder's entries (the files renamed into it) to the disk."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def read_checkpoint(folder: Path, manifest: dict) -> dict:
@@ -2022,6 +2146,9 @@ def read_checkpoint(folder: Path, manifest: dict) -> dict:
             raise UsageError(
                 f"--resume {folder}: a checkpoint of another {what}: {saved.get(key)}, not {manifest[key]}"
             )
+    missing = [name for name in saved.get("files", []) if not (folder / name).is_file()]
+    if missing:
+        raise UsageError(f"--resume {folder}: {len(missing)} of the files {CHECKPOINT_FILE} names are missing")
     return saved
 
 
@@ -2035,6 +2162,9 @@ def resume(trainer, folder: Path, manifest: dict) -> int:
         trainer.scaling.scale = saved["loss_scale"]
         trainer.scaling.good_steps = saved["good_steps"]
     log(f"resumed from {folder} after step {saved['steps']} in {time.perf_counter() - t0:.1f} s")
+    changed = [key for key in ("grad_accum", "batch_size", "seq_len", "seed") if saved.get(key) != manifest[key]]
+    if changed:
+        log(f"note: another {', '.join(changed)} than the checkpoint's, so another batch than it trained on")
     return saved["steps"]
 
 
@@ -2462,16 +2592,17 @@ def first_step_state(trainer) -> tuple[dict, dict]:
 
 
 def compare_training(result: dict, reference: dict, run: RunConfig) -> None:
-    """The first step's gradients bitwise and its masters to float32 rounding, judged with eager attention only (sdpa's
-    backward differs even from itself in the last bits); later steps are reported, not judged: in 16-bit compute a
-    one-ulp master difference flips some weights' rounding, which Adam turns into lr-sized moves."""
+    """The first step's gradients bitwise (unclipped runs) and masters to float32 rounding, with eager attention only
+    (sdpa's backward differs even from itself); later steps are reported, not judged: in 16-bit compute a one-ulp
+    master difference flips some weights' rounding, which Adam turns into lr-sized moves."""
     grads, masters = result["grads"]
     ref_grads, ref_masters = reference["grads"]
     result["masters_step1_max_abs_diff"] = max_abs_diff(masters, ref_masters)
     result["masters_tolerance"] = masters_tolerance(max(m.abs().max().item() for m in ref_masters.values()), 1)
     result["masters_max_abs_diff"] = max_abs_diff(result["masters"], reference["masters"])
-    if run.attention == "eager":
+    if run.attention == "eager" and run.clip_grad_norm is None:
         result["grads_equal_to_gpu"] = all(torch.equal(g, ref_grads[name]) for name, g in grads.items())
+    if run.attention == "eager":
         result["masters_close_to_gpu"] = result["masters_step1_max_abs_diff"] <= result["masters_tolerance"]
 
 
@@ -2596,6 +2727,9 @@ def notes(results: dict, run: RunConfig, reference: dict | None = None) -> list[
         lines.append(f"cpu: one run, no warm-up; GPU modes: median of {run.repeat} runs after {run.warmup} warm-ups")
     if run.train and run.attention != "eager" and "gpu" in results:
         lines.append("training: grads and masters judged against gpu mode with --attention eager only (sdpa: atomics)")
+    if run.train and run.clip_grad_norm is not None:
+        clipped = "training: gradients clipped (clip_grad_norm_ in gpu and cpu modes; offloaded units step once every"
+        lines.append(f"{clipped} unit's gradients are in); grads not judged against gpu mode's")
     if reference:
         lines.append(
             f"forward/backward reference (resident model, no optimizer, no cap): {reference['time_ms']:.1f} ms per "
@@ -2652,6 +2786,9 @@ def training_notes(mode: str, t: dict, run: RunConfig) -> list[str]:
         g = t["gradient_pool"]
         waited = f"the backward waited {g['waited_ms']:.0f} ms in all for the CPU Adam to free one"
         lines.append(f"{mode} training: {g['buffers']} shared gradient buffers; {waited}")
+    if t.get("grad_norms"):
+        norms = f"{t['grad_norms'][0]:.3g} -> {t['grad_norms'][-1]:.3g}"
+        lines.append(f"{mode} training: gradient norm {norms} before clipping to {run.clip_grad_norm:g}")
     if "masters_max_abs_diff" in t:
         step1 = f"{t['masters_step1_max_abs_diff']:.3g} after step 1 (rounding allows {t['masters_tolerance']:.3g})"
         last = f"{t['masters_max_abs_diff']:.3g} after step {run.steps}"
@@ -2704,8 +2841,12 @@ def host_bytes_needed(run: RunConfig, config: LlamaConfig, params: int) -> tuple
     offloaded = {"blocked", "overlapped"} & set(run.modes)
     if run.train and offloaded:
         model = params_with_layers(config, 0) if run.lean else params  # lean: the decoder layers are freed
-        needed = model * per_param + params * 12 + 2 * gradient_buffer_bytes(config)  # 12: float32 masters, moments
-        return needed, "the model, its float32 masters and Adam state and two gradient buffers"
+        if run.holds_updates:  # every unit's gradients wait on the host for the others'
+            grads, what = params * gradient_dtype(run).itemsize, "every unit's gradients"
+        else:
+            grads, what = 2 * gradient_buffer_bytes(config), "two gradient buffers"
+        needed = model * per_param + params * 12 + grads  # 12: float32 masters and moments
+        return needed, f"the model, its float32 masters and Adam state and {what}"
     if run.train and "cpu" in run.modes:
         return params * (2 * per_param + 16), "the model, its training copy and Adam state"
     return params * per_param, "the model" + " and its pinned store" * bool(offloaded)
@@ -2748,7 +2889,7 @@ def gradient_buffers(run: RunConfig, config: LlamaConfig, exact: bool, copy: boo
     """Offloaded training's gradient buffers: one per unit if `exact`, in float16 or with room, else what fits."""
     units = model_units(config)
     spare = host_spare_bytes(run, config)
-    if exact or run.dtype == "float16" or spare is None:
+    if exact or run.holds_updates or spare is None:
         return len(units)
     spare -= run.torch_dtype.itemsize * param_count(config) if copy else 0
     dtype = gradient_dtype(run)
@@ -2869,8 +3010,11 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     t.add_argument("--betas", type=float, nargs=2, default=RunConfig.betas, metavar=("BETA1", "BETA2"))
     t.add_argument("--eps", type=float, default=RunConfig.eps)
     t.add_argument("--weight-decay", type=float, default=RunConfig.weight_decay, help="L2 penalty, as in torch's Adam")
+    clip = "scale the gradients to this float32 norm at most, as clip_grad_norm_ (units step once every one is in)"
+    t.add_argument("--clip-grad-norm", type=float, metavar="X", help=clip)
     share = "overlapped: the share (0 to 1) of streamed parameters the GPU's Adam steps over float32 state streamed "
-    share += f"in (embeddings, first layers, head), the CPU Adam the rest (default: {GPU_ADAM_SHARE}; 0 in float16)"
+    share += f"in (embeddings, first layers, head), the CPU Adam the rest (default: {GPU_ADAM_SHARE}; 0 in float16 or "
+    share += "with --clip-grad-norm)"
     t.add_argument("--gpu-adam-share", type=float, metavar="F", help=share)
 
 
@@ -2879,7 +3023,7 @@ def add_saving_flags(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("saving and resuming (--train)")
     s.add_argument("--save-pretrained", metavar="DIR", help="after training, the float32 weights as a HF model folder")
     s.add_argument("--checkpoint", metavar="DIR", help="the whole training state, after the last step")
-    s.add_argument("--checkpoint-every", type=int, metavar="N", help="also after every N steps")
+    s.add_argument("--checkpoint-every", type=int, metavar="N", help="also after every N steps of this run")
     s.add_argument("--resume", metavar="DIR", help="go on from a --checkpoint folder for --steps more steps")
 
 
@@ -2902,12 +3046,18 @@ def check_flags(p: Parser, a: argparse.Namespace) -> None:
         p.error(f"--gpu-adam-share must be between 0 and 1, got {a.gpu_adam_share}")
     if a.gpu_adam_share and a.dtype == "float16":
         p.error("--gpu-adam-share must be 0 in float16: its loss scale must see every gradient before any unit steps")
+    if a.clip_grad_norm is not None and not (math.isfinite(a.clip_grad_norm) and a.clip_grad_norm > 0):
+        p.error(f"--clip-grad-norm must be a positive number, got {a.clip_grad_norm}")
+    if a.gpu_adam_share and a.clip_grad_norm is not None:
+        p.error("--gpu-adam-share must be 0 with --clip-grad-norm: the norm must see every gradient before any step")
     if not a.inference and not a.train:
         p.error("--no-inference leaves nothing to run without --train")
     if a.fwd_bwd_reference and not a.train:
         p.error("--fwd-bwd-reference is the reference for training: add --train")
     if (a.save_pretrained or a.checkpoint or a.resume) and not a.train:
         p.error("--save-pretrained, --checkpoint and --resume save or resume training: add --train")
+    if a.clip_grad_norm is not None and not a.train:
+        p.error("--clip-grad-norm clips training's gradients: add --train")
     if a.checkpoint_every and not a.checkpoint:
         p.error("--checkpoint-every needs --checkpoint DIR, the folder to write in")
 
@@ -2970,7 +3120,8 @@ def check_memory(run: RunConfig, config: LlamaConfig, gpu_modes: list[str]) -> N
         advice = "use fewer or shorter sequences" if passes > params else "use fewer or smaller layers"
         raise UsageError(
             f"{what} ({params / GiB:.1f} GiB) and the passes' ids, logits, activations ({passes / GiB:.1f} GiB) need "
-            f"{(params + passes) / GiB:.1f} GiB of host memory, only {available / GiB:.1f} GiB are available: {advice}"
+            f"{(params + passes) / GiB:.1f} GiB of host memory, only {available / GiB:.1f} GiB are available "
+            f"({(params + passes - available) / GiB:.1f} GiB short): {advice}"
         )
 
 
@@ -3065,7 +3216,8 @@ def run_all(run: RunConfig) -> dict:
     run = with_activation_offload(run, config)
     check_devices(run, config)
     offloaded = {"blocked", "overlapped"} & set(run.modes)
-    compared = {"gpu", *offloaded} if "gpu" in run.modes and offloaded else set()  # offloaded against gpu
+    # offloaded against gpu, from the same start (a resumed mode starts from its own checkpoint)
+    compared = {"gpu", *offloaded} if "gpu" in run.modes and offloaded and not run.resume else set()
     copy_dtype = host_copy_dtype(run, config) if run.train and offloaded else None  # before the model takes memory
     grad_buffers = gradient_buffers(run, config, bool(compared), copy_dtype is not None)
     model = build_model(run, config)
@@ -3131,7 +3283,8 @@ def save_output(run: RunConfig, input_ids, logits: dict, train_ids, trained: dic
 def training_store(run: RunConfig, config: LlamaConfig, grad_buffers: int, copy_dtype) -> MasterStore:
     """The offloaded modes' pinned training state on the host, its set-up time said on stderr."""
     t0 = time.perf_counter()
-    masters = MasterStore(model_units(config), run.adam, True, grad_buffers, gradient_dtype(run), copy_dtype)
+    units, scaled = model_units(config), run.clip_grad_norm is not None
+    masters = MasterStore(units, run.adam, True, grad_buffers, gradient_dtype(run), copy_dtype, scaled)
     pinned = sum(t.nbytes for t in [*masters.masters, *(masters.copies or []), *masters.pool.buffers])
     moments = sum(2 * m.nbytes for m in masters.masters)
     log(
@@ -3142,7 +3295,8 @@ def training_store(run: RunConfig, config: LlamaConfig, grad_buffers: int, copy_
 
 
 def main(argv=None) -> int:
-    """The command line's entry point: exit code 0; 2 with one line for bad input; 130 with one line for Ctrl-C."""
+    """The command line's entry point: exit code 0; 2 with one line for bad input; 1 with one line for a file that
+    cannot be written mid-run (a full disk); 130 with one line for Ctrl-C."""
     run = parse_args(argv)
     try:
         check_outputs(run)
@@ -3150,13 +3304,22 @@ def main(argv=None) -> int:
     except UsageError as e:
         print(f"offload_llama.py: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # what was written before stays whole: every output is written aside, then renamed
+        finish_copies()
+        print(f"offload_llama.py: error: {e.strerror or e}: {e.filename or 'an output'}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
-        # the copies still queued must land before the pinned buffers they use are unregistered as the frames drop
-        if torch.cuda.is_initialized():
-            torch.cuda.synchronize()
+        finish_copies()
         print("offload_llama.py: interrupted; no output is left half-written", file=sys.stderr)
         return 130
     return 0
+
+
+def finish_copies() -> None:
+    """On the way out early: the copies still queued must land before the pinned buffers they use are unregistered
+    as the frames drop."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 if __name__ == "__main__":

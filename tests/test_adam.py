@@ -17,9 +17,9 @@ def gradients(master: torch.Tensor, step: int, dtype: torch.dtype) -> torch.Tens
     return (g * master.sign()).to(dtype)
 
 
-def run_update(update: ol.AdamUpdate, dtype: torch.dtype, grad_dtype: torch.dtype):
-    """STEPS steps of `update` from one start, beside torch.optim.Adam on float32 copies of the same gradients:
-    (master, moments, copy) and torch's (master, moments)."""
+def run_update(update: ol.AdamUpdate, dtype: torch.dtype, grad_dtype: torch.dtype, multiplier: float = 1.0):
+    """STEPS steps of `update` from one start, beside torch.optim.Adam on float32 copies of the same gradients (times
+    `multiplier`, as clip_grad_norm_ scales them): (master, moments, copy) and torch's (master, moments)."""
     master = torch.randn(N, generator=torch.Generator().manual_seed(0))
     exp_avg, exp_avg_sq, step = torch.zeros(N), torch.zeros(N), torch.zeros(())
     copy = torch.empty(N, dtype=dtype) if dtype != torch.float32 else None
@@ -27,8 +27,8 @@ def run_update(update: ol.AdamUpdate, dtype: torch.dtype, grad_dtype: torch.dtyp
     optimizer = update.adam.optimizer([reference])
     for s in range(1, STEPS + 1):
         grads = gradients(master, s, grad_dtype)
-        update(master, grads, exp_avg, exp_avg_sq, copy, step)
-        reference.grad = grads.float()
+        reference.grad = grads.float() * multiplier
+        update(master, grads, exp_avg, exp_avg_sq, copy, step, multiplier)
         optimizer.step()
     state = optimizer.state[reference]
     return (master, exp_avg, exp_avg_sq, copy, step), (reference.detach(), state["exp_avg"], state["exp_avg_sq"])
@@ -67,7 +67,7 @@ def test_fused_update_equals_torch_adam(dtype, grad_dtype, weight_decay):
 def test_fallback_is_torch_adam_and_a_cast(monkeypatch, weight_decay):
     """Without the compiled update the gradients come in float32 and torch.optim.Adam's own kernel steps: bitwise
     torch's masters and moments."""
-    monkeypatch.setattr(ol, "compiled_adam_update", lambda grad_dtype, copy_dtype: None)
+    monkeypatch.setattr(ol, "compiled_adam_update", lambda grad_dtype, copy_dtype, scaled: None)
     update = ol.AdamUpdate(ol.Adam(lr=1e-3, weight_decay=weight_decay), torch.bfloat16, torch.bfloat16)
     assert update.grad_dtype == torch.float32 and update.bytes_per_param == 24 + 4 + 2 + 4
     ours, theirs = run_update(update, torch.bfloat16, update.grad_dtype)
@@ -88,3 +88,11 @@ def test_fused_update_moves_28_bytes_per_parameter():
     """float32 master and moments read and written, 16-bit gradients read and copy written."""
     assert ol.AdamUpdate(ol.Adam(), torch.bfloat16, torch.bfloat16).bytes_per_param == 28
     assert ol.AdamUpdate(ol.Adam(), torch.float32, None).bytes_per_param == 28
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+def test_scaled_update_equals_torch_adam_on_scaled_gradients(grad_dtype):
+    """--clip-grad-norm's update: the gradients times the step's multiplier in the same pass (float32 product)."""
+    update = ol.AdamUpdate(ol.Adam(lr=1e-3, weight_decay=0.01), grad_dtype, torch.bfloat16, scaled=True)
+    assert update.compiled is not None
+    assert_adam_close(*run_update(update, torch.bfloat16, grad_dtype, multiplier=0.37))

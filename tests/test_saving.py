@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 import offload_llama as ol
-from helpers import SCRIPT, assert_same_checkpoint, checkpoint_state, cli
+from helpers import SCRIPT, assert_same_checkpoint, build, checkpoint_state, cli, offloaded_trainer, tiny_run
 
 TRAIN = ["--preset", "tiny", "--seq-len", "32", "--mode", "cpu", "--train", "--no-inference"]
 
@@ -93,9 +93,13 @@ def test_resume_refuses_another_run(checkpoint, case):
 def test_refused_paths(checkpoint, tmp_path):
     """Each refused before any model is built, with one line."""
     (tmp_path / "file").write_text("")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / ol.CHECKPOINT_FILE).write_text((checkpoint / ol.CHECKPOINT_FILE).read_text())  # no unit file
     cases = {
         "holds a checkpoint already": ["--checkpoint", checkpoint],
         "no checkpoint.json there": ["--resume", tmp_path],
+        "of the files checkpoint.json names are missing": ["--resume", broken],
         "is a file: give a folder": ["--save-pretrained", tmp_path / "file"],
         "does not exist": ["--checkpoint", tmp_path / "no" / "dir"],
         "the folder /proc/x cannot be made": ["--save-pretrained", "/proc/x"],
@@ -129,3 +133,33 @@ def test_no_room_on_disk_is_refused(tmp_path, monkeypatch):
         ol.check_saving(run, config)
     monkeypatch.setattr(ol.shutil, "disk_usage", lambda path: type("Usage", (), {"free": needed})())
     ol.check_saving(run, config)
+
+
+# float16 (its loss scale restored) is judged on the GPU (test_saving_gpu.py): here, after other tests in the same
+# process, the one run and the resumed one skipped different steps for overflow (not understood yet)
+@pytest.mark.parametrize(
+    "dtype, clip, resident", [("bfloat16", None, ()), ("bfloat16", None, (1,)), ("float32", 0.05, (1,))]
+)
+def test_offloaded_resume_equals_one_run(tmp_path, dtype, clip, resident):
+    """The offloaded trainer, the CPU as its device: 4 steps against 2, a checkpoint, a new trainer resumed from it
+    before placement, and 2 more: step counts, masters and moments bit for bit, with a resident unit and clipping."""
+    model, ids = build(ol.dataclasses.replace(tiny_run(), dtype=dtype, batch_size=2))
+    run = ol.RunConfig(preset="tiny", dtype=dtype)
+
+    def train_and_save(steps, folder, resume_from=None):
+        """`steps` steps (after a resume) and a checkpoint into `folder`."""
+        trainer = offloaded_trainer(model, "cpu", 1, [ids], clip=clip)
+        manifest = ol.checkpoint_manifest(run, model.config, "overlapped")
+        if resume_from:
+            manifest["resumed_from"] = ol.resume(trainer, resume_from, manifest)
+        if resident:
+            ol.ResidentUnits(trainer, resident, own_grads=True)
+        for _ in range(steps):
+            trainer.step([ids])
+        trainer.finish()
+        ol.write_checkpoint(trainer, folder, manifest, steps)
+
+    train_and_save(4, tmp_path / "one")
+    train_and_save(2, tmp_path / "two")
+    train_and_save(2, tmp_path / "two", resume_from=tmp_path / "two")
+    assert_same_checkpoint(tmp_path / "one", tmp_path / "two")

@@ -219,6 +219,9 @@ def test_cli_train_json_and_saved_masters(tmp_path):
         (["--betas", "0.9", "1.0"], "betas in [0, 1)"),
         (["--gpu-adam-share", "1.5"], "--gpu-adam-share must be between 0 and 1"),
         (["--gpu-adam-share", "0.2", "--dtype", "float16"], "--gpu-adam-share must be 0 in float16"),
+        (["--clip-grad-norm", "0"], "--clip-grad-norm must be a positive number"),
+        (["--clip-grad-norm", "nan"], "--clip-grad-norm must be a positive number"),
+        (["--clip-grad-norm", "1", "--gpu-adam-share", "0.3"], "--gpu-adam-share must be 0 with --clip-grad-norm"),
     ],
 )
 def test_bad_training_flags(args, message):
@@ -408,3 +411,78 @@ def test_bound_rounds_run_between_steps_with_every_update_done():
     assert sorted(r["bound_parts_ms"]) == ["a", "b"] and len(r["bound_parts_ms"]["a"]) == 2
     *_, losses = train(offloaded_trainer(model, CPU, 1, [ids]), [ids], 6)
     assert r["losses"] == losses
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_clipped_training_equals_clip_grad_norm(dtype, k):
+    """--clip-grad-norm: the reference is torch.nn.utils.clip_grad_norm_ before torch.optim.Adam; the offloaded
+    path takes the norm unit by unit and scales the gradients in the CPU Adam's pass: masters to float32 rounding,
+    the same losses, and far from an unclipped run's."""
+    model, ids = build(ol.dataclasses.replace(tiny_run(), dtype=dtype, batch_size=2))
+    batches = micro(ids, k)
+    plain = ol.copy.deepcopy(model).float()
+    optimizer = torch.optim.Adam(plain.parameters(), lr=1e-3)
+    for _ in range(3):
+        optimizer.zero_grad()
+        for part in batches:
+            (plain(part, labels=part, use_cache=False).loss / k).backward()
+        norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.05)
+        optimizer.step()
+    assert norm > 0.05  # the clip scaled the gradients down
+    reference = ol.ResidentTraining(model, model.dtype, CPU, ol.Adam(lr=1e-3), clip=0.05)
+    _, _, ref_masters, ref_losses = train(reference, batches, 3)
+    _, _, masters, losses = train(offloaded_trainer(model, CPU, 1, batches, clip=0.05), batches, 3)
+    _, _, unclipped, _ = train(offloaded_trainer(model, CPU, 1, batches), batches, 3)
+    if dtype == "float32":  # the reference recipe is plain training with clip_grad_norm_
+        assert_masters_close(ref_masters, dict(plain.named_parameters()), 3)
+    assert_masters_close(masters, ref_masters, 3)
+    assert losses == ref_losses
+    assert ol.max_abs_diff(masters, unclipped) > 1e-4
+
+
+def test_clipping_needs_a_gradient_buffer_per_unit_and_no_gpu_adam():
+    model, batches = tiny_batches(1)
+    with pytest.raises(ValueError, match="give each unit a gradient buffer"):
+        offloaded_trainer(model, CPU, 1, batches, grad_buffers=2, clip=1.0)
+    store = ol.MasterStore(ol.model_units(model.config), ol.Adam(), False, scaled_grads=True)
+    store.load(model)
+    kwargs = ol.decoder_kwargs(model, tuple(batches[0].shape), model.dtype, CPU)
+    trainer = ol.OffloadedTraining(store, model.config, model.dtype, CPU, 1, model.loss_function, kwargs)
+    ol.GradClip(trainer, 1.0)
+    with pytest.raises(ValueError, match="the streamed units stay on the CPU Adam"):
+        ol.StreamedAdam(trainer, (0,))
+    trainer.finish()
+    unscaled = offloaded_trainer(model, CPU, 1, batches)
+    with pytest.raises(ValueError, match="build the store with scaled_grads"):
+        ol.GradClip(unscaled, 1.0)
+    unscaled.finish()
+
+
+def test_cli_clipping_reports_each_steps_norm(tmp_path):
+    out = tmp_path / "r.json"
+    r = cli(
+        *["--preset", "tiny", "--seq-len", "16", "--mode", "cpu", "--train", "--no-inference", "--steps", "3"],
+        "--clip-grad-norm",
+        "0.5",
+        "--json",
+        out,
+    )
+    assert r.returncode == 0, r.stderr
+    norms = json.loads(out.read_text())["results"]["cpu"]["training"]["grad_norms"]
+    assert len(norms) == 3 and min(norms) > 0.5
+    assert "cpu training: gradient norm" in r.stdout and "before clipping to 0.5" in r.stdout
+
+
+def test_clipping_without_host_room_for_every_gradient_is_refused(monkeypatch):
+    """Clipping keeps every unit's gradients on the host until the norm is known: refused, saying how much is short."""
+    run = ol.RunConfig(preset="7b-8l", mode="overlapped", train=True, inference=False, clip_grad_norm=1.0)
+    config = ol.llama_config(run)
+    needed = ol.host_bytes_needed(run, config, ol.param_count(config))[0] + ol.host_pass_bytes(run, config)
+    unclipped = ol.host_bytes_needed(ol.dataclasses.replace(run, clip_grad_norm=None), config, 0)
+    assert needed > unclipped[0]
+    monkeypatch.setattr(ol, "host_memory_available", lambda: needed - ol.GiB)
+    with pytest.raises(ol.UsageError, match=r"every unit's gradients .* \(1\.0 GiB short\)"):
+        ol.check_memory(run, config, [])
+    monkeypatch.setattr(ol, "host_memory_available", lambda: needed)
+    ol.check_memory(run, config, [])

@@ -94,6 +94,21 @@ def test_offloaded_grads_bitwise_equal_gpu_mode(dtype, depth, k):
         assert_masters_close(masters_1, ref_masters_1, 1)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float16"])
+def test_clipped_masters_match_gpu_mode(dtype):
+    """--clip-grad-norm: streamed units (their gradients scaled in the CPU Adam's pass) and a resident one (scaled in
+    place on the GPU) against gpu mode's clip_grad_norm_: the first step's masters to float32 rounding, the loss."""
+    model, batches = model_and_batches(SMALL, dtype)
+    adam = ol.Adam(lr=1e-3, weight_decay=0.1)  # the decay makes even the first step depend on the gradients' scale
+    _, ref_masters_1, _, ref_losses = train(ol.ResidentTraining(model, model.dtype, CUDA, adam, clip=0.05), batches, 2)
+    trainer = offloaded_trainer(model, CUDA, 1, batches, adam=adam, pin=True, resident=(1,), clip=0.05)
+    _, masters_1, _, losses = train(trainer, batches, 2)
+    assert_masters_close(masters_1, ref_masters_1, 1)
+    assert losses[0] == ref_losses[0]
+    _, unclipped_1, _, _ = train(ol.ResidentTraining(model, model.dtype, CUDA, adam), batches, 1)
+    assert ol.max_abs_diff(ref_masters_1, unclipped_1) > 1e-5  # the clip scaled the gradients down
+
+
 class NoWaitStream(torch.cuda.Stream):
     """A stream that ignores wait_event: removes one ordering to show it is needed."""
 
