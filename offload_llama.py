@@ -1884,11 +1884,11 @@ def train_mode(mode: str, model, masters: MasterStore | None, input_ids, run: Ru
         offloaded_on_gpu = isinstance(trainer, OffloadedTraining) and device.type == "cuda"
         bound_parts = (lambda: train_bound_parts(trainer, micro_batches, device)) if offloaded_on_gpu else None
         folder = mode_folder(run.checkpoint, run, mode) if run.checkpoint else None
-        checkpoint = functools.partial(write_checkpoint, trainer, folder, manifest) if folder else None
+        checkpoint = Checkpoints(trainer, folder, manifest, run.checkpoint_every) if folder else None
         result = train_steps(trainer, micro_batches, run, compared, profile, bound_parts, checkpoint)
         trainer.finish()
         if checkpoint:
-            checkpoint(run.steps)
+            checkpoint.write(run.steps)
         if run.save_pretrained:
             save_pretrained(trainer, model.config, mode_folder(run.save_pretrained, run, mode))
         if run.clip_grad_norm is not None:
@@ -1936,7 +1936,7 @@ def make_trainer(mode: str, model, masters: MasterStore | None, micro_batches, r
 def train_steps(trainer, micro_batches, run: RunConfig, keep_grads: bool, profile=None, bound_parts=None, save=None):
     """Run the steps, each timed from its start to the next one's (a step's last updates overlap the next forward).
     bound_parts(): the bound's parts, timed in rounds between blocks of steps (bound_rounds); save(i): a checkpoint
-    after i steps, every run.checkpoint_every; the step after either is not timed. keep_grads: step 1's, to compare."""
+    after i steps where due; the step after either is not timed. keep_grads: the first step's state, to compare."""
     clock = StepClock(trainer, micro_batches[0].device)
     rounds = bound_rounds(run) if bound_parts else []
     losses, grads, parts, extra = [], None, collections.defaultdict(list), {}
@@ -1956,9 +1956,9 @@ def train_steps(trainer, micro_batches, run: RunConfig, keep_grads: bool, profil
         if i == 0 and keep_grads:
             grads = first_step_state(trainer)
         clock.lap(i, losses[-1])
-        if save and run.checkpoint_every and (i + 1) % run.checkpoint_every == 0 and i + 1 < run.steps:
+        if save and save.due(i + 1) and i + 1 < run.steps:  # the last step's is written after the last update
             clock.pause(i + 1)  # the updates are written first
-            save(i + 1)
+            save.write(i + 1)
             clock.resume(after_round=True)
     if parts:
         extra["bound_parts_ms"] = {name: ms[1:] for name, ms in parts.items()}  # the first round is a warm-up
@@ -2085,6 +2085,20 @@ def checkpoint_manifest(run: RunConfig, config: LlamaConfig, mode: str) -> dict:
     sizes = {field: getattr(config, field) for field in SIZE_FLAGS}
     batch = {"grad_accum": run.grad_accum, "batch_size": run.batch_size, "seq_len": run.seq_len, "seed": run.seed}
     return {"format": CHECKPOINT_FORMAT, "mode": mode, "sizes": sizes, "dtype": run.dtype, "adam": adam} | batch
+
+
+class Checkpoints:
+    """--checkpoint's writer for one mode: due after every `every` steps of training, counted from its first step (a
+    resumed run's steps continue the count), and written after the last step too."""
+
+    def __init__(self, trainer, folder: Path, manifest: dict, every: int | None):
+        self.write = functools.partial(write_checkpoint, trainer, folder, manifest)  # write(steps done in this run)
+        self.start = manifest.get("resumed_from", 0)
+        self.every = every
+
+    def due(self, done: int) -> bool:
+        """Whether a checkpoint is due after `done` steps of this run."""
+        return bool(self.every) and (self.start + done) % self.every == 0
 
 
 def write_checkpoint(trainer, folder: Path, manifest: dict, done: int) -> None:
@@ -3023,7 +3037,7 @@ def add_saving_flags(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("saving and resuming (--train)")
     s.add_argument("--save-pretrained", metavar="DIR", help="after training, the float32 weights as a HF model folder")
     s.add_argument("--checkpoint", metavar="DIR", help="the whole training state, after the last step")
-    s.add_argument("--checkpoint-every", type=int, metavar="N", help="also after every N steps of this run")
+    s.add_argument("--checkpoint-every", type=int, metavar="N", help="also after every N steps, counted from the first")
     s.add_argument("--resume", metavar="DIR", help="go on from a --checkpoint folder for --steps more steps")
 
 

@@ -30,13 +30,15 @@ def test_save_pretrained_round_trip(tmp_path):
 
 
 def test_resumed_run_equals_one_run(tmp_path):
-    """6 steps in one run, against 3 (a checkpoint after 2 and 3) and then 3 more in a new process that resumes."""
+    """6 steps in one run, against 3 (a checkpoint after 2 and 3) and then 3 more in a new process that resumes (after
+    4, as every 2 counts from the first step, and 6)."""
     one, two = tmp_path / "one", tmp_path / "two"
     assert cli(*TRAIN, "--steps", "6", "--checkpoint", one).returncode == 0
     r = cli(*TRAIN, "--steps", "3", "--checkpoint", two, "--checkpoint-every", "2")
     assert r.returncode == 0 and "checkpoint after step 2" in r.stderr, r.stderr
-    r = cli(*TRAIN, "--steps", "3", "--resume", two, "--checkpoint", two)
+    r = cli(*TRAIN, "--steps", "3", "--resume", two, "--checkpoint", two, "--checkpoint-every", "2")
     assert r.returncode == 0 and f"resumed from {two} after step 3" in r.stderr, r.stderr
+    assert "checkpoint after step 4" in r.stderr and "checkpoint after step 5" not in r.stderr  # counted from step 1
     assert_same_checkpoint(one, two)
     assert sorted(p.name for p in two.iterdir()) == sorted([ol.CHECKPOINT_FILE, *checkpoint_state(two)[0]["files"]])
 
