@@ -2108,7 +2108,7 @@ def write_checkpoint(trainer, folder: Path, manifest: dict, done: int) -> None:
     t0 = time.perf_counter()
     trainer.wait_updates()
     steps = manifest.get("resumed_from", 0) + done
-    folder.mkdir(exist_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
     files = [f"unit{u:03d}.step{steps}.pt" for u in range(len(trainer.units))]
     for u, name in enumerate(files):
         write_atomically(str(folder / name), functools.partial(save_synced, trainer.unit_state(u)))
@@ -3154,12 +3154,10 @@ def check_outputs(run: RunConfig) -> None:
 
 
 def check_writable(flag: str, path: str, folder: Path, make: bool = False) -> None:
-    """A file can be created in `folder`; make: the folder is made first, where its parent exists."""
-    if make and not folder.exists() and folder.parent.is_dir():
-        try:
-            folder.mkdir()
-        except OSError as e:
-            raise UsageError(f"{flag} {path}: the folder {folder} cannot be made ({e.strerror})") from None
+    """A file can be created in `folder`; make: the folder is made when written, so a missing one's parent must take
+    it (nothing is made now: a run refused later leaves no empty folder)."""
+    if make and not folder.exists():
+        folder = folder.parent
     if not folder.is_dir():
         raise UsageError(f"{flag} {path}: the folder {folder} does not exist")
     try:  # the permission bits do not say whether a file can be created there (/proc, a read-only mount)
@@ -3188,10 +3186,17 @@ def check_saving(run: RunConfig, config: LlamaConfig) -> None:
         "--checkpoint": (run.checkpoint, 12 * params * (1 + twice)),
     }
     for flag, (path, needed) in needs.items():
-        free = shutil.disk_usage(path).free if path else needed
+        free = shutil.disk_usage(existing(Path(path))).free if path else needed
         if needed > free:
             short = f"{needed / GiB:.1f} GiB to write, {(needed - free) / GiB:.1f} GiB more than is free there"
             raise UsageError(f"{flag} {path}: {short}; free some space or give a folder on another disk")
+
+
+def existing(path: Path) -> Path:
+    """`path`, or its nearest folder that exists (where a folder to be made will take its room)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
 
 
 def write_atomically(path: str, write) -> None:

@@ -104,12 +104,14 @@ def test_refused_paths(checkpoint, tmp_path):
         "of the files checkpoint.json names are missing": ["--resume", broken],
         "is a file: give a folder": ["--save-pretrained", tmp_path / "file"],
         "does not exist": ["--checkpoint", tmp_path / "no" / "dir"],
-        "the folder /proc/x cannot be made": ["--save-pretrained", "/proc/x"],
+        "the folder /proc cannot be written": ["--save-pretrained", "/proc/x"],
     }
     for message, args in cases.items():
         r = cli(*TRAIN, *args)
         assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert "building" not in r.stderr
+    refused = cli(*TRAIN, "--checkpoint", tmp_path / "new", "--resume", tmp_path)  # refused after the path checks
+    assert refused.returncode == 2 and not (tmp_path / "new").exists(), "a refused run leaves no empty folder"
 
 
 @pytest.mark.parametrize(
