@@ -1164,8 +1164,9 @@ class OffloadedTraining:
         """Unscale unit u's gradients, take their norm where they are clipped, and send them to its stepper; the update
         follows, or waits for the others."""
         grads = self.steppers[u].grads(u)
-        self.scaling.unscale([grads])
-        self.clip.add(u, self.grad_views(u))
+        views = self.grad_views(u)  # the parameters' gradients alone: the padding between them is never written
+        self.scaling.unscale(views)
+        self.clip.add(u, views)
         ready = new_event(self.device)
         ready.record(self.streamer.compute_stream)  # marks the end of the unit's backward, for its stepper to wait on
         self.last_landed = self.steppers[u].send(u, grads, ready)

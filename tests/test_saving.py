@@ -139,14 +139,14 @@ def test_no_room_on_disk_is_refused(tmp_path, monkeypatch):
     ol.check_saving(run, config)
 
 
-# float16 (its loss scale restored) is judged on the GPU (test_saving_gpu.py): here, after other tests in the same
-# process, the one run and the resumed one skipped different steps for overflow (not understood yet)
 @pytest.mark.parametrize(
-    "dtype, clip, resident", [("bfloat16", None, ()), ("bfloat16", None, (1,)), ("float32", 0.05, (1,))]
+    "dtype, clip, resident",
+    [("bfloat16", None, ()), ("bfloat16", None, (1,)), ("float16", None, (1,)), ("float32", 0.05, (1,))],
 )
 def test_offloaded_resume_equals_one_run(tmp_path, dtype, clip, resident):
     """The offloaded trainer, the CPU as its device: 4 steps against 2, a checkpoint, a new trainer resumed from it
-    before placement, and 2 more: step counts, masters and moments bit for bit, with a resident unit and clipping."""
+    before placement, and 2 more: step counts, masters and moments bit for bit, with a resident unit, float16's loss
+    scale and clipping."""
     model, ids = build(ol.dataclasses.replace(tiny_run(), dtype=dtype, batch_size=2))
     run = ol.RunConfig(preset="tiny", dtype=dtype)
 

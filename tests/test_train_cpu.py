@@ -486,3 +486,17 @@ def test_clipping_without_host_room_for_every_gradient_is_refused(monkeypatch):
         ol.check_memory(run, config, [])
     monkeypatch.setattr(ol, "host_memory_available", lambda: needed)
     ol.check_memory(run, config, [])
+
+
+def test_float16_overflow_check_reads_only_the_gradients():
+    """The padding between a unit's parameters in a gradient buffer is never written: stale NaN there (as from
+    memory a buffer reuses) must not count as an overflow, or float16 would skip every step."""
+    model, ids = build(ol.dataclasses.replace(tiny_run(), dtype="float16"))
+    trainer = offloaded_trainer(model, CPU, 1, [ids], resident=(1,))
+    for buffer in (trainer.grad_buffer, trainer.steppers[1].grads(1)):
+        buffer.fill_(float("nan"))
+    for _ in range(2):
+        trainer.step([ids])
+    trainer.finish()
+    assert trainer.scaling.scale == 2.0**16, "a step was skipped for an overflow"
+    assert [s.item() for s in trainer.store.steps] == [2, 0, 2, 2, 2, 2]  # unit 1 steps on the device
