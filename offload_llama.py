@@ -1071,7 +1071,7 @@ class StreamedUnit(torch.autograd.Function):
         grads_in = [trainer.add_unit_grads(u, module, x, k, grad_out, views) for k, (x, grad_out) in pairs]
         trainer.streamer.release(u)
         trainer.inputs.release(u)
-        trainer.send(u)
+        trainer.send(u, views)
         return None, None, None, *grads_in  # none for trainer, u and anchor
 
 
@@ -1160,11 +1160,10 @@ class OffloadedTraining:
         """Whether each unit steps only once every unit's gradients are in (float16's loss scale, clipping)."""
         return self.scaling.holds_updates or self.clip.holds_updates
 
-    def send(self, u: int) -> None:
+    def send(self, u: int, views: list[torch.Tensor]) -> None:
         """Unscale unit u's gradients, take their norm where they are clipped, and send them to its stepper; the update
-        follows, or waits for the others."""
+        follows, or waits for the others. views: grad_views(u), the gradients alone (the padding is never written)."""
         grads = self.steppers[u].grads(u)
-        views = self.grad_views(u)  # the parameters' gradients alone: the padding between them is never written
         self.scaling.unscale(views)
         self.clip.add(u, views)
         ready = new_event(self.device)
@@ -1212,7 +1211,7 @@ class OffloadedTraining:
     def named_masters(self):
         """Each parameter's float32 master on the CPU by HF name: host masters in place, each its own storage."""
         for u, unit in enumerate(self.units):
-            master = self.steppers[u].adam_state(u)[0].cpu()  # a resident unit's is copied from the GPU
+            master = self.steppers[u].state(u).cpu()  # a resident unit's is copied from the GPU
             for name, shape, offset in zip(unit.layout.names, unit.layout.shapes, unit.layout.offsets, strict=True):
                 yield f"{unit.name}.{name}", own_storage(master, offset, shape)
 

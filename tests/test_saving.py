@@ -4,6 +4,7 @@ for bit, a writer killed mid-checkpoint, and the refused paths."""
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -56,6 +57,7 @@ def test_killed_writer_leaves_the_last_checkpoint_whole(tmp_path):
             if (killed / ol.CHECKPOINT_FILE).exists() and any(killed.glob(".unit*.tmp")):
                 writer.send_signal(signal.SIGKILL)
                 break
+            time.sleep(0.001)  # a unit file takes far longer to write: the poll leaves the writer the cores
     finally:
         writer.kill()
         writer.wait()
