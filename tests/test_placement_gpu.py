@@ -86,12 +86,12 @@ def test_race_shared_resident_gradients_wait_for_the_last_copy_out():
     for drop, should_match in ((False, True), (True, False)):
         trainer = offloaded_trainer(model, CUDA, 1, batches, pin=True, resident=(0, 1), own_grads=False)
 
-        def late(u, trainer=trainer, send=trainer.send, drop=drop):
+        def late(u, views, trainer=trainer, send=trainer.send, drop=drop):
             """Unit 2's gradients leave 20 ms late; `drop`: unit 1 no longer waits for them."""
             if u == 2:
                 with torch.cuda.stream(trainer.d2h_stream):
                     torch.cuda._sleep(40_000_000)
-            send(u)
+            send(u, views)
             if u == 2 and drop:
                 trainer.last_landed = ol.InOrder()
 

@@ -284,7 +284,7 @@ def test_race_each_training_wait_is_needed(race, depth):
 def slow_cpu_adam(trainer):
     """Each unit's update starts 20 ms late, so a copy that does not wait for it streams the last step's weights."""
     step = trainer.cpu_adam.step
-    trainer.cpu_adam.step = lambda u: (time.sleep(0.02), step(u))
+    trainer.cpu_adam.step = lambda u, multiplier: (time.sleep(0.02), step(u, multiplier))
 
 
 def drop_update_done_wait(trainer):
