@@ -2146,7 +2146,7 @@ def read_checkpoint(folder: Path, manifest: dict) -> dict:
     """A checkpoint's record, refused with one line when it is not one, or of another model, dtype or Adam setting."""
     path = folder / CHECKPOINT_FILE
     if not path.is_file():
-        raise UsageError(f"--resume {folder}: no {CHECKPOINT_FILE} there: give a folder written by --checkpoint")
+        raise UsageError(f"--resume {folder}: no {CHECKPOINT_FILE} there: {checkpoint_hint(folder)}")
     try:
         saved = json.loads(path.read_text())
     except json.JSONDecodeError as e:
@@ -2164,6 +2164,16 @@ def read_checkpoint(folder: Path, manifest: dict) -> dict:
     if missing:
         raise UsageError(f"--resume {folder}: {len(missing)} of the files {CHECKPOINT_FILE} names are missing")
     return saved
+
+
+def checkpoint_hint(folder: Path) -> str:
+    """What to give --resume instead of a folder with no checkpoint: a mode's subfolder, or the folder above it."""
+    if folder.name in MODES and (folder.parent / CHECKPOINT_FILE).is_file():
+        return f"{folder.parent} holds one mode's; several modes resume each from DIR/<mode>: give --mode as it trained"
+    inside = sorted(sub.parent.name for sub in folder.glob(f"*/{CHECKPOINT_FILE}") if sub.parent.name in MODES)
+    if inside:
+        return f"it holds the checkpoints of modes {', '.join(inside)}: give one of their folders, or --mode as trained"
+    return "give a folder written by --checkpoint"
 
 
 def resume(trainer, folder: Path, manifest: dict) -> int:

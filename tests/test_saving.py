@@ -116,6 +116,19 @@ def test_refused_paths(checkpoint, tmp_path):
     assert refused.returncode == 2 and not (tmp_path / "new").exists(), "a refused run leaves no empty folder"
 
 
+def test_resume_hints_at_the_mode_folders(checkpoint, tmp_path):
+    """Several modes resume each from DIR/<mode>; one mode from its own: a mismatch says which folder to give."""
+    config = ol.llama_config(ol.RunConfig(preset="tiny"))
+    several = ol.RunConfig(preset="tiny", mode="cpu,gpu", train=True, resume=str(checkpoint))
+    with pytest.raises(ol.UsageError, match="holds one mode's; several modes resume each from DIR/<mode>"):
+        ol.check_saving(several, config)
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / ol.CHECKPOINT_FILE).write_text((checkpoint / ol.CHECKPOINT_FILE).read_text())
+    one = ol.RunConfig(preset="tiny", mode="cpu", train=True, resume=str(tmp_path))
+    with pytest.raises(ol.UsageError, match="it holds the checkpoints of modes cpu: give one of their folders"):
+        ol.check_saving(one, config)
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
