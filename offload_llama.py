@@ -269,8 +269,9 @@ def init_random(model: LlamaForCausalLM, seed: int) -> None:
     model.to_empty(device="cpu")
     weights = [p.detach() for p in model.parameters() if p.dim() > 1]  # no_grad does not reach the pool threads
     generators = [torch.Generator().manual_seed((seed << 16) + i) for i in range(len(weights))]  # one per weight
+    drawn = sorted(zip(weights, generators, strict=True), key=lambda pair: -pair[0].numel())  # the largest first
     with ThreadPoolExecutor(os.cpu_count()) as pool:  # normal_ releases the GIL
-        list(pool.map(lambda w, g: w.normal_(0.0, config.initializer_range, generator=g), weights, generators))
+        list(pool.map(lambda pair: pair[0].normal_(0.0, config.initializer_range, generator=pair[1]), drawn))
     for p in model.parameters():
         if p.dim() == 1:
             p.fill_(1.0)  # RMSNorm weights
@@ -346,9 +347,11 @@ class HostBuffer(mmap.mmap):
     def __init__(self, nbytes: int, pin: bool):
         with contextlib.suppress(AttributeError, OSError):  # a platform or kernel without transparent huge pages
             self.madvise(mmap.MADV_HUGEPAGE)  # before the first touch, which allocates the pages
-        self.address = torch.frombuffer(self, dtype=torch.uint8).data_ptr()
+        memory = torch.frombuffer(self, dtype=torch.uint8)
+        self.address = memory.data_ptr()
         self.unregister = None
         if pin:
+            memory.zero_()  # the pages mapped by every core: registering maps the missing ones in one thread, slowly
             cudart = torch.cuda.cudart()
             torch.cuda.check_error(cudart.cudaHostRegister(self.address, nbytes, 0))
             self.unregister = cudart.cudaHostUnregister
@@ -685,6 +688,19 @@ def compiled_adam_update(grad_dtype: torch.dtype, copy_dtype: torch.dtype | None
     return compiled
 
 
+EARLY_COMPILES = {}  # compiled_adam_update's arguments -> its call started in the background by start_adam_compile
+
+
+def start_adam_compile(grad_dtype: torch.dtype, copy_dtype: torch.dtype | None, scaled: bool) -> None:
+    """Compile the update on a thread of its own while the model is built and the host state pinned (the compiler
+    runs in child processes, the build and pinning in C++, so they overlap); the store's AdamUpdate waits for it."""
+    key = (grad_dtype, copy_dtype, scaled)
+    if key not in EARLY_COMPILES:
+        pool = ThreadPoolExecutor(1, thread_name_prefix="adam-compile")
+        EARLY_COMPILES[key] = pool.submit(compiled_adam_update, *key)
+        pool.shutdown(wait=False)  # the thread ends with its one job
+
+
 def torch_adam_step(adam: Adam, master, grads, exp_avg, exp_avg_sq, step: torch.Tensor) -> None:
     """Step `master` by `grads` (float32 both) with torch.optim.Adam's fused kernel on its device, state in place."""
     param = nn.Parameter(master)  # shares the master's memory
@@ -702,7 +718,8 @@ class AdamUpdate:
         self.adam = adam
         self.copy_dtype = copy_dtype
         self.scaled = scaled  # the compiled update multiplies the gradients (clipping)
-        self.compiled = compiled_adam_update(grad_dtype, copy_dtype, scaled)
+        early = EARLY_COMPILES.get((grad_dtype, copy_dtype, scaled))
+        self.compiled = early.result() if early else compiled_adam_update(grad_dtype, copy_dtype, scaled)
         self.grad_dtype = grad_dtype if self.compiled else torch.float32
 
     @property
@@ -745,11 +762,12 @@ class MasterStore:
         self.units = units
         self.pin = pin  # whether the host buffers are pinned
         numels = [u.layout.numel for u in units]
-        self.update = AdamUpdate(adam, grad_dtype, copy_dtype, scaled_grads)  # scaled: --clip-grad-norm
-        self.grad_dtype = self.update.grad_dtype
         self.masters = [host_zeros(numel, torch.float32, pin) for numel in numels]
         self.copies = [host_zeros(numel, copy_dtype, pin) for numel in numels] if copy_dtype else None
         self.moments = [(host_zeros(n, torch.float32, False), host_zeros(n, torch.float32, False)) for n in numels]
+        # after the pinning, which the update's compile may still overlap (start_adam_compile)
+        self.update = AdamUpdate(adam, grad_dtype, copy_dtype, scaled_grads)  # scaled: --clip-grad-norm
+        self.grad_dtype = self.update.grad_dtype  # float32 where the update did not compile
         self.pinned_moments = set()
         self.steps = [torch.zeros(()) for _ in units]
         self.unstarted = set(range(len(units)))  # units whose moments are not zeroed for their first step yet
@@ -1962,6 +1980,8 @@ def train_steps(trainer, micro_batches, run: RunConfig, keep_grads: bool, profil
             clock.resume(after_round=True)
     if parts:
         extra["bound_parts_ms"] = {name: ms[1:] for name, ms in parts.items()}  # the first round is a warm-up
+    between = f", and {clock.paused_s:.1f} s between them (the bound's rounds, checkpoints)" if clock.paused_s else ""
+    log(f"  {len(clock.times)} steps in {sum(clock.times) / 1e3:.1f} s{between}")
     tokens = sum(ids.numel() for ids in micro_batches)
     return clock.result(run.warmup) | {"losses": losses, "grads": grads, "tokens_per_step": tokens} | extra
 
@@ -1983,6 +2003,7 @@ class StepClock:
         self.adam = trainer.cpu_adam if isinstance(trainer, OffloadedTraining) else None
         self.times, self.busy = [], []  # each step's time, and the CPU Adam's busy time in it (ms)
         self.untimed = set()  # the steps right after a round
+        self.paused_s = 0.0  # time spent in rounds and checkpoints between the steps
         self.peaks = {"peak_host_bytes": None}  # and on the GPU peak_gpu_bytes
         self.resume()
 
@@ -1990,10 +2011,12 @@ class StepClock:
         """Start timing the next step now; after a round, what the round held does not count in the peaks."""
         if after_round:
             reset_peak_memory(self.device)
+            self.paused_s += time.perf_counter() - self.paused_at
         self.start, self.busy_s = time.perf_counter(), self.adam and self.adam.busy_s
 
     def pause(self, i: int) -> None:
         """A round before step i: every update done first, so each part runs alone; step i is not timed."""
+        self.paused_at = time.perf_counter()
         if self.adam:
             self.trainer.wait_updates()
         self.note_peaks()
@@ -3244,11 +3267,14 @@ def run_all(run: RunConfig) -> dict:
     config = llama_config(run)
     run = with_activation_offload(run, config)
     check_devices(run, config)
+    log(f"torch {torch.__version__} and transformers {transformers.__version__} imported, the run checked")
     offloaded = {"blocked", "overlapped"} & set(run.modes)
     # offloaded against gpu, from the same start (a resumed mode starts from its own checkpoint)
     compared = {"gpu", *offloaded} if "gpu" in run.modes and offloaded and not run.resume else set()
     copy_dtype = host_copy_dtype(run, config) if run.train and offloaded else None  # before the model takes memory
     grad_buffers = gradient_buffers(run, config, bool(compared), copy_dtype is not None)
+    if run.train and offloaded:
+        start_adam_compile(gradient_dtype(run), copy_dtype, run.clip_grad_norm is not None)
     model = build_model(run, config)
     train_ids = random_input_ids(run, model.config.vocab_size, run.grad_accum)
     reference = forward_backward_reference(model, train_ids, run) if run.fwd_bwd_reference else None
@@ -3269,6 +3295,7 @@ def run_all(run: RunConfig) -> dict:
         write_json(run.json, report)
     if run.save_output:
         save_output(run, input_ids, logits, train_ids, trained)
+    log("done")
     return report
 
 
@@ -3317,8 +3344,8 @@ def training_store(run: RunConfig, config: LlamaConfig, grad_buffers: int, copy_
     pinned = sum(t.nbytes for t in [*masters.masters, *(masters.copies or []), *masters.pool.buffers])
     moments = sum(2 * m.nbytes for m in masters.masters)
     log(
-        f"training state on the host in {time.perf_counter() - t0:.1f} s, CPU Adam compile included: "
-        f"{gib(pinned)} GiB pinned, {gib(moments)} GiB of Adam moments"
+        f"training state on the host in {time.perf_counter() - t0:.1f} s: {gib(pinned)} GiB pinned, "
+        f"{gib(moments)} GiB of Adam moments"
     )
     return masters
 
