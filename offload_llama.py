@@ -19,9 +19,12 @@ import collections
 import contextlib
 import copy
 import dataclasses
+import errno
+import fcntl
 import functools
 import gc
 import hashlib
+import itertools
 import json
 import math
 import mmap
@@ -81,6 +84,9 @@ RUNTIME_HOST_BYTES = 5 * GiB  # host memory a process holds besides the model an
 SAVE_SHARD = "2GB"  # save_pretrained's shard size: a safetensors writer may hold a whole shard's bytes in memory
 CHECKPOINT_FILE = "checkpoint.json"  # names the unit files of the last whole checkpoint in its folder
 CHECKPOINT_FORMAT = 1
+DISK_BLOCK = 4096  # bytes: direct I/O moves whole blocks between block-aligned memory and file offsets
+DISK_SLOTS = 3  # the disk tier's staging buffers: one unit read ahead, one stepped, one written back
+DISK_CALL = 2**28  # bytes one read or write call moves at most (Linux moves under 2 GiB per call)
 
 
 def log(msg: str) -> None:
@@ -129,6 +135,9 @@ class RunConfig:
     resident_layers: int | None = None  # overlapped: this many decoder layers resident instead of the budget's plan
     gpu_adam_share: float | None = None  # overlapped training: of the streamed parameters, the GPU Adam's share
     offload_activations: bool = False  # the units' saved inputs wait in pinned host memory, not on the GPU
+    max_host_memory: float | None = None  # GiB; the host memory the run plans for, at most (default: MemAvailable)
+    nvme: str | None = None  # a folder on a local disk: the disk tier keeps Adam moments there
+    nvme_layers: int | None = None  # decoder layers, from the last, whose Adam moments live on the disk (planned)
     # outputs
     json: str | None = None
     save_output: str | None = None
@@ -747,7 +756,8 @@ class AdamUpdate:
 class MasterStore:
     """Training state on the host, one flat buffer per unit and kind: float32 masters and, where there is room, the
     compute-dtype copies each Adam step rewrites for the GPU to stream (pinned); float32 moments (pinned only for the
-    GPU's Adam: pin_moments); the gradients, in a pinned buffer of the pool from their copy until their Adam step."""
+    GPU's Adam: pin_moments; on the disk for the units of a DiskTier); the gradients, in a pinned buffer of the pool
+    from their copy until their Adam step."""
 
     def __init__(
         self,
@@ -758,13 +768,19 @@ class MasterStore:
         grad_dtype=torch.float32,
         copy_dtype=None,
         scaled_grads: bool = False,
+        disk: DiskTier | None = None,
     ):
         self.units = units
         self.pin = pin  # whether the host buffers are pinned
+        self.disk = disk
+        self.on_disk = frozenset(disk.units if disk else ())  # units whose moments the disk tier keeps
         numels = [u.layout.numel for u in units]
         self.masters = [host_zeros(numel, torch.float32, pin) for numel in numels]
         self.copies = [host_zeros(numel, copy_dtype, pin) for numel in numels] if copy_dtype else None
-        self.moments = [(host_zeros(n, torch.float32, False), host_zeros(n, torch.float32, False)) for n in numels]
+        self.moments = [
+            None if u in self.on_disk else (host_zeros(n, torch.float32, False), host_zeros(n, torch.float32, False))
+            for u, n in enumerate(numels)
+        ]
         # after the pinning, which the update's compile may still overlap (start_adam_compile)
         self.update = AdamUpdate(adam, grad_dtype, copy_dtype, scaled_grads)  # scaled: --clip-grad-norm
         self.grad_dtype = self.update.grad_dtype  # float32 where the update did not compile
@@ -791,17 +807,41 @@ class MasterStore:
             self.zero_moments([u])
         copy = self.copies[u] if self.copies else None
         try:
-            self.update(self.masters[u], self.grads[u], *self.moments[u], copy, self.steps[u], multiplier)
-        finally:  # an update that fails still frees the buffer: the backward waiting for one sees the error instead
+            moments = self.disk.stage(u) if u in self.on_disk else self.moments[u]
+            self.update(self.masters[u], self.grads[u], *moments, copy, self.steps[u], multiplier)
+        finally:  # a read or update that fails still frees the buffers: the backward waiting for one sees the error
+            if u in self.on_disk:
+                self.disk.write_back(u)
             if not self.pool.dedicated:
                 self.pool.give(self.grads[u])
                 self.grads[u] = None
 
+    def ready(self, u: int) -> bool:
+        """Whether unit u's step can run without waiting for the disk."""
+        return u not in self.on_disk or self.disk.staged_now(u)
+
+    def moments_of(self, u: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unit u's Adam moments after its updates: in place on the host, or read from the disk into new memory."""
+        return self.disk.read(u) if u in self.on_disk else self.moments[u]
+
+    def flush(self) -> None:
+        """Block until the disk tier's write-backs have landed; re-raise its error."""
+        if self.disk:
+            self.disk.flush()
+
+    def close(self) -> None:
+        """Free the disk tier's files."""
+        if self.disk:
+            self.disk.close()
+
     def zero_moments(self, units) -> None:
         """Start the moments of those of `units` not started since load at zero, as torch.optim.Adam creates them."""
         for u in self.unstarted.intersection(units):
-            for moment in self.moments[u]:
-                moment.zero_()
+            if u in self.on_disk:
+                self.disk.zero(u)
+            else:
+                for moment in self.moments[u]:
+                    moment.zero_()
             self.unstarted.discard(u)
 
     def pin_moments(self, u: int) -> None:
@@ -822,14 +862,26 @@ class MasterStore:
                 self.copies[u].copy_(master)
             self.steps[u].zero_()
         self.unstarted = set(range(len(self.units)))  # their moments: zeroed before their first step
+        if self.disk:
+            self.disk.stop()  # a mode before may have ended mid-step: the reader starts its cycle anew
 
     @torch.no_grad()
     def load_unit(self, u: int, state: dict) -> None:
         """Unit u's master, Adam moments and step count from a checkpoint (unit_state's dict), and its copy."""
         layout = self.units[u].layout
-        for key, flat in zip(("master", "exp_avg", "exp_avg_sq"), (self.masters[u], *self.moments[u]), strict=True):
-            for name, view in layout.views(flat).items():
-                view.copy_(state[key][name])
+
+        def fill(keys: tuple[str, ...], *flats) -> None:
+            """The state's tensors of `keys` into the flat buffers `flats`."""
+            for key, flat in zip(keys, flats, strict=True):
+                for name, view in layout.views(flat).items():
+                    view.copy_(state[key][name])
+
+        fill(("master",), self.masters[u])
+        moments = functools.partial(fill, ("exp_avg", "exp_avg_sq"))
+        if u in self.on_disk:
+            self.disk.load(u, moments)
+        else:
+            moments(*self.moments[u])
         if self.copies:
             self.copies[u].copy_(self.masters[u])
         self.steps[u].fill_(state["step"])
@@ -892,7 +944,7 @@ class HostState:
 
     def adam_state(self, u: int) -> tuple[torch.Tensor, ...]:
         """Unit u's float32 master, Adam moments and step count, on the host."""
-        return self.store.masters[u], *self.store.moments[u], self.store.steps[u]
+        return self.store.masters[u], *self.store.moments_of(u), self.store.steps[u]
 
 
 class CpuAdam(HostState):
@@ -943,9 +995,10 @@ class CpuAdam(HostState):
         return self.done[u].is_set()
 
     def wait_all(self) -> None:
-        """Block until every queued update is done."""
+        """Block until every queued update is done, and the disk tier has written back what they changed."""
         for u in range(len(self.done)):
             self.wait_written(u)
+        self.store.flush()
 
     def close(self) -> None:
         """Finish every update, then stop the worker thread (once; closing again does nothing)."""
@@ -964,7 +1017,9 @@ class CpuAdam(HostState):
                 self.cond.wait()
             if self.pending[0] is None:
                 return None
-            landed = [job for job in self.pending if job is not None and job[1].query()]
+            # of the units whose gradients have landed, and whose moments the disk tier has read where it keeps them;
+            # else the oldest job, whose read the disk tier issues before any later unit's (it reads in their order)
+            landed = [job for job in self.pending if job is not None and job[1].query() and self.store.ready(job[0])]
             job = min(landed, key=lambda job: job[0]) if landed else self.pending[0]
             self.pending.remove(job)
             return job
@@ -1340,7 +1395,7 @@ class ResidentUnit:
         self.weights = self.master if dtype == torch.float32 else self.master.to(dtype)  # what the GPU computes with
         resumed = bool(store.steps[u])  # else the store's moments are not written yet: they start at zero
         self.moments = tuple(
-            m.to(grads.device, copy=True) if resumed else torch.zeros_like(self.master) for m in store.moments[u]
+            m.to(grads.device, copy=True) if resumed else torch.zeros_like(self.master) for m in store.moments_of(u)
         )
         # the step count: float32 beside the master, as the fused kernel keeps it
         self.steps = store.steps[u].to(grads.device, copy=True)
@@ -1673,6 +1728,256 @@ class GradClip:
         return multiplier
 
 
+class DiskTier:
+    """--nvme: the Adam moments of some of the CPU Adam's units in files on a local disk, staged in host memory for
+    each step. The files have no name (O_TMPFILE): the kernel frees them when the process ends, however it ends, and
+    their room is reserved up front. A reader thread stages each unit's moments in a ring of page-aligned host
+    buffers in the order the backward sends gradients (the last unit first), while the GPU runs the units above;
+    the CPU Adam steps them there, and a writer thread writes them back while the next unit is read. Direct I/O where
+    the file system takes it, so the page cache does not take back the host memory the tier frees. Per unit:
+      settled[u]  cleared by the reader as it stages u, set by the writer once u is written back:
+                  the reader reads u again only after that (its file holds the last step's moments)
+      current[u]  cleared when u's step takes its staged moments, set once they are written back:
+                  a checkpoint reads u's file only when it holds u's latest moments
+    stop() lets go of whatever is staged, so a new cycle starts from the last unit (reset between modes)."""
+
+    def __init__(self, folder: str, numels: dict[int, int], slots: int | None = None):
+        self.folder = folder
+        self.units = tuple(sorted(numels, reverse=True))  # the order the backward sends their gradients in
+        self.numels = numels
+        self.half = {u: -(-4 * n // DISK_BLOCK) * DISK_BLOCK for u, n in numels.items()}  # one moment, whole blocks
+        # no GPU copy reads or writes them, so they need no pinning
+        self.ring = [HostBuffer(2 * max(self.half.values()), pin=False) for _ in range(slots or DISK_SLOTS)]
+        self.files = {}
+        try:
+            for u in self.units:
+                self.files[u] = unnamed_file(folder, 2 * self.half[u])
+            self.direct = all(direct_io(fd, self.ring[0]) for fd in self.files.values())
+            self.rates = self.measure()
+        except OSError as e:
+            self.close_files()
+            raise self.failed(e) from None
+        self.settled = {u: threading.Event() for u in self.units}
+        self.current = {u: threading.Event() for u in self.units}
+        self.fresh = set()  # units whose moments start at zero at their next step
+        self.in_slot = {}  # unit -> the slot it is being stepped in
+        self.error = None  # the reader's or the writer's, raised by the next stage, read or flush
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix="disk-writer")
+        self.reader = None
+        self.reset()
+
+    def reset(self) -> None:
+        """Nothing staged, every slot free, the reader not started (the next stage starts it)."""
+        self.free = queue.SimpleQueue()
+        for k in range(len(self.ring)):
+            self.free.put(k)
+        self.staged = {u: queue.SimpleQueue() for u in self.units}  # a slot index, or the read's error
+        for event in [*self.settled.values(), *self.current.values()]:
+            event.set()
+        self.stopping = False
+        self.waited_s = 0.0  # the CPU Adam's wait for reads
+
+    def moments(self, k: int, u: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unit u's two moments in slot k."""
+        flat = torch.frombuffer(self.ring[k], dtype=torch.float32)
+        h, n = self.half[u] // 4, self.numels[u]
+        return flat[:n], flat[h : h + n]
+
+    def stage(self, u: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unit u's moments in host memory for its step, once read (zeros where zero() asked for them); the CPU Adam's
+        worker calls it, and write_back(u) after the step."""
+        self.raise_error()
+        self.start()
+        start = time.perf_counter()
+        k = self.staged[u].get()
+        self.waited_s += time.perf_counter() - start
+        if isinstance(k, BaseException):
+            raise k
+        self.current[u].clear()  # the step changes them: the file is behind until the write-back lands
+        self.in_slot[u] = k
+        moments = self.moments(k, u)
+        if u in self.fresh:
+            for moment in moments:
+                moment.zero_()
+            self.fresh.discard(u)
+        return moments
+
+    def write_back(self, u: int) -> None:
+        """Queue the write of unit u's stepped moments, if staged; its slot is free once it lands."""
+        if u in self.in_slot:
+            self.writer.submit(self.write, u, self.in_slot.pop(u))
+
+    def staged_now(self, u: int) -> bool:
+        """Whether unit u's moments are read, so that its step would not wait."""
+        self.start()
+        return not self.staged[u].empty()
+
+    def zero(self, u: int) -> None:
+        """Start unit u's moments at zero: its next step zeroes them in the slot (its file is not written)."""
+        self.fresh.add(u)
+
+    def read(self, u: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unit u's moments as its file holds them, in new host memory: a checkpoint's, after the updates."""
+        self.current[u].wait()  # the last write-back has landed
+        self.raise_error()
+        buffer = HostBuffer(2 * self.half[u], pin=False)  # block-aligned, as direct I/O needs
+        if u not in self.fresh:
+            self.transfer(os.preadv, u, buffer)
+        flat = torch.frombuffer(buffer, dtype=torch.float32)  # keeps the buffer alive
+        h, n = self.half[u] // 4, self.numels[u]
+        return flat[:n], flat[h : h + n]
+
+    def load(self, u: int, fill) -> None:
+        """Set unit u's moments on the disk: fill(exp_avg, exp_avg_sq) writes them into a staging buffer, which is
+        then written out, with the reader stopped so that no stale copy stays staged (the next stage restarts it)."""
+        self.stop()
+        fill(*self.moments(0, u))
+        self.transfer(os.pwritev, u, self.ring[0])
+        self.fresh.discard(u)
+
+    def flush(self) -> None:
+        """Block until every write-back has landed; re-raise an error of the disk."""
+        self.drain()
+        self.raise_error()
+
+    def drain(self) -> None:
+        """Block until every write-back has landed or failed."""
+        self.writer.submit(lambda: None).result()  # one writer thread: what was queued before has run
+
+    def start(self) -> None:
+        """Start the reader thread, unless it runs."""
+        if self.reader is None:
+            self.reader = threading.Thread(target=self.read_ahead, name="disk-reader", daemon=True)
+            self.reader.start()
+
+    def stop(self) -> None:
+        """Stop the reader after the write-backs have landed, and let go of what it staged (no step runs)."""
+        self.drain()
+        if self.reader is not None:
+            self.stopping = True
+            for event in self.settled.values():
+                event.set()  # wakes the reader where it waits to read a unit again
+            self.free.put(None)  # wakes it where it waits for a slot
+            self.reader.join()
+            self.reader = None
+        self.reset()
+
+    def close(self) -> None:
+        """Stop both threads and close the files, which frees their room; once (closing again does nothing)."""
+        if not self.files:
+            return
+        try:
+            self.stop()
+        finally:
+            self.writer.shutdown()
+            self.close_files()
+
+    def read_ahead(self) -> None:
+        """The reader thread: stage each unit in the backward's order, over and over, each once its last staging has
+        been stepped and written back, and wait for a free slot for each; until stop()."""
+        for u in itertools.cycle(self.units):
+            self.settled[u].wait()
+            k = None if self.stopping else self.free.get()
+            if self.stopping or k is None:
+                return
+            self.settled[u].clear()
+            try:
+                self.transfer(os.preadv, u, self.ring[k])
+            except BaseException as e:  # every step that waits for a read from now on raises it
+                self.error = e
+                for staged in self.staged.values():
+                    staged.put(e)
+                return
+            self.staged[u].put(k)
+
+    def write(self, u: int, k: int) -> None:
+        """The writer thread's job: unit u's moments from slot k to its file; the slot is then free."""
+        try:
+            if self.error is None:
+                self.transfer(os.pwritev, u, self.ring[k])
+        except BaseException as e:  # raised by the next stage, read or flush
+            self.error = e
+        finally:
+            self.current[u].set()  # or the error: read() raises it
+            self.settled[u].set()
+            self.free.put(k)
+
+    def transfer(self, call, u: int, buffer: mmap.mmap) -> None:
+        """os.preadv or os.pwritev of unit u's whole file from or into the start of `buffer`, in calls of at most
+        DISK_CALL bytes; an OSError names the tier's folder."""
+        view, nbytes, done = memoryview(buffer), 2 * self.half[u], 0
+        try:
+            while done < nbytes:
+                moved = call(self.files[u], [view[done : min(nbytes, done + DISK_CALL)]], done)
+                if moved == 0:
+                    raise OSError(errno.EIO, "a file of the disk tier ended early")
+                done += moved
+        except OSError as e:
+            raise self.failed(e) from None
+
+    def measure(self) -> dict:
+        """The disk's write and read rates in GB/s through the tier's own I/O path, over the first unit's file (its
+        moments are not in it yet); the written bytes are flushed, and dropped from the page cache where it is used."""
+        u, fd = self.units[0], self.files[self.units[0]]
+        start = time.perf_counter()
+        self.transfer(os.pwritev, u, self.ring[0])
+        os.fsync(fd)
+        written = time.perf_counter()
+        if not self.direct:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        self.transfer(os.preadv, u, self.ring[0])
+        nbytes, read = 2 * self.half[u], time.perf_counter()
+        return {"write_gbps": nbytes / (written - start) / 1e9, "read_gbps": nbytes / (read - written) / 1e9}
+
+    def raise_error(self) -> None:
+        """Re-raise the reader's or the writer's error, if any."""
+        if self.error is not None:
+            raise self.error
+
+    def failed(self, e: OSError) -> OSError:
+        """`e` with the tier's folder as its file name, for the one line that ends the run."""
+        if e.filename and e.filename.endswith("(the --nvme disk tier)"):
+            return e
+        return OSError(e.errno, e.strerror or str(e), f"{self.folder} (the --nvme disk tier)")
+
+    def close_files(self) -> None:
+        """Close every file (the kernel frees an unnamed file with its last descriptor)."""
+        for fd in self.files.values():
+            os.close(fd)
+        self.files = {}
+
+
+def unnamed_file(folder: str, nbytes: int) -> int:
+    """A descriptor of a new file of `nbytes` under `folder`, its blocks reserved, that no name points to."""
+    try:
+        fd = os.open(folder, os.O_TMPFILE | os.O_RDWR, 0o600)
+    except OSError as e:  # a file system without O_TMPFILE: a named file, unnamed at once
+        if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            raise
+        fd, path = tempfile.mkstemp(dir=folder, prefix=".offload_llama-")
+        os.unlink(path)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def direct_io(fd: int, buffer: mmap.mmap) -> bool:
+    """Turn on direct I/O for `fd` where the file system takes it (one block written from `buffer` tells)."""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
+        os.pwritev(fd, [memoryview(buffer)[:DISK_BLOCK]], 0)
+        return True
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+        return False
+
+
 # ---------------------------------------------------------------------------------------------------- placement
 
 
@@ -1720,14 +2025,15 @@ def inference_placement(run: RunConfig, config: LlamaConfig, tokens: int, mode: 
     return Placement(spread(layers, count), parts(count))
 
 
-def gpu_adam_units(units: list[Unit], resident, share: float) -> tuple[int, ...]:
+def gpu_adam_units(units: list[Unit], resident, share: float, on_disk=()) -> tuple[int, ...]:
     """The streamed units the GPU's Adam steps, up to `share` of their parameters: the embeddings and first layers
-    (their gradients come last, the next forward needs them first), then the head (its state would delay weights)."""
+    (their gradients come last, the next forward needs them first), then the head (its state would delay weights);
+    none whose moments the disk tier keeps (`on_disk`)."""
     numels = {u: unit.layout.numel for u, unit in enumerate(units) if u not in resident}
     kinds = [unit.kind for unit in units]
     order = [kinds.index("embed"), *(u for u, kind in enumerate(kinds) if kind == "layer"), kinds.index("head")]
     chosen, budget = [], share * sum(numels.values())
-    for u in (u for u in order if u in numels):
+    for u in (u for u in order if u in numels and u not in on_disk):
         if numels[u] > budget:
             break
         chosen.append(u)
@@ -1765,13 +2071,15 @@ def training_parts(store: MasterStore, run: RunConfig, depth: int, own_grads: bo
 
 def training_placement(trainer, run: RunConfig, mode: str, besides: dict[str, int], own_grads: bool) -> Placement:
     """overlapped: resident, the longest run of units from the forward's start that fits the budget (or the first
-    --resident-layers layers), then gpu_adam_units; blocked: none. `besides`: bytes no placement changes."""
+    --resident-layers layers), then gpu_adam_units; blocked: none; neither takes a unit whose moments are on the disk.
+    `besides`: bytes no placement changes."""
     depth = run.prefetch if mode == "overlapped" else 0
     share = run.gpu_adam if mode == "overlapped" else 0.0
+    on_disk = trainer.store.on_disk
 
     def placement(resident: list[int]) -> Placement:
         """The placement keeping `resident`, with its parts."""
-        gpu_adam = gpu_adam_units(trainer.units, resident, share)
+        gpu_adam = gpu_adam_units(trainer.units, resident, share, on_disk)
         parts = training_parts(trainer.store, run, depth, own_grads, resident, gpu_adam)
         return Placement(tuple(resident), parts | besides, gpu_adam)
 
@@ -1779,7 +2087,11 @@ def training_placement(trainer, run: RunConfig, mode: str, besides: dict[str, in
     if mode == "overlapped" and run.resident_layers is not None:
         resident = list(range(1, 1 + run.resident_layers))  # unit 0 is the embeddings
     elif mode == "overlapped" and budget is not None:
-        while len(resident) < len(trainer.units) and placement([*resident, len(resident)]).peak_bytes <= budget:
+        while (
+            len(resident) < len(trainer.units)
+            and len(resident) not in on_disk
+            and placement([*resident, len(resident)]).peak_bytes <= budget
+        ):
             resident.append(len(resident))
     return placement(resident)
 
@@ -2374,6 +2686,10 @@ def training_figures(trainer, result: dict) -> dict:
     pool = trainer.store.pool
     figures = {"gradient_pool": {"buffers": len(pool.buffers), "per_unit": pool.dedicated}}
     figures["gradient_pool"]["waited_ms"] = pool.waited_s * 1e3
+    disk = trainer.store.disk
+    if disk:
+        figures["disk_tier"] = {"units": len(disk.units), "bytes": disk_step_bytes(disk), "direct_io": disk.direct}
+        figures["disk_tier"] |= disk.rates | {"waited_ms": disk.waited_s * 1e3}
     if "bound_parts_ms" in result:
         figures |= train_bound(trainer, {name: min(ms) for name, ms in result["bound_parts_ms"].items()})
         figures["efficiency"] = figures["bound_ms"] / result["time_ms"]
@@ -2509,18 +2825,23 @@ def queue_copies(nbytes: int, src: torch.Tensor, dst: torch.Tensor, stream) -> N
 
 def train_bound(trainer: OffloadedTraining, best: dict[str, float]) -> dict:
     """What a training step cannot beat, from the best times (ms) of train_bound_parts: GPU compute, H2D, D2H, the CPU
-    Adam over all its units, and host memory: the bytes crossing it in a step (the CPU Adam's and the copies') at the
-    rate reached when the CPU Adam and the copy engines ran together on one unit's share."""
+    Adam over all its units, host memory: the bytes crossing it in a step (the CPU Adam's, the copies' and the disk
+    tier's) at the rate reached when the CPU Adam and the copy engines ran together on one unit's share, and the disk
+    tier's reads and writes at the rates measured when it was set up."""
     store = trainer.store
     on_cpu, on_gpu = cpu_and_gpu_adam_units(trainer)
     kinds = [u.kind for u in trainer.units]
     parts = {"gpu_compute_ms": sum(kinds.count(kind) * best[kind] for kind in dict.fromkeys(kinds))}
-    figures = {}
+    disk_bytes = disk_step_bytes(store.disk) if store.disk else 0  # read, and as many written
+    figures = {"disk_bytes": disk_bytes} if store.disk else {}
+    if store.disk:
+        rates = store.disk.rates
+        parts["disk_ms"] = disk_bytes / rates["read_gbps"] / 1e6 + disk_bytes / rates["write_gbps"] / 1e6
     if trainer.streamer.streamed:
         h2d_bytes, d2h_bytes, _ = step_copy_bytes(trainer)
-        host_bytes = sum(on_cpu.values()) * store.update.bytes_per_param + h2d_bytes + d2h_bytes
+        host_bytes = sum(on_cpu.values()) * store.update.bytes_per_param + h2d_bytes + d2h_bytes + 2 * disk_bytes
         parts |= {"h2d_ms": best["h2d"], "d2h_ms": best["d2h"]}
-        figures = {"h2d_bytes": h2d_bytes, "d2h_bytes": d2h_bytes, "host_bytes": host_bytes}
+        figures |= {"h2d_bytes": h2d_bytes, "d2h_bytes": d2h_bytes, "host_bytes": host_bytes}
         figures["host_bytes_per_param"] = host_bytes / sum(m.numel() for m in store.masters)
         figures |= {"adam_bytes_per_param": store.update.bytes_per_param, "gpu_adam_params": sum(on_gpu.values())}
     if on_cpu:
@@ -2529,6 +2850,11 @@ def train_bound(trainer: OffloadedTraining, best: dict[str, float]) -> dict:
         figures["host_gbps"] = host_bytes / parts["host_memory_ms"] / 1e6
     bound = {"bound_ms": max(parts.values()), "bound_by": max(parts, key=parts.get).removesuffix("_ms")}
     return parts | bound | figures
+
+
+def disk_step_bytes(disk: DiskTier) -> int:
+    """The bytes the disk tier reads in a step (and writes back): every unit's moments, in whole blocks."""
+    return sum(2 * half for half in disk.half.values())
 
 
 def unit_passes(trainer: OffloadedTraining, u: int, micro_batches, device):
@@ -2833,6 +3159,11 @@ def training_notes(mode: str, t: dict, run: RunConfig) -> list[str]:
         g = t["gradient_pool"]
         waited = f"the backward waited {g['waited_ms']:.0f} ms in all for the CPU Adam to free one"
         lines.append(f"{mode} training: {g['buffers']} shared gradient buffers; {waited}")
+    if "disk_tier" in t:
+        d = t["disk_tier"]
+        io = "direct I/O" if d["direct_io"] else "buffered I/O"
+        moments = f"the Adam moments of {d['units']} units ({gib(d['bytes'])} GiB) on the disk, {io}"
+        lines.append(f"{mode} training: {moments}; the CPU Adam waited {d['waited_ms']:.0f} ms in all for its reads")
     if t.get("grad_norms"):
         norms = f"{t['grad_norms'][0]:.3g} -> {t['grad_norms'][-1]:.3g}"
         lines.append(f"{mode} training: gradient norm {norms} before clipping to {run.clip_grad_norm:g}")
@@ -2856,10 +3187,15 @@ def bound_note(mode: str, t: dict) -> str:
             f"{t['adam_bytes_per_param']} per CPU-stepped one for the Adam, at {t['host_gbps']:.0f} GB/s with the Adam "
             "and the copies running together)"
         )
+    disk = ""
+    if "disk_ms" in t:
+        d = t["disk_tier"]
+        rates = f"{d['read_gbps']:.2f} GB/s read, {d['write_gbps']:.2f} written, as measured at set-up"
+        disk = f", disk {t['disk_ms']:.1f} ms ({t['disk_bytes'] / 1e9:.1f} GB each way at {rates})"
     rounds = len(next(iter(t["bound_parts_ms"].values())))
     return (
         f"{mode} training bound, each part alone (best of {rounds} rounds): GPU compute {t['gpu_compute_ms']:.1f} ms "
-        f"(forward, recompute, backward){copies}{host}"
+        f"(forward, recompute, backward){copies}{host}{disk}"
     )
 
 
@@ -2882,6 +3218,13 @@ def host_memory_available() -> int | None:
     return proc_kib("/proc/meminfo", "MemAvailable")
 
 
+def host_budget(run: RunConfig) -> int | None:
+    """The host memory the run may plan for: MemAvailable, at most --max-host-memory (None: not known)."""
+    available = host_memory_available()
+    cap = None if run.max_host_memory is None else int(run.max_host_memory * GiB)
+    return cap if available is None else min(available, cap or available)
+
+
 def host_bytes_needed(run: RunConfig, config: LlamaConfig, params: int) -> tuple[int, str]:
     """Host memory for the parameters and their training state, and what that is in words."""
     per_param = run.torch_dtype.itemsize
@@ -2893,10 +3236,65 @@ def host_bytes_needed(run: RunConfig, config: LlamaConfig, params: int) -> tuple
         else:
             grads, what = 2 * gradient_buffer_bytes(config), "two gradient buffers"
         needed = model * per_param + params * 12 + grads  # 12: float32 masters and moments
+        if run.nvme_layers:  # their moments on the disk, and the buffers they are stepped in
+            needed += DISK_SLOTS * disk_unit_bytes(config) - run.nvme_layers * 8 * layer_numel(config)
+            what += f" (the Adam moments of {run.nvme_layers} layers on the disk, staged in {DISK_SLOTS} buffers)"
         return needed, f"the model, its float32 masters and Adam state and {what}"
     if run.train and "cpu" in run.modes:
         return params * (2 * per_param + 16), "the model, its training copy and Adam state"
     return params * per_param, "the model" + " and its pinned store" * bool(offloaded)
+
+
+def layer_numel(config: LlamaConfig) -> int:
+    """A decoder layer's elements in its flat buffers, padding included."""
+    return model_units(config)[1].layout.numel
+
+
+def disk_unit_bytes(config: LlamaConfig) -> int:
+    """The bytes of a decoder layer's two Adam moments in the disk tier: its file, and each staging buffer."""
+    return 2 * -(-4 * layer_numel(config) // DISK_BLOCK) * DISK_BLOCK
+
+
+def disk_plan(run: RunConfig, config: LlamaConfig, free: float | None = None) -> int | None:
+    """How many decoder layers, from the last, keep their Adam moments on the --nvme disk: --nvme-layers, or the fewest
+    with which the host holds the rest (0: all of it fits); None where that count does not fit the host and the disk
+    (or, without --nvme, the host). The masters' compute-dtype copy gets no room of its own: dropping it costs PCIe
+    bytes, far faster than the disk bytes another layer on the disk costs. free: the disk's room (default: the free
+    space of --nvme's folder)."""
+    budget = host_budget(run)
+    if budget is None:
+        return run.nvme_layers or 0
+    tiered = run.nvme and run.train and {"blocked", "overlapped"} & set(run.modes)
+    most = config.num_hidden_layers - (run.resident_layers or 0)  # the first layers' moments stay on the GPU
+    counts = range(most + 1) if tiered else range(1)
+    counts = counts if run.nvme_layers is None else [run.nvme_layers]
+    if free is None:
+        free = shutil.disk_usage(run.nvme).free if tiered else 0
+    params, besides = param_count(config), host_pass_bytes(run, config) + host_reserve(config)
+    for d in counts:
+        needed = host_bytes_needed(dataclasses.replace(run, nvme_layers=d), config, params)[0]
+        if needed + besides <= budget and d * disk_unit_bytes(config) <= free:
+            return d
+    return None
+
+
+def with_disk_tier(run: RunConfig, config: LlamaConfig) -> RunConfig:
+    """`run` with --nvme-layers planned (disk_plan); refused where the host or the disk is too small for the plan."""
+    if run.nvme is None or not run.train or not {"blocked", "overlapped"} & set(run.modes):
+        return run
+    most = config.num_hidden_layers - (run.resident_layers or 0)
+    if run.nvme_layers is not None and run.nvme_layers > most:
+        raise UsageError(f"--nvme-layers {run.nvme_layers}: the model has {most} decoder layers the CPU Adam steps")
+    layers = run.nvme_layers
+    if layers is None:
+        layers = disk_plan(run, config, free=math.inf)  # what the host needs of the disk, whatever the disk's room
+    if layers is None:  # check_memory then says how far the host is from holding the rest
+        return dataclasses.replace(run, nvme_layers=most)
+    needed, free = layers * disk_unit_bytes(config), shutil.disk_usage(run.nvme).free
+    if needed > free:
+        short = f"{needed / GiB:.1f} GiB of Adam moments, {(needed - free) / GiB:.1f} GiB more than is free there"
+        raise UsageError(f"--nvme {run.nvme}: {layers} layers' {short}; free some space or give another disk")
+    return dataclasses.replace(run, nvme_layers=layers)
 
 
 def gradient_buffer_bytes(config: LlamaConfig, dtype: torch.dtype = torch.float32) -> int:
@@ -2911,7 +3309,7 @@ def gradient_dtype(run: RunConfig) -> torch.dtype:
 
 def host_spare_bytes(run: RunConfig, config: LlamaConfig) -> int | None:
     """Host memory left once the run has what it needs (host_bytes_needed, the passes, the reserve); None: not known."""
-    available = host_memory_available()
+    available = host_budget(run)
     if available is None:
         return None
     needed = host_bytes_needed(run, config, param_count(config))[0] + host_pass_bytes(run, config)
@@ -3033,6 +3431,8 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=RunConfig.repeat, help="timed runs; the median is reported")
     cap = "GPU memory cap; overlapped keeps on the GPU the layers (and their Adam state) it holds and streams the rest"
     p.add_argument("--max-gpu-memory", type=float, metavar="GIB", help=cap)
+    host = "the host memory the run plans for (default: what the kernel has available); --nvme takes the rest"
+    p.add_argument("--max-host-memory", type=float, metavar="GIB", help=host)
     resident = "overlapped: N decoder layers resident (inference: spread; training: the first N), not the cap's plan"
     p.add_argument("--resident-layers", type=int, metavar="N", help=resident)
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
@@ -3063,6 +3463,10 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     share += f"in (embeddings, first layers, head), the CPU Adam the rest (default: {GPU_ADAM_SHARE}; 0 in float16 or "
     share += "with --clip-grad-norm)"
     t.add_argument("--gpu-adam-share", type=float, metavar="F", help=share)
+    nvme = "offloaded: a folder on a local disk for the Adam moments of the layers the host cannot hold (freed at exit)"
+    t.add_argument("--nvme", metavar="DIR", help=nvme)
+    layers = "with --nvme: the last N decoder layers' Adam moments on the disk, not the host plan's count"
+    t.add_argument("--nvme-layers", type=int, metavar="N", help=layers)
 
 
 def add_saving_flags(p: argparse.ArgumentParser) -> None:
@@ -3079,6 +3483,7 @@ def check_flags(p: Parser, a: argparse.Namespace) -> None:
     if a.mode != "all" and not set(a.mode.split(",")) <= set(MODES):
         p.error(f"argument --mode: {a.mode!r}: choose all, or one or more of {', '.join(MODES)} with commas")
     least = dict(batch_size=1, seq_len=1, repeat=1, steps=1, grad_accum=1, prefetch=1, warmup=0, resident_layers=0)
+    least["nvme_layers"] = 0
     least["checkpoint_every"] = 1
     for field, low in least.items():
         if getattr(a, field) is not None and getattr(a, field) < low:
@@ -3087,8 +3492,10 @@ def check_flags(p: Parser, a: argparse.Namespace) -> None:
     adam_ok = a.lr > 0 and a.eps > 0 and a.weight_decay >= 0 and all(0 <= b < 1 for b in a.betas)
     if not all(map(math.isfinite, (a.lr, a.eps, a.weight_decay))) or not adam_ok:
         p.error("Adam needs --lr > 0, --eps > 0, --weight-decay >= 0 and betas in [0, 1), all finite")
-    if a.max_gpu_memory is not None and not (math.isfinite(a.max_gpu_memory) and a.max_gpu_memory > 0):
-        p.error(f"--max-gpu-memory must be a positive number of GiB, got {a.max_gpu_memory}")
+    for flag in ("max_gpu_memory", "max_host_memory"):
+        value = getattr(a, flag)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            p.error(f"--{flag.replace('_', '-')} must be a positive number of GiB, got {value}")
     if a.gpu_adam_share is not None and not 0 <= a.gpu_adam_share <= 1:
         p.error(f"--gpu-adam-share must be between 0 and 1, got {a.gpu_adam_share}")
     if a.gpu_adam_share and a.dtype == "float16":
@@ -3107,6 +3514,10 @@ def check_flags(p: Parser, a: argparse.Namespace) -> None:
         p.error("--clip-grad-norm clips training's gradients: add --train")
     if a.checkpoint_every and not a.checkpoint:
         p.error("--checkpoint-every needs --checkpoint DIR, the folder to write in")
+    if a.nvme and not a.train:
+        p.error("--nvme keeps training's Adam state on a disk: add --train")
+    if a.nvme_layers is not None and not a.nvme:
+        p.error("--nvme-layers needs --nvme DIR, the folder on the disk")
 
 
 def parse_args(argv=None) -> RunConfig:
@@ -3162,9 +3573,11 @@ def check_memory(run: RunConfig, config: LlamaConfig, gpu_modes: list[str]) -> N
             )
     params, what = host_bytes_needed(run, config, param_count(config))
     passes = host_pass_bytes(run, config)
-    available = host_memory_available()
+    available = host_budget(run)
     if available is not None and params + passes > available:
         advice = "use fewer or shorter sequences" if passes > params else "use fewer or smaller layers"
+        if run.nvme is None and passes <= params:
+            advice += ", or give --nvme DIR on a local disk for the Adam state"
         raise UsageError(
             f"{what} ({params / GiB:.1f} GiB) and the passes' ids, logits, activations ({passes / GiB:.1f} GiB) need "
             f"{(params + passes) / GiB:.1f} GiB of host memory, only {available / GiB:.1f} GiB are available "
@@ -3184,6 +3597,10 @@ def check_outputs(run: RunConfig) -> None:
             raise UsageError(f"{flag} {path} is a file: give a folder")
         if path is not None:
             check_writable(flag, path, Path(path), make=True)
+    if run.nvme is not None and Path(run.nvme).exists() and not Path(run.nvme).is_dir():
+        raise UsageError(f"--nvme {run.nvme} is a file: give a folder on a local disk")
+    if run.nvme is not None:
+        check_writable("--nvme", run.nvme, Path(run.nvme))
 
 
 def check_writable(flag: str, path: str, folder: Path, make: bool = False) -> None:
@@ -3265,7 +3682,7 @@ def environment() -> dict:
 def run_all(run: RunConfig) -> dict:
     """Build the model and its stores once, run each mode, print the tables and write the outputs."""
     config = llama_config(run)
-    run = with_activation_offload(run, config)
+    run = with_disk_tier(with_activation_offload(run, config), config)
     check_devices(run, config)
     log(f"torch {torch.__version__} and transformers {transformers.__version__} imported, the run checked")
     offloaded = {"blocked", "overlapped"} & set(run.modes)
@@ -3284,7 +3701,11 @@ def run_all(run: RunConfig) -> dict:
     input_ids = random_input_ids(run, model.config.vocab_size)
     store = ParamStore(model, pin=True) if offloaded and run.inference else None
     masters = training_store(run, model.config, grad_buffers, copy_dtype) if run.train and offloaded else None
-    results, logits, trained = run_modes(run, model, store, masters, input_ids, train_ids, compared)
+    try:
+        results, logits, trained = run_modes(run, model, store, masters, input_ids, train_ids, compared)
+    finally:
+        if masters:
+            masters.close()  # the disk tier's files
     report = {**environment(), "run": dataclasses.asdict(run), "tokens": input_ids.numel()}
     report |= {"parameters": param_count(model.config), "layer_bytes": layer_bytes(model.config, run.torch_dtype)}
     report |= {"config": json.loads(model.config.to_json_string()), "results": results}
@@ -3340,14 +3761,40 @@ def training_store(run: RunConfig, config: LlamaConfig, grad_buffers: int, copy_
     """The offloaded modes' pinned training state on the host, its set-up time said on stderr."""
     t0 = time.perf_counter()
     units, scaled = model_units(config), run.clip_grad_norm is not None
-    masters = MasterStore(units, run.adam, True, grad_buffers, gradient_dtype(run), copy_dtype, scaled)
+    disk = disk_tier(run, units)
+    try:
+        masters = MasterStore(units, run.adam, True, grad_buffers, gradient_dtype(run), copy_dtype, scaled, disk)
+    except BaseException:
+        if disk:
+            disk.close()
+        raise
     pinned = sum(t.nbytes for t in [*masters.masters, *(masters.copies or []), *masters.pool.buffers])
-    moments = sum(2 * m.nbytes for m in masters.masters)
+    moments = sum(2 * m.nbytes for u, m in enumerate(masters.masters) if u not in masters.on_disk)
     log(
         f"training state on the host in {time.perf_counter() - t0:.1f} s: {gib(pinned)} GiB pinned, "
         f"{gib(moments)} GiB of Adam moments"
     )
     return masters
+
+
+def disk_tier(run: RunConfig, units: list[Unit]) -> DiskTier | None:
+    """--nvme: the disk tier for the last run.nvme_layers decoder layers, its files reserved and its disk measured;
+    said on stderr."""
+    if run.nvme and not run.nvme_layers:
+        log("disk tier: unused, the host holds the training state")
+    if not run.nvme_layers:
+        return None
+    t0 = time.perf_counter()
+    layers = [u for u, unit in enumerate(units) if unit.kind == "layer"][-run.nvme_layers :]
+    disk = DiskTier(run.nvme, {u: units[u].layout.numel for u in layers})
+    size = sum(2 * half for half in disk.half.values())
+    log(
+        f"disk tier: the Adam moments of the last {len(layers)} decoder layers ({gib(size)} GiB) in unnamed files "
+        f"under {run.nvme}, reserved in {time.perf_counter() - t0:.1f} s; "
+        + ("direct I/O" if disk.direct else "buffered I/O (the file system refuses O_DIRECT)")
+        + f"; measured: write {disk.rates['write_gbps']:.2f} GB/s, read {disk.rates['read_gbps']:.2f} GB/s"
+    )
+    return disk
 
 
 def main(argv=None) -> int:

@@ -28,19 +28,23 @@ def with_layers(run: ol.RunConfig, layers: int) -> ol.RunConfig:
     return dataclasses.replace(run, sizes=tuple({**dict(run.sizes), "num_hidden_layers": layers}.items()))
 
 
-def host_layer_limit(run: ol.RunConfig, mode: str, config) -> int | None:
-    """The most decoder layers whose host memory this machine has free for `mode` (None: not known)."""
-    available = ol.host_memory_available()
-    if available is None:
+def host_layer_limit(run: ol.RunConfig, mode: str) -> int | None:
+    """The most decoder layers whose training state this machine has room for in `mode`: in host memory, and with
+    --nvme on the disk too (None: not known)."""
+    if ol.host_budget(run) is None:
         return None
     run = dataclasses.replace(run, mode=mode)
     n = 0
-    while n < ol.MAX_SEARCH_LAYERS:
-        needed = ol.host_bytes_needed(run, config, ol.params_with_layers(config, n + 1))[0]
-        if needed > available - ol.host_reserve(config):
-            break
+    while (
+        n < ol.MAX_SEARCH_LAYERS and ol.disk_plan(with_layers(run, n + 1), config_with_layers(run, n + 1)) is not None
+    ):
         n += 1
     return n
+
+
+def config_with_layers(run: ol.RunConfig, layers: int):
+    """The LlamaConfig of `run` with `layers` decoder layers."""
+    return ol.llama_config(with_layers(run, layers))
 
 
 def gpu_layer_guess(run: ol.RunConfig, config) -> int:
@@ -80,7 +84,8 @@ def cli_args(run: ol.RunConfig) -> list[str]:
     for field, value in run.sizes:
         args += [f"--{ol.SIZE_FLAGS[field]}", str(value)]
     options = {"--max-gpu-memory": run.max_gpu_memory, "--resident-layers": run.resident_layers}
-    options |= {"--gpu-adam-share": run.gpu_adam_share, "--json": run.json}
+    options |= {"--gpu-adam-share": run.gpu_adam_share, "--json": run.json, "--max-host-memory": run.max_host_memory}
+    options |= {"--nvme": run.nvme, "--nvme-layers": run.nvme_layers}
     args += [arg for flag, value in options.items() if value is not None for arg in (flag, str(value))]
     flags = {"--train": run.train, "--no-inference": not run.inference}
     flags |= {"--offload-activations": run.offload_activations, "--fwd-bwd-reference": run.fwd_bwd_reference}
@@ -126,7 +131,7 @@ def probe_line(mode: str, layers: int, params: int, r: dict) -> str:
 
 def search(run: ol.RunConfig, mode: str, config) -> dict:
     """The most layers of `mode` that train, the probes made, and what stops one more."""
-    host_limit = host_layer_limit(run, mode, config)
+    host_limit = host_layer_limit(run, mode)
     upper = ol.MAX_SEARCH_LAYERS if host_limit is None else host_limit  # more layers: refused before a probe
     first = gpu_layer_guess(run, config) if mode == "gpu" else upper  # offloaded: GPU memory flat in layers
     probes = {}
@@ -150,13 +155,16 @@ def limit(run: ol.RunConfig, mode: str, config, n: int, after: dict | None) -> s
             cap = f"the {run.max_gpu_memory:g} GiB cap" if run.max_gpu_memory else "the GPU"
             return f"GPU memory: the model with {layer_count(n + 1)} does not fit {cap}"
         return after.get("refused") or after.get("failed")
-    params = ol.params_with_layers(config, n + 1)
-    needed, what = ol.host_bytes_needed(dataclasses.replace(run, mode=mode), config, params)
-    available, reserve = ol.host_memory_available(), ol.host_reserve(config)
-    if available is not None and needed > available - reserve:
+    more = dataclasses.replace(with_layers(run, n + 1), mode=mode)
+    more_config = ol.llama_config(more)
+    if ol.disk_plan(more, more_config) is None:
+        planned = dataclasses.replace(more, nvme_layers=ol.disk_plan(more, more_config, free=float("inf")))
+        disk = f" and {ol.gib(planned.nvme_layers * ol.disk_unit_bytes(more_config))} GiB on the disk" * bool(run.nvme)
+        needed, what = ol.host_bytes_needed(planned, more_config, ol.param_count(more_config))
+        budget, reserve = ol.host_budget(run), ol.host_reserve(config)
         return (
-            f"host memory: with {layer_count(n + 1)}, {what} need {needed / ol.GiB:.1f} GiB, and "
-            f"{(available - reserve) / ol.GiB:.1f} GiB are free beyond the {reserve / ol.GiB:.1f} GiB the process "
+            f"host memory: with {layer_count(n + 1)}, {what} need {needed / ol.GiB:.1f} GiB{disk}, and "
+            f"{(budget - reserve) / ol.GiB:.1f} GiB are free beyond the {reserve / ol.GiB:.1f} GiB the process "
             "needs besides"
         )
     return f"the search stops at {ol.MAX_SEARCH_LAYERS} layers"

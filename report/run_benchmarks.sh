@@ -2,7 +2,8 @@
 # Regenerates the measured results on a GPU machine: JSON, tables (.md), logs and profiler traces under OUTDIR.
 #   bash report/run_benchmarks.sh OUTDIR [PART ...]   (default: every part, in the order below)
 set -euo pipefail
-parts="bf16 prefetch fp32 train alone activations train_fp32 accum eager largest scale peers budget budget_ab ablations"
+parts="bf16 prefetch fp32 train alone activations train_fp32 accum eager largest largest_disk disk clip scale peers budget"
+parts="$parts budget_ab ablations"
 out=${1:?usage: run_benchmarks.sh OUTDIR [PART ...], with PART one of: $parts}; shift
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
@@ -37,6 +38,18 @@ for p in ${@:-$parts}; do
     # LLaMA-7B-sized layers under an 11 GiB GPU cap, with and without offload
     largest) record largest_llama7b python3 report/find_largest.py --preset llama-7b --max-gpu-memory 11 --steps 4 \
                --warmup 1 --dtype bfloat16 ;;
+    # the same with the disk tier: Adam moments of the layers the host cannot hold on the disk of NVME_DIR (unnamed
+    # files, freed at exit; default OUTDIR's disk)
+    largest_disk) record largest_llama7b_disk python3 report/find_largest.py --preset llama-7b --max-gpu-memory 11 \
+                    --steps 3 --warmup 1 --dtype bfloat16 --mode overlapped --nvme "${NVME_DIR:-$out}" ;;
+    # 7b-8l with the moments of half its layers on the disk, against all on the host
+    disk) base=(--mode overlapped --train --no-inference --steps 12 --warmup 2 --dtype bfloat16)
+          run disk_7b8l_host "${base[@]}"
+          run disk_7b8l_half "${base[@]}" --nvme "${NVME_DIR:-$out}" --nvme-layers 4 ;;
+    # what clipping costs: every unit's update waits for the whole backward (and the GPU's Adam share is 0)
+    clip) base=(--mode overlapped --train --no-inference --steps 12 --warmup 2 --dtype bfloat16 --gpu-adam-share 0)
+          run clip_7b8l_unclipped "${base[@]}"
+          run clip_7b8l_clipped "${base[@]}" --clip-grad-norm 1.0 ;;
     # LLaMA-7B on 64 x 1024 tokens a step under an 11 GiB cap (activation offload turns itself on), keeping resident
     # what the cap holds, against plain forward and backward of the model resident on the GPU; training alone, so no
     # bfloat16 copy of the layers

@@ -59,17 +59,19 @@ def cli_all(commands: dict, workers: int = 5) -> dict:
 _stores = {}  # the last pinned store built with reuse, by what it was built for
 
 
-def master_store(model, adam, pin, grad_buffers, grad_dtype, copy_dtype, reuse, scaled=False):
+def master_store(model, adam, pin, grad_buffers, grad_dtype, copy_dtype, reuse, scaled=False, disk=None):
     """A MasterStore loaded from `model`. reuse: the last one built for the same model and settings, its gradient
-    buffers and moments filled with NaN first, so a read before a write shows; pinning a new one takes seconds."""
+    buffers and moments filled with NaN first, so a read before a write shows; pinning a new one takes seconds. disk:
+    (folder, units): a disk tier in that folder keeps those units' moments (never reused)."""
     key = (model.config.to_json_string(), str(adam), pin, grad_buffers, grad_dtype, copy_dtype, scaled)
-    store = _stores.get(key) if reuse else None
+    store = _stores.get(key) if reuse and not disk else None
     if store is None:
         units = ol.model_units(model.config)
-        store = ol.MasterStore(units, adam, pin, grad_buffers, grad_dtype, copy_dtype, scaled)
+        tier = ol.DiskTier(disk[0], {u: units[u].layout.numel for u in disk[1]}) if disk else None
+        store = ol.MasterStore(units, adam, pin, grad_buffers, grad_dtype, copy_dtype, scaled, tier)
     else:
         torch.cuda.synchronize()  # the last trainer's copies from and to the store have landed
-        for t in [*store.pool.buffers, *(m for pair in store.moments for m in pair)]:
+        for t in [*store.pool.buffers, *(m for pair in store.moments if pair for m in pair)]:
             t.fill_(float("nan"))
     if reuse:
         _stores.clear()
@@ -93,6 +95,7 @@ def offloaded_trainer(
     gpu_adam=(),
     reuse=False,
     clip=None,
+    disk=None,
 ):
     """The blocked (depth 0) or overlapped training of `model` on `device`, as the CLI builds it; offload: the units'
     saved inputs wait on the host (--offload-activations); grad_buffers: a shared gradient pool of that many; copy:
@@ -100,12 +103,13 @@ def offloaded_trainer(
     units kept on the device and stepped there, with gradients of their own or (own_grads False) shared; gpu_adam: the
     streamed units the device's Adam steps over their state streamed from the host, their first step's gradients
     kept on the host for first_step_state; reuse: the last such store, poisoned (master_store); clip: the gradients'
-    largest norm (--clip-grad-norm)."""
+    largest norm (--clip-grad-norm); disk: (folder, units) whose moments a disk tier keeps there (--nvme)."""
     adam = adam or ol.Adam(lr=1e-3)
     dtype = next(model.parameters()).dtype
     run = ol.RunConfig(dtype=str(dtype).removeprefix("torch."), grad_accum=len(micro_batches))
     copy_dtype = dtype if copy and dtype != torch.float32 else None
-    store = master_store(model, adam, pin, grad_buffers, ol.gradient_dtype(run), copy_dtype, reuse, clip is not None)
+    scaled = clip is not None
+    store = master_store(model, adam, pin, grad_buffers, ol.gradient_dtype(run), copy_dtype, reuse, scaled, disk)
     kwargs = ol.decoder_kwargs(model, tuple(micro_batches[0].shape), dtype, torch.device(device))
     trainer = ol.OffloadedTraining(store, model.config, dtype, torch.device(device), depth, model.loss_function, kwargs)
     if offload:

@@ -36,16 +36,40 @@ def test_search_finds_the_largest_that_trains(threshold, first):
         assert probed == [threshold, threshold + 1]  # a right first guess costs two probes
 
 
-def test_host_limit_counts_the_training_state_of_each_layer(monkeypatch):
-    run = ol.dataclasses.replace(tiny_run(), train=True)
+def host_total(run, layers: int) -> int:
+    """What `run` with `layers` decoder layers needs of the host: training state, passes, the process's reserve."""
+    run = fl.with_layers(run, layers)
     config = ol.llama_config(run)
-    needed = ol.host_bytes_needed(
-        ol.dataclasses.replace(run, mode="overlapped"), config, ol.params_with_layers(config, 3)
-    )[0]
-    monkeypatch.setattr(ol, "host_memory_available", lambda: needed + ol.host_reserve(config))
-    assert fl.host_layer_limit(run, "overlapped", config) == 3
-    monkeypatch.setattr(ol, "host_memory_available", lambda: needed + ol.host_reserve(config) - 1)
-    assert fl.host_layer_limit(run, "overlapped", config) == 2
+    needed = ol.host_bytes_needed(run, config, ol.param_count(config))[0]
+    return needed + ol.host_pass_bytes(run, config) + ol.host_reserve(config)
+
+
+def test_host_limit_counts_the_training_state_of_each_layer(monkeypatch):
+    run = ol.dataclasses.replace(tiny_run(), train=True, mode="overlapped")
+    monkeypatch.setattr(ol, "host_memory_available", lambda: host_total(run, 3))
+    assert fl.host_layer_limit(run, "overlapped") == 3
+    monkeypatch.setattr(ol, "host_memory_available", lambda: host_total(run, 3) - 1)
+    assert fl.host_layer_limit(run, "overlapped") == 2
+    gpu = ol.dataclasses.replace(run, mode="gpu")  # --max-host-memory caps what the kernel has available
+    assert fl.host_layer_limit(ol.dataclasses.replace(gpu, max_host_memory=host_total(gpu, 5) / ol.GiB), "gpu") == 5
+
+
+def test_host_limit_with_the_disk_tier_counts_the_disk(monkeypatch, tmp_path):
+    """With --nvme, more layers fit: the last layers' moments go to the disk, as far as its free space takes them (the
+    staging buffers cost the host DISK_SLOTS layers' moments, so a few layers on the disk buy nothing)."""
+    run = ol.dataclasses.replace(tiny_run(), train=True, mode="overlapped", nvme=str(tmp_path))
+    monkeypatch.setattr(ol, "host_memory_available", lambda: host_total(run, 20))
+    layer = ol.disk_unit_bytes(ol.llama_config(run))
+    limits = []
+    for disk_layers in (0, 20, 40):
+        room = ol.shutil._ntuple_diskusage(0, 0, disk_layers * layer)
+        monkeypatch.setattr(ol.shutil, "disk_usage", lambda _, room=room: room)
+        limits.append(fl.host_layer_limit(run, "overlapped"))
+        planned = ol.disk_plan(fl.with_layers(run, limits[-1]), ol.llama_config(fl.with_layers(run, limits[-1])))
+        assert planned is not None and planned <= disk_layers
+        more = fl.with_layers(run, limits[-1] + 1)
+        assert ol.disk_plan(more, ol.llama_config(more)) is None
+    assert limits[0] == 20 < limits[1] < limits[2]
 
 
 @pytest.mark.parametrize("flags", [{}, {"inference": False, "offload_activations": True, "fwd_bwd_reference": True}])

@@ -1,0 +1,279 @@
+"""CPU tier, the disk tier (--nvme): the same Adam on moments staged from unnamed files, the plan of how many layers go
+to the disk, the refused runs, and that nothing is left under the folder."""
+
+import copy
+import errno
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import offload_llama as ol
+from helpers import build, offloaded_trainer, tiny_run
+
+CPU = torch.device("cpu")
+
+
+def five_layers(dtype: str, k: int = 1):
+    """The tiny model with 5 layers (units 1 to 5) and k micro-batches."""
+    model, ids = build(ol.dataclasses.replace(tiny_run(num_hidden_layers=5), dtype=dtype, batch_size=2 * k))
+    return model, list(ids.chunk(k))
+
+
+def steps(trainer, batches, n: int) -> tuple[dict, list[float]]:
+    """n steps: the float32 masters after the last update, and the losses."""
+    losses = [trainer.step(batches).item() for _ in range(n)]
+    trainer.finish()
+    return trainer.state_dict(), losses
+
+
+def states(trainer) -> list[dict]:
+    """Every unit's step count, master and moments (what a checkpoint holds)."""
+    return [trainer.unit_state(u) for u in range(len(trainer.units))]
+
+
+def assert_same_states(a: list[dict], b: list[dict]) -> None:
+    for unit_a, unit_b in zip(a, b, strict=True):
+        assert unit_a["step"] == unit_b["step"]
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            assert all(torch.equal(unit_a[key][name], unit_b[key][name]) for name in unit_a[key]), key
+
+
+@pytest.mark.parametrize(
+    "dtype, k, slots, grad_buffers, clip",
+    [
+        ("bfloat16", 1, 3, None, None),
+        ("bfloat16", 1, 1, 2, None),  # one staging buffer and two gradient buffers: the worker must not deadlock
+        ("float32", 2, 2, None, None),
+        ("float16", 1, 2, None, None),  # updates held until every unit's gradients are in, a step may be skipped
+        ("float32", 1, 2, None, 0.05),
+    ],
+)
+def test_the_disk_tier_trains_bitwise_as_the_host(dtype, k, slots, grad_buffers, clip, tmp_path, monkeypatch):
+    """Units 2 to 5 (4 layers) with their moments on the disk: masters, moments and step counts after 4 steps equal
+    the host-only run's bit for bit, through as few as one staging buffer."""
+    monkeypatch.setattr(ol, "DISK_SLOTS", slots)
+    model, batches = five_layers(dtype, k)
+    host = offloaded_trainer(model, CPU, 1, batches, grad_buffers=grad_buffers, clip=clip)
+    masters, losses = steps(host, batches, 4)
+    disk = offloaded_trainer(
+        model, CPU, 1, batches, grad_buffers=grad_buffers, clip=clip, disk=(tmp_path, (2, 3, 4, 5))
+    )
+    assert len(disk.store.disk.ring) == slots and disk.store.moments[3] is None
+    disk_masters, disk_losses = steps(disk, batches, 4)
+    assert disk_losses == losses
+    assert all(torch.equal(disk_masters[name], m) for name, m in masters.items())
+    assert_same_states(states(disk), states(host))
+    assert os.listdir(tmp_path) == []  # the files have no name
+    disk.store.close()
+
+
+def test_a_checkpoint_loads_into_the_disk_tier(tmp_path):
+    """Two steps on the host, their state loaded into a store whose last layers' moments are on the disk, two more
+    steps: the same as four on the host (resume into a run with --nvme)."""
+    model, batches = five_layers("bfloat16")
+    host = offloaded_trainer(model, CPU, 1, batches)
+    host.step(batches)
+    host.step(batches)
+    host.wait_updates()
+    saved = copy.deepcopy(states(host))  # views of the live state otherwise
+    steps(host, batches, 2)
+    disk = offloaded_trainer(model, CPU, 1, batches, disk=(tmp_path, (4, 5)))
+    for u, state in enumerate(saved):
+        disk.load_unit(u, state)
+    assert_same_states(states(disk), saved)  # read back from the disk before any step
+    steps(disk, batches, 2)
+    assert_same_states(states(disk), states(host))
+    disk.store.close()
+
+
+@pytest.mark.parametrize("call", ["pwritev", "preadv"])
+def test_a_failing_disk_ends_the_step_with_its_error(call, tmp_path, monkeypatch):
+    """A full disk (or a read error) mid-run: the step or the wait after it raises the OSError, naming the folder;
+    nothing hangs, and nothing is left under the folder."""
+    model, batches = five_layers("bfloat16")
+    trainer = offloaded_trainer(model, CPU, 1, batches, disk=(tmp_path, (3, 4, 5)))
+    trainer.step(batches)
+    trainer.wait_updates()
+    trainer.store.disk.stop()  # the reader's next reads go through the failing call too
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, call, full)
+    trainer.store.disk.start()
+    with pytest.raises(OSError) as e:
+        trainer.step(batches)
+        trainer.finish()
+    assert e.value.errno == errno.ENOSPC and str(tmp_path) in e.value.filename and "--nvme" in e.value.filename
+    monkeypatch.undo()
+    trainer.store.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_files_are_under_the_folder_and_go_with_the_process(tmp_path):
+    """The tier's files live under the folder (their descriptors point there) with no name, and a process killed
+    with SIGKILL leaves nothing behind."""
+    child = (
+        "import sys, offload_llama as ol\n"
+        "tier = ol.DiskTier(sys.argv[1], {1: 2**20, 2: 2**20})\n"
+        "print(*tier.files.values(), flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    root = str(ol.Path(ol.__file__).parent)
+    with subprocess.Popen(
+        [sys.executable, "-c", child, str(tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": root},
+    ) as process:
+        fds = process.stdout.readline().split()
+        assert len(fds) == 2
+        for fd in fds:
+            target = os.readlink(f"/proc/{process.pid}/fd/{fd}")
+            assert target.startswith(f"{tmp_path}/") and target.endswith("(deleted)"), target
+        assert os.listdir(tmp_path) == []
+        process.send_signal(signal.SIGKILL)
+    assert process.returncode == -signal.SIGKILL and os.listdir(tmp_path) == []
+
+
+def test_placement_leaves_the_disk_units_to_the_cpu_adam():
+    config = ol.llama_config(ol.RunConfig(preset="7b-8l"))
+    units = ol.model_units(config)  # embeddings, 8 layers, norm, head
+    assert ol.gpu_adam_units(units, (), 1.0, on_disk=(7, 8)) == (0, *range(1, 7), 10)
+    assert ol.gpu_adam_units(units, (), 0.3, on_disk=(1,)) == (0, 2, 3)
+
+
+def planned(monkeypatch, tmp_path, host_gib: float, disk_layers: float, **flags) -> ol.RunConfig:
+    """7b-8l's overlapped training planned with `host_gib` of host memory and room for `disk_layers` layers' moments
+    on the disk."""
+    run = ol.RunConfig(mode="overlapped", train=True, inference=False, nvme=str(tmp_path), **flags)
+    config = ol.llama_config(run)
+    room = int(disk_layers * ol.disk_unit_bytes(config))
+    monkeypatch.setattr(ol, "host_memory_available", lambda: int(host_gib * ol.GiB))
+    monkeypatch.setattr(ol.shutil, "disk_usage", lambda _: ol.shutil._ntuple_diskusage(0, 0, room))
+    return ol.with_disk_tier(run, config)
+
+
+def test_the_plan_takes_the_fewest_layers_the_host_needs(monkeypatch, tmp_path):
+    """7b-8l's lean training needs 31.3 GiB of the host (8 of them the process's reserve) and a layer's moments 1.5
+    GiB; the staging buffers cost the host 3 layers' moments, so the fewest layers that fit are 4 at 30 GiB and 6 at
+    27. The compute-dtype copy (3.5 GiB) gets no room of its own: it goes where the host has none for it."""
+    config = ol.llama_config(ol.RunConfig())
+    assert [planned(monkeypatch, tmp_path, gib, 8).nvme_layers for gib in (36, 33, 30, 27)] == [0, 0, 4, 6]
+    assert ol.host_copy_dtype(planned(monkeypatch, tmp_path, 36, 8), config) == torch.bfloat16
+    assert ol.host_copy_dtype(planned(monkeypatch, tmp_path, 30, 8), config) is None
+    assert planned(monkeypatch, tmp_path, 64, 8, nvme_layers=4).nvme_layers == 4  # as told, with room to spare
+    assert planned(monkeypatch, tmp_path, 27, 8, nvme_layers=1).nvme_layers == 1  # as told: check_memory refuses it
+    with pytest.raises(ol.UsageError, match="6 layers' 9.0 GiB of Adam moments, 1.5 GiB more than is free there"):
+        planned(monkeypatch, tmp_path, 27, 5)
+    with pytest.raises(ol.UsageError, match="the model has 6 decoder layers"):
+        planned(monkeypatch, tmp_path, 64, 8, nvme_layers=7, resident_layers=2)
+
+
+def test_a_run_the_host_cannot_hold_is_refused_for_the_host(monkeypatch, tmp_path):
+    """Even with every layer's moments on the disk the host is too small: refused for the host, not the disk."""
+    run = planned(monkeypatch, tmp_path, 14, 2)
+    assert run.nvme_layers == 8
+    with pytest.raises(ol.UsageError, match="host memory"):
+        ol.check_memory(run, ol.llama_config(run), [])
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--nvme", "{tmp}"], "--nvme keeps training's Adam state on a disk: add --train"),
+        (["--train", "--nvme-layers", "2"], "--nvme-layers needs --nvme DIR"),
+        (["--train", "--nvme", "{tmp}/missing"], "does not exist"),
+        (["--train", "--nvme", "{tmp}/file"], "is a file: give a folder"),
+        (["--train", "--nvme", "/proc"], "cannot be written"),
+        (["--train", "--max-host-memory", "-1"], "--max-host-memory must be a positive number"),
+        (["--train", "--preset", "tiny", "--nvme", "{tmp}", "--nvme-layers", "2"], "more than is free there"),
+    ],
+)
+def test_bad_disk_tier_flags_are_refused_before_the_run(args, message, tmp_path, capsys, monkeypatch):
+    """Refused with one line and exit code 2 (main, in this process: the refusals come before any model is built),
+    on a disk with 64 KiB free."""
+    monkeypatch.setattr(ol.shutil, "disk_usage", lambda _: ol.shutil._ntuple_diskusage(0, 0, 2**16))
+    (tmp_path / "file").write_text("")
+    try:
+        code = ol.main(["--mode", "overlapped", *(a.replace("{tmp}", str(tmp_path)) for a in args)])
+    except SystemExit as e:  # argparse's refusals
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and message in err, err
+    assert len(err.strip().splitlines()) == 1 and sorted(os.listdir(tmp_path)) == ["file"]
+
+
+def test_the_bound_and_the_notes_count_the_disk(tmp_path):
+    """The step's bound gets a disk part, the disk tier's bytes each way at the rates measured at set-up, and the
+    tables' notes say where the moments are (made from stand-in times: no GPU here)."""
+    model, batches = five_layers("bfloat16")
+    trainer = offloaded_trainer(model, CPU, 1, batches, disk=(tmp_path, (4, 5)))
+    steps(trainer, batches, 1)
+    parts = ("embed", "layer", "norm", "head", "h2d", "d2h", "adam", "host")
+    result = {"time_ms": 1e6, "bound_parts_ms": {name: [1.0] for name in parts}}
+    t = result | ol.training_figures(trainer, result)
+    disk = trainer.store.disk
+    assert t["disk_tier"]["units"] == 2 and t["disk_bytes"] == ol.disk_step_bytes(disk) >= 8 * 2 * 46336
+    seconds = t["disk_bytes"] / 1e9 / disk.rates["read_gbps"] + t["disk_bytes"] / 1e9 / disk.rates["write_gbps"]
+    assert t["disk_ms"] == pytest.approx(seconds * 1e3)
+    notes = "\n".join(ol.training_notes("overlapped", t, ol.RunConfig(train=True)))
+    assert "the Adam moments of 2 units" in notes and f", disk {t['disk_ms']:.1f} ms" in notes
+    disk.close()
+    disk.close()  # closing again does nothing
+
+
+def test_a_mode_that_ends_mid_step_leaves_the_next_one_a_fresh_cycle(tmp_path):
+    """A mode ends mid-backward (out of GPU memory, say) with moments staged for steps that never come; the next mode
+    loads the same store, as run_modes does, and its steps run (the reader starts its cycle anew)."""
+    model, batches = five_layers("bfloat16")
+    first = offloaded_trainer(model, CPU, 1, batches, disk=(tmp_path, (2, 3, 4, 5)))
+    send = first.send
+
+    def send_then_fail(u, views):
+        send(u, views)
+        if u == 5:
+            raise torch.OutOfMemoryError("after the first disk unit's gradients")
+
+    first.send = send_then_fail
+    with pytest.raises(torch.OutOfMemoryError):
+        first.step(batches)
+    first.finish()
+    store = first.store
+    store.load(model)
+    kwargs = ol.decoder_kwargs(model, tuple(batches[0].shape), model.dtype, CPU)
+    second = ol.OffloadedTraining(store, model.config, model.dtype, CPU, 1, model.loss_function, kwargs)
+    losses = steps(second, batches, 3)[1]
+    assert len(losses) == 3 and losses[2] < losses[0]
+    store.close()
+
+
+def test_a_read_error_with_shared_gradient_buffers_ends_the_run(tmp_path, monkeypatch):
+    """A read fails while the backward waits for a shared gradient buffer: the buffers go back to the pool and the
+    error reaches the main thread (it used to wait for a buffer for ever)."""
+    model, batches = five_layers("bfloat16")
+    trainer = offloaded_trainer(model, CPU, 1, batches, grad_buffers=2, disk=(tmp_path, (2, 3, 4, 5)))
+    preadv, reads = os.preadv, []
+
+    def failing(*args):
+        reads.append(args)
+        if len(reads) > 5:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return preadv(*args)
+
+    monkeypatch.setattr(os, "preadv", failing)
+    with pytest.raises(OSError, match="Input/output error"):
+        for _ in range(4):
+            trainer.step(batches)
+        trainer.finish()
+    assert trainer.store.pool.free.qsize() == 2
+    monkeypatch.undo()
+    with pytest.raises(OSError):  # the worker's error stays, for every wait
+        trainer.finish()
+    trainer.store.close()
+    assert os.listdir(tmp_path) == []
