@@ -1919,6 +1919,7 @@ class DiskTier:
         """The disk's write and read rates in GB/s through the tier's own I/O path, over the first unit's file (its
         moments are not in it yet); the written bytes are flushed, and dropped from the page cache where it is used."""
         u, fd = self.units[0], self.files[self.units[0]]
+        torch.frombuffer(self.ring[0], dtype=torch.uint8).zero_()  # its pages mapped now, not in the timed write
         start = time.perf_counter()
         self.transfer(os.pwritev, u, self.ring[0])
         os.fsync(fd)
