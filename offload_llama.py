@@ -2731,12 +2731,16 @@ def resident_forward_backward(model: LlamaForCausalLM, input_ids: torch.Tensor, 
 
 def train_bound_parts(trainer: OffloadedTraining, micro_batches, device) -> dict:
     """The parts of what a training step cannot beat, as functions to time alone (name -> (device, fn)), built anew
-    for each round: each kind of unit's GPU compute, a step's H2D copies, its D2H copies, the CPU Adam over the
-    largest unit it steps, and `host`: that Adam with the copy engines moving its share of a step's copies."""
+    for each round: each kind of unit's GPU compute (and its forward alone, where updates are held), a step's H2D
+    copies, its D2H copies, the CPU Adam over the largest unit it steps, and `host`: that Adam with the copy engines
+    moving its share of a step's copies."""
     kinds = [u.kind for u in trainer.units]
-    fns = {
-        kind: (device, unit_compute(trainer, kinds.index(kind), micro_batches, device)) for kind in dict.fromkeys(kinds)
-    }
+    fns = {}
+    for kind in dict.fromkeys(kinds):
+        forward, backward = unit_passes(trainer, kinds.index(kind), micro_batches, device)
+        fns[kind] = (device, lambda forward=forward, backward=backward: backward(forward()))
+        if trainer.holds_updates:
+            fns[f"{kind}_forward"] = (device, forward)
     if trainer.streamer.streamed:
         fns |= {"h2d": (device, lambda: copy_in(trainer)), "d2h": (device, lambda: copy_out(trainer))}
     on_cpu, _ = cpu_and_gpu_adam_units(trainer)
@@ -2849,8 +2853,22 @@ def train_bound(trainer: OffloadedTraining, best: dict[str, float]) -> dict:
         scale = sum(on_cpu.values()) / max(on_cpu.values())  # the parts timed the largest unit the CPU Adam steps
         parts |= {"cpu_adam_ms": best["adam"] * scale, "host_memory_ms": best["host"] * scale}
         figures["host_gbps"] = host_bytes / parts["host_memory_ms"] / 1e6
+    if trainer.holds_updates:  # every update waits for the whole backward
+        figures |= held_updates_figures(trainer, best, parts)
+        parts["held_updates_ms"] = figures.pop("held_updates_ms")
     bound = {"bound_ms": max(parts.values()), "bound_by": max(parts, key=parts.get).removesuffix("_ms")}
     return parts | bound | figures
+
+
+def held_updates_figures(trainer: OffloadedTraining, best: dict[str, float], parts: dict[str, float]) -> dict:
+    """Where every update waits for the whole backward (float16's loss scale, clipping), a step cannot beat its
+    backward followed by the longer of the next forward and the CPU Adam (that forward waits for each unit's update,
+    so the two overlap at best): that bound, its forward and backward, and the bound were the updates not held."""
+    kinds = [u.kind for u in trainer.units]
+    forward = sum(kinds.count(kind) * best[f"{kind}_forward"] for kind in dict.fromkeys(kinds))
+    backward = parts["gpu_compute_ms"] - forward  # the recompute and the backward
+    held = backward + max(forward, parts.get("cpu_adam_ms", 0.0))
+    return {"held_updates_ms": held, "gpu_forward_ms": forward, "unheld_bound_ms": max(parts.values())}
 
 
 def disk_step_bytes(disk: DiskTier) -> int:
@@ -2881,12 +2899,6 @@ def unit_passes(trainer: OffloadedTraining, u: int, micro_batches, device):
         return [trainer.add_unit_grads(u, module, x, k, out, views) for k, (x, out) in pairs]
 
     return forward, backward
-
-
-def unit_compute(trainer: OffloadedTraining, u: int, micro_batches, device):
-    """A function to time: unit u's forward, then its recompute and backward, over every micro-batch (unit_passes)."""
-    forward, backward = unit_passes(trainer, u, micro_batches, device)
-    return lambda: backward(forward())
 
 
 def passes_peak_bytes(trainer: OffloadedTraining, u: int, micro_batches) -> tuple[int, int]:
@@ -3188,6 +3200,14 @@ def bound_note(mode: str, t: dict) -> str:
             f"{t['adam_bytes_per_param']} per CPU-stepped one for the Adam, at {t['host_gbps']:.0f} GB/s with the Adam "
             "and the copies running together)"
         )
+    held = ""
+    if "held_updates_ms" in t:
+        why = "clipping" if t.get("grad_norms") else "float16's loss scale"
+        held = (
+            f", updates held for the whole backward ({why}) {t['held_updates_ms']:.1f} ms (backward "
+            f"{t['gpu_compute_ms'] - t['gpu_forward_ms']:.1f} ms, then the longer of the forward "
+            f"{t['gpu_forward_ms']:.1f} ms and the CPU Adam; {t['unheld_bound_ms']:.1f} ms were they not held)"
+        )
     disk = ""
     if "disk_ms" in t:
         d = t["disk_tier"]
@@ -3196,7 +3216,7 @@ def bound_note(mode: str, t: dict) -> str:
     rounds = len(next(iter(t["bound_parts_ms"].values())))
     return (
         f"{mode} training bound, each part alone (best of {rounds} rounds): GPU compute {t['gpu_compute_ms']:.1f} ms "
-        f"(forward, recompute, backward){copies}{host}{disk}"
+        f"(forward, recompute, backward){copies}{host}{disk}{held}"
     )
 
 

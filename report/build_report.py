@@ -65,6 +65,8 @@ BOUND_NAMES = {
     "d2h": "the device-to-host copies",
     "cpu_adam": "the CPU Adam",
     "host_memory": "host memory (the CPU Adam's and the copies' bytes)",
+    "disk": "the disk tier's reads and writes",
+    "held_updates": "the backward, then the CPU Adam (updates held for every gradient)",
 }
 LABELS = {"gpu": "w/o offload (gpu)", "blocked": "blocked offload", "overlapped": "overlapped offload", "cpu": "cpu"}
 

@@ -2,6 +2,7 @@
 
 import copy
 import json
+import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -43,9 +44,11 @@ def resident_logits(model, ids, device):
 
 
 def cli(*args, timeout=600):
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True, timeout=timeout
-    )
+    """The command line in a process of its own, which may cache the bytecode it compiles: where the environment
+    says not to (PYTHONDONTWRITEBYTECODE, as on the GPU machine), each process compiles transformers anew, 10 s."""
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONDONTWRITEBYTECODE"}
+    command = [sys.executable, str(SCRIPT), *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def cli_all(commands: dict, workers: int = 5) -> dict:

@@ -500,3 +500,23 @@ def test_float16_overflow_check_reads_only_the_gradients():
     trainer.finish()
     assert trainer.scaling.scale == 2.0**16, "a step was skipped for an overflow"
     assert [s.item() for s in trainer.store.steps] == [2, 0, 2, 2, 2, 2]  # unit 1 steps on the device
+
+
+def test_a_held_step_is_bound_by_its_backward_then_the_longer_of_forward_and_adam():
+    """Clipping holds every update until the backward ends: the bound gets that part, from stand-in times (no GPU
+    here), and the notes say it next to the bound were the updates not held."""
+    model, batches = tiny_batches(1)
+    trainer = offloaded_trainer(model, CPU, 1, batches, clip=1.0)
+    kinds = ("embed", "layer", "norm", "head")
+    best = {kind: 3.0 for kind in kinds} | {f"{kind}_forward": 1.0 for kind in kinds}
+    best |= {"h2d": 1.0, "d2h": 1.0, "adam": 2.0, "host": 2.5}
+    result = {"time_ms": 1e6, "bound_parts_ms": {name: [ms] for name, ms in best.items()}, "grad_norms": [0.5]}
+    t = result | ol.training_figures(trainer, result)
+    units = len(trainer.units)  # each takes 3 ms, 1 of them its forward
+    assert t["gpu_compute_ms"] == 3 * units and t["gpu_forward_ms"] == units
+    assert t["held_updates_ms"] == 2 * units + max(units, t["cpu_adam_ms"])
+    assert t["bound_ms"] == t["held_updates_ms"] > t["unheld_bound_ms"] and t["bound_by"] == "held_updates"
+    notes = "\n".join(ol.training_notes("overlapped", t, ol.RunConfig(train=True, clip_grad_norm=1.0)))
+    assert "updates held for the whole backward (clipping)" in notes
+    assert f"{t['unheld_bound_ms']:.1f} ms were they not held" in notes
+    trainer.finish()

@@ -500,6 +500,24 @@ def test_bound_parts_are_timed_in_rounds_between_the_steps():
     assert t["h2d_bytes"] == 2 * sum(weights) - sum(weights[-2:])
 
 
+def test_a_clipped_step_times_each_forward_for_its_held_bound():
+    """Clipping holds the updates for the whole backward: each kind's forward is timed alone too, and the bound is at
+    least the backward followed by the longer of the forward and the CPU Adam."""
+    model, batches = model_and_batches(SMALL)
+    trainer = offloaded_trainer(model, CUDA, 1, batches, pin=True, clip=1.0)
+    run = ol.RunConfig(steps=4, warmup=1, repeat=2, clip_grad_norm=1.0)
+    r = ol.train_steps(
+        trainer, batches, run, keep_grads=False, bound_parts=lambda: ol.train_bound_parts(trainer, batches, CUDA)
+    )
+    trainer.finish()
+    kinds = {"embed", "layer", "norm", "head"}
+    assert set(r["bound_parts_ms"]) == kinds | {f"{k}_forward" for k in kinds} | {"h2d", "d2h", "adam", "host"}
+    t = ol.training_figures(trainer, r)
+    assert 0 < t["gpu_forward_ms"] < t["gpu_compute_ms"]
+    backward = t["gpu_compute_ms"] - t["gpu_forward_ms"]
+    assert t["bound_ms"] >= t["held_updates_ms"] == backward + max(t["gpu_forward_ms"], t["cpu_adam_ms"])
+
+
 def test_bound_counts_the_state_the_gpu_adam_streams():
     """With units on the GPU's Adam over streamed state, the copies carry their float32 master and moments in and
     those and the bfloat16 copy out instead of their gradients, and the CPU Adam's parts count the other units."""
