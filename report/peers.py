@@ -5,11 +5,23 @@
   before it runs (again for its backward), and its float32 gradients copied out; the fused CPU Adam steps once the
   backward pass has ended. The same recipe as offload_llama.py's offloaded training, without its overlap of the
   CPU Adam with the backward pass.
+- Training: DeepSpeed ZeRO-3 with parameters and optimizer offloaded to the CPU (`offload_param`,
+  `offload_optimizer`), and ZeRO-2 with the optimizer offloaded: float32 masters and Adam state in pinned CPU memory,
+  stepped by DeepSpeed's CPU Adam (built on first use, about a minute) with torch.optim.Adam's L2 weight decay.
 - Inference: Hugging Face accelerate's `cpu_offload`: the weights stay in (pageable) CPU memory, and a hook on each
   module copies its weights in just before it runs, on the compute stream.
 
-Report tooling: offload_llama.py imports neither package. The flags after this script's own are offload_llama.py's
-(model, batch, dtype, --steps, --warmup, --repeat, Adam):
+Report tooling: offload_llama.py imports none of them. DeepSpeed is not a requirement: where it is not installed,
+its rows say so. The GPU machine has no network, so it goes there as wheels (`wheels/`, git-ignored), made on a
+machine that reaches the package index:
+
+    DS_BUILD_OPS=0 pip wheel --no-deps --no-build-isolation deepspeed==0.19.8 -w wheels
+    pip download -d wheels --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64 \
+        --implementation cp hjson pydantic einops msgpack py-cpuinfo
+
+and installed there with `pip install --no-index --no-deps --target DIR wheels/*.whl` and `PYTHONPATH=DIR`
+(report/run_benchmarks.sh does it). The flags after this script's own are offload_llama.py's (model, batch, dtype,
+--steps, --warmup, --repeat, Adam):
 
     python3 report/peers.py --json peers_bf16.json --dtype bfloat16
 """
@@ -21,6 +33,7 @@ import copy
 import dataclasses
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -29,8 +42,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import offload_llama as ol  # noqa: E402
 
-PEERS = ("accelerate", "fsdp2")
-NAMES = {"accelerate": "accelerate cpu_offload", "fsdp2": "FSDP2 fully_shard + CPUOffloadPolicy"}
+PEERS = ("accelerate", "fsdp2", "zero3", "zero2")
+NAMES = {
+    "accelerate": "accelerate cpu_offload",
+    "fsdp2": "FSDP2 fully_shard + CPUOffloadPolicy",
+    "zero3": "DeepSpeed ZeRO-3, parameters and optimizer offloaded",
+    "zero2": "DeepSpeed ZeRO-2, optimizer offloaded",
+}
 
 
 def accelerate_inference(model, input_ids, run: ol.RunConfig) -> dict:
@@ -107,6 +125,70 @@ def fsdp2_training(model, input_ids, run: ol.RunConfig) -> dict:
         dist.destroy_process_group()
 
 
+class DeepSpeedTraining:
+    """DeepSpeed ZeRO (stage 3 or 2) with CPU offload in one process: a trainer for offload_llama.train_steps."""
+
+    def __init__(self, model, run: ol.RunConfig, stage: int):
+        """The engine over a copy of `model` (DeepSpeed keeps its float32 masters and Adam state on the CPU)."""
+        import deepspeed
+
+        offload = {"device": "cpu", "pin_memory": True}
+        zero = {"stage": stage, "offload_optimizer": offload} | ({"offload_param": offload} if stage == 3 else {})
+        adam = {"lr": run.lr, "betas": list(run.betas), "eps": run.eps, "weight_decay": run.weight_decay}
+        config = {
+            "train_micro_batch_size_per_gpu": run.batch_size,
+            "gradient_accumulation_steps": run.grad_accum,
+            "bf16": {"enabled": run.dtype == "bfloat16"},
+            "fp16": {"enabled": run.dtype == "float16"},
+            "zero_optimization": zero,
+            "optimizer": {"type": "Adam", "params": adam | {"adam_w_mode": False}},  # torch.optim.Adam's L2 decay
+            "steps_per_print": 2**31,
+        }
+        module = copy.deepcopy(model)
+        self.engine, *_ = deepspeed.initialize(model=module, model_parameters=module.parameters(), config=config)
+
+    def step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
+        """One training step: forward and backward of each micro-batch (DeepSpeed divides the loss by their count),
+        the optimizer stepping at the last; the mean loss."""
+        losses = []
+        for ids in micro_batches:
+            loss = self.engine(ids, labels=ids, use_cache=False).loss
+            self.engine.backward(loss)
+            self.engine.step()  # the optimizer steps at the gradient accumulation boundary
+            losses.append(loss.detach())
+        return ol.mean_loss(losses)
+
+    def finish(self) -> None:  # the trainer interface's end: nothing here
+        ...
+
+
+def deepspeed_training(model, input_ids, run: ol.RunConfig, stage: int) -> dict:
+    """Training steps with DeepSpeed ZeRO-`stage` CPU offload in a one-process group: train_steps' results and the
+    peaks; {'missing': why} where DeepSpeed is not installed."""
+    try:
+        import deepspeed
+    except ImportError as e:
+        ol.log(f"DeepSpeed ZeRO-{stage}: not installed ({e}), not measured")
+        return {"missing": f"DeepSpeed is not installed ({e})"}
+    device = torch.device("cuda")
+    torch.cuda.set_device(0)
+    # one process, world size 1, over loopback: the rendezvous DeepSpeed's launcher would set up; main ends it
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
+    deepspeed.init_distributed("nccl", auto_mpi_discovery=False)  # once: it does nothing when a group is up
+    micro_batches = [ids.to(device) for ids in input_ids.chunk(run.grad_accum)]
+    ol.log(f"DeepSpeed ZeRO-{stage} offload: training, {run.steps} steps of {input_ids.numel()} tokens ...")
+    ol.reset_peak_memory(device)
+    trainer = DeepSpeedTraining(model, run, stage)
+    result = ol.train_steps(trainer, micro_batches, run, keep_grads=False)
+    del result["grads"]
+    return {
+        **result,
+        "deepspeed": deepspeed.__version__,
+        "peak_gpu_bytes": torch.cuda.max_memory_allocated(device),
+        "peak_host_bytes": ol.peak_host_rss(),
+    }
+
+
 def table(results: dict, run: ol.RunConfig, tokens: int) -> str:
     """The peers' results as a markdown table."""
     what = f"{run.preset}, {run.dtype}, {tokens} tokens"
@@ -122,15 +204,19 @@ def table(results: dict, run: ol.RunConfig, tokens: int) -> str:
                 ("check", "---"),
             ],
             rows,
-            lambda label, r: [
-                "inference" if "equal_to_gpu" in r else "training step",
-                f"{r['time_ms']:.1f}",
-                ol.gib(r["peak_gpu_bytes"]),
-                ol.gib(r["peak_host_bytes"]),
-                f"logits == gpu: {ol.yes_no(r['equal_to_gpu'])}"
-                if "equal_to_gpu" in r
-                else f"loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}",
-            ],
+            lambda label, r: (
+                ["training step", "", "", "", r["missing"]]
+                if "missing" in r
+                else [
+                    "inference" if "equal_to_gpu" in r else "training step",
+                    f"{r['time_ms']:.1f}",
+                    ol.gib(r["peak_gpu_bytes"]),
+                    ol.gib(r["peak_host_bytes"]),
+                    f"logits == gpu: {ol.yes_no(r['equal_to_gpu'])}"
+                    if "equal_to_gpu" in r
+                    else f"loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}",
+                ]
+            ),
         )
     )
 
@@ -155,8 +241,16 @@ def main(argv=None) -> int:
         ol.log(f"accelerate cpu_offload: inference over {input_ids.numel()} tokens ...")
         results["accelerate"] = accelerate_inference(model, input_ids, run)
         ol.free_gpu_memory()
+    train_ids = ol.random_input_ids(run, config.vocab_size, run.grad_accum)
     if "fsdp2" in peers:
-        results["fsdp2"] = fsdp2_training(model, ol.random_input_ids(run, config.vocab_size, run.grad_accum), run)
+        results["fsdp2"] = fsdp2_training(model, train_ids, run)
+        ol.free_gpu_memory()
+    for stage in (3, 2):
+        if f"zero{stage}" in peers:
+            results[f"zero{stage}"] = deepspeed_training(model, train_ids, run, stage)
+            ol.free_gpu_memory()
+    if torch.distributed.is_initialized():  # DeepSpeed's group
+        torch.distributed.destroy_process_group()
     print(table(results, run, input_ids.numel()))
     if args.json:
         report = {

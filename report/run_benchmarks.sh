@@ -10,6 +10,11 @@ cd "$(dirname "$0")/.."
 # NAME COMMAND...: the command's JSON, stdout (its tables) and stderr (its progress) as OUTDIR/NAME.{json,md,log}
 record() { local name=$1; shift; "$@" --json "$out/$name.json" 2> >(tee "$out/$name.log" >&2) | tee "$out/$name.md"; }
 run() { local name=$1; shift; record "$name" python3 offload_llama.py "$@"; }
+# DeepSpeed, for the peers, from the wheels that travel in wheels/ (report/peers.py says how they are made)
+if [ -d wheels ] && ! python3 -c "import deepspeed" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --target "${TMPDIR:-/tmp}/deepspeed" wheels/*.whl
+  export PYTHONPATH="${TMPDIR:-/tmp}/deepspeed${PYTHONPATH:+:$PYTHONPATH}"
+fi
 for p in ${@:-$parts}; do
   case $p in
     bf16) run inference_bf16 --mode all --dtype bfloat16 --profile "$out/trace_overlapped_bf16.json" ;;
@@ -74,7 +79,7 @@ for p in ${@:-$parts}; do
                  run "budget_ab_11_$i" --mode overlapped --train --no-inference --max-gpu-memory 11 --steps 12 --warmup 2 \
                    --dtype bfloat16
                done ;;
-    # report tooling: FSDP2 and accelerate on the same model and batch
+    # report tooling: accelerate, FSDP2 and DeepSpeed ZeRO-3 and ZeRO-2 on the same model and batch
     peers) record peers_bf16 python3 report/peers.py --dtype bfloat16 ;;
     # the report's section 11 (build_report.ablations_section), 7b-8l training alone: the GPU's Adam over streamed state
     # off, at its default share and with one layer more; prefetch 3 with every unit on the CPU Adam; FSDP2 again, and

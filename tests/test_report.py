@@ -93,3 +93,17 @@ def test_readme_results_quote_the_json(tmp_path):
     changed = tmp_path / "README.md"
     changed.write_text(module.README.read_text().replace(figure, figure.replace("ms", "ms (changed)", 1)))
     assert module.readme_mismatches(runs, changed) == [figure]
+
+
+def test_peers_without_deepspeed_say_so_in_their_rows(monkeypatch):
+    """DeepSpeed is no requirement: where it cannot be imported, its rows are kept, saying so."""
+    spec = importlib.util.spec_from_file_location("peers", REPORT / "peers.py")
+    peers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peers)
+    monkeypatch.setitem(__import__("sys").modules, "deepspeed", None)  # an import of it then fails
+    run = peers.ol.RunConfig(preset="tiny")
+    results = {f"zero{stage}": peers.deepspeed_training(None, None, run, stage) for stage in (3, 2)}
+    table = peers.table(results, run, 96)
+    assert all("DeepSpeed is not installed" in r["missing"] for r in results.values())
+    assert "| DeepSpeed ZeRO-3, parameters and optimizer offloaded | training step |" in table
+    assert table.count("DeepSpeed is not installed") == 2
