@@ -1,6 +1,6 @@
 """Builds report/REPORT.md from the JSON results kept under report/results/, and nothing else.
 
-    python3 report/build_report.py           # write REPORT.md, the figures and REPORT.pdf
+    python3 report/build_report.py           # write REPORT.md, the figures and REPORT.pdf; trim the traces
     python3 report/build_report.py --check   # exit 1 if REPORT.md or README.md's results are not what the JSON gives
 
 Every number in the report is read from a JSON file named in SOURCES or BUDGET_SOURCES (each group made by one
@@ -1037,10 +1037,7 @@ def trace_lanes(path: Path) -> tuple[dict[str, list[tuple[float, float]]], float
     launched = {e["args"].get("External id") for e in gpu}  # ops that ran on the GPU: not the CPU Adam's
     lanes = {"CPU Adam": [], "GPU Adam": [], "D2H copies": [], "H2D copies + casts": [], "GPU compute": []}
     for e in events:
-        if (
-            (e["name"].startswith("Torch-Compiled Region") or e["name"] == "aten::_fused_adam_")  # compiled, fallback
-            and e.get("args", {}).get("External id") not in launched
-        ):
+        if is_cpu_adam(e) and e.get("args", {}).get("External id") not in launched:
             lane = "CPU Adam"
         elif e.get("cat") == "gpu_memcpy":
             lane = "H2D copies + casts" if "HtoD" in e["name"] else "D2H copies" if "DtoH" in e["name"] else None
@@ -1059,6 +1056,24 @@ def trace_lanes(path: Path) -> tuple[dict[str, list[tuple[float, float]]], float
     t0 = min(ts for spans in lanes.values() for ts, _ in spans)
     spans = {lane: [((ts - t0) / 1e3, dur / 1e3) for ts, dur in v] for lane, v in lanes.items() if v}
     return spans, max(a + b for v in spans.values() for a, b in v)
+
+
+def is_cpu_adam(event: dict) -> bool:
+    """Whether a trace event is a step of the CPU Adam (the compiled update, or the fallback's fused kernel); on the
+    GPU's lanes too, but trace_lanes tells those apart by their External id."""
+    return event["name"].startswith("Torch-Compiled Region") or event["name"] == "aten::_fused_adam_"
+
+
+def trim_trace(path: Path) -> None:
+    """Rewrite a profiler trace with only what the figures and offload_llama.trace_overlap read: the GPU's kernels,
+    copies and memsets, the step annotations, the CPU Adam's steps and the metadata that names the lanes (a tenth of
+    the events); the CPU ops and the links between them go. Doing it again changes nothing."""
+    trace = json.loads(path.read_text())
+    kept = ("kernel", "gpu_memcpy", "gpu_memset", "user_annotation", "gpu_user_annotation")
+    events = trace["traceEvents"]
+    trace["traceEvents"] = [e for e in events if e.get("ph") == "M" or e.get("cat") in kept or is_cpu_adam(e)]
+    if len(trace["traceEvents"]) < len(events):
+        path.write_text(json.dumps(trace))
 
 
 def timeline_figure(trace: Path, out: Path, title: str) -> None:
@@ -1371,6 +1386,7 @@ def main(argv=None) -> int:
     runs, figures = load(), HERE / "figures"
     figures.mkdir(exist_ok=True)
     for name, trace in TRACES.items():
+        trim_trace(HERE / trace)
         timeline_figure(
             HERE / trace,
             figures / name,

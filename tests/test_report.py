@@ -107,3 +107,20 @@ def test_peers_without_deepspeed_say_so_in_their_rows(monkeypatch):
     assert all("DeepSpeed is not installed" in r["missing"] for r in results.values())
     assert "| DeepSpeed ZeRO-3, parameters and optimizer offloaded | training step |" in table
     assert table.count("DeepSpeed is not installed") == 2
+
+
+@pytest.mark.parametrize("figure", ["timeline_training.png", "timeline_inference.png"])
+def test_a_trimmed_trace_draws_and_measures_the_same(figure, tmp_path):
+    """trim_trace keeps what the figure's lanes and the overlap measurement read: both come out the same."""
+    import offload_llama as ol
+
+    module = build_report()
+    full = tmp_path / "full.json"
+    full.write_text((REPORT / module.TRACES[figure]).read_text())
+    trimmed = tmp_path / "trimmed.json"
+    trimmed.write_text(full.read_text())
+    module.trim_trace(trimmed)
+    module.trim_trace(trimmed)  # again: nothing changes
+    assert module.trace_lanes(trimmed) == module.trace_lanes(full)
+    for direction in ("HtoD", "DtoH"):
+        assert ol.trace_overlap(str(trimmed), direction) == ol.trace_overlap(str(full), direction)
