@@ -3301,8 +3301,10 @@ def disk_plan(run: RunConfig, config: LlamaConfig, free: float | None = None) ->
 
 def with_disk_tier(run: RunConfig, config: LlamaConfig) -> RunConfig:
     """`run` with --nvme-layers planned (disk_plan); refused where the host or the disk is too small for the plan."""
-    if run.nvme is None or not run.train or not {"blocked", "overlapped"} & set(run.modes):
+    if run.nvme is None:
         return run
+    if not {"blocked", "overlapped"} & set(run.modes):
+        raise UsageError("--nvme keeps the Adam state of offloaded training: add overlapped or blocked to --mode")
     most = config.num_hidden_layers - (run.resident_layers or 0)
     if run.nvme_layers is not None and run.nvme_layers > most:
         raise UsageError(f"--nvme-layers {run.nvme_layers}: the model has {most} decoder layers the CPU Adam steps")

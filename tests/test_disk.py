@@ -192,6 +192,7 @@ def test_a_run_the_host_cannot_hold_is_refused_for_the_host(monkeypatch, tmp_pat
         (["--train", "--nvme", "{tmp}/file"], "is a file: give a folder"),
         (["--train", "--nvme", "/proc"], "cannot be written"),
         (["--train", "--max-host-memory", "-1"], "--max-host-memory must be a positive number"),
+        (["--train", "--mode", "gpu,cpu", "--nvme", "{tmp}"], "add overlapped or blocked to --mode"),
         (["--train", "--preset", "tiny", "--nvme", "{tmp}", "--nvme-layers", "2"], "more than is free there"),
     ],
 )
