@@ -85,7 +85,7 @@ SAVE_SHARD = "2GB"  # save_pretrained's shard size: a safetensors writer may hol
 CHECKPOINT_FILE = "checkpoint.json"  # names the unit files of the last whole checkpoint in its folder
 CHECKPOINT_FORMAT = 1
 DISK_BLOCK = 4096  # bytes: direct I/O moves whole blocks between block-aligned memory and file offsets
-DISK_SLOTS = 3  # the disk tier's staging buffers: one unit read ahead, one stepped, one written back
+DISK_SLOTS = 2  # the disk tier's staging buffers: one unit stepped while the disk reads the next or writes one back
 DISK_CALL = 2**28  # bytes one read or write call moves at most (Linux moves under 2 GiB per call)
 
 

@@ -29,7 +29,7 @@ def states(trainer) -> list[dict]:
 
 @pytest.mark.parametrize("gpu_adam", [(), (0, 1)])
 def test_overlapped_with_the_disk_tier_trains_bitwise_as_the_host(gpu_adam, tmp_path):
-    """The last three of 5 layers on the disk, one staging buffer fewer than them; the GPU's Adam steps the
+    """The last three of 5 layers on the disk, through fewer staging buffers than them; the GPU's Adam steps the
     embeddings and first layer over streamed state, or nothing."""
     model, ids = build(ol.dataclasses.replace(tiny_run(num_hidden_layers=5), attention="eager"))
     batches = [ids.to(CUDA)]
