@@ -181,7 +181,8 @@ def largest_table(found: dict, run: ol.RunConfig) -> str:
     title = f"The largest model that trains ({run.preset} layers, {run.dtype}, {run.batch_size}x{run.seq_len} "
     title += f"tokens per micro-batch, Adam, {cap})"
     columns = [("layers", "---:"), ("parameters (B)", "---:"), ("step (ms)", "---:"), ("peak GPU (GiB)", "---:")]
-    columns += [("units resident", "---:"), ("peak host (GiB)", "---:"), ("one more layer", "---")]
+    columns += [("units resident", "---:"), ("peak host (GiB)", "---:"), ("moments on the disk", "---:")]
+    columns += [("one more layer", "---")]
 
     def cells(label: str, r: dict) -> list[str]:
         """A mode's row."""
@@ -192,7 +193,9 @@ def largest_table(found: dict, run: ol.RunConfig) -> str:
             ol.gib(t.get("peak_gpu_bytes")),
             ol.gib(t.get("peak_host_bytes")),
         )
-        return [str(r["layers"]), f"{r['parameters'] / 1e9:.2f}", step, gpu, resident, host, r["limited_by"]]
+        disk = t.get("disk_tier")
+        disk = f"{disk['units']} layers, {ol.gib(disk['bytes'])} GiB" if disk else ""
+        return [str(r["layers"]), f"{r['parameters'] / 1e9:.2f}", step, gpu, resident, host, disk, r["limited_by"]]
 
     return "\n".join(ol.markdown(title, columns, [(ol.MODE_NAMES[m], r) for m, r in found.items()], cells))
 
