@@ -995,20 +995,26 @@ class CpuAdam(HostState):
         return self.done[u].is_set()
 
     def wait_all(self) -> None:
-        """Block until every queued update is done, and the disk tier has written back what they changed."""
-        for u in range(len(self.done)):
-            self.wait_written(u)
+        """Block until every queued update is done, and the disk tier has written back what they changed; re-raise
+        an error of the worker once all are done (it goes on with the others), so no update outlives the wait."""
+        for done in self.done:
+            done.wait()
+        if self.error:
+            raise self.error
         self.store.flush()
 
     def close(self) -> None:
-        """Finish every update, then stop the worker thread (once; closing again does nothing)."""
+        """Finish every update, then stop the worker thread, also after an error of the worker, which it re-raises:
+        the buffers it steps may be freed on return (once; closing again does nothing)."""
         if not self.thread.is_alive():
             return
-        self.wait_all()
+        for done in self.done:
+            done.wait()
         with self.cond:
             self.pending.append(None)
             self.cond.notify()
         self.thread.join()
+        self.wait_all()
 
     def next_job(self):
         """The next (unit, landed, multiplier) to step, sleeping until one is queued; None once close() asks to stop."""
@@ -1294,9 +1300,11 @@ class OffloadedTraining:
             stepper.wait_all()
 
     def finish(self) -> None:
-        """Wait for the last updates and stop the CPU Adam worker."""
-        self.wait_updates()
-        self.cpu_adam.close()
+        """Wait for the last updates and stop the CPU Adam worker, also where an update failed (its error raised)."""
+        try:
+            self.wait_updates()
+        finally:
+            self.cpu_adam.close()
 
 
 class ResidentTraining:
