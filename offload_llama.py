@@ -1127,7 +1127,9 @@ def decoder_kwargs(model: LlamaForCausalLM, shape: tuple[int, int], dtype: torch
 class StreamedUnit(torch.autograd.Function):
     """One unit over every micro-batch while its weights are on the GPU. Forward streams the unit in and keeps only
     its inputs; backward streams it in again, recomputes, back-propagates and sends its gradients to be stepped.
-    `anchor` requires grad, so autograd calls backward for the embeddings too, whose inputs are token ids."""
+    `anchor` requires grad, so autograd calls backward for the embeddings too, whose inputs are token ids. Autograd
+    runs backward on its own thread for the device, on the stream the forward ran on, while the main thread waits
+    in .backward(): the backward's copies, waits and updates are issued from that thread."""
 
     @staticmethod
     def forward(ctx, trainer: OffloadedTraining, u: int, anchor: torch.Tensor, *xs: torch.Tensor):
