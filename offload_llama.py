@@ -1180,8 +1180,9 @@ class OffloadedTraining:
             return layouts[kind].bind(unit_module(kind, config), buffer, trainable=True).eval()
 
         self.streamer = LayerStreamer(store.weights, [u.kind for u in self.units], make_module, dtype, device, depth)
-        # float32 to accumulate micro-batches (or unscale float16); with one micro-batch the compute dtype
-        self.grad_buffer = torch.empty(max(m.numel() for m in store.masters), dtype=store.grad_dtype, device=device)
+        # float32 to accumulate micro-batches (or unscale float16); with one micro-batch the compute dtype. Zeroed: the
+        # padding between a unit's parameters is sent and stepped too, and must hold no NaN from unwritten memory
+        self.grad_buffer = torch.zeros(max(m.numel() for m in store.masters), dtype=store.grad_dtype, device=device)
         self.d2h_stream = new_stream(device)
         self.last_landed = InOrder()  # the event after which grad_buffer may be overwritten: its last gradients left
         self.anchor = torch.empty(0, device=device, requires_grad=True)
