@@ -142,9 +142,12 @@ class DeepSpeedTraining:
             "fp16": {"enabled": run.dtype == "float16"},
             "zero_optimization": zero,
             "optimizer": {"type": "Adam", "params": adam | {"adam_w_mode": False}},  # torch.optim.Adam's L2 decay
+            "gradient_clipping": run.clip_grad_norm or 0.0,
             "steps_per_print": 2**31,
         }
         module = copy.deepcopy(model)
+        if stage == 3:  # partitioned into CPU memory a parameter at a time: initialize() would first move it all in
+            deepspeed.zero.Init(module=module, config_dict_or_path=config)
         self.engine, *_ = deepspeed.initialize(model=module, model_parameters=module.parameters(), config=config)
 
     def step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
@@ -158,8 +161,21 @@ class DeepSpeedTraining:
             losses.append(loss.detach())
         return ol.mean_loss(losses)
 
-    def finish(self) -> None:  # the trainer interface's end: nothing here
-        ...
+    def finish(self) -> None:
+        """Free the engine (its hooks, pinned buffers and GPU copies), which DeepSpeed's global state would keep alive
+        into the next peer's run, and undo ZeRO-3's process-wide swap of F.linear."""
+        from deepspeed.runtime.zero import parameter_offload
+        from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as Patched
+        from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as Coordinator
+
+        self.engine.destroy()
+        parameter_offload.FWD_MODULE_STACK.clear()
+        cached = getattr(Coordinator, "_PartitionedParameterCoordinator__params_to_release", None)
+        for cell in getattr(cached, "__closure__", None) or ():  # an lru_cache under DeepSpeed's nvtx wrapper
+            getattr(cell.cell_contents, "cache_clear", lambda: None)()
+        if hasattr(Patched, "linear_bk"):
+            torch.nn.functional.linear = Patched.linear_bk
+        del self.engine
 
 
 def deepspeed_training(model, input_ids, run: ol.RunConfig, stage: int) -> dict:
@@ -179,7 +195,10 @@ def deepspeed_training(model, input_ids, run: ol.RunConfig, stage: int) -> dict:
     ol.log(f"DeepSpeed ZeRO-{stage} offload: training, {run.steps} steps of {input_ids.numel()} tokens ...")
     ol.reset_peak_memory(device)
     trainer = DeepSpeedTraining(model, run, stage)
-    result = ol.train_steps(trainer, micro_batches, run, keep_grads=False)
+    try:
+        result = ol.train_steps(trainer, micro_batches, run, keep_grads=False)
+    finally:
+        trainer.finish()
     del result["grads"]
     return {
         **result,
