@@ -3670,10 +3670,17 @@ def check_saving(run: RunConfig, config: LlamaConfig) -> None:
         "--checkpoint": (run.checkpoint, 12 * params * (1 + twice)),
     }
     for flag, (path, needed) in needs.items():
-        free = shutil.disk_usage(existing(Path(path))).free if path else needed
+        free = shutil.disk_usage(existing(Path(path))).free - disk_tier_bytes_on(run, config, path) if path else needed
         if needed > free:
             short = f"{needed / GiB:.1f} GiB to write, {(needed - free) / GiB:.1f} GiB more than is free there"
             raise UsageError(f"{flag} {path}: {short}; free some space or give a folder on another disk")
+
+
+def disk_tier_bytes_on(run: RunConfig, config: LlamaConfig, path: str) -> int:
+    """The bytes the --nvme disk tier will take on the file system that holds `path` (0 on another)."""
+    if not run.nvme_layers or os.stat(existing(Path(path))).st_dev != os.stat(run.nvme).st_dev:
+        return 0
+    return run.nvme_layers * disk_unit_bytes(config)
 
 
 def existing(path: Path) -> Path:

@@ -282,3 +282,18 @@ def test_a_read_error_with_shared_gradient_buffers_ends_the_run(tmp_path, monkey
         trainer.finish()
     trainer.store.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_a_checkpoint_on_the_disk_of_the_tier_counts_its_files(monkeypatch, tmp_path):
+    """--checkpoint on the file system of --nvme: the room it needs comes after the tier's files."""
+    run = ol.RunConfig(mode="overlapped", train=True, nvme=str(tmp_path), nvme_layers=4, checkpoint=str(tmp_path / "c"))
+    config = ol.llama_config(run)
+    needed = 12 * ol.param_count(config)  # a checkpoint: float32 masters and moments
+    tier = 4 * ol.disk_unit_bytes(config)
+    for free in (needed + tier, needed + tier - 1):
+        monkeypatch.setattr(ol.shutil, "disk_usage", lambda _, free=free: ol.shutil._ntuple_diskusage(0, 0, free))
+        if free < needed + tier:
+            with pytest.raises(ol.UsageError, match="more than is free there"):
+                ol.check_saving(run, config)
+        else:
+            ol.check_saving(run, config)
