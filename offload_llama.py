@@ -3828,13 +3828,11 @@ def disk_tier(run: RunConfig, units: list[Unit]) -> DiskTier | None:
     t0 = time.perf_counter()
     layers = [u for u, unit in enumerate(units) if unit.kind == "layer"][-run.nvme_layers :]
     disk = DiskTier(run.nvme, {u: units[u].layout.numel for u in layers})
-    size = sum(2 * half for half in disk.half.values())
-    log(
-        f"disk tier: the Adam moments of the last {len(layers)} decoder layers ({gib(size)} GiB) in unnamed files "
-        f"under {run.nvme}, reserved in {time.perf_counter() - t0:.1f} s; "
-        + ("direct I/O" if disk.direct else "buffered I/O (the file system refuses O_DIRECT)")
-        + f"; measured: write {disk.rates['write_gbps']:.2f} GB/s, read {disk.rates['read_gbps']:.2f} GB/s"
-    )
+    moments = f"the Adam moments of the last {len(layers)} decoder layers ({gib(disk_step_bytes(disk))} GiB)"
+    io = "direct I/O" if disk.direct else "buffered I/O (the file system refuses O_DIRECT)"
+    rates = f"write {disk.rates['write_gbps']:.2f} GB/s, read {disk.rates['read_gbps']:.2f} GB/s"
+    log(f"disk tier: {moments} in unnamed files under {run.nvme}, reserved in {time.perf_counter() - t0:.1f} s")
+    log(f"disk tier: {io}; measured: {rates}")
     return disk
 
 
