@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -297,3 +298,27 @@ def test_a_checkpoint_on_the_disk_of_the_tier_counts_its_files(monkeypatch, tmp_
                 ol.check_saving(run, config)
         else:
             ol.check_saving(run, config)
+
+
+@pytest.mark.parametrize("units", [(5,), (2, 3, 4, 5)])
+@pytest.mark.parametrize("slow", ["pwritev", "preadv"])
+def test_slow_disk_io_changes_no_bit(slow, units, tmp_path, monkeypatch):
+    """Hostile: every write-back (or read) of the disk tier takes 20 ms longer, so a read that did not wait for the
+    last write-back of its unit would stage stale moments (one unit, a slot free for it at once), and a step that did
+    not wait for its read would step what the slot held before; the masters and moments after 4 steps still equal
+    the host-only run's bit for bit."""
+    model, batches = five_layers("bfloat16")
+    host = offloaded_trainer(model, CPU, 1, batches)
+    steps(host, batches, 4)
+    transfer = ol.DiskTier.transfer
+
+    def slow_transfer(self, call, u, buffer):
+        if call.__name__ == slow:
+            time.sleep(0.02)
+        return transfer(self, call, u, buffer)
+
+    monkeypatch.setattr(ol.DiskTier, "transfer", slow_transfer)
+    disk = offloaded_trainer(model, CPU, 1, batches, disk=(tmp_path, units))
+    steps(disk, batches, 4)
+    assert_same_states(states(disk), states(host))
+    disk.store.close()
