@@ -3060,10 +3060,12 @@ def inference_time_cells(mode: str, r: dict) -> list[str]:
 
 
 def training_memory_cells(mode: str, r: dict) -> list[str]:
-    """Training Table 1's cells: peak GPU memory, the placement's prediction, the units resident, peak host memory."""
+    """Training Table 1's cells: peak GPU memory, the placement's prediction, the units resident, peak host memory,
+    the disk tier's files."""
     resident = f"{len(r['resident_units'])} of {r['units']}" if "units" in r else ""
     gpu = gib(r.get("peak_gpu_bytes")) or "0 (runs on the CPU)"
-    return [gpu, gib(r.get("predicted_peak_bytes")), resident, gib(r.get("peak_host_bytes"))]
+    disk = gib(r["disk_tier"]["bytes"]) if "disk_tier" in r else ""
+    return [gpu, gib(r.get("predicted_peak_bytes")), resident, gib(r.get("peak_host_bytes")), disk]
 
 
 def training_time_cells(mode: str, r: dict) -> list[str]:
@@ -3086,7 +3088,7 @@ TABLES = {  # part: its tables as (title, columns split on "|", cells), in print
     "training": [
         (
             "Table 1 (training): peak memory per step",
-            "peak GPU (GiB)|predicted (GiB)|units resident|peak host RSS (GiB)",
+            "peak GPU (GiB)|predicted (GiB)|units resident|peak host RSS (GiB)|on the disk (GiB)",
             training_memory_cells,
         ),
         (
