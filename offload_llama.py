@@ -79,7 +79,7 @@ GPU_ADAM_SHARE = 0.3  # of the streamed parameters, the default share of the GPU
 GPU_ADAM_CHUNK = 2**23  # parameters: the state the GPU's Adam streams crosses PCIe in chunks this size
 PLAN_MARGIN = GiB // 2  # of a --max-gpu-memory budget, left out of a placement: the caching allocator's fragmentation
 CUBLAS_WORKSPACE = 32 * 2**20  # torch's default cuBLAS workspace on Hopper, allocated once per stream
-MAX_SEARCH_LAYERS = 64  # the largest-model search stops here
+MAX_SEARCH_LAYERS = 128  # the largest-model search stops here (26B parameters of LLaMA-7B's layers)
 RUNTIME_HOST_BYTES = 5 * GiB  # host memory a process holds besides the model and its state, with headroom
 SAVE_SHARD = "2GB"  # save_pretrained's shard size: a safetensors writer may hold a whole shard's bytes in memory
 CHECKPOINT_FILE = "checkpoint.json"  # names the unit files of the last whole checkpoint in its folder
@@ -289,10 +289,16 @@ def init_random(model: LlamaForCausalLM, seed: int) -> None:
     model.model.rotary_emb = LlamaRotaryEmbedding(config)  # its buffers are computed, not drawn
 
 
+PARAM_COUNTS = {}  # a config's JSON -> its parameter count: the plans ask for it often, and counting builds the model
+
+
 def param_count(config: LlamaConfig) -> int:
-    """The model's parameter count, counted on the meta device (no memory allocated)."""
-    with torch.device("meta"):
-        return sum(p.numel() for p in LlamaForCausalLM(config).parameters())
+    """The model's parameter count, counted on the meta device (no memory allocated), once per config."""
+    key = config.to_json_string()
+    if key not in PARAM_COUNTS:
+        with torch.device("meta"):
+            PARAM_COUNTS[key] = sum(p.numel() for p in LlamaForCausalLM(config).parameters())
+    return PARAM_COUNTS[key]
 
 
 def meta_layer(config: LlamaConfig) -> nn.Module:
