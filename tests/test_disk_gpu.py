@@ -35,7 +35,7 @@ def test_overlapped_with_the_disk_tier_trains_bitwise_as_the_host(gpu_adam, tmp_
     batches = [ids.to(CUDA)]
     trainers = {
         "host": offloaded_trainer(model, CUDA, 1, batches, pin=True, gpu_adam=gpu_adam),
-        "disk": offloaded_trainer(model, CUDA, 1, batches, pin=True, gpu_adam=gpu_adam, disk=(tmp_path, (4, 5, 6))),
+        "disk": offloaded_trainer(model, CUDA, 1, batches, pin=True, gpu_adam=gpu_adam, disk=(tmp_path, (3, 4, 5))),
     }
     result = {}
     for name, trainer in trainers.items():
