@@ -1014,10 +1014,8 @@ class CpuAdam(HostState):
         the buffers it steps may be freed on return (once; closing again does nothing)."""
         if not self.thread.is_alive():
             return
-        for done in self.done:
-            done.wait()
         with self.cond:
-            self.pending.append(None)
+            self.pending.append(None)  # last in the queue: the worker steps every queued unit first
             self.cond.notify()
         self.thread.join()
         self.wait_all()
@@ -1762,7 +1760,7 @@ class DiskTier:
         self.folder = folder
         self.units = tuple(sorted(numels, reverse=True))  # the order the backward sends their gradients in
         self.numels = numels
-        self.half = {u: -(-4 * n // DISK_BLOCK) * DISK_BLOCK for u, n in numels.items()}  # one moment, whole blocks
+        self.half = {u: moment_bytes(n) for u, n in numels.items()}  # one moment's bytes in the file and a slot
         # no GPU copy reads or writes them, so they need no pinning
         self.ring = [HostBuffer(2 * max(self.half.values()), pin=False) for _ in range(slots or DISK_SLOTS)]
         self.files = {}
@@ -1794,9 +1792,9 @@ class DiskTier:
         self.stopping = False
         self.waited_s = 0.0  # the CPU Adam's wait for reads
 
-    def moments(self, k: int, u: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Unit u's two moments in slot k."""
-        flat = torch.frombuffer(self.ring[k], dtype=torch.float32)
+    def moments(self, buffer: mmap.mmap, u: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unit u's two moments in `buffer` (a slot, or a read's own), laid out as in its file."""
+        flat = torch.frombuffer(buffer, dtype=torch.float32)  # keeps the buffer alive
         h, n = self.half[u] // 4, self.numels[u]
         return flat[:n], flat[h : h + n]
 
@@ -1812,7 +1810,7 @@ class DiskTier:
             raise k
         self.current[u].clear()  # the step changes them: the file is behind until the write-back lands
         self.in_slot[u] = k
-        moments = self.moments(k, u)
+        moments = self.moments(self.ring[k], u)
         if u in self.fresh:
             for moment in moments:
                 moment.zero_()
@@ -1840,15 +1838,13 @@ class DiskTier:
         buffer = HostBuffer(2 * self.half[u], pin=False)  # block-aligned, as direct I/O needs
         if u not in self.fresh:
             self.transfer(os.preadv, u, buffer)
-        flat = torch.frombuffer(buffer, dtype=torch.float32)  # keeps the buffer alive
-        h, n = self.half[u] // 4, self.numels[u]
-        return flat[:n], flat[h : h + n]
+        return self.moments(buffer, u)
 
     def load(self, u: int, fill) -> None:
         """Set unit u's moments on the disk: fill(exp_avg, exp_avg_sq) writes them into a staging buffer, which is
         then written out, with the reader stopped so that no stale copy stays staged (the next stage restarts it)."""
         self.stop()
-        fill(*self.moments(0, u))
+        fill(*self.moments(self.ring[0], u))
         self.transfer(os.pwritev, u, self.ring[0])
         self.fresh.discard(u)
 
@@ -2854,11 +2850,11 @@ def train_bound(trainer: OffloadedTraining, best: dict[str, float]) -> dict:
     on_cpu, on_gpu = cpu_and_gpu_adam_units(trainer)
     kinds = [u.kind for u in trainer.units]
     parts = {"gpu_compute_ms": sum(kinds.count(kind) * best[kind] for kind in dict.fromkeys(kinds))}
-    disk_bytes = disk_step_bytes(store.disk) if store.disk else 0  # read, and as many written
-    figures = {"disk_bytes": disk_bytes} if store.disk else {}
+    disk_bytes, figures = 0, {}
     if store.disk:
-        rates = store.disk.rates
+        disk_bytes, rates = disk_step_bytes(store.disk), store.disk.rates  # read, and as many written
         parts["disk_ms"] = disk_bytes / rates["read_gbps"] / 1e6 + disk_bytes / rates["write_gbps"] / 1e6
+        figures["disk_bytes"] = disk_bytes
     if trainer.streamer.streamed:
         h2d_bytes, d2h_bytes, _ = step_copy_bytes(trainer)
         host_bytes = sum(on_cpu.values()) * store.update.bytes_per_param + h2d_bytes + d2h_bytes + 2 * disk_bytes
@@ -3292,7 +3288,12 @@ def layer_numel(config: LlamaConfig) -> int:
 
 def disk_unit_bytes(config: LlamaConfig) -> int:
     """The bytes of a decoder layer's two Adam moments in the disk tier: its file, and each staging buffer."""
-    return 2 * -(-4 * layer_numel(config) // DISK_BLOCK) * DISK_BLOCK
+    return 2 * moment_bytes(layer_numel(config))
+
+
+def moment_bytes(numel: int) -> int:
+    """One Adam moment of `numel` float32 elements in the disk tier, in whole blocks (as direct I/O moves them)."""
+    return -(-4 * numel // DISK_BLOCK) * DISK_BLOCK
 
 
 def disk_plan(run: RunConfig, config: LlamaConfig, free: float | None = None) -> int | None:
