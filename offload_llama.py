@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import contextlib
 import copy
 import dataclasses
@@ -2241,8 +2242,8 @@ def train_mode(mode: str, model, masters: MasterStore | None, input_ids, run: Ru
             resident = isinstance(trainer, ResidentTraining)
             result["masters"] = trainer.state_dict(trainer.masters) if resident else trainer.state_dict()
         return result | placed | training_figures(trainer, result)
-    except torch.OutOfMemoryError:
-        log(f"mode {mode}: out of GPU memory")
+    except torch.OutOfMemoryError as e:
+        log(f"mode {mode}: out of GPU memory ({str(e).splitlines()[0]})")
         return {"oom": True}
     finally:  # an OOM or an interrupt too: the CPU Adam worker must stop before the buffers it steps are freed
         if trainer is not None:
@@ -3849,28 +3850,40 @@ def main(argv=None) -> int:
     """The command line's entry point: exit code 0; 2 with one line for bad input; 1 with one line for a file that
     cannot be written mid-run (a full disk); 130 with one line for Ctrl-C."""
     run = parse_args(argv)
+    use_expandable_segments()
     try:
         check_outputs(run)
         run_all(run)
     except UsageError as e:
+        finish_early()
         print(f"offload_llama.py: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # what was written before stays whole: every output is written aside, then renamed
-        finish_copies()
+        finish_early()
         print(f"offload_llama.py: error: {e.strerror or e}: {e.filename or 'an output'}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        finish_copies()
+        finish_early()
         print("offload_llama.py: interrupted; no output is left half-written", file=sys.stderr)
         return 130
     return 0
 
 
-def finish_copies() -> None:
+def use_expandable_segments() -> None:
+    """Let the CUDA allocator grow segments in place, unless the user configured it. Under --max-gpu-memory, the saved
+    inputs that live across the streamed units' short-lived blocks otherwise split fixed-size segments until a
+    request that the placement's prediction fits is refused."""
+    if "PYTORCH_ALLOC_CONF" not in os.environ and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
+        os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"  # read when CUDA starts, after this
+
+
+def finish_early() -> None:
     """On the way out early: the copies still queued must land before the pinned buffers they use are unregistered
-    as the frames drop."""
+    as the frames drop, and a CPU Adam compile still running ends first (the interpreter waits for it at exit
+    anyway), so the error is the last line."""
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()
+    concurrent.futures.wait(EARLY_COMPILES.values())
 
 
 if __name__ == "__main__":

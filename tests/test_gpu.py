@@ -1,12 +1,15 @@
 """GPU tier: bitwise equality with the resident model, hostile races, overlap in a trace, memory bounds."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import offload_llama as ol
-from helpers import build, cli, resident_logits, streamed_logits
+from helpers import SCRIPT, build, cli, resident_logits, streamed_logits
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -166,3 +169,13 @@ def test_pinned_buffers_take_exactly_their_size_and_stream_both_ways():
         back = host.to("cuda", non_blocking=True)
     stream.synchronize()
     assert torch.equal(host, torch.arange(numel, dtype=torch.float32)) and torch.equal(back, device)
+
+
+def test_the_command_line_grows_segments_in_place():
+    """main's use_expandable_segments reaches the allocator, which reads it when CUDA starts, after the imports: a
+    cap that the placement's prediction fits is then not refused for split segments."""
+    code = "import torch, offload_llama as ol; ol.use_expandable_segments(); x = torch.empty(2**26, device='cuda'); "
+    code += "print([s['is_expandable'] for s in torch.cuda.memory_snapshot() if s['segment_type'] == 'large'])"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=SCRIPT.parent)
+    assert r.returncode == 0 and r.stdout.strip() == "[True]", r.stderr
