@@ -1916,10 +1916,10 @@ class DiskTier:
             self.settled[u].set()
             self.free.put(k)
 
-    def transfer(self, call, u: int, buffer: mmap.mmap, start: int = 0, stop: int | None = None) -> None:
-        """os.preadv or os.pwritev of bytes [start, stop) of unit u's file (default: all of it) from or into the same
-        bytes of `buffer`, in calls of at most DISK_CALL bytes; an OSError names the tier's folder."""
-        view, nbytes, done = memoryview(buffer), 2 * self.half[u] if stop is None else stop, start
+    def transfer(self, call, u: int, buffer: mmap.mmap) -> None:
+        """os.preadv or os.pwritev of unit u's whole file from or into the start of `buffer`, in calls of at most
+        DISK_CALL bytes; an OSError names the tier's folder."""
+        view, nbytes, done = memoryview(buffer), 2 * self.half[u], 0
         try:
             while done < nbytes:
                 moved = call(self.files[u], [view[done : min(nbytes, done + DISK_CALL)]], done)
@@ -1929,46 +1929,20 @@ class DiskTier:
         except OSError as e:
             raise self.failed(e) from None
 
-    def measure(self, rounds: int = 2) -> dict:
-        """The disk's rates in GB/s through the tier's own I/O path, over the first unit's file (its moments are not in
-        it yet), best of `rounds`: writing (flushed), reading, and both at once as a step runs them, one moment's
-        bytes written while the other's are read (a disk may serve the two together faster than in turn)."""
+    def measure(self) -> dict:
+        """The disk's write and read rates in GB/s through the tier's own I/O path, over the first unit's file (its
+        moments are not in it yet); the written bytes are flushed, and dropped from the page cache where it is used."""
         u, fd = self.units[0], self.files[self.units[0]]
-        buffer, half = self.ring[0], self.half[u]
-        torch.frombuffer(buffer, dtype=torch.uint8).zero_()  # its pages mapped now, not in the timed write
-
-        def write() -> None:
-            self.transfer(os.pwritev, u, buffer)
-            os.fsync(fd)
-
-        def read() -> None:
-            self.drop_cached(fd)
-            self.transfer(os.preadv, u, buffer)
-
-        def both() -> None:
-            self.drop_cached(fd)
-            with ThreadPoolExecutor(1) as pool:
-                written = pool.submit(write_half)
-                self.transfer(os.preadv, u, buffer, half, 2 * half)
-                written.result()
-
-        def write_half() -> None:
-            self.transfer(os.pwritev, u, buffer, 0, half)
-            os.fsync(fd)
-
-        ios = {"write_gbps": write, "read_gbps": read, "both_gbps": both}  # both: bytes read and written together
-        best = dict.fromkeys(ios, 0.0)
-        for _ in range(rounds):
-            for name, io in ios.items():
-                start = time.perf_counter()
-                io()
-                best[name] = max(best[name], 2 * half / (time.perf_counter() - start) / 1e9)
-        return best
-
-    def drop_cached(self, fd: int) -> None:
-        """Without direct I/O, drop a file's pages from the page cache, so the next read comes from the disk."""
+        torch.frombuffer(self.ring[0], dtype=torch.uint8).zero_()  # its pages mapped now, not in the timed write
+        start = time.perf_counter()
+        self.transfer(os.pwritev, u, self.ring[0])
+        os.fsync(fd)
+        written = time.perf_counter()
         if not self.direct:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        self.transfer(os.preadv, u, self.ring[0])
+        nbytes, read = 2 * self.half[u], time.perf_counter()
+        return {"write_gbps": nbytes / (written - start) / 1e9, "read_gbps": nbytes / (read - written) / 1e9}
 
     def raise_error(self) -> None:
         """Re-raise the reader's or the writer's error, if any."""
@@ -2872,15 +2846,15 @@ def train_bound(trainer: OffloadedTraining, best: dict[str, float]) -> dict:
     """What a training step cannot beat, from the best times (ms) of train_bound_parts: GPU compute, H2D, D2H, the CPU
     Adam over all its units, host memory: the bytes crossing it in a step (the CPU Adam's, the copies' and the disk
     tier's) at the rate reached when the CPU Adam and the copy engines ran together on one unit's share, and the disk
-    tier's reads and writes at the rates measured when it was set up (disk_floor_ms)."""
+    tier's reads and writes at the rates measured when it was set up."""
     store = trainer.store
     on_cpu, on_gpu = cpu_and_gpu_adam_units(trainer)
     kinds = [u.kind for u in trainer.units]
     parts = {"gpu_compute_ms": sum(kinds.count(kind) * best[kind] for kind in dict.fromkeys(kinds))}
     disk_bytes, figures = 0, {}
     if store.disk:
-        disk_bytes = disk_step_bytes(store.disk)  # read, and as many written
-        parts["disk_ms"] = disk_floor_ms(disk_bytes, store.disk.rates)
+        disk_bytes, rates = disk_step_bytes(store.disk), store.disk.rates  # read, and as many written
+        parts["disk_ms"] = disk_bytes / rates["read_gbps"] / 1e6 + disk_bytes / rates["write_gbps"] / 1e6
         figures["disk_bytes"] = disk_bytes
     if trainer.streamer.streamed:
         h2d_bytes, d2h_bytes, _ = step_copy_bytes(trainer)
@@ -2909,13 +2883,6 @@ def held_updates_figures(trainer: OffloadedTraining, best: dict[str, float], par
     backward = parts["gpu_compute_ms"] - forward  # the recompute and the backward
     held = backward + max(forward, parts.get("cpu_adam_ms", 0.0))
     return {"held_updates_ms": held, "gpu_forward_ms": forward, "unheld_bound_ms": max(parts.values())}
-
-
-def disk_floor_ms(nbytes: int, rates: dict[str, float]) -> float:
-    """The least time in which the disk reads `nbytes` and writes as many, at the rates measured at set-up: the
-    longest of the reads alone, the writes alone, and all of them at the rate of both at once."""
-    times = (nbytes / rates["read_gbps"], nbytes / rates["write_gbps"], 2 * nbytes / rates["both_gbps"])
-    return max(times) / 1e6
 
 
 def disk_step_bytes(disk: DiskTier) -> int:
@@ -3260,8 +3227,8 @@ def bound_note(mode: str, t: dict) -> str:
     disk = ""
     if "disk_ms" in t:
         d = t["disk_tier"]
-        rates = f"{d['read_gbps']:.2f} GB/s read, {d['write_gbps']:.2f} written, {d['both_gbps']:.2f} both at once"
-        disk = f", disk {t['disk_ms']:.1f} ms ({t['disk_bytes'] / 1e9:.1f} GB each way; measured at set-up: {rates})"
+        rates = f"{d['read_gbps']:.2f} GB/s read, {d['write_gbps']:.2f} written, as measured at set-up"
+        disk = f", disk {t['disk_ms']:.1f} ms ({t['disk_bytes'] / 1e9:.1f} GB each way at {rates})"
     rounds = len(next(iter(t["bound_parts_ms"].values())))
     return (
         f"{mode} training bound, each part alone (best of {rounds} rounds): GPU compute {t['gpu_compute_ms']:.1f} ms "
@@ -3873,8 +3840,7 @@ def disk_tier(run: RunConfig, units: list[Unit]) -> DiskTier | None:
     disk = DiskTier(run.nvme, {u: units[u].layout.numel for u in layers})
     moments = f"the Adam moments of the last {len(layers)} decoder layers ({gib(disk_step_bytes(disk))} GiB)"
     io = "direct I/O" if disk.direct else "buffered I/O (the file system refuses O_DIRECT)"
-    r = disk.rates
-    rates = f"write {r['write_gbps']:.2f} GB/s, read {r['read_gbps']:.2f}, both at once {r['both_gbps']:.2f}"
+    rates = f"write {disk.rates['write_gbps']:.2f} GB/s, read {disk.rates['read_gbps']:.2f} GB/s"
     log(f"disk tier: {moments} in unnamed files under {run.nvme}, reserved in {time.perf_counter() - t0:.1f} s")
     log(f"disk tier: {io}; measured: {rates}")
     return disk
