@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import subprocess
 import sys
 import tempfile
@@ -21,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import offload_llama as ol  # noqa: E402
 
 SCRIPT = Path(ol.__file__)
+LARGE_DISK_LAYERS = 1024  # how far large_disk looks
 
 
 def with_layers(run: ol.RunConfig, layers: int) -> ol.RunConfig:
@@ -28,18 +30,23 @@ def with_layers(run: ol.RunConfig, layers: int) -> ol.RunConfig:
     return dataclasses.replace(run, sizes=tuple({**dict(run.sizes), "num_hidden_layers": layers}.items()))
 
 
-def host_layer_limit(run: ol.RunConfig, mode: str) -> int | None:
-    """The most decoder layers whose training state this machine has room for in `mode`: in host memory, and with
-    --nvme on the disk too (None: not known)."""
+def host_layer_limit(run: ol.RunConfig, mode: str, free: float | None = None, most: int = ol.MAX_SEARCH_LAYERS):
+    """The most decoder layers (up to `most`) whose training state this machine has room for in `mode`: in host
+    memory, and with --nvme on the disk too, with `free` bytes of room there (default: its free space); None: not
+    known."""
     if ol.host_budget(run) is None:
         return None
     run = dataclasses.replace(run, mode=mode)
-    n = 0
-    while (
-        n < ol.MAX_SEARCH_LAYERS and ol.disk_plan(with_layers(run, n + 1), config_with_layers(run, n + 1)) is not None
-    ):
-        n += 1
-    return n
+
+    def fits(n: int) -> bool:
+        """n layers' training state has room (so have fewer)."""
+        return ol.disk_plan(with_layers(run, n), config_with_layers(run, n), free) is not None
+
+    lo, hi = 0, most + 1  # lo fits (no layers), hi is past the search
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 def config_with_layers(run: ol.RunConfig, layers: int):
@@ -170,6 +177,32 @@ def limit(run: ol.RunConfig, mode: str, config, n: int, after: dict | None) -> s
     return f"the search stops at {ol.MAX_SEARCH_LAYERS} layers"
 
 
+def large_disk(run: ol.RunConfig, mode: str, found: dict) -> dict | None:
+    """Arithmetic from the run found, not a run: the most layers this host holds were the --nvme disk as large as
+    needed, how many keep their moments on the disk, and the step were it the found one's scaled by its disk bytes
+    (None without a disk tier)."""
+    t = found["training"] or {}
+    if "disk_tier" not in t:
+        return None
+    n = host_layer_limit(run, mode, free=math.inf, most=LARGE_DISK_LAYERS)
+    more, config = dataclasses.replace(with_layers(run, n), mode=mode), config_with_layers(run, n)
+    on_disk = ol.disk_plan(more, config, free=math.inf)
+    disk_bytes = on_disk * ol.disk_unit_bytes(config)
+    step_ms = t["time_ms"] * disk_bytes / t["disk_tier"]["bytes"]
+    figures = {"layers": n, "parameters": ol.param_count(config), "disk_layers": on_disk, "disk_bytes": disk_bytes}
+    return figures | {"step_ms": step_ms}
+
+
+def large_disk_line(mode: str, d: dict) -> str:
+    """large_disk's figures in a sentence, marked as arithmetic."""
+    return (
+        f"{ol.MODE_NAMES[mode]} with a disk as large as needed (arithmetic from the run above, not measured): "
+        f"{layer_count(d['layers'])} ({d['parameters'] / 1e9:.2f}B parameters) fit this host, {d['disk_layers']} of "
+        f"them with their Adam moments on the disk ({ol.gib(d['disk_bytes'])} GiB); at the disk rate of the run "
+        f"above, a step takes about {d['step_ms'] / 1e3:.0f} s."
+    )
+
+
 def layer_count(n: int) -> str:
     """'1 layer', 'n layers'."""
     return f"{n} layer" + "s" * (n != 1)
@@ -211,9 +244,14 @@ def find_largest(run: ol.RunConfig) -> dict:
     ol.check_devices(with_layers(run, 1), ol.llama_config(with_layers(run, 1)))
     modes = ("gpu", "overlapped") if run.mode == "all" else run.modes
     found = {mode: search(run, mode, config) for mode in modes}
+    for mode, f in found.items():
+        if run.nvme and (d := large_disk(run, mode, f)):
+            f["large_disk"] = d
     report = {**ol.environment(), "run": dataclasses.asdict(run), "config": json.loads(config.to_json_string())}
     report["find_largest"] = found
     print(largest_table(found, run))
+    lines = [large_disk_line(mode, f["large_disk"]) for mode, f in found.items() if "large_disk" in f]
+    print("\n".join(lines), end="\n" * bool(lines))
     if run.json:
         ol.write_json(run.json, report)
     return report

@@ -72,6 +72,23 @@ def test_host_limit_with_the_disk_tier_counts_the_disk(monkeypatch, tmp_path):
     assert limits[0] == 20 < limits[1] < limits[2]
 
 
+def test_a_disk_as_large_as_needed_is_arithmetic_from_the_run_found(monkeypatch, tmp_path):
+    """With --nvme, the search adds what a disk as large as needed would give (marked as arithmetic): the most layers
+    the host holds with their moments on the disk, and the step found scaled by the disk bytes."""
+    run = ol.dataclasses.replace(tiny_run(), train=True, mode="overlapped", nvme=str(tmp_path))
+    monkeypatch.setattr(ol, "host_memory_available", lambda: host_total(run, 20))
+    layer = ol.disk_unit_bytes(ol.llama_config(run))
+    monkeypatch.setattr(ol.shutil, "disk_usage", lambda _: ol.shutil._ntuple_diskusage(0, 0, 5 * layer))
+    limit = fl.host_layer_limit(run, "overlapped")
+    d = fl.large_disk(run, "overlapped", {"training": {"time_ms": 100.0, "disk_tier": {"bytes": 5 * layer}}})
+    assert limit < d["layers"] < fl.LARGE_DISK_LAYERS and 5 < d["disk_layers"] <= d["layers"]
+    more = fl.with_layers(run, d["layers"] + 1)
+    assert ol.disk_plan(more, ol.llama_config(more), free=fl.math.inf) is None  # the host holds no more
+    assert d["disk_bytes"] == d["disk_layers"] * layer and d["step_ms"] == pytest.approx(100.0 * d["disk_layers"] / 5)
+    assert "(arithmetic from the run above, not measured)" in fl.large_disk_line("overlapped", d)
+    assert fl.large_disk(run, "overlapped", {"training": {"time_ms": 100.0}}) is None  # no disk tier in the run
+
+
 @pytest.mark.parametrize("flags", [{}, {"inference": False, "offload_activations": True, "fwd_bwd_reference": True}])
 def test_a_probe_runs_the_cli_with_the_same_settings(flags):
     run = ol.RunConfig(
