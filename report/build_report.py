@@ -833,7 +833,8 @@ def figures_section(runs: dict) -> list[str]:
 
 
 def peers_section(runs: dict) -> list[str]:
-    """Section 8: accelerate's cpu_offload and FSDP2 with CPUOffloadPolicy against the script's modes."""
+    """Section 8: accelerate's cpu_offload, FSDP2 with CPUOffloadPolicy and (where run) DeepSpeed's ZeRO-3 and ZeRO-2
+    offload against the script's modes."""
     p = runs["peers_bf16"]["peers"]
     inference, training, own = (
         results(runs, "inference_bf16", "inference"),
@@ -876,13 +877,7 @@ def peers_section(runs: dict) -> list[str]:
             gib(training["overlapped"]["peak_gpu_bytes"]),
             gib(own["overlapped"]["peak_host_bytes"]),
         ],
-        [
-            "training step",
-            "FSDP2 fully_shard + CPUOffloadPolicy",
-            f"{p['fsdp2']['time_ms']:.1f}",
-            gib(p["fsdp2"]["peak_gpu_bytes"]),
-            gib(p["fsdp2"]["peak_host_bytes"]),
-        ],
+        *(peer_row(p[name], label) for name, label in TRAINING_PEERS.items() if name in p),
     ]
     fsdp = p["fsdp2"]
     ours = training["overlapped"]
@@ -909,7 +904,36 @@ def peers_section(runs: dict) -> list[str]:
         "overlapped mode); its step waits for the whole CPU Adam after the backward pass, where the overlapped "
         "mode updates each layer as soon as its gradients land.",
         "",
+        *deepspeed_note(p, runs["peers_bf16"]["run"]["dtype"]),
     ]
+
+
+def deepspeed_note(p: dict, dtype: str) -> list[str]:
+    """What DeepSpeed's rows run, where the peers' JSON has them."""
+    ran = [p[name] for name in ("zero3", "zero2") if "time_ms" in p.get(name, {})]
+    if not ran:
+        return []
+    return [
+        f"DeepSpeed {ran[0]['deepspeed']} (`report/peers.py`, one process as rank 0 of 1) trains the same model "
+        f"with {dtype} compute: ZeRO-3 with `offload_param` and `offload_optimizer` to pinned CPU memory (the model "
+        "built under `deepspeed.zero.Init`), ZeRO-2 with `offload_optimizer` only, both with DeepSpeed's CPU Adam, "
+        "which steps after the whole backward pass.",
+        "",
+    ]
+
+
+TRAINING_PEERS = {  # report/peers.py's training peers, as section 8 names them, each where the peers' JSON has it
+    "fsdp2": "FSDP2 fully_shard + CPUOffloadPolicy",
+    "zero3": "DeepSpeed ZeRO-3, parameters and optimizer offloaded",
+    "zero2": "DeepSpeed ZeRO-2, optimizer offloaded",
+}
+
+
+def peer_row(r: dict, label: str) -> list[str]:
+    """A training peer's row: its step and peaks, or why it did not run."""
+    if "missing" in r:
+        return ["training step", label, "", "", r["missing"]]
+    return ["training step", label, f"{r['time_ms']:.1f}", gib(r["peak_gpu_bytes"]), gib(r["peak_host_bytes"])]
 
 
 def analysis_section(runs: dict) -> list[str]:

@@ -124,3 +124,17 @@ def test_a_trimmed_trace_draws_and_measures_the_same(figure, tmp_path):
     assert module.trace_lanes(trimmed) == module.trace_lanes(full)
     for direction in ("HtoD", "DtoH"):
         assert ol.trace_overlap(str(trimmed), direction) == ol.trace_overlap(str(full), direction)
+
+
+def test_the_peers_section_has_a_row_for_each_training_peer_run():
+    """DeepSpeed's rows appear where the peers' JSON has them: a step, or why it did not run."""
+    module = build_report()
+    runs = module.load()
+    peers = runs["peers_bf16"]["peers"]
+    zero3 = {"time_ms": 1234.5, "peak_gpu_bytes": 10 * module.GiB, "peak_host_bytes": 47 * module.GiB}
+    zero3["deepspeed"] = "0.19.8"
+    peers |= {"zero3": zero3, "zero2": {"missing": "DeepSpeed is not installed (no module)"}}
+    text = "\n".join(module.peers_section(runs))
+    assert "| training step | DeepSpeed ZeRO-3, parameters and optimizer offloaded | 1234.5 | 10.00 | 47.00 |" in text
+    assert "| training step | DeepSpeed ZeRO-2, optimizer offloaded |  |  | DeepSpeed is not installed" in text
+    assert "DeepSpeed 0.19.8 (`report/peers.py`" in text
