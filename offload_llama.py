@@ -871,6 +871,7 @@ class MasterStore:
         self.unstarted = set(range(len(self.units)))  # their moments: zeroed before their first step
         if self.disk:
             self.disk.stop()  # a mode before may have ended mid-step: the reader starts its cycle anew
+            self.disk.waited_s = 0.0
 
     @torch.no_grad()
     def load_unit(self, u: int, state: dict) -> None:
@@ -1029,7 +1030,7 @@ class CpuAdam(HostState):
             if self.pending[0] is None:
                 return None
             # of the units whose gradients have landed, and whose moments the disk tier has read where it keeps them;
-            # else the oldest job, whose read the disk tier issues before any later unit's (it reads in their order)
+            # else the oldest job (where it is a disk unit, the tier reads it before any later one: it reads in order)
             landed = [job for job in self.pending if job is not None and job[1].query() and self.store.ready(job[0])]
             job = min(landed, key=lambda job: job[0]) if landed else self.pending[0]
             self.pending.remove(job)
@@ -1755,7 +1756,8 @@ class DiskTier:
                   the reader reads u again only after that (its file holds the last step's moments)
       current[u]  cleared when u's step takes its staged moments, set once they are written back:
                   a checkpoint reads u's file only when it holds u's latest moments
-    stop() lets go of whatever is staged, so a new cycle starts from the last unit (reset between modes)."""
+    stop() lets go of whatever is staged, so the reader starts over from the last layer, the backward's first (each
+    mode's load stops it)."""
 
     def __init__(self, folder: str, numels: dict[int, int], slots: int | None = None):
         self.folder = folder
@@ -1778,6 +1780,8 @@ class DiskTier:
         self.fresh = set()  # units whose moments start at zero at their next step
         self.in_slot = {}  # unit -> the slot it is being stepped in
         self.error = None  # the reader's or the writer's, raised by the next stage, read or flush
+        self.waited_s = 0.0  # the CPU Adam's wait for reads in this mode
+        self.lock = threading.Lock()  # stop() sets `stopping` and the reader clears a settled event, never both at once
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="disk-writer")
         self.reader = None
         self.reset()
@@ -1791,7 +1795,6 @@ class DiskTier:
         for event in [*self.settled.values(), *self.current.values()]:
             event.set()
         self.stopping = False
-        self.waited_s = 0.0  # the CPU Adam's wait for reads
 
     def moments(self, buffer: mmap.mmap, u: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Unit u's two moments in `buffer` (a slot, or a read's own), laid out as in its file."""
@@ -1824,7 +1827,7 @@ class DiskTier:
             self.writer.submit(self.write, u, self.in_slot.pop(u))
 
     def staged_now(self, u: int) -> bool:
-        """Whether unit u's moments are read, so that its step would not wait."""
+        """Whether unit u's moments are read, so that its step would not wait; starts the reader if it is stopped."""
         self.start()
         return not self.staged[u].empty()
 
@@ -1852,15 +1855,18 @@ class DiskTier:
     def cycle(self) -> None:
         """A step's disk traffic alone, for the bound: each unit's moments read into a slot in the backward's order and
         written back unchanged, each write overlapping the next reads as in a step. The reader is stopped first, so
-        what it staged is read again by the next step."""
+        the next step reads what it had staged again, from its first gradient on (that step is not timed)."""
         self.stop()
         writes = collections.deque()
-        for i, u in enumerate(self.units):
-            k = i % len(self.ring)
-            if len(writes) == len(self.ring):
-                writes.popleft().result()  # slot k's write-back has landed: it may be filled again
-            self.transfer(os.preadv, u, self.ring[k])
-            writes.append(self.writer.submit(self.transfer, os.pwritev, u, self.ring[k]))
+        try:
+            for i, u in enumerate(self.units):
+                k = i % len(self.ring)
+                if len(writes) == len(self.ring):
+                    writes.popleft().result()  # slot k's write-back has landed: it may be filled again
+                self.transfer(os.preadv, u, self.ring[k])
+                writes.append(self.writer.submit(self.transfer, os.pwritev, u, self.ring[k]))
+        finally:
+            concurrent.futures.wait(writes)  # a read failed: no write still reads a slot the next step fills
         for write in writes:
             write.result()
 
@@ -1880,12 +1886,13 @@ class DiskTier:
             self.reader.start()
 
     def stop(self) -> None:
-        """Stop the reader after the write-backs have landed, and let go of what it staged (no step runs)."""
+        """Stop the reader after the write-backs have landed, and let go of what it staged; no step may be running."""
         self.drain()
         if self.reader is not None:
-            self.stopping = True
-            for event in self.settled.values():
-                event.set()  # wakes the reader where it waits to read a unit again
+            with self.lock:
+                self.stopping = True
+                for event in self.settled.values():
+                    event.set()  # wakes the reader where it waits to read a unit again
             self.free.put(None)  # wakes it where it waits for a slot
             self.reader.join()
             self.reader = None
@@ -1907,9 +1914,10 @@ class DiskTier:
         for u in itertools.cycle(self.units):
             self.settled[u].wait()
             k = None if self.stopping else self.free.get()
-            if self.stopping or k is None:
-                return
-            self.settled[u].clear()
+            with self.lock:  # else stop() could set the event between the check and the clear, and the wait hang
+                if self.stopping or k is None:
+                    return
+                self.settled[u].clear()
             try:
                 self.transfer(os.preadv, u, self.ring[k])
             except BaseException as e:  # every step that waits for a read from now on raises it

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -92,8 +93,10 @@ def test_the_bounds_disk_cycle_moves_a_step_and_changes_no_bit(slots, tmp_path, 
         return transfer(self, call, u, buffer)
 
     monkeypatch.setattr(ol.DiskTier, "transfer", counted)
+    waited = disk.store.disk.waited_s
     disk.store.disk.cycle()
     monkeypatch.setattr(ol.DiskTier, "transfer", transfer)
+    assert disk.store.disk.waited_s == waited > 0  # the mode's waits for reads still count, rounds or not
     assert sorted(moved) == sorted((call, u) for call in ("preadv", "pwritev") for u in (2, 3, 4, 5))
     assert [u for call, u in moved if call == "preadv"] == [5, 4, 3, 2]  # the backward's order
     steps(disk, batches, 2)
@@ -306,12 +309,38 @@ def test_a_read_error_with_shared_gradient_buffers_ends_the_run(tmp_path, monkey
         for _ in range(4):
             trainer.step(batches)
         trainer.finish()
-    assert trainer.store.pool.free.qsize() == 2
     monkeypatch.undo()
     with pytest.raises(OSError):  # the worker's error stays, for every wait
         trainer.finish()
+    assert trainer.store.pool.free.qsize() == 2  # the worker has stopped: every buffer it held is back
     trainer.store.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_stopping_the_reader_as_it_takes_a_unit_does_not_hang(tmp_path):
+    """Hostile: stop() comes while the reader marks the one disk unit as being read (the event it waits on next), as
+    before a bound's round or a mode's load; stop() returns, and the reader with it."""
+    model, batches = five_layers("bfloat16")
+    trainer = offloaded_trainer(model, CPU, 1, batches, disk=(tmp_path, (5,)))
+    disk, inside = trainer.store.disk, threading.Event()
+
+    class SlowClear(threading.Event):
+        """An event whose clear() lets stop() come first."""
+
+        def clear(self):
+            inside.set()
+            time.sleep(0.1)  # stop() comes now
+            super().clear()
+
+    disk.settled[5] = SlowClear()
+    disk.settled[5].set()
+    disk.start()
+    assert inside.wait(5)
+    stopper = threading.Thread(target=disk.stop, daemon=True)
+    stopper.start()
+    stopper.join(5)
+    assert not stopper.is_alive() and disk.reader is None
+    trainer.store.close()
 
 
 def test_a_checkpoint_on_the_disk_of_the_tier_counts_its_files(monkeypatch, tmp_path):
