@@ -1311,6 +1311,54 @@ def ablations_section() -> list[str]:
     ]
 
 
+# each acceleration on and off, as run_benchmarks.sh's parts measure them (7b-8l, bfloat16, training): what it is,
+# the flags that turn it off (or on, where it is off by default), and the runs (name, mode) off and on; the 11 GiB
+# cap's pairs come from the budget_ab part
+ABLATIONS = (
+    ("copies overlapped with compute", "--mode blocked", ("train_bf16", "blocked"), ("train_bf16", "overlapped")),
+    (
+        "the GPU's Adam over streamed state",
+        "--gpu-adam-share 0",
+        ("ablation_share_0", "overlapped"),
+        ("ablation_share_0.3", "overlapped"),
+    ),
+    (
+        "prefetch 3 units ahead (every unit on the CPU Adam)",
+        "--prefetch 3",
+        ("ablation_share_0", "overlapped"),
+        ("ablation_share_0_prefetch3", "overlapped"),
+    ),
+    (
+        "activation offload, where the saved inputs fit",
+        "--offload-activations",
+        ("train_bf16_overlapped", "overlapped"),
+        ("train_bf16_offload_acts", "overlapped"),
+    ),
+)
+
+
+def ablation_rows(runs: dict) -> list[list[str]]:
+    """One row per acceleration: the step without and with it, and their ratio; the 11 GiB cap's units resident
+    against every unit streamed, pair by pair."""
+    rows = []
+    for what, flags, (off, off_mode), (on, on_mode) in ABLATIONS:
+        a, b = (runs[name]["results"][mode]["training"]["time_ms"] for name, mode in ((off, off_mode), (on, on_mode)))
+        rows.append([what, f"`{flags}`", f"{a:.1f}", f"{b:.1f}", f"{b / a:.2f}"])
+    for i in range(1, PAIRS + 1):
+        s, c = (runs[f"budget_ab_{arm}_{i}"]["results"]["overlapped"]["training"] for arm in ("streamed", "11"))
+        what = f"units resident under an 11 GiB cap ({len(c['resident_units'])} of {c['units']}), pair {i}"
+        rows.append([what, "`--max-gpu-memory 11`", f"{s['time_ms']:.1f}", f"{c['time_ms']:.1f}"])
+        rows[-1].append(f"{c['time_ms'] / s['time_ms']:.2f}")
+    return rows
+
+
+def measured_ablations(runs: dict) -> list[str]:
+    """The ablations as a table from the runs of one script version (to replace ablations_section's quoted findings
+    once run_benchmarks.sh's parts train_bf16, alone, activations, budget_ab and ablations are all in SOURCES)."""
+    header = ["acceleration", "flags", "step without (ms)", "step with (ms)", "with / without"]
+    return [*table(header, ablation_rows(runs)), ""]
+
+
 def sources_section(runs: dict) -> list[str]:
     """The last section: each JSON and trace the report reads, with the script versions that made them."""
     paths = SOURCES | BUDGET_SOURCES

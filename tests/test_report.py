@@ -138,3 +138,33 @@ def test_the_peers_section_has_a_row_for_each_training_peer_run():
     assert "| training step | DeepSpeed ZeRO-3, parameters and optimizer offloaded | 1234.5 | 10.00 | 47.00 |" in text
     assert "| training step | DeepSpeed ZeRO-2, optimizer offloaded |  |  | DeepSpeed is not installed" in text
     assert "DeepSpeed 0.19.8 (`report/peers.py`" in text
+
+
+def test_the_ablations_table_has_each_acceleration_without_and_with():
+    """Each acceleration's step without and with it, from the runs that measure it, and the 11 GiB pairs."""
+    module = build_report()
+
+    def run(**steps):
+        """A run's JSON with a training step time per mode."""
+        return {"results": {mode: {"training": {"time_ms": ms}} for mode, ms in steps.items()}}
+
+    runs = {
+        "train_bf16": run(blocked=600.0, overlapped=450.0),
+        "ablation_share_0": run(overlapped=500.0),
+        "ablation_share_0.3": run(overlapped=425.0),
+        "ablation_share_0_prefetch3": run(overlapped=510.0),
+        "train_bf16_overlapped": run(overlapped=440.0),
+        "train_bf16_offload_acts": run(overlapped=462.0),
+    }
+    for i in range(1, module.PAIRS + 1):
+        runs[f"budget_ab_streamed_{i}"] = run(overlapped=440.0)
+        runs[f"budget_ab_11_{i}"] = run(overlapped=330.0)
+        runs[f"budget_ab_11_{i}"]["results"]["overlapped"]["training"] |= {"resident_units": [0, 1, 2], "units": 11}
+    text = "\n".join(module.measured_ablations(runs))
+    assert "| copies overlapped with compute | `--mode blocked` | 600.0 | 450.0 | 0.75 |" in text
+    assert "| the GPU's Adam over streamed state | `--gpu-adam-share 0` | 500.0 | 425.0 | 0.85 |" in text
+    assert "| activation offload, where the saved inputs fit | `--offload-activations` | 440.0 | 462.0 | 1.05 |" in text
+    assert (
+        text.count("units resident under an 11 GiB cap (3 of 11)") == module.PAIRS
+        and "| 440.0 | 330.0 | 0.75 |" in text
+    )
