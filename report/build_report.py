@@ -471,6 +471,37 @@ def largest_section(runs: dict) -> list[str]:
     ]
 
 
+def disk_tier_note(runs: dict) -> list[str]:
+    """Section 5's disk tier (to go in with the rebuild that adds run_benchmarks.sh's parts largest_disk and disk to
+    SOURCES): the largest model with the Adam moments of the last layers on the disk, what a disk as large as needed
+    would give (find_largest.py's arithmetic), and 7b-8l with half its layers' moments on the disk."""
+    r = runs["largest_llama7b_disk"]
+    found = r["find_largest"]["overlapped"]
+    t, large = found["training"], found["large_disk"]
+    disk = t["disk_tier"]
+    host, half = (runs[name]["results"]["overlapped"]["training"] for name in ("disk_7b8l_host", "disk_7b8l_half"))
+    return [
+        f"With the disk tier (`--nvme DIR`, part `largest_disk`), {found['layers']} layers "
+        f"({found['parameters'] / 1e9:.2f} B parameters) train under the {r['run']['max_gpu_memory']:g} GiB cap, "
+        f"the Adam moments of {disk['units']} of them ({gib(disk['bytes'])} GiB) in files on the disk, read and "
+        f"written back every step: {t['time_ms'] / 1e3:.1f} s a step against a bound of {t['bound_ms'] / 1e3:.1f} s "
+        f"({BOUND_NAMES[t['bound_by']]} alone; efficiency {t['bound_ms'] / t['time_ms']:.2f}), peak host "
+        f"{gib(t['peak_host_bytes'])} GiB, peak GPU {gib(t['peak_gpu_bytes'])} GiB. The disk measured "
+        f"{disk['write_gbps']:.2f} GB/s written and {disk['read_gbps']:.2f} read when the tier was set up. What "
+        f"stops one more layer is {found['limited_by']}.",
+        "",
+        f"Arithmetic, not measured: with a disk as large as needed, {large['layers']} layers "
+        f"({large['parameters'] / 1e9:.2f} B parameters) would fit this host, {large['disk_layers']} of them with "
+        f"their moments on the disk ({gib(large['disk_bytes'])} GiB), at about {large['step_ms'] / 1e3:.0f} s a step "
+        "at the disk rate of the run above; a faster drive shortens the step in proportion to its rate.",
+        "",
+        f"7b-8l with the moments of half its decoder layers on the disk (part `disk`): {half['time_ms']:.1f} ms a "
+        f"step against {host['time_ms']:.1f} ms with all of them in host memory, "
+        f"{gib(half['disk_tier']['bytes'])} GiB read and written back a step.",
+        "",
+    ]
+
+
 def budget_rows(runs: dict) -> list[tuple[str, float | None, dict, dict]]:
     """(label, cap in GiB or None, inference result, training result) from gpu mode through every unit streamed to
     each cap of the budget part."""

@@ -168,3 +168,22 @@ def test_the_ablations_table_has_each_acceleration_without_and_with():
         text.count("units resident under an 11 GiB cap (3 of 11)") == module.PAIRS
         and "| 440.0 | 330.0 | 0.75 |" in text
     )
+
+
+def test_the_disk_tier_note_reads_the_largest_run_and_the_half_on_disk_pair():
+    """The largest model with the disk tier, the arithmetic for a disk as large as needed, and 7b-8l half on disk."""
+    module = build_report()
+    gib = module.GiB
+    tier = {"units": 41, "bytes": 62 * gib, "write_gbps": 2.5, "read_gbps": 2.0}
+    training = {"time_ms": 64000.0, "bound_ms": 60000.0, "bound_by": "disk", "disk_tier": tier}
+    training |= {"peak_host_bytes": 114 * gib, "peak_gpu_bytes": 10.5 * gib}
+    large = {"layers": 142, "parameters": 29.0e9, "disk_layers": 142, "disk_bytes": 214 * gib, "step_ms": 223000.0}
+    found = {"layers": 75, "parameters": 15.44e9, "training": training, "large_disk": large, "limited_by": "the disk"}
+    runs = {"largest_llama7b_disk": {"run": {"max_gpu_memory": 11}, "find_largest": {"overlapped": found}}}
+    runs["disk_7b8l_host"] = {"results": {"overlapped": {"training": {"time_ms": 400.0}}}}
+    half = {"time_ms": 3700.0, "disk_tier": {"bytes": 6 * gib}}
+    runs["disk_7b8l_half"] = {"results": {"overlapped": {"training": half}}}
+    text = "\n".join(module.disk_tier_note(runs))
+    assert "75 layers (15.44 B parameters) train under the 11 GiB cap" in text and "efficiency 0.94" in text
+    assert "Arithmetic, not measured" in text and "142 layers (29.00 B parameters)" in text and "about 223 s" in text
+    assert "3700.0 ms a step against 400.0 ms" in text
