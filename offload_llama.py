@@ -871,7 +871,7 @@ class MasterStore:
         self.unstarted = set(range(len(self.units)))  # their moments: zeroed before their first step
         if self.disk:
             self.disk.stop()  # a mode before may have ended mid-step: the reader starts its cycle anew
-            self.disk.waited_s = 0.0
+            self.disk.waited_s = 0.0  # the waits for reads of this mode
 
     @torch.no_grad()
     def load_unit(self, u: int, state: dict) -> None:
