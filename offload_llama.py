@@ -870,7 +870,7 @@ class MasterStore:
             self.steps[u].zero_()
         self.unstarted = set(range(len(self.units)))  # their moments: zeroed before their first step
         if self.disk:
-            self.disk.stop()  # a mode before may have ended mid-step: the reader starts its cycle anew
+            self.disk.stop()  # a mode before may have ended mid-step: the reader starts over
             self.disk.waited_s = 0.0  # the waits for reads of this mode
 
     @torch.no_grad()

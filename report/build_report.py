@@ -608,11 +608,16 @@ def same_placement_note(rows: list) -> list[str]:
     ]
 
 
+def ab_pair(runs: dict, i: int) -> tuple[dict, dict]:
+    """The budget_ab part's pair i: the training results with every unit streamed and under the 11 GiB cap."""
+    return tuple(runs[f"budget_ab_{arm}_{i}"]["results"]["overlapped"]["training"] for arm in ("streamed", "11"))
+
+
 def pairs_table(runs: dict) -> list[str]:
     """The budget_ab pairs: training under 11 GiB against every unit streamed, each run a process of its own."""
     rows, streamed = [], [t["time_ms"] for *_, t in budget_rows(runs)[1:] if not t["resident_units"]]
     for i in range(1, PAIRS + 1):
-        s, c = (runs[f"budget_ab_{arm}_{i}"]["results"]["overlapped"]["training"] for arm in ("streamed", "11"))
+        s, c = ab_pair(runs, i)
         rows.append(
             [
                 str(i),
@@ -1376,10 +1381,10 @@ def ablation_rows(runs: dict) -> list[list[str]]:
         a, b = (runs[name]["results"][mode]["training"]["time_ms"] for name, mode in ((off, off_mode), (on, on_mode)))
         rows.append([what, f"`{flags}`", f"{a:.1f}", f"{b:.1f}", f"{b / a:.2f}"])
     for i in range(1, PAIRS + 1):
-        s, c = (runs[f"budget_ab_{arm}_{i}"]["results"]["overlapped"]["training"] for arm in ("streamed", "11"))
+        s, c = ab_pair(runs, i)
         what = f"units resident under an 11 GiB cap ({len(c['resident_units'])} of {c['units']}), pair {i}"
-        rows.append([what, "`--max-gpu-memory 11`", f"{s['time_ms']:.1f}", f"{c['time_ms']:.1f}"])
-        rows[-1].append(f"{c['time_ms'] / s['time_ms']:.2f}")
+        ratio = c["time_ms"] / s["time_ms"]
+        rows.append([what, "`--max-gpu-memory 11`", f"{s['time_ms']:.1f}", f"{c['time_ms']:.1f}", f"{ratio:.2f}"])
     return rows
 
 

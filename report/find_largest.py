@@ -30,7 +30,9 @@ def with_layers(run: ol.RunConfig, layers: int) -> ol.RunConfig:
     return dataclasses.replace(run, sizes=tuple({**dict(run.sizes), "num_hidden_layers": layers}.items()))
 
 
-def host_layer_limit(run: ol.RunConfig, mode: str, free: float | None = None, most: int = ol.MAX_SEARCH_LAYERS):
+def host_layer_limit(
+    run: ol.RunConfig, mode: str, free: float | None = None, most: int = ol.MAX_SEARCH_LAYERS
+) -> int | None:
     """The most decoder layers (up to `most`) whose training state this machine has room for in `mode`: in host
     memory, and with --nvme on the disk too, with `free` bytes of room there (default: its free space); None: not
     known."""
@@ -185,8 +187,8 @@ def large_disk(run: ol.RunConfig, mode: str, found: dict) -> dict | None:
     if "disk_tier" not in t:
         return None
     n = host_layer_limit(run, mode, free=math.inf, most=LARGE_DISK_LAYERS)
-    more, config = dataclasses.replace(with_layers(run, n), mode=mode), config_with_layers(run, n)
-    on_disk = ol.disk_plan(more, config, free=math.inf)
+    largest, config = dataclasses.replace(with_layers(run, n), mode=mode), config_with_layers(run, n)
+    on_disk = ol.disk_plan(largest, config, free=math.inf)
     disk_bytes = on_disk * ol.disk_unit_bytes(config)
     step_ms = t["time_ms"] * disk_bytes / t["disk_tier"]["bytes"]
     figures = {"layers": n, "parameters": ol.param_count(config), "disk_layers": on_disk, "disk_bytes": disk_bytes}
@@ -250,8 +252,9 @@ def find_largest(run: ol.RunConfig) -> dict:
     report = {**ol.environment(), "run": dataclasses.asdict(run), "config": json.loads(config.to_json_string())}
     report["find_largest"] = found
     print(largest_table(found, run))
-    lines = [large_disk_line(mode, f["large_disk"]) for mode, f in found.items() if "large_disk" in f]
-    print("\n".join(lines), end="\n" * bool(lines))
+    for mode, f in found.items():
+        if "large_disk" in f:
+            print(large_disk_line(mode, f["large_disk"]))
     if run.json:
         ol.write_json(run.json, report)
     return report
