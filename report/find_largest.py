@@ -167,8 +167,9 @@ def limit(run: ol.RunConfig, mode: str, config, n: int, after: dict | None) -> s
     more = dataclasses.replace(with_layers(run, n + 1), mode=mode)
     more_config = ol.llama_config(more)
     if ol.disk_plan(more, more_config) is None:
-        planned = dataclasses.replace(more, nvme_layers=ol.disk_plan(more, more_config, free=float("inf")))
-        disk = f" and {ol.gib(planned.nvme_layers * ol.disk_unit_bytes(more_config))} GiB on the disk" * bool(run.nvme)
+        planned = dataclasses.replace(more, nvme_layers=disk_layers_needed(more, more_config))
+        disk_bytes = planned.nvme_layers * ol.disk_unit_bytes(more_config)
+        disk = f" and {ol.gib(disk_bytes)} GiB on the disk" if run.nvme else ""
         needed, what = ol.host_bytes_needed(planned, more_config, ol.param_count(more_config))
         budget, reserve = ol.host_budget(run), ol.host_reserve(config)
         return (
@@ -177,6 +178,15 @@ def limit(run: ol.RunConfig, mode: str, config, n: int, after: dict | None) -> s
             "needs besides"
         )
     return f"the search stops at {ol.MAX_SEARCH_LAYERS} layers"
+
+
+def disk_layers_needed(run: ol.RunConfig, config) -> int:
+    """The layers whose moments go to the disk of --nvme were it as large as needed (all of them where even that does
+    not fit the host); 0 without --nvme."""
+    if not run.nvme:
+        return 0
+    planned = ol.disk_plan(run, config, free=math.inf)
+    return config.num_hidden_layers if planned is None else planned
 
 
 def large_disk(run: ol.RunConfig, mode: str, found: dict) -> dict | None:

@@ -145,3 +145,15 @@ def test_cli_find_largest_on_the_cpu(tmp_path):
 def test_find_largest_needs_a_preset(tmp_path):
     r = find_largest("--model", tmp_path)
     assert r.returncode == 2 and "--preset" in r.stderr
+
+
+@pytest.mark.parametrize("disk", [False, True])
+def test_the_layer_past_the_host_limit_is_refused_for_host_memory(monkeypatch, tmp_path, disk):
+    """Unprobed, the layer past the host's limit says what it needs of the host (and, with --nvme, of the disk)."""
+    run = ol.dataclasses.replace(tiny_run(), train=True, mode="overlapped", nvme=str(tmp_path) if disk else None)
+    monkeypatch.setattr(ol, "host_memory_available", lambda: host_total(run, 3))
+    monkeypatch.setattr(ol.shutil, "disk_usage", lambda _: ol.shutil._ntuple_diskusage(0, 0, 0))  # no room on it
+    n = fl.host_layer_limit(run, "overlapped")
+    why = fl.limit(run, "overlapped", ol.llama_config(run), n, None)
+    assert n == 3 and why.startswith(f"host memory: with {n + 1} layers")
+    assert ("GiB on the disk" in why) == disk
