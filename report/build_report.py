@@ -3,11 +3,12 @@
     python3 report/build_report.py           # write REPORT.md, the figures and REPORT.pdf; trim the traces
     python3 report/build_report.py --check   # exit 1 if REPORT.md or README.md's results are not what the JSON gives
 
-Every number in the report is read from a JSON file named in SOURCES or BUDGET_SOURCES (each group made by one
-version of the script), but section 11's (ablations_section), which quotes as text experiments made by earlier
-versions, whose files are no longer kept; every figure is drawn from those JSON files or a profiler trace named in
-TRACES. The sources are listed at the end of the report, with the script version (sha256 of offload_llama.py, and
-of report/peers.py for the peers) each was made by. The figures and the PDF need matplotlib; the check does not.
+Every number in the report is read from a JSON file named in SOURCES, BUDGET_SOURCES or DISK_SOURCES (each group
+made by one version of the script), but section 11's (ablations_section), which quotes as text experiments made by
+earlier versions, whose files are no longer kept; every figure is drawn from those JSON files or a profiler trace
+named in TRACES. The sources are listed at the end of the report, with the script version (sha256 of
+offload_llama.py, and of report/peers.py for the peers) each was made by. The figures and the PDF need matplotlib; the
+check does not.
 """
 
 from __future__ import annotations
@@ -54,6 +55,14 @@ BUDGET_SOURCES = {
         for i in range(1, PAIRS + 1)
         for arm in ("streamed", "11")
     },
+}
+# issue 33's disk tier (run_benchmarks.sh parts disk and largest_disk, with NVME_DIR on the machine's own disk): the
+# largest model with the Adam moments of its last layers on the disk, and 7b-8l with half of them there against none;
+# one version of the script made them, in one call each (disk_tier_note names it)
+DISK_SOURCES = {
+    "largest_llama7b_disk": "results/disk/largest_llama7b_disk.json",
+    "disk_7b8l_host": "results/disk/disk_7b8l_host.json",
+    "disk_7b8l_half": "results/disk/disk_7b8l_half.json",
 }
 TRACES = {  # figure -> profiler trace (Chrome JSON) it is drawn from
     "timeline_training.png": "results/trace_bf16.train.json",
@@ -471,33 +480,37 @@ def largest_section(runs: dict) -> list[str]:
     ]
 
 
-def disk_tier_note(runs: dict) -> list[str]:
-    """Section 5's disk tier (to go in with the rebuild that adds run_benchmarks.sh's parts largest_disk and disk to
-    SOURCES): the largest model with the Adam moments of the last layers on the disk, what a disk as large as needed
-    would give (find_largest.py's arithmetic), and 7b-8l with half its layers' moments on the disk."""
+def disk_tier_note(runs: dict, main_sha: str) -> list[str]:
+    """Section 5's disk tier, from the DISK_SOURCES runs: the largest model with the Adam moments of the last layers
+    on the disk, what a disk as large as needed would give (find_largest.py's arithmetic), and 7b-8l with half its
+    layers' moments on the disk against none; `main_sha` is the script version of the other sections' runs."""
     r = runs["largest_llama7b_disk"]
     found = r["find_largest"]["overlapped"]
     t, large = found["training"], found["large_disk"]
-    disk = t["disk_tier"]
+    disk, sha = t["disk_tier"], r["script_sha256"]
     host, half = (runs[name]["results"]["overlapped"]["training"] for name in ("disk_7b8l_host", "disk_7b8l_half"))
+    version = "the version that made the runs above" if sha == main_sha else "a later version than the runs above"
     return [
-        f"With the disk tier (`--nvme DIR`, part `largest_disk`), {found['layers']} layers "
+        "With the disk tier (`--nvme DIR`; `bash report/run_benchmarks.sh OUT largest_disk disk`, made by "
+        f"`offload_llama.py` sha256 `{sha[:12]}`, {version}), {found['layers']} layers "
         f"({found['parameters'] / 1e9:.2f} B parameters) train under the {r['run']['max_gpu_memory']:g} GiB cap, "
         f"the Adam moments of {disk['units']} of them ({gib(disk['bytes'])} GiB) in files on the disk, read and "
         f"written back every step: {t['time_ms'] / 1e3:.1f} s a step against a bound of {t['bound_ms'] / 1e3:.1f} s "
         f"({BOUND_NAMES[t['bound_by']]} alone; efficiency {t['bound_ms'] / t['time_ms']:.2f}), peak host "
-        f"{gib(t['peak_host_bytes'])} GiB, peak GPU {gib(t['peak_gpu_bytes'])} GiB. The disk measured "
-        f"{disk['write_gbps']:.2f} GB/s written and {disk['read_gbps']:.2f} read when the tier was set up. What "
-        f"stops one more layer is {found['limited_by']}.",
+        f"{gib(t['peak_host_bytes'])} GiB, peak GPU {gib(t['peak_gpu_bytes'])} GiB. The bound's disk part moves a "
+        f"step's {t['disk_bytes'] / 1e9:.1f} GB each way through the tier's own buffers, at "
+        f"{t['disk_gbps']:.2f} GB/s together; alone, the disk measured {disk['write_gbps']:.2f} GB/s written and "
+        f"{disk['read_gbps']:.2f} read when the tier was set up. What stops one more layer is {found['limited_by']}.",
         "",
         f"Arithmetic, not measured: with a disk as large as needed, {large['layers']} layers "
         f"({large['parameters'] / 1e9:.2f} B parameters) would fit this host, {large['disk_layers']} of them with "
         f"their moments on the disk ({gib(large['disk_bytes'])} GiB), at about {large['step_ms'] / 1e3:.0f} s a step "
         "at the disk rate of the run above; a faster drive shortens the step in proportion to its rate.",
         "",
-        f"7b-8l with the moments of half its decoder layers on the disk (part `disk`): {half['time_ms']:.1f} ms a "
-        f"step against {host['time_ms']:.1f} ms with all of them in host memory, "
-        f"{gib(half['disk_tier']['bytes'])} GiB read and written back a step.",
+        f"7b-8l with the moments of half its decoder layers on the disk: {half['time_ms']:.1f} ms a step against a "
+        f"bound of {half['bound_ms']:.1f} ms ({BOUND_NAMES[half['bound_by']]} alone; efficiency "
+        f"{half['bound_ms'] / half['time_ms']:.2f}), {gib(half['disk_tier']['bytes'])} GiB read and written back a "
+        f"step; with all of them in host memory, {host['time_ms']:.1f} ms.",
         "",
     ]
 
@@ -1397,7 +1410,7 @@ def measured_ablations(runs: dict) -> list[str]:
 
 def sources_section(runs: dict) -> list[str]:
     """The last section: each JSON and trace the report reads, with the script versions that made them."""
-    paths = SOURCES | BUDGET_SOURCES
+    paths = SOURCES | BUDGET_SOURCES | DISK_SOURCES
     rows = [[f"`{paths[name]}`", r["script_sha256"][:12], r.get("peers_sha256", "")[:12]] for name, r in runs.items()]
     rows += [[f"`{trace}`", "(profiler trace)", ""] for trace in TRACES.values()]
     return [
@@ -1413,7 +1426,8 @@ def sources_section(runs: dict) -> list[str]:
 
 def build() -> str:
     """REPORT.md's text, section by section."""
-    runs, budget = load(), load(BUDGET_SOURCES)
+    runs, budget, disk = load(), load(BUDGET_SOURCES), load(DISK_SOURCES)
+    main_sha = runs["train_bf16"]["script_sha256"]
     lines = [
         "# offload_llama: measured report",
         "",
@@ -1426,14 +1440,14 @@ def build() -> str:
         model_section(runs),
         memory_section(runs),
         time_section(runs),
-        largest_section(runs),
+        largest_section(runs) + disk_tier_note(disk, main_sha),
         scale_section(runs),
         figures_section(runs),
         peers_section(runs),
         analysis_section(runs),
-        budget_section(budget, runs["train_bf16"]["script_sha256"]),
+        budget_section(budget, main_sha),
         ablations_section(),
-        sources_section(runs | budget),
+        sources_section(runs | budget | disk),
     ):
         lines += section
     return "\n".join(lines)
