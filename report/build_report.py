@@ -496,7 +496,7 @@ def disk_tier_note(runs: dict, main_sha: str) -> list[str]:
         f"({found['parameters'] / 1e9:.2f} B parameters) train under the {r['run']['max_gpu_memory']:g} GiB cap, "
         f"the Adam moments of {disk['units']} of them ({gib(disk['bytes'])} GiB) in files on the disk, read and "
         f"written back every step: {t['time_ms'] / 1e3:.1f} s a step against a bound of {t['bound_ms'] / 1e3:.1f} s "
-        f"({BOUND_NAMES[t['bound_by']]} alone; efficiency {t['bound_ms'] / t['time_ms']:.2f}), peak host "
+        f"({BOUND_NAMES[t['bound_by']]} alone; efficiency {t['efficiency']:.2f}), peak host "
         f"{gib(t['peak_host_bytes'])} GiB, peak GPU {gib(t['peak_gpu_bytes'])} GiB. The bound's disk part moves a "
         f"step's {t['disk_bytes'] / 1e9:.1f} GB each way through the tier's own buffers, at "
         f"{t['disk_gbps']:.2f} GB/s together; alone, the disk measured {disk['write_gbps']:.2f} GB/s written and "
@@ -509,7 +509,7 @@ def disk_tier_note(runs: dict, main_sha: str) -> list[str]:
         "",
         f"7b-8l with the moments of half its decoder layers on the disk: {half['time_ms']:.1f} ms a step against a "
         f"bound of {half['bound_ms']:.1f} ms ({BOUND_NAMES[half['bound_by']]} alone; efficiency "
-        f"{half['bound_ms'] / half['time_ms']:.2f}), {gib(half['disk_tier']['bytes'])} GiB read and written back a "
+        f"{half['efficiency']:.2f}), {gib(half['disk_tier']['bytes'])} GiB read and written back a "
         f"step; with all of them in host memory, {host['time_ms']:.1f} ms.",
         "",
     ]

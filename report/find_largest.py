@@ -198,7 +198,7 @@ def large_disk(run: ol.RunConfig, mode: str, found: dict) -> dict | None:
         return None
     n = host_layer_limit(run, mode, free=math.inf, most=LARGE_DISK_LAYERS)
     largest, config = dataclasses.replace(with_layers(run, n), mode=mode), config_with_layers(run, n)
-    on_disk = ol.disk_plan(largest, config, free=math.inf)
+    on_disk = disk_layers_needed(largest, config)
     disk_bytes = on_disk * ol.disk_unit_bytes(config)
     step_ms = t["time_ms"] * disk_bytes / t["disk_tier"]["bytes"]
     figures = {"layers": n, "parameters": ol.param_count(config), "disk_layers": on_disk, "disk_bytes": disk_bytes}

@@ -176,7 +176,7 @@ def test_the_disk_tier_note_reads_the_largest_run_and_the_half_on_disk_pair():
     gib = module.GiB
     tier = {"units": 41, "bytes": 62 * gib, "write_gbps": 2.5, "read_gbps": 2.0}
     training = {"time_ms": 64000.0, "bound_ms": 60000.0, "bound_by": "disk", "disk_tier": tier}
-    training |= {"disk_bytes": 66.4e9, "disk_gbps": 2.21}
+    training |= {"disk_bytes": 66.4e9, "disk_gbps": 2.21, "efficiency": 60000.0 / 64000.0}
     training |= {"peak_host_bytes": 114 * gib, "peak_gpu_bytes": 10.5 * gib}
     large = {"layers": 142, "parameters": 29.0e9, "disk_layers": 142, "disk_bytes": 214 * gib, "step_ms": 223000.0}
     found = {"layers": 75, "parameters": 15.44e9, "training": training, "large_disk": large, "limited_by": "the disk"}
@@ -184,6 +184,7 @@ def test_the_disk_tier_note_reads_the_largest_run_and_the_half_on_disk_pair():
     runs = {"largest_llama7b_disk": largest}
     runs["disk_7b8l_host"] = {"results": {"overlapped": {"training": {"time_ms": 400.0}}}}
     half = {"time_ms": 3700.0, "bound_ms": 3500.0, "bound_by": "disk", "disk_tier": {"bytes": 6 * gib}}
+    half["efficiency"] = 3500.0 / 3700.0
     runs["disk_7b8l_half"] = {"results": {"overlapped": {"training": half}}}
     text = "\n".join(module.disk_tier_note(runs, "a" * 64))
     assert "75 layers (15.44 B parameters) train under the 11 GiB cap" in text and "efficiency 0.94" in text
