@@ -3,12 +3,10 @@
     python3 report/build_report.py           # write REPORT.md, the figures and REPORT.pdf; trim the traces
     python3 report/build_report.py --check   # exit 1 if REPORT.md or README.md's results are not what the JSON gives
 
-Every number in the report is read from a JSON file named in SOURCES, BUDGET_SOURCES or DISK_SOURCES (each group
-made by one version of the script), but section 11's (ablations_section), which quotes as text experiments made by
-earlier versions, whose files are no longer kept; every figure is drawn from those JSON files or a profiler trace
-named in TRACES. The sources are listed at the end of the report, with the script version (sha256 of
-offload_llama.py, and of report/peers.py for the peers) each was made by. The figures and the PDF need matplotlib; the
-check does not.
+Every number in the report is read from a JSON file named in SOURCES, all made by one version of the script, and
+every figure is drawn from those JSON files or a profiler trace named in TRACES. The sources are listed at the end of
+the report, with the script version (sha256 of offload_llama.py, and of report/peers.py for the peers). The figures
+and the PDF need matplotlib; the check does not.
 """
 
 from __future__ import annotations
@@ -23,7 +21,10 @@ from statistics import median
 
 HERE = Path(__file__).resolve().parent
 GiB = 2**30
-SOURCES = {  # name -> JSON file, relative to report/; all made by `bash report/run_benchmarks.sh report/results`
+BUDGETS = (4, 6, 8, 11, 16, 24, 80)  # GiB: run_benchmarks.sh's part budget, one run per cap
+PAIRS = 3  # its part budget_ab: the 11 GiB cap against every unit streamed, each in a process of its own
+ABLATION_RUNS = ("share_0", "share_0.3", "share_0.4", "share_0_prefetch3", "fsdp2", "share_0.3_again")
+SOURCES = {  # name -> JSON file, relative to report/; all made by `bash report/run_benchmarks.sh OUTDIR PART...`
     "inference_bf16": "results/inference_bf16.json",
     "inference_bf16_prefetch2": "results/inference_bf16_prefetch2.json",
     "inference_bf16_prefetch3": "results/inference_bf16_prefetch3.json",
@@ -41,13 +42,11 @@ SOURCES = {  # name -> JSON file, relative to report/; all made by `bash report/
     "largest_llama7b": "results/largest_llama7b.json",
     "train_llama7b_65k": "results/train_llama7b_65k.json",
     "peers_bf16": "results/peers_bf16.json",
-}
-# issue 13's time against the GPU budget (run_benchmarks.sh parts budget and budget_ab): the two ends, one run per cap,
-# and the 11 GiB cap against every unit streamed, each in a process of its own, three times; one version of the script
-# made them all, earlier than SOURCES' (budget_section says so: change it where a later one makes them)
-BUDGETS = (4, 6, 8, 11, 16, 24, 80)  # GiB
-PAIRS = 3
-BUDGET_SOURCES = {
+    # the disk tier (parts disk and largest_disk, with NVME_DIR on the machine's own disk)
+    "largest_llama7b_disk": "results/disk/largest_llama7b_disk.json",
+    "disk_7b8l_host": "results/disk/disk_7b8l_host.json",
+    "disk_7b8l_half": "results/disk/disk_7b8l_half.json",
+    # time against the GPU budget (parts budget and budget_ab)
     "budget_ends": "results/budget/budget_ends.json",
     **{f"budget_{b}": f"results/budget/budget_{b}.json" for b in BUDGETS},
     **{
@@ -55,15 +54,17 @@ BUDGET_SOURCES = {
         for i in range(1, PAIRS + 1)
         for arm in ("streamed", "11")
     },
+    # each acceleration on and off, and what clipping costs (parts ablations and clip)
+    **{f"ablation_{name}": f"results/ablations/ablation_{name}.json" for name in ABLATION_RUNS},
+    "clip_7b8l_unclipped": "results/ablations/clip_7b8l_unclipped.json",
+    "clip_7b8l_clipped": "results/ablations/clip_7b8l_clipped.json",
 }
-# issue 33's disk tier (run_benchmarks.sh parts disk and largest_disk, with NVME_DIR on the machine's own disk): the
-# largest model with the Adam moments of its last layers on the disk, and 7b-8l with half of them there against none;
-# one version of the script made them, in one call each (disk_tier_note names it)
-DISK_SOURCES = {
-    "largest_llama7b_disk": "results/disk/largest_llama7b_disk.json",
-    "disk_7b8l_host": "results/disk/disk_7b8l_host.json",
-    "disk_7b8l_half": "results/disk/disk_7b8l_half.json",
-}
+MACHINES = (  # the run_benchmarks.sh parts each machine ran (report/results/README.md gives the calls)
+    ("disk", "largest_disk"),
+    ("peers", "alone", "bf16", "prefetch", "train", "eager", "fp32", "train_fp32", "clip", "activations", "accum")
+    + ("largest", "scale", "budget_ab"),
+    ("budget", "ablations"),
+)
 TRACES = {  # figure -> profiler trace (Chrome JSON) it is drawn from
     "timeline_training.png": "results/trace_bf16.train.json",
     "timeline_inference.png": "results/trace_overlapped_bf16.json",
@@ -186,8 +187,8 @@ def where_table(t: dict, parts: list[tuple[str, int]], params: int) -> list[str]
     return table(["", "GiB", "bytes per parameter"], rows)
 
 
-def how_to_run() -> list[str]:
-    """Section 1: the commands that test, run, measure and build this report."""
+def how_to_run(runs: dict) -> list[str]:
+    """Section 1: the commands that test, run, measure and build this report, and the script version that made it."""
     return [
         "## 1. How to run",
         "",
@@ -201,9 +202,28 @@ def how_to_run() -> list[str]:
         "```",
         "",
         "`report/run_benchmarks.sh` names each run's command line; `report/results/README.md` says where and when "
-        "they ran.",
+        f"they ran. Every run was made by `offload_llama.py` sha256 `{script_version(runs)[:12]}`, part by part "
+        f"(`bash report/run_benchmarks.sh OUT PART...`), on {len(MACHINES)} H100 machines of one kind:",
+        "",
+        *[f"- machine {i}: " + ", ".join(f"`{part}`" for part in parts) for i, parts in enumerate(MACHINES, 1)],
+        "",
+        "Host memory's speed differs between machines, and between processes on one (sections 9 to 11): compare "
+        "times within a machine.",
         "",
     ]
+
+
+def machine_of(part: str) -> int:
+    """The machine (numbered from 1, as MACHINES lists them) that ran run_benchmarks.sh's `part`."""
+    return next(i for i, parts in enumerate(MACHINES, 1) if part in parts)
+
+
+def script_version(runs: dict) -> str:
+    """The sha256 of the offload_llama.py that made every run (the report is of one version)."""
+    versions = {r["script_sha256"] for r in runs.values()}
+    if len(versions) != 1:
+        raise SystemExit(f"the results were made by {len(versions)} versions of offload_llama.py: run them again")
+    return versions.pop()
 
 
 def model_section(runs: dict) -> list[str]:
@@ -480,19 +500,18 @@ def largest_section(runs: dict) -> list[str]:
     ]
 
 
-def disk_tier_note(runs: dict, main_sha: str) -> list[str]:
-    """Section 5's disk tier, from the DISK_SOURCES runs: the largest model with the Adam moments of the last layers
-    on the disk, what a disk as large as needed would give (find_largest.py's arithmetic), and 7b-8l with half its
-    layers' moments on the disk against none; `main_sha` is the script version of the other sections' runs."""
+def disk_tier_note(runs: dict) -> list[str]:
+    """Section 5's disk tier: the largest model with the Adam moments of the last layers on the disk, what a disk as
+    large as needed would give (find_largest.py's arithmetic), and 7b-8l with half its layers' moments on the disk
+    against none."""
     r = runs["largest_llama7b_disk"]
     found = r["find_largest"]["overlapped"]
     t, large = found["training"], found["large_disk"]
-    disk, sha = t["disk_tier"], r["script_sha256"]
+    disk = t["disk_tier"]
     host, half = (runs[name]["results"]["overlapped"]["training"] for name in ("disk_7b8l_host", "disk_7b8l_half"))
-    version = "the version that made the runs above" if sha == main_sha else "a later version than the runs above"
     return [
-        "With the disk tier (`--nvme DIR`; `bash report/run_benchmarks.sh OUT largest_disk disk`, made by "
-        f"`offload_llama.py` sha256 `{sha[:12]}`, {version}), {found['layers']} layers "
+        "With the disk tier (`--nvme DIR`; `bash report/run_benchmarks.sh OUT largest_disk disk`), "
+        f"{found['layers']} layers "
         f"({found['parameters'] / 1e9:.2f} B parameters) train under the {r['run']['max_gpu_memory']:g} GiB cap, "
         f"the Adam moments of {disk['units']} of them ({gib(disk['bytes'])} GiB) in files on the disk, read and "
         f"written back every step: {t['time_ms'] / 1e3:.1f} s a step against a bound of {t['bound_ms'] / 1e3:.1f} s "
@@ -535,8 +554,8 @@ def budget_rows(runs: dict) -> list[tuple[str, float | None, dict, dict]]:
     return rows
 
 
-def budget_section(runs: dict, main_sha: str) -> list[str]:
-    """Section 10 from the budget runs; `main_sha` is the script version of the other sections' runs."""
+def budget_section(runs: dict) -> list[str]:
+    """Section 10 from the budget and budget_ab runs."""
     ends, layers = runs["budget_ends"], runs["budget_ends"]["config"]["num_hidden_layers"]
     rows = budget_rows(runs)
     gpu, streamed = rows[0], rows[1]
@@ -561,18 +580,12 @@ def budget_section(runs: dict, main_sha: str) -> list[str]:
     capped = [(cap, i, t) for _, cap, i, t in rows if cap is not None]
     error = max(abs(t["peak_gpu_bytes"] - t["predicted_peak_bytes"]) for *_, t in capped)
     i11, t11 = next((i, t) for cap, i, t in capped if cap == 11)
-    run, sha = ends["run"], ends["script_sha256"]
-    version = (
-        "the version that made the runs above"
-        if sha == main_sha
-        else f"an earlier version than the runs above (`{main_sha[:12]}`): its all-streamed step is not the one of "
-        "sections 4 and 9 (`report/results/README.md` says what changed between them)"
-    )
+    run = ends["run"]
     return [
         "## 10. Time against the GPU budget",
         "",
-        f"`bash report/run_benchmarks.sh OUT budget budget_ab`, made by `offload_llama.py` sha256 `{sha[:12]}`, "
-        f"{version}. {ends['parameters'] / 1e9:.2f} B parameters ({run['preset']}), {run['dtype']}, "
+        f"`bash report/run_benchmarks.sh OUT budget budget_ab`: {ends['parameters'] / 1e9:.2f} B parameters "
+        f"({run['preset']}), {run['dtype']}, "
         f"{ends['tokens']} tokens; inference and {run['steps']} training steps (median after the "
         f"{steps_word(run['warmup'])}) in each run. Under `--max-gpu-memory`, overlapped keeps resident on the GPU "
         "what the cap holds: decoder layers spread among the streamed ones for inference, the longest run of units "
@@ -623,14 +636,13 @@ def same_placement_note(rows: list) -> list[str]:
 
 def ab_pair(runs: dict, i: int) -> tuple[dict, dict]:
     """The budget_ab part's pair i: the training results with every unit streamed and under the 11 GiB cap."""
-    return tuple(runs[f"budget_ab_{arm}_{i}"]["results"]["overlapped"]["training"] for arm in ("streamed", "11"))
+    return tuple(overlapped_training(runs, f"budget_ab_{arm}_{i}") for arm in ("streamed", "11"))
 
 
 def pairs_table(runs: dict) -> list[str]:
     """The budget_ab pairs: training under 11 GiB against every unit streamed, each run a process of its own."""
-    rows, streamed = [], [t["time_ms"] for *_, t in budget_rows(runs)[1:] if not t["resident_units"]]
-    for i in range(1, PAIRS + 1):
-        s, c = ab_pair(runs, i)
+    rows, pairs = [], [ab_pair(runs, i) for i in range(1, PAIRS + 1)]
+    for i, (s, c) in enumerate(pairs, 1):
         rows.append(
             [
                 str(i),
@@ -641,12 +653,12 @@ def pairs_table(runs: dict) -> list[str]:
                 gib(c["peak_gpu_bytes"]),
             ]
         )
-        streamed.append(s["time_ms"])
+    streamed, capped = ([t["time_ms"] for t in arm] for arm in zip(*pairs, strict=True))
     return [
         "Training alone (`--no-inference`), every unit streamed and then under 11 GiB, one process after the "
-        f"other, {PAIRS} times (`results/budget/ab/`). The runs above and these that stream every unit took "
-        f"{min(streamed):.1f} to {max(streamed):.1f} ms a step ({max(streamed) / min(streamed) - 1:.0%} apart), so "
-        "one pair does not settle the ratio.",
+        f"other, {PAIRS} times (part `budget_ab`, `results/budget/ab/`, on machine {machine_of('budget_ab')}; the "
+        f"sweep above ran on machine {machine_of('budget')}). The streamed steps took {min(streamed):.1f} to "
+        f"{max(streamed):.1f} ms, the capped ones {min(capped):.1f} to {max(capped):.1f} ms.",
         "",
         *table(["pair", "every unit streamed (ms)", "11 GiB (ms)", "ratio", "units resident", "peak GPU (GiB)"], rows),
         "",
@@ -912,30 +924,21 @@ def peers_section(runs: dict) -> list[str]:
             gib(p["accelerate"]["peak_gpu_bytes"]),
             gib(p["accelerate"]["peak_host_bytes"]),
         ],
-        [
-            "training step",
-            "offload_llama gpu (resident)",
-            f"{training['gpu']['time_ms']:.1f}",
-            gib(training["gpu"]["peak_gpu_bytes"]),
-            gib(own["gpu"]["peak_host_bytes"]),
-        ],
-        [
-            "training step",
-            "offload_llama overlapped",
-            f"{training['overlapped']['time_ms']:.1f}",
-            gib(training["overlapped"]["peak_gpu_bytes"]),
-            gib(own["overlapped"]["peak_host_bytes"]),
-        ],
+        *(
+            ["training step", f"offload_llama {mode}", f"{own[mode]['time_ms']:.1f}", *peaks(own[mode])]
+            for mode in ("gpu", "overlapped")
+        ),
         *(peer_row(p[name], label) for name, label in TRAINING_PEERS.items() if name in p),
     ]
-    fsdp = p["fsdp2"]
-    ours = training["overlapped"]
+    fsdp, ours = p["fsdp2"], training["overlapped"]
     same_loss = fsdp["losses"][-1] == ours["losses"][-1]
     return [
         "## 8. Peers",
         "",
-        "The same model, batch and Adam settings, run by `report/peers.py` in the same session on the same machine "
-        "(report tooling: `offload_llama.py` imports neither package). accelerate's `cpu_offload` keeps the "
+        "The same model, batch and Adam settings, run by `report/peers.py` (report tooling: `offload_llama.py` "
+        "imports neither package) in the same call as the `alone` part, whose runs give this project's training "
+        "rows (each mode training alone in a process of its own, `results/train_bf16_{gpu,overlapped}.json`); the "
+        "inference rows are section 4's, on the same machine. accelerate's `cpu_offload` keeps the "
         "weights in CPU memory and a hook on each module copies them in when it runs. FSDP2 on one GPU with "
         "`CPUOffloadPolicy` and bfloat16 `MixedPrecisionPolicy` keeps float32 parameters, gradients and Adam "
         "state in pinned CPU memory, one `fully_shard` group per decoder layer, and steps the fused CPU Adam "
@@ -943,6 +946,7 @@ def peers_section(runs: dict) -> list[str]:
         "",
         *table(["run", "implementation", "time (ms)", "peak GPU (GiB)", "peak host (GiB)"], rows),
         "",
+        *slower_than_overlapped(p, own["overlapped"]),
         f"accelerate's logits are `torch.equal` to the resident model's: "
         f"{'yes' if p['accelerate']['equal_to_gpu'] else 'NO'}; it copies each module's weights from pageable "
         f"memory on the compute stream, {runs['peers_bf16']['parameters'] * 2 / p['accelerate']['time_ms'] / 1e6:.1f}"
@@ -978,11 +982,31 @@ TRAINING_PEERS = {  # report/peers.py's training peers, as section 8 names them,
 }
 
 
+SHORT_PEER_NAMES = {"fsdp2": "FSDP2", "zero3": "DeepSpeed ZeRO-3", "zero2": "DeepSpeed ZeRO-2"}
+
+
 def peer_row(r: dict, label: str) -> list[str]:
     """A training peer's row: its step and peaks, or why it did not run."""
     if "missing" in r:
         return ["training step", label, "", "", r["missing"]]
-    return ["training step", label, f"{r['time_ms']:.1f}", gib(r["peak_gpu_bytes"]), gib(r["peak_host_bytes"])]
+    return ["training step", label, f"{r['time_ms']:.1f}", *peaks(r)]
+
+
+def peaks(r: dict) -> list[str]:
+    """A run's peak GPU and peak host memory in GiB."""
+    return [gib(r["peak_gpu_bytes"]), gib(r["peak_host_bytes"])]
+
+
+def slower_than_overlapped(p: dict, overlapped: dict) -> list[str]:
+    """How many times the overlapped step each training peer's step took, in the same call."""
+    ratios = [
+        f"{label} {p[name]['time_ms'] / overlapped['time_ms']:.2f}x"
+        for name, label in SHORT_PEER_NAMES.items()
+        if "time_ms" in p.get(name, {})
+    ]
+    if not ratios:
+        return []
+    return [f"Each training peer's step against the overlapped one in the same call: {', '.join(ratios)}.", ""]
 
 
 def analysis_section(runs: dict) -> list[str]:
@@ -1042,7 +1066,8 @@ def analysis_section(runs: dict) -> list[str]:
         f"{gib(big['training']['peak_gpu_bytes'])} GiB of the {runs['largest_llama7b']['run']['max_gpu_memory']:g} "
         "GiB GPU cap. (2) Host memory bandwidth: the bytes the CPU Adam and the copies move through it, not "
         "PCIe or the GPU, bound a one-micro-batch step; the 16-bit copies and gradients took its bytes per "
-        "parameter from 40 to 34"
+        f"parameter from 40 to {overlapped_training(runs, 'ablation_share_0')['host_bytes_per_param']:.0f} "
+        "(section 11, every unit on the CPU Adam)"
         + (
             f", and the GPU's Adam to {t['host_bytes_per_param']:.1f}, by taking the cores' work on "
             f"{t['gpu_adam_params'] / params:.0%} of the parameters to the copy engines"
@@ -1294,69 +1319,71 @@ def pdf(markdown: str, out: Path) -> None:
         plt.close(fig)
 
 
-# the command the ablations' flags are added to
+# the command the ablations part adds its flags to
 ABLATION_COMMAND = (
     "python3 offload_llama.py --mode overlapped --train --no-inference "
     "--steps 70 --warmup 5 --repeat 5 --dtype bfloat16"
 )
 
 
-def ablations_section() -> list[str]:
-    """Section 11: what the experiments on the 7b-8l training step found, quoted as text (their runs were made by
-    earlier versions of the script and are no longer kept), each with the flags that reproduce it."""
-    not_a_flag = "prototype, not reproducible with a flag"
-    findings = [
-        "The GPU's Adam over streamed state off and on, `--gpu-adam-share 0` against the default (0.4 at e2fc90a: the "
-        "embeddings, the head and layers 0 and 1; 0.3 now: the embeddings and layers 0 and 1): 463.5 against 449.9 ms "
-        "a step, the CPU Adam busy 430.5 against 345.5 ms (e2fc90a).",
-        "The GPU's Adam's units, one process taking turns between splits in blocks of 6 steps (7d80339): the "
-        "embeddings and layers 0 and 1 (`--gpu-adam-share 0.3`, the default) 426.1 ms a step; with layer 2 "
-        "(`--gpu-adam-share 0.4`) 465.1; every unit on the CPU Adam (`--gpu-adam-share 0`) 505.5. The embeddings, "
-        "the head and layers 0 and 1: 450.3; layers 0 to 2: 443.9; the embeddings, the head and layers 0 to 2: 503.5; "
-        "the head and layers 7 and 6: 543.9, with layer 5: 570.4: " + not_a_flag + " (the share takes the "
-        "embeddings, then layers from the first, the head last).",
-        "The head on the GPU's Adam stalls the backward: its 1.6 GB of state crossed PCIe ahead of layer 7's weights, "
-        "and the backward stood 42 ms before layer 7 (4 ms without), in a timeline of one step (7d80339): "
-        + not_a_flag
-        + ".",
-        "The CPU Adam in chunks of 2^24 elements, taking between chunks the landed unit the next forward needs first: "
-        "516.3, 440.0, 475.5 and 548.7 ms a step against 450.3, 426.1, 465.1 and 505.5 unchunked (the embeddings, "
-        "the head and layers 0 and 1; the embeddings and layers 0 and 1; the same and layer 2; every unit on the CPU "
-        "Adam), its busy time 8 to 36% longer (7d80339): " + not_a_flag + ".",
-        "The premise of the GPU's Adam over streamed state (cab0004 and the tree just before it): both copy engines "
-        "streaming 79 GB/s beside the CPU Adam cost it 19% (43.8 against 52.3 ms for one LLaMA-7B layer), and the "
-        "GPU's Adam over state streamed by the copy engines, beside the CPU Adam, took the two together to 1.3-1.4x "
-        "the parameters per ms of the CPU Adam alone: " + not_a_flag + ".",
-        "A step-level prototype of it (cab0004's trainer wrapped): 511.6 ms a step with every unit on the CPU Adam, "
-        "477.9 with the embeddings and head on the GPU's Adam, 451.5 with layers 0 and 1 too (peak GPU 3.57 GiB); its "
-        "masters within 7.5e-9 of the CPU Adam's after a step (float32 rounding allows 4.8e-7): " + not_a_flag + ".",
-        "Prefetch depth, every unit on the CPU Adam (cab0004): `--gpu-adam-share 0 --prefetch 1` against "
-        "`--gpu-adam-share 0 --prefetch 3`: 499.1 against 489.7 ms a step, bounds 439.1 and 445.4 ms (efficiency "
-        "0.880 and 0.910), peak GPU 2.97 and 3.73 GiB.",
-        "The copy order that lets the copies whose updates are done go ahead of one whose update still runs: the CPU "
-        "Adam's idle time a step (the step less its busy time) went from 36.6 to 31.3 ms (ef669a2 against ea1feb6; "
-        "with `--prefetch 3` 32.7 and 28.1). `--gpu-adam-share 0` measures the order since ea1feb6; the earlier order "
-        "has no flag.",
-        "Host noise (ea1feb6): on one machine FSDP2 (`python3 report/peers.py --peers fsdp2 --dtype bfloat16`) took "
-        "1007.0 ms and, minutes later, 873.2 ms, the training bound's CPU Adam 540-544 ms and then 372.8 ms; within "
-        "one run of `--steps 60 --gpu-adam-share 0` the CPU Adam was busy 436 to 639 ms from step to step.",
-        "The default command with the head last (2020b60), then with the GPU's Adam also rewriting the backward's "
-        "last units in their slots (8d1737e): 409.5 and 409.3 ms a step against bounds of 368.5 and 383.0 ms "
-        "(efficiency 0.900 and 0.936), FSDP2 1.89x and 2.02x slower; the rewrite has no flag.",
-        "Section 6's command at ef669a2: 8693.9 ms a step, 8.90 GiB of GPU memory predicted and measured, 2 units "
-        "resident.",
-    ]
+def ablations_section(runs: dict) -> list[str]:
+    """Section 11: each acceleration off and on (ablation_rows), then the GPU's Adam with one layer more, the deeper
+    prefetch ring, the host's noise between processes and what clipping costs."""
+    share = {name: overlapped_training(runs, f"ablation_{name}") for name in ABLATION_RUNS if name != "fsdp2"}
+    default, none, more, deep, again = (
+        share[name] for name in ("share_0.3", "share_0", "share_0.4", "share_0_prefetch3", "share_0.3_again")
+    )
+    run, more_share = runs["ablation_share_0"]["run"], runs["ablation_share_0.4"]["run"]["gpu_adam_share"]
+    busy, busy_deep = (cpu_adam_busy_and_idle(t, run)[0] for t in (none, deep))
+    fsdp, fsdp_peers = (runs[name]["peers"]["fsdp2"]["time_ms"] for name in ("ablation_fsdp2", "peers_bf16"))
+    header = ["acceleration", "flags", "step without (ms)", "step with (ms)", "with / without"]
     return [
         "## 11. Ablations",
         "",
-        "Experiments on the overlapped bfloat16 training step of 7b-8l on H100 machines, measured by earlier "
-        "versions of `offload_llama.py` (the commit in parentheses) or by prototypes wrapping them, whose files are "
-        "no longer kept. "
-        f"Their flags are added to `{ABLATION_COMMAND}`; the next full regeneration of the report re-measures them "
-        "with these flags (`report/run_benchmarks.sh` part `ablations`).",
+        "Each acceleration off and on, on the overlapped bfloat16 training step of 7b-8l (4096 tokens), each step the "
+        "median of a run of its own. The `ablations` part adds the flags of the GPU's Adam and of the prefetch depth "
+        f"to `{ABLATION_COMMAND}`, on machine {machine_of('ablations')}; the copies' overlap is the blocked and "
+        "overlapped modes training alone (part `alone`), activation offload section 6's runs of one micro-batch "
+        f"(part `activations`) and the 11 GiB cap section 10's pairs (part `budget_ab`), all on machine "
+        f"{machine_of('alone')}.",
         "",
-        *[f"- {finding}" for finding in findings],
+        *table(header, ablation_rows(runs)),
         "",
+        f"- The GPU's Adam with one layer more (`--gpu-adam-share {more_share:g}`, "
+        f"{len(more['gpu_adam_units'])} units): {more['time_ms']:.1f} ms a step, against {default['time_ms']:.1f} "
+        f"at the default share and {none['time_ms']:.1f} with none. Its bound's CPU Adam went from "
+        f"{default['cpu_adam_ms']:.1f} to {more['cpu_adam_ms']:.1f} ms, its host-to-device copies from "
+        f"{default['h2d_ms']:.1f} to {more['h2d_ms']:.1f} ms: the float32 state of the layer crosses PCIe both ways.",
+        f"- The deeper ring, every unit on the CPU Adam: {deep['time_ms']:.1f} ms a step with `--prefetch 3` against "
+        f"{none['time_ms']:.1f} with one slot ahead, peak GPU {gib(deep['peak_gpu_bytes'])} against "
+        f"{gib(none['peak_gpu_bytes'])} GiB. The CPU Adam, which bounds the step, was busy a median of "
+        f"{busy_deep:.1f} ms a step against {busy:.1f}: copies further ahead run beside it.",
+        f"- The host's noise: the default step again, last in the part, minutes after the first, took "
+        f"{again['time_ms']:.1f} ms against {default['time_ms']:.1f}, and its own bound moved with it "
+        f"({again['bound_ms']:.1f} against {default['bound_ms']:.1f} ms, host memory at {again['host_gbps']:.0f} "
+        f"against {default['host_gbps']:.0f} GB/s). FSDP2 in the same part took {fsdp:.1f} ms, against "
+        f"{fsdp_peers:.1f} in section 8's call.",
+        *clipping_note(runs),
+        "",
+    ]
+
+
+def overlapped_training(runs: dict, name: str) -> dict:
+    """The overlapped mode's training result in run `name`."""
+    return runs[name]["results"]["overlapped"]["training"]
+
+
+def clipping_note(runs: dict) -> list[str]:
+    """What --clip-grad-norm costs (part clip): the step and its bound unclipped and clipped."""
+    free, clipped = (overlapped_training(runs, name) for name in ("clip_7b8l_unclipped", "clip_7b8l_clipped"))
+    norms = clipped["grad_norms"]
+    return [
+        f"- What clipping costs (part `clip`, `--gpu-adam-share 0`): {clipped['time_ms']:.1f} ms a step with "
+        f"`--clip-grad-norm {runs['clip_7b8l_clipped']['run']['clip_grad_norm']:g}` against {free['time_ms']:.1f} "
+        f"without ({clipped['time_ms'] / free['time_ms'] - 1:+.0%}). Every unit's update waits for the whole "
+        f"backward's gradient norm: the bound holding the updates is {clipped['held_updates_ms']:.1f} ms (the "
+        f"backward, then the longer of the next forward and the CPU Adam), against {free['bound_ms']:.1f} unclipped. "
+        f"The gradient norm went {norms[0]:.3g} -> {norms[-1]:.3g} before clipping."
     ]
 
 
@@ -1364,7 +1391,12 @@ def ablations_section() -> list[str]:
 # the flags that turn it off (or on, where it is off by default), and the runs (name, mode) off and on; the 11 GiB
 # cap's pairs come from the budget_ab part
 ABLATIONS = (
-    ("copies overlapped with compute", "--mode blocked", ("train_bf16", "blocked"), ("train_bf16", "overlapped")),
+    (
+        "copies overlapped with compute",
+        "--mode blocked",
+        ("train_bf16_blocked", "blocked"),
+        ("train_bf16_overlapped", "overlapped"),
+    ),
     (
         "the GPU's Adam over streamed state",
         "--gpu-adam-share 0",
@@ -1401,23 +1433,15 @@ def ablation_rows(runs: dict) -> list[list[str]]:
     return rows
 
 
-def measured_ablations(runs: dict) -> list[str]:
-    """The ablations as a table from the runs of one script version (to replace ablations_section's quoted findings
-    once run_benchmarks.sh's parts train_bf16, alone, activations, budget_ab and ablations are all in SOURCES)."""
-    header = ["acceleration", "flags", "step without (ms)", "step with (ms)", "with / without"]
-    return [*table(header, ablation_rows(runs)), ""]
-
-
 def sources_section(runs: dict) -> list[str]:
     """The last section: each JSON and trace the report reads, with the script versions that made them."""
-    paths = SOURCES | BUDGET_SOURCES | DISK_SOURCES
-    rows = [[f"`{paths[name]}`", r["script_sha256"][:12], r.get("peers_sha256", "")[:12]] for name, r in runs.items()]
+    rows = [[f"`{SOURCES[name]}`", r["script_sha256"][:12], r.get("peers_sha256", "")[:12]] for name, r in runs.items()]
     rows += [[f"`{trace}`", "(profiler trace)", ""] for trace in TRACES.values()]
     return [
         "## Sources",
         "",
-        "Every number above but section 11's is read from these files by "
-        "`report/build_report.py`; each JSON records the sha256 of the script that made it.",
+        "Every number above is read from these files by `report/build_report.py`; each JSON records the sha256 of "
+        "the script that made it.",
         "",
         *table(["file", "offload_llama.py sha256", "peers.py sha256"], rows),
         "",
@@ -1426,8 +1450,7 @@ def sources_section(runs: dict) -> list[str]:
 
 def build() -> str:
     """REPORT.md's text, section by section."""
-    runs, budget, disk = load(), load(BUDGET_SOURCES), load(DISK_SOURCES)
-    main_sha = runs["train_bf16"]["script_sha256"]
+    runs = load()
     lines = [
         "# offload_llama: measured report",
         "",
@@ -1436,18 +1459,18 @@ def build() -> str:
         "",
     ]
     for section in (
-        how_to_run(),
+        how_to_run(runs),
         model_section(runs),
         memory_section(runs),
         time_section(runs),
-        largest_section(runs) + disk_tier_note(disk, main_sha),
+        largest_section(runs) + disk_tier_note(runs),
         scale_section(runs),
         figures_section(runs),
         peers_section(runs),
         analysis_section(runs),
-        budget_section(budget, main_sha),
-        ablations_section(),
-        sources_section(runs | budget | disk),
+        budget_section(runs),
+        ablations_section(runs),
+        sources_section(runs),
     ):
         lines += section
     return "\n".join(lines)
@@ -1474,7 +1497,12 @@ def readme_figures(runs: dict) -> list[str]:
     figures.append(f"{size}, {largest['training']['time_ms'] / 1e3:.2f} s")
     figures.append(f"{big['time_ms'] / 1e3:.2f} s a step, {speed:.2f}x plain resident forward and backward")
     figures.append(f"peak GPU {gib(big['peak_gpu_bytes'])} GiB")
+    disk = runs["largest_llama7b_disk"]["find_largest"]["overlapped"]
+    size = f"{disk['layers']} layers, {disk['parameters'] / 1e9:.2f}B parameters"
+    figures.append(f"{size}, {disk['training']['time_ms'] / 1e3:.1f} s a step")
     figures.append(f"FSDP2 with `CPUOffloadPolicy` {peers['fsdp2']['time_ms']:.1f} ms")
+    figures.append(f"DeepSpeed ZeRO-3 {peers['zero3']['time_ms']:.1f} ms, ZeRO-2 {peers['zero2']['time_ms']:.1f} ms")
+    figures.append(f"overlapped alone {alone(runs)['overlapped']['time_ms']:.1f} ms")
     figures.append(f"accelerate `cpu_offload` {peers['accelerate']['time_ms']:.1f} ms")
     return figures
 
@@ -1515,7 +1543,7 @@ def main(argv=None) -> int:
             f"{Path(trace).name}: one overlapped {'training step' if 'train' in name else 'forward pass'}",
         )
     bound_figure(runs, figures / "time_vs_bound.png")
-    budget_figure(load(BUDGET_SOURCES), figures / "time_vs_budget.png")
+    budget_figure(runs, figures / "time_vs_budget.png")
     pdf(text, HERE / "REPORT.pdf")
     return 0
 

@@ -23,22 +23,35 @@ def test_report_is_rebuilt_exactly_from_the_json():
 def test_report_cites_every_json_it_reads():
     report = (REPORT / "REPORT.md").read_text()
     module = build_report()
-    for path in [*module.SOURCES.values(), *module.BUDGET_SOURCES.values(), *module.TRACES.values()]:
+    for path in [*module.SOURCES.values(), *module.TRACES.values()]:
         assert (REPORT / path).is_file() and f"`{path}`" in report
 
 
-@pytest.mark.parametrize("group", ["SOURCES", "BUDGET_SOURCES"])
-def test_each_group_of_results_was_made_by_one_version_of_the_script(group):
+def test_every_result_was_made_by_one_version_of_the_script():
     module = build_report()
-    versions = {name: run["script_sha256"] for name, run in module.load(getattr(module, group)).items()}
+    versions = {name: run["script_sha256"] for name, run in module.load().items()}
     assert len(set(versions.values())) == 1, versions
 
 
-def test_the_budget_section_names_the_version_that_made_it():
+def test_results_of_two_versions_stop_the_build():
     module = build_report()
-    budget = module.load(module.BUDGET_SOURCES)
-    text = "\n".join(module.budget_section(budget, "f" * 64))
-    assert f"sha256 `{budget['budget_ends']['script_sha256'][:12]}`, an earlier version than the runs above" in text
+    runs = module.load()
+    runs["train_bf16"] = runs["train_bf16"] | {"script_sha256": "f" * 64}
+    with pytest.raises(SystemExit, match="2 versions of offload_llama.py"):
+        module.how_to_run(runs)
+
+
+def test_every_part_the_report_names_ran_on_one_machine():
+    module = build_report()
+    parts = [part for machine in module.MACHINES for part in machine]
+    assert len(parts) == len(set(parts))
+    script = (REPORT / "run_benchmarks.sh").read_text()
+    assert all(f"    {part})" in script for part in parts)
+
+
+def test_the_budget_section_has_a_row_for_each_cap_and_pair():
+    module = build_report()
+    text = "\n".join(module.budget_section(module.load()))
     rows = [line for line in text.splitlines() if line.startswith("| ")]
     assert len(rows) == (1 + 2 + len(module.BUDGETS)) + (1 + module.PAIRS)  # header, ends and caps; header and pairs
 
@@ -46,7 +59,7 @@ def test_the_budget_section_names_the_version_that_made_it():
 def test_budget_figure_builds_from_the_stored_sweep(tmp_path):
     pytest.importorskip("matplotlib")
     module = build_report()
-    module.budget_figure(module.load(module.BUDGET_SOURCES), tmp_path / "budget.png")
+    module.budget_figure(module.load(), tmp_path / "budget.png")
     assert (tmp_path / "budget.png").stat().st_size > 0
 
 
@@ -149,21 +162,21 @@ def test_the_ablations_table_has_each_acceleration_without_and_with():
         return {"results": {mode: {"training": {"time_ms": ms}} for mode, ms in steps.items()}}
 
     runs = {
-        "train_bf16": run(blocked=600.0, overlapped=450.0),
+        "train_bf16_blocked": run(blocked=600.0),
         "ablation_share_0": run(overlapped=500.0),
         "ablation_share_0.3": run(overlapped=425.0),
         "ablation_share_0_prefetch3": run(overlapped=510.0),
-        "train_bf16_overlapped": run(overlapped=440.0),
+        "train_bf16_overlapped": run(overlapped=450.0),
         "train_bf16_offload_acts": run(overlapped=462.0),
     }
     for i in range(1, module.PAIRS + 1):
         runs[f"budget_ab_streamed_{i}"] = run(overlapped=440.0)
         runs[f"budget_ab_11_{i}"] = run(overlapped=330.0)
         runs[f"budget_ab_11_{i}"]["results"]["overlapped"]["training"] |= {"resident_units": [0, 1, 2], "units": 11}
-    text = "\n".join(module.measured_ablations(runs))
+    text = "\n".join("| " + " | ".join(row) + " |" for row in module.ablation_rows(runs))
     assert "| copies overlapped with compute | `--mode blocked` | 600.0 | 450.0 | 0.75 |" in text
     assert "| the GPU's Adam over streamed state | `--gpu-adam-share 0` | 500.0 | 425.0 | 0.85 |" in text
-    assert "| activation offload, where the saved inputs fit | `--offload-activations` | 440.0 | 462.0 | 1.05 |" in text
+    assert "| activation offload, where the saved inputs fit | `--offload-activations` | 450.0 | 462.0 | 1.03 |" in text
     assert (
         text.count("units resident under an 11 GiB cap (3 of 11)") == module.PAIRS
         and "| 440.0 | 330.0 | 0.75 |" in text
@@ -180,16 +193,22 @@ def test_the_disk_tier_note_reads_the_largest_run_and_the_half_on_disk_pair():
     training |= {"peak_host_bytes": 114 * gib, "peak_gpu_bytes": 10.5 * gib}
     large = {"layers": 142, "parameters": 29.0e9, "disk_layers": 142, "disk_bytes": 214 * gib, "step_ms": 223000.0}
     found = {"layers": 75, "parameters": 15.44e9, "training": training, "large_disk": large, "limited_by": "the disk"}
-    largest = {"run": {"max_gpu_memory": 11}, "find_largest": {"overlapped": found}, "script_sha256": "b" * 64}
+    largest = {"run": {"max_gpu_memory": 11}, "find_largest": {"overlapped": found}}
     runs = {"largest_llama7b_disk": largest}
     runs["disk_7b8l_host"] = {"results": {"overlapped": {"training": {"time_ms": 400.0}}}}
     half = {"time_ms": 3700.0, "bound_ms": 3500.0, "bound_by": "disk", "disk_tier": {"bytes": 6 * gib}}
     half["efficiency"] = 3500.0 / 3700.0
     runs["disk_7b8l_half"] = {"results": {"overlapped": {"training": half}}}
-    text = "\n".join(module.disk_tier_note(runs, "a" * 64))
+    text = "\n".join(module.disk_tier_note(runs))
     assert "75 layers (15.44 B parameters) train under the 11 GiB cap" in text and "efficiency 0.94" in text
     assert "Arithmetic, not measured" in text and "142 layers (29.00 B parameters)" in text and "about 223 s" in text
     assert "66.4 GB each way through the tier's own buffers, at 2.21 GB/s together" in text
-    assert "`bbbbbbbbbbbb`, a later version than the runs above" in text
     assert "3700.0 ms a step against a bound of 3500.0 ms" in text and "efficiency 0.95" in text
     assert "with all of them in host memory, 400.0 ms" in text
+
+
+def test_the_readme_and_the_report_stay_small():
+    """README.md at most 10 KB; report/ (sources, results, figures and the PDF) at most 5 MB."""
+    assert (REPORT.parent / "README.md").stat().st_size <= 10_000
+    files = [path for path in REPORT.rglob("*") if path.is_file() and "__pycache__" not in path.parts]
+    assert sum(path.stat().st_size for path in files) <= 5_000_000
