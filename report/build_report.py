@@ -60,10 +60,11 @@ SOURCES = {  # name -> JSON file, relative to report/; all made by `bash report/
     "clip_7b8l_clipped": "results/ablations/clip_7b8l_clipped.json",
 }
 MACHINES = (  # the run_benchmarks.sh parts each machine ran (report/results/README.md gives the calls)
-    ("disk", "largest_disk"),
+    ("disk",),
     ("peers", "alone", "bf16", "prefetch", "train", "eager", "fp32", "train_fp32", "clip", "activations", "accum")
     + ("largest", "scale", "budget_ab"),
     ("budget", "ablations"),
+    ("largest_disk",),
 )
 TRACES = {  # figure -> profiler trace (Chrome JSON) it is drawn from
     "timeline_training.png": "results/trace_bf16.train.json",
