@@ -254,9 +254,10 @@ def model_section(runs: dict) -> list[str]:
     return [
         "## 2. Model and batch",
         "",
-        f"Every section but 5 and 6 uses the preset `{small['run']['preset']}`: LLaMA-7B's dimensions with "
-        f"{a['num_hidden_layers']} decoder layers. Section 5 stacks as many LLaMA-7B layers as will train; "
-        "section 6 trains LLaMA-7B itself on 64 sequences a step. The "
+        f"Every run uses the preset `{small['run']['preset']}` (LLaMA-7B's dimensions with "
+        f"{a['num_hidden_layers']} decoder layers) except section 5's largest models, which stack as many LLaMA-7B "
+        "layers as will train, and section 6's first table, which trains LLaMA-7B itself on 64 sequences a step. "
+        "The "
         f"weights are random (HF's LLaMA initialisation, seed {small['run']['seed']}). One batch is "
         f"{small['run']['batch_size']} x {small['run']['seq_len']} = {small['tokens']} tokens. The compute dtype is "
         "bfloat16 unless a table says float32; training keeps float32 master weights, gradients and Adam moments "
@@ -411,7 +412,8 @@ def time_section(runs: dict) -> list[str]:
         "",
         f"The same overlapped step training alone (`--no-inference`) in a process of its own "
         f"(`{SOURCES['train_bf16_overlapped']}`) took "
-        f"{same['time_ms']:.1f} ms (the median of {len(timed_steps(same, same_run))} steps) against a bound "
+        f"{same['time_ms']:.1f} ms (the median of {len(timed_steps(same, same_run))} of its {same_run['steps']} "
+        "steps) against a bound "
         f"of {same['bound_ms']:.1f} ms (efficiency "
         f"{same['efficiency']:.3f}; the CPU Adam alone {same['cpu_adam_ms']:.1f} ms there, "
         f"{results(runs, 'train_bf16', 'training')['overlapped']['cpu_adam_ms']:.1f} ms here).",
@@ -476,7 +478,7 @@ def largest_section(runs: dict) -> list[str]:
         "",
         *copy_rates(runs),
         "",
-        f"`offload_llama.py --find-largest --preset {r['run']['preset']} --max-gpu-memory {cap:g} --steps "
+        f"`python3 report/find_largest.py --preset {r['run']['preset']} --max-gpu-memory {cap:g} --steps "
         f"{r['run']['steps']} --warmup {r['run']['warmup']}` searches the number of LLaMA-7B-sized decoder layers "
         f"that train ({r['run']['steps']} full steps of {r['run']['batch_size'] * r['run']['seq_len']} tokens, "
         f"no OOM) with the GPU capped at {cap:g} GiB. Each count is tried in a fresh process; the probes were "
@@ -487,7 +489,8 @@ def largest_section(runs: dict) -> list[str]:
         f"Without offload, what stops one more layer is {found['gpu']['limited_by']}. With overlapped offload, "
         f"{layers} layers ({params / 1e9:.2f} B parameters, more than LLaMA-7B's {param_count(c) / 1e9:.2f} B) "
         f"train in {gib(t['peak_gpu_bytes'])} GiB of GPU memory, at steps of {steps} ms (the table gives the "
-        f"median of the steps after the {steps_word(r['run']['warmup'])}; the bound, {BOUND_NAMES[t['bound_by']]}"
+        f"median of {step_list(timed_steps(t, r['run']))}; the bound, "
+        f"{BOUND_NAMES[t['bound_by']]}"
         f" alone, is {t['bound_ms']:.1f} ms).{placement_note(t)} What stops one more layer is {big['limited_by']}. "
         "Each probe trains alone, so the host keeps no bfloat16 copy of the decoder layers; with the rest of "
         f"host memory taken by the masters and Adam state, the gradients land in {pool['buffers']} shared pinned "
@@ -520,12 +523,14 @@ def disk_tier_note(runs: dict) -> list[str]:
         f"{gib(t['peak_host_bytes'])} GiB, peak GPU {gib(t['peak_gpu_bytes'])} GiB. The bound's disk part moves a "
         f"step's {t['disk_bytes'] / 1e9:.1f} GB each way through the tier's own buffers, at "
         f"{t['disk_gbps']:.2f} GB/s together; alone, the disk measured {disk['write_gbps']:.2f} GB/s written and "
-        f"{disk['read_gbps']:.2f} read when the tier was set up. What stops one more layer is {found['limited_by']}.",
+        f"{disk['read_gbps']:.2f} read when the tier was set up. One more layer does not fit this host and disk "
+        f"together: {found['limited_by'].split(': ', 1)[-1]}.",
         "",
         f"Arithmetic, not measured: with a disk as large as needed, {large['layers']} layers "
         f"({large['parameters'] / 1e9:.2f} B parameters) would fit this host, {large['disk_layers']} of them with "
         f"their moments on the disk ({gib(large['disk_bytes'])} GiB), at about {large['step_ms'] / 1e3:.0f} s a step "
-        "at the disk rate of the run above; a faster drive shortens the step in proportion to its rate.",
+        "(the step above, scaled by the bytes on the disk); a faster drive shortens the step in proportion to its "
+        "rate.",
         "",
         f"7b-8l with the moments of half its decoder layers on the disk: {half['time_ms']:.1f} ms a step against a "
         f"bound of {half['bound_ms']:.1f} ms ({BOUND_NAMES[half['bound_by']]} alone; efficiency "
@@ -629,7 +634,7 @@ def same_placement_note(rows: list) -> list[str]:
     cap, t = max(same, key=lambda ct: abs(ct[1]["time_ms"] - streamed["time_ms"]))
     return [
         f"Under {cap:g} GiB every unit is streamed, as with no cap, and the step took {t['time_ms']:.1f} ms "
-        f"against {streamed['time_ms']:.1f}; its own bound moved as much ({t['bound_ms']:.1f} ms against "
+        f"against {streamed['time_ms']:.1f}; its own bound moved too ({t['bound_ms']:.1f} ms against "
         f"{streamed['bound_ms']:.1f}, the CPU Adam alone {t['cpu_adam_ms']:.1f} ms against "
         f"{streamed['cpu_adam_ms']:.1f}): the host's speed differs between processes, not the placement's."
     ]
@@ -725,7 +730,7 @@ def scale_section(runs: dict) -> list[str]:
     return [
         "## 6. LLaMA-7B on 65,536-token steps under 11 GiB",
         "",
-        f"The GPT-2-Large quest's batch at LLaMA-7B size: `offload_llama.py --preset {run['preset']} --mode "
+        f"`offload_llama.py --preset {run['preset']} --mode "
         f"overlapped --train --no-inference --grad-accum {run['grad_accum']} --batch-size {run['batch_size']} "
         f"--seq-len {run['seq_len']} --max-gpu-memory {run['max_gpu_memory']:g} "
         + ("" if run["resident_layers"] is None else f"--resident-layers {run['resident_layers']} ")
@@ -818,6 +823,12 @@ def timed_steps(t: dict, run: dict) -> list[int]:
     return t.get("timed_steps", list(range(run["warmup"], run["steps"])))
 
 
+def step_list(steps: list[int]) -> str:
+    """Steps counted from 0 as words counted from 1: 'step 3', 'steps 3 and 4', 'steps 2, 3 and 4'."""
+    named = [str(i + 1) for i in steps]
+    return f"step {named[0]}" if len(named) == 1 else f"steps {', '.join(named[:-1])} and {named[-1]}"
+
+
 def steps_word(n: int) -> str:
     """ "first" or "first n": the warm-up steps a median leaves out."""
     return "first" if n == 1 else f"first {n}"
@@ -837,7 +848,8 @@ def copy_rates(runs: dict) -> list[str]:
         + ("gradients, and the stepped state" if state else "gradients")
         + ");",
         f"- the fused CPU Adam (torch.compile'd, {t['adam_bytes_per_param']} bytes per parameter): "
-        f"{t['cpu_adam_ms'] * 1e6 / runs['train_bf16']['parameters']:.3f} ns per parameter alone; host memory "
+        f"{t['cpu_adam_ms'] * 1e6 / (runs['train_bf16']['parameters'] - t.get('gpu_adam_params', 0)):.3f} ns per "
+        "parameter it steps, alone; host memory "
         f"with the Adam and both copy engines running together: {t['host_gbps']:.0f} GB/s.",
     ]
 
@@ -1052,7 +1064,7 @@ def analysis_section(runs: dict) -> list[str]:
         "between processes, and so the bound. What keeps the step above it: in the run alone the CPU Adam was "
         f"busy a median of {busy:.1f} ms a step, against the {own['host_memory_ms']:.1f} ms that bound gives "
         "host memory (beside the copies the Adam runs at the pace host memory allows), and a step took a median "
-        f"of {idle:.0f} ms more than that: once a step the CPU Adam idles from "
+        f"of {idle:.0f} ms more than the Adam's busy time: once a step the CPU Adam idles from "
         "its last update until the next backward's first gradients (the head's) land, while the last updated "
         "units are copied in and the head runs forward and backward (the gap in the figure of section 7). "
         f"More tokens per step amortise the optimizer: with 16 micro-batches the bound is the GPU compute "
@@ -1068,7 +1080,7 @@ def analysis_section(runs: dict) -> list[str]:
         "GiB GPU cap. (2) Host memory bandwidth: the bytes the CPU Adam and the copies move through it, not "
         "PCIe or the GPU, bound a one-micro-batch step; the 16-bit copies and gradients took its bytes per "
         f"parameter from 40 to {overlapped_training(runs, 'ablation_share_0')['host_bytes_per_param']:.0f} "
-        "(section 11, every unit on the CPU Adam)"
+        f"(`{SOURCES['ablation_share_0']}`, every unit on the CPU Adam)"
         + (
             f", and the GPU's Adam to {t['host_bytes_per_param']:.1f}, by taking the cores' work on "
             f"{t['gpu_adam_params'] / params:.0%} of the parameters to the copy engines"
@@ -1337,7 +1349,7 @@ def ablations_section(runs: dict) -> list[str]:
     run, more_share = runs["ablation_share_0"]["run"], runs["ablation_share_0.4"]["run"]["gpu_adam_share"]
     busy, busy_deep = (cpu_adam_busy_and_idle(t, run)[0] for t in (none, deep))
     fsdp, fsdp_peers = (runs[name]["peers"]["fsdp2"]["time_ms"] for name in ("ablation_fsdp2", "peers_bf16"))
-    header = ["acceleration", "flags", "step without (ms)", "step with (ms)", "with / without"]
+    header = ["acceleration", "flag", "step without (ms)", "step with (ms)", "with / without"]
     return [
         "## 11. Ablations",
         "",
@@ -1345,8 +1357,9 @@ def ablations_section(runs: dict) -> list[str]:
         "median of a run of its own. The `ablations` part adds the flags of the GPU's Adam and of the prefetch depth "
         f"to `{ABLATION_COMMAND}`, on machine {machine_of('ablations')}; the copies' overlap is the blocked and "
         "overlapped modes training alone (part `alone`), activation offload section 6's runs of one micro-batch "
-        f"(part `activations`) and the 11 GiB cap section 10's pairs (part `budget_ab`), all on machine "
-        f"{machine_of('alone')}.",
+        "(the overlapped run of part `alone` against part `activations`) and the 11 GiB cap section 10's pairs (part "
+        f"`budget_ab`), all on machine {machine_of('alone')}. A flag marked off turns the acceleration off; one "
+        "marked on turns it on.",
         "",
         *table(header, ablation_rows(runs)),
         "",
@@ -1379,7 +1392,8 @@ def clipping_note(runs: dict) -> list[str]:
     free, clipped = (overlapped_training(runs, name) for name in ("clip_7b8l_unclipped", "clip_7b8l_clipped"))
     norms = clipped["grad_norms"]
     return [
-        f"- What clipping costs (part `clip`, `--gpu-adam-share 0`): {clipped['time_ms']:.1f} ms a step with "
+        f"- What clipping costs (part `clip`, `--gpu-adam-share 0`, on machine {machine_of('clip')}): "
+        f"{clipped['time_ms']:.1f} ms a step with "
         f"`--clip-grad-norm {runs['clip_7b8l_clipped']['run']['clip_grad_norm']:g}` against {free['time_ms']:.1f} "
         f"without ({clipped['time_ms'] / free['time_ms'] - 1:+.0%}). Every unit's update waits for the whole "
         f"backward's gradient norm: the bound holding the updates is {clipped['held_updates_ms']:.1f} ms (the "
@@ -1394,25 +1408,25 @@ def clipping_note(runs: dict) -> list[str]:
 ABLATIONS = (
     (
         "copies overlapped with compute",
-        "--mode blocked",
+        "off: `--mode blocked`",
         ("train_bf16_blocked", "blocked"),
         ("train_bf16_overlapped", "overlapped"),
     ),
     (
         "the GPU's Adam over streamed state",
-        "--gpu-adam-share 0",
+        "off: `--gpu-adam-share 0`",
         ("ablation_share_0", "overlapped"),
         ("ablation_share_0.3", "overlapped"),
     ),
     (
-        "prefetch 3 units ahead (every unit on the CPU Adam)",
-        "--prefetch 3",
+        "a deeper ring: prefetch 3 units ahead (every unit on the CPU Adam)",
+        "on: `--prefetch 3`",
         ("ablation_share_0", "overlapped"),
         ("ablation_share_0_prefetch3", "overlapped"),
     ),
     (
         "activation offload, where the saved inputs fit",
-        "--offload-activations",
+        "on: `--offload-activations`",
         ("train_bf16_overlapped", "overlapped"),
         ("train_bf16_offload_acts", "overlapped"),
     ),
@@ -1425,12 +1439,12 @@ def ablation_rows(runs: dict) -> list[list[str]]:
     rows = []
     for what, flags, (off, off_mode), (on, on_mode) in ABLATIONS:
         a, b = (runs[name]["results"][mode]["training"]["time_ms"] for name, mode in ((off, off_mode), (on, on_mode)))
-        rows.append([what, f"`{flags}`", f"{a:.1f}", f"{b:.1f}", f"{b / a:.2f}"])
+        rows.append([what, flags, f"{a:.1f}", f"{b:.1f}", f"{b / a:.2f}"])
     for i in range(1, PAIRS + 1):
         s, c = ab_pair(runs, i)
         what = f"units resident under an 11 GiB cap ({len(c['resident_units'])} of {c['units']}), pair {i}"
         ratio = c["time_ms"] / s["time_ms"]
-        rows.append([what, "`--max-gpu-memory 11`", f"{s['time_ms']:.1f}", f"{c['time_ms']:.1f}", f"{ratio:.2f}"])
+        rows.append([what, "on: `--max-gpu-memory 11`", f"{s['time_ms']:.1f}", f"{c['time_ms']:.1f}", f"{ratio:.2f}"])
     return rows
 
 

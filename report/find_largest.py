@@ -158,7 +158,8 @@ def search(run: ol.RunConfig, mode: str, config) -> dict:
 
 
 def limit(run: ol.RunConfig, mode: str, config, n: int, after: dict | None) -> str:
-    """Why n + 1 layers do not train: what their probe met, or, unprobed, the host memory or the search's end."""
+    """Why n + 1 layers do not train: what their probe met, or, unprobed, the disk (where the host would hold them
+    with a disk large enough), the host memory or the search's end."""
     if after is not None:
         if after.get("oom"):
             cap = f"the {run.max_gpu_memory:g} GiB cap" if run.max_gpu_memory else "the GPU"
@@ -166,18 +167,25 @@ def limit(run: ol.RunConfig, mode: str, config, n: int, after: dict | None) -> s
         return after.get("refused") or after.get("failed")
     more = dataclasses.replace(with_layers(run, n + 1), mode=mode)
     more_config = ol.llama_config(more)
-    if ol.disk_plan(more, more_config) is None:
-        planned = dataclasses.replace(more, nvme_layers=disk_layers_needed(more, more_config))
-        disk_bytes = planned.nvme_layers * ol.disk_unit_bytes(more_config)
-        disk = f" and {ol.gib(disk_bytes)} GiB on the disk" if run.nvme else ""
-        needed, what = ol.host_bytes_needed(planned, more_config, ol.param_count(more_config))
-        budget, reserve = ol.host_budget(run), ol.host_reserve(config)
+    if ol.disk_plan(more, more_config) is not None:
+        return f"the search stops at {ol.MAX_SEARCH_LAYERS} layers"
+    planned = dataclasses.replace(more, nvme_layers=disk_layers_needed(more, more_config))
+    disk_bytes = planned.nvme_layers * ol.disk_unit_bytes(more_config)
+    if run.nvme and ol.disk_plan(more, more_config, free=math.inf) is not None:  # the host holds it, the disk not
+        free = ol.shutil.disk_usage(run.nvme).free
         return (
-            f"host memory: with {layer_count(n + 1)}, {what} need {needed / ol.GiB:.1f} GiB{disk}, and "
-            f"{(budget - reserve) / ol.GiB:.1f} GiB are free beyond the {reserve / ol.GiB:.1f} GiB the process "
-            "needs besides"
+            f"the disk: with {layer_count(n + 1)}, the Adam moments of {layer_count(planned.nvme_layers)} need "
+            f"{ol.gib(disk_bytes)} GiB on the disk, more than the {ol.gib(free)} GiB free there (the host holds the "
+            "rest)"
         )
-    return f"the search stops at {ol.MAX_SEARCH_LAYERS} layers"
+    disk = f" and {ol.gib(disk_bytes)} GiB on the disk" if run.nvme else ""
+    needed, what = ol.host_bytes_needed(planned, more_config, ol.param_count(more_config))
+    budget, reserve = ol.host_budget(run), ol.host_reserve(config)
+    return (
+        f"host memory: with {layer_count(n + 1)}, {what} need {needed / ol.GiB:.1f} GiB{disk}, and "
+        f"{(budget - reserve) / ol.GiB:.1f} GiB are free beyond the {reserve / ol.GiB:.1f} GiB the process "
+        "needs besides"
+    )
 
 
 def disk_layers_needed(run: ol.RunConfig, config) -> int:

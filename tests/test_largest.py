@@ -152,8 +152,18 @@ def test_the_layer_past_the_host_limit_is_refused_for_host_memory(monkeypatch, t
     """Unprobed, the layer past the host's limit says what it needs of the host (and, with --nvme, of the disk)."""
     run = ol.dataclasses.replace(tiny_run(), train=True, mode="overlapped", nvme=str(tmp_path) if disk else None)
     monkeypatch.setattr(ol, "host_memory_available", lambda: host_total(run, 3))
+    monkeypatch.setattr(ol, "disk_plan", lambda *args, **kwargs: None)  # the host holds no more, whatever the disk
+    why = fl.limit(run, "overlapped", ol.llama_config(run), 3, None)
+    assert why.startswith("host memory: with 4 layers")
+    assert ("GiB on the disk" in why) == disk
+
+
+def test_the_layer_past_the_disk_limit_is_refused_for_the_disk(monkeypatch, tmp_path):
+    """Unprobed, the layer past the limit that the host would hold, were the disk larger, names the disk."""
+    run = ol.dataclasses.replace(tiny_run(), train=True, mode="overlapped", nvme=str(tmp_path))
+    monkeypatch.setattr(ol, "host_memory_available", lambda: host_total(run, 3))
     monkeypatch.setattr(ol.shutil, "disk_usage", lambda _: ol.shutil._ntuple_diskusage(0, 0, 0))  # no room on it
     n = fl.host_layer_limit(run, "overlapped")
     why = fl.limit(run, "overlapped", ol.llama_config(run), n, None)
-    assert n == 3 and why.startswith(f"host memory: with {n + 1} layers")
-    assert ("GiB on the disk" in why) == disk
+    assert n == 3 and why.startswith(f"the disk: with {n + 1} layers, the Adam moments of ")
+    assert "GiB on the disk, more than the 0.00 GiB free there (the host holds the rest)" in why

@@ -174,9 +174,12 @@ def test_the_ablations_table_has_each_acceleration_without_and_with():
         runs[f"budget_ab_11_{i}"] = run(overlapped=330.0)
         runs[f"budget_ab_11_{i}"]["results"]["overlapped"]["training"] |= {"resident_units": [0, 1, 2], "units": 11}
     text = "\n".join("| " + " | ".join(row) + " |" for row in module.ablation_rows(runs))
-    assert "| copies overlapped with compute | `--mode blocked` | 600.0 | 450.0 | 0.75 |" in text
-    assert "| the GPU's Adam over streamed state | `--gpu-adam-share 0` | 500.0 | 425.0 | 0.85 |" in text
-    assert "| activation offload, where the saved inputs fit | `--offload-activations` | 450.0 | 462.0 | 1.03 |" in text
+    assert "| copies overlapped with compute | off: `--mode blocked` | 600.0 | 450.0 | 0.75 |" in text
+    assert "| the GPU's Adam over streamed state | off: `--gpu-adam-share 0` | 500.0 | 425.0 | 0.85 |" in text
+    assert (
+        "| activation offload, where the saved inputs fit | on: `--offload-activations` | 450.0 | 462.0 | 1.03 |"
+        in text
+    )
     assert (
         text.count("units resident under an 11 GiB cap (3 of 11)") == module.PAIRS
         and "| 440.0 | 330.0 | 0.75 |" in text
