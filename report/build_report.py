@@ -941,7 +941,7 @@ def peers_section(runs: dict) -> list[str]:
             ["training step", f"offload_llama {mode}", f"{own[mode]['time_ms']:.1f}", *peaks(own[mode])]
             for mode in ("gpu", "overlapped")
         ),
-        *(peer_row(p[name], label) for name, label in TRAINING_PEERS.items() if name in p),
+        *(peer_row(p[name], label) for name, (label, _) in TRAINING_PEERS.items() if name in p),
     ]
     fsdp, ours = p["fsdp2"], training["overlapped"]
     same_loss = fsdp["losses"][-1] == ours["losses"][-1]
@@ -988,14 +988,11 @@ def deepspeed_note(p: dict, dtype: str) -> list[str]:
     ]
 
 
-TRAINING_PEERS = {  # report/peers.py's training peers, as section 8 names them, each where the peers' JSON has it
-    "fsdp2": "FSDP2 fully_shard + CPUOffloadPolicy",
-    "zero3": "DeepSpeed ZeRO-3, parameters and optimizer offloaded",
-    "zero2": "DeepSpeed ZeRO-2, optimizer offloaded",
+TRAINING_PEERS = {  # report/peers.py's training peers, as section 8's table and its text name them
+    "fsdp2": ("FSDP2 fully_shard + CPUOffloadPolicy", "FSDP2"),
+    "zero3": ("DeepSpeed ZeRO-3, parameters and optimizer offloaded", "DeepSpeed ZeRO-3"),
+    "zero2": ("DeepSpeed ZeRO-2, optimizer offloaded", "DeepSpeed ZeRO-2"),
 }
-
-
-SHORT_PEER_NAMES = {"fsdp2": "FSDP2", "zero3": "DeepSpeed ZeRO-3", "zero2": "DeepSpeed ZeRO-2"}
 
 
 def peer_row(r: dict, label: str) -> list[str]:
@@ -1014,7 +1011,7 @@ def slower_than_overlapped(p: dict, overlapped: dict) -> list[str]:
     """How many times the overlapped step each training peer's step took, in the same call."""
     ratios = [
         f"{label} {p[name]['time_ms'] / overlapped['time_ms']:.2f}x"
-        for name, label in SHORT_PEER_NAMES.items()
+        for name, (_, label) in TRAINING_PEERS.items()
         if "time_ms" in p.get(name, {})
     ]
     if not ratios:
@@ -1346,8 +1343,11 @@ def ablations_section(runs: dict) -> list[str]:
     default, none, more, deep, again = (
         share[name] for name in ("share_0.3", "share_0", "share_0.4", "share_0_prefetch3", "share_0.3_again")
     )
-    run, more_share = runs["ablation_share_0"]["run"], runs["ablation_share_0.4"]["run"]["gpu_adam_share"]
-    busy, busy_deep = (cpu_adam_busy_and_idle(t, run)[0] for t in (none, deep))
+    more_share = runs["ablation_share_0.4"]["run"]["gpu_adam_share"]
+    busy, busy_deep = (
+        cpu_adam_busy_and_idle(share[name], runs[f"ablation_{name}"]["run"])[0]
+        for name in ("share_0", "share_0_prefetch3")
+    )
     fsdp, fsdp_peers = (runs[name]["peers"]["fsdp2"]["time_ms"] for name in ("ablation_fsdp2", "peers_bf16"))
     header = ["acceleration", "flag", "step without (ms)", "step with (ms)", "with / without"]
     return [

@@ -218,8 +218,8 @@ def large_disk_line(mode: str, d: dict) -> str:
     return (
         f"{ol.MODE_NAMES[mode]} with a disk as large as needed (arithmetic from the run above, not measured): "
         f"{layer_count(d['layers'])} ({d['parameters'] / 1e9:.2f}B parameters) fit this host, {d['disk_layers']} of "
-        f"them with their Adam moments on the disk ({ol.gib(d['disk_bytes'])} GiB); at the disk rate of the run "
-        f"above, a step takes about {d['step_ms'] / 1e3:.0f} s."
+        f"them with their Adam moments on the disk ({ol.gib(d['disk_bytes'])} GiB); the step above, scaled by "
+        f"the bytes on the disk, takes about {d['step_ms'] / 1e3:.0f} s."
     )
 
 
