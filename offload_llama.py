@@ -42,17 +42,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-import transformers
-from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
-
 # ---------------------------------------------------------------------------------------------------- constants
 
 GiB = 2**30
 MODES = ("gpu", "blocked", "overlapped", "cpu")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
 MODE_NAMES = {
     "gpu": "w/o offload (gpu)",
     "blocked": "blocked offload",
@@ -88,6 +82,7 @@ CHECKPOINT_FORMAT = 1
 DISK_BLOCK = 4096  # bytes: direct I/O moves whole blocks between block-aligned memory and file offsets
 DISK_SLOTS = 2  # the disk tier's staging buffers: one unit stepped while the disk reads the next or writes one back
 DISK_CALL = 2**28  # bytes one read or write call moves at most (Linux moves under 2 GiB per call)
+FAST_FLOPS = {"cpu": 1e13, "cuda": 2e15}  # FLOP/s beyond any CPU's or GPU's: a run shorter at these needs no estimate
 
 
 def log(msg: str) -> None:
@@ -204,18 +199,297 @@ def default_dtype() -> str:
     return "float16" if cuda_without_bf16 else "bfloat16"
 
 
-# ---------------------------------------------------------------------------------------------------- model
+# ---------------------------------------------------------------------------------------------------- the command line
 
 
-def llama_config(run: RunConfig) -> LlamaConfig:
-    """The model's config: from --model's folder, or the preset with size flags applied; validated."""
-    if run.model is not None:
-        config = load_config(Path(run.model))
-        check_sizes({field: getattr(config, field) for field in SIZE_FLAGS}, f"--model {run.model}: config.json's ")
-        return config
-    sizes = {**PRESETS[run.preset], **dict(run.sizes)}
-    check_sizes(sizes)
-    return LlamaConfig(**sizes, max_position_embeddings=max(4096, run.seq_len), tie_word_embeddings=False)
+FIRST_CONTACT = "python offload_llama.py --preset tiny --mode cpu --train --steps 5 --seq-len 256"  # no GPU needed
+EXAMPLES = f"""examples:
+  {FIRST_CONTACT}
+      a tiny model on the CPU, inference then 5 training steps: seconds, no GPU
+  python offload_llama.py --mode overlapped --train
+      LLaMA-7B-sized layers (7b-8l) streamed through the GPU: the memory and time tables
+  python offload_llama.py --preset llama-7b --mode overlapped --train --no-inference --grad-accum 16 \\
+      --batch-size 4 --seq-len 1024 --max-gpu-memory 11
+      LLaMA-7B, 64 x 1024 tokens a step, under an 11 GiB GPU cap"""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with bad arguments reported as one line and exit code 2, like every other bad input; no prefixes of
+    flags (--save-pretrain is not --save-pretrained)."""
+
+    def __init__(self):
+        description = __doc__.split("\n\n")[0]
+        super().__init__(description=description, formatter_class=HelpFormatter, epilog=EXAMPLES, allow_abbrev=False)
+
+    def error(self, message):  # one line, exit 2
+        print(f"offload_llama.py: error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help with every flag's default: its value, or for a switch 'off'; a flag without a value says in its help
+    what happens without it. The examples below as written."""
+
+    def _get_help_string(self, action):
+        """The flag's help and its default."""
+        if isinstance(action.default, bool):
+            return f"{action.help} (default: off)"
+        if action.default is None or action.default == argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def preset_parameters(sizes: dict) -> int:
+    """A LLaMA's parameter count from its sizes (LlamaConfig field -> value), untied head, no torch needed."""
+    h, i, layers, vocab = (sizes[f] for f in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"))
+    kv = sizes["num_key_value_heads"] * (h // sizes["num_attention_heads"])  # the keys' and values' width
+    layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h  # q and o, k and v, the MLP, two norms
+    return 2 * vocab * h + layers * layer + h  # embeddings and head, the layers, the final norm
+
+
+def count_text(n: float) -> str:
+    """A count in words: 1.88B, 53.2M, 171K, 900."""
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{suffix}" if n < 100 * scale else f"{n / scale:.0f}{suffix}"
+    return f"{n:.0f}"
+
+
+def size_text(nbytes: float) -> str:
+    """Bytes in words, in GiB down to 1 GiB, then MiB, KiB or bytes: 3.5 GiB, 120.0 MiB, 4.0 KiB, 1 byte."""
+    for unit, suffix in ((GiB, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if abs(nbytes) >= unit:
+            return f"{nbytes / unit:.1f} {suffix}"
+    return "1 byte" if nbytes == 1 else f"{nbytes:.0f} bytes"
+
+
+def preset_help() -> str:
+    """--preset's help: each preset's layers, hidden size and parameters."""
+    described = [
+        f"{name}: {s['num_hidden_layers']} layers, hidden {s['hidden_size']}, {count_text(preset_parameters(s))} "
+        "parameters"
+        for name, s in PRESETS.items()
+    ]
+    return "a random model's sizes; " + "; ".join(described) + f" (default: {RunConfig.preset})"
+
+
+def add_run_flags(p: argparse.ArgumentParser) -> None:
+    """The model, the batch, the timing, what stays on the GPU, and the outputs."""
+    modes = "gpu: resident; cpu; blocked: copy each layer, then run it; overlapped: copy ahead; all; or a list: gpu,cpu"
+    p.add_argument("--mode", default="all", help=modes)
+    p.add_argument("--preset", choices=tuple(PRESETS), help=preset_help())
+    model = "load a save_pretrained LLaMA folder instead of building a random model (default: none, the preset)"
+    p.add_argument("--model", metavar="DIR", help=model)
+    for field, flag in SIZE_FLAGS.items():
+        p.add_argument(
+            f"--{flag}",
+            type=int,
+            dest=field,
+            metavar="N",
+            help=f"override the preset's {field} (default: the preset's)",
+        )
+    dtype = "compute dtype; masters and Adam state stay float32 (default: bfloat16, float16 on a GPU without it)"
+    p.add_argument("--dtype", choices=DTYPE_NAMES, help=dtype)
+    attention = "sdpa: flash, backward not bitwise reproducible; eager: reproducible, memory quadratic in --seq-len"
+    p.add_argument("--attention", choices=("sdpa", "eager"), default=RunConfig.attention, help=attention)
+    p.add_argument("--batch-size", type=int, default=RunConfig.batch_size, help="sequences per micro-batch")
+    p.add_argument("--seq-len", type=int, default=RunConfig.seq_len, help="tokens per sequence")
+    p.add_argument("--seed", type=int, default=RunConfig.seed, help="seeds the random weights and the input token ids")
+    p.add_argument("--prefetch", type=int, default=RunConfig.prefetch, help="units copied ahead in overlapped mode")
+    p.add_argument("--warmup", type=int, default=RunConfig.warmup, help="untimed runs (steps) first")
+    p.add_argument("--repeat", type=int, default=RunConfig.repeat, help="timed runs; the median is reported")
+    cap = "GPU memory cap; overlapped keeps on the GPU the layers (and their Adam state) it holds and streams the rest"
+    p.add_argument("--max-gpu-memory", type=float, metavar="GIB", help=f"{cap} (default: no cap)")
+    host = "the host memory the run keeps under; --nvme takes the rest (default: what the kernel has available)"
+    p.add_argument("--max-host-memory", type=float, metavar="GIB", help=host)
+    resident = "overlapped: N decoder layers resident (inference: spread; training: the first N), not the cap's plan"
+    p.add_argument("--resident-layers", type=int, metavar="N", help=f"{resident} (default: the cap's plan)")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON (default: none)")
+    saved = "torch.save the input ids, logits and trained masters (default: none)"
+    p.add_argument("--save-output", metavar="PATH", help=saved)
+    trace = "write a Chrome trace of one offloaded forward pass and step (default: none)"
+    p.add_argument("--profile", metavar="PATH", help=trace)
+
+
+def add_training_flags(p: argparse.ArgumentParser) -> None:
+    """Training and its accelerations."""
+    t = p.add_argument_group("training (--train)")
+    t.add_argument("--train", action="store_true", help="after inference, train each mode: forward, backward, Adam")
+    t.add_argument("--steps", type=int, default=RunConfig.steps, help="training steps on one fixed batch")
+    accum = "micro-batches of batch-size x seq-len per optimizer step, accumulated in float32"
+    t.add_argument("--grad-accum", type=int, default=RunConfig.grad_accum, metavar="K", help=accum)
+    lean = "train only; one offloaded mode alone then frees the model's decoder layers once the masters hold them"
+    t.add_argument("--no-inference", dest="inference", action="store_false", help=lean)
+    reference = "first time plain forward and backward of the model resident on the GPU (no optimizer, no cap)"
+    t.add_argument("--fwd-bwd-reference", action="store_true", help=reference)
+    acts = "keep the units' saved inputs in pinned host memory (turned on by itself when they would not fit the cap)"
+    t.add_argument("--offload-activations", action="store_true", help=acts)
+    t.add_argument("--lr", type=float, default=RunConfig.lr, help="Adam's learning rate")
+    betas = "Adam's moment decays"
+    t.add_argument("--betas", type=float, nargs=2, default=RunConfig.betas, metavar=("BETA1", "BETA2"), help=betas)
+    t.add_argument("--eps", type=float, default=RunConfig.eps, help="Adam's denominator term")
+    t.add_argument("--weight-decay", type=float, default=RunConfig.weight_decay, help="L2 penalty, as in torch's Adam")
+    clip = "scale the gradients to this float32 norm at most, as clip_grad_norm_ (units step once every one is in)"
+    t.add_argument("--clip-grad-norm", type=float, metavar="X", help=f"{clip} (default: no clipping)")
+    share = "overlapped: the share (0 to 1) of streamed parameters the GPU's Adam steps over float32 state streamed "
+    share += f"in (embeddings, first layers, head), the CPU Adam the rest (default: {GPU_ADAM_SHARE}; 0 in float16 or "
+    share += "with --clip-grad-norm)"
+    t.add_argument("--gpu-adam-share", type=float, metavar="F", help=share)
+    nvme = (
+        "offloaded: a folder on a local disk for the Adam moments of the layers the host cannot hold (freed at exit; "
+    )
+    nvme += "default: none, the host holds them)"
+    t.add_argument("--nvme", metavar="DIR", help=nvme)
+    layers = "with --nvme: the last N decoder layers' Adam moments on the disk (default: the host plan's count)"
+    t.add_argument("--nvme-layers", type=int, metavar="N", help=layers)
+
+
+def add_saving_flags(p: argparse.ArgumentParser) -> None:
+    """What training leaves behind, and where it goes on from."""
+    s = p.add_argument_group("saving and resuming (--train)")
+    s.add_argument(
+        "--save-pretrained",
+        metavar="DIR",
+        help="after training, the float32 weights as a HF model folder (default: none)",
+    )
+    s.add_argument("--checkpoint", metavar="DIR", help="the whole training state, after the last step (default: none)")
+    s.add_argument(
+        "--checkpoint-every",
+        type=int,
+        metavar="N",
+        help="also after every N steps, counted from the first (default: the last step only)",
+    )
+    s.add_argument(
+        "--resume", metavar="DIR", help="go on from a --checkpoint folder for --steps more steps (default: none)"
+    )
+
+
+def check_ranges(p: Parser, a: argparse.Namespace) -> None:
+    """Flags out of range: one line, exit 2."""
+    if a.mode != "all" and not set(a.mode.split(",")) <= set(MODES):
+        p.error(f"argument --mode: {a.mode!r}: choose all, or one or more of {', '.join(MODES)} with commas")
+    least = dict(batch_size=1, seq_len=1, repeat=1, steps=1, grad_accum=1, prefetch=1, warmup=0, resident_layers=0)
+    least["nvme_layers"] = 0
+    least["checkpoint_every"] = 1
+    for field, low in least.items():
+        if getattr(a, field) is not None and getattr(a, field) < low:
+            hint = " (blocked mode is prefetch 0)" if field == "prefetch" else ""
+            p.error(f"--{field.replace('_', '-')} must be at least {low}{hint}")
+    adam_ok = a.lr > 0 and a.eps > 0 and a.weight_decay >= 0 and all(0 <= b < 1 for b in a.betas)
+    if not all(map(math.isfinite, (a.lr, a.eps, a.weight_decay))) or not adam_ok:
+        p.error("Adam needs --lr > 0, --eps > 0, --weight-decay >= 0 and betas in [0, 1), all finite")
+    for flag in ("max_gpu_memory", "max_host_memory"):
+        value = getattr(a, flag)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            p.error(f"--{flag.replace('_', '-')} must be a positive number of GiB, got {value}")
+    if a.gpu_adam_share is not None and not 0 <= a.gpu_adam_share <= 1:
+        p.error(f"--gpu-adam-share must be between 0 and 1, got {a.gpu_adam_share}")
+
+
+def check_combinations(p: Parser, a: argparse.Namespace) -> None:
+    """Flags that do not go together: one line, exit 2."""
+    if a.gpu_adam_share and a.dtype == "float16":
+        p.error("--gpu-adam-share must be 0 in float16: its loss scale must see every gradient before any unit steps")
+    if a.clip_grad_norm is not None and not (math.isfinite(a.clip_grad_norm) and a.clip_grad_norm > 0):
+        p.error(f"--clip-grad-norm must be a positive number, got {a.clip_grad_norm}")
+    if a.gpu_adam_share and a.clip_grad_norm is not None:
+        p.error("--gpu-adam-share must be 0 with --clip-grad-norm: the norm must see every gradient before any step")
+    if not a.inference and not a.train:
+        p.error("--no-inference leaves nothing to run without --train")
+    if a.fwd_bwd_reference and not a.train:
+        p.error("--fwd-bwd-reference is the reference for training: add --train")
+    if (a.save_pretrained or a.checkpoint or a.resume) and not a.train:
+        p.error("--save-pretrained, --checkpoint and --resume save or resume training: add --train")
+    if a.clip_grad_norm is not None and not a.train:
+        p.error("--clip-grad-norm clips training's gradients: add --train")
+    if a.checkpoint_every and not a.checkpoint:
+        p.error("--checkpoint-every needs --checkpoint DIR, the folder to write in")
+    if a.nvme and not a.train:
+        p.error("--nvme keeps training's Adam state on a disk: add --train")
+    if a.nvme_layers is not None and not a.nvme:
+        p.error("--nvme-layers needs --nvme DIR, the folder on the disk")
+    modes = MODES if a.mode == "all" else a.mode.split(",")
+    if a.resident_layers is not None and "overlapped" not in modes:
+        p.error("--resident-layers places the layers of overlapped mode: add overlapped to --mode")
+    if a.profile and not {"blocked", "overlapped"} & set(modes):
+        p.error("--profile traces an offloaded pass: use --mode overlapped, blocked or all")
+    if a.nvme and not {"blocked", "overlapped"} & set(modes):
+        p.error("--nvme keeps the Adam state of offloaded training: add overlapped or blocked to --mode")
+
+
+def command_line(argv=None) -> RunConfig:
+    """The command line as a RunConfig, its dtype None unless given (parse_args asks the GPU); flags out of range or
+    that do not go together end with one line and exit 2. Needs neither torch nor transformers."""
+    p = Parser()
+    add_run_flags(p)
+    add_training_flags(p)
+    add_saving_flags(p)
+    a = p.parse_args(argv)
+    check_ranges(p, a)
+    check_combinations(p, a)
+    a.sizes = tuple((f, getattr(a, f)) for f in SIZE_FLAGS if getattr(a, f) is not None)
+    if a.model is not None and (a.sizes or a.preset is not None):
+        given = [f"--{SIZE_FLAGS[f]}" for f, _ in a.sizes] + ["--preset"] * (a.preset is not None)
+        p.error(f"--model {a.model} brings its own sizes: drop {', '.join(given)}, or drop --model")
+    a.preset = a.preset or RunConfig.preset
+    a.betas = tuple(a.betas)
+    return RunConfig(**{field.name: getattr(a, field.name) for field in dataclasses.fields(RunConfig)})
+
+
+def check_command_line(argv=None) -> None:
+    """What can be checked before torch and transformers load: the flags, the outputs, the model's sizes or its folder's
+    config.json. Bad input ends with one line and exit 2."""
+    run = command_line(argv)
+    try:
+        check_outputs(run)
+        if run.model is not None:
+            model_type(Path(run.model))
+        else:
+            check_sizes({**PRESETS[run.preset], **dict(run.sizes)})
+    except UsageError as e:
+        print(f"offload_llama.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def check_outputs(run: RunConfig) -> None:
+    """Every file and folder the run will write can be written: refused now rather than after a run of many minutes."""
+    for flag, path in (("--json", run.json), ("--save-output", run.save_output), ("--profile", run.profile)):
+        if path is not None and Path(path).is_dir():
+            raise UsageError(f"{flag} {path} is a folder: give a file name")
+        if path is not None:
+            check_writable(flag, path, Path(path).parent)
+    for flag, path in (("--save-pretrained", run.save_pretrained), ("--checkpoint", run.checkpoint)):
+        if path is not None and Path(path).exists() and not Path(path).is_dir():
+            raise UsageError(f"{flag} {path} is a file: give a folder")
+        if path is not None:
+            check_writable(flag, path, Path(path), make=True)
+    if run.nvme is not None and Path(run.nvme).exists() and not Path(run.nvme).is_dir():
+        raise UsageError(f"--nvme {run.nvme} is a file: give a folder on a local disk")
+    if run.nvme is not None:
+        check_writable("--nvme", run.nvme, Path(run.nvme))
+    check_distinct_outputs(run)
+
+
+def check_distinct_outputs(run: RunConfig) -> None:
+    """No two outputs share a path, where one would overwrite the other."""
+    outputs = {"--json": run.json, "--save-output": run.save_output, "--profile": run.profile}
+    outputs |= {"--save-pretrained": run.save_pretrained, "--checkpoint": run.checkpoint}
+    if run.profile and run.train:
+        outputs["--profile's training trace"] = train_trace_path(run.profile)
+    seen = {}
+    for flag, path in outputs.items():
+        if path is None:
+            continue
+        resolved = Path(path).resolve()
+        if resolved in seen:
+            raise UsageError(f"{seen[resolved]} and {flag} both name {path}: give each output a path of its own")
+        seen[resolved] = flag
+
+
+def train_trace_path(path: str) -> str:
+    """--profile's path for the training step's trace: trace.json -> trace.train.json."""
+    p = Path(path)
+    return str(p.with_name(p.stem + ".train" + p.suffix))
 
 
 def check_sizes(sizes: dict, origin: str = "") -> None:
@@ -233,19 +507,70 @@ def check_sizes(sizes: dict, origin: str = "") -> None:
         raise UsageError(f"{origin}head dimension (hidden size / heads) must be even for rotary embeddings")
 
 
-def load_config(path: Path) -> LlamaConfig:
-    """A save_pretrained folder's LlamaConfig, refused with one line if the folder is not a LLaMA model."""
+def check_writable(flag: str, path: str, folder: Path, make: bool = False) -> None:
+    """A file can be created in `folder`; make: the folder is made when written, so a missing one's parent must take
+    it (nothing is made now: a run refused later leaves no empty folder)."""
+    if make and not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        raise UsageError(f"{flag} {path}: the folder {folder} does not exist")
+    try:  # the permission bits do not say whether a file can be created there (/proc, a read-only mount)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        raise UsageError(
+            f"{flag} {path}: the folder {folder} cannot be written: no file can be created there ({e.strerror})"
+        ) from None
+
+
+def model_type(path: Path) -> str:
+    """A save_pretrained folder's model type, 'llama', read from its config.json; refused with one line otherwise."""
     if not path.is_dir():
         raise UsageError(f"--model {path}: no such folder (give a folder written by save_pretrained)")
     config_file = path / "config.json"
     if not config_file.is_file():
         raise UsageError(f"--model {path}: no config.json, so not a save_pretrained folder")
     try:
-        model_type = json.loads(config_file.read_text()).get("model_type")
-    except (json.JSONDecodeError, AttributeError) as e:
+        kind = json.loads(config_file.read_text()).get("model_type")
+    except (json.JSONDecodeError, AttributeError, UnicodeDecodeError) as e:
         raise UsageError(f"--model {path}: config.json is not valid JSON ({e})") from None
-    if model_type != "llama":
-        raise UsageError(f"--model {path}: model_type is {model_type!r}, not 'llama'")
+    if kind != "llama":
+        raise UsageError(f"--model {path}: model_type is {kind!r}, not 'llama'")
+    return kind
+
+
+if __name__ == "__main__":  # a mistyped command is answered before torch and transformers load, which takes seconds
+    check_command_line(sys.argv[1:])
+
+import torch  # noqa: E402  (after the command line's check)
+import transformers  # noqa: E402
+from torch import nn  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers.models.llama.modeling_llama import (  # noqa: E402
+    LlamaDecoderLayer,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+)
+
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
+
+
+# ---------------------------------------------------------------------------------------------------- model
+
+
+def llama_config(run: RunConfig) -> LlamaConfig:
+    """The model's config: from --model's folder, or the preset with size flags applied; validated."""
+    if run.model is not None:
+        config = load_config(Path(run.model))
+        check_sizes({field: getattr(config, field) for field in SIZE_FLAGS}, f"--model {run.model}: config.json's ")
+        return config
+    sizes = {**PRESETS[run.preset], **dict(run.sizes)}
+    check_sizes(sizes)
+    return LlamaConfig(**sizes, max_position_embeddings=max(4096, run.seq_len), tie_word_embeddings=False)
+
+
+def load_config(path: Path) -> LlamaConfig:
+    """A save_pretrained folder's LlamaConfig, refused with one line if the folder is not a LLaMA model."""
+    model_type(path)
     try:
         return LlamaConfig.from_pretrained(path)
     except Exception as e:  # transformers' own validation, whose error classes vary between versions
@@ -256,10 +581,11 @@ def load_config(path: Path) -> LlamaConfig:
 def build_model(run: RunConfig, config: LlamaConfig) -> LlamaForCausalLM:
     """The CPU model in the compute dtype: loaded from --model, or randomly initialised from --seed."""
     dtype, n = run.torch_dtype, param_count(config)
-    gib = n * dtype.itemsize / GiB
-    log(f"building {run.model or run.preset} on the CPU: {n / 1e9:.2f}B {run.dtype} parameters, {gib:.1f} GiB")
+    size = size_text(n * dtype.itemsize)
+    log(f"building {run.model or run.preset} on the CPU: {count_text(n)} {run.dtype} parameters, {size}")
     t0 = time.perf_counter()
     if run.model is not None:
+        transformers.utils.logging.disable_progress_bar()  # stderr carries this script's progress lines alone
         try:
             model = LlamaForCausalLM.from_pretrained(run.model, dtype=dtype, attn_implementation=run.attention)
         except (OSError, ValueError) as e:
@@ -1198,6 +1524,7 @@ class OffloadedTraining:
         self.scaling = loss_scaling(dtype, device)
         self.clip = Unclipped()
         self.grad_multiplier = 1.0  # this step's, which the steppers apply: the clip's coefficient
+        self.resumed_from = 0  # the steps a checkpoint had done, where resume() loaded one
         if self.scaling.holds_updates and not store.pool.dedicated:
             raise ValueError("float16 steps only once every unit's gradients are in: give each unit a gradient buffer")
         self.streamer.wait_source = lambda u: self.steppers[u].wait_written(u)
@@ -1329,6 +1656,7 @@ class ResidentTraining:
         self.optimizer = adam.optimizer(self.masters)
         self.scaling = loss_scaling(dtype, device)
         self.units = model_units(model.config)
+        self.resumed_from = 0  # the steps a checkpoint had done, where resume() loaded one
 
     def step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
         """One step: backward each micro-batch, gradients summed in float32, Adam on the masters copied into the
@@ -2109,29 +2437,37 @@ def training_parts(store: MasterStore, run: RunConfig, depth: int, own_grads: bo
 
 def training_placement(trainer, run: RunConfig, mode: str, besides: dict[str, int], own_grads: bool) -> Placement:
     """overlapped: resident, the longest run of units from the forward's start that fits the budget (or the first
-    --resident-layers layers), then gpu_adam_units; blocked: none; neither takes a unit whose moments are on the disk.
-    `besides`: bytes no placement changes."""
+    --resident-layers layers), then gpu_adam_units, unless its staging alone breaks the budget; blocked: none; neither
+    takes a unit whose moments are on the disk. `besides`: bytes no placement changes. A plan past the budget raises
+    torch.OutOfMemoryError: the mode is reported OOM instead of running into the cap."""
     depth = run.prefetch if mode == "overlapped" else 0
-    share = run.gpu_adam if mode == "overlapped" else 0.0
     on_disk = trainer.store.on_disk
 
-    def placement(resident: list[int]) -> Placement:
-        """The placement keeping `resident`, with its parts."""
+    def placement(resident: list[int], share: float) -> Placement:
+        """The placement keeping `resident`, the GPU's Adam stepping up to `share` of the rest, with its parts."""
         gpu_adam = gpu_adam_units(trainer.units, resident, share, on_disk)
         parts = training_parts(trainer.store, run, depth, own_grads, resident, gpu_adam)
         return Placement(tuple(resident), parts | besides, gpu_adam)
 
-    resident, budget = [], plan_budget(run)
+    resident, budget, share = [], plan_budget(run), run.gpu_adam if mode == "overlapped" else 0.0
     if mode == "overlapped" and run.resident_layers is not None:
         resident = list(range(1, 1 + run.resident_layers))  # unit 0 is the embeddings
     elif mode == "overlapped" and budget is not None:
         while (
             len(resident) < len(trainer.units)
             and len(resident) not in on_disk
-            and placement([*resident, len(resident)]).peak_bytes <= budget
+            and placement([*resident, len(resident)], share).peak_bytes <= budget
         ):
             resident.append(len(resident))
-    return placement(resident)
+    chosen = placement(resident, share)
+    if budget is not None and chosen.peak_bytes > budget:
+        chosen = placement(resident, 0.0)  # every streamed unit on the CPU Adam: no staging on the GPU
+    if budget is not None and chosen.peak_bytes > budget:
+        raise torch.OutOfMemoryError(
+            f"the plan needs {size_text(chosen.peak_bytes)}, more than the {size_text(budget)} the cap leaves a plan: "
+            "use --offload-activations, or fewer or shorter sequences"
+        )
+    return chosen
 
 
 # ---------------------------------------------------------------------------------------------------- modes
@@ -2304,8 +2640,9 @@ def make_trainer(mode: str, model, masters: MasterStore | None, micro_batches, r
 def train_steps(trainer, micro_batches, run: RunConfig, keep_grads: bool, profile=None, bound_parts=None, save=None):
     """Run the steps, each timed from its start to the next one's (a step's last updates overlap the next forward).
     bound_parts(): the bound's parts, timed in rounds between blocks of steps (bound_rounds); save(i): a checkpoint
-    after i steps where due; the step after either is not timed. keep_grads: the first step's state, to compare."""
-    clock = StepClock(trainer, micro_batches[0].device)
+    after i steps where due; the step after either is not timed. keep_grads: the first step's state, to compare.
+    The steps are numbered on from those the trainer was resumed after (trainer.resumed_from)."""
+    clock = StepClock(trainer, micro_batches[0].device, trainer.resumed_from)
     rounds = bound_rounds(run) if bound_parts else []
     losses, grads, parts, extra = [], None, collections.defaultdict(list), {}
     for i in range(run.steps + 1):
@@ -2347,9 +2684,10 @@ class StepClock:
     """The training steps' times, the CPU Adam's busy time in each and the peaks of GPU and host memory, leaving out
     the bound's rounds between the steps and the step after each round, which waits for no update."""
 
-    def __init__(self, trainer, device: torch.device):
+    def __init__(self, trainer, device: torch.device, done: int = 0):
         self.trainer = trainer
         self.device = device
+        self.done = done  # steps trained before this run (a resumed run goes on counting from them)
         self.adam = trainer.cpu_adam if isinstance(trainer, OffloadedTraining) else None
         self.times, self.busy = [], []  # each step's time, and the CPU Adam's busy time in it (ms)
         self.untimed = set()  # the steps right after a round
@@ -2384,7 +2722,7 @@ class StepClock:
         now = time.perf_counter()
         self.times.append((now - self.start) * 1e3)
         self.start = now
-        line = f"  step {i}: loss {loss:.4f}, {self.times[-1]:.0f} ms"
+        line = f"  step {self.done + i + 1}: loss {loss:.4f}, {self.times[-1]:.0f} ms"
         if self.adam:
             self.busy.append((self.adam.busy_s - self.busy_s) * 1e3)
             self.busy_s = self.adam.busy_s
@@ -2447,8 +2785,20 @@ def save_pretrained(trainer, config: LlamaConfig, folder: Path) -> None:
         setattr(model.get_submodule(owner), leaf, nn.Parameter(master, requires_grad=False))
     transformers.utils.logging.disable_progress_bar()  # stderr carries this script's progress lines alone
     model.save_pretrained(folder, max_shard_size=SAVE_SHARD)
+    with_umask_modes(folder)
     seconds = time.perf_counter() - t0
-    log(f"trained float32 weights saved to {folder} in {seconds:.1f} s, host peak {gib(peak_host_rss())} GiB meanwhile")
+    peak = size_text(peak_host_rss())
+    log(f"trained float32 weights saved to {folder} in {seconds:.1f} s, host peak {peak} meanwhile")
+
+
+def with_umask_modes(folder: Path) -> None:
+    """Give the files in `folder` the modes the umask gives new files: safetensors writes its shards 0600, beside
+    save_pretrained's 0644 config files."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in folder.iterdir():
+        if path.is_file():
+            path.chmod(0o666 & ~umask)
 
 
 def checkpoint_manifest(run: RunConfig, config: LlamaConfig, mode: str) -> dict:
@@ -2501,9 +2851,18 @@ def save_synced(obj, path: str) -> None:
         if isinstance(obj, str):
             f.write(obj + "\n")
         else:
-            torch.save(obj, f)
+            torch_save(obj, f, path)
         f.flush()
         os.fsync(f.fileno())
+
+
+def torch_save(obj, f, path: str) -> None:
+    """torch.save(obj, f), whose zip writer reports a full disk as a RuntimeError: an OSError naming `path` instead."""
+    try:
+        torch.save(obj, f)
+    except RuntimeError as e:
+        reason = f"torch.save could not write it ({str(e).splitlines()[0]}): is its disk full?"
+        raise OSError(errno.EIO, reason, path) from None
 
 
 def sync_folder(folder: Path) -> None:
@@ -2550,7 +2909,7 @@ def checkpoint_hint(folder: Path) -> str:
 
 
 def resume(trainer, folder: Path, manifest: dict) -> int:
-    """Load a checkpoint into `trainer`, before placement; returns the steps it had done."""
+    """Load a checkpoint into `trainer`, before placement; returns the steps it had done, which it keeps too."""
     t0 = time.perf_counter()
     saved = read_checkpoint(folder, manifest)
     for u, name in enumerate(saved["files"]):
@@ -2562,6 +2921,7 @@ def resume(trainer, folder: Path, manifest: dict) -> int:
     changed = [key for key in ("grad_accum", "batch_size", "seq_len", "seed") if saved.get(key) != manifest[key]]
     if changed:
         log(f"note: another {', '.join(changed)} than the checkpoint's, so another batch than it trained on")
+    trainer.resumed_from = saved["steps"]  # its steps are numbered on from there
     return saved["steps"]
 
 
@@ -2603,12 +2963,22 @@ def interleaved_ms(fns: dict, warmup: int, repeat: int) -> tuple[dict[str, list[
     return times, out
 
 
+RESET_HOST_PEAKS = [0]  # the process's peak resident set at each reset_peak_memory, which restarts the kernel's count
+
+
 def reset_peak_memory(device: torch.device) -> None:
-    """Start a new peak of GPU memory and of the host's resident set."""
+    """Start a new peak of GPU memory and of the host's resident set (the process's peak so far is kept)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    RESET_HOST_PEAKS.append(peak_host_rss() or 0)
     with contextlib.suppress(OSError):
         Path("/proc/self/clear_refs").write_text("5")  # resets the peak resident set size (Linux)
+
+
+def process_host_peak() -> int | None:
+    """The process's peak resident set size since it started, in bytes: --max-host-memory's measure."""
+    now = peak_host_rss()
+    return None if now is None else max(now, *RESET_HOST_PEAKS)
 
 
 def peak_host_rss() -> int | None:
@@ -2980,12 +3350,6 @@ def profile_step(trainer, micro_batches, path: str) -> dict:
     return {"loss": loss, "path": path, "h2d": trace_overlap(path, "HtoD"), "d2h": trace_overlap(path, "DtoH")}
 
 
-def train_trace_path(path: str) -> str:
-    """--profile's path for the training step's trace: trace.json -> trace.train.json."""
-    p = Path(path)
-    return str(p.with_name(p.stem + ".train" + p.suffix))
-
-
 def trace_overlap(path: str, direction: str = "HtoD") -> dict:
     """From a Chrome trace: the copy time in `direction` (HtoD or DtoH), and how much of it ran under a kernel on
     another stream: proof of overlap that does not rely on timing."""
@@ -3129,8 +3493,9 @@ TABLES = {  # part: its tables as (title, columns split on "|", cells), in print
 }
 
 
-def tables(results: dict, run: RunConfig, tokens: int, reference: dict | None = None) -> str:
-    """The memory and time tables of a run, inference then training, with notes below."""
+def tables(results: dict, run: RunConfig, tokens: int, reference: dict | None = None, host: dict | None = None) -> str:
+    """The memory and time tables of a run, inference then training, with notes below (host: the process's peak
+    resident set and the host memory it had, as run_all gives them)."""
     what = {
         "inference": f"{run.model or run.preset}, {run.dtype}, {run.batch_size}x{run.seq_len} = {tokens} tokens",
         "training": f"{run.dtype}, {run.grad_accum}x{run.batch_size}x{run.seq_len} tokens per step, Adam",
@@ -3142,7 +3507,17 @@ def tables(results: dict, run: RunConfig, tokens: int, reference: dict | None = 
         for title, columns, cells in TABLES[part]:
             aligned = [(c.removesuffix(":"), ":---:" if c.endswith(":") else "---:") for c in columns.split("|")]
             lines += markdown(f"{title} ({what[part]})", aligned, rows, cells)
-    return "\n".join(lines + notes(results, run, reference))
+    return "\n".join(lines + notes(results, run, reference) + host_note(host or {}, run))
+
+
+def host_note(host: dict, run: RunConfig) -> list[str]:
+    """The process's peak resident set (the kernel's VmHWM over the whole run) against the host memory it had."""
+    peak, budget = host.get("peak_host_bytes_process"), host.get("host_budget_bytes")
+    if peak is None or budget is None:
+        return []
+    cap = f"the --max-host-memory cap of {run.max_host_memory:g} GiB" if run.max_host_memory else "MemAvailable"
+    within = "within" if peak <= budget else "OVER"
+    return [f"host: the process's peak resident set {gib(peak)} GiB, {within} {cap} ({gib(budget)} GiB at the start)"]
 
 
 def notes(results: dict, run: RunConfig, reference: dict | None = None) -> list[str]:
@@ -3348,8 +3723,6 @@ def with_disk_tier(run: RunConfig, config: LlamaConfig) -> RunConfig:
     """`run` with --nvme-layers planned (disk_plan); refused where the host or the disk is too small for the plan."""
     if run.nvme is None:
         return run
-    if not {"blocked", "overlapped"} & set(run.modes):
-        raise UsageError("--nvme keeps the Adam state of offloaded training: add overlapped or blocked to --mode")
     most = config.num_hidden_layers - (run.resident_layers or 0)
     if run.nvme_layers is not None and run.nvme_layers > most:
         raise UsageError(f"--nvme-layers {run.nvme_layers}: the model has {most} decoder layers the CPU Adam steps")
@@ -3360,7 +3733,7 @@ def with_disk_tier(run: RunConfig, config: LlamaConfig) -> RunConfig:
         return dataclasses.replace(run, nvme_layers=most)
     needed, free = layers * disk_unit_bytes(config), shutil.disk_usage(run.nvme).free
     if needed > free:
-        short = f"{needed / GiB:.1f} GiB of Adam moments, {(needed - free) / GiB:.1f} GiB more than is free there"
+        short = f"{size_text(needed)} of Adam moments, {size_text(needed - free)} more than is free there"
         raise UsageError(f"--nvme {run.nvme}: {layers} layers' {short}; free some space or give another disk")
     return dataclasses.replace(run, nvme_layers=layers)
 
@@ -3391,8 +3764,8 @@ def host_copy_dtype(run: RunConfig, config: LlamaConfig) -> torch.dtype | None:
     spare, copy = host_spare_bytes(run, config), run.torch_dtype.itemsize * param_count(config)
     if spare is not None and spare < copy:
         log(
-            f"no room on the host for the {run.dtype} copy of the masters ({copy / GiB:.1f} GiB, "
-            f"{max(0, spare) / GiB:.1f} GiB spare): the GPU streams the float32 masters and casts them"
+            f"no room on the host for the {run.dtype} copy of the masters ({size_text(copy)}, "
+            f"{size_text(max(0, spare))} spare): the GPU streams the float32 masters and casts them"
         )
         return None
     return run.torch_dtype
@@ -3410,7 +3783,7 @@ def gradient_buffers(run: RunConfig, config: LlamaConfig, exact: bool, copy: boo
     if spare + 2 * gradient_buffer_bytes(config) >= dtype.itemsize * sum(unit.layout.numel for unit in units):
         return len(units)
     count = 2 + max(0, spare) // buffer
-    log(f"gradients: {count} pinned buffers of {buffer / GiB:.2f} GiB for {len(units)} units, all the host holds")
+    log(f"gradients: {count} pinned buffers of {size_text(buffer)} for {len(units)} units, all the host holds")
     return count
 
 
@@ -3420,7 +3793,17 @@ def host_pass_bytes(run: RunConfig, config: LlamaConfig) -> int:
     ids = (1 + run.grad_accum) * tokens * 8  # int64: inference's batch and training's micro-batches
     logits = len(run.modes) * tokens * config.vocab_size * dtype.itemsize
     pool = (config.num_hidden_layers + 2) * unit_inputs_bytes(run, config) if run.offload_activations else 0
-    return ids + logits + pool + (activation_bytes(config, dtype, tokens) if "cpu" in run.modes else 0)
+    cpu = max(activation_bytes(config, dtype, tokens), attention_bytes(run, config)) if "cpu" in run.modes else 0
+    return ids + logits + pool + cpu
+
+
+def attention_bytes(run: RunConfig, config: LlamaConfig) -> int:
+    """Eager attention's scores at their least: a micro-batch's batch x heads x seq-len x seq-len of them, scaled beside
+    the raw ones; in training each layer keeps its probabilities for the backward. sdpa keeps none."""
+    if run.attention != "eager":
+        return 0
+    scores = run.batch_size * config.num_attention_heads * run.seq_len**2 * run.torch_dtype.itemsize
+    return scores * (config.num_hidden_layers + 1 if run.train else 2)
 
 
 def gpu_bytes_needed(run: RunConfig, config: LlamaConfig, mode: str) -> int:
@@ -3428,6 +3811,7 @@ def gpu_bytes_needed(run: RunConfig, config: LlamaConfig, mode: str) -> int:
     dtype, b = run.torch_dtype, run.torch_dtype.itemsize
     layers = config.num_hidden_layers
     act = activation_bytes(config, dtype, run.batch_size * run.seq_len, at_least=True)
+    act = max(act, attention_bytes(dataclasses.replace(run, train=run.train and mode == "gpu"), config))
     if mode == "gpu":
         return param_count(config) * (2 * b + 16 if run.train else b) + act
     depth = 0 if mode == "blocked" else run.prefetch
@@ -3446,166 +3830,91 @@ def unit_inputs_bytes(run: RunConfig, config: LlamaConfig) -> int:
     return run.grad_accum * run.batch_size * run.seq_len * config.hidden_size * run.torch_dtype.itemsize
 
 
+def gpu_plan_estimate(run: RunConfig, config: LlamaConfig, mode: str) -> int:
+    """What a training placement of `mode` with every unit streamed will come to, known before allocating:
+    gpu_bytes_needed, the running unit's outputs for every micro-batch (the next unit's inputs), the staging buffer of
+    float32 masters cast on the GPU, and the allocator's margin."""
+    staging = 4 * STAGING if run.torch_dtype != torch.float32 else 0
+    return gpu_bytes_needed(run, config, mode) + unit_inputs_bytes(run, config) + staging + PLAN_MARGIN
+
+
 def with_activation_offload(run: RunConfig, config: LlamaConfig) -> RunConfig:
     """`run` with --offload-activations on (said on stderr) where only then do the saved inputs fit the GPU cap."""
     offloaded = {"blocked", "overlapped"} & set(run.modes)
     if run.offload_activations or not run.train or not offloaded or run.max_gpu_memory is None:
         return run
     cap, on = run.max_gpu_memory * GiB, dataclasses.replace(run, offload_activations=True)
-    if not all(gpu_bytes_needed(run, config, m) > cap >= gpu_bytes_needed(on, config, m) for m in offloaded):
+    if not all(gpu_plan_estimate(run, config, m) > cap >= gpu_bytes_needed(on, config, m) for m in offloaded):
         return run
-    saved = (config.num_hidden_layers + 2) * unit_inputs_bytes(run, config) / GiB
-    log(f"activation offload on: the saved inputs ({saved:.1f} GiB) exceed the {run.max_gpu_memory:g} GiB cap")
+    saved = size_text((config.num_hidden_layers + 2) * unit_inputs_bytes(run, config))
+    log(
+        f"activation offload on: the saved inputs ({saved}) do not fit the {run.max_gpu_memory:g} GiB cap with the rest"
+    )
     return on
+
+
+def pass_flops(run: RunConfig, config: LlamaConfig) -> float:
+    """A forward pass's matrix FLOPs over one micro-batch: 2 a parameter a token, and the attention's scores and their
+    weighted sums, 4 x seq-len² x hidden a sequence and layer."""
+    tokens = run.batch_size * run.seq_len
+    attention = 4 * config.num_hidden_layers * run.batch_size * run.seq_len**2 * config.hidden_size
+    return 2 * param_count(config) * tokens + attention
+
+
+def run_flops(run: RunConfig, config: LlamaConfig) -> dict[str, float]:
+    """The FLOPs the run's modes compute at least, on the CPU and on the GPU: each inference pass timed, and each
+    training step's forward, recompute and backward (twice a forward) over its micro-batches."""
+    flops = {"cpu": 0.0, "cuda": 0.0}
+    for mode in run.modes:
+        device = "cpu" if mode == "cpu" else "cuda"
+        passes = 1 if mode == "cpu" else run.warmup + run.repeat
+        flops[device] += pass_flops(run, config) * (passes * run.inference + 4 * run.steps * run.grad_accum * run.train)
+    return flops
+
+
+def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
+    """The FLOP/s of square matmuls in `dtype` on `device`, over a tenth of a second or so: a rough rate."""
+    n = 2048 if device.type == "cuda" else 256
+    a = torch.ones(n, n, dtype=dtype, device=device)
+    a @ a  # the first call picks its kernel
+    count, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < 0.1:
+        for _ in range(8 if device.type == "cuda" else 1):
+            a @ a
+            count += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return 2 * n**3 * count / (time.perf_counter() - t0)
+
+
+def warn_if_long(run: RunConfig, config: LlamaConfig) -> None:
+    """Say on stderr how long the run will compute at least where that is over a minute: its FLOPs at each device's
+    rate, measured only where the FLOPs take a minute even at FAST_FLOPS."""
+    flops = {device: f for device, f in run_flops(run, config).items() if f > 60 * FAST_FLOPS[device]}
+    seconds = sum(f / matmul_rate(torch.device(device), run.torch_dtype) for device, f in flops.items())
+    if seconds > 60:
+        log(f"note: this run computes for {duration_text(seconds)} at least, at the rate a matmul reaches here")
+
+
+def duration_text(seconds: float) -> str:
+    """A duration in words: 45 s, 12 min, 3.2 h, 18 days."""
+    for unit, name in ((86400, "days"), (3600, "h"), (60, "min")):
+        if seconds >= 2 * unit or (unit < 86400 and seconds >= unit):
+            return f"{seconds / unit:.1f} {name}" if seconds < 10 * unit else f"{seconds / unit:.0f} {name}"
+    return f"{seconds:.0f} s"
 
 
 # ---------------------------------------------------------------------------------------------------- CLI
 
 
-class Parser(argparse.ArgumentParser):
-    """argparse with bad arguments reported as one line and exit code 2, like every other bad input."""
-
-    def error(self, message):  # one line, exit 2
-        print(f"offload_llama.py: error: {message} (see --help)", file=sys.stderr)
-        sys.exit(2)
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """--help with each flag's default, where it says something: not None, not a switch's."""
-
-    def _get_help_string(self, action):
-        """The flag's help, and its default unless None or a switch's."""
-        if action.default is None or isinstance(action.default, bool):
-            return action.help
-        return super()._get_help_string(action)
-
-
-def add_run_flags(p: argparse.ArgumentParser) -> None:
-    """The model, the batch, the timing, what stays on the GPU, and the outputs."""
-    modes = "gpu: resident; cpu; blocked: copy each layer, then run it; overlapped: copy ahead; all; or a list: gpu,cpu"
-    p.add_argument("--mode", default="all", help=modes)
-    p.add_argument("--preset", choices=tuple(PRESETS), default=RunConfig.preset)
-    p.add_argument("--model", help="load a save_pretrained LLaMA folder instead of building a random model")
-    for field, flag in SIZE_FLAGS.items():
-        p.add_argument(f"--{flag}", type=int, dest=field, help=f"override the preset's {field}")
-    p.add_argument("--dtype", choices=tuple(DTYPES), help="compute dtype (default: bfloat16 where supported)")
-    attention = "sdpa: flash, backward not bitwise reproducible; eager: reproducible, memory quadratic in --seq-len"
-    p.add_argument("--attention", choices=("sdpa", "eager"), default=RunConfig.attention, help=attention)
-    p.add_argument("--batch-size", type=int, default=RunConfig.batch_size)
-    p.add_argument("--seq-len", type=int, default=RunConfig.seq_len)
-    p.add_argument("--seed", type=int, default=RunConfig.seed, help="seeds the random weights and the input token ids")
-    p.add_argument("--prefetch", type=int, default=RunConfig.prefetch, help="units copied ahead in overlapped mode")
-    p.add_argument("--warmup", type=int, default=RunConfig.warmup)
-    p.add_argument("--repeat", type=int, default=RunConfig.repeat, help="timed runs; the median is reported")
-    cap = "GPU memory cap; overlapped keeps on the GPU the layers (and their Adam state) it holds and streams the rest"
-    p.add_argument("--max-gpu-memory", type=float, metavar="GIB", help=cap)
-    host = "the host memory the run plans for (default: what the kernel has available); --nvme takes the rest"
-    p.add_argument("--max-host-memory", type=float, metavar="GIB", help=host)
-    resident = "overlapped: N decoder layers resident (inference: spread; training: the first N), not the cap's plan"
-    p.add_argument("--resident-layers", type=int, metavar="N", help=resident)
-    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    p.add_argument("--save-output", metavar="PATH", help="torch.save the input ids, logits and trained masters")
-    p.add_argument("--profile", metavar="PATH", help="write a Chrome trace of one offloaded forward pass and step")
-
-
-def add_training_flags(p: argparse.ArgumentParser) -> None:
-    """Training and its accelerations."""
-    t = p.add_argument_group("training (--train)")
-    t.add_argument("--train", action="store_true", help="after inference, train each mode: forward, backward, Adam")
-    t.add_argument("--steps", type=int, default=RunConfig.steps, help="training steps on one fixed batch")
-    accum = "micro-batches of batch-size x seq-len per optimizer step, accumulated in float32"
-    t.add_argument("--grad-accum", type=int, default=RunConfig.grad_accum, metavar="K", help=accum)
-    lean = "train only; one offloaded mode alone then frees the model's decoder layers once the masters hold them"
-    t.add_argument("--no-inference", dest="inference", action="store_false", help=lean)
-    reference = "first time plain forward and backward of the model resident on the GPU (no optimizer, no cap)"
-    t.add_argument("--fwd-bwd-reference", action="store_true", help=reference)
-    acts = "keep the units' saved inputs in pinned host memory (turned on by itself when they would not fit the cap)"
-    t.add_argument("--offload-activations", action="store_true", help=acts)
-    t.add_argument("--lr", type=float, default=RunConfig.lr)
-    t.add_argument("--betas", type=float, nargs=2, default=RunConfig.betas, metavar=("BETA1", "BETA2"))
-    t.add_argument("--eps", type=float, default=RunConfig.eps)
-    t.add_argument("--weight-decay", type=float, default=RunConfig.weight_decay, help="L2 penalty, as in torch's Adam")
-    clip = "scale the gradients to this float32 norm at most, as clip_grad_norm_ (units step once every one is in)"
-    t.add_argument("--clip-grad-norm", type=float, metavar="X", help=clip)
-    share = "overlapped: the share (0 to 1) of streamed parameters the GPU's Adam steps over float32 state streamed "
-    share += f"in (embeddings, first layers, head), the CPU Adam the rest (default: {GPU_ADAM_SHARE}; 0 in float16 or "
-    share += "with --clip-grad-norm)"
-    t.add_argument("--gpu-adam-share", type=float, metavar="F", help=share)
-    nvme = "offloaded: a folder on a local disk for the Adam moments of the layers the host cannot hold (freed at exit)"
-    t.add_argument("--nvme", metavar="DIR", help=nvme)
-    layers = "with --nvme: the last N decoder layers' Adam moments on the disk, not the host plan's count"
-    t.add_argument("--nvme-layers", type=int, metavar="N", help=layers)
-
-
-def add_saving_flags(p: argparse.ArgumentParser) -> None:
-    """What training leaves behind, and where it goes on from."""
-    s = p.add_argument_group("saving and resuming (--train)")
-    s.add_argument("--save-pretrained", metavar="DIR", help="after training, the float32 weights as a HF model folder")
-    s.add_argument("--checkpoint", metavar="DIR", help="the whole training state, after the last step")
-    s.add_argument("--checkpoint-every", type=int, metavar="N", help="also after every N steps, counted from the first")
-    s.add_argument("--resume", metavar="DIR", help="go on from a --checkpoint folder for --steps more steps")
-
-
-def check_flags(p: Parser, a: argparse.Namespace) -> None:
-    """Flags out of range or that do not go together: one line, exit 2."""
-    if a.mode != "all" and not set(a.mode.split(",")) <= set(MODES):
-        p.error(f"argument --mode: {a.mode!r}: choose all, or one or more of {', '.join(MODES)} with commas")
-    least = dict(batch_size=1, seq_len=1, repeat=1, steps=1, grad_accum=1, prefetch=1, warmup=0, resident_layers=0)
-    least["nvme_layers"] = 0
-    least["checkpoint_every"] = 1
-    for field, low in least.items():
-        if getattr(a, field) is not None and getattr(a, field) < low:
-            hint = " (blocked mode is prefetch 0)" if field == "prefetch" else ""
-            p.error(f"--{field.replace('_', '-')} must be at least {low}{hint}")
-    adam_ok = a.lr > 0 and a.eps > 0 and a.weight_decay >= 0 and all(0 <= b < 1 for b in a.betas)
-    if not all(map(math.isfinite, (a.lr, a.eps, a.weight_decay))) or not adam_ok:
-        p.error("Adam needs --lr > 0, --eps > 0, --weight-decay >= 0 and betas in [0, 1), all finite")
-    for flag in ("max_gpu_memory", "max_host_memory"):
-        value = getattr(a, flag)
-        if value is not None and not (math.isfinite(value) and value > 0):
-            p.error(f"--{flag.replace('_', '-')} must be a positive number of GiB, got {value}")
-    if a.gpu_adam_share is not None and not 0 <= a.gpu_adam_share <= 1:
-        p.error(f"--gpu-adam-share must be between 0 and 1, got {a.gpu_adam_share}")
-    if a.gpu_adam_share and a.dtype == "float16":
-        p.error("--gpu-adam-share must be 0 in float16: its loss scale must see every gradient before any unit steps")
-    if a.clip_grad_norm is not None and not (math.isfinite(a.clip_grad_norm) and a.clip_grad_norm > 0):
-        p.error(f"--clip-grad-norm must be a positive number, got {a.clip_grad_norm}")
-    if a.gpu_adam_share and a.clip_grad_norm is not None:
-        p.error("--gpu-adam-share must be 0 with --clip-grad-norm: the norm must see every gradient before any step")
-    if not a.inference and not a.train:
-        p.error("--no-inference leaves nothing to run without --train")
-    if a.fwd_bwd_reference and not a.train:
-        p.error("--fwd-bwd-reference is the reference for training: add --train")
-    if (a.save_pretrained or a.checkpoint or a.resume) and not a.train:
-        p.error("--save-pretrained, --checkpoint and --resume save or resume training: add --train")
-    if a.clip_grad_norm is not None and not a.train:
-        p.error("--clip-grad-norm clips training's gradients: add --train")
-    if a.checkpoint_every and not a.checkpoint:
-        p.error("--checkpoint-every needs --checkpoint DIR, the folder to write in")
-    if a.nvme and not a.train:
-        p.error("--nvme keeps training's Adam state on a disk: add --train")
-    if a.nvme_layers is not None and not a.nvme:
-        p.error("--nvme-layers needs --nvme DIR, the folder on the disk")
-
-
 def parse_args(argv=None) -> RunConfig:
-    """The command line as a RunConfig; flags out of range end with one line and exit 2."""
-    p = Parser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
-    add_run_flags(p)
-    add_training_flags(p)
-    add_saving_flags(p)
-    a = p.parse_args(argv)
-    a.dtype = a.dtype or default_dtype()
-    check_flags(p, a)
-    a.sizes = tuple((f, getattr(a, f)) for f in SIZE_FLAGS if getattr(a, f) is not None)
-    a.betas = tuple(a.betas)
-    return RunConfig(**{field.name: getattr(a, field.name) for field in dataclasses.fields(RunConfig)})
+    """The command line as a RunConfig with its dtype: bfloat16 unless --dtype says otherwise or the GPU lacks it."""
+    run = command_line(argv)
+    return run if run.dtype else dataclasses.replace(run, dtype=default_dtype())
 
 
 def check_devices(run: RunConfig, config: LlamaConfig) -> None:
     """Everything about the GPU and host that can be refused before a byte is allocated."""
-    if run.resident_layers is not None and "overlapped" not in run.modes:
-        raise UsageError("--resident-layers places the layers of overlapped mode: add overlapped to --mode")
     if run.resident_layers is not None and run.resident_layers > config.num_hidden_layers:
         layers = config.num_hidden_layers
         raise UsageError(f"--resident-layers {run.resident_layers}: the model has {layers} decoder layers")
@@ -3617,11 +3926,14 @@ def check_devices(run: RunConfig, config: LlamaConfig) -> None:
     if run.fwd_bwd_reference and not torch.cuda.is_available():
         raise UsageError("--fwd-bwd-reference runs on a CUDA GPU, and torch.cuda.is_available() is False")
     if gpu_modes and not torch.cuda.is_available():
-        raise UsageError(f"mode {gpu_modes[0]} needs a CUDA GPU; torch.cuda.is_available() is False: use --mode cpu")
+        raise UsageError(
+            f"mode {gpu_modes[0]} needs a CUDA GPU, and torch.cuda.is_available() is False: use --mode cpu (a first "
+            f"try: {FIRST_CONTACT})"
+        )
+    if run.gpu_adam_share and run.dtype == "float16":  # the dtype the GPU gave, where --dtype did not say
+        raise UsageError("--gpu-adam-share must be 0 in float16: its loss scale sees every gradient before any step")
     if gpu_modes and run.dtype == "bfloat16" and not torch.cuda.is_bf16_supported(including_emulation=False):
         raise UsageError(f"{torch.cuda.get_device_name()} cannot compute in bfloat16: use --dtype float16 or float32")
-    if run.profile and not {"blocked", "overlapped"} & set(run.modes):
-        raise UsageError("--profile traces an offloaded pass: use --mode overlapped, blocked or all")
     if run.train and config.tie_word_embeddings:
         raise UsageError("--train needs untied embeddings (tie_word_embeddings is true): the head is a unit of its own")
     check_memory(run, config, gpu_modes)
@@ -3629,67 +3941,43 @@ def check_devices(run: RunConfig, config: LlamaConfig) -> None:
 
 
 def check_memory(run: RunConfig, config: LlamaConfig, gpu_modes: list[str]) -> None:
-    """The GPU cap holds at least one mode, and the host has the memory the run needs."""
-    if run.max_gpu_memory is not None and gpu_modes:
+    """The GPU (or its --max-gpu-memory cap) holds at least one mode, and the host has the memory the run needs."""
+    if gpu_modes:
+        cap = gpu_cap(run)
         needs = {mode: gpu_bytes_needed(run, config, mode) for mode in gpu_modes}
         least = min(needs, key=needs.get)
-        if needs[least] > run.max_gpu_memory * GiB:
+        if needs[least] > cap:
+            what = f"the --max-gpu-memory cap of {run.max_gpu_memory:g} GiB" if run.max_gpu_memory else "the GPU has"
             raise UsageError(
-                f"mode {least} needs at least {needs[least] / GiB:.1f} GiB of GPU memory for {run.grad_accum} x "
-                f"{run.batch_size} x {run.seq_len} tokens, more than the --max-gpu-memory cap of "
-                f"{run.max_gpu_memory:g} GiB: use fewer or shorter sequences"
+                f"mode {least} needs at least {size_text(needs[least])} of GPU memory for {run.grad_accum} x "
+                f"{run.batch_size} x {run.seq_len} tokens, more than {what} ({size_text(cap)}): use fewer or shorter "
+                "sequences"
             )
     params, what = host_bytes_needed(run, config, param_count(config))
     passes = host_pass_bytes(run, config)
     available = host_budget(run)
     if available is not None and params + passes > available:
         advice = "use fewer or shorter sequences" if passes > params else "use fewer or smaller layers"
-        if run.nvme is None and passes <= params:
+        if run.nvme is None and passes <= params and run.train and {"blocked", "overlapped"} & set(run.modes):
             advice += ", or give --nvme DIR on a local disk for the Adam state"
         raise UsageError(
-            f"{what} ({params / GiB:.1f} GiB) and the passes' ids, logits, activations ({passes / GiB:.1f} GiB) need "
-            f"{(params + passes) / GiB:.1f} GiB of host memory, only {available / GiB:.1f} GiB are available "
-            f"({(params + passes - available) / GiB:.1f} GiB short): {advice}"
+            f"{what} ({size_text(params)}) and the passes' ids, logits, activations ({size_text(passes)}) need "
+            f"{size_text(params + passes)} of host memory, only {size_text(available)} are available "
+            f"({size_text(params + passes - available)} short): {advice}"
         )
 
 
-def check_outputs(run: RunConfig) -> None:
-    """Every file and folder the run will write can be written: refused now rather than after a run of many minutes."""
-    for flag, path in (("--json", run.json), ("--save-output", run.save_output), ("--profile", run.profile)):
-        if path is not None and Path(path).is_dir():
-            raise UsageError(f"{flag} {path} is a folder: give a file name")
-        if path is not None:
-            check_writable(flag, path, Path(path).parent)
-    for flag, path in (("--save-pretrained", run.save_pretrained), ("--checkpoint", run.checkpoint)):
-        if path is not None and Path(path).exists() and not Path(path).is_dir():
-            raise UsageError(f"{flag} {path} is a file: give a folder")
-        if path is not None:
-            check_writable(flag, path, Path(path), make=True)
-    if run.nvme is not None and Path(run.nvme).exists() and not Path(run.nvme).is_dir():
-        raise UsageError(f"--nvme {run.nvme} is a file: give a folder on a local disk")
-    if run.nvme is not None:
-        check_writable("--nvme", run.nvme, Path(run.nvme))
-
-
-def check_writable(flag: str, path: str, folder: Path, make: bool = False) -> None:
-    """A file can be created in `folder`; make: the folder is made when written, so a missing one's parent must take
-    it (nothing is made now: a run refused later leaves no empty folder)."""
-    if make and not folder.exists():
-        folder = folder.parent
-    if not folder.is_dir():
-        raise UsageError(f"{flag} {path}: the folder {folder} does not exist")
-    try:  # the permission bits do not say whether a file can be created there (/proc, a read-only mount)
-        tempfile.TemporaryFile(dir=folder).close()
-    except OSError as e:
-        raise UsageError(
-            f"{flag} {path}: the folder {folder} cannot be written: no file can be created there ({e.strerror})"
-        ) from None
+def gpu_cap(run: RunConfig) -> int:
+    """The GPU memory a mode may take: the --max-gpu-memory cap, else the GPU's own."""
+    if run.max_gpu_memory is not None:
+        return int(run.max_gpu_memory * GiB)
+    return torch.cuda.get_device_properties(0).total_memory
 
 
 def check_saving(run: RunConfig, config: LlamaConfig) -> None:
     """--resume's checkpoints are whole and of this model, dtype and Adam; --checkpoint overwrites none that is not
     resumed; the folders have room: 4 bytes a parameter for --save-pretrained, 12 for a checkpoint (twice that when a
-    second is written while the first stays whole), for each mode that trains."""
+    second is written while the first stays whole), for each mode that trains; --save-output's, save_output_bytes."""
     same = bool(run.resume and run.checkpoint) and Path(run.resume).resolve() == Path(run.checkpoint).resolve()
     for mode in run.modes if run.train else ():
         if run.resume:
@@ -3702,12 +3990,22 @@ def check_saving(run: RunConfig, config: LlamaConfig) -> None:
     needs = {
         "--save-pretrained": (run.save_pretrained, 4 * params),
         "--checkpoint": (run.checkpoint, 12 * params * (1 + twice)),
+        "--save-output": (run.save_output, save_output_bytes(run, config)),
     }
     for flag, (path, needed) in needs.items():
         free = shutil.disk_usage(existing(Path(path))).free - disk_tier_bytes_on(run, config, path) if path else needed
         if needed > free:
-            short = f"{needed / GiB:.1f} GiB to write, {(needed - free) / GiB:.1f} GiB more than is free there"
+            short = f"{size_text(needed)} to write, {size_text(needed - free)} more than is free there"
             raise UsageError(f"{flag} {path}: {short}; free some space or give a folder on another disk")
+
+
+def save_output_bytes(run: RunConfig, config: LlamaConfig) -> int:
+    """At most what --save-output writes: the token ids, each mode's logits (float32 at most) and, with --train, the
+    training ids and each mode's float32 masters."""
+    tokens, modes = run.batch_size * run.seq_len, len(run.modes)
+    logits = modes * tokens * config.vocab_size * 4 if run.inference else 0
+    training = run.grad_accum * tokens * 8 + modes * 4 * param_count(config) if run.train else 0
+    return tokens * 8 + logits + training + 2**20  # and the pickle's own records
 
 
 def disk_tier_bytes_on(run: RunConfig, config: LlamaConfig, path: str) -> int:
@@ -3751,7 +4049,16 @@ def environment() -> dict:
         "python": platform.python_version(),
         "cpu_threads": torch.get_num_threads(),
         "script_sha256": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
+        "expandable_segments": expandable_segments(),
     }
+
+
+def expandable_segments() -> bool | None:
+    """Whether the CUDA allocator's segments grow in place (use_expandable_segments); None where it holds none."""
+    if not torch.cuda.is_initialized():
+        return None
+    segments = torch.cuda.memory_snapshot()
+    return all(s["is_expandable"] for s in segments) if segments else None
 
 
 def run_all(run: RunConfig) -> dict:
@@ -3760,6 +4067,8 @@ def run_all(run: RunConfig) -> dict:
     run = with_disk_tier(with_activation_offload(run, config), config)
     check_devices(run, config)
     log(f"torch {torch.__version__} and transformers {transformers.__version__} imported, the run checked")
+    host_cap = host_budget(run)  # before the run takes memory: MemAvailable, at most --max-host-memory
+    warn_if_long(run, config)
     offloaded = {"blocked", "overlapped"} & set(run.modes)
     # offloaded against gpu, from the same start (a resumed mode starts from its own checkpoint)
     compared = {"gpu", *offloaded} if "gpu" in run.modes and offloaded and not run.resume else set()
@@ -3781,12 +4090,13 @@ def run_all(run: RunConfig) -> dict:
     finally:
         if masters:
             masters.close()  # the disk tier's files
-    report = {**environment(), "run": dataclasses.asdict(run), "tokens": input_ids.numel()}
+    host = {"host_budget_bytes": host_cap, "peak_host_bytes_process": process_host_peak()}
+    report = {**environment(), "run": dataclasses.asdict(run), "tokens": input_ids.numel(), **host}
     report |= {"parameters": param_count(model.config), "layer_bytes": layer_bytes(model.config, run.torch_dtype)}
     report |= {"config": json.loads(model.config.to_json_string()), "results": results}
     if reference:
         report["fwd_bwd_reference"] = reference
-    print(tables(results, run, input_ids.numel(), reference))
+    print(tables(results, run, input_ids.numel(), reference, host))
     if run.json:
         write_json(run.json, report)
     if run.save_output:
@@ -3829,7 +4139,7 @@ def save_output(run: RunConfig, input_ids, logits: dict, train_ids, trained: dic
     if run.train:
         modes = {m: {"losses": r["losses"], "masters": r["masters"]} for m, r in trained.items() if not r.get("oom")}
         output["training"] = {"input_ids": train_ids, **modes}
-    write_atomically(run.save_output, lambda tmp: torch.save(output, tmp))
+    write_atomically(run.save_output, lambda tmp: torch_save(output, tmp, run.save_output))
 
 
 def training_store(run: RunConfig, config: LlamaConfig, grad_buffers: int, copy_dtype) -> MasterStore:
@@ -3846,8 +4156,8 @@ def training_store(run: RunConfig, config: LlamaConfig, grad_buffers: int, copy_
     pinned = sum(t.nbytes for t in [*masters.masters, *(masters.copies or []), *masters.pool.buffers])
     moments = sum(2 * m.nbytes for u, m in enumerate(masters.masters) if u not in masters.on_disk)
     log(
-        f"training state on the host in {time.perf_counter() - t0:.1f} s: {gib(pinned)} GiB pinned, "
-        f"{gib(moments)} GiB of Adam moments"
+        f"training state on the host in {time.perf_counter() - t0:.1f} s: {size_text(pinned)} pinned, "
+        f"{size_text(moments)} of Adam moments"
     )
     return masters
 
@@ -3873,8 +4183,8 @@ def disk_tier(run: RunConfig, units: list[Unit]) -> DiskTier | None:
 def main(argv=None) -> int:
     """The command line's entry point: exit code 0; 2 with one line for bad input; 1 with one line for a file that
     cannot be written mid-run (a full disk); 130 with one line for Ctrl-C."""
+    use_expandable_segments()  # before anything starts CUDA: parse_args asks the GPU for its dtypes
     run = parse_args(argv)
-    use_expandable_segments()
     try:
         check_outputs(run)
         run_all(run)
@@ -3894,9 +4204,10 @@ def main(argv=None) -> int:
 
 
 def use_expandable_segments() -> None:
-    """Let the CUDA allocator grow segments in place, unless the user configured it. Under --max-gpu-memory, the saved
-    inputs that live across the streamed units' short-lived blocks otherwise split fixed-size segments until a
-    request that the placement's prediction fits is refused."""
+    """Let the CUDA allocator grow segments in place, unless the user configured it; the allocator reads the setting
+    when CUDA starts, so call it first. Under --max-gpu-memory, the saved inputs that live across the streamed units'
+    short-lived blocks otherwise split fixed-size segments until a request that the placement's prediction fits is
+    refused."""
     if "PYTORCH_ALLOC_CONF" not in os.environ and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
         os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"  # read when CUDA starts, after this
 

@@ -3,7 +3,7 @@
 #   bash report/run_benchmarks.sh OUTDIR [PART ...]   (default: every part, in the order below)
 set -euo pipefail
 parts="bf16 prefetch fp32 train alone activations train_fp32 accum eager largest largest_disk disk clip scale peers budget"
-parts="$parts budget_ab ablations"
+parts="$parts budget_ab ablations small_host"
 out=${1:?usage: run_benchmarks.sh OUTDIR [PART ...], with PART one of: $parts}; shift
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
@@ -89,6 +89,11 @@ for p in ${@:-$parts}; do
                run ablation_share_0_prefetch3 "${base[@]}" --gpu-adam-share 0 --prefetch 3
                record ablation_fsdp2 python3 report/peers.py --peers fsdp2 --dtype bfloat16
                run ablation_share_0.3_again "${base[@]}" --gpu-adam-share 0.3 ;;
+    # a small host: 7b-8l (1.88B parameters, more than GPT2-XL's 1.5B) on 64 x 1024 tokens a step under an 11 GiB GPU
+    # cap and a 16 GiB host cap, the Adam moments the host cannot hold on the disk of NVME_DIR (default OUTDIR's)
+    small_host) run small_host_7b8l --preset 7b-8l --mode overlapped --train --no-inference --grad-accum 64 \
+                  --batch-size 1 --seq-len 1024 --max-gpu-memory 11 --max-host-memory 16 --nvme "${NVME_DIR:-$out}" \
+                  --steps 8 --warmup 2 --repeat 2 --dtype bfloat16 ;;
     *) echo "unknown part $p: choose from $parts" >&2; exit 2 ;;
   esac
 done

@@ -17,7 +17,7 @@ REFUSED = {
     "json folder missing": (["--json", "{tmp}/no/dir/r.json"], "the folder {tmp}/no/dir does not exist"),
     "saved output folder missing": (["--save-output", "{tmp}/no/dir/o.pt"], "does not exist"),
     "json is a folder": (["--json", "{tmp}"], "is a folder"),
-    "profile folder missing": (["--profile", "{tmp}/no/trace.json"], "does not exist"),
+    "profile folder missing": (["--mode", "overlapped", "--profile", "{tmp}/no/trace.json"], "does not exist"),
     # the folder exists and its permission bits may allow writing (as root), but no file can be created in it
     "saved output in /proc": (["--save-output", "/proc/x.pt"], "the folder /proc cannot be written"),
     "infinite lr": (["--train", "--lr", "inf", "--json", "{tmp}/r.json"], "all finite"),
@@ -52,6 +52,7 @@ def gpu_checked(monkeypatch, **fields) -> ol.RunConfig:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
     monkeypatch.setattr(ol, "host_memory_available", lambda: None)
+    monkeypatch.setattr(ol, "gpu_cap", lambda run: int((run.max_gpu_memory or 80) * ol.GiB))  # an 80 GiB GPU
     return ol.RunConfig(**{"preset": "7b-8l", "dtype": "bfloat16", **fields})
 
 

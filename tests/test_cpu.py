@@ -186,6 +186,7 @@ def test_bad_input_exits_2_with_one_line(case, tmp_path):
 def test_gpu_mode_without_cuda_exits_2():
     r = cli("--mode", "overlapped", "--preset", "tiny")
     assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert f"a first try: {ol.FIRST_CONTACT}" in r.stderr  # the README's command without a GPU
 
 
 def test_dtype_the_gpu_cannot_run(monkeypatch):

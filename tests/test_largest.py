@@ -72,6 +72,7 @@ def test_host_limit_with_the_disk_tier_counts_the_disk(monkeypatch, tmp_path):
     assert limits[0] == 20 < limits[1] < limits[2]
 
 
+@pytest.mark.slow
 def test_a_disk_as_large_as_needed_is_arithmetic_from_the_run_found(monkeypatch, tmp_path):
     """With --nvme, the search adds what a disk as large as needed would give (marked as arithmetic): the most layers
     the host holds with their moments on the disk, and the step found scaled by the disk bytes."""
@@ -130,6 +131,7 @@ def test_a_lean_run_counts_no_compute_copy_of_the_layers():
     assert not ol.dataclasses.replace(lean, mode="gpu,overlapped").lean
 
 
+@pytest.mark.slow
 def test_cli_find_largest_on_the_cpu(tmp_path):
     out = tmp_path / "r.json"
     r = find_largest(

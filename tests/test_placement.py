@@ -119,8 +119,12 @@ def test_training_plan_fits_its_budget_and_keeps_a_run_from_the_start_of_the_for
     trainer = offloaded_trainer(model, CPU, 1, batches)
     besides = {"saved inputs": 1000, "working set": 5000, "other": 300}
     numels = [m.numel() for m in trainer.store.masters]
-    streamed = ol.training_placement(trainer, budget_run(0), "overlapped", besides, own_grads=False)
+    uncapped = ol.RunConfig(preset="tiny")
+    streamed = ol.training_placement(trainer, uncapped, "overlapped", besides, own_grads=False)
     assert streamed.resident == () and streamed.parts["saved inputs"] == 1000
+    least = streamed.peak_bytes - streamed.parts["GPU Adam staging"]  # every unit streamed, on the CPU Adam
+    with pytest.raises(torch.OutOfMemoryError, match="the plan needs .* more than the .* the cap leaves a plan"):
+        ol.training_placement(trainer, budget_run(least - 1000), "overlapped", besides, own_grads=False)
     assert streamed.parts["slots"] == 2 * max(numels) * 2 and streamed.parts["resident weights"] == 0
     budgets = range(streamed.peak_bytes, streamed.peak_bytes + 20 * sum(numels), sum(numels) // 4)
     plans = [ol.training_placement(trainer, budget_run(b), "overlapped", besides, own_grads=False) for b in budgets]
@@ -170,6 +174,10 @@ def test_training_plan_gives_the_gpu_adam_its_share_of_the_streamed_units_and_co
     assert plan(ol.RunConfig(preset="tiny", gpu_adam_share=0.0)).parts["GPU Adam staging"] == 0
     everything = plan(budget_run(10**9))  # every unit resident: nothing left for it
     assert everything.resident == tuple(range(6)) and everything.gpu_adam == ()
+    # a budget that holds every unit streamed but not the GPU Adam's staging beside them: the CPU Adam steps them all
+    without = plan(ol.RunConfig(preset="tiny", gpu_adam_share=0.0))
+    tight = plan(budget_run(without.peak_bytes, gpu_adam_share=0.5))
+    assert tight.resident == () and tight.gpu_adam == () and tight.peak_bytes == without.peak_bytes
 
 
 def test_inference_plan_spreads_what_the_budget_holds():

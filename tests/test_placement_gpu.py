@@ -110,6 +110,20 @@ def mid_args(*extra):
 
 
 ACCUM = ["--grad-accum", 16]  # 16 micro-batches of 2048 tokens: 64 MiB of inputs per unit
+
+
+def low_host_gib() -> float:
+    """A --max-host-memory for the accumulating MID run under which the host has no room for the masters' bfloat16
+    copy (half of it short): the GPU streams the float32 masters and casts them."""
+    sizes = tuple(MID.items())
+    run = ol.RunConfig(preset="tiny", sizes=sizes, mode="overlapped", train=True, inference=False, grad_accum=16)
+    run = ol.dataclasses.replace(run, seq_len=2048, batch_size=1)
+    config = ol.llama_config(run)
+    params = ol.param_count(config)
+    needed = ol.host_bytes_needed(run, config, params)[0] + ol.host_pass_bytes(run, config) + ol.host_reserve(config)
+    return (needed + params) / ol.GiB  # the copy would take 2 bytes a parameter
+
+
 TRAINING = {
     "all streamed": [],
     "cap 0.9": ["--max-gpu-memory", 0.9],
@@ -119,6 +133,7 @@ TRAINING = {
     "accumulation": ACCUM,
     "accumulation, activation offload": [*ACCUM, "--offload-activations"],
     "accumulation, cap 2.5": [*ACCUM, "--max-gpu-memory", 2.5],
+    "accumulation, cap 2.5, no host copy": [*ACCUM, "--max-gpu-memory", 2.5, "--max-host-memory", low_host_gib()],
 }
 INFERENCE = {"cap 0.8": ["--max-gpu-memory", 0.8], "3 resident layers": ["--resident-layers", 3]}
 
@@ -141,6 +156,7 @@ def test_training_peak_is_the_predicted_one_and_under_the_cap(name, memory_runs)
     t = overlapped_result(memory_runs, f"training: {name}", "training")
     extra = TRAINING[name]
     assert abs(t["peak_gpu_bytes"] - t["predicted_peak_bytes"]) <= max(0.03 * t["peak_gpu_bytes"], 64 * 2**20), t
+    assert json.loads(memory_runs[f"training: {name}"][1].read_text())["expandable_segments"] is True
     flags = dict(zip(extra[::2], extra[1::2], strict=False))
     cap = flags.get("--max-gpu-memory")
     if cap is not None:
@@ -159,3 +175,19 @@ def test_inference_peak_with_resident_layers_is_the_predicted_one(name, memory_r
     predicted = sum(result["analytic_peak_bytes"].values())
     assert result["resident_layers"] and result["peak_gpu_bytes"] <= predicted
     assert predicted - result["peak_gpu_bytes"] <= max(0.03 * predicted, 64 * 2**20)
+
+
+def test_the_low_host_path_casts_on_the_gpu_as_predicted_and_keeps_the_host_cap(memory_runs):
+    """--max-host-memory leaves no room for the masters' bfloat16 copy: the GPU streams the float32 masters through a
+    staging buffer and casts them, under a GPU cap too; the plan counts that path to 2%, and the process's peak
+    resident set (the kernel's VmHWM over the whole run) stays under the host cap."""
+    name = "training: accumulation, cap 2.5, no host copy"
+    r, path = memory_runs[name]
+    t = overlapped_result(memory_runs, name, "training")
+    assert "no room on the host for the bfloat16 copy of the masters" in r.stderr
+    assert abs(t["peak_gpu_bytes"] - t["predicted_peak_bytes"]) <= 0.02 * t["peak_gpu_bytes"], t
+    assert t["peak_gpu_bytes"] <= 2.5 * ol.GiB and t["losses"][-1] < t["losses"][0]
+    report = json.loads(path.read_text())
+    cap = report["run"]["max_host_memory"] * ol.GiB
+    assert report["host_budget_bytes"] <= cap and report["peak_host_bytes_process"] <= cap
+    assert "host: the process's peak resident set" in r.stdout and "within the --max-host-memory cap" in r.stdout

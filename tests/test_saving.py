@@ -30,6 +30,7 @@ def test_save_pretrained_round_trip(tmp_path):
     assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.slow
 def test_resumed_run_equals_one_run(tmp_path):
     """6 steps in one run, against 3 (a checkpoint after 2 and 3) and then 3 more in a new process that resumes (after
     4, as every 2 counts from the first step, and 6)."""
@@ -44,6 +45,7 @@ def test_resumed_run_equals_one_run(tmp_path):
     assert sorted(p.name for p in two.iterdir()) == sorted([ol.CHECKPOINT_FILE, *checkpoint_state(two)[0]["files"]])
 
 
+@pytest.mark.slow
 def test_killed_writer_leaves_the_last_checkpoint_whole(tmp_path):
     """SIGKILL while a checkpoint is written: the one before is whole, and resuming from it gives the uninterrupted
     run's state bit for bit."""
@@ -148,10 +150,30 @@ def test_no_room_on_disk_is_refused(tmp_path, monkeypatch):
     config = ol.llama_config(run)
     needed = 2 * 12 * ol.param_count(config)  # a second checkpoint is written while the first stays whole
     monkeypatch.setattr(ol.shutil, "disk_usage", lambda path: type("Usage", (), {"free": needed - 1})())
-    with pytest.raises(ol.UsageError, match="GiB more than is free there"):
+    with pytest.raises(ol.UsageError, match=r"3\.9 MiB to write, 1 byte more than is free there"):
         ol.check_saving(run, config)
     monkeypatch.setattr(ol.shutil, "disk_usage", lambda path: type("Usage", (), {"free": needed})())
     ol.check_saving(run, config)
+
+
+def test_saved_output_without_room_is_refused_and_a_failed_write_ends_with_one_line(tmp_path, monkeypatch):
+    """--save-output's room is checked before the run as the folders' is; a write that fails all the same (torch.save's
+    zip writer says RuntimeError on a full disk) is an OSError naming the file, which main ends with one line."""
+    run = ol.RunConfig(preset="tiny", mode="cpu", train=True, save_output=str(tmp_path / "out.pt"))
+    config = ol.llama_config(run)
+    logits = run.batch_size * run.seq_len * config.vocab_size * 4
+    assert ol.save_output_bytes(run, config) >= logits + 4 * ol.param_count(config)
+    monkeypatch.setattr(ol.shutil, "disk_usage", lambda path: type("Usage", (), {"free": 2**20})())
+    with pytest.raises(ol.UsageError, match=r"--save-output .*out\.pt: .* to write, .* more than is free there"):
+        ol.check_saving(run, config)
+
+    def full_disk(obj, f):
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 20480 vs 20368")
+
+    monkeypatch.setattr(ol.torch, "save", full_disk)
+    with pytest.raises(OSError, match="is its disk full") as e:
+        ol.torch_save({}, str(tmp_path / "x.pt"), "out.pt")
+    assert e.value.filename == "out.pt"
 
 
 @pytest.mark.parametrize(
