@@ -4,8 +4,9 @@ Each decoder layer's weights live in pinned host memory as one flat buffer, copi
 before they run: `blocked` copies then computes; `overlapped` fills the next slot(s) on a copy stream while the
 current one computes. Inference runs the unmodified Hugging Face forward with stand-ins for its decoder layers.
 Training streams every unit through an autograd Function and steps Adam on float32 masters on the host.
-Top to bottom: configuration, model, parameter store, layer streamer, training, the accelerations that plug into
-it, placement, the modes, saving and resuming, the instruments (timing, bounds, tables, sizing) and the CLI.
+Top to bottom: configuration and the command line (checked before torch loads), model, parameter store, layer
+streamer, training, the accelerations that plug into it, placement, the modes, saving and resuming, the instruments
+(timing, bounds, tables, sizing), and the run's checks and main.
 References: torchao's CPUOffloadOptimizer, torchtune's activation offloading, gau-nernst's offload.py, gpt-fast.
 
     python -m pytest -q tests                          # every mode computes the same thing
@@ -318,7 +319,7 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     t.add_argument("--steps", type=int, default=RunConfig.steps, help="training steps on one fixed batch")
     accum = "micro-batches of batch-size x seq-len per optimizer step, accumulated in float32"
     t.add_argument("--grad-accum", type=int, default=RunConfig.grad_accum, metavar="K", help=accum)
-    lean = "train only; one offloaded mode alone then frees the model's decoder layers once the masters hold them"
+    lean = "train only; one offloaded mode alone then holds the model in its masters only (a random one drawn by unit)"
     t.add_argument("--no-inference", dest="inference", action="store_false", help=lean)
     reference = "first time plain forward and backward of the model resident on the GPU (no optimizer, no cap)"
     t.add_argument("--fwd-bwd-reference", action="store_true", help=reference)
@@ -579,10 +580,14 @@ def load_config(path: Path) -> LlamaConfig:
 
 
 def build_model(run: RunConfig, config: LlamaConfig) -> LlamaForCausalLM:
-    """The CPU model in the compute dtype: loaded from --model, or randomly initialised from --seed."""
+    """The CPU model in the compute dtype: loaded from --model, or randomly initialised from --seed; where the run
+    draws its units one at a time (draws_units), only its rotary tables, the rest on the meta device."""
     dtype, n = run.torch_dtype, param_count(config)
     size = size_text(n * dtype.itemsize)
-    log(f"building {run.model or run.preset} on the CPU: {count_text(n)} {run.dtype} parameters, {size}")
+    if draws_units(run):
+        log(f"{run.preset}: {count_text(n)} {run.dtype} parameters, drawn unit by unit into the masters")
+    else:
+        log(f"building {run.model or run.preset} on the CPU: {count_text(n)} {run.dtype} parameters, {size}")
     t0 = time.perf_counter()
     if run.model is not None:
         transformers.utils.logging.disable_progress_bar()  # stderr carries this script's progress lines alone
@@ -593,27 +598,55 @@ def build_model(run: RunConfig, config: LlamaConfig) -> LlamaForCausalLM:
     else:
         with torch.device("meta"):
             model = LlamaForCausalLM._from_config(config, dtype=dtype, attn_implementation=run.attention)
-        init_random(model, run.seed)
-    log(f"built in {time.perf_counter() - t0:.1f} s")
+        if draws_units(run):
+            model.model.rotary_emb = LlamaRotaryEmbedding(config)  # computed, not drawn
+        else:
+            init_random(model, run.seed)
+            log(f"built in {time.perf_counter() - t0:.1f} s")
     return model.eval()
 
 
+def draws_units(run: RunConfig) -> bool:
+    """Whether the random model is drawn one unit at a time, each into its masters and freed (drawn_unit): one offloaded
+    mode trains alone (lean), so nothing else reads the CPU model, and the host never holds it whole."""
+    return run.lean and run.model is None and not run.fwd_bwd_reference
+
+
 @torch.no_grad()
-def init_random(model: LlamaForCausalLM, seed: int) -> None:
-    """HF's LLaMA initialisation of a meta-device model: weights N(0, initializer_range) drawn in parallel, norms 1."""
+def init_random(model: LlamaForCausalLM, seed: int, prefix: str = "") -> None:
+    """HF's LLaMA initialisation of a meta-device model, or of its submodule `prefix` alone (the rest stays on the meta
+    device; its weights are the whole model's draw): weights N(0, initializer_range) drawn in parallel, each from a
+    generator seeded by the weight's place in the model, norms 1."""
     config = model.config
-    model.to_empty(device="cpu")
-    weights = [p.detach() for p in model.parameters() if p.dim() > 1]  # no_grad does not reach the pool threads
-    generators = [torch.Generator().manual_seed((seed << 16) + i) for i in range(len(weights))]  # one per weight
-    drawn = sorted(zip(weights, generators, strict=True), key=lambda pair: -pair[0].numel())  # the largest first
+    module = model.get_submodule(prefix)  # "": the model
+    module.to_empty(device="cpu")
+    inside = f"{prefix}." if prefix else ""
+    weights = [(name, p) for name, p in model.named_parameters() if p.dim() > 1]
+    drawn = [  # no_grad does not reach the pool threads: the tensors are detached
+        (p.detach(), torch.Generator().manual_seed((seed << 16) + i))
+        for i, (name, p) in enumerate(weights)
+        if name.startswith(inside)
+    ]
+    drawn.sort(key=lambda pair: -pair[0].numel())  # the largest first
     with ThreadPoolExecutor(os.cpu_count()) as pool:  # normal_ releases the GIL
         list(pool.map(lambda pair: pair[0].normal_(0.0, config.initializer_range, generator=pair[1]), drawn))
-    for p in model.parameters():
+    for p in module.parameters():
         if p.dim() == 1:
             p.fill_(1.0)  # RMSNorm weights
-    if config.pad_token_id is not None:
+    if config.pad_token_id is not None and "model.embed_tokens.".startswith(inside):
         model.model.embed_tokens.weight[config.pad_token_id].zero_()
-    model.model.rotary_emb = LlamaRotaryEmbedding(config)  # its buffers are computed, not drawn
+    if not prefix:
+        model.model.rotary_emb = LlamaRotaryEmbedding(config)  # its buffers are computed, not drawn
+
+
+@contextlib.contextmanager
+def drawn_unit(model: LlamaForCausalLM, seed: int, name: str):
+    """Unit `name` of a meta-device model drawn as init_random draws the whole model, for the block; then freed."""
+    init_random(model, seed, name)
+    try:
+        yield
+    finally:
+        model.get_submodule(name).to("meta")
 
 
 PARAM_COUNTS = {}  # a config's JSON -> its parameter count: the plans ask for it often, and counting builds the model
@@ -1184,13 +1217,15 @@ class MasterStore:
             self.pinned_moments.add(u)
 
     @torch.no_grad()
-    def load(self, model: LlamaForCausalLM) -> None:
+    def load(self, model: LlamaForCausalLM, unit_source=None) -> None:
         """Start from `model`'s weights with fresh Adam state; each unit's first step zeroes its moments, once a lean
-        run has freed the model's layers, so the host's peak stays at its steady state."""
+        run has freed the model's layers, so the host's peak stays at its steady state. unit_source(name): a block in
+        which unit `name` of a meta-device model holds its weights (drawn_unit)."""
         for u, (unit, master) in enumerate(zip(self.units, self.masters, strict=True)):
             module = model.get_submodule(unit.name)
-            for name, view in unit.layout.views(master).items():
-                view.copy_(module.get_parameter(name))
+            with unit_source(unit.name) if unit_source else contextlib.nullcontext():
+                for name, view in unit.layout.views(master).items():
+                    view.copy_(module.get_parameter(name))
             if self.copies:
                 self.copies[u].copy_(master)
             self.steps[u].zero_()
@@ -3666,7 +3701,8 @@ def host_bytes_needed(run: RunConfig, config: LlamaConfig, params: int) -> tuple
     per_param = run.torch_dtype.itemsize
     offloaded = {"blocked", "overlapped"} & set(run.modes)
     if run.train and offloaded:
-        model = params_with_layers(config, 0) if run.lean else params  # lean: the decoder layers are freed
+        # lean: the decoder layers are freed once the masters hold them (a random model's are never held whole)
+        model = params_with_layers(config, 0) if run.lean and run.model is None else params
         if run.holds_updates:  # every unit's gradients wait on the host for the others'
             grads, what = params * gradient_dtype(run).itemsize, "every unit's gradients"
         else:
@@ -3904,7 +3940,7 @@ def duration_text(seconds: float) -> str:
     return f"{seconds:.0f} s"
 
 
-# ---------------------------------------------------------------------------------------------------- CLI
+# ------------------------------------------------------------------------------------------------ the run: checks, main
 
 
 def parse_args(argv=None) -> RunConfig:
@@ -4114,7 +4150,7 @@ def run_modes(run: RunConfig, model, store, masters, input_ids, train_ids, compa
             results[mode]["inference"], logits[mode] = run_mode(mode, model, store, input_ids, run, model.config)
             free_gpu_memory()
         if run.train and mode in ("blocked", "overlapped"):
-            masters.load(model)
+            masters.load(model, functools.partial(drawn_unit, model, run.seed) if draws_units(run) else None)
             if run.lean:  # the masters hold the layers now: 2 bytes per parameter less on the host
                 model.model.layers.to("meta")
         if run.train:

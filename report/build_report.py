@@ -59,12 +59,16 @@ SOURCES = {  # name -> JSON file, relative to report/; all made by `bash report/
     "clip_7b8l_unclipped": "results/ablations/clip_7b8l_unclipped.json",
     "clip_7b8l_clipped": "results/ablations/clip_7b8l_clipped.json",
 }
+# made by a later version of the script than SOURCES, one version for the group: the small host of section 5, measured
+# once the host cap held (issue 43), while the rest still stands for the version before
+LATER_SOURCES = {"small_host_7b8l": "results/small_host/small_host_7b8l.json"}
 MACHINES = (  # the run_benchmarks.sh parts each machine ran (report/results/README.md gives the calls)
     ("disk",),
     ("peers", "alone", "bf16", "prefetch", "train", "eager", "fp32", "train_fp32", "clip", "activations", "accum")
     + ("largest", "scale", "budget_ab"),
     ("budget", "ablations"),
     ("largest_disk",),
+    ("small_host",),
 )
 TRACES = {  # figure -> profiler trace (Chrome JSON) it is drawn from
     "timeline_training.png": "results/trace_bf16.train.json",
@@ -82,8 +86,9 @@ BOUND_NAMES = {
 LABELS = {"gpu": "w/o offload (gpu)", "blocked": "blocked offload", "overlapped": "overlapped offload", "cpu": "cpu"}
 
 
-def load(sources: dict[str, str] = SOURCES) -> dict[str, dict]:
-    """name -> the JSON of each file in `sources`."""
+def load(sources: dict[str, str] | None = None) -> dict[str, dict]:
+    """name -> the JSON of each file in `sources` (default: SOURCES and LATER_SOURCES)."""
+    sources = sources or {**SOURCES, **LATER_SOURCES}
     return {name: json.loads((HERE / path).read_text()) for name, path in sources.items()}
 
 
@@ -203,8 +208,13 @@ def how_to_run(runs: dict) -> list[str]:
         "```",
         "",
         "`report/run_benchmarks.sh` names each run's command line; `report/results/README.md` says where and when "
-        f"they ran. Every run was made by `offload_llama.py` sha256 `{script_version(runs)[:12]}`, part by part "
-        f"(`bash report/run_benchmarks.sh OUT PART...`), on {len(MACHINES)} H100 machines of one kind:",
+        f"they ran. Every run but the small host's was made by `offload_llama.py` sha256 `{script_version(runs)[:12]}`,"
+        f" part by part (`bash report/run_benchmarks.sh OUT PART...`), on {len(MACHINES)} H100 machines of one kind; "
+        f"the small host's (part `small_host`, section 5) by the later `{script_version(runs, LATER_SOURCES)[:12]}` "
+        "(the command line checked first, the host cap kept, the plan of the path that casts float32 masters on the "
+        "GPU, a lean run's random model drawn unit by unit). Those changes leave the other parts' GPU work and steps "
+        "as they were; a lean run (`--no-inference`) of the later version holds less host memory before its steps, "
+        "not during them:",
         "",
         *[f"- machine {i}: " + ", ".join(f"`{part}`" for part in parts) for i, parts in enumerate(MACHINES, 1)],
         "",
@@ -219,9 +229,9 @@ def machine_of(part: str) -> int:
     return next(i for i, parts in enumerate(MACHINES, 1) if part in parts)
 
 
-def script_version(runs: dict) -> str:
-    """The sha256 of the offload_llama.py that made every run (the report is of one version)."""
-    versions = {r["script_sha256"] for r in runs.values()}
+def script_version(runs: dict, group: dict[str, str] = SOURCES) -> str:
+    """The sha256 of the offload_llama.py that made every run of `group` (SOURCES, or LATER_SOURCES): one version."""
+    versions = {runs[name]["script_sha256"] for name in group}
     if len(versions) != 1:
         raise SystemExit(f"the results were made by {len(versions)} versions of offload_llama.py: run them again")
     return versions.pop()
@@ -536,6 +546,37 @@ def disk_tier_note(runs: dict) -> list[str]:
         f"bound of {half['bound_ms']:.1f} ms ({BOUND_NAMES[half['bound_by']]} alone; efficiency "
         f"{half['efficiency']:.2f}), {gib(half['disk_tier']['bytes'])} GiB read and written back a "
         f"step; with all of them in host memory, {host['time_ms']:.1f} ms.",
+        "",
+    ]
+
+
+def small_host_note(runs: dict) -> list[str]:
+    """Section 5's small host: 7b-8l on 64 x 1024 tokens a step under an 11 GiB GPU cap and a 16 GiB host cap, the
+    moments the host cannot hold on the disk, and the process's peak resident set against the host cap."""
+    r = runs["small_host_7b8l"]
+    run, t = r["run"], r["results"]["overlapped"]["training"]
+    disk, tokens = t["disk_tier"], run["grad_accum"] * run["batch_size"] * run["seq_len"]
+    row = [
+        f"{t['time_ms'] / 1e3:.2f}",
+        f"{t['bound_ms'] / 1e3:.2f} ({t['bound_by']})",
+        f"{t['efficiency']:.3f}",
+        f"{gib(t['peak_gpu_bytes'])} ({gib(t['predicted_peak_bytes'])})",
+        f"{gib(r['peak_host_bytes_process'])} ({run['max_host_memory']:g})",
+        f"{t['losses'][0]:.4f} -> {t['losses'][-1]:.4f}",
+    ]
+    header = ["step (s)", "bound (s)", "efficiency", "peak GPU (predicted), GiB", "peak host (cap), GiB", "loss"]
+    return [
+        f"A small host (part `small_host`, `--max-host-memory {run['max_host_memory']:g} --nvme DIR`): 7b-8l, "
+        f"{r['parameters'] / 1e9:.2f} B parameters (more than GPT2-XL's 1.5 B), on {run['grad_accum']} x "
+        f"{run['batch_size']} x {run['seq_len']} = {tokens} tokens a step under a GPU cap of "
+        f"{run['max_gpu_memory']:g} GiB and a host cap of {run['max_host_memory']:g} GiB. The host has no room for "
+        "a bfloat16 copy of the masters, so the GPU streams the float32 masters and casts them; the random model is "
+        "drawn unit by unit into its masters, never whole on the host; the Adam moments of "
+        f"{disk['units']} layers ({gib(disk['bytes'])} GiB) live on the disk. The peak host is the process's "
+        "resident set over the whole run (the kernel's VmHWM), against the cap; the step, the median of "
+        f"{step_list(timed_steps(t, run))}:",
+        "",
+        *table(header, [row]),
         "",
     ]
 
@@ -1450,7 +1491,8 @@ def ablation_rows(runs: dict) -> list[list[str]]:
 
 def sources_section(runs: dict) -> list[str]:
     """The last section: each JSON and trace the report reads, with the script versions that made them."""
-    rows = [[f"`{SOURCES[name]}`", r["script_sha256"][:12], r.get("peers_sha256", "")[:12]] for name, r in runs.items()]
+    paths = {**SOURCES, **LATER_SOURCES}
+    rows = [[f"`{paths[name]}`", r["script_sha256"][:12], r.get("peers_sha256", "")[:12]] for name, r in runs.items()]
     rows += [[f"`{trace}`", "(profiler trace)", ""] for trace in TRACES.values()]
     return [
         "## Sources",
@@ -1478,7 +1520,7 @@ def build() -> str:
         model_section(runs),
         memory_section(runs),
         time_section(runs),
-        largest_section(runs) + disk_tier_note(runs),
+        largest_section(runs) + disk_tier_note(runs) + small_host_note(runs),
         scale_section(runs),
         figures_section(runs),
         peers_section(runs),
@@ -1519,6 +1561,12 @@ def readme_figures(runs: dict) -> list[str]:
     figures.append(f"DeepSpeed ZeRO-3 {peers['zero3']['time_ms']:.1f} ms, ZeRO-2 {peers['zero2']['time_ms']:.1f} ms")
     figures.append(f"overlapped alone {alone(runs)['overlapped']['time_ms']:.1f} ms")
     figures.append(f"accelerate `cpu_offload` {peers['accelerate']['time_ms']:.1f} ms")
+    small = runs["small_host_7b8l"]
+    t = small["results"]["overlapped"]["training"]
+    figures.append(f"{t['time_ms'] / 1e3:.2f} s a step, efficiency {t['efficiency']:.3f}")
+    figures.append(
+        f"peak host {gib(small['peak_host_bytes_process'])} GiB under the {small['run']['max_host_memory']:g} GiB cap"
+    )
     return figures
 
 

@@ -82,6 +82,27 @@ def test_random_init_is_hf_llama_init_and_independent_of_thread_count(monkeypatc
     assert not torch.equal(model.model.layers[0].mlp.up_proj.weight, model.model.layers[1].mlp.up_proj.weight)
 
 
+def test_drawing_unit_by_unit_gives_the_whole_draw_and_frees_each_unit():
+    """A lean run draws each unit into its masters and frees it: the weights are the whole model's draw, bit for bit
+    (the pad row zeroed too), and the CPU model holds none of them afterwards."""
+    run = ol.RunConfig(preset="tiny", mode="overlapped", train=True, inference=False, dtype="bfloat16", seq_len=32)
+    run = ol.dataclasses.replace(run, sizes=(("vocab_size", 300),))
+    assert ol.draws_units(run) and not ol.draws_units(ol.dataclasses.replace(run, fwd_bwd_reference=True))
+    config = ol.llama_config(run)
+    config.pad_token_id = 7
+    whole = ol.build_model(ol.dataclasses.replace(run, inference=True), config)
+    lazy = ol.build_model(run, config)
+    assert all(p.device.type == "meta" for p in lazy.parameters())
+    units = ol.model_units(config)
+    store = ol.MasterStore(units, run.adam, pin=False, grad_dtype=torch.bfloat16, copy_dtype=torch.bfloat16)
+    store.load(lazy, ol.functools.partial(ol.drawn_unit, lazy, run.seed))
+    assert all(p.device.type == "meta" for p in lazy.parameters())
+    expected = ol.MasterStore(units, run.adam, pin=False, grad_dtype=torch.bfloat16, copy_dtype=torch.bfloat16)
+    expected.load(whole)
+    assert all(torch.equal(a, b) for a, b in zip(store.masters, expected.masters, strict=True))
+    assert torch.all(whole.model.embed_tokens.weight[7] == 0)
+
+
 def test_store_holds_the_only_host_copy():
     model, _ = build(tiny_run())
     store = ol.ParamStore(model, pin=False)

@@ -23,14 +23,18 @@ def test_report_is_rebuilt_exactly_from_the_json():
 def test_report_cites_every_json_it_reads():
     report = (REPORT / "REPORT.md").read_text()
     module = build_report()
-    for path in [*module.SOURCES.values(), *module.TRACES.values()]:
+    for path in [*module.SOURCES.values(), *module.LATER_SOURCES.values(), *module.TRACES.values()]:
         assert (REPORT / path).is_file() and f"`{path}`" in report
 
 
-def test_every_result_was_made_by_one_version_of_the_script():
+def test_each_group_of_results_was_made_by_one_version_of_the_script():
+    """SOURCES by one version; LATER_SOURCES, the runs made after a change to the script, by one later version."""
     module = build_report()
-    versions = {name: run["script_sha256"] for name, run in module.load().items()}
-    assert len(set(versions.values())) == 1, versions
+    runs = module.load()
+    for group in (module.SOURCES, module.LATER_SOURCES):
+        versions = {name: runs[name]["script_sha256"] for name in group}
+        assert len(set(versions.values())) == 1, versions
+    assert module.script_version(runs) != module.script_version(runs, module.LATER_SOURCES)
 
 
 def test_results_of_two_versions_stop_the_build():
