@@ -83,6 +83,7 @@ CHECKPOINT_FORMAT = 1
 DISK_BLOCK = 4096  # bytes: direct I/O moves whole blocks between block-aligned memory and file offsets
 DISK_SLOTS = 2  # the disk tier's staging buffers: one unit stepped while the disk reads the next or writes one back
 DISK_CALL = 2**28  # bytes one read or write call moves at most (Linux moves under 2 GiB per call)
+ADAM_SCRATCH = 2**25  # parameters: the bound times the CPU Adam on at most this much scratch state (512 MiB of it)
 FAST_FLOPS = {"cpu": 1e13, "cuda": 2e15}  # FLOP/s beyond any CPU's or GPU's: a run shorter at these needs no estimate
 
 
@@ -3021,6 +3022,11 @@ def peak_host_rss() -> int | None:
     return proc_kib("/proc/self/status", "VmHWM")
 
 
+def process_rss() -> int:
+    """The process's resident set now, in bytes (0 where /proc cannot say): the interpreter, torch, transformers."""
+    return proc_kib("/proc/self/status", "VmRSS") or 0
+
+
 def proc_kib(path: str, field: str) -> int | None:
     """A 'field: N kB' line of a Linux /proc file, in bytes (None where there is no such file or field)."""
     with contextlib.suppress(OSError):
@@ -3174,8 +3180,9 @@ def resident_forward_backward(model: LlamaForCausalLM, input_ids: torch.Tensor, 
 def train_bound_parts(trainer: OffloadedTraining, micro_batches, device) -> dict:
     """The parts of what a training step cannot beat, as functions to time alone (name -> (device, fn)), built anew
     for each round: each kind of unit's GPU compute (and its forward alone, where updates are held), a step's H2D
-    copies, its D2H copies, the CPU Adam over the largest unit it steps, `host`: that Adam with the copy engines
-    moving its share of a step's copies, and with the disk tier, its reads and writes of a step (DiskTier.cycle)."""
+    copies, its D2H copies, the CPU Adam over scratch state as large as the largest unit it steps (at most
+    ADAM_SCRATCH: the scratch is host memory beside the run's), `host`: that Adam with the copy engines moving its
+    share of a step's copies, and with the disk tier, its reads and writes of a step (DiskTier.cycle)."""
     kinds = [u.kind for u in trainer.units]
     fns = {}
     for kind in dict.fromkeys(kinds):
@@ -3187,10 +3194,10 @@ def train_bound_parts(trainer: OffloadedTraining, micro_batches, device) -> dict
         fns |= {"h2d": (device, lambda: copy_in(trainer)), "d2h": (device, lambda: copy_out(trainer))}
     on_cpu, _ = cpu_and_gpu_adam_units(trainer)
     if on_cpu:  # the CPU Adam steps something
-        big = max(on_cpu, key=on_cpu.get)
-        adam = adam_scratch(trainer.store, on_cpu[big])
+        big, numel = max(on_cpu, key=on_cpu.get), adam_timed_numel(on_cpu)
+        adam = adam_scratch(trainer.store, numel)
         cpu = torch.device("cpu")
-        fns |= {"adam": (cpu, adam), "host": (cpu, lambda: adam_and_copies(trainer, big, adam))}
+        fns |= {"adam": (cpu, adam), "host": (cpu, lambda: adam_and_copies(trainer, big, adam, numel))}
     if trainer.store.disk:
         fns["disk"] = (torch.device("cpu"), trainer.store.disk.cycle)
     return fns
@@ -3224,11 +3231,12 @@ def copy_out(trainer: OffloadedTraining) -> None:
     torch.cuda.current_stream().wait_stream(trainer.d2h_stream)  # `timed` records its end event on this stream
 
 
-def adam_and_copies(trainer: OffloadedTraining, big: int, adam) -> None:
-    """Unit `big`'s share of a step's host traffic, all at once: its share of the copies queued on the copy streams,
-    not waited for, while the CPU Adam steps a unit's worth of scratch state."""
+def adam_and_copies(trainer: OffloadedTraining, big: int, adam, numel: int) -> None:
+    """The share of a step's host traffic that `numel` of the CPU Adam's parameters make, all at once: that share of
+    the copies, queued on the copy streams from and to unit `big`'s buffers and not waited for, while the CPU Adam
+    steps `numel` parameters of scratch state."""
     on_cpu, _ = cpu_and_gpu_adam_units(trainer)
-    h2d, d2h, _ = (count * on_cpu[big] // sum(on_cpu.values()) for count in step_copy_bytes(trainer))
+    h2d, d2h, _ = (count * numel // sum(on_cpu.values()) for count in step_copy_bytes(trainer))
     store, streamer = trainer.store, trainer.streamer
     buffer = store.pool.buffers[big % len(store.pool.buffers)].view(torch.uint8)
     queue_copies(h2d, store.masters[big].view(torch.uint8), streamer.buffers[0].view(torch.uint8), streamer.copy_stream)
@@ -3294,7 +3302,7 @@ def train_bound(trainer: OffloadedTraining, best: dict[str, float]) -> dict:
         figures["host_bytes_per_param"] = host_bytes / sum(m.numel() for m in store.masters)
         figures |= {"adam_bytes_per_param": store.update.bytes_per_param, "gpu_adam_params": sum(on_gpu.values())}
     if on_cpu:
-        scale = sum(on_cpu.values()) / max(on_cpu.values())  # the parts timed the largest unit the CPU Adam steps
+        scale = sum(on_cpu.values()) / adam_timed_numel(on_cpu)  # the parts timed this many of its parameters
         parts |= {"cpu_adam_ms": best["adam"] * scale, "host_memory_ms": best["host"] * scale}
         figures["host_gbps"] = host_bytes / parts["host_memory_ms"] / 1e6
     if trainer.holds_updates:  # every update waits for the whole backward
@@ -3356,6 +3364,11 @@ def passes_peak_bytes(trainer: OffloadedTraining, u: int, micro_batches) -> tupl
     torch.cuda.reset_peak_memory_stats(trainer.device)
     backward(outs)
     return forward_peak, torch.cuda.max_memory_allocated(trainer.device) - before
+
+
+def adam_timed_numel(on_cpu: dict[int, int]) -> int:
+    """The parameters the bound times the CPU Adam on: the largest unit it steps, at most ADAM_SCRATCH."""
+    return min(max(on_cpu.values()), ADAM_SCRATCH)
 
 
 def adam_scratch(store: MasterStore, numel: int):
@@ -3680,8 +3693,9 @@ def params_with_layers(config: LlamaConfig, layers: int) -> int:
 
 
 def host_reserve(config: LlamaConfig) -> int:
-    """Host memory needed beyond host_bytes_needed: the runtime, and the scratch state of one layer's timed CPU Adam."""
-    return RUNTIME_HOST_BYTES + 16 * (params_with_layers(config, 1) - params_with_layers(config, 0))
+    """Host memory needed beyond host_bytes_needed: the runtime, and the scratch state of the bound's timed CPU Adam."""
+    layer = params_with_layers(config, 1) - params_with_layers(config, 0)
+    return RUNTIME_HOST_BYTES + 16 * min(layer, ADAM_SCRATCH)
 
 
 def host_memory_available() -> int | None:
@@ -3990,14 +4004,15 @@ def check_memory(run: RunConfig, config: LlamaConfig, gpu_modes: list[str]) -> N
                 "sequences"
             )
     params, what = host_bytes_needed(run, config, param_count(config))
-    passes = host_pass_bytes(run, config)
+    passes = host_pass_bytes(run, config) + process_rss()
     available = host_budget(run)
     if available is not None and params + passes > available:
         advice = "use fewer or shorter sequences" if passes > params else "use fewer or smaller layers"
         if run.nvme is None and passes <= params and run.train and {"blocked", "overlapped"} & set(run.modes):
             advice += ", or give --nvme DIR on a local disk for the Adam state"
         raise UsageError(
-            f"{what} ({size_text(params)}) and the passes' ids, logits, activations ({size_text(passes)}) need "
+            f"{what} ({size_text(params)}) and the passes' ids, logits, activations with the process so far "
+            f"({size_text(passes)}) need "
             f"{size_text(params + passes)} of host memory, only {size_text(available)} are available "
             f"({size_text(params + passes - available)} short): {advice}"
         )
