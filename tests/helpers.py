@@ -51,6 +51,17 @@ def cli(*args, timeout=600):
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+def run_main(capsys, *args) -> tuple[int, str, str]:
+    """main() in this process on the command line `args`: (exit code, stdout, stderr). For refusals, which end before
+    a model is built: a process of its own spends seconds importing torch and transformers (cli for whole runs)."""
+    try:
+        code = ol.main([str(a) for a in args])
+    except SystemExit as e:  # argparse's errors
+        code = e.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
 def cli_all(commands: dict, workers: int = 5) -> dict:
     """Run the command lines (name -> args) side by side, `workers` at a time. Only for runs that are judged on
     memory, never on time: each process has its own allocator, peaks and cap, whatever runs beside it."""

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import offload_llama as ol
-from helpers import build, cli, resident_logits, streamed_logits, tiny_run
+from helpers import build, cli, resident_logits, run_main, streamed_logits, tiny_run
 
 CONFIGS = {
     "gqa-3-layers": {},  # the tiny preset: 4 heads over 2 KV heads, 3 layers
@@ -192,20 +192,20 @@ BAD_INPUT = {
 
 
 @pytest.mark.parametrize("case", BAD_INPUT)
-def test_bad_input_exits_2_with_one_line(case, tmp_path):
+def test_bad_input_exits_2_with_one_line(case, tmp_path, capsys):
     gpt2 = write_config(tmp_path / "gpt2", model_type="gpt2")
     negative = write_config(tmp_path / "negative", model_type="llama", hidden_size=-3)
     args, message = BAD_INPUT[case]
-    r = cli(*[str(a).format(tmp=tmp_path, gpt2=gpt2, negative=negative) for a in args])
-    assert r.returncode == 2
-    assert message in r.stderr and "Traceback" not in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert r.stdout == ""
+    code, out, err = run_main(capsys, *[str(a).format(tmp=tmp_path, gpt2=gpt2, negative=negative) for a in args])
+    assert code == 2
+    assert message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+    assert out == ""
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_gpu_mode_without_cuda_exits_2():
-    r = cli("--mode", "overlapped", "--preset", "tiny")
+    r = cli("--mode", "overlapped", "--preset", "tiny")  # a process of its own: the whole way, traceback or not
     assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert f"a first try: {ol.FIRST_CONTACT}" in r.stderr  # the README's command without a GPU
 

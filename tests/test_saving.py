@@ -11,7 +11,16 @@ import torch
 from transformers import LlamaForCausalLM
 
 import offload_llama as ol
-from helpers import SCRIPT, assert_same_checkpoint, build, checkpoint_state, cli, offloaded_trainer, tiny_run
+from helpers import (
+    SCRIPT,
+    assert_same_checkpoint,
+    build,
+    checkpoint_state,
+    cli,
+    offloaded_trainer,
+    run_main,
+    tiny_run,
+)
 
 TRAIN = ["--preset", "tiny", "--seq-len", "32", "--mode", "cpu", "--train", "--no-inference"]
 
@@ -90,13 +99,13 @@ REFUSED = {
 
 
 @pytest.mark.parametrize("case", REFUSED)
-def test_resume_refuses_another_run(checkpoint, case):
+def test_resume_refuses_another_run(checkpoint, case, capsys):
     args, message = REFUSED[case]
-    r = cli(*TRAIN, "--resume", checkpoint, *args)
-    assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    code, _, err = run_main(capsys, *TRAIN, "--resume", checkpoint, *args)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
-def test_refused_paths(checkpoint, tmp_path):
+def test_refused_paths(checkpoint, tmp_path, capsys):
     """Each refused before any model is built, with one line."""
     (tmp_path / "file").write_text("")
     broken = tmp_path / "broken"
@@ -111,11 +120,11 @@ def test_refused_paths(checkpoint, tmp_path):
         "the folder /proc cannot be written": ["--save-pretrained", "/proc/x"],
     }
     for message, args in cases.items():
-        r = cli(*TRAIN, *args)
-        assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
-        assert "building" not in r.stderr
-    refused = cli(*TRAIN, "--checkpoint", tmp_path / "new", "--resume", tmp_path)  # refused after the path checks
-    assert refused.returncode == 2 and not (tmp_path / "new").exists(), "a refused run leaves no empty folder"
+        code, _, err = run_main(capsys, *TRAIN, *args)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+        assert "building" not in err
+    code, _, _ = run_main(capsys, *TRAIN, "--checkpoint", tmp_path / "new", "--resume", tmp_path)  # after the paths
+    assert code == 2 and not (tmp_path / "new").exists(), "a refused run leaves no empty folder"
 
 
 def test_resume_hints_at_the_mode_folders(checkpoint, tmp_path):

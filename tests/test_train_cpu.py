@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import offload_llama as ol
-from helpers import assert_masters_close, build, cli, offloaded_trainer, tiny_run, train
+from helpers import assert_masters_close, build, cli, offloaded_trainer, run_main, tiny_run, train
 
 CPU = torch.device("cpu")
 
@@ -229,11 +229,11 @@ def test_bad_training_flags(args, message):
     assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
-def test_train_refuses_tied_embeddings(tmp_path):
+def test_train_refuses_tied_embeddings(tmp_path, capsys):
     config = ol.LlamaConfig(**ol.PRESETS["tiny"], tie_word_embeddings=True)
     ol.LlamaForCausalLM(config).save_pretrained(tmp_path)
-    r = cli("--model", tmp_path, "--mode", "cpu", "--train")
-    assert r.returncode == 2 and "untied embeddings" in r.stderr, r.stderr
+    code, _, err = run_main(capsys, "--model", tmp_path, "--mode", "cpu", "--train")
+    assert code == 2 and "untied embeddings" in err, err
 
 
 @pytest.mark.parametrize("k", [1, 2])
