@@ -32,6 +32,8 @@ def test_save_pretrained_round_trip(tmp_path):
     assert r.returncode == 0, r.stderr
     assert f"trained float32 weights saved to {folder}" in r.stderr and "Writing model shards" not in r.stderr
     masters = torch.load(out)["training"]["cpu"]["masters"]
+    modes = {path.name: path.stat().st_mode & 0o777 for path in folder.iterdir()}
+    assert len(set(modes.values())) == 1, modes  # the shards as the config files: as the umask gives new files
     loaded = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
     assert loaded.keys() == masters.keys()
     assert all(torch.equal(loaded[name], t) for name, t in masters.items())
@@ -50,6 +52,7 @@ def test_resumed_run_equals_one_run(tmp_path):
     r = cli(*TRAIN, "--steps", "3", "--resume", two, "--checkpoint", two, "--checkpoint-every", "2")
     assert r.returncode == 0 and f"resumed from {two} after step 3" in r.stderr, r.stderr
     assert "checkpoint after step 4" in r.stderr and "checkpoint after step 5" not in r.stderr  # counted from step 1
+    assert "  step 4: loss" in r.stderr and "  step 1: loss" not in r.stderr  # the log goes on counting
     assert_same_checkpoint(one, two)
     assert sorted(p.name for p in two.iterdir()) == sorted([ol.CHECKPOINT_FILE, *checkpoint_state(two)[0]["files"]])
 
