@@ -1528,10 +1528,9 @@ class OffloadedTraining:
     """blocked and overlapped training: each unit streamed in by the LayerStreamer for its forward and again for its
     backward, its gradients sent out and stepped. Streams: compute runs the units, the streamer's copy stream brings
     weights in, `d2h_stream` takes gradients out. A unit's update rewrites the host copy the GPU streamed it from with
-    no wait of its own: it waits for the unit's gradients, which exist only once that copy has landed. Four policies
-    plug in: steppers[u] steps unit u (CpuAdam; ResidentUnits, StreamedAdam), `inputs` keeps the saved inputs
-    (KeptInputs; ActivationOffload), `scaling` scales the loss (Unscaled; LossScale for float16), `clip` clips the
-    gradients (Unclipped; GradClip)."""
+    no wait of its own: it waits for the unit's gradients, which exist only once that copy has landed. Policies:
+    steppers[u] steps unit u (CpuAdam; ResidentUnits, StreamedAdam), `inputs` keeps the saved inputs (KeptInputs;
+    ActivationOffload), `scaling` (Unscaled; float16's LossScale), `clip` (Unclipped; GradClip)."""
 
     def __init__(
         self, store: MasterStore, config: LlamaConfig, dtype: torch.dtype, device, depth: int, loss_function, kwargs
@@ -1556,11 +1555,9 @@ class OffloadedTraining:
         self.anchor = torch.empty(0, device=device, requires_grad=True)
         self.cpu_adam = CpuAdam(self)
         self.steppers = [self.cpu_adam] * len(self.units)
-        self.inputs = KeptInputs()
-        self.scaling = loss_scaling(dtype, device)
-        self.clip = Unclipped()
+        # the plain path's policies for saved inputs, the loss's scale and the gradients' clipping
+        self.inputs, self.scaling, self.clip = KeptInputs(), loss_scaling(dtype, device), Unclipped()
         self.grad_multiplier = 1.0  # this step's, which the steppers apply: the clip's coefficient
-        self.resumed_from = 0  # the steps a checkpoint had done, where resume() loaded one
         if self.scaling.holds_updates and not store.pool.dedicated:
             raise ValueError("float16 steps only once every unit's gradients are in: give each unit a gradient buffer")
         self.streamer.wait_source = lambda u: self.steppers[u].wait_written(u)
@@ -1692,7 +1689,6 @@ class ResidentTraining:
         self.optimizer = adam.optimizer(self.masters)
         self.scaling = loss_scaling(dtype, device)
         self.units = model_units(model.config)
-        self.resumed_from = 0  # the steps a checkpoint had done, where resume() loaded one
 
     def step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
         """One step: backward each micro-batch, gradients summed in float32, Adam on the masters copied into the
@@ -2625,7 +2621,8 @@ def train_mode(mode: str, model, masters: MasterStore | None, input_ids, run: Ru
         bound_parts = (lambda: train_bound_parts(trainer, micro_batches, device)) if offloaded_on_gpu else None
         folder = mode_folder(run.checkpoint, run, mode) if run.checkpoint else None
         checkpoint = Checkpoints(trainer, folder, manifest, run.checkpoint_every) if folder else None
-        result = train_steps(trainer, micro_batches, run, compared, profile, bound_parts, checkpoint)
+        done = manifest.get("resumed_from", 0)
+        result = train_steps(trainer, micro_batches, run, compared, profile, bound_parts, checkpoint, done)
         trainer.finish()
         if checkpoint:
             checkpoint.write(run.steps)
@@ -2673,12 +2670,12 @@ def make_trainer(mode: str, model, masters: MasterStore | None, micro_batches, r
     return trainer
 
 
-def train_steps(trainer, micro_batches, run: RunConfig, keep_grads: bool, profile=None, bound_parts=None, save=None):
+def train_steps(trainer, micro_batches, run: RunConfig, keep_grads, profile=None, bound_parts=None, save=None, done=0):
     """Run the steps, each timed from its start to the next one's (a step's last updates overlap the next forward).
     bound_parts(): the bound's parts, timed in rounds between blocks of steps (bound_rounds); save(i): a checkpoint
     after i steps where due; the step after either is not timed. keep_grads: the first step's state, to compare.
-    The steps are numbered on from those the trainer was resumed after (trainer.resumed_from)."""
-    clock = StepClock(trainer, micro_batches[0].device, trainer.resumed_from)
+    done: the steps a resumed checkpoint had trained, which the log's step numbers go on from."""
+    clock = StepClock(trainer, micro_batches[0].device, done)
     rounds = bound_rounds(run) if bound_parts else []
     losses, grads, parts, extra = [], None, collections.defaultdict(list), {}
     for i in range(run.steps + 1):
@@ -2945,7 +2942,7 @@ def checkpoint_hint(folder: Path) -> str:
 
 
 def resume(trainer, folder: Path, manifest: dict) -> int:
-    """Load a checkpoint into `trainer`, before placement; returns the steps it had done, which it keeps too."""
+    """Load a checkpoint into `trainer`, before placement; returns the steps it had done."""
     t0 = time.perf_counter()
     saved = read_checkpoint(folder, manifest)
     for u, name in enumerate(saved["files"]):
@@ -2957,7 +2954,6 @@ def resume(trainer, folder: Path, manifest: dict) -> int:
     changed = [key for key in ("grad_accum", "batch_size", "seq_len", "seed") if saved.get(key) != manifest[key]]
     if changed:
         log(f"note: another {', '.join(changed)} than the checkpoint's, so another batch than it trained on")
-    trainer.resumed_from = saved["steps"]  # its steps are numbered on from there
     return saved["steps"]
 
 
@@ -4130,9 +4126,7 @@ def run_all(run: RunConfig) -> dict:
     model = build_model(run, config)
     train_ids = random_input_ids(run, model.config.vocab_size, run.grad_accum)
     reference = forward_backward_reference(model, train_ids, run) if run.fwd_bwd_reference else None
-    if run.max_gpu_memory is not None and any(m != "cpu" for m in run.modes):  # the cap as the allocator's fraction
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, run.max_gpu_memory * GiB / total))
+    set_gpu_cap(run)
     input_ids = random_input_ids(run, model.config.vocab_size)
     store = ParamStore(model, pin=True) if offloaded and run.inference else None
     masters = training_store(run, model.config, grad_buffers, copy_dtype) if run.train and offloaded else None
@@ -4142,17 +4136,30 @@ def run_all(run: RunConfig) -> dict:
         if masters:
             masters.close()  # the disk tier's files
     host = {"host_budget_bytes": host_cap, "peak_host_bytes_process": process_host_peak()}
-    report = {**environment(), "run": dataclasses.asdict(run), "tokens": input_ids.numel(), **host}
-    report |= {"parameters": param_count(model.config), "layer_bytes": layer_bytes(model.config, run.torch_dtype)}
-    report |= {"config": json.loads(model.config.to_json_string()), "results": results}
-    if reference:
-        report["fwd_bwd_reference"] = reference
+    report = run_report(run, model.config, input_ids.numel(), results, reference, host)
     print(tables(results, run, input_ids.numel(), reference, host))
     if run.json:
         write_json(run.json, report)
     if run.save_output:
         save_output(run, input_ids, logits, train_ids, trained)
     log("done")
+    return report
+
+
+def set_gpu_cap(run: RunConfig) -> None:
+    """--max-gpu-memory as the caching allocator's fraction of the GPU, where a mode runs on it."""
+    if run.max_gpu_memory is not None and any(m != "cpu" for m in run.modes):
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, run.max_gpu_memory * GiB / total))
+
+
+def run_report(run: RunConfig, config: LlamaConfig, tokens: int, results: dict, reference, host: dict) -> dict:
+    """--json's report: the environment, the run, the model, each mode's results, the reference and the host's peak."""
+    report = {**environment(), "run": dataclasses.asdict(run), "tokens": tokens, **host}
+    report |= {"parameters": param_count(config), "layer_bytes": layer_bytes(config, run.torch_dtype)}
+    report |= {"config": json.loads(config.to_json_string()), "results": results}
+    if reference:
+        report["fwd_bwd_reference"] = reference
     return report
 
 
