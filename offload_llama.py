@@ -4,10 +4,24 @@ Each decoder layer's weights live in pinned host memory as one flat buffer, copi
 before they run: `blocked` copies then computes; `overlapped` fills the next slot(s) on a copy stream while the
 current one computes. Inference runs the unmodified Hugging Face forward with stand-ins for its decoder layers.
 Training streams every unit through an autograd Function and steps Adam on float32 masters on the host.
-Top to bottom: configuration and the command line (checked before torch loads), model, parameter store, layer
-streamer, training, the accelerations that plug into it, placement, the modes, saving and resuming, the instruments
-(timing, bounds, tables, sizing), and the run's checks and main.
 References: torchao's CPUOffloadOptimizer, torchtune's activation offloading, gau-nernst's offload.py, gpt-fast.
+
+The sections, in reading order, and the names that open them. The plain path runs from the model to training; the
+accelerations plug into it as policies; measurement, tables and sizing are instruments around it.
+  configuration          RunConfig: one run, frozen, from the command line or a test
+  the command line       Parser, command_line, check_command_line: checked before torch and transformers load
+  model                  llama_config, build_model, init_random: a random LLaMA, or one from a save_pretrained folder
+  parameter store        FlatLayout, HostBuffer, ParamStore: each decoder layer one flat pinned buffer
+  layer streamer         LayerStreamer, StreamedLayer: a ring of GPU slots filled on a copy stream, events between
+  training               Adam, MasterStore, CpuAdam, StreamedUnit, OffloadedTraining: the plain path, and the reference
+  accelerations          ResidentUnits, StreamedAdam, ActivationOffload, LossScale, GradClip, DiskTier
+  placement              Placement, training_placement: what stays on the GPU under a cap
+  modes                  run_mode, train_mode, train_steps, StepClock: each mode's inference and training
+  saving and resuming    save_pretrained, write_checkpoint, resume
+  measurement            timed, train_bound_parts, train_bound: times, peaks and bounds
+  tables                 tables, notes
+  sizing                 host_bytes_needed, disk_plan, gpu_bytes_needed, warn_if_long: plans made before allocating
+  the run                check_devices, check_memory, run_all, main
 
     python -m pytest -q tests                          # every mode computes the same thing
     python offload_llama.py --mode overlapped --train  # LLaMA-7B-sized layers: memory and time tables

@@ -78,3 +78,23 @@ def test_the_command_line_needs_nothing_defined_after_torch_loads():
         reached.add(name)
         todo += calls[name]
     assert "command_line" in reached and not {c for name in reached for c in calls[name]} & late
+
+
+def test_the_map_at_the_top_names_each_section_in_order():
+    """The module docstring's map: one line a section, in the file's order, each name defined in its section."""
+    source = SCRIPT.read_text()
+    tree = ast.parse(source)
+    defined = {n.name: n.lineno for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    rules = {line.split("---- ", 1)[1].strip(): i + 1 for i, line in enumerate(source.splitlines()) if "---- " in line}
+    doc = ast.get_docstring(tree)
+    block = doc.split("The sections,", 1)[1].split("\n\n", 1)[0]  # the map ends at the first blank line
+    rows = [line.strip() for line in block.splitlines() if line.startswith("  ")]
+    starts = []
+    for row in rows:
+        section, names = (part.strip() for part in row.split("  ", 1))
+        start = next(line for title, line in rules.items() if title.startswith(section))
+        end = min((line for line in rules.values() if line > start), default=len(source.splitlines()))
+        for name in names.split(":")[0].split(", "):
+            assert start < defined[name] < end, (section, name)
+        starts.append(start)
+    assert starts == sorted(starts) and len(rows) == len(rules) - 1  # every section but the constants
