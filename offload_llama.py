@@ -2119,13 +2119,120 @@ class GradClip:
         return multiplier
 
 
+class DiskFiles:
+    """The disk tier's files, one a unit: its two Adam moments, each in whole blocks. They have no name (O_TMPFILE):
+    the kernel frees them when the process ends, however it ends, and their room is reserved up front. Direct I/O where
+    the file system takes it, so the page cache does not take back the host memory the tier frees; the disk's rates
+    measured through them at set-up."""
+
+    def __init__(self, folder: str, numels: dict[int, int], probe: mmap.mmap):
+        """probe: a page-aligned buffer as large as the largest file, written and read to try direct I/O and measure."""
+        self.folder = folder
+        self.numels = numels
+        self.half = {u: moment_bytes(n) for u, n in numels.items()}  # one moment's bytes in the file and a slot
+        self.fds = {}
+        try:
+            for u in sorted(numels, reverse=True):
+                self.fds[u] = unnamed_file(folder, 2 * self.half[u])
+            self.direct = all(direct_io(fd, probe) for fd in self.fds.values())
+            self.rates = self.measure(probe)
+        except OSError as e:
+            self.close()
+            raise self.failed(e) from None
+
+    def moments(self, buffer: mmap.mmap, u: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unit u's two moments in `buffer` (a slot, or a read's own), laid out as in its file."""
+        flat = torch.frombuffer(buffer, dtype=torch.float32)  # keeps the buffer alive
+        h, n = self.half[u] // 4, self.numels[u]
+        return flat[:n], flat[h : h + n]
+
+    def transfer(self, call, u: int, buffer: mmap.mmap) -> None:
+        """os.preadv or os.pwritev of unit u's whole file from or into the start of `buffer`, in calls of at most
+        DISK_CALL bytes; an OSError names the tier's folder."""
+        view, nbytes, done = memoryview(buffer), 2 * self.half[u], 0
+        try:
+            while done < nbytes:
+                moved = call(self.fds[u], [view[done : min(nbytes, done + DISK_CALL)]], done)
+                if moved == 0:
+                    raise OSError(errno.EIO, "a file of the disk tier ended early")
+                done += moved
+        except OSError as e:
+            raise self.failed(e) from None
+
+    def measure(self, buffer: mmap.mmap) -> dict:
+        """The disk's write and read rates in GB/s through the tier's own I/O path, over the first unit's file (its
+        moments are not in it yet); the written bytes are flushed, and dropped from the page cache where it is used."""
+        u = max(self.fds)  # the backward's first
+        fd = self.fds[u]
+        torch.frombuffer(buffer, dtype=torch.uint8).zero_()  # its pages mapped now, not in the timed write
+        start = time.perf_counter()
+        self.transfer(os.pwritev, u, buffer)
+        os.fsync(fd)
+        written = time.perf_counter()
+        if not self.direct:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        self.transfer(os.preadv, u, buffer)
+        nbytes, read = 2 * self.half[u], time.perf_counter()
+        return {"write_gbps": nbytes / (written - start) / 1e9, "read_gbps": nbytes / (read - written) / 1e9}
+
+    def failed(self, e: OSError) -> OSError:
+        """`e` with the tier's folder as its file name, for the one line that ends the run."""
+        if e.filename and e.filename.endswith("(the --nvme disk tier)"):
+            return e
+        return OSError(e.errno, e.strerror or str(e), f"{self.folder} (the --nvme disk tier)")
+
+    def close(self) -> None:
+        """Close every file (the kernel frees an unnamed file with its last descriptor)."""
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds = {}
+
+
+class DiskReader:
+    """The disk tier's reader thread: it stages each unit's moments into a free slot of the tier's ring in the
+    backward's order, over and over, each once its last staging has been stepped and written back (settled), until
+    stop(). A read's error goes to the tier (DiskTier.fail), for every step that waits for a read."""
+
+    def __init__(self, tier: DiskTier):
+        self.tier = tier
+        self.stopping = False
+        self.lock = threading.Lock()  # stop() sets `stopping` and the reader clears a settled event, never both at once
+        self.thread = threading.Thread(target=self.read_ahead, name="disk-reader", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread, wherever it waits: for a unit to settle, or for a free slot."""
+        tier = self.tier
+        with self.lock:
+            self.stopping = True
+            for event in tier.settled.values():
+                event.set()  # wakes the reader where it waits to read a unit again
+        tier.free.put(None)  # wakes it where it waits for a slot
+        self.thread.join()
+
+    def read_ahead(self) -> None:
+        """The thread: stage each unit in the backward's order, each once settled, into a free slot; until stop()."""
+        tier = self.tier
+        for u in itertools.cycle(tier.units):
+            tier.settled[u].wait()
+            k = None if self.stopping else tier.free.get()
+            with self.lock:  # else stop() could set the event between the check and the clear, and the wait hang
+                if self.stopping or k is None:
+                    return
+                tier.settled[u].clear()
+            try:
+                tier.transfer(os.preadv, u, tier.ring[k])
+            except BaseException as e:  # every step that waits for a read from now on raises it
+                tier.fail(e)
+                return
+            tier.staged[u].put(k)
+
+
 class DiskTier:
-    """--nvme: the Adam moments of some of the CPU Adam's units in files on a local disk, staged in host memory for
-    each step. The files have no name (O_TMPFILE): the kernel frees them when the process ends, however it ends, and
-    their room is reserved up front. A reader thread stages each unit's moments in a ring of page-aligned host
+    """--nvme: the Adam moments of some of the CPU Adam's units in files on a local disk (DiskFiles), staged in host
+    memory for each step. A reader thread (DiskReader) stages each unit's moments in a ring of page-aligned host
     buffers in the order the backward sends gradients (the last unit first), while the GPU runs the units above;
-    the CPU Adam steps them there, and a writer thread writes them back while the next unit is read. Direct I/O where
-    the file system takes it, so the page cache does not take back the host memory the tier frees. Per unit:
+    the CPU Adam steps them there, and a writer thread writes them back while the next unit is read. Per unit:
       settled[u]  cleared by the reader as it stages u, set by the writer once u is written back:
                   the reader reads u again only after that (its file holds the last step's moments)
       current[u]  cleared when u's step takes its staged moments, set once they are written back:
@@ -2134,28 +2241,17 @@ class DiskTier:
     mode's load stops it)."""
 
     def __init__(self, folder: str, numels: dict[int, int], slots: int | None = None):
-        self.folder = folder
         self.units = tuple(sorted(numels, reverse=True))  # the order the backward sends their gradients in
-        self.numels = numels
-        self.half = {u: moment_bytes(n) for u, n in numels.items()}  # one moment's bytes in the file and a slot
         # no GPU copy reads or writes them, so they need no pinning
-        self.ring = [HostBuffer(2 * max(self.half.values()), pin=False) for _ in range(slots or DISK_SLOTS)]
-        self.files = {}
-        try:
-            for u in self.units:
-                self.files[u] = unnamed_file(folder, 2 * self.half[u])
-            self.direct = all(direct_io(fd, self.ring[0]) for fd in self.files.values())
-            self.rates = self.measure()
-        except OSError as e:
-            self.close_files()
-            raise self.failed(e) from None
+        slot_bytes = 2 * moment_bytes(max(numels.values()))
+        self.ring = [HostBuffer(slot_bytes, pin=False) for _ in range(slots or DISK_SLOTS)]
+        self.files = DiskFiles(folder, numels, self.ring[0])
         self.settled = {u: threading.Event() for u in self.units}
         self.current = {u: threading.Event() for u in self.units}
         self.fresh = set()  # units whose moments start at zero at their next step
         self.in_slot = {}  # unit -> the slot it is being stepped in
         self.error = None  # the reader's or the writer's, raised by the next stage, read or flush
         self.waited_s = 0.0  # the CPU Adam's wait for reads in this mode
-        self.lock = threading.Lock()  # stop() sets `stopping` and the reader clears a settled event, never both at once
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="disk-writer")
         self.reader = None
         self.reset()
@@ -2168,13 +2264,6 @@ class DiskTier:
         self.staged = {u: queue.SimpleQueue() for u in self.units}  # a slot index, or the read's error
         for event in [*self.settled.values(), *self.current.values()]:
             event.set()
-        self.stopping = False
-
-    def moments(self, buffer: mmap.mmap, u: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Unit u's two moments in `buffer` (a slot, or a read's own), laid out as in its file."""
-        flat = torch.frombuffer(buffer, dtype=torch.float32)  # keeps the buffer alive
-        h, n = self.half[u] // 4, self.numels[u]
-        return flat[:n], flat[h : h + n]
 
     def stage(self, u: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Unit u's moments in host memory for its step, once read (zeros where zero() asked for them); the CPU Adam's
@@ -2188,7 +2277,7 @@ class DiskTier:
             raise k
         self.current[u].clear()  # the step changes them: the file is behind until the write-back lands
         self.in_slot[u] = k
-        moments = self.moments(self.ring[k], u)
+        moments = self.files.moments(self.ring[k], u)
         if u in self.fresh:
             for moment in moments:
                 moment.zero_()
@@ -2213,36 +2302,18 @@ class DiskTier:
         """Unit u's moments as its file holds them, in new host memory: a checkpoint's, after the updates."""
         self.current[u].wait()  # the last write-back has landed
         self.raise_error()
-        buffer = HostBuffer(2 * self.half[u], pin=False)  # block-aligned, as direct I/O needs
+        buffer = HostBuffer(2 * self.files.half[u], pin=False)  # block-aligned, as direct I/O needs
         if u not in self.fresh:
             self.transfer(os.preadv, u, buffer)
-        return self.moments(buffer, u)
+        return self.files.moments(buffer, u)
 
     def load(self, u: int, fill) -> None:
         """Set unit u's moments on the disk: fill(exp_avg, exp_avg_sq) writes them into a staging buffer, which is
         then written out, with the reader stopped so that no stale copy stays staged (the next stage restarts it)."""
         self.stop()
-        fill(*self.moments(self.ring[0], u))
+        fill(*self.files.moments(self.ring[0], u))
         self.transfer(os.pwritev, u, self.ring[0])
         self.fresh.discard(u)
-
-    def cycle(self) -> None:
-        """A step's disk traffic alone, for the bound: each unit's moments read into a slot in the backward's order and
-        written back unchanged, each write overlapping the next reads as in a step. The reader is stopped first, so
-        the next step reads what it had staged again, from its first gradient on (that step is not timed)."""
-        self.stop()
-        writes = collections.deque()
-        try:
-            for i, u in enumerate(self.units):
-                k = i % len(self.ring)
-                if len(writes) == len(self.ring):
-                    writes.popleft().result()  # slot k's write-back has landed: it may be filled again
-                self.transfer(os.preadv, u, self.ring[k])
-                writes.append(self.writer.submit(self.transfer, os.pwritev, u, self.ring[k]))
-        finally:
-            concurrent.futures.wait(writes)  # a read failed: no write still reads a slot the next step fills
-        for write in writes:
-            write.result()
 
     def flush(self) -> None:
         """Block until every write-back has landed; re-raise an error of the disk."""
@@ -2256,50 +2327,25 @@ class DiskTier:
     def start(self) -> None:
         """Start the reader thread, unless it runs."""
         if self.reader is None:
-            self.reader = threading.Thread(target=self.read_ahead, name="disk-reader", daemon=True)
-            self.reader.start()
+            self.reader = DiskReader(self)
 
     def stop(self) -> None:
         """Stop the reader after the write-backs have landed, and let go of what it staged; no step may be running."""
         self.drain()
         if self.reader is not None:
-            with self.lock:
-                self.stopping = True
-                for event in self.settled.values():
-                    event.set()  # wakes the reader where it waits to read a unit again
-            self.free.put(None)  # wakes it where it waits for a slot
-            self.reader.join()
+            self.reader.stop()
             self.reader = None
         self.reset()
 
     def close(self) -> None:
         """Stop both threads and close the files, which frees their room; once (closing again does nothing)."""
-        if not self.files:
+        if not self.files.fds:
             return
         try:
             self.stop()
         finally:
             self.writer.shutdown()
-            self.close_files()
-
-    def read_ahead(self) -> None:
-        """The reader thread: stage each unit in the backward's order, over and over, each once its last staging has
-        been stepped and written back, and wait for a free slot for each; until stop()."""
-        for u in itertools.cycle(self.units):
-            self.settled[u].wait()
-            k = None if self.stopping else self.free.get()
-            with self.lock:  # else stop() could set the event between the check and the clear, and the wait hang
-                if self.stopping or k is None:
-                    return
-                self.settled[u].clear()
-            try:
-                self.transfer(os.preadv, u, self.ring[k])
-            except BaseException as e:  # every step that waits for a read from now on raises it
-                self.error = e
-                for staged in self.staged.values():
-                    staged.put(e)
-                return
-            self.staged[u].put(k)
+            self.files.close()
 
     def write(self, u: int, k: int) -> None:
         """The writer thread's job: unit u's moments from slot k to its file; the slot is then free."""
@@ -2314,49 +2360,19 @@ class DiskTier:
             self.free.put(k)
 
     def transfer(self, call, u: int, buffer: mmap.mmap) -> None:
-        """os.preadv or os.pwritev of unit u's whole file from or into the start of `buffer`, in calls of at most
-        DISK_CALL bytes; an OSError names the tier's folder."""
-        view, nbytes, done = memoryview(buffer), 2 * self.half[u], 0
-        try:
-            while done < nbytes:
-                moved = call(self.files[u], [view[done : min(nbytes, done + DISK_CALL)]], done)
-                if moved == 0:
-                    raise OSError(errno.EIO, "a file of the disk tier ended early")
-                done += moved
-        except OSError as e:
-            raise self.failed(e) from None
-
-    def measure(self) -> dict:
-        """The disk's write and read rates in GB/s through the tier's own I/O path, over the first unit's file (its
-        moments are not in it yet); the written bytes are flushed, and dropped from the page cache where it is used."""
-        u, fd = self.units[0], self.files[self.units[0]]
-        torch.frombuffer(self.ring[0], dtype=torch.uint8).zero_()  # its pages mapped now, not in the timed write
-        start = time.perf_counter()
-        self.transfer(os.pwritev, u, self.ring[0])
-        os.fsync(fd)
-        written = time.perf_counter()
-        if not self.direct:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        self.transfer(os.preadv, u, self.ring[0])
-        nbytes, read = 2 * self.half[u], time.perf_counter()
-        return {"write_gbps": nbytes / (written - start) / 1e9, "read_gbps": nbytes / (read - written) / 1e9}
+        """Unit u's whole file read into (os.preadv) or written from (os.pwritev) the start of `buffer`."""
+        self.files.transfer(call, u, buffer)
 
     def raise_error(self) -> None:
         """Re-raise the reader's or the writer's error, if any."""
         if self.error is not None:
             raise self.error
 
-    def failed(self, e: OSError) -> OSError:
-        """`e` with the tier's folder as its file name, for the one line that ends the run."""
-        if e.filename and e.filename.endswith("(the --nvme disk tier)"):
-            return e
-        return OSError(e.errno, e.strerror or str(e), f"{self.folder} (the --nvme disk tier)")
-
-    def close_files(self) -> None:
-        """Close every file (the kernel frees an unnamed file with its last descriptor)."""
-        for fd in self.files.values():
-            os.close(fd)
-        self.files = {}
+    def fail(self, e: BaseException) -> None:
+        """The reader's error: raised by every step that waits for a read from now on, and by the next flush."""
+        self.error = e
+        for staged in self.staged.values():
+            staged.put(e)
 
 
 def unnamed_file(folder: str, nbytes: int) -> int:
@@ -3147,8 +3163,12 @@ def training_figures(trainer, result: dict) -> dict:
     figures["gradient_pool"]["waited_ms"] = pool.waited_s * 1e3
     disk = trainer.store.disk
     if disk:
-        figures["disk_tier"] = {"units": len(disk.units), "bytes": disk_step_bytes(disk), "direct_io": disk.direct}
-        figures["disk_tier"] |= disk.rates | {"waited_ms": disk.waited_s * 1e3}
+        figures["disk_tier"] = {
+            "units": len(disk.units),
+            "bytes": disk_step_bytes(disk),
+            "direct_io": disk.files.direct,
+        }
+        figures["disk_tier"] |= disk.files.rates | {"waited_ms": disk.waited_s * 1e3}
     if "bound_parts_ms" in result:
         figures |= train_bound(trainer, {name: min(ms) for name, ms in result["bound_parts_ms"].items()})
         figures["efficiency"] = figures["bound_ms"] / result["time_ms"]
@@ -3192,7 +3212,7 @@ def train_bound_parts(trainer: OffloadedTraining, micro_batches, device) -> dict
     for each round: each kind of unit's GPU compute (and its forward alone, where updates are held), a step's H2D
     copies, its D2H copies, the CPU Adam over scratch state as large as the largest unit it steps (at most
     ADAM_SCRATCH: the scratch is host memory beside the run's), `host`: that Adam with the copy engines moving its
-    share of a step's copies, and with the disk tier, its reads and writes of a step (DiskTier.cycle)."""
+    share of a step's copies, and with the disk tier, its reads and writes of a step (disk_cycle)."""
     kinds = [u.kind for u in trainer.units]
     fns = {}
     for kind in dict.fromkeys(kinds):
@@ -3209,7 +3229,7 @@ def train_bound_parts(trainer: OffloadedTraining, micro_batches, device) -> dict
         cpu = torch.device("cpu")
         fns |= {"adam": (cpu, adam), "host": (cpu, lambda: adam_and_copies(trainer, big, adam, numel))}
     if trainer.store.disk:
-        fns["disk"] = (torch.device("cpu"), trainer.store.disk.cycle)
+        fns["disk"] = (torch.device("cpu"), lambda: disk_cycle(trainer.store.disk))
     return fns
 
 
@@ -3333,9 +3353,28 @@ def held_updates_figures(trainer: OffloadedTraining, best: dict[str, float], par
     return {"held_updates_ms": held, "gpu_forward_ms": forward, "unheld_bound_ms": max(parts.values())}
 
 
+def disk_cycle(disk: DiskTier) -> None:
+    """A step's disk traffic alone, for the bound: each unit's moments read into a slot in the backward's order and
+    written back unchanged, each write overlapping the next reads as in a step. The reader is stopped first, so
+    the next step reads what it had staged again, from its first gradient on (that step is not timed)."""
+    disk.stop()
+    writes = collections.deque()
+    try:
+        for i, u in enumerate(disk.units):
+            k = i % len(disk.ring)
+            if len(writes) == len(disk.ring):
+                writes.popleft().result()  # slot k's write-back has landed: it may be filled again
+            disk.transfer(os.preadv, u, disk.ring[k])
+            writes.append(disk.writer.submit(disk.transfer, os.pwritev, u, disk.ring[k]))
+    finally:
+        concurrent.futures.wait(writes)  # a read failed: no write still reads a slot the next step fills
+    for write in writes:
+        write.result()
+
+
 def disk_step_bytes(disk: DiskTier) -> int:
     """The bytes the disk tier reads in a step (and writes back): every unit's moments, in whole blocks."""
-    return sum(2 * half for half in disk.half.values())
+    return sum(2 * half for half in disk.files.half.values())
 
 
 def unit_passes(trainer: OffloadedTraining, u: int, micro_batches, device):
@@ -3853,17 +3892,18 @@ def host_pass_bytes(run: RunConfig, config: LlamaConfig) -> int:
     ids = (1 + run.grad_accum) * tokens * 8  # int64: inference's batch and training's micro-batches
     logits = len(run.modes) * tokens * config.vocab_size * dtype.itemsize
     pool = (config.num_hidden_layers + 2) * unit_inputs_bytes(run, config) if run.offload_activations else 0
-    cpu = max(activation_bytes(config, dtype, tokens), attention_bytes(run, config)) if "cpu" in run.modes else 0
-    return ids + logits + pool + cpu
+    cpu = max(activation_bytes(config, dtype, tokens), attention_bytes(run, config, whole_backward=run.train))
+    return ids + logits + pool + (cpu if "cpu" in run.modes else 0)
 
 
-def attention_bytes(run: RunConfig, config: LlamaConfig) -> int:
+def attention_bytes(run: RunConfig, config: LlamaConfig, whole_backward: bool) -> int:
     """Eager attention's scores at their least: a micro-batch's batch x heads x seq-len x seq-len of them, scaled beside
-    the raw ones; in training each layer keeps its probabilities for the backward. sdpa keeps none."""
+    the raw ones; whole_backward: the resident model's training, where every layer keeps its probabilities for the
+    backward (an offloaded unit recomputes its own, one at a time). sdpa keeps none."""
     if run.attention != "eager":
         return 0
     scores = run.batch_size * config.num_attention_heads * run.seq_len**2 * run.torch_dtype.itemsize
-    return scores * (config.num_hidden_layers + 1 if run.train else 2)
+    return scores * (config.num_hidden_layers + 1 if whole_backward else 2)
 
 
 def gpu_bytes_needed(run: RunConfig, config: LlamaConfig, mode: str) -> int:
@@ -3871,7 +3911,7 @@ def gpu_bytes_needed(run: RunConfig, config: LlamaConfig, mode: str) -> int:
     dtype, b = run.torch_dtype, run.torch_dtype.itemsize
     layers = config.num_hidden_layers
     act = activation_bytes(config, dtype, run.batch_size * run.seq_len, at_least=True)
-    act = max(act, attention_bytes(dataclasses.replace(run, train=run.train and mode == "gpu"), config))
+    act = max(act, attention_bytes(run, config, whole_backward=run.train and mode == "gpu"))
     if mode == "gpu":
         return param_count(config) * (2 * b + 16 if run.train else b) + act
     depth = 0 if mode == "blocked" else run.prefetch
@@ -4245,8 +4285,8 @@ def disk_tier(run: RunConfig, units: list[Unit]) -> DiskTier | None:
     layers = [u for u, unit in enumerate(units) if unit.kind == "layer"][-run.nvme_layers :]
     disk = DiskTier(run.nvme, {u: units[u].layout.numel for u in layers})
     moments = f"the Adam moments of the last {len(layers)} decoder layers ({gib(disk_step_bytes(disk))} GiB)"
-    io = "direct I/O" if disk.direct else "buffered I/O (the file system refuses O_DIRECT)"
-    rates = f"write {disk.rates['write_gbps']:.2f} GB/s, read {disk.rates['read_gbps']:.2f} GB/s"
+    io = "direct I/O" if disk.files.direct else "buffered I/O (the file system refuses O_DIRECT)"
+    rates = f"write {disk.files.rates['write_gbps']:.2f} GB/s, read {disk.files.rates['read_gbps']:.2f} GB/s"
     log(f"disk tier: {moments} in unnamed files under {run.nvme}, reserved in {time.perf_counter() - t0:.1f} s")
     log(f"disk tier: {io}; measured: {rates}")
     return disk

@@ -75,7 +75,7 @@ def test_the_disk_tier_trains_bitwise_as_the_host(dtype, k, slots, grad_buffers,
 
 @pytest.mark.parametrize("slots", [1, 2])
 def test_the_bounds_disk_cycle_moves_a_step_and_changes_no_bit(slots, tmp_path, monkeypatch):
-    """The bound's disk part (DiskTier.cycle, between steps as its rounds run): each unit's moments read once and
+    """The bound's disk part (disk_cycle, between steps as its rounds run): each unit's moments read once and
     written back once, through the ring; the steps after it restage what the reader had staged, and masters and
     moments after 4 steps equal the host-only run's bit for bit."""
     monkeypatch.setattr(ol, "DISK_SLOTS", slots)
@@ -94,7 +94,7 @@ def test_the_bounds_disk_cycle_moves_a_step_and_changes_no_bit(slots, tmp_path, 
 
     monkeypatch.setattr(ol.DiskTier, "transfer", counted)
     waited = disk.store.disk.waited_s
-    disk.store.disk.cycle()
+    ol.disk_cycle(disk.store.disk)
     monkeypatch.setattr(ol.DiskTier, "transfer", transfer)
     assert disk.store.disk.waited_s == waited > 0  # the mode's waits for reads still count, rounds or not
     assert sorted(moved) == sorted((call, u) for call in ("preadv", "pwritev") for u in (2, 3, 4, 5))
@@ -156,7 +156,7 @@ def test_the_files_are_under_the_folder_and_go_with_the_process(tmp_path):
     child = (
         "import sys, offload_llama as ol\n"
         "tier = ol.DiskTier(sys.argv[1], {1: 2**20, 2: 2**20})\n"
-        "print(*tier.files.values(), flush=True)\n"
+        "print(*tier.files.fds.values(), flush=True)\n"
         "sys.stdin.read()\n"
     )
     root = str(ol.Path(ol.__file__).parent)
