@@ -12,8 +12,8 @@ accelerations plug into it as policies; measurement, tables and sizing are instr
   the command line       Parser, command_line, check_command_line: checked before torch and transformers load
   model                  llama_config, build_model, init_random: a random LLaMA, or one from a save_pretrained folder
   parameter store        FlatLayout, HostBuffer, ParamStore: each decoder layer one flat pinned buffer
-  layer streamer         LayerStreamer, StreamedLayer: a ring of GPU slots filled on a copy stream, events between
-  training               Adam, MasterStore, CpuAdam, StreamedUnit, OffloadedTraining: the plain path, and the reference
+  layer streamer         CopyWindow, LayerStreamer, StreamedLayer: a ring of GPU slots filled on a copy stream
+  training               Adam, MasterStore, CpuAdam, Steppers, OffloadedTraining, ResidentTraining: plain and reference
   accelerations          ResidentUnits, StreamedAdam, ActivationOffload, LossScale, GradClip, DiskTier
   placement              Placement, training_placement: what stays on the GPU under a cap
   modes                  run_mode, train_mode, train_steps, StepClock: each mode's inference and training
@@ -82,7 +82,7 @@ PRESET_SIZES = {  # hidden, intermediate, layers, heads, key/value heads, vocabu
     "llama-7b": (4096, 11008, 32, 32, 32, 32000),
 }
 PRESETS = {name: dict(zip(SIZE_FLAGS, sizes, strict=True)) for name, sizes in PRESET_SIZES.items()}  # field -> size
-ALIGN = 128  # elements: each parameter starts 256 B in, as the caching allocator aligns, so cuBLAS picks its kernels
+ALIGN = 128  # elements (256 B in 16 bits): each parameter starts as the caching allocator aligns, for cuBLAS's kernels
 STAGING = 2**24  # elements: float32 masters cross PCIe in chunks this size, cast to the compute dtype on the GPU
 ADAM_SPARE_CORES = 1  # cores the CPU Adam leaves to the main thread, which drives the GPU meanwhile
 GPU_ADAM_SHARE = 0.3  # of the streamed parameters, the default share of the GPU's Adam over streamed state
@@ -788,6 +788,17 @@ class InOrder:
         return True
 
 
+class ReadOnly:
+    """The writer of sources nothing rewrites (inference's weights): a copy may read any of them at once. In training
+    the writer is Steppers: the CPU Adam's units are written once their updates are done; the GPU's, by a wait on the
+    copy stream."""
+
+    def wait_written(self, u: int) -> None: ...  # nothing to wait for
+
+    def written(self, u: int) -> bool:  # always
+        return True
+
+
 def on_stream(stream):
     """A `with` block that issues its work on `stream` (nothing to switch on the CPU)."""
     return torch.cuda.stream(stream) if isinstance(stream, torch.cuda.Stream) else contextlib.nullcontext()
@@ -803,6 +814,49 @@ def new_event(device: torch.device, blocking: bool = False):
     return torch.cuda.Event(blocking=blocking) if device.type == "cuda" else InOrder()
 
 
+@dataclass
+class CopyWindow:
+    """One pass's copies, in the order the pass runs its streamed units. A position enters the window once compute is
+    within `depth` positions of it, and leaves once its copy is issued. A copy whose source is not written yet (its
+    unit's update still runs) waits in the window while the ready ones behind it are issued: the copy stream runs in
+    order, so issuing it first would hold them all up. Safe, because the window ends at most n_slots - 1 positions
+    past the unit computing now: the unit each copy's slot held before it has been released."""
+
+    units: list[int]  # the streamed units, in the order the pass runs them
+    position: dict[int, int]  # a streamed unit's index in `units`; a resident unit's, the next streamed unit's
+    entered: int = 0  # positions 0 .. entered - 1 have entered the window
+    waiting: list[int] = dataclasses.field(default_factory=list)  # entered, not issued: their sources were not written
+
+    @classmethod
+    def over(cls, order: list[int], resident) -> CopyWindow:
+        """The window of a pass that runs `order`, of which the `resident` units are not copied."""
+        units, position = [], {}
+        for u in order:
+            position[u] = len(units)
+            if u not in resident:
+                units.append(u)
+        return cls(units, position)
+
+    def restart(self) -> None:
+        """The pass starts again (inference repeats a pass): the ring fills from the first position."""
+        self.entered, self.waiting = 0, []
+
+    def enter_through(self, p: int) -> None:
+        """Positions up to p enter the window, in order."""
+        end = min(p + 1, len(self.units))
+        self.waiting += range(self.entered, end)
+        self.entered = max(self.entered, end)
+
+    def take(self, written, need: int | None = None) -> list[int]:
+        """The waiting positions to issue now: those whose units' sources are written(u), in order, then `need`, about
+        to run, which must be issued even if its copy has to wait for its source."""
+        issue = [q for q in self.waiting if written(self.units[q])]
+        if need in self.waiting and need not in issue:
+            issue.append(need)
+        self.waiting = [q for q in self.waiting if q not in issue]
+        return issue
+
+
 class LayerStreamer:
     """Streams units (decoder layers; in training also embeddings, norm, head) from flat host buffers through a ring of
     GPU slots taken in turn. The copy stream runs `depth` units ahead of compute: 0 is blocked, >= 1 overlapped.
@@ -811,9 +865,7 @@ class LayerStreamer:
     Resident units run from GPU buffers of their own. Float32 sources (the masters) in a lower compute dtype cross
     PCIe in chunks through a staging buffer and are cast on the GPU."""
 
-    def __init__(
-        self, sources, kinds, make_module, dtype: torch.dtype, device: torch.device, depth: int, copy_stream=None
-    ):
+    def __init__(self, sources, kinds, make_module, dtype, device, depth: int, copy_stream=None, writer=None):
         self.sources = sources  # each unit's flat host buffer
         self.kinds = kinds  # each unit's kind, which make_module(kind, buffer) builds a module of
         self.make_module = make_module
@@ -821,8 +873,8 @@ class LayerStreamer:
         self.depth = depth  # units the copy stream runs ahead
         self.compute_stream = torch.cuda.current_stream(device) if device.type == "cuda" else InOrder()
         self.copy_stream = copy_stream or new_stream(device)
-        self.wait_source = lambda u: None  # training: hold unit u's copy (host or stream) until its update is written
-        self.source_ready = lambda u: True  # training: whether it is done, without blocking
+        # training: each source is rewritten by its unit's update, which the copy must not overtake
+        self.writer = writer or ReadOnly()
         self.keep_resident(())
 
     def keep_resident(self, units, load=None) -> None:
@@ -858,26 +910,20 @@ class LayerStreamer:
         return len(self.buffers)
 
     def begin(self, order, keep: bool = False) -> None:
-        """The next pass visits `order`; keep: the units the slots hold are current (backward right after forward)."""
+        """The next pass runs `order`; keep: the units the slots hold are current (backward right after forward)."""
         order = list(order)
-        self.opening = order[0] if order else None
-        self.order = [u for u in order if u not in self.resident]  # what the copy stream brings in, in turn
-        self.position, p = {}, 0  # a streamed unit's position in `order`; a resident unit's, the next streamed one's
-        for u in order:
-            self.position[u] = p
-            p += u not in self.resident
-        self.issued = 0  # positions taken into the copy window in this pass
-        self.waiting = []  # of those, the ones whose copy is not issued yet: their sources were not ready
+        self.first = order[0] if order else None
+        self.window = CopyWindow.over(order, self.resident)
         self.kept = {u for u in self.holds if u is not None} if keep else set()
 
     def prefetch(self, p: int) -> None:
         """Start copying the streamed unit at position p of the pass into its slot, on the copy stream."""
-        u = self.order[p]
+        u = self.window.units[p]
         s, src = self.slot[u], self.sources[u]
         if u in self.kept and self.holds[s] == u:
             return
         dst = self.buffers[s][: src.numel()]
-        self.wait_source(u)
+        self.writer.wait_written(u)  # the host, or the copy stream, waits until the update has written it
         with on_stream(self.copy_stream):
             self.copy_stream.wait_event(self.freed[s])  # the slot's previous unit may still be running from it
             if src.dtype == self.dtype:
@@ -896,12 +942,13 @@ class LayerStreamer:
 
     def acquire(self, u: int) -> nn.Module:
         """The module that runs unit u; a streamed unit also starts the copies up to `depth` positions ahead."""
-        if u == self.opening:
-            self.issued, self.waiting = 0, []  # each pass opens by filling the ring (inference repeats passes)
+        if u == self.first:
+            self.window.restart()  # a pass run again without begin (inference) fills the ring from its start
         if u in self.resident:
-            # the copies ahead start in release: in training a copy may wait for its unit's update, while this runs
+            # its copies ahead are issued in release, once its kernels are queued: by then more updates are written
             return self.resident[u]
-        self.issue_through(self.position[u] + self.depth, need=self.position[u])
+        p = self.window.position[u]
+        self.issue_through(p + self.depth, need=p)
         s = self.slot[u]
         self.compute_stream.wait_event(self.copied[s])  # unit u's weights must have landed before its kernels read them
         return self.modules[s][self.kinds[u]]
@@ -909,22 +956,15 @@ class LayerStreamer:
     def release(self, u: int) -> None:
         """Unit u's kernels are issued: its slot frees once they run; a resident unit starts the next copies."""
         if u in self.resident:
-            self.issue_through(self.position[u] + self.depth)
+            self.issue_through(self.window.position[u] + self.depth)
         else:
             self.freed[self.slot[u]].record(self.compute_stream)  # the slot's next copy waits for it
 
     def issue_through(self, p: int, need: int | None = None) -> None:
-        """Issue the copies up to position p in order, ready sources first; only `need`, about to run, may wait."""
-        end = min(p + 1, len(self.order))
-        self.waiting += range(self.issued, end)
-        self.issued = max(self.issued, end)
-        # out of order is safe: the window holds at most n_slots positions, so each slot's last unit is released
-        ready = [q for q in self.waiting if self.source_ready(self.order[q])]
-        if need in self.waiting and need not in ready:
-            ready.append(need)
-        for q in ready:
+        """Issue the window's copies up to position p: the ready ones, then `need`, about to run (CopyWindow)."""
+        self.window.enter_through(p)
+        for q in self.window.take(self.writer.written, need):
             self.prefetch(q)
-            self.waiting.remove(q)
 
 
 def layer_streamer(store: ParamStore, config: LlamaConfig, device: torch.device, depth: int, resident=()):
@@ -1308,19 +1348,15 @@ class GradientPool:
 
 
 class HostState:
-    """What the steppers of streamed units share: gradients accumulate in the trainer's gradient buffer, state lives in
-    the host store. Every stepper answers grads, shares_buffer, send, update, wait_written, written, state, adam_state,
-    wait_all."""
+    """What the steppers of streamed units share: gradients accumulate in the gradient buffer of Steppers, state lives
+    in the host store. Every stepper answers holds_grads, shares_buffer, send, update, wait_written, written, state,
+    adam_state, wait_all (ResidentUnits, which holds its units' gradients, also grads)."""
 
-    shares_buffer = True  # the gradients accumulate in the trainer's gradient buffer
+    holds_grads = False  # the units' gradients accumulate in the gradient buffer of Steppers
+    shares_buffer = True  # and so wait for the last gradients sent to leave it
 
-    def __init__(self, trainer: OffloadedTraining):
-        self.trainer = trainer
-        self.store = trainer.store
-
-    def grads(self, u: int) -> torch.Tensor:
-        """The GPU memory unit u's gradients accumulate in: the start of the shared gradient buffer."""
-        return self.trainer.grad_buffer[: self.store.masters[u].numel()]
+    def __init__(self, store: MasterStore):
+        self.store = store
 
     def state(self, u: int, grads: bool = False) -> torch.Tensor:
         """Unit u's float32 master (grads: the gradients the host holds) on the host."""
@@ -1336,11 +1372,12 @@ class CpuAdam(HostState):
     worker thread steps the unit once they have landed; of the landed units, first the one the next forward needs
     first (the embeddings and first layers, whose gradients come last), so it overlaps the later layers' updates."""
 
-    def __init__(self, trainer: OffloadedTraining):
-        super().__init__(trainer)
-        self.step = trainer.store.step  # step(u): unit u's update, run in the worker
-        self.landed = [new_event(trainer.device, blocking=True) for _ in trainer.units]
-        self.done = [threading.Event() for _ in trainer.units]
+    def __init__(self, store: MasterStore, device: torch.device, d2h_stream):
+        super().__init__(store)
+        self.step = store.step  # step(u, multiplier): unit u's update, run in the worker
+        self.d2h_stream = d2h_stream  # the gradients leave on it
+        self.landed = [new_event(device, blocking=True) for _ in store.units]
+        self.done = [threading.Event() for _ in store.units]
         for event in self.done:
             event.set()
         self.pending = []  # (unit, landed event, multiplier), in the order submitted; None asks the worker to stop
@@ -1353,19 +1390,19 @@ class CpuAdam(HostState):
     def send(self, u: int, grads: torch.Tensor, ready):
         """Copy the gradients to the host once `ready`; returns the event after which their memory may be reused."""
         host = self.store.take_grads(u)
-        stream = self.trainer.d2h_stream
+        stream = self.d2h_stream
         with on_stream(stream):
             stream.wait_event(ready)  # the unit's backward must have written all its gradients
             host.copy_(grads, non_blocking=True)
             self.landed[u].record(stream)
         return self.landed[u]
 
-    def update(self, u: int) -> None:
-        """Queue unit u's step, with the step's gradient multiplier; the worker runs it once its gradients land."""
+    def update(self, u: int, multiplier: float) -> None:
+        """Queue unit u's step, its gradients times `multiplier`; the worker runs it once its gradients land."""
         self.done[u].clear()
         with self.cond:
             # this step's multiplier travels with the job: a later step's must never reach these gradients
-            self.pending.append((u, self.landed[u], self.trainer.grad_multiplier))
+            self.pending.append((u, self.landed[u], multiplier))
             self.cond.notify()
 
     def wait_written(self, u: int) -> None:
@@ -1426,6 +1463,80 @@ class CpuAdam(HostState):
             except Exception as e:  # hand it to the main thread, which waits on `done`
                 self.error = e
             self.done[u].set()
+
+
+class Steppers:
+    """Each unit's stepper, and the GPU memory its gradients accumulate in until they leave. The plain path's CpuAdam
+    steps every unit until `place` gives some to ResidentUnits or StreamedAdam. The streamer asks it before each
+    copy whether the unit's host copy is written (the streamer's writer)."""
+
+    def __init__(self, store: MasterStore, dtype: torch.dtype, device: torch.device, d2h_stream):
+        self.store, self.dtype, self.device = store, dtype, device
+        self.buffer, _ = gradient_memory(store, (), True, device)  # the streamed units' gradients, a unit at a time
+        self.last_landed = InOrder()  # the event after which `buffer` may be overwritten: its last gradients left
+        self.cpu_adam = CpuAdam(store, device, d2h_stream)
+        self.of = [self.cpu_adam] * len(store.units)  # unit -> its stepper
+
+    def place(self, streamer: LayerStreamer, resident, gpu_adam, own_grads: bool, holds_updates: bool) -> None:
+        """Keep the `resident` units on the GPU, stepped there (ResidentUnits), and step the `gpu_adam` units on the
+        GPU from their state on the host (StreamedAdam); the CPU Adam steps the rest. own_grads: gradients kept apart,
+        to compare or check them: a resident unit's in memory of its own, the GPU's Adam's first ones on the host."""
+        held = "float16 or clipping steps once every gradient is in"
+        if holds_updates and gpu_adam:
+            raise ValueError(f"{held}: the streamed units stay on the CPU Adam")
+        if holds_updates and resident and not own_grads:
+            raise ValueError(f"{held}: resident units need their own gradients")
+        if set(resident) & set(gpu_adam):
+            raise ValueError("resident units are stepped on the GPU already: give the GPU's Adam streamed units only")
+        self.buffer = None  # freed before the resident units' state is allocated
+        self.buffer, shared = gradient_memory(self.store, resident, own_grads, self.device)
+        on_gpu = ResidentUnits(self.store, self.dtype, self.device, None if own_grads else shared)
+        streamer.keep_resident(resident, on_gpu.load)
+        streamed = StreamedAdam(self.store, gpu_adam, self.device, streamer.copy_stream, own_grads)
+        chosen = {**dict.fromkeys(resident, on_gpu), **dict.fromkeys(gpu_adam, streamed)}
+        self.of = [chosen.get(u, self.cpu_adam) for u in range(len(self.of))]
+
+    def grads(self, u: int) -> torch.Tensor:
+        """The GPU memory unit u's gradients accumulate in: the start of the gradient buffer, or a resident unit's."""
+        stepper = self.of[u]
+        return stepper.grads(u) if stepper.holds_grads else self.buffer[: self.store.masters[u].numel()]
+
+    def wait_to_write(self, u: int, stream) -> None:
+        """Before unit u's backward writes its gradients into the shared buffer, `stream` waits for the last ones sent
+        to have left it."""
+        if self.of[u].shares_buffer:
+            stream.wait_event(self.last_landed)
+
+    def send(self, u: int, ready) -> None:
+        """Send unit u's gradients to its stepper once `ready` (the end of the unit's backward)."""
+        landed = self.of[u].send(u, self.grads(u), ready)
+        if landed is not None:  # None: they stay on the GPU (a resident unit), and the last ones sent hold the buffer
+            self.last_landed = landed
+
+    def update(self, u: int, multiplier: float) -> None:
+        """Unit u's Adam step, its gradients times `multiplier`: queued, or (a resident unit) on the compute stream."""
+        self.of[u].update(u, multiplier)
+
+    def wait_written(self, u: int) -> None:
+        """Hold the streamer's next copy of unit u (the host, or the copy stream) until its update has written it."""
+        self.of[u].wait_written(u)
+
+    def written(self, u: int) -> bool:
+        """Whether unit u's copy may be issued now, without waiting on the host."""
+        return self.of[u].written(u)
+
+    def state(self, u: int, grads: bool = False) -> torch.Tensor:
+        """Unit u's float32 master (grads: its last gradients), where its stepper keeps it."""
+        return self.of[u].state(u, grads)
+
+    def adam_state(self, u: int) -> tuple[torch.Tensor, ...]:
+        """Unit u's float32 master, Adam moments and step count, where its stepper keeps them."""
+        return self.of[u].adam_state(u)
+
+    def wait_all(self) -> None:
+        """Block until every update is done and written back."""
+        for stepper in dict.fromkeys(self.of):
+            stepper.wait_all()
 
 
 class KeptInputs:
@@ -1508,10 +1619,10 @@ def decoder_kwargs(model: LlamaForCausalLM, shape: tuple[int, int], dtype: torch
 
 class StreamedUnit(torch.autograd.Function):
     """One unit over every micro-batch while its weights are on the GPU. Forward streams the unit in and keeps only
-    its inputs; backward streams it in again, recomputes, back-propagates and sends its gradients to be stepped.
-    `anchor` requires grad, so autograd calls backward for the embeddings too, whose inputs are token ids. Autograd
-    runs backward on its own thread for the device, on the stream the forward ran on, while the main thread waits
-    in .backward(): the backward's copies, waits and updates are issued from that thread."""
+    its inputs; backward streams it in again (unless still in its slot), recomputes, back-propagates and sends its
+    gradients to be stepped. `anchor` requires grad, so autograd calls backward for the embeddings too, whose inputs
+    are token ids. Autograd runs backward on its own thread for the device, on the stream the forward ran on, while
+    the main thread waits in .backward(): the backward's copies, waits and updates are issued from that thread."""
 
     @staticmethod
     def forward(ctx, trainer: OffloadedTraining, u: int, anchor: torch.Tensor, *xs: torch.Tensor):
@@ -1543,12 +1654,10 @@ class OffloadedTraining:
     backward, its gradients sent out and stepped. Streams: compute runs the units, the streamer's copy stream brings
     weights in, `d2h_stream` takes gradients out. A unit's update rewrites the host copy the GPU streamed it from with
     no wait of its own: it waits for the unit's gradients, which exist only once that copy has landed. Policies:
-    steppers[u] steps unit u (CpuAdam; ResidentUnits, StreamedAdam), `inputs` keeps the saved inputs (KeptInputs;
-    ActivationOffload), `scaling` (Unscaled; float16's LossScale), `clip` (Unclipped; GradClip)."""
+    `steppers` step each unit (Steppers: CpuAdam; ResidentUnits, StreamedAdam), `inputs` keeps the saved inputs
+    (KeptInputs; ActivationOffload), `scaling` (Unscaled; float16's LossScale), `clip` (Unclipped; GradClip)."""
 
-    def __init__(
-        self, store: MasterStore, config: LlamaConfig, dtype: torch.dtype, device, depth: int, loss_function, kwargs
-    ):
+    def __init__(self, store: MasterStore, config, dtype, device, depth: int, loss_function, kwargs, max_norm=None):
         self.store = store
         self.units = store.units
         self.dtype, self.device = dtype, device  # where the units compute
@@ -1560,22 +1669,20 @@ class OffloadedTraining:
             """A slot's module of this kind, its trainable weights views into the slot's buffer."""
             return layouts[kind].bind(unit_module(kind, config), buffer, trainable=True).eval()
 
-        self.streamer = LayerStreamer(store.weights, [u.kind for u in self.units], make_module, dtype, device, depth)
-        # float32 to accumulate micro-batches (or unscale float16); with one micro-batch the compute dtype. Zeroed: the
-        # padding between a unit's parameters is sent and stepped too, and must hold no NaN from unwritten memory
-        self.grad_buffer = torch.zeros(max(m.numel() for m in store.masters), dtype=store.grad_dtype, device=device)
-        self.d2h_stream = new_stream(device)
-        self.last_landed = InOrder()  # the event after which grad_buffer may be overwritten: its last gradients left
+        self.d2h_stream = new_stream(device)  # gradients leave on it
+        self.steppers = Steppers(store, dtype, device, self.d2h_stream)
+        kinds = [u.kind for u in self.units]
+        self.streamer = LayerStreamer(store.weights, kinds, make_module, dtype, device, depth, writer=self.steppers)
         self.anchor = torch.empty(0, device=device, requires_grad=True)
-        self.cpu_adam = CpuAdam(self)
-        self.steppers = [self.cpu_adam] * len(self.units)
         # the plain path's policies for saved inputs, the loss's scale and the gradients' clipping
-        self.inputs, self.scaling, self.clip = KeptInputs(), loss_scaling(dtype, device), Unclipped()
-        self.grad_multiplier = 1.0  # this step's, which the steppers apply: the clip's coefficient
+        self.inputs, self.scaling = KeptInputs(), loss_scaling(dtype, device)
+        self.clip = Unclipped() if max_norm is None else GradClip(store, max_norm)
         if self.scaling.holds_updates and not store.pool.dedicated:
             raise ValueError("float16 steps only once every unit's gradients are in: give each unit a gradient buffer")
-        self.streamer.wait_source = lambda u: self.steppers[u].wait_written(u)
-        self.streamer.source_ready = lambda u: self.steppers[u].written(u)
+
+    def place(self, resident=(), gpu_adam=(), own_grads: bool = True) -> None:
+        """Keep the `resident` units on the GPU and step the `gpu_adam` units on the GPU's Adam (Steppers.place)."""
+        self.steppers.place(self.streamer, resident, gpu_adam, own_grads, self.holds_updates)
 
     def run_unit(self, u: int, module: nn.Module, x: torch.Tensor, k: int) -> torch.Tensor:
         """Unit u's forward on micro-batch k: hidden states out, or the loss for the head."""
@@ -1597,14 +1704,14 @@ class OffloadedTraining:
 
     def grad_views(self, u: int) -> list[torch.Tensor]:
         """Where unit u's gradients accumulate on the GPU, one view per parameter."""
-        return list(self.units[u].layout.views(self.steppers[u].grads(u)).values())
+        return list(self.units[u].layout.views(self.steppers.grads(u)).values())
 
     def add_unit_grads(self, u: int, module, x, k: int, grad_out, views: list[torch.Tensor]) -> torch.Tensor | None:
         """Micro-batch k's backward of unit u: its parameter gradients added into `views` (written for k = 0) in
         micro-batch order, as gpu mode does, and freed before the next recompute; returns its input's gradient."""
         grad_in, grads = self.unit_grads(u, module, x, k, grad_out)
-        if k == 0 and self.steppers[u].shares_buffer:  # the last unit's gradients must have left the shared buffer
-            self.streamer.compute_stream.wait_event(self.last_landed)
+        if k == 0:
+            self.steppers.wait_to_write(u, self.streamer.compute_stream)
         for view, grad in zip(views, grads, strict=True):
             if k == 0:
                 view.copy_(grad)
@@ -1625,19 +1732,18 @@ class OffloadedTraining:
     def send(self, u: int, views: list[torch.Tensor]) -> None:
         """Unscale unit u's gradients, take their norm where they are clipped, and send them to its stepper; the update
         follows, or waits for the others. views: grad_views(u), the gradients alone (the padding is never written)."""
-        grads = self.steppers[u].grads(u)
         self.scaling.unscale(views)
         self.clip.add(u, views)
         ready = new_event(self.device)
         ready.record(self.streamer.compute_stream)  # marks the end of the unit's backward, for its stepper to wait on
-        self.last_landed = self.steppers[u].send(u, grads, ready)
+        self.steppers.send(u, ready)
         self.sent.append(u)
         if not self.holds_updates:
-            self.steppers[u].update(u)
+            self.steppers.update(u, 1.0)
 
     def step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
         """One optimizer step over the micro-batches; returns the mean loss. The updates may still be running."""
-        if len(micro_batches) > 1 and self.grad_buffer.dtype != torch.float32:
+        if len(micro_batches) > 1 and self.store.grad_dtype != torch.float32:
             raise ValueError("micro-batches accumulate their gradients in float32: give the store float32 gradients")
         n = len(self.units)
         self.labels = micro_batches
@@ -1650,19 +1756,19 @@ class OffloadedTraining:
         self.inputs.backward_begins(n)
         sum(objective(loss, len(losses), self.scaling.scale) for loss in losses).backward()
         if self.scaling.update() and self.holds_updates:
-            self.grad_multiplier = self.clip.multiplier()
+            multiplier = self.clip.multiplier()
             for u in self.sent:
-                self.steppers[u].update(u)
+                self.steppers.update(u, multiplier)
         return mean_loss(losses)
 
     def state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
         """The float32 masters (grads: the gradients the steppers keep) with HF names on the CPU, after every update."""
         self.wait_updates()
-        return self.store.state_dict([self.steppers[u].state(u, grads) for u in range(len(self.units))])
+        return self.store.state_dict([self.steppers.state(u, grads) for u in range(len(self.units))])
 
     def unit_state(self, u: int) -> dict:
         """Unit u's training state for a checkpoint: its step count, and its float32 master and moments by name."""
-        master, exp_avg, exp_avg_sq, step = self.steppers[u].adam_state(u)
+        master, exp_avg, exp_avg_sq, step = self.steppers.adam_state(u)
         flats = {"master": master, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
         return {"step": step.item()} | {key: self.units[u].layout.views(flat.cpu()) for key, flat in flats.items()}
 
@@ -1673,21 +1779,32 @@ class OffloadedTraining:
     def named_masters(self):
         """Each parameter's float32 master on the CPU by HF name: host masters in place, each its own storage."""
         for u, unit in enumerate(self.units):
-            master = self.steppers[u].state(u).cpu()  # a resident unit's is copied from the GPU
+            master = self.steppers.state(u).cpu()  # a resident unit's is copied from the GPU
             for name, shape, offset in zip(unit.layout.names, unit.layout.shapes, unit.layout.offsets, strict=True):
                 yield f"{unit.name}.{name}", own_storage(master, offset, shape)
 
     def wait_updates(self) -> None:
         """Block until every update is done and written back."""
-        for stepper in dict.fromkeys(self.steppers):
-            stepper.wait_all()
+        self.steppers.wait_all()
 
     def finish(self) -> None:
         """Wait for the last updates and stop the CPU Adam worker, also where an update failed (its error raised)."""
         try:
             self.wait_updates()
         finally:
-            self.cpu_adam.close()
+            self.steppers.cpu_adam.close()
+
+
+def gradient_memory(store: MasterStore, resident, own_grads: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPU memory for the gradients: the streamed units' buffer in the store's gradient dtype (float32 to accumulate
+    micro-batches or unscale float16; else the compute dtype), and the float32 memory it starts, large enough for the
+    resident units' gradients too where they share it (not own_grads). Zeroed: the padding between a unit's
+    parameters is sent and stepped too, and must hold no NaN from unwritten memory."""
+    numels = [m.numel() for m in store.masters]
+    streamed = max((n for u, n in enumerate(numels) if u not in resident), default=0)
+    shared = 0 if own_grads else max((numels[u] for u in resident), default=0)
+    memory = torch.zeros(max(-(-streamed * store.grad_dtype.itemsize // 4), shared), device=device)
+    return memory.view(store.grad_dtype)[:streamed], memory
 
 
 class ResidentTraining:
@@ -1804,47 +1921,35 @@ class ResidentUnit:
 
 
 class ResidentUnits:
-    """Units kept on the GPU, each stepped by gpu mode's fused Adam after its backward (float16: after every unit's).
-    Their float32 gradients get buffers of their own (own_grads: float16's loss scale sees every gradient before any
-    step; the comparison with gpu mode) or share the streamed units' gradient buffer, grown to fit."""
+    """Units kept on the GPU, each stepped by gpu mode's fused Adam after its backward (float16, clipping: once every
+    unit's gradients are in). Their float32 gradients get memory of their own, or take `shared` in turn: each unit
+    steps on the compute stream right after its backward, before the next unit's gradients overwrite it."""
 
-    def __init__(self, trainer: OffloadedTraining, units, own_grads: bool):
-        if trainer.holds_updates and units and not own_grads:
-            raise ValueError(
-                "float16 or clipping steps once every gradient is in: resident units need their own gradients"
-            )
-        self.trainer = trainer
-        self.shares_buffer = not own_grads  # the gradients take the streamed units' gradient buffer
+    holds_grads = True  # the units' gradients are in memory of this stepper's (`shared`: of the gradient buffer's)
+
+    def __init__(self, store: MasterStore, dtype: torch.dtype, device: torch.device, shared: torch.Tensor | None):
+        self.store, self.dtype, self.device = store, dtype, device
+        self.shared = shared  # float32, or None: each unit gets gradients of its own
+        self.shares_buffer = shared is not None  # then its backward waits for the last gradients sent to leave it
         self.units = {}  # unit -> its ResidentUnit
-        numels = [m.numel() for m in trainer.store.masters]
-        trainer.grad_buffer = None  # freed before the resident state is allocated
-        streamed = max((n for u, n in enumerate(numels) if u not in units), default=0)
-        streamed_bytes = streamed * trainer.store.grad_dtype.itemsize
-        shared_bytes = 0 if own_grads else 4 * max((numels[u] for u in units), default=0)
-        memory = torch.empty(max(streamed_bytes, shared_bytes), dtype=torch.uint8, device=trainer.device)
-        trainer.streamer.keep_resident(units, lambda u: self.load(u, memory))
-        trainer.grad_buffer = memory[:streamed_bytes].view(trainer.store.grad_dtype)
-        for u in units:
-            trainer.steppers[u] = self
 
-    def load(self, u: int, memory: torch.Tensor) -> torch.Tensor:
+    def load(self, u: int) -> torch.Tensor:
         """Put unit u's state on the GPU; returns its compute-dtype weights, for the streamer to run it from."""
-        numel, device = self.trainer.store.masters[u].numel(), self.trainer.device
-        grads = memory[: 4 * numel].view(torch.float32) if self.shares_buffer else torch.empty(numel, device=device)
-        self.units[u] = ResidentUnit(self.trainer.store, u, self.trainer.dtype, grads)
+        numel = self.store.masters[u].numel()
+        grads = self.shared[:numel] if self.shares_buffer else torch.empty(numel, device=self.device)
+        self.units[u] = ResidentUnit(self.store, u, self.dtype, grads)
         return self.units[u].weights
 
     def grads(self, u: int) -> torch.Tensor:
         """Unit u's float32 gradients on the GPU."""
         return self.units[u].grads
 
-    def send(self, u: int, grads: torch.Tensor, ready):
-        """Nothing leaves the GPU: the gradient buffer may be overwritten once the last gradients sent have left."""
-        return self.trainer.last_landed
+    def send(self, u: int, grads: torch.Tensor, ready) -> None:
+        """Nothing leaves the GPU."""
 
-    def update(self, u: int) -> None:
-        """Unit u's Adam step, now, on the compute stream."""
-        self.units[u].step(self.trainer.grad_multiplier)
+    def update(self, u: int, multiplier: float) -> None:
+        """Unit u's Adam step, its gradients times `multiplier`, now, on the compute stream."""
+        self.units[u].step(multiplier)
 
     def wait_written(self, u: int) -> None: ...  # never streamed
 
@@ -1864,36 +1969,36 @@ class ResidentUnits:
 
 
 class StreamedAdam(HostState):
-    """The GPU's fused Adam for streamed units whose state stays on the host: after a unit's backward its master and
-    moments cross PCIe in chunks through two staging slots, are stepped, and go back with the compute-dtype copy, while
-    the CPU Adam steps the other units. Its three streams, per slot k and unit u:
-      s_in    state in    waits out_done[k]: slot k's last chunk has left (and so the unit's last step)
-      s_adam  the step    waits `ready` in take (the gradients are written) and in_done[k]: the chunk has landed
-      s_out   state out   waits computed[k]: the chunk is stepped; records stepped[u] after u's last chunk"""
+    """The GPU's fused Adam for streamed units whose state stays on the host, so that the CPU Adam has fewer units to
+    step. After a unit's backward its gradients are taken into a buffer of this Adam's; then its master and moments
+    cross PCIe a chunk at a time through two staging slots, are stepped, and go back with the compute-dtype copy.
+    Chunk i takes slot i % 2, and three streams pipeline the chunks:
 
-    def __init__(self, trainer: OffloadedTraining, units, keep_first_grads: bool = False):
-        store = trainer.store
-        if trainer.holds_updates and units:
-            raise ValueError(
-                "float16 or clipping steps once every gradient is in: the streamed units stay on the CPU Adam"
-            )
-        if set(units) & set(trainer.streamer.resident):
-            raise ValueError("resident units are stepped on the GPU already")
+        s_in     bring_in 0   bring_in 1   bring_in 2   ...
+        s_adam                step 0       step 1       step 2   ...
+        s_out                              send_back 0  send_back 1  ...
+
+      bring_in   waits for left[k]: slot k's chunk before is back on the host; records landed[k]
+      step       waits for the gradients taken (take) and landed[k]; records stepped[k]
+      send_back  waits for stepped[k]; records left[k]
+    After a unit's last chunk, written[u]: the next forward's copy of the unit waits for it on the copy stream."""
+
+    def __init__(self, store: MasterStore, units, device, copy_stream, keep_first_grads: bool = False):
         if keep_first_grads and units and not store.pool.dedicated:
             raise ValueError("the first step's gradients stay on the host: give each unit a gradient buffer")
-        super().__init__(trainer)
+        super().__init__(store)
         self.units = tuple(units)
-        self.device = trainer.device
+        self.device = device
+        self.copy_stream = copy_stream  # the weights' copies: a unit's next one waits for its state to be written
         self.keep_first_grads = keep_first_grads  # the first step's gradients go to the host, to compare them
         for u in self.units:
             store.pin_moments(u)
-            trainer.steppers[u] = self
         numel = max((store.masters[u].numel() for u in self.units), default=0)
-        self.buffer = torch.empty(numel, dtype=store.grad_dtype, device=self.device)  # the unit's gradients, taken
+        self.buffer = torch.empty(numel, dtype=store.grad_dtype, device=device)  # the unit's gradients, taken
         self.slots = [self.staging_slot(min(numel, GPU_ADAM_CHUNK)) for _ in range(2)]
-        self.s_in, self.s_adam, self.s_out = (new_stream(self.device) for _ in range(3))
-        self.in_done, self.computed, self.out_done = ([new_event(self.device) for _ in range(2)] for _ in range(3))
-        self.stepped = {u: new_event(self.device, blocking=True) for u in self.units}
+        self.s_in, self.s_adam, self.s_out = (new_stream(device) for _ in range(3))
+        self.landed, self.stepped, self.left = ([new_event(device) for _ in range(2)] for _ in range(3))
+        self.written_back = {u: new_event(device, blocking=True) for u in self.units}
 
     def staging_slot(self, chunk: int) -> tuple:
         """A chunk's float32 master and moments and, where the store has one, its compute-dtype copy, on the GPU."""
@@ -1922,12 +2027,6 @@ class StreamedAdam(HostState):
             else:
                 dst[:n].copy_(src, non_blocking=True)
 
-    def copy_out(self, u: int, k: int, lo: int, n: int) -> None:
-        """Slot k's stepped chunk back into unit u's host state, on the current stream."""
-        for dst, src in zip(self.host_state(u, lo, n), self.slots[k], strict=True):
-            if dst is not None:
-                dst.copy_(src[:n], non_blocking=True)
-
     def send(self, u: int, grads: torch.Tensor, ready):
         """Take unit u's gradients (take); at the first step to the host too, where the comparison keeps them."""
         first = self.keep_first_grads and not self.store.steps[u]
@@ -1945,44 +2044,59 @@ class StreamedAdam(HostState):
                 host.copy_(self.buffer[:n], non_blocking=True)
         return consumed
 
-    def update(self, u: int) -> None:
-        """Queue unit u's Adam step over its streamed state, chunk by chunk, on this Adam's streams."""
+    def update(self, u: int, multiplier: float) -> None:
+        """Queue unit u's Adam step over its streamed state, chunk by chunk (multiplier: always 1, as GradClip and
+        float16 leave the streamed units on the CPU Adam)."""
         steps = self.store.steps[u]
         fresh, done = not steps, float(steps)  # steps done: the fused kernel counts this one in
         steps += 1  # this count lives on the host: only the thread that runs the backward issues this unit's steps
         for k, lo, n in self.chunks(u):
-            with on_stream(self.s_in):
-                self.s_in.wait_event(self.out_done[k])  # the slot's last chunk (and this unit's last step) must be out
-                self.copy_in(u, k, lo, n, fresh)
-                self.in_done[k].record(self.s_in)
-            with on_stream(self.s_adam):
-                self.s_adam.wait_event(self.in_done[k])  # the chunk's state must have landed
-                self.step_chunk(k, lo, n, done)
-                self.computed[k].record(self.s_adam)
-            with on_stream(self.s_out):
-                self.s_out.wait_event(self.computed[k])  # the chunk must be stepped before it leaves
-                self.copy_out(u, k, lo, n)
-                self.out_done[k].record(self.s_out)
-        self.stepped[u].record(self.s_out)
+            self.bring_in(u, k, lo, n, fresh)
+            self.step(k, lo, n, done)
+            self.send_back(u, k, lo, n)
+        self.written_back[u].record(self.s_out)
 
-    def step_chunk(self, k: int, lo: int, n: int, done: float) -> None:
-        """torch's fused Adam on slot k's chunk, then its compute-dtype copy."""
+    def bring_in(self, u: int, k: int, lo: int, n: int, fresh: bool) -> None:
+        """On s_in: unit u's chunk into slot k (copy_in)."""
+        with on_stream(self.s_in):
+            self.s_in.wait_event(self.left[k])  # the slot's chunk before must be back on the host
+            self.copy_in(u, k, lo, n, fresh)
+            self.landed[k].record(self.s_in)
+
+    def step(self, k: int, lo: int, n: int, done: float) -> None:
+        """On s_adam: torch's fused Adam on slot k's chunk, then its compute-dtype copy."""
         p, m, v, copy = (t[:n] if t is not None else None for t in self.slots[k])
-        step = torch.full((), done, device=p.device)
-        torch_adam_step(self.store.update.adam, p, self.buffer[lo : lo + n].float(), m, v, step)
-        if copy is not None:
-            copy.copy_(p)  # rounded to nearest even, as the CPU Adam writes the copy
+        with on_stream(self.s_adam):  # after take: the unit's gradients are in the buffer
+            self.s_adam.wait_event(self.landed[k])  # the chunk's state must have landed
+            step = torch.full((), done, device=p.device)
+            torch_adam_step(self.store.update.adam, p, self.buffer[lo : lo + n].float(), m, v, step)
+            if copy is not None:
+                copy.copy_(p)  # rounded to nearest even, as the CPU Adam writes the copy
+            self.stepped[k].record(self.s_adam)
+
+    def send_back(self, u: int, k: int, lo: int, n: int) -> None:
+        """On s_out: slot k's stepped chunk back into unit u's host state (copy_out)."""
+        with on_stream(self.s_out):
+            self.s_out.wait_event(self.stepped[k])  # the chunk must be stepped before it leaves
+            self.copy_out(u, k, lo, n)
+            self.left[k].record(self.s_out)
+
+    def copy_out(self, u: int, k: int, lo: int, n: int) -> None:
+        """Slot k's stepped chunk back into unit u's host state, on the current stream."""
+        for dst, src in zip(self.host_state(u, lo, n), self.slots[k], strict=True):
+            if dst is not None:
+                dst.copy_(src[:n], non_blocking=True)
 
     def wait_written(self, u: int) -> None:
         """The next forward's copy of unit u waits on the copy stream, not the host."""
-        self.trainer.streamer.copy_stream.wait_event(self.stepped[u])  # its state must be back on the host
+        self.copy_stream.wait_event(self.written_back[u])  # its state must be back on the host
 
     def written(self, u: int) -> bool:  # the copy stream waits for it: the copy may be issued now
         return True
 
     def wait_all(self) -> None:
         """Block until every queued step has written its state back to the host."""
-        for event in self.stepped.values():
+        for event in self.written_back.values():
             event.synchronize()
 
 
@@ -2001,13 +2115,17 @@ class ActivationOffload:
         self.host = [host_zeros(count, trainer.dtype, pin=device.type == "cuda") for _ in trainer.units[1:]]
         self.offloaded = [new_event(device) for _ in self.host]
         self.leaving = collections.deque()  # (landed event, GPU inputs) of the copies that may still read them
-        kinds = ["inputs"] * len(self.host)
+        kinds, split = ["inputs"] * len(self.host), lambda _, flat: self.split(flat)
         self.streamer = LayerStreamer(
-            self.host, kinds, lambda _, flat: self.split(flat), trainer.dtype, device, ring.depth, ring.copy_stream
+            self.host, kinds, split, trainer.dtype, device, ring.depth, ring.copy_stream, self
         )
-        # a unit's inputs come back only once they have reached the host
-        self.streamer.wait_source = lambda a: self.streamer.copy_stream.wait_event(self.offloaded[a])
-        trainer.inputs = self
+
+    def wait_written(self, a: int) -> None:
+        """Host input a comes back only once it has reached the host: the copy stream waits for it."""
+        self.streamer.copy_stream.wait_event(self.offloaded[a])
+
+    def written(self, a: int) -> bool:  # the copy stream waits for it: the copy may be issued now
+        return True
 
     def split(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """A flat buffer as one (B, T, hidden) view per micro-batch."""
@@ -2089,17 +2207,14 @@ class GradClip:
 
     holds_updates = True
 
-    def __init__(self, trainer: OffloadedTraining, max_norm: float):
-        if not trainer.store.pool.dedicated:
+    def __init__(self, store: MasterStore, max_norm: float):
+        if not store.pool.dedicated:
             raise ValueError("clipping steps only once every unit's gradients are in: give each unit a gradient buffer")
-        if not trainer.store.update.scaled:
+        if not store.update.scaled:
             raise ValueError("the CPU Adam must multiply the gradients: build the store with scaled_grads")
-        if any(stepper is not trainer.cpu_adam for stepper in trainer.steppers):
-            raise ValueError("clip before placing units: the other steppers check for it when they are installed")
         self.max_norm = max_norm
         self.norms = {}  # unit -> its parameters' gradient norms, float32 on the GPU
         self.grad_norms = []  # each applied step's, before clipping
-        trainer.clip = self
 
     def add(self, u: int, grads: list[torch.Tensor]) -> None:
         """Unit u's parameters' gradient norms, queued on the compute stream before the next unit's overwrite them."""
@@ -2455,8 +2570,8 @@ def inference_placement(run: RunConfig, config: LlamaConfig, tokens: int, mode: 
 
 def gpu_adam_units(units: list[Unit], resident, share: float, on_disk=()) -> tuple[int, ...]:
     """The streamed units the GPU's Adam steps, up to `share` of their parameters: the embeddings and first layers
-    (their gradients come last, the next forward needs them first), then the head (its state would delay weights);
-    none whose moments the disk tier keeps (`on_disk`)."""
+    (their gradients come last, the next forward needs them first), then the head (its gradients come first: its
+    state would cross PCIe beside the whole backward's weights); none whose moments the disk tier keeps (`on_disk`)."""
     numels = {u: unit.layout.numel for u, unit in enumerate(units) if u not in resident}
     kinds = [unit.kind for unit in units]
     order = [kinds.index("embed"), *(u for u, kind in enumerate(kinds) if kind == "layer"), kinds.index("head")]
@@ -2600,10 +2715,7 @@ def place_units(trainer: OffloadedTraining, micro_batches, run: RunConfig, mode:
     """Place the units (training_placement) and install them; log the placement and describe it for the JSON."""
     own_grads = compared or run.holds_updates
     placement = training_placement(trainer, run, mode, unplaced_bytes(trainer, micro_batches), own_grads)
-    if placement.resident:
-        ResidentUnits(trainer, placement.resident, own_grads)
-    if placement.gpu_adam:
-        StreamedAdam(trainer, placement.gpu_adam, keep_first_grads=own_grads)
+    trainer.place(placement.resident, placement.gpu_adam, own_grads)
     torch.cuda.reset_peak_memory_stats(trainer.device)  # the step's peak, not the working set's measurement
     resident = [trainer.units[u].name for u in placement.resident]
     gpu_adam = [trainer.units[u].name for u in placement.gpu_adam]
@@ -2619,7 +2731,7 @@ def place_units(trainer: OffloadedTraining, micro_batches, run: RunConfig, mode:
 def unplaced_bytes(trainer: OffloadedTraining, micro_batches) -> dict[str, int]:
     """The part of the step's peak GPU memory that no placement changes: saved inputs, working set (measured), other."""
     streamer = trainer.streamer
-    streaming = sum(t.nbytes for t in [trainer.grad_buffer, *streamer.buffers, streamer.staging] if t is not None)
+    streaming = sum(t.nbytes for t in [trainer.steppers.buffer, *streamer.buffers, streamer.staging] if t is not None)
     other = torch.cuda.memory_allocated(trainer.device) - streaming  # token ids, rotary tables, activation slots, ...
     kinds = [unit.kind for unit in trainer.units]
     working = {kind: passes_peak_bytes(trainer, kinds.index(kind), micro_batches) for kind in dict.fromkeys(kinds)}
@@ -2682,7 +2794,9 @@ def prepare_steps(trainer, micro_batches, run: RunConfig, mode: str, compared: b
     placed = place_units(trainer, micro_batches, run, mode, compared) if trainer.device.type == "cuda" else {}
     # the CPU Adam's moments zeroed now, not in each unit's first step, where a page's first touch is slow; the other
     # steppers keep theirs on the GPU (resident units) or zero them there (StreamedAdam): the host's stay untouched
-    trainer.store.zero_moments([u for u, stepper in enumerate(trainer.steppers) if stepper is trainer.cpu_adam])
+    trainer.store.zero_moments(
+        [u for u, stepper in enumerate(trainer.steppers.of) if stepper is trainer.steppers.cpu_adam]
+    )
     return placed
 
 
@@ -2692,11 +2806,10 @@ def make_trainer(mode: str, model, masters: MasterStore | None, micro_batches, r
         return ResidentTraining(model, run.torch_dtype, device, run.adam, run.clip_grad_norm)
     kwargs = decoder_kwargs(model, tuple(micro_batches[0].shape), run.torch_dtype, device)
     depth = 0 if mode == "blocked" else run.prefetch
-    trainer = OffloadedTraining(masters, model.config, run.torch_dtype, device, depth, model.loss_function, kwargs)
+    loss_function, max_norm = model.loss_function, run.clip_grad_norm
+    trainer = OffloadedTraining(masters, model.config, run.torch_dtype, device, depth, loss_function, kwargs, max_norm)
     if run.offload_activations:
-        ActivationOffload(trainer, len(micro_batches), tuple(micro_batches[0].shape))
-    if run.clip_grad_norm is not None:
-        GradClip(trainer, run.clip_grad_norm)
+        trainer.inputs = ActivationOffload(trainer, len(micro_batches), tuple(micro_batches[0].shape))
     return trainer
 
 
@@ -2751,7 +2864,7 @@ class StepClock:
         self.trainer = trainer
         self.device = device
         self.done = done  # steps trained before this run (a resumed run goes on counting from them)
-        self.adam = trainer.cpu_adam if isinstance(trainer, OffloadedTraining) else None
+        self.adam = trainer.steppers.cpu_adam if isinstance(trainer, OffloadedTraining) else None
         self.times, self.busy = [], []  # each step's time, and the CPU Adam's busy time in it (ms)
         self.untimed = set()  # the steps right after a round
         self.paused_s = 0.0  # time spent in rounds and checkpoints between the steps
@@ -3087,7 +3200,7 @@ def inference_parts(shell, streamer: LayerStreamer, input_ids) -> dict:
 
     def copy_all():
         """Copy every streamed layer into its slot, nothing computed."""
-        for p in range(len(streamer.order)):
+        for p in range(len(streamer.window.units)):
             streamer.prefetch(p)
         # `timed` records its end event on this stream: make it wait for the copies
         torch.cuda.current_stream(device).wait_stream(streamer.copy_stream)
@@ -3239,7 +3352,7 @@ def copy_in(trainer: OffloadedTraining) -> None:
     streamer, n, gpu_adam = trainer.streamer, len(trainer.units), streamed_adam(trainer)
     for order, keep in ((range(n), False), (reversed(range(n)), True)):
         streamer.begin(order, keep)
-        for p in range(len(streamer.order)):
+        for p in range(len(streamer.window.units)):
             streamer.prefetch(p)
     with on_stream(streamer.copy_stream):
         for u in gpu_adam.units if gpu_adam else ():
@@ -3252,7 +3365,7 @@ def copy_out(trainer: OffloadedTraining) -> None:
     """Every D2H copy of a step, into the pool's buffers (the training state must not change): the gradients of the
     CPU Adam's units, then the state the GPU's Adam writes back."""
     store, gpu_adam = trainer.store, streamed_adam(trainer)
-    pool, grads = [buffer.view(torch.uint8) for buffer in store.pool.buffers], trainer.grad_buffer.view(torch.uint8)
+    pool, grads = [buffer.view(torch.uint8) for buffer in store.pool.buffers], trainer.steppers.buffer.view(torch.uint8)
     on_cpu, _ = cpu_and_gpu_adam_units(trainer)
     for u, numel in on_cpu.items():
         queue_copies(numel * store.grad_dtype.itemsize, grads, pool[u % len(pool)], trainer.d2h_stream)
@@ -3270,7 +3383,7 @@ def adam_and_copies(trainer: OffloadedTraining, big: int, adam, numel: int) -> N
     store, streamer = trainer.store, trainer.streamer
     buffer = store.pool.buffers[big % len(store.pool.buffers)].view(torch.uint8)
     queue_copies(h2d, store.masters[big].view(torch.uint8), streamer.buffers[0].view(torch.uint8), streamer.copy_stream)
-    queue_copies(d2h, trainer.grad_buffer.view(torch.uint8), buffer, trainer.d2h_stream)
+    queue_copies(d2h, trainer.steppers.buffer.view(torch.uint8), buffer, trainer.d2h_stream)
     adam()
     torch.cuda.synchronize()  # the copies count in the time, which the CPU clock takes
 
@@ -3285,7 +3398,7 @@ def cpu_and_gpu_adam_units(trainer: OffloadedTraining) -> tuple[dict[int, int], 
 
 def streamed_adam(trainer: OffloadedTraining) -> StreamedAdam | None:
     """The trainer's GPU Adam over streamed state, where a placement gave it units."""
-    return next((s for s in trainer.steppers if isinstance(s, StreamedAdam)), None)
+    return next((s for s in trainer.steppers.of if isinstance(s, StreamedAdam)), None)
 
 
 def step_copy_bytes(trainer: OffloadedTraining) -> tuple[int, int, int]:

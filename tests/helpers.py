@@ -125,15 +125,12 @@ def offloaded_trainer(
     scaled = clip is not None
     store = master_store(model, adam, pin, grad_buffers, ol.gradient_dtype(run), copy_dtype, reuse, scaled, disk)
     kwargs = ol.decoder_kwargs(model, tuple(micro_batches[0].shape), dtype, torch.device(device))
-    trainer = ol.OffloadedTraining(store, model.config, dtype, torch.device(device), depth, model.loss_function, kwargs)
+    args = (store, model.config, dtype, torch.device(device), depth, model.loss_function, kwargs, clip)
+    trainer = ol.OffloadedTraining(*args)
     if offload:
-        ol.ActivationOffload(trainer, len(micro_batches), tuple(micro_batches[0].shape))
-    if clip is not None:  # before placement, as the CLI does: the steppers placed check for it
-        ol.GradClip(trainer, clip)
-    if resident:
-        ol.ResidentUnits(trainer, resident, own_grads)
-    if gpu_adam:
-        ol.StreamedAdam(trainer, gpu_adam, keep_first_grads=True)
+        trainer.inputs = ol.ActivationOffload(trainer, len(micro_batches), tuple(micro_batches[0].shape))
+    if resident or gpu_adam:
+        trainer.place(resident, gpu_adam, own_grads)
     return trainer
 
 

@@ -45,8 +45,8 @@ def test_a_copy_whose_source_is_not_ready_lets_the_ready_ones_go_first(depth):
 
     def layer_1_late(streamer):
         prefetch = streamer.prefetch
-        streamer.prefetch = lambda p: (copies.append(streamer.order[p]), prefetch(p))
-        streamer.source_ready = lambda u: u != 1
+        streamer.prefetch = lambda p: (copies.append(streamer.window.units[p]), prefetch(p))
+        streamer.writer.written = lambda u: u != 1
 
     logits = streamed_logits(model, ids, "cpu", depth, streamer_hook=layer_1_late)
     assert torch.equal(logits, resident_logits(model, ids, "cpu"))

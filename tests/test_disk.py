@@ -144,7 +144,7 @@ def test_a_failing_disk_ends_the_step_with_its_error(call, tmp_path, monkeypatch
     assert e.value.errno == errno.ENOSPC and str(tmp_path) in e.value.filename and "--nvme" in e.value.filename
     with pytest.raises(OSError):
         trainer.finish()  # raises the error again, once the worker has stopped: the buffers it steps may go
-    assert not trainer.cpu_adam.thread.is_alive()
+    assert not trainer.steppers.cpu_adam.thread.is_alive()
     monkeypatch.undo()
     trainer.store.close()
     assert os.listdir(tmp_path) == []

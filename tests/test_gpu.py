@@ -55,14 +55,14 @@ def delay_copies(streamer):
     reads NaN, however fast the CPU issues it."""
     for buffer in streamer.buffers:
         buffer.fill_(float("nan"))
-    wait_source = streamer.wait_source  # called just before each copy is issued
+    wait_source = streamer.writer.wait_written  # called just before each copy is issued
 
     def late(u):
         wait_source(u)
         with torch.cuda.stream(streamer.copy_stream):
             torch.cuda._sleep(40_000_000)
 
-    streamer.wait_source = late
+    streamer.writer.wait_written = late
 
 
 def drop_copied_wait(streamer):

@@ -27,7 +27,7 @@ def test_streamed_layers_are_copied_before_the_resident_layers_ahead_of_them_run
         acquire, release, prefetch = streamer.acquire, streamer.release, streamer.prefetch
         streamer.acquire = lambda u: (events.append(("run", u)), acquire(u))[1]
         streamer.release = lambda u: (events.append(("issued", u)), release(u))
-        streamer.prefetch = lambda p: (events.append(("copy", streamer.order[p])), prefetch(p))
+        streamer.prefetch = lambda p: (events.append(("copy", streamer.window.units[p])), prefetch(p))
 
     streamed_logits(model, ids, "cpu", depth, streamer_hook=record, resident=(0, 2))
     # both streamed layers' copies start once layer 0's kernels are issued, and the ring has a slot for each
@@ -86,12 +86,12 @@ def test_shared_gradients_live_in_the_streamed_units_gradient_buffer():
     trainer = offloaded_trainer(model, CPU, 1, batches, resident=(0, 2), own_grads=False)
     numels = [m.numel() for m in trainer.store.masters]
     streamed = max(n for u, n in enumerate(numels) if u not in (0, 2))
-    assert trainer.steppers[0].shares_buffer and trainer.grad_buffer.numel() == streamed
+    assert trainer.steppers.of[0].shares_buffer and trainer.steppers.buffer.numel() == streamed
     for u in (0, 2):
-        grads = trainer.steppers[u].grads(u)
+        grads = trainer.steppers.grads(u)
         assert grads.dtype == torch.float32 and grads.numel() == numels[u]
-        assert grads.untyped_storage().data_ptr() == trainer.grad_buffer.untyped_storage().data_ptr()
-    assert not offloaded_trainer(model, CPU, 1, batches, resident=(0, 2)).steppers[0].shares_buffer
+        assert grads.untyped_storage().data_ptr() == trainer.steppers.buffer.untyped_storage().data_ptr()
+    assert not offloaded_trainer(model, CPU, 1, batches, resident=(0, 2)).steppers.of[0].shares_buffer
 
 
 def test_every_unit_resident_streams_nothing():
@@ -99,7 +99,7 @@ def test_every_unit_resident_streams_nothing():
     trainer = offloaded_trainer(model, CPU, 1, batches, resident=range(6))
     trainer.streamer.prefetch = lambda p: pytest.fail("a resident unit was copied")
     *_, losses = train(trainer, batches, 3)
-    assert trainer.streamer.n_slots == 0 and trainer.grad_buffer.numel() == 0
+    assert trainer.streamer.n_slots == 0 and trainer.steppers.buffer.numel() == 0
     assert losses[-1] < losses[0]
 
 

@@ -206,7 +206,7 @@ def test_offloaded_resume_equals_one_run(tmp_path, dtype, clip, resident):
         if resume_from:
             manifest["resumed_from"] = ol.resume(trainer, resume_from, manifest)
         if resident:
-            ol.ResidentUnits(trainer, resident, own_grads=True)
+            trainer.place(resident)
         for _ in range(steps):
             trainer.step([ids])
         trainer.finish()

@@ -109,8 +109,8 @@ def test_backward_pass_reuses_the_units_the_forward_left_in_the_slots(depth):
     model, ids = build(tiny_run())
     trainer = offloaded_trainer(model, CPU, depth, [ids])
     streamer, copies = trainer.streamer, []
-    wait_source = streamer.wait_source  # called once per unit copied
-    streamer.wait_source = lambda u: (copies.append(u), wait_source(u))
+    wait_source = streamer.writer.wait_written  # called once per unit copied
+    streamer.writer.wait_written = lambda u: (copies.append(u), wait_source(u))
     n = len(trainer.units)
     for _ in range(2):
         copies.clear()
@@ -155,7 +155,7 @@ def test_float16_skips_the_step_whose_gradients_overflow():
 
     trainer.unit_grads = overflowing
     trainer.step([ids])
-    trainer.cpu_adam.wait_all()
+    trainer.steppers.cpu_adam.wait_all()
     after = trainer.store.state_dict()
     assert all(torch.equal(after[name], m) for name, m in before.items()), "an overflowing step must not update"
     assert trainer.scaling.scale == scale / 2
@@ -397,7 +397,7 @@ def test_bound_rounds_run_between_steps_with_every_update_done():
     trainer.step = lambda micro_batches: events.append("step") or step(micro_batches)
 
     def part():
-        assert all(trainer.cpu_adam.written(u) for u in range(len(trainer.units)))
+        assert all(trainer.steppers.cpu_adam.written(u) for u in range(len(trainer.units)))
         events.append("part")
 
     def parts():
@@ -448,14 +448,13 @@ def test_clipping_needs_a_gradient_buffer_per_unit_and_no_gpu_adam():
     store = ol.MasterStore(ol.model_units(model.config), ol.Adam(), False, scaled_grads=True)
     store.load(model)
     kwargs = ol.decoder_kwargs(model, tuple(batches[0].shape), model.dtype, CPU)
-    trainer = ol.OffloadedTraining(store, model.config, model.dtype, CPU, 1, model.loss_function, kwargs)
-    ol.GradClip(trainer, 1.0)
+    trainer = ol.OffloadedTraining(store, model.config, model.dtype, CPU, 1, model.loss_function, kwargs, 1.0)
     with pytest.raises(ValueError, match="the streamed units stay on the CPU Adam"):
-        ol.StreamedAdam(trainer, (0,))
+        trainer.place(gpu_adam=(0,))
     trainer.finish()
     unscaled = offloaded_trainer(model, CPU, 1, batches)
     with pytest.raises(ValueError, match="build the store with scaled_grads"):
-        ol.GradClip(unscaled, 1.0)
+        ol.GradClip(unscaled.store, 1.0)
     unscaled.finish()
 
 
@@ -494,7 +493,7 @@ def test_float16_overflow_check_reads_only_the_gradients():
     memory a buffer reuses) must not count as an overflow, or float16 would skip every step."""
     model, ids = build(ol.dataclasses.replace(tiny_run(), dtype="float16"))
     trainer = offloaded_trainer(model, CPU, 1, [ids], resident=(1,))
-    for buffer in (trainer.grad_buffer, trainer.steppers[1].grads(1)):
+    for buffer in (trainer.steppers.buffer, trainer.steppers.grads(1)):
         buffer.fill_(float("nan"))
     for _ in range(2):
         trainer.step([ids])

@@ -118,14 +118,14 @@ class NoWaitStream(torch.cuda.Stream):
 def delay_backward_copies(trainer):
     """In the backward pass each unit's weights land 20 ms late, so compute that does not wait for them reads what
     the slot held before, however long the CPU takes to issue it."""
-    streamer, wait_source = trainer.streamer, trainer.streamer.wait_source
+    streamer, wait_source = trainer.streamer, trainer.streamer.writer.wait_written
 
     def late(u):  # called just before the unit's copy is issued
         wait_source(u)
-        if streamer.order[0] != 0:  # the backward pass starts from the head
+        if streamer.window.units[0] != 0:  # the backward pass starts from the head
             sleep_on(streamer.copy_stream)
 
-    streamer.wait_source = late
+    streamer.writer.wait_written = late
 
 
 def drop_backward_copied_wait(trainer):
@@ -135,7 +135,7 @@ def drop_backward_copied_wait(trainer):
 
     def begin_without_wait(order, keep=False):
         begin(order, keep)
-        if streamer.order[0] != 0:  # the backward pass starts from the head
+        if streamer.window.units[0] != 0:  # the backward pass starts from the head
             streamer.copied = [ol.InOrder() for _ in streamer.copied]
 
     streamer.begin = begin_without_wait
@@ -234,19 +234,19 @@ def delay_inputs_out(trainer):
 def drop_inputs_landed_wait(trainer):
     """Inputs come back to the GPU without waiting for them to have reached the host."""
     delay_inputs_out(trainer)
-    trainer.inputs.streamer.wait_source = lambda a: None
+    trainer.inputs.streamer.writer.wait_written = lambda a: None
 
 
 def delay_inputs_in(trainer):
     """In the backward pass each unit's inputs land on the GPU 20 ms late."""
     acts = trainer.inputs.streamer
-    wait_source = acts.wait_source
+    wait_source = acts.writer.wait_written
 
     def late(a):
         wait_source(a)
         sleep_on(acts.copy_stream)
 
-    acts.wait_source = late
+    acts.writer.wait_written = late
 
 
 def drop_inputs_copied_wait(trainer):
@@ -283,14 +283,14 @@ def test_race_each_training_wait_is_needed(race, depth):
 
 def slow_cpu_adam(trainer):
     """Each unit's update starts 20 ms late, so a copy that does not wait for it streams the last step's weights."""
-    step = trainer.cpu_adam.step
-    trainer.cpu_adam.step = lambda u, multiplier: (time.sleep(0.02), step(u, multiplier))
+    step = trainer.steppers.cpu_adam.step
+    trainer.steppers.cpu_adam.step = lambda u, multiplier: (time.sleep(0.02), step(u, multiplier))
 
 
 def drop_update_done_wait(trainer):
     """The next forward streams a unit without waiting for its update to have written the master and its copy."""
     slow_cpu_adam(trainer)
-    trainer.streamer.wait_source = lambda u: None
+    trainer.streamer.writer.wait_written = lambda u: None
 
 
 @pytest.mark.parametrize("copy", [True, False])
@@ -369,15 +369,15 @@ def slow_adam_step(trainer):
 
 def without_gpu_adam_waits(trainer):
     """The next forward streams a unit the GPU's Adam steps without waiting for its state to be written back."""
-    wait = trainer.streamer.wait_source
-    trainer.streamer.wait_source = lambda u: None if u in ol.streamed_adam(trainer).stepped else wait(u)
+    wait = trainer.streamer.writer.wait_written
+    trainer.streamer.writer.wait_written = lambda u: None if u in ol.streamed_adam(trainer).written_back else wait(u)
 
 
 def without_gradients_written_wait(trainer):
     """The GPU Adam takes a unit's gradients without waiting for the backward to have written them."""
     stretch_backward(trainer)
     gpu_adam = ol.streamed_adam(trainer)
-    gpu_adam.s_adam = SkipWaits(lambda event: event not in gpu_adam.in_done)
+    gpu_adam.s_adam = SkipWaits(lambda event: event not in gpu_adam.landed)
 
 
 def without_taken_wait(trainer):
@@ -414,11 +414,11 @@ def delay_copy_out(trainer):
 STREAMED_ADAM_RACES = {  # name: (hook that delays, hook that also removes the wait that covers the delay)
     "gradients written before they are taken": (stretch_backward, without_gradients_written_wait),
     "gradient buffer reused once they are taken": (slow_take, without_taken_wait),
-    "a chunk in before it is stepped": (delay_copy_in, lambda t: without_event("in_done")(t, delay_copy_in)),
-    "a chunk stepped before it leaves": (slow_adam_step, lambda t: without_event("computed")(t, slow_adam_step)),
+    "a chunk in before it is stepped": (delay_copy_in, lambda t: without_event("landed")(t, delay_copy_in)),
+    "a chunk stepped before it leaves": (slow_adam_step, lambda t: without_event("stepped")(t, slow_adam_step)),
     "a slot emptied before the next chunk fills it": (
         delay_copy_out,
-        lambda t: without_event("out_done")(t, delay_copy_out),
+        lambda t: without_event("left")(t, delay_copy_out),
     ),
     "the state written back before the next forward streams the unit": (
         delay_copy_out,
