@@ -818,9 +818,10 @@ def new_event(device: torch.device, blocking: bool = False):
 class CopyWindow:
     """One pass's copies, in the order the pass runs its streamed units. A position enters the window once compute is
     within `depth` positions of it, and leaves once its copy is issued. A copy whose source is not written yet (its
-    unit's update still runs) waits in the window while the ready ones behind it are issued: the copy stream runs in
-    order, so issuing it first would hold them all up. Safe, because the window ends at most n_slots - 1 positions
-    past the unit computing now: the unit each copy's slot held before it has been released."""
+    unit's CPU Adam update still runs) waits in the window while the ready ones behind it are issued: issuing it
+    would block the thread that issues them all until the update is done. Safe: the window ends at most depth
+    positions past the unit computing now, and consecutive streamed units take the depth + 1 slots in turn, so each
+    copy's slot was last used by a unit that has been released."""
 
     units: list[int]  # the streamed units, in the order the pass runs them
     position: dict[int, int]  # a streamed unit's index in `units`; a resident unit's, the next streamed unit's
@@ -1936,7 +1937,7 @@ class ResidentUnits:
     def load(self, u: int) -> torch.Tensor:
         """Put unit u's state on the GPU; returns its compute-dtype weights, for the streamer to run it from."""
         numel = self.store.masters[u].numel()
-        grads = self.shared[:numel] if self.shares_buffer else torch.empty(numel, device=self.device)
+        grads = self.shared[:numel] if self.shares_buffer else torch.zeros(numel, device=self.device)
         self.units[u] = ResidentUnit(self.store, u, self.dtype, grads)
         return self.units[u].weights
 
@@ -1979,7 +1980,7 @@ class StreamedAdam(HostState):
         s_out                              send_back 0  send_back 1  ...
 
       bring_in   waits for left[k]: slot k's chunk before is back on the host; records landed[k]
-      step       waits for the gradients taken (take) and landed[k]; records stepped[k]
+      step       waits for landed[k] (and, in order on s_adam, follows the unit's take); records stepped[k]
       send_back  waits for stepped[k]; records left[k]
     After a unit's last chunk, written[u]: the next forward's copy of the unit waits for it on the copy stream."""
 

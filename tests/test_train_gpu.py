@@ -154,7 +154,7 @@ def stretch_backward(trainer):
 
 def drop_gradient_ready_wait(trainer):
     stretch_backward(trainer)
-    trainer.d2h_stream = NoWaitStream(CUDA)
+    trainer.steppers.cpu_adam.d2h_stream = NoWaitStream(CUDA)
 
 
 RACES = {
