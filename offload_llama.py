@@ -2187,6 +2187,10 @@ class LossScale:
         inv_scale = torch.full((1,), 1 / self.scale, device=self.device)
         torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found_inf, inv_scale)
 
+    def restore(self, scale: float, good_steps: int) -> None:
+        """The scale, and the good steps in a row since it changed, from a checkpoint."""
+        self.scale, self.good_steps = scale, good_steps
+
     def update(self) -> bool:
         """After the backward pass: whether the step may be applied (a sync)."""
         overflow = bool(self.found_inf.item())
@@ -3092,8 +3096,7 @@ def resume(trainer, folder: Path, manifest: dict) -> int:
     for u, name in enumerate(saved["files"]):
         trainer.load_unit(u, torch.load(folder / name, mmap=True, weights_only=True))
     if isinstance(trainer.scaling, LossScale):
-        trainer.scaling.scale = saved["loss_scale"]
-        trainer.scaling.good_steps = saved["good_steps"]
+        trainer.scaling.restore(saved["loss_scale"], saved["good_steps"])
     log(f"resumed from {folder} after step {saved['steps']} in {time.perf_counter() - t0:.1f} s")
     changed = [key for key in ("grad_accum", "batch_size", "seq_len", "seed") if saved.get(key) != manifest[key]]
     if changed:
