@@ -18,6 +18,7 @@ accelerations plug into it as policies; measurement, tables and sizing are instr
   placement              Placement, training_placement: what stays on the GPU under a cap
   modes                  run_mode, train_mode, train_steps, StepClock: each mode's inference and training
   saving and resuming    save_pretrained, write_checkpoint, resume
+  text in                data_files, token_cache, Blocks, prepare_data: --data tokenized once, packed, shuffled
   measurement            timed, train_bound_parts, train_bound: times, peaks and bounds
   tables                 tables, notes
   sizing                 host_bytes_needed, disk_plan, gpu_bytes_needed, warn_if_long: plans made before allocating
@@ -30,6 +31,7 @@ accelerations plug into it as policies; measurement, tables and sizing are instr
 from __future__ import annotations
 
 import argparse
+import array
 import collections
 import concurrent.futures
 import contextlib
@@ -49,6 +51,7 @@ import platform
 import queue
 import shutil
 import statistics
+import struct
 import sys
 import tempfile
 import threading
@@ -99,6 +102,13 @@ DISK_SLOTS = 2  # the disk tier's staging buffers: one unit stepped while the di
 DISK_CALL = 2**28  # bytes one read or write call moves at most (Linux moves under 2 GiB per call)
 ADAM_SCRATCH = 2**25  # parameters: the bound times the CPU Adam on at most this much scratch state (512 MiB of it)
 FAST_FLOPS = {"cpu": 1e13, "cuda": 2e15}  # FLOP/s beyond any CPU's or GPU's: a run shorter at these needs no estimate
+END_OF_TEXT = "<|endoftext|>"  # a trained tokenizer's one special token: joins documents
+TOKEN_MAGIC = b"OLTOKS"  # a token cache file's header: this, the ids' itemsize (2 or 4) and their count
+TOKEN_HEADER = "<6sHQ"
+TOKEN_START = 16  # bytes: the header's size, where the ids start
+TOKEN_CACHE_FORMAT = 1  # part of the cache's key: a new format never reads an old file
+TOKENIZE_BATCH = 256  # documents the tokenizer's threads encode at once
+HELD_OUT_SEED = 0  # draws the held-out blocks: the same for every --seed, so none is ever trained on
 
 
 def log(msg: str) -> None:
@@ -169,6 +179,16 @@ class RunConfig:
     eps: float = 1e-8
     weight_decay: float = 0.0
     clip_grad_norm: float | None = None  # the gradients' largest float32 norm, as torch.nn.utils.clip_grad_norm_
+    # text to train on (--data); without it every step trains on one fixed batch of random ids
+    data: str | None = None  # a text or JSONL file, or a folder of them
+    data_glob: str = "*.txt,*.jsonl,*.py"  # a folder's files to read, at any depth
+    text_field: str = "text"  # a JSONL record's text
+    skip_undecodable: bool = False  # skip files that are not UTF-8, instead of refusing them
+    tokenizer: str | None = None  # a folder with a tokenizer (default: --model's)
+    train_tokenizer: int | None = None  # a byte-level BPE of this many tokens, trained on the data
+    data_cache: str | None = None  # where token caches and trained tokenizers are kept
+    eval_fraction: float = 0.01  # of the blocks, held out
+    epochs: float | None = None  # passes over the training blocks, instead of --steps
 
     @property
     def adam(self) -> Adam:
@@ -360,6 +380,42 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     t.add_argument("--nvme-layers", type=int, metavar="N", help=layers)
 
 
+def add_data_flags(p: argparse.ArgumentParser) -> None:
+    """Text to train on, and its tokenizer."""
+    d = p.add_argument_group("text to train on (--train --data; without it, one fixed batch of random ids)")
+    data = "a UTF-8 text file, a JSONL file, or a folder of them: tokenized once, packed into --seq-len blocks"
+    d.add_argument("--data", metavar="PATH", help=f"{data} (default: none)")
+    d.add_argument("--data-glob", default=RunConfig.data_glob, metavar="GLOBS", help="a folder's files to read")
+    d.add_argument("--text-field", default=RunConfig.text_field, metavar="KEY", help="a JSONL record's text")
+    skip = "skip the files that are not UTF-8 (and say how many) instead of refusing them"
+    d.add_argument("--skip-undecodable", action="store_true", help=skip)
+    d.add_argument("--tokenizer", metavar="DIR", help="a folder with the tokenizer (default: --model's)")
+    train = "no tokenizer at hand: train a byte-level BPE of V tokens on the data (V at most the model's vocab_size)"
+    d.add_argument("--train-tokenizer", type=int, metavar="V", help=train)
+    cache = "the folder for token caches and trained tokenizers (default: $XDG_CACHE_HOME or ~/.cache/offload_llama)"
+    d.add_argument("--data-cache", metavar="DIR", help=cache)
+    held = "the share of the blocks held out, never trained on (at least one block)"
+    d.add_argument("--eval-fraction", type=float, default=RunConfig.eval_fraction, metavar="F", help=held)
+    d.add_argument("--epochs", type=float, metavar="N", help="passes over the training blocks, instead of --steps")
+
+
+def check_data_flags(p: Parser, a: argparse.Namespace) -> None:
+    """Text flags out of range or without --data: one line, exit 2."""
+    given = [flag for flag in ("tokenizer", "train_tokenizer", "data_cache", "epochs") if getattr(a, flag) is not None]
+    if given and not a.data:
+        p.error(f"--{given[0].replace('_', '-')} goes with --data PATH, the text to train on")
+    if a.data and not a.train:
+        p.error("--data is text to train on: add --train")
+    if a.tokenizer and a.train_tokenizer:
+        p.error("--tokenizer and --train-tokenizer: give one")
+    if a.train_tokenizer is not None and a.train_tokenizer < 257:
+        p.error(f"--train-tokenizer must be at least 257 (256 bytes, the end-of-text token), got {a.train_tokenizer}")
+    if not 0 < a.eval_fraction < 1:
+        p.error(f"--eval-fraction must be between 0 and 1, got {a.eval_fraction}")
+    if a.epochs is not None and not (math.isfinite(a.epochs) and a.epochs > 0):
+        p.error(f"--epochs must be a positive number, got {a.epochs}")
+
+
 def add_saving_flags(p: argparse.ArgumentParser) -> None:
     """What training leaves behind, and where it goes on from."""
     s = p.add_argument_group("saving and resuming (--train)")
@@ -439,10 +495,12 @@ def command_line(argv=None) -> RunConfig:
     p = Parser()
     add_run_flags(p)
     add_training_flags(p)
+    add_data_flags(p)
     add_saving_flags(p)
     a = p.parse_args(argv)
     check_ranges(p, a)
     check_combinations(p, a)
+    check_data_flags(p, a)
     a.sizes = tuple((f, getattr(a, f)) for f in SIZE_FLAGS if getattr(a, f) is not None)
     if a.model is not None and (a.sizes or a.preset is not None):
         given = [f"--{SIZE_FLAGS[f]}" for f, _ in a.sizes] + ["--preset"] * (a.preset is not None)
@@ -557,7 +615,8 @@ def model_type(path: Path) -> str:
 if __name__ == "__main__":  # a mistyped command is answered before torch and transformers load, which takes seconds
     check_command_line(sys.argv[1:])
 
-import torch  # noqa: E402  (after the command line's check)
+import tokenizers  # noqa: E402  (after the command line's check)
+import torch  # noqa: E402
 import transformers  # noqa: E402
 from torch import nn  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -982,15 +1041,20 @@ def layer_streamer(store: ParamStore, config: LlamaConfig, device: torch.device,
 
 
 class StreamedLayer(nn.Module):
-    """Stands in for decoder layer `index` inside the HF forward: gets a module holding its weights, runs it."""
+    """Stands in for unit `index` of `strategy` inside the HF forward (a decoder layer; for a training state, also the
+    embeddings, the norm and the head): gets the module holding its weights and runs it. The ring's modules serve
+    every decoder layer, so each is told which one it is (`layer`) for the KV cache."""
 
-    def __init__(self, index: int, strategy):
+    def __init__(self, index: int, strategy, layer: int | None = None):
         super().__init__()
-        self.index, self.strategy = index, strategy
+        self.index, self.strategy, self.layer = index, strategy, layer
 
     def forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
-        """Run decoder layer `index` from the slot that holds it, then free the slot for the next copy."""
-        out = self.strategy.acquire(self.index)(hidden_states, **kwargs)
+        """Run unit `index` from the slot that holds it, then free the slot for the next copy."""
+        module = self.strategy.acquire(self.index)
+        if self.layer is not None:
+            module.self_attn.layer_idx = self.layer
+        out = module(hidden_states, **kwargs)
         self.strategy.release(self.index)
         return out
 
@@ -1003,8 +1067,26 @@ def offloaded_model(model: LlamaForCausalLM, strategy, device: torch.device) -> 
         shell = copy.deepcopy(model).to(device)
     finally:
         model.model.layers = layers
-    shell.model.layers = nn.ModuleList(StreamedLayer(i, strategy) for i in range(len(layers)))
+    shell.model.layers = nn.ModuleList(StreamedLayer(i, strategy, layer=i) for i in range(len(layers)))
     return shell.train(model.training)
+
+
+def streamed_shell(config: LlamaConfig, streamer: LayerStreamer, device: torch.device) -> LlamaForCausalLM:
+    """A model with no weights of its own: every unit (embeddings, decoder layers, norm, head) a StreamedLayer over
+    the training streamer's units, so HF's forward and generate, KV cache and all, run the training state as it
+    streams. Each forward is one pass over the units in order."""
+    with torch.device("meta"):
+        shell = LlamaForCausalLM(config)
+    n = config.num_hidden_layers
+    shell.model.embed_tokens = StreamedLayer(0, streamer)
+    shell.model.layers = nn.ModuleList(StreamedLayer(1 + i, streamer, layer=i) for i in range(n))
+    shell.model.norm = StreamedLayer(n + 1, streamer)
+    shell.lm_head = StreamedLayer(n + 2, streamer)
+    shell.model.rotary_emb = LlamaRotaryEmbedding(config).to(device)  # computed, not trained
+    # HF reads the model's device and dtype from its first parameter: an empty one says where the units compute
+    shell.anchor = nn.Parameter(torch.empty(0, dtype=streamer.dtype, device=device), requires_grad=False)
+    streamer.begin(range(n + 3))
+    return shell.eval()
 
 
 # ---------------------------------------------------------------------------------------------------- training
@@ -2751,9 +2833,10 @@ def unplaced_bytes(trainer: OffloadedTraining, micro_batches) -> dict[str, int]:
     return {"saved inputs": saved[u, backward], "working set": working[kinds[u]][backward], "other": other}
 
 
-def train_mode(mode: str, model, masters: MasterStore | None, input_ids, run: RunConfig, compared: bool) -> dict:
-    """One mode's training: `run.steps` steps on one fixed batch; {'oom': True} when it does not fit the GPU. When
-    `compared` with gpu mode's, it keeps the first step's gradients and masters and the last step's masters."""
+def train_mode(mode: str, model, masters, input_ids, run: RunConfig, compared: bool, blocks=None) -> dict:
+    """One mode's training: `run.steps` steps on one fixed batch, or on the blocks of --data; {'oom': True} when it
+    does not fit the GPU. When `compared` with gpu mode's, it keeps the first step's gradients and masters and the last
+    step's masters."""
     device = torch.device("cpu" if mode == "cpu" else "cuda")
     micro_batches = [ids.to(device) for ids in input_ids.chunk(run.grad_accum)]
     log(f"mode {mode}: training, {run.steps} steps of {input_ids.numel()} tokens in {run.grad_accum} micro-batch(es)")
@@ -2769,7 +2852,8 @@ def train_mode(mode: str, model, masters: MasterStore | None, input_ids, run: Ru
         folder = mode_folder(run.checkpoint, run, mode) if run.checkpoint else None
         checkpoint = Checkpoints(trainer, folder, manifest, run.checkpoint_every) if folder else None
         done = manifest.get("resumed_from", 0)
-        result = train_steps(trainer, micro_batches, run, compared, profile, bound_parts, checkpoint, done)
+        batches = step_batches(blocks, run, device) if blocks else None
+        result = train_steps(trainer, micro_batches, run, compared, profile, bound_parts, checkpoint, done, batches)
         trainer.finish()
         if checkpoint:
             checkpoint.write(run.steps)
@@ -2818,12 +2902,15 @@ def make_trainer(mode: str, model, masters: MasterStore | None, micro_batches, r
     return trainer
 
 
-def train_steps(trainer, micro_batches, run: RunConfig, keep_grads, profile=None, bound_parts=None, save=None, done=0):
+def train_steps(
+    trainer, micro_batches, run, keep_grads, profile=None, bound_parts=None, save=None, done=0, batches=None
+):
     """Run the steps, each timed from its start to the next one's (a step's last updates overlap the next forward).
-    bound_parts(): the bound's parts, timed in rounds between blocks of steps (bound_rounds); save(i): a checkpoint
-    after i steps where due; the step after either is not timed. keep_grads: the first step's state, to compare.
-    done: the steps a resumed checkpoint had trained, which the log's step numbers go on from."""
-    clock = StepClock(trainer, micro_batches[0].device, done)
+    bound_parts(): the bound's parts, timed in rounds between blocks of steps; save(i): a checkpoint after i steps
+    where due; the step after either is not timed. keep_grads: the first step's state, to compare. done: the steps a
+    resumed checkpoint trained. batches(i): step i's micro-batches (--data), else each step's are `micro_batches`."""
+    batch = batches(done) if batches else micro_batches
+    clock = StepClock(trainer, batch[0].device, done)
     rounds = bound_rounds(run) if bound_parts else []
     losses, grads, parts, extra = [], None, collections.defaultdict(list), {}
     for i in range(run.steps + 1):
@@ -2835,10 +2922,13 @@ def train_steps(trainer, micro_batches, run: RunConfig, keep_grads, profile=None
         if i == run.steps:
             break
         if i == run.steps - 1 and profile:  # the last step, traced and left out of the timing
-            extra["trace"] = profile_step(trainer, micro_batches, profile)
+            extra["trace"] = profile_step(trainer, batch, profile)
             losses.append(extra["trace"].pop("loss"))
             continue  # to the rounds after the last step
-        losses.append(trainer.step(micro_batches).item())  # a sync: this step's forward and backward have run
+        loss = trainer.step(batch)
+        if batches:  # the next step's blocks, gathered and copied while this step's kernels run
+            batch = batches(done + i + 1)
+        losses.append(loss.item())  # a sync: this step's forward and backward have run
         if i == 0 and keep_grads:
             grads = first_step_state(trainer)
         clock.lap(i, losses[-1])
@@ -3102,6 +3192,279 @@ def resume(trainer, folder: Path, manifest: dict) -> int:
     if changed:
         log(f"note: another {', '.join(changed)} than the checkpoint's, so another batch than it trained on")
     return saved["steps"]
+
+
+# ---------------------------------------------------------------------------------------------------- text in
+# --data: documents read and checked, tokenized once into a memory-mapped file of ids (the token cache), packed into
+# blocks of seq_len tokens; a held-out share of the blocks is never trained on, the rest come in an order shuffled by
+# --seed, epoch after epoch.
+
+
+def data_files(run: RunConfig) -> list[Path]:
+    """--data's files: the file itself, or the folder's files that match --data-glob at any depth, in sorted order."""
+    path = Path(run.data)
+    if not path.exists():
+        raise UsageError(f"--data {path}: no such file or folder")
+    patterns = [pattern.strip() for pattern in run.data_glob.split(",") if pattern.strip()]
+    files = [path] if path.is_file() else sorted({f for p in patterns for f in path.rglob(p) if f.is_file()})
+    if not files:
+        raise UsageError(f"--data {path}: no file in it matches --data-glob {run.data_glob}")
+    if not any(f.stat().st_size for f in files):
+        raise UsageError(f"--data {path}: empty, no text to train on")
+    return files
+
+
+def file_text(path: Path, skip_undecodable: bool) -> str | None:
+    """A file's text; None where it is not UTF-8 and --skip-undecodable skips it."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if skip_undecodable:
+            return None
+        raise UsageError(f"--data: {path} is not UTF-8 (byte {e.start}): fix it, or pass --skip-undecodable") from None
+
+
+def file_documents(path: Path, text: str, field: str) -> list[str]:
+    """The documents of one file: its whole text, or, for JSONL, each line's text under `field`."""
+    if path.suffix != ".jsonl":
+        return [text]
+    documents = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"--data: {path} line {number} is not JSON ({e.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get(field), str):
+            raise UsageError(f"--data: {path} line {number} has no text under {field!r}: see --text-field")
+        documents.append(record[field])
+    return documents
+
+
+def corpus_documents(run: RunConfig, files: list[Path], skipped: list[Path] | None = None):
+    """Each document of the corpus, file by file, checked as it is read; the files skipped go to `skipped`."""
+    for path in files:
+        text = file_text(path, run.skip_undecodable)
+        if text is None:
+            if skipped is not None:
+                skipped.append(path)
+            continue
+        yield from file_documents(path, text, run.text_field)
+
+
+def has_tokenizer(folder: str | None) -> bool:
+    """Whether `folder` holds a tokenizer's files."""
+    names = ("tokenizer.json", "tokenizer.model", "vocab.json")
+    return folder is not None and any((Path(folder) / name).is_file() for name in names)
+
+
+def load_tokenizer(run: RunConfig):
+    """--tokenizer's tokenizer, else --model's where its folder has one, else None."""
+    folder = run.tokenizer or run.model
+    if not has_tokenizer(folder):
+        if run.tokenizer:
+            raise UsageError(f"--tokenizer {run.tokenizer}: no tokenizer.json, tokenizer.model or vocab.json there")
+        return None
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    if tokenizer.eos_token_id is None:
+        raise UsageError(f"the tokenizer in {folder} has no end-of-text token to join documents with")
+    return tokenizer
+
+
+def train_tokenizer(run: RunConfig, files: list[Path], folder: Path):
+    """A byte-level BPE of --train-tokenizer tokens trained on the corpus with `tokenizers`, saved into `folder`
+    (where it is read back on the next run instead)."""
+    if has_tokenizer(str(folder)):
+        return transformers.AutoTokenizer.from_pretrained(folder)
+    t0 = time.perf_counter()
+    byte_level = tokenizers.pre_tokenizers.ByteLevel
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
+    bpe.pre_tokenizer = byte_level(add_prefix_space=False)
+    bpe.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=run.train_tokenizer, special_tokens=[END_OF_TEXT], initial_alphabet=byte_level.alphabet()
+    )
+    bpe.train_from_iterator(corpus_documents(run, files), trainer)
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token=END_OF_TEXT, bos_token=END_OF_TEXT, unk_token=END_OF_TEXT
+    )
+    tokenizer.save_pretrained(folder)
+    log(f"tokenizer: a byte-level BPE of {len(tokenizer)} tokens trained in {time.perf_counter() - t0:.1f} s")
+    return tokenizer
+
+
+def data_cache_folder(run: RunConfig) -> Path:
+    """--data-cache, else offload_llama under the user's cache folder (XDG_CACHE_HOME, else ~/.cache)."""
+    if run.data_cache:
+        return Path(run.data_cache)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "offload_llama"
+
+
+def corpus_key(run: RunConfig, files: list[Path], tokenizer_text: str) -> str:
+    """What the token cache of a corpus is keyed by: each file's path, size and modification time, how it is read,
+    and the tokenizer (its serialized form)."""
+    stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    reading = [run.text_field, run.skip_undecodable, TOKEN_CACHE_FORMAT]
+    tokenizer = hashlib.sha256(tokenizer_text.encode()).hexdigest()
+    return hashlib.sha256(json.dumps([stats, reading, tokenizer]).encode()).hexdigest()[:24]
+
+
+def token_cache(run: RunConfig, files: list[Path], tokenizer) -> torch.Tensor:
+    """The corpus's token ids, memory-mapped from the token cache: written once per corpus and tokenizer, under a
+    temporary name, then renamed, so a file cut short (a run killed while writing) is never read, only rebuilt."""
+    folder = data_cache_folder(run)
+    path = folder / f"tokens-{corpus_key(run, files, tokenizer.backend_tokenizer.to_str())}.bin"
+    ids = mapped_tokens(path)
+    if ids is not None:
+        log(f"data: {ids.numel():,} tokens of {len(files)} file(s), from the token cache {path}")
+        return ids
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=folder, prefix=".tokens-", delete=False) as f:
+        try:
+            write_tokens(run, files, tokenizer, f)
+            os.fsync(f.fileno())
+        except BaseException:
+            os.unlink(f.name)
+            raise
+    os.replace(f.name, path)
+    return mapped_tokens(path)
+
+
+def write_tokens(run: RunConfig, files: list[Path], tokenizer, f) -> None:
+    """Tokenize the documents a batch at a time in the tokenizer's threads, each followed by the end-of-text token,
+    into `f` after its header; a progress line every few seconds."""
+    itemsize = 2 if len(tokenizer) <= 2**16 else 4
+    f.write(struct.pack(TOKEN_HEADER, TOKEN_MAGIC, itemsize, 0))  # the count is written once every token is in
+    count, skipped, t0, shown = 0, [], time.perf_counter(), time.perf_counter()
+    documents = corpus_documents(run, files, skipped)
+    while batch := list(itertools.islice(documents, TOKENIZE_BATCH)):
+        for encoding in tokenizer.backend_tokenizer.encode_batch(batch, add_special_tokens=False):
+            ids = array.array("H" if itemsize == 2 else "I", encoding.ids)
+            ids.append(tokenizer.eos_token_id)
+            f.write(ids.tobytes())
+            count += len(ids)
+        if time.perf_counter() - shown > 5:
+            shown = time.perf_counter()
+            log(f"data: tokenizing, {count:,} tokens so far")
+    f.seek(0)
+    f.write(struct.pack(TOKEN_HEADER, TOKEN_MAGIC, itemsize, count))
+    note = f", {len(skipped)} file(s) skipped as not UTF-8" if skipped else ""
+    log(f"data: {count:,} tokens of {len(files)} file(s) tokenized in {time.perf_counter() - t0:.1f} s{note}")
+
+
+def mapped_tokens(path: Path) -> torch.Tensor | None:
+    """The ids of a token cache file, memory-mapped; None where it is missing or not whole."""
+    try:
+        with open(path, "rb") as f:
+            magic, itemsize, count = struct.unpack(TOKEN_HEADER, f.read(struct.calcsize(TOKEN_HEADER)))
+            size = os.fstat(f.fileno()).st_size
+            if magic != TOKEN_MAGIC or itemsize not in (2, 4) or size != TOKEN_START + count * itemsize or not count:
+                return None
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # pages stay shared until written, never are
+    except (FileNotFoundError, struct.error):
+        return None
+    dtype = torch.uint16 if itemsize == 2 else torch.uint32
+    return torch.frombuffer(mapped, dtype=dtype, offset=TOKEN_START, count=count)
+
+
+class Blocks:
+    """The corpus's ids packed into blocks of seq_len tokens (a tail that fills no block is left out). A share of the
+    blocks is held out, drawn with a fixed seed, so that every run on the corpus holds out the same ones; the others
+    are trained on in an order shuffled by --seed, a new one each epoch."""
+
+    def __init__(self, ids: torch.Tensor, seq_len: int, eval_fraction: float, seed: int):
+        self.ids, self.seq_len, self.seed = ids, seq_len, seed
+        count = ids.numel() // seq_len
+        if count < 2:
+            raise UsageError(
+                f"--data has {ids.numel():,} tokens: --seq-len {seq_len} needs {2 * seq_len:,}, a block to train on "
+                "and one held out"
+            )
+        held = min(count - 1, max(1, round(eval_fraction * count)))
+        order = torch.randperm(count, generator=torch.Generator().manual_seed(HELD_OUT_SEED))
+        self.held_out, self.training = order[:held].sort().values, order[held:].sort().values
+        self.orders = {}  # epoch -> its order of the training blocks
+
+    def epoch_order(self, epoch: int) -> torch.Tensor:
+        """The training blocks in epoch `epoch`'s order."""
+        if epoch not in self.orders:
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self.orders = {epoch: self.training[torch.randperm(len(self.training), generator=generator)]}
+        return self.orders[epoch]
+
+    def step_blocks(self, step: int, count: int) -> list[int]:
+        """The `count` blocks of step `step` (from 0): the next ones of the epochs' orders, one epoch after another."""
+        n = len(self.training)
+        return [int(self.epoch_order(p // n)[p % n]) for p in range(step * count, (step + 1) * count)]
+
+    def gather(self, blocks) -> torch.Tensor:
+        """The blocks' token ids, (len(blocks), seq_len) int64."""
+        return torch.stack([self.ids[b * self.seq_len : (b + 1) * self.seq_len].long() for b in blocks])
+
+    def epochs(self, steps: int, count: int) -> float:
+        """How many passes over the training blocks `steps` steps of `count` blocks make."""
+        return steps * count / len(self.training)
+
+
+def step_batches(blocks: Blocks, run: RunConfig, device: torch.device):
+    """step(i): step i's micro-batches, grad_accum of batch_size blocks each, on `device`."""
+    count = run.batch_size * run.grad_accum
+
+    def step(i: int) -> list[torch.Tensor]:
+        """Step i's blocks, gathered from the mapped ids and copied to the device."""
+        ids = blocks.gather(blocks.step_blocks(i, count))
+        return [micro.to(device, non_blocking=True) for micro in ids.chunk(run.grad_accum)]
+
+    return step
+
+
+def first_batch(blocks: Blocks, run: RunConfig) -> torch.Tensor:
+    """The first step's blocks, (grad_accum x batch_size, seq_len): what sizes the plans and --save-output keeps."""
+    return blocks.gather(blocks.step_blocks(0, run.batch_size * run.grad_accum))
+
+
+def with_epochs(run: RunConfig, blocks: Blocks | None) -> RunConfig:
+    """--epochs as a number of steps; log the blocks' plan."""
+    if blocks is None:
+        return run
+    per_step = run.batch_size * run.grad_accum
+    if run.epochs is not None:
+        run = dataclasses.replace(run, steps=max(1, math.ceil(run.epochs * len(blocks.training) / per_step)))
+    log(
+        f"data: {len(blocks.training):,} blocks of {run.seq_len} tokens to train on, {len(blocks.held_out):,} held "
+        f"out; {run.steps} steps of {per_step} block(s) make {blocks.epochs(run.steps, per_step):.2f} epoch(s)"
+    )
+    return run
+
+
+def prepare_data(run: RunConfig, vocab_size: int) -> tuple[Blocks, object]:
+    """--data read, tokenized (or read from the token cache) and packed: (the blocks, the tokenizer)."""
+    files = data_files(run)
+    tokenizer = load_tokenizer(run)
+    if run.train_tokenizer and run.train_tokenizer > vocab_size:
+        raise UsageError(f"--train-tokenizer {run.train_tokenizer} is larger than the model's vocab_size {vocab_size}")
+    if tokenizer is None and run.train_tokenizer:
+        key = corpus_key(run, files, f"byte-level BPE of {run.train_tokenizer}")
+        tokenizer = train_tokenizer(run, files, data_cache_folder(run) / f"tokenizer-{key}")
+    if tokenizer is None:
+        raise UsageError("no tokenizer: give --tokenizer DIR, or --train-tokenizer V to train one on the data")
+    if not tokenizer.is_fast:
+        raise UsageError("the tokenizer has no fast (tokenizers) form, which tokenizing in threads needs")
+    if len(tokenizer) > vocab_size:
+        raise UsageError(f"the tokenizer's {len(tokenizer):,} ids exceed the model's vocab_size {vocab_size:,}")
+    blocks = Blocks(token_cache(run, files, tokenizer), run.seq_len, run.eval_fraction, run.seed)
+    save_tokenizer(run, tokenizer)
+    return blocks, tokenizer
+
+
+def save_tokenizer(run: RunConfig, tokenizer) -> None:
+    """The tokenizer into each folder --save-pretrained and --checkpoint write, before training, so that AutoTokenizer
+    loads it from the folder beside the model."""
+    for path in (run.save_pretrained, run.checkpoint):
+        for mode in run.modes if path else ():
+            tokenizer.save_pretrained(mode_folder(path, run, mode))
 
 
 # ---------------------------------------------------------------------------------------------------- measurement
@@ -4294,15 +4657,17 @@ def run_all(run: RunConfig) -> dict:
     grad_buffers = gradient_buffers(run, config, bool(compared), copy_dtype is not None)
     if run.train and offloaded:
         start_adam_compile(gradient_dtype(run), copy_dtype, run.clip_grad_norm is not None)
+    blocks, tokenizer = prepare_data(run, config.vocab_size) if run.data else (None, None)
+    run = with_epochs(run, blocks)
     model = build_model(run, config)
-    train_ids = random_input_ids(run, model.config.vocab_size, run.grad_accum)
+    train_ids = first_batch(blocks, run) if blocks else random_input_ids(run, model.config.vocab_size, run.grad_accum)
     reference = forward_backward_reference(model, train_ids, run) if run.fwd_bwd_reference else None
     set_gpu_cap(run)
     input_ids = random_input_ids(run, model.config.vocab_size)
     store = ParamStore(model, pin=True) if offloaded and run.inference else None
     masters = training_store(run, model.config, grad_buffers, copy_dtype) if run.train and offloaded else None
     try:
-        results, logits, trained = run_modes(run, model, store, masters, input_ids, train_ids, compared)
+        results, logits, trained = run_modes(run, model, store, masters, input_ids, train_ids, compared, blocks)
     finally:
         if masters:
             masters.close()  # the disk tier's files
@@ -4334,7 +4699,7 @@ def run_report(run: RunConfig, config: LlamaConfig, tokens: int, results: dict, 
     return report
 
 
-def run_modes(run: RunConfig, model, store, masters, input_ids, train_ids, compared: set) -> tuple[dict, dict, dict]:
+def run_modes(run: RunConfig, model, store, masters, input_ids, train_ids, compared, blocks) -> tuple[dict, dict, dict]:
     """Each mode's inference, then its training: (results, logits, training results with tensors)."""
     results, logits, trained = {}, {}, {}
     for mode in run.modes:
@@ -4347,7 +4712,7 @@ def run_modes(run: RunConfig, model, store, masters, input_ids, train_ids, compa
             if run.lean:  # the masters hold the layers now: 2 bytes per parameter less on the host
                 model.model.layers.to("meta")
         if run.train:
-            result = trained[mode] = train_mode(mode, model, masters, train_ids, run, mode in compared)
+            result = trained[mode] = train_mode(mode, model, masters, train_ids, run, mode in compared, blocks)
             gpu = trained.get("gpu") if mode in ("blocked", "overlapped") else None
             if gpu is not None and not gpu.get("oom") and not result.get("oom"):  # then frees the tensors compared
                 compare_training(result, gpu, run)
