@@ -112,8 +112,15 @@ HELD_OUT_SEED = 0  # draws the held-out blocks: the same for every --seed, so no
 
 
 def log(msg: str) -> None:
-    """Progress goes to stderr, each line after the seconds since the process started: stdout carries the tables."""
-    print(f"{time.perf_counter() - STARTED:6.1f} s  {msg}", file=sys.stderr, flush=True)
+    """Progress goes to stderr, each line after the seconds since the process started: stdout carries the tables. On
+    a terminal, through tqdm, which keeps a progress bar below the lines."""
+    line = f"{time.perf_counter() - STARTED:6.1f} s  {msg}"
+    if sys.stderr.isatty():
+        import tqdm  # noqa: PLC0415  (transformers installs it; needed on a terminal only)
+
+        tqdm.tqdm.write(line, file=sys.stderr)
+    else:
+        print(line, file=sys.stderr, flush=True)
 
 
 def process_age() -> float:
@@ -188,7 +195,12 @@ class RunConfig:
     train_tokenizer: int | None = None  # a byte-level BPE of this many tokens, trained on the data
     data_cache: str | None = None  # where token caches and trained tokenizers are kept
     eval_fraction: float = 0.01  # of the blocks, held out
+    eval_every: int | None = None  # steps between held-out losses (also before the first step and after the last)
     epochs: float | None = None  # passes over the training blocks, instead of --steps
+    sample: tuple = ()  # prompts continued before training and after
+    sample_tokens: int = 32
+    temperature: float = 0.0  # 0: greedy
+    top_k: int | None = None
 
     @property
     def adam(self) -> Adam:
@@ -397,15 +409,30 @@ def add_data_flags(p: argparse.ArgumentParser) -> None:
     held = "the share of the blocks held out, never trained on (at least one block)"
     d.add_argument("--eval-fraction", type=float, default=RunConfig.eval_fraction, metavar="F", help=held)
     d.add_argument("--epochs", type=float, metavar="N", help="passes over the training blocks, instead of --steps")
+    every = "the held-out loss every N steps (also before the first and after the last; default: only those two)"
+    d.add_argument("--eval-every", type=int, metavar="N", help=every)
+    sample = "continue PROMPT before training and after (repeat the flag for more prompts)"
+    d.add_argument("--sample", action="append", default=[], metavar="PROMPT", help=sample)
+    d.add_argument(
+        "--sample-tokens", type=int, default=RunConfig.sample_tokens, metavar="N", help="tokens a sample adds"
+    )
+    d.add_argument("--temperature", type=float, default=RunConfig.temperature, help="samples drawn at it; 0: greedy")
+    d.add_argument("--top-k", type=int, metavar="K", help="samples drawn from the K likeliest tokens (default: all)")
 
 
 def check_data_flags(p: Parser, a: argparse.Namespace) -> None:
     """Text flags out of range or without --data: one line, exit 2."""
-    given = [flag for flag in ("tokenizer", "train_tokenizer", "data_cache", "epochs") if getattr(a, flag) is not None]
+    given = [f for f in ("train_tokenizer", "data_cache", "epochs", "eval_every") if getattr(a, f) is not None]
     if given and not a.data:
         p.error(f"--{given[0].replace('_', '-')} goes with --data PATH, the text to train on")
-    if a.data and not a.train:
-        p.error("--data is text to train on: add --train")
+    if a.tokenizer and not (a.data or a.sample):
+        p.error("--tokenizer goes with --data PATH or --sample PROMPT")
+    if (a.data or a.sample) and not a.train:
+        p.error(f"{'--data is text to train on' if a.data else '--sample shows what training changes'}: add --train")
+    if any(not prompt for prompt in a.sample):
+        p.error("--sample needs a prompt: an empty one has nothing to continue")
+    if a.top_k is not None and not a.temperature:
+        p.error("--top-k draws samples: give --temperature T too (0 is greedy)")
     if a.tokenizer and a.train_tokenizer:
         p.error("--tokenizer and --train-tokenizer: give one")
     if a.train_tokenizer is not None and a.train_tokenizer < 257:
@@ -414,6 +441,11 @@ def check_data_flags(p: Parser, a: argparse.Namespace) -> None:
         p.error(f"--eval-fraction must be between 0 and 1, got {a.eval_fraction}")
     if a.epochs is not None and not (math.isfinite(a.epochs) and a.epochs > 0):
         p.error(f"--epochs must be a positive number, got {a.epochs}")
+    for flag in ("eval_every", "sample_tokens", "top_k"):
+        if getattr(a, flag) is not None and getattr(a, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be at least 1")
+    if not (math.isfinite(a.temperature) and a.temperature >= 0):
+        p.error(f"--temperature must be 0 (greedy) or more, got {a.temperature}")
 
 
 def add_saving_flags(p: argparse.ArgumentParser) -> None:
@@ -507,6 +539,7 @@ def command_line(argv=None) -> RunConfig:
         p.error(f"--model {a.model} brings its own sizes: drop {', '.join(given)}, or drop --model")
     a.preset = a.preset or RunConfig.preset
     a.betas = tuple(a.betas)
+    a.sample = tuple(a.sample)
     return RunConfig(**{field.name: getattr(a, field.name) for field in dataclasses.fields(RunConfig)})
 
 
@@ -617,6 +650,7 @@ if __name__ == "__main__":  # a mistyped command is answered before torch and tr
 
 import tokenizers  # noqa: E402  (after the command line's check)
 import torch  # noqa: E402
+import tqdm  # noqa: E402
 import transformers  # noqa: E402
 from torch import nn  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -2738,7 +2772,7 @@ def training_placement(trainer, run: RunConfig, mode: str, besides: dict[str, in
 
 
 def logits_of(model: LlamaForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
-    """One forward pass. No KV cache: a single pass needs none, and the slot modules share one layer_idx."""
+    """One forward pass, without a KV cache: a single pass needs none."""
     return model(input_ids, use_cache=False).logits  # (B, T, vocab)
 
 
@@ -2833,10 +2867,10 @@ def unplaced_bytes(trainer: OffloadedTraining, micro_batches) -> dict[str, int]:
     return {"saved inputs": saved[u, backward], "working set": working[kinds[u]][backward], "other": other}
 
 
-def train_mode(mode: str, model, masters, input_ids, run: RunConfig, compared: bool, blocks=None) -> dict:
-    """One mode's training: `run.steps` steps on one fixed batch, or on the blocks of --data; {'oom': True} when it
-    does not fit the GPU. When `compared` with gpu mode's, it keeps the first step's gradients and masters and the last
-    step's masters."""
+def train_mode(mode: str, model, masters, input_ids, run: RunConfig, compared: bool, text=None) -> dict:
+    """One mode's training: `run.steps` steps on one fixed batch, or on the blocks of --data (its held-out loss and
+    samples before and after); {'oom': True} when it does not fit the GPU. When `compared` with gpu mode's, it keeps
+    the first step's gradients and masters and the last step's masters."""
     device = torch.device("cpu" if mode == "cpu" else "cuda")
     micro_batches = [ids.to(device) for ids in input_ids.chunk(run.grad_accum)]
     log(f"mode {mode}: training, {run.steps} steps of {input_ids.numel()} tokens in {run.grad_accum} micro-batch(es)")
@@ -2852,25 +2886,36 @@ def train_mode(mode: str, model, masters, input_ids, run: RunConfig, compared: b
         folder = mode_folder(run.checkpoint, run, mode) if run.checkpoint else None
         checkpoint = Checkpoints(trainer, folder, manifest, run.checkpoint_every) if folder else None
         done = manifest.get("resumed_from", 0)
-        batches = step_batches(blocks, run, device) if blocks else None
-        result = train_steps(trainer, micro_batches, run, compared, profile, bound_parts, checkpoint, done, batches)
+        evaluation = Evaluation(trainer, run, model.config, device, text, done)
+        between = [task for task in (checkpoint, evaluation) if task]
+        batches = step_batches(text.blocks, run, device) if text and text.blocks else None
+        result = train_steps(trainer, micro_batches, run, compared, profile, bound_parts, between, done, batches)
         trainer.finish()
         if checkpoint:
             checkpoint.write(run.steps)
-        if run.save_pretrained:
-            save_pretrained(trainer, model.config, mode_folder(run.save_pretrained, run, mode))
-        if run.clip_grad_norm is not None:
-            result["grad_norms"] = list(trainer.grad_norms)
-        if compared or run.save_output:  # a float32 copy of every master, in host memory
-            resident = isinstance(trainer, ResidentTraining)
-            result["masters"] = trainer.state_dict(trainer.masters) if resident else trainer.state_dict()
-        return result | placed | training_figures(trainer, result)
+        evaluation.after()
+        result |= trained_outputs(trainer, run, model.config, mode, compared)
+        return result | placed | evaluation.figures() | training_figures(trainer, result)
     except torch.OutOfMemoryError as e:
         log(f"mode {mode}: out of GPU memory ({str(e).splitlines()[0]})")
         return {"oom": True}
     finally:  # an OOM or an interrupt too: the CPU Adam worker must stop before the buffers it steps are freed
         if trainer is not None:
             trainer.finish()
+
+
+def trained_outputs(trainer, run: RunConfig, config: LlamaConfig, mode: str, compared: bool) -> dict:
+    """After the last step: --save-pretrained's folder written; each step's gradient norm (--clip-grad-norm) and a
+    float32 copy of every master in host memory (to compare with gpu mode's, or for --save-output)."""
+    result = {}
+    if run.save_pretrained:
+        save_pretrained(trainer, config, mode_folder(run.save_pretrained, run, mode))
+    if run.clip_grad_norm is not None:
+        result["grad_norms"] = list(trainer.grad_norms)
+    if compared or run.save_output:
+        resident = isinstance(trainer, ResidentTraining)
+        result["masters"] = trainer.state_dict(trainer.masters) if resident else trainer.state_dict()
+    return result
 
 
 def prepare_steps(trainer, micro_batches, run: RunConfig, mode: str, compared: bool, manifest: dict) -> dict:
@@ -2903,14 +2948,14 @@ def make_trainer(mode: str, model, masters: MasterStore | None, micro_batches, r
 
 
 def train_steps(
-    trainer, micro_batches, run, keep_grads, profile=None, bound_parts=None, save=None, done=0, batches=None
+    trainer, micro_batches, run, keep_grads, profile=None, bound_parts=None, tasks=(), done=0, batches=None
 ):
     """Run the steps, each timed from its start to the next one's (a step's last updates overlap the next forward).
-    bound_parts(): the bound's parts, timed in rounds between blocks of steps; save(i): a checkpoint after i steps
-    where due; the step after either is not timed. keep_grads: the first step's state, to compare. done: the steps a
-    resumed checkpoint trained. batches(i): step i's micro-batches (--data), else each step's are `micro_batches`."""
+    bound_parts(): the bound's parts, timed in rounds between blocks of steps; tasks: run after i steps where due
+    (Checkpoints, Evaluation); the step after either is not timed. keep_grads: the first step's state, to compare.
+    done: the steps a resumed run had trained. batches(i): step i's micro-batches, else every step's `micro_batches`."""
     batch = batches(done) if batches else micro_batches
-    clock = StepClock(trainer, batch[0].device, done)
+    clock = StepClock(trainer, batch[0].device, done, run.steps, sum(ids.numel() for ids in batch))
     rounds = bound_rounds(run) if bound_parts else []
     losses, grads, parts, extra = [], None, collections.defaultdict(list), {}
     for i in range(run.steps + 1):
@@ -2932,16 +2977,22 @@ def train_steps(
         if i == 0 and keep_grads:
             grads = first_step_state(trainer)
         clock.lap(i, losses[-1])
-        if save and save.due(i + 1) and i + 1 < run.steps:  # the last step's is written after the last update
-            clock.pause(i + 1)  # the updates are written first
-            save.write(i + 1)
-            clock.resume(after_round=True)
+        run_tasks(tasks, i + 1, run.steps, clock)
     if parts:
         extra["bound_parts_ms"] = {name: ms[1:] for name, ms in parts.items()}  # the first round is a warm-up
-    between = f", and {clock.paused_s:.1f} s between them (the bound's rounds, checkpoints)" if clock.paused_s else ""
-    log(f"  {len(clock.times)} steps in {sum(clock.times) / 1e3:.1f} s{between}")
-    tokens = sum(ids.numel() for ids in micro_batches)
-    return clock.result(run.warmup) | {"losses": losses, "grads": grads, "tokens_per_step": tokens} | extra
+    paused = f", and {clock.paused_s:.1f} s between them (bound rounds, checkpoints, evaluations)"
+    log(f"  {len(clock.times)} steps in {sum(clock.times) / 1e3:.1f} s{paused if clock.paused_s else ''}")
+    return clock.result(run.warmup) | {"losses": losses, "grads": grads, "tokens_per_step": clock.tokens} | extra
+
+
+def run_tasks(tasks, done: int, last: int, clock: StepClock) -> None:
+    """The tasks due after `done` of the run's `last` steps, the step clock paused meanwhile."""
+    due = [task for task in tasks if task.due(done, last)]
+    if due:
+        clock.pause(done)  # the updates are written first
+        for task in due:
+            task.run(done)
+        clock.resume(after_round=True)
 
 
 def time_round(fns: dict, parts: dict[str, list[float]]) -> None:
@@ -2955,10 +3006,12 @@ class StepClock:
     """The training steps' times, the CPU Adam's busy time in each and the peaks of GPU and host memory, leaving out
     the bound's rounds between the steps and the step after each round, which waits for no update."""
 
-    def __init__(self, trainer, device: torch.device, done: int = 0):
+    def __init__(self, trainer, device: torch.device, done: int = 0, steps: int = 0, tokens: int = 0):
         self.trainer = trainer
         self.device = device
         self.done = done  # steps trained before this run (a resumed run goes on counting from them)
+        self.steps, self.tokens = steps, tokens  # this run's steps, and each step's tokens: for the progress
+        self.bar = tqdm.tqdm(total=steps, file=sys.stderr, unit="step", leave=False) if sys.stderr.isatty() else None
         self.adam = trainer.steppers.cpu_adam if isinstance(trainer, OffloadedTraining) else None
         self.times, self.busy = [], []  # each step's time, and the CPU Adam's busy time in it (ms)
         self.untimed = set()  # the steps right after a round
@@ -2998,10 +3051,19 @@ class StepClock:
             self.busy.append((self.adam.busy_s - self.busy_s) * 1e3)
             self.busy_s = self.adam.busy_s
             line += f", CPU Adam busy {self.busy[-1]:.0f} ms"
-        log(line)
+        rate = self.tokens / statistics.median(self.times[-10:]) * 1e3
+        left = duration_text((self.steps - i - 1) * self.tokens / rate)
+        line += f"; {(self.done + i + 1) * self.tokens:,} tokens seen, {rate:,.0f} tokens/s, {left} left"
+        if self.bar is None:
+            log(line)
+        else:
+            self.bar.set_postfix_str(line.strip(), refresh=False)
+            self.bar.update()
 
     def result(self, warmup: int) -> dict:
         """The median step after the warm-up, the steps timed, the peaks."""
+        if self.bar is not None:
+            self.bar.close()
         self.note_peaks()
         timed = [i for i in range(warmup, len(self.times)) if i not in self.untimed] or list(range(len(self.times)))
         result = {"time_ms": statistics.median(self.times[i] for i in timed), "step_ms": self.times}
@@ -3090,9 +3152,14 @@ class Checkpoints:
         self.start = manifest.get("resumed_from", 0)
         self.every = every
 
-    def due(self, done: int) -> bool:
-        """Whether a checkpoint is due after `done` steps of this run."""
-        return bool(self.every) and (self.start + done) % self.every == 0
+    def due(self, done: int, last: int) -> bool:
+        """Whether a checkpoint is due after `done` of this run's `last` steps (the last one's is written once the
+        trainer has finished)."""
+        return bool(self.every) and done < last and (self.start + done) % self.every == 0
+
+    def run(self, done: int) -> None:
+        """Write the checkpoint after `done` steps of this run."""
+        self.write(done)
 
 
 def write_checkpoint(trainer, folder: Path, manifest: dict, done: int) -> None:
@@ -3284,7 +3351,10 @@ def train_tokenizer(run: RunConfig, files: list[Path], folder: Path):
     bpe.pre_tokenizer = byte_level(add_prefix_space=False)
     bpe.decoder = tokenizers.decoders.ByteLevel()
     trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=run.train_tokenizer, special_tokens=[END_OF_TEXT], initial_alphabet=byte_level.alphabet()
+        vocab_size=run.train_tokenizer,
+        special_tokens=[END_OF_TEXT],
+        initial_alphabet=byte_level.alphabet(),
+        show_progress=False,  # its bars would break the progress lines
     )
     bpe.train_from_iterator(corpus_documents(run, files), trainer)
     tokenizer = transformers.PreTrainedTokenizerFast(
@@ -3439,6 +3509,26 @@ def with_epochs(run: RunConfig, blocks: Blocks | None) -> RunConfig:
     return run
 
 
+@dataclass
+class Text:
+    """What a run on text has: the blocks of --data (None with --sample alone) and the tokenizer."""
+
+    blocks: Blocks | None
+    tokenizer: object
+
+
+def prepare_text(run: RunConfig, vocab_size: int) -> Text | None:
+    """--data's blocks and tokenizer; with --sample alone, --tokenizer's or --model's tokenizer; else None."""
+    if run.data:
+        return Text(*prepare_data(run, vocab_size))
+    if not run.sample:
+        return None
+    tokenizer = load_tokenizer(run)
+    if tokenizer is None:
+        raise UsageError("--sample needs a tokenizer: give --tokenizer DIR, or --data with --train-tokenizer V")
+    return Text(None, tokenizer)
+
+
 def prepare_data(run: RunConfig, vocab_size: int) -> tuple[Blocks, object]:
     """--data read, tokenized (or read from the token cache) and packed: (the blocks, the tokenizer)."""
     files = data_files(run)
@@ -3457,6 +3547,88 @@ def prepare_data(run: RunConfig, vocab_size: int) -> tuple[Blocks, object]:
     blocks = Blocks(token_cache(run, files, tokenizer), run.seq_len, run.eval_fraction, run.seed)
     save_tokenizer(run, tokenizer)
     return blocks, tokenizer
+
+
+def forward_model(trainer, config: LlamaConfig, device: torch.device) -> nn.Module:
+    """What runs forward passes of the training state: gpu and cpu modes' model, or a streamed shell over the
+    offloaded units."""
+    if isinstance(trainer, ResidentTraining):
+        return trainer.model
+    return streamed_shell(config, trainer.streamer, device)
+
+
+@torch.no_grad()
+def held_out_loss(model: nn.Module, blocks: Blocks, run: RunConfig, device: torch.device) -> float:
+    """The mean loss over the held-out blocks, batch_size blocks at a time, through `model` without gradients."""
+    total = 0.0
+    for part in blocks.held_out.split(run.batch_size):
+        ids = blocks.gather(part.tolist()).to(device)
+        total += model(ids, labels=ids, use_cache=False).loss.item() * len(part)
+    return total / len(blocks.held_out)
+
+
+@torch.no_grad()
+def continuations(model: nn.Module, tokenizer, run: RunConfig, device: torch.device) -> list[str]:
+    """Each --sample prompt's continuation of --sample-tokens tokens through HF's generate and its KV cache: greedy,
+    or drawn at --temperature (and --top-k) from --seed."""
+    drawn = {"do_sample": True, "temperature": run.temperature, "top_k": run.top_k} if run.temperature else {}
+    texts = []
+    for prompt in run.sample:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
+        torch.manual_seed(run.seed)
+        kwargs = {"max_new_tokens": run.sample_tokens, "pad_token_id": tokenizer.eos_token_id, "do_sample": False}
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **(kwargs | drawn))
+        texts.append(tokenizer.decode(out[0, ids.shape[1] :]))
+    return texts
+
+
+class Evaluation:
+    """What training on text is judged by: the held-out loss of --data before the first step, every --eval-every
+    steps and after the last, and the --sample continuations before the first step and after the last; each through
+    the forward of the training state, timed apart from the steps (the step clock is paused meanwhile)."""
+
+    def __init__(self, trainer, run: RunConfig, config, device, text: Text | None, start: int):
+        self.model = lambda: forward_model(trainer, config, device)  # a new pass over the units each time
+        self.run_config, self.device, self.text, self.start = run, device, text, start
+        self.tokens_per_step = run.batch_size * run.grad_accum * run.seq_len
+        self.evaluations, self.samples = [], {}
+        if text and run.sample:
+            self.samples["before"] = self.sampled("before training")
+        if text and text.blocks:
+            self.run(0)
+
+    def due(self, done: int, last: int) -> bool:
+        """Whether the held-out loss is due after `done` of this run's `last` steps."""
+        every = self.run_config.eval_every
+        return bool(self.text and self.text.blocks) and (
+            done == last or bool(every) and (self.start + done) % every == 0
+        )
+
+    def run(self, done: int) -> None:
+        """Measure the held-out loss after `done` steps of this run."""
+        t0 = time.perf_counter()
+        loss = held_out_loss(self.model(), self.text.blocks, self.run_config, self.device)
+        ms = (time.perf_counter() - t0) * 1e3
+        step = self.start + done
+        record = {"step": step, "tokens": step * self.tokens_per_step, "loss": loss, "perplexity": math.exp(loss)}
+        self.evaluations.append(record | {"ms": ms})
+        log(f"  held-out loss after step {step}: {loss:.4f}, perplexity {math.exp(loss):.2f} ({ms:.0f} ms)")
+
+    def after(self) -> None:
+        """The samples after the last step."""
+        if self.text and self.run_config.sample:
+            self.samples["after"] = self.sampled("after training")
+
+    def sampled(self, when: str) -> list[str]:
+        """The prompts' continuations now, logged."""
+        texts = continuations(self.model(), self.text.tokenizer, self.run_config, self.device)
+        for prompt, text in zip(self.run_config.sample, texts, strict=True):
+            log(f"  sample {when}: {prompt!r} -> {text!r}")
+        return texts
+
+    def figures(self) -> dict:
+        """For the JSON: each held-out evaluation and the samples."""
+        return {"evaluations": self.evaluations, "samples": self.samples} if self.text else {}
 
 
 def save_tokenizer(run: RunConfig, tokenizer) -> None:
@@ -4102,6 +4274,7 @@ def notes(results: dict, run: RunConfig, reference: dict | None = None) -> list[
     lines = []
     for mode, rs in results.items():
         lines += inference_notes(mode, rs.get("inference", {})) + training_notes(mode, rs.get("training", {}), run)
+        lines += text_notes(mode, rs.get("training", {}), run)
     if "cpu" in results and not results["cpu"].get("inference", {"oom": True}).get("oom"):
         lines.append(f"cpu: one run, no warm-up; GPU modes: median of {run.repeat} runs after {run.warmup} warm-ups")
     if run.train and run.attention != "eager" and "gpu" in results:
@@ -4177,6 +4350,22 @@ def training_notes(mode: str, t: dict, run: RunConfig) -> list[str]:
         step1 = f"{t['masters_step1_max_abs_diff']:.3g} after step 1 (rounding allows {t['masters_tolerance']:.3g})"
         last = f"{t['masters_max_abs_diff']:.3g} after step {run.steps}"
         lines.append(f"{mode} training: masters differ from gpu mode's by at most {step1} and {last}")
+    return lines
+
+
+def text_notes(mode: str, t: dict, run: RunConfig) -> list[str]:
+    """A mode's held-out losses, what one evaluation costs beside a step, and its samples before and after."""
+    lines = []
+    if t.get("evaluations"):
+        first, last = t["evaluations"][0], t["evaluations"][-1]
+        losses = f"{first['loss']:.4f} -> {last['loss']:.4f} (perplexity {first['perplexity']:.1f} -> "
+        losses += f"{last['perplexity']:.1f}) after {last['tokens']:,} tokens"
+        cost = f"{statistics.median(e['ms'] for e in t['evaluations']):.0f} ms an evaluation"
+        step = f", {t['time_ms']:.0f} ms a step" if "time_ms" in t else ""
+        lines.append(f"{mode} training: held-out loss {losses}; {cost}{step}")
+    for when, texts in t.get("samples", {}).items():
+        for prompt, text in zip(run.sample, texts, strict=True):
+            lines.append(f"{mode} sample {when} training: {prompt!r} -> {text!r}")
     return lines
 
 
@@ -4657,7 +4846,8 @@ def run_all(run: RunConfig) -> dict:
     grad_buffers = gradient_buffers(run, config, bool(compared), copy_dtype is not None)
     if run.train and offloaded:
         start_adam_compile(gradient_dtype(run), copy_dtype, run.clip_grad_norm is not None)
-    blocks, tokenizer = prepare_data(run, config.vocab_size) if run.data else (None, None)
+    text = prepare_text(run, config.vocab_size)
+    blocks = text.blocks if text else None
     run = with_epochs(run, blocks)
     model = build_model(run, config)
     train_ids = first_batch(blocks, run) if blocks else random_input_ids(run, model.config.vocab_size, run.grad_accum)
@@ -4667,7 +4857,7 @@ def run_all(run: RunConfig) -> dict:
     store = ParamStore(model, pin=True) if offloaded and run.inference else None
     masters = training_store(run, model.config, grad_buffers, copy_dtype) if run.train and offloaded else None
     try:
-        results, logits, trained = run_modes(run, model, store, masters, input_ids, train_ids, compared, blocks)
+        results, logits, trained = run_modes(run, model, store, masters, input_ids, train_ids, compared, text)
     finally:
         if masters:
             masters.close()  # the disk tier's files
@@ -4699,7 +4889,7 @@ def run_report(run: RunConfig, config: LlamaConfig, tokens: int, results: dict, 
     return report
 
 
-def run_modes(run: RunConfig, model, store, masters, input_ids, train_ids, compared, blocks) -> tuple[dict, dict, dict]:
+def run_modes(run: RunConfig, model, store, masters, input_ids, train_ids, compared, text) -> tuple[dict, dict, dict]:
     """Each mode's inference, then its training: (results, logits, training results with tensors)."""
     results, logits, trained = {}, {}, {}
     for mode in run.modes:
@@ -4712,7 +4902,7 @@ def run_modes(run: RunConfig, model, store, masters, input_ids, train_ids, compa
             if run.lean:  # the masters hold the layers now: 2 bytes per parameter less on the host
                 model.model.layers.to("meta")
         if run.train:
-            result = trained[mode] = train_mode(mode, model, masters, train_ids, run, mode in compared, blocks)
+            result = trained[mode] = train_mode(mode, model, masters, train_ids, run, mode in compared, text)
             gpu = trained.get("gpu") if mode in ("blocked", "overlapped") else None
             if gpu is not None and not gpu.get("oom") and not result.get("oom"):  # then frees the tensors compared
                 compare_training(result, gpu, run)

@@ -3,7 +3,7 @@
 #   bash report/run_benchmarks.sh OUTDIR [PART ...]   (default: every part, in the order below)
 set -euo pipefail
 parts="bf16 prefetch fp32 train alone activations train_fp32 accum eager largest largest_disk disk clip scale peers budget"
-parts="$parts budget_ab ablations small_host"
+parts="$parts budget_ab ablations small_host text"
 out=${1:?usage: run_benchmarks.sh OUTDIR [PART ...], with PART one of: $parts}; shift
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
@@ -94,6 +94,27 @@ for p in ${@:-$parts}; do
     small_host) run small_host_7b8l --preset 7b-8l --mode overlapped --train --no-inference --grad-accum 64 \
                   --batch-size 1 --seq-len 1024 --max-gpu-memory 11 --max-host-memory 16 --nvme "${NVME_DIR:-$out}" \
                   --steps 8 --warmup 2 --repeat 2 --dtype bfloat16 ;;
+    # training on text: the Python standard library's own .py files (site-packages left out) as the corpus, an 8k
+    # byte-level BPE trained on it, an 843M-parameter LLaMA from random weights for one epoch under an 11 GiB GPU cap;
+    # then 40 steps of the same shape on the same corpus (its token cache hit) and on random ids, to compare the steps
+    text) corpus=${TMPDIR:-/tmp}/stdlib_corpus
+          python3 -c "
+import pathlib, shutil, sys, sysconfig
+src, dst = pathlib.Path(sysconfig.get_paths()['stdlib']), pathlib.Path(sys.argv[1])
+for f in src.rglob('*.py'):
+    if f.relative_to(src).parts[0] != 'site-packages' and f.is_file():
+        (dst / f.relative_to(src)).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(f, dst / f.relative_to(src))" "$corpus"
+          model=(--hidden-size 2048 --intermediate-size 5504 --layers 16 --heads 16 --kv-heads 16 --vocab-size 8192)
+          base=(--mode overlapped --train --no-inference "${model[@]}" --seq-len 1024 --batch-size 8 --grad-accum 2
+                --max-gpu-memory 11 --dtype bfloat16)
+          data=(--data "$corpus" --data-glob "*.py" --skip-undecodable --train-tokenizer 8192
+                --data-cache "$out/text_cache")
+          run text_stdlib "${base[@]}" "${data[@]}" --epochs 1 --eval-every 50 --lr 2e-4 --warmup 5 --repeat 3 \
+            --sample "def " --sample "import os" --sample "class Stack:" --sample-tokens 48
+          run text_steps_data "${base[@]}" "${data[@]}" --steps 40 --warmup 5 --repeat 2
+          run text_steps_random "${base[@]}" --steps 40 --warmup 5 --repeat 2
+          rm -rf "$out/text_cache" "$corpus" ;;
     *) echo "unknown part $p: choose from $parts" >&2; exit 2 ;;
   esac
 done

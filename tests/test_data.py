@@ -8,8 +8,9 @@ import torch
 import transformers
 
 import offload_llama as ol
-from helpers import run_main
+from helpers import build, offloaded_trainer, run_main, tiny_run
 
+CPU = torch.device("cpu")
 WORDS = [
     "def",
     "return",
@@ -211,6 +212,60 @@ def test_data_flags_out_of_place_are_refused_before_torch_loads(capsys):
         (["--train", "--data", "x", "--train-tokenizer", "100"], "at least 257"),
         (["--train", "--data", "x", "--eval-fraction", "1"], "between 0 and 1"),
         (["--train", "--data", "x", "--tokenizer", "t", "--train-tokenizer", "300"], "give one"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            ol.command_line(args)
+        assert e.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_offloaded_samples_and_held_out_loss_equal_the_resident_models(tmp_path):
+    """Through the streamed shell, generate (KV cache and all) and the forward give what the resident model with the
+    same weights gives: before training and after two steps."""
+    model, ids = build(tiny_run())
+    trainer = offloaded_trainer(model, CPU, 1, [ids])
+    prompt = ids[:, :5]
+    for step in range(3):
+        if step:
+            trainer.step([ids])
+        trainer.wait_updates()
+        resident = ol.copy.deepcopy(model)
+        resident.load_state_dict({k: v.to(model.dtype) for k, v in trainer.state_dict().items()}, strict=False)
+        shell = ol.forward_model(trainer, model.config, CPU)
+        expected = resident.generate(prompt, max_new_tokens=8, do_sample=False)
+        assert torch.equal(shell.generate(prompt, max_new_tokens=8, do_sample=False), expected)
+        shell = ol.forward_model(trainer, model.config, CPU)
+        loss = shell(ids, labels=ids, use_cache=False).loss
+        assert torch.equal(loss, resident(ids, labels=ids, use_cache=False).loss)
+    trainer.finish()
+
+
+def test_training_on_text_reports_held_out_losses_and_samples(tmp_path, capsys):
+    run = data_run(tmp_path)
+    args = ["--preset", "tiny", "--vocab-size", "512", "--mode", "cpu", "--train", "--no-inference", "--steps", "7"]
+    args += ["--seq-len", "32", "--data", run.data, "--train-tokenizer", "300", "--data-cache", run.data_cache]
+    args += ["--eval-every", "3", "--sample", "def", "--sample", "import", "--sample-tokens", "5", "--lr", "0.003"]
+    code, out, err = run_main(capsys, *args, "--json", tmp_path / "r.json")
+    assert code == 0, err
+    t = json.loads((tmp_path / "r.json").read_text())["results"]["cpu"]["training"]
+    assert [e["step"] for e in t["evaluations"]] == [0, 3, 6, 7]
+    assert [e["tokens"] for e in t["evaluations"]] == [0, 96, 192, 224]
+    assert t["evaluations"][-1]["loss"] < t["evaluations"][0]["loss"]
+    assert [len(t["samples"][when]) for when in ("before", "after")] == [2, 2]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(next((tmp_path / "cache").glob("tokenizer-*")))
+    assert all(len(tokenizer(text).input_ids) <= 5 for text in t["samples"]["after"])
+    assert "cpu training: held-out loss" in out and "cpu sample after training: 'def' -> " in out
+    assert "held-out loss after step 3:" in err
+
+
+def test_sampling_is_refused_without_a_tokenizer_or_a_prompt(tmp_path, capsys):
+    base = ["--preset", "tiny", "--mode", "cpu", "--train", "--seq-len", "32"]
+    code, _, err = run_main(capsys, *base, "--sample", "def")
+    assert code == 2 and "--sample needs a tokenizer" in err and "building" not in err
+    for args, words in [
+        (["--train", "--sample", ""], "needs a prompt"),
+        (["--sample", "x"], "add --train"),
+        (["--train", "--sample", "x", "--top-k", "5"], "give --temperature"),
+        (["--train", "--eval-every", "5"], "goes with --data"),
     ]:
         with pytest.raises(SystemExit) as e:
             ol.command_line(args)
