@@ -3394,6 +3394,7 @@ def token_cache(run: RunConfig, files: list[Path], tokenizer) -> torch.Tensor:
     with tempfile.NamedTemporaryFile(dir=folder, prefix=".tokens-", delete=False) as f:
         try:
             write_tokens(run, files, tokenizer, f)
+            f.flush()
             os.fsync(f.fileno())
         except BaseException:
             os.unlink(f.name)
@@ -3418,6 +3419,8 @@ def write_tokens(run: RunConfig, files: list[Path], tokenizer, f) -> None:
         if time.perf_counter() - shown > 5:
             shown = time.perf_counter()
             log(f"data: tokenizing, {count:,} tokens so far")
+    if not count:
+        raise UsageError(f"--data: all {len(skipped)} file(s) were skipped as not UTF-8: no text to train on")
     f.seek(0)
     f.write(struct.pack(TOKEN_HEADER, TOKEN_MAGIC, itemsize, count))
     note = f", {len(skipped)} file(s) skipped as not UTF-8" if skipped else ""
