@@ -914,7 +914,7 @@ class CopyWindow:
     unit's CPU Adam update still runs) waits in the window while the ready ones behind it are issued: issuing it
     would block the thread that issues them all until the update is done. Safe: the window ends at most depth
     positions past the unit computing now, and consecutive streamed units take the depth + 1 slots in turn, so each
-    copy's slot was last used by a unit that has been released."""
+    copy's slot was last used by a unit already released, whose kernels the copy then waits for (freed)."""
 
     units: list[int]  # the streamed units, in the order the pass runs them
     position: dict[int, int]  # a streamed unit's index in `units`; a resident unit's, the next streamed unit's
@@ -2098,7 +2098,7 @@ class StreamedAdam(HostState):
       bring_in   waits for left[k]: slot k's chunk before is back on the host; records landed[k]
       step       waits for landed[k] (and, in order on s_adam, follows the unit's take); records stepped[k]
       send_back  waits for stepped[k]; records left[k]
-    After a unit's last chunk, written[u]: the next forward's copy of the unit waits for it on the copy stream."""
+    After a unit's last chunk, written_back[u]: the unit's next weight copy waits for it on the copy stream."""
 
     def __init__(self, store: MasterStore, units, device, copy_stream, keep_first_grads: bool = False):
         if keep_first_grads and units and not store.pool.dedicated:
@@ -3394,6 +3394,7 @@ def token_cache(run: RunConfig, files: list[Path], tokenizer) -> torch.Tensor:
     with tempfile.NamedTemporaryFile(dir=folder, prefix=".tokens-", delete=False) as f:
         try:
             write_tokens(run, files, tokenizer, f)
+            f.flush()
             os.fsync(f.fileno())
         except BaseException:
             os.unlink(f.name)
@@ -3418,6 +3419,8 @@ def write_tokens(run: RunConfig, files: list[Path], tokenizer, f) -> None:
         if time.perf_counter() - shown > 5:
             shown = time.perf_counter()
             log(f"data: tokenizing, {count:,} tokens so far")
+    if not count:
+        raise UsageError(f"--data: all {len(skipped)} file(s) were skipped as not UTF-8: no text to train on")
     f.seek(0)
     f.write(struct.pack(TOKEN_HEADER, TOKEN_MAGIC, itemsize, count))
     note = f", {len(skipped)} file(s) skipped as not UTF-8" if skipped else ""

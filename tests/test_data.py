@@ -270,3 +270,11 @@ def test_sampling_is_refused_without_a_tokenizer_or_a_prompt(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             ol.command_line(args)
         assert e.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_a_corpus_whose_every_file_is_skipped_is_refused(tmp_path, capsys):
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "a.py").write_bytes(b"\xff\xfe")
+    args = ["--data", tmp_path / "bad", "--skip-undecodable", "--train-tokenizer", 300]
+    assert "all 1 file(s) were skipped as not UTF-8" in refusal(capsys, tmp_path, *args)
+    assert not list((tmp_path / "cache").glob("tokens-*"))  # nothing half-made is left to be read
