@@ -15,6 +15,7 @@ accelerations plug into it as policies; measurement, tables and sizing are instr
   layer streamer         CopyWindow, LayerStreamer, StreamedLayer: a ring of GPU slots filled on a copy stream
   training               Adam, MasterStore, CpuAdam, Steppers, OffloadedTraining, ResidentTraining: plain and reference
   accelerations          ResidentUnits, StreamedAdam, ActivationOffload, LossScale, GradClip, DiskTier
+  several GPUs           Ranks, start_ranks: torchrun's ranks, each with a shard of the host state
   placement              Placement, training_placement: what stays on the GPU under a cap
   modes                  run_mode, train_mode, train_steps, StepClock: each mode's inference and training
   saving and resuming    save_pretrained, write_checkpoint, resume
@@ -37,6 +38,7 @@ import concurrent.futures
 import contextlib
 import copy
 import dataclasses
+import datetime
 import errno
 import fcntl
 import functools
@@ -108,12 +110,16 @@ TOKEN_HEADER = "<6sHQ"
 TOKEN_START = 16  # bytes: the header's size, where the ids start
 TOKEN_CACHE_FORMAT = 1  # part of the cache's key: a new format never reads an old file
 TOKENIZE_BATCH = 256  # documents the tokenizer's threads encode at once
+RANK_TIMEOUT = 50  # seconds a rank waits for the others in a step's collective, then ends with an error
+SETUP_TIMEOUT = 1800  # seconds: the ranks meet before the steps, once each has built its model and state
 HELD_OUT_SEED = 0  # draws the held-out blocks: the same for every --seed, so none is ever trained on
 
 
 def log(msg: str) -> None:
     """Progress goes to stderr, each line after the seconds since the process started: stdout carries the tables. On
-    a terminal, through tqdm, which keeps a progress bar below the lines."""
+    a terminal, through tqdm, which keeps a progress bar below the lines. Of torchrun's ranks, rank 0 speaks for all."""
+    if os.environ.get("RANK", "0") != "0":
+        return
     line = f"{time.perf_counter() - STARTED:6.1f} s  {msg}"
     if sys.stderr.isatty():
         import tqdm  # noqa: PLC0415  (transformers installs it; needed on a terminal only)
@@ -201,6 +207,8 @@ class RunConfig:
     sample_tokens: int = 32
     temperature: float = 0.0  # 0: greedy
     top_k: int | None = None
+    # the processes torchrun started, one per GPU (Ranks; None: this one alone)
+    ranks: Ranks | None = None
 
     @property
     def adam(self) -> Adam:
@@ -521,6 +529,39 @@ def check_combinations(p: Parser, a: argparse.Namespace) -> None:
         p.error("--nvme keeps the Adam state of offloaded training: add overlapped or blocked to --mode")
 
 
+ONE_GPU_FLAGS = {  # what several ranks do not do yet: flag -> whether the command line asks for it
+    "--dtype float16": lambda a: a.dtype == "float16",
+    "--clip-grad-norm": lambda a: a.clip_grad_norm is not None,
+    "--resident-layers": lambda a: a.resident_layers is not None,
+    "--gpu-adam-share": lambda a: bool(a.gpu_adam_share),
+    "--nvme": lambda a: a.nvme is not None,
+    "--checkpoint": lambda a: a.checkpoint is not None,
+    "--resume": lambda a: a.resume is not None,
+    "--save-pretrained": lambda a: a.save_pretrained is not None,
+    "--data": lambda a: a.data is not None,
+    "--profile": lambda a: a.profile is not None,
+    "--fwd-bwd-reference": lambda a: a.fwd_bwd_reference,
+}
+
+
+def check_rank_flags(p: Parser, a: argparse.Namespace, world: int) -> None:
+    """Under torchrun (world ranks): data-parallel training of an offloaded mode, the step's micro-batches split
+    evenly; what runs on one GPU only is refused. One line, exit 2, before torch loads."""
+    if world == 1:
+        return
+    modes = MODES if a.mode == "all" else a.mode.split(",")
+    if not a.train:
+        p.error(f"torchrun started {world} ranks, which train together: add --train")
+    if not set(modes) <= {"blocked", "overlapped"}:
+        p.error(f"--mode {a.mode}: {world} ranks train an offloaded mode: use --mode overlapped or blocked")
+    if a.grad_accum % world:
+        split = f"the step's {a.grad_accum} micro-batches split evenly over the {world} ranks"
+        p.error(f"--grad-accum {a.grad_accum}: {split}: use a multiple of {world}")
+    for flag, asked in ONE_GPU_FLAGS.items():
+        if asked(a):
+            p.error(f"{flag} runs on one GPU only, for now: leave it out under torchrun, or run without torchrun")
+
+
 def command_line(argv=None) -> RunConfig:
     """The command line as a RunConfig, its dtype None unless given (parse_args asks the GPU); flags out of range or
     that do not go together end with one line and exit 2. Needs neither torch nor transformers."""
@@ -533,6 +574,7 @@ def command_line(argv=None) -> RunConfig:
     check_ranges(p, a)
     check_combinations(p, a)
     check_data_flags(p, a)
+    check_rank_flags(p, a, int(os.environ.get("WORLD_SIZE", "1")))
     a.sizes = tuple((f, getattr(a, f)) for f in SIZE_FLAGS if getattr(a, f) is not None)
     if a.model is not None and (a.sizes or a.preset is not None):
         given = [f"--{SIZE_FLAGS[f]}" for f, _ in a.sizes] + ["--preset"] * (a.preset is not None)
@@ -540,7 +582,9 @@ def command_line(argv=None) -> RunConfig:
     a.preset = a.preset or RunConfig.preset
     a.betas = tuple(a.betas)
     a.sample = tuple(a.sample)
-    return RunConfig(**{field.name: getattr(a, field.name) for field in dataclasses.fields(RunConfig)})
+    return RunConfig(
+        **{field.name: getattr(a, field.name) for field in dataclasses.fields(RunConfig) if hasattr(a, field.name)}
+    )
 
 
 def check_command_line(argv=None) -> None:
@@ -650,6 +694,7 @@ if __name__ == "__main__":  # a mistyped command is answered before torch and tr
 
 import tokenizers  # noqa: E402  (after the command line's check)
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 import tqdm  # noqa: E402
 import transformers  # noqa: E402
 from torch import nn  # noqa: E402
@@ -811,6 +856,11 @@ class FlatLayout:
         places = zip(self.names, self.shapes, self.offsets, strict=True)
         return {name: flat[off : off + shape.numel()].view(shape) for name, shape, off in places}
 
+    def fill(self, flat: torch.Tensor, get) -> None:
+        """Each parameter's view of `flat` filled from get(name)."""
+        for name, view in self.views(flat).items():
+            view.copy_(get(name))
+
     def bind(self, module: nn.Module, flat: torch.Tensor, trainable: bool = False) -> nn.Module:
         """Make `module`'s parameters views into `flat`: filling `flat` then changes the weights it runs."""
         for name, view in self.views(flat).items():
@@ -957,10 +1007,14 @@ class LayerStreamer:
       copied[s]  the copy into slot s has landed:   compute may read the slot
       freed[s]   compute has finished with slot s:  the next copy may overwrite it
     Resident units run from GPU buffers of their own. Float32 sources (the masters) in a lower compute dtype cross
-    PCIe in chunks through a staging buffer and are cast on the GPU."""
+    PCIe in chunks through a staging buffer and are cast on the GPU. With several ranks, each source is the rank's
+    shard of its unit: it lands in its place in the slot, and an all-gather over NVLink fills the rest (Ranks)."""
 
-    def __init__(self, sources, kinds, make_module, dtype, device, depth: int, copy_stream=None, writer=None):
-        self.sources = sources  # each unit's flat host buffer
+    def __init__(
+        self, sources, kinds, make_module, dtype, device, depth: int, copy_stream=None, writer=None, ranks=None
+    ):
+        self.sources = sources  # each unit's flat host buffer (with several ranks, this rank's shard of it)
+        self.ranks = ranks or Ranks()
         self.kinds = kinds  # each unit's kind, which make_module(kind, buffer) builds a module of
         self.make_module = make_module
         self.dtype, self.device = dtype, device  # of the slots
@@ -987,7 +1041,7 @@ class LayerStreamer:
     def build_ring(self, n_slots: int) -> None:
         """The slots, each as large as the largest streamed unit, their modules and events; the staging buffer."""
         self.slot = {u: i % n_slots for i, u in enumerate(self.streamed)}  # consecutive units take other slots
-        numel = max((self.sources[u].numel() for u in self.streamed), default=0)
+        numel = max((self.sources[u].numel() for u in self.streamed), default=0) * self.ranks.world
         self.buffers = [torch.empty(numel, dtype=self.dtype, device=self.device) for _ in range(n_slots)]
         cast = {self.sources[u].dtype for u in self.streamed} - {self.dtype}
         self.staging = torch.empty(min(numel, STAGING), dtype=cast.pop(), device=self.device) if cast else None
@@ -1016,7 +1070,8 @@ class LayerStreamer:
         s, src = self.slot[u], self.sources[u]
         if u in self.kept and self.holds[s] == u:
             return
-        dst = self.buffers[s][: src.numel()]
+        full = self.buffers[s][: src.numel() * self.ranks.world]
+        dst = self.ranks.shard(full)
         self.writer.wait_written(u)  # the host, or the copy stream, waits until the update has written it
         with on_stream(self.copy_stream):
             self.copy_stream.wait_event(self.freed[s])  # the slot's previous unit may still be running from it
@@ -1024,6 +1079,7 @@ class LayerStreamer:
                 dst.copy_(src, non_blocking=True)
             else:
                 self.cast_in(src, dst)
+            self.ranks.gather(full)  # after this rank's shard has landed; the other ranks' shards fill the rest
             self.copied[s].record(self.copy_stream)  # compute waits for it before it reads the slot
         self.holds[s] = u
 
@@ -1055,9 +1111,11 @@ class LayerStreamer:
             self.freed[self.slot[u]].record(self.compute_stream)  # the slot's next copy waits for it
 
     def issue_through(self, p: int, need: int | None = None) -> None:
-        """Issue the window's copies up to position p: the ready ones, then `need`, about to run (CopyWindow)."""
+        """Issue the window's copies up to position p: the ready ones, then `need`, about to run (CopyWindow). With
+        several ranks, all in order: each copy's all-gather must come in the same order on every rank."""
         self.window.enter_through(p)
-        for q in self.window.take(self.writer.written, need):
+        written = self.writer.written if not self.ranks.several else lambda u: True
+        for q in self.window.take(written, need):
             self.prefetch(q)
 
 
@@ -1307,12 +1365,14 @@ class MasterStore:
         copy_dtype=None,
         scaled_grads: bool = False,
         disk: DiskTier | None = None,
+        ranks: Ranks | None = None,
     ):
         self.units = units
         self.pin = pin  # whether the host buffers are pinned
         self.disk = disk
         self.on_disk = frozenset(disk.units if disk else ())  # units whose moments the disk tier keeps
-        numels = [u.layout.numel for u in units]
+        self.ranks = ranks or Ranks()  # each unit's state here is this rank's shard of it
+        numels = [self.ranks.shard_numel(u.layout.numel) for u in units]
         self.masters = [host_zeros(numel, torch.float32, pin) for numel in numels]
         self.copies = [host_zeros(numel, copy_dtype, pin) for numel in numels] if copy_dtype else None
         self.moments = [
@@ -1394,10 +1454,9 @@ class MasterStore:
         run has freed the model's layers, so the host's peak stays at its steady state. unit_source(name): a block in
         which unit `name` of a meta-device model holds its weights (drawn_unit)."""
         for u, (unit, master) in enumerate(zip(self.units, self.masters, strict=True)):
-            module = model.get_submodule(unit.name)
+            get = model.get_submodule(unit.name).get_parameter
             with unit_source(unit.name) if unit_source else contextlib.nullcontext():
-                for name, view in unit.layout.views(master).items():
-                    view.copy_(module.get_parameter(name))
+                self.ranks.fill_shard(master, functools.partial(unit.layout.fill, get=get))
             if self.copies:
                 self.copies[u].copy_(master)
             self.steps[u].zero_()
@@ -1412,10 +1471,9 @@ class MasterStore:
         layout = self.units[u].layout
 
         def fill(keys: tuple[str, ...], *flats) -> None:
-            """The state's tensors of `keys` into the flat buffers `flats`."""
+            """The state's tensors of `keys` into the flat buffers `flats` (this rank's shards)."""
             for key, flat in zip(keys, flats, strict=True):
-                for name, view in layout.views(flat).items():
-                    view.copy_(state[key][name])
+                self.ranks.fill_shard(flat, functools.partial(layout.fill, get=state[key].__getitem__))
 
         fill(("master",), self.masters[u])
         moments = functools.partial(fill, ("exp_avg", "exp_avg_sq"))
@@ -1429,11 +1487,12 @@ class MasterStore:
         self.unstarted.discard(u)
 
     def state_dict(self, flats: list[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        """The masters (or other per-unit flats, such as the gradients) as float32 CPU tensors with HF names."""
+        """The masters (or other per-unit flats, such as the gradients) as float32 CPU tensors with HF names, every
+        rank's shards gathered (a collective: every rank calls it)."""
         return {
             f"{unit.name}.{name}": view.to("cpu", torch.float32, copy=True)
             for unit, flat in zip(self.units, flats or self.masters, strict=True)
-            for name, view in unit.layout.views(flat).items()
+            for name, view in unit.layout.views(self.ranks.gathered(flat.cpu())).items()
         }
 
 
@@ -1590,6 +1649,8 @@ class Steppers:
     def __init__(self, store: MasterStore, dtype: torch.dtype, device: torch.device, d2h_stream):
         self.store, self.dtype, self.device = store, dtype, device
         self.buffer, _ = gradient_memory(store, (), True, device)  # the streamed units' gradients, a unit at a time
+        shard = max(m.numel() for m in store.masters) if store.ranks.several else 0
+        self.summed = torch.empty(shard, dtype=store.grad_dtype, device=device)  # this rank's shard of their sum
         self.last_landed = InOrder()  # the event after which `buffer` may be overwritten: its last gradients left
         self.cpu_adam = CpuAdam(store, device, d2h_stream)
         self.of = [self.cpu_adam] * len(store.units)  # unit -> its stepper
@@ -1616,7 +1677,12 @@ class Steppers:
     def grads(self, u: int) -> torch.Tensor:
         """The GPU memory unit u's gradients accumulate in: the start of the gradient buffer, or a resident unit's."""
         stepper = self.of[u]
-        return stepper.grads(u) if stepper.holds_grads else self.buffer[: self.store.masters[u].numel()]
+        return stepper.grads(u) if stepper.holds_grads else self.buffer[: self.store.masters[u].numel() * self.world]
+
+    @property
+    def world(self) -> int:
+        """The ranks whose shards make a unit."""
+        return self.store.ranks.world
 
     def wait_to_write(self, u: int, stream) -> None:
         """Before unit u's backward writes its gradients into the shared buffer, `stream` waits for the last ones sent
@@ -1625,10 +1691,22 @@ class Steppers:
             stream.wait_event(self.last_landed)
 
     def send(self, u: int, ready) -> None:
-        """Send unit u's gradients to its stepper once `ready` (the end of the unit's backward)."""
-        landed = self.of[u].send(u, self.grads(u), ready)
+        """Send unit u's gradients to its stepper once `ready` (the end of the unit's backward); with several ranks,
+        this rank's shard of their sum over the ranks."""
+        grads = self.grads(u) if not self.store.ranks.several else self.sum_shard(u, ready)
+        landed = self.of[u].send(u, grads, ready)
         if landed is not None:  # None: they stay on the GPU (a resident unit), and the last ones sent hold the buffer
             self.last_landed = landed
+
+    def sum_shard(self, u: int, ready) -> torch.Tensor:
+        """Unit u's gradients summed over the ranks (a reduce-scatter over NVLink), this rank's shard, issued on the D2H
+        stream: it follows the last copy out of `summed`, and the copy of this shard out follows it."""
+        shard = self.summed[: self.store.masters[u].numel()]
+        stream = self.cpu_adam.d2h_stream
+        with on_stream(stream):
+            stream.wait_event(ready)  # the unit's backward must have written all its gradients
+            self.store.ranks.sum_shard(shard, self.grads(u))
+        return shard
 
     def update(self, u: int, multiplier: float) -> None:
         """Unit u's Adam step, its gradients times `multiplier`: queued, or (a resident unit) on the compute stream."""
@@ -1789,7 +1867,9 @@ class OffloadedTraining:
         self.d2h_stream = new_stream(device)  # gradients leave on it
         self.steppers = Steppers(store, dtype, device, self.d2h_stream)
         kinds = [u.kind for u in self.units]
-        self.streamer = LayerStreamer(store.weights, kinds, make_module, dtype, device, depth, writer=self.steppers)
+        self.ranks = store.ranks
+        streamed = (store.weights, kinds, make_module, dtype, device, depth)
+        self.streamer = LayerStreamer(*streamed, writer=self.steppers, ranks=self.ranks)
         self.anchor = torch.empty(0, device=device, requires_grad=True)
         # the plain path's policies for saved inputs, the loss's scale and the gradients' clipping
         self.inputs, self.scaling = KeptInputs(), loss_scaling(dtype, device)
@@ -1871,12 +1951,13 @@ class OffloadedTraining:
             losses = StreamedUnit.apply(self, u, self.anchor, *losses)
         self.streamer.begin(reversed(range(n)), keep=True)  # the forward's last units are still in the slots
         self.inputs.backward_begins(n)
-        sum(objective(loss, len(losses), self.scaling.scale) for loss in losses).backward()
+        micro_batches = len(losses) * self.ranks.world  # the step's, over every rank
+        sum(objective(loss, micro_batches, self.scaling.scale) for loss in losses).backward()
         if self.scaling.update() and self.holds_updates:
             multiplier = self.clip.multiplier()
             for u in self.sent:
                 self.steppers.update(u, multiplier)
-        return mean_loss(losses)
+        return mean_loss(losses, self.ranks)
 
     def state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
         """The float32 masters (grads: the gradients the steppers keep) with HF names on the CPU, after every update."""
@@ -1917,7 +1998,7 @@ def gradient_memory(store: MasterStore, resident, own_grads: bool, device) -> tu
     micro-batches or unscale float16; else the compute dtype), and the float32 memory it starts, large enough for the
     resident units' gradients too where they share it (not own_grads). Zeroed: the padding between a unit's
     parameters is sent and stepped too, and must hold no NaN from unwritten memory."""
-    numels = [m.numel() for m in store.masters]
+    numels = [m.numel() * store.ranks.world for m in store.masters]  # a unit's shards, with several ranks
     streamed = max((n for u, n in enumerate(numels) if u not in resident), default=0)
     shared = 0 if own_grads else max((numels[u] for u in resident), default=0)
     memory = torch.zeros(max(-(-streamed * store.grad_dtype.itemsize // 4), shared), device=device)
@@ -2002,9 +2083,10 @@ class ResidentTraining:
         return {name: t.detach().to("cpu", copy=True) for name, t in zip(self.names, tensors, strict=True)}
 
 
-def mean_loss(losses) -> torch.Tensor:
-    """The mean of the micro-batches' losses, detached."""
-    return sum(loss.detach() for loss in losses) / len(losses)
+def mean_loss(losses, ranks: Ranks | None = None) -> torch.Tensor:
+    """The mean of the micro-batches' losses (with several ranks, of every rank's), detached."""
+    ranks = ranks or Ranks()
+    return ranks.sum(sum(loss.detach() for loss in losses)) / (len(losses) * ranks.world)
 
 
 # ---------------------------------------------------------------------------------------------------- accelerations
@@ -2642,6 +2724,156 @@ def direct_io(fd: int, buffer: mmap.mmap) -> bool:
         return False
 
 
+# ---------------------------------------------------------------------------------------------------- several GPUs
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """The processes of a data-parallel run, one per GPU, as torchrun starts them; one process alone is rank 0 of 1,
+    for which every method is the plain path's (nothing to gather, sum or split). Each rank keeps 1/world of every
+    unit's host state, its shard, and trains on micro-batches rank, rank + world, ... of each step. The collectives
+    run on NCCL between GPUs (gloo between CPU tensors), in the same order on every rank, as NCCL requires."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0  # the GPU of this host it drives
+    local_world: int = 1  # the ranks on this host, which share its cores and memory
+
+    @classmethod
+    def from_environment(cls) -> Ranks:
+        """The ranks torchrun describes in the environment, else one process."""
+        env = os.environ
+        if "WORLD_SIZE" not in env:
+            return cls()
+        world, local_world = int(env["WORLD_SIZE"]), int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"]))
+        return cls(int(env.get("RANK", 0)), world, int(env.get("LOCAL_RANK", 0)), local_world)
+
+    @property
+    def several(self) -> bool:
+        """Whether other ranks take part."""
+        return self.world > 1
+
+    def shard_numel(self, numel: int) -> int:
+        """Each rank's share of a flat buffer of `numel` elements, on an ALIGN boundary (the last ones pad)."""
+        return -(-numel // (self.world * ALIGN)) * ALIGN
+
+    def shard(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of `full`, a flat buffer of world shards."""
+        n = full.numel() // self.world
+        return full[self.rank * n : (self.rank + 1) * n]
+
+    def fill_shard(self, flat: torch.Tensor, fill) -> None:
+        """fill(full) writes a unit's whole flat buffer; `flat`, this rank's shard of it, takes its part (one process:
+        `flat` is the whole, filled in place)."""
+        if not self.several:
+            fill(flat)
+            return
+        full = torch.zeros(flat.numel() * self.world, dtype=flat.dtype)
+        fill(full)
+        flat.copy_(self.shard(full))
+
+    def share(self, micro_batches: list) -> list:
+        """This rank's micro-batches of a step's: rank, rank + world, ..."""
+        return micro_batches[self.rank :: self.world]
+
+    def gather(self, full: torch.Tensor) -> None:
+        """Each rank's shard of `full`, written in its place, into every rank's `full` (after the current stream's
+        work so far, and before its work after)."""
+        if self.several:
+            dist.all_gather_into_tensor(full, self.shard(full), group=self.group)
+
+    def sum_shard(self, shard: torch.Tensor, full: torch.Tensor) -> None:
+        """The sum over ranks of their `full`, this rank's shard of it into `shard` (stream order as gather's)."""
+        if self.several:
+            reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            reduce_scatter(shard, full, group=self.group)
+        else:
+            shard.copy_(full)
+
+    def sum(self, value: torch.Tensor) -> torch.Tensor:
+        """`value` summed over the ranks, in place."""
+        if self.several:
+            dist.all_reduce(value, group=self.group)
+        return value
+
+    def gathered(self, shard: torch.Tensor) -> torch.Tensor:
+        """Every rank's `shard` of a flat host buffer, gathered in a new one (one process: `shard` itself)."""
+        if not self.several:
+            return shard
+        full = torch.empty(shard.numel() * self.world, dtype=shard.dtype)
+        dist.all_gather_into_tensor(full, shard.contiguous(), group=self.group)
+        return full
+
+    def meet(self) -> None:
+        """Wait until every rank is here, as long as setting up may take (one may still be pinning or compiling)."""
+        if self.several:
+            dist.barrier()
+
+    def each(self, value) -> list:
+        """Every rank's `value` (a small picklable one), in rank order."""
+        if not self.several:
+            return [value]
+        values = [None] * self.world
+        dist.all_gather_object(values, value)
+        return values
+
+    @property
+    def group(self):
+        """The group the steps' collectives run in: a stalled rank ends the others after RANK_TIMEOUT, not never."""
+        return STEP_GROUP.get("group")
+
+
+STEP_GROUP = {}  # "group": the process group with RANK_TIMEOUT, made by start_ranks
+
+
+def start_ranks(ranks: Ranks | None) -> None:
+    """Join the other ranks (torchrun's rendezvous), the host's cores split between them: NCCL between the GPUs, gloo
+    between CPU tensors. Setting up may take long on one rank (pinning, compiling), so the default group waits long;
+    the steps' group does not."""
+    if ranks is None or not ranks.several:
+        return
+    split_cores(ranks)
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=SETUP_TIMEOUT))
+    STEP_GROUP["group"] = dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=RANK_TIMEOUT))
+
+
+def split_cores(ranks: Ranks) -> None:
+    """The host's cores split evenly between its ranks, each rank's CPU Adam and copies taking its share; said."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    share = max(1, cores // ranks.local_world)
+    torch.set_num_threads(share)
+    log(
+        f"{ranks.world} ranks train, {ranks.local_world} on this host, each on {share} of its {cores} cores (inference "
+        "runs on one GPU: run it without torchrun)"
+    )
+
+
+def rank_peaks(ranks: Ranks, result: dict) -> dict:
+    """A mode's training result with every rank's peaks: each rank's in `ranks`, the largest GPU's and the host's sum
+    (the ranks share it) in the peaks' places."""
+    if not ranks.several:
+        return result
+    keys = ("peak_gpu_bytes", "peak_host_bytes")
+    each = ranks.each({key: result.get(key) for key in keys})
+    gpu, host = ([rank[key] or 0 for rank in each] for key in keys)
+    return result | {"ranks": each, "peak_gpu_bytes": max(gpu), "peak_host_bytes": sum(host)}
+
+
+def host_peaks(ranks: Ranks | None, host: dict) -> dict:
+    """The host's budget and peak resident set: with several ranks on it, every rank's summed."""
+    if ranks is None or not ranks.several:
+        return host
+    return {key: sum(rank[key] or 0 for rank in ranks.each(host)) for key in host}
+
+
+def stop_ranks() -> None:
+    """Leave the other ranks, once every collective is done."""
+    if dist.is_available() and dist.is_initialized():
+        STEP_GROUP.clear()
+        dist.destroy_process_group()
+
+
 # ---------------------------------------------------------------------------------------------------- placement
 
 
@@ -2748,7 +2980,9 @@ def training_placement(trainer, run: RunConfig, mode: str, besides: dict[str, in
         return Placement(tuple(resident), parts | besides, gpu_adam)
 
     resident, budget, share = [], plan_budget(run), run.gpu_adam if mode == "overlapped" else 0.0
-    if mode == "overlapped" and run.resident_layers is not None:
+    if trainer.store.ranks.several:  # each rank steps its shard of every unit on the CPU
+        share = 0.0
+    elif mode == "overlapped" and run.resident_layers is not None:
         resident = list(range(1, 1 + run.resident_layers))  # unit 0 is the embeddings
     elif mode == "overlapped" and budget is not None:
         while (
@@ -2872,11 +3106,13 @@ def train_mode(mode: str, model, masters, input_ids, run: RunConfig, compared: b
     samples before and after); {'oom': True} when it does not fit the GPU. When `compared` with gpu mode's, it keeps
     the first step's gradients and masters and the last step's masters."""
     device = torch.device("cpu" if mode == "cpu" else "cuda")
-    micro_batches = [ids.to(device) for ids in input_ids.chunk(run.grad_accum)]
+    ranks = run.ranks or Ranks()
+    micro_batches = [ids.to(device) for ids in ranks.share(input_ids.chunk(run.grad_accum))]
     log(f"mode {mode}: training, {run.steps} steps of {input_ids.numel()} tokens in {run.grad_accum} micro-batch(es)")
     reset_peak_memory(device)
     trainer = None
     try:
+        ranks.meet()  # the steps' collectives wait RANK_TIMEOUT at most: every rank starts them set up
         trainer = make_trainer(mode, model, masters, micro_batches, run, device)
         manifest = checkpoint_manifest(run, model.config, mode)
         placed = prepare_steps(trainer, micro_batches, run, mode, compared, manifest)
@@ -2895,7 +3131,7 @@ def train_mode(mode: str, model, masters, input_ids, run: RunConfig, compared: b
             checkpoint.write(run.steps)
         evaluation.after()
         result |= trained_outputs(trainer, run, model.config, mode, compared)
-        return result | placed | evaluation.figures() | training_figures(trainer, result)
+        return rank_peaks(ranks, result | placed | evaluation.figures() | training_figures(trainer, result))
     except torch.OutOfMemoryError as e:
         log(f"mode {mode}: out of GPU memory ({str(e).splitlines()[0]})")
         return {"oom": True}
@@ -2955,7 +3191,8 @@ def train_steps(
     (Checkpoints, Evaluation); the step after either is not timed. keep_grads: the first step's state, to compare.
     done: the steps a resumed run had trained. batches(i): step i's micro-batches, else every step's `micro_batches`."""
     batch = batches(done) if batches else micro_batches
-    clock = StepClock(trainer, batch[0].device, done, run.steps, sum(ids.numel() for ids in batch))
+    tokens = sum(ids.numel() for ids in batch) * (run.ranks.world if run.ranks else 1)  # the step's, over every rank
+    clock = StepClock(trainer, batch[0].device, done, run.steps, tokens)
     rounds = bound_rounds(run) if bound_parts else []
     losses, grads, parts, extra = [], None, collections.defaultdict(list), {}
     for i in range(run.steps + 1):
@@ -4425,10 +4662,12 @@ def host_memory_available() -> int | None:
 
 
 def host_budget(run: RunConfig) -> int | None:
-    """The host memory the run may plan for: MemAvailable, at most --max-host-memory (None: not known)."""
+    """The host memory the run may plan for: MemAvailable, at most --max-host-memory (None: not known); a rank's
+    share of it where several ranks share the host."""
     available = host_memory_available()
     cap = None if run.max_host_memory is None else int(run.max_host_memory * GiB)
-    return cap if available is None else min(available, cap or available)
+    budget = cap if available is None else min(available, cap or available)
+    return budget if budget is None or run.ranks is None else budget // run.ranks.local_world
 
 
 def host_bytes_needed(run: RunConfig, config: LlamaConfig, params: int) -> tuple[int, str]:
@@ -4438,6 +4677,7 @@ def host_bytes_needed(run: RunConfig, config: LlamaConfig, params: int) -> tuple
     if run.train and offloaded:
         # lean: the decoder layers are freed once the masters hold them (a random model's are never held whole)
         model = params_with_layers(config, 0) if run.lean and run.model is None else params
+        params = -(-params // run.ranks.world) if run.ranks else params  # this rank's shard of the state
         if run.holds_updates:  # every unit's gradients wait on the host for the others'
             grads, what = params * gradient_dtype(run).itemsize, "every unit's gradients"
         else:
@@ -4682,6 +4922,11 @@ def duration_text(seconds: float) -> str:
 def parse_args(argv=None) -> RunConfig:
     """The command line as a RunConfig with its dtype: bfloat16 unless --dtype says otherwise or the GPU lacks it."""
     run = command_line(argv)
+    ranks = Ranks.from_environment()
+    if ranks.several:  # training only: inference runs on one GPU (said by split_cores)
+        run = dataclasses.replace(run, ranks=ranks, inference=False)
+        if torch.cuda.is_available() and ranks.local_rank < torch.cuda.device_count():  # else refused later
+            torch.cuda.set_device(run.ranks.local_rank)  # before CUDA starts on another GPU
     return run if run.dtype else dataclasses.replace(run, dtype=default_dtype())
 
 
@@ -4695,6 +4940,12 @@ def check_devices(run: RunConfig, config: LlamaConfig) -> None:
         size = f"{one_layer / 2**20:.1f} MiB in {run.dtype}"
         raise UsageError(f"--max-gpu-memory {run.max_gpu_memory} GiB is less than one decoder layer ({size})")
     gpu_modes = [m for m in run.modes if m != "cpu"]
+    local_world = run.ranks.local_world if run.ranks else 1
+    if gpu_modes and local_world > max(1, torch.cuda.device_count()):
+        raise UsageError(
+            f"torchrun started {local_world} ranks on this host, which has {torch.cuda.device_count()} GPU(s): use "
+            "--nproc-per-node with at most one rank per GPU"
+        )
     if run.fwd_bwd_reference and not torch.cuda.is_available():
         raise UsageError("--fwd-bwd-reference runs on a CUDA GPU, and torch.cuda.is_available() is False")
     if gpu_modes and not torch.cuda.is_available():
@@ -4840,6 +5091,7 @@ def run_all(run: RunConfig) -> dict:
     run = with_disk_tier(with_activation_offload(run, config), config)
     check_devices(run, config)
     log(f"torch {torch.__version__} and transformers {transformers.__version__} imported, the run checked")
+    start_ranks(run.ranks)
     host_cap = host_budget(run)  # before the run takes memory: MemAvailable, at most --max-host-memory
     warn_if_long(run, config)
     offloaded = {"blocked", "overlapped"} & set(run.modes)
@@ -4864,15 +5116,21 @@ def run_all(run: RunConfig) -> dict:
     finally:
         if masters:
             masters.close()  # the disk tier's files
-    host = {"host_budget_bytes": host_cap, "peak_host_bytes_process": process_host_peak()}
+    host = host_peaks(run.ranks, {"host_budget_bytes": host_cap, "peak_host_bytes_process": process_host_peak()})
     report = run_report(run, model.config, input_ids.numel(), results, reference, host)
-    print(tables(results, run, input_ids.numel(), reference, host))
+    if not (run.ranks and run.ranks.rank):  # rank 0 prints and writes for all
+        print(tables(results, run, input_ids.numel(), reference, host))
+        write_outputs(run, report, input_ids, logits, train_ids, trained)
+    return report
+
+
+def write_outputs(run: RunConfig, report: dict, input_ids, logits: dict, train_ids, trained: dict) -> None:
+    """--json's report and --save-output's tensors, where asked for."""
     if run.json:
         write_json(run.json, report)
     if run.save_output:
         save_output(run, input_ids, logits, train_ids, trained)
     log("done")
-    return report
 
 
 def set_gpu_cap(run: RunConfig) -> None:
@@ -4935,7 +5193,8 @@ def training_store(run: RunConfig, config: LlamaConfig, grad_buffers: int, copy_
     units, scaled = model_units(config), run.clip_grad_norm is not None
     disk = disk_tier(run, units)
     try:
-        masters = MasterStore(units, run.adam, True, grad_buffers, gradient_dtype(run), copy_dtype, scaled, disk)
+        args = (units, run.adam, True, grad_buffers, gradient_dtype(run), copy_dtype, scaled, disk, run.ranks)
+        masters = MasterStore(*args)
     except BaseException:
         if disk:
             disk.close()
@@ -4975,6 +5234,7 @@ def main(argv=None) -> int:
     try:
         check_outputs(run)
         run_all(run)
+        stop_ranks()
     except UsageError as e:
         finish_early()
         print(f"offload_llama.py: error: {e}", file=sys.stderr)
