@@ -2949,7 +2949,7 @@ def gpu_adam_bytes(store: MasterStore, units) -> int:
 def training_parts(store: MasterStore, run: RunConfig, depth: int, own_grads: bool, resident, gpu_adam) -> dict:
     """A training placement's GPU bytes by part. Resident, a parameter takes 14 bytes (weights, float32 master and
     moments; 12 in float32) and its float32 gradients 4 more, or a share of the gradient buffer (not own_grads)."""
-    b, numels = run.torch_dtype.itemsize, [m.numel() for m in store.masters]
+    b, numels = run.torch_dtype.itemsize, [m.numel() * store.ranks.world for m in store.masters]  # every rank's shard
     kept = [numels[u] for u in resident]
     streamed = [n for u, n in enumerate(numels) if u not in resident]
     largest = max(streamed, default=0)
