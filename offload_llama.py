@@ -530,8 +530,6 @@ def check_combinations(p: Parser, a: argparse.Namespace) -> None:
 
 
 ONE_GPU_FLAGS = {  # what several ranks do not do yet: flag -> whether the command line asks for it
-    "--dtype float16": lambda a: a.dtype == "float16",
-    "--clip-grad-norm": lambda a: a.clip_grad_norm is not None,
     "--resident-layers": lambda a: a.resident_layers is not None,
     "--gpu-adam-share": lambda a: bool(a.gpu_adam_share),
     "--nvme": lambda a: a.nvme is not None,
@@ -855,6 +853,15 @@ class FlatLayout:
         """Each parameter as a view into `flat`, by name."""
         places = zip(self.names, self.shapes, self.offsets, strict=True)
         return {name: flat[off : off + shape.numel()].view(shape) for name, shape, off in places}
+
+    def pieces(self, shard: torch.Tensor, start: int) -> list[torch.Tensor]:
+        """The parameters' pieces within `shard`, the part of a flat buffer from element `start` on (the padding
+        between them left out)."""
+        end = start + shard.numel()
+        bounds = [
+            (max(o, start), min(o + shape.numel(), end)) for o, shape in zip(self.offsets, self.shapes, strict=True)
+        ]
+        return [shard[lo - start : hi - start] for lo, hi in bounds if lo < hi]
 
     def fill(self, flat: torch.Tensor, get) -> None:
         """Each parameter's view of `flat` filled from get(name)."""
@@ -1690,13 +1697,14 @@ class Steppers:
         if self.of[u].shares_buffer:
             stream.wait_event(self.last_landed)
 
-    def send(self, u: int, ready) -> None:
+    def send(self, u: int, ready) -> torch.Tensor:
         """Send unit u's gradients to its stepper once `ready` (the end of the unit's backward); with several ranks,
-        this rank's shard of their sum over the ranks."""
+        this rank's shard of their sum over the ranks. Returns what was sent."""
         grads = self.grads(u) if not self.store.ranks.several else self.sum_shard(u, ready)
         landed = self.of[u].send(u, grads, ready)
         if landed is not None:  # None: they stay on the GPU (a resident unit), and the last ones sent hold the buffer
             self.last_landed = landed
+        return grads
 
     def sum_shard(self, u: int, ready) -> torch.Tensor:
         """Unit u's gradients summed over the ranks (a reduce-scatter over NVLink), this rank's shard, issued on the D2H
@@ -1776,9 +1784,9 @@ class Unclipped:
         return 1.0
 
 
-def loss_scaling(dtype: torch.dtype, device: torch.device):
+def loss_scaling(dtype: torch.dtype, device: torch.device, ranks=None):
     """float16's dynamic loss scaling (LossScale), or none."""
-    return LossScale(device) if dtype == torch.float16 else Unscaled()
+    return LossScale(device, ranks) if dtype == torch.float16 else Unscaled()
 
 
 def objective(loss: torch.Tensor, micro_batches: int, scale: float) -> torch.Tensor:
@@ -1872,8 +1880,8 @@ class OffloadedTraining:
         self.streamer = LayerStreamer(*streamed, writer=self.steppers, ranks=self.ranks)
         self.anchor = torch.empty(0, device=device, requires_grad=True)
         # the plain path's policies for saved inputs, the loss's scale and the gradients' clipping
-        self.inputs, self.scaling = KeptInputs(), loss_scaling(dtype, device)
-        self.clip = Unclipped() if max_norm is None else GradClip(store, max_norm)
+        self.inputs, self.scaling = KeptInputs(), loss_scaling(dtype, device, self.ranks)
+        self.clip = Unclipped() if max_norm is None else GradClip(store, max_norm, device)
         if self.scaling.holds_updates and not store.pool.dedicated:
             raise ValueError("float16 steps only once every unit's gradients are in: give each unit a gradient buffer")
 
@@ -1927,13 +1935,16 @@ class OffloadedTraining:
         return self.scaling.holds_updates or self.clip.holds_updates
 
     def send(self, u: int, views: list[torch.Tensor]) -> None:
-        """Unscale unit u's gradients, take their norm where they are clipped, and send them to its stepper; the update
-        follows, or waits for the others. views: grad_views(u), the gradients alone (the padding is never written)."""
+        """Unscale unit u's gradients (views: grad_views(u)), take their norm where clipped, send them to be stepped."""
         self.scaling.unscale(views)
-        self.clip.add(u, views)
+        if not self.ranks.several:
+            self.clip.add(u, views)
         ready = new_event(self.device)
         ready.record(self.streamer.compute_stream)  # marks the end of the unit's backward, for its stepper to wait on
-        self.steppers.send(u, ready)
+        sent = self.steppers.send(u, ready)
+        if self.ranks.several:  # the norm of the gradients' sum over the ranks: of this rank's shard, where it lands
+            with on_stream(self.d2h_stream):
+                self.clip.add(u, self.units[u].layout.pieces(sent, self.ranks.rank * sent.numel()))
         self.sent.append(u)
         if not self.holds_updates:
             self.steppers.update(u, 1.0)
@@ -2374,14 +2385,16 @@ class LossScale:
 
     holds_updates = True
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, ranks=None):
         self.scale = 2.0**16
         self.good_steps = 0  # in a row, since the scale last changed
         self.device = device
+        self.ranks = ranks or Ranks()  # every rank skips a step that overflows on one
         self.found_inf = torch.zeros(1, device=device)
 
     def unscale(self, grads: list[torch.Tensor]) -> None:
-        """Divide the float32 gradients by the scale and note any inf or NaN (no sync)."""
+        """Divide the float32 gradients by the scale and note any inf or NaN (no sync). With several ranks, a rank's
+        own gradients: where one is not finite, so is their sum over the ranks."""
         inv_scale = torch.full((1,), 1 / self.scale, device=self.device)
         torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found_inf, inv_scale)
 
@@ -2391,7 +2404,7 @@ class LossScale:
 
     def update(self) -> bool:
         """After the backward pass: whether the step may be applied (a sync)."""
-        overflow = bool(self.found_inf.item())
+        overflow = bool(self.ranks.sum(self.found_inf).item())
         self.found_inf.zero_()
         self.good_steps = 0 if overflow else self.good_steps + 1
         if overflow:
@@ -2410,27 +2423,38 @@ class GradClip:
 
     holds_updates = True
 
-    def __init__(self, store: MasterStore, max_norm: float):
+    def __init__(self, store: MasterStore, max_norm: float, device: torch.device):
         if not store.pool.dedicated:
             raise ValueError("clipping steps only once every unit's gradients are in: give each unit a gradient buffer")
         if not store.update.scaled:
             raise ValueError("the CPU Adam must multiply the gradients: build the store with scaled_grads")
         self.max_norm = max_norm
+        self.ranks = store.ranks  # with several, each takes the norm of its shards, and the squares are summed
         self.norms = {}  # unit -> its parameters' gradient norms, float32 on the GPU
         self.grad_norms = []  # each applied step's, before clipping
+        self.device = device
+        self.taken = InOrder()  # recorded after the last norm, on the stream that took it
 
     def add(self, u: int, grads: list[torch.Tensor]) -> None:
-        """Unit u's parameters' gradient norms, queued on the compute stream before the next unit's overwrite them."""
-        if grads[0].dtype == torch.float32:
+        """Unit u's parameters' gradient norms (with several ranks, of this rank's shard of their sum), queued on the
+        current stream before the next unit's gradients overwrite them."""
+        if not grads:  # a rank's shard of padding alone
+            self.norms[u] = []
+        elif grads[0].dtype == torch.float32:
             self.norms[u] = torch._foreach_norm(grads, 2.0)  # as clip_grad_norm_ takes them
         else:  # 16-bit gradients, summed in float32 without a float32 copy of the unit
             self.norms[u] = [torch.linalg.vector_norm(g, 2.0, dtype=torch.float32) for g in grads]
+        self.taken = new_event(self.device)
+        self.taken.record()
 
     def multiplier(self) -> float:
         """This step's coefficient, once the backward is done (a sync): the norm of the norms, in parameter order."""
+        self.taken.wait()  # the current stream waits for the last norm, taken on the D2H stream with several ranks
         norms = [norm for u in sorted(self.norms) for norm in self.norms[u]]
         self.norms = {}
         total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        if self.ranks.several:
+            total = self.ranks.sum(total.square()).sqrt()
         coefficient = torch.clamp(self.max_norm / (total + 1e-6), max=1.0)
         norm, multiplier = torch.stack([total, coefficient]).tolist()  # one sync for both
         self.grad_norms.append(norm)
@@ -2780,12 +2804,11 @@ class Ranks:
         """Each rank's shard of `full`, written in its place, into every rank's `full` (after the current stream's
         work so far, and before its work after)."""
         if self.several:
-            dist.all_gather_into_tensor(full, self.shard(full), group=self.group)
+            all_gather(full, self.shard(full), group=self.group)
 
     def sum_shard(self, shard: torch.Tensor, full: torch.Tensor) -> None:
         """The sum over ranks of their `full`, this rank's shard of it into `shard` (stream order as gather's)."""
         if self.several:
-            reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
             reduce_scatter(shard, full, group=self.group)
         else:
             shard.copy_(full)
@@ -2801,7 +2824,7 @@ class Ranks:
         if not self.several:
             return shard
         full = torch.empty(shard.numel() * self.world, dtype=shard.dtype)
-        dist.all_gather_into_tensor(full, shard.contiguous(), group=self.group)
+        all_gather(full, shard.contiguous(), group=self.group)
         return full
 
     def meet(self) -> None:
@@ -2824,6 +2847,9 @@ class Ranks:
 
 
 STEP_GROUP = {}  # "group": the process group with RANK_TIMEOUT, made by start_ranks
+# the collectives on one tensor, by their names since torch 2.13 (the older ones warn there)
+all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def start_ranks(ranks: Ranks | None) -> None:

@@ -454,7 +454,7 @@ def test_clipping_needs_a_gradient_buffer_per_unit_and_no_gpu_adam():
     trainer.finish()
     unscaled = offloaded_trainer(model, CPU, 1, batches)
     with pytest.raises(ValueError, match="build the store with scaled_grads"):
-        ol.GradClip(unscaled.store, 1.0)
+        ol.GradClip(unscaled.store, 1.0, CPU)
     unscaled.finish()
 
 
