@@ -8,14 +8,14 @@ References: torchao's CPUOffloadOptimizer, torchtune's activation offloading, ga
 
 The sections, in reading order, and the names that open them. The plain path runs from the model to training; the
 accelerations plug into it as policies; measurement, tables and sizing are instruments around it.
-  configuration          RunConfig: one run, frozen, from the command line or a test
+  configuration          Ranks, RunConfig: torchrun's processes; one run, frozen, from the command line or a test
   the command line       Parser, command_line, check_command_line: checked before torch and transformers load
   model                  llama_config, build_model, init_random: a random LLaMA, or one from a save_pretrained folder
   parameter store        FlatLayout, HostBuffer, ParamStore: each decoder layer one flat pinned buffer
   layer streamer         CopyWindow, LayerStreamer, StreamedLayer: a ring of GPU slots filled on a copy stream
   training               Adam, MasterStore, CpuAdam, Steppers, OffloadedTraining, ResidentTraining: plain and reference
   accelerations          ResidentUnits, StreamedAdam, ActivationOffload, LossScale, GradClip, DiskTier
-  several GPUs           Ranks, start_ranks: torchrun's ranks, each with a shard of the host state
+  several GPUs           start_ranks, rank_peaks: the ranks joined, their cores split, their peaks gathered
   placement              Placement, training_placement: what stays on the GPU under a cap
   modes                  run_mode, train_mode, train_steps, StepClock: each mode's inference and training
   saving and resuming    save_pretrained, write_checkpoint, resume
@@ -148,6 +148,109 @@ class UsageError(Exception):
 
 
 @dataclass(frozen=True)
+class Ranks:
+    """The processes of a data-parallel run, one per GPU, as torchrun starts them; one process alone is rank 0 of 1,
+    for which every method is the plain path's (nothing to gather, sum or split). Each rank keeps 1/world of every
+    unit's host state, its shard, and trains on micro-batches rank, rank + world, ... of each step. The collectives
+    run on NCCL between GPUs (gloo between CPU tensors), in the same order on every rank, as NCCL requires."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0  # the GPU of this host it drives
+    local_world: int = 1  # the ranks on this host, which share its cores and memory
+
+    @classmethod
+    def from_environment(cls) -> Ranks:
+        """The ranks torchrun describes in the environment, else one process."""
+        env = os.environ
+        if "WORLD_SIZE" not in env:
+            return cls()
+        world, local_world = int(env["WORLD_SIZE"]), int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"]))
+        return cls(int(env.get("RANK", 0)), world, int(env.get("LOCAL_RANK", 0)), local_world)
+
+    @property
+    def several(self) -> bool:
+        """Whether other ranks take part."""
+        return self.world > 1
+
+    def shard_numel(self, numel: int) -> int:
+        """Each rank's share of a flat buffer of `numel` elements, on an ALIGN boundary (the last ones pad)."""
+        return -(-numel // (self.world * ALIGN)) * ALIGN
+
+    def shard(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of `full`, a flat buffer of world shards."""
+        n = full.numel() // self.world
+        return full[self.rank * n : (self.rank + 1) * n]
+
+    def fill_shard(self, flat: torch.Tensor, fill) -> None:
+        """fill(full) writes a unit's whole flat buffer; `flat`, this rank's shard of it, takes its part (one process:
+        `flat` is the whole, filled in place)."""
+        if not self.several:
+            fill(flat)
+            return
+        full = torch.zeros(flat.numel() * self.world, dtype=flat.dtype)
+        fill(full)
+        flat.copy_(self.shard(full))
+
+    def share(self, micro_batches: list) -> list:
+        """This rank's micro-batches of a step's: rank, rank + world, ..."""
+        return micro_batches[self.rank :: self.world]
+
+    def gather(self, full: torch.Tensor) -> None:
+        """Each rank's shard of `full`, written in its place, into every rank's `full` (after the current stream's
+        work so far, and before its work after)."""
+        if self.several:
+            all_gather(full, self.shard(full), group=self.group)
+
+    def sum_shard(self, shard: torch.Tensor, full: torch.Tensor) -> None:
+        """The sum over ranks of their `full`, this rank's shard of it into `shard` (stream order as gather's)."""
+        if self.several:
+            reduce_scatter(shard, full, group=self.group)
+        else:
+            shard.copy_(full)
+
+    def sum(self, value: torch.Tensor) -> torch.Tensor:
+        """`value` summed over the ranks, in place."""
+        if self.several:
+            dist.all_reduce(value, group=self.group)
+        return value
+
+    def gathered(self, shard: torch.Tensor) -> torch.Tensor:
+        """Every rank's `shard` of a flat host buffer, gathered in a new one (one process: `shard` itself)."""
+        if not self.several:
+            return shard
+        full = torch.empty(shard.numel() * self.world, dtype=shard.dtype)
+        all_gather(full, shard.contiguous(), group=self.group)
+        return full
+
+    def meet(self) -> None:
+        """Wait until every rank is here, as long as setting up may take (one may still be pinning or compiling)."""
+        if self.several:
+            dist.barrier()
+
+    def in_turn(self, make):
+        """make() on rank 0, then on the others: what it caches on the disk (a token cache, a tokenizer), rank 0
+        writes alone, and the others read."""
+        if self.rank == 0:
+            made = make()
+        self.meet()
+        return made if self.rank == 0 else make()
+
+    def each(self, value) -> list:
+        """Every rank's `value` (a small picklable one), in rank order."""
+        if not self.several:
+            return [value]
+        values = [None] * self.world
+        dist.all_gather_object(values, value)
+        return values
+
+    @property
+    def group(self):
+        """The group the steps' collectives run in: a stalled rank ends the others after RANK_TIMEOUT, not never."""
+        return STEP_GROUP.get("group")
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """Everything one run needs, from the command line (parse_args) or a test: frozen, passed explicitly."""
 
@@ -207,8 +310,8 @@ class RunConfig:
     sample_tokens: int = 32
     temperature: float = 0.0  # 0: greedy
     top_k: int | None = None
-    # the processes torchrun started, one per GPU (Ranks; None: this one alone)
-    ranks: Ranks | None = None
+    # the processes torchrun started, one per GPU (without torchrun, this one: rank 0 of 1)
+    ranks: Ranks = Ranks()
 
     @property
     def adam(self) -> Adam:
@@ -531,12 +634,6 @@ def check_combinations(p: Parser, a: argparse.Namespace) -> None:
 
 ONE_GPU_FLAGS = {  # what several ranks do not do yet: flag -> whether the command line asks for it
     "--resident-layers": lambda a: a.resident_layers is not None,
-    "--gpu-adam-share": lambda a: bool(a.gpu_adam_share),
-    "--nvme": lambda a: a.nvme is not None,
-    "--checkpoint": lambda a: a.checkpoint is not None,
-    "--resume": lambda a: a.resume is not None,
-    "--save-pretrained": lambda a: a.save_pretrained is not None,
-    "--data": lambda a: a.data is not None,
     "--profile": lambda a: a.profile is not None,
     "--fwd-bwd-reference": lambda a: a.fwd_bwd_reference,
 }
@@ -690,7 +787,8 @@ def model_type(path: Path) -> str:
 if __name__ == "__main__":  # a mistyped command is answered before torch and transformers load, which takes seconds
     check_command_line(sys.argv[1:])
 
-import tokenizers  # noqa: E402  (after the command line's check)
+import safetensors.torch  # noqa: E402  (after the command line's check; safetensors, tokenizers, tqdm: transformers')
+import tokenizers  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import tqdm  # noqa: E402
@@ -1018,10 +1116,10 @@ class LayerStreamer:
     shard of its unit: it lands in its place in the slot, and an all-gather over NVLink fills the rest (Ranks)."""
 
     def __init__(
-        self, sources, kinds, make_module, dtype, device, depth: int, copy_stream=None, writer=None, ranks=None
+        self, sources, kinds, make_module, dtype, device, depth: int, copy_stream=None, writer=None, ranks=Ranks()
     ):
         self.sources = sources  # each unit's flat host buffer (with several ranks, this rank's shard of it)
-        self.ranks = ranks or Ranks()
+        self.ranks = ranks
         self.kinds = kinds  # each unit's kind, which make_module(kind, buffer) builds a module of
         self.make_module = make_module
         self.dtype, self.device = dtype, device  # of the slots
@@ -1372,13 +1470,13 @@ class MasterStore:
         copy_dtype=None,
         scaled_grads: bool = False,
         disk: DiskTier | None = None,
-        ranks: Ranks | None = None,
+        ranks: Ranks = Ranks(),
     ):
         self.units = units
         self.pin = pin  # whether the host buffers are pinned
         self.disk = disk
         self.on_disk = frozenset(disk.units if disk else ())  # units whose moments the disk tier keeps
-        self.ranks = ranks or Ranks()  # each unit's state here is this rank's shard of it
+        self.ranks = ranks  # each unit's state here is this rank's shard of it
         numels = [self.ranks.shard_numel(u.layout.numel) for u in units]
         self.masters = [host_zeros(numel, torch.float32, pin) for numel in numels]
         self.copies = [host_zeros(numel, copy_dtype, pin) for numel in numels] if copy_dtype else None
@@ -1478,9 +1576,12 @@ class MasterStore:
         layout = self.units[u].layout
 
         def fill(keys: tuple[str, ...], *flats) -> None:
-            """The state's tensors of `keys` into the flat buffers `flats` (this rank's shards)."""
+            """The state's tensors of `keys` into the flat buffers `flats`."""
             for key, flat in zip(keys, flats, strict=True):
-                self.ranks.fill_shard(flat, functools.partial(layout.fill, get=state[key].__getitem__))
+                if self.ranks.several:  # a rank's checkpoint holds its shards, flat
+                    flat.copy_(state[key])
+                else:
+                    layout.fill(flat, state[key].__getitem__)
 
         fill(("master",), self.masters[u])
         moments = functools.partial(fill, ("exp_avg", "exp_avg_sq"))
@@ -1700,21 +1801,24 @@ class Steppers:
     def send(self, u: int, ready) -> torch.Tensor:
         """Send unit u's gradients to its stepper once `ready` (the end of the unit's backward); with several ranks,
         this rank's shard of their sum over the ranks. Returns what was sent."""
-        grads = self.grads(u) if not self.store.ranks.several else self.sum_shard(u, ready)
+        grads = self.grads(u)
+        if self.store.ranks.several:
+            grads, ready = self.sum_shard(u, ready)
         landed = self.of[u].send(u, grads, ready)
         if landed is not None:  # None: they stay on the GPU (a resident unit), and the last ones sent hold the buffer
             self.last_landed = landed
         return grads
 
-    def sum_shard(self, u: int, ready) -> torch.Tensor:
+    def sum_shard(self, u: int, ready) -> tuple[torch.Tensor, object]:
         """Unit u's gradients summed over the ranks (a reduce-scatter over NVLink), this rank's shard, issued on the D2H
-        stream: it follows the last copy out of `summed`, and the copy of this shard out follows it."""
-        shard = self.summed[: self.store.masters[u].numel()]
+        stream after the last copy out of `summed`; returns the shard and the event its stepper waits for."""
+        shard, summed = self.summed[: self.store.masters[u].numel()], new_event(self.device)
         stream = self.cpu_adam.d2h_stream
         with on_stream(stream):
             stream.wait_event(ready)  # the unit's backward must have written all its gradients
             self.store.ranks.sum_shard(shard, self.grads(u))
-        return shard
+            summed.record(stream)
+        return shard, summed
 
     def update(self, u: int, multiplier: float) -> None:
         """Unit u's Adam step, its gradients times `multiplier`: queued, or (a resident unit) on the compute stream."""
@@ -1784,7 +1888,7 @@ class Unclipped:
         return 1.0
 
 
-def loss_scaling(dtype: torch.dtype, device: torch.device, ranks=None):
+def loss_scaling(dtype: torch.dtype, device: torch.device, ranks: Ranks = Ranks()):
     """float16's dynamic loss scaling (LossScale), or none."""
     return LossScale(device, ranks) if dtype == torch.float16 else Unscaled()
 
@@ -1882,6 +1986,7 @@ class OffloadedTraining:
         # the plain path's policies for saved inputs, the loss's scale and the gradients' clipping
         self.inputs, self.scaling = KeptInputs(), loss_scaling(dtype, device, self.ranks)
         self.clip = Unclipped() if max_norm is None else GradClip(store, max_norm, device)
+        self.grad_norms = self.clip.grad_norms  # each applied step's gradient norm before clipping (none without it)
         if self.scaling.holds_updates and not store.pool.dedicated:
             raise ValueError("float16 steps only once every unit's gradients are in: give each unit a gradient buffer")
 
@@ -1923,11 +2028,6 @@ class OffloadedTraining:
             else:
                 view.add_(grad)
         return grad_in
-
-    @property
-    def grad_norms(self):
-        """Each applied step's gradient norm before clipping (none without it)."""
-        return self.clip.grad_norms
 
     @property
     def holds_updates(self) -> bool:
@@ -1976,9 +2076,12 @@ class OffloadedTraining:
         return self.store.state_dict([self.steppers.state(u, grads) for u in range(len(self.units))])
 
     def unit_state(self, u: int) -> dict:
-        """Unit u's training state for a checkpoint: its step count, and its float32 master and moments by name."""
+        """Unit u's training state for a checkpoint: its step count, and its float32 master and moments by name (with
+        several ranks, this rank's shards of them, flat: a shard's ends cut across parameters)."""
         master, exp_avg, exp_avg_sq, step = self.steppers.adam_state(u)
         flats = {"master": master, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+        if self.ranks.several:
+            return {"step": step.item()} | {key: flat.cpu() for key, flat in flats.items()}
         return {"step": step.item()} | {key: self.units[u].layout.views(flat.cpu()) for key, flat in flats.items()}
 
     def load_unit(self, u: int, state: dict) -> None:
@@ -2029,6 +2132,7 @@ class ResidentTraining:
         self.optimizer = adam.optimizer(self.masters)
         self.scaling = loss_scaling(dtype, device)
         self.units = model_units(model.config)
+        self.ranks = Ranks()  # one process
 
     def step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
         """One step: backward each micro-batch, gradients summed in float32, Adam on the masters copied into the
@@ -2094,9 +2198,8 @@ class ResidentTraining:
         return {name: t.detach().to("cpu", copy=True) for name, t in zip(self.names, tensors, strict=True)}
 
 
-def mean_loss(losses, ranks: Ranks | None = None) -> torch.Tensor:
+def mean_loss(losses, ranks: Ranks = Ranks()) -> torch.Tensor:
     """The mean of the micro-batches' losses (with several ranks, of every rank's), detached."""
-    ranks = ranks or Ranks()
     return ranks.sum(sum(loss.detach() for loss in losses)) / (len(losses) * ranks.world)
 
 
@@ -2385,11 +2488,11 @@ class LossScale:
 
     holds_updates = True
 
-    def __init__(self, device: torch.device, ranks=None):
+    def __init__(self, device: torch.device, ranks: Ranks = Ranks()):
         self.scale = 2.0**16
         self.good_steps = 0  # in a row, since the scale last changed
         self.device = device
-        self.ranks = ranks or Ranks()  # every rank skips a step that overflows on one
+        self.ranks = ranks  # every rank skips a step that overflows on one
         self.found_inf = torch.zeros(1, device=device)
 
     def unscale(self, grads: list[torch.Tensor]) -> None:
@@ -2751,112 +2854,17 @@ def direct_io(fd: int, buffer: mmap.mmap) -> bool:
 # ---------------------------------------------------------------------------------------------------- several GPUs
 
 
-@dataclass(frozen=True)
-class Ranks:
-    """The processes of a data-parallel run, one per GPU, as torchrun starts them; one process alone is rank 0 of 1,
-    for which every method is the plain path's (nothing to gather, sum or split). Each rank keeps 1/world of every
-    unit's host state, its shard, and trains on micro-batches rank, rank + world, ... of each step. The collectives
-    run on NCCL between GPUs (gloo between CPU tensors), in the same order on every rank, as NCCL requires."""
-
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0  # the GPU of this host it drives
-    local_world: int = 1  # the ranks on this host, which share its cores and memory
-
-    @classmethod
-    def from_environment(cls) -> Ranks:
-        """The ranks torchrun describes in the environment, else one process."""
-        env = os.environ
-        if "WORLD_SIZE" not in env:
-            return cls()
-        world, local_world = int(env["WORLD_SIZE"]), int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"]))
-        return cls(int(env.get("RANK", 0)), world, int(env.get("LOCAL_RANK", 0)), local_world)
-
-    @property
-    def several(self) -> bool:
-        """Whether other ranks take part."""
-        return self.world > 1
-
-    def shard_numel(self, numel: int) -> int:
-        """Each rank's share of a flat buffer of `numel` elements, on an ALIGN boundary (the last ones pad)."""
-        return -(-numel // (self.world * ALIGN)) * ALIGN
-
-    def shard(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of `full`, a flat buffer of world shards."""
-        n = full.numel() // self.world
-        return full[self.rank * n : (self.rank + 1) * n]
-
-    def fill_shard(self, flat: torch.Tensor, fill) -> None:
-        """fill(full) writes a unit's whole flat buffer; `flat`, this rank's shard of it, takes its part (one process:
-        `flat` is the whole, filled in place)."""
-        if not self.several:
-            fill(flat)
-            return
-        full = torch.zeros(flat.numel() * self.world, dtype=flat.dtype)
-        fill(full)
-        flat.copy_(self.shard(full))
-
-    def share(self, micro_batches: list) -> list:
-        """This rank's micro-batches of a step's: rank, rank + world, ..."""
-        return micro_batches[self.rank :: self.world]
-
-    def gather(self, full: torch.Tensor) -> None:
-        """Each rank's shard of `full`, written in its place, into every rank's `full` (after the current stream's
-        work so far, and before its work after)."""
-        if self.several:
-            all_gather(full, self.shard(full), group=self.group)
-
-    def sum_shard(self, shard: torch.Tensor, full: torch.Tensor) -> None:
-        """The sum over ranks of their `full`, this rank's shard of it into `shard` (stream order as gather's)."""
-        if self.several:
-            reduce_scatter(shard, full, group=self.group)
-        else:
-            shard.copy_(full)
-
-    def sum(self, value: torch.Tensor) -> torch.Tensor:
-        """`value` summed over the ranks, in place."""
-        if self.several:
-            dist.all_reduce(value, group=self.group)
-        return value
-
-    def gathered(self, shard: torch.Tensor) -> torch.Tensor:
-        """Every rank's `shard` of a flat host buffer, gathered in a new one (one process: `shard` itself)."""
-        if not self.several:
-            return shard
-        full = torch.empty(shard.numel() * self.world, dtype=shard.dtype)
-        all_gather(full, shard.contiguous(), group=self.group)
-        return full
-
-    def meet(self) -> None:
-        """Wait until every rank is here, as long as setting up may take (one may still be pinning or compiling)."""
-        if self.several:
-            dist.barrier()
-
-    def each(self, value) -> list:
-        """Every rank's `value` (a small picklable one), in rank order."""
-        if not self.several:
-            return [value]
-        values = [None] * self.world
-        dist.all_gather_object(values, value)
-        return values
-
-    @property
-    def group(self):
-        """The group the steps' collectives run in: a stalled rank ends the others after RANK_TIMEOUT, not never."""
-        return STEP_GROUP.get("group")
-
-
 STEP_GROUP = {}  # "group": the process group with RANK_TIMEOUT, made by start_ranks
 # the collectives on one tensor, by their names since torch 2.13 (the older ones warn there)
 all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def start_ranks(ranks: Ranks | None) -> None:
+def start_ranks(ranks: Ranks) -> None:
     """Join the other ranks (torchrun's rendezvous), the host's cores split between them: NCCL between the GPUs, gloo
     between CPU tensors. Setting up may take long on one rank (pinning, compiling), so the default group waits long;
     the steps' group does not."""
-    if ranks is None or not ranks.several:
+    if not ranks.several:
         return
     split_cores(ranks)
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
@@ -2875,20 +2883,22 @@ def split_cores(ranks: Ranks) -> None:
     )
 
 
-def rank_peaks(ranks: Ranks, result: dict) -> dict:
+def rank_peaks(ranks: Ranks, result: dict, params: int) -> dict:
     """A mode's training result with every rank's peaks: each rank's in `ranks`, the largest GPU's and the host's sum
-    (the ranks share it) in the peaks' places."""
-    if not ranks.several:
-        return result
-    keys = ("peak_gpu_bytes", "peak_host_bytes")
-    each = ranks.each({key: result.get(key) for key in keys})
-    gpu, host = ([rank[key] or 0 for rank in each] for key in keys)
-    return result | {"ranks": each, "peak_gpu_bytes": max(gpu), "peak_host_bytes": sum(host)}
+    (the ranks share it) in the peaks' places; and the host's peak bytes a parameter of the model."""
+    if ranks.several:
+        keys = ("peak_gpu_bytes", "peak_host_bytes")
+        each = ranks.each({key: result.get(key) for key in keys})
+        gpu, host = ([rank[key] or 0 for rank in each] for key in keys)
+        result |= {"ranks": each, "peak_gpu_bytes": max(gpu), "peak_host_bytes": sum(host)}
+    if result.get("peak_host_bytes"):
+        result["host_bytes_per_parameter"] = result["peak_host_bytes"] / params
+    return result
 
 
-def host_peaks(ranks: Ranks | None, host: dict) -> dict:
+def host_peaks(ranks: Ranks, host: dict) -> dict:
     """The host's budget and peak resident set: with several ranks on it, every rank's summed."""
-    if ranks is None or not ranks.several:
+    if not ranks.several:
         return host
     return {key: sum(rank[key] or 0 for rank in ranks.each(host)) for key in host}
 
@@ -3006,11 +3016,10 @@ def training_placement(trainer, run: RunConfig, mode: str, besides: dict[str, in
         return Placement(tuple(resident), parts | besides, gpu_adam)
 
     resident, budget, share = [], plan_budget(run), run.gpu_adam if mode == "overlapped" else 0.0
-    if trainer.store.ranks.several:  # each rank steps its shard of every unit on the CPU
-        share = 0.0
-    elif mode == "overlapped" and run.resident_layers is not None:
+    keeps = mode == "overlapped" and not trainer.store.ranks.several  # a rank's units are its shards: none resident
+    if keeps and run.resident_layers is not None:
         resident = list(range(1, 1 + run.resident_layers))  # unit 0 is the embeddings
-    elif mode == "overlapped" and budget is not None:
+    elif keeps and budget is not None:
         while (
             len(resident) < len(trainer.units)
             and len(resident) not in on_disk
@@ -3132,7 +3141,7 @@ def train_mode(mode: str, model, masters, input_ids, run: RunConfig, compared: b
     samples before and after); {'oom': True} when it does not fit the GPU. When `compared` with gpu mode's, it keeps
     the first step's gradients and masters and the last step's masters."""
     device = torch.device("cpu" if mode == "cpu" else "cuda")
-    ranks = run.ranks or Ranks()
+    ranks = run.ranks
     micro_batches = [ids.to(device) for ids in ranks.share(input_ids.chunk(run.grad_accum))]
     log(f"mode {mode}: training, {run.steps} steps of {input_ids.numel()} tokens in {run.grad_accum} micro-batch(es)")
     reset_peak_memory(device)
@@ -3157,7 +3166,8 @@ def train_mode(mode: str, model, masters, input_ids, run: RunConfig, compared: b
             checkpoint.write(run.steps)
         evaluation.after()
         result |= trained_outputs(trainer, run, model.config, mode, compared)
-        return rank_peaks(ranks, result | placed | evaluation.figures() | training_figures(trainer, result))
+        result |= placed | evaluation.figures() | training_figures(trainer, result)
+        return rank_peaks(ranks, result, param_count(model.config))
     except torch.OutOfMemoryError as e:
         log(f"mode {mode}: out of GPU memory ({str(e).splitlines()[0]})")
         return {"oom": True}
@@ -3217,7 +3227,7 @@ def train_steps(
     (Checkpoints, Evaluation); the step after either is not timed. keep_grads: the first step's state, to compare.
     done: the steps a resumed run had trained. batches(i): step i's micro-batches, else every step's `micro_batches`."""
     batch = batches(done) if batches else micro_batches
-    tokens = sum(ids.numel() for ids in batch) * (run.ranks.world if run.ranks else 1)  # the step's, over every rank
+    tokens = sum(ids.numel() for ids in batch) * run.ranks.world  # the step's, over every rank
     clock = StepClock(trainer, batch[0].device, done, run.steps, tokens)
     rounds = bound_rounds(run) if bound_parts else []
     losses, grads, parts, extra = [], None, collections.defaultdict(list), {}
@@ -3374,6 +3384,9 @@ def save_pretrained(trainer, config: LlamaConfig, folder: Path) -> None:
     parameters are the masters themselves: shard by shard, with no copy of the model in host memory."""
     t0 = time.perf_counter()
     reset_peak_memory(torch.device("cpu"))
+    if trainer.ranks.several:
+        save_units(trainer, config, folder)
+        return
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     for name, master in trainer.named_masters():
@@ -3385,6 +3398,28 @@ def save_pretrained(trainer, config: LlamaConfig, folder: Path) -> None:
     seconds = time.perf_counter() - t0
     peak = size_text(peak_host_rss())
     log(f"trained float32 weights saved to {folder} in {seconds:.1f} s, host peak {peak} meanwhile")
+
+
+def save_units(trainer, config: LlamaConfig, folder: Path) -> None:
+    """Several ranks: a Hugging Face folder of one safetensors file a unit and their index, each unit gathered from
+    every rank's shards and written by rank 0, so no rank holds the whole model (a collective: every rank calls it)."""
+    ranks, n, weight_map, total = trainer.ranks, len(trainer.units), {}, 0
+    if ranks.rank == 0:
+        config.save_pretrained(folder)
+    for u, unit in enumerate(trainer.units):
+        full = ranks.gathered(trainer.steppers.state(u).cpu())
+        tensors = {f"{unit.name}.{name}": view.clone() for name, view in unit.layout.views(full).items()}
+        name = f"model-{u + 1:05d}-of-{n:05d}.safetensors"
+        weight_map |= dict.fromkeys(tensors, name)
+        total += sum(t.nbytes for t in tensors.values())
+        if ranks.rank == 0:
+            safetensors.torch.save_file(tensors, folder / name, metadata={"format": "pt"})
+    if ranks.rank == 0:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        with_umask_modes(folder)
+    ranks.meet()  # the folder is whole before any rank goes on
+    log(f"trained float32 weights saved to {folder}, a file a unit, host peak {size_text(peak_host_rss())} meanwhile")
 
 
 def with_umask_modes(folder: Path) -> None:
@@ -3403,7 +3438,8 @@ def checkpoint_manifest(run: RunConfig, config: LlamaConfig, mode: str) -> dict:
     adam = json.loads(json.dumps(dataclasses.asdict(run.adam)))  # as read back: betas a list
     sizes = {field: getattr(config, field) for field in SIZE_FLAGS}
     batch = {"grad_accum": run.grad_accum, "batch_size": run.batch_size, "seq_len": run.seq_len, "seed": run.seed}
-    return {"format": CHECKPOINT_FORMAT, "mode": mode, "sizes": sizes, "dtype": run.dtype, "adam": adam} | batch
+    ranks = {"ranks": run.ranks.world} if run.ranks.several else {}  # each rank's files hold its shards
+    return {"format": CHECKPOINT_FORMAT, "mode": mode, "sizes": sizes, "dtype": run.dtype, "adam": adam} | batch | ranks
 
 
 class Checkpoints:
@@ -3433,17 +3469,28 @@ def write_checkpoint(trainer, folder: Path, manifest: dict, done: int) -> None:
     trainer.wait_updates()
     steps = manifest.get("resumed_from", 0) + done
     folder.mkdir(parents=True, exist_ok=True)
-    files = [f"unit{u:03d}.step{steps}.pt" for u in range(len(trainer.units))]
-    for u, name in enumerate(files):
+    ranks, n = trainer.ranks, len(trainer.units)
+    files = checkpoint_files(n, steps, ranks)
+    for u, name in enumerate(files[ranks.rank * n : (ranks.rank + 1) * n]):  # this rank's
         write_atomically(str(folder / name), functools.partial(save_synced, trainer.unit_state(u)))
-    loss_scale = {"loss_scale": trainer.scaling.scale, "good_steps": getattr(trainer.scaling, "good_steps", 0)}
-    record = json.dumps(manifest | loss_scale | {"steps": steps, "files": files}, indent=2)
-    write_atomically(str(folder / CHECKPOINT_FILE), functools.partial(save_synced, record))
-    sync_folder(folder)  # the renames too, before the files they replace go
-    for stale in [*folder.glob("unit*.pt"), *folder.glob(".unit*.tmp")]:  # also a killed writer's
-        if stale.name not in files:
-            stale.unlink()
+    ranks.meet()  # every rank's files are on the disk before the record names them
+    if ranks.rank == 0:
+        loss_scale = {"loss_scale": trainer.scaling.scale, "good_steps": getattr(trainer.scaling, "good_steps", 0)}
+        record = json.dumps(manifest | loss_scale | {"steps": steps, "files": files}, indent=2)
+        write_atomically(str(folder / CHECKPOINT_FILE), functools.partial(save_synced, record))
+        sync_folder(folder)  # the renames too, before the files they replace go
+        for stale in [*folder.glob("unit*.pt"), *folder.glob(".unit*.tmp")]:  # also a killed writer's
+            if stale.name not in files:
+                stale.unlink()
+    ranks.meet()  # the stale files are gone before a rank writes the next checkpoint's
     log(f"checkpoint after step {steps} written to {folder} in {time.perf_counter() - t0:.1f} s")
+
+
+def checkpoint_files(units: int, steps: int, ranks: Ranks) -> list[str]:
+    """A checkpoint's unit files, after `steps` steps: one a unit, or with several ranks one a unit and rank."""
+    if not ranks.several:
+        return [f"unit{u:03d}.step{steps}.pt" for u in range(units)]
+    return [f"unit{u:03d}.rank{r}of{ranks.world}.step{steps}.pt" for r in range(ranks.world) for u in range(units)]
 
 
 def save_synced(obj, path: str) -> None:
@@ -3488,6 +3535,12 @@ def read_checkpoint(folder: Path, manifest: dict) -> dict:
         raise UsageError(
             f"--resume {folder}: checkpoint format {saved.get('format')}, this script reads {CHECKPOINT_FORMAT}"
         )
+    saved_ranks, ranks = saved.get("ranks", 1), manifest.get("ranks", 1)
+    if saved_ranks != ranks:
+        how = "without torchrun" if saved_ranks == 1 else f"under torchrun with {saved_ranks} ranks"
+        raise UsageError(
+            f"--resume {folder}: a checkpoint of {saved_ranks} rank(s), and this run has {ranks}: resume {how}"
+        )
     for key, what in (("sizes", "model"), ("dtype", "dtype"), ("adam", "Adam setting")):
         if saved.get(key) != manifest[key]:
             raise UsageError(
@@ -3513,7 +3566,8 @@ def resume(trainer, folder: Path, manifest: dict) -> int:
     """Load a checkpoint into `trainer`, before placement; returns the steps it had done."""
     t0 = time.perf_counter()
     saved = read_checkpoint(folder, manifest)
-    for u, name in enumerate(saved["files"]):
+    n, rank = len(trainer.units), trainer.ranks.rank
+    for u, name in enumerate(saved["files"][rank * n : (rank + 1) * n]):  # this rank's
         trainer.load_unit(u, torch.load(folder / name, mmap=True, weights_only=True))
     if isinstance(trainer.scaling, LossScale):
         trainer.scaling.restore(saved["loss_scale"], saved["good_steps"])
@@ -3745,13 +3799,14 @@ class Blocks:
 
 
 def step_batches(blocks: Blocks, run: RunConfig, device: torch.device):
-    """step(i): step i's micro-batches, grad_accum of batch_size blocks each, on `device`."""
+    """step(i): step i's micro-batches, grad_accum of batch_size blocks each (this rank's share of them), on
+    `device`."""
     count = run.batch_size * run.grad_accum
 
     def step(i: int) -> list[torch.Tensor]:
         """Step i's blocks, gathered from the mapped ids and copied to the device."""
         ids = blocks.gather(blocks.step_blocks(i, count))
-        return [micro.to(device, non_blocking=True) for micro in ids.chunk(run.grad_accum)]
+        return [micro.to(device, non_blocking=True) for micro in run.ranks.share(ids.chunk(run.grad_accum))]
 
     return step
 
@@ -3811,7 +3866,8 @@ def prepare_data(run: RunConfig, vocab_size: int) -> tuple[Blocks, object]:
     if len(tokenizer) > vocab_size:
         raise UsageError(f"the tokenizer's {len(tokenizer):,} ids exceed the model's vocab_size {vocab_size:,}")
     blocks = Blocks(token_cache(run, files, tokenizer), run.seq_len, run.eval_fraction, run.seed)
-    save_tokenizer(run, tokenizer)
+    if run.ranks.rank == 0:  # rank 0 writes the outputs
+        save_tokenizer(run, tokenizer)
     return blocks, tokenizer
 
 
@@ -3843,6 +3899,8 @@ def continuations(model: nn.Module, tokenizer, run: RunConfig, device: torch.dev
         ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
         torch.manual_seed(run.seed)
         kwargs = {"max_new_tokens": run.sample_tokens, "pad_token_id": tokenizer.eos_token_id, "do_sample": False}
+        if run.ranks.several:  # every rank's passes gather the units: as many on each, past an end of text
+            kwargs["min_new_tokens"] = run.sample_tokens
         out = model.generate(ids, attention_mask=torch.ones_like(ids), **(kwargs | drawn))
         texts.append(tokenizer.decode(out[0, ids.shape[1] :]))
     return texts
@@ -4597,6 +4655,10 @@ def training_notes(mode: str, t: dict, run: RunConfig) -> list[str]:
         lines.append(f"{mode} training: {units}, {adam}; {peak}")
     if "gpu_compute_ms" in t:
         lines.append(bound_note(mode, t))
+    if "ranks" in t:
+        each = ", ".join(f"{gib(r['peak_gpu_bytes'])} and {gib(r['peak_host_bytes'])}" for r in t["ranks"])
+        host = f"host {gib(t['peak_host_bytes'])} GiB in all, {t['host_bytes_per_parameter']:.1f} bytes a parameter"
+        lines.append(f"{mode} training: {len(t['ranks'])} ranks, peak GPU and host GiB of each: {each}; {host}")
     if "trace" in t:
         h2d, d2h = (f"{c['overlap_ms']:.1f} of {c['copy_ms']:.1f} ms" for c in (t["trace"]["h2d"], t["trace"]["d2h"]))
         lines.append(f"{mode} training trace: {h2d} of H2D copies and {d2h} of D2H copies ran under compute")
@@ -4693,7 +4755,7 @@ def host_budget(run: RunConfig) -> int | None:
     available = host_memory_available()
     cap = None if run.max_host_memory is None else int(run.max_host_memory * GiB)
     budget = cap if available is None else min(available, cap or available)
-    return budget if budget is None or run.ranks is None else budget // run.ranks.local_world
+    return budget if budget is None else budget // run.ranks.local_world
 
 
 def host_bytes_needed(run: RunConfig, config: LlamaConfig, params: int) -> tuple[int, str]:
@@ -4703,14 +4765,15 @@ def host_bytes_needed(run: RunConfig, config: LlamaConfig, params: int) -> tuple
     if run.train and offloaded:
         # lean: the decoder layers are freed once the masters hold them (a random model's are never held whole)
         model = params_with_layers(config, 0) if run.lean and run.model is None else params
-        params = -(-params // run.ranks.world) if run.ranks else params  # this rank's shard of the state
+        params = -(-params // run.ranks.world)  # this rank's shard of the state
         if run.holds_updates:  # every unit's gradients wait on the host for the others'
             grads, what = params * gradient_dtype(run).itemsize, "every unit's gradients"
         else:
             grads, what = 2 * gradient_buffer_bytes(config), "two gradient buffers"
         needed = model * per_param + params * 12 + grads  # 12: float32 masters and moments
         if run.nvme_layers:  # their moments on the disk, and the buffers they are stepped in
-            needed += DISK_SLOTS * disk_unit_bytes(config) - run.nvme_layers * 8 * layer_numel(config)
+            layer = layer_numel(config, run.ranks)  # with several ranks, this rank's shard of it
+            needed += DISK_SLOTS * disk_unit_bytes(config, run.ranks) - run.nvme_layers * 8 * layer
             what += f" (the Adam moments of {run.nvme_layers} layers on the disk, staged in {DISK_SLOTS} buffers)"
         return needed, f"the model, its float32 masters and Adam state and {what}"
     if run.train and "cpu" in run.modes:
@@ -4718,14 +4781,19 @@ def host_bytes_needed(run: RunConfig, config: LlamaConfig, params: int) -> tuple
     return params * per_param, "the model" + " and its pinned store" * bool(offloaded)
 
 
-def layer_numel(config: LlamaConfig) -> int:
-    """A decoder layer's elements in its flat buffers, padding included."""
-    return model_units(config)[1].layout.numel
+def layer_numel(config: LlamaConfig, ranks: Ranks = Ranks()) -> int:
+    """A decoder layer's elements in its flat buffers, padding included (with several ranks, in a rank's shard)."""
+    return ranks.shard_numel(model_units(config)[1].layout.numel)
 
 
-def disk_unit_bytes(config: LlamaConfig) -> int:
+def disk_unit_bytes(config: LlamaConfig, ranks: Ranks = Ranks()) -> int:
     """The bytes of a decoder layer's two Adam moments in the disk tier: its file, and each staging buffer."""
-    return 2 * moment_bytes(layer_numel(config))
+    return 2 * moment_bytes(layer_numel(config, ranks))
+
+
+def host_disk_bytes(run: RunConfig, config: LlamaConfig) -> int:
+    """A decoder layer's Adam moments on this host's disk: each local rank's shard of them."""
+    return disk_unit_bytes(config, run.ranks) * run.ranks.local_world
 
 
 def moment_bytes(numel: int) -> int:
@@ -4751,7 +4819,7 @@ def disk_plan(run: RunConfig, config: LlamaConfig, free: float | None = None) ->
     params, besides = param_count(config), host_pass_bytes(run, config) + host_reserve(config)
     for d in counts:
         needed = host_bytes_needed(dataclasses.replace(run, nvme_layers=d), config, params)[0]
-        if needed + besides <= budget and d * disk_unit_bytes(config) <= free:
+        if needed + besides <= budget and d * host_disk_bytes(run, config) <= free:
             return d
     return None
 
@@ -4768,7 +4836,7 @@ def with_disk_tier(run: RunConfig, config: LlamaConfig) -> RunConfig:
         layers = disk_plan(run, config, free=math.inf)  # what the host needs of the disk, whatever the disk's room
     if layers is None:  # check_memory then says how far the host is from holding the rest
         return dataclasses.replace(run, nvme_layers=most)
-    needed, free = layers * disk_unit_bytes(config), shutil.disk_usage(run.nvme).free
+    needed, free = layers * host_disk_bytes(run, config), shutil.disk_usage(run.nvme).free
     if needed > free:
         short = f"{size_text(needed)} of Adam moments, {size_text(needed - free)} more than is free there"
         raise UsageError(f"--nvme {run.nvme}: {layers} layers' {short}; free some space or give another disk")
@@ -4966,7 +5034,7 @@ def check_devices(run: RunConfig, config: LlamaConfig) -> None:
         size = f"{one_layer / 2**20:.1f} MiB in {run.dtype}"
         raise UsageError(f"--max-gpu-memory {run.max_gpu_memory} GiB is less than one decoder layer ({size})")
     gpu_modes = [m for m in run.modes if m != "cpu"]
-    local_world = run.ranks.local_world if run.ranks else 1
+    local_world = run.ranks.local_world
     if gpu_modes and local_world > max(1, torch.cuda.device_count()):
         raise UsageError(
             f"torchrun started {local_world} ranks on this host, which has {torch.cuda.device_count()} GPU(s): use "
@@ -5062,7 +5130,7 @@ def disk_tier_bytes_on(run: RunConfig, config: LlamaConfig, path: str) -> int:
     """The bytes the --nvme disk tier will take on the file system that holds `path` (0 on another)."""
     if not run.nvme_layers or os.stat(existing(Path(path))).st_dev != os.stat(run.nvme).st_dev:
         return 0
-    return run.nvme_layers * disk_unit_bytes(config)
+    return run.nvme_layers * host_disk_bytes(run, config)
 
 
 def existing(path: Path) -> Path:
@@ -5127,7 +5195,7 @@ def run_all(run: RunConfig) -> dict:
     grad_buffers = gradient_buffers(run, config, bool(compared), copy_dtype is not None)
     if run.train and offloaded:
         start_adam_compile(gradient_dtype(run), copy_dtype, run.clip_grad_norm is not None)
-    text = prepare_text(run, config.vocab_size)
+    text = run.ranks.in_turn(lambda: prepare_text(run, config.vocab_size))
     blocks = text.blocks if text else None
     run = with_epochs(run, blocks)
     model = build_model(run, config)
@@ -5144,7 +5212,7 @@ def run_all(run: RunConfig) -> dict:
             masters.close()  # the disk tier's files
     host = host_peaks(run.ranks, {"host_budget_bytes": host_cap, "peak_host_bytes_process": process_host_peak()})
     report = run_report(run, model.config, input_ids.numel(), results, reference, host)
-    if not (run.ranks and run.ranks.rank):  # rank 0 prints and writes for all
+    if run.ranks.rank == 0:  # rank 0 prints and writes for all
         print(tables(results, run, input_ids.numel(), reference, host))
         write_outputs(run, report, input_ids, logits, train_ids, trained)
     return report
@@ -5243,7 +5311,7 @@ def disk_tier(run: RunConfig, units: list[Unit]) -> DiskTier | None:
         return None
     t0 = time.perf_counter()
     layers = [u for u, unit in enumerate(units) if unit.kind == "layer"][-run.nvme_layers :]
-    disk = DiskTier(run.nvme, {u: units[u].layout.numel for u in layers})
+    disk = DiskTier(run.nvme, {u: run.ranks.shard_numel(units[u].layout.numel) for u in layers})
     moments = f"the Adam moments of the last {len(layers)} decoder layers ({gib(disk_step_bytes(disk))} GiB)"
     io = "direct I/O" if disk.files.direct else "buffered I/O (the file system refuses O_DIRECT)"
     rates = f"write {disk.files.rates['write_gbps']:.2f} GB/s, read {disk.files.rates['read_gbps']:.2f} GB/s"

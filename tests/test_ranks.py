@@ -7,6 +7,7 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
+from test_data import data_run
 
 import offload_llama as ol
 from helpers import assert_masters_close, build, run_main, tiny_run
@@ -21,26 +22,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def trainer_of(model, micro_batches, world_batches, depth, ranks=None, clip=None):
+def trainer_of(model, micro_batches, world_batches, depth, ranks=None, clip=None, gpu_adam=(), disk=None):
     """Offloaded training of `model` on the CPU, its store this rank's shards; world_batches: the step's micro-batches
-    over every rank (they set the gradients' dtype and the loss's divisor); clip: --clip-grad-norm."""
+    over every rank (they set the gradients' dtype and the loss's divisor); clip: --clip-grad-norm; gpu_adam: the
+    units the device's Adam steps over their state streamed from the host (StreamedAdam); disk: (folder, units)
+    whose moments a disk tier keeps there (this rank's shards of them)."""
     dtype = next(model.parameters()).dtype
     run = ol.RunConfig(dtype=str(dtype).removeprefix("torch."), grad_accum=world_batches)
     copy_dtype = dtype if dtype != torch.float32 else None
     units = ol.model_units(model.config)
     scaled = clip is not None
     args = (units, ol.Adam(lr=1e-3), False, None, ol.gradient_dtype(run), copy_dtype, scaled)
-    store = ol.MasterStore(*args, ranks=ranks)
+    ranks = ranks or ol.Ranks()
+    tier = ol.DiskTier(disk[0], {u: ranks.shard_numel(units[u].layout.numel) for u in disk[1]}) if disk else None
+    store = ol.MasterStore(*args, tier, ranks)
     store.load(model)
     kwargs = ol.decoder_kwargs(model, tuple(micro_batches[0].shape), dtype, CPU)
-    return ol.OffloadedTraining(store, model.config, dtype, CPU, depth, model.loss_function, kwargs, clip)
+    trainer = ol.OffloadedTraining(store, model.config, dtype, CPU, depth, model.loss_function, kwargs, clip)
+    if gpu_adam:
+        trainer.place((), gpu_adam, own_grads=False)
+    return trainer
 
 
-def trained(trainer, micro_batches, overflow_at=None):
-    """(losses, final masters, gradient norms, loss scales) of STEPS steps; overflow_at: the step whose gradients
+def trained(trainer, micro_batches, overflow_at=None, steps=STEPS):
+    """(losses, final masters, gradient norms, loss scales) of `steps` steps; overflow_at: the step whose gradients
     get an inf (in the first layer's, on this process)."""
     unit_grads, losses, scales = trainer.unit_grads, [], []
-    for i in range(STEPS):
+    for i in range(steps):
 
         def overflowing(u, *args):
             """The unit's gradients, one of the first layer's inf."""
@@ -56,18 +64,24 @@ def trained(trainer, micro_batches, overflow_at=None):
     return losses, trainer.state_dict(), list(trainer.grad_norms), scales
 
 
-def rank_main(rank, world, port, dtype, k, depth, out, clip=None, overflow_at=None):
-    """One rank: joins the others as torchrun's environment says, trains on its share, rank 0 saves the result."""
+def join(rank, world, port) -> ol.Ranks:
+    """This process as rank `rank` of `world`, joined to the others as torchrun's environment says."""
     env = {"RANK": rank, "WORLD_SIZE": world, "LOCAL_RANK": rank, "LOCAL_WORLD_SIZE": world}
     os.environ.update({key: str(value) for key, value in env.items()} | {"MASTER_ADDR": "127.0.0.1"})
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
     ranks = ol.Ranks.from_environment()
     ol.start_ranks(ranks)
+    return ranks
+
+
+def rank_main(rank, world, port, dtype, k, depth, out, clip=None, overflow_at=None, gpu_adam=(), disk=None):
+    """One rank: trains on its share of the step's micro-batches, rank 0 saves the result."""
+    ranks = join(rank, world, port)
     try:
         model, ids = build(ol.dataclasses.replace(tiny_run(), dtype=dtype, batch_size=world * k))
         batches = list(ids.chunk(world * k))
-        trainer = trainer_of(model, ranks.share(batches), len(batches), depth, ranks, clip)
+        trainer = trainer_of(model, ranks.share(batches), len(batches), depth, ranks, clip, gpu_adam, disk)
         result = trained(trainer, ranks.share(batches), overflow_at if rank == world - 1 else None)
         if rank == 0:
             torch.save(result, out)
@@ -75,8 +89,16 @@ def rank_main(rank, world, port, dtype, k, depth, out, clip=None, overflow_at=No
         ol.stop_ranks()
 
 
+SLOW = pytest.mark.slow  # each spawns its ranks, which import torch and compile the CPU Adam: 9 to 15 s
+
+
 @pytest.mark.parametrize(
-    ("world", "dtype", "k", "depth"), [(2, "float32", 1, 1), (2, "bfloat16", 2, 0), (3, "bfloat16", 1, 1)]
+    ("world", "dtype", "k", "depth"),
+    [
+        (2, "float32", 1, 1),
+        pytest.param(2, "bfloat16", 2, 0, marks=SLOW),
+        pytest.param(3, "bfloat16", 1, 1, marks=SLOW),
+    ],
 )
 def test_ranks_train_as_one_process_on_every_micro_batch(tmp_path, world, dtype, k, depth):
     """world ranks with k micro-batches each: masters to float32 rounding of one process with world x k micro-batches,
@@ -92,6 +114,7 @@ def test_ranks_train_as_one_process_on_every_micro_batch(tmp_path, world, dtype,
     assert losses == pytest.approx(ref_losses, rel=1e-6)
 
 
+@SLOW
 def test_ranks_clip_by_the_norm_of_every_shard_as_one_process_does(tmp_path):
     """--clip-grad-norm over 2 ranks: each step's norm that of the whole gradient (each rank's shards' squares summed),
     as clip_grad_norm_ takes it in one process, to float32 rounding, and the same clipped masters."""
@@ -107,6 +130,37 @@ def test_ranks_clip_by_the_norm_of_every_shard_as_one_process_does(tmp_path):
     assert losses == pytest.approx(ref_losses, rel=1e-6)
 
 
+@SLOW
+def test_the_devices_adam_steps_each_ranks_shard_of_its_units(tmp_path):
+    """2 ranks, the embeddings and first layer stepped by the device's Adam over each rank's shard of their state
+    (the summed gradients' shard taken once the reduce-scatter is done): the masters of one process placing the same
+    units there, to float32 rounding."""
+    out = tmp_path / "ranks.pt"
+    mp.spawn(rank_main, args=(2, free_port(), "bfloat16", 1, 1, out, None, None, (0, 1)), nprocs=2)
+    losses, masters, _, _ = torch.load(out)
+    model, ids = build(ol.dataclasses.replace(tiny_run(), dtype="bfloat16", batch_size=2))
+    batches = list(ids.chunk(2))
+    ref_losses, ref_masters, _, _ = trained(trainer_of(model, batches, 2, 1, gpu_adam=(0, 1)), batches)
+    assert_masters_close(masters, ref_masters, STEPS)
+    assert losses == pytest.approx(ref_losses, rel=1e-6)
+
+
+@SLOW
+def test_each_rank_keeps_its_shard_of_the_last_layers_moments_on_the_disk(tmp_path):
+    """--nvme over 2 ranks: the last two layers' moments, each rank's shard in files of its own on the disk: the
+    masters of one process with no disk tier, to float32 rounding."""
+    out = tmp_path / "ranks.pt"
+    disk = (str(tmp_path), (2, 3))
+    mp.spawn(rank_main, args=(2, free_port(), "float32", 1, 1, out, None, None, (), disk), nprocs=2)
+    losses, masters, _, _ = torch.load(out)
+    model, ids = build(ol.dataclasses.replace(tiny_run(), dtype="float32", batch_size=2))
+    batches = list(ids.chunk(2))
+    ref_losses, ref_masters, _, _ = trained(trainer_of(model, batches, 2, 1), batches)
+    assert_masters_close(masters, ref_masters, STEPS)
+    assert losses == pytest.approx(ref_losses, rel=1e-6)
+
+
+@SLOW
 def test_a_step_that_overflows_on_one_rank_is_skipped_on_every_rank(tmp_path):
     """float16 over 2 ranks, the second step's gradients overflowing on rank 1 alone: both ranks skip it and halve the
     loss scale, so the masters are those of one process whose second step overflowed."""
@@ -127,9 +181,9 @@ def test_a_step_that_overflows_on_one_rank_is_skipped_on_every_rank(tmp_path):
         (["--mode", "overlapped"], "ranks, which train together: add --train"),
         (["--mode", "all", "--train"], "--mode all: 2 ranks train an offloaded mode"),
         (["--mode", "overlapped", "--train", "--grad-accum", "3"], "split evenly over the 2 ranks: use a multiple"),
-        (["--mode", "overlapped", "--train", "--grad-accum", "2", "--gpu-adam-share", "0.2"], "--gpu-adam-share runs"),
+        (["--mode", "overlapped", "--train", "--grad-accum", "2", "--profile", "/tmp/t.json"], "--profile runs"),
         (["--mode", "overlapped", "--train", "--grad-accum", "2", "--resident-layers", "1"], "--resident-layers runs"),
-        (["--mode", "overlapped", "--train", "--grad-accum", "2", "--nvme", "/tmp"], "--nvme runs on one GPU"),
+        (["--mode", "overlapped", "--train", "--grad-accum", "2", "--fwd-bwd-reference"], "--fwd-bwd-reference runs"),
         (["--mode", "overlapped", "--train", "--grad-accum", "2"], "torchrun started 2 ranks on this host, which has"),
     ],
 )
@@ -143,3 +197,95 @@ def test_what_several_ranks_refuse_in_one_line(capsys, monkeypatch, args, messag
     code, out, err = run_main(capsys, "--preset", "tiny", "--seq-len", "64", "--batch-size", "2", *args)
     assert code == 2, err
     assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def rank_checkpoint(rank, world, port, folder, out):
+    """One rank: 4 steps with a checkpoint after 2, then 2 steps resumed from it in a new trainer; rank 0 saves both
+    runs' final masters."""
+    ranks = join(rank, world, port)
+    try:
+        model, ids = build(ol.dataclasses.replace(tiny_run(), dtype="float32", batch_size=world))
+        batches = ranks.share(list(ids.chunk(world)))
+        run = ol.RunConfig(preset="tiny", dtype="float32", grad_accum=world, ranks=ranks)
+        manifest = ol.checkpoint_manifest(run, model.config, "overlapped")
+        trainer = trainer_of(model, batches, world, 1, ranks)
+        trainer.step(batches)
+        trainer.step(batches)
+        ol.write_checkpoint(trainer, folder, manifest, 2)
+        uninterrupted = trained(trainer, batches, steps=2)[1]
+        resumed = trainer_of(model, batches, world, 1, ranks)
+        assert ol.resume(resumed, folder, manifest) == 2
+        after = trained(resumed, batches, steps=2)[1]
+        if rank == 0:
+            torch.save((uninterrupted, after), out)
+    finally:
+        ol.stop_ranks()
+
+
+@SLOW
+def test_each_rank_checkpoints_its_shards_and_resumes_bitwise(tmp_path):
+    """--checkpoint over 2 ranks: a file a unit and rank, the record written last; resumed by 2 ranks, the run goes on
+    bit for bit as if uninterrupted."""
+    out, folder = tmp_path / "ranks.pt", tmp_path / "checkpoint"
+    mp.spawn(rank_checkpoint, args=(2, free_port(), folder, out), nprocs=2)
+    uninterrupted, resumed = torch.load(out)
+    assert all(torch.equal(resumed[name], m) for name, m in uninterrupted.items())
+    saved = ol.json.loads((folder / ol.CHECKPOINT_FILE).read_text())
+    units = len(ol.model_units(ol.llama_config(tiny_run())))
+    assert saved["ranks"] == 2 and len(saved["files"]) == 2 * units
+    assert sorted(p.name for p in folder.iterdir()) == sorted([*saved["files"], ol.CHECKPOINT_FILE])
+
+
+@pytest.mark.parametrize(
+    ("saved", "now", "advice"), [(2, 1, "under torchrun with 2 ranks"), (1, 3, "without torchrun")]
+)
+def test_a_checkpoint_resumes_with_as_many_ranks_as_wrote_it(tmp_path, saved, now, advice):
+    """A checkpoint of 2 ranks resumed by one process, or one process's by 3 ranks: refused with one line."""
+    run = ol.RunConfig(preset="tiny", dtype="float32")
+    manifest = ol.checkpoint_manifest(run, ol.llama_config(run), "overlapped")
+    record = {**manifest, "files": [], "steps": 1} | ({"ranks": saved} if saved > 1 else {})
+    (tmp_path / ol.CHECKPOINT_FILE).write_text(ol.json.dumps(record))
+    with pytest.raises(ol.UsageError, match=f"a checkpoint of {saved} rank.*this run has {now}: resume {advice}"):
+        ol.read_checkpoint(tmp_path, manifest | ({"ranks": now} if now > 1 else {}))
+
+
+def rank_save(rank, world, port, folder, out):
+    """One rank: 2 steps, then --save-pretrained's folder (rank 0 writes); rank 0 saves the masters."""
+    ranks = join(rank, world, port)
+    try:
+        model, ids = build(ol.dataclasses.replace(tiny_run(), dtype="float32", batch_size=world))
+        batches = ranks.share(list(ids.chunk(world)))
+        trainer = trainer_of(model, batches, world, 1, ranks)
+        masters = trained(trainer, batches, steps=2)[1]
+        ol.save_pretrained(trainer, model.config, folder)
+        if rank == 0:
+            torch.save(masters, out)
+    finally:
+        ol.stop_ranks()
+
+
+@SLOW
+def test_rank_0_saves_a_folder_from_pretrained_reads_a_unit_at_a_time(tmp_path):
+    """--save-pretrained over 2 ranks: a safetensors file a unit, each gathered from both ranks' shards; HF's
+    from_pretrained reads back the trained masters bit for bit."""
+    out, folder = tmp_path / "masters.pt", tmp_path / "saved"
+    mp.spawn(rank_save, args=(2, free_port(), folder, out), nprocs=2)
+    masters = torch.load(out)
+    model = ol.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    params = dict(model.named_parameters())
+    assert params.keys() == masters.keys()
+    assert all(torch.equal(params[name].detach(), m) for name, m in masters.items())
+    units = len(ol.model_units(model.config))
+    assert len(list(folder.glob("model-*.safetensors"))) == units
+
+
+def test_each_rank_trains_on_its_share_of_the_steps_blocks(tmp_path):
+    """--data over 3 ranks: rank r's micro-batches are r and r + 3 of the step's 6, the blocks one process takes."""
+    run = data_run(tmp_path, grad_accum=6, batch_size=2)
+    blocks, _ = ol.prepare_data(run, 512)
+    alone = ol.step_batches(blocks, run, CPU)
+    for rank in range(3):
+        ranks = ol.Ranks(rank, 3, rank, 3)
+        share = ol.step_batches(blocks, ol.dataclasses.replace(run, ranks=ranks), CPU)
+        for step in (0, 5):
+            assert [b.tolist() for b in share(step)] == [b.tolist() for b in alone(step)[rank::3]]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import offload_llama as ol
-from helpers import SCRIPT, assert_masters_close
+from helpers import SCRIPT, assert_masters_close, assert_same_checkpoint
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 STEPS = 5
@@ -70,3 +70,32 @@ def test_more_ranks_than_gpus_are_refused_in_one_line():
     done = run([*TINY, "--grad-accum", n, "--batch-size", n], n, timeout=120)
     assert done.returncode != 0
     assert f"torchrun started {n} ranks on this host, which has" in done.stderr
+
+
+@pytest.mark.parametrize("extra", [["--clip-grad-norm", "0.05"], ["--dtype", "float16"], ["--gpu-adam-share", "0.5"]])
+def test_two_gpus_compose_with_clipping_float16_and_the_gpus_adam(tmp_path, extra):
+    """Clipping (the norm over every rank's shards), float16 (the overflow agreed by both ranks) and the GPU's Adam
+    over each rank's shard of its units, one micro-batch a rank: the losses and masters of one GPU."""
+    args = [*TINY, "--attention", "eager", "--batch-size", 2, "--grad-accum", 2, "--dtype", "float32", *extra]
+    ref, ref_result, _ = trained(tmp_path, args, None)
+    got, result, _ = trained(tmp_path, args, 2)
+    assert got["losses"] == pytest.approx(ref["losses"], rel=1e-3 if "float16" in extra else 1e-6)
+    assert_masters_close(got["masters"], ref["masters"], STEPS)
+    assert result.get("grad_norms", []) == pytest.approx(ref_result.get("grad_norms", []), rel=1e-6)
+
+
+def test_two_gpus_resume_their_shards_bitwise_and_save_a_folder(tmp_path):
+    """6 steps against 3, then 3 more resumed from each rank's shards, both on two GPUs: the same checkpoint bit for
+    bit; the one run's --save-pretrained folder loads the trained masters bit for bit."""
+    one, two, folder = tmp_path / "one", tmp_path / "two", tmp_path / "hf"
+    args = [*TINY, "--batch-size", 2, "--grad-accum", 2, "--dtype", "bfloat16"]
+    saved = ["--save-pretrained", folder, "--save-output", tmp_path / "o.pt"]
+    first = run([*args, "--steps", 6, "--checkpoint", one, *saved], 2)
+    assert first.returncode == 0, first.stderr[-3000:]
+    for steps, resumed in ((3, []), (3, ["--resume", two])):
+        done = run([*args, "--steps", steps, "--checkpoint", two, *resumed], 2)
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert_same_checkpoint(one, two)
+    masters = torch.load(tmp_path / "o.pt")["training"]["overlapped"]["masters"]
+    loaded = ol.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
+    assert all(torch.equal(loaded[name], t) for name, t in masters.items())
