@@ -197,8 +197,8 @@ class Ranks:
         return micro_batches[self.rank :: self.world]
 
     def gather(self, full: torch.Tensor) -> None:
-        """Each rank's shard of `full`, written in its place, into every rank's `full` (after the current stream's
-        work so far, and before its work after)."""
+        """Each rank's shard of `full`, written in its place, into every rank's `full`: NCCL's stream runs it after
+        the current stream's work so far, and the current stream's later work waits for it."""
         if self.several:
             all_gather(full, self.shard(full), group=self.group)
 
@@ -216,11 +216,12 @@ class Ranks:
         return value
 
     def gathered(self, shard: torch.Tensor) -> torch.Tensor:
-        """Every rank's `shard` of a flat host buffer, gathered in a new one (one process: `shard` itself)."""
+        """Every rank's `shard` of a flat host buffer, gathered in a new one (one process: `shard` itself); in the
+        default group, which waits long: rank 0 may be writing a file between two of them."""
         if not self.several:
             return shard
         full = torch.empty(shard.numel() * self.world, dtype=shard.dtype)
-        all_gather(full, shard.contiguous(), group=self.group)
+        all_gather(full, shard.contiguous())
         return full
 
     def meet(self) -> None:
@@ -953,8 +954,8 @@ class FlatLayout:
         return {name: flat[off : off + shape.numel()].view(shape) for name, shape, off in places}
 
     def pieces(self, shard: torch.Tensor, start: int) -> list[torch.Tensor]:
-        """The parameters' pieces within `shard`, the part of a flat buffer from element `start` on (the padding
-        between them left out)."""
+        """The parameters' pieces within `shard`, the part of a flat buffer from element `start` on, the padding
+        between them left out (in the shared gradient buffer, it holds what other units left there)."""
         end = start + shard.numel()
         bounds = [
             (max(o, start), min(o + shape.numel(), end)) for o, shape in zip(self.offsets, self.shapes, strict=True)
@@ -1217,7 +1218,8 @@ class LayerStreamer:
 
     def issue_through(self, p: int, need: int | None = None) -> None:
         """Issue the window's copies up to position p: the ready ones, then `need`, about to run (CopyWindow). With
-        several ranks, all in order: each copy's all-gather must come in the same order on every rank."""
+        several ranks, all in order (the host waits for an update instead): each copy ends in an all-gather, and ranks
+        issuing them in different orders would pair one layer's shards with another's, silently."""
         self.window.enter_through(p)
         written = self.writer.written if not self.ranks.several else lambda u: True
         for q in self.window.take(written, need):
@@ -1774,6 +1776,8 @@ class Steppers:
             raise ValueError(f"{held}: resident units need their own gradients")
         if set(resident) & set(gpu_adam):
             raise ValueError("resident units are stepped on the GPU already: give the GPU's Adam streamed units only")
+        if resident and self.store.ranks.several:
+            raise ValueError("several ranks keep only their shards: every unit streams, none is resident")
         self.buffer = None  # freed before the resident units' state is allocated
         self.buffer, shared = gradient_memory(self.store, resident, own_grads, self.device)
         on_gpu = ResidentUnits(self.store, self.dtype, self.device, None if own_grads else shared)
@@ -1810,8 +1814,10 @@ class Steppers:
         return grads
 
     def sum_shard(self, u: int, ready) -> tuple[torch.Tensor, object]:
-        """Unit u's gradients summed over the ranks (a reduce-scatter over NVLink), this rank's shard, issued on the D2H
-        stream after the last copy out of `summed`; returns the shard and the event its stepper waits for."""
+        """Unit u's gradients summed over the ranks (a reduce-scatter over NVLink), this rank's shard into `summed`, on
+        the D2H stream; returns the shard and the event its stepper waits for. `summed` is free again: the CPU Adam's
+        last copy out of it came before on this stream, and StreamedAdam's take (its event the last one sent) came
+        before this unit's backward wrote the gradients (wait_to_write)."""
         shard, summed = self.summed[: self.store.masters[u].numel()], new_event(self.device)
         stream = self.cpu_adam.d2h_stream
         with on_stream(stream):
@@ -2062,8 +2068,8 @@ class OffloadedTraining:
             losses = StreamedUnit.apply(self, u, self.anchor, *losses)
         self.streamer.begin(reversed(range(n)), keep=True)  # the forward's last units are still in the slots
         self.inputs.backward_begins(n)
-        micro_batches = len(losses) * self.ranks.world  # the step's, over every rank
-        sum(objective(loss, micro_batches, self.scaling.scale) for loss in losses).backward()
+        count = len(losses) * self.ranks.world  # the step's micro-batches, over every rank
+        sum(objective(loss, count, self.scaling.scale) for loss in losses).backward()
         if self.scaling.update() and self.holds_updates:
             multiplier = self.clip.multiplier()
             for u in self.sent:
@@ -2111,7 +2117,7 @@ def gradient_memory(store: MasterStore, resident, own_grads: bool, device) -> tu
     """GPU memory for the gradients: the streamed units' buffer in the store's gradient dtype (float32 to accumulate
     micro-batches or unscale float16; else the compute dtype), and the float32 memory it starts, large enough for the
     resident units' gradients too where they share it (not own_grads). Zeroed: the padding between a unit's
-    parameters is sent and stepped too, and must hold no NaN from unwritten memory."""
+    parameters is sent and stepped too, and must hold no NaN from unwritten memory (later, what another unit left)."""
     numels = [m.numel() * store.ranks.world for m in store.masters]  # a unit's shards, with several ranks
     streamed = max((n for u, n in enumerate(numels) if u not in resident), default=0)
     shared = 0 if own_grads else max((numels[u] for u in resident), default=0)
@@ -2855,7 +2861,7 @@ def direct_io(fd: int, buffer: mmap.mmap) -> bool:
 
 
 STEP_GROUP = {}  # "group": the process group with RANK_TIMEOUT, made by start_ranks
-# the collectives on one tensor, by their names since torch 2.13 (the older ones warn there)
+# the collectives on one tensor: torch 2.13 names them so, and warns at the older names, which 2.11 and 2.12 have only
 all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -2932,7 +2938,7 @@ def plan_budget(run: RunConfig) -> int | None:
     cap, so overlapped streams every unit, as the tables compare full offload with gpu mode."""
     if run.max_gpu_memory is None:
         return None
-    gpu = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else math.inf
+    gpu = gpu_total_bytes() if torch.cuda.is_available() else math.inf
     return int(min(run.max_gpu_memory * GiB, gpu)) - PLAN_MARGIN
 
 
@@ -3147,7 +3153,6 @@ def train_mode(mode: str, model, masters, input_ids, run: RunConfig, compared: b
     reset_peak_memory(device)
     trainer = None
     try:
-        ranks.meet()  # the steps' collectives wait RANK_TIMEOUT at most: every rank starts them set up
         trainer = make_trainer(mode, model, masters, micro_batches, run, device)
         manifest = checkpoint_manifest(run, model.config, mode)
         placed = prepare_steps(trainer, micro_batches, run, mode, compared, manifest)
@@ -3169,6 +3174,8 @@ def train_mode(mode: str, model, masters, input_ids, run: RunConfig, compared: b
         result |= placed | evaluation.figures() | training_figures(trainer, result)
         return rank_peaks(ranks, result, param_count(model.config))
     except torch.OutOfMemoryError as e:
+        if ranks.several:  # one rank's OOM would leave the others in a collective: it ends the run (torchrun's exit)
+            raise
         log(f"mode {mode}: out of GPU memory ({str(e).splitlines()[0]})")
         return {"oom": True}
     finally:  # an OOM or an interrupt too: the CPU Adam worker must stop before the buffers it steps are freed
@@ -3197,6 +3204,7 @@ def prepare_steps(trainer, micro_batches, run: RunConfig, mode: str, compared: b
         manifest["resumed_from"] = resume(trainer, mode_folder(run.resume, run, mode), manifest)
     if not isinstance(trainer, OffloadedTraining):
         return {}
+    trainer.ranks.meet()  # the steps' collectives (the placement's first) wait RANK_TIMEOUT at most: all set up first
     placed = place_units(trainer, micro_batches, run, mode, compared) if trainer.device.type == "cuda" else {}
     # the CPU Adam's moments zeroed now, not in each unit's first step, where a page's first touch is slow; the other
     # steppers keep theirs on the GPU (resident units) or zero them there (StreamedAdam): the host's stay untouched
@@ -5085,11 +5093,16 @@ def check_memory(run: RunConfig, config: LlamaConfig, gpu_modes: list[str]) -> N
         )
 
 
+def gpu_total_bytes() -> int:
+    """The memory of this process's GPU (under torchrun, its rank's)."""
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+
+
 def gpu_cap(run: RunConfig) -> int:
     """The GPU memory a mode may take: the --max-gpu-memory cap, else the GPU's own."""
     if run.max_gpu_memory is not None:
         return int(run.max_gpu_memory * GiB)
-    return torch.cuda.get_device_properties(0).total_memory
+    return gpu_total_bytes()
 
 
 def check_saving(run: RunConfig, config: LlamaConfig) -> None:
@@ -5161,7 +5174,7 @@ def environment() -> dict:
     cuda = torch.cuda.is_available()
     return {
         "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
-        "gpu_memory_bytes": torch.cuda.get_device_properties(0).total_memory if cuda else None,
+        "gpu_memory_bytes": gpu_total_bytes() if cuda else None,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
@@ -5230,7 +5243,7 @@ def write_outputs(run: RunConfig, report: dict, input_ids, logits: dict, train_i
 def set_gpu_cap(run: RunConfig) -> None:
     """--max-gpu-memory as the caching allocator's fraction of the GPU, where a mode runs on it."""
     if run.max_gpu_memory is not None and any(m != "cpu" for m in run.modes):
-        total = torch.cuda.get_device_properties(0).total_memory
+        total = gpu_total_bytes()
         torch.cuda.set_per_process_memory_fraction(min(1.0, run.max_gpu_memory * GiB / total))
 
 
