@@ -3907,8 +3907,8 @@ def continuations(model: nn.Module, tokenizer, run: RunConfig, device: torch.dev
         ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
         torch.manual_seed(run.seed)
         kwargs = {"max_new_tokens": run.sample_tokens, "pad_token_id": tokenizer.eos_token_id, "do_sample": False}
-        if run.ranks.several:  # every rank's passes gather the units: as many on each, past an end of text
-            kwargs["min_new_tokens"] = run.sample_tokens
+        # several ranks: each pass gathers the units, so a rank whose text ended passes on until every rank's has
+        kwargs["synced_gpus"] = run.ranks.several
         out = model.generate(ids, attention_mask=torch.ones_like(ids), **(kwargs | drawn))
         texts.append(tokenizer.decode(out[0, ids.shape[1] :]))
     return texts

@@ -289,3 +289,41 @@ def test_each_rank_trains_on_its_share_of_the_steps_blocks(tmp_path):
         share = ol.step_batches(blocks, ol.dataclasses.replace(run, ranks=ranks), CPU)
         for step in (0, 5):
             assert [b.tolist() for b in share(step)] == [b.tolist() for b in alone(step)[rank::3]]
+
+
+def rank_generate(rank, world, port, out):
+    """One rank: a step, then generate through the streamed shell over the shards, synced; rank 1's text ends after
+    its first token, rank 0's runs on. Rank 0 saves its output."""
+    ranks = join(rank, world, port)
+    try:
+        model, ids = build(ol.dataclasses.replace(tiny_run(), dtype="float32", batch_size=world))
+        batches = ranks.share(list(ids.chunk(world)))
+        trainer = trainer_of(model, batches, world, 1, ranks)
+        trainer.step(batches)
+        trainer.wait_updates()
+        prompt = ids[:1, :5]
+        first = ol.forward_model(trainer, model.config, CPU).generate(prompt, max_new_tokens=1, do_sample=False)
+        end = first[0, -1].item() if rank == 1 else None
+        shell = ol.forward_model(trainer, model.config, CPU)
+        text = shell.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=end, synced_gpus=True)
+        if rank == 0:
+            torch.save(text, out)
+    finally:
+        ol.stop_ranks()
+
+
+@SLOW
+def test_ranks_generate_in_step_when_one_ranks_text_ends_first(tmp_path):
+    """generate through the shell over 2 ranks' shards, synced as --sample runs it: rank 1 ends at once, rank 0 goes
+    on to 8 tokens (every pass gathers the units on both), the tokens one process generates."""
+    out = tmp_path / "text.pt"
+    mp.spawn(rank_generate, args=(2, free_port(), out), nprocs=2)
+    model, ids = build(ol.dataclasses.replace(tiny_run(), dtype="float32", batch_size=2))
+    batches = list(ids.chunk(2))
+    trainer = trainer_of(model, batches, 2, 1)
+    trainer.step(batches)
+    trainer.wait_updates()
+    shell = ol.forward_model(trainer, model.config, CPU)
+    expected = shell.generate(ids[:1, :5], max_new_tokens=8, do_sample=False, eos_token_id=None)
+    trainer.finish()
+    assert torch.equal(torch.load(out), expected) and expected.shape[1] == 13
