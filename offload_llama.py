@@ -1754,7 +1754,16 @@ class CpuAdam(HostState):
 class Steppers:
     """Each unit's stepper, and the GPU memory its gradients accumulate in until they leave. The plain path's CpuAdam
     steps every unit until `place` gives some to ResidentUnits or StreamedAdam. The streamer asks it before each
-    copy whether the unit's host copy is written (the streamer's writer)."""
+    copy whether the unit's host copy is written (the streamer's writer). A streamed unit's gradients, in order:
+
+        compute   waits last_landed, the backward writes `buffer`, records ready           (wait_to_write, send)
+        D2H       waits ready; several ranks: reduce-scatter into `summed`, records it     (sum_shard)
+                  copies the gradients, or the shard, to pinned host memory, records landed  (CpuAdam.send)
+        CPU Adam  waits landed, steps the unit, marks it done                               (CpuAdam.work)
+        copy      the unit's next copy waits until it is done                               (wait_written)
+
+    landed becomes last_landed: the next unit's backward writes `buffer` only once these gradients have left it,
+    and with several ranks `summed` too (StreamedAdam's take stands in for the D2H copy, on its own stream)."""
 
     def __init__(self, store: MasterStore, dtype: torch.dtype, device: torch.device, d2h_stream):
         self.store, self.dtype, self.device = store, dtype, device
