@@ -788,8 +788,7 @@ def model_type(path: Path) -> str:
 if __name__ == "__main__":  # a mistyped command is answered before torch and transformers load, which takes seconds
     check_command_line(sys.argv[1:])
 
-import safetensors.torch  # noqa: E402  (after the command line's check; safetensors, tokenizers, tqdm: transformers')
-import tokenizers  # noqa: E402
+import tokenizers  # noqa: E402  (after the command line's check)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import tqdm  # noqa: E402
@@ -3425,18 +3424,33 @@ def save_units(trainer, config: LlamaConfig, folder: Path) -> None:
         config.save_pretrained(folder)
     for u, unit in enumerate(trainer.units):
         full = ranks.gathered(trainer.steppers.state(u).cpu())
-        tensors = {f"{unit.name}.{name}": view.clone() for name, view in unit.layout.views(full).items()}
+        tensors = {f"{unit.name}.{name}": view for name, view in unit.layout.views(full).items()}
         name = f"model-{u + 1:05d}-of-{n:05d}.safetensors"
         weight_map |= dict.fromkeys(tensors, name)
         total += sum(t.nbytes for t in tensors.values())
         if ranks.rank == 0:
-            safetensors.torch.save_file(tensors, folder / name, metadata={"format": "pt"})
+            write_safetensors(folder / name, tensors)
     if ranks.rank == 0:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         with_umask_modes(folder)
     ranks.meet()  # the folder is whole before any rank goes on
     log(f"trained float32 weights saved to {folder}, a file a unit, host peak {size_text(peak_host_rss())} meanwhile")
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Float32 `tensors` as a safetensors file, the format from_pretrained reads: the header's length (8 bytes, little
+    endian), a JSON header of each tensor's dtype, shape and byte range, then the tensors' bytes in that order."""
+    header, start = {"__metadata__": {"format": "pt"}}, 0
+    for name, t in tensors.items():
+        header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [start, start + t.nbytes]}
+        start += t.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the tensors' bytes start 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for t in tensors.values():
+            f.write(t.contiguous().numpy())  # its bytes, without a copy: a view of the gathered unit
 
 
 def with_umask_modes(folder: Path) -> None:
