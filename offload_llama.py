@@ -118,7 +118,7 @@ HELD_OUT_SEED = 0  # draws the held-out blocks: the same for every --seed, so no
 def log(msg: str) -> None:
     """Progress goes to stderr, each line after the seconds since the process started: stdout carries the tables. On
     a terminal, through tqdm, which keeps a progress bar below the lines. Of torchrun's ranks, rank 0 speaks for all."""
-    if os.environ.get("RANK", "0") != "0":
+    if Ranks.from_environment().rank:
         return
     line = f"{time.perf_counter() - STARTED:6.1f} s  {msg}"
     if sys.stderr.isatty():
@@ -670,7 +670,7 @@ def command_line(argv=None) -> RunConfig:
     check_ranges(p, a)
     check_combinations(p, a)
     check_data_flags(p, a)
-    check_rank_flags(p, a, int(os.environ.get("WORLD_SIZE", "1")))
+    check_rank_flags(p, a, Ranks.from_environment().world)
     a.sizes = tuple((f, getattr(a, f)) for f in SIZE_FLAGS if getattr(a, f) is not None)
     if a.model is not None and (a.sizes or a.preset is not None):
         given = [f"--{SIZE_FLAGS[f]}" for f, _ in a.sizes] + ["--preset"] * (a.preset is not None)
@@ -2549,8 +2549,7 @@ class GradClip:
         self.ranks = store.ranks  # with several, each takes the norm of its shards, and the squares are summed
         self.norms = {}  # unit -> its parameters' gradient norms, float32 on the GPU
         self.grad_norms = []  # each applied step's, before clipping
-        self.device = device
-        self.taken = InOrder()  # recorded after the last norm, on the stream that took it
+        self.taken = new_event(device)  # recorded after each unit's norms, on the stream that took them
 
     def add(self, u: int, grads: list[torch.Tensor]) -> None:
         """Unit u's parameters' gradient norms (with several ranks, of this rank's shard of their sum), queued on the
@@ -2561,7 +2560,6 @@ class GradClip:
             self.norms[u] = torch._foreach_norm(grads, 2.0)  # as clip_grad_norm_ takes them
         else:  # 16-bit gradients, summed in float32 without a float32 copy of the unit
             self.norms[u] = [torch.linalg.vector_norm(g, 2.0, dtype=torch.float32) for g in grads]
-        self.taken = new_event(self.device)
         self.taken.record()
 
     def multiplier(self) -> float:

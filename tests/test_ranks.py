@@ -22,6 +22,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def tiny_batches(dtype: str, count: int):
+    """The tiny model in `dtype` and a step of `count` micro-batches, one 48-token sequence each."""
+    model, ids = build(ol.dataclasses.replace(tiny_run(), dtype=dtype, batch_size=count))
+    return model, list(ids.chunk(count))
+
+
+def one_process(dtype: str, count: int, depth: int = 1, overflow_at=None, **options):
+    """trained()'s results of one process on all `count` micro-batches of the step, as the ranks are compared with;
+    options: trainer_of's."""
+    model, batches = tiny_batches(dtype, count)
+    return trained(trainer_of(model, batches, count, depth, **options), batches, overflow_at)
+
+
 def trainer_of(model, micro_batches, world_batches, depth, ranks=None, clip=None, gpu_adam=(), disk=None):
     """Offloaded training of `model` on the CPU, its store this rank's shards; world_batches: the step's micro-batches
     over every rank (they set the gradients' dtype and the loss's divisor); clip: --clip-grad-norm; gpu_adam: the
@@ -79,8 +92,7 @@ def rank_main(rank, world, port, dtype, k, depth, out, clip=None, overflow_at=No
     """One rank: trains on its share of the step's micro-batches, rank 0 saves the result."""
     ranks = join(rank, world, port)
     try:
-        model, ids = build(ol.dataclasses.replace(tiny_run(), dtype=dtype, batch_size=world * k))
-        batches = list(ids.chunk(world * k))
+        model, batches = tiny_batches(dtype, world * k)
         trainer = trainer_of(model, ranks.share(batches), len(batches), depth, ranks, clip, gpu_adam, disk)
         result = trained(trainer, ranks.share(batches), overflow_at if rank == world - 1 else None)
         if rank == 0:
@@ -106,9 +118,7 @@ def test_ranks_train_as_one_process_on_every_micro_batch(tmp_path, world, dtype,
     out = tmp_path / "ranks.pt"
     mp.spawn(rank_main, args=(world, free_port(), dtype, k, depth, out), nprocs=world)
     losses, masters, _, _ = torch.load(out)
-    model, ids = build(ol.dataclasses.replace(tiny_run(), dtype=dtype, batch_size=world * k))
-    batches = list(ids.chunk(world * k))
-    ref_losses, ref_masters, _, _ = trained(trainer_of(model, batches, len(batches), depth), batches)
+    ref_losses, ref_masters, _, _ = one_process(dtype, world * k, depth)
     assert masters.keys() == ref_masters.keys()
     assert_masters_close(masters, ref_masters, STEPS)
     assert losses == pytest.approx(ref_losses, rel=1e-6)
@@ -121,9 +131,7 @@ def test_ranks_clip_by_the_norm_of_every_shard_as_one_process_does(tmp_path):
     out = tmp_path / "ranks.pt"
     mp.spawn(rank_main, args=(2, free_port(), "float32", 1, 1, out, 0.05), nprocs=2)
     losses, masters, norms, _ = torch.load(out)
-    model, ids = build(ol.dataclasses.replace(tiny_run(), dtype="float32", batch_size=2))
-    batches = list(ids.chunk(2))
-    ref_losses, ref_masters, ref_norms, _ = trained(trainer_of(model, batches, 2, 1, clip=0.05), batches)
+    ref_losses, ref_masters, ref_norms, _ = one_process("float32", 2, clip=0.05)
     assert len(norms) == STEPS and norms == pytest.approx(ref_norms, rel=1e-6)
     assert max(norms) > 0.05  # the steps were clipped
     assert_masters_close(masters, ref_masters, STEPS)
@@ -138,9 +146,7 @@ def test_the_devices_adam_steps_each_ranks_shard_of_its_units(tmp_path):
     out = tmp_path / "ranks.pt"
     mp.spawn(rank_main, args=(2, free_port(), "bfloat16", 1, 1, out, None, None, (0, 1)), nprocs=2)
     losses, masters, _, _ = torch.load(out)
-    model, ids = build(ol.dataclasses.replace(tiny_run(), dtype="bfloat16", batch_size=2))
-    batches = list(ids.chunk(2))
-    ref_losses, ref_masters, _, _ = trained(trainer_of(model, batches, 2, 1, gpu_adam=(0, 1)), batches)
+    ref_losses, ref_masters, _, _ = one_process("bfloat16", 2, gpu_adam=(0, 1))
     assert_masters_close(masters, ref_masters, STEPS)
     assert losses == pytest.approx(ref_losses, rel=1e-6)
 
@@ -153,9 +159,7 @@ def test_each_rank_keeps_its_shard_of_the_last_layers_moments_on_the_disk(tmp_pa
     disk = (str(tmp_path), (2, 3))
     mp.spawn(rank_main, args=(2, free_port(), "float32", 1, 1, out, None, None, (), disk), nprocs=2)
     losses, masters, _, _ = torch.load(out)
-    model, ids = build(ol.dataclasses.replace(tiny_run(), dtype="float32", batch_size=2))
-    batches = list(ids.chunk(2))
-    ref_losses, ref_masters, _, _ = trained(trainer_of(model, batches, 2, 1), batches)
+    ref_losses, ref_masters, _, _ = one_process("float32", 2)
     assert_masters_close(masters, ref_masters, STEPS)
     assert losses == pytest.approx(ref_losses, rel=1e-6)
 
@@ -167,9 +171,7 @@ def test_a_step_that_overflows_on_one_rank_is_skipped_on_every_rank(tmp_path):
     out = tmp_path / "ranks.pt"
     mp.spawn(rank_main, args=(2, free_port(), "float16", 1, 1, out, None, 1), nprocs=2)
     losses, masters, _, scales = torch.load(out)
-    model, ids = build(ol.dataclasses.replace(tiny_run(), dtype="float16", batch_size=2))
-    batches = list(ids.chunk(2))
-    ref_losses, ref_masters, _, ref_scales = trained(trainer_of(model, batches, 2, 1), batches, overflow_at=1)
+    ref_losses, ref_masters, _, ref_scales = one_process("float16", 2, overflow_at=1)
     assert scales == ref_scales and scales[1] == scales[0] / 2
     assert_masters_close(masters, ref_masters, STEPS)
     assert losses == pytest.approx(ref_losses, rel=1e-3)  # float16 losses
@@ -204,8 +206,8 @@ def rank_checkpoint(rank, world, port, folder, out):
     runs' final masters."""
     ranks = join(rank, world, port)
     try:
-        model, ids = build(ol.dataclasses.replace(tiny_run(), dtype="float32", batch_size=world))
-        batches = ranks.share(list(ids.chunk(world)))
+        model, step = tiny_batches("float32", world)
+        batches = ranks.share(step)
         run = ol.RunConfig(preset="tiny", dtype="float32", grad_accum=world, ranks=ranks)
         manifest = ol.checkpoint_manifest(run, model.config, "overlapped")
         trainer = trainer_of(model, batches, world, 1, ranks)
@@ -253,8 +255,8 @@ def rank_save(rank, world, port, folder, out):
     """One rank: 2 steps, then --save-pretrained's folder (rank 0 writes); rank 0 saves the masters."""
     ranks = join(rank, world, port)
     try:
-        model, ids = build(ol.dataclasses.replace(tiny_run(), dtype="float32", batch_size=world))
-        batches = ranks.share(list(ids.chunk(world)))
+        model, step = tiny_batches("float32", world)
+        batches = ranks.share(step)
         trainer = trainer_of(model, batches, world, 1, ranks)
         masters = trained(trainer, batches, steps=2)[1]
         ol.save_pretrained(trainer, model.config, folder)
@@ -296,12 +298,12 @@ def rank_generate(rank, world, port, out):
     its first token, rank 0's runs on. Rank 0 saves its output."""
     ranks = join(rank, world, port)
     try:
-        model, ids = build(ol.dataclasses.replace(tiny_run(), dtype="float32", batch_size=world))
-        batches = ranks.share(list(ids.chunk(world)))
+        model, step = tiny_batches("float32", world)
+        batches = ranks.share(step)
         trainer = trainer_of(model, batches, world, 1, ranks)
         trainer.step(batches)
         trainer.wait_updates()
-        prompt = ids[:1, :5]
+        prompt = step[0][:, :5]
         first = ol.forward_model(trainer, model.config, CPU).generate(prompt, max_new_tokens=1, do_sample=False)
         end = first[0, -1].item() if rank == 1 else None
         shell = ol.forward_model(trainer, model.config, CPU)
@@ -318,12 +320,11 @@ def test_ranks_generate_in_step_when_one_ranks_text_ends_first(tmp_path):
     on to 8 tokens (every pass gathers the units on both), the tokens one process generates."""
     out = tmp_path / "text.pt"
     mp.spawn(rank_generate, args=(2, free_port(), out), nprocs=2)
-    model, ids = build(ol.dataclasses.replace(tiny_run(), dtype="float32", batch_size=2))
-    batches = list(ids.chunk(2))
+    model, batches = tiny_batches("float32", 2)
     trainer = trainer_of(model, batches, 2, 1)
     trainer.step(batches)
     trainer.wait_updates()
     shell = ol.forward_model(trainer, model.config, CPU)
-    expected = shell.generate(ids[:1, :5], max_new_tokens=8, do_sample=False, eos_token_id=None)
+    expected = shell.generate(batches[0][:, :5], max_new_tokens=8, do_sample=False, eos_token_id=None)
     trainer.finish()
     assert torch.equal(torch.load(out), expected) and expected.shape[1] == 13
