@@ -58,6 +58,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,8 +123,6 @@ def log(msg: str) -> None:
         return
     line = f"{time.perf_counter() - STARTED:6.1f} s  {msg}"
     if sys.stderr.isatty():
-        import tqdm  # noqa: PLC0415  (transformers installs it; needed on a terminal only)
-
         tqdm.tqdm.write(line, file=sys.stderr)
     else:
         print(line, file=sys.stderr, flush=True)
@@ -2915,6 +2914,20 @@ def host_peaks(ranks: Ranks, host: dict) -> dict:
     return {key: sum(rank[key] or 0 for rank in ranks.each(host)) for key in host}
 
 
+def lost_ranks(ranks: Ranks, error: BaseException) -> str | None:
+    """The line a rank ends on when a collective failed under it: another rank ended (gloo's connection dropped) or
+    stalled past RANK_TIMEOUT; which, torchrun's summary names. None for one process, or an error of this rank's own."""
+    frames = traceback.extract_tb(error.__traceback__)
+    from_collective = isinstance(error, dist.DistError) or (frames and "torch/distributed/" in frames[-1].filename)
+    if not ranks.several or not from_collective:
+        return None
+    why = str(error).strip().splitlines()[0].split("] ", 1)[-1]  # without gloo's source place
+    return (
+        f"rank {ranks.rank} of {ranks.world} stops: another rank ended, or stalled for {RANK_TIMEOUT} s, in a "
+        f"collective (torchrun's summary names it): {why}"
+    )
+
+
 def stop_ranks() -> None:
     """Leave the other ranks, once every collective is done."""
     if dist.is_available() and dist.is_initialized():
@@ -3258,7 +3271,7 @@ def train_steps(
             losses.append(extra["trace"].pop("loss"))
             continue  # to the rounds after the last step
         loss = trainer.step(batch)
-        if batches:  # the next step's blocks, gathered and copied while this step's kernels run
+        if batches and i + 1 < run.steps:  # the next step's blocks, gathered and copied while this step's kernels run
             batch = batches(done + i + 1)
         losses.append(loss.item())  # a sync: this step's forward and backward have run
         if i == 0 and keep_grads:
@@ -5356,7 +5369,8 @@ def disk_tier(run: RunConfig, units: list[Unit]) -> DiskTier | None:
 
 def main(argv=None) -> int:
     """The command line's entry point: exit code 0; 2 with one line for bad input; 1 with one line for a file that
-    cannot be written mid-run (a full disk); 130 with one line for Ctrl-C."""
+    cannot be written mid-run (a full disk) or, with several ranks, for a collective that another rank left; 130 with
+    one line for Ctrl-C."""
     use_expandable_segments()  # before anything starts CUDA: parse_args asks the GPU for its dtypes
     run = parse_args(argv)
     try:
@@ -5375,6 +5389,12 @@ def main(argv=None) -> int:
         finish_early()
         print("offload_llama.py: interrupted; no output is left half-written", file=sys.stderr)
         return 130
+    except Exception as e:
+        lost = lost_ranks(run.ranks, e)
+        if lost is None:
+            raise
+        print(f"offload_llama.py: error: {lost}", file=sys.stderr, flush=True)
+        os._exit(1)  # without the interpreter's teardown, which would wait on collectives that never end
     return 0
 
 

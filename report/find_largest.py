@@ -4,15 +4,19 @@ stops one more layer.
 
     python3 report/find_largest.py --preset llama-7b --max-gpu-memory 11 --steps 4 --warmup 1 --json largest.json
 
+With --nproc-per-node N, each probe runs under torchrun with N ranks on this host, sharing its memory.
+
 The flags are offload_llama.py's; --mode picks the modes searched (default: gpu and overlapped). Report tooling: it
 prints one table and writes the JSON that report/build_report.py reads (key find_largest).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
+import re
 import subprocess
 import sys
 import tempfile
@@ -107,24 +111,34 @@ def probe(run: ol.RunConfig, mode: str, layers: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "probe.json"
         child = dataclasses.replace(with_layers(run, layers), mode=mode, json=str(path))
-        command = [sys.executable, str(SCRIPT), *cli_args(child)]
+        command = [sys.executable, *launcher(run.ranks), str(SCRIPT), *cli_args(child)]
         with subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as process:
-            last = ""
+            last = said = ""
+            codes = []  # under torchrun, its summary's exit code of each rank that failed, the first failure's last
             try:
                 for line in process.stderr:
                     sys.stderr.write(line)
                     last = line.strip() or last
+                    said = line.strip() if line.startswith("offload_llama.py: error: ") else said
+                    codes += [int(code) for code in re.findall(r"^\s*exitcode\s*:\s*(-?\d+)", line)]
             except KeyboardInterrupt:
                 process.terminate()  # the probe writes nothing that lasts, so it need not clean up
                 raise
         if process.returncode == 0:
             return json.loads(path.read_text())["results"][mode]["training"]
-    why = last.removeprefix("offload_llama.py: error: ")
-    if process.returncode == 2:
+    why = (said or last).removeprefix("offload_llama.py: error: ")
+    code = codes[-1] if codes else process.returncode
+    if code == 2:
         return {"refused": why}
-    if process.returncode < 0:  # SIGKILL, most likely from the kernel's out-of-memory killer: the host ran out
-        return {"failed": f"killed by signal {-process.returncode} after: {why}"}
-    return {"failed": f"exit code {process.returncode}: {why}"}
+    if code < 0:  # SIGKILL, most likely from the kernel's out-of-memory killer: the host ran out
+        return {"failed": f"killed by signal {-code} after: {why}"}
+    return {"failed": f"exit code {code}: {why}"}
+
+
+def launcher(ranks: ol.Ranks) -> list[str]:
+    """What runs offload_llama.py after python: torchrun with a rank per GPU where several ranks train, else
+    nothing."""
+    return ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks.local_world)] * ranks.several
 
 
 def probe_line(mode: str, layers: int, params: int, r: dict) -> str:
@@ -231,6 +245,7 @@ def layer_count(n: int) -> str:
 def largest_table(found: dict, run: ol.RunConfig) -> str:
     """Per mode the layers, parameters, step time, peak memory and what stops one more."""
     cap = f"GPU capped at {run.max_gpu_memory:g} GiB" if run.max_gpu_memory else "the whole GPU"
+    cap += f" each, {run.ranks.world} GPUs sharing the host" if run.ranks.several else ""
     title = f"The largest model that trains ({run.preset} layers, {run.dtype}, {run.batch_size}x{run.seq_len} "
     title += f"tokens per micro-batch, Adam, {cap})"
     columns = [("layers", "---:"), ("parameters (B)", "---:"), ("step (ms)", "---:"), ("peak GPU (GiB)", "---:")]
@@ -259,6 +274,12 @@ def find_largest(run: ol.RunConfig) -> dict:
         raise ol.UsageError("find_largest.py varies the preset's layer count: use --preset (and size flags)")
     if run.resident_layers is not None:
         raise ol.UsageError("find_largest.py plans each probe from --max-gpu-memory: drop --resident-layers")
+    if run.grad_accum % run.ranks.world:
+        n = run.ranks.world
+        raise ol.UsageError(
+            f"--nproc-per-node {n}: the step's {run.grad_accum} micro-batches split over the ranks: use a multiple "
+            f"of {n} for --grad-accum"
+        )
     config = ol.llama_config(run)
     run = dataclasses.replace(run, train=True, inference=False)  # each probe trains one mode alone: lean
     ol.check_devices(with_layers(run, 1), ol.llama_config(with_layers(run, 1)))
@@ -279,8 +300,14 @@ def find_largest(run: ol.RunConfig) -> dict:
 
 
 def main(argv=None) -> int:
-    """The command line: offload_llama.py's flags; exit code 2 with one line for bad input."""
-    run = ol.parse_args(["--train", *(sys.argv[1:] if argv is None else argv)])
+    """The command line: offload_llama.py's flags, and --nproc-per-node N to probe under torchrun with N ranks on this
+    host; exit code 2 with one line for bad input."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--nproc-per-node", type=int, default=1)
+    own, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    n = own.nproc_per_node
+    run = ol.parse_args(["--train", *rest])
+    run = dataclasses.replace(run, ranks=ol.Ranks(0, n, 0, n)) if n > 1 else run  # as each probe's rank 0 sees
     try:
         ol.check_outputs(run)
         find_largest(run)

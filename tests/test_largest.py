@@ -169,3 +169,18 @@ def test_the_layer_past_the_disk_limit_is_refused_for_the_disk(monkeypatch, tmp_
     why = fl.limit(run, "overlapped", ol.llama_config(run), n, None)
     assert n == 3 and why.startswith(f"the disk: with {n + 1} layers, the Adam moments of ")
     assert "GiB on the disk, more than the 0.00 GiB free there (the host holds the rest)" in why
+
+
+def test_a_probe_under_torchrun_reads_a_ranks_refusal_through_its_summary(monkeypatch, tmp_path):
+    """--nproc-per-node 2: the probe is torchrun's, whose exit code is 1 for any rank's failure; a rank's one-line
+    refusal (exit 2) is read from torchrun's summary, as one process's would be."""
+    script = tmp_path / "refuses.py"
+    script.write_text('import sys\nprint("offload_llama.py: error: no room", file=sys.stderr)\nsys.exit(2)\n')
+    monkeypatch.setattr(fl, "SCRIPT", script)
+    run = ol.dataclasses.replace(tiny_run(), train=True, grad_accum=2, ranks=ol.Ranks(0, 2, 0, 2))
+    assert fl.probe(run, "overlapped", 2) == {"refused": "no room"}
+
+
+def test_find_largest_splits_the_step_over_its_ranks(tmp_path):
+    r = find_largest("--nproc-per-node", 2, "--preset", "tiny", "--mode", "overlapped", "--grad-accum", 3)
+    assert r.returncode == 2 and "use a multiple of 2" in r.stderr, r.stderr

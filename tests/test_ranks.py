@@ -3,6 +3,7 @@ reduce-scattered gradients, against one process training on every micro-batch.""
 
 import os
 import socket
+import time
 
 import pytest
 import torch
@@ -328,3 +329,46 @@ def test_ranks_generate_in_step_when_one_ranks_text_ends_first(tmp_path):
     expected = shell.generate(batches[0][:, :5], max_new_tokens=8, do_sample=False, eos_token_id=None)
     trainer.finish()
     assert torch.equal(torch.load(out), expected) and expected.shape[1] == 13
+
+
+def rank_lost(rank, world, port, stalls, out):
+    """One rank: a whole step, then rank 1 ends (or stalls) in the next step's backward; rank 0 saves how long its
+    step took to fail and the line it ends on, and leaves at once (main's way)."""
+    ranks = join(rank, world, port)
+    model, step = tiny_batches("float32", world)
+    batches = ranks.share(step)
+    trainer = trainer_of(model, batches, world, 1, ranks)
+    trainer.step(batches)
+    unit_grads = trainer.unit_grads
+
+    def ending(u, *args):
+        """Rank 1 ends, or sleeps past every timeout, at the first layer's backward."""
+        if rank == 1 and u == 1:
+            time.sleep(3600) if stalls else os._exit(3)
+        return unit_grads(u, *args)
+
+    trainer.unit_grads = ending
+    started = time.perf_counter()
+    try:
+        trainer.step(batches)
+    except RuntimeError as e:
+        torch.save({"seconds": time.perf_counter() - started, "line": ol.lost_ranks(ranks, e)}, out)
+    os._exit(0)
+
+
+@SLOW
+@pytest.mark.parametrize("stalls", [False, True])
+def test_a_rank_that_ends_or_stalls_mid_step_ends_the_others_in_one_line(tmp_path, stalls):
+    """Rank 1 of 2 ends mid-step (its connection drops), or stalls: rank 0's step fails at once, or after
+    RANK_TIMEOUT, never hangs (every step collective is in the group with that timeout); its one line says so."""
+    out = tmp_path / "lost.pt"
+    context, port = mp.get_context("spawn"), free_port()
+    ranks = [context.Process(target=rank_lost, args=(r, 2, port, stalls, out), daemon=True) for r in range(2)]
+    for process in ranks:
+        process.start()
+    ranks[0].join(timeout=ol.RANK_TIMEOUT + 90)  # setting up takes 10 to 20 s
+    for process in ranks:
+        process.kill()
+    lost = torch.load(out)
+    assert lost["seconds"] < (ol.RANK_TIMEOUT + 10 if stalls else 10)
+    assert lost["line"].startswith("rank 0 of 2 stops: another rank ended, or stalled for"), lost["line"]

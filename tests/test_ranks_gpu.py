@@ -1,10 +1,16 @@
 """Two GPUs under torchrun: the CLI's data-parallel training (NCCL all-gathers and reduce-scatters, each rank's
 shard of the host state) against one GPU training on every micro-batch of the same command."""
 
+import contextlib
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -99,3 +105,40 @@ def test_two_gpus_resume_their_shards_bitwise_and_save_a_folder(tmp_path):
     masters = torch.load(tmp_path / "o.pt")["training"]["overlapped"]["masters"]
     loaded = ol.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
     assert all(torch.equal(loaded[name], t) for name, t in masters.items())
+
+
+def worker_pid(parent: int, rank: int) -> int:
+    """The pid of torchrun's worker `rank`, a child of `parent` (from /proc: its parent and its RANK)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) != parent:
+                continue
+            environ = (stat.parent / "environ").read_bytes().split(b"\0")
+            if f"RANK={rank}".encode() in environ:
+                return int(stat.parent.name)
+    raise AssertionError(f"no worker of rank {rank} under pid {parent}")
+
+
+def test_a_rank_killed_mid_step_ends_the_run_within_a_minute_naming_it():
+    """SIGKILL to rank 1 of 2 while they train: rank 0 ends too, and torchrun exits non-zero within 60 s (never a
+    hang), its summary naming rank 1."""
+    args = [*TINY, "--steps", 2000, "--batch-size", 2, "--grad-accum", 2, "--no-inference"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(SCRIPT), *map(str, args)]
+    with subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as torchrun:
+        lines = []
+        reader = threading.Thread(target=lambda: lines.extend(torchrun.stderr), daemon=True)
+        reader.start()
+        deadline = time.monotonic() + 240
+        while not any("  step 3:" in line for line in lines) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        os.kill(worker_pid(torchrun.pid, 1), signal.SIGKILL)
+        killed = time.monotonic()
+        try:
+            torchrun.wait(timeout=90)
+        finally:
+            torchrun.kill()
+        seconds = time.monotonic() - killed
+        reader.join(timeout=10)
+    stderr = "".join(lines)
+    assert torchrun.returncode != 0 and seconds < 60, (torchrun.returncode, seconds, stderr[-3000:])
+    assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", stderr.partition("Root Cause")[2]), stderr[-3000:]
