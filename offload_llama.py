@@ -181,16 +181,6 @@ class Ranks:
         n = full.numel() // self.world
         return full[self.rank * n : (self.rank + 1) * n]
 
-    def fill_shard(self, flat: torch.Tensor, fill) -> None:
-        """fill(full) writes a unit's whole flat buffer; `flat`, this rank's shard of it, takes its part (one process:
-        `flat` is the whole, filled in place)."""
-        if not self.several:
-            fill(flat)
-            return
-        full = torch.zeros(flat.numel() * self.world, dtype=flat.dtype)
-        fill(full)
-        flat.copy_(self.shard(full))
-
     def share(self, micro_batches: list) -> list:
         """This rank's micro-batches of a step's: rank, rank + world, ..."""
         return micro_batches[self.rank :: self.world]
@@ -861,10 +851,11 @@ def draws_units(run: RunConfig) -> bool:
 
 
 @torch.no_grad()
-def init_random(model: LlamaForCausalLM, seed: int, prefix: str = "") -> None:
+def init_random(model: LlamaForCausalLM, seed: int, prefix: str = "", names=None) -> None:
     """HF's LLaMA initialisation of a meta-device model, or of its submodule `prefix` alone (the rest stays on the meta
     device; its weights are the whole model's draw): weights N(0, initializer_range) drawn in parallel, each from a
-    generator seeded by the weight's place in the model, norms 1."""
+    generator seeded by the weight's place in the model, norms 1. names: of the submodule's weights, those to draw
+    (the others are left unset), default all."""
     config = model.config
     module = model.get_submodule(prefix)  # "": the model
     module.to_empty(device="cpu")
@@ -873,7 +864,7 @@ def init_random(model: LlamaForCausalLM, seed: int, prefix: str = "") -> None:
     drawn = [  # no_grad does not reach the pool threads: the tensors are detached
         (p.detach(), torch.Generator().manual_seed((seed << 16) + i))
         for i, (name, p) in enumerate(weights)
-        if name.startswith(inside)
+        if name.startswith(inside) and (names is None or name.removeprefix(inside) in names)
     ]
     drawn.sort(key=lambda pair: -pair[0].numel())  # the largest first
     with ThreadPoolExecutor(os.cpu_count()) as pool:  # normal_ releases the GIL
@@ -888,9 +879,10 @@ def init_random(model: LlamaForCausalLM, seed: int, prefix: str = "") -> None:
 
 
 @contextlib.contextmanager
-def drawn_unit(model: LlamaForCausalLM, seed: int, name: str):
-    """Unit `name` of a meta-device model drawn as init_random draws the whole model, for the block; then freed."""
-    init_random(model, seed, name)
+def drawn_unit(model: LlamaForCausalLM, seed: int, name: str, names=None):
+    """Unit `name` of a meta-device model drawn as init_random draws the whole model (of its parameters, `names`), for
+    the block; then freed."""
+    init_random(model, seed, name, names)
     try:
         yield
     finally:
@@ -951,19 +943,23 @@ class FlatLayout:
         places = zip(self.names, self.shapes, self.offsets, strict=True)
         return {name: flat[off : off + shape.numel()].view(shape) for name, shape, off in places}
 
+    def spans(self, start: int, end: int) -> list[tuple[str, int, int, int]]:
+        """(name, offset, lo, hi): the elements [lo, hi) of the flat buffer that each parameter (at `offset`) has
+        within [start, end); a parameter wholly outside is left out."""
+        places = zip(self.names, self.shapes, self.offsets, strict=True)
+        bounds = [(name, o, max(o, start), min(o + shape.numel(), end)) for name, shape, o in places]
+        return [(name, o, lo, hi) for name, o, lo, hi in bounds if lo < hi]
+
     def pieces(self, shard: torch.Tensor, start: int) -> list[torch.Tensor]:
         """The parameters' pieces within `shard`, the part of a flat buffer from element `start` on, the padding
         between them left out (in the shared gradient buffer, it holds what other units left there)."""
-        end = start + shard.numel()
-        bounds = [
-            (max(o, start), min(o + shape.numel(), end)) for o, shape in zip(self.offsets, self.shapes, strict=True)
-        ]
-        return [shard[lo - start : hi - start] for lo, hi in bounds if lo < hi]
+        return [shard[lo - start : hi - start] for _, _, lo, hi in self.spans(start, start + shard.numel())]
 
-    def fill(self, flat: torch.Tensor, get) -> None:
-        """Each parameter's view of `flat` filled from get(name)."""
-        for name, view in self.views(flat).items():
-            view.copy_(get(name))
+    def fill(self, flat: torch.Tensor, get, start: int = 0) -> None:
+        """`flat`, the part of a flat buffer from element `start` on (by default all of it), filled from get(name) of
+        each parameter in it; with several ranks, a rank's shard, which may cut a parameter in two."""
+        for name, o, lo, hi in self.spans(start, start + flat.numel()):
+            flat[lo - start : hi - start].copy_(get(name).reshape(-1)[lo - o : hi - o])
 
     def bind(self, module: nn.Module, flat: torch.Tensor, trainable: bool = False) -> nn.Module:
         """Make `module`'s parameters views into `flat`: filling `flat` then changes the weights it runs."""
@@ -1555,13 +1551,15 @@ class MasterStore:
 
     @torch.no_grad()
     def load(self, model: LlamaForCausalLM, unit_source=None) -> None:
-        """Start from `model`'s weights with fresh Adam state; each unit's first step zeroes its moments, once a lean
-        run has freed the model's layers, so the host's peak stays at its steady state. unit_source(name): a block in
-        which unit `name` of a meta-device model holds its weights (drawn_unit)."""
+        """Start from `model`'s weights (a rank: those in its shards) with fresh Adam state, the moments zeroed at each
+        unit's first step, once a lean run has freed the model's layers (the host's peak stays at its steady state).
+        unit_source(name, names): a block in which unit `name` of a meta-device model holds its parameters `names`."""
         for u, (unit, master) in enumerate(zip(self.units, self.masters, strict=True)):
             get = model.get_submodule(unit.name).get_parameter
-            with unit_source(unit.name) if unit_source else contextlib.nullcontext():
-                self.ranks.fill_shard(master, functools.partial(unit.layout.fill, get=get))
+            start = self.ranks.rank * master.numel()  # where this rank's shard starts in the unit's flat buffer
+            names = [name for name, *_ in unit.layout.spans(start, start + master.numel())]
+            with unit_source(unit.name, names) if unit_source else contextlib.nullcontext():
+                unit.layout.fill(master, get, start)
             if self.copies:
                 self.copies[u].copy_(master)
             self.steps[u].zero_()
