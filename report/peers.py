@@ -24,6 +24,12 @@ and installed there with `pip install --no-index --no-deps --target DIR wheels/*
 --steps, --warmup, --repeat, Adam):
 
     python3 report/peers.py --json peers_bf16.json --dtype bfloat16
+
+Under torchrun, the DeepSpeed peers train data-parallel, one rank per GPU, each on its share of the step's
+micro-batches (as offload_llama.py's ranks do: give it --mode overlapped --train and a --grad-accum the ranks divide);
+rank 0 prints and writes, with every rank's peaks:
+
+    torchrun --nproc-per-node 2 report/peers.py --peers zero3 --mode overlapped --train --grad-accum 2 --json p.json
 """
 
 from __future__ import annotations
@@ -137,7 +143,7 @@ class DeepSpeedTraining:
         adam = {"lr": run.lr, "betas": list(run.betas), "eps": run.eps, "weight_decay": run.weight_decay}
         config = {
             "train_micro_batch_size_per_gpu": run.batch_size,
-            "gradient_accumulation_steps": run.grad_accum,
+            "gradient_accumulation_steps": run.grad_accum // run.ranks.world,  # each rank's share of the step's
             "bf16": {"enabled": run.dtype == "bfloat16"},
             "fp16": {"enabled": run.dtype == "float16"},
             "zero_optimization": zero,
@@ -149,6 +155,7 @@ class DeepSpeedTraining:
         if stage == 3:  # partitioned into CPU memory a parameter at a time: initialize() would first move it all in
             deepspeed.zero.Init(module=module, config_dict_or_path=config)
         self.engine, *_ = deepspeed.initialize(model=module, model_parameters=module.parameters(), config=config)
+        self.ranks = run.ranks
 
     def step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
         """One training step: forward and backward of each micro-batch (DeepSpeed divides the loss by their count),
@@ -159,7 +166,7 @@ class DeepSpeedTraining:
             self.engine.backward(loss)
             self.engine.step()  # the optimizer steps at the gradient accumulation boundary
             losses.append(loss.detach())
-        return ol.mean_loss(losses)
+        return ol.mean_loss(losses, self.ranks)
 
     def finish(self) -> None:
         """Free the engine (its hooks, pinned buffers and GPU copies), which DeepSpeed's global state would keep alive
@@ -179,19 +186,21 @@ class DeepSpeedTraining:
 
 
 def deepspeed_training(model, input_ids, run: ol.RunConfig, stage: int) -> dict:
-    """Training steps with DeepSpeed ZeRO-`stage` CPU offload in a one-process group: train_steps' results and the
-    peaks; {'missing': why} where DeepSpeed is not installed."""
+    """Training steps with DeepSpeed ZeRO-`stage` CPU offload in a one-process group, or under torchrun in the ranks'
+    group, each rank on its share of the micro-batches: train_steps' results and the peaks (every rank's, gathered);
+    {'missing': why} where DeepSpeed is not installed."""
     try:
         import deepspeed
     except ImportError as e:
         ol.log(f"DeepSpeed ZeRO-{stage}: not installed ({e}), not measured")
         return {"missing": f"DeepSpeed is not installed ({e})"}
-    device = torch.device("cuda")
-    torch.cuda.set_device(0)
-    # one process, world size 1, over loopback: the rendezvous DeepSpeed's launcher would set up; main ends it
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
-    deepspeed.init_distributed("nccl", auto_mpi_discovery=False)  # once: it does nothing when a group is up
-    micro_batches = [ids.to(device) for ids in input_ids.chunk(run.grad_accum)]
+    ranks = run.ranks
+    device = torch.device("cuda", ranks.local_rank)
+    torch.cuda.set_device(device)
+    if not ranks.several:  # one process, world size 1, over loopback: the rendezvous torchrun would set up
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
+    deepspeed.init_distributed("nccl", auto_mpi_discovery=False)  # once: nothing when a group is up; main ends it
+    micro_batches = [ids.to(device) for ids in ranks.share(list(input_ids.chunk(run.grad_accum)))]
     ol.log(f"DeepSpeed ZeRO-{stage} offload: training, {run.steps} steps of {input_ids.numel()} tokens ...")
     ol.reset_peak_memory(device)
     trainer = DeepSpeedTraining(model, run, stage)
@@ -200,12 +209,9 @@ def deepspeed_training(model, input_ids, run: ol.RunConfig, stage: int) -> dict:
     finally:
         trainer.finish()
     del result["grads"]
-    return {
-        **result,
-        "deepspeed": deepspeed.__version__,
-        "peak_gpu_bytes": torch.cuda.max_memory_allocated(device),
-        "peak_host_bytes": ol.peak_host_rss(),
-    }
+    peaks = {"peak_gpu_bytes": torch.cuda.max_memory_allocated(device), "peak_host_bytes": ol.peak_host_rss()}
+    result = ol.rank_peaks(ranks, result | peaks, ol.param_count(model.config))
+    return result | {"deepspeed": deepspeed.__version__}
 
 
 def table(results: dict, run: ol.RunConfig, tokens: int) -> str:
@@ -251,9 +257,13 @@ def main(argv=None) -> int:
         p.error(f"--peers {args.peers}: choose from {', '.join(PEERS)}")
     if not torch.cuda.is_available():
         p.error("the peers offload to a CUDA GPU, and torch.cuda.is_available() is False")
-    run = ol.parse_args(rest)  # offload_llama.py's flags, with its checks
+    run = ol.parse_args(rest)  # offload_llama.py's flags, with its checks (under torchrun, the ranks' too)
+    if run.ranks.several and not set(peers) <= {"zero3", "zero2"}:
+        p.error(f"--peers {args.peers}: under torchrun, the DeepSpeed peers alone train (zero3, zero2)")
+    if run.ranks.several:
+        ol.split_cores(run.ranks)  # torchrun sets OMP_NUM_THREADS=1: DeepSpeed's CPU Adam would run on one core
     config = ol.llama_config(run)
-    model = ol.build_model(run, config)
+    model = ol.build_model(dataclasses.replace(run, mode="gpu"), config)  # whole: a peer trains the CPU model
     input_ids = ol.random_input_ids(run, config.vocab_size)
     results = {}
     if "accelerate" in peers:
@@ -270,6 +280,8 @@ def main(argv=None) -> int:
             ol.free_gpu_memory()
     if torch.distributed.is_initialized():  # DeepSpeed's group
         torch.distributed.destroy_process_group()
+    if run.ranks.rank:
+        return 0
     print(table(results, run, input_ids.numel()))
     if args.json:
         report = {
