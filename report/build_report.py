@@ -64,6 +64,12 @@ SOURCES = {  # name -> JSON file, relative to report/; all made by `bash report/
 LATER_SOURCES = {"small_host_7b8l": "results/small_host/small_host_7b8l.json"}
 # made by the version that trains on text (issue 45), one version for the group: section 12
 TEXT_SOURCES = {name: f"results/text/{name}.json" for name in ("text_stdlib", "text_steps_data", "text_steps_random")}
+# made on the two-GPU machine by the several-GPU versions (issue 46), each run beside its one-GPU run by one version:
+# section 13, which names each row's version
+RANK_SOURCES = {
+    name: f"results/ranks/{name}.json"
+    for name in ("7b8l_1gpu", "7b8l_2gpus", "llama7b_1gpu", "llama7b_2gpus", "largest_2gpus")
+}
 MACHINES = (  # the run_benchmarks.sh parts each machine ran (report/results/README.md gives the calls)
     ("disk",),
     ("peers", "alone", "bf16", "prefetch", "train", "eager", "fp32", "train_fp32", "clip", "activations", "accum")
@@ -90,8 +96,8 @@ LABELS = {"gpu": "w/o offload (gpu)", "blocked": "blocked offload", "overlapped"
 
 
 def load(sources: dict[str, str] | None = None) -> dict[str, dict]:
-    """name -> the JSON of each file in `sources` (default: SOURCES, LATER_SOURCES and TEXT_SOURCES)."""
-    sources = sources or {**SOURCES, **LATER_SOURCES, **TEXT_SOURCES}
+    """name -> the JSON of each file in `sources` (default: SOURCES, LATER_SOURCES, TEXT_SOURCES, RANK_SOURCES)."""
+    sources = sources or {**SOURCES, **LATER_SOURCES, **TEXT_SOURCES, **RANK_SOURCES}
     return {name: json.loads((HERE / path).read_text()) for name, path in sources.items()}
 
 
@@ -223,7 +229,7 @@ def how_to_run(runs: dict) -> list[str]:
         *[f"- machine {i}: " + ", ".join(f"`{part}`" for part in parts) for i, parts in enumerate(MACHINES, 1)],
         "",
         "Host memory's speed differs between machines, and between processes on one (sections 9 to 11): compare "
-        "times within a machine.",
+        "times within a machine. Several GPUs (section 13) ran on a machine with two, by the versions its table names.",
         "",
     ]
 
@@ -1567,6 +1573,101 @@ def text_section(runs: dict) -> list[str]:
     ]
 
 
+def rank_training(r: dict) -> dict:
+    """The overlapped training result of a RANK_SOURCES run: a run's, or the largest one find_largest found."""
+    found = r["find_largest"]["overlapped"] if "find_largest" in r else r["results"]["overlapped"]
+    return found["training"]
+
+
+def rank_row(label: str, r: dict, one: dict | None) -> list[str]:
+    """A row of section 13: the step, its bound, the peaks (host: every rank's summed) and the speed-up over `one`."""
+    t = rank_training(r)
+    params = r["find_largest"]["overlapped"]["parameters"] if "find_largest" in r else r["parameters"]
+    speed = f"{rank_training(one)['time_ms'] / t['time_ms']:.2f}x" if one else ""
+    bound = f"{t['bound_ms']:.1f} ({t['bound_by'].replace('_', ' ')})"
+    gpus = len(t.get("ranks", [None]))
+    return [
+        label,
+        str(gpus),
+        f"{t['time_ms']:.1f}",
+        f"{t['tokens_per_step'] / t['time_ms'] * 1e3:,.0f}",
+        bound,
+        f"{t['bound_ms'] / t['time_ms']:.2f}",
+        gib(t["peak_gpu_bytes"]),
+        gib(t["peak_host_bytes"]),
+        f"{t['peak_host_bytes'] / params:.1f}",
+        speed,
+        f"`{r['script_sha256'][:8]}`",
+    ]
+
+
+def ranks_section(runs: dict) -> list[str]:
+    """Section 13: data-parallel training under torchrun on two GPUs of one host, each run beside one GPU's; the host
+    bytes a parameter; what bounds the step; what several hosts would add, as arithmetic."""
+    big = runs["largest_2gpus"]["find_largest"]["overlapped"]
+    seven = [runs[name] for name in ("llama7b_1gpu", "llama7b_2gpus")]
+    small = [runs[name] for name in ("7b8l_1gpu", "7b8l_2gpus")]
+    rows = [
+        rank_row("7b-8l, 2 x 2 x 4096 tokens", small[0], None),
+        rank_row("7b-8l, 2 x 2 x 4096 tokens", small[1], small[0]),
+        rank_row("LLaMA-7B, 64 x 1024 tokens, 11 GiB cap", seven[0], None),
+        rank_row("LLaMA-7B, 64 x 1024 tokens, 11 GiB cap", seven[1], seven[0]),
+        rank_row(f"{big['layers']} LLaMA-7B layers, 2 x 4096 tokens, 11 GiB cap", runs["largest_2gpus"], None),
+    ]
+    header = ["run", "GPUs", "step (ms)", "tokens/s", "bound (ms)", "efficiency", "peak GPU (GiB)"]
+    header += ["peak host (GiB)", "host bytes/parameter", "speed-up", "script"]
+    s7, tl = rank_training(small[1]), rank_training(runs["largest_2gpus"])
+    moved = s7["host_bytes"] * len(s7["ranks"])  # each rank's bytes, as its bound counts them
+    per_rank = [r["peak_host_bytes"] / GiB for r in rank_training(seven[1])["ranks"]]
+    return [
+        "## 13. Several GPUs",
+        "",
+        "`torchrun --nproc-per-node 2 offload_llama.py --mode overlapped --train --grad-accum K ...` on a machine with "
+        "two H100 80GB joined by NVLink (NV18), 32 cores and 251 GiB of host memory (`results/ranks/machine.txt`). "
+        "Each rank keeps 1/2 of every unit's host state and trains on half the step's micro-batches; each unit's "
+        "shards are all-gathered on the GPUs and its gradients reduce-scattered, so the host's memory is read once "
+        "a parameter a step. Each two-GPU run is beside the one-GPU run of the same command, on the same machine, "
+        "by the same version (the last column); the largest model ran on two GPUs alone. The peak host memory "
+        "sums both ranks' resident sets; the GPU's is the larger rank's.",
+        "",
+        *table(header, rows),
+        "",
+        f"- LLaMA-7B at 64 x 1024 tokens a step is bound by the GPUs' compute, and two GPUs step "
+        f"{rank_training(seven[0])['time_ms'] / rank_training(seven[1])['time_ms']:.2f}x as fast as one.",
+        f"- 7b-8l with one micro-batch a GPU is bound by host memory on two GPUs: a step moves "
+        f"{moved / 1e9:.0f} GB of host memory, both ranks' (the CPU Adam's and the copies'), "
+        f"{moved / small[1]['parameters']:.0f} bytes a parameter, through the one host both share; one GPU's step "
+        "has the same host traffic, and its compute besides. More micro-batches a step (`--grad-accum`) spread that "
+        "traffic over more tokens, as the LLaMA-7B rows do.",
+        f"- Host bytes a parameter: where the host has room, the plan spends it on the masters' bfloat16 copy and "
+        f"a gradient buffer per unit (about 6 bytes a parameter more), so LLaMA-7B holds "
+        f"{rank_training(seven[0])['peak_host_bytes'] / seven[0]['parameters']:.1f} on one GPU and "
+        f"{rank_training(seven[1])['peak_host_bytes'] / seven[1]['parameters']:.1f} on two "
+        f"({per_rank[0]:.1f} and {per_rank[1]:.1f} GiB a rank). At the host's limit, the largest model holds "
+        f"{rank_training(runs['largest_2gpus'])['peak_host_bytes'] / big['parameters']:.1f}: float32 masters and "
+        "moments, sharded, and two gradient buffers a rank. One more layer, in a rank's share of the host: "
+        + big["limited_by"]
+        + ".",
+        "- Not yet in the bound: the NVLink collectives (arithmetic). Per GPU and step, the all-gathers bring in "
+        "the other rank's half of each unit's weights twice (forward, backward) and the reduce-scatter sends half "
+        "its float32 gradients: 4 bytes a parameter with a bfloat16 copy, 6 with float32 masters streamed; "
+        f"{4 * seven[1]['parameters'] / 1e9:.0f} GB a step for LLaMA-7B, on the copy and D2H streams beside a "
+        f"{rank_training(seven[1])['time_ms'] / 1e3:.1f} s step.",
+        "- Several hosts (arithmetic, not measured): `--nnodes M` with G GPUs each shards the host state over all "
+        "M x G ranks, so a host holds 1/M of it and its memory traffic a step falls to 1/M. The collectives then "
+        "cross the network: per GPU and step, (M x G - 1)/(M x G) of two passes of the weights and one of the "
+        f"float32 gradients, about 8 bytes a parameter ({8 * seven[1]['parameters'] / 1e9:.0f} GB for LLaMA-7B), "
+        f"{8 * seven[1]['parameters'] / 50e9:.1f} s at 50 GB/s (a 400 Gb/s link a GPU): under a compute-bound "
+        "step of several seconds, if the collectives overlap compute as the copies do.",
+        f"- The largest model's step runs at {tl['bound_ms'] / tl['time_ms']:.2f} of its bound, which is not explained "
+        "yet: with no room for a bfloat16 copy, each rank streams float32 shards and casts them on the GPU, and the "
+        f"GPU's Adam steps {len(tl['gpu_adam_units'])} of the {tl['units']} units over state streamed from the host.",
+        "- Not yet measured here: DeepSpeed ZeRO-3 with CPU offload on the same two GPUs (`report/peers.py` under "
+        "torchrun).",
+        "",
+    ]
+
+
 def sample_lines(run: dict, t: dict) -> list[str]:
     """Each prompt and its continuations before and after, one line each, as Python writes the strings."""
     lines = []
@@ -1596,7 +1697,7 @@ def text_figure(runs: dict, out: Path) -> None:
 
 def sources_section(runs: dict) -> list[str]:
     """The last section: each JSON and trace the report reads, with the script versions that made them."""
-    paths = {**SOURCES, **LATER_SOURCES, **TEXT_SOURCES}
+    paths = {**SOURCES, **LATER_SOURCES, **TEXT_SOURCES, **RANK_SOURCES}
     rows = [[f"`{paths[name]}`", r["script_sha256"][:12], r.get("peers_sha256", "")[:12]] for name, r in runs.items()]
     rows += [[f"`{trace}`", "(profiler trace)", ""] for trace in TRACES.values()]
     return [
@@ -1633,6 +1734,7 @@ def build() -> str:
         budget_section(runs),
         ablations_section(runs),
         text_section(runs),
+        ranks_section(runs),
         sources_section(runs),
     ):
         lines += section

@@ -23,7 +23,8 @@ def test_report_is_rebuilt_exactly_from_the_json():
 def test_report_cites_every_json_it_reads():
     report = (REPORT / "REPORT.md").read_text()
     module = build_report()
-    for path in [*module.SOURCES.values(), *module.LATER_SOURCES.values(), *module.TRACES.values()]:
+    sources = [*module.SOURCES.values(), *module.LATER_SOURCES.values(), *module.RANK_SOURCES.values()]
+    for path in [*sources, *module.TRACES.values()]:
         assert (REPORT / path).is_file() and f"`{path}`" in report
 
 
