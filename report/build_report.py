@@ -1648,10 +1648,10 @@ def ranks_section(runs: dict) -> list[str]:
         "moments, sharded, and two gradient buffers a rank. One more layer, in a rank's share of the host: "
         + big["limited_by"]
         + ".",
-        "- Not yet in the bound: the NVLink collectives (arithmetic). Per GPU and step, the all-gathers bring in "
-        "the other rank's half of each unit's weights twice (forward, backward) and the reduce-scatter sends half "
-        "its float32 gradients: 4 bytes a parameter with a bfloat16 copy, 6 with float32 masters streamed; "
-        f"{4 * seven[1]['parameters'] / 1e9:.0f} GB a step for LLaMA-7B, on the copy and D2H streams beside a "
+        "- The NVLink collectives in the bound: the all-gathers run on the copy stream after each shard's H2D copy, "
+        "so the bound's H2D part, timed by copying a step's units in, includes them. The reduce-scatters, on the D2H "
+        "stream, are not in its D2H part yet: per GPU and step they send half of every unit's float32 gradients, "
+        f"2 bytes a parameter ({2 * seven[1]['parameters'] / 1e9:.1f} GB for LLaMA-7B, arithmetic) beside a "
         f"{rank_training(seven[1])['time_ms'] / 1e3:.1f} s step.",
         "- Several hosts (arithmetic, not measured): `--nnodes M` with G GPUs each shards the host state over all "
         "M x G ranks, so a host holds 1/M of it and its memory traffic a step falls to 1/M. The collectives then "
