@@ -150,8 +150,13 @@ class UsageError(Exception):
 class Ranks:
     """The processes of a data-parallel run, one per GPU, as torchrun starts them; one process alone is rank 0 of 1,
     for which every method is the plain path's (nothing to gather, sum or split). Each rank keeps 1/world of every
-    unit's host state, its shard, and trains on micro-batches rank, rank + world, ... of each step. The collectives
-    run on NCCL between GPUs (gloo between CPU tensors), in the same order on every rank, as NCCL requires."""
+    unit's host state, its shard, and trains on micro-batches rank, rank + world, ... of each step. Every rank calls
+    the collectives in the same order and number, each in one of two groups:
+      the steps' (group; RANK_TIMEOUT; NCCL on GPU tensors): gather (a unit's shards, LayerStreamer.prefetch),
+        sum_shard (its gradients, Steppers.sum_shard), sum (the loss, float16's overflow, clipping's squares); ranks
+        waiting there on one that stalled are ended by NCCL's watchdog, on one that ended by torchrun.
+      the default (SETUP_TIMEOUT; gloo on CPU tensors): meet, in_turn, gathered (saving, state_dict), each (peaks,
+        the plan's inputs); their failures reach Python (lost_ranks)."""
 
     rank: int = 0
     world: int = 1
@@ -867,7 +872,7 @@ def init_random(model: LlamaForCausalLM, seed: int, prefix: str = "", names=None
         if name.startswith(inside) and (names is None or name.removeprefix(inside) in names)
     ]
     drawn.sort(key=lambda pair: -pair[0].numel())  # the largest first
-    with ThreadPoolExecutor(os.cpu_count()) as pool:  # normal_ releases the GIL
+    with ThreadPoolExecutor(torch.get_num_threads()) as pool:  # normal_ releases the GIL; a rank's share of the cores
         list(pool.map(lambda pair: pair[0].normal_(0.0, config.initializer_range, generator=pair[1]), drawn))
     for p in module.parameters():
         if p.dim() == 1:
@@ -2913,16 +2918,18 @@ def host_peaks(ranks: Ranks, host: dict) -> dict:
 
 
 def lost_ranks(ranks: Ranks, error: BaseException) -> str | None:
-    """The line a rank ends on when a collective failed under it: another rank ended (gloo's connection dropped) or
-    stalled past RANK_TIMEOUT; which, torchrun's summary names. None for one process, or an error of this rank's own."""
+    """The line a rank ends on when a collective that Python waits on failed: gloo's (CPU tensors), whose connection
+    drops when another rank ends, or which times out when one stalls. NCCL's collectives fail where Python does not
+    wait: a rank waiting on an ended one is ended by torchrun, whose summary names the rank that ended first; on a
+    stalled one, by NCCL's watchdog after RANK_TIMEOUT. None for one process, or an error of this rank's own."""
     frames = traceback.extract_tb(error.__traceback__)
     from_collective = isinstance(error, dist.DistError) or (frames and "torch/distributed/" in frames[-1].filename)
     if not ranks.several or not from_collective:
         return None
     why = str(error).strip().splitlines()[0].split("] ", 1)[-1]  # without gloo's source place
     return (
-        f"rank {ranks.rank} of {ranks.world} stops: another rank ended, or stalled for {RANK_TIMEOUT} s, in a "
-        f"collective (torchrun's summary names it): {why}"
+        f"rank {ranks.rank} of {ranks.world} stops: another rank ended, or stalled past the timeout ({RANK_TIMEOUT} s "
+        f"in a step, {SETUP_TIMEOUT} s setting up), in a collective (torchrun's summary names it): {why}"
     )
 
 
@@ -3038,7 +3045,8 @@ def training_placement(trainer, run: RunConfig, mode: str, besides: dict[str, in
         parts = training_parts(trainer.store, run, depth, own_grads, resident, gpu_adam)
         return Placement(tuple(resident), parts | besides, gpu_adam)
 
-    resident, budget, share = [], plan_budget(run), run.gpu_adam if mode == "overlapped" else 0.0
+    besides, budget = agreed_plan(trainer.store.ranks, besides, plan_budget(run))
+    resident, share = [], run.gpu_adam if mode == "overlapped" else 0.0
     keeps = mode == "overlapped" and not trainer.store.ranks.several  # a rank's units are its shards: none resident
     if keeps and run.resident_layers is not None:
         resident = list(range(1, 1 + run.resident_layers))  # unit 0 is the embeddings
@@ -3058,6 +3066,15 @@ def training_placement(trainer, run: RunConfig, mode: str, besides: dict[str, in
             "use --offload-activations, or fewer or shorter sequences"
         )
     return chosen
+
+
+def agreed_plan(ranks: Ranks, besides: dict[str, int], budget: int | None) -> tuple[dict[str, int], int | None]:
+    """What every rank plans from: each part's largest measurement and the smallest budget over the ranks, so that
+    all make one plan (one rank's planned OOM alone would leave the others waiting in a collective)."""
+    each = ranks.each((besides, budget))
+    besides = {part: max(measured[part] for measured, _ in each) for part in besides}
+    budgets = [b for _, b in each if b is not None]
+    return besides, min(budgets) if budgets else None
 
 
 # ---------------------------------------------------------------------------------------------------- modes
@@ -4266,8 +4283,13 @@ def copy_in(trainer: OffloadedTraining) -> None:
 
 def copy_out(trainer: OffloadedTraining) -> None:
     """Every D2H copy of a step, into the pool's buffers (the training state must not change): the gradients of the
-    CPU Adam's units, then the state the GPU's Adam writes back."""
-    store, gpu_adam = trainer.store, streamed_adam(trainer)
+    CPU Adam's units, then the state the GPU's Adam writes back; with several ranks, each unit's reduce-scatter into
+    `summed` first, on the same stream, as Steppers.sum_shard queues them."""
+    store, gpu_adam, steppers = trainer.store, streamed_adam(trainer), trainer.steppers
+    if store.ranks.several:
+        with on_stream(trainer.d2h_stream):
+            for u in trainer.streamer.streamed:
+                store.ranks.sum_shard(steppers.summed[: store.masters[u].numel()], steppers.grads(u))
     pool, grads = [buffer.view(torch.uint8) for buffer in store.pool.buffers], trainer.steppers.buffer.view(torch.uint8)
     on_cpu, _ = cpu_and_gpu_adam_units(trainer)
     for u, numel in on_cpu.items():
@@ -5367,8 +5389,8 @@ def disk_tier(run: RunConfig, units: list[Unit]) -> DiskTier | None:
 
 def main(argv=None) -> int:
     """The command line's entry point: exit code 0; 2 with one line for bad input; 1 with one line for a file that
-    cannot be written mid-run (a full disk) or, with several ranks, for a collective that another rank left; 130 with
-    one line for Ctrl-C."""
+    cannot be written mid-run (a full disk) or, with several ranks, for a gloo collective that another rank left (an
+    NCCL one ends the rank by torchrun's signal or NCCL's watchdog: lost_ranks); 130 with one line for Ctrl-C."""
     use_expandable_segments()  # before anything starts CUDA: parse_args asks the GPU for its dtypes
     run = parse_args(argv)
     try:

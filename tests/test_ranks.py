@@ -371,4 +371,24 @@ def test_a_rank_that_ends_or_stalls_mid_step_ends_the_others_in_one_line(tmp_pat
         process.kill()
     lost = torch.load(out)
     assert lost["seconds"] < (ol.RANK_TIMEOUT + 10 if stalls else 10)
-    assert lost["line"].startswith("rank 0 of 2 stops: another rank ended, or stalled for"), lost["line"]
+    assert lost["line"].startswith("rank 0 of 2 stops: another rank ended, or stalled past the timeout"), lost["line"]
+
+
+def rank_plan(rank, world, port, out):
+    """One rank: its own measurements and budget (rank 1 measures more and has less); rank 0 saves what they agree."""
+    ranks = join(rank, world, port)
+    try:
+        agreed = ol.agreed_plan(ranks, {"saved inputs": 10 + rank, "other": 7 - rank}, 100 - rank)
+        if rank == 0:
+            torch.save(agreed, out)
+    finally:
+        ol.stop_ranks()
+
+
+@SLOW
+def test_every_rank_plans_from_the_largest_measurements_and_the_smallest_budget(tmp_path):
+    """The placement's inputs agreed over 2 ranks, so both make one plan: each part's largest, the smallest budget."""
+    out = tmp_path / "plan.pt"
+    mp.spawn(rank_plan, args=(2, free_port(), out), nprocs=2)
+    assert torch.load(out) == ({"saved inputs": 11, "other": 7}, 99)
+    assert ol.agreed_plan(ol.Ranks(), {"other": 3}, None) == ({"other": 3}, None)  # one process: its own
