@@ -3459,7 +3459,6 @@ def save_units(trainer, config: LlamaConfig, folder: Path) -> None:
     if ranks.rank == 0:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-        with_umask_modes(folder)
     ranks.meet()  # the folder is whole before any rank goes on
     log(f"trained float32 weights saved to {folder}, a file a unit, host peak {size_text(peak_host_rss())} meanwhile")
 

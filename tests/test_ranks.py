@@ -1,6 +1,7 @@
 """Several ranks on the CPU, gloo between them, as torchrun starts them: sharded host state, all-gathered units,
 reduce-scattered gradients, against one process training on every micro-batch."""
 
+import contextlib
 import os
 import socket
 import time
@@ -89,17 +90,23 @@ def join(rank, world, port) -> ol.Ranks:
     return ranks
 
 
+@contextlib.contextmanager
+def joined(rank, world, port):
+    """This process as rank `rank` of `world` (join), for the block; then it leaves the others."""
+    try:
+        yield join(rank, world, port)
+    finally:
+        ol.stop_ranks()
+
+
 def rank_main(rank, world, port, dtype, k, depth, out, clip=None, overflow_at=None, gpu_adam=(), disk=None):
     """One rank: trains on its share of the step's micro-batches, rank 0 saves the result."""
-    ranks = join(rank, world, port)
-    try:
+    with joined(rank, world, port) as ranks:
         model, batches = tiny_batches(dtype, world * k)
         trainer = trainer_of(model, ranks.share(batches), len(batches), depth, ranks, clip, gpu_adam, disk)
         result = trained(trainer, ranks.share(batches), overflow_at if rank == world - 1 else None)
         if rank == 0:
             torch.save(result, out)
-    finally:
-        ol.stop_ranks()
 
 
 SLOW = pytest.mark.slow  # each spawns its ranks, which import torch and compile the CPU Adam: 9 to 15 s
@@ -205,8 +212,7 @@ def test_what_several_ranks_refuse_in_one_line(capsys, monkeypatch, args, messag
 def rank_checkpoint(rank, world, port, folder, out):
     """One rank: 4 steps with a checkpoint after 2, then 2 steps resumed from it in a new trainer; rank 0 saves both
     runs' final masters."""
-    ranks = join(rank, world, port)
-    try:
+    with joined(rank, world, port) as ranks:
         model, step = tiny_batches("float32", world)
         batches = ranks.share(step)
         run = ol.RunConfig(preset="tiny", dtype="float32", grad_accum=world, ranks=ranks)
@@ -221,8 +227,6 @@ def rank_checkpoint(rank, world, port, folder, out):
         after = trained(resumed, batches, steps=2)[1]
         if rank == 0:
             torch.save((uninterrupted, after), out)
-    finally:
-        ol.stop_ranks()
 
 
 @SLOW
@@ -254,8 +258,7 @@ def test_a_checkpoint_resumes_with_as_many_ranks_as_wrote_it(tmp_path, saved, no
 
 def rank_save(rank, world, port, folder, out):
     """One rank: 2 steps, then --save-pretrained's folder (rank 0 writes); rank 0 saves the masters."""
-    ranks = join(rank, world, port)
-    try:
+    with joined(rank, world, port) as ranks:
         model, step = tiny_batches("float32", world)
         batches = ranks.share(step)
         trainer = trainer_of(model, batches, world, 1, ranks)
@@ -263,8 +266,6 @@ def rank_save(rank, world, port, folder, out):
         ol.save_pretrained(trainer, model.config, folder)
         if rank == 0:
             torch.save(masters, out)
-    finally:
-        ol.stop_ranks()
 
 
 @SLOW
@@ -297,8 +298,7 @@ def test_each_rank_trains_on_its_share_of_the_steps_blocks(tmp_path):
 def rank_generate(rank, world, port, out):
     """One rank: a step, then generate through the streamed shell over the shards, synced; rank 1's text ends after
     its first token, rank 0's runs on. Rank 0 saves its output."""
-    ranks = join(rank, world, port)
-    try:
+    with joined(rank, world, port) as ranks:
         model, step = tiny_batches("float32", world)
         batches = ranks.share(step)
         trainer = trainer_of(model, batches, world, 1, ranks)
@@ -311,8 +311,6 @@ def rank_generate(rank, world, port, out):
         text = shell.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=end, synced_gpus=True)
         if rank == 0:
             torch.save(text, out)
-    finally:
-        ol.stop_ranks()
 
 
 @SLOW
@@ -376,13 +374,10 @@ def test_a_rank_that_ends_or_stalls_mid_step_ends_the_others_in_one_line(tmp_pat
 
 def rank_plan(rank, world, port, out):
     """One rank: its own measurements and budget (rank 1 measures more and has less); rank 0 saves what they agree."""
-    ranks = join(rank, world, port)
-    try:
+    with joined(rank, world, port) as ranks:
         agreed = ol.agreed_plan(ranks, {"saved inputs": 10 + rank, "other": 7 - rank}, 100 - rank)
         if rank == 0:
             torch.save(agreed, out)
-    finally:
-        ol.stop_ranks()
 
 
 @SLOW
