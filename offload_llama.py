@@ -181,6 +181,10 @@ class Ranks:
         """Each rank's share of a flat buffer of `numel` elements, on an ALIGN boundary (the last ones pad)."""
         return -(-numel // (self.world * ALIGN)) * ALIGN
 
+    def whole_numel(self, shard: torch.Tensor) -> int:
+        """The elements of the flat buffer (a unit, padding included) whose shard on this rank is `shard`."""
+        return shard.numel() * self.world
+
     def shard(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's shard of `full`, a flat buffer of world shards."""
         n = full.numel() // self.world
@@ -214,7 +218,7 @@ class Ranks:
         default group, which waits long: rank 0 may be writing a file between two of them."""
         if not self.several:
             return shard
-        full = torch.empty(shard.numel() * self.world, dtype=shard.dtype)
+        full = torch.empty(self.whole_numel(shard), dtype=shard.dtype)
         all_gather(full, shard.contiguous())
         return full
 
@@ -1146,7 +1150,7 @@ class LayerStreamer:
     def build_ring(self, n_slots: int) -> None:
         """The slots, each as large as the largest streamed unit, their modules and events; the staging buffer."""
         self.slot = {u: i % n_slots for i, u in enumerate(self.streamed)}  # consecutive units take other slots
-        numel = max((self.sources[u].numel() for u in self.streamed), default=0) * self.ranks.world
+        numel = max((self.ranks.whole_numel(self.sources[u]) for u in self.streamed), default=0)
         self.buffers = [torch.empty(numel, dtype=self.dtype, device=self.device) for _ in range(n_slots)]
         cast = {self.sources[u].dtype for u in self.streamed} - {self.dtype}
         self.staging = torch.empty(min(numel, STAGING), dtype=cast.pop(), device=self.device) if cast else None
@@ -1175,7 +1179,7 @@ class LayerStreamer:
         s, src = self.slot[u], self.sources[u]
         if u in self.kept and self.holds[s] == u:
             return
-        full = self.buffers[s][: src.numel() * self.ranks.world]
+        full = self.buffers[s][: self.ranks.whole_numel(src)]
         dst = self.ranks.shard(full)
         self.writer.wait_written(u)  # the host, or the copy stream, waits until the update has written it
         with on_stream(self.copy_stream):
@@ -1799,12 +1803,9 @@ class Steppers:
     def grads(self, u: int) -> torch.Tensor:
         """The GPU memory unit u's gradients accumulate in: the start of the gradient buffer, or a resident unit's."""
         stepper = self.of[u]
-        return stepper.grads(u) if stepper.holds_grads else self.buffer[: self.store.masters[u].numel() * self.world]
-
-    @property
-    def world(self) -> int:
-        """The ranks whose shards make a unit."""
-        return self.store.ranks.world
+        if stepper.holds_grads:
+            return stepper.grads(u)
+        return self.buffer[: self.store.ranks.whole_numel(self.store.masters[u])]
 
     def wait_to_write(self, u: int, stream) -> None:
         """Before unit u's backward writes its gradients into the shared buffer, `stream` waits for the last ones sent
@@ -2053,7 +2054,7 @@ class OffloadedTraining:
     def send(self, u: int, views: list[torch.Tensor]) -> None:
         """Unscale unit u's gradients (views: grad_views(u)), take their norm where clipped, send them to be stepped."""
         self.scaling.unscale(views)
-        if not self.ranks.several:
+        if not self.ranks.several:  # the whole unit's, before the next unit's backward may overwrite the buffer
             self.clip.add(u, views)
         ready = new_event(self.device)
         ready.record(self.streamer.compute_stream)  # marks the end of the unit's backward, for its stepper to wait on
@@ -2128,7 +2129,7 @@ def gradient_memory(store: MasterStore, resident, own_grads: bool, device) -> tu
     micro-batches or unscale float16; else the compute dtype), and the float32 memory it starts, large enough for the
     resident units' gradients too where they share it (not own_grads). Zeroed: the padding between a unit's
     parameters is sent and stepped too, and must hold no NaN from unwritten memory (later, what another unit left)."""
-    numels = [m.numel() * store.ranks.world for m in store.masters]  # a unit's shards, with several ranks
+    numels = [store.ranks.whole_numel(m) for m in store.masters]
     streamed = max((n for u, n in enumerate(numels) if u not in resident), default=0)
     shared = 0 if own_grads else max((numels[u] for u in resident), default=0)
     memory = torch.zeros(max(-(-streamed * store.grad_dtype.itemsize // 4), shared), device=device)
@@ -3015,7 +3016,7 @@ def gpu_adam_bytes(store: MasterStore, units) -> int:
 def training_parts(store: MasterStore, run: RunConfig, depth: int, own_grads: bool, resident, gpu_adam) -> dict:
     """A training placement's GPU bytes by part. Resident, a parameter takes 14 bytes (weights, float32 master and
     moments; 12 in float32) and its float32 gradients 4 more, or a share of the gradient buffer (not own_grads)."""
-    b, numels = run.torch_dtype.itemsize, [m.numel() * store.ranks.world for m in store.masters]  # every rank's shard
+    b, numels = run.torch_dtype.itemsize, [store.ranks.whole_numel(m) for m in store.masters]
     kept = [numels[u] for u in resident]
     streamed = [n for u, n in enumerate(numels) if u not in resident]
     largest = max(streamed, default=0)
@@ -5429,7 +5430,8 @@ def use_expandable_segments() -> None:
 def finish_early() -> None:
     """On the way out early: the copies still queued must land before the pinned buffers they use are unregistered
     as the frames drop, and a CPU Adam compile still running ends first (the interpreter waits for it at exit
-    anyway), so the error is the last line."""
+    anyway), so the error is the last line. With several ranks, a collective this rank queued that another rank
+    never joins holds the wait until NCCL's watchdog ends it (RANK_TIMEOUT), or torchrun ends the rank."""
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()
     concurrent.futures.wait(EARLY_COMPILES.values())

@@ -69,6 +69,7 @@ TEXT_SOURCES = {name: f"results/text/{name}.json" for name in ("text_stdlib", "t
 RANK_SOURCES = {
     name: f"results/ranks/{name}.json"
     for name in ("7b8l_1gpu", "7b8l_2gpus", "llama7b_1gpu", "llama7b_2gpus", "largest_2gpus")
+    + ("zero3_1gpu", "zero3_2gpus")
 }
 MACHINES = (  # the run_benchmarks.sh parts each machine ran (report/results/README.md gives the calls)
     ("disk",),
@@ -1601,6 +1602,24 @@ def rank_row(label: str, r: dict, one: dict | None) -> list[str]:
     ]
 
 
+def rank_peer_row(label: str, r: dict, one: dict | None) -> list[str]:
+    """A row of section 13 for DeepSpeed ZeRO-3 (report/peers.py): no bound; the script column is peers.py's."""
+    t, one_t = r["peers"]["zero3"], one and one["peers"]["zero3"]
+    return [
+        label,
+        str(len(t.get("ranks", [None]))),
+        f"{t['time_ms']:.1f}",
+        f"{t['tokens_per_step'] / t['time_ms'] * 1e3:,.0f}",
+        "",
+        "",
+        gib(t["peak_gpu_bytes"]),
+        gib(t["peak_host_bytes"]),
+        f"{t['peak_host_bytes'] / r['parameters']:.1f}",
+        f"{one_t['time_ms'] / t['time_ms']:.2f}x" if one_t else "",
+        f"`{r['peers_sha256'][:8]}` (peers.py)",
+    ]
+
+
 def ranks_section(runs: dict) -> list[str]:
     """Section 13: data-parallel training under torchrun on two GPUs of one host, each run beside one GPU's; the host
     bytes a parameter; what bounds the step; what several hosts would add, as arithmetic."""
@@ -1613,7 +1632,10 @@ def ranks_section(runs: dict) -> list[str]:
         rank_row("LLaMA-7B, 64 x 1024 tokens, 11 GiB cap", seven[0], None),
         rank_row("LLaMA-7B, 64 x 1024 tokens, 11 GiB cap", seven[1], seven[0]),
         rank_row(f"{big['layers']} LLaMA-7B layers, 2 x 4096 tokens, 11 GiB cap", runs["largest_2gpus"], None),
+        rank_peer_row("DeepSpeed ZeRO-3 offload, 7b-8l, 2 x 2 x 4096 tokens", runs["zero3_1gpu"], None),
+        rank_peer_row("DeepSpeed ZeRO-3 offload, 7b-8l, 2 x 2 x 4096 tokens", runs["zero3_2gpus"], runs["zero3_1gpu"]),
     ]
+    zero3 = [runs[name]["peers"]["zero3"] for name in ("zero3_1gpu", "zero3_2gpus")]
     header = ["run", "GPUs", "step (ms)", "tokens/s", "bound (ms)", "efficiency", "peak GPU (GiB)"]
     header += ["peak host (GiB)", "host bytes/parameter", "speed-up", "script"]
     s7, tl = rank_training(small[1]), rank_training(runs["largest_2gpus"])
@@ -1659,12 +1681,37 @@ def ranks_section(runs: dict) -> list[str]:
         f"float32 gradients, about 8 bytes a parameter ({8 * seven[1]['parameters'] / 1e9:.0f} GB for LLaMA-7B), "
         f"{8 * seven[1]['parameters'] / 50e9:.1f} s at 50 GB/s (a 400 Gb/s link a GPU): under a compute-bound "
         "step of several seconds, if the collectives overlap compute as the copies do.",
-        f"- The largest model's step runs at {tl['bound_ms'] / tl['time_ms']:.2f} of its bound, which is not explained "
-        "yet: with no room for a bfloat16 copy, each rank streams float32 shards and casts them on the GPU, and the "
-        f"GPU's Adam steps {len(tl['gpu_adam_units'])} of the {tl['units']} units over state streamed from the host.",
-        "- Not yet measured here: DeepSpeed ZeRO-3 with CPU offload on the same two GPUs (`report/peers.py` under "
-        "torchrun).",
+        *largest_step_lines(big, tl),
+        f"- DeepSpeed {zero3[1]['deepspeed']} ZeRO-3 with parameters and optimizer offloaded (`report/peers.py` under "
+        "torchrun, each rank on its share of the micro-batches, as section 8 runs it on one GPU) trains the 7b-8l "
+        f"command in {zero3[1]['time_ms']:.1f} ms a step on two GPUs, {zero3[0]['time_ms'] / zero3[1]['time_ms']:.2f}x "
+        f"its one GPU's; this script's two-GPU step takes {s7['time_ms']:.1f} ms, "
+        f"{zero3[1]['time_ms'] / s7['time_ms']:.2f}x as fast, in "
+        f"{s7['peak_gpu_bytes'] / zero3[1]['peak_gpu_bytes']:.2f} of DeepSpeed's peak GPU memory. "
+        "The two ran in separate calls, on two-GPU machines of one kind.",
         "",
+    ]
+
+
+def largest_step_lines(big: dict, t: dict) -> list[str]:
+    """Why the largest model's step is slower than its bound: its parts run in turn (arithmetic from its JSON)."""
+    rate = t["h2d_bytes"] / t["h2d_ms"]  # bytes a ms, as the bound measured the copies
+    forward = big["parameters"] / len(t["ranks"]) * 4 / rate  # a rank's float32 shards, each unit once
+    busy = sum(t["cpu_adam_busy_ms"][i] for i in t["timed_steps"]) / len(t["timed_steps"])
+    gpu_adam = t["gpu_adam_params"] * 16 / rate  # weights, float32 master and moments in, for the backward
+    steps = len(t["cpu_adam_busy_ms"])
+    total = forward + busy + gpu_adam
+    return [
+        f"- The largest model's step runs at {t['bound_ms'] / t['time_ms']:.2f} of its bound. The bound spreads each "
+        "part over the whole step; here the parts run in turn (arithmetic from the run's JSON, at the H2D rate its "
+        f"bound measured, {rate / 1e6:.1f} GB/s): the forward copies each rank's float32 shards in (no room is left "
+        f"for a bfloat16 copy), {forward:,.0f} ms; the backward over the {t['units'] - len(t['gpu_adam_units'])} "
+        f"units the CPU Adam steps goes at its pace: it was busy {busy:,.0f} ms a step (measured, rank 0; its part "
+        f"of the bound predicts {t['cpu_adam_ms']:,.0f} ms, but both ranks' Adams and the copies share the host's "
+        f"memory), and the backward waited {t['gradient_pool']['waited_ms'] / 1e3:.1f} s in the {steps} steps for "
+        f"a gradient buffer the CPU Adam frees; the backward over the {len(t['gpu_adam_units'])} units the GPU's Adam "
+        f"steps copies in their weights, float32 masters and moments, 16 bytes a parameter, {gpu_adam:,.0f} ms. "
+        f"Together {total:,.0f} ms, {total / t['time_ms']:.2f} of the step measured.",
     ]
 
 
