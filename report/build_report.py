@@ -1639,7 +1639,6 @@ def ranks_section(runs: dict) -> list[str]:
     header = ["run", "GPUs", "step (ms)", "tokens/s", "bound (ms)", "efficiency", "peak GPU (GiB)"]
     header += ["peak host (GiB)", "host bytes/parameter", "speed-up", "script"]
     s7, tl = rank_training(small[1]), rank_training(runs["largest_2gpus"])
-    moved = s7["host_bytes"] * len(s7["ranks"])  # each rank's bytes, as its bound counts them
     per_rank = [r["peak_host_bytes"] / GiB for r in rank_training(seven[1])["ranks"]]
     return [
         "## 13. Several GPUs",
@@ -1656,11 +1655,7 @@ def ranks_section(runs: dict) -> list[str]:
         "",
         f"- LLaMA-7B at 64 x 1024 tokens a step is bound by the GPUs' compute, and two GPUs step "
         f"{rank_training(seven[0])['time_ms'] / rank_training(seven[1])['time_ms']:.2f}x as fast as one.",
-        f"- 7b-8l with one micro-batch a GPU is bound by host memory on two GPUs: a step moves "
-        f"{moved / 1e9:.0f} GB of host memory, both ranks' (the CPU Adam's and the copies'), "
-        f"{moved / small[1]['parameters']:.0f} bytes a parameter, through the one host both share; one GPU's step "
-        "has the same host traffic, and its compute besides. More micro-batches a step (`--grad-accum`) spread that "
-        "traffic over more tokens, as the LLaMA-7B rows do.",
+        *small_step_lines(small),
         f"- Host bytes a parameter: where the host has room, the plan spends it on the masters' bfloat16 copy and "
         f"a gradient buffer per unit (about 6 bytes a parameter more), so LLaMA-7B holds "
         f"{rank_training(seven[0])['peak_host_bytes'] / seven[0]['parameters']:.1f} on one GPU and "
@@ -1671,10 +1666,11 @@ def ranks_section(runs: dict) -> list[str]:
         + big["limited_by"]
         + ".",
         "- The NVLink collectives in the bound: the all-gathers run on the copy stream after each shard's H2D copy, "
-        "so the bound's H2D part, timed by copying a step's units in, includes them. The reduce-scatters, on the D2H "
-        "stream, are not in its D2H part yet: per GPU and step they send half of every unit's float32 gradients, "
-        f"2 bytes a parameter ({2 * seven[1]['parameters'] / 1e9:.1f} GB for LLaMA-7B, arithmetic) beside a "
-        f"{rank_training(seven[1])['time_ms'] / 1e3:.1f} s step.",
+        "so the bound's H2D part, timed by copying a step's units in, includes them; the reduce-scatters run on the "
+        "D2H stream before each unit's gradients leave, and its D2H part queues them the same way from version "
+        f"`{seven[1]['script_sha256'][:8]}` on (the 7b-8l and LLaMA-7B rows). The largest model's version left them "
+        "out: per GPU and step they send half of every unit's float32 gradients, 2 bytes a parameter "
+        f"({2 * big['parameters'] / 1e9:.1f} GB there, arithmetic) beside a {tl['time_ms'] / 1e3:.1f} s step.",
         "- Several hosts (arithmetic, not measured): `--nnodes M` with G GPUs each shards the host state over all "
         "M x G ranks, so a host holds 1/M of it and its memory traffic a step falls to 1/M. The collectives then "
         "cross the network: per GPU and step, (M x G - 1)/(M x G) of two passes of the weights and one of the "
@@ -1690,6 +1686,26 @@ def ranks_section(runs: dict) -> list[str]:
         f"{s7['peak_gpu_bytes'] / zero3[1]['peak_gpu_bytes']:.2f} of DeepSpeed's peak GPU memory. "
         "The two ran in separate calls, on two-GPU machines of one kind.",
         "",
+    ]
+
+
+def small_step_lines(small: list[dict]) -> list[str]:
+    """What bounds 7b-8l's step on two GPUs: the host memory both ranks share, which each rank's bound times alone."""
+    one, two = rank_training(small[0]), rank_training(small[1])
+    moved = two["host_bytes"] * len(two["ranks"])  # each rank's bytes, as its bound counts them
+    rate = moved / two["time_ms"] / 1e6
+    target = moved / (one["time_ms"] / 1.8) / 1e6
+    return [
+        f"- 7b-8l with one micro-batch a GPU: two GPUs step {one['time_ms'] / two['time_ms']:.2f}x as fast as one. "
+        f"One GPU's step is bound by its compute ({one['gpu_compute_ms']:.1f} ms); two halve the compute "
+        f"({two['gpu_compute_ms']:.1f} ms a rank) but not the host's traffic: both ranks' CPU Adams and copies move "
+        f"{moved / 1e9:.1f} GB of the one host's memory a step, {moved / small[1]['parameters']:.0f} bytes a "
+        f"parameter, as one GPU's step does. Over the {two['time_ms']:.1f} ms step that is {rate:.0f} GB/s, more "
+        f"than a rank's bound rounds reached ({two['host_gbps']:.0f} GB/s); 1.8x one GPU would need {target:.0f} "
+        "GB/s, more than any step or bound round on this host has moved. The rank's bound, "
+        f"{two['bound_ms']:.1f} ms ({two['bound_by'].replace('_', ' ')}), times each part on each rank with no "
+        "wait for the other rank, so a part may have had the host to itself: it undercounts the shared host. More "
+        "micro-batches a step (`--grad-accum`) spread the traffic over more tokens, as the LLaMA-7B rows do.",
     ]
 
 
