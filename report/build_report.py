@@ -1575,48 +1575,37 @@ def text_section(runs: dict) -> list[str]:
 
 
 def rank_training(r: dict) -> dict:
-    """The overlapped training result of a RANK_SOURCES run: a run's, or the largest one find_largest found."""
+    """The training result of a RANK_SOURCES run: overlapped's, the largest one find_largest found, or (peers.py's
+    JSON) DeepSpeed ZeRO-3's."""
+    if "peers" in r:
+        return r["peers"]["zero3"]
     found = r["find_largest"]["overlapped"] if "find_largest" in r else r["results"]["overlapped"]
     return found["training"]
 
 
 def rank_row(label: str, r: dict, one: dict | None) -> list[str]:
-    """A row of section 13: the step, its bound, the peaks (host: every rank's summed) and the speed-up over `one`."""
+    """A row of section 13: the step, its bound (none for DeepSpeed), the peaks (host: every rank's summed), the
+    speed-up over `one`, and the version of the script that made it (peers.py's for DeepSpeed)."""
     t = rank_training(r)
     params = r["find_largest"]["overlapped"]["parameters"] if "find_largest" in r else r["parameters"]
     speed = f"{rank_training(one)['time_ms'] / t['time_ms']:.2f}x" if one else ""
-    bound = f"{t['bound_ms']:.1f} ({t['bound_by'].replace('_', ' ')})"
-    gpus = len(t.get("ranks", [None]))
-    return [
-        label,
-        str(gpus),
-        f"{t['time_ms']:.1f}",
-        f"{t['tokens_per_step'] / t['time_ms'] * 1e3:,.0f}",
-        bound,
-        f"{t['bound_ms'] / t['time_ms']:.2f}",
-        gib(t["peak_gpu_bytes"]),
-        gib(t["peak_host_bytes"]),
-        f"{t['peak_host_bytes'] / params:.1f}",
-        speed,
-        f"`{r['script_sha256'][:8]}`",
-    ]
-
-
-def rank_peer_row(label: str, r: dict, one: dict | None) -> list[str]:
-    """A row of section 13 for DeepSpeed ZeRO-3 (report/peers.py): no bound; the script column is peers.py's."""
-    t, one_t = r["peers"]["zero3"], one and one["peers"]["zero3"]
+    bound, efficiency = "", ""
+    if "bound_ms" in t:
+        bound = f"{t['bound_ms']:.1f} ({t['bound_by'].replace('_', ' ')})"
+        efficiency = f"{t['bound_ms'] / t['time_ms']:.2f}"
+    script = f"`{r['peers_sha256'][:8]}` (peers.py)" if "peers" in r else f"`{r['script_sha256'][:8]}`"
     return [
         label,
         str(len(t.get("ranks", [None]))),
         f"{t['time_ms']:.1f}",
         f"{t['tokens_per_step'] / t['time_ms'] * 1e3:,.0f}",
-        "",
-        "",
+        bound,
+        efficiency,
         gib(t["peak_gpu_bytes"]),
         gib(t["peak_host_bytes"]),
-        f"{t['peak_host_bytes'] / r['parameters']:.1f}",
-        f"{one_t['time_ms'] / t['time_ms']:.2f}x" if one_t else "",
-        f"`{r['peers_sha256'][:8]}` (peers.py)",
+        f"{t['peak_host_bytes'] / params:.1f}",
+        speed,
+        script,
     ]
 
 
@@ -1632,10 +1621,10 @@ def ranks_section(runs: dict) -> list[str]:
         rank_row("LLaMA-7B, 64 x 1024 tokens, 11 GiB cap", seven[0], None),
         rank_row("LLaMA-7B, 64 x 1024 tokens, 11 GiB cap", seven[1], seven[0]),
         rank_row(f"{big['layers']} LLaMA-7B layers, 2 x 4096 tokens, 11 GiB cap", runs["largest_2gpus"], None),
-        rank_peer_row("DeepSpeed ZeRO-3 offload, 7b-8l, 2 x 2 x 4096 tokens", runs["zero3_1gpu"], None),
-        rank_peer_row("DeepSpeed ZeRO-3 offload, 7b-8l, 2 x 2 x 4096 tokens", runs["zero3_2gpus"], runs["zero3_1gpu"]),
+        rank_row("DeepSpeed ZeRO-3 offload, 7b-8l, 2 x 2 x 4096 tokens", runs["zero3_1gpu"], None),
+        rank_row("DeepSpeed ZeRO-3 offload, 7b-8l, 2 x 2 x 4096 tokens", runs["zero3_2gpus"], runs["zero3_1gpu"]),
     ]
-    zero3 = [runs[name]["peers"]["zero3"] for name in ("zero3_1gpu", "zero3_2gpus")]
+    zero3 = [rank_training(runs[name]) for name in ("zero3_1gpu", "zero3_2gpus")]
     header = ["run", "GPUs", "step (ms)", "tokens/s", "bound (ms)", "efficiency", "peak GPU (GiB)"]
     header += ["peak host (GiB)", "host bytes/parameter", "speed-up", "script"]
     s7, tl = rank_training(small[1]), rank_training(runs["largest_2gpus"])
