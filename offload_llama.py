@@ -155,8 +155,8 @@ class Ranks:
       the steps' (group; RANK_TIMEOUT; NCCL on GPU tensors): gather (a unit's shards, LayerStreamer.prefetch),
         sum_shard (its gradients, Steppers.sum_shard), sum (the loss, float16's overflow, clipping's squares); ranks
         waiting there on one that stalled are ended by NCCL's watchdog, on one that ended by torchrun.
-      the default (SETUP_TIMEOUT; gloo on CPU tensors): meet, in_turn, gathered (saving, state_dict), each (peaks,
-        the plan's inputs); their failures reach Python (lost_ranks)."""
+      the default (SETUP_TIMEOUT; gloo on CPU tensors): meet (also before each bound part), in_turn, gathered
+        (saving, state_dict), each (peaks, the plan's inputs); their failures reach Python (lost_ranks)."""
 
     rank: int = 0
     world: int = 1
@@ -3278,7 +3278,7 @@ def train_steps(
         if i in rounds:
             clock.pause(i)
             for _ in range(rounds.count(i)):
-                time_round(bound_parts(), parts)
+                time_round(bound_parts(), parts, run.ranks)
             clock.resume(after_round=True)
         if i == run.steps:
             break
@@ -3311,10 +3311,12 @@ def run_tasks(tasks, done: int, last: int, clock: StepClock) -> None:
         clock.resume(after_round=True)
 
 
-def time_round(fns: dict, parts: dict[str, list[float]]) -> None:
+def time_round(fns: dict, parts: dict[str, list[float]], ranks: Ranks) -> None:
     """Time each of `fns` (name -> (device, fn)) once, alone, into `parts`; their outputs and scratch memory are freed
-    on return, before the steps resume and their host peak restarts."""
+    on return, before the steps resume and their host peak restarts. With several ranks, all start each part
+    together: in a step they share the host's memory, and a part timed while the others wait would have it alone."""
     for name, (device, fn) in fns.items():
+        ranks.meet()
         parts[name].append(timed(fn, device)[0])
 
 

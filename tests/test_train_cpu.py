@@ -413,6 +413,16 @@ def test_bound_rounds_run_between_steps_with_every_update_done():
     assert r["losses"] == losses
 
 
+def test_every_rank_starts_each_bound_part_together(monkeypatch):
+    """With several ranks, each part of a round waits for every rank first (meet), as the ranks share the host in a
+    step: a part one rank timed while another waited would count the host as its own."""
+    events, parts = [], ol.collections.defaultdict(list)
+    monkeypatch.setattr(ol.Ranks, "meet", lambda self: events.append("meet"))
+    fns = {"a": (CPU, lambda: events.append("a")), "b": (CPU, lambda: events.append("b"))}
+    ol.time_round(fns, parts, ol.Ranks())
+    assert events == ["meet", "a", "meet", "b"] and sorted(parts) == ["a", "b"]
+
+
 @pytest.mark.parametrize("k", [1, 2])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_clipped_training_equals_clip_grad_norm(dtype, k):
