@@ -1829,13 +1829,17 @@ class Steppers:
         the D2H stream; returns the shard and the event its stepper waits for. `summed` is free again: the CPU Adam's
         last copy out of it came before on this stream, and StreamedAdam's take (its event the last one sent) came
         before this unit's backward wrote the gradients (wait_to_write)."""
-        shard, summed = self.summed[: self.store.masters[u].numel()], new_event(self.device)
+        shard, summed = self.summed_shard(u), new_event(self.device)
         stream = self.cpu_adam.d2h_stream
         with on_stream(stream):
             stream.wait_event(ready)  # the unit's backward must have written all its gradients
             self.store.ranks.sum_shard(shard, self.grads(u))
             summed.record(stream)
         return shard, summed
+
+    def summed_shard(self, u: int) -> torch.Tensor:
+        """Where this rank's shard of unit u's gradients, summed over the ranks, lands on the GPU."""
+        return self.summed[: self.store.masters[u].numel()]
 
     def update(self, u: int, multiplier: float) -> None:
         """Unit u's Adam step, its gradients times `multiplier`: queued, or (a resident unit) on the compute stream."""
@@ -4291,7 +4295,7 @@ def copy_out(trainer: OffloadedTraining) -> None:
     if store.ranks.several:
         with on_stream(trainer.d2h_stream):
             for u in trainer.streamer.streamed:
-                store.ranks.sum_shard(steppers.summed[: store.masters[u].numel()], steppers.grads(u))
+                store.ranks.sum_shard(steppers.summed_shard(u), steppers.grads(u))
     pool, grads = [buffer.view(torch.uint8) for buffer in store.pool.buffers], trainer.steppers.buffer.view(torch.uint8)
     on_cpu, _ = cpu_and_gpu_adam_units(trainer)
     for u, numel in on_cpu.items():
