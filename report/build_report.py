@@ -65,11 +65,11 @@ LATER_SOURCES = {"small_host_7b8l": "results/small_host/small_host_7b8l.json"}
 # made by the version that trains on text (issue 45), one version for the group: section 12
 TEXT_SOURCES = {name: f"results/text/{name}.json" for name in ("text_stdlib", "text_steps_data", "text_steps_random")}
 # made on the two-GPU machine by the several-GPU versions (issue 46), each run beside its one-GPU run by one version:
-# section 13, which names each row's version
+# section 13, which names each row's version; host_probe (report/host_probe.py) ran in the 7b-8l rows' call
 RANK_SOURCES = {
     name: f"results/ranks/{name}.json"
-    for name in ("7b8l_1gpu", "7b8l_2gpus", "llama7b_1gpu", "llama7b_2gpus", "largest_2gpus")
-    + ("zero3_1gpu", "zero3_2gpus")
+    for name in ("7b8l_1gpu", "7b8l_2gpus", "7b8l_2gpus_share06", "llama7b_1gpu", "llama7b_2gpus", "largest_2gpus")
+    + ("zero3_1gpu", "zero3_2gpus", "host_probe")
 }
 MACHINES = (  # the run_benchmarks.sh parts each machine ran (report/results/README.md gives the calls)
     ("disk",),
@@ -1614,10 +1614,11 @@ def ranks_section(runs: dict) -> list[str]:
     bytes a parameter; what bounds the step; what several hosts would add, as arithmetic."""
     big = runs["largest_2gpus"]["find_largest"]["overlapped"]
     seven = [runs[name] for name in ("llama7b_1gpu", "llama7b_2gpus")]
-    small = [runs[name] for name in ("7b8l_1gpu", "7b8l_2gpus")]
+    small = [runs[name] for name in ("7b8l_1gpu", "7b8l_2gpus", "7b8l_2gpus_share06")]
     rows = [
         rank_row("7b-8l, 2 x 2 x 4096 tokens", small[0], None),
         rank_row("7b-8l, 2 x 2 x 4096 tokens", small[1], small[0]),
+        rank_row("7b-8l, 2 x 2 x 4096 tokens, --gpu-adam-share 0.6", small[2], small[0]),
         rank_row("LLaMA-7B, 64 x 1024 tokens, 11 GiB cap", seven[0], None),
         rank_row("LLaMA-7B, 64 x 1024 tokens, 11 GiB cap", seven[1], seven[0]),
         rank_row(f"{big['layers']} LLaMA-7B layers, 2 x 4096 tokens, 11 GiB cap", runs["largest_2gpus"], None),
@@ -1637,14 +1638,15 @@ def ranks_section(runs: dict) -> list[str]:
         "Each rank keeps 1/2 of every unit's host state and trains on half the step's micro-batches; each unit's "
         "shards are all-gathered on the GPUs and its gradients reduce-scattered, so the host's memory is read once "
         "a parameter a step. Each two-GPU run is beside the one-GPU run of the same command, on the same machine, "
-        "by the same version (the last column); the largest model ran on two GPUs alone. The peak host memory "
+        "by the same version (the last column); the largest model ran on two GPUs alone. From version "
+        f"`{small[1]['script_sha256'][:8]}` on, every rank starts each part of the bound together, as the ranks "
+        "share the host's memory and cores in a step. The peak host memory "
         "sums both ranks' resident sets; the GPU's is the larger rank's.",
         "",
         *table(header, rows),
         "",
-        f"- LLaMA-7B at 64 x 1024 tokens a step is bound by the GPUs' compute, and two GPUs step "
-        f"{rank_training(seven[0])['time_ms'] / rank_training(seven[1])['time_ms']:.2f}x as fast as one.",
-        *small_step_lines(small),
+        *llama7b_step_lines(seven),
+        *small_step_lines(small, runs["host_probe"]),
         f"- Host bytes a parameter: where the host has room, the plan spends it on the masters' bfloat16 copy and "
         f"a gradient buffer per unit (about 6 bytes a parameter more), so LLaMA-7B holds "
         f"{rank_training(seven[0])['peak_host_bytes'] / seven[0]['parameters']:.1f} on one GPU and "
@@ -1656,10 +1658,7 @@ def ranks_section(runs: dict) -> list[str]:
         + ".",
         "- The NVLink collectives in the bound: the all-gathers run on the copy stream after each shard's H2D copy, "
         "so the bound's H2D part, timed by copying a step's units in, includes them; the reduce-scatters run on the "
-        "D2H stream before each unit's gradients leave, and its D2H part queues them the same way from version "
-        f"`{seven[1]['script_sha256'][:8]}` on (the 7b-8l and LLaMA-7B rows). The largest model's version left them "
-        "out: per GPU and step they send half of every unit's float32 gradients, 2 bytes a parameter "
-        f"({2 * big['parameters'] / 1e9:.1f} GB there, arithmetic) beside a {tl['time_ms'] / 1e3:.1f} s step.",
+        "D2H stream before each unit's gradients leave, and its D2H part queues them the same way.",
         "- Several hosts (arithmetic, not measured): `--nnodes M` with G GPUs each shards the host state over all "
         "M x G ranks, so a host holds 1/M of it and its memory traffic a step falls to 1/M. The collectives then "
         "cross the network: per GPU and step, (M x G - 1)/(M x G) of two passes of the weights and one of the "
@@ -1678,23 +1677,48 @@ def ranks_section(runs: dict) -> list[str]:
     ]
 
 
-def small_step_lines(small: list[dict]) -> list[str]:
-    """What bounds 7b-8l's step on two GPUs: the host memory both ranks share, which each rank's bound times alone."""
-    one, two = rank_training(small[0]), rank_training(small[1])
-    moved = two["host_bytes"] * len(two["ranks"])  # each rank's bytes, as its bound counts them
-    rate = moved / two["time_ms"] / 1e6
-    target = moved / (one["time_ms"] / 1.8) / 1e6
+def llama7b_step_lines(seven: list[dict]) -> list[str]:
+    """What bounds LLaMA-7B's step on two GPUs: the GPUs' compute, with the host's part far under it (its version
+    timed each rank's parts alone: both at once, by arithmetic)."""
+    one, two = (rank_training(r) for r in seven)
+    together = two["host_bytes"] * len(two["ranks"]) / one["host_gbps"] / 1e6  # ms, at one GPU's host rate
     return [
-        f"- 7b-8l with one micro-batch a GPU: two GPUs step {one['time_ms'] / two['time_ms']:.2f}x as fast as one. "
-        f"One GPU's step is bound by its compute ({one['gpu_compute_ms']:.1f} ms); two halve the compute "
-        f"({two['gpu_compute_ms']:.1f} ms a rank) but not the host's traffic: both ranks' CPU Adams and copies move "
-        f"{moved / 1e9:.1f} GB of the one host's memory a step, {moved / small[1]['parameters']:.0f} bytes a "
-        f"parameter, as one GPU's step does. Over the {two['time_ms']:.1f} ms step that is {rate:.0f} GB/s, more "
-        f"than a rank's bound rounds reached ({two['host_gbps']:.0f} GB/s); 1.8x one GPU would need {target:.0f} "
-        "GB/s, more than any step or bound round on this host has moved. The rank's bound, "
-        f"{two['bound_ms']:.1f} ms ({two['bound_by'].replace('_', ' ')}), times each part on each rank with no "
-        "wait for the other rank, so a part may have had the host to itself: it undercounts the shared host. More "
-        "micro-batches a step (`--grad-accum`) spread the traffic over more tokens, as the LLaMA-7B rows do.",
+        f"- LLaMA-7B at 64 x 1024 tokens a step is bound by the GPUs' compute, and two GPUs step "
+        f"{one['time_ms'] / two['time_ms']:.2f}x as fast as one. Its version, `{seven[1]['script_sha256'][:8]}`, "
+        "timed each rank's bound parts alone; both ranks' host traffic at the rate one GPU's host part reached "
+        f"({one['host_gbps']:.0f} GB/s) would take {together:,.0f} ms (arithmetic), far under the compute "
+        f"({two['gpu_compute_ms']:,.1f} ms).",
+    ]
+
+
+def small_step_lines(small: list[dict], probe: dict) -> list[str]:
+    """What bounds 7b-8l's step on two GPUs: the host memory both ranks share, whose traffic a step does not shrink
+    with more GPUs; why 1.8x one GPU is out of reach on this host, measured by the bound and the host's rates."""
+    one, two, shared = (rank_training(r) for r in small)
+    moved = two["host_bytes"] * len(two["ranks"])  # each rank's bytes, as its bound counts them
+    target = one["time_ms"] / 1.8
+    gpu_adam = len(shared["gpu_adam_units"])
+    return [
+        f"- 7b-8l with one micro-batch a GPU: two GPUs step {one['time_ms'] / two['time_ms']:.2f}x as fast as one, "
+        "and the 1.8x that issue 46 asked for proves out of reach on this host. One GPU's step is bound by its "
+        f"compute ({one['gpu_compute_ms']:.1f} ms); two halve the compute ({two['gpu_compute_ms']:.1f} ms a rank) but "
+        f"not the host's traffic: both ranks' CPU Adams and copies move {moved / 1e9:.1f} GB of the one host's "
+        f"memory a step, {moved / small[1]['parameters']:.0f} bytes a parameter, as one GPU's step does. The bound's "
+        f"host part, run by both ranks at once, takes {two['host_memory_ms']:.1f} ms "
+        f"({two['host_gbps'] * len(two['ranks']):.0f} GB/s); 1.8x one GPU's step would be {target:.1f} ms, below it. "
+        f"With `--gpu-adam-share 0.6` the GPU's Adam steps {gpu_adam} units, whose state crosses PCIe instead of "
+        f"being stepped by the CPU: the bound falls to {shared['bound_ms']:.1f} ms "
+        f"({shared['bound_by'].replace('_', ' ')}), and 1.8x would need a step at {shared['bound_ms'] / target:.2f} "
+        f"of it (that step ran at {shared['bound_ms'] / shared['time_ms']:.2f}).",
+        f"- The host's memory is saturated: `report/host_probe.py`, on the same machine in the same call, measured "
+        f"{probe['cpu_gbs']:.0f} GB/s for a STREAM add on its {probe['cores']} cores, {probe['copies_gbs']:.0f} GB/s "
+        f"for pinned copies both ways on both GPUs, and {probe['together']['sum_gbs']:.0f} GB/s for both together; "
+        f"the bound's host part reached {one['host_gbps']:.0f} GB/s on one GPU and "
+        f"{two['host_gbps'] * len(two['ranks']):.0f} and {shared['host_gbps'] * len(shared['ranks']):.0f} on two. "
+        "Had the one-GPU step run at its bound, the bounds would allow two GPUs at most "
+        f"{one['bound_ms'] / shared['bound_ms']:.2f}x; the speed-up measured rests on one GPU's step running at "
+        f"{one['bound_ms'] / one['time_ms']:.2f} of its bound. More micro-batches a step (`--grad-accum`) spread "
+        "the host's traffic over more tokens, as the LLaMA-7B rows do.",
     ]
 
 
@@ -1712,10 +1736,11 @@ def largest_step_lines(big: dict, t: dict) -> list[str]:
         f"bound measured, {rate / 1e6:.1f} GB/s): the forward copies each rank's float32 shards in (no room is left "
         f"for a bfloat16 copy), {forward:,.0f} ms; the backward over the {t['units'] - len(t['gpu_adam_units'])} "
         f"units the CPU Adam steps goes at its pace: it was busy {busy:,.0f} ms a step (measured, rank 0; its part "
-        f"of the bound predicts {t['cpu_adam_ms']:,.0f} ms, but both ranks' Adams and the copies share the host's "
-        f"memory), and the backward waited {t['gradient_pool']['waited_ms'] / 1e3:.1f} s in the {steps} steps for "
-        f"a gradient buffer the CPU Adam frees; the backward over the {len(t['gpu_adam_units'])} units the GPU's Adam "
-        f"steps copies in their weights, float32 masters and moments, 16 bytes a parameter, {gpu_adam:,.0f} ms. "
+        f"of the bound, both ranks' Adams at once, predicts {t['cpu_adam_ms']:,.0f} ms, but in the step the copies "
+        f"share the host's memory too), and the backward waited {t['gradient_pool']['waited_ms'] / 1e3:.1f} s in "
+        f"the {steps} steps for a gradient buffer the CPU Adam frees; the backward over the "
+        f"{len(t['gpu_adam_units'])} units the GPU's Adam steps copies in their weights, float32 masters and "
+        f"moments, 16 bytes a parameter, {gpu_adam:,.0f} ms. "
         f"Together {total:,.0f} ms, {total / t['time_ms']:.2f} of the step measured.",
     ]
 
@@ -1750,7 +1775,10 @@ def text_figure(runs: dict, out: Path) -> None:
 def sources_section(runs: dict) -> list[str]:
     """The last section: each JSON and trace the report reads, with the script versions that made them."""
     paths = {**SOURCES, **LATER_SOURCES, **TEXT_SOURCES, **RANK_SOURCES}
-    rows = [[f"`{paths[name]}`", r["script_sha256"][:12], r.get("peers_sha256", "")[:12]] for name, r in runs.items()]
+    rows = [
+        [f"`{paths[name]}`", r.get("script_sha256", "(host_probe.py)")[:12], r.get("peers_sha256", "")[:12]]
+        for name, r in runs.items()
+    ]
     rows += [[f"`{trace}`", "(profiler trace)", ""] for trace in TRACES.values()]
     return [
         "## Sources",
