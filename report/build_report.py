@@ -1715,7 +1715,7 @@ def small_step_lines(small: list[dict], probe: dict) -> list[str]:
         f"for pinned copies both ways on both GPUs, and {probe['together']['sum_gbs']:.0f} GB/s for both together; "
         f"the bound's host part reached {one['host_gbps']:.0f} GB/s on one GPU and "
         f"{two['host_gbps'] * len(two['ranks']):.0f} and {shared['host_gbps'] * len(shared['ranks']):.0f} on two. "
-        "Had the one-GPU step run at its bound, the bounds would allow two GPUs at most "
+        "Had the one-GPU step run at its bound, the bounds measured here would allow two GPUs at most "
         f"{one['bound_ms'] / shared['bound_ms']:.2f}x; the speed-up measured rests on one GPU's step running at "
         f"{one['bound_ms'] / one['time_ms']:.2f} of its bound. More micro-batches a step (`--grad-accum`) spread "
         "the host's traffic over more tokens, as the LLaMA-7B rows do.",
