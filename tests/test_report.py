@@ -127,6 +127,22 @@ def test_peers_without_deepspeed_say_so_in_their_rows(monkeypatch):
     assert table.count("DeepSpeed is not installed") == 2
 
 
+def test_the_host_probe_writes_the_rates_section_13_reads(monkeypatch, tmp_path):
+    """host_probe.py on the CPU alone (no GPU to copy to): each rate measured, the sum of the two together."""
+    spec = importlib.util.spec_from_file_location("host_probe", REPORT / "host_probe.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    monkeypatch.setattr(probe, "ELEMENTS", 2**16)
+    monkeypatch.setattr(probe, "SECONDS", 0.05)
+    monkeypatch.setattr(probe.torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(probe.torch, "set_num_threads", lambda n: None)  # the other tests keep this process's count
+    monkeypatch.setattr("sys.argv", ["host_probe.py", "--json", str(tmp_path / "probe.json")])
+    probe.main()
+    rates = json.loads((tmp_path / "probe.json").read_text())
+    assert rates["cpu_gbs"] > 0 and rates["together"]["cpu_gbs"] > 0 and rates["copies_gbs"] == 0
+    assert rates["together"]["sum_gbs"] == rates["together"]["cpu_gbs"] + rates["together"]["copies_gbs"]
+
+
 @pytest.mark.parametrize("figure", ["timeline_training.png", "timeline_inference.png"])
 def test_a_trimmed_trace_draws_and_measures_the_same(figure, tmp_path):
     """trim_trace keeps what the figure's lanes and the overlap measurement read: both come out the same."""
