@@ -1677,11 +1677,17 @@ def ranks_section(runs: dict) -> list[str]:
     ]
 
 
+def all_ranks(t: dict, key: str) -> float:
+    """A training result's `key`, a rank's host bytes or rate as its bound measures them, summed over its ranks: the
+    one host's."""
+    return t[key] * len(t["ranks"])
+
+
 def llama7b_step_lines(seven: list[dict]) -> list[str]:
     """What bounds LLaMA-7B's step on two GPUs: the GPUs' compute, with the host's part far under it (its version
     timed each rank's parts alone: both at once, by arithmetic)."""
     one, two = (rank_training(r) for r in seven)
-    together = two["host_bytes"] * len(two["ranks"]) / one["host_gbps"] / 1e6  # ms, at one GPU's host rate
+    together = all_ranks(two, "host_bytes") / one["host_gbps"] / 1e6  # ms, at one GPU's host rate
     return [
         f"- LLaMA-7B at 64 x 1024 tokens a step is bound by the GPUs' compute, and two GPUs step "
         f"{one['time_ms'] / two['time_ms']:.2f}x as fast as one. Its version, `{seven[1]['script_sha256'][:8]}`, "
@@ -1695,7 +1701,7 @@ def small_step_lines(small: list[dict], probe: dict) -> list[str]:
     """What bounds 7b-8l's step on two GPUs: the host memory both ranks share, whose traffic a step does not shrink
     with more GPUs; why 1.8x one GPU is out of reach on this host, measured by the bound and the host's rates."""
     one, two, shared = (rank_training(r) for r in small)
-    moved = two["host_bytes"] * len(two["ranks"])  # each rank's bytes, as its bound counts them
+    moved = all_ranks(two, "host_bytes")
     target = one["time_ms"] / 1.8
     gpu_adam = len(shared["gpu_adam_units"])
     return [
@@ -1705,7 +1711,7 @@ def small_step_lines(small: list[dict], probe: dict) -> list[str]:
         f"not the host's traffic: both ranks' CPU Adams and copies move {moved / 1e9:.1f} GB of the one host's "
         f"memory a step, {moved / small[1]['parameters']:.0f} bytes a parameter, as one GPU's step does. The bound's "
         f"host part, run by both ranks at once, takes {two['host_memory_ms']:.1f} ms "
-        f"({two['host_gbps'] * len(two['ranks']):.0f} GB/s); 1.8x one GPU's step would be {target:.1f} ms, below it. "
+        f"({all_ranks(two, 'host_gbps'):.0f} GB/s); 1.8x one GPU's step would be {target:.1f} ms, below it. "
         f"With `--gpu-adam-share 0.6` the GPU's Adam steps {gpu_adam} units, whose state crosses PCIe instead of "
         f"being stepped by the CPU: the bound falls to {shared['bound_ms']:.1f} ms "
         f"({shared['bound_by'].replace('_', ' ')}), and 1.8x would need a step at {shared['bound_ms'] / target:.2f} "
@@ -1714,7 +1720,7 @@ def small_step_lines(small: list[dict], probe: dict) -> list[str]:
         f"{probe['cpu_gbs']:.0f} GB/s for a STREAM add on its {probe['cores']} cores, {probe['copies_gbs']:.0f} GB/s "
         f"for pinned copies both ways on both GPUs, and {probe['together']['sum_gbs']:.0f} GB/s for both together; "
         f"the bound's host part reached {one['host_gbps']:.0f} GB/s on one GPU and "
-        f"{two['host_gbps'] * len(two['ranks']):.0f} and {shared['host_gbps'] * len(shared['ranks']):.0f} on two. "
+        f"{all_ranks(two, 'host_gbps'):.0f} and {all_ranks(shared, 'host_gbps'):.0f} on two. "
         "Had the one-GPU step run at its bound, the bounds measured here would allow two GPUs at most "
         f"{one['bound_ms'] / shared['bound_ms']:.2f}x; the speed-up measured rests on one GPU's step running at "
         f"{one['bound_ms'] / one['time_ms']:.2f} of its bound. More micro-batches a step (`--grad-accum`) spread "
