@@ -9,7 +9,7 @@ References: torchao's CPUOffloadOptimizer, torchtune's activation offloading, ga
 The sections, in reading order, and the names that open them. The plain path runs from the model to training; the
 accelerations plug into it as policies; measurement, tables and sizing are instruments around it.
   configuration          Ranks, RunConfig: torchrun's processes; one run, frozen, from the command line or a test
-  the command line       Parser, command_line, check_command_line: checked before torch and transformers load
+  the command line       Parser, command_line, check_flags_needed, check_run: flags, inputs, outputs, before torch
   model                  llama_config, build_model, init_random: a random LLaMA, or one from a save_pretrained folder
   parameter store        FlatLayout, HostBuffer, ParamStore: each decoder layer one flat pinned buffer
   layer streamer         CopyWindow, LayerStreamer, StreamedLayer: a ring of GPU slots filled on a copy stream
@@ -52,6 +52,8 @@ import os
 import platform
 import queue
 import shutil
+import signal
+import stat
 import statistics
 import struct
 import sys
@@ -104,7 +106,8 @@ DISK_BLOCK = 4096  # bytes: direct I/O moves whole blocks between block-aligned 
 DISK_SLOTS = 2  # the disk tier's staging buffers: one unit stepped while the disk reads the next or writes one back
 DISK_CALL = 2**28  # bytes one read or write call moves at most (Linux moves under 2 GiB per call)
 ADAM_SCRATCH = 2**25  # parameters: the bound times the CPU Adam on at most this much scratch state (512 MiB of it)
-FAST_FLOPS = {"cpu": 1e13, "cuda": 2e15}  # FLOP/s beyond any CPU's or GPU's: a run shorter at these needs no estimate
+FAST_FLOPS = {"cpu": 1e11, "cuda": 2e15}  # FLOP/s: a run that takes under a minute at these is not worth timing a
+# matmul for (a GPU's are beyond any GPU's; a CPU's are a few cores', so that a run of minutes on a laptop is noted)
 END_OF_TEXT = "<|endoftext|>"  # a trained tokenizer's one special token: joins documents
 TOKEN_MAGIC = b"OLTOKS"  # a token cache file's header: this, the ids' itemsize (2 or 4) and their count
 TOKEN_HEADER = "<6sHQ"
@@ -114,6 +117,7 @@ TOKENIZE_BATCH = 256  # documents the tokenizer's threads encode at once
 RANK_TIMEOUT = 50  # seconds a rank waits for the others in a step's collective, then ends with an error
 SETUP_TIMEOUT = 1800  # seconds: the ranks meet before the steps, once each has built its model and state
 HELD_OUT_SEED = 0  # draws the held-out blocks: the same for every --seed, so none is ever trained on
+MAX_SEED = 2**32 - 1  # --seed's largest: seeds derived from it (seed << 16, seed * 1_000_003) stay within 64 bits
 
 
 def log(msg: str) -> None:
@@ -397,12 +401,17 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
         return super()._get_help_string(action)
 
 
-def preset_parameters(sizes: dict) -> int:
-    """A LLaMA's parameter count from its sizes (LlamaConfig field -> value), untied head, no torch needed."""
+def parameter_count(sizes: dict) -> int:
+    """A LLaMA's parameter count from its sizes (LlamaConfig field -> value; head_dim, tie_word_embeddings,
+    attention_bias and mlp_bias where given), by arithmetic: no torch, no model."""
     h, i, layers, vocab = (sizes[f] for f in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"))
-    kv = sizes["num_key_value_heads"] * (h // sizes["num_attention_heads"])  # the keys' and values' width
-    layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h  # q and o, k and v, the MLP, two norms
-    return 2 * vocab * h + layers * layer + h  # embeddings and head, the layers, the final norm
+    heads, kv_heads = sizes["num_attention_heads"], sizes["num_key_value_heads"]
+    head_dim = sizes.get("head_dim") or h // heads
+    q, kv = heads * head_dim, kv_heads * head_dim  # the queries' width, the keys' and values' each
+    attention = 2 * h * q + 2 * h * kv + (q + 2 * kv + h) * bool(sizes.get("attention_bias"))
+    mlp = 3 * h * i + (2 * i + h) * bool(sizes.get("mlp_bias"))
+    embeddings = vocab * h * (1 if sizes.get("tie_word_embeddings") else 2)  # and the head
+    return embeddings + layers * (attention + mlp + 2 * h) + h  # two norms a layer, the final norm
 
 
 def count_text(n: float) -> str:
@@ -424,8 +433,8 @@ def size_text(nbytes: float) -> str:
 def preset_help() -> str:
     """--preset's help: each preset's layers, hidden size and parameters."""
     described = [
-        f"{name}: {s['num_hidden_layers']} layers, hidden {s['hidden_size']}, {count_text(preset_parameters(s))} "
-        "parameters"
+        f"{name}: {s['num_hidden_layers']} layers, hidden {s['hidden_size']}, vocabulary {s['vocab_size']}, "
+        f"{count_text(parameter_count(s))} parameters"
         for name, s in PRESETS.items()
     ]
     return "a random model's sizes; " + "; ".join(described) + f" (default: {RunConfig.preset})"
@@ -531,20 +540,9 @@ def add_data_flags(p: argparse.ArgumentParser) -> None:
 
 
 def check_data_flags(p: Parser, a: argparse.Namespace) -> None:
-    """Text flags out of range or without --data: one line, exit 2."""
-    given = [f for f in ("train_tokenizer", "data_cache", "epochs", "eval_every") if getattr(a, f) is not None]
-    if given and not a.data:
-        p.error(f"--{given[0].replace('_', '-')} goes with --data PATH, the text to train on")
-    if a.tokenizer and not (a.data or a.sample):
-        p.error("--tokenizer goes with --data PATH or --sample PROMPT")
-    if (a.data or a.sample) and not a.train:
-        p.error(f"{'--data is text to train on' if a.data else '--sample shows what training changes'}: add --train")
+    """Text flags out of range: one line, exit 2."""
     if any(not prompt for prompt in a.sample):
         p.error("--sample needs a prompt: an empty one has nothing to continue")
-    if a.top_k is not None and not a.temperature:
-        p.error("--top-k draws samples: give --temperature T too (0 is greedy)")
-    if a.tokenizer and a.train_tokenizer:
-        p.error("--tokenizer and --train-tokenizer: give one")
     if a.train_tokenizer is not None and a.train_tokenizer < 257:
         p.error(f"--train-tokenizer must be at least 257 (256 bytes, the end-of-text token), got {a.train_tokenizer}")
     if not 0 < a.eval_fraction < 1:
@@ -598,37 +596,115 @@ def check_ranges(p: Parser, a: argparse.Namespace) -> None:
             p.error(f"--{flag.replace('_', '-')} must be a positive number of GiB, got {value}")
     if a.gpu_adam_share is not None and not 0 <= a.gpu_adam_share <= 1:
         p.error(f"--gpu-adam-share must be between 0 and 1, got {a.gpu_adam_share}")
+    if not 0 <= a.seed <= MAX_SEED:
+        p.error(f"--seed must be between 0 and {MAX_SEED}, got {a.seed}")
 
 
 def check_combinations(p: Parser, a: argparse.Namespace) -> None:
-    """Flags that do not go together: one line, exit 2."""
+    """Values that do not go together: one line, exit 2."""
     if a.gpu_adam_share and a.dtype == "float16":
         p.error("--gpu-adam-share must be 0 in float16: its loss scale must see every gradient before any unit steps")
     if a.clip_grad_norm is not None and not (math.isfinite(a.clip_grad_norm) and a.clip_grad_norm > 0):
         p.error(f"--clip-grad-norm must be a positive number, got {a.clip_grad_norm}")
     if a.gpu_adam_share and a.clip_grad_norm is not None:
         p.error("--gpu-adam-share must be 0 with --clip-grad-norm: the norm must see every gradient before any step")
-    if not a.inference and not a.train:
-        p.error("--no-inference leaves nothing to run without --train")
-    if a.fwd_bwd_reference and not a.train:
-        p.error("--fwd-bwd-reference is the reference for training: add --train")
-    if (a.save_pretrained or a.checkpoint or a.resume) and not a.train:
-        p.error("--save-pretrained, --checkpoint and --resume save or resume training: add --train")
-    if a.clip_grad_norm is not None and not a.train:
-        p.error("--clip-grad-norm clips training's gradients: add --train")
-    if a.checkpoint_every and not a.checkpoint:
-        p.error("--checkpoint-every needs --checkpoint DIR, the folder to write in")
-    if a.nvme and not a.train:
-        p.error("--nvme keeps training's Adam state on a disk: add --train")
-    if a.nvme_layers is not None and not a.nvme:
-        p.error("--nvme-layers needs --nvme DIR, the folder on the disk")
+
+
+def offloaded(modes) -> bool:
+    """Whether one of `modes` streams the layers: blocked or overlapped."""
+    return bool({"blocked", "overlapped"} & set(modes))
+
+
+FLAG_NEEDS = (  # flags (argparse dests), what they need to do anything, how to give it, whether the run has it
+    (
+        ("steps", "grad_accum", "inference", "fwd_bwd_reference", "lr", "betas", "eps", "weight_decay"),
+        ("--train", "add --train", lambda a, modes: a.train),
+    ),
+    (
+        ("clip_grad_norm", "data", "sample", "save_pretrained", "checkpoint", "resume", "offload_activations"),
+        ("--train", "add --train", lambda a, modes: a.train),
+    ),
+    (("gpu_adam_share", "nvme"), ("--train", "add --train", lambda a, modes: a.train)),
+    (
+        ("prefetch", "resident_layers", "gpu_adam_share"),
+        ("overlapped mode", "add overlapped to --mode", lambda a, modes: "overlapped" in modes),
+    ),
+    (
+        ("profile", "offload_activations", "nvme"),
+        ("an offloaded mode", "add blocked or overlapped to --mode", lambda a, modes: offloaded(modes)),
+    ),
+    (
+        ("max_gpu_memory", "repeat"),
+        ("a GPU mode", "add gpu, blocked or overlapped to --mode", lambda a, modes: set(modes) - {"cpu"}),
+    ),
+    (
+        ("warmup",),
+        ("a GPU mode or --train", "add a GPU mode or --train", lambda a, modes: a.train or set(modes) - {"cpu"}),
+    ),
+    (("nvme_layers",), ("--nvme DIR", "add --nvme DIR", lambda a, modes: a.nvme)),
+    (("checkpoint_every",), ("--checkpoint DIR", "add --checkpoint DIR", lambda a, modes: a.checkpoint)),
+    (
+        ("skip_undecodable", "data_glob", "text_field", "train_tokenizer", "data_cache", "eval_fraction"),
+        ("--data PATH", "add --data PATH", lambda a, modes: a.data),
+    ),
+    (("epochs", "eval_every"), ("--data PATH", "add --data PATH", lambda a, modes: a.data)),
+    (("data_glob",), ("a folder as --data", "give --data a folder", lambda a, modes: Path(a.data).is_dir())),
+    (
+        ("text_field",),
+        ("JSONL in --data", "give --data a .jsonl file or a folder", lambda a, modes: data_may_hold_jsonl(a.data)),
+    ),
+    (("tokenizer",), ("--data or --sample", "add --data PATH or --sample PROMPT", lambda a, m: a.data or a.sample)),
+    (("sample_tokens", "temperature"), ("--sample PROMPT", "add --sample PROMPT", lambda a, modes: a.sample)),
+    (("top_k",), ("--temperature above 0", "add --temperature T", lambda a, modes: a.temperature)),
+)
+FLAG_CLASHES = (  # flags (argparse dests) that cannot be given together, and why
+    (("epochs", "steps"), "--epochs sets the number of steps"),
+    (("tokenizer", "train_tokenizer"), "a tokenizer is given or trained, not both"),
+)
+
+
+def data_may_hold_jsonl(data: str) -> bool:
+    """Whether --data can hold JSONL records: a .jsonl file, or a folder."""
+    return data.endswith(".jsonl") or Path(data).is_dir()
+
+
+def flag_name(dest: str) -> str:
+    """The flag of an argparse dest: --no-inference for inference, --hidden-size for hidden_size."""
+    return "--" + {"inference": "no-inference", **SIZE_FLAGS}.get(dest, dest.replace("_", "-"))
+
+
+class GivenFlags(argparse.Namespace):
+    """A namespace that records the dests the command line sets. argparse puts a default only where the namespace has
+    no value yet, so with every dest filled beforehand each value set while parsing is a flag given, whether or not
+    it equals the default."""
+
+    def __init__(self, dests):
+        super().__init__(**{dest: [] for dest in dests})  # a fresh value, never a default (which argparse converts)
+        self.given = set()
+
+    def __setattr__(self, name: str, value) -> None:
+        """Set it, and record it once parsing has begun."""
+        if "given" in self.__dict__:
+            self.given.add(name)
+        super().__setattr__(name, value)
+
+
+def flags_given(p: Parser, a: argparse.Namespace, argv) -> set[str]:
+    """The dests of the flags on the command line `argv` that parsed into `a`."""
+    return p.parse_args(argv, GivenFlags(vars(a))).given
+
+
+def check_flags_needed(p: Parser, a: argparse.Namespace, given: set[str]) -> None:
+    """A flag that does nothing in the run asked for is refused, by one table (FLAG_NEEDS, FLAG_CLASHES): one line
+    that says what it needs, exit 2."""
     modes = MODES if a.mode == "all" else a.mode.split(",")
-    if a.resident_layers is not None and "overlapped" not in modes:
-        p.error("--resident-layers places the layers of overlapped mode: add overlapped to --mode")
-    if a.profile and not {"blocked", "overlapped"} & set(modes):
-        p.error("--profile traces an offloaded pass: use --mode overlapped, blocked or all")
-    if a.nvme and not {"blocked", "overlapped"} & set(modes):
-        p.error("--nvme keeps the Adam state of offloaded training: add overlapped or blocked to --mode")
+    for flags, (need, add, has) in FLAG_NEEDS:
+        for dest in (d for d in flags if d in given):
+            if not has(a, modes):
+                p.error(f"{flag_name(dest)} does nothing without {need}: {add}, or leave {flag_name(dest)} out")
+    for (first, second), why in FLAG_CLASHES:
+        if {first, second} <= given:
+            p.error(f"{flag_name(first)} and {flag_name(second)}: {why}: give one")
 
 
 ONE_GPU_FLAGS = {  # what several ranks do not do yet: flag -> whether the command line asks for it
@@ -636,6 +712,41 @@ ONE_GPU_FLAGS = {  # what several ranks do not do yet: flag -> whether the comma
     "--profile": lambda a: a.profile is not None,
     "--fwd-bwd-reference": lambda a: a.fwd_bwd_reference,
 }
+
+
+RANK_VARIABLES = {  # torchrun's variables: each one's least value, and the variable it must stay under
+    "WORLD_SIZE": (1, None),
+    "RANK": (0, "WORLD_SIZE"),
+    "LOCAL_WORLD_SIZE": (1, None),
+    "LOCAL_RANK": (0, "LOCAL_WORLD_SIZE"),
+}
+
+
+def rank_environment(p: Parser) -> Ranks:
+    """The ranks torchrun describes in the environment, checked: whole numbers, ranks below their world sizes, the
+    host's ranks at most the world's; else one line, exit 2. Without WORLD_SIZE, one process (the others ignored)."""
+    env = os.environ
+    if "WORLD_SIZE" not in env:
+        return Ranks()
+    values = {name: env[name] for name in RANK_VARIABLES if name in env}
+    values.setdefault("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])
+    numbers = {}
+    for name, text in values.items():
+        if not text.strip().isdigit():
+            p.error(f"the environment's {name}={text!r} is not a whole number: set it as torchrun does, or unset it")
+        numbers[name] = int(text)
+    numbers.setdefault("RANK", 0)
+    numbers.setdefault("LOCAL_RANK", 0)
+    for name, (least, below) in RANK_VARIABLES.items():
+        if numbers[name] < least or (below and numbers[name] >= numbers[below]):
+            bound = f" and below {below}={numbers[below]}" if below else ""
+            p.error(
+                f"the environment's {name}={numbers[name]} must be at least {least}{bound}: set it as torchrun does"
+            )
+    if numbers["LOCAL_WORLD_SIZE"] > numbers["WORLD_SIZE"]:
+        local = numbers["LOCAL_WORLD_SIZE"]
+        p.error(f"the environment's LOCAL_WORLD_SIZE={local} exceeds WORLD_SIZE: set both as torchrun does")
+    return Ranks.from_environment()
 
 
 def check_rank_flags(p: Parser, a: argparse.Namespace, world: int) -> None:
@@ -668,7 +779,8 @@ def command_line(argv=None) -> RunConfig:
     check_ranges(p, a)
     check_combinations(p, a)
     check_data_flags(p, a)
-    check_rank_flags(p, a, Ranks.from_environment().world)
+    check_flags_needed(p, a, flags_given(p, a, argv))
+    check_rank_flags(p, a, rank_environment(p).world)
     a.sizes = tuple((f, getattr(a, f)) for f in SIZE_FLAGS if getattr(a, f) is not None)
     if a.model is not None and (a.sizes or a.preset is not None):
         given = [f"--{SIZE_FLAGS[f]}" for f, _ in a.sizes] + ["--preset"] * (a.preset is not None)
@@ -682,53 +794,144 @@ def command_line(argv=None) -> RunConfig:
 
 
 def check_command_line(argv=None) -> None:
-    """What can be checked before torch and transformers load: the flags, the outputs, the model's sizes or its folder's
-    config.json. Bad input ends with one line and exit 2."""
+    """What can be checked before torch and transformers load (check_run); bad input ends with one line and exit 2."""
     run = command_line(argv)
     try:
-        check_outputs(run)
-        if run.model is not None:
-            model_type(Path(run.model))
-        else:
-            check_sizes({**PRESETS[run.preset], **dict(run.sizes)})
+        check_run(run)
     except UsageError as e:
         print(f"offload_llama.py: error: {e}", file=sys.stderr)
         sys.exit(2)
 
 
-def check_outputs(run: RunConfig) -> None:
-    """Every file and folder the run will write can be written: refused now rather than after a run of many minutes."""
-    for flag, path in (("--json", run.json), ("--save-output", run.save_output), ("--profile", run.profile)):
-        if path is not None and Path(path).is_dir():
-            raise UsageError(f"{flag} {path} is a folder: give a file name")
-        if path is not None:
-            check_writable(flag, path, Path(path).parent)
-    for flag, path in (("--save-pretrained", run.save_pretrained), ("--checkpoint", run.checkpoint)):
-        if path is not None and Path(path).exists() and not Path(path).is_dir():
-            raise UsageError(f"{flag} {path} is a file: give a folder")
-        if path is not None:
-            check_writable(flag, path, Path(path), make=True)
-    if run.nvme is not None and Path(run.nvme).exists() and not Path(run.nvme).is_dir():
-        raise UsageError(f"--nvme {run.nvme} is a file: give a folder on a local disk")
-    if run.nvme is not None:
-        check_writable("--nvme", run.nvme, Path(run.nvme))
-    check_distinct_outputs(run)
+def check_run(run: RunConfig) -> None:
+    """Everything about the run that needs neither torch nor a model: the inputs can be read, the outputs written
+    without touching an input, the model's sizes (the preset's and flags', or --model's config.json) are a LLaMA's
+    that the host can hold, and --sample's tokens fit its positions."""
+    check_inputs(run)
+    check_outputs(run)
+    sizes, origin = model_sizes(run)
+    check_sizes(sizes, origin)
+    check_host_holds(run, sizes)
+    positions = sizes.get("max_position_embeddings") or 0
+    if run.sample and positions and run.sample_tokens >= positions:
+        raise UsageError(f"--sample-tokens {run.sample_tokens}: the model has {positions} positions, prompt included")
 
 
-def check_distinct_outputs(run: RunConfig) -> None:
-    """No two outputs share a path, where one would overwrite the other."""
-    outputs = {"--json": run.json, "--save-output": run.save_output, "--profile": run.profile}
-    outputs |= {"--save-pretrained": run.save_pretrained, "--checkpoint": run.checkpoint}
-    if run.profile and run.train:
-        outputs["--profile's training trace"] = train_trace_path(run.profile)
-    seen = {}
-    for flag, path in outputs.items():
+# inputs and outputs: every input readable, every output writable, and no output on or inside an input
+
+
+def path_kind(path: Path) -> str | None:
+    """What is at `path`, not following a link: 'a file', 'a folder', 'a symbolic link', ...; None where nothing is."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as e:  # a parent folder the user cannot search
+        raise UsageError(f"{path} cannot be looked at ({e.strerror})") from None
+    kinds = ((stat.S_ISREG, "a file"), (stat.S_ISDIR, "a folder"), (stat.S_ISLNK, "a symbolic link"))
+    kinds += ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"))
+    return next((kind for test, kind in kinds if test(mode)), "a device")
+
+
+def check_inputs(run: RunConfig) -> None:
+    """Every input exists, is a file or folder (through a link too) as its flag needs, and can be read."""
+    inputs = {"--data": (run.data, None), "--model": (run.model, True), "--tokenizer": (run.tokenizer, True)}
+    inputs["--resume"] = (run.resume, True)
+    for flag, (path, folder) in inputs.items():
         if path is None:
             continue
-        resolved = Path(path).resolve()
-        if resolved in seen:
-            raise UsageError(f"{seen[resolved]} and {flag} both name {path}: give each output a path of its own")
-        seen[resolved] = flag
+        target = Path(path)
+        kind = path_kind(target.resolve())
+        if kind is None:
+            raise UsageError(f"{flag} {path}: no such {'folder' if folder else 'file or folder'}")
+        if kind not in ("a file", "a folder") or (folder and kind != "a folder"):
+            raise UsageError(f"{flag} {path} is {kind}: give {'a folder' if folder else 'a file or a folder'}")
+        try:
+            os.listdir(target) if kind == "a folder" else open(target, "rb").close()
+        except OSError as e:
+            raise UsageError(f"{flag} {path} cannot be read ({e.strerror}): give one you can read") from None
+    if run.model is not None:
+        model_type(Path(run.model))
+
+
+FILE_OUTPUTS = ("--json", "--save-output", "--profile", "--profile's training trace")
+
+
+def output_paths(run: RunConfig) -> dict[str, str]:
+    """Every path the run writes, by flag: the files, and the folders written into (the token cache's with --data)."""
+    outputs = {"--json": run.json, "--save-output": run.save_output, "--profile": run.profile}
+    if run.profile and run.train:
+        outputs["--profile's training trace"] = train_trace_path(run.profile)
+    outputs |= {"--save-pretrained": run.save_pretrained, "--checkpoint": run.checkpoint, "--nvme": run.nvme}
+    if run.data:
+        outputs["--data-cache"] = str(data_cache_folder(run))
+    return {flag: path for flag, path in outputs.items() if path is not None}
+
+
+def check_outputs(run: RunConfig) -> None:
+    """Every file and folder the run will write can be written, and replaces nothing that is not an output: refused
+    now rather than after a run of many minutes. An existing output is a file (a folder for the folders), never a
+    link, FIFO, socket or device that writing would replace; --save-pretrained, replaced whole, holds nothing but a
+    saved model's files."""
+    outputs = output_paths(run)
+    for flag, path in outputs.items():
+        kind, want = path_kind(Path(path)), "a file" if flag in FILE_OUTPUTS else "a folder"
+        linked_folder = kind == "a symbolic link" and flag != "--save-pretrained" and Path(path).is_dir()
+        if kind in ("a file", "a folder") and kind != want:
+            raise UsageError(f"{flag} {path} is {kind}: give {'a folder' if want == 'a folder' else 'a file name'}")
+        if kind not in (None, want) and not (want == "a folder" and linked_folder):
+            raise UsageError(f"{flag} {path} is {kind}, which the run would replace: give the path of {want}")
+        folder = Path(path).parent if want == "a file" else Path(path)
+        if flag == "--data-cache" and not run.data_cache:  # the default, made with its parents (~/.cache)
+            folder = existing(folder)
+        made = want == "a folder" and flag != "--nvme"  # the disk tier's folder is a disk's, given, not made
+        check_writable(flag, path, folder, make=made)
+    if run.save_pretrained:
+        for mode in run.modes:
+            check_saved_model_folder(mode_folder(run.save_pretrained, run, mode))
+    check_no_clash(run, outputs)
+
+
+TOKENIZER_FILES = ("tokenizer*.json", "special_tokens_map.json", "chat_template.jinja")  # what save_pretrained writes
+SAVED_MODEL_FILES = ("config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json")
+SAVED_MODEL_FILES += TOKENIZER_FILES
+
+
+def check_saved_model_folder(folder: Path) -> None:
+    """A --save-pretrained folder that exists holds only what save_pretrained writes: it is replaced whole."""
+    if path_kind(folder) != "a folder":
+        return
+    others = [p.name for p in folder.iterdir() if not any(p.match(name) for name in SAVED_MODEL_FILES)]
+    if others:
+        what = f"{len(others)} file(s) a saved model does not hold, such as {sorted(others)[0]}"
+        raise UsageError(f"--save-pretrained {folder} holds {what}: the folder is replaced whole, so give a new one")
+
+
+def check_no_clash(run: RunConfig, outputs: dict[str, str]) -> None:
+    """No output is, or lies inside, an input (but --checkpoint X --resume X, which goes on from X); none is another
+    output; none lies inside --save-pretrained, whose folder is replaced whole, nor does an input or the script."""
+    inputs = {"--data": run.data, "--model": run.model, "--tokenizer": run.tokenizer, "--resume": run.resume}
+    inputs = {flag: Path(path).resolve() for flag, path in inputs.items() if path is not None}
+    inputs["the script"] = Path(__file__).resolve()
+    seen = {}
+    for flag, path in outputs.items():
+        out = Path(path).resolve()
+        for other, place in inputs.items():
+            named = other if other == "the script" else f"{other} {place}"
+            if out == place and not (flag == "--checkpoint" and other == "--resume"):
+                raise UsageError(
+                    f"{flag} {path} is {named}: an output never replaces an input: give {flag} another path"
+                )
+            if place in out.parents:
+                raise UsageError(f"{flag} {path} lies inside {named}: an output never writes into an input")
+            if out in place.parents and flag == "--save-pretrained":
+                raise UsageError(f"--save-pretrained {path} holds {named}, and its folder is replaced whole")
+        for other, place in seen.items():
+            if out == place:
+                raise UsageError(f"{other} and {flag} both name {path}: give each output a path of its own")
+            if "--save-pretrained" in (flag, other) and (out in place.parents or place in out.parents):
+                raise UsageError(f"{other} and {flag} nest, and --save-pretrained's folder is replaced whole")
+        seen[flag] = out
 
 
 def train_trace_path(path: str) -> str:
@@ -737,19 +940,17 @@ def train_trace_path(path: str) -> str:
     return str(p.with_name(p.stem + ".train" + p.suffix))
 
 
-def check_sizes(sizes: dict, origin: str = "") -> None:
-    """Refuse sizes (LlamaConfig field -> value) no LLaMA has; `origin` says where they came from in the message."""
-    for field, value in sizes.items():
-        if value < 1:
-            name = field if origin else f"--{SIZE_FLAGS[field]}"
-            raise UsageError(f"{origin}{name} must be at least 1, got {value}")
-    hidden, heads, kv_heads = sizes["hidden_size"], sizes["num_attention_heads"], sizes["num_key_value_heads"]
-    if hidden % heads:
-        raise UsageError(f"{origin}hidden size {hidden} is not divisible by {heads} attention heads")
-    if heads % kv_heads:
-        raise UsageError(f"{origin}{heads} attention heads are not divisible by {kv_heads} key/value heads")
-    if (hidden // heads) % 2:
-        raise UsageError(f"{origin}head dimension (hidden size / heads) must be even for rotary embeddings")
+def mode_folder(path: str, run: RunConfig, mode: str) -> Path:
+    """A mode's folder for --save-pretrained, --checkpoint or --resume: the folder given, or when several modes train,
+    its subfolder named after the mode."""
+    return Path(path) / mode if len(run.modes) > 1 else Path(path)
+
+
+def data_cache_folder(run: RunConfig) -> Path:
+    """--data-cache, else offload_llama under the user's cache folder (XDG_CACHE_HOME, else ~/.cache)."""
+    if run.data_cache:
+        return Path(run.data_cache)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "offload_llama"
 
 
 def check_writable(flag: str, path: str, folder: Path, make: bool = False) -> None:
@@ -767,23 +968,126 @@ def check_writable(flag: str, path: str, folder: Path, make: bool = False) -> No
         ) from None
 
 
+def existing(path: Path) -> Path:
+    """`path`, or its nearest folder that exists (where a folder to be made will take its room)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+# the model's sizes, and whether the host can hold it
+
+
 def model_type(path: Path) -> str:
     """A save_pretrained folder's model type, 'llama', read from its config.json; refused with one line otherwise."""
-    if not path.is_dir():
-        raise UsageError(f"--model {path}: no such folder (give a folder written by save_pretrained)")
+    config = read_config_json(path)
+    if config.get("model_type") != "llama":
+        raise UsageError(f"--model {path}: model_type is {config.get('model_type')!r}, not 'llama'")
+    return "llama"
+
+
+def read_config_json(path: Path) -> dict:
+    """A save_pretrained folder's config.json as a dict; refused with one line where it is missing or not JSON."""
     config_file = path / "config.json"
     if not config_file.is_file():
         raise UsageError(f"--model {path}: no config.json, so not a save_pretrained folder")
     try:
-        kind = json.loads(config_file.read_text()).get("model_type")
-    except (json.JSONDecodeError, AttributeError, UnicodeDecodeError) as e:
+        config = json.loads(config_file.read_text())
+    except OSError as e:
+        raise UsageError(f"--model {path}: config.json cannot be read ({e.strerror})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UsageError(f"--model {path}: config.json is not valid JSON ({e})") from None
-    if kind != "llama":
-        raise UsageError(f"--model {path}: model_type is {kind!r}, not 'llama'")
-    return kind
+    if not isinstance(config, dict):
+        raise UsageError(f"--model {path}: config.json holds no settings")
+    return config
+
+
+def model_sizes(run: RunConfig) -> tuple[dict, str]:
+    """The model's sizes (LlamaConfig field -> value) and where they come from: the preset with the size flags over
+    it, or --model's config.json (where a field is missing, transformers' default)."""
+    if run.model is None:
+        sizes = {**PRESETS[run.preset], **dict(run.sizes), "max_position_embeddings": max(4096, run.seq_len)}
+        return sizes, ""
+    config = read_config_json(Path(run.model))
+    origin = f"--model {run.model}: config.json's "
+    sizes = {field: config.get(field, LLAMA_DEFAULTS.get(field)) for field in (*SIZE_FLAGS, *LLAMA_DEFAULTS)}
+    sizes["num_key_value_heads"] = sizes["num_key_value_heads"] or sizes["num_attention_heads"]
+    for field in SIZE_FLAGS:
+        if type(sizes[field]) is not int:
+            raise UsageError(f"{origin}{field} is {sizes[field]!r}, not a whole number")
+    return sizes, origin
+
+
+SMALLER_LAYERS = "fewer or smaller layers (--layers, --hidden-size, --intermediate-size, or --preset tiny)"
+LLAMA_DEFAULTS = {  # LlamaConfig's defaults, where a config.json leaves a field out
+    **PRESETS["llama-7b"],
+    "num_key_value_heads": None,  # then the attention heads'
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "head_dim": None,  # then hidden size / heads
+}
+
+
+def check_host_holds(run: RunConfig, sizes: dict) -> None:
+    """Refuse in a moment a model whose parameters alone the host cannot hold: 4 bytes each for training (the float32
+    masters, whatever else moves to a disk), else the compute dtype's; each host's ranks hold their shares. The full
+    check, with the training state and the passes, comes once torch has loaded (check_memory)."""
+    params = parameter_count(sizes)
+    per_param = 4 if run.train or run.dtype == "float32" else 2
+    ranks = Ranks.from_environment()
+    needed = params * per_param * ranks.local_world // ranks.world
+    available = host_memory_available()
+    if run.max_host_memory is not None:
+        available = min(available or math.inf, int(run.max_host_memory * GiB))
+    if available is not None and needed > available:
+        fix = "a smaller model" if run.model else SMALLER_LAYERS
+        raise UsageError(
+            f"{count_text(params)} parameters need at least {size_text(needed)} of host memory ({per_param} bytes "
+            f"each), only {size_text(available)} are available: use {fix}, or a host with more memory"
+        )
+
+
+def host_memory_available() -> int | None:
+    """MemAvailable from /proc/meminfo, in bytes (None where there is no such file)."""
+    return proc_kib("/proc/meminfo", "MemAvailable")
+
+
+def proc_kib(path: str, field: str) -> int | None:
+    """A 'field: N kB' line of a Linux /proc file, in bytes (None where there is no such file or field)."""
+    with contextlib.suppress(OSError):
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def check_sizes(sizes: dict, origin: str = "") -> None:
+    """Refuse sizes (LlamaConfig field -> value) no LLaMA has; `origin` says where they came from in the message."""
+    for field in SIZE_FLAGS:
+        least = 2 if field == "vocab_size" else 1  # one token leaves nothing to predict
+        if sizes[field] < least:
+            name = field if origin else f"--{SIZE_FLAGS[field]}"
+            raise UsageError(f"{origin}{name} must be at least {least}, got {sizes[field]}")
+    hidden, heads, kv_heads = sizes["hidden_size"], sizes["num_attention_heads"], sizes["num_key_value_heads"]
+    if hidden % heads:
+        raise UsageError(f"{origin}hidden size {hidden} is not divisible by {heads} attention heads")
+    if heads % kv_heads:
+        raise UsageError(f"{origin}{heads} attention heads are not divisible by {kv_heads} key/value heads")
+    if (hidden // heads) % 2:
+        raise UsageError(f"{origin}head dimension (hidden size / heads) must be even for rotary embeddings")
+
+
+def quit_on_signal(signum, frame) -> None:
+    """SIGINT's and SIGTERM's handler until main() runs: nothing is written yet, so the process ends at once."""
+    print(f"offload_llama.py: {signal.Signals(signum).name} before the run began; nothing was written", file=sys.stderr)
+    os._exit(128 + signum)
 
 
 if __name__ == "__main__":  # a mistyped command is answered before torch and transformers load, which takes seconds
+    signal.signal(signal.SIGINT, quit_on_signal)
+    signal.signal(signal.SIGTERM, quit_on_signal)
     check_command_line(sys.argv[1:])
 
 import tokenizers  # noqa: E402  (after the command line's check)
@@ -840,8 +1144,8 @@ def build_model(run: RunConfig, config: LlamaConfig) -> LlamaForCausalLM:
         transformers.utils.logging.disable_progress_bar()  # stderr carries this script's progress lines alone
         try:
             model = LlamaForCausalLM.from_pretrained(run.model, dtype=dtype, attn_implementation=run.attention)
-        except (OSError, ValueError) as e:
-            raise UsageError(f"--model {run.model}: cannot load the weights ({str(e).splitlines()[0]})") from None
+        except Exception as e:  # what check_weights cannot see; transformers' error classes vary between versions
+            raise UsageError(f"--model {run.model}: cannot load the weights ({first_line(e)})") from None
     else:
         with torch.device("meta"):
             model = LlamaForCausalLM._from_config(config, dtype=dtype, attn_implementation=run.attention)
@@ -851,6 +1155,70 @@ def build_model(run: RunConfig, config: LlamaConfig) -> LlamaForCausalLM:
             init_random(model, run.seed)
             log(f"built in {time.perf_counter() - t0:.1f} s")
     return model.eval()
+
+
+SAFETENSORS_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1}
+SAFETENSORS_ITEMSIZE |= {"BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def check_weights(folder: Path, config: LlamaConfig) -> None:
+    """--model's safetensors files are whole and hold every weight of its config in its shape; else one line naming
+    the file, before the model is built (from_pretrained would stop half-way, or draw a missing weight at random)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise UsageError(f"--model {folder}: {index.name} is damaged ({first_line(e)}): save it again") from None
+    elif (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        return  # no safetensors (pytorch_model.bin, say): from_pretrained's own checks, after the model is built
+    found = {}
+    for name in files:
+        found |= safetensors_shapes(folder, name)
+    with torch.device("meta"):
+        expected = {name: tuple(p.shape) for name, p in LlamaForCausalLM(config).named_parameters()}
+    for name, shape in expected.items():
+        if found.get(name) != shape:
+            saved = "missing" if name not in found else f"of shape {list(found[name])}"
+            raise UsageError(f"--model {folder}: {name} is {saved}, the config needs {list(shape)}: save it again")
+
+
+def safetensors_shapes(folder: Path, name: str) -> dict[str, tuple]:
+    """The tensors' shapes in a safetensors file (write_safetensors says its layout), checked whole: the header's
+    byte ranges fit each tensor's shape and dtype, and the file holds them all."""
+    path = folder / name
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            length = struct.unpack("<Q", f.read(8))[0] if size >= 8 else size
+            header = json.loads(f.read(length)) if length <= size - 8 else None
+    except OSError as e:
+        raise UsageError(f"--model {folder}: {name} cannot be read ({e.strerror})") from None
+    except (struct.error, ValueError):  # not JSON, or not UTF-8
+        header = None
+    shapes, end = {}, 0
+    for key, entry in (header or {}).items():
+        if key == "__metadata__":
+            continue
+        try:
+            shape, (start, stop) = tuple(entry["shape"]), entry["data_offsets"]
+            fits = stop - start == math.prod(shape) * SAFETENSORS_ITEMSIZE[entry["dtype"]]
+        except (KeyError, TypeError, ValueError):
+            fits = False
+        if not fits:
+            header = None
+            break
+        shapes[key], end = shape, max(end, stop)
+    if not isinstance(header, dict) or 8 + length + end > size:
+        raise UsageError(f"--model {folder}: {name} is damaged or cut short ({size:,} bytes): save the model again")
+    return shapes
+
+
+def first_line(e: BaseException) -> str:
+    """An exception's message, its first line, or its class where it has none."""
+    return str(e).splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def draws_units(run: RunConfig) -> bool:
@@ -898,16 +1266,10 @@ def drawn_unit(model: LlamaForCausalLM, seed: int, name: str, names=None):
         model.get_submodule(name).to("meta")
 
 
-PARAM_COUNTS = {}  # a config's JSON -> its parameter count: the plans ask for it often, and counting builds the model
-
-
 def param_count(config: LlamaConfig) -> int:
-    """The model's parameter count, counted on the meta device (no memory allocated), once per config."""
-    key = config.to_json_string()
-    if key not in PARAM_COUNTS:
-        with torch.device("meta"):
-            PARAM_COUNTS[key] = sum(p.numel() for p in LlamaForCausalLM(config).parameters())
-    return PARAM_COUNTS[key]
+    """The model's parameter count, from its config by arithmetic (parameter_count): a model of a million layers is
+    counted as fast as one of eight."""
+    return parameter_count(config.to_dict())
 
 
 def meta_layer(config: LlamaConfig) -> nn.Module:
@@ -3199,7 +3561,8 @@ def train_mode(mode: str, model, masters, input_ids, run: RunConfig, compared: b
         offloaded_on_gpu = isinstance(trainer, OffloadedTraining) and device.type == "cuda"
         bound_parts = (lambda: train_bound_parts(trainer, micro_batches, device)) if offloaded_on_gpu else None
         folder = mode_folder(run.checkpoint, run, mode) if run.checkpoint else None
-        checkpoint = Checkpoints(trainer, folder, manifest, run.checkpoint_every) if folder else None
+        tokenizer = text.tokenizer if text else None  # it travels with the checkpoints and the saved model
+        checkpoint = Checkpoints(trainer, folder, manifest, run.checkpoint_every, tokenizer) if folder else None
         done = manifest.get("resumed_from", 0)
         evaluation = Evaluation(trainer, run, model.config, device, text, done)
         between = [task for task in (checkpoint, evaluation) if task]
@@ -3209,7 +3572,7 @@ def train_mode(mode: str, model, masters, input_ids, run: RunConfig, compared: b
         if checkpoint:
             checkpoint.write(run.steps)
         evaluation.after()
-        result |= trained_outputs(trainer, run, model.config, mode, compared)
+        result |= trained_outputs(trainer, run, model.config, mode, compared, tokenizer)
         result |= placed | evaluation.figures() | training_figures(trainer, result)
         return rank_peaks(ranks, result, param_count(model.config))
     except torch.OutOfMemoryError as e:
@@ -3222,12 +3585,13 @@ def train_mode(mode: str, model, masters, input_ids, run: RunConfig, compared: b
             trainer.finish()
 
 
-def trained_outputs(trainer, run: RunConfig, config: LlamaConfig, mode: str, compared: bool) -> dict:
-    """After the last step: --save-pretrained's folder written; each step's gradient norm (--clip-grad-norm) and a
-    float32 copy of every master in host memory (to compare with gpu mode's, or for --save-output)."""
+def trained_outputs(trainer, run: RunConfig, config: LlamaConfig, mode: str, compared: bool, tokenizer=None) -> dict:
+    """After the last step: --save-pretrained's folder written (with the tokenizer trained on); each step's gradient
+    norm (--clip-grad-norm) and a float32 copy of every master in host memory (to compare with gpu mode's, or for
+    --save-output)."""
     result = {}
     if run.save_pretrained:
-        save_pretrained(trainer, config, mode_folder(run.save_pretrained, run, mode))
+        save_pretrained(trainer, config, mode_folder(run.save_pretrained, run, mode), tokenizer)
     if run.clip_grad_norm is not None:
         result["grad_norms"] = list(trainer.grad_norms)
     if compared or run.save_output:
@@ -3415,12 +3779,6 @@ def free_gpu_memory() -> None:
 # -------------------------------------------------------------------------------------------------- saving and resuming
 
 
-def mode_folder(path: str, run: RunConfig, mode: str) -> Path:
-    """A mode's folder for --save-pretrained, --checkpoint or --resume: the folder given, or when several modes train,
-    its subfolder named after the mode."""
-    return Path(path) / mode if len(run.modes) > 1 else Path(path)
-
-
 def own_storage(flat: torch.Tensor, offset: int, shape: torch.Size) -> torch.Tensor:
     """flat[offset:] as a tensor of `shape` with a storage of its own over the same memory: save_pretrained clones
     tensors that share a storage, which would copy the whole model."""
@@ -3428,14 +3786,50 @@ def own_storage(flat: torch.Tensor, offset: int, shape: torch.Size) -> torch.Ten
     return torch.frombuffer(flat.numpy(), dtype=flat.dtype, count=count, offset=offset * flat.itemsize).view(shape)
 
 
-def save_pretrained(trainer, config: LlamaConfig, folder: Path) -> None:
-    """The trained float32 masters as a Hugging Face folder, by save_pretrained, from a meta-device model whose
-    parameters are the masters themselves: shard by shard, with no copy of the model in host memory."""
+def save_pretrained(trainer, config: LlamaConfig, folder: Path, tokenizer=None) -> None:
+    """The trained float32 masters as a Hugging Face folder, with the tokenizer trained on (its ids in the configs),
+    written into a folder beside `folder` and renamed to it whole (replace_folder): complete or absent, whatever stops
+    the run. With several ranks a collective: rank 0 writes."""
     t0 = time.perf_counter()
     reset_peak_memory(torch.device("cpu"))
-    if trainer.ranks.several:
-        save_units(trainer, config, folder)
-        return
+    config = with_token_ids(config, tokenizer)
+    if trainer.ranks.rank == 0:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.", suffix=".tmp"))
+    try:
+        if trainer.ranks.several:
+            save_units(trainer, config, tmp if trainer.ranks.rank == 0 else None)
+        else:
+            save_masters(trainer, config, tmp)
+        if trainer.ranks.rank == 0:
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            with_umask_modes(tmp)
+            replace_folder(tmp, folder)
+    finally:
+        if trainer.ranks.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+    trainer.ranks.meet()  # the folder is whole before any rank goes on
+    seconds, peak = time.perf_counter() - t0, size_text(peak_host_rss())
+    log(f"trained float32 weights saved to {folder} in {seconds:.1f} s, host peak {peak} meanwhile")
+
+
+def with_token_ids(config: LlamaConfig, tokenizer) -> LlamaConfig:
+    """`config` with the tokenizer's begin, end and padding ids (a trained tokenizer's end of text is id 0, not the
+    preset's 2), so that generate on the saved model stops where the text ends; as it is without a tokenizer."""
+    if tokenizer is None:
+        return config
+    config = copy.deepcopy(config)
+    eos = tokenizer.eos_token_id
+    config.bos_token_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else eos
+    config.eos_token_id = eos
+    config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    return config
+
+
+def save_masters(trainer, config: LlamaConfig, folder: Path) -> None:
+    """One process: the masters saved by save_pretrained from a meta-device model whose parameters are the masters
+    themselves, shard by shard, with no copy of the model in host memory."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     for name, master in trainer.named_masters():
@@ -3443,18 +3837,28 @@ def save_pretrained(trainer, config: LlamaConfig, folder: Path) -> None:
         setattr(model.get_submodule(owner), leaf, nn.Parameter(master, requires_grad=False))
     transformers.utils.logging.disable_progress_bar()  # stderr carries this script's progress lines alone
     model.save_pretrained(folder, max_shard_size=SAVE_SHARD)
-    with_umask_modes(folder)
-    seconds = time.perf_counter() - t0
-    peak = size_text(peak_host_rss())
-    log(f"trained float32 weights saved to {folder} in {seconds:.1f} s, host peak {peak} meanwhile")
 
 
-def save_units(trainer, config: LlamaConfig, folder: Path) -> None:
+def replace_folder(new: Path, folder: Path) -> None:
+    """Rename the finished folder `new` to `folder`, moving an older `folder` aside first and removing it after, with
+    SIGINT and SIGTERM held meanwhile: `folder` is always whole, the old or the new."""
+    old = new.with_name(new.name + ".old")
+    with signals_held():
+        if folder.exists():
+            os.rename(folder, old)
+        os.rename(new, folder)
+        shutil.rmtree(old, ignore_errors=True)
+        sync_folder(folder.parent)
+
+
+def save_units(trainer, config: LlamaConfig, folder: Path | None) -> None:
     """Several ranks: a Hugging Face folder of one safetensors file a unit and their index, each unit gathered from
-    every rank's shards and written by rank 0, so no rank holds the whole model (a collective: every rank calls it)."""
+    every rank's shards and written by rank 0 into `folder` (the others' None), so no rank holds the whole model (a
+    collective: every rank calls it)."""
     ranks, n, weight_map, total = trainer.ranks, len(trainer.units), {}, 0
     if ranks.rank == 0:
         config.save_pretrained(folder)
+        transformers.GenerationConfig.from_model_config(config).save_pretrained(folder)
     for u, unit in enumerate(trainer.units):
         full = ranks.gathered(trainer.steppers.state(u).cpu())
         tensors = {f"{unit.name}.{name}": view for name, view in unit.layout.views(full).items()}
@@ -3466,8 +3870,6 @@ def save_units(trainer, config: LlamaConfig, folder: Path) -> None:
     if ranks.rank == 0:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    ranks.meet()  # the folder is whole before any rank goes on
-    log(f"trained float32 weights saved to {folder}, a file a unit, host peak {size_text(peak_host_rss())} meanwhile")
 
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
@@ -3488,11 +3890,9 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
 def with_umask_modes(folder: Path) -> None:
     """Give the files in `folder` the modes the umask gives new files: safetensors writes its shards 0600, beside
     save_pretrained's 0644 config files."""
-    umask = os.umask(0)
-    os.umask(umask)
     for path in folder.iterdir():
         if path.is_file():
-            path.chmod(0o666 & ~umask)
+            path.chmod(0o666 & ~current_umask())
 
 
 def checkpoint_manifest(run: RunConfig, config: LlamaConfig, mode: str) -> dict:
@@ -3507,10 +3907,11 @@ def checkpoint_manifest(run: RunConfig, config: LlamaConfig, mode: str) -> dict:
 
 class Checkpoints:
     """--checkpoint's writer for one mode: due after every `every` steps of training, counted from its first step (a
-    resumed run's steps continue the count), and written after the last step too."""
+    resumed run's steps continue the count), and written after the last step too; the tokenizer trained on goes with
+    each."""
 
-    def __init__(self, trainer, folder: Path, manifest: dict, every: int | None):
-        self.write = functools.partial(write_checkpoint, trainer, folder, manifest)  # write(steps done in this run)
+    def __init__(self, trainer, folder: Path, manifest: dict, every: int | None, tokenizer=None):
+        self.write = functools.partial(write_checkpoint, trainer, folder, manifest, tokenizer=tokenizer)  # write(done)
         self.start = manifest.get("resumed_from", 0)
         self.every = every
 
@@ -3524,29 +3925,76 @@ class Checkpoints:
         self.write(done)
 
 
-def write_checkpoint(trainer, folder: Path, manifest: dict, done: int) -> None:
-    """The training state after `done` steps of this run: a file per unit, then CHECKPOINT_FILE naming them, each
-    written aside, flushed to the disk and renamed; the previous checkpoint's files go once the new CHECKPOINT_FILE is
-    on the disk, so a process killed (or a machine stopped) while writing leaves the previous checkpoint whole."""
+def write_checkpoint(trainer, folder: Path, manifest: dict, done: int, tokenizer=None) -> None:
+    """The training state after `done` steps of this run: a file per unit (and the tokenizer's), then CHECKPOINT_FILE
+    naming them, each written aside, flushed to the disk and renamed. The previous checkpoint's files go once the new
+    CHECKPOINT_FILE is on the disk; a write stopped part-way removes the files it wrote (a process killed outright:
+    the next write does), so the folder holds one whole checkpoint and nothing CHECKPOINT_FILE does not name."""
     t0 = time.perf_counter()
     trainer.wait_updates()
     steps = manifest.get("resumed_from", 0) + done
     folder.mkdir(parents=True, exist_ok=True)
     ranks, n = trainer.ranks, len(trainer.units)
     files = checkpoint_files(n, steps, ranks)
-    for u, name in enumerate(files[ranks.rank * n : (ranks.rank + 1) * n]):  # this rank's
-        write_atomically(str(folder / name), functools.partial(save_synced, trainer.unit_state(u)))
-    ranks.meet()  # every rank's files are on the disk before the record names them
-    if ranks.rank == 0:
-        loss_scale = {"loss_scale": trainer.scaling.scale, "good_steps": getattr(trainer.scaling, "good_steps", 0)}
-        record = json.dumps(manifest | loss_scale | {"steps": steps, "files": files}, indent=2)
-        write_atomically(str(folder / CHECKPOINT_FILE), functools.partial(save_synced, record))
-        sync_folder(folder)  # the renames too, before the files they replace go
-        for stale in [*folder.glob("unit*.pt"), *folder.glob(".unit*.tmp")]:  # also a killed writer's
-            if stale.name not in files:
-                stale.unlink()
-    ranks.meet()  # the stale files are gone before a rank writes the next checkpoint's
+    try:
+        for u, name in enumerate(files[ranks.rank * n : (ranks.rank + 1) * n]):  # this rank's
+            write_atomically(str(folder / name), functools.partial(save_synced, trainer.unit_state(u)))
+        tokenizer_files = save_checkpoint_tokenizer(tokenizer, folder) if tokenizer and ranks.rank == 0 else []
+        ranks.meet()  # every rank's files are on the disk before the record names them
+        if ranks.rank == 0:
+            loss_scale = {"loss_scale": trainer.scaling.scale, "good_steps": getattr(trainer.scaling, "good_steps", 0)}
+            named = {"steps": steps, "files": files, "tokenizer": tokenizer_files}
+            record = json.dumps(manifest | loss_scale | named, indent=2)
+            with signals_held():  # the record and the folder agree once this returns
+                write_atomically(str(folder / CHECKPOINT_FILE), functools.partial(save_synced, record))
+                sync_folder(folder)  # the renames too, before the files they replace go
+                remove_unnamed(folder)
+        ranks.meet()  # the stale files are gone before a rank writes the next checkpoint's
+    except BaseException:
+        with signals_held():
+            remove_unnamed(folder)
+        raise
     log(f"checkpoint after step {steps} written to {folder} in {time.perf_counter() - t0:.1f} s")
+
+
+CHECKPOINT_WRITES = ("unit*.pt", ".unit*.tmp", f".{CHECKPOINT_FILE}.*.tmp", ".tokenizer.*.tmp", *TOKENIZER_FILES)
+
+
+def remove_unnamed(folder: Path) -> None:
+    """Remove what a checkpoint write leaves in `folder` that its CHECKPOINT_FILE does not name: an older
+    checkpoint's unit files, or those of a write that stopped part-way (and its temporary files)."""
+    try:
+        record = json.loads((folder / CHECKPOINT_FILE).read_text())
+        named = {*record["files"], *record.get("tokenizer", [])}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # no whole record: nothing of a write is
+        named = set()
+    for path in {p for pattern in CHECKPOINT_WRITES for p in folder.glob(pattern)}:
+        if path.name not in named:
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+
+
+def save_checkpoint_tokenizer(tokenizer, folder: Path) -> list[str]:
+    """The tokenizer's files into a checkpoint's folder, each written aside and renamed (AutoTokenizer reads them
+    from the folder); returns their names, for the record."""
+    tmp = Path(tempfile.mkdtemp(dir=folder, prefix=".tokenizer.", suffix=".tmp"))
+    try:
+        tokenizer.save_pretrained(tmp)
+        names = sorted(p.name for p in tmp.iterdir())
+        for name in names:
+            os.replace(tmp / name, folder / name)
+        return names
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def signals_held():
+    """SIGINT and SIGTERM held back while the block runs, then delivered: a few renames that must not be split."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def checkpoint_files(units: int, steps: int, ranks: Ranks) -> list[str]:
@@ -3585,15 +4033,20 @@ def sync_folder(folder: Path) -> None:
         os.close(fd)
 
 
-def read_checkpoint(folder: Path, manifest: dict) -> dict:
-    """A checkpoint's record, refused with one line when it is not one, or of another model, dtype or Adam setting."""
+def read_checkpoint(folder: Path, manifest: dict, units: list[Unit] | None = None, ranks: Ranks = Ranks()) -> dict:
+    """A checkpoint's record, refused with one line when it is not one, is damaged, or is of another model, dtype or
+    Adam setting; with `units`, this rank's unit files are checked too (check_unit_files)."""
     path = folder / CHECKPOINT_FILE
     if not path.is_file():
         raise UsageError(f"--resume {folder}: no {CHECKPOINT_FILE} there: {checkpoint_hint(folder)}")
     try:
         saved = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+    except OSError as e:
+        raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE} cannot be read ({e.strerror})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE} is not valid JSON ({e})") from None
+    if not isinstance(saved, dict):
+        raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE} holds no record: it is damaged")
     if saved.get("format") != CHECKPOINT_FORMAT:
         raise UsageError(
             f"--resume {folder}: checkpoint format {saved.get('format')}, this script reads {CHECKPOINT_FORMAT}"
@@ -3609,10 +4062,60 @@ def read_checkpoint(folder: Path, manifest: dict) -> dict:
             raise UsageError(
                 f"--resume {folder}: a checkpoint of another {what}: {saved.get(key)}, not {manifest[key]}"
             )
-    missing = [name for name in saved.get("files", []) if not (folder / name).is_file()]
+    check_record(folder, saved, manifest)
+    missing = [name for name in saved["files"] if not (folder / name).is_file()]
     if missing:
         raise UsageError(f"--resume {folder}: {len(missing)} of the files {CHECKPOINT_FILE} names are missing")
+    if units is not None:
+        check_unit_files(folder, saved, units, ranks)
     return saved
+
+
+CHECKPOINT_RECORD = {"steps": int, "files": list, "loss_scale": (int, float), "good_steps": int}  # and their types
+
+
+def check_record(folder: Path, saved: dict, manifest: dict) -> None:
+    """A checkpoint record's fields have their types, and it names a file a unit (and rank): the embeddings, each
+    layer, the norm and the head."""
+    for key, kind in CHECKPOINT_RECORD.items():
+        if not isinstance(saved.get(key), kind) or isinstance(saved.get(key), bool):
+            raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE}'s {key} is {saved.get(key)!r}: the file is damaged")
+    files, expected = saved["files"], (manifest["sizes"]["num_hidden_layers"] + 3) * manifest.get("ranks", 1)
+    if len(files) != expected or not all(isinstance(f, str) and f == Path(f).name for f in files):
+        raise UsageError(
+            f"--resume {folder}: {CHECKPOINT_FILE} names {len(files)} files, not {expected}: it is damaged"
+        )
+
+
+def check_unit_files(folder: Path, saved: dict, units: list[Unit], ranks: Ranks) -> None:
+    """Each of this rank's unit files of a checkpoint loads, and holds its unit's step count and float32 master and
+    moments in the unit's shapes (a rank's shards: flat, of the shard's size); else one line naming the file."""
+    for u, name in enumerate(saved["files"][ranks.rank * len(units) : (ranks.rank + 1) * len(units)]):
+        try:
+            state = torch.load(folder / name, mmap=True, weights_only=True)
+        except Exception as e:  # torch's errors for a file cut short or not its format vary between versions
+            reason = first_line(e)
+            raise UsageError(f"--resume {folder}: {name} does not load ({reason}): resume another checkpoint") from None
+        if not unit_state_fits(state, units[u].layout, ranks):
+            raise UsageError(f"--resume {folder}: {name} does not hold unit {units[u].name}'s state: it is damaged")
+
+
+def unit_state_fits(state, layout: FlatLayout, ranks: Ranks) -> bool:
+    """Whether `state` is a unit's checkpointed state of `layout` (unit_state's dict): with several ranks, flat shards;
+    else each parameter by name in its shape; float32 throughout."""
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int | float):
+        return False
+    shapes = dict(zip(layout.names, layout.shapes, strict=True))
+    for key in ("master", "exp_avg", "exp_avg_sq"):
+        tensors = state.get(key)
+        if ranks.several:
+            tensors, shapes = {"shard": tensors}, {"shard": torch.Size([ranks.shard_numel(layout.numel)])}
+        if not isinstance(tensors, dict) or tensors.keys() != shapes.keys():
+            return False
+        for name, t in tensors.items():
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.shape != shapes[name]:
+                return False
+    return True
 
 
 def checkpoint_hint(folder: Path) -> str:
@@ -3714,18 +4217,37 @@ def load_tokenizer(run: RunConfig):
         if run.tokenizer:
             raise UsageError(f"--tokenizer {run.tokenizer}: no tokenizer.json, tokenizer.model or vocab.json there")
         return None
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    flag = "--tokenizer" if run.tokenizer else "--model"
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    except Exception as e:  # a damaged file: the errors of tokenizers, json and sentencepiece vary
+        raise UsageError(f"{flag} {folder}: its tokenizer does not load ({first_line(e)}): save it again") from None
     if tokenizer.eos_token_id is None:
         raise UsageError(f"the tokenizer in {folder} has no end-of-text token to join documents with")
     return tokenizer
 
 
 def train_tokenizer(run: RunConfig, files: list[Path], folder: Path):
-    """A byte-level BPE of --train-tokenizer tokens trained on the corpus with `tokenizers`, saved into `folder`
-    (where it is read back on the next run instead)."""
-    if has_tokenizer(str(folder)):
-        return transformers.AutoTokenizer.from_pretrained(folder)
+    """A byte-level BPE of --train-tokenizer tokens trained on the corpus with `tokenizers`, cached in `folder`: read
+    back from there on the next run, or trained anew where what is there does not load."""
+    if folder.exists():
+        try:
+            return transformers.AutoTokenizer.from_pretrained(folder)
+        except Exception as e:  # a cache entry damaged (a full disk, an edit): rebuilt, never a traceback
+            log(f"note: the cached tokenizer {folder} does not load ({first_line(e)}): trained again")
+            shutil.rmtree(folder)
     t0 = time.perf_counter()
+    megabytes = sum(f.stat().st_size for f in files) / 1e6
+    log(f"tokenizer: training a byte-level BPE of {run.train_tokenizer} tokens on {megabytes:.1f} MB of text ...")
+    with heartbeat("tokenizer: still training"):
+        tokenizer = trained_bpe(run, files)
+    write_folder_aside(folder, tokenizer.save_pretrained)
+    log(f"tokenizer: a byte-level BPE of {len(tokenizer)} tokens trained in {time.perf_counter() - t0:.1f} s")
+    return tokenizer
+
+
+def trained_bpe(run: RunConfig, files: list[Path]):
+    """A byte-level BPE of --train-tokenizer tokens trained on the corpus, END_OF_TEXT its one special token."""
     byte_level = tokenizers.pre_tokenizers.ByteLevel
     bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
     bpe.pre_tokenizer = byte_level(add_prefix_space=False)
@@ -3737,19 +4259,53 @@ def train_tokenizer(run: RunConfig, files: list[Path], folder: Path):
         show_progress=False,  # its bars would break the progress lines
     )
     bpe.train_from_iterator(corpus_documents(run, files), trainer)
-    tokenizer = transformers.PreTrainedTokenizerFast(
+    return transformers.PreTrainedTokenizerFast(
         tokenizer_object=bpe, eos_token=END_OF_TEXT, bos_token=END_OF_TEXT, unk_token=END_OF_TEXT
     )
-    tokenizer.save_pretrained(folder)
-    log(f"tokenizer: a byte-level BPE of {len(tokenizer)} tokens trained in {time.perf_counter() - t0:.1f} s")
-    return tokenizer
 
 
-def data_cache_folder(run: RunConfig) -> Path:
-    """--data-cache, else offload_llama under the user's cache folder (XDG_CACHE_HOME, else ~/.cache)."""
-    if run.data_cache:
-        return Path(run.data_cache)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "offload_llama"
+@contextlib.contextmanager
+def heartbeat(what: str, every: float = 10.0):
+    """Say `what` on stderr every `every` seconds while the block runs (work that reports no progress of its own)."""
+    done, t0 = threading.Event(), time.perf_counter()
+
+    def beat() -> None:
+        """One line each period until the block ends."""
+        while not done.wait(every):
+            log(f"{what} ({time.perf_counter() - t0:.0f} s)")
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+def write_folder_aside(folder: Path, write) -> None:
+    """write(tmp) into a new folder beside `folder`, then renamed to it, so that `folder` is whole or absent whatever
+    stops the run; a disk that fills is an OSError naming the folder."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.", suffix=".tmp"))
+    try:
+        try:
+            write(tmp)
+        except OSError:
+            raise
+        except Exception as e:  # tokenizers reports a failed write as a plain Exception
+            raise OSError(errno.EIO, f"could not be written ({first_line(e)}): is its disk full?", str(folder)) from e
+        os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes it 0700
+        os.rename(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def current_umask() -> int:
+    """The process's umask (reading it means setting it: set back at once)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
 
 
 def corpus_key(run: RunConfig, files: list[Path], tokenizer_text: str) -> str:
@@ -3770,6 +4326,8 @@ def token_cache(run: RunConfig, files: list[Path], tokenizer) -> torch.Tensor:
     if ids is not None:
         log(f"data: {ids.numel():,} tokens of {len(files)} file(s), from the token cache {path}")
         return ids
+    if path.exists():  # cut short or damaged: rebuilt, never read
+        log(f"note: the token cache {path} is not whole: tokenized again")
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=folder, prefix=".tokens-", delete=False) as f:
         try:
@@ -3816,7 +4374,7 @@ def mapped_tokens(path: Path) -> torch.Tensor | None:
             if magic != TOKEN_MAGIC or itemsize not in (2, 4) or size != TOKEN_START + count * itemsize or not count:
                 return None
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # pages stay shared until written, never are
-    except (FileNotFoundError, struct.error):
+    except (OSError, struct.error):  # missing, a folder, unreadable: rebuilt (or its write says why not)
         return None
     dtype = torch.uint16 if itemsize == 2 else torch.uint32
     return torch.frombuffer(mapped, dtype=dtype, offset=TOKEN_START, count=count)
@@ -3890,6 +4448,9 @@ def with_epochs(run: RunConfig, blocks: Blocks | None) -> RunConfig:
         f"data: {len(blocks.training):,} blocks of {run.seq_len} tokens to train on, {len(blocks.held_out):,} held "
         f"out; {run.steps} steps of {per_step} block(s) make {blocks.epochs(run.steps, per_step):.2f} epoch(s)"
     )
+    steps = len(blocks.held_out) / (3 * per_step)  # a step's forward, recompute and backward: three forwards
+    if steps > 5:
+        log(f"note: each held-out loss passes {len(blocks.held_out):,} blocks forward, as long as {steps:.0f} steps")
     return run
 
 
@@ -3901,16 +4462,24 @@ class Text:
     tokenizer: object
 
 
-def prepare_text(run: RunConfig, vocab_size: int) -> Text | None:
-    """--data's blocks and tokenizer; with --sample alone, --tokenizer's or --model's tokenizer; else None."""
+def prepare_text(run: RunConfig, config: LlamaConfig) -> Text | None:
+    """--data's blocks and tokenizer; with --sample alone, --tokenizer's or --model's tokenizer; else None. Each
+    --sample prompt with its --sample-tokens fits the model's positions."""
     if run.data:
-        return Text(*prepare_data(run, vocab_size))
-    if not run.sample:
+        text = Text(*prepare_data(run, config.vocab_size))
+    elif run.sample:
+        tokenizer = load_tokenizer(run)
+        if tokenizer is None:
+            raise UsageError("--sample needs a tokenizer: give --tokenizer DIR, or --data with --train-tokenizer V")
+        text = Text(None, tokenizer)
+    else:
         return None
-    tokenizer = load_tokenizer(run)
-    if tokenizer is None:
-        raise UsageError("--sample needs a tokenizer: give --tokenizer DIR, or --data with --train-tokenizer V")
-    return Text(None, tokenizer)
+    for prompt in run.sample:
+        tokens = len(text.tokenizer(prompt).input_ids) + run.sample_tokens
+        if tokens > config.max_position_embeddings:
+            positions = config.max_position_embeddings
+            raise UsageError(f"--sample {prompt!r} and --sample-tokens make {tokens} tokens: the model has {positions}")
+    return text
 
 
 def prepare_data(run: RunConfig, vocab_size: int) -> tuple[Blocks, object]:
@@ -3929,8 +4498,6 @@ def prepare_data(run: RunConfig, vocab_size: int) -> tuple[Blocks, object]:
     if len(tokenizer) > vocab_size:
         raise UsageError(f"the tokenizer's {len(tokenizer):,} ids exceed the model's vocab_size {vocab_size:,}")
     blocks = Blocks(token_cache(run, files, tokenizer), run.seq_len, run.eval_fraction, run.seed)
-    if run.ranks.rank == 0:  # rank 0 writes the outputs
-        save_tokenizer(run, tokenizer)
     return blocks, tokenizer
 
 
@@ -4018,14 +4585,6 @@ class Evaluation:
         return {"evaluations": self.evaluations, "samples": self.samples} if self.text else {}
 
 
-def save_tokenizer(run: RunConfig, tokenizer) -> None:
-    """The tokenizer into each folder --save-pretrained and --checkpoint write, before training, so that AutoTokenizer
-    loads it from the folder beside the model."""
-    for path in (run.save_pretrained, run.checkpoint):
-        for mode in run.modes if path else ():
-            tokenizer.save_pretrained(mode_folder(path, run, mode))
-
-
 # ---------------------------------------------------------------------------------------------------- measurement
 
 
@@ -4090,15 +4649,6 @@ def peak_host_rss() -> int | None:
 def process_rss() -> int:
     """The process's resident set now, in bytes (0 where /proc cannot say): the interpreter, torch, transformers."""
     return proc_kib("/proc/self/status", "VmRSS") or 0
-
-
-def proc_kib(path: str, field: str) -> int | None:
-    """A 'field: N kB' line of a Linux /proc file, in bytes (None where there is no such file or field)."""
-    with contextlib.suppress(OSError):
-        for line in Path(path).read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return None
 
 
 def pipeline_bound_ms(streamed: list[bool], copy_ms: float, compute_ms: float, resident_ms: float, depth: int):
@@ -4812,11 +5362,6 @@ def host_reserve(config: LlamaConfig) -> int:
     return RUNTIME_HOST_BYTES + 16 * min(layer, ADAM_SCRATCH)
 
 
-def host_memory_available() -> int | None:
-    """MemAvailable from /proc/meminfo, in bytes (None where there is no such file)."""
-    return proc_kib("/proc/meminfo", "MemAvailable")
-
-
 def host_budget(run: RunConfig) -> int | None:
     """The host memory the run may plan for: MemAvailable, at most --max-host-memory (None: not known); a rank's
     share of it where several ranks share the host."""
@@ -5123,6 +5668,8 @@ def check_devices(run: RunConfig, config: LlamaConfig) -> None:
         raise UsageError("--train needs untied embeddings (tie_word_embeddings is true): the head is a unit of its own")
     check_memory(run, config, gpu_modes)
     check_saving(run, config)
+    if run.model is not None:
+        check_weights(Path(run.model), config)
 
 
 def check_memory(run: RunConfig, config: LlamaConfig, gpu_modes: list[str]) -> None:
@@ -5142,7 +5689,9 @@ def check_memory(run: RunConfig, config: LlamaConfig, gpu_modes: list[str]) -> N
     passes = host_pass_bytes(run, config) + process_rss()
     available = host_budget(run)
     if available is not None and params + passes > available:
-        advice = "use fewer or shorter sequences" if passes > params else "use fewer or smaller layers"
+        sequences = "use fewer or shorter sequences (--batch-size, --seq-len, --grad-accum)"
+        layers = "use a smaller model" if run.model else f"use {SMALLER_LAYERS}"
+        advice = sequences if passes > params else layers
         if run.nvme is None and passes <= params and run.train and {"blocked", "overlapped"} & set(run.modes):
             advice += ", or give --nvme DIR on a local disk for the Adam state"
         raise UsageError(
@@ -5172,7 +5721,8 @@ def check_saving(run: RunConfig, config: LlamaConfig) -> None:
     same = bool(run.resume and run.checkpoint) and Path(run.resume).resolve() == Path(run.checkpoint).resolve()
     for mode in run.modes if run.train else ():
         if run.resume:
-            read_checkpoint(mode_folder(run.resume, run, mode), checkpoint_manifest(run, config, mode))
+            manifest = checkpoint_manifest(run, config, mode)
+            read_checkpoint(mode_folder(run.resume, run, mode), manifest, model_units(config), run.ranks)
         if run.checkpoint and not same and (mode_folder(run.checkpoint, run, mode) / CHECKPOINT_FILE).exists():
             advice = f"go on from it with --resume {run.checkpoint}, or give another folder"
             raise UsageError(f"--checkpoint {run.checkpoint} holds a checkpoint already: {advice}")
@@ -5204,13 +5754,6 @@ def disk_tier_bytes_on(run: RunConfig, config: LlamaConfig, path: str) -> int:
     if not run.nvme_layers or os.stat(existing(Path(path))).st_dev != os.stat(run.nvme).st_dev:
         return 0
     return run.nvme_layers * host_disk_bytes(run, config)
-
-
-def existing(path: Path) -> Path:
-    """`path`, or its nearest folder that exists (where a folder to be made will take its room)."""
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
 
 
 def write_atomically(path: str, write) -> None:
@@ -5260,7 +5803,6 @@ def run_all(run: RunConfig) -> dict:
     log(f"torch {torch.__version__} and transformers {transformers.__version__} imported, the run checked")
     start_ranks(run.ranks)
     host_cap = host_budget(run)  # before the run takes memory: MemAvailable, at most --max-host-memory
-    warn_if_long(run, config)
     offloaded = {"blocked", "overlapped"} & set(run.modes)
     # offloaded against gpu, from the same start (a resumed mode starts from its own checkpoint)
     compared = {"gpu", *offloaded} if "gpu" in run.modes and offloaded and not run.resume else set()
@@ -5268,9 +5810,10 @@ def run_all(run: RunConfig) -> dict:
     grad_buffers = gradient_buffers(run, config, bool(compared), copy_dtype is not None)
     if run.train and offloaded:
         start_adam_compile(gradient_dtype(run), copy_dtype, run.clip_grad_norm is not None)
-    text = run.ranks.in_turn(lambda: prepare_text(run, config.vocab_size))
+    text = run.ranks.in_turn(lambda: prepare_text(run, config))
     blocks = text.blocks if text else None
     run = with_epochs(run, blocks)
+    warn_if_long(run, config)
     model = build_model(run, config)
     train_ids = first_batch(blocks, run) if blocks else random_input_ids(run, model.config.vocab_size, run.grad_accum)
     reference = forward_backward_reference(model, train_ids, run) if run.fwd_bwd_reference else None
@@ -5396,32 +5939,61 @@ def disk_tier(run: RunConfig, units: list[Unit]) -> DiskTier | None:
 def main(argv=None) -> int:
     """The command line's entry point: exit code 0; 2 with one line for bad input; 1 with one line for a file that
     cannot be written mid-run (a full disk) or, with several ranks, for a gloo collective that another rank left (an
-    NCCL one ends the rank by torchrun's signal or NCCL's watchdog: lost_ranks); 130 with one line for Ctrl-C."""
+    NCCL one ends the rank by torchrun's signal or NCCL's watchdog: lost_ranks); 130 with one line for Ctrl-C (SIGINT),
+    143 for SIGTERM. Every output is whole or absent on each of these ways out."""
     use_expandable_segments()  # before anything starts CUDA: parse_args asks the GPU for its dtypes
     run = parse_args(argv)
-    try:
-        check_outputs(run)
-        run_all(run)
-        stop_ranks()
-    except UsageError as e:
-        finish_early()
-        print(f"offload_llama.py: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:  # what was written before stays whole: every output is written aside, then renamed
-        finish_early()
-        print(f"offload_llama.py: error: {e.strerror or e}: {e.filename or 'an output'}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        finish_early()
-        print("offload_llama.py: interrupted; no output is left half-written", file=sys.stderr)
-        return 130
-    except Exception as e:
-        lost = lost_ranks(run.ranks, e)
-        if lost is None:
-            raise
-        print(f"offload_llama.py: error: {lost}", file=sys.stderr, flush=True)
-        os._exit(1)  # without the interpreter's teardown, which would wait on collectives that never end
+    with signals_raised():
+        try:
+            check_run(run)
+            run_all(run)
+            stop_ranks()
+        except UsageError as e:
+            finish_early()
+            print(f"offload_llama.py: error: {e}", file=sys.stderr)
+            return 2
+        except OSError as e:  # what was written before stays whole: every output is written aside, then renamed
+            finish_early()
+            print(f"offload_llama.py: error: {e.strerror or e}: {e.filename or 'an output'}", file=sys.stderr)
+            return 1
+        except (KeyboardInterrupt, Terminated) as e:
+            finish_early()
+            how = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
+            print(f"offload_llama.py: {how}; each output is whole or absent", file=sys.stderr)
+            return 143 if isinstance(e, Terminated) else 130
+        except Exception as e:
+            lost = lost_ranks(run.ranks, e)
+            if lost is None:
+                raise
+            print(f"offload_llama.py: error: {lost}", file=sys.stderr, flush=True)
+            os._exit(1)  # without the interpreter's teardown, which would wait on collectives that never end
     return 0
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread as Ctrl-C raises KeyboardInterrupt: the run unwinds, cleaning up."""
+
+
+def raise_terminated(signum, frame) -> None:
+    """SIGTERM's handler during the run."""
+    raise Terminated
+
+
+@contextlib.contextmanager
+def signals_raised():
+    """SIGINT as KeyboardInterrupt and SIGTERM as Terminated while the block runs (in the main thread), the handlers
+    before it restored after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 def use_expandable_segments() -> None:

@@ -27,8 +27,8 @@ REFUSED = {
     "infinite cap": (["--max-gpu-memory", "inf"], "--max-gpu-memory must be a positive number"),
     "nan cap": (["--max-gpu-memory", "nan"], "--max-gpu-memory must be a positive number"),
     "zero cap": (["--max-gpu-memory", "0"], "--max-gpu-memory must be a positive number"),
-    "inference off, nothing to train": (["--no-inference"], "--no-inference leaves nothing to run without --train"),
-    "reference without training": (["--fwd-bwd-reference"], "--fwd-bwd-reference is the reference for training"),
+    "inference off, nothing to train": (["--no-inference"], "--no-inference does nothing without --train"),
+    "reference without training": (["--fwd-bwd-reference"], "--fwd-bwd-reference does nothing without --train"),
     # the embeddings' output alone is 52 GB: refused before the model is built, not by the allocator
     "batch beyond host memory": (
         ["--batch-size", "100000", "--seq-len", "4096", "--json", "{tmp}/r.json"],

@@ -207,7 +207,7 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path, capsys):
 
 def test_data_flags_out_of_place_are_refused_before_torch_loads(capsys):
     for args, words in [
-        (["--train", "--train-tokenizer", "300"], "goes with --data"),
+        (["--train", "--train-tokenizer", "300"], "--train-tokenizer does nothing without --data PATH"),
         (["--data", "x"], "add --train"),
         (["--train", "--data", "x", "--train-tokenizer", "100"], "at least 257"),
         (["--train", "--data", "x", "--eval-fraction", "1"], "between 0 and 1"),
@@ -264,8 +264,8 @@ def test_sampling_is_refused_without_a_tokenizer_or_a_prompt(tmp_path, capsys):
     for args, words in [
         (["--train", "--sample", ""], "needs a prompt"),
         (["--sample", "x"], "add --train"),
-        (["--train", "--sample", "x", "--top-k", "5"], "give --temperature"),
-        (["--train", "--eval-every", "5"], "goes with --data"),
+        (["--train", "--sample", "x", "--top-k", "5"], "add --temperature T"),
+        (["--train", "--eval-every", "5"], "--eval-every does nothing without --data PATH"),
     ]:
         with pytest.raises(SystemExit) as e:
             ol.command_line(args)

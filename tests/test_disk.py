@@ -223,13 +223,13 @@ def test_a_run_the_host_cannot_hold_is_refused_for_the_host(monkeypatch, tmp_pat
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--nvme", "{tmp}"], "--nvme keeps training's Adam state on a disk: add --train"),
-        (["--train", "--nvme-layers", "2"], "--nvme-layers needs --nvme DIR"),
+        (["--nvme", "{tmp}"], "--nvme does nothing without --train: add --train"),
+        (["--train", "--nvme-layers", "2"], "--nvme-layers does nothing without --nvme DIR"),
         (["--train", "--nvme", "{tmp}/missing"], "does not exist"),
         (["--train", "--nvme", "{tmp}/file"], "is a file: give a folder"),
         (["--train", "--nvme", "/proc"], "cannot be written"),
         (["--train", "--max-host-memory", "-1"], "--max-host-memory must be a positive number"),
-        (["--train", "--mode", "gpu,cpu", "--nvme", "{tmp}"], "add overlapped or blocked to --mode"),
+        (["--train", "--mode", "gpu,cpu", "--nvme", "{tmp}"], "add blocked or overlapped to --mode"),
         (["--train", "--preset", "tiny", "--nvme", "{tmp}", "--nvme-layers", "2"], "more than is free there"),
     ],
 )

@@ -44,9 +44,21 @@ def test_help_shows_every_default_each_preset_and_three_examples(capsys):
     assert text.count("\n  python offload_llama.py ") == 3 and ol.FIRST_CONTACT in text
 
 
-def test_preset_parameters_are_the_models():
-    for name, sizes in ol.PRESETS.items():
-        assert ol.preset_parameters(sizes) == ol.param_count(ol.llama_config(ol.RunConfig(preset=name))), name
+def test_parameter_counts_are_the_models():
+    """The arithmetic count equals the parameters of the model built on the meta device, for every preset and for
+    configs with tied embeddings, biases and a head dimension of their own."""
+    configs = [ol.llama_config(ol.RunConfig(preset=name)) for name in ol.PRESETS]
+    tiny = ol.PRESETS["tiny"]
+    configs += [
+        ol.LlamaConfig(**tiny, tie_word_embeddings=True),
+        ol.LlamaConfig(**tiny, attention_bias=True, mlp_bias=True),
+        ol.LlamaConfig(**tiny, head_dim=24),
+    ]
+    for config in configs:
+        with ol.torch.device("meta"):
+            built = sum(p.numel() for p in ol.LlamaForCausalLM(config).parameters())
+        assert ol.param_count(config) == built, config
+    assert ol.parameter_count(tiny) == ol.param_count(configs[0])
 
 
 def test_counts_and_sizes_in_words():
@@ -120,7 +132,7 @@ def test_eager_attentions_scores_count_in_the_host_check(monkeypatch):
 def test_a_refusal_for_host_memory_suggests_only_what_the_mode_allows(monkeypatch):
     """cpu mode has no disk tier: a model too large for the host is told to shrink, not to use --nvme."""
     run = host_checked(monkeypatch, 1, preset="7b-8l", train=True)
-    with pytest.raises(ol.UsageError, match="use fewer or smaller layers$"):
+    with pytest.raises(ol.UsageError, match=r"use fewer or smaller layers \(--layers, [^)]*\)$"):
         ol.check_devices(run, ol.llama_config(run))
 
 

@@ -147,7 +147,7 @@ def test_resume_hints_at_the_mode_folders(checkpoint, tmp_path):
     "args, message",
     [
         (["--save-pretrained", "x"], "add --train"),
-        (["--train", "--checkpoint-every", "2"], "--checkpoint-every needs --checkpoint"),
+        (["--train", "--checkpoint-every", "2"], "--checkpoint-every does nothing without --checkpoint DIR"),
         (["--train", "--checkpoint", "x", "--checkpoint-every", "0"], "--checkpoint-every must be at least 1"),
     ],
 )
