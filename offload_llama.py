@@ -886,10 +886,10 @@ def check_outputs(run: RunConfig) -> None:
             folder = existing(folder)
         made = want == "a folder" and flag != "--nvme"  # the disk tier's folder is a disk's, given, not made
         check_writable(flag, path, folder, make=made)
+    check_no_clash(run, outputs)
     if run.save_pretrained:
         for mode in run.modes:
             check_saved_model_folder(mode_folder(run.save_pretrained, run, mode))
-    check_no_clash(run, outputs)
 
 
 TOKENIZER_FILES = ("tokenizer*.json", "special_tokens_map.json", "chat_template.jinja")  # what save_pretrained writes
@@ -4016,9 +4016,11 @@ def save_synced(obj, path: str) -> None:
 
 
 def torch_save(obj, f, path: str) -> None:
-    """torch.save(obj, f), whose zip writer reports a full disk as a RuntimeError: an OSError naming `path` instead."""
+    """torch.save(obj, f), whose zip writer reports a full disk as a RuntimeError: an OSError naming `path` instead.
+    Ctrl-C and SIGTERM wait until it returns: raised inside the writer, they too would end as a RuntimeError."""
     try:
-        torch.save(obj, f)
+        with signals_held():
+            torch.save(obj, f)
     except RuntimeError as e:
         reason = f"torch.save could not write it ({str(e).splitlines()[0]}): is its disk full?"
         raise OSError(errno.EIO, reason, path) from None
@@ -4051,11 +4053,11 @@ def read_checkpoint(folder: Path, manifest: dict, units: list[Unit] | None = Non
         raise UsageError(
             f"--resume {folder}: checkpoint format {saved.get('format')}, this script reads {CHECKPOINT_FORMAT}"
         )
-    saved_ranks, ranks = saved.get("ranks", 1), manifest.get("ranks", 1)
-    if saved_ranks != ranks:
+    saved_ranks, world = saved.get("ranks", 1), manifest.get("ranks", 1)
+    if saved_ranks != world:
         how = "without torchrun" if saved_ranks == 1 else f"under torchrun with {saved_ranks} ranks"
         raise UsageError(
-            f"--resume {folder}: a checkpoint of {saved_ranks} rank(s), and this run has {ranks}: resume {how}"
+            f"--resume {folder}: a checkpoint of {saved_ranks} rank(s), and this run has {world}: resume {how}"
         )
     for key, what in (("sizes", "model"), ("dtype", "dtype"), ("adam", "Adam setting")):
         if saved.get(key) != manifest[key]:
@@ -4239,8 +4241,7 @@ def train_tokenizer(run: RunConfig, files: list[Path], folder: Path):
     t0 = time.perf_counter()
     megabytes = sum(f.stat().st_size for f in files) / 1e6
     log(f"tokenizer: training a byte-level BPE of {run.train_tokenizer} tokens on {megabytes:.1f} MB of text ...")
-    with heartbeat("tokenizer: still training"):
-        tokenizer = trained_bpe(run, files)
+    tokenizer = waited(functools.partial(trained_bpe, run, files), "tokenizer: still training")
     write_folder_aside(folder, tokenizer.save_pretrained)
     log(f"tokenizer: a byte-level BPE of {len(tokenizer)} tokens trained in {time.perf_counter() - t0:.1f} s")
     return tokenizer
@@ -4264,23 +4265,33 @@ def trained_bpe(run: RunConfig, files: list[Path]):
     )
 
 
-@contextlib.contextmanager
-def heartbeat(what: str, every: float = 10.0):
-    """Say `what` on stderr every `every` seconds while the block runs (work that reports no progress of its own)."""
-    done, t0 = threading.Event(), time.perf_counter()
+LEFT_RUNNING = []  # threads of waited() still in native code: the interpreter's teardown would abort on them
 
-    def beat() -> None:
-        """One line each period until the block ends."""
-        while not done.wait(every):
-            log(f"{what} ({time.perf_counter() - t0:.0f} s)")
 
-    thread = threading.Thread(target=beat, daemon=True)
+def waited(work, what: str, every: float = 10.0):
+    """work() in a thread of its own while this one waits, saying `what` on stderr every `every` seconds: a long call
+    into native code (tokenizers' training) reports no progress and holds Ctrl-C and SIGTERM until it returns, while
+    a wait here takes them at once (the thread, a daemon, ends with the process)."""
+    outcome = {}
+
+    def run() -> None:
+        """work()'s value or its error, for the waiting thread."""
+        try:
+            outcome["value"] = work()
+        except BaseException as e:
+            outcome["error"] = e
+
+    thread, t0 = threading.Thread(target=run, daemon=True), time.perf_counter()
     thread.start()
-    try:
-        yield
-    finally:
-        done.set()
-        thread.join()
+    LEFT_RUNNING.append(thread)  # until it returns: should the wait end early, the process ends without it
+    thread.join(every)
+    while thread.is_alive():
+        log(f"{what} ({time.perf_counter() - t0:.0f} s)")
+        thread.join(every)
+    LEFT_RUNNING.remove(thread)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 def write_folder_aside(folder: Path, write) -> None:
@@ -4337,6 +4348,7 @@ def token_cache(run: RunConfig, files: list[Path], tokenizer) -> torch.Tensor:
         except BaseException:
             os.unlink(f.name)
             raise
+    os.chmod(f.name, 0o666 & ~current_umask())  # NamedTemporaryFile makes it 0600
     os.replace(f.name, path)
     return mapped_tokens(path)
 
@@ -4448,9 +4460,11 @@ def with_epochs(run: RunConfig, blocks: Blocks | None) -> RunConfig:
         f"data: {len(blocks.training):,} blocks of {run.seq_len} tokens to train on, {len(blocks.held_out):,} held "
         f"out; {run.steps} steps of {per_step} block(s) make {blocks.epochs(run.steps, per_step):.2f} epoch(s)"
     )
-    steps = len(blocks.held_out) / (3 * per_step)  # a step's forward, recompute and backward: three forwards
-    if steps > 5:
-        log(f"note: each held-out loss passes {len(blocks.held_out):,} blocks forward, as long as {steps:.0f} steps")
+    evaluations = 2 + (run.steps // run.eval_every if run.eval_every else 0)  # before, every N steps, after
+    steps = evaluations * len(blocks.held_out) / (3 * per_step)  # a step: forward, recompute, backward
+    if steps > max(10, run.steps):
+        held = f"{evaluations} held-out losses over {len(blocks.held_out):,} blocks"
+        log(f"note: the {held} take about as long as {steps:.0f} steps (--eval-fraction, --eval-every)")
     return run
 
 
@@ -6015,5 +6029,15 @@ def finish_early() -> None:
     concurrent.futures.wait(EARLY_COMPILES.values())
 
 
+def exit_with(code: int) -> None:
+    """End the process with `code`; where a waited() thread was left in native code (an interrupt during tokenizer
+    training), without the interpreter's teardown, which would abort on it (every output is closed by now)."""
+    if any(thread.is_alive() for thread in LEFT_RUNNING):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())

@@ -1,0 +1,396 @@
+"""Nothing lost, tried as a hostile user would: no output overwrites or lands inside an input; damaged or unreadable
+inputs, malformed torchrun variables and numbers out of range end with one line and exit code 2, the inputs
+unchanged; SIGINT and SIGTERM while tokenizing, training or saving leave each output whole or absent; a damaged cache
+entry is rebuilt."""
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+import offload_llama as ol
+from helpers import SCRIPT, cli, run_main
+
+TINY = ["--preset", "tiny", "--mode", "cpu", "--seq-len", "32"]
+TRAIN = [*TINY, "--train", "--no-inference", "--steps", "1"]
+
+
+def checksums(folder) -> dict:
+    """Every file under `folder` by path, with its bytes' sha256 (a link or FIFO by what it is)."""
+    sums = {}
+    for root, dirs, files in os.walk(folder):
+        for name in dirs + files:
+            path = os.path.join(root, name)
+            if os.path.islink(path) or not (os.path.isfile(path) or os.path.isdir(path)):
+                sums[path] = ("special", os.lstat(path).st_mode)
+            elif os.path.isfile(path):
+                sums[path] = hashlib.sha256(open(path, "rb").read()).hexdigest()  # noqa: SIM115
+            else:
+                sums[path] = "folder"
+    return sums
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """A corpus file and folder, a saved tiny model with a trained tokenizer, and a one-step checkpoint."""
+    root = tmp_path_factory.mktemp("inputs")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for i in range(3):
+        (corpus / f"{i}.txt").write_text(f"def f{i}(x):\n    return x + {i}\n" * 200)
+    run = ol.RunConfig(data=str(corpus), train_tokenizer=300, data_cache=str(root / "cache"), seq_len=32)
+    tokenizer = ol.prepare_data(run, 512)[1]
+    model = LlamaForCausalLM(ol.llama_config(ol.RunConfig(preset="tiny")))
+    model.save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "tokenizer")
+    assert cli(*TRAIN, "--checkpoint", root / "checkpoint").returncode == 0
+    return root
+
+
+def refused(tmp_path, args, words, env=None, before_torch=True, in_process=False, capsys=None):
+    """The command line `args` ({tmp}: tmp_path) refused with one line holding `words`, exit code 2, no traceback,
+    every file under tmp_path as it was; before_torch: within seconds, by the check before torch loads."""
+    args = [str(a).replace("{tmp}", str(tmp_path)) for a in args]
+    before = checksums(tmp_path)
+    if in_process:
+        code, out, err = run_main(capsys, *args)
+    else:
+        t0 = time.perf_counter()
+        r = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, env=env, timeout=300)
+        code, out, err = r.returncode, r.stdout, r.stderr
+        assert not before_torch or time.perf_counter() - t0 < 5, "refused after torch loaded"
+    lines = [line for line in err.splitlines() if " s  " not in line[:12]]  # the refusal, not the progress lines
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err and "building" not in err, err
+    assert words in lines[0] and out == "", err
+    assert checksums(tmp_path) == before
+
+
+def copied(inputs, tmp_path, *names):
+    """The named inputs copied into tmp_path, where a test may damage them."""
+    for name in names:
+        source = inputs / name
+        (shutil.copytree if source.is_dir() else shutil.copy)(source, tmp_path / name)
+
+
+CLASHES = {  # an output on or inside an input: one line naming both flags
+    "--json on the corpus": (["--data", "{tmp}/corpus/0.txt", "--json", "{tmp}/corpus/0.txt"], "--json {tmp}/corpus"),
+    "--save-output on the corpus": (
+        ["--data", "{tmp}/corpus/0.txt", "--save-output", "{tmp}/corpus/0.txt"],
+        "is --data",
+    ),
+    "--json on the script": (["--json", SCRIPT], "is the script"),
+    "--json inside --model": (["--model", "{tmp}/model", "--json", "{tmp}/model/r.json"], "lies inside --model"),
+    "--save-pretrained on --model": (["--model", "{tmp}/model", "--save-pretrained", "{tmp}/model"], "is --model"),
+    "--save-pretrained on --tokenizer": (
+        ["--data", "{tmp}/corpus", "--tokenizer", "{tmp}/tokenizer", "--save-pretrained", "{tmp}/tokenizer"],
+        "is --tokenizer",
+    ),
+    "--save-pretrained on --resume": (
+        ["--resume", "{tmp}/checkpoint", "--save-pretrained", "{tmp}/checkpoint"],
+        "is --resume",
+    ),
+    "--save-pretrained inside --data": (
+        ["--data", "{tmp}/corpus", "--save-pretrained", "{tmp}/corpus/out"],
+        "lies inside --data",
+    ),
+    "--checkpoint inside --data": (["--data", "{tmp}/corpus", "--checkpoint", "{tmp}/corpus/ck"], "lies inside --data"),
+    "--nvme inside --model": (["--model", "{tmp}/model", "--nvme", "{tmp}/model"], "is --model"),
+    "--data-cache on --save-pretrained": (
+        ["--data", "{tmp}/corpus", "--data-cache", "{tmp}/out", "--save-pretrained", "{tmp}/out"],
+        "both name",
+    ),
+    "--save-pretrained holding the corpus": (["--data", "{tmp}/corpus/0.txt", "--save-pretrained", "{tmp}"], "holds"),
+    "--json inside --save-pretrained": (["--save-pretrained", "{tmp}/out", "--json", "{tmp}/out/r.json"], "nest"),
+}
+
+
+@pytest.mark.parametrize("case", CLASHES)
+def test_an_output_on_or_inside_an_input_is_refused(case, inputs, tmp_path):
+    copied(inputs, tmp_path, "corpus", "model", "tokenizer", "checkpoint")
+    (tmp_path / "out").mkdir()  # an empty folder: an output
+    args, words = CLASHES[case]
+    model = ["--mode", "overlapped"] if "--model" in args else ["--preset", "tiny", "--mode", "overlapped"]
+    refused(tmp_path, [*model, "--train", *args], words.replace("{tmp}", str(tmp_path)))
+
+
+def test_the_documented_resume_into_its_own_folder_is_no_clash(inputs, tmp_path):
+    copied(inputs, tmp_path, "checkpoint")
+    folder = tmp_path / "checkpoint"
+    assert cli(*TRAIN, "--resume", folder, "--checkpoint", folder).returncode == 0
+    assert json.loads((folder / ol.CHECKPOINT_FILE).read_text())["steps"] == 2
+
+
+def special_files(tmp_path) -> dict:
+    """A FIFO, a socket, a character device (as root), and links to a file and to a folder."""
+    (tmp_path / "file").write_text("mine")
+    (tmp_path / "folder").mkdir()
+    os.mkfifo(tmp_path / "fifo")
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(tmp_path / "socket"))
+    sock.close()
+    os.symlink(tmp_path / "file", tmp_path / "link")
+    os.symlink(tmp_path / "folder", tmp_path / "folder_link")
+    kinds = {"fifo": "a FIFO", "socket": "a socket", "link": "a symbolic link"}
+    if os.geteuid() == 0:
+        os.mknod(tmp_path / "null", 0o666 | 0o020000, os.makedev(1, 3))  # a copy of /dev/null
+        kinds["null"] = "a device"
+    return kinds
+
+
+@pytest.mark.parametrize("flag", ["--json", "--save-output", "--profile"])
+def test_a_file_output_never_replaces_a_link_fifo_socket_or_device(flag, tmp_path):
+    kinds = special_files(tmp_path)
+    mode = ["--mode", "overlapped"] if flag == "--profile" else []
+    for name, kind in kinds.items():
+        refused(tmp_path, [*TINY, *mode, flag, f"{{tmp}}/{name}"], f"is {kind}, which the run would replace")
+
+
+def test_folder_outputs_refuse_what_they_would_replace(tmp_path):
+    special_files(tmp_path)
+    refused(tmp_path, [*TINY, "--train", "--save-pretrained", "{tmp}/folder_link"], "is a symbolic link")
+    refused(tmp_path, [*TINY, "--train", "--checkpoint", "{tmp}/fifo"], "is a FIFO")
+    refused(tmp_path, [*TINY, "--train", "--save-pretrained", "{tmp}"], "the folder is replaced whole")
+    refused(tmp_path, [*TINY, "--train", "--data", "{tmp}/file", "--data-cache", "{tmp}/file"], "is a file")
+
+
+def test_damaged_inputs_are_refused_before_the_model_is_built(inputs, tmp_path, capsys):
+    copied(inputs, tmp_path, "model", "tokenizer", "checkpoint", "corpus")
+    weights = tmp_path / "model" / "model.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[: len(whole) // 2])
+    refused(
+        tmp_path, ["--model", "{tmp}/model", "--mode", "cpu"], "is damaged or cut short", in_process=True, capsys=capsys
+    )
+    model = LlamaForCausalLM(ol.llama_config(ol.RunConfig(preset="tiny", sizes=(("hidden_size", 32),))))
+    model.save_pretrained(tmp_path / "other")
+    capsys.readouterr()  # its progress bar
+    shutil.copy(tmp_path / "other" / "model.safetensors", weights)  # of another size than config.json's
+    refused(tmp_path, ["--model", "{tmp}/model", "--mode", "cpu"], "the config needs", in_process=True, capsys=capsys)
+    (tmp_path / "tokenizer" / "tokenizer.json").write_text("{")
+    args = [*TRAIN, "--data", "{tmp}/corpus", "--tokenizer", "{tmp}/tokenizer"]
+    refused(tmp_path, args, "its tokenizer does not load", in_process=True, capsys=capsys)
+    record = tmp_path / "checkpoint" / ol.CHECKPOINT_FILE
+    unit = next((tmp_path / "checkpoint").glob("unit001*.pt"))
+    unit.write_bytes(unit.read_bytes()[:100])
+    args = [*TRAIN, "--resume", "{tmp}/checkpoint"]
+    refused(tmp_path, args, f"{unit.name} does not load", in_process=True, capsys=capsys)
+    record.write_text(json.dumps(json.loads(record.read_text()) | {"files": "unit000.pt"}))
+    refused(tmp_path, args, "checkpoint.json's files is 'unit000.pt'", in_process=True, capsys=capsys)
+    record.write_text("[]")
+    refused(tmp_path, args, "holds no record", in_process=True, capsys=capsys)
+
+
+def test_unreadable_inputs_are_refused_before_torch_loads(inputs, tmp_path, monkeypatch, capsys):
+    """As root the permission bits let everything be read: the refusal is checked on a listing that fails."""
+    copied(inputs, tmp_path, "model", "corpus")
+    os.mkfifo(tmp_path / "fifo")
+    refused(tmp_path, [*TRAIN, "--data", "{tmp}/fifo", "--train-tokenizer", "300"], "is a FIFO: give a file")
+    refused(tmp_path, [*TRAIN, "--resume", "{tmp}/corpus/0.txt"], "is a file: give a folder")
+    refused(tmp_path, [*TRAIN, "--data", "{tmp}/missing"], "no such file or folder")
+    listdir = os.listdir
+
+    def denied(path):
+        if str(path).startswith(str(tmp_path)):
+            raise PermissionError(13, "Permission denied", str(path))
+        return listdir(path)
+
+    monkeypatch.setattr(ol.os, "listdir", denied)
+    args = ["--model", "{tmp}/model", "--mode", "cpu"]
+    refused(tmp_path, args, "cannot be read (Permission denied)", in_process=True, capsys=capsys)
+
+
+RANKS = {
+    "WORLD_SIZE=abc": ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' is not a whole number"),
+    "RANK=abc": ({"WORLD_SIZE": "2", "RANK": "abc"}, "RANK='abc' is not a whole number"),
+    "LOCAL_WORLD_SIZE=abc": ({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "abc"}, "LOCAL_WORLD_SIZE='abc'"),
+    "WORLD_SIZE=0": ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0 must be at least 1"),
+    "RANK=3 WORLD_SIZE=1": ({"WORLD_SIZE": "1", "RANK": "3"}, "RANK=3 must be at least 0 and below WORLD_SIZE=1"),
+    "LOCAL_RANK=2 of 2": ({"WORLD_SIZE": "2", "LOCAL_RANK": "2"}, "LOCAL_RANK=2 must be at least 0 and below"),
+    "LOCAL_WORLD_SIZE=4 of 2": ({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "4"}, "exceeds WORLD_SIZE"),
+}
+
+
+@pytest.mark.parametrize("case", RANKS)
+def test_malformed_torchrun_variables_are_refused(case, tmp_path):
+    variables, words = RANKS[case]
+    refused(tmp_path, ["--mode", "overlapped", "--train"], words, env=os.environ | variables)
+
+
+NUMBERS = {
+    "--seed 2**70": (["--seed", str(2**70)], f"--seed must be between 0 and {ol.MAX_SEED}"),
+    "--seed -1": (["--seed", "-1"], "--seed must be between 0"),
+    "--vocab-size 1": (["--vocab-size", "1"], "--vocab-size must be at least 2"),
+    "--layers 1000000": (["--layers", "1000000"], "of host memory (2 bytes each)"),
+    "--sample-tokens 1e9": (
+        ["--train", "--sample", "x", "--sample-tokens", str(10**9)],
+        "the model has 4096 positions",
+    ),
+    "--epochs nan": (["--train", "--data", "x", "--epochs", "nan"], "--epochs must be a positive number"),
+}
+
+
+@pytest.mark.parametrize("case", NUMBERS)
+def test_numbers_out_of_range_are_refused_at_once(case, tmp_path):
+    args, words = NUMBERS[case]
+    refused(tmp_path, [*TINY, *args], words)
+
+
+ALWAYS_MEANINGFUL = {"mode", "preset", "model", "dtype", "attention", "batch_size", "seq_len", "seed", "train"}
+ALWAYS_MEANINGFUL |= {"max_host_memory", "json", "save_output", *ol.SIZE_FLAGS}
+
+
+def test_every_flag_is_in_the_table_of_what_it_needs_or_always_does_something():
+    p = ol.Parser()
+    for add in (ol.add_run_flags, ol.add_training_flags, ol.add_data_flags, ol.add_saving_flags):
+        add(p)
+    dests = {action.dest for action in p._actions if action.dest != "help"}
+    tabled = {dest for flags, _ in ol.FLAG_NEEDS for dest in flags}
+    assert dests == tabled | ALWAYS_MEANINGFUL and not tabled & ALWAYS_MEANINGFUL
+
+
+DOING_NOTHING = {  # a flag that does nothing in the run asked for, and what the refusal says it needs
+    "--steps without --train": (["--steps", "5"], "--steps does nothing without --train"),
+    "--lr without --train": (["--lr", "0.1"], "--lr does nothing without --train"),
+    "--text-field with a .txt file": (["--train", "--data", "a.txt", "--text-field", "t"], "JSONL in --data"),
+    "--data-glob with a file": (["--train", "--data", "a.txt", "--data-glob", "*.py"], "a folder as --data"),
+    "--temperature without --sample": (["--temperature", "1"], "--temperature does nothing without --sample"),
+    "--sample-tokens without --sample": (["--sample-tokens", "5"], "without --sample PROMPT"),
+    "--eval-fraction without --data": (["--train", "--eval-fraction", "0.5"], "without --data PATH"),
+    "--skip-undecodable without --data": (["--skip-undecodable"], "without --data PATH"),
+    "--prefetch with cpu": (["--mode", "cpu", "--prefetch", "2"], "without overlapped mode"),
+    "--gpu-adam-share with cpu": (["--mode", "cpu", "--train", "--gpu-adam-share", "0.5"], "overlapped mode"),
+    "--warmup with cpu inference": (["--mode", "cpu", "--warmup", "3"], "without a GPU mode or --train"),
+    "--repeat with cpu": (["--mode", "cpu", "--repeat", "3"], "--repeat does nothing without a GPU mode"),
+    "--max-gpu-memory with cpu": (["--mode", "cpu", "--max-gpu-memory", "100"], "without a GPU mode"),
+    "--epochs beside --steps": (["--train", "--data", "a.txt", "--steps", "5", "--epochs", "1"], "give one"),
+    "--steps at its default beside --epochs": (["--train", "--data", "a.txt", "--epochs", "1", "--steps", "10"], "one"),
+    "--top-k without --temperature": (["--train", "--sample", "x", "--top-k", "5"], "add --temperature T"),
+    "--checkpoint-every without --checkpoint": (["--train", "--checkpoint-every", "2"], "without --checkpoint DIR"),
+}
+
+
+@pytest.mark.parametrize("case", DOING_NOTHING)
+def test_a_flag_that_does_nothing_is_refused_saying_what_it_needs(case, capsys):
+    args, words = DOING_NOTHING[case]
+    with pytest.raises(SystemExit) as e:
+        ol.command_line(args)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_saved_folder_generates_as_it_trained(inputs, tmp_path):
+    """Its configs carry the trained tokenizer's ids (end of text 0, not the preset's 2): generate on it stops at the
+    end of text and nowhere else (before, at '"', id 2)."""
+    args = [*TRAIN, "--data", inputs / "corpus", "--train-tokenizer", "300", "--vocab-size", "300"]
+    r = cli(*args, "--data-cache", inputs / "cache", "--save-pretrained", tmp_path / "out")
+    assert r.returncode == 0, r.stderr
+    tokenizer = ol.transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    model = LlamaForCausalLM.from_pretrained(tmp_path / "out")
+    eos = tokenizer.eos_token_id
+    assert eos == tokenizer.convert_tokens_to_ids(ol.END_OF_TEXT) == 0
+    assert model.config.eos_token_id == model.generation_config.eos_token_id == eos
+    assert model.config.bos_token_id == model.config.pad_token_id == model.generation_config.pad_token_id == eos
+
+    def next_token(token: int) -> list[int]:
+        """What generate adds after a prompt when the head always picks `token`."""
+        model.lm_head.forward = lambda h: torch.nn.functional.one_hot(torch.full(h.shape[:-1], token), 300).float()
+        return model.generate(torch.tensor([[5, 6]]), max_new_tokens=4, do_sample=False)[0, 2:].tolist()
+
+    assert next_token(2) == [2, 2, 2, 2] and next_token(eos) == [eos]
+
+
+def interrupted(args, trigger, sig, cwd) -> subprocess.CompletedProcess:
+    """Run the command line in `cwd`; once trigger(stderr so far) is true, send `sig`; return what it did. A trigger
+    not met within two minutes fails the test."""
+    process = subprocess.Popen(
+        [sys.executable, str(SCRIPT), *map(str, args)], stderr=subprocess.PIPE, text=True, cwd=cwd
+    )
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(process.stderr), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 120
+    try:
+        while not trigger("".join(lines)):
+            assert process.poll() is None and time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.001)  # the writes watched for take far longer
+        process.send_signal(sig)
+        process.wait(timeout=120)
+    finally:
+        process.kill()
+        process.wait()
+    reader.join()
+    return subprocess.CompletedProcess(process.args, process.returncode, "", "".join(lines))
+
+
+def whole_or_absent(cwd, r, sig) -> None:
+    """The run ended by `sig` with one line; --save-pretrained's folder is absent or loads, --checkpoint's holds
+    exactly what its record names, each cache entry loads, and no temporary file or folder is left anywhere."""
+    assert r.returncode == (130 if sig == signal.SIGINT else 143), r.stderr
+    assert "Traceback" not in r.stderr and "each output is whole or absent" in r.stderr.strip().splitlines()[-1]
+    if (cwd / "out").exists():
+        LlamaForCausalLM.from_pretrained(cwd / "out")
+        ol.transformers.AutoTokenizer.from_pretrained(cwd / "out")
+    if (cwd / "ck").exists():
+        record = json.loads((cwd / "ck" / ol.CHECKPOINT_FILE).read_text())
+        named = [*record["files"], *record["tokenizer"], ol.CHECKPOINT_FILE]
+        assert sorted(p.name for p in (cwd / "ck").iterdir()) == sorted(named)
+    for entry in (cwd / "cache").iterdir() if (cwd / "cache").exists() else ():
+        if entry.name.startswith("tokenizer-"):
+            ol.transformers.AutoTokenizer.from_pretrained(entry)
+        else:
+            assert ol.mapped_tokens(entry) is not None, entry
+    assert not [p for p in cwd.rglob("*") if p.name.startswith(".") or p.name.endswith(".tmp")]
+
+
+SIZES = ["--hidden-size", "512", "--intermediate-size", "1408", "--layers", "4", "--heads", "8", "--kv-heads", "8"]
+TRAINED = ["--train-tokenizer", "300"]
+WHILE = {  # what the run does when the signal comes: its text, how it gets its tokenizer, and how that shows
+    "training the tokenizer": ("ws.txt", TRAINED, lambda cwd, err: "tokenizer: training" in err),
+    "tokenizing": ("big.txt", ["--tokenizer", "tokenizer"], lambda cwd, err: any((cwd / "cache").glob(".tokens-*"))),
+    "training": ("corpus", TRAINED, lambda cwd, err: "step 3:" in err),
+    "writing a checkpoint": ("corpus", TRAINED, lambda cwd, err: "checkpoint after" in err and any(cwd.glob("ck/.u*"))),
+    "saving the model": ("corpus", TRAINED, lambda cwd, err: any(cwd.glob(".out.*"))),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("doing", WHILE)
+def test_a_signal_leaves_every_output_whole_or_absent(doing, sig, inputs, tmp_path):
+    data, tokenizer, trigger = WHILE[doing]
+    copied(inputs, tmp_path, "corpus", "tokenizer")
+    (tmp_path / "ws.txt").write_text(" " * 300_000)  # its BPE trains for a minute: the signal comes meanwhile
+    (tmp_path / "big.txt").write_text((inputs / "corpus" / "0.txt").read_text() * 2000)  # 7 MB: tokenized for seconds
+    steps = "8" if doing == "saving the model" else "100000"
+    args = [*TINY, "--train", "--no-inference", *SIZES, "--vocab-size", "300", "--steps", steps, "--data", data]
+    args += ["--dtype", "float32"]  # the CPU's fastest
+    args += [*tokenizer, "--data-cache", "cache", "--save-pretrained", "out", "--checkpoint", "ck"]
+    r = interrupted([*args, "--checkpoint-every", "1"], lambda err: trigger(tmp_path, err), sig, tmp_path)
+    whole_or_absent(tmp_path, r, sig)
+
+
+def test_a_damaged_cache_entry_is_rebuilt_with_a_note(inputs, tmp_path, capsys):
+    """A 0-byte tokenizer.json (a disk that filled) and a token file cut short: each rebuilt, said in one line."""
+    shutil.copytree(inputs / "cache", tmp_path / "cache")
+    (tokenizer,) = (tmp_path / "cache").glob("tokenizer-*")
+    (tokenizer / "tokenizer.json").write_text("")
+    args = [*TRAIN, "--data", inputs / "corpus", "--train-tokenizer", "300", "--vocab-size", "300"]
+    code, _, err = run_main(capsys, *args, "--data-cache", tmp_path / "cache")
+    assert code == 0 and f"note: the cached tokenizer {tokenizer} does not load" in err
+    ol.transformers.AutoTokenizer.from_pretrained(tokenizer)
+    (tokens,) = (tmp_path / "cache").glob("tokens-*")
+    tokens.write_bytes(tokens.read_bytes()[:-3])
+    code, _, err = run_main(capsys, *args, "--data-cache", tmp_path / "cache")
+    assert code == 0 and f"note: the token cache {tokens} is not whole: tokenized again" in err
+    assert ol.mapped_tokens(tokens) is not None
