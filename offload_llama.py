@@ -117,6 +117,7 @@ TOKENIZE_BATCH = 256  # documents the tokenizer's threads encode at once
 RANK_TIMEOUT = 50  # seconds a rank waits for the others in a step's collective, then ends with an error
 SETUP_TIMEOUT = 1800  # seconds: the ranks meet before the steps, once each has built its model and state
 HELD_OUT_SEED = 0  # draws the held-out blocks: the same for every --seed, so none is ever trained on
+SIGNALS = (signal.SIGINT, signal.SIGTERM)  # what ends a run early, leaving every output whole or absent
 MAX_SEED = 2**32 - 1  # --seed's largest: seeds derived from it (seed << 16, seed * 1_000_003) stay within 64 bits
 
 
@@ -615,16 +616,13 @@ def offloaded(modes) -> bool:
     return bool({"blocked", "overlapped"} & set(modes))
 
 
+TRAINING_FLAGS = ("steps", "grad_accum", "inference", "fwd_bwd_reference", "lr", "betas", "eps", "weight_decay")
+TRAINING_FLAGS += ("clip_grad_norm", "offload_activations", "gpu_adam_share", "nvme", "data", "sample")
+TRAINING_FLAGS += ("save_pretrained", "checkpoint", "resume")
+DATA_FLAGS = ("data_glob", "text_field", "skip_undecodable", "train_tokenizer", "data_cache", "eval_fraction")
+DATA_FLAGS += ("epochs", "eval_every")
 FLAG_NEEDS = (  # flags (argparse dests), what they need to do anything, how to give it, whether the run has it
-    (
-        ("steps", "grad_accum", "inference", "fwd_bwd_reference", "lr", "betas", "eps", "weight_decay"),
-        ("--train", "add --train", lambda a, modes: a.train),
-    ),
-    (
-        ("clip_grad_norm", "data", "sample", "save_pretrained", "checkpoint", "resume", "offload_activations"),
-        ("--train", "add --train", lambda a, modes: a.train),
-    ),
-    (("gpu_adam_share", "nvme"), ("--train", "add --train", lambda a, modes: a.train)),
+    (TRAINING_FLAGS, ("--train", "add --train", lambda a, modes: a.train)),
     (
         ("prefetch", "resident_layers", "gpu_adam_share"),
         ("overlapped mode", "add overlapped to --mode", lambda a, modes: "overlapped" in modes),
@@ -643,17 +641,13 @@ FLAG_NEEDS = (  # flags (argparse dests), what they need to do anything, how to 
     ),
     (("nvme_layers",), ("--nvme DIR", "add --nvme DIR", lambda a, modes: a.nvme)),
     (("checkpoint_every",), ("--checkpoint DIR", "add --checkpoint DIR", lambda a, modes: a.checkpoint)),
-    (
-        ("skip_undecodable", "data_glob", "text_field", "train_tokenizer", "data_cache", "eval_fraction"),
-        ("--data PATH", "add --data PATH", lambda a, modes: a.data),
-    ),
-    (("epochs", "eval_every"), ("--data PATH", "add --data PATH", lambda a, modes: a.data)),
+    (DATA_FLAGS, ("--data PATH", "add --data PATH", lambda a, modes: a.data)),
     (("data_glob",), ("a folder as --data", "give --data a folder", lambda a, modes: Path(a.data).is_dir())),
     (
         ("text_field",),
         ("JSONL in --data", "give --data a .jsonl file or a folder", lambda a, modes: data_may_hold_jsonl(a.data)),
     ),
-    (("tokenizer",), ("--data or --sample", "add --data PATH or --sample PROMPT", lambda a, m: a.data or a.sample)),
+    (("tokenizer",), ("--data or --sample", "add --data PATH or --sample PROMPT", lambda a, modes: a.data or a.sample)),
     (("sample_tokens", "temperature"), ("--sample PROMPT", "add --sample PROMPT", lambda a, modes: a.sample)),
     (("top_k",), ("--temperature above 0", "add --temperature T", lambda a, modes: a.temperature)),
 )
@@ -841,7 +835,7 @@ def check_inputs(run: RunConfig) -> None:
         if path is None:
             continue
         target = Path(path)
-        kind = path_kind(target.resolve())
+        kind = path_kind(real_path(path))
         if kind is None:
             raise UsageError(f"{flag} {path}: no such {'folder' if folder else 'file or folder'}")
         if kind not in ("a file", "a folder") or (folder and kind != "a folder"):
@@ -911,11 +905,11 @@ def check_no_clash(run: RunConfig, outputs: dict[str, str]) -> None:
     """No output is, or lies inside, an input (but --checkpoint X --resume X, which goes on from X); none is another
     output; none lies inside --save-pretrained, whose folder is replaced whole, nor does an input or the script."""
     inputs = {"--data": run.data, "--model": run.model, "--tokenizer": run.tokenizer, "--resume": run.resume}
-    inputs = {flag: Path(path).resolve() for flag, path in inputs.items() if path is not None}
-    inputs["the script"] = Path(__file__).resolve()
+    inputs = {flag: real_path(path) for flag, path in inputs.items() if path is not None}
+    inputs["the script"] = real_path(__file__)
     seen = {}
     for flag, path in outputs.items():
-        out = Path(path).resolve()
+        out = real_path(path)
         for other, place in inputs.items():
             named = other if other == "the script" else f"{other} {place}"
             if out == place and not (flag == "--checkpoint" and other == "--resume"):
@@ -932,6 +926,11 @@ def check_no_clash(run: RunConfig, outputs: dict[str, str]) -> None:
             if "--save-pretrained" in (flag, other) and (out in place.parents or place in out.parents):
                 raise UsageError(f"{other} and {flag} nest, and --save-pretrained's folder is replaced whole")
         seen[flag] = out
+
+
+def real_path(path) -> Path:
+    """`path` absolute, every link in it followed (a loop of links as far as it goes)."""
+    return Path(os.path.realpath(path))
 
 
 def train_trace_path(path: str) -> str:
@@ -1012,8 +1011,8 @@ def model_sizes(run: RunConfig) -> tuple[dict, str]:
     origin = f"--model {run.model}: config.json's "
     sizes = {field: config.get(field, LLAMA_DEFAULTS.get(field)) for field in (*SIZE_FLAGS, *LLAMA_DEFAULTS)}
     sizes["num_key_value_heads"] = sizes["num_key_value_heads"] or sizes["num_attention_heads"]
-    for field in SIZE_FLAGS:
-        if type(sizes[field]) is not int:
+    for field in (*SIZE_FLAGS, "max_position_embeddings", "head_dim"):
+        if type(sizes[field]) is not int and not (field == "head_dim" and sizes[field] is None):
             raise UsageError(f"{origin}{field} is {sizes[field]!r}, not a whole number")
     return sizes, origin
 
@@ -1186,33 +1185,45 @@ def check_weights(folder: Path, config: LlamaConfig) -> None:
 
 
 def safetensors_shapes(folder: Path, name: str) -> dict[str, tuple]:
-    """The tensors' shapes in a safetensors file (write_safetensors says its layout), checked whole: the header's
-    byte ranges fit each tensor's shape and dtype, and the file holds them all."""
-    path = folder / name
+    """The tensors' shapes in one of --model's safetensors files; refused with one line where it is not one whole."""
+    shapes = safetensors_header(folder / name)
+    if shapes is None:
+        size = (folder / name).stat().st_size if (folder / name).is_file() else 0
+        raise UsageError(f"--model {folder}: {name} is damaged or cut short ({size:,} bytes): save the model again")
+    return shapes
+
+
+def safetensors_header(path: Path) -> dict[str, tuple] | None:
+    """The tensors' shapes in a safetensors file (write_safetensors says its layout); None where it is not one whole:
+    a regular file, its header's length and JSON header, each tensor's byte range fitting its shape and dtype and
+    lying within the file."""
+    if not path.is_file():
+        return None
+    size = path.stat().st_size
     try:
-        size = path.stat().st_size
         with open(path, "rb") as f:
-            length = struct.unpack("<Q", f.read(8))[0] if size >= 8 else size
-            header = json.loads(f.read(length)) if length <= size - 8 else None
+            head = f.read(8)
+            length = struct.unpack("<Q", head)[0] if len(head) == 8 else size
+            if length > size - 8:
+                return None
+            header = json.loads(f.read(length))
     except OSError as e:
-        raise UsageError(f"--model {folder}: {name} cannot be read ({e.strerror})") from None
-    except (struct.error, ValueError):  # not JSON, or not UTF-8
-        header = None
-    shapes, end = {}, 0
-    for key, entry in (header or {}).items():
+        raise UsageError(f"--model {path.parent}: {path.name} cannot be read ({e.strerror})") from None
+    except ValueError:  # not JSON, or not UTF-8
+        return None
+    shapes = {}
+    for key, entry in header.items() if isinstance(header, dict) else [(None, None)]:
         if key == "__metadata__":
             continue
         try:
             shape, (start, stop) = tuple(entry["shape"]), entry["data_offsets"]
-            fits = stop - start == math.prod(shape) * SAFETENSORS_ITEMSIZE[entry["dtype"]]
+            nbytes = math.prod(shape) * SAFETENSORS_ITEMSIZE[entry["dtype"]]
+            fits = stop - start == nbytes and start >= 0 and 8 + length + stop <= size
         except (KeyError, TypeError, ValueError):
             fits = False
         if not fits:
-            header = None
-            break
-        shapes[key], end = shape, max(end, stop)
-    if not isinstance(header, dict) or 8 + length + end > size:
-        raise UsageError(f"--model {folder}: {name} is damaged or cut short ({size:,} bytes): save the model again")
+            return None
+        shapes[key] = shape
     return shapes
 
 
@@ -3841,7 +3852,7 @@ def save_masters(trainer, config: LlamaConfig, folder: Path) -> None:
 
 def replace_folder(new: Path, folder: Path) -> None:
     """Rename the finished folder `new` to `folder`, moving an older `folder` aside first and removing it after, with
-    SIGINT and SIGTERM held meanwhile: `folder` is always whole, the old or the new."""
+    SIGINT and SIGTERM put off meanwhile: `folder` is always whole, the old or the new."""
     old = new.with_name(new.name + ".old")
     with signals_held():
         if folder.exists():
@@ -3989,12 +4000,21 @@ def save_checkpoint_tokenizer(tokenizer, folder: Path) -> list[str]:
 
 @contextlib.contextmanager
 def signals_held():
-    """SIGINT and SIGTERM held back while the block runs, then delivered: a few renames that must not be split."""
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    """SIGINT and SIGTERM put off while the block runs, then raised again for the handlers they would have met: a few
+    renames that must not be split, or a writer whose own error would hide them. Python runs handlers in the main
+    thread alone (masking the signal there would not do: another thread takes it), so elsewhere the block runs as is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    before = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum)) for sig in SIGNALS}
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+        if caught:
+            signal.raise_signal(caught[0])
 
 
 def checkpoint_files(units: int, steps: int, ranks: Ranks) -> list[str]:
@@ -5732,7 +5752,7 @@ def check_saving(run: RunConfig, config: LlamaConfig) -> None:
     """--resume's checkpoints are whole and of this model, dtype and Adam; --checkpoint overwrites none that is not
     resumed; the folders have room: 4 bytes a parameter for --save-pretrained, 12 for a checkpoint (twice that when a
     second is written while the first stays whole), for each mode that trains; --save-output's, save_output_bytes."""
-    same = bool(run.resume and run.checkpoint) and Path(run.resume).resolve() == Path(run.checkpoint).resolve()
+    same = bool(run.resume and run.checkpoint) and real_path(run.resume) == real_path(run.checkpoint)
     for mode in run.modes if run.train else ():
         if run.resume:
             manifest = checkpoint_manifest(run, config, mode)
@@ -6000,7 +6020,7 @@ def signals_raised():
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    before = {sig: signal.getsignal(sig) for sig in SIGNALS}
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, raise_terminated)
     try:

@@ -88,18 +88,24 @@ def largest_that_trains(trains, first: int, upper: int) -> int:
 
 def cli_args(run: ol.RunConfig) -> list[str]:
     """The command line that offload_llama.parse_args turns back into `run` (without --profile, --save-output,
-    --model)."""
-    args = ["--mode", run.mode, "--preset", run.preset, "--dtype", run.dtype, "--attention", run.attention]
-    args += ["--batch-size", str(run.batch_size), "--seq-len", str(run.seq_len), "--seed", str(run.seed)]
-    args += ["--prefetch", str(run.prefetch), "--warmup", str(run.warmup), "--repeat", str(run.repeat)]
-    args += ["--steps", str(run.steps), "--grad-accum", str(run.grad_accum), "--lr", repr(run.lr)]
-    args += ["--betas", *map(repr, run.betas), "--eps", repr(run.eps), "--weight-decay", repr(run.weight_decay)]
+    --model): the flags whose values are not the defaults, as offload_llama refuses a flag that does nothing in the
+    run asked for."""
+    args = ["--mode", run.mode, "--preset", run.preset, "--dtype", run.dtype]
+    default = ol.RunConfig()
+    values = {"--attention": "attention", "--batch-size": "batch_size", "--seq-len": "seq_len", "--seed": "seed"}
+    values |= {"--prefetch": "prefetch", "--warmup": "warmup", "--repeat": "repeat", "--steps": "steps"}
+    values |= {"--grad-accum": "grad_accum", "--lr": "lr", "--eps": "eps", "--weight-decay": "weight_decay"}
+    values |= {"--max-gpu-memory": "max_gpu_memory", "--resident-layers": "resident_layers", "--json": "json"}
+    values |= {"--gpu-adam-share": "gpu_adam_share", "--max-host-memory": "max_host_memory", "--nvme": "nvme"}
+    values |= {"--nvme-layers": "nvme_layers"}
+    for flag, field in values.items():
+        value = getattr(run, field)
+        if value != getattr(default, field):
+            args += [flag, repr(value) if isinstance(value, float) else str(value)]
+    if tuple(run.betas) != default.betas:
+        args += ["--betas", *map(repr, run.betas)]
     for field, value in run.sizes:
         args += [f"--{ol.SIZE_FLAGS[field]}", str(value)]
-    options = {"--max-gpu-memory": run.max_gpu_memory, "--resident-layers": run.resident_layers}
-    options |= {"--gpu-adam-share": run.gpu_adam_share, "--json": run.json, "--max-host-memory": run.max_host_memory}
-    options |= {"--nvme": run.nvme, "--nvme-layers": run.nvme_layers}
-    args += [arg for flag, value in options.items() if value is not None for arg in (flag, str(value))]
     flags = {"--train": run.train, "--no-inference": not run.inference}
     flags |= {"--offload-activations": run.offload_activations, "--fwd-bwd-reference": run.fwd_bwd_reference}
     return args + [flag for flag, on in flags.items() if on]
