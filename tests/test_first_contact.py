@@ -22,6 +22,24 @@ def test_the_readme_gives_a_command_that_runs_without_a_gpu():
     assert "  step 1: loss" in r.stderr and "  step 5: loss" in r.stderr and "step 0:" not in r.stderr
 
 
+@pytest.mark.slow
+def test_the_readmes_text_commands_train_on_the_cpu_with_the_held_out_loss_falling(tmp_path):
+    """The README's corpus folder and CPU text command, run as written (the cache in tmp_path): the losses it quotes."""
+    text = README.read_text()
+    block = text.split("mkdir -p corpus", 1)[1].split("```", 1)[0]
+    subprocess.run(["bash", "-c", "mkdir -p corpus" + block.split("\n", 1)[0]], cwd=tmp_path, check=True)
+    command = block.split("\n", 1)[1].replace("\\\n", " ").split()
+    assert command[:2] == ["python", "offload_llama.py"] and "--mode" in command and "cpu" in command
+    env = {**ol.os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    r = subprocess.run([sys.executable, SCRIPT, *command[2:]], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    losses = [
+        float(line.split(": ")[1].split(",")[0]) for line in r.stderr.splitlines() if "held-out loss after" in line
+    ]
+    quoted = text.split("the held-out loss falling\nfrom ", 1)[1].split(":", 1)[0].split(" to ")
+    assert abs(losses[0] - float(quoted[0])) < 0.05 and abs(losses[-1] - float(quoted[1])) < 0.05, (losses, quoted)
+
+
 def help_text(capsys) -> str:
     with pytest.raises(SystemExit) as e:
         ol.command_line(["--help"])

@@ -101,7 +101,7 @@ def test_race_shared_resident_gradients_wait_for_the_last_copy_out():
         assert matches == should_match, "intact" if should_match else "wait removed"
 
 
-RUN = ["--preset", "tiny", "--seq-len", 2048, "--mode", "overlapped", "--steps", 3, "--warmup", 1, "--repeat", 2]
+RUN = ["--preset", "tiny", "--seq-len", 2048, "--mode", "overlapped", "--warmup", 1, "--repeat", 2]
 
 
 def mid_args(*extra):
@@ -139,7 +139,10 @@ INFERENCE = {"cap 0.8": ["--max-gpu-memory", 0.8], "3 resident layers": ["--resi
 
 
 MEMORY_RUNS = {  # run side by side by conftest's memory_runs
-    **{f"training: {name}": mid_args("--train", "--no-inference", *flags) for name, flags in TRAINING.items()},
+    **{
+        f"training: {name}": mid_args("--train", "--no-inference", "--steps", 3, *flags)
+        for name, flags in TRAINING.items()
+    },
     **{f"inference: {name}": mid_args(*flags) for name, flags in INFERENCE.items()},
 }
 
