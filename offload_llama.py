@@ -117,7 +117,7 @@ TOKENIZE_BATCH = 256  # documents the tokenizer's threads encode at once
 RANK_TIMEOUT = 50  # seconds a rank waits for the others in a step's collective, then ends with an error
 SETUP_TIMEOUT = 1800  # seconds: the ranks meet before the steps, once each has built its model and state
 HELD_OUT_SEED = 0  # draws the held-out blocks: the same for every --seed, so none is ever trained on
-SIGNALS = (signal.SIGINT, signal.SIGTERM)  # what ends a run early, leaving every output whole or absent
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # what ends a run early, every output whole or absent
 MAX_SEED = 2**32 - 1  # --seed's largest: seeds derived from it (seed << 16, seed * 1_000_003) stay within 64 bits
 
 
@@ -726,8 +726,8 @@ def rank_environment(p: Parser) -> Ranks:
     values.setdefault("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])
     numbers = {}
     for name, text in values.items():
-        if not text.strip().isdigit():
-            p.error(f"the environment's {name}={text!r} is not a whole number: set it as torchrun does, or unset it")
+        if not (text.strip().isascii() and text.strip().isdigit()):
+            p.error(f"the environment's {name}={text!r} is not a count (0, 1, 2, ...): set it as torchrun does")
         numbers[name] = int(text)
     numbers.setdefault("RANK", 0)
     numbers.setdefault("LOCAL_RANK", 0)
@@ -814,14 +814,17 @@ def check_run(run: RunConfig) -> None:
 # inputs and outputs: every input readable, every output writable, and no output on or inside an input
 
 
-def path_kind(path: Path) -> str | None:
-    """What is at `path`, not following a link: 'a file', 'a folder', 'a symbolic link', ...; None where nothing is."""
+def path_kind(path: Path, flag: str = "") -> str | None:
+    """What is at `path`, not following a link: 'a file', 'a folder', 'a symbolic link', ...; None where nothing is.
+    A path that cannot be looked at (a file as a folder, a folder the user cannot search) is refused, for `flag`."""
+    if not str(path):
+        raise UsageError(f"{flag} is empty: give a path")
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
         return None
-    except OSError as e:  # a parent folder the user cannot search
-        raise UsageError(f"{path} cannot be looked at ({e.strerror})") from None
+    except OSError as e:
+        raise UsageError(f"{flag} {path} cannot be looked at ({e.strerror})".strip()) from None
     kinds = ((stat.S_ISREG, "a file"), (stat.S_ISDIR, "a folder"), (stat.S_ISLNK, "a symbolic link"))
     kinds += ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"))
     return next((kind for test, kind in kinds if test(mode)), "a device")
@@ -835,7 +838,7 @@ def check_inputs(run: RunConfig) -> None:
         if path is None:
             continue
         target = Path(path)
-        kind = path_kind(real_path(path))
+        kind = path_kind(real_path(path) if path else "", flag)
         if kind is None:
             raise UsageError(f"{flag} {path}: no such {'folder' if folder else 'file or folder'}")
         if kind not in ("a file", "a folder") or (folder and kind != "a folder"):
@@ -869,7 +872,7 @@ def check_outputs(run: RunConfig) -> None:
     saved model's files."""
     outputs = output_paths(run)
     for flag, path in outputs.items():
-        kind, want = path_kind(Path(path)), "a file" if flag in FILE_OUTPUTS else "a folder"
+        kind, want = path_kind(Path(path) if path else "", flag), "a file" if flag in FILE_OUTPUTS else "a folder"
         linked_folder = kind == "a symbolic link" and flag != "--save-pretrained" and Path(path).is_dir()
         if kind in ("a file", "a folder") and kind != want:
             raise UsageError(f"{flag} {path} is {kind}: give {'a folder' if want == 'a folder' else 'a file name'}")
@@ -881,9 +884,10 @@ def check_outputs(run: RunConfig) -> None:
         made = want == "a folder" and flag != "--nvme"  # the disk tier's folder is a disk's, given, not made
         check_writable(flag, path, folder, make=made)
     check_no_clash(run, outputs)
-    if run.save_pretrained:
-        for mode in run.modes:
-            check_saved_model_folder(mode_folder(run.save_pretrained, run, mode))
+    for mode in run.modes if run.save_pretrained else ():
+        check_saved_model_folder(mode_folder(run.save_pretrained, run, mode))
+    for mode in run.modes if run.checkpoint else ():
+        check_checkpoint_folder(mode_folder(run.checkpoint, run, mode))
 
 
 TOKENIZER_FILES = ("tokenizer*.json", "special_tokens_map.json", "chat_template.jinja")  # what save_pretrained writes
@@ -901,9 +905,17 @@ def check_saved_model_folder(folder: Path) -> None:
         raise UsageError(f"--save-pretrained {folder} holds {what}: the folder is replaced whole, so give a new one")
 
 
+def check_checkpoint_folder(folder: Path) -> None:
+    """A --checkpoint folder that exists is empty or holds a checkpoint: writing one removes the files of its kind
+    that the record does not name, which in another folder could be the user's."""
+    if folder.is_dir() and any(folder.iterdir()) and not (folder / CHECKPOINT_FILE).is_file():
+        raise UsageError(f"--checkpoint {folder} holds files and no {CHECKPOINT_FILE}: give a new or empty folder")
+
+
 def check_no_clash(run: RunConfig, outputs: dict[str, str]) -> None:
-    """No output is, or lies inside, an input (but --checkpoint X --resume X, which goes on from X); none is another
-    output; none lies inside --save-pretrained, whose folder is replaced whole, nor does an input or the script."""
+    """No output is, or lies inside, an input (but --checkpoint X --resume X, which goes on from X), however it is
+    reached (a link, a hard link, a bind mount); --save-pretrained, replaced whole, holds none; no output is, or lies
+    inside, another."""
     inputs = {"--data": run.data, "--model": run.model, "--tokenizer": run.tokenizer, "--resume": run.resume}
     inputs = {flag: real_path(path) for flag, path in inputs.items() if path is not None}
     inputs["the script"] = real_path(__file__)
@@ -912,20 +924,38 @@ def check_no_clash(run: RunConfig, outputs: dict[str, str]) -> None:
         out = real_path(path)
         for other, place in inputs.items():
             named = other if other == "the script" else f"{other} {place}"
-            if out == place and not (flag == "--checkpoint" and other == "--resume"):
-                raise UsageError(
-                    f"{flag} {path} is {named}: an output never replaces an input: give {flag} another path"
-                )
-            if place in out.parents:
+            if same_place(out, place) and not (flag == "--checkpoint" and other == "--resume"):
+                raise UsageError(f"{flag} {path} is {named}: an output never replaces an input: give another path")
+            if inside(out, place):
                 raise UsageError(f"{flag} {path} lies inside {named}: an output never writes into an input")
-            if out in place.parents and flag == "--save-pretrained":
+            if inside(place, out) and flag == "--save-pretrained":
                 raise UsageError(f"--save-pretrained {path} holds {named}, and its folder is replaced whole")
         for other, place in seen.items():
-            if out == place:
+            if same_place(out, place):
                 raise UsageError(f"{other} and {flag} both name {path}: give each output a path of its own")
-            if "--save-pretrained" in (flag, other) and (out in place.parents or place in out.parents):
-                raise UsageError(f"{other} and {flag} nest, and --save-pretrained's folder is replaced whole")
+            if inside(out, place) or inside(place, out):
+                raise UsageError(f"{flag} {path} and {other} {place} nest: give each output a path of its own")
         seen[flag] = out
+
+
+def same_place(a: Path, b: Path) -> bool:
+    """Whether real paths `a` and `b` reach one file or folder: the same path, or one device and inode (a hard link
+    to a file, a bind mount of a folder)."""
+    return a == b or (identity(a) is not None and identity(a) == identity(b))
+
+
+def inside(a: Path, b: Path) -> bool:
+    """Whether real path `a` lies inside folder `b`, however `b` is reached."""
+    return any(same_place(parent, b) for parent in a.parents)
+
+
+def identity(path: Path) -> tuple[int, int] | None:
+    """The device and inode of what is at `path`; None where nothing is (or it cannot be looked at)."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return st.st_dev, st.st_ino
 
 
 def real_path(path) -> Path:
@@ -1012,8 +1042,8 @@ def model_sizes(run: RunConfig) -> tuple[dict, str]:
     sizes = {field: config.get(field, LLAMA_DEFAULTS.get(field)) for field in (*SIZE_FLAGS, *LLAMA_DEFAULTS)}
     sizes["num_key_value_heads"] = sizes["num_key_value_heads"] or sizes["num_attention_heads"]
     for field in (*SIZE_FLAGS, "max_position_embeddings", "head_dim"):
-        if type(sizes[field]) is not int and not (field == "head_dim" and sizes[field] is None):
-            raise UsageError(f"{origin}{field} is {sizes[field]!r}, not a whole number")
+        if (type(sizes[field]) is not int or sizes[field] < 1) and not (field == "head_dim" and sizes[field] is None):
+            raise UsageError(f"{origin}{field} is {sizes[field]!r}, not a whole number of at least 1")
     return sizes, origin
 
 
@@ -1036,15 +1066,18 @@ def check_host_holds(run: RunConfig, sizes: dict) -> None:
     params = parameter_count(sizes)
     per_param = 4 if run.train or run.dtype == "float32" else 2
     ranks = Ranks.from_environment()
-    needed = params * per_param * ranks.local_world // ranks.world
+    ids = 8 * run.batch_size * run.seq_len * (run.grad_accum if run.train else 1)  # the step's int64 token ids
+    needed = params * per_param * ranks.local_world // ranks.world + ids
     available = host_memory_available()
     if run.max_host_memory is not None:
         available = min(available or math.inf, int(run.max_host_memory * GiB))
     if available is not None and needed > available:
         fix = "a smaller model" if run.model else SMALLER_LAYERS
+        if ids > needed // 2:
+            fix = "fewer or shorter sequences (--batch-size, --seq-len, --grad-accum)"
         raise UsageError(
-            f"{count_text(params)} parameters need at least {size_text(needed)} of host memory ({per_param} bytes "
-            f"each), only {size_text(available)} are available: use {fix}, or a host with more memory"
+            f"{count_text(params)} parameters and {count_text(ids // 8)} token ids need at least {size_text(needed)} "
+            f"of host memory, only {size_text(available)} are available: use {fix}, or a host with more memory"
         )
 
 
@@ -1085,8 +1118,8 @@ def quit_on_signal(signum, frame) -> None:
 
 
 if __name__ == "__main__":  # a mistyped command is answered before torch and transformers load, which takes seconds
-    signal.signal(signal.SIGINT, quit_on_signal)
-    signal.signal(signal.SIGTERM, quit_on_signal)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, quit_on_signal)
     check_command_line(sys.argv[1:])
 
 import tokenizers  # noqa: E402  (after the command line's check)
@@ -1167,6 +1200,8 @@ def check_weights(folder: Path, config: LlamaConfig) -> None:
     if index.is_file():
         try:
             files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            if not all(isinstance(name, str) and name == Path(name).name for name in files):
+                raise ValueError("its weight_map names files outside the folder, or not by name")
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise UsageError(f"--model {folder}: {index.name} is damaged ({first_line(e)}): save it again") from None
     elif (folder / "model.safetensors").is_file():
@@ -1228,8 +1263,9 @@ def safetensors_header(path: Path) -> dict[str, tuple] | None:
 
 
 def first_line(e: BaseException) -> str:
-    """An exception's message, its first line, or its class where it has none."""
-    return str(e).splitlines()[0] if str(e).strip() else type(e).__name__
+    """An exception's message, its first line (200 characters at most), or its class where it has none."""
+    line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return line if len(line) <= 200 else line[:197] + "..."
 
 
 def draws_units(run: RunConfig) -> bool:
@@ -3808,15 +3844,17 @@ def save_pretrained(trainer, config: LlamaConfig, folder: Path, tokenizer=None) 
         folder.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.", suffix=".tmp"))
     try:
-        if trainer.ranks.several:
-            save_units(trainer, config, tmp if trainer.ranks.rank == 0 else None)
-        else:
-            save_masters(trainer, config, tmp)
-        if trainer.ranks.rank == 0:
-            if tokenizer is not None:
-                tokenizer.save_pretrained(tmp)
-            with_umask_modes(tmp)
-            replace_folder(tmp, folder)
+        with named_errors(folder, writer=not trainer.ranks.several):  # the ranks' collectives' errors stay theirs
+            if trainer.ranks.several:
+                save_units(trainer, config, tmp if trainer.ranks.rank == 0 else None)
+            else:
+                save_masters(trainer, config, tmp)
+            if trainer.ranks.rank == 0:
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(tmp)
+                with_umask_modes(tmp)
+                os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes it 0700
+                replace_folder(tmp, folder)
     finally:
         if trainer.ranks.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -4102,8 +4140,12 @@ def check_record(folder: Path, saved: dict, manifest: dict) -> None:
     for key, kind in CHECKPOINT_RECORD.items():
         if not isinstance(saved.get(key), kind) or isinstance(saved.get(key), bool):
             raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE}'s {key} is {saved.get(key)!r}: the file is damaged")
+    if not 0 <= saved["steps"] < 2**53 or not 0 <= saved["good_steps"] < 2**53:
+        raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE}'s step counts are out of range: the file is damaged")
+    if not all(isinstance(f, str) and f == Path(f).name for f in saved["files"]):
+        raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE} names files outside its folder: the file is damaged")
     files, expected = saved["files"], (manifest["sizes"]["num_hidden_layers"] + 3) * manifest.get("ranks", 1)
-    if len(files) != expected or not all(isinstance(f, str) and f == Path(f).name for f in files):
+    if len(files) != expected:
         raise UsageError(
             f"--resume {folder}: {CHECKPOINT_FILE} names {len(files)} files, not {expected}: it is damaged"
         )
@@ -4125,8 +4167,8 @@ def check_unit_files(folder: Path, saved: dict, units: list[Unit], ranks: Ranks)
 def unit_state_fits(state, layout: FlatLayout, ranks: Ranks) -> bool:
     """Whether `state` is a unit's checkpointed state of `layout` (unit_state's dict): with several ranks, flat shards;
     else each parameter by name in its shape; float32 throughout."""
-    if not isinstance(state, dict) or not isinstance(state.get("step"), int | float):
-        return False
+    if not isinstance(state, dict) or not isinstance(state.get("step"), float) or not 0 <= state["step"] < 2**53:
+        return False  # unit_state writes the step count as a float
     shapes = dict(zip(layout.names, layout.shapes, strict=True))
     for key in ("master", "exp_avg", "exp_avg_sq"):
         tensors = state.get(key)
@@ -4188,7 +4230,10 @@ def data_files(run: RunConfig) -> list[Path]:
 
 def file_text(path: Path, skip_undecodable: bool) -> str | None:
     """A file's text; None where it is not UTF-8 and --skip-undecodable skips it."""
-    data = path.read_bytes()
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise UsageError(f"--data: {path} cannot be read ({e.strerror}): give files you can read") from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -4211,7 +4256,10 @@ def file_documents(path: Path, text: str, field: str) -> list[str]:
             raise UsageError(f"--data: {path} line {number} is not JSON ({e.msg})") from None
         if not isinstance(record, dict) or not isinstance(record.get(field), str):
             raise UsageError(f"--data: {path} line {number} has no text under {field!r}: see --text-field")
-        documents.append(record[field])
+        try:
+            documents.append(record[field].encode("utf-8").decode("utf-8"))
+        except UnicodeEncodeError:  # JSON's \\ud800 escapes make lone surrogates, which no tokenizer encodes
+            raise UsageError(f"--data: {path} line {number} holds a lone surrogate (an escape like \\ud800)") from None
     return documents
 
 
@@ -4252,12 +4300,14 @@ def load_tokenizer(run: RunConfig):
 def train_tokenizer(run: RunConfig, files: list[Path], folder: Path):
     """A byte-level BPE of --train-tokenizer tokens trained on the corpus with `tokenizers`, cached in `folder`: read
     back from there on the next run, or trained anew where what is there does not load."""
-    if folder.exists():
+    if folder.exists() or folder.is_symlink():
         try:
+            if path_kind(folder) != "a folder":
+                raise ValueError(f"it is {path_kind(folder)}")
             return transformers.AutoTokenizer.from_pretrained(folder)
         except Exception as e:  # a cache entry damaged (a full disk, an edit): rebuilt, never a traceback
             log(f"note: the cached tokenizer {folder} does not load ({first_line(e)}): trained again")
-            shutil.rmtree(folder)
+            remove_path(folder)
     t0 = time.perf_counter()
     megabytes = sum(f.stat().st_size for f in files) / 1e6
     log(f"tokenizer: training a byte-level BPE of {run.train_tokenizer} tokens on {megabytes:.1f} MB of text ...")
@@ -4320,16 +4370,29 @@ def write_folder_aside(folder: Path, write) -> None:
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.", suffix=".tmp"))
     try:
-        try:
+        with named_errors(folder, writer=True):
             write(tmp)
-        except OSError:
-            raise
-        except Exception as e:  # tokenizers reports a failed write as a plain Exception
-            raise OSError(errno.EIO, f"could not be written ({first_line(e)}): is its disk full?", str(folder)) from e
-        os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes it 0700
-        os.rename(tmp, folder)
+            os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes it 0700
+            os.rename(tmp, folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def named_errors(path, writer: bool = False):
+    """A failed write of `path` reported with it, so that the run ends with one line saying what could not be
+    written: an OSError without a file name (a full disk's) gets `path`; writer: the block only writes, and its
+    writer's own errors (safetensors', tokenizers') become OSErrors naming `path` too."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None:
+            raise
+        raise OSError(e.errno, e.strerror, str(path)) from e
+    except Exception as e:
+        if not writer or isinstance(e, UsageError):
+            raise
+        raise OSError(errno.EIO, f"could not be written ({first_line(e)}): is its disk full?", str(path)) from e
 
 
 def current_umask() -> int:
@@ -4350,27 +4413,42 @@ def corpus_key(run: RunConfig, files: list[Path], tokenizer_text: str) -> str:
 
 def token_cache(run: RunConfig, files: list[Path], tokenizer) -> torch.Tensor:
     """The corpus's token ids, memory-mapped from the token cache: written once per corpus and tokenizer, under a
-    temporary name, then renamed, so a file cut short (a run killed while writing) is never read, only rebuilt."""
+    temporary name, then renamed, so a file cut short (a run killed while writing) is never read, only rebuilt; an
+    entry that is not whole, not a file, or holds ids past the tokenizer's is removed and rebuilt."""
     folder = data_cache_folder(run)
     path = folder / f"tokens-{corpus_key(run, files, tokenizer.backend_tokenizer.to_str())}.bin"
-    ids = mapped_tokens(path)
-    if ids is not None:
+    ids = mapped_tokens(path) if path_kind(path) == "a file" else None
+    if ids is not None and largest_id(ids) < len(tokenizer):
         log(f"data: {ids.numel():,} tokens of {len(files)} file(s), from the token cache {path}")
         return ids
-    if path.exists():  # cut short or damaged: rebuilt, never read
+    if path_kind(path) is not None:
         log(f"note: the token cache {path} is not whole: tokenized again")
+        remove_path(path)
     folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=folder, prefix=".tokens-", delete=False) as f:
+    with tempfile.NamedTemporaryFile(dir=folder, prefix=".tokens-", delete=False) as f, named_errors(path):
         try:
             write_tokens(run, files, tokenizer, f)
             f.flush()
             os.fsync(f.fileno())
+            os.chmod(f.name, 0o666 & ~current_umask())  # NamedTemporaryFile makes it 0600
+            os.replace(f.name, path)
         except BaseException:
             os.unlink(f.name)
             raise
-    os.chmod(f.name, 0o666 & ~current_umask())  # NamedTemporaryFile makes it 0600
-    os.replace(f.name, path)
     return mapped_tokens(path)
+
+
+def largest_id(ids: torch.Tensor) -> int:
+    """The largest of a token cache's ids, a chunk at a time (unsigned 16-bit tensors have no max of their own)."""
+    return max(int(chunk.to(torch.int64).max()) for chunk in ids.split(2**24))
+
+
+def remove_path(path: Path) -> None:
+    """Remove what is at `path`: a folder with what it holds, else the file, link or other entry itself."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def write_tokens(run: RunConfig, files: list[Path], tokenizer, f) -> None:
@@ -4381,7 +4459,8 @@ def write_tokens(run: RunConfig, files: list[Path], tokenizer, f) -> None:
     count, skipped, t0, shown = 0, [], time.perf_counter(), time.perf_counter()
     documents = corpus_documents(run, files, skipped)
     while batch := list(itertools.islice(documents, TOKENIZE_BATCH)):
-        for encoding in tokenizer.backend_tokenizer.encode_batch(batch, add_special_tokens=False):
+        encode = functools.partial(tokenizer.backend_tokenizer.encode_batch, batch, add_special_tokens=False)
+        for encoding in waited(encode, f"data: tokenizing, {count:,} tokens so far"):
             ids = array.array("H" if itemsize == 2 else "I", encoding.ids)
             ids.append(tokenizer.eos_token_id)
             f.write(ids.tobytes())
@@ -4519,7 +4598,7 @@ def prepare_text(run: RunConfig, config: LlamaConfig) -> Text | None:
 def prepare_data(run: RunConfig, vocab_size: int) -> tuple[Blocks, object]:
     """--data read, tokenized (or read from the token cache) and packed: (the blocks, the tokenizer)."""
     files = data_files(run)
-    tokenizer = load_tokenizer(run)
+    tokenizer = None if run.train_tokenizer else load_tokenizer(run)  # asked to train one: --model's is not used
     if run.train_tokenizer and run.train_tokenizer > vocab_size:
         raise UsageError(f"--train-tokenizer {run.train_tokenizer} is larger than the model's vocab_size {vocab_size}")
     if tokenizer is None and run.train_tokenizer:
@@ -4546,10 +4625,14 @@ def forward_model(trainer, config: LlamaConfig, device: torch.device) -> nn.Modu
 @torch.no_grad()
 def held_out_loss(model: nn.Module, blocks: Blocks, run: RunConfig, device: torch.device) -> float:
     """The mean loss over the held-out blocks, batch_size blocks at a time, through `model` without gradients."""
-    total = 0.0
-    for part in blocks.held_out.split(run.batch_size):
+    total, shown = 0.0, time.perf_counter()
+    for i, part in enumerate(blocks.held_out.split(run.batch_size)):
         ids = blocks.gather(part.tolist()).to(device)
         total += model(ids, labels=ids, use_cache=False).loss.item() * len(part)
+        if time.perf_counter() - shown > 10:  # a long evaluation says how far it is
+            shown = time.perf_counter()
+            held = len(blocks.held_out)
+            log(f"  held-out loss: {min((i + 1) * run.batch_size, held):,} of {held:,} blocks")
     return total / len(blocks.held_out)
 
 
@@ -4609,6 +4692,8 @@ class Evaluation:
 
     def sampled(self, when: str) -> list[str]:
         """The prompts' continuations now, logged."""
+        run = self.run_config
+        log(f"  sampling {len(run.sample)} prompt(s) {when}, {run.sample_tokens} tokens each ...")
         texts = continuations(self.model(), self.text.tokenizer, self.run_config, self.device)
         for prompt, text in zip(self.run_config.sample, texts, strict=True):
             log(f"  sample {when}: {prompt!r} -> {text!r}")
@@ -5270,10 +5355,17 @@ def notes(results: dict, run: RunConfig, reference: dict | None = None) -> list[
                 lines.append(f"{mode} training: {seqs:.2f} sequences/s, {ratio:.2f}x the reference's")
     if run.train:
         lines.append(
-            f"training: median step time, start to next start, after the first {run.warmup} of {run.steps} steps; "
+            f"training: median step time, start to next start, {timed_steps_text(run)}; "
             "offloaded GPU modes skip the step after each round of their bound's parts (it waits for no update)"
         )
     return lines
+
+
+def timed_steps_text(run: RunConfig) -> str:
+    """Which steps the median is over (StepClock.result: every step where the warm-up leaves none)."""
+    if run.warmup >= run.steps:
+        return f"over every step (--warmup {run.warmup} leaves none of {run.steps} after it)"
+    return f"after the first {run.warmup} of {run.steps} steps"
 
 
 def inference_notes(mode: str, r: dict) -> list[str]:
@@ -5794,8 +5886,9 @@ def write_atomically(path: str, write) -> None:
     """write(tmp) to a temporary file beside `path`, then rename it: an interrupt never leaves a truncated file."""
     tmp = str(Path(path).with_name(f".{Path(path).name}.{os.getpid()}.tmp"))
     try:
-        write(tmp)
-        os.replace(tmp, path)
+        with named_errors(path):
+            write(tmp)
+            os.replace(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
@@ -5992,9 +6085,10 @@ def main(argv=None) -> int:
             return 1
         except (KeyboardInterrupt, Terminated) as e:
             finish_early()
-            how = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
+            signum = e.args[0] if isinstance(e, Terminated) else signal.SIGINT
+            how = f"ended by {signal.Signals(signum).name}" if isinstance(e, Terminated) else "interrupted"
             print(f"offload_llama.py: {how}; each output is whole or absent", file=sys.stderr)
-            return 143 if isinstance(e, Terminated) else 130
+            return 128 + signum
         except Exception as e:
             lost = lost_ranks(run.ranks, e)
             if lost is None:
@@ -6005,12 +6099,13 @@ def main(argv=None) -> int:
 
 
 class Terminated(BaseException):
-    """SIGTERM, raised in the main thread as Ctrl-C raises KeyboardInterrupt: the run unwinds, cleaning up."""
+    """SIGTERM or SIGHUP (a closed terminal), raised in the main thread as Ctrl-C raises KeyboardInterrupt: the run
+    unwinds, cleaning up; args[0] is the signal's number."""
 
 
 def raise_terminated(signum, frame) -> None:
-    """SIGTERM's handler during the run."""
-    raise Terminated
+    """SIGTERM's and SIGHUP's handler during the run."""
+    raise Terminated(signum)
 
 
 @contextlib.contextmanager
@@ -6023,6 +6118,7 @@ def signals_raised():
     before = {sig: signal.getsignal(sig) for sig in SIGNALS}
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, raise_terminated)
+    signal.signal(signal.SIGHUP, raise_terminated)
     try:
         yield
     finally:

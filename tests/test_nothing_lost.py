@@ -112,6 +112,9 @@ CLASHES = {  # an output on or inside an input: one line naming both flags
     ),
     "--save-pretrained holding the corpus": (["--data", "{tmp}/corpus/0.txt", "--save-pretrained", "{tmp}"], "holds"),
     "--json inside --save-pretrained": (["--save-pretrained", "{tmp}/out", "--json", "{tmp}/out/r.json"], "nest"),
+    "--json on --checkpoint's record": (["--checkpoint", "{tmp}/out", "--json", "{tmp}/out/checkpoint.json"], "nest"),
+    "--json on a hard link to the corpus": (["--data", "{tmp}/corpus/0.txt", "--json", "{tmp}/hard.txt"], "is --data"),
+    "--checkpoint in a folder of the user's": (["--checkpoint", "{tmp}/corpus"], "holds files and no checkpoint"),
 }
 
 
@@ -119,6 +122,7 @@ CLASHES = {  # an output on or inside an input: one line naming both flags
 def test_an_output_on_or_inside_an_input_is_refused(case, inputs, tmp_path):
     copied(inputs, tmp_path, "corpus", "model", "tokenizer", "checkpoint")
     (tmp_path / "out").mkdir()  # an empty folder: an output
+    os.link(tmp_path / "corpus" / "0.txt", tmp_path / "hard.txt")  # another name of the corpus's file
     args, words = CLASHES[case]
     model = ["--mode", "overlapped"] if "--model" in args else ["--preset", "tiny", "--mode", "overlapped"]
     refused(tmp_path, [*model, "--train", *args], words.replace("{tmp}", str(tmp_path)))
@@ -189,6 +193,20 @@ def test_damaged_inputs_are_refused_before_the_model_is_built(inputs, tmp_path, 
     refused(tmp_path, args, "checkpoint.json's files is 'unit000.pt'", in_process=True, capsys=capsys)
     record.write_text("[]")
     refused(tmp_path, args, "holds no record", in_process=True, capsys=capsys)
+    shutil.copy(inputs / "checkpoint" / ol.CHECKPOINT_FILE, record)
+    record.write_text(json.dumps(json.loads(record.read_text()) | {"steps": -5}))
+    refused(tmp_path, args, "step counts are out of range", in_process=True, capsys=capsys)
+    shutil.copy(inputs / "checkpoint" / ol.CHECKPOINT_FILE, record)
+    state = torch.load(inputs / "checkpoint" / unit.name)
+    torch.save(state | {"step": 4}, unit)  # a whole number, where unit_state writes a float count
+    refused(tmp_path, args, f"{unit.name} does not hold unit", in_process=True, capsys=capsys)
+    index = tmp_path / "model" / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"lm_head.weight": 1}}))
+    args = ["--model", "{tmp}/model", "--mode", "cpu"]
+    refused(tmp_path, args, "model.safetensors.index.json is damaged", in_process=True, capsys=capsys)
+    (tmp_path / "lone.jsonl").write_text('{"text": "a\\ud800"}\n')
+    args = [*TRAIN, "--data", "{tmp}/lone.jsonl", "--train-tokenizer", "300", "--vocab-size", "300"]
+    refused(tmp_path, args, "line 1 holds a lone surrogate", in_process=True, capsys=capsys)
 
 
 def test_unreadable_inputs_are_refused_before_torch_loads(inputs, tmp_path, monkeypatch, capsys):
@@ -211,13 +229,14 @@ def test_unreadable_inputs_are_refused_before_torch_loads(inputs, tmp_path, monk
 
 
 RANKS = {
-    "WORLD_SIZE=abc": ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' is not a whole number"),
-    "RANK=abc": ({"WORLD_SIZE": "2", "RANK": "abc"}, "RANK='abc' is not a whole number"),
+    "WORLD_SIZE=abc": ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' is not a count"),
+    "RANK=abc": ({"WORLD_SIZE": "2", "RANK": "abc"}, "RANK='abc' is not a count"),
     "LOCAL_WORLD_SIZE=abc": ({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "abc"}, "LOCAL_WORLD_SIZE='abc'"),
     "WORLD_SIZE=0": ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0 must be at least 1"),
     "RANK=3 WORLD_SIZE=1": ({"WORLD_SIZE": "1", "RANK": "3"}, "RANK=3 must be at least 0 and below WORLD_SIZE=1"),
     "LOCAL_RANK=2 of 2": ({"WORLD_SIZE": "2", "LOCAL_RANK": "2"}, "LOCAL_RANK=2 must be at least 0 and below"),
     "LOCAL_WORLD_SIZE=4 of 2": ({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "4"}, "exceeds WORLD_SIZE"),
+    "WORLD_SIZE=²": ({"WORLD_SIZE": "\u00b2"}, "is not a count"),
 }
 
 
@@ -231,7 +250,10 @@ NUMBERS = {
     "--seed 2**70": (["--seed", str(2**70)], f"--seed must be between 0 and {ol.MAX_SEED}"),
     "--seed -1": (["--seed", "-1"], "--seed must be between 0"),
     "--vocab-size 1": (["--vocab-size", "1"], "--vocab-size must be at least 2"),
-    "--layers 1000000": (["--layers", "1000000"], "of host memory (2 bytes each)"),
+    "--layers 1000000": (["--layers", "1000000"], "use fewer or smaller layers"),
+    "--seq-len 10**11": (["--seq-len", str(10**11)], "use fewer or shorter sequences"),
+    "--batch-size 10**11": (["--train", "--batch-size", str(10**11)], "use fewer or shorter sequences"),
+    "an empty --json": (["--json", ""], "--json is empty"),
     "--sample-tokens 1e9": (
         ["--train", "--sample", "x", "--sample-tokens", str(10**9)],
         "the model has 4096 positions",
@@ -336,7 +358,7 @@ def interrupted(args, trigger, sig, cwd) -> subprocess.CompletedProcess:
 def whole_or_absent(cwd, r, sig) -> None:
     """The run ended by `sig` with one line; --save-pretrained's folder is absent or loads, --checkpoint's holds
     exactly what its record names, each cache entry loads, and no temporary file or folder is left anywhere."""
-    assert r.returncode == (130 if sig == signal.SIGINT else 143), r.stderr
+    assert r.returncode == 128 + sig, r.stderr  # 130 for SIGINT, 143 for SIGTERM, 129 for SIGHUP
     assert "Traceback" not in r.stderr and "each output is whole or absent" in r.stderr.strip().splitlines()[-1]
     if (cwd / "out").exists():
         LlamaForCausalLM.from_pretrained(cwd / "out")
@@ -364,9 +386,12 @@ WHILE = {  # what the run does when the signal comes: its text, how it gets its 
 }
 
 
+SIGNALS = [(doing, sig) for doing in WHILE for sig in (signal.SIGINT, signal.SIGTERM)]
+SIGNALS += [("writing a checkpoint", signal.SIGHUP), ("tokenizing", signal.SIGHUP)]  # a terminal that closed
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-@pytest.mark.parametrize("doing", WHILE)
+@pytest.mark.parametrize(("doing", "sig"), SIGNALS, ids=[f"{doing}-{sig.name}" for doing, sig in SIGNALS])
 def test_a_signal_leaves_every_output_whole_or_absent(doing, sig, inputs, tmp_path):
     data, tokenizer, trigger = WHILE[doing]
     copied(inputs, tmp_path, "corpus", "tokenizer")
@@ -378,6 +403,51 @@ def test_a_signal_leaves_every_output_whole_or_absent(doing, sig, inputs, tmp_pa
     args += [*tokenizer, "--data-cache", "cache", "--save-pretrained", "out", "--checkpoint", "ck"]
     r = interrupted([*args, "--checkpoint-every", "1"], lambda err: trigger(tmp_path, err), sig, tmp_path)
     whole_or_absent(tmp_path, r, sig)
+
+
+@pytest.mark.parametrize("damage", ["ids past the vocabulary", "a folder", "a tokenizer that is a file"])
+def test_a_cache_entry_of_the_wrong_kind_is_rebuilt(damage, inputs, tmp_path, capsys):
+    shutil.copytree(inputs / "cache", tmp_path / "cache")
+    (tokens,) = (tmp_path / "cache").glob("tokens-*")
+    (tokenizer,) = (tmp_path / "cache").glob("tokenizer-*")
+    if damage == "ids past the vocabulary":
+        data = bytearray(tokens.read_bytes())
+        data[ol.TOKEN_START : ol.TOKEN_START + 2] = (299 + 1000).to_bytes(2, "little")
+        tokens.write_bytes(data)
+    elif damage == "a folder":
+        tokens.unlink()
+        tokens.mkdir()
+    else:
+        shutil.rmtree(tokenizer)
+        tokenizer.write_text("")
+    args = [*TRAIN, "--data", inputs / "corpus", "--train-tokenizer", "300", "--vocab-size", "300"]
+    code, _, err = run_main(capsys, *args, "--data-cache", tmp_path / "cache")
+    assert code == 0 and "note: the " in err, err
+    assert ol.mapped_tokens(tokens) is not None and ol.largest_id(ol.mapped_tokens(tokens)) < 300
+    assert not [p for p in (tmp_path / "cache").iterdir() if p.name.startswith(".")]
+
+
+def test_a_full_disk_ends_with_one_line_naming_the_file(tmp_path, capsys, monkeypatch):
+    """An OSError of the write itself carries no file name: the line names the output."""
+
+    def full(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ol.Path, "write_text", full)
+    code, _, err = run_main(capsys, *TINY, "--json", tmp_path / "r.json")
+    assert code == 1 and err.strip().splitlines()[-1].endswith(f"No space left on device: {tmp_path / 'r.json'}")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_train_tokenizer_trains_one_beside_a_model_that_has_its_own(inputs, tmp_path, capsys):
+    """--train-tokenizer asks for a tokenizer trained on the data: the model folder's is not used instead."""
+    model = LlamaForCausalLM(ol.llama_config(ol.RunConfig(preset="tiny", sizes=(("vocab_size", 300),))))
+    model.save_pretrained(tmp_path / "model")
+    shutil.copytree(inputs / "tokenizer", tmp_path / "model", dirs_exist_ok=True)
+    args = ["--model", tmp_path / "model", "--mode", "cpu", "--seq-len", "32", "--train", "--no-inference"]
+    args += ["--steps", "1", "--data", inputs / "corpus", "--train-tokenizer", "280", "--data-cache", tmp_path / "c"]
+    code, _, err = run_main(capsys, *args)
+    assert code == 0 and "tokenizer: a byte-level BPE of" in err, err
 
 
 def test_a_damaged_cache_entry_is_rebuilt_with_a_note(inputs, tmp_path, capsys):
