@@ -3840,24 +3840,17 @@ def save_pretrained(trainer, config: LlamaConfig, folder: Path, tokenizer=None) 
     t0 = time.perf_counter()
     reset_peak_memory(torch.device("cpu"))
     config = with_token_ids(config, tokenizer)
-    if trainer.ranks.rank == 0:
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.", suffix=".tmp"))
-    try:
-        with named_errors(folder, writer=not trainer.ranks.several):  # the ranks' collectives' errors stay theirs
-            if trainer.ranks.several:
-                save_units(trainer, config, tmp if trainer.ranks.rank == 0 else None)
-            else:
-                save_masters(trainer, config, tmp)
-            if trainer.ranks.rank == 0:
-                if tokenizer is not None:
-                    tokenizer.save_pretrained(tmp)
-                with_umask_modes(tmp)
-                os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes it 0700
-                replace_folder(tmp, folder)
-    finally:
+    aside = folder_aside(folder) if trainer.ranks.rank == 0 else contextlib.nullcontext()
+    with aside as tmp, named_errors(folder, writer=not trainer.ranks.several):  # the collectives' errors stay theirs
+        if trainer.ranks.several:
+            save_units(trainer, config, tmp)
+        else:
+            save_masters(trainer, config, tmp)
         if trainer.ranks.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            with_umask_modes(tmp)
+            replace_folder(tmp, folder)
     trainer.ranks.meet()  # the folder is whole before any rank goes on
     seconds, peak = time.perf_counter() - t0, size_text(peak_host_rss())
     log(f"trained float32 weights saved to {folder} in {seconds:.1f} s, host peak {peak} meanwhile")
@@ -4025,15 +4018,12 @@ def remove_unnamed(folder: Path) -> None:
 def save_checkpoint_tokenizer(tokenizer, folder: Path) -> list[str]:
     """The tokenizer's files into a checkpoint's folder, each written aside and renamed (AutoTokenizer reads them
     from the folder); returns their names, for the record."""
-    tmp = Path(tempfile.mkdtemp(dir=folder, prefix=".tokenizer.", suffix=".tmp"))
-    try:
+    with folder_aside(folder / ".tokenizer") as tmp:
         tokenizer.save_pretrained(tmp)
         names = sorted(p.name for p in tmp.iterdir())
         for name in names:
             os.replace(tmp / name, folder / name)
         return names
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -4367,15 +4357,26 @@ def waited(work, what: str, every: float = 10.0):
 def write_folder_aside(folder: Path, write) -> None:
     """write(tmp) into a new folder beside `folder`, then renamed to it, so that `folder` is whole or absent whatever
     stops the run; a disk that fills is an OSError naming the folder."""
+    with folder_aside(folder) as tmp, named_errors(folder, writer=True):
+        write(tmp)
+        os.rename(tmp, folder)
+
+
+@contextlib.contextmanager
+def folder_aside(folder: Path):
+    """A new folder beside `folder` (its parents made) to write it in, with the umask's mode, removed on the way out
+    whatever happens: renamed into place before then, or gone. Made with the signals put off, so that an interrupt
+    never leaves one behind unnamed."""
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.", suffix=".tmp"))
+    tmp = None
     try:
-        with named_errors(folder, writer=True):
-            write(tmp)
-            os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes it 0700
-            os.rename(tmp, folder)
+        with signals_held():
+            tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.", suffix=".tmp"))
+        os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes it 0700
+        yield tmp
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -4424,17 +4425,12 @@ def token_cache(run: RunConfig, files: list[Path], tokenizer) -> torch.Tensor:
     if path_kind(path) is not None:
         log(f"note: the token cache {path} is not whole: tokenized again")
         remove_path(path)
-    folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=folder, prefix=".tokens-", delete=False) as f, named_errors(path):
-        try:
-            write_tokens(run, files, tokenizer, f)
-            f.flush()
-            os.fsync(f.fileno())
-            os.chmod(f.name, 0o666 & ~current_umask())  # NamedTemporaryFile makes it 0600
-            os.replace(f.name, path)
-        except BaseException:
-            os.unlink(f.name)
-            raise
+    with folder_aside(path) as tmp, open(tmp / path.name, "wb") as f, named_errors(path):
+        write_tokens(run, files, tokenizer, f)
+        f.flush()
+        os.fsync(f.fileno())
+        os.chmod(f.name, 0o666 & ~current_umask())
+        os.replace(f.name, path)
     return mapped_tokens(path)
 
 
@@ -6146,9 +6142,9 @@ def finish_early() -> None:
 
 
 def exit_with(code: int) -> None:
-    """End the process with `code`; where a waited() thread was left in native code (an interrupt during tokenizer
-    training), without the interpreter's teardown, which would abort on it (every output is closed by now)."""
-    if any(thread.is_alive() for thread in LEFT_RUNNING):
+    """End the process with `code`; after a signal, or where a waited() thread was left in native code (tokenizers'
+    training), without the interpreter's teardown, which can abort on such a thread (every output is closed by now)."""
+    if code >= 128 or any(thread.is_alive() for thread in LEFT_RUNNING):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
