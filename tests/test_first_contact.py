@@ -36,7 +36,9 @@ def test_the_readmes_text_commands_train_on_the_cpu_with_the_held_out_loss_falli
     losses = [
         float(line.split(": ")[1].split(",")[0]) for line in r.stderr.splitlines() if "held-out loss after" in line
     ]
-    quoted = text.split("the held-out loss falling\nfrom ", 1)[1].split(":", 1)[0].split(" to ")
+    quoted = (
+        text.split("Training on text without a GPU", 1)[1].split("held-out loss ", 1)[1].split(":")[0].split(" -> ")
+    )
     assert abs(losses[0] - float(quoted[0])) < 0.05 and abs(losses[-1] - float(quoted[1])) < 0.05, (losses, quoted)
 
 

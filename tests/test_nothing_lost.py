@@ -128,6 +128,7 @@ def test_an_output_on_or_inside_an_input_is_refused(case, inputs, tmp_path):
     refused(tmp_path, [*model, "--train", *args], words.replace("{tmp}", str(tmp_path)))
 
 
+@pytest.mark.slow
 def test_the_documented_resume_into_its_own_folder_is_no_clash(inputs, tmp_path):
     copied(inputs, tmp_path, "checkpoint")
     folder = tmp_path / "checkpoint"
@@ -311,6 +312,7 @@ def test_a_flag_that_does_nothing_is_refused_saying_what_it_needs(case, capsys):
     assert e.value.code == 2 and words in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.slow
 def test_the_saved_folder_generates_as_it_trained(inputs, tmp_path):
     """Its configs carry the trained tokenizer's ids (end of text 0, not the preset's 2): generate on it stops at the
     end of text and nowhere else (before, at '"', id 2)."""
@@ -405,6 +407,7 @@ def test_a_signal_leaves_every_output_whole_or_absent(doing, sig, inputs, tmp_pa
     whole_or_absent(tmp_path, r, sig)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["ids past the vocabulary", "a folder", "a tokenizer that is a file"])
 def test_a_cache_entry_of_the_wrong_kind_is_rebuilt(damage, inputs, tmp_path, capsys):
     shutil.copytree(inputs / "cache", tmp_path / "cache")
@@ -439,6 +442,7 @@ def test_a_full_disk_ends_with_one_line_naming_the_file(tmp_path, capsys, monkey
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_train_tokenizer_trains_one_beside_a_model_that_has_its_own(inputs, tmp_path, capsys):
     """--train-tokenizer asks for a tokenizer trained on the data: the model folder's is not used instead."""
     model = LlamaForCausalLM(ol.llama_config(ol.RunConfig(preset="tiny", sizes=(("vocab_size", 300),))))
@@ -450,6 +454,7 @@ def test_train_tokenizer_trains_one_beside_a_model_that_has_its_own(inputs, tmp_
     assert code == 0 and "tokenizer: a byte-level BPE of" in err, err
 
 
+@pytest.mark.slow
 def test_a_damaged_cache_entry_is_rebuilt_with_a_note(inputs, tmp_path, capsys):
     """A 0-byte tokenizer.json (a disk that filled) and a token file cut short: each rebuilt, said in one line."""
     shutil.copytree(inputs / "cache", tmp_path / "cache")

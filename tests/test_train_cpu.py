@@ -428,7 +428,8 @@ def test_every_rank_starts_each_bound_part_together(monkeypatch):
 def test_clipped_training_equals_clip_grad_norm(dtype, k):
     """--clip-grad-norm: the reference is torch.nn.utils.clip_grad_norm_ before torch.optim.Adam; the offloaded
     path takes the norm unit by unit and scales the gradients in the CPU Adam's pass: masters to float32 rounding,
-    the same losses, and far from an unclipped run's."""
+    the first loss the same and the others to float32 rounding (this machine's kernels round the two recipes' masters
+    a little apart), and far from an unclipped run's."""
     model, ids = build(ol.dataclasses.replace(tiny_run(), dtype=dtype, batch_size=2))
     batches = micro(ids, k)
     plain = ol.copy.deepcopy(model).float()
@@ -447,7 +448,8 @@ def test_clipped_training_equals_clip_grad_norm(dtype, k):
     if dtype == "float32":  # the reference recipe is plain training with clip_grad_norm_
         assert_masters_close(ref_masters, dict(plain.named_parameters()), 3)
     assert_masters_close(masters, ref_masters, 3)
-    assert losses == ref_losses
+    assert losses[0] == ref_losses[0]  # from the same masters; the later ones from masters equal to float32 rounding
+    torch.testing.assert_close(losses, ref_losses, rtol=2e-6, atol=0)
     assert ol.max_abs_diff(masters, unclipped) > 1e-4
 
 
