@@ -7,7 +7,7 @@ Training streams every unit through an autograd Function and steps Adam on float
 References: torchao's CPUOffloadOptimizer, torchtune's activation offloading, gau-nernst's offload.py, gpt-fast.
 
 The sections, in reading order, and the names that open them. The plain path runs from the model to training; the
-accelerations plug into it as policies; measurement, tables and sizing are instruments around it.
+accelerations plug into it as policies; the plan, measurement and tables are instruments around it.
   configuration          Ranks, RunConfig: torchrun's processes; one run, frozen, from the command line or a test
   the command line       Parser, command_line, check_flags_needed, check_run: flags, inputs, outputs, before torch
   model                  llama_config, build_model, init_random: a random LLaMA, or one from a save_pretrained folder
@@ -16,14 +16,13 @@ accelerations plug into it as policies; measurement, tables and sizing are instr
   training               Adam, MasterStore, CpuAdam, Steppers, OffloadedTraining, ResidentTraining: plain and reference
   accelerations          ResidentUnits, StreamedAdam, ActivationOffload, LossScale, GradClip, DiskTier
   several GPUs           start_ranks, rank_peaks: the ranks joined, their cores split, their peaks gathered
-  placement              Placement, training_placement: what stays on the GPU under a cap
+  the plan               Facts, make_plan, Plan, check_plan: every placement decision, made once before allocating
   modes                  run_mode, train_mode, train_steps, StepClock: each mode's inference and training
   saving and resuming    save_pretrained, write_checkpoint, resume
   text in                data_files, token_cache, Blocks, prepare_data: --data tokenized once, packed, shuffled
   measurement            timed, train_bound_parts, train_bound: times, peaks and bounds
   tables                 tables, notes
-  sizing                 host_bytes_needed, disk_plan, gpu_bytes_needed, warn_if_long: plans made before allocating
-  the run                check_devices, check_memory, run_all, main
+  the run                check_devices, run_all, print_plan, main
 
     python -m pytest -q tests                          # every mode computes the same thing
     python offload_llama.py --mode overlapped --train  # LLaMA-7B-sized layers: memory and time tables
@@ -61,6 +60,7 @@ import tempfile
 import threading
 import time
 import traceback
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,9 +114,16 @@ TOKEN_HEADER = "<6sHQ"
 TOKEN_START = 16  # bytes: the header's size, where the ids start
 TOKEN_CACHE_FORMAT = 1  # part of the cache's key: a new format never reads an old file
 TOKENIZE_BATCH = 256  # documents the tokenizer's threads encode at once
-RANK_TIMEOUT = 50  # seconds a rank waits for the others in a step's collective, then ends with an error
 SETUP_TIMEOUT = 1800  # seconds: the ranks meet before the steps, once each has built its model and state
 HELD_OUT_SEED = 0  # draws the held-out blocks: the same for every --seed, so none is ever trained on
+DEFAULT_RATES = {  # measured on the project's H100 machine (report/results); --rate NAME=VALUE overrides one
+    "h2d_gbps": 55.0,  # pinned host memory to the GPU
+    "d2h_gbps": 55.0,  # the GPU to pinned host memory
+    "adam_gbps": 127.0,  # the CPU Adam's bytes through host memory, alone
+    "host_gbps": 175.0,  # host memory under the CPU Adam and the copies together
+    "gpu_tflops": 440.0,  # a step's matrix work in 16 bits (float32 runs at an eighth of it)
+    "disk_gbps": 2.3,  # the --nvme disk, reading and writing
+}
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # what ends a run early, every output whole or absent
 MAX_SEED = 2**32 - 1  # --seed's largest: seeds derived from it (seed << 16, seed * 1_000_003) stay within 64 bits
 
@@ -157,11 +164,12 @@ class Ranks:
     for which every method is the plain path's (nothing to gather, sum or split). Each rank keeps 1/world of every
     unit's host state, its shard, and trains on micro-batches rank, rank + world, ... of each step. Every rank calls
     the collectives in the same order and number, each in one of two groups:
-      the steps' (group; RANK_TIMEOUT; NCCL on GPU tensors): gather (a unit's shards, LayerStreamer.prefetch),
-        sum_shard (its gradients, Steppers.sum_shard), sum (the loss, float16's overflow, clipping's squares); ranks
-        waiting there on one that stalled are ended by NCCL's watchdog, on one that ended by torchrun.
+      the steps' (group; the plan's rank timeout; NCCL on GPU tensors): gather (a unit's shards,
+        LayerStreamer.prefetch), sum_shard (its gradients, Steppers.sum_shard), sum (the loss, float16's overflow,
+        clipping's squares); ranks waiting there on one that stalled are ended by NCCL's watchdog, on one that ended
+        by torchrun.
       the default (SETUP_TIMEOUT; gloo on CPU tensors): meet (also before each bound part), in_turn, gathered
-        (saving, state_dict), each (peaks, the plan's inputs); their failures reach Python (lost_ranks)."""
+        (saving, state_dict), each (peaks, the plan's facts, check_same); their failures reach Python (lost_ranks)."""
 
     rank: int = 0
     world: int = 1
@@ -218,14 +226,19 @@ class Ranks:
             dist.all_reduce(value, group=self.group)
         return value
 
-    def gathered(self, shard: torch.Tensor) -> torch.Tensor:
-        """Every rank's `shard` of a flat host buffer, gathered in a new one (one process: `shard` itself); in the
-        default group, which waits long: rank 0 may be writing a file between two of them."""
+    def gathered(self, shard: torch.Tensor, everywhere: bool = True) -> torch.Tensor | None:
+        """Every rank's `shard` of a flat host buffer, gathered in a new one on every rank, or (not `everywhere`) on
+        rank 0 alone, None on the others (one process: `shard` itself); in the default group, which waits long: rank
+        0 may be writing a file between two of them."""
         if not self.several:
             return shard
-        full = torch.empty(self.whole_numel(shard), dtype=shard.dtype)
-        all_gather(full, shard.contiguous())
-        return full
+        if everywhere:
+            full = torch.empty(self.whole_numel(shard), dtype=shard.dtype)
+            all_gather(full, shard.contiguous())
+            return full
+        shards = [torch.empty_like(shard) for _ in range(self.world)] if self.rank == 0 else None
+        dist.gather(shard.contiguous(), shards, dst=0)
+        return torch.cat(shards) if self.rank == 0 else None
 
     def meet(self) -> None:
         """Wait until every rank is here, as long as setting up may take (one may still be pinning or compiling)."""
@@ -250,7 +263,7 @@ class Ranks:
 
     @property
     def group(self):
-        """The group the steps' collectives run in: a stalled rank ends the others after RANK_TIMEOUT, not never."""
+        """The group the steps' collectives run in: a stalled rank ends the others after the rank timeout."""
         return STEP_GROUP.get("group")
 
 
@@ -280,6 +293,13 @@ class RunConfig:
     max_host_memory: float | None = None  # GiB; the host memory the run plans for, at most (default: MemAvailable)
     nvme: str | None = None  # a folder on a local disk: the disk tier keeps Adam moments there
     nvme_layers: int | None = None  # decoder layers, from the last, whose Adam moments live on the disk (planned)
+    rank_timeout: float | None = None  # seconds a rank waits in a step's collective (default: the plan's)
+    # the plan alone (--plan), for this machine or one described
+    plan: bool = False  # print the plan and exit, allocating nothing
+    gpu_memory: float | None = None  # GiB: a GPU's memory, instead of this machine's
+    host_memory: float | None = None  # GiB: the host memory available, instead of this machine's
+    gpus: int | None = None  # ranks, one per GPU, all on one host, instead of torchrun's
+    rates: tuple = ()  # (name, value) pairs that override DEFAULT_RATES
     # outputs
     json: str | None = None
     save_output: str | None = None
@@ -326,6 +346,11 @@ class RunConfig:
     def modes(self) -> tuple[str, ...]:
         """The modes to run, in table order (gpu, blocked, overlapped, cpu)."""
         return MODES if self.mode == "all" else tuple(m for m in MODES if m in self.mode.split(","))
+
+    @property
+    def tokens(self) -> int:
+        """The tokens of one micro-batch."""
+        return self.batch_size * self.seq_len
 
     @property
     def lean(self) -> bool:
@@ -577,6 +602,38 @@ def add_saving_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_plan_flags(p: argparse.ArgumentParser) -> None:
+    """The plan: printed alone, for this machine or one described; the ranks' timeout."""
+    g = p.add_argument_group("the plan (--plan: where every byte goes, predicted, before anything is allocated)")
+    g.add_argument(
+        "--plan", action="store_true", help="print the plan and its predictions and exit, allocating nothing"
+    )
+    g.add_argument("--gpu-memory", type=float, metavar="GIB", help="plan for GPUs of this memory (default: this one's)")
+    host = "plan for a host with this much memory available (default: this one's MemAvailable)"
+    g.add_argument("--host-memory", type=float, metavar="GIB", help=host)
+    g.add_argument("--gpus", type=int, metavar="N", help="plan for N ranks on one host (default: torchrun's, or 1)")
+    rates = f"override a rate of the plan's predictions; NAME one of {', '.join(DEFAULT_RATES)} (default: an H100's)"
+    g.add_argument(
+        "--rate", dest="rates", type=rate_flag, action="append", default=[], metavar="NAME=VALUE", help=rates
+    )
+    timeout = "seconds a rank waits for the others in a step's collective (default: 5x the plan's longest step part, "
+    g.add_argument("--rank-timeout", type=float, metavar="S", help=timeout + "60 at least)")
+
+
+def rate_flag(text: str) -> tuple[str, float]:
+    """--rate's NAME=VALUE, checked: a known rate, a positive number."""
+    name, _, value = text.partition("=")
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if name not in DEFAULT_RATES or not (math.isfinite(number) and number > 0):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give NAME=VALUE, NAME one of {', '.join(DEFAULT_RATES)}, VALUE > 0"
+        )
+    return name, number
+
+
 def check_ranges(p: Parser, a: argparse.Namespace) -> None:
     """Flags out of range: one line, exit 2."""
     if a.mode != "all" and not set(a.mode.split(",")) <= set(MODES):
@@ -591,10 +648,13 @@ def check_ranges(p: Parser, a: argparse.Namespace) -> None:
     adam_ok = a.lr > 0 and a.eps > 0 and a.weight_decay >= 0 and all(0 <= b < 1 for b in a.betas)
     if not all(map(math.isfinite, (a.lr, a.eps, a.weight_decay))) or not adam_ok:
         p.error("Adam needs --lr > 0, --eps > 0, --weight-decay >= 0 and betas in [0, 1), all finite")
-    for flag in ("max_gpu_memory", "max_host_memory"):
+    for flag in ("max_gpu_memory", "max_host_memory", "gpu_memory", "host_memory", "rank_timeout"):
         value = getattr(a, flag)
         if value is not None and not (math.isfinite(value) and value > 0):
-            p.error(f"--{flag.replace('_', '-')} must be a positive number of GiB, got {value}")
+            unit = "seconds" if flag == "rank_timeout" else "GiB"
+            p.error(f"--{flag.replace('_', '-')} must be a positive number of {unit}, got {value}")
+    if a.gpus is not None and a.gpus < 1:
+        p.error(f"--gpus must be at least 1, got {a.gpus}")
     if a.gpu_adam_share is not None and not 0 <= a.gpu_adam_share <= 1:
         p.error(f"--gpu-adam-share must be between 0 and 1, got {a.gpu_adam_share}")
     if not 0 <= a.seed <= MAX_SEED:
@@ -641,6 +701,7 @@ FLAG_NEEDS = (  # flags (argparse dests), what they need to do anything, how to 
     ),
     (("nvme_layers",), ("--nvme DIR", "add --nvme DIR", lambda a, modes: a.nvme)),
     (("checkpoint_every",), ("--checkpoint DIR", "add --checkpoint DIR", lambda a, modes: a.checkpoint)),
+    (("gpu_memory", "host_memory", "gpus", "rates"), ("--plan", "add --plan", lambda a, modes: a.plan)),
     (DATA_FLAGS, ("--data PATH", "add --data PATH", lambda a, modes: a.data)),
     (("data_glob",), ("a folder as --data", "give --data a folder", lambda a, modes: Path(a.data).is_dir())),
     (
@@ -664,7 +725,7 @@ def data_may_hold_jsonl(data: str) -> bool:
 
 def flag_name(dest: str) -> str:
     """The flag of an argparse dest: --no-inference for inference, --hidden-size for hidden_size."""
-    return "--" + {"inference": "no-inference", **SIZE_FLAGS}.get(dest, dest.replace("_", "-"))
+    return "--" + {"inference": "no-inference", "rates": "rate", **SIZE_FLAGS}.get(dest, dest.replace("_", "-"))
 
 
 class GivenFlags(argparse.Namespace):
@@ -769,6 +830,7 @@ def command_line(argv=None) -> RunConfig:
     add_training_flags(p)
     add_data_flags(p)
     add_saving_flags(p)
+    add_plan_flags(p)
     a = p.parse_args(argv)
     check_ranges(p, a)
     check_combinations(p, a)
@@ -782,6 +844,7 @@ def command_line(argv=None) -> RunConfig:
     a.preset = a.preset or RunConfig.preset
     a.betas = tuple(a.betas)
     a.sample = tuple(a.sample)
+    a.rates = tuple(a.rates)
     return RunConfig(
         **{field.name: getattr(a, field.name) for field in dataclasses.fields(RunConfig) if hasattr(a, field.name)}
     )
@@ -1062,13 +1125,14 @@ LLAMA_DEFAULTS = {  # LlamaConfig's defaults, where a config.json leaves a field
 def check_host_holds(run: RunConfig, sizes: dict) -> None:
     """Refuse in a moment a model whose parameters alone the host cannot hold: 4 bytes each for training (the float32
     masters, whatever else moves to a disk), else the compute dtype's; each host's ranks hold their shares. The full
-    check, with the training state and the passes, comes once torch has loaded (check_memory)."""
+    check, with the training state and the passes, comes with the plan (check_plan). --plan's --host-memory and --gpus
+    describe the host instead."""
     params = parameter_count(sizes)
     per_param = 4 if run.train or run.dtype == "float32" else 2
-    ranks = Ranks.from_environment()
+    ranks = Ranks.from_environment() if run.gpus is None else Ranks(0, run.gpus, 0, run.gpus)
     ids = 8 * run.batch_size * run.seq_len * (run.grad_accum if run.train else 1)  # the step's int64 token ids
     needed = params * per_param * ranks.local_world // ranks.world + ids
-    available = host_memory_available()
+    available = host_memory_available() if run.host_memory is None else int(run.host_memory * GiB)
     if run.max_host_memory is not None:
         available = min(available or math.inf, int(run.max_host_memory * GiB))
     if available is not None and needed > available:
@@ -1128,6 +1192,8 @@ import torch.distributed as dist  # noqa: E402
 import tqdm  # noqa: E402
 import transformers  # noqa: E402
 from torch import nn  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_leaves, tree_map  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers.models.llama.modeling_llama import (  # noqa: E402
     LlamaDecoderLayer,
@@ -1725,12 +1791,19 @@ def unit_module(kind: str, config: LlamaConfig) -> nn.Module:
 
 def model_units(config: LlamaConfig) -> list[Unit]:
     """The units in forward order: embeddings, decoder layers, final norm, head."""
+    return list(units_of(config.to_json_string()))
+
+
+@functools.cache
+def units_of(config_json: str) -> tuple[Unit, ...]:
+    """model_units of the config in `config_json`, made once: the plan asks for them many times."""
+    config = LlamaConfig.from_dict(json.loads(config_json))
     with torch.device("meta"):
         layout = {kind: FlatLayout.of(unit_module(kind, config)) for kind in ("embed", "layer", "norm", "head")}
     layers = range(config.num_hidden_layers)
     names = ["model.embed_tokens", *(f"model.layers.{i}" for i in layers), "model.norm", "lm_head"]
     kinds = ["embed", *("layer" for _ in layers), "norm", "head"]
-    return [Unit(name, kind, layout[kind]) for name, kind in zip(names, kinds, strict=True)]
+    return tuple(Unit(name, kind, layout[kind]) for name, kind in zip(names, kinds, strict=True))
 
 
 @dataclass(frozen=True)
@@ -2010,13 +2083,13 @@ class MasterStore:
         self.steps[u].fill_(state["step"])
         self.unstarted.discard(u)
 
-    def state_dict(self, flats: list[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        """The masters (or other per-unit flats, such as the gradients) as float32 CPU tensors with HF names, every
-        rank's shards gathered (a collective: every rank calls it)."""
+    def state_dict(self, flats: list[torch.Tensor] | None = None, on_first: bool = False) -> dict[str, torch.Tensor]:
+        """The masters (or other per-unit flats: gradients) as float32 CPU tensors with HF names, every rank's shards
+        gathered a unit at a time (every rank calls it) on every rank, or (on_first) on rank 0 alone."""
+        fulls = (self.ranks.gathered(flat.cpu(), everywhere=not on_first) for flat in flats or self.masters)
+        units = ((u.name, u.layout.views(full)) for u, full in zip(self.units, fulls, strict=True) if full is not None)
         return {
-            f"{unit.name}.{name}": view.to("cpu", torch.float32, copy=True)
-            for unit, flat in zip(self.units, flats or self.masters, strict=True)
-            for name, view in unit.layout.views(self.ranks.gathered(flat.cpu())).items()
+            f"{unit}.{name}": view.to("cpu", torch.float32, copy=True) for unit, v in units for name, view in v.items()
         }
 
 
@@ -2500,10 +2573,11 @@ class OffloadedTraining:
                 self.steppers.update(u, multiplier)
         return mean_loss(losses, self.ranks)
 
-    def state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
-        """The float32 masters (grads: the gradients the steppers keep) with HF names on the CPU, after every update."""
+    def state_dict(self, grads: bool = False, on_first: bool = False) -> dict[str, torch.Tensor]:
+        """The float32 masters (grads: the gradients the steppers keep) with HF names on the CPU, after every update;
+        with several ranks on every rank, or (on_first) on rank 0 alone (MasterStore.state_dict)."""
         self.wait_updates()
-        return self.store.state_dict([self.steppers.state(u, grads) for u in range(len(self.units))])
+        return self.store.state_dict([self.steppers.state(u, grads) for u in range(len(self.units))], on_first)
 
     def unit_state(self, u: int) -> dict:
         """Unit u's training state for a checkpoint: its step count, and its float32 master and moments by name (with
@@ -3282,32 +3356,36 @@ def direct_io(fd: int, buffer: mmap.mmap) -> bool:
 # ---------------------------------------------------------------------------------------------------- several GPUs
 
 
-STEP_GROUP = {}  # "group": the process group with RANK_TIMEOUT, made by start_ranks
+STEP_GROUP = {}  # "group": the steps' process group, with the plan's rank timeout (join_steps)
 # the collectives on one tensor: torch 2.13 names them so, and warns at the older names, which 2.11 and 2.12 have only
 all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def start_ranks(ranks: Ranks) -> None:
-    """Join the other ranks (torchrun's rendezvous), the host's cores split between them: NCCL between the GPUs, gloo
-    between CPU tensors. Setting up may take long on one rank (pinning, compiling), so the default group waits long;
-    the steps' group does not."""
+    """Join the other ranks (torchrun's rendezvous) in the default group, which waits long: setting up may take long
+    on one rank (pinning, compiling). NCCL between the GPUs, gloo between CPU tensors."""
+    if ranks.several:
+        dist.init_process_group(backend(), timeout=datetime.timedelta(seconds=SETUP_TIMEOUT))
+
+
+def backend() -> str:
+    """The process groups' backends: NCCL between the GPUs, gloo between CPU tensors."""
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+
+
+def join_steps(ranks: Ranks, timeout: float, threads: int) -> None:
+    """The steps' process group, whose collectives wait `timeout` seconds at most (the plan's rank timeout), and this
+    rank's share of the host's cores, `threads`, for its CPU Adam and copies; said."""
     if not ranks.several:
         return
-    split_cores(ranks)
-    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=SETUP_TIMEOUT))
-    STEP_GROUP["group"] = dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=RANK_TIMEOUT))
-
-
-def split_cores(ranks: Ranks) -> None:
-    """The host's cores split evenly between its ranks, each rank's CPU Adam and copies taking its share; said."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    share = max(1, cores // ranks.local_world)
-    torch.set_num_threads(share)
+    STEP_GROUP["group"] = dist.new_group(backend=backend(), timeout=datetime.timedelta(seconds=timeout))
+    STEP_GROUP["timeout"] = timeout
+    torch.set_num_threads(threads)
     log(
-        f"{ranks.world} ranks train, {ranks.local_world} on this host, each on {share} of its {cores} cores (inference "
-        "runs on one GPU: run it without torchrun)"
+        f"{ranks.world} ranks train, {ranks.local_world} on this host, each on {threads} of its {host_cores()} "
+        f"cores, waiting {timeout:g} s at most for the others in a step (inference runs on one GPU: run it without "
+        "torchrun)"
     )
 
 
@@ -3332,19 +3410,29 @@ def host_peaks(ranks: Ranks, host: dict) -> dict:
 
 
 def lost_ranks(ranks: Ranks, error: BaseException) -> str | None:
-    """The line a rank ends on when a collective that Python waits on failed: gloo's (CPU tensors), whose connection
-    drops when another rank ends, or which times out when one stalls. NCCL's collectives fail where Python does not
-    wait: a rank waiting on an ended one is ended by torchrun, whose summary names the rank that ended first; on a
-    stalled one, by NCCL's watchdog after RANK_TIMEOUT. None for one process, or an error of this rank's own."""
-    frames = traceback.extract_tb(error.__traceback__)
-    from_collective = isinstance(error, dist.DistError) or (frames and "torch/distributed/" in frames[-1].filename)
-    if not ranks.several or not from_collective:
+    """The line a rank ends on when a collective that Python waits on failed because another rank ended or stalled:
+    torch's DistError, or gloo's (CPU tensors) connection dropped or timed out, its message naming gloo's source. NCCL's
+    collectives fail where Python does not wait: a rank waiting on an ended one is ended by torchrun, whose summary
+    names the rank that ended first; on a stalled one, by NCCL's watchdog after the rank timeout. None for one process,
+    or for any other error, this rank's own (own_error)."""
+    lost = isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and "gloo/" in str(error))
+    if not ranks.several or not lost:
         return None
     why = str(error).strip().splitlines()[0].split("] ", 1)[-1]  # without gloo's source place
+    timeout = STEP_GROUP.get("timeout", RANK_TIMEOUT)
     return (
-        f"rank {ranks.rank} of {ranks.world} stops: another rank ended, or stalled past the timeout ({RANK_TIMEOUT} s "
+        f"rank {ranks.rank} of {ranks.world} stops: another rank ended, or stalled past the timeout ({timeout:g} s "
         f"in a step, {SETUP_TIMEOUT} s setting up), in a collective (torchrun's summary names it): {why}"
     )
+
+
+def own_error(ranks: Ranks, error: BaseException) -> str:
+    """The line a rank ends on for an error raised in its own code: the rank, the error and the place it was raised
+    in this script (the last frame of it), so the rank that failed first is named by its own line."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename == __file__] or [None]
+    place = f" (offload_llama.py:{frames[-1].lineno}, in {frames[-1].name})" if frames[-1] else ""
+    what = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return f"rank {ranks.rank} of {ranks.world} stops: {type(error).__name__}: {what}{place}"
 
 
 def stop_ranks() -> None:
@@ -3354,30 +3442,322 @@ def stop_ranks() -> None:
         dist.destroy_process_group()
 
 
-# ---------------------------------------------------------------------------------------------------- placement
+# ---------------------------------------------------------------------------------------------------- the plan
+# Every decision about where the bytes go, made once before anything is allocated, from the run and the machine's
+# facts (the ranks agree on theirs first, so each makes the same plan): the units resident on the GPU, those the GPU's
+# Adam steps, the host copy's dtype, the gradient buffers, activation offload, the disk layers, the threads and the
+# rank timeout; with what each costs: the predicted GPU, host and disk peaks and the bound's parts. The store, the
+# streamer, the steppers and the disk tier are built from it; `--plan` prints it and exits.
+
+PROCESS_BYTES = 8 * GiB // 5  # a GPU run's own resident set beside its parts (measured: torch, CUDA, the compiled Adam)
+HOST_MARGIN = 2 * GiB  # of the host budget, left out of the disk layers', the copy's and the buffers' decisions
+RANK_TIMEOUT = 60  # seconds: the least a rank waits for the others in a step's collective (--rank-timeout)
+TIMEOUT_STEPS = 5  # the default timeout is this many times the plan's longest step part, at least RANK_TIMEOUT
 
 
 @dataclass(frozen=True)
-class Placement:
-    """The units resident on the GPU, the GPU bytes that takes by part, and in training the GPU's Adam's units."""
+class Facts:
+    """The machine a plan is made for: a GPU's memory, the host memory the run may take, the disk's free space, a
+    process's own memory, the cores, the ranks and the rates. Measured here, or described by --gpu-memory,
+    --host-memory, --gpus and --rate (measured_facts); with several ranks, agreed over them (agreed_facts)."""
 
-    resident: tuple[int, ...]
-    parts: dict  # part -> bytes
-    gpu_adam: tuple[int, ...] = ()
+    gpu_bytes: int | None  # one GPU's memory; None: no GPU
+    host_bytes: int | None  # what the run may take: MemAvailable, at most --max-host-memory; None: unknown
+    disk_bytes: int | None  # free bytes in --nvme's folder; None without --nvme
+    process_bytes: int  # one process's own resident set beside the model and its state: torch, CUDA's libraries
+    cores: int  # the host's
+    world: int = 1  # ranks
+    local_world: int = 1  # ranks on one host: they share its memory and cores
+    rates: tuple = tuple(DEFAULT_RATES.items())
 
     @property
-    def peak_bytes(self) -> int:
-        """The predicted peak GPU memory."""
-        return sum(self.parts.values())
+    def rate(self) -> dict[str, float]:
+        """The rates by name."""
+        return dict(self.rates)
+
+    @property
+    def ranks(self) -> Ranks:
+        """The ranks as sizes see them: every rank's shard is the same size."""
+        return Ranks(0, self.world, 0, self.local_world)
+
+    @property
+    def host_share(self) -> int | None:
+        """The host memory one rank may take: its share of the host's."""
+        return None if self.host_bytes is None else self.host_bytes // self.local_world
 
 
-def plan_budget(run: RunConfig) -> int | None:
-    """The GPU bytes a placement may plan for: the --max-gpu-memory cap (or the GPU) less PLAN_MARGIN; None without a
-    cap, so overlapped streams every unit, as the tables compare full offload with gpu mode."""
+def measured_facts(run: RunConfig) -> Facts:
+    """This machine's facts, but for those --gpu-memory, --host-memory, --gpus and --rate describe."""
+    gpu = torch.cuda.is_available() and any(m != "cpu" for m in run.modes)
+    described = run.gpu_memory is not None or run.host_memory is not None or run.gpus is not None
+    host = host_memory_available() if run.host_memory is None else int(run.host_memory * GiB)
+    if run.max_host_memory is not None:
+        host = int(min(host or math.inf, run.max_host_memory * GiB))
+    world = (run.gpus or run.ranks.world, run.gpus or run.ranks.local_world)
+    return Facts(
+        gpu_bytes=int(run.gpu_memory * GiB) if run.gpu_memory else gpu_total_bytes() if gpu else None,
+        host_bytes=host,
+        disk_bytes=shutil.disk_usage(run.nvme).free if run.nvme else None,
+        process_bytes=PROCESS_BYTES if described else max(PROCESS_BYTES, process_rss()) if gpu else process_rss(),
+        cores=host_cores(),
+        world=world[0],
+        local_world=world[1],
+        rates=tuple((DEFAULT_RATES | dict(run.rates)).items()),
+    )
+
+
+def gpu_total_bytes() -> int:
+    """The memory of this process's GPU (under torchrun, its rank's)."""
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+
+
+def host_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def agreed_facts(ranks: Ranks, facts: Facts) -> Facts:
+    """The facts every rank plans from: the smallest memory, disk and cores over the ranks, the largest process, the
+    slowest rates, so that one rank's plan never outgrows its machine and all make the same plan."""
+    if not ranks.several:
+        return facts
+    each = ranks.each(facts)
+
+    def least(field: str):
+        """The smallest known value of `field` over the ranks; None where no rank knows it."""
+        known = [getattr(f, field) for f in each if getattr(f, field) is not None]
+        return min(known) if known else None
+
+    rates = {name: min(f.rate[name] for f in each) for name in facts.rate}
+    process = max(f.process_bytes for f in each)
+    return dataclasses.replace(
+        facts,
+        **{field: least(field) for field in ("gpu_bytes", "host_bytes", "disk_bytes", "cores")},
+        process_bytes=process,
+        rates=tuple(rates.items()),
+    )
+
+
+@dataclass(frozen=True)
+class ModePlan:
+    """An offloaded mode's plan: the prefetch depth, inference's resident decoder layers and training's resident
+    units and GPU Adam units, each with its predicted GPU peak by part; whether training fits; the bound's parts."""
+
+    depth: int
+    inference_resident: tuple[int, ...]
+    inference_gpu: dict  # part -> bytes
+    resident: tuple[int, ...]
+    gpu_adam: tuple[int, ...]
+    training_gpu: dict  # part -> bytes
+    training_fits: bool
+    bound_ms: dict  # part -> predicted ms
+
+    @property
+    def training_peak(self) -> int:
+        """The predicted peak GPU memory of a training step."""
+        return sum(self.training_gpu.values())
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The run's plan (make_plan): every decision, and what each costs."""
+
+    facts: Facts
+    offload_activations: bool
+    disk_layers: int  # decoder layers, from the last, whose Adam moments live on the --nvme disk
+    copy_dtype: str | None  # the masters' copy the GPU streams; None: the float32 masters, cast on the GPU
+    grad_buffers: int  # pinned gradient buffers: one per unit, or fewer shared ones
+    threads: int  # the CPU threads of each rank
+    rank_timeout: float  # seconds a rank waits in a step's collective
+    host: dict  # part -> bytes of one rank's peak host memory
+    disk: int  # bytes on the --nvme disk, every rank of the host's
+    modes: dict  # mode -> ModePlan, for the offloaded modes
+
+    @property
+    def host_peak(self) -> int:
+        """The predicted peak host memory of one rank."""
+        return sum(self.host.values())
+
+    @property
+    def torch_copy_dtype(self) -> torch.dtype | None:
+        """The copy's dtype as a torch.dtype."""
+        return DTYPES[self.copy_dtype] if self.copy_dtype else None
+
+    def as_dict(self) -> dict:
+        """The plan for --json and the checkpoint."""
+        return dataclasses.asdict(self)
+
+
+def make_plan(run: RunConfig, config: LlamaConfig, facts: Facts) -> Plan:
+    """The plan of `run` on the machine `facts` describe: a function of these alone, so ranks that agreed on their
+    facts make one plan. Refused (UsageError) where the disk has no room for the layers the host cannot hold."""
+    acts = activation_offload_planned(run, config, facts)
+    run = dataclasses.replace(run, offload_activations=acts)
+    run = dataclasses.replace(run, nvme_layers=disk_layers_planned(run, config, facts))
+    copy = copy_dtype_planned(run, config, facts)
+    buffers = grad_buffers_planned(run, config, facts, copy)
+    modes = {m: mode_plan(run, config, facts, m, copy) for m in run.modes if m in ("blocked", "overlapped")}
+    longest = max((ms for plan in modes.values() for ms in plan.bound_ms.values()), default=0.0)
+    timeout = run.rank_timeout or max(RANK_TIMEOUT, math.ceil(TIMEOUT_STEPS * longest / 1e3))
+    threads = max(1, facts.cores // facts.local_world)
+    kept = set.intersection(*(set(plan.resident) for plan in modes.values())) if run.train and modes else set()
+    host = host_parts(run, config, facts, copy, buffers, kept)
+    disk = run.nvme_layers * disk_unit_bytes(config, facts.ranks) * facts.local_world
+    copy_name = copy and str(copy).removeprefix("torch.")
+    return Plan(facts, acts, run.nvme_layers, copy_name, buffers, threads, timeout, host, disk, modes)
+
+
+def say_plan(run: RunConfig, config: LlamaConfig, plan: Plan) -> None:
+    """Say on stderr what the plan decided that the command line did not ask for."""
+    shards = shard_numels(config, plan.facts.ranks)
+    if plan.offload_activations and not run.offload_activations:
+        saved = size_text((config.num_hidden_layers + 2) * unit_inputs_bytes(run, config, plan.facts))
+        cap = f"{run.max_gpu_memory:g} GiB cap"
+        log(f"activation offload on: the saved inputs ({saved}) do not fit the {cap} with the rest")
+    if offloaded_training(run) and run.torch_dtype != torch.float32 and plan.copy_dtype is None:
+        copy = size_text(run.torch_dtype.itemsize * sum(shards))
+        log(
+            f"no room on the host for the {run.dtype} copy of the masters ({copy}): the GPU streams the float32 "
+            "masters and casts them"
+        )
+    if offloaded_training(run) and plan.grad_buffers < len(shards):
+        buffer = size_text(gradient_dtype(run).itemsize * max(shards))
+        log(f"gradients: {plan.grad_buffers} pinned buffers of {buffer} for {len(shards)} units, all the host holds")
+
+
+def plan_refusal(run: RunConfig, config: LlamaConfig, facts: Facts) -> str | None:
+    """Why the host or the disk cannot hold the run's plan (make_plan's and check_host's line), None where they can."""
+    try:
+        check_host(run, config, make_plan(run, config, facts))
+    except UsageError as e:
+        return str(e)
+    return None
+
+
+def offloaded_training(run: RunConfig) -> bool:
+    """Whether the run trains an offloaded mode: the host then holds the masters and Adam state."""
+    return run.train and offloaded(run.modes)
+
+
+def compared_modes(run: RunConfig) -> set[str]:
+    """The modes whose training is compared with gpu mode's from the same start (a resumed mode starts from its own
+    checkpoint): each then keeps every unit's gradients of the first step."""
+    return (
+        {"gpu", *({"blocked", "overlapped"} & set(run.modes))}
+        if "gpu" in run.modes and offloaded(run.modes) and not run.resume
+        else set()
+    )
+
+
+def gpu_budget(run: RunConfig, facts: Facts) -> int | None:
+    """The GPU bytes a placement may plan for: the --max-gpu-memory cap (at most the GPU) less PLAN_MARGIN; None without
+    a cap, so overlapped streams every unit, as the tables compare full offload with gpu mode."""
     if run.max_gpu_memory is None:
         return None
-    gpu = gpu_total_bytes() if torch.cuda.is_available() else math.inf
-    return int(min(run.max_gpu_memory * GiB, gpu)) - PLAN_MARGIN
+    return int(min(run.max_gpu_memory * GiB, facts.gpu_bytes or math.inf)) - PLAN_MARGIN
+
+
+def host_spare(run, config, facts: Facts, copy, buffers: int, margin: int = HOST_MARGIN) -> int | None:
+    """One rank's host memory left with `copy` and `buffers` gradient buffers, less `margin`; None: not known."""
+    if facts.host_share is None:
+        return None
+    return facts.host_share - sum(host_parts(run, config, facts, copy, buffers).values()) - margin
+
+
+def activation_offload_planned(run: RunConfig, config: LlamaConfig, facts: Facts) -> bool:
+    """--offload-activations, or on by itself where only then does every offloaded mode's training, every unit
+    streamed, fit the GPU budget."""
+    budget = gpu_budget(run, facts)
+    if run.offload_activations or not offloaded_training(run) or budget is None:
+        return run.offload_activations
+    on = dataclasses.replace(run, offload_activations=True)
+
+    def streamed_peak(r: RunConfig, mode: str) -> int:
+        """Training's peak in `mode` with every unit streamed and stepped by the CPU Adam."""
+        depth = r.prefetch if mode == "overlapped" else 0
+        parts = training_parts(r, config, facts, depth, False, (), (), r.torch_dtype) | unplaced_bytes(r, config, facts)
+        return sum(parts.values())
+
+    modes = [m for m in run.modes if m in ("blocked", "overlapped")]
+    return all(streamed_peak(run, m) > budget >= streamed_peak(on, m) for m in modes)
+
+
+def disk_layers_planned(run: RunConfig, config: LlamaConfig, facts: Facts) -> int:
+    """How many decoder layers, from the last, keep their Adam moments on the --nvme disk: --nvme-layers, or the fewest
+    with which the host holds the rest with two gradient buffers and no copy (the copy gets no room of its own:
+    dropping it costs PCIe bytes, far faster than the disk bytes another layer on the disk costs). Refused where the
+    disk has no room for them; where even every layer on it leaves the host short, check_plan says by how much."""
+    if not (run.nvme and offloaded_training(run)):
+        return 0
+    most = config.num_hidden_layers - (run.resident_layers or 0)  # the first layers' moments stay on the GPU
+    if run.nvme_layers is not None and run.nvme_layers > most:
+        raise UsageError(f"--nvme-layers {run.nvme_layers}: the model has {most} decoder layers the CPU Adam steps")
+    counts = [run.nvme_layers] if run.nvme_layers is not None else range(most + 1)
+
+    def fits(d: int, margin: int) -> bool:
+        """The host holds the plan with d layers' moments on the disk, `margin` to spare."""
+        return (host_spare(dataclasses.replace(run, nvme_layers=d), config, facts, None, 2, margin) or 0) >= 0
+
+    layers = next((d for d in counts if fits(d, HOST_MARGIN)), None)
+    layers = next((d for d in counts if fits(d, 0)), None) if layers is None else layers
+    if layers is None:  # the host is short even so: check_plan says by how much
+        return counts[-1]
+    needed, free = layers * disk_unit_bytes(config, facts.ranks) * facts.local_world, facts.disk_bytes
+    if free is not None and needed > free:
+        short = f"{size_text(needed)} of Adam moments, {size_text(needed - free)} more than is free there"
+        raise UsageError(f"--nvme {run.nvme}: {layers} layers' {short}; free some space or give another disk")
+    return layers
+
+
+def copy_dtype_planned(run: RunConfig, config: LlamaConfig, facts: Facts) -> torch.dtype | None:
+    """The dtype of the masters' copy offloaded training streams: the compute dtype; None in float32 (the masters are
+    the weights), or without host room for it (the GPU then streams the float32 masters and casts them)."""
+    if run.torch_dtype == torch.float32 or not offloaded_training(run):
+        return None
+    spare = host_spare(run, config, facts, None, least_grad_buffers(run, config))
+    copy = run.torch_dtype.itemsize * sum(shard_numels(config, facts.ranks))
+    return None if spare is not None and spare < copy else run.torch_dtype
+
+
+def grad_buffers_planned(run: RunConfig, config: LlamaConfig, facts: Facts, copy) -> int:
+    """Offloaded training's pinned gradient buffers: one per unit where every unit's gradients wait for the others'
+    (compared with gpu mode's, float16's loss scale, clipping) or the host has room; else what the host holds, two at
+    least (one filling while the CPU Adam steps the other)."""
+    units, least = len(model_units(config)), least_grad_buffers(run, config)
+    spare = host_spare(run, config, facts, copy, least)
+    if least == units or spare is None or not offloaded_training(run):
+        return units
+    shards, itemsize = shard_numels(config, facts.ranks), gradient_dtype(run).itemsize
+    if spare >= itemsize * (sum(shards) - 2 * max(shards)):
+        return units
+    return 2 + max(0, spare) // (itemsize * max(shards))
+
+
+def least_grad_buffers(run: RunConfig, config: LlamaConfig) -> int:
+    """The fewest gradient buffers the run can train with: one per unit where every unit's gradients wait for the
+    others' (compared with gpu mode's, float16's loss scale, clipping), else two."""
+    return len(model_units(config)) if compared_modes(run) or run.holds_updates else 2
+
+
+def shard_numels(config: LlamaConfig, ranks: Ranks) -> list[int]:
+    """Each unit's elements in one rank's shard of its flat buffers (one process: the whole unit, padding included)."""
+    return [ranks.shard_numel(unit.layout.numel) for unit in model_units(config)]
+
+
+def disk_units(config: LlamaConfig, layers: int) -> tuple[int, ...]:
+    """The units whose Adam moments the disk tier keeps: the last `layers` decoder layers."""
+    return tuple(range(config.num_hidden_layers + 1 - layers, config.num_hidden_layers + 1))
+
+
+def mode_plan(run: RunConfig, config: LlamaConfig, facts: Facts, mode: str, copy) -> ModePlan:
+    """An offloaded mode's placements, for inference and for training, and its training bound's parts."""
+    depth = run.prefetch if mode == "overlapped" else 0
+    inference = inference_placement(run, config, facts, mode) if run.inference else ((), {})
+    training = ((), (), {}, True)
+    if run.train:
+        training = training_placement(run, config, facts, mode, copy)
+    bound = predicted_bound(run, config, facts, depth, training[0], training[1], copy) if run.train else {}
+    return ModePlan(depth, *inference, *training, bound)
 
 
 def spread(n: int, k: int) -> tuple[int, ...]:
@@ -3385,20 +3765,21 @@ def spread(n: int, k: int) -> tuple[int, ...]:
     return tuple(i for i in range(n) if -(-(i + 1) * k // n) > -(-i * k // n))
 
 
-def inference_placement(run: RunConfig, config: LlamaConfig, tokens: int, mode: str) -> Placement:
-    """overlapped: as many decoder layers resident as the budget holds (or --resident-layers), spread; blocked: none."""
-    layers, depth = config.num_hidden_layers, run.prefetch if mode == "overlapped" else 0
+def inference_placement(run: RunConfig, config: LlamaConfig, facts: Facts, mode: str) -> tuple[tuple, dict]:
+    """overlapped: as many decoder layers resident as the budget holds (or --resident-layers), spread; blocked: none.
+    Returns them and the forward's predicted GPU memory by part."""
+    layers, depth, tokens = config.num_hidden_layers, run.prefetch if mode == "overlapped" else 0, run.tokens
 
     def parts(k: int) -> dict[str, int]:
         """The forward's GPU memory with k layers resident."""
         return analytic_peak_bytes(config, run.torch_dtype, tokens, k + min(depth + 1, layers - k))
 
-    count, budget = run.resident_layers, plan_budget(run)
+    count, budget = run.resident_layers, gpu_budget(run, facts)
     if mode != "overlapped" or (count is None and budget is None):
         count = 0
     elif count is None:
         count = max((k for k in range(layers + 1) if sum(parts(k).values()) <= budget), default=0)
-    return Placement(spread(layers, count), parts(count))
+    return spread(layers, count), parts(count)
 
 
 def gpu_adam_units(units: list[Unit], resident, share: float, on_disk=()) -> tuple[int, ...]:
@@ -3417,78 +3798,541 @@ def gpu_adam_units(units: list[Unit], resident, share: float, on_disk=()) -> tup
     return tuple(chosen)
 
 
-def gpu_adam_bytes(store: MasterStore, units) -> int:
-    """StreamedAdam's GPU memory: the largest unit's gradients, two staging slots, a chunk of gradients made float32."""
-    largest = max((store.masters[u].numel() for u in units), default=0)
-    chunk = min(largest, GPU_ADAM_CHUNK)
-    copy = store.copies[0].itemsize if store.copies else 0
-    grads = largest * store.grad_dtype.itemsize
-    return grads + 2 * chunk * (12 + copy) + 4 * chunk * (store.grad_dtype != torch.float32)
-
-
-def training_parts(store: MasterStore, run: RunConfig, depth: int, own_grads: bool, resident, gpu_adam) -> dict:
-    """A training placement's GPU bytes by part. Resident, a parameter takes 14 bytes (weights, float32 master and
-    moments; 12 in float32) and its float32 gradients 4 more, or a share of the gradient buffer (not own_grads)."""
-    b, numels = run.torch_dtype.itemsize, [store.ranks.whole_numel(m) for m in store.masters]
-    kept = [numels[u] for u in resident]
-    streamed = [n for u, n in enumerate(numels) if u not in resident]
-    largest = max(streamed, default=0)
-    grads = largest * store.grad_dtype.itemsize
-    casts = store.copies is None and run.torch_dtype != torch.float32  # the staging buffer of LayerStreamer.cast_in
-    return {
-        "slots": min(depth + 1, len(streamed)) * largest * b + casts * min(largest, STAGING) * 4,
-        "gradient buffer": grads if own_grads else max(grads, 4 * max(kept, default=0)),
-        "GPU Adam staging": gpu_adam_bytes(store, gpu_adam),
-        "resident weights": sum(kept) * (0 if run.torch_dtype == torch.float32 else b),
-        "resident masters and moments": 12 * sum(kept),
-        "resident gradients": 4 * sum(kept) if own_grads else 0,
-    }
-
-
-def training_placement(trainer, run: RunConfig, mode: str, besides: dict[str, int], own_grads: bool) -> Placement:
+def training_placement(run: RunConfig, config: LlamaConfig, facts: Facts, mode: str, copy) -> tuple:
     """overlapped: resident, the longest run of units from the forward's start that fits the budget (or the first
     --resident-layers layers), then gpu_adam_units, unless its staging alone breaks the budget; blocked: none; neither
-    takes a unit whose moments are on the disk. `besides`: bytes no placement changes. A plan past the budget raises
-    torch.OutOfMemoryError: the mode is reported OOM instead of running into the cap."""
-    depth = run.prefetch if mode == "overlapped" else 0
-    on_disk = trainer.store.on_disk
+    takes a unit whose moments are on the disk. Returns (resident, GPU Adam units, predicted GPU bytes by part,
+    whether they fit the budget, or without a cap the GPU)."""
+    depth, units = run.prefetch if mode == "overlapped" else 0, model_units(config)
+    own_grads = bool(compared_modes(run)) or run.holds_updates
+    on_disk, besides = disk_units(config, run.nvme_layers or 0), unplaced_bytes(run, config, facts)
 
-    def placement(resident: list[int], share: float) -> Placement:
+    def placement(resident: list[int], share: float) -> tuple[tuple, tuple, dict]:
         """The placement keeping `resident`, the GPU's Adam stepping up to `share` of the rest, with its parts."""
-        gpu_adam = gpu_adam_units(trainer.units, resident, share, on_disk)
-        parts = training_parts(trainer.store, run, depth, own_grads, resident, gpu_adam)
-        return Placement(tuple(resident), parts | besides, gpu_adam)
+        gpu_adam = gpu_adam_units(units, resident, share, on_disk)
+        parts = training_parts(run, config, facts, depth, own_grads, resident, gpu_adam, copy)
+        return tuple(resident), gpu_adam, parts | besides
 
-    besides, budget = agreed_plan(trainer.store.ranks, besides, plan_budget(run))
-    resident, share = [], run.gpu_adam if mode == "overlapped" else 0.0
-    keeps = mode == "overlapped" and not trainer.store.ranks.several  # a rank's units are its shards: none resident
+    budget, resident, share = gpu_budget(run, facts), [], run.gpu_adam if mode == "overlapped" else 0.0
+    keeps = mode == "overlapped" and facts.world == 1  # a rank's units are its shards: none resident
     if keeps and run.resident_layers is not None:
         resident = list(range(1, 1 + run.resident_layers))  # unit 0 is the embeddings
     elif keeps and budget is not None:
         while (
-            len(resident) < len(trainer.units)
+            len(resident) < len(units)
             and len(resident) not in on_disk
-            and placement([*resident, len(resident)], share).peak_bytes <= budget
+            and sum(placement([*resident, len(resident)], share)[2].values()) <= budget
         ):
             resident.append(len(resident))
     chosen = placement(resident, share)
-    if budget is not None and chosen.peak_bytes > budget:
+    if budget is not None and sum(chosen[2].values()) > budget:
         chosen = placement(resident, 0.0)  # every streamed unit on the CPU Adam: no staging on the GPU
-    if budget is not None and chosen.peak_bytes > budget:
-        raise torch.OutOfMemoryError(
-            f"the plan needs {size_text(chosen.peak_bytes)}, more than the {size_text(budget)} the cap leaves a plan: "
-            "use --offload-activations, or fewer or shorter sequences"
-        )
-    return chosen
+    limit = budget if budget is not None else facts.gpu_bytes or math.inf
+    return (*chosen, sum(chosen[2].values()) <= limit)
 
 
-def agreed_plan(ranks: Ranks, besides: dict[str, int], budget: int | None) -> tuple[dict[str, int], int | None]:
-    """What every rank plans from: each part's largest measurement and the smallest budget over the ranks, so that
-    all make one plan (one rank's planned OOM alone would leave the others waiting in a collective)."""
-    each = ranks.each((besides, budget))
-    besides = {part: max(measured[part] for measured, _ in each) for part in besides}
-    budgets = [b for _, b in each if b is not None]
-    return besides, min(budgets) if budgets else None
+def training_parts(run, config, facts: Facts, depth: int, own_grads: bool, resident, gpu_adam, copy) -> dict:
+    """A training placement's GPU bytes by part. Resident, a parameter takes 14 bytes (weights, float32 master and
+    moments; 12 in float32) and its float32 gradients 4 more, or a share of the gradient buffer (not own_grads). With
+    several ranks, each rank's shard of a unit's gradients summed over them lands in a buffer of its own."""
+    b, shards = run.torch_dtype.itemsize, shard_numels(config, facts.ranks)
+    numels = [shard * facts.world for shard in shards]  # each unit whole on the GPU, its shards gathered
+    kept = [numels[u] for u in resident]
+    streamed = [n for u, n in enumerate(numels) if u not in resident]
+    largest = max(streamed, default=0)
+    grads = largest * gradient_dtype(run).itemsize
+    casts = copy is None and run.torch_dtype != torch.float32  # the staging buffer of LayerStreamer.cast_in
+    return {
+        "slots": min(depth + 1, len(streamed)) * largest * b + casts * min(largest, STAGING) * 4,
+        "gradient buffer": grads if own_grads else max(grads, 4 * max(kept, default=0)),
+        "GPU Adam staging": gpu_adam_bytes(run, [shards[u] for u in gpu_adam], copy),
+        "resident weights": sum(kept) * (0 if run.torch_dtype == torch.float32 else b),
+        "resident masters and moments": 12 * sum(kept),
+        "resident gradients": 4 * sum(kept) if own_grads else 0,
+        "summed gradients": max(shards) * gradient_dtype(run).itemsize if facts.world > 1 else 0,  # Steppers.summed
+    }
+
+
+def gpu_adam_bytes(run: RunConfig, shards: list[int], copy) -> int:
+    """StreamedAdam's GPU memory: the largest unit's gradients, two staging slots, a chunk of gradients made float32."""
+    largest = max(shards, default=0)
+    chunk, grad_dtype = min(largest, GPU_ADAM_CHUNK), gradient_dtype(run)
+    copy_bytes = copy.itemsize if copy else 0
+    return largest * grad_dtype.itemsize + 2 * chunk * (12 + copy_bytes) + 4 * chunk * (grad_dtype != torch.float32)
+
+
+def unplaced_bytes(run: RunConfig, config: LlamaConfig, facts: Facts) -> dict[str, int]:
+    """The part of a training step's peak GPU memory that no placement changes, where the step peaks (in a unit's
+    forward or its backward): the saved inputs, the unit's working set and the rest (other_bytes)."""
+    kinds = [unit.kind for unit in model_units(config)]
+    working = {kind: working_bytes(run, config, kind, facts) for kind in dict.fromkeys(kinds)}
+    inputs = unit_inputs_bytes(run, config, facts)
+    # saved inputs while unit u runs: units 1 to u's (the embeddings keep token ids); with activation offload, the two
+    # units' still leaving in the forward and none in the backward (their slots are in other_bytes)
+    saved = {(u, b): u * inputs for u in range(len(kinds)) for b in (0, 1)}
+    if run.offload_activations:
+        saved = {(u, b): 0 if b else min(u, 2) * inputs for u, b in saved}
+    u, backward = max(saved, key=lambda ub: saved[ub] + working[kinds[ub[0]]][ub[1]])
+    working_set = working[kinds[u]][backward]
+    return {"saved inputs": saved[u, backward], "working set": working_set, "other": other_bytes(run, config, facts)}
+
+
+def micro_batches_per_rank(run: RunConfig, facts: Facts) -> int:
+    """The most micro-batches of a step one rank trains on (rank 0's)."""
+    return -(-run.grad_accum // facts.world)
+
+
+def unit_inputs_bytes(run: RunConfig, config: LlamaConfig, facts: Facts = None) -> int:
+    """What one unit keeps for its backward: its input hidden states, one tensor per micro-batch of the rank's."""
+    micro_batches = run.grad_accum if facts is None else micro_batches_per_rank(run, facts)
+    return micro_batches * run.tokens * config.hidden_size * run.torch_dtype.itemsize
+
+
+def other_bytes(run: RunConfig, config: LlamaConfig, facts: Facts) -> int:
+    """A training step's GPU memory besides the units' weights, gradients, saved inputs and working sets: cuBLAS's
+    workspace, what HF passes each decoder layer (the rotary tables, the positions; eager attention's mask), every
+    micro-batch's token ids, and with activation offload its ring of slots the saved inputs come back in."""
+    kwargs = traced_decoder_kwargs(trace_key(run, config))
+    passed = sum(t.nbytes for t in tree_leaves(kwargs) if isinstance(t, torch.Tensor))
+    ids = micro_batches_per_rank(run, facts) * run.tokens * 8
+    slots = min(run.prefetch + 1, config.num_hidden_layers + 1) if run.offload_activations else 0
+    return CUBLAS_WORKSPACE + passed + ids + slots * unit_inputs_bytes(run, config, facts)
+
+
+def working_bytes(run: RunConfig, config: LlamaConfig, kind: str, facts: Facts) -> tuple[int, int]:
+    """The most GPU memory a unit of `kind` allocates beyond its weights and inputs: in its forward over the rank's
+    micro-batches (their outputs kept), and in its recompute and backward of each in turn (their input gradients
+    kept), traced on the meta device (traced_passes); with what CUDA allocates there and the meta kernels do not."""
+    forward, backward = traced_passes(trace_key(run, config), kind, micro_batches_per_rank(run, facts))
+    if kind == "layer":  # the backward's thread allocates its cuBLAS workspace in the first layer's backward
+        backward += CUBLAS_WORKSPACE
+    if kind == "layer" and run.attention == "eager":  # the float32 gradient of the scores' softmax
+        backward += 4 * run.batch_size * config.num_attention_heads * run.seq_len**2
+    if kind == "embed" and run.tokens > 3072:  # CUDA's sorted backward: float32 sums of each run of a token's rows
+        backward += 9 * run.tokens * config.hidden_size // 2
+    return forward, backward
+
+
+class MetaMemory(TorchDispatchMode):
+    """While on, counts the storages the ops make (on the meta device: nothing is allocated), each rounded as the
+    caching allocator rounds a block and counted until torch frees it, and their peak (`peak`, reset by `reset`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.peak, self.counted = 0, 0, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        """Run the op; count each output storage that is not one of its inputs' (a view or an in-place result)."""
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in inputs:
+                self.count(t.untyped_storage())
+        return out
+
+    def count(self, storage) -> None:
+        """Count a new storage until it is freed."""
+        key, nbytes = storage._cdata, -(-storage.nbytes() // 512) * 512
+        if key in self.counted:
+            return
+        self.counted.add(key)
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self.free, key, nbytes)
+
+    def free(self, key: int, nbytes: int) -> None:
+        """A counted storage was freed."""
+        self.live -= nbytes
+        self.counted.discard(key)
+
+    def reset(self) -> None:
+        """Count the peak from now."""
+        self.peak = self.live
+
+
+def trace_key(run: RunConfig, config: LlamaConfig, layers: int = 1) -> tuple:
+    """What a trace depends on: the config as JSON (with `layers` decoder layers: a unit's passes depend on none),
+    the attention, the dtype, the micro-batch's shape."""
+    config = copy.deepcopy(config)
+    config.num_hidden_layers = layers
+    return config.to_json_string(), run.attention, run.dtype, run.batch_size, run.seq_len
+
+
+@functools.cache
+def traced_passes(key: tuple, kind: str, micro_batches: int) -> tuple[int, int]:
+    """A unit's forward over `micro_batches` and then its recompute and backward of each, as unit_passes runs them,
+    on the meta device under MetaMemory: the peak bytes of each beyond the weights and inputs (key: trace_key's)."""
+    config_json, attention, dtype_name, batch_size, seq_len = key
+    config, dtype, shape = LlamaConfig.from_dict(json.loads(config_json)), DTYPES[dtype_name], (batch_size, seq_len)
+    with torch.device("meta"):
+        model = LlamaForCausalLM._from_config(config, dtype=dtype, attn_implementation=attention)
+        module = unit_module(kind, model.config).to(dtype).requires_grad_()
+    kwargs = traced_decoder_kwargs(key)
+    ids = [torch.zeros(shape, dtype=torch.long, device="meta") for _ in range(micro_batches)]
+    xs = ids if kind == "embed" else [torch.zeros(*shape, config.hidden_size, dtype=dtype, device="meta")] * len(ids)
+
+    def run_unit(x: torch.Tensor, k: int) -> torch.Tensor:
+        """OffloadedTraining.run_unit's unit on micro-batch k."""
+        if kind == "layer":
+            return module(x, **kwargs)
+        if kind == "head":
+            return model.loss_function(module(x), ids[k], vocab_size=config.vocab_size)
+        return module(x)
+
+    with sdpa_as_on_cuda(), MetaMemory() as memory:
+        with torch.no_grad():
+            outs = [run_unit(x, k) for k, x in enumerate(xs)]
+        forward = memory.peak
+        memory.reset()
+        grads_in = []
+        for k, (x, out) in enumerate(zip(xs, outs, strict=True)):
+            x = x.detach().requires_grad_(x.is_floating_point())
+            inputs = [x, *module.parameters()] if x.requires_grad else list(module.parameters())
+            grads = torch.autograd.grad(run_unit(x, k), inputs, out)
+            grads_in.append(grads[0] if x.requires_grad else None)  # kept, as the backward's are until it returns
+            del grads  # the parameters' gradients are added into the buffer and freed before the next micro-batch
+    return forward, memory.peak
+
+
+@functools.cache
+def traced_model_step(key: tuple) -> int:
+    """The peak bytes of the resident model's forward and backward over one micro-batch beyond its weights, its
+    activations and the parameters' gradients, traced on the meta device (key: trace_key's)."""
+    config_json, attention, dtype_name, batch_size, seq_len = key
+    config, dtype, shape = LlamaConfig.from_dict(json.loads(config_json)), DTYPES[dtype_name], (batch_size, seq_len)
+    with torch.device("meta"):
+        model = LlamaForCausalLM._from_config(config, dtype=dtype, attn_implementation=attention)
+    kwargs, base = traced_decoder_kwargs(key), model.model
+    ids = torch.zeros(shape, dtype=torch.long, device="meta")
+    with sdpa_as_on_cuda(), MetaMemory() as memory:
+        hidden = base.embed_tokens(ids)
+        for layer in base.layers:
+            hidden = layer(hidden, **kwargs)
+        model.loss_function(model.lm_head(base.norm(hidden)), ids, vocab_size=config.vocab_size).backward()
+    return memory.peak
+
+
+@functools.cache
+def traced_decoder_kwargs(key: tuple) -> dict:
+    """What HF passes each decoder layer (decoder_kwargs), on the meta device: computed on the CPU by a model of one
+    token and no decoder layer, told it has one so that decoder_kwargs' recorder stands in for it (key: trace_key's)."""
+    config_json, attention, dtype_name, batch_size, seq_len = key
+    config, dtype, shape = LlamaConfig.from_dict(json.loads(config_json)), DTYPES[dtype_name], (batch_size, seq_len)
+    small = copy.deepcopy(config)
+    small.vocab_size, small.num_hidden_layers = 1, 0
+    model = LlamaForCausalLM._from_config(small, dtype=dtype, attn_implementation=attention)
+    model.config.num_hidden_layers = 1
+    kwargs = decoder_kwargs(model, shape, dtype, torch.device("cpu"))
+    return tree_map(lambda t: torch.empty_like(t, device="meta") if isinstance(t, torch.Tensor) else t, kwargs)
+
+
+@contextlib.contextmanager
+def sdpa_as_on_cuda():
+    """While on, sdpa on the meta device runs the kernel CUDA runs without a mask: flash attention in 16 bits, the
+    memory-efficient one in float32 but for grouped heads (the meta device's own choice, as CUDA's there, is the math
+    kernel, whose scores are quadratic)."""
+    plain = nn.functional.scaled_dot_product_attention
+
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        """Flash or memory-efficient attention on meta tensors; otherwise torch's own."""
+        grouped = enable_gqa and k.shape[1] != q.shape[1]  # the memory-efficient kernel takes no grouped heads
+        if attn_mask is not None or q.device.type != "meta" or (grouped and q.dtype == torch.float32):
+            return plain(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+        if q.dtype == torch.float32:
+            grad = torch.is_grad_enabled() and q.requires_grad
+            return torch.ops.aten._scaled_dot_product_efficient_attention(
+                q, k, v, None, grad, dropout_p, is_causal, scale=scale
+            )[0]
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+
+    nn.functional.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        nn.functional.scaled_dot_product_attention = plain
+
+
+def host_parts(run: RunConfig, config: LlamaConfig, facts: Facts, copy, buffers: int, resident=()) -> dict[str, int]:
+    """One rank's peak host memory by part: the process itself; the model as built (none where it is drawn unit by
+    unit into the masters); for offloaded training this rank's shard of the float32 masters, of their Adam moments
+    (but the disk tier's, staged in its buffers instead, and the `resident` units', whose pages are never touched), of
+    the copy and of the gradient buffers, and the bound's scratch Adam state; the states kept to compare with gpu
+    mode's; the cpu mode's training; the passes' ids, logits and inputs."""
+    b, params, shards = run.torch_dtype.itemsize, param_count(config), shard_numels(config, facts.ranks)
+    parts = {"process": facts.process_bytes, "model": 0 if draws_units(run) else b * params}
+    if offloaded_training(run):
+        on_disk = disk_units(config, run.nvme_layers or 0)
+        untouched = sum(shards[u] for u in {*on_disk, *resident})
+        grads = gradient_dtype(run).itemsize * (sum(shards) if buffers >= len(shards) else buffers * max(shards))
+        parts |= {
+            "float32 masters": 4 * sum(shards),
+            "Adam moments": 8 * (sum(shards) - untouched),
+            "disk tier's buffers": DISK_SLOTS * disk_unit_bytes(config, facts.ranks) if on_disk else 0,
+            "masters' copy": copy.itemsize * sum(shards) if copy else 0,
+            "gradient buffers": grads,
+            "bound's scratch Adam": 16 * min(max(shards[1:-1] or shards), ADAM_SCRATCH) * bool(facts.gpu_bytes),
+        }
+    compared = compared_modes(run)
+    if run.train and compared:  # each compared mode's first gradients and last masters, float32
+        parts["compared states"] = 8 * params * len(compared)
+    if run.train and "cpu" in run.modes:
+        # a copy of the model, its float32 masters, their gradients and moments; a step's activations and gradients
+        step = traced_model_step(trace_key(run, config, config.num_hidden_layers))
+        parts["cpu mode's training"] = params * (b + 16) + step
+    return parts | {"passes": host_pass_bytes(run, config, facts)}
+
+
+def predicted_bound(run, config, facts: Facts, depth: int, resident, gpu_adam, copy) -> dict[str, float]:
+    """What a training step cannot beat, predicted from the rates (ms by part): the GPU's compute (forward, recompute
+    and backward: four forwards' FLOPs), the H2D and D2H copies, the CPU Adam's bytes, all the host's bytes together
+    (every rank's on it) and the disk tier's reads and writes."""
+    rate, shards = facts.rate, shard_numels(config, facts.ranks)
+    streamed = [u for u in range(len(shards)) if u not in resident]
+    kept = streamed[-min(depth + 1, len(streamed)) :] if streamed else []  # the backward finds them in the slots
+    on_gpu = sum(shards[u] for u in gpu_adam)
+    on_cpu = sum(shards[u] for u in streamed if u not in gpu_adam)
+    grad, copied = gradient_dtype(run).itemsize, copy.itemsize if copy else 0
+    weights = (copied or 4) * (2 * sum(shards[u] for u in streamed) - sum(shards[u] for u in kept))
+    h2d, d2h = weights + 12 * on_gpu, grad * on_cpu + (12 + copied) * on_gpu
+    adam = on_cpu * (24 + grad + copied)  # masters and moments read and written, gradients read, the copy written
+    disk = 2 * (run.nvme_layers or 0) * disk_unit_bytes(config, facts.ranks)  # read, and written back
+    flops = 4 * pass_flops(run, config) * micro_batches_per_rank(run, facts)
+    tflops = rate["gpu_tflops"] / (8 if run.torch_dtype == torch.float32 else 1)
+    parts = {
+        "gpu_compute_ms": flops / tflops / 1e9,
+        "h2d_ms": h2d / rate["h2d_gbps"] / 1e6,
+        "d2h_ms": d2h / rate["d2h_gbps"] / 1e6,
+        "cpu_adam_ms": adam / rate["adam_gbps"] / 1e6,
+        "host_memory_ms": facts.local_world * (adam + h2d + d2h + disk) / rate["host_gbps"] / 1e6,
+    }
+    return parts | ({"disk_ms": disk / rate["disk_gbps"] / 1e6} if disk else {})
+
+
+def check_plan(run: RunConfig, config: LlamaConfig, plan: Plan) -> None:
+    """Refuse, before a byte is allocated, what the plan says will not fit: a GPU mode's least memory past the GPU (or
+    its cap), the host's memory, and with several ranks an offloaded training placement past the cap (one rank's OOM
+    would leave the others waiting in a collective; the same line on every rank, as they share the plan)."""
+    run = dataclasses.replace(run, offload_activations=plan.offload_activations, nvme_layers=plan.disk_layers)
+    gpu_modes = [m for m in run.modes if m != "cpu"]
+    if gpu_modes and plan.facts.gpu_bytes is not None:
+        cap = int(min(run.max_gpu_memory * GiB, plan.facts.gpu_bytes)) if run.max_gpu_memory else plan.facts.gpu_bytes
+        needs = {mode: gpu_bytes_needed(run, config, mode) for mode in gpu_modes}
+        least = min(needs, key=needs.get)
+        if needs[least] > cap:
+            what = f"the --max-gpu-memory cap of {run.max_gpu_memory:g} GiB" if run.max_gpu_memory else "the GPU has"
+            raise UsageError(
+                f"mode {least} needs at least {size_text(needs[least])} of GPU memory for {run.grad_accum} x "
+                f"{run.batch_size} x {run.seq_len} tokens, more than {what} ({size_text(cap)}): use fewer or shorter "
+                "sequences"
+            )
+    for mode, placed in plan.modes.items():
+        if run.ranks.several and run.train and not placed.training_fits:
+            raise UsageError(
+                f"mode {mode}: the plan needs {size_text(placed.training_peak)} of GPU memory a rank, more than the "
+                f"{size_text(gpu_budget(run, plan.facts) or plan.facts.gpu_bytes)} it leaves: use "
+                "--offload-activations, or fewer or shorter sequences"
+            )
+    check_host(run, config, plan)
+
+
+def check_host(run: RunConfig, config: LlamaConfig, plan: Plan) -> None:
+    """The host holds the plan's peak (with several ranks on it, each rank's share of it)."""
+    available = plan.facts.host_share
+    if available is None or plan.host_peak <= available:
+        return
+    passes = plan.host["passes"]
+    sequences = "use fewer or shorter sequences (--batch-size, --seq-len, --grad-accum)"
+    advice = (
+        sequences
+        if passes > plan.host_peak - passes
+        else "use a smaller model"
+        if run.model
+        else f"use {SMALLER_LAYERS}"
+    )
+    if run.nvme is None and advice != sequences and offloaded_training(run):
+        advice += ", or give --nvme DIR on a local disk for the Adam state"
+    largest = sorted(((n, part) for part, n in plan.host.items() if n >= plan.host_peak / 20), reverse=True)
+    parts = ", ".join(f"{part} {size_text(n)}" for n, part in largest)
+    short = f"{size_text(plan.host_peak - available)} short; the largest parts: {parts}"
+    raise UsageError(
+        f"the run needs {size_text(plan.host_peak)} of host memory, only {size_text(available)} are available "
+        f"({short}): {advice}"
+    )
+
+
+def plan_table(plan: Plan, run: RunConfig, config: LlamaConfig) -> str:
+    """The plan as one table: the machine it is made for, each decision, and what it predicts."""
+    facts, units = plan.facts, model_units(config)
+    gpu = f"{gib(facts.gpu_bytes)} GiB" if facts.gpu_bytes else "no GPU"
+    host = f"{gib(facts.host_bytes)} GiB" if facts.host_bytes else "unknown"
+    rows = [
+        ("machine", f"{facts.world} rank(s), {facts.local_world} a host; a GPU: {gpu}; host memory: {host}"),
+        ("activation offload", "on" if plan.offload_activations else "off"),
+        ("Adam moments on the disk", f"the last {plan.disk_layers} decoder layers ({size_text(plan.disk)})"),
+        ("the masters' copy the GPU streams", plan.copy_dtype or "none: the float32 masters, cast on the GPU"),
+        ("pinned gradient buffers", f"{plan.grad_buffers} for {len(units)} units"),
+        ("threads a rank; rank timeout", f"{plan.threads}; {plan.rank_timeout:g} s"),
+        ("predicted peak host, a rank", f"{gib(plan.host_peak)} GiB: {parts_text(plan.host)}"),
+    ]
+    for mode, placed in plan.modes.items():
+        if run.inference:
+            layers = ", ".join(map(str, placed.inference_resident)) or "none"
+            peak = sum(placed.inference_gpu.values())
+            rows.append((f"{mode} inference", f"resident decoder layers: {layers}; predicted peak GPU {gib(peak)} GiB"))
+        if run.train:
+            resident = unit_names(units, placed.resident)
+            fits = "" if placed.training_fits else " (does not fit)"
+            rows.append((f"{mode} training: resident; GPU Adam", f"{resident}; {unit_names(units, placed.gpu_adam)}"))
+            rows.append(
+                (
+                    f"{mode} training: peak GPU",
+                    f"{gib(placed.training_peak)} GiB{fits}: {parts_text(placed.training_gpu)}",
+                )
+            )
+            by = max(placed.bound_ms, key=placed.bound_ms.get)
+            parts = ", ".join(
+                f"{part.removesuffix('_ms').replace('_', ' ')} {ms:.0f}" for part, ms in placed.bound_ms.items()
+            )
+            rows.append(
+                (f"{mode} training: bound", f"{placed.bound_ms[by]:.0f} ms ({by.removesuffix('_ms')}): {parts}")
+            )
+    lines = ["plan (--plan; predictions from the rates " + ", ".join(f"{k} {v:g}" for k, v in facts.rates) + ")", ""]
+    return "\n".join([*lines, "| | |", "|---|---|", *(f"| {what} | {value} |" for what, value in rows)]) + "\n"
+
+
+def parts_text(parts: dict) -> str:
+    """Parts of a peak in words, the largest first, those under a MiB left out."""
+    kept = sorted(((n, part) for part, n in parts.items() if n >= 2**20), reverse=True)
+    return ", ".join(f"{part} {gib(n)}" for n, part in kept)
+
+
+def unit_names(units: list[Unit], chosen) -> str:
+    """Units by name, runs of decoder layers joined: model.embed_tokens, model.layers.0-13."""
+    if not chosen:
+        return "none"
+    names, layers = [], [u - 1 for u in chosen if units[u].kind == "layer"]
+    names += [units[u].name for u in chosen if units[u].kind == "embed"]
+    if layers:
+        names.append(f"model.layers.{layers[0]}" + (f"-{layers[-1]}" if len(layers) > 1 else ""))
+    return ", ".join(names + [units[u].name for u in chosen if units[u].kind == "head"])
+
+
+def params_with_layers(config: LlamaConfig, layers: int) -> int:
+    """The parameter count of the configured model with `layers` decoder layers."""
+    per_layer = sum(p.numel() for p in meta_layer(config).parameters())
+    return param_count(config) + (layers - config.num_hidden_layers) * per_layer
+
+
+def layer_numel(config: LlamaConfig, ranks: Ranks = Ranks()) -> int:
+    """A decoder layer's elements in its flat buffers, padding included (with several ranks, in a rank's shard)."""
+    return ranks.shard_numel(model_units(config)[1].layout.numel)
+
+
+def disk_unit_bytes(config: LlamaConfig, ranks: Ranks = Ranks()) -> int:
+    """The bytes of a decoder layer's two Adam moments in the disk tier: its file, and each staging buffer."""
+    return 2 * moment_bytes(layer_numel(config, ranks))
+
+
+def moment_bytes(numel: int) -> int:
+    """One Adam moment of `numel` float32 elements in the disk tier, in whole blocks (as direct I/O moves them)."""
+    return -(-4 * numel // DISK_BLOCK) * DISK_BLOCK
+
+
+def gradient_dtype(run: RunConfig) -> torch.dtype:
+    """The dtype gradients leave the GPU in: the backward's own bfloat16 with one micro-batch, else float32."""
+    return torch.bfloat16 if run.torch_dtype == torch.bfloat16 and run.grad_accum == 1 else torch.float32
+
+
+def host_pass_bytes(run: RunConfig, config: LlamaConfig, facts: Facts) -> int:
+    """Host memory besides the parameters: token ids, inference's logits, the pinned saved inputs (a rank's), the cpu
+    mode's activations."""
+    tokens, dtype = run.batch_size * run.seq_len, run.torch_dtype
+    ids = (1 + run.grad_accum) * tokens * 8  # int64: inference's batch and training's micro-batches
+    logits = len(run.modes) * tokens * config.vocab_size * dtype.itemsize if run.inference else 0
+    saved = (config.num_hidden_layers + 2) * unit_inputs_bytes(run, config, facts)
+    pool = saved if run.offload_activations and offloaded_training(run) else 0
+    cpu = max(activation_bytes(config, dtype, tokens), attention_bytes(run, config, whole_backward=run.train))
+    return ids + logits + pool + (cpu if "cpu" in run.modes else 0)
+
+
+def attention_bytes(run: RunConfig, config: LlamaConfig, whole_backward: bool) -> int:
+    """Eager attention's scores at their least: a micro-batch's batch x heads x seq-len x seq-len of them, scaled beside
+    the raw ones; whole_backward: the resident model's training, where every layer keeps its probabilities for the
+    backward (an offloaded unit recomputes its own, one at a time). sdpa keeps none."""
+    if run.attention != "eager":
+        return 0
+    scores = run.batch_size * config.num_attention_heads * run.seq_len**2 * run.torch_dtype.itemsize
+    return scores * (config.num_hidden_layers + 1 if whole_backward else 2)
+
+
+def gpu_bytes_needed(run: RunConfig, config: LlamaConfig, mode: str) -> int:
+    """A lower bound on a mode's GPU memory, known before allocating: weights or slots, state, inputs, activations."""
+    dtype, b = run.torch_dtype, run.torch_dtype.itemsize
+    layers = config.num_hidden_layers
+    act = activation_bytes(config, dtype, run.batch_size * run.seq_len, at_least=True)
+    act = max(act, attention_bytes(run, config, whole_backward=run.train and mode == "gpu"))
+    if mode == "gpu":
+        return param_count(config) * (2 * b + 16 if run.train else b) + act
+    depth = 0 if mode == "blocked" else run.prefetch
+    inference = min(depth + 1, layers) * layer_bytes(config, dtype) + resident_bytes(config, dtype) + act
+    if not run.train:
+        return inference
+    unit_numel = max(layer_bytes(config, dtype) // b, config.vocab_size * config.hidden_size)  # a layer or the head
+    # the units' saved inputs: all, or with activation offload the ring of slots and two still being copied out
+    saved_units = min(depth + 1, layers + 2) + 2 if run.offload_activations else layers + 2
+    weights = min(depth + 1, layers + 3) * unit_numel * b + 4 * unit_numel  # the slots and the float32 gradients
+    return max(inference, weights + saved_units * unit_inputs_bytes(run, config) + act)
+
+
+def pass_flops(run: RunConfig, config: LlamaConfig) -> float:
+    """A forward pass's matrix FLOPs over one micro-batch: 2 a parameter a token, and the attention's scores and their
+    weighted sums, 4 x seq-len² x hidden a sequence and layer."""
+    tokens = run.batch_size * run.seq_len
+    attention = 4 * config.num_hidden_layers * run.batch_size * run.seq_len**2 * config.hidden_size
+    return 2 * param_count(config) * tokens + attention
+
+
+def run_flops(run: RunConfig, config: LlamaConfig) -> dict[str, float]:
+    """The FLOPs the run's modes compute at least, on the CPU and on the GPU: each inference pass timed, and each
+    training step's forward, recompute and backward (twice a forward) over its micro-batches."""
+    flops = {"cpu": 0.0, "cuda": 0.0}
+    for mode in run.modes:
+        device = "cpu" if mode == "cpu" else "cuda"
+        passes = 1 if mode == "cpu" else run.warmup + run.repeat
+        flops[device] += pass_flops(run, config) * (passes * run.inference + 4 * run.steps * run.grad_accum * run.train)
+    return flops
+
+
+def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
+    """The FLOP/s of square matmuls in `dtype` on `device`, over a tenth of a second or so: a rough rate."""
+    n = 2048 if device.type == "cuda" else 256
+    a = torch.ones(n, n, dtype=dtype, device=device)
+    a @ a  # the first call picks its kernel
+    count, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < 0.1:
+        for _ in range(8 if device.type == "cuda" else 1):
+            a @ a
+            count += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return 2 * n**3 * count / (time.perf_counter() - t0)
+
+
+def warn_if_long(run: RunConfig, config: LlamaConfig) -> None:
+    """Say on stderr how long the run will compute at least where that is over a minute: its FLOPs at each device's
+    rate, measured only where the FLOPs take a minute even at FAST_FLOPS."""
+    flops = {device: f for device, f in run_flops(run, config).items() if f > 60 * FAST_FLOPS[device]}
+    seconds = sum(f / matmul_rate(torch.device(device), run.torch_dtype) for device, f in flops.items())
+    if seconds > 60:
+        log(f"note: this run computes for {duration_text(seconds)} at least, at the rate a matmul reaches here")
+
+
+def duration_text(seconds: float) -> str:
+    """A duration in words: 45 s, 12 min, 3.2 h, 18 days."""
+    for unit, name in ((86400, "days"), (3600, "h"), (60, "min")):
+        if seconds >= 2 * unit or (unit < 86400 and seconds >= unit):
+            return f"{seconds / unit:.1f} {name}" if seconds < 10 * unit else f"{seconds / unit:.0f} {name}"
+    return f"{seconds:.0f} s"
 
 
 # ---------------------------------------------------------------------------------------------------- modes
@@ -3535,8 +4379,9 @@ def infer_offloaded(model, store: ParamStore, input_ids, device, depth: int, run
     return result, logits.cpu()
 
 
-def run_mode(mode: str, model, store, input_ids, run: RunConfig, config) -> tuple[dict, torch.Tensor | None]:
+def run_mode(mode: str, model, store, input_ids, run: RunConfig, plan: Plan) -> tuple[dict, torch.Tensor | None]:
     """One mode's inference result; {'oom': True} when it does not fit the GPU (or the --max-gpu-memory cap)."""
+    config = model.config
     device = torch.device("cpu" if mode == "cpu" else "cuda")
     log(f"mode {mode}: inference over {input_ids.numel()} tokens ...")
     reset_peak_memory(device)
@@ -3544,69 +4389,52 @@ def run_mode(mode: str, model, store, input_ids, run: RunConfig, config) -> tupl
         with torch.inference_mode():
             if mode in ("gpu", "cpu"):
                 return infer_resident(model, input_ids, device, run, config)
-            placement = inference_placement(run, config, input_ids.numel(), mode)
-            if placement.resident:
-                layers = ", ".join(map(str, placement.resident))
-                log(f"mode {mode}: decoder layers {layers} resident, predicted peak {gib(placement.peak_bytes)} GiB")
-            depth = run.prefetch if mode == "overlapped" else 0
-            return infer_offloaded(model, store, input_ids, device, depth, run, config, placement.resident)
+            placed = plan.modes[mode]
+            if placed.inference_resident:
+                layers = ", ".join(map(str, placed.inference_resident))
+                peak = gib(sum(placed.inference_gpu.values()))
+                log(f"mode {mode}: decoder layers {layers} resident, predicted peak {peak} GiB")
+            return infer_offloaded(
+                model, store, input_ids, device, placed.depth, run, config, placed.inference_resident
+            )
     except torch.OutOfMemoryError:
         log(f"mode {mode}: out of GPU memory")
         return {"oom": True}, None
 
 
-def place_units(trainer: OffloadedTraining, micro_batches, run: RunConfig, mode: str, compared: bool) -> dict:
-    """Place the units (training_placement) and install them; log the placement and describe it for the JSON."""
-    own_grads = compared or run.holds_updates
-    placement = training_placement(trainer, run, mode, unplaced_bytes(trainer, micro_batches), own_grads)
-    trainer.place(placement.resident, placement.gpu_adam, own_grads)
-    torch.cuda.reset_peak_memory_stats(trainer.device)  # the step's peak, not the working set's measurement
-    resident = [trainer.units[u].name for u in placement.resident]
-    gpu_adam = [trainer.units[u].name for u in placement.gpu_adam]
-    parts = ", ".join(f"{part} {gib(n)}" for part, n in placement.parts.items())
+def place_units(trainer: OffloadedTraining, run: RunConfig, mode: str, plan: Plan) -> dict:
+    """Install the plan's placement of the units; log it and describe it for the JSON."""
+    placed = plan.modes[mode]
+    trainer.place(placed.resident, placed.gpu_adam, bool(compared_modes(run)) or run.holds_updates)
+    torch.cuda.reset_peak_memory_stats(trainer.device)  # the step's peak
+    resident = [trainer.units[u].name for u in placed.resident]
+    gpu_adam = [trainer.units[u].name for u in placed.gpu_adam]
+    parts = ", ".join(f"{part} {gib(n)}" for part, n in placed.training_gpu.items())
     log(
         f"mode {mode}: units resident on the GPU: {', '.join(resident) or 'none'}; stepped by the GPU's Adam over "
-        f"streamed state: {', '.join(gpu_adam) or 'none'}; predicted peak {gib(placement.peak_bytes)} GiB: {parts}"
+        f"streamed state: {', '.join(gpu_adam) or 'none'}; predicted peak {gib(placed.training_peak)} GiB: {parts}"
     )
     described = {"units": len(trainer.units), "resident_units": resident, "gpu_adam_units": gpu_adam}
-    return described | {"predicted_peak_bytes": placement.peak_bytes, "predicted_parts": placement.parts}
+    return described | {"predicted_peak_bytes": placed.training_peak, "predicted_parts": placed.training_gpu}
 
 
-def unplaced_bytes(trainer: OffloadedTraining, micro_batches) -> dict[str, int]:
-    """The part of the step's peak GPU memory that no placement changes: saved inputs, working set (measured), other."""
-    streamer = trainer.streamer
-    streaming = sum(t.nbytes for t in [trainer.steppers.buffer, *streamer.buffers, streamer.staging] if t is not None)
-    other = torch.cuda.memory_allocated(trainer.device) - streaming  # token ids, rotary tables, activation slots, ...
-    kinds = [unit.kind for unit in trainer.units]
-    working = {kind: passes_peak_bytes(trainer, kinds.index(kind), micro_batches) for kind in dict.fromkeys(kinds)}
-    # saved inputs while unit u runs: units 1 to u's (the embeddings keep token ids); with activation offload, the two
-    # units' still leaving in the forward and none in the backward (they are in `other`)
-    inputs = sum(ids.numel() for ids in micro_batches) * trainer.hidden_size * trainer.dtype.itemsize
-    saved = {(u, b): u * inputs for u in range(len(kinds)) for b in (0, 1)}
-    if isinstance(trainer.inputs, ActivationOffload):
-        saved = {(u, b): 0 if b else min(u, 2) * inputs for u, b in saved}
-    # where the step peaks: in a unit's forward or its backward
-    u, backward = max(saved, key=lambda ub: saved[ub] + working[kinds[ub[0]]][ub[1]])
-    return {"saved inputs": saved[u, backward], "working set": working[kinds[u]][backward], "other": other}
-
-
-def train_mode(mode: str, model, masters, input_ids, run: RunConfig, compared: bool, text=None) -> dict:
-    """One mode's training: `run.steps` steps on one fixed batch, or on the blocks of --data (its held-out loss and
-    samples before and after); {'oom': True} when it does not fit the GPU. When `compared` with gpu mode's, it keeps
-    the first step's gradients and masters and the last step's masters."""
-    device = torch.device("cpu" if mode == "cpu" else "cuda")
-    ranks = run.ranks
+def train_mode(mode: str, model, masters, input_ids, run: RunConfig, plan: Plan, text=None) -> dict:
+    """One mode's training: `run.steps` steps on one fixed batch, or on --data's blocks (held-out loss and samples
+    before and after); {'oom': True} where it does not fit the GPU, or the plan says so. Compared with gpu mode's
+    (compared_modes), it keeps the first step's gradients and masters and the last step's masters."""
+    device, compared, ranks = torch.device("cpu" if mode == "cpu" else "cuda"), mode in compared_modes(run), run.ranks
+    if planned_oom(mode, plan, device):
+        return {"oom": True}
     micro_batches = [ids.to(device) for ids in ranks.share(input_ids.chunk(run.grad_accum))]
     log(f"mode {mode}: training, {run.steps} steps of {input_ids.numel()} tokens in {run.grad_accum} micro-batch(es)")
     reset_peak_memory(device)
     trainer = None
     try:
-        trainer = make_trainer(mode, model, masters, micro_batches, run, device)
-        manifest = checkpoint_manifest(run, model.config, mode)
-        placed = prepare_steps(trainer, micro_batches, run, mode, compared, manifest)
+        trainer = make_trainer(mode, model, masters, micro_batches, run, device, plan)
+        manifest = checkpoint_manifest(run, model.config, mode, plan)
+        placed = prepare_steps(trainer, run, mode, plan, manifest)
         profile = train_trace_path(run.profile) if run.profile and mode == run.profile_mode else None
-        offloaded_on_gpu = isinstance(trainer, OffloadedTraining) and device.type == "cuda"
-        bound_parts = (lambda: train_bound_parts(trainer, micro_batches, device)) if offloaded_on_gpu else None
+        bound_parts = bound_parts_of(trainer, micro_batches, device)
         folder = mode_folder(run.checkpoint, run, mode) if run.checkpoint else None
         tokenizer = text.tokenizer if text else None  # it travels with the checkpoints and the saved model
         checkpoint = Checkpoints(trainer, folder, manifest, run.checkpoint_every, tokenizer) if folder else None
@@ -3632,6 +4460,24 @@ def train_mode(mode: str, model, masters, input_ids, run: RunConfig, compared: b
             trainer.finish()
 
 
+def bound_parts_of(trainer, micro_batches, device: torch.device):
+    """For offloaded training on the GPU, a function that makes the bound's parts to time (train_bound_parts); else
+    None: no bound."""
+    if isinstance(trainer, OffloadedTraining) and device.type == "cuda":
+        return lambda: train_bound_parts(trainer, micro_batches, device)
+    return None
+
+
+def planned_oom(mode: str, plan: Plan, device: torch.device) -> bool:
+    """Whether the plan says `mode`'s training does not fit the GPU (said): it is then reported OOM, not run into the
+    cap (with several ranks, check_plan refused it)."""
+    placed = plan.modes.get(mode)
+    if placed is None or device.type != "cuda" or placed.training_fits:
+        return False
+    log(f"mode {mode}: out of GPU memory: the plan needs {gib(placed.training_peak)} GiB, more than the cap leaves")
+    return True
+
+
 def trained_outputs(trainer, run: RunConfig, config: LlamaConfig, mode: str, compared: bool, tokenizer=None) -> dict:
     """After the last step: --save-pretrained's folder written (with the tokenizer trained on); each step's gradient
     norm (--clip-grad-norm) and a float32 copy of every master in host memory (to compare with gpu mode's, or for
@@ -3643,19 +4489,20 @@ def trained_outputs(trainer, run: RunConfig, config: LlamaConfig, mode: str, com
         result["grad_norms"] = list(trainer.grad_norms)
     if compared or run.save_output:
         resident = isinstance(trainer, ResidentTraining)
-        result["masters"] = trainer.state_dict(trainer.masters) if resident else trainer.state_dict()
+        # with several ranks, for --save-output: on rank 0 alone, which writes it, one unit at a time
+        result["masters"] = trainer.state_dict(trainer.masters) if resident else trainer.state_dict(on_first=True)
     return result
 
 
-def prepare_steps(trainer, micro_batches, run: RunConfig, mode: str, compared: bool, manifest: dict) -> dict:
+def prepare_steps(trainer, run: RunConfig, mode: str, plan: Plan, manifest: dict) -> dict:
     """Before the first step: the state from --resume, the units placed (offloaded modes on the GPU) and the CPU
     Adam's moments zeroed; returns the placement for the JSON."""
     if run.resume:
         manifest["resumed_from"] = resume(trainer, mode_folder(run.resume, run, mode), manifest)
     if not isinstance(trainer, OffloadedTraining):
         return {}
-    trainer.ranks.meet()  # the steps' collectives (the placement's first) wait RANK_TIMEOUT at most: all set up first
-    placed = place_units(trainer, micro_batches, run, mode, compared) if trainer.device.type == "cuda" else {}
+    trainer.ranks.meet()  # the steps' collectives wait the rank timeout at most: every rank set up first
+    placed = place_units(trainer, run, mode, plan) if trainer.device.type == "cuda" else {}
     # the CPU Adam's moments zeroed now, not in each unit's first step, where a page's first touch is slow; the other
     # steppers keep theirs on the GPU (resident units) or zero them there (StreamedAdam): the host's stay untouched
     trainer.store.zero_moments(
@@ -3664,15 +4511,15 @@ def prepare_steps(trainer, micro_batches, run: RunConfig, mode: str, compared: b
     return placed
 
 
-def make_trainer(mode: str, model, masters: MasterStore | None, micro_batches, run: RunConfig, device):
+def make_trainer(mode: str, model, masters: MasterStore | None, micro_batches, run: RunConfig, device, plan: Plan):
     """The trainer for `mode`: the resident reference, or the streamed units with the CPU Adam (`masters` loaded)."""
     if mode in ("gpu", "cpu"):
         return ResidentTraining(model, run.torch_dtype, device, run.adam, run.clip_grad_norm)
     kwargs = decoder_kwargs(model, tuple(micro_batches[0].shape), run.torch_dtype, device)
-    depth = 0 if mode == "blocked" else run.prefetch
+    depth = plan.modes[mode].depth
     loss_function, max_norm = model.loss_function, run.clip_grad_norm
     trainer = OffloadedTraining(masters, model.config, run.torch_dtype, device, depth, loss_function, kwargs, max_norm)
-    if run.offload_activations:
+    if plan.offload_activations:
         trainer.inputs = ActivationOffload(trainer, len(micro_batches), tuple(micro_batches[0].shape))
     return trainer
 
@@ -3730,9 +4577,19 @@ def time_round(fns: dict, parts: dict[str, list[float]], ranks: Ranks) -> None:
     """Time each of `fns` (name -> (device, fn)) once, alone, into `parts`; their outputs and scratch memory are freed
     on return, before the steps resume and their host peak restarts. With several ranks, all start each part
     together: in a step they share the host's memory, and a part timed while the others wait would have it alone."""
+    check_same(ranks, list(fns), "the bound's parts")
     for name, (device, fn) in fns.items():
         ranks.meet()
         parts[name].append(timed(fn, device)[0])
+
+
+def check_same(ranks: Ranks, value, what: str) -> None:
+    """Every rank holds the same `value` (a small picklable one): else each ends with one line naming the difference,
+    before a collective that would pair up wrongly and hang."""
+    each = ranks.each(value)
+    if any(other != each[0] for other in each):
+        differ = "; ".join(f"rank {r}: {v}" for r, v in enumerate(each))
+        raise UsageError(f"the ranks differ in {what} ({differ}): they must plan alike; say so in an issue")
 
 
 class StepClock:
@@ -3937,14 +4794,41 @@ def with_umask_modes(folder: Path) -> None:
             path.chmod(0o666 & ~current_umask())
 
 
-def checkpoint_manifest(run: RunConfig, config: LlamaConfig, mode: str) -> dict:
+def checkpoint_manifest(run: RunConfig, config: LlamaConfig, mode: str, plan: Plan | None = None) -> dict:
     """What a checkpoint records besides its unit files: what a resumed run must match (the model's sizes, the dtype,
-    Adam), and the mode, seed and batch it trained with."""
+    Adam), the mode, seed and batch it trained with, and the plan with what it was made from (plan_inputs)."""
     adam = json.loads(json.dumps(dataclasses.asdict(run.adam)))  # as read back: betas a list
     sizes = {field: getattr(config, field) for field in SIZE_FLAGS}
     batch = {"grad_accum": run.grad_accum, "batch_size": run.batch_size, "seq_len": run.seq_len, "seed": run.seed}
     ranks = {"ranks": run.ranks.world} if run.ranks.several else {}  # each rank's files hold its shards
-    return {"format": CHECKPOINT_FORMAT, "mode": mode, "sizes": sizes, "dtype": run.dtype, "adam": adam} | batch | ranks
+    planned = {"plan_inputs": plan_inputs(run, plan), "plan": plan.as_dict()} if plan else {}
+    record = {"format": CHECKPOINT_FORMAT, "mode": mode, "sizes": sizes, "dtype": run.dtype, "adam": adam}
+    return record | batch | ranks | planned
+
+
+PLAN_FLAGS = ("max_gpu_memory", "max_host_memory", "prefetch", "resident_layers", "gpu_adam_share")
+PLAN_FLAGS += ("offload_activations", "nvme", "nvme_layers", "rank_timeout")
+
+
+def plan_inputs(run: RunConfig, plan: Plan) -> dict:
+    """What a plan is made from, as a checkpoint records it: the machine's facts (memory to a tenth of a GiB) and the
+    flags that steer it (PLAN_FLAGS)."""
+    facts = plan.facts
+    gib_or_none = {
+        f"{field}_gib": None if b is None else round(b / GiB, 1)
+        for field, b in (("gpu", facts.gpu_bytes), ("host", facts.host_bytes), ("disk", facts.disk_bytes))
+    }
+    machine = gib_or_none | {"cores": facts.cores, "ranks": facts.world, "ranks_a_host": facts.local_world}
+    return machine | {flag: getattr(run, flag) for flag in PLAN_FLAGS}
+
+
+def say_plan_changes(saved: dict, manifest: dict) -> None:
+    """Say on stderr what differs between the plan inputs a checkpoint was trained under and this run's: the state
+    resumes the same, the placement and the time may not."""
+    before, now = saved.get("plan_inputs") or {}, manifest.get("plan_inputs") or {}
+    changed = [f"{key} {before.get(key)} -> {value}" for key, value in now.items() if before.get(key) != value]
+    if before and changed:
+        log(f"resuming under other plan inputs than the checkpoint's: {'; '.join(changed)}")
 
 
 class Checkpoints:
@@ -4186,6 +5070,7 @@ def resume(trainer, folder: Path, manifest: dict) -> int:
     """Load a checkpoint into `trainer`, before placement; returns the steps it had done."""
     t0 = time.perf_counter()
     saved = read_checkpoint(folder, manifest)
+    say_plan_changes(saved, manifest)
     n, rank = len(trainer.units), trainer.ranks.rank
     for u, name in enumerate(saved["files"][rank * n : (rank + 1) * n]):  # this rank's
         trainer.load_unit(u, torch.load(folder / name, mmap=True, weights_only=True))
@@ -5111,19 +5996,6 @@ def unit_passes(trainer: OffloadedTraining, u: int, micro_batches, device):
     return forward, backward
 
 
-def passes_peak_bytes(trainer: OffloadedTraining, u: int, micro_batches) -> tuple[int, int]:
-    """The most GPU memory unit u's forward, and then its backward, allocate beyond its inputs (freed on return)."""
-    forward, backward = unit_passes(trainer, u, micro_batches, trainer.device)
-    torch.cuda.synchronize(trainer.device)  # start from an idle GPU: nothing queued before runs into the measurement
-    before = torch.cuda.memory_allocated(trainer.device)
-    torch.cuda.reset_peak_memory_stats(trainer.device)
-    outs = forward()
-    forward_peak = torch.cuda.max_memory_allocated(trainer.device) - before
-    torch.cuda.reset_peak_memory_stats(trainer.device)
-    backward(outs)
-    return forward_peak, torch.cuda.max_memory_allocated(trainer.device) - before
-
-
 def adam_timed_numel(on_cpu: dict[int, int]) -> int:
     """The parameters the bound times the CPU Adam on: the largest unit it steps, at most ADAM_SCRATCH."""
     return min(max(on_cpu.values()), ADAM_SCRATCH)
@@ -5469,282 +6341,6 @@ def bound_note(mode: str, t: dict) -> str:
     )
 
 
-# ---------------------------------------------------------------------------------------------------- sizing
-
-
-def params_with_layers(config: LlamaConfig, layers: int) -> int:
-    """The parameter count of the configured model with `layers` decoder layers."""
-    per_layer = sum(p.numel() for p in meta_layer(config).parameters())
-    return param_count(config) + (layers - config.num_hidden_layers) * per_layer
-
-
-def host_reserve(config: LlamaConfig) -> int:
-    """Host memory needed beyond host_bytes_needed: the runtime, and the scratch state of the bound's timed CPU Adam."""
-    layer = params_with_layers(config, 1) - params_with_layers(config, 0)
-    return RUNTIME_HOST_BYTES + 16 * min(layer, ADAM_SCRATCH)
-
-
-def host_budget(run: RunConfig) -> int | None:
-    """The host memory the run may plan for: MemAvailable, at most --max-host-memory (None: not known); a rank's
-    share of it where several ranks share the host."""
-    available = host_memory_available()
-    cap = None if run.max_host_memory is None else int(run.max_host_memory * GiB)
-    budget = cap if available is None else min(available, cap or available)
-    return budget if budget is None else budget // run.ranks.local_world
-
-
-def host_bytes_needed(run: RunConfig, config: LlamaConfig, params: int) -> tuple[int, str]:
-    """Host memory for the parameters and their training state, and what that is in words."""
-    per_param = run.torch_dtype.itemsize
-    offloaded = {"blocked", "overlapped"} & set(run.modes)
-    if run.train and offloaded:
-        # lean: the decoder layers are freed once the masters hold them (a random model's are never held whole)
-        model = params_with_layers(config, 0) if run.lean and run.model is None else params
-        params = -(-params // run.ranks.world)  # this rank's shard of the state
-        if run.holds_updates:  # every unit's gradients wait on the host for the others'
-            grads, what = params * gradient_dtype(run).itemsize, "every unit's gradients"
-        else:
-            grads, what = 2 * gradient_buffer_bytes(config), "two gradient buffers"
-        needed = model * per_param + params * 12 + grads  # 12: float32 masters and moments
-        if run.nvme_layers:  # their moments on the disk, and the buffers they are stepped in
-            layer = layer_numel(config, run.ranks)  # with several ranks, this rank's shard of it
-            needed += DISK_SLOTS * disk_unit_bytes(config, run.ranks) - run.nvme_layers * 8 * layer
-            what += f" (the Adam moments of {run.nvme_layers} layers on the disk, staged in {DISK_SLOTS} buffers)"
-        return needed, f"the model, its float32 masters and Adam state and {what}"
-    if run.train and "cpu" in run.modes:
-        return params * (2 * per_param + 16), "the model, its training copy and Adam state"
-    return params * per_param, "the model" + " and its pinned store" * bool(offloaded)
-
-
-def layer_numel(config: LlamaConfig, ranks: Ranks = Ranks()) -> int:
-    """A decoder layer's elements in its flat buffers, padding included (with several ranks, in a rank's shard)."""
-    return ranks.shard_numel(model_units(config)[1].layout.numel)
-
-
-def disk_unit_bytes(config: LlamaConfig, ranks: Ranks = Ranks()) -> int:
-    """The bytes of a decoder layer's two Adam moments in the disk tier: its file, and each staging buffer."""
-    return 2 * moment_bytes(layer_numel(config, ranks))
-
-
-def host_disk_bytes(run: RunConfig, config: LlamaConfig) -> int:
-    """A decoder layer's Adam moments on this host's disk: each local rank's shard of them."""
-    return disk_unit_bytes(config, run.ranks) * run.ranks.local_world
-
-
-def moment_bytes(numel: int) -> int:
-    """One Adam moment of `numel` float32 elements in the disk tier, in whole blocks (as direct I/O moves them)."""
-    return -(-4 * numel // DISK_BLOCK) * DISK_BLOCK
-
-
-def disk_plan(run: RunConfig, config: LlamaConfig, free: float | None = None) -> int | None:
-    """How many decoder layers, from the last, keep their Adam moments on the --nvme disk: --nvme-layers, or the fewest
-    with which the host holds the rest (0: all of it fits); None where that count does not fit the host and the disk
-    (or, without --nvme, the host). The masters' compute-dtype copy gets no room of its own: dropping it costs PCIe
-    bytes, far faster than the disk bytes another layer on the disk costs. free: the disk's room (default: the free
-    space of --nvme's folder)."""
-    budget = host_budget(run)
-    if budget is None:
-        return run.nvme_layers or 0
-    tiered = run.nvme and run.train and {"blocked", "overlapped"} & set(run.modes)
-    most = config.num_hidden_layers - (run.resident_layers or 0)  # the first layers' moments stay on the GPU
-    counts = range(most + 1) if tiered else range(1)
-    counts = counts if run.nvme_layers is None else [run.nvme_layers]
-    if free is None:
-        free = shutil.disk_usage(run.nvme).free if tiered else 0
-    params, besides = param_count(config), host_pass_bytes(run, config) + host_reserve(config)
-    for d in counts:
-        needed = host_bytes_needed(dataclasses.replace(run, nvme_layers=d), config, params)[0]
-        if needed + besides <= budget and d * host_disk_bytes(run, config) <= free:
-            return d
-    return None
-
-
-def with_disk_tier(run: RunConfig, config: LlamaConfig) -> RunConfig:
-    """`run` with --nvme-layers planned (disk_plan); refused where the host or the disk is too small for the plan."""
-    if run.nvme is None:
-        return run
-    most = config.num_hidden_layers - (run.resident_layers or 0)
-    if run.nvme_layers is not None and run.nvme_layers > most:
-        raise UsageError(f"--nvme-layers {run.nvme_layers}: the model has {most} decoder layers the CPU Adam steps")
-    layers = run.nvme_layers
-    if layers is None:
-        layers = disk_plan(run, config, free=math.inf)  # what the host needs of the disk, whatever the disk's room
-    if layers is None:  # check_memory then says how far the host is from holding the rest
-        return dataclasses.replace(run, nvme_layers=most)
-    needed, free = layers * host_disk_bytes(run, config), shutil.disk_usage(run.nvme).free
-    if needed > free:
-        short = f"{size_text(needed)} of Adam moments, {size_text(needed - free)} more than is free there"
-        raise UsageError(f"--nvme {run.nvme}: {layers} layers' {short}; free some space or give another disk")
-    return dataclasses.replace(run, nvme_layers=layers)
-
-
-def gradient_buffer_bytes(config: LlamaConfig, dtype: torch.dtype = torch.float32) -> int:
-    """One shared buffer of the gradient pool: the largest unit's gradients (float32 unless told)."""
-    return dtype.itemsize * max(unit.layout.numel for unit in model_units(config))
-
-
-def gradient_dtype(run: RunConfig) -> torch.dtype:
-    """The dtype gradients leave the GPU in: the backward's own bfloat16 with one micro-batch, else float32."""
-    return torch.bfloat16 if run.torch_dtype == torch.bfloat16 and run.grad_accum == 1 else torch.float32
-
-
-def host_spare_bytes(run: RunConfig, config: LlamaConfig) -> int | None:
-    """Host memory left once the run has what it needs (host_bytes_needed, the passes, the reserve); None: not known."""
-    available = host_budget(run)
-    if available is None:
-        return None
-    needed = host_bytes_needed(run, config, param_count(config))[0] + host_pass_bytes(run, config)
-    return available - needed - host_reserve(config)
-
-
-def host_copy_dtype(run: RunConfig, config: LlamaConfig) -> torch.dtype | None:
-    """The dtype of the masters' copy offloaded training streams; None in float32 or without host room (GPU casts)."""
-    if run.torch_dtype == torch.float32:
-        return None
-    spare, copy = host_spare_bytes(run, config), run.torch_dtype.itemsize * param_count(config)
-    if spare is not None and spare < copy:
-        log(
-            f"no room on the host for the {run.dtype} copy of the masters ({size_text(copy)}, "
-            f"{size_text(max(0, spare))} spare): the GPU streams the float32 masters and casts them"
-        )
-        return None
-    return run.torch_dtype
-
-
-def gradient_buffers(run: RunConfig, config: LlamaConfig, exact: bool, copy: bool) -> int:
-    """Offloaded training's gradient buffers: one per unit if `exact`, in float16 or with room, else what fits."""
-    units = model_units(config)
-    spare = host_spare_bytes(run, config)
-    if exact or run.holds_updates or spare is None:
-        return len(units)
-    spare -= run.torch_dtype.itemsize * param_count(config) if copy else 0
-    dtype = gradient_dtype(run)
-    buffer = gradient_buffer_bytes(config, dtype)
-    if spare + 2 * gradient_buffer_bytes(config) >= dtype.itemsize * sum(unit.layout.numel for unit in units):
-        return len(units)
-    count = 2 + max(0, spare) // buffer
-    log(f"gradients: {count} pinned buffers of {size_text(buffer)} for {len(units)} units, all the host holds")
-    return count
-
-
-def host_pass_bytes(run: RunConfig, config: LlamaConfig) -> int:
-    """Host memory besides the parameters: token ids, logits, the pinned saved inputs, the cpu mode's activations."""
-    tokens, dtype = run.batch_size * run.seq_len, run.torch_dtype
-    ids = (1 + run.grad_accum) * tokens * 8  # int64: inference's batch and training's micro-batches
-    logits = len(run.modes) * tokens * config.vocab_size * dtype.itemsize
-    pool = (config.num_hidden_layers + 2) * unit_inputs_bytes(run, config) if run.offload_activations else 0
-    cpu = max(activation_bytes(config, dtype, tokens), attention_bytes(run, config, whole_backward=run.train))
-    return ids + logits + pool + (cpu if "cpu" in run.modes else 0)
-
-
-def attention_bytes(run: RunConfig, config: LlamaConfig, whole_backward: bool) -> int:
-    """Eager attention's scores at their least: a micro-batch's batch x heads x seq-len x seq-len of them, scaled beside
-    the raw ones; whole_backward: the resident model's training, where every layer keeps its probabilities for the
-    backward (an offloaded unit recomputes its own, one at a time). sdpa keeps none."""
-    if run.attention != "eager":
-        return 0
-    scores = run.batch_size * config.num_attention_heads * run.seq_len**2 * run.torch_dtype.itemsize
-    return scores * (config.num_hidden_layers + 1 if whole_backward else 2)
-
-
-def gpu_bytes_needed(run: RunConfig, config: LlamaConfig, mode: str) -> int:
-    """A lower bound on a mode's GPU memory, known before allocating: weights or slots, state, inputs, activations."""
-    dtype, b = run.torch_dtype, run.torch_dtype.itemsize
-    layers = config.num_hidden_layers
-    act = activation_bytes(config, dtype, run.batch_size * run.seq_len, at_least=True)
-    act = max(act, attention_bytes(run, config, whole_backward=run.train and mode == "gpu"))
-    if mode == "gpu":
-        return param_count(config) * (2 * b + 16 if run.train else b) + act
-    depth = 0 if mode == "blocked" else run.prefetch
-    inference = min(depth + 1, layers) * layer_bytes(config, dtype) + resident_bytes(config, dtype) + act
-    if not run.train:
-        return inference
-    unit_numel = max(layer_bytes(config, dtype) // b, config.vocab_size * config.hidden_size)  # a layer or the head
-    # the units' saved inputs: all, or with activation offload the ring of slots and two still being copied out
-    saved_units = min(depth + 1, layers + 2) + 2 if run.offload_activations else layers + 2
-    weights = min(depth + 1, layers + 3) * unit_numel * b + 4 * unit_numel  # the slots and the float32 gradients
-    return max(inference, weights + saved_units * unit_inputs_bytes(run, config) + act)
-
-
-def unit_inputs_bytes(run: RunConfig, config: LlamaConfig) -> int:
-    """What one unit keeps for its backward: its input hidden states, one tensor per micro-batch."""
-    return run.grad_accum * run.batch_size * run.seq_len * config.hidden_size * run.torch_dtype.itemsize
-
-
-def gpu_plan_estimate(run: RunConfig, config: LlamaConfig, mode: str) -> int:
-    """What a training placement of `mode` with every unit streamed will come to, known before allocating:
-    gpu_bytes_needed, the running unit's outputs for every micro-batch (the next unit's inputs), the staging buffer of
-    float32 masters cast on the GPU, and the allocator's margin."""
-    staging = 4 * STAGING if run.torch_dtype != torch.float32 else 0
-    return gpu_bytes_needed(run, config, mode) + unit_inputs_bytes(run, config) + staging + PLAN_MARGIN
-
-
-def with_activation_offload(run: RunConfig, config: LlamaConfig) -> RunConfig:
-    """`run` with --offload-activations on (said on stderr) where only then do the saved inputs fit the GPU cap."""
-    offloaded = {"blocked", "overlapped"} & set(run.modes)
-    if run.offload_activations or not run.train or not offloaded or run.max_gpu_memory is None:
-        return run
-    cap, on = run.max_gpu_memory * GiB, dataclasses.replace(run, offload_activations=True)
-    if not all(gpu_plan_estimate(run, config, m) > cap >= gpu_bytes_needed(on, config, m) for m in offloaded):
-        return run
-    saved = size_text((config.num_hidden_layers + 2) * unit_inputs_bytes(run, config))
-    log(
-        f"activation offload on: the saved inputs ({saved}) do not fit the {run.max_gpu_memory:g} GiB cap with the rest"
-    )
-    return on
-
-
-def pass_flops(run: RunConfig, config: LlamaConfig) -> float:
-    """A forward pass's matrix FLOPs over one micro-batch: 2 a parameter a token, and the attention's scores and their
-    weighted sums, 4 x seq-len² x hidden a sequence and layer."""
-    tokens = run.batch_size * run.seq_len
-    attention = 4 * config.num_hidden_layers * run.batch_size * run.seq_len**2 * config.hidden_size
-    return 2 * param_count(config) * tokens + attention
-
-
-def run_flops(run: RunConfig, config: LlamaConfig) -> dict[str, float]:
-    """The FLOPs the run's modes compute at least, on the CPU and on the GPU: each inference pass timed, and each
-    training step's forward, recompute and backward (twice a forward) over its micro-batches."""
-    flops = {"cpu": 0.0, "cuda": 0.0}
-    for mode in run.modes:
-        device = "cpu" if mode == "cpu" else "cuda"
-        passes = 1 if mode == "cpu" else run.warmup + run.repeat
-        flops[device] += pass_flops(run, config) * (passes * run.inference + 4 * run.steps * run.grad_accum * run.train)
-    return flops
-
-
-def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
-    """The FLOP/s of square matmuls in `dtype` on `device`, over a tenth of a second or so: a rough rate."""
-    n = 2048 if device.type == "cuda" else 256
-    a = torch.ones(n, n, dtype=dtype, device=device)
-    a @ a  # the first call picks its kernel
-    count, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < 0.1:
-        for _ in range(8 if device.type == "cuda" else 1):
-            a @ a
-            count += 1
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    return 2 * n**3 * count / (time.perf_counter() - t0)
-
-
-def warn_if_long(run: RunConfig, config: LlamaConfig) -> None:
-    """Say on stderr how long the run will compute at least where that is over a minute: its FLOPs at each device's
-    rate, measured only where the FLOPs take a minute even at FAST_FLOPS."""
-    flops = {device: f for device, f in run_flops(run, config).items() if f > 60 * FAST_FLOPS[device]}
-    seconds = sum(f / matmul_rate(torch.device(device), run.torch_dtype) for device, f in flops.items())
-    if seconds > 60:
-        log(f"note: this run computes for {duration_text(seconds)} at least, at the rate a matmul reaches here")
-
-
-def duration_text(seconds: float) -> str:
-    """A duration in words: 45 s, 12 min, 3.2 h, 18 days."""
-    for unit, name in ((86400, "days"), (3600, "h"), (60, "min")):
-        if seconds >= 2 * unit or (unit < 86400 and seconds >= unit):
-            return f"{seconds / unit:.1f} {name}" if seconds < 10 * unit else f"{seconds / unit:.0f} {name}"
-    return f"{seconds:.0f} s"
-
-
 # ------------------------------------------------------------------------------------------------ the run: checks, main
 
 
@@ -5752,15 +6348,15 @@ def parse_args(argv=None) -> RunConfig:
     """The command line as a RunConfig with its dtype: bfloat16 unless --dtype says otherwise or the GPU lacks it."""
     run = command_line(argv)
     ranks = Ranks.from_environment()
-    if ranks.several:  # training only: inference runs on one GPU (said by split_cores)
+    if ranks.several:  # training only: inference runs on one GPU (said by join_steps)
         run = dataclasses.replace(run, ranks=ranks, inference=False)
         if torch.cuda.is_available() and ranks.local_rank < torch.cuda.device_count():  # else refused later
             torch.cuda.set_device(run.ranks.local_rank)  # before CUDA starts on another GPU
     return run if run.dtype else dataclasses.replace(run, dtype=default_dtype())
 
 
-def check_devices(run: RunConfig, config: LlamaConfig) -> None:
-    """Everything about the GPU and host that can be refused before a byte is allocated."""
+def check_model_flags(run: RunConfig, config: LlamaConfig) -> None:
+    """The flags that must fit the model: --resident-layers, --max-gpu-memory's least, --train's untied head."""
     if run.resident_layers is not None and run.resident_layers > config.num_hidden_layers:
         layers = config.num_hidden_layers
         raise UsageError(f"--resident-layers {run.resident_layers}: the model has {layers} decoder layers")
@@ -5768,6 +6364,14 @@ def check_devices(run: RunConfig, config: LlamaConfig) -> None:
     if run.max_gpu_memory is not None and run.max_gpu_memory * GiB < one_layer:
         size = f"{one_layer / 2**20:.1f} MiB in {run.dtype}"
         raise UsageError(f"--max-gpu-memory {run.max_gpu_memory} GiB is less than one decoder layer ({size})")
+    if run.train and config.tie_word_embeddings:
+        raise UsageError("--train needs untied embeddings (tie_word_embeddings is true): the head is a unit of its own")
+
+
+def check_devices(run: RunConfig, config: LlamaConfig) -> None:
+    """Everything about the model, the GPU and the host that can be refused before the plan (check_plan says what
+    will not fit)."""
+    check_model_flags(run, config)
     gpu_modes = [m for m in run.modes if m != "cpu"]
     local_world = run.ranks.local_world
     if gpu_modes and local_world > max(1, torch.cuda.device_count()):
@@ -5786,57 +6390,11 @@ def check_devices(run: RunConfig, config: LlamaConfig) -> None:
         raise UsageError("--gpu-adam-share must be 0 in float16: its loss scale sees every gradient before any step")
     if gpu_modes and run.dtype == "bfloat16" and not torch.cuda.is_bf16_supported(including_emulation=False):
         raise UsageError(f"{torch.cuda.get_device_name()} cannot compute in bfloat16: use --dtype float16 or float32")
-    if run.train and config.tie_word_embeddings:
-        raise UsageError("--train needs untied embeddings (tie_word_embeddings is true): the head is a unit of its own")
-    check_memory(run, config, gpu_modes)
-    check_saving(run, config)
     if run.model is not None:
         check_weights(Path(run.model), config)
 
 
-def check_memory(run: RunConfig, config: LlamaConfig, gpu_modes: list[str]) -> None:
-    """The GPU (or its --max-gpu-memory cap) holds at least one mode, and the host has the memory the run needs."""
-    if gpu_modes:
-        cap = gpu_cap(run)
-        needs = {mode: gpu_bytes_needed(run, config, mode) for mode in gpu_modes}
-        least = min(needs, key=needs.get)
-        if needs[least] > cap:
-            what = f"the --max-gpu-memory cap of {run.max_gpu_memory:g} GiB" if run.max_gpu_memory else "the GPU has"
-            raise UsageError(
-                f"mode {least} needs at least {size_text(needs[least])} of GPU memory for {run.grad_accum} x "
-                f"{run.batch_size} x {run.seq_len} tokens, more than {what} ({size_text(cap)}): use fewer or shorter "
-                "sequences"
-            )
-    params, what = host_bytes_needed(run, config, param_count(config))
-    passes = host_pass_bytes(run, config) + process_rss()
-    available = host_budget(run)
-    if available is not None and params + passes > available:
-        sequences = "use fewer or shorter sequences (--batch-size, --seq-len, --grad-accum)"
-        layers = "use a smaller model" if run.model else f"use {SMALLER_LAYERS}"
-        advice = sequences if passes > params else layers
-        if run.nvme is None and passes <= params and run.train and {"blocked", "overlapped"} & set(run.modes):
-            advice += ", or give --nvme DIR on a local disk for the Adam state"
-        raise UsageError(
-            f"{what} ({size_text(params)}) and the passes' ids, logits, activations with the process so far "
-            f"({size_text(passes)}) need "
-            f"{size_text(params + passes)} of host memory, only {size_text(available)} are available "
-            f"({size_text(params + passes - available)} short): {advice}"
-        )
-
-
-def gpu_total_bytes() -> int:
-    """The memory of this process's GPU (under torchrun, its rank's)."""
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-
-
-def gpu_cap(run: RunConfig) -> int:
-    """The GPU memory a mode may take: the --max-gpu-memory cap, else the GPU's own."""
-    if run.max_gpu_memory is not None:
-        return int(run.max_gpu_memory * GiB)
-    return gpu_total_bytes()
-
-
-def check_saving(run: RunConfig, config: LlamaConfig) -> None:
+def check_saving(run: RunConfig, config: LlamaConfig, plan: Plan | None = None) -> None:
     """--resume's checkpoints are whole and of this model, dtype and Adam; --checkpoint overwrites none that is not
     resumed; the folders have room: 4 bytes a parameter for --save-pretrained, 12 for a checkpoint (twice that when a
     second is written while the first stays whole), for each mode that trains; --save-output's, save_output_bytes."""
@@ -5856,7 +6414,7 @@ def check_saving(run: RunConfig, config: LlamaConfig) -> None:
         "--save-output": (run.save_output, save_output_bytes(run, config)),
     }
     for flag, (path, needed) in needs.items():
-        free = shutil.disk_usage(existing(Path(path))).free - disk_tier_bytes_on(run, config, path) if path else needed
+        free = shutil.disk_usage(existing(Path(path))).free - disk_tier_bytes_on(run, plan, path) if path else needed
         if needed > free:
             short = f"{size_text(needed)} to write, {size_text(needed - free)} more than is free there"
             raise UsageError(f"{flag} {path}: {short}; free some space or give a folder on another disk")
@@ -5871,11 +6429,11 @@ def save_output_bytes(run: RunConfig, config: LlamaConfig) -> int:
     return tokens * 8 + logits + training + 2**20  # and the pickle's own records
 
 
-def disk_tier_bytes_on(run: RunConfig, config: LlamaConfig, path: str) -> int:
-    """The bytes the --nvme disk tier will take on the file system that holds `path` (0 on another)."""
-    if not run.nvme_layers or os.stat(existing(Path(path))).st_dev != os.stat(run.nvme).st_dev:
+def disk_tier_bytes_on(run: RunConfig, plan: Plan | None, path: str) -> int:
+    """The bytes the plan's --nvme disk tier will take on the file system that holds `path` (0 on another)."""
+    if plan is None or not plan.disk or os.stat(existing(Path(path))).st_dev != os.stat(run.nvme).st_dev:
         return 0
-    return run.nvme_layers * host_disk_bytes(run, config)
+    return plan.disk
 
 
 def write_atomically(path: str, write) -> None:
@@ -5919,20 +6477,20 @@ def expandable_segments() -> bool | None:
 
 
 def run_all(run: RunConfig) -> dict:
-    """Build the model and its stores once, run each mode, print the tables and write the outputs."""
+    """Plan the run once (make_plan, from the facts the ranks agree on) and refuse what will not fit; build the model
+    and its stores as the plan says, run each mode, print the tables and write the outputs."""
     config = llama_config(run)
-    run = with_disk_tier(with_activation_offload(run, config), config)
     check_devices(run, config)
-    log(f"torch {torch.__version__} and transformers {transformers.__version__} imported, the run checked")
     start_ranks(run.ranks)
-    host_cap = host_budget(run)  # before the run takes memory: MemAvailable, at most --max-host-memory
+    plan = make_plan(run, config, agreed_facts(run.ranks, measured_facts(run)))
+    check_plan(run, config, plan)
+    check_saving(run, config, plan)
+    say_plan(run, config, plan)
+    log(f"torch {torch.__version__} and transformers {transformers.__version__} imported, the run checked and planned")
+    join_steps(run.ranks, plan.rank_timeout, plan.threads)
     offloaded = {"blocked", "overlapped"} & set(run.modes)
-    # offloaded against gpu, from the same start (a resumed mode starts from its own checkpoint)
-    compared = {"gpu", *offloaded} if "gpu" in run.modes and offloaded and not run.resume else set()
-    copy_dtype = host_copy_dtype(run, config) if run.train and offloaded else None  # before the model takes memory
-    grad_buffers = gradient_buffers(run, config, bool(compared), copy_dtype is not None)
     if run.train and offloaded:
-        start_adam_compile(gradient_dtype(run), copy_dtype, run.clip_grad_norm is not None)
+        start_adam_compile(gradient_dtype(run), plan.torch_copy_dtype, run.clip_grad_norm is not None)
     text = run.ranks.in_turn(lambda: prepare_text(run, config))
     blocks = text.blocks if text else None
     run = with_epochs(run, blocks)
@@ -5943,18 +6501,33 @@ def run_all(run: RunConfig) -> dict:
     set_gpu_cap(run)
     input_ids = random_input_ids(run, model.config.vocab_size)
     store = ParamStore(model, pin=True) if offloaded and run.inference else None
-    masters = training_store(run, model.config, grad_buffers, copy_dtype) if run.train and offloaded else None
+    masters = training_store(run, model.config, plan) if run.train and offloaded else None
     try:
-        results, logits, trained = run_modes(run, model, store, masters, input_ids, train_ids, compared, text)
+        results, logits, trained = run_modes(run, plan, model, store, masters, input_ids, train_ids, text)
     finally:
         if masters:
             masters.close()  # the disk tier's files
-    host = host_peaks(run.ranks, {"host_budget_bytes": host_cap, "peak_host_bytes_process": process_host_peak()})
-    report = run_report(run, model.config, input_ids.numel(), results, reference, host)
+    host = {"host_budget_bytes": plan.facts.host_share, "peak_host_bytes_process": process_host_peak()}
+    host = host_peaks(run.ranks, host)
+    report = run_report(run, model.config, input_ids.numel(), results, reference, host) | {"plan": plan.as_dict()}
     if run.ranks.rank == 0:  # rank 0 prints and writes for all
         print(tables(results, run, input_ids.numel(), reference, host))
         write_outputs(run, report, input_ids, logits, train_ids, trained)
     return report
+
+
+def print_plan(run: RunConfig) -> None:
+    """--plan: the plan for this machine, or for the one the flags describe, printed (and written to --json); nothing
+    is allocated. A plan that will not fit ends with check_plan's line."""
+    config = llama_config(run)
+    check_model_flags(run, config)
+    plan = make_plan(run, config, measured_facts(run))
+    print(plan_table(plan, run, config))
+    if run.json:
+        write_json(
+            run.json, {"run": dataclasses.asdict(run), "parameters": param_count(config), "plan": plan.as_dict()}
+        )
+    check_plan(run, config, plan)
 
 
 def write_outputs(run: RunConfig, report: dict, input_ids, logits: dict, train_ids, trained: dict) -> None:
@@ -5983,20 +6556,21 @@ def run_report(run: RunConfig, config: LlamaConfig, tokens: int, results: dict, 
     return report
 
 
-def run_modes(run: RunConfig, model, store, masters, input_ids, train_ids, compared, text) -> tuple[dict, dict, dict]:
-    """Each mode's inference, then its training: (results, logits, training results with tensors)."""
+def run_modes(run: RunConfig, plan: Plan, model, store, masters, input_ids, train_ids, text) -> tuple[dict, dict, dict]:
+    """Each mode's inference, then its training, as the plan places them: (results, logits, training results with
+    tensors)."""
     results, logits, trained = {}, {}, {}
     for mode in run.modes:
         results[mode] = {}
         if run.inference:
-            results[mode]["inference"], logits[mode] = run_mode(mode, model, store, input_ids, run, model.config)
+            results[mode]["inference"], logits[mode] = run_mode(mode, model, store, input_ids, run, plan)
             free_gpu_memory()
         if run.train and mode in ("blocked", "overlapped"):
             masters.load(model, functools.partial(drawn_unit, model, run.seed) if draws_units(run) else None)
             if run.lean:  # the masters hold the layers now: 2 bytes per parameter less on the host
                 model.model.layers.to("meta")
         if run.train:
-            result = trained[mode] = train_mode(mode, model, masters, train_ids, run, mode in compared, text)
+            result = trained[mode] = train_mode(mode, model, masters, train_ids, run, plan, text)
             gpu = trained.get("gpu") if mode in ("blocked", "overlapped") else None
             if gpu is not None and not gpu.get("oom") and not result.get("oom"):  # then frees the tensors compared
                 compare_training(result, gpu, run)
@@ -6020,13 +6594,14 @@ def save_output(run: RunConfig, input_ids, logits: dict, train_ids, trained: dic
     write_atomically(run.save_output, lambda tmp: torch_save(output, tmp, run.save_output))
 
 
-def training_store(run: RunConfig, config: LlamaConfig, grad_buffers: int, copy_dtype) -> MasterStore:
-    """The offloaded modes' pinned training state on the host, its set-up time said on stderr."""
+def training_store(run: RunConfig, config: LlamaConfig, plan: Plan) -> MasterStore:
+    """The offloaded modes' pinned training state on the host, as the plan sizes it; its set-up time said on stderr."""
     t0 = time.perf_counter()
     units, scaled = model_units(config), run.clip_grad_norm is not None
-    disk = disk_tier(run, units)
+    disk = disk_tier(run, units, plan.disk_layers)
     try:
-        args = (units, run.adam, True, grad_buffers, gradient_dtype(run), copy_dtype, scaled, disk, run.ranks)
+        copy, buffers = plan.torch_copy_dtype, plan.grad_buffers
+        args = (units, run.adam, True, buffers, gradient_dtype(run), copy, scaled, disk, run.ranks)
         masters = MasterStore(*args)
     except BaseException:
         if disk:
@@ -6041,15 +6616,15 @@ def training_store(run: RunConfig, config: LlamaConfig, grad_buffers: int, copy_
     return masters
 
 
-def disk_tier(run: RunConfig, units: list[Unit]) -> DiskTier | None:
-    """--nvme: the disk tier for the last run.nvme_layers decoder layers, its files reserved and its disk measured;
-    said on stderr."""
-    if run.nvme and not run.nvme_layers:
+def disk_tier(run: RunConfig, units: list[Unit], layers: int) -> DiskTier | None:
+    """--nvme: the disk tier for the last `layers` decoder layers (the plan's), its files reserved and its disk
+    measured; said on stderr."""
+    if run.nvme and not layers:
         log("disk tier: unused, the host holds the training state")
-    if not run.nvme_layers:
+    if not layers:
         return None
     t0 = time.perf_counter()
-    layers = [u for u, unit in enumerate(units) if unit.kind == "layer"][-run.nvme_layers :]
+    layers = [u for u, unit in enumerate(units) if unit.kind == "layer"][-layers:]
     disk = DiskTier(run.nvme, {u: run.ranks.shard_numel(units[u].layout.numel) for u in layers})
     moments = f"the Adam moments of the last {len(layers)} decoder layers ({gib(disk_step_bytes(disk))} GiB)"
     io = "direct I/O" if disk.files.direct else "buffered I/O (the file system refuses O_DIRECT)"
@@ -6069,6 +6644,9 @@ def main(argv=None) -> int:
     with signals_raised():
         try:
             check_run(run)
+            if run.plan:
+                print_plan(run)
+                return 0
             run_all(run)
             stop_ranks()
         except UsageError as e:
@@ -6086,10 +6664,12 @@ def main(argv=None) -> int:
             print(f"offload_llama.py: {how}; each output is whole or absent", file=sys.stderr)
             return 128 + signum
         except Exception as e:
+            if not run.ranks.several:
+                raise
             lost = lost_ranks(run.ranks, e)
             if lost is None:
-                raise
-            print(f"offload_llama.py: error: {lost}", file=sys.stderr, flush=True)
+                traceback.print_exc()
+            print(f"offload_llama.py: error: {lost or own_error(run.ranks, e)}", file=sys.stderr, flush=True)
             os._exit(1)  # without the interpreter's teardown, which would wait on collectives that never end
     return 0
 
@@ -6135,7 +6715,7 @@ def finish_early() -> None:
     """On the way out early: the copies still queued must land before the pinned buffers they use are unregistered
     as the frames drop, and a CPU Adam compile still running ends first (the interpreter waits for it at exit
     anyway), so the error is the last line. With several ranks, a collective this rank queued that another rank
-    never joins holds the wait until NCCL's watchdog ends it (RANK_TIMEOUT), or torchrun ends the rank."""
+    never joins holds the wait until NCCL's watchdog ends it (the rank timeout), or torchrun ends the rank."""
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()
     concurrent.futures.wait(EARLY_COMPILES.values())

@@ -37,22 +37,28 @@ def with_layers(run: ol.RunConfig, layers: int) -> ol.RunConfig:
 def host_layer_limit(
     run: ol.RunConfig, mode: str, free: float | None = None, most: int = ol.MAX_SEARCH_LAYERS
 ) -> int | None:
-    """The most decoder layers (up to `most`) whose training state this machine has room for in `mode`: in host
-    memory, and with --nvme on the disk too, with `free` bytes of room there (default: its free space); None: not
-    known."""
-    if ol.host_budget(run) is None:
-        return None
+    """The most decoder layers (up to `most`) whose plan this machine's host memory holds in `mode`, and with --nvme
+    its disk too, with `free` bytes of room there (default: its free space); None: not known."""
     run = dataclasses.replace(run, mode=mode)
+    facts = machine(run, free)
+    if facts.host_bytes is None:
+        return None
 
     def fits(n: int) -> bool:
-        """n layers' training state has room (so have fewer)."""
-        return ol.disk_plan(with_layers(run, n), config_with_layers(run, n), free) is not None
+        """n layers' plan has room (so have fewer)."""
+        return ol.plan_refusal(with_layers(run, n), config_with_layers(run, n), facts) is None
 
     lo, hi = 0, most + 1  # lo fits (no layers), hi is past the search
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
+
+
+def machine(run: ol.RunConfig, free: float | None = None) -> ol.Facts:
+    """This machine's facts for `run`'s plans, with `free` bytes on the --nvme disk where given."""
+    facts = ol.measured_facts(run)
+    return facts if free is None else dataclasses.replace(facts, disk_bytes=free)
 
 
 def config_with_layers(run: ol.RunConfig, layers: int):
@@ -178,43 +184,24 @@ def search(run: ol.RunConfig, mode: str, config) -> dict:
 
 
 def limit(run: ol.RunConfig, mode: str, config, n: int, after: dict | None) -> str:
-    """Why n + 1 layers do not train: what their probe met, or, unprobed, the disk (where the host would hold them
-    with a disk large enough), the host memory or the search's end."""
+    """Why n + 1 layers do not train: what their probe met, or, unprobed, the plan's refusal (the host memory or the
+    disk) or the search's end."""
     if after is not None:
         if after.get("oom"):
             cap = f"the {run.max_gpu_memory:g} GiB cap" if run.max_gpu_memory else "the GPU"
             return f"GPU memory: the model with {layer_count(n + 1)} does not fit {cap}"
         return after.get("refused") or after.get("failed")
     more = dataclasses.replace(with_layers(run, n + 1), mode=mode)
-    more_config = ol.llama_config(more)
-    if ol.disk_plan(more, more_config) is not None:
+    refusal = ol.plan_refusal(more, ol.llama_config(more), machine(more))
+    if refusal is None:
         return f"the search stops at {ol.MAX_SEARCH_LAYERS} layers"
-    planned = dataclasses.replace(more, nvme_layers=disk_layers_needed(more, more_config))
-    disk_bytes = planned.nvme_layers * ol.disk_unit_bytes(more_config)
-    if run.nvme and ol.disk_plan(more, more_config, free=math.inf) is not None:  # the host holds it, the disk not
-        free = ol.shutil.disk_usage(run.nvme).free
-        return (
-            f"the disk: with {layer_count(n + 1)}, the Adam moments of {layer_count(planned.nvme_layers)} need "
-            f"{ol.gib(disk_bytes)} GiB on the disk, more than the {ol.gib(free)} GiB free there (the host holds the "
-            "rest)"
-        )
-    disk = f" and {ol.gib(disk_bytes)} GiB on the disk" if run.nvme else ""
-    needed, what = ol.host_bytes_needed(planned, more_config, ol.param_count(more_config))
-    budget, reserve = ol.host_budget(run), ol.host_reserve(config)
-    return (
-        f"host memory: with {layer_count(n + 1)}, {what} need {needed / ol.GiB:.1f} GiB{disk}, and "
-        f"{(budget - reserve) / ol.GiB:.1f} GiB are free beyond the {reserve / ol.GiB:.1f} GiB the process "
-        "needs besides"
-    )
+    return f"with {layer_count(n + 1)}, {refusal}"
 
 
 def disk_layers_needed(run: ol.RunConfig, config) -> int:
-    """The layers whose moments go to the disk of --nvme were it as large as needed (all of them where even that does
-    not fit the host); 0 without --nvme."""
-    if not run.nvme:
-        return 0
-    planned = ol.disk_plan(run, config, free=math.inf)
-    return config.num_hidden_layers if planned is None else planned
+    """The layers whose moments the plan puts on the disk of --nvme were it as large as needed (all of them where even
+    that does not fit the host); 0 without --nvme."""
+    return ol.make_plan(run, config, machine(run, math.inf)).disk_layers
 
 
 def large_disk(run: ol.RunConfig, mode: str, found: dict) -> dict | None:

@@ -261,7 +261,8 @@ def main(argv=None) -> int:
     if run.ranks.several and not set(peers) <= {"zero3", "zero2"}:
         p.error(f"--peers {args.peers}: under torchrun, the DeepSpeed peers alone train (zero3, zero2)")
     if run.ranks.several:
-        ol.split_cores(run.ranks)  # torchrun sets OMP_NUM_THREADS=1: DeepSpeed's CPU Adam would run on one core
+        # torchrun sets OMP_NUM_THREADS=1: DeepSpeed's CPU Adam would run on one core
+        torch.set_num_threads(max(1, ol.host_cores() // run.ranks.local_world))
     config = ol.llama_config(run)
     model = ol.build_model(dataclasses.replace(run, mode="gpu"), config)  # whole: a peer trains the CPU model
     input_ids = ol.random_input_ids(run, config.vocab_size)

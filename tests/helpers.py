@@ -26,6 +26,23 @@ def build(run: ol.RunConfig):
     return model, ids
 
 
+def machine(gpu_gib=80.0, host_gib=None, disk_bytes=None, process=ol.GiB, world=1) -> ol.Facts:
+    """The facts of a machine to plan for: a GPU of `gpu_gib` (None: no GPU), `host_gib` of host memory available
+    (None: not known), `disk_bytes` free on the --nvme disk, a process of `process` bytes, 16 cores, `world` ranks on
+    one host."""
+    gpu = None if gpu_gib is None else int(gpu_gib * ol.GiB)
+    host = None if host_gib is None else int(host_gib * ol.GiB)
+    return ol.Facts(gpu, host, disk_bytes, process, 16, world, world)
+
+
+def planned(run: ol.RunConfig, facts: ol.Facts) -> ol.Plan:
+    """`run`'s plan on the machine `facts` describe, checked as a run checks it (check_plan refuses what won't fit)."""
+    config = ol.llama_config(run)
+    plan = ol.make_plan(run, config, facts)
+    ol.check_plan(run, config, plan)
+    return plan
+
+
 def streamed_logits(model, ids, device, depth, pin=False, streamer_hook=None, resident=()):
     """Logits of the offloaded model with layers streamed at `depth`, but for the `resident` ones; the store is built
     from `model`."""

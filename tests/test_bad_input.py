@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import offload_llama as ol
-from helpers import SCRIPT, cli
+from helpers import SCRIPT, cli, machine, planned
 
 TINY_CPU = ["--mode", "cpu", "--preset", "tiny"]
 REFUSED = {
@@ -51,9 +51,9 @@ def gpu_checked(monkeypatch, **fields) -> ol.RunConfig:
     """A run of LLaMA-7B-sized layers whose GPU checks run here as if a bfloat16 GPU were present."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
-    monkeypatch.setattr(ol, "host_memory_available", lambda: None)
-    monkeypatch.setattr(ol, "gpu_cap", lambda run: int((run.max_gpu_memory or 80) * ol.GiB))  # an 80 GiB GPU
-    return ol.RunConfig(**{"preset": "7b-8l", "dtype": "bfloat16", **fields})
+    run = ol.RunConfig(**{"preset": "7b-8l", "dtype": "bfloat16", **fields})
+    ol.check_devices(run, ol.llama_config(run))
+    return run
 
 
 def test_cap_below_what_every_gpu_mode_needs_is_refused(monkeypatch):
@@ -63,17 +63,17 @@ def test_cap_below_what_every_gpu_mode_needs_is_refused(monkeypatch):
         monkeypatch, mode="overlapped", train=True, grad_accum=16, batch_size=4, seq_len=1024, max_gpu_memory=5
     )
     with pytest.raises(ol.UsageError, match=r"mode overlapped needs at least 6\.9 GiB of GPU memory .* cap of 5 GiB"):
-        ol.check_devices(run, ol.llama_config(run))
+        planned(run, machine())
 
 
 def test_cap_that_one_gpu_mode_fits_runs_the_others_as_oom(monkeypatch):
     # the resident model (3.5 GiB of weights) does not fit 2 GiB, the streamed one does: no refusal, gpu mode is
     # reported OOM when it runs
     run = gpu_checked(monkeypatch, mode="gpu,overlapped", seq_len=512, max_gpu_memory=2)
-    ol.check_devices(run, ol.llama_config(run))
+    planned(run, machine())
     alone = gpu_checked(monkeypatch, mode="gpu", seq_len=512, max_gpu_memory=2)
     with pytest.raises(ol.UsageError, match="mode gpu needs at least 3.6 GiB"):
-        ol.check_devices(alone, ol.llama_config(alone))
+        planned(alone, machine())
 
 
 def test_activation_pool_beyond_host_memory_is_refused(monkeypatch):
@@ -90,12 +90,12 @@ def test_activation_pool_beyond_host_memory_is_refused(monkeypatch):
         offload_activations=True,
     )
     config = ol.llama_config(run)
-    params = ol.host_bytes_needed(run, config, ol.param_count(config))[0]
-    monkeypatch.setattr(ol, "host_memory_available", lambda: params + 10 * ol.GiB)  # room for all but the pool
-    with pytest.raises(ol.UsageError, match=r"need \d+\.\d GiB of host memory, only \d+\.\d GiB are available"):
-        ol.check_devices(run, config)
-    monkeypatch.setattr(ol, "host_memory_available", lambda: params + 20 * ol.GiB)
-    ol.check_devices(run, config)
+    plan = ol.make_plan(run, config, machine())
+    least = ol.host_parts(run, config, plan.facts, None, 2)  # no copy of the masters, two gradient buffers
+    assert least["passes"] > 17 * ol.GiB
+    with pytest.raises(ol.UsageError, match=r"needs \d+\.\d GiB of host memory, only \d+\.\d GiB are available"):
+        planned(run, machine(host_gib=(sum(least.values()) - least["passes"] / 2) / ol.GiB))  # all but half the pool
+    planned(run, machine(host_gib=plan.host_peak / ol.GiB))
 
 
 def test_gpu_need_is_a_lower_bound_of_the_measured_peaks():

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import offload_llama as ol
-from helpers import build, offloaded_trainer, tiny_run
+from helpers import build, machine, offloaded_trainer, tiny_run
 
 CPU = torch.device("cpu")
 
@@ -184,40 +184,39 @@ def test_placement_leaves_the_disk_units_to_the_cpu_adam():
     assert ol.gpu_adam_units(units, (), 0.3, on_disk=(1,)) == (0, 2, 3)
 
 
-def planned(monkeypatch, tmp_path, host_gib: float, disk_layers: float, **flags) -> ol.RunConfig:
+def disk_plan(host_gib: float, disk_layers: float, **flags) -> ol.Plan:
     """7b-8l's overlapped training planned with `host_gib` of host memory and room for `disk_layers` layers' moments
     on the disk."""
-    run = ol.RunConfig(mode="overlapped", train=True, inference=False, nvme=str(tmp_path), **flags)
+    run = ol.RunConfig(mode="overlapped", train=True, inference=False, nvme="/nvme", **flags)
     config = ol.llama_config(run)
     room = int(disk_layers * ol.disk_unit_bytes(config))
-    monkeypatch.setattr(ol, "host_memory_available", lambda: int(host_gib * ol.GiB))
-    monkeypatch.setattr(ol.shutil, "disk_usage", lambda _: ol.shutil._ntuple_diskusage(0, 0, room))
-    return ol.with_disk_tier(run, config)
+    return ol.make_plan(run, config, machine(host_gib=host_gib, disk_bytes=room))
 
 
-def test_the_plan_takes_the_fewest_layers_the_host_needs(monkeypatch, tmp_path):
-    """7b-8l's lean training needs 29.3 GiB of the host (6 of them the process's reserve) and a layer's moments 1.5
-    GiB; the two staging buffers cost the host 2 layers' moments, so the fewest layers that fit are 3 at 28 GiB and 5
-    at 25. The compute-dtype copy (3.5 GiB) gets no room of its own: it goes where the host has none for it."""
-    monkeypatch.setattr(ol, "DISK_SLOTS", 2)
-    config = ol.llama_config(ol.RunConfig())
-    assert [planned(monkeypatch, tmp_path, gib, 8).nvme_layers for gib in (34, 31, 28, 25)] == [0, 0, 3, 5]
-    assert ol.host_copy_dtype(planned(monkeypatch, tmp_path, 34, 8), config) == torch.bfloat16
-    assert ol.host_copy_dtype(planned(monkeypatch, tmp_path, 28, 8), config) is None
-    assert planned(monkeypatch, tmp_path, 64, 8, nvme_layers=4).nvme_layers == 4  # as told, with room to spare
-    assert planned(monkeypatch, tmp_path, 25, 8, nvme_layers=1).nvme_layers == 1  # as told: check_memory refuses it
+def test_the_plan_takes_the_fewest_layers_the_host_needs():
+    """7b-8l's lean training needs at least 24.0 GiB of the host (1 of them the process's) and HOST_MARGIN 2 more to
+    plan with; a layer's moments take 1.5 GiB, and the two staging buffers cost the host 2 layers' moments, so the
+    fewest layers that fit are none down to 26 GiB, 3 at 25 and 5 at 22. The compute-dtype copy (3.5 GiB) gets no
+    room of its own: it goes where the host has none for it."""
+    assert [disk_plan(gib, 8).disk_layers for gib in (34, 28, 25, 22)] == [0, 0, 3, 5]
+    assert disk_plan(34, 8).copy_dtype == "bfloat16" and disk_plan(28, 8).copy_dtype is None
+    assert disk_plan(64, 8, nvme_layers=4).disk_layers == 4  # as told, with room to spare
+    assert disk_plan(22, 8, nvme_layers=1).disk_layers == 1  # as told: check_plan refuses it
     with pytest.raises(ol.UsageError, match="5 layers' 7.5 GiB of Adam moments, 1.5 GiB more than is free there"):
-        planned(monkeypatch, tmp_path, 25, 4)
+        disk_plan(22, 4)
     with pytest.raises(ol.UsageError, match="the model has 6 decoder layers"):
-        planned(monkeypatch, tmp_path, 64, 8, nvme_layers=7, resident_layers=2)
+        disk_plan(64, 8, nvme_layers=7, resident_layers=2)
 
 
-def test_a_run_the_host_cannot_hold_is_refused_for_the_host(monkeypatch, tmp_path):
+def test_a_run_the_host_cannot_hold_is_refused_for_the_host():
     """Even with every layer's moments on the disk the host is too small: refused for the host, not the disk."""
-    run = planned(monkeypatch, tmp_path, 14, 2)
-    assert run.nvme_layers == 8
+    plan = disk_plan(14, 2)
+    assert plan.disk_layers == 8
+    run = ol.RunConfig(mode="overlapped", train=True, inference=False, nvme="/nvme")
     with pytest.raises(ol.UsageError, match="host memory"):
-        ol.check_memory(run, ol.llama_config(run), [])
+        ol.check_host(run, ol.llama_config(run), plan)
+    with pytest.raises(ol.UsageError, match="host memory"):
+        ol.check_host(run, ol.llama_config(run), disk_plan(22, 8, nvme_layers=1))
 
 
 @pytest.mark.parametrize(
@@ -230,7 +229,10 @@ def test_a_run_the_host_cannot_hold_is_refused_for_the_host(monkeypatch, tmp_pat
         (["--train", "--nvme", "/proc"], "cannot be written"),
         (["--train", "--max-host-memory", "-1"], "--max-host-memory must be a positive number"),
         (["--train", "--mode", "gpu,cpu", "--nvme", "{tmp}"], "add blocked or overlapped to --mode"),
-        (["--train", "--preset", "tiny", "--nvme", "{tmp}", "--nvme-layers", "2"], "more than is free there"),
+        (
+            ["--plan", "--gpu-memory", "80", "--train", "--preset", "tiny", "--nvme", "{tmp}", "--nvme-layers", "2"],
+            "more than is free there",
+        ),  # the plan's refusal: a run without a GPU is refused for that first
     ],
 )
 def test_bad_disk_tier_flags_are_refused_before_the_run(args, message, tmp_path, capsys, monkeypatch):
@@ -351,11 +353,12 @@ def test_a_checkpoint_on_the_disk_of_the_tier_counts_its_files(monkeypatch, tmp_
     tier = 4 * ol.disk_unit_bytes(config)
     for free in (needed + tier, needed + tier - 1):
         monkeypatch.setattr(ol.shutil, "disk_usage", lambda _, free=free: ol.shutil._ntuple_diskusage(0, 0, free))
+        plan = ol.make_plan(run, config, machine(disk_bytes=free))
         if free < needed + tier:
             with pytest.raises(ol.UsageError, match="more than is free there"):
-                ol.check_saving(run, config)
+                ol.check_saving(run, config, plan)
         else:
-            ol.check_saving(run, config)
+            ol.check_saving(run, config, plan)
 
 
 @pytest.mark.parametrize("units", [(5,), (2, 3, 4, 5)])

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 import offload_llama as ol
-from helpers import SCRIPT, cli
+from helpers import SCRIPT, cli, planned
 
 README = SCRIPT.parent / "README.md"
 
@@ -143,23 +143,23 @@ def test_eager_attentions_scores_count_in_the_host_check(monkeypatch):
     """65,536 tokens of eager attention on the CPU: 4 heads' scores of 65,536² elements, scaled beside the raw ones,
     64 GiB in bfloat16, refused before they are allocated; sdpa's flash kernel keeps none."""
     run = host_checked(monkeypatch, 23, attention="eager", seq_len=65536)
-    with pytest.raises(ol.UsageError, match=r"the process so far \(6\d\.\d GiB\) need 6\d\.\d GiB of host memory"):
-        ol.check_devices(run, ol.llama_config(run))
+    with pytest.raises(ol.UsageError, match=r"the run needs 6\d\.\d GiB of host memory, .*: passes 6\d\.\d GiB"):
+        planned(run, ol.measured_facts(run))
     sdpa = host_checked(monkeypatch, 23, seq_len=65536)
-    ol.check_devices(sdpa, ol.llama_config(sdpa))
+    planned(sdpa, ol.measured_facts(sdpa))
 
 
 def test_a_refusal_for_host_memory_suggests_only_what_the_mode_allows(monkeypatch):
     """cpu mode has no disk tier: a model too large for the host is told to shrink, not to use --nvme."""
     run = host_checked(monkeypatch, 1, preset="7b-8l", train=True)
     with pytest.raises(ol.UsageError, match=r"use fewer or smaller layers \(--layers, [^)]*\)$"):
-        ol.check_devices(run, ol.llama_config(run))
+        planned(run, ol.measured_facts(run))
 
 
 def test_a_sequence_the_host_cannot_hold_is_refused_and_a_long_one_is_estimated(monkeypatch, capsys):
     run = host_checked(monkeypatch, 23, seq_len=10_000_000, batch_size=4)
     with pytest.raises(ol.UsageError, match="of host memory, only 23.0 GiB are available"):
-        ol.check_devices(run, ol.llama_config(run))
+        planned(run, ol.measured_facts(run))
     long = host_checked(monkeypatch, 23, seq_len=10_000_000)
     monkeypatch.setattr(ol, "matmul_rate", lambda device, dtype: 1e11)  # a 100 GFLOP/s CPU
     ol.warn_if_long(long, ol.llama_config(long))

@@ -271,11 +271,12 @@ def test_numbers_out_of_range_are_refused_at_once(case, tmp_path):
 
 ALWAYS_MEANINGFUL = {"mode", "preset", "model", "dtype", "attention", "batch_size", "seq_len", "seed", "train"}
 ALWAYS_MEANINGFUL |= {"max_host_memory", "json", "save_output", *ol.SIZE_FLAGS}
+ALWAYS_MEANINGFUL |= {"plan", "rank_timeout"}  # the plan of any run; the ranks' timeout (one process: none to wait on)
 
 
 def test_every_flag_is_in_the_table_of_what_it_needs_or_always_does_something():
     p = ol.Parser()
-    for add in (ol.add_run_flags, ol.add_training_flags, ol.add_data_flags, ol.add_saving_flags):
+    for add in (ol.add_run_flags, ol.add_training_flags, ol.add_data_flags, ol.add_saving_flags, ol.add_plan_flags):
         add(p)
     dests = {action.dest for action in p._actions if action.dest != "help"}
     tabled = {dest for flags, _ in ol.FLAG_NEEDS for dest in flags}

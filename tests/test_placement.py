@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import offload_llama as ol
-from helpers import build, offloaded_trainer, resident_logits, streamed_logits, tiny_run, train
+from helpers import build, machine, offloaded_trainer, resident_logits, streamed_logits, tiny_run, train
 
 CPU = torch.device("cpu")
 
@@ -110,89 +110,102 @@ def test_float16_resident_units_need_their_own_gradients():
 
 
 def budget_run(budget_bytes: int, **fields) -> ol.RunConfig:
-    """A run whose placement budget is about `budget_bytes`."""
-    return ol.RunConfig(preset="tiny", max_gpu_memory=(ol.PLAN_MARGIN + budget_bytes) / ol.GiB, **fields)
+    """A run of the tiny model's overlapped training whose placement budget is about `budget_bytes`."""
+    return ol.RunConfig(
+        **{"preset": "tiny", "mode": "overlapped", "train": True, **fields},
+        max_gpu_memory=(ol.PLAN_MARGIN + budget_bytes) / ol.GiB,
+    )
 
 
-def test_training_plan_fits_its_budget_and_keeps_a_run_from_the_start_of_the_forward_order():
-    model, batches = tiny_training()
-    trainer = offloaded_trainer(model, CPU, 1, batches)
-    besides = {"saved inputs": 1000, "working set": 5000, "other": 300}
-    numels = [m.numel() for m in trainer.store.masters]
-    uncapped = ol.RunConfig(preset="tiny")
-    streamed = ol.training_placement(trainer, uncapped, "overlapped", besides, own_grads=False)
-    assert streamed.resident == () and streamed.parts["saved inputs"] == 1000
+class Placed:
+    """training_placement's choice for `run` in `mode` (a bfloat16 copy of the masters), its parts and peak."""
+
+    def __init__(self, run: ol.RunConfig, mode: str = "overlapped"):
+        config = ol.llama_config(run)
+        self.resident, self.gpu_adam, self.parts, self.fits = ol.training_placement(
+            run, config, machine(), mode, torch.bfloat16
+        )
+        self.peak_bytes = sum(self.parts.values())
+
+
+@pytest.fixture
+def besides(monkeypatch):
+    """What no placement changes, fixed: saved inputs, a working set and the rest."""
+    fixed = {"saved inputs": 1000, "working set": 5000, "other": 300}
+    monkeypatch.setattr(ol, "unplaced_bytes", lambda run, config, facts: fixed)
+    return fixed
+
+
+def tiny_numels() -> list[int]:
+    """The tiny model's units' elements, padding included."""
+    return ol.shard_numels(ol.llama_config(ol.RunConfig(preset="tiny")), ol.Ranks())
+
+
+def test_training_plan_fits_its_budget_and_keeps_a_run_from_the_start_of_the_forward_order(besides):
+    numels = tiny_numels()
+    streamed = Placed(ol.RunConfig(preset="tiny", mode="overlapped", train=True))
+    assert streamed.resident == () and streamed.parts["saved inputs"] == 1000 and streamed.fits
     least = streamed.peak_bytes - streamed.parts["GPU Adam staging"]  # every unit streamed, on the CPU Adam
-    with pytest.raises(torch.OutOfMemoryError, match="the plan needs .* more than the .* the cap leaves a plan"):
-        ol.training_placement(trainer, budget_run(least - 1000), "overlapped", besides, own_grads=False)
+    assert not Placed(budget_run(least - 1000)).fits  # train_mode reports it OOM, check_plan refuses it under ranks
     assert streamed.parts["slots"] == 2 * max(numels) * 2 and streamed.parts["resident weights"] == 0
     budgets = range(streamed.peak_bytes, streamed.peak_bytes + 20 * sum(numels), sum(numels) // 4)
-    plans = [ol.training_placement(trainer, budget_run(b), "overlapped", besides, own_grads=False) for b in budgets]
+    plans = [Placed(budget_run(b)) for b in budgets]
     for plan, budget in zip(plans, budgets, strict=False):
         k = len(plan.resident)
         assert plan.resident == tuple(range(k)) and plan.peak_bytes <= budget + 1
     assert [len(p.resident) for p in plans] == sorted(len(p.resident) for p in plans)
     assert plans[-1].resident == tuple(range(6)) and plans[-1].parts["slots"] == 0
     # resident, a parameter takes 14 bytes, and the gradient buffer holds the largest resident unit's float32
-    # gradients; 18 bytes with gradients of their own, beside the streamed units' buffer
+    # gradients; 18 bytes with gradients of their own (compared with gpu mode's), beside the streamed units' buffer
     kept = sum(numels)
     assert plans[-1].parts["resident weights"] + plans[-1].parts["resident masters and moments"] == 14 * kept
     assert plans[-1].parts["gradient buffer"] == 4 * max(numels) and plans[-1].parts["resident gradients"] == 0
     assert streamed.parts["gradient buffer"] == 2 * max(numels)
-    own = ol.training_placement(trainer, budget_run(10**9), "overlapped", besides, own_grads=True)
+    own = Placed(budget_run(10**9, mode="gpu,overlapped"))
     assert own.parts["resident gradients"] == 4 * kept and own.parts["gradient buffer"] == 0
 
 
-def test_training_plan_overrides_and_blocked():
-    model, batches = tiny_training()
-    trainer = offloaded_trainer(model, CPU, 1, batches)
-
-    def plan(run, mode="overlapped"):
-        return ol.training_placement(trainer, run, mode, {}, own_grads=False).resident
-
-    assert plan(budget_run(10**9)) == tuple(range(6))
-    assert plan(budget_run(10**9), "blocked") == ()
-    assert plan(budget_run(10**9, resident_layers=2)) == (1, 2)  # layers: unit 0 is the embeddings
-    assert plan(budget_run(10**9, resident_layers=0)) == ()
-    assert plan(ol.RunConfig(preset="tiny")) == ()  # no budget: every unit streamed
+def test_training_plan_overrides_and_blocked(besides):
+    assert Placed(budget_run(10**9)).resident == tuple(range(6))
+    assert Placed(budget_run(10**9), "blocked").resident == ()
+    assert Placed(budget_run(10**9, resident_layers=2)).resident == (1, 2)  # layers: unit 0 is the embeddings
+    assert Placed(budget_run(10**9, resident_layers=0)).resident == ()
+    assert Placed(ol.RunConfig(preset="tiny", mode="overlapped")).resident == ()  # no budget: every unit streamed
 
 
-def test_training_plan_gives_the_gpu_adam_its_share_of_the_streamed_units_and_counts_its_staging():
-    model, batches = tiny_training()
-    trainer = offloaded_trainer(model, CPU, 1, batches)
-    numels = [m.numel() for m in trainer.store.masters]
-
-    def plan(run, mode="overlapped"):
-        return ol.training_placement(trainer, run, mode, {}, own_grads=False)
-
-    streamed = plan(ol.RunConfig(preset="tiny", gpu_adam_share=0.5))
-    assert streamed.gpu_adam == ol.gpu_adam_units(trainer.units, (), 0.5) != ()
+def test_training_plan_gives_the_gpu_adam_its_share_of_the_streamed_units_and_counts_its_staging(besides):
+    numels = tiny_numels()
+    half = ol.RunConfig(preset="tiny", mode="overlapped", train=True, gpu_adam_share=0.5)
+    streamed = Placed(half)
+    units = ol.model_units(ol.llama_config(half))
+    assert streamed.gpu_adam == ol.gpu_adam_units(units, (), 0.5) != ()
     assert sum(numels[u] for u in streamed.gpu_adam) <= 0.5 * sum(numels)
     largest = max(numels[u] for u in streamed.gpu_adam)  # bfloat16 gradients and copy: 14 bytes a slot, 4 to cast
     assert streamed.parts["GPU Adam staging"] == 2 * largest + 2 * 14 * largest + 4 * largest
-    assert plan(ol.RunConfig(preset="tiny", gpu_adam_share=0.5), "blocked").gpu_adam == ()
-    assert plan(ol.RunConfig(preset="tiny", gpu_adam_share=0.0)).parts["GPU Adam staging"] == 0
-    everything = plan(budget_run(10**9))  # every unit resident: nothing left for it
+    assert Placed(half, "blocked").gpu_adam == ()
+    without = Placed(ol.dataclasses.replace(half, gpu_adam_share=0.0))
+    assert without.parts["GPU Adam staging"] == 0
+    everything = Placed(budget_run(10**9))  # every unit resident: nothing left for it
     assert everything.resident == tuple(range(6)) and everything.gpu_adam == ()
     # a budget that holds every unit streamed but not the GPU Adam's staging beside them: the CPU Adam steps them all
-    without = plan(ol.RunConfig(preset="tiny", gpu_adam_share=0.0))
-    tight = plan(budget_run(without.peak_bytes, gpu_adam_share=0.5))
+    tight = Placed(budget_run(without.peak_bytes, gpu_adam_share=0.5))
     assert tight.resident == () and tight.gpu_adam == () and tight.peak_bytes == without.peak_bytes
 
 
 def test_inference_plan_spreads_what_the_budget_holds():
     run = ol.RunConfig(preset="7b-8l", max_gpu_memory=11)
     config = ol.llama_config(run)
-    assert ol.inference_placement(run, config, 4096, "overlapped").resident == tuple(range(8))
-    assert ol.inference_placement(run, config, 4096, "blocked").resident == ()
-    assert ol.inference_placement(ol.RunConfig(preset="7b-8l"), config, 4096, "overlapped").resident == ()
+    assert ol.inference_placement(run, config, machine(), "overlapped")[0] == tuple(range(8))
+    assert ol.inference_placement(run, config, machine(), "blocked")[0] == ()
+    assert ol.inference_placement(ol.RunConfig(preset="7b-8l"), config, machine(), "overlapped")[0] == ()
     counts = []
     for gib in (2, 3, 4, 5, 6):
-        plan = ol.inference_placement(ol.dataclasses.replace(run, max_gpu_memory=gib), config, 4096, "overlapped")
-        assert plan.peak_bytes <= gib * ol.GiB - ol.PLAN_MARGIN or not plan.resident
-        assert plan.resident == ol.spread(8, len(plan.resident))
-        counts.append(len(plan.resident))
+        capped = ol.dataclasses.replace(run, max_gpu_memory=gib)
+        resident, parts = ol.inference_placement(capped, config, machine(), "overlapped")
+        assert sum(parts.values()) <= gib * ol.GiB - ol.PLAN_MARGIN or not resident
+        assert resident == ol.spread(8, len(resident))
+        counts.append(len(resident))
     assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 8
     assert ol.spread(8, 4) == (0, 2, 4, 6) and ol.spread(8, 1) == (0,) and ol.spread(8, 8) == tuple(range(8))
     forced = ol.dataclasses.replace(run, resident_layers=3)
-    assert ol.inference_placement(forced, config, 4096, "overlapped").resident == (0, 2, 5)
+    assert ol.inference_placement(forced, config, machine(), "overlapped")[0] == (0, 2, 5)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import offload_llama as ol
-from helpers import assert_masters_close, build, offloaded_trainer, resident_logits, streamed_logits, train
+from helpers import assert_masters_close, build, machine, offloaded_trainer, resident_logits, streamed_logits, train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CUDA = torch.device("cuda")
@@ -113,15 +113,15 @@ ACCUM = ["--grad-accum", 16]  # 16 micro-batches of 2048 tokens: 64 MiB of input
 
 
 def low_host_gib() -> float:
-    """A --max-host-memory for the accumulating MID run under which the host has no room for the masters' bfloat16
-    copy (half of it short): the GPU streams the float32 masters and casts them."""
+    """A --max-host-memory for the accumulating MID run under which the plan leaves the host no room for the masters'
+    bfloat16 copy (half of it short, beyond HOST_MARGIN): the GPU streams the float32 masters and casts them."""
     sizes = tuple(MID.items())
     run = ol.RunConfig(preset="tiny", sizes=sizes, mode="overlapped", train=True, inference=False, grad_accum=16)
     run = ol.dataclasses.replace(run, seq_len=2048, batch_size=1)
     config = ol.llama_config(run)
-    params = ol.param_count(config)
-    needed = ol.host_bytes_needed(run, config, params)[0] + ol.host_pass_bytes(run, config) + ol.host_reserve(config)
-    return (needed + params) / ol.GiB  # the copy would take 2 bytes a parameter
+    least = sum(ol.host_parts(run, config, machine(process=ol.PROCESS_BYTES), None, 2).values())
+    copy = 2 * sum(ol.shard_numels(config, ol.Ranks()))
+    return (least + ol.HOST_MARGIN + copy / 2) / ol.GiB
 
 
 TRAINING = {

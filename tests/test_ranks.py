@@ -2,6 +2,7 @@
 reduce-scattered gradients, against one process training on every micro-batch."""
 
 import contextlib
+import math
 import os
 import socket
 import time
@@ -12,7 +13,7 @@ import torch.multiprocessing as mp
 from test_data import data_run
 
 import offload_llama as ol
-from helpers import assert_masters_close, build, run_main, tiny_run
+from helpers import assert_masters_close, build, machine, planned, run_main, tiny_run
 
 CPU = torch.device("cpu")
 STEPS = 3
@@ -79,14 +80,16 @@ def trained(trainer, micro_batches, overflow_at=None, steps=STEPS):
     return losses, trainer.state_dict(), list(trainer.grad_norms), scales
 
 
-def join(rank, world, port) -> ol.Ranks:
-    """This process as rank `rank` of `world`, joined to the others as torchrun's environment says."""
+def join(rank, world, port, timeout=ol.RANK_TIMEOUT) -> ol.Ranks:
+    """This process as rank `rank` of `world`, joined to the others as torchrun's environment says, its steps'
+    collectives waiting `timeout` seconds at most."""
     env = {"RANK": rank, "WORLD_SIZE": world, "LOCAL_RANK": rank, "LOCAL_WORLD_SIZE": world}
     os.environ.update({key: str(value) for key, value in env.items()} | {"MASTER_ADDR": "127.0.0.1"})
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
     ranks = ol.Ranks.from_environment()
     ol.start_ranks(ranks)
+    ol.join_steps(ranks, timeout, threads=1)
     return ranks
 
 
@@ -330,9 +333,10 @@ def test_ranks_generate_in_step_when_one_ranks_text_ends_first(tmp_path):
 
 
 def rank_lost(rank, world, port, stalls, out):
-    """One rank: a whole step, then rank 1 ends (or stalls) in the next step's backward; rank 0 saves how long its
-    step took to fail and the line it ends on, and leaves at once (main's way)."""
-    ranks = join(rank, world, port)
+    """One rank, its steps' collectives waiting LOST_TIMEOUT at most: a whole step, then rank 1 ends (or stalls) in
+    the next step's backward; rank 0 saves how long its step took to fail and the line it ends on, and leaves at once
+    (main's way)."""
+    ranks = join(rank, world, port, timeout=LOST_TIMEOUT)
     model, step = tiny_batches("float32", world)
     batches = ranks.share(step)
     trainer = trainer_of(model, batches, world, 1, ranks)
@@ -354,36 +358,159 @@ def rank_lost(rank, world, port, stalls, out):
     os._exit(0)
 
 
+LOST_TIMEOUT = 12  # seconds: the rank timeout of rank_lost's steps (a plan's, or --rank-timeout's)
+
+
 @SLOW
 @pytest.mark.parametrize("stalls", [False, True])
 def test_a_rank_that_ends_or_stalls_mid_step_ends_the_others_in_one_line(tmp_path, stalls):
     """Rank 1 of 2 ends mid-step (its connection drops), or stalls: rank 0's step fails at once, or after
-    RANK_TIMEOUT, never hangs (every step collective is in the group with that timeout); its one line says so."""
+    the rank timeout, never hangs (every step collective is in the group with that timeout); its line says so."""
     out = tmp_path / "lost.pt"
     context, port = mp.get_context("spawn"), free_port()
     ranks = [context.Process(target=rank_lost, args=(r, 2, port, stalls, out), daemon=True) for r in range(2)]
     for process in ranks:
         process.start()
-    ranks[0].join(timeout=ol.RANK_TIMEOUT + 90)  # setting up takes 10 to 20 s
+    ranks[0].join(timeout=LOST_TIMEOUT + 90)  # setting up takes 10 to 20 s
     for process in ranks:
         process.kill()
     lost = torch.load(out)
-    assert lost["seconds"] < (ol.RANK_TIMEOUT + 10 if stalls else 10)
+    assert lost["seconds"] < (LOST_TIMEOUT + 10 if stalls else 10)
+    assert f"({LOST_TIMEOUT} s in a step" in lost["line"]  # the timeout the steps' group was made with
     assert lost["line"].startswith("rank 0 of 2 stops: another rank ended, or stalled past the timeout"), lost["line"]
 
 
-def rank_plan(rank, world, port, out):
-    """One rank: its own measurements and budget (rank 1 measures more and has less); rank 0 saves what they agree."""
+def disk_run(folder, ranks: ol.Ranks) -> ol.RunConfig:
+    """The tiny model's overlapped training on 2 ranks of one host, float32, with --nvme and no --nvme-layers."""
+    return ol.RunConfig(
+        preset="tiny",
+        mode="overlapped",
+        train=True,
+        inference=False,
+        dtype="float32",
+        grad_accum=2,
+        nvme=str(folder),
+        ranks=ranks,
+    )
+
+
+def hosts_apart(folder) -> list[int]:
+    """Host memory available for ranks 0 and 1, a few KiB apart: planned alone, rank 0 would keep layers' moments on
+    the disk, rank 1 none."""
+    run = disk_run(folder, ol.Ranks(0, 2, 0, 2))
+    config = ol.llama_config(run)
+    facts = ol.Facts(None, None, 10**12, ol.GiB, 1, 2, 2)
+    need = 2 * (sum(ol.host_parts(run, config, facts, None, 2).values()) + ol.HOST_MARGIN)  # the host's, 2 ranks'
+    return [need - 8192, need]
+
+
+def rank_plans(rank, world, port, folder, out):
+    """One rank, its host memory available its own (hosts_apart): plans from the facts the ranks agree on, trains 3
+    steps with that plan's disk tier and finishes, its masters gathered to rank 0 alone as --save-output gathers them;
+    then a bound round whose parts differ between the ranks. Rank 0 saves every rank's plan, its losses and the line
+    the round ended on."""
     with joined(rank, world, port) as ranks:
-        agreed = ol.agreed_plan(ranks, {"saved inputs": 10 + rank, "other": 7 - rank}, 100 - rank)
+        ol.host_memory_available = lambda: hosts_apart(folder)[rank]
+        ol.process_rss = lambda: ol.GiB
+        run = disk_run(folder, ranks)
+        config = ol.llama_config(run)
+        plan = ol.make_plan(run, config, ol.agreed_facts(ranks, ol.measured_facts(run)))
+        plans = ranks.each(plan)
+        model, step = tiny_batches("float32", world)
+        batches = ranks.share(step)
+        disk = (folder, ol.disk_units(config, plan.disk_layers)) if plan.disk_layers else None
+        trainer = trainer_of(model, batches, world, 1, ranks, disk=disk)
+        losses, everywhere = trained(trainer, batches)[:2]
+        on_first = trainer.state_dict(on_first=True)  # --save-output's: gathered to rank 0 alone, a unit at a time
+        assert on_first == {} if rank else all(torch.equal(t, everywhere[name]) for name, t in on_first.items())
+        assert rank or on_first.keys() == everywhere.keys()
+        try:
+            ol.time_round({"h2d": (CPU, lambda: None), **({"disk": (CPU, lambda: None)} if rank else {})}, {}, ranks)
+        except ol.UsageError as e:
+            line = str(e)
         if rank == 0:
-            torch.save(agreed, out)
+            torch.save({"plans": plans, "losses": losses, "line": line}, out)
 
 
 @SLOW
-def test_every_rank_plans_from_the_largest_measurements_and_the_smallest_budget(tmp_path):
-    """The placement's inputs agreed over 2 ranks, so both make one plan: each part's largest, the smallest budget."""
-    out = tmp_path / "plan.pt"
-    mp.spawn(rank_plan, args=(2, free_port(), out), nprocs=2)
-    assert torch.load(out) == ({"saved inputs": 11, "other": 7}, 99)
-    assert ol.agreed_plan(ol.Ranks(), {"other": 3}, None) == ({"other": 3}, None)  # one process: its own
+def test_ranks_whose_facts_differ_make_one_plan_and_finish(tmp_path):
+    """Two ranks whose hosts have a few KiB more or less memory available: alone, one would keep layers' moments on
+    the disk and the other none, and their bound rounds would stop pairing up (a hang). The facts are agreed first
+    (the smallest memory), so both make one plan, train with it and finish; a bound round whose parts differ anyway
+    ends on every rank with one line naming the difference."""
+    run = disk_run(tmp_path, ol.Ranks(0, 2, 0, 2))
+    config = ol.llama_config(run)
+    alone = [ol.make_plan(run, config, ol.Facts(None, host, 10**12, ol.GiB, 1, 2, 2)) for host in hosts_apart(tmp_path)]
+    assert alone[0].disk_layers > 0 == alone[1].disk_layers
+    out = tmp_path / "plans.pt"
+    mp.spawn(rank_plans, args=(2, free_port(), tmp_path, out), nprocs=2)
+    saved = torch.load(out, weights_only=False)
+    assert saved["plans"][0] == saved["plans"][1] and saved["plans"][0].disk_layers == alone[0].disk_layers
+    assert len(saved["losses"]) == STEPS and saved["losses"][-1] < saved["losses"][0]
+    assert "the ranks differ in the bound's parts (rank 0: ['h2d']; rank 1: ['h2d', 'disk'])" in saved["line"]
+
+
+def test_agreed_facts_are_the_smallest_machine_and_the_slowest_rates():
+    """Each rank plans from the same facts: one process's are its own."""
+    facts = ol.Facts(80 * ol.GiB, 100 * ol.GiB, None, ol.GiB, 16, 2, 2)
+    assert ol.agreed_facts(ol.Ranks(), facts) == facts
+
+
+def test_a_ranks_host_plan_counts_its_shards():
+    """LLaMA-7B on 2 ranks of one host: each rank holds its shard of the masters, moments, copy and gradient buffers,
+    so with 110 GiB available the bfloat16 copy stays, and with 120 GiB every unit gets a float32 gradient buffer (a
+    plan sized for the whole model dropped the copy at 110 GiB and gave a rank 4 buffers at 120)."""
+    run = ol.RunConfig(preset="llama-7b", mode="overlapped", train=True, inference=False, grad_accum=2)
+    run = ol.dataclasses.replace(run, ranks=ol.Ranks(0, 2, 0, 2))
+    config = ol.llama_config(run)
+    shards = ol.shard_numels(config, ol.Ranks(0, 2, 0, 2))
+    assert 2 * sum(shards) - ol.param_count(config) < 4 * ol.ALIGN * len(shards)  # half a model each, padded
+    plans = {gib: ol.make_plan(run, config, machine(host_gib=gib, world=2)) for gib in (110, 120)}
+    assert plans[110].copy_dtype == "bfloat16" and plans[110].host["float32 masters"] == 4 * sum(shards)
+    assert plans[120].grad_buffers == len(shards) and plans[120].host["gradient buffers"] == 4 * sum(shards)
+
+
+def test_a_placement_past_the_cap_is_refused_on_every_rank_alike():
+    """Under a cap that holds the least a rank needs but not its placement: the same one line on every rank, before
+    anything is allocated, not an OOM on one rank that leaves the others waiting."""
+    lines = set()
+    for rank in range(2):
+        run = ol.RunConfig(preset="7b-8l", mode="overlapped", train=True, inference=False, grad_accum=2)
+        run = ol.dataclasses.replace(run, max_gpu_memory=3, ranks=ol.Ranks(rank, 2, rank, 2))
+        with pytest.raises(ol.UsageError, match=r"mode overlapped: the plan needs 3\.7 GiB of GPU memory a rank") as e:
+            planned(run, machine(world=2))
+        lines.add(str(e.value))
+    assert len(lines) == 1
+
+
+def test_the_rank_timeout_follows_the_plan_or_the_flag():
+    """The steps' collectives wait 5 times the plan's longest step part, 60 s at least; --rank-timeout says else."""
+    run = ol.parse_args(
+        ["--preset", "llama-7b", "--mode", "overlapped", "--train", "--nvme", "/tmp", "--nvme-layers", "30"]
+    )
+    plan = ol.make_plan(run, ol.llama_config(run), machine())
+    assert plan.rank_timeout == math.ceil(5 * max(plan.modes["overlapped"].bound_ms.values()) / 1e3) > 60
+    assert (
+        ol.make_plan(ol.parse_args(["--mode", "overlapped", "--train"]), ol.llama_config(run), machine()).rank_timeout
+        == 60
+    )
+    timed = ol.parse_args(["--mode", "overlapped", "--train", "--rank-timeout", "7"])
+    assert timed.rank_timeout == 7 and ol.make_plan(timed, ol.llama_config(run), machine()).rank_timeout == 7
+
+
+def test_an_error_of_a_ranks_own_is_its_own_with_its_place():
+    """A collective's failure because another rank ended is said as such; any other error is this rank's, with the
+    place in the script it was raised at (also one that torch.distributed raises, for a call it refuses)."""
+    ranks = ol.Ranks(1, 2, 1, 2)
+    lost = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1")
+    assert ol.lost_ranks(ranks, lost).startswith("rank 1 of 2 stops: another rank ended, or stalled past the timeout")
+    errors = []
+    for fails in (lambda: ol.Ranks(0, 2, 0, 2).shard_numel(None), lambda: ol.Ranks(0, 2, 0, 2).each(1)):  # no group
+        try:
+            fails()
+        except Exception as e:
+            errors.append(e)
+    assert [ol.lost_ranks(ranks, e) for e in errors] == [None, None]
+    lines = [ol.own_error(ranks, e) for e in errors]
+    assert lines[0].startswith("rank 1 of 2 stops: TypeError: ") and "(offload_llama.py:" in lines[0]
+    assert lines[0].endswith(", in shard_numel)") and lines[1].endswith(", in each)")

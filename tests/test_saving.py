@@ -1,6 +1,7 @@
 """Saving and resuming training on the CPU: the Hugging Face folder round trip, a resumed run equal to one run bit
 for bit, a writer killed mid-checkpoint, and the refused paths."""
 
+import json
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from helpers import (
     build,
     checkpoint_state,
     cli,
+    machine,
     offloaded_trainer,
     run_main,
     tiny_run,
@@ -216,3 +218,20 @@ def test_offloaded_resume_equals_one_run(tmp_path, dtype, clip, resident):
     train_and_save(2, tmp_path / "two")
     train_and_save(2, tmp_path / "two", resume_from=tmp_path / "two")
     assert_same_checkpoint(tmp_path / "one", tmp_path / "two")
+
+
+def test_a_resume_under_other_plan_inputs_says_what_differs(capsys):
+    """The checkpoint records the plan and what it was made from; a resume whose inputs differ (another cap, a host
+    with less memory) says what differs, and goes on: the state resumes the same."""
+    run = ol.RunConfig(preset="tiny", mode="overlapped", train=True)
+    config = ol.llama_config(run)
+    saved = ol.checkpoint_manifest(run, config, "overlapped", ol.make_plan(run, config, machine(host_gib=100)))
+    capped = ol.dataclasses.replace(run, max_gpu_memory=2.0)
+    now = ol.checkpoint_manifest(capped, config, "overlapped", ol.make_plan(capped, config, machine(host_gib=60)))
+    assert json.loads(json.dumps(saved))["plan_inputs"] == saved["plan_inputs"]  # as checkpoint.json keeps it
+    ol.say_plan_changes(saved, now)
+    line = capsys.readouterr().err.strip()
+    said = "resuming under other plan inputs than the checkpoint's: host_gib 100.0 -> 60.0; max_gpu_memory None -> 2.0"
+    assert said in line
+    ol.say_plan_changes(saved, saved)
+    assert capsys.readouterr().err == ""

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import offload_llama as ol
-from helpers import assert_masters_close, build, cli, offloaded_trainer, run_main, tiny_run, train
+from helpers import assert_masters_close, build, cli, machine, offloaded_trainer, planned, run_main, tiny_run, train
 
 CPU = torch.device("cpu")
 
@@ -324,7 +324,7 @@ def test_host_holds_12_bytes_per_parameter_and_the_gradient_pool():
     numel = sum(u.layout.numel for u in store.units)
     pool = sum(b.nbytes for b in store.pool.buffers)
     assert store.copies is None and sum(t.nbytes for t in store.masters + state) == 12 * numel
-    assert pool == 2 * ol.gradient_buffer_bytes(model.config) < 4 * numel
+    assert pool == 2 * 4 * max(u.layout.numel for u in store.units) < 4 * numel  # two float32 buffers
 
 
 def test_float16_needs_a_gradient_buffer_per_unit():
@@ -485,19 +485,17 @@ def test_cli_clipping_reports_each_steps_norm(tmp_path):
     assert "cpu training: gradient norm" in r.stdout and "before clipping to 0.5" in r.stdout
 
 
-def test_clipping_without_host_room_for_every_gradient_is_refused(monkeypatch):
-    """Clipping keeps every unit's gradients on the host until the norm is known: refused, saying how much is short."""
+def test_clipping_without_host_room_for_every_gradient_is_refused():
+    """Clipping keeps every unit's gradients on the host until the norm is known: a buffer per unit, before any copy
+    of the masters; refused where the host lacks even that, saying how much is short."""
     run = ol.RunConfig(preset="7b-8l", mode="overlapped", train=True, inference=False, clip_grad_norm=1.0)
     config = ol.llama_config(run)
-    needed = ol.host_bytes_needed(run, config, ol.param_count(config))[0] + ol.host_pass_bytes(run, config)
-    unclipped = ol.host_bytes_needed(ol.dataclasses.replace(run, clip_grad_norm=None), config, 0)
-    assert needed > unclipped[0]
-    monkeypatch.setattr(ol, "process_rss", lambda: 0)  # the test's own process aside
-    monkeypatch.setattr(ol, "host_memory_available", lambda: needed - ol.GiB)
-    with pytest.raises(ol.UsageError, match=r"every unit's gradients .* \(1\.0 GiB short\)"):
-        ol.check_memory(run, config, [])
-    monkeypatch.setattr(ol, "host_memory_available", lambda: needed)
-    ol.check_memory(run, config, [])
+    units = len(ol.model_units(config))
+    least = sum(ol.host_parts(run, config, machine(), None, units).values())  # no copy, a buffer per unit
+    with pytest.raises(ol.UsageError, match=r"\(1\.0 GiB short; the largest parts: .*gradient buffers"):
+        planned(run, machine(host_gib=least / ol.GiB - 1))
+    plan = planned(run, machine(host_gib=least / ol.GiB))
+    assert plan.grad_buffers == units and plan.copy_dtype is None
 
 
 def test_float16_overflow_check_reads_only_the_gradients():

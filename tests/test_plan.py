@@ -1,0 +1,108 @@
+"""--plan: the plan and its predictions, printed without allocating, for this machine or one the flags describe; and
+against a CPU run's measured host peak."""
+
+import json
+
+import pytest
+
+import offload_llama as ol
+from helpers import cli, run_main
+
+LLAMA_7B_65K = ["--preset", "llama-7b", "--mode", "overlapped", "--train", "--no-inference", "--grad-accum", "16"]
+LLAMA_7B_65K += ["--batch-size", "4", "--seq-len", "1024", "--max-gpu-memory", "11"]
+
+
+def test_the_plan_is_printed_without_building_the_model(capsys):
+    """For this machine (no GPU here: the GPU modes' plans have no GPU to fit), one table and no model built."""
+    code, out, err = run_main(capsys, "--plan", "--preset", "tiny", "--mode", "overlapped", "--train")
+    assert code == 0, err
+    for row in ("| machine |", "| the masters' copy the GPU streams |", "| predicted peak host, a rank |"):
+        assert row in out
+    assert "| overlapped training: bound |" in out and "building" not in err and "training state" not in err
+
+
+def test_a_machine_the_flags_describe(capsys, tmp_path):
+    """LLaMA-7B at 64 x 1024 tokens under 11 GiB on an 80 GiB GPU and 120 GiB of host memory: activation offload on
+    (the saved inputs fit the cap no other way), the embeddings and the first layer resident, the plan in --json."""
+    path = tmp_path / "plan.json"
+    code, out, err = run_main(
+        capsys, "--plan", *LLAMA_7B_65K, "--gpu-memory", "80", "--host-memory", "120", "--json", path
+    )
+    assert code == 0, err
+    plan = json.loads(path.read_text())["plan"]
+    assert plan["facts"]["gpu_bytes"] == 80 * ol.GiB and plan["facts"]["host_bytes"] == 120 * ol.GiB
+    assert plan["offload_activations"] and plan["copy_dtype"] == "bfloat16"
+    overlapped = plan["modes"]["overlapped"]
+    assert overlapped["resident"] == [0, 1] and overlapped["training_fits"]
+    assert 9.5 * ol.GiB < sum(overlapped["training_gpu"].values()) < 10.5 * ol.GiB  # measured: 9.87 GiB
+    assert "| activation offload | on |" in out
+
+
+def test_a_plan_that_will_not_fit_is_printed_then_refused(capsys):
+    """The table first, so the user sees where the bytes go; then check_plan's one line, exit 2."""
+    code, out, err = run_main(capsys, "--plan", *LLAMA_7B_65K, "--gpu-memory", "80", "--host-memory", "60")
+    assert code == 2 and "| predicted peak host, a rank |" in out
+    assert err.strip().splitlines()[-1].startswith("offload_llama.py: error: the run needs ") and "host memory" in err
+
+
+def test_the_machine_flags_need_the_plan(capsys):
+    for args, message in (
+        (["--gpu-memory", "80"], "--gpu-memory does nothing without --plan: add --plan"),
+        (["--plan", "--rate", "h2d=fast"], "--rate: 'h2d=fast': give NAME=VALUE"),
+        (["--plan", "--gpus", "0"], "--gpus must be at least 1"),
+        (["--plan", "--rank-timeout", "0"], "--rank-timeout must be a positive number of seconds"),
+    ):
+        code, _, err = run_main(capsys, *args)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_rates_and_ranks_change_the_predictions_not_the_bytes(capsys, tmp_path):
+    """--rate h2d_gbps=27.5 doubles the predicted H2D part; --gpus 2 halves a rank's masters."""
+    plans = {}
+    for name, extra in {
+        "h100": [],
+        "slow": ["--rate", "h2d_gbps=27.5"],
+        "two": ["--gpus", "2", "--grad-accum", "2"],
+    }.items():
+        path = tmp_path / f"{name}.json"
+        machine = ["--gpu-memory", "80", "--host-memory", "120"]
+        code, _, err = run_main(capsys, "--plan", "--mode", "overlapped", "--train", *machine, *extra, "--json", path)
+        assert code == 0, err
+        plans[name] = json.loads(path.read_text())["plan"]
+    h2d = {name: plan["modes"]["overlapped"]["bound_ms"]["h2d_ms"] for name, plan in plans.items()}
+    assert abs(h2d["slow"] - 2 * h2d["h100"]) < 1e-6 * h2d["h100"]
+    masters = {name: plan["host"]["float32 masters"] for name, plan in plans.items()}
+    assert abs(masters["two"] - masters["h100"] / 2) < 4 * ol.ALIGN * 11 and plans["two"]["facts"]["world"] == 2
+
+
+@pytest.mark.slow  # a run of its own: 15 s
+def test_the_plan_predicts_a_cpu_runs_host_peak(tmp_path):
+    """A cpu-mode training run of a 42M-parameter model: its measured peak resident set is the plan's within 7% (the
+    plan counts the process as it is when planning, the model, its copy, masters, gradients and moments, and the
+    traced step; it leaves out what torch's fused Adam and the allocator take besides, 5.5% of this run's peak)."""
+    path = tmp_path / "r.json"
+    sizes = ["--hidden-size", "512", "--intermediate-size", "1408", "--layers", "8", "--vocab-size", "16384"]
+    r = cli(
+        "--preset",
+        "tiny",
+        *sizes,
+        "--heads",
+        "8",
+        "--kv-heads",
+        "8",
+        "--mode",
+        "cpu",
+        "--train",
+        "--steps",
+        "2",
+        "--seq-len",
+        "128",
+        "--dtype",
+        "float32",
+        "--json",
+        path,
+    )
+    assert r.returncode == 0, r.stderr
+    report = json.loads(path.read_text())
+    predicted, measured = sum(report["plan"]["host"].values()), report["peak_host_bytes_process"]
+    assert abs(predicted - measured) <= 0.07 * measured, (predicted, measured, report["plan"]["host"])
