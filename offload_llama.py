@@ -804,14 +804,14 @@ def rank_environment(p: Parser) -> Ranks:
     return Ranks.from_environment()
 
 
-def check_rank_flags(p: Parser, a: argparse.Namespace, world: int) -> None:
-    """Under torchrun (world ranks): data-parallel training of an offloaded mode, the step's micro-batches split
-    evenly; what runs on one GPU only is refused. One line, exit 2, before torch loads."""
+def check_rank_flags(p: Parser, a: argparse.Namespace, world: int, who: str = "torchrun started") -> None:
+    """Under torchrun (world ranks; or planned for with --gpus): data-parallel training of an offloaded mode, the
+    step's micro-batches split evenly; what runs on one GPU only is refused. One line, exit 2, before torch loads."""
     if world == 1:
         return
     modes = MODES if a.mode == "all" else a.mode.split(",")
     if not a.train:
-        p.error(f"torchrun started {world} ranks, which train together: add --train")
+        p.error(f"{who} {world} ranks, which train together: add --train")
     if not set(modes) <= {"blocked", "overlapped"}:
         p.error(f"--mode {a.mode}: {world} ranks train an offloaded mode: use --mode overlapped or blocked")
     if a.grad_accum % world:
@@ -837,6 +837,7 @@ def command_line(argv=None) -> RunConfig:
     check_data_flags(p, a)
     check_flags_needed(p, a, flags_given(p, a, argv))
     check_rank_flags(p, a, rank_environment(p).world)
+    check_rank_flags(p, a, a.gpus or 1, who="--plan's --gpus describes")
     a.sizes = tuple((f, getattr(a, f)) for f in SIZE_FLAGS if getattr(a, f) is not None)
     if a.model is not None and (a.sizes or a.preset is not None):
         given = [f"--{SIZE_FLAGS[f]}" for f, _ in a.sizes] + ["--preset"] * (a.preset is not None)

@@ -51,6 +51,8 @@ def test_the_machine_flags_need_the_plan(capsys):
         (["--plan", "--rate", "h2d=fast"], "--rate: 'h2d=fast': give NAME=VALUE"),
         (["--plan", "--gpus", "0"], "--gpus must be at least 1"),
         (["--plan", "--rank-timeout", "0"], "--rank-timeout must be a positive number of seconds"),
+        (["--plan", "--gpus", "2", "--mode", "overlapped"], "--plan's --gpus describes 2 ranks, which train together"),
+        (["--plan", "--gpus", "3", "--mode", "overlapped", "--train"], "split evenly over the 3 ranks"),
     ):
         code, _, err = run_main(capsys, *args)
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
