@@ -621,15 +621,15 @@ def add_plan_flags(p: argparse.ArgumentParser) -> None:
 
 
 def rate_flag(text: str) -> tuple[str, float]:
-    """--rate's NAME=VALUE, checked: a known rate, a positive number."""
+    """--rate's NAME=VALUE, checked: a known rate, a number from 0.001 to a million (GB/s or TFLOP/s)."""
     name, _, value = text.partition("=")
     try:
         number = float(value)
     except ValueError:
         number = math.nan
-    if name not in DEFAULT_RATES or not (math.isfinite(number) and number > 0):
+    if name not in DEFAULT_RATES or not 1e-3 <= number <= 1e6:
         raise argparse.ArgumentTypeError(
-            f"{text!r}: give NAME=VALUE, NAME one of {', '.join(DEFAULT_RATES)}, VALUE > 0"
+            f"{text!r}: give NAME=VALUE, NAME one of {', '.join(DEFAULT_RATES)}, VALUE from 0.001 to 1e6"
         )
     return name, number
 
@@ -655,6 +655,11 @@ def check_ranges(p: Parser, a: argparse.Namespace) -> None:
             p.error(f"--{flag.replace('_', '-')} must be a positive number of {unit}, got {value}")
     if a.gpus is not None and a.gpus < 1:
         p.error(f"--gpus must be at least 1, got {a.gpus}")
+    for flag, most in (("gpu_memory", 2**20), ("host_memory", 2**30), ("gpus", 2**16)):
+        if (getattr(a, flag) or 0) > most:
+            p.error(f"--{flag.replace('_', '-')} must be at most {most:,}, got {getattr(a, flag):g}")
+    if a.rank_timeout is not None and a.rank_timeout < 1:
+        p.error(f"--rank-timeout must be at least 1 second, got {a.rank_timeout:g}")
     if a.gpu_adam_share is not None and not 0 <= a.gpu_adam_share <= 1:
         p.error(f"--gpu-adam-share must be between 0 and 1, got {a.gpu_adam_share}")
     if not 0 <= a.seed <= MAX_SEED:
@@ -4015,16 +4020,24 @@ def traced_model_step(key: tuple) -> int:
 
 @functools.cache
 def traced_decoder_kwargs(key: tuple) -> dict:
-    """What HF passes each decoder layer (decoder_kwargs), on the meta device: computed on the CPU by a model of one
-    token and no decoder layer, told it has one so that decoder_kwargs' recorder stands in for it (key: trace_key's)."""
+    """What HF passes each decoder layer (decoder_kwargs), on the meta device (key: trace_key's). HF computes them on
+    the CPU for a batch of 3 sequences of 5 tokens, sizes no model dimension has, by a model of one token and no
+    decoder layer (told it has one, so that decoder_kwargs' recorder stands in for it); each tensor's dimensions of
+    those sizes then grow to the run's batch and sequence, on the meta device: nothing the size of the run's is made."""
     config_json, attention, dtype_name, batch_size, seq_len = key
-    config, dtype, shape = LlamaConfig.from_dict(json.loads(config_json)), DTYPES[dtype_name], (batch_size, seq_len)
+    config, dtype = LlamaConfig.from_dict(json.loads(config_json)), DTYPES[dtype_name]
     small = copy.deepcopy(config)
     small.vocab_size, small.num_hidden_layers = 1, 0
     model = LlamaForCausalLM._from_config(small, dtype=dtype, attn_implementation=attention)
     model.config.num_hidden_layers = 1
-    kwargs = decoder_kwargs(model, shape, dtype, torch.device("cpu"))
-    return tree_map(lambda t: torch.empty_like(t, device="meta") if isinstance(t, torch.Tensor) else t, kwargs)
+    kwargs = decoder_kwargs(model, (3, 5), dtype, torch.device("cpu"))
+
+    def grown(t: torch.Tensor) -> torch.Tensor:
+        """`t` on the meta device, its batch of 3 and its 5 tokens the run's."""
+        shape = [batch_size if (i == 0 and n == 3) else seq_len if n == 5 else n for i, n in enumerate(t.shape)]
+        return torch.empty(shape, dtype=t.dtype, device="meta")
+
+    return tree_map(lambda t: grown(t) if isinstance(t, torch.Tensor) else t, kwargs)
 
 
 @contextlib.contextmanager
@@ -4114,6 +4127,7 @@ def check_plan(run: RunConfig, config: LlamaConfig, plan: Plan) -> None:
     its cap), the host's memory, and with several ranks an offloaded training placement past the cap (one rank's OOM
     would leave the others waiting in a collective; the same line on every rank, as they share the plan)."""
     run = dataclasses.replace(run, offload_activations=plan.offload_activations, nvme_layers=plan.disk_layers)
+    run = dataclasses.replace(run, grad_accum=micro_batches_per_rank(run, plan.facts))  # a rank's share of the step
     gpu_modes = [m for m in run.modes if m != "cpu"]
     if gpu_modes and plan.facts.gpu_bytes is not None:
         cap = int(min(run.max_gpu_memory * GiB, plan.facts.gpu_bytes)) if run.max_gpu_memory else plan.facts.gpu_bytes
@@ -4166,12 +4180,15 @@ def plan_table(plan: Plan, run: RunConfig, config: LlamaConfig) -> str:
     facts, units = plan.facts, model_units(config)
     gpu = f"{gib(facts.gpu_bytes)} GiB" if facts.gpu_bytes else "no GPU"
     host = f"{gib(facts.host_bytes)} GiB" if facts.host_bytes else "unknown"
-    rows = [
-        ("machine", f"{facts.world} rank(s), {facts.local_world} a host; a GPU: {gpu}; host memory: {host}"),
-        ("activation offload", "on" if plan.offload_activations else "off"),
-        ("Adam moments on the disk", f"the last {plan.disk_layers} decoder layers ({size_text(plan.disk)})"),
-        ("the masters' copy the GPU streams", plan.copy_dtype or "none: the float32 masters, cast on the GPU"),
-        ("pinned gradient buffers", f"{plan.grad_buffers} for {len(units)} units"),
+    rows = [("machine", f"{facts.world} rank(s), {facts.local_world} a host; a GPU: {gpu}; host memory: {host}")]
+    if offloaded_training(run):  # the offloaded training state's decisions
+        rows += [
+            ("activation offload", "on" if plan.offload_activations else "off"),
+            ("Adam moments on the disk", f"the last {plan.disk_layers} decoder layers ({size_text(plan.disk)})"),
+            ("the masters' copy the GPU streams", plan.copy_dtype or "none: the float32 masters, cast on the GPU"),
+            ("pinned gradient buffers", f"{plan.grad_buffers} for {len(units)} units"),
+        ]
+    rows += [
         ("threads a rank; rank timeout", f"{plan.threads}; {plan.rank_timeout:g} s"),
         ("predicted peak host, a rank", f"{gib(plan.host_peak)} GiB: {parts_text(plan.host)}"),
     ]
@@ -4181,24 +4198,24 @@ def plan_table(plan: Plan, run: RunConfig, config: LlamaConfig) -> str:
             peak = sum(placed.inference_gpu.values())
             rows.append((f"{mode} inference", f"resident decoder layers: {layers}; predicted peak GPU {gib(peak)} GiB"))
         if run.train:
-            resident = unit_names(units, placed.resident)
-            fits = "" if placed.training_fits else " (does not fit)"
-            rows.append((f"{mode} training: resident; GPU Adam", f"{resident}; {unit_names(units, placed.gpu_adam)}"))
-            rows.append(
-                (
-                    f"{mode} training: peak GPU",
-                    f"{gib(placed.training_peak)} GiB{fits}: {parts_text(placed.training_gpu)}",
-                )
-            )
-            by = max(placed.bound_ms, key=placed.bound_ms.get)
-            parts = ", ".join(
-                f"{part.removesuffix('_ms').replace('_', ' ')} {ms:.0f}" for part, ms in placed.bound_ms.items()
-            )
-            rows.append(
-                (f"{mode} training: bound", f"{placed.bound_ms[by]:.0f} ms ({by.removesuffix('_ms')}): {parts}")
-            )
+            rows += training_rows(mode, placed, units)
     lines = ["plan (--plan; predictions from the rates " + ", ".join(f"{k} {v:g}" for k, v in facts.rates) + ")", ""]
     return "\n".join([*lines, "| | |", "|---|---|", *(f"| {what} | {value} |" for what, value in rows)]) + "\n"
+
+
+def training_rows(mode: str, placed: ModePlan, units: list[Unit]) -> list[tuple[str, str]]:
+    """plan_table's rows of a mode's training: what is resident and what the GPU's Adam steps, the peak, the bound."""
+    fits = "" if placed.training_fits else " (does not fit)"
+    by = max(placed.bound_ms, key=placed.bound_ms.get)
+    bound = ", ".join(f"{part.removesuffix('_ms').replace('_', ' ')} {ms:.0f}" for part, ms in placed.bound_ms.items())
+    return [
+        (
+            f"{mode} training: resident; GPU Adam",
+            f"{unit_names(units, placed.resident)}; {unit_names(units, placed.gpu_adam)}",
+        ),
+        (f"{mode} training: peak GPU", f"{gib(placed.training_peak)} GiB{fits}: {parts_text(placed.training_gpu)}"),
+        (f"{mode} training: bound", f"{placed.bound_ms[by]:.0f} ms ({by.removesuffix('_ms')}): {bound}"),
+    ]
 
 
 def parts_text(parts: dict) -> str:
@@ -6349,7 +6366,7 @@ def parse_args(argv=None) -> RunConfig:
     """The command line as a RunConfig with its dtype: bfloat16 unless --dtype says otherwise or the GPU lacks it."""
     run = command_line(argv)
     ranks = Ranks.from_environment()
-    if ranks.several:  # training only: inference runs on one GPU (said by join_steps)
+    if ranks.several or (run.gpus or 1) > 1:  # training only: inference runs on one GPU (said by join_steps)
         run = dataclasses.replace(run, ranks=ranks, inference=False)
         if torch.cuda.is_available() and ranks.local_rank < torch.cuda.device_count():  # else refused later
             torch.cuda.set_device(run.ranks.local_rank)  # before CUDA starts on another GPU
@@ -6519,7 +6536,8 @@ def run_all(run: RunConfig) -> dict:
 
 def print_plan(run: RunConfig) -> None:
     """--plan: the plan for this machine, or for the one the flags describe, printed (and written to --json); nothing
-    is allocated. A plan that will not fit ends with check_plan's line."""
+    is allocated. A plan that will not fit ends with check_plan's line (or check_saving's); an offloaded mode whose
+    training does not fit the GPU, which a run reports OOM, with a note."""
     config = llama_config(run)
     check_model_flags(run, config)
     plan = make_plan(run, config, measured_facts(run))
@@ -6529,6 +6547,10 @@ def print_plan(run: RunConfig) -> None:
             run.json, {"run": dataclasses.asdict(run), "parameters": param_count(config), "plan": plan.as_dict()}
         )
     check_plan(run, config, plan)
+    check_saving(run, config, plan)
+    for mode, placed in plan.modes.items():
+        if run.train and not placed.training_fits:
+            log(f"note: mode {mode}'s training does not fit the GPU: a run reports it OOM and goes on with the others")
 
 
 def write_outputs(run: RunConfig, report: dict, input_ids, logits: dict, train_ids, trained: dict) -> None:

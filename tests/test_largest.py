@@ -155,6 +155,7 @@ def test_cli_find_largest_on_the_cpu(tmp_path):
     assert f"probe cpu, {ol.MAX_SEARCH_LAYERS} layers" in r.stderr and "The largest model that trains" in r.stdout
 
 
+@pytest.mark.slow  # a process of its own, importing torch: 11 s
 def test_find_largest_needs_a_preset(tmp_path):
     r = find_largest("--model", tmp_path)
     assert r.returncode == 2 and "--preset" in r.stderr

@@ -49,6 +49,9 @@ def test_the_machine_flags_need_the_plan(capsys):
     for args, message in (
         (["--gpu-memory", "80"], "--gpu-memory does nothing without --plan: add --plan"),
         (["--plan", "--rate", "h2d=fast"], "--rate: 'h2d=fast': give NAME=VALUE"),
+        (["--plan", "--rate", "gpu_tflops=1e-300"], "VALUE from 0.001 to 1e6"),
+        (["--plan", "--gpu-memory", "1e30"], "--gpu-memory must be at most 1,048,576"),
+        (["--plan", "--rank-timeout", "0.5"], "--rank-timeout must be at least 1 second"),
         (["--plan", "--gpus", "0"], "--gpus must be at least 1"),
         (["--plan", "--rank-timeout", "0"], "--rank-timeout must be a positive number of seconds"),
         (["--plan", "--gpus", "2", "--mode", "overlapped"], "--plan's --gpus describes 2 ranks, which train together"),
@@ -108,3 +111,23 @@ def test_the_plan_predicts_a_cpu_runs_host_peak(tmp_path):
     report = json.loads(path.read_text())
     predicted, measured = sum(report["plan"]["host"].values()), report["peak_host_bytes_process"]
     assert abs(predicted - measured) <= 0.07 * measured, (predicted, measured, report["plan"]["host"])
+
+
+def test_a_plan_allocates_nothing_the_size_of_the_run(capsys):
+    """Eager attention over a million tokens, whose mask alone would take terabytes: the plan traces its passes on the
+    meta device (HF's layer arguments computed for 5 tokens, then grown), prints and refuses it in one line."""
+    args = ["--attention", "eager", "--seq-len", "1000000", "--mode", "overlapped", "--train", "--gpu-memory", "80"]
+    code, out, err = run_main(capsys, "--plan", *args)
+    assert code == 2 and "| overlapped training: peak GPU |" in out and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("offload_llama.py: error: mode overlapped needs at least")
+
+
+def test_ranks_plan_their_share_of_the_step(capsys):
+    """--gpus 8 and 512 micro-batches a step: a rank's 64 fit its GPU, as one process's 64 do; the ranks train only,
+    as under torchrun (no inference row)."""
+    machine = ["--gpu-memory", "80", "--host-memory", "2000"]
+    code, out, err = run_main(
+        capsys, "--plan", "--mode", "overlapped", "--train", "--grad-accum", "512", "--gpus", "8", *machine
+    )
+    assert code == 0, err
+    assert "| overlapped training: peak GPU |" in out and "overlapped inference" not in out
