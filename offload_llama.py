@@ -3597,8 +3597,7 @@ class Plan:
 def make_plan(run: RunConfig, config: LlamaConfig, facts: Facts) -> Plan:
     """The plan of `run` on the machine `facts` describe: a function of these alone, so ranks that agreed on their
     facts make one plan. Refused (UsageError) where the disk has no room for the layers the host cannot hold."""
-    acts = activation_offload_planned(run, config, facts)
-    run = dataclasses.replace(run, offload_activations=acts)
+    run = dataclasses.replace(run, offload_activations=activation_offload_planned(run, config, facts))
     run = dataclasses.replace(run, nvme_layers=disk_layers_planned(run, config, facts))
     copy = copy_dtype_planned(run, config, facts)
     buffers = grad_buffers_planned(run, config, facts, copy)
@@ -3610,7 +3609,9 @@ def make_plan(run: RunConfig, config: LlamaConfig, facts: Facts) -> Plan:
     host = host_parts(run, config, facts, copy, buffers, kept)
     disk = run.nvme_layers * disk_unit_bytes(config, facts.ranks) * facts.local_world
     copy_name = copy and str(copy).removeprefix("torch.")
-    return Plan(facts, acts, run.nvme_layers, copy_name, buffers, threads, timeout, host, disk, modes)
+    return Plan(
+        facts, run.offload_activations, run.nvme_layers, copy_name, buffers, threads, timeout, host, disk, modes
+    )
 
 
 def say_plan(run: RunConfig, config: LlamaConfig, plan: Plan) -> None:
@@ -3888,7 +3889,7 @@ def micro_batches_per_rank(run: RunConfig, facts: Facts) -> int:
     return -(-run.grad_accum // facts.world)
 
 
-def unit_inputs_bytes(run: RunConfig, config: LlamaConfig, facts: Facts = None) -> int:
+def unit_inputs_bytes(run: RunConfig, config: LlamaConfig, facts: Facts | None = None) -> int:
     """What one unit keeps for its backward: its input hidden states, one tensor per micro-batch of the rank's."""
     micro_batches = run.grad_accum if facts is None else micro_batches_per_rank(run, facts)
     return micro_batches * run.tokens * config.hidden_size * run.torch_dtype.itemsize
