@@ -106,6 +106,13 @@ DISK_BLOCK = 4096  # bytes: direct I/O moves whole blocks between block-aligned 
 DISK_SLOTS = 2  # the disk tier's staging buffers: one unit stepped while the disk reads the next or writes one back
 DISK_CALL = 2**28  # bytes one read or write call moves at most (Linux moves under 2 GiB per call)
 ADAM_SCRATCH = 2**25  # parameters: the bound times the CPU Adam on at most this much scratch state (512 MiB of it)
+DENSE_PEAK_FLOPS = {  # a GPU's dense 16-bit tensor-core peak, by a part of its name, from NVIDIA's data sheets
+    "H100 80GB HBM3": 989e12,  # the SXM card
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
+    "H200": 989e12,
+    "A100": 312e12,
+}
 FAST_FLOPS = {"cpu": 1e11, "cuda": 2e15}  # FLOP/s: a run that takes under a minute at these is not worth timing a
 # matmul for (a GPU's are beyond any GPU's; a CPU's are a few cores', so that a run of minutes on a laptop is noted)
 END_OF_TEXT = "<|endoftext|>"  # a trained tokenizer's one special token: joins documents
@@ -2456,12 +2463,10 @@ class StreamedUnit(torch.autograd.Function):
         trainer, u = ctx.trainer, ctx.u
         module = trainer.streamer.acquire(u)
         xs = trainer.inputs.load(u, ctx.saved_tensors)
-        views = trainer.grad_views(u)
-        pairs = enumerate(zip(xs, grad_outs, strict=True))
-        grads_in = [trainer.add_unit_grads(u, module, x, k, grad_out, views) for k, (x, grad_out) in pairs]
+        grads_in = unit_backward(trainer, u, module, xs, grad_outs)
         trainer.streamer.release(u)
         trainer.inputs.release(u)
-        trainer.send(u, views)
+        trainer.send(u, trainer.grad_views(u))
         return None, None, None, *grads_in  # none for trainer, u and anchor
 
 
@@ -2524,19 +2529,6 @@ class OffloadedTraining:
     def grad_views(self, u: int) -> list[torch.Tensor]:
         """Where unit u's gradients accumulate on the GPU, one view per parameter."""
         return list(self.units[u].layout.views(self.steppers.grads(u)).values())
-
-    def add_unit_grads(self, u: int, module, x, k: int, grad_out, views: list[torch.Tensor]) -> torch.Tensor | None:
-        """Micro-batch k's backward of unit u: its parameter gradients added into `views` (written for k = 0) in
-        micro-batch order, as gpu mode does, and freed before the next recompute; returns its input's gradient."""
-        grad_in, grads = self.unit_grads(u, module, x, k, grad_out)
-        if k == 0:
-            self.steppers.wait_to_write(u, self.streamer.compute_stream)
-        for view, grad in zip(views, grads, strict=True):
-            if k == 0:
-                view.copy_(grad)
-            else:
-                view.add_(grad)
-        return grad_in
 
     @property
     def holds_updates(self) -> bool:
@@ -2615,6 +2607,36 @@ class OffloadedTraining:
             self.wait_updates()
         finally:
             self.steppers.cpu_adam.close()
+
+
+def unit_backward(trainer: OffloadedTraining, u: int, module: nn.Module, xs, grad_outs) -> list[torch.Tensor | None]:
+    """Unit u's recompute and backward over every micro-batch; returns the inputs' gradients. The parameters' are
+    summed into the unit's gradient buffer in micro-batch order, as gpu mode sums them, each micro-batch's freed before
+    the next recompute, but the first's are written with the second's (the same sum): the write waits for the last
+    unit's float32 gradients to leave the buffer (wait_to_write), which takes longer than one micro-batch's work."""
+    views, grads_in, first = trainer.grad_views(u), [], None
+    for k, (x, grad_out) in enumerate(zip(xs, grad_outs, strict=True)):
+        grad_in, grads = trainer.unit_grads(u, module, x, k, grad_out)
+        grads_in.append(grad_in)
+        if k == 0 and len(xs) > 1:
+            first = grads  # written with the second micro-batch's
+            continue
+        if k <= 1:  # the buffer's first write: micro-batch 0's gradients
+            trainer.steppers.wait_to_write(u, trainer.streamer.compute_stream)
+            add_grads(views, first or grads, write=True)
+        if k >= 1:
+            add_grads(views, grads)
+        first = grads = None  # freed before the next recompute
+    return grads_in
+
+
+def add_grads(views: list[torch.Tensor], grads, write: bool = False) -> None:
+    """Add a micro-batch's parameter gradients into a unit's gradient views (write: copy them, the first)."""
+    for view, grad in zip(views, grads, strict=True):
+        if write:
+            view.copy_(grad)
+        else:
+            view.add_(grad)
 
 
 def gradient_memory(store: MasterStore, resident, own_grads: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -3807,8 +3829,9 @@ def gpu_adam_units(units: list[Unit], resident, share: float, on_disk=()) -> tup
 
 def training_placement(run: RunConfig, config: LlamaConfig, facts: Facts, mode: str, copy) -> tuple:
     """overlapped: resident, the longest run of units from the forward's start that fits the budget (or the first
-    --resident-layers layers), then gpu_adam_units, unless its staging alone breaks the budget; blocked: none; neither
-    takes a unit whose moments are on the disk. Returns (resident, GPU Adam units, predicted GPU bytes by part,
+    --resident-layers layers; without a cap, where the GPU's compute bounds the step, boundary_units), then
+    gpu_adam_units, unless its staging alone breaks the budget; blocked: none; neither takes a unit whose moments are
+    on the disk. Returns (resident, GPU Adam units, predicted GPU bytes by part,
     whether they fit the budget, or without a cap the GPU)."""
     depth, units = run.prefetch if mode == "overlapped" else 0, model_units(config)
     own_grads = bool(compared_modes(run)) or run.holds_updates
@@ -3831,11 +3854,33 @@ def training_placement(run: RunConfig, config: LlamaConfig, facts: Facts, mode: 
             and sum(placement([*resident, len(resident)], share)[2].values()) <= budget
         ):
             resident.append(len(resident))
+    elif keeps and facts.gpu_bytes and compute_bound(run, config, facts, (streamed := placement([], share))[:2], copy):
+        resident, share = boundary_units(units, streamed[1], placement, facts.gpu_bytes), 0.0
     chosen = placement(resident, share)
     if budget is not None and sum(chosen[2].values()) > budget:
         chosen = placement(resident, 0.0)  # every streamed unit on the CPU Adam: no staging on the GPU
     limit = budget if budget is not None else facts.gpu_bytes or math.inf
     return (*chosen, sum(chosen[2].values()) <= limit)
+
+
+def compute_bound(run: RunConfig, config: LlamaConfig, facts: Facts, placed: tuple, copy) -> bool:
+    """Whether the GPU's compute bounds an overlapped training step with `placed` (resident, GPU Adam units), by the
+    predicted bound's parts."""
+    parts = predicted_bound(run, config, facts, run.prefetch, *placed, copy)
+    return parts["gpu_compute_ms"] >= max(parts.values())
+
+
+def boundary_units(units: list[Unit], gpu_adam, placement, gpu_bytes: int) -> list[int]:
+    """Without a cap, where the GPU's compute bounds the step: the units from the forward's start that the GPU's Adam
+    would step over streamed state, resident instead while the GPU holds them. Streamed, their state crosses PCIe
+    after their gradients, which come last, while the next forward waits for them first: nothing hides that. Resident,
+    each steps in place after its backward, and the host, which has time to spare, steps the rest."""
+    resident = []
+    for u in gpu_adam:
+        if u != len(resident) or sum(placement([*resident, u], 0.0)[2].values()) > gpu_bytes - PLAN_MARGIN:
+            break
+        resident.append(u)
+    return resident
 
 
 def training_parts(run, config, facts: Facts, depth: int, own_grads: bool, resident, gpu_adam, copy) -> dict:
@@ -3991,13 +4036,18 @@ def traced_passes(key: tuple, kind: str, micro_batches: int) -> tuple[int, int]:
             outs = [run_unit(x, k) for k, x in enumerate(xs)]
         forward = memory.peak
         memory.reset()
-        grads_in = []
+        grads_in, held = [], []
         for k, (x, out) in enumerate(zip(xs, outs, strict=True)):
             x = x.detach().requires_grad_(x.is_floating_point())
             inputs = [x, *module.parameters()] if x.requires_grad else list(module.parameters())
             grads = torch.autograd.grad(run_unit(x, k), inputs, out)
             grads_in.append(grads[0] if x.requires_grad else None)  # kept, as the backward's are until it returns
-            del grads  # the parameters' gradients are added into the buffer and freed before the next micro-batch
+            # the parameters' gradients are added into the buffer and freed before the next micro-batch, but the
+            # first micro-batch's, held until the second's are in (unit_backward)
+            held.clear()
+            if k == 0 and micro_batches > 1:
+                held.append(grads)
+            del grads
     return forward, memory.peak
 
 
@@ -4466,8 +4516,8 @@ def train_mode(mode: str, model, masters, input_ids, run: RunConfig, plan: Plan,
         if checkpoint:
             checkpoint.write(run.steps)
         evaluation.after()
-        result |= trained_outputs(trainer, run, model.config, mode, compared, tokenizer)
-        result |= placed | evaluation.figures() | training_figures(trainer, result)
+        result |= trained_outputs(trainer, run, model.config, mode, compared, tokenizer) | placed
+        result |= evaluation.figures() | training_figures(trainer, result) | step_rates(run, model.config, mode, result)
         return rank_peaks(ranks, result, param_count(model.config))
     except torch.OutOfMemoryError as e:
         if ranks.several:  # one rank's OOM would leave the others in a collective: it ends the run (torchrun's exit)
@@ -5783,6 +5833,38 @@ def training_figures(trainer, result: dict) -> dict:
     return figures
 
 
+def step_rates(run: RunConfig, config: LlamaConfig, mode: str, result: dict) -> dict:
+    """A GPU mode's model TFLOPS a GPU (6 x parameters x its tokens a step, over the step's time), the TFLOPS it
+    executes (step_flops), and these as a share of the GPU's dense 16-bit peak where DENSE_PEAK_FLOPS knows the GPU
+    and the step computes in 16 bits."""
+    if mode == "cpu" or not result.get("time_ms"):
+        return {}
+    seconds = result["time_ms"] / 1e3
+    tokens = result["tokens_per_step"] // run.ranks.world  # a GPU's
+    passes = 3 if mode == "gpu" else 4  # the offloaded modes recompute each forward
+    rates = {"model_tflops": 6 * param_count(config) * tokens / seconds / 1e12}
+    rates["executed_tflops"] = step_flops(config, tokens, run.seq_len, passes) / seconds / 1e12
+    peak = dense_peak_flops()
+    if peak and run.torch_dtype != torch.float32:
+        rates["executed_share_of_peak"] = rates["executed_tflops"] * 1e12 / peak
+    return rates
+
+
+def dense_peak_flops() -> float | None:
+    """The GPU's dense 16-bit peak FLOP/s, where DENSE_PEAK_FLOPS knows it by its name."""
+    name = torch.cuda.get_device_name()
+    return next((flops for part, flops in DENSE_PEAK_FLOPS.items() if part in name), None)
+
+
+def step_flops(config: LlamaConfig, tokens: int, seq_len: int, passes: int) -> float:
+    """The FLOPs of `passes` forwards' worth over `tokens` (a backward is two): 2 a token for each parameter a matrix
+    multiplies (the input embeddings are a lookup), and causal attention's scores and weighted sums, 2 x seq-len x
+    hidden a token and layer (the kernels skip the masked half)."""
+    matmul_params = param_count(config) - (0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size)
+    attention = 2 * config.num_hidden_layers * tokens * seq_len * config.hidden_size
+    return passes * (2 * matmul_params * tokens + attention)
+
+
 def forward_backward_reference(model: LlamaForCausalLM, input_ids: torch.Tensor, run: RunConfig) -> dict:
     """What offloaded training is held to: plain forward and backward, the model resident on the GPU, no optimizer."""
     log(f"forward/backward reference: {run.grad_accum} micro-batches, the model resident on the GPU ...")
@@ -6000,7 +6082,6 @@ def unit_passes(trainer: OffloadedTraining, u: int, micro_batches, device):
     hidden = torch.randn(*micro_batches[0].shape, trainer.hidden_size, dtype=streamer.dtype, device=device)
     xs = micro_batches if trainer.units[u].kind == "embed" else [hidden] * len(micro_batches)
     trainer.labels = micro_batches
-    views = trainer.grad_views(u)
 
     @torch.no_grad()
     def forward() -> list[torch.Tensor]:
@@ -6009,8 +6090,7 @@ def unit_passes(trainer: OffloadedTraining, u: int, micro_batches, device):
 
     def backward(outs) -> list:
         """The recompute and backward of unit u over every micro-batch."""
-        pairs = enumerate(zip(xs, outs, strict=True))
-        return [trainer.add_unit_grads(u, module, x, k, out, views) for k, (x, out) in pairs]
+        return unit_backward(trainer, u, module, xs, outs)
 
     return forward, backward
 
@@ -6161,7 +6241,8 @@ def training_time_cells(mode: str, r: dict) -> list[str]:
     """Training Table 2's cells: step time, bound, what bounds it, efficiency, host bytes, losses, the checks."""
     losses = f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}"
     checks = [yes_no(r.get("grads_equal_to_gpu")), yes_no(r.get("masters_close_to_gpu"))]
-    rest = formatted(r, efficiency=".3f", host_bytes_per_param=".1f")
+    rest = formatted(r, efficiency=".3f", model_tflops=".0f", executed_tflops=".0f", executed_share_of_peak=".0%")
+    rest += formatted(r, host_bytes_per_param=".1f")
     return [*formatted(r, time_ms=".1f", bound_ms=".1f"), r.get("bound_by", ""), *rest, losses, *checks]
 
 
@@ -6182,7 +6263,8 @@ TABLES = {  # part: its tables as (title, columns split on "|", cells), in print
         ),
         (
             "Table 2 (training): time per step",
-            "step (ms)|bound (ms)|bound by:|efficiency|host bytes / param|loss first -> last:|grads == gpu:|"
+            "step (ms)|bound (ms)|bound by:|efficiency|model TFLOPS|executed TFLOPS|of peak|host bytes / param|"
+            "loss first -> last:|grads == gpu:|"
             "step-1 masters ~ gpu:",
             training_time_cells,
         ),
@@ -6245,7 +6327,17 @@ def notes(results: dict, run: RunConfig, reference: dict | None = None) -> list[
             f"training: median step time, start to next start, {timed_steps_text(run)}; "
             "offloaded GPU modes skip the step after each round of their bound's parts (it waits for no update)"
         )
+    if any("model_tflops" in rs.get("training", {}) for rs in results.values()):
+        lines.append(rates_note())
     return lines
+
+
+def rates_note() -> str:
+    """What the TFLOPS columns count (step_rates)."""
+    name, peak = torch.cuda.get_device_name(), dense_peak_flops()
+    line = "training: model TFLOPS a GPU count 6 x parameters x tokens; executed TFLOPS the step's forward, the"
+    line += " offloaded modes' recompute and the backward (twice a forward), causal attention's half of the scores"
+    return line + (f"; of peak: of the {name}'s dense 16-bit peak, {peak / 1e12:.0f} TFLOPS" if peak else "")
 
 
 def timed_steps_text(run: RunConfig) -> str:

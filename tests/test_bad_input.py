@@ -88,6 +88,7 @@ def test_activation_pool_beyond_host_memory_is_refused(monkeypatch):
         batch_size=4,
         seq_len=1024,
         offload_activations=True,
+        gpu_adam_share=0.0,  # no unit resident (boundary_units): the host holds every unit's state
     )
     config = ol.llama_config(run)
     plan = ol.make_plan(run, config, machine())

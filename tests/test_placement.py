@@ -143,7 +143,7 @@ def tiny_numels() -> list[int]:
 
 def test_training_plan_fits_its_budget_and_keeps_a_run_from_the_start_of_the_forward_order(besides):
     numels = tiny_numels()
-    streamed = Placed(ol.RunConfig(preset="tiny", mode="overlapped", train=True))
+    streamed = Placed(ol.RunConfig(preset="tiny", mode="overlapped", train=True, seq_len=256))  # bound by the host
     assert streamed.resident == () and streamed.parts["saved inputs"] == 1000 and streamed.fits
     least = streamed.peak_bytes - streamed.parts["GPU Adam staging"]  # every unit streamed, on the CPU Adam
     assert not Placed(budget_run(least - 1000)).fits  # train_mode reports it OOM, check_plan refuses it under ranks
@@ -165,17 +165,39 @@ def test_training_plan_fits_its_budget_and_keeps_a_run_from_the_start_of_the_for
     assert own.parts["resident gradients"] == 4 * kept and own.parts["gradient buffer"] == 0
 
 
+def test_a_compute_bound_step_keeps_the_gpu_adams_units_resident_without_a_cap():
+    """No cap: where the GPU's compute bounds the step (7b-8l, 4 micro-batches of 4096 tokens), the units the GPU's
+    Adam would step over streamed state stay on the GPU instead, the GPU's Adam steps none; where the host bounds it
+    (1 micro-batch) they stream; a GPU too small for them all keeps those from the forward's start it holds."""
+    run = ol.RunConfig(preset="7b-8l", mode="overlapped", train=True, grad_accum=4)
+    config = ol.llama_config(run)
+    one = ol.dataclasses.replace(run, grad_accum=1)
+    streamed = ol.training_placement(one, config, machine(), "overlapped", torch.bfloat16)
+    assert streamed[0] == () and streamed[1] == (0, 1, 2)  # the embeddings and the first two layers
+    assert not ol.compute_bound(one, config, machine(), streamed[:2], torch.bfloat16)
+    kept = ol.training_placement(run, config, machine(), "overlapped", torch.bfloat16)
+    assert kept[0] == (0, 1, 2) and kept[1] == () and kept[3]
+    assert ol.compute_bound(run, config, machine(), kept[:2], torch.bfloat16)
+    peak = sum(kept[2].values())
+    layer = ol.layer_numel(config)
+    gpu = machine(gpu_gib=(peak - 10 * layer + ol.PLAN_MARGIN) / ol.GiB)  # short of one layer: 14 bytes a parameter
+    smaller = ol.training_placement(run, config, gpu, "overlapped", torch.bfloat16)
+    assert smaller[0] == (0, 1) and smaller[1] == ()
+    assert ol.training_placement(run, config, machine(), "blocked", torch.bfloat16)[0] == ()
+
+
 def test_training_plan_overrides_and_blocked(besides):
     assert Placed(budget_run(10**9)).resident == tuple(range(6))
     assert Placed(budget_run(10**9), "blocked").resident == ()
     assert Placed(budget_run(10**9, resident_layers=2)).resident == (1, 2)  # layers: unit 0 is the embeddings
     assert Placed(budget_run(10**9, resident_layers=0)).resident == ()
-    assert Placed(ol.RunConfig(preset="tiny", mode="overlapped")).resident == ()  # no budget: every unit streamed
+    # no budget, bound by the host (256 tokens): every unit streamed
+    assert Placed(ol.RunConfig(preset="tiny", mode="overlapped", seq_len=256)).resident == ()
 
 
 def test_training_plan_gives_the_gpu_adam_its_share_of_the_streamed_units_and_counts_its_staging(besides):
     numels = tiny_numels()
-    half = ol.RunConfig(preset="tiny", mode="overlapped", train=True, gpu_adam_share=0.5)
+    half = ol.RunConfig(preset="tiny", mode="overlapped", train=True, gpu_adam_share=0.5, seq_len=256)
     streamed = Placed(half)
     units = ol.model_units(ol.llama_config(half))
     assert streamed.gpu_adam == ol.gpu_adam_units(units, (), 0.5) != ()

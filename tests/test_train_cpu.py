@@ -134,6 +134,24 @@ def test_grad_accumulation_equals_one_big_batch():
     assert_masters_close(masters, big_masters, 2)
 
 
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_a_units_gradients_are_first_written_after_two_micro_batches(k):
+    """The buffer's first write of a unit's gradients waits for the last unit's to leave it: unit_backward makes it
+    after the second micro-batch's backward (the first's held till then, the sum the same), after the only one's with
+    one micro-batch; the other micro-batches' follow it."""
+    model, batches = tiny_batches(k)
+    trainer = offloaded_trainer(model, CPU, 1, batches)
+    calls = []
+    unit_grads, wait_to_write = trainer.unit_grads, trainer.steppers.wait_to_write
+    trainer.unit_grads = lambda u, *args: calls.append(("grads", u)) or unit_grads(u, *args)
+    trainer.steppers.wait_to_write = lambda u, stream: calls.append(("write", u)) or wait_to_write(u, stream)
+    trainer.step(batches)
+    trainer.finish()
+    for u in range(len(trainer.units)):
+        first = min(k, 2)
+        assert [what for what, unit in calls if unit == u] == ["grads"] * first + ["write"] + ["grads"] * (k - first)
+
+
 def test_loss_decreases_over_10_steps():
     model, ids = build(tiny_run())
     *_, losses = train(offloaded_trainer(model, CPU, 1, [ids]), [ids], 10)
