@@ -5486,8 +5486,12 @@ def step_batches(blocks: Blocks, run: RunConfig, device: torch.device):
     count = run.batch_size * run.grad_accum
 
     def step(i: int) -> list[torch.Tensor]:
-        """Step i's blocks, gathered from the mapped ids and copied to the device."""
+        """Step i's blocks, gathered from the mapped ids and copied to the device: on a GPU from pinned memory, so
+        that the copy waits in the stream for the step's kernels and the host goes on (from pageable memory CUDA
+        first waits for every kernel queued, and the next step would start from an idle GPU)."""
         ids = blocks.gather(blocks.step_blocks(i, count))
+        if device.type == "cuda":
+            ids = ids.pin_memory()
         return [micro.to(device, non_blocking=True) for micro in run.ranks.share(ids.chunk(run.grad_accum))]
 
     return step

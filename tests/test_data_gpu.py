@@ -51,3 +51,18 @@ def test_training_on_data_computes_what_gpu_mode_computes(tmp_path):
         assert t["evaluations"][0]["loss"] == gpu["evaluations"][0]["loss"], mode
         assert [e["step"] for e in t["evaluations"]] == [0, 3, 6]
         assert t["losses"][-1] < t["losses"][0]
+
+
+def test_a_steps_blocks_reach_the_gpu_without_a_wait_on_the_host():
+    """step_batches copies a step's blocks from pinned memory: no synchronizing call (from pageable memory, CUDA waits
+    for every kernel queued first, and the next step starts from an idle GPU), and the ids arrive whole."""
+    blocks = ol.Blocks(torch.randint(0, 512, (4096,), dtype=torch.int32), 64, 0.1, 0)
+    run = ol.RunConfig(preset="tiny", seq_len=64, batch_size=2, grad_accum=2, train=True)
+    step = ol.step_batches(blocks, run, CUDA)
+    step(0)  # the caching host allocator's first block
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = step(1)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(torch.cat(got).cpu(), blocks.gather(blocks.step_blocks(1, 4)))
