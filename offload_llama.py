@@ -1,9 +1,10 @@
 """Layer-wise parameter offload for LLaMA, measured.
 
-Each decoder layer's weights live in pinned host memory as one flat buffer, copied into a ring of GPU slots just
-before they run: `blocked` copies then computes; `overlapped` fills the next slot(s) on a copy stream while the
-current one computes. Inference runs the unmodified Hugging Face forward with stand-ins for its decoder layers.
-Training streams every unit through an autograd Function and steps Adam on float32 masters on the host.
+Each decoder layer's weights live in pinned host memory as one flat buffer, copied on a copy stream into a ring of
+GPU slots just before they run: `blocked` (depth 0) waits for each copy, then computes; `overlapped` fills the next
+slot(s) while the current one computes. Inference runs the unmodified Hugging Face forward with stand-ins for its
+decoder layers. Training streams every unit through an autograd Function and steps Adam on float32 masters: on the
+host (the CPU Adam), or where the plan says on the GPU (resident units, and a share over state streamed in).
 References: torchao's CPUOffloadOptimizer, torchtune's activation offloading, gau-nernst's offload.py, gpt-fast.
 
 The sections, in reading order, and the names that open them. The plain path runs from the model to training; the
@@ -2074,16 +2075,14 @@ class MasterStore:
 
     @torch.no_grad()
     def load_unit(self, u: int, state: dict) -> None:
-        """Unit u's master, Adam moments and step count from a checkpoint (unit_state's dict), and its copy."""
+        """Unit u's master, Adam moments and step count from a checkpoint, each parameter by name (checkpoint_unit),
+        and its copy: this rank's shard of them, whatever the number of ranks that wrote them."""
         layout = self.units[u].layout
 
         def fill(keys: tuple[str, ...], *flats) -> None:
-            """The state's tensors of `keys` into the flat buffers `flats`."""
+            """The state's parameters of `keys`, by name, into this rank's part of the flat buffers `flats`."""
             for key, flat in zip(keys, flats, strict=True):
-                if self.ranks.several:  # a rank's checkpoint holds its shards, flat
-                    flat.copy_(state[key])
-                else:
-                    layout.fill(flat, state[key].__getitem__)
+                layout.fill(flat, state[key].__getitem__, start=self.ranks.rank * flat.numel())
 
         fill(("master",), self.masters[u])
         moments = functools.partial(fill, ("exp_avg", "exp_avg_sq"))
@@ -2256,7 +2255,7 @@ class Steppers:
     steps every unit until `place` gives some to ResidentUnits or StreamedAdam. The streamer asks it before each
     copy whether the unit's host copy is written (the streamer's writer). A streamed unit's gradients, in order:
 
-        compute   waits last_landed, the backward writes `buffer`, records ready           (wait_to_write, send)
+        compute   the backward's first write into `buffer` waits last_landed; records ready (unit_backward, send)
         D2H       waits ready; several ranks: reduce-scatter into `summed`, records it     (sum_shard)
                   copies the gradients, or the shard, to pinned host memory, records landed  (CpuAdam.send)
         CPU Adam  waits landed, steps the unit, marks it done                               (CpuAdam.work)
@@ -5036,9 +5035,9 @@ def sync_folder(folder: Path) -> None:
         os.close(fd)
 
 
-def read_checkpoint(folder: Path, manifest: dict, units: list[Unit] | None = None, ranks: Ranks = Ranks()) -> dict:
+def read_checkpoint(folder: Path, manifest: dict, units: list[Unit] | None = None) -> dict:
     """A checkpoint's record, refused with one line when it is not one, is damaged, or is of another model, dtype or
-    Adam setting; with `units`, this rank's unit files are checked too (check_unit_files)."""
+    Adam setting; with `units`, its unit files are checked too (check_unit_files), whatever ranks wrote them."""
     path = folder / CHECKPOINT_FILE
     if not path.is_file():
         raise UsageError(f"--resume {folder}: no {CHECKPOINT_FILE} there: {checkpoint_hint(folder)}")
@@ -5054,12 +5053,6 @@ def read_checkpoint(folder: Path, manifest: dict, units: list[Unit] | None = Non
         raise UsageError(
             f"--resume {folder}: checkpoint format {saved.get('format')}, this script reads {CHECKPOINT_FORMAT}"
         )
-    saved_ranks, world = saved.get("ranks", 1), manifest.get("ranks", 1)
-    if saved_ranks != world:
-        how = "without torchrun" if saved_ranks == 1 else f"under torchrun with {saved_ranks} ranks"
-        raise UsageError(
-            f"--resume {folder}: a checkpoint of {saved_ranks} rank(s), and this run has {world}: resume {how}"
-        )
     for key, what in (("sizes", "model"), ("dtype", "dtype"), ("adam", "Adam setting")):
         if saved.get(key) != manifest[key]:
             raise UsageError(
@@ -5070,7 +5063,7 @@ def read_checkpoint(folder: Path, manifest: dict, units: list[Unit] | None = Non
     if missing:
         raise UsageError(f"--resume {folder}: {len(missing)} of the files {CHECKPOINT_FILE} names are missing")
     if units is not None:
-        check_unit_files(folder, saved, units, ranks)
+        check_unit_files(folder, saved, units)
     return saved
 
 
@@ -5087,17 +5080,21 @@ def check_record(folder: Path, saved: dict, manifest: dict) -> None:
         raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE}'s step counts are out of range: the file is damaged")
     if not all(isinstance(f, str) and f == Path(f).name for f in saved["files"]):
         raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE} names files outside its folder: the file is damaged")
-    files, expected = saved["files"], (manifest["sizes"]["num_hidden_layers"] + 3) * manifest.get("ranks", 1)
+    if not isinstance(saved.get("ranks", 1), int) or not 1 <= saved.get("ranks", 1) <= 2**20:
+        raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE}'s ranks is {saved.get('ranks')!r}: the file is damaged")
+    files, expected = saved["files"], (manifest["sizes"]["num_hidden_layers"] + 3) * saved.get("ranks", 1)
     if len(files) != expected:
         raise UsageError(
             f"--resume {folder}: {CHECKPOINT_FILE} names {len(files)} files, not {expected}: it is damaged"
         )
 
 
-def check_unit_files(folder: Path, saved: dict, units: list[Unit], ranks: Ranks) -> None:
-    """Each of this rank's unit files of a checkpoint loads, and holds its unit's step count and float32 master and
-    moments in the unit's shapes (a rank's shards: flat, of the shard's size); else one line naming the file."""
-    for u, name in enumerate(saved["files"][ranks.rank * len(units) : (ranks.rank + 1) * len(units)]):
+def check_unit_files(folder: Path, saved: dict, units: list[Unit]) -> None:
+    """Each unit file of a checkpoint loads, and holds its unit's step count and float32 master and moments in the
+    unit's shapes (several ranks': flat shards of the unit, of the shard's size); else one line naming the file."""
+    ranks = Ranks(world=saved.get("ranks", 1))  # that wrote it
+    for i, name in enumerate(saved["files"]):
+        u = i % len(units)
         try:
             state = torch.load(folder / name, mmap=True, weights_only=True)
         except Exception as e:  # torch's errors for a file cut short or not its format vary between versions
@@ -5140,9 +5137,10 @@ def resume(trainer, folder: Path, manifest: dict) -> int:
     t0 = time.perf_counter()
     saved = read_checkpoint(folder, manifest)
     say_plan_changes(saved, manifest)
-    n, rank = len(trainer.units), trainer.ranks.rank
-    for u, name in enumerate(saved["files"][rank * n : (rank + 1) * n]):  # this rank's
-        trainer.load_unit(u, torch.load(folder / name, mmap=True, weights_only=True))
+    for u, unit in enumerate(trainer.units):
+        trainer.load_unit(u, checkpoint_unit(folder, saved, u, unit.layout))
+    if saved.get("ranks", 1) != trainer.ranks.world:
+        log(f"the checkpoint of {saved.get('ranks', 1)} rank(s) resharded over {trainer.ranks.world}")
     if isinstance(trainer.scaling, LossScale):
         trainer.scaling.restore(saved["loss_scale"], saved["good_steps"])
     log(f"resumed from {folder} after step {saved['steps']} in {time.perf_counter() - t0:.1f} s")
@@ -5150,6 +5148,35 @@ def resume(trainer, folder: Path, manifest: dict) -> int:
     if changed:
         log(f"note: another {', '.join(changed)} than the checkpoint's, so another batch than it trained on")
     return saved["steps"]
+
+
+def checkpoint_unit(folder: Path, saved: dict, u: int, layout: FlatLayout) -> dict:
+    """Unit u's state in a checkpoint, each parameter's master and moments by name (unit_state's dict of one process):
+    as one process wrote it, or put together from the shards that several ranks wrote (Resharded); memory-mapped,
+    so that a rank reads the parameters of its own shard alone."""
+    world, units = saved.get("ranks", 1), len(saved["files"]) // saved.get("ranks", 1)
+    states = [torch.load(folder / saved["files"][r * units + u], mmap=True, weights_only=True) for r in range(world)]
+    if world == 1:
+        return states[0]
+    keys = ("master", "exp_avg", "exp_avg_sq")
+    return {"step": states[0]["step"]} | {key: Resharded([s[key] for s in states], layout) for key in keys}
+
+
+class Resharded:
+    """A unit's flat state that several ranks wrote as equal shards, in rank order, read by parameter name: each
+    parameter put together from the shards it spans (a shard is an offset and a length of the unit's flat buffer)."""
+
+    def __init__(self, shards: list[torch.Tensor], layout: FlatLayout):
+        self.shards, self.size = shards, shards[0].numel()
+        self.places = dict(zip(layout.names, zip(layout.offsets, layout.shapes, strict=True), strict=True))
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        """The parameter `name`, whole, in its shape."""
+        start, shape = self.places[name]
+        end, size = start + shape.numel(), self.size
+        ranks = range(start // size, -(-end // size))  # those whose shards it spans
+        parts = [self.shards[r][max(start, r * size) - r * size : min(end, (r + 1) * size) - r * size] for r in ranks]
+        return torch.cat(parts).view(shape)
 
 
 # ---------------------------------------------------------------------------------------------------- text in
@@ -6517,7 +6544,7 @@ def check_saving(run: RunConfig, config: LlamaConfig, plan: Plan | None = None) 
     for mode in run.modes if run.train else ():
         if run.resume:
             manifest = checkpoint_manifest(run, config, mode)
-            read_checkpoint(mode_folder(run.resume, run, mode), manifest, model_units(config), run.ranks)
+            read_checkpoint(mode_folder(run.resume, run, mode), manifest, model_units(config))
         if run.checkpoint and not same and (mode_folder(run.checkpoint, run, mode) / CHECKPOINT_FILE).exists():
             advice = f"go on from it with --resume {run.checkpoint}, or give another folder"
             raise UsageError(f"--checkpoint {run.checkpoint} holds a checkpoint already: {advice}")

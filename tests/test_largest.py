@@ -61,6 +61,7 @@ def test_host_limit_counts_the_training_state_of_each_layer(monkeypatch):
     assert fl.host_layer_limit(ol.dataclasses.replace(gpu, max_host_memory=host_total(gpu, 5) / ol.GiB), "gpu") == 5
 
 
+@pytest.mark.slow  # probes in processes of their own: 4 s
 def test_host_limit_with_the_disk_tier_counts_the_disk(monkeypatch, tmp_path):
     """With --nvme, more layers fit: the last layers' moments go to the disk, as far as its free space takes them (the
     staging buffers cost the host DISK_SLOTS layers' moments, so a few layers on the disk buy nothing)."""
@@ -182,6 +183,7 @@ def test_the_layer_past_the_disk_limit_is_refused_for_the_disk(monkeypatch, tmp_
     assert "of Adam moments" in why and "more than is free there" in why
 
 
+@pytest.mark.slow  # a probe under torchrun: 4 s
 def test_a_probe_under_torchrun_reads_a_ranks_refusal_through_its_summary(monkeypatch, tmp_path):
     """--nproc-per-node 2: the probe is torchrun's, whose exit code is 1 for any rank's failure; a rank's one-line
     refusal (exit 2) is read from torchrun's summary, as one process's would be."""
@@ -192,6 +194,7 @@ def test_a_probe_under_torchrun_reads_a_ranks_refusal_through_its_summary(monkey
     assert fl.probe(run, "overlapped", 2) == {"refused": "no room"}
 
 
+@pytest.mark.slow  # a process of its own, importing torch: 10 s
 def test_find_largest_splits_the_step_over_its_ranks(tmp_path):
     r = find_largest("--nproc-per-node", 2, "--preset", "tiny", "--mode", "overlapped", "--grad-accum", 3)
     assert r.returncode == 2 and "use a multiple of 2" in r.stderr, r.stderr
