@@ -2075,14 +2075,18 @@ class MasterStore:
 
     @torch.no_grad()
     def load_unit(self, u: int, state: dict) -> None:
-        """Unit u's master, Adam moments and step count from a checkpoint, each parameter by name (checkpoint_unit),
-        and its copy: this rank's shard of them, whatever the number of ranks that wrote them."""
+        """Unit u's master, Adam moments and step count from a checkpoint (checkpoint_unit: each parameter by name,
+        or the flat shard this rank wrote), and its copy: this rank's shard, whatever the number of ranks that wrote
+        them."""
         layout = self.units[u].layout
 
         def fill(keys: tuple[str, ...], *flats) -> None:
-            """The state's parameters of `keys`, by name, into this rank's part of the flat buffers `flats`."""
+            """The state's `keys` into this rank's part of the flat buffers `flats`."""
             for key, flat in zip(keys, flats, strict=True):
-                layout.fill(flat, state[key].__getitem__, start=self.ranks.rank * flat.numel())
+                if isinstance(state[key], torch.Tensor):  # the shard this rank wrote, padding and all
+                    flat.copy_(state[key])
+                else:
+                    layout.fill(flat, state[key].__getitem__, start=self.ranks.rank * flat.numel())
 
         fill(("master",), self.masters[u])
         moments = functools.partial(fill, ("exp_avg", "exp_avg_sq"))
@@ -3830,8 +3834,8 @@ def training_placement(run: RunConfig, config: LlamaConfig, facts: Facts, mode: 
     """overlapped: resident, the longest run of units from the forward's start that fits the budget (or the first
     --resident-layers layers; without a cap, where the GPU's compute bounds the step, boundary_units), then
     gpu_adam_units, unless its staging alone breaks the budget; blocked: none; neither takes a unit whose moments are
-    on the disk. Returns (resident, GPU Adam units, predicted GPU bytes by part,
-    whether they fit the budget, or without a cap the GPU)."""
+    on the disk. Returns (resident, GPU Adam units, predicted GPU bytes by part, whether they fit the budget, or
+    without a cap the GPU)."""
     depth, units = run.prefetch if mode == "overlapped" else 0, model_units(config)
     own_grads = bool(compared_modes(run)) or run.holds_updates
     on_disk, besides = disk_units(config, run.nvme_layers or 0), unplaced_bytes(run, config, facts)
@@ -5138,7 +5142,7 @@ def resume(trainer, folder: Path, manifest: dict) -> int:
     saved = read_checkpoint(folder, manifest)
     say_plan_changes(saved, manifest)
     for u, unit in enumerate(trainer.units):
-        trainer.load_unit(u, checkpoint_unit(folder, saved, u, unit.layout))
+        trainer.load_unit(u, checkpoint_unit(folder, saved, u, unit.layout, trainer.ranks))
     if saved.get("ranks", 1) != trainer.ranks.world:
         log(f"the checkpoint of {saved.get('ranks', 1)} rank(s) resharded over {trainer.ranks.world}")
     if isinstance(trainer.scaling, LossScale):
@@ -5150,11 +5154,14 @@ def resume(trainer, folder: Path, manifest: dict) -> int:
     return saved["steps"]
 
 
-def checkpoint_unit(folder: Path, saved: dict, u: int, layout: FlatLayout) -> dict:
-    """Unit u's state in a checkpoint, each parameter's master and moments by name (unit_state's dict of one process):
-    as one process wrote it, or put together from the shards that several ranks wrote (Resharded); memory-mapped,
-    so that a rank reads the parameters of its own shard alone."""
+def checkpoint_unit(folder: Path, saved: dict, u: int, layout: FlatLayout, ranks: Ranks) -> dict:
+    """Unit u's state in a checkpoint (unit_state's dict), memory-mapped: where as many ranks wrote it, the file this
+    rank wrote (its flat shards, padding and all, so that it goes on bit for bit); else each parameter's master and
+    moments by name, as one process wrote them, or put together from the shards that other ranks wrote (Resharded),
+    of which a rank reads the parameters of its own shard alone."""
     world, units = saved.get("ranks", 1), len(saved["files"]) // saved.get("ranks", 1)
+    if world == ranks.world:
+        return torch.load(folder / saved["files"][ranks.rank * units + u], mmap=True, weights_only=True)
     states = [torch.load(folder / saved["files"][r * units + u], mmap=True, weights_only=True) for r in range(world)]
     if world == 1:
         return states[0]
@@ -6269,7 +6276,7 @@ def training_memory_cells(mode: str, r: dict) -> list[str]:
 
 
 def training_time_cells(mode: str, r: dict) -> list[str]:
-    """Training Table 2's cells: step time, bound, what bounds it, efficiency, host bytes, losses, the checks."""
+    """Training Table 2's cells: step time, bound, what bounds it, efficiency, TFLOPS, host bytes, losses, checks."""
     losses = f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}"
     checks = [yes_no(r.get("grads_equal_to_gpu")), yes_no(r.get("masters_close_to_gpu"))]
     rest = formatted(r, efficiency=".3f", model_tflops=".0f", executed_tflops=".0f", executed_share_of_peak=".0%")
