@@ -2005,8 +2005,7 @@ class MasterStore:
         return self.grads[u]
 
     def step(self, u: int, multiplier: float = 1.0) -> None:
-        """Unit u's Adam step (master, moments and copy in one pass), its gradients times `multiplier`; its gradients'
-        buffer goes back to the pool."""
+        """Unit u's Adam step (master, moments and copy in one pass) on its gradients times `multiplier`, then freed."""
         if u in self.unstarted:
             self.zero_moments([u])
         copy = self.copies[u] if self.copies else None
@@ -2075,10 +2074,9 @@ class MasterStore:
 
     @torch.no_grad()
     def load_unit(self, u: int, state: dict) -> None:
-        """Unit u's master, Adam moments and step count from a checkpoint (checkpoint_unit: each parameter by name,
-        or the flat shard this rank wrote), and its copy: this rank's shard, whatever the number of ranks that wrote
-        them."""
-        layout = self.units[u].layout
+        """Unit u's master, Adam moments and step count from a checkpoint (checkpoint_unit), and its copy: this rank's
+        shards, from each parameter by name (any number of ranks wrote them) or the flat shards this rank wrote."""
+        layout, start = self.units[u].layout, self.ranks.rank * self.masters[u].numel()
 
         def fill(keys: tuple[str, ...], *flats) -> None:
             """The state's `keys` into this rank's part of the flat buffers `flats`."""
@@ -2086,7 +2084,7 @@ class MasterStore:
                 if isinstance(state[key], torch.Tensor):  # the shard this rank wrote, padding and all
                     flat.copy_(state[key])
                 else:
-                    layout.fill(flat, state[key].__getitem__, start=self.ranks.rank * flat.numel())
+                    layout.fill(flat, state[key].__getitem__, start=start)
 
         fill(("master",), self.masters[u])
         moments = functools.partial(fill, ("exp_avg", "exp_avg_sq"))
