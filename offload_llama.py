@@ -176,8 +176,9 @@ class Ranks:
         LayerStreamer.prefetch), sum_shard (its gradients, Steppers.sum_shard), sum (the loss, float16's overflow,
         clipping's squares); ranks waiting there on one that stalled are ended by NCCL's watchdog, on one that ended
         by torchrun.
-      the default (SETUP_TIMEOUT; gloo on CPU tensors): meet (also before each bound part), in_turn, gathered
-        (saving, state_dict), each (peaks, the plan's facts, check_same); their failures reach Python (lost_ranks)."""
+      the default (SETUP_TIMEOUT; gloo on CPU tensors): meet (also before each bound part), in_turn (each host's
+        ranks), gathered (saving, state_dict), each (peaks, the plan's facts, check_same); their failures reach Python
+        (lost_ranks)."""
 
     rank: int = 0
     world: int = 1
@@ -254,12 +255,12 @@ class Ranks:
             dist.barrier()
 
     def in_turn(self, make):
-        """make() on rank 0, then on the others: what it caches on the disk (a token cache, a tokenizer), rank 0
-        writes alone, and the others read."""
-        if self.rank == 0:
+        """make() on each host's first rank, then on its others: what it caches on the host's disk (a token cache, a
+        tokenizer), one rank of the host writes, and the others read."""
+        if self.local_rank == 0:
             made = make()
         self.meet()
-        return made if self.rank == 0 else make()
+        return made if self.local_rank == 0 else make()
 
     def each(self, value) -> list:
         """Every rank's `value` (a small picklable one), in rank order."""
@@ -5581,6 +5582,26 @@ def prepare_text(run: RunConfig, config: LlamaConfig) -> Text | None:
     return text
 
 
+def agreed_text(run: RunConfig, config: LlamaConfig) -> Text | None:
+    """prepare_text on each host's first rank, then on its others, which read what it cached (each host tokenizes
+    into its own --data-cache); every rank's tokenizer and token ids the same (text_fingerprint), else one line."""
+    text = run.ranks.in_turn(lambda: prepare_text(run, config))
+    check_same(run.ranks, text_fingerprint(text), "their text: each host's tokenizer and token ids")
+    return text
+
+
+def text_fingerprint(text: Text | None) -> str | None:
+    """A hash of the tokenizer, the token count and about a million token ids spread over the corpus: another
+    tokenizer or corpus changes nearly every id."""
+    if text is None:
+        return None
+    digest = hashlib.sha256(text.tokenizer.backend_tokenizer.to_str().encode())
+    if text.blocks is not None:
+        ids = text.blocks.ids
+        digest.update(f"{ids.numel()}".encode() + ids[:: max(1, ids.numel() >> 20)].numpy().tobytes())
+    return digest.hexdigest()[:24]
+
+
 def prepare_data(run: RunConfig, vocab_size: int) -> tuple[Blocks, object]:
     """--data read, tokenized (or read from the token cache) and packed: (the blocks, the tokenizer)."""
     files = data_files(run)
@@ -6638,7 +6659,7 @@ def run_all(run: RunConfig) -> dict:
     offloaded = {"blocked", "overlapped"} & set(run.modes)
     if run.train and offloaded:
         start_adam_compile(gradient_dtype(run), plan.torch_copy_dtype, run.clip_grad_norm is not None)
-    text = run.ranks.in_turn(lambda: prepare_text(run, config))
+    text = agreed_text(run, config)
     blocks = text.blocks if text else None
     run = with_epochs(run, blocks)
     warn_if_long(run, config)

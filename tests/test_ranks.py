@@ -80,10 +80,11 @@ def trained(trainer, micro_batches, overflow_at=None, steps=STEPS):
     return losses, trainer.state_dict(), list(trainer.grad_norms), scales
 
 
-def join(rank, world, port, timeout=ol.RANK_TIMEOUT) -> ol.Ranks:
+def join(rank, world, port, timeout=ol.RANK_TIMEOUT, hosts: int = 1) -> ol.Ranks:
     """This process as rank `rank` of `world`, joined to the others as torchrun's environment says, its steps'
-    collectives waiting `timeout` seconds at most."""
-    env = {"RANK": rank, "WORLD_SIZE": world, "LOCAL_RANK": rank, "LOCAL_WORLD_SIZE": world}
+    collectives waiting `timeout` seconds at most; over `hosts` launchers, each with world / hosts local ranks."""
+    local_world = world // hosts
+    env = {"RANK": rank, "WORLD_SIZE": world, "LOCAL_RANK": rank % local_world, "LOCAL_WORLD_SIZE": local_world}
     os.environ.update({key: str(value) for key, value in env.items()} | {"MASTER_ADDR": "127.0.0.1"})
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
@@ -94,10 +95,11 @@ def join(rank, world, port, timeout=ol.RANK_TIMEOUT) -> ol.Ranks:
 
 
 @contextlib.contextmanager
-def joined(rank, world, port):
-    """This process as rank `rank` of `world` (join), for the block; then it leaves the others."""
+def joined(rank, world, port, hosts: int = 1):
+    """This process as rank `rank` of `world` over `hosts` launchers (join), for the block; then it leaves the
+    others."""
     try:
-        yield join(rank, world, port)
+        yield join(rank, world, port, hosts=hosts)
     finally:
         ol.stop_ranks()
 
@@ -404,6 +406,52 @@ def test_each_rank_trains_on_its_share_of_the_steps_blocks(tmp_path):
         share = ol.step_batches(blocks, ol.dataclasses.replace(run, ranks=ranks), CPU)
         for step in (0, 5):
             assert [b.tolist() for b in share(step)] == [b.tolist() for b in alone(step)[rank::3]]
+
+
+def rank_text(rank, world, port, tmp, hosts, out):
+    """One rank of `world` over `hosts` launchers, each host tokenizing into a token cache of its own: 2 steps on its
+    share of the text's blocks; rank 0 saves the masters."""
+    with joined(rank, world, port, hosts) as ranks:
+        host = rank // (world // hosts)
+        run = data_run(tmp, grad_accum=2 * world, data_cache=str(tmp / f"cache{hosts}.{host}"), ranks=ranks)
+        model, _ = build(tiny_run(vocab_size=512))
+        text = ol.agreed_text(run, model.config)
+        step = ol.step_batches(text.blocks, run, CPU)
+        trainer = trainer_of(model, step(0), 2 * world, 1, ranks)
+        for i in range(2):
+            trainer.step(step(i))
+        trainer.finish()
+        masters = trainer.state_dict()
+        if rank == 0:
+            torch.save(masters, out)
+
+
+@SLOW
+def test_two_launchers_train_as_one_each_host_with_its_own_token_cache(tmp_path):
+    """2 ranks from two launchers (a local rank 0 each, as `torchrun --nnodes 2` starts them), each host tokenizing
+    the corpus into its own --data-cache: the masters of 2 ranks from one launcher, bit for bit."""
+    data_run(tmp_path)  # the corpus, before the ranks read it
+    for hosts in (1, 2):
+        mp.spawn(rank_text, args=(2, free_port(), tmp_path, hosts, tmp_path / f"{hosts}.pt"), nprocs=2)
+    one, two = torch.load(tmp_path / "1.pt"), torch.load(tmp_path / "2.pt")
+    assert all(torch.equal(two[name], m) for name, m in one.items())
+    assert [len(list((tmp_path / f"cache2.{host}").glob("tokens-*.bin"))) for host in (0, 1)] == [1, 1]
+
+
+def test_hosts_whose_text_differs_are_refused_in_one_line(tmp_path, monkeypatch):
+    """Each host's tokenizer and token ids hashed (text_fingerprint) and compared: another corpus on one host is one
+    line naming the ranks' hashes, not ranks training on different data."""
+    run = data_run(tmp_path)
+    text = ol.prepare_text(run, ol.llama_config(ol.dataclasses.replace(run, sizes=(("vocab_size", 512),))))
+    fingerprint = ol.text_fingerprint(text)
+    assert fingerprint == ol.text_fingerprint(ol.Text(ol.Blocks(text.blocks.ids.clone(), 32, 0.1, 0), text.tokenizer))
+    other = text.blocks.ids.numpy().copy()  # 16-bit ids, which torch cannot add to
+    other[0] ^= 1
+    assert ol.text_fingerprint(ol.Text(ol.Blocks(torch.from_numpy(other), 32, 0.1, 0), text.tokenizer)) != fingerprint
+    ranks = ol.Ranks(0, 2, 0, 1)
+    monkeypatch.setattr(ol.Ranks, "each", lambda self, value: [value, "another"])
+    with pytest.raises(ol.UsageError, match="the ranks differ in their text: each host's tokenizer and token ids"):
+        ol.check_same(ranks, fingerprint, "their text: each host's tokenizer and token ids")
 
 
 def rank_generate(rank, world, port, out):
