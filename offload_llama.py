@@ -1559,11 +1559,13 @@ def new_event(device: torch.device, blocking: bool = False):
 @dataclass
 class CopyWindow:
     """One pass's copies, in the order the pass runs its streamed units. A position enters the window once compute is
-    within `depth` positions of it, and leaves once its copy is issued. A copy whose source is not written yet (its
-    unit's CPU Adam update still runs) waits in the window while the ready ones behind it are issued: issuing it
-    would block the thread that issues them all until the update is done. Safe: the window ends at most depth
-    positions past the unit computing now, and consecutive streamed units take the depth + 1 slots in turn, so each
-    copy's slot was last used by a unit already released, whose kernels the copy then waits for (freed)."""
+    within `depth` positions of it (a resident unit stands at the next streamed unit's position, so while one runs
+    the window reaches depth + 1 positions past the last streamed unit), and leaves once its copy is issued. A copy
+    whose source is not written yet (its unit's CPU Adam update still runs) waits in the window while the ready ones
+    behind it are issued: issuing it would block the thread that issues them all until the update is done. Safe: the
+    window ends at most depth positions past the next streamed unit to run, and consecutive streamed units take the
+    depth + 1 slots in turn, so each copy's slot was last used by a unit already released, whose kernels the copy
+    then waits for (freed)."""
 
     units: list[int]  # the streamed units, in the order the pass runs them
     position: dict[int, int]  # a streamed unit's index in `units`; a resident unit's, the next streamed unit's
@@ -1936,10 +1938,12 @@ class AdamUpdate:
 
     @property
     def bytes_per_param(self) -> int:
-        """Host memory bytes one step moves per parameter (the fallback reads the master again to cast it)."""
+        """Host memory bytes one step moves per parameter (the fallback reads the master again to cast it, and with
+        clipping reads and writes the gradients once more to scale them)."""
         copy = self.copy_dtype.itemsize if self.copy_dtype else 0
         recast = 4 if self.copy_dtype and not self.compiled else 0
-        return 24 + self.grad_dtype.itemsize + copy + recast
+        rescale = 8 if self.scaled and not self.compiled else 0
+        return 24 + self.grad_dtype.itemsize + copy + recast + rescale
 
     @torch.no_grad()
     def __call__(self, master, grads, exp_avg, exp_avg_sq, copy, step: torch.Tensor, multiplier: float = 1.0) -> None:
@@ -2474,11 +2478,12 @@ class StreamedUnit(torch.autograd.Function):
 
 class OffloadedTraining:
     """blocked and overlapped training: each unit streamed in by the LayerStreamer for its forward and again for its
-    backward, its gradients sent out and stepped. Streams: compute runs the units, the streamer's copy stream brings
-    weights in, `d2h_stream` takes gradients out. A unit's update rewrites the host copy the GPU streamed it from with
-    no wait of its own: it waits for the unit's gradients, which exist only once that copy has landed. Policies:
-    `steppers` step each unit (Steppers: CpuAdam; ResidentUnits, StreamedAdam), `inputs` keeps the saved inputs
-    (KeptInputs; ActivationOffload), `scaling` (Unscaled; float16's LossScale), `clip` (Unclipped; GradClip)."""
+    backward (but the forward's last ones, still in their slots), its gradients sent out and stepped. Streams:
+    compute runs the units, the streamer's copy stream brings weights in, `d2h_stream` takes gradients out. A unit's
+    update rewrites the host copy the GPU streamed it from with no wait of its own: it waits for the unit's
+    gradients, which exist only once that copy has landed. Policies: `steppers` step each unit (Steppers: CpuAdam;
+    ResidentUnits, StreamedAdam), `inputs` keeps the saved inputs (KeptInputs; ActivationOffload), `scaling`
+    (Unscaled; float16's LossScale), `clip` (Unclipped; GradClip)."""
 
     def __init__(self, store: MasterStore, config, dtype, device, depth: int, loss_function, kwargs, max_norm=None):
         self.store = store

@@ -70,6 +70,8 @@ def test_fallback_is_torch_adam_and_a_cast(monkeypatch, weight_decay):
     monkeypatch.setattr(ol, "compiled_adam_update", lambda grad_dtype, copy_dtype, scaled: None)
     update = ol.AdamUpdate(ol.Adam(lr=1e-3, weight_decay=weight_decay), torch.bfloat16, torch.bfloat16)
     assert update.grad_dtype == torch.float32 and update.bytes_per_param == 24 + 4 + 2 + 4
+    clipped = ol.AdamUpdate(ol.Adam(), torch.bfloat16, torch.bfloat16, scaled=True)  # scales the gradients first
+    assert clipped.bytes_per_param == update.bytes_per_param + 8
     ours, theirs = run_update(update, torch.bfloat16, update.grad_dtype)
     assert all(torch.equal(a, b) for a, b in zip(ours[:3], theirs, strict=False))
     assert_adam_close(ours, theirs)
