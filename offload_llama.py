@@ -5088,9 +5088,10 @@ def check_record(folder: Path, saved: dict, manifest: dict) -> None:
         raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE}'s step counts are out of range: the file is damaged")
     if not all(isinstance(f, str) and f == Path(f).name for f in saved["files"]):
         raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE} names files outside its folder: the file is damaged")
-    if not isinstance(saved.get("ranks", 1), int) or not 1 <= saved.get("ranks", 1) <= 2**20:
-        raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE}'s ranks is {saved.get('ranks')!r}: the file is damaged")
-    files, expected = saved["files"], (manifest["sizes"]["num_hidden_layers"] + 3) * saved.get("ranks", 1)
+    ranks = saved.get("ranks", 1)
+    if not isinstance(ranks, int) or isinstance(ranks, bool) or not 1 <= ranks <= 2**20:
+        raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE}'s ranks is {ranks!r}: the file is damaged")
+    files, expected = saved["files"], (manifest["sizes"]["num_hidden_layers"] + 3) * ranks
     if len(files) != expected:
         raise UsageError(
             f"--resume {folder}: {CHECKPOINT_FILE} names {len(files)} files, not {expected}: it is damaged"

@@ -198,7 +198,7 @@ def test_damaged_inputs_are_refused_before_the_model_is_built(inputs, tmp_path, 
     record.write_text(json.dumps(json.loads(record.read_text()) | {"steps": -5}))
     refused(tmp_path, args, "step counts are out of range", in_process=True, capsys=capsys)
     original = json.loads((inputs / "checkpoint" / ol.CHECKPOINT_FILE).read_text())
-    for ranks in ("2", 0):  # any number of ranks resumes a checkpoint, but its record must say a number of them
+    for ranks in ("2", 0, True):  # any number of ranks resumes a checkpoint, but its record must say a number of them
         record.write_text(json.dumps(original | {"ranks": ranks}))
         refused(tmp_path, args, f"checkpoint.json's ranks is {ranks!r}", in_process=True, capsys=capsys)
     record.write_text(json.dumps(original | {"ranks": 2}))  # a file a unit, where 2 ranks write two
