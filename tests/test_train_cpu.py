@@ -488,6 +488,7 @@ def test_clipping_needs_a_gradient_buffer_per_unit_and_no_gpu_adam():
     unscaled.finish()
 
 
+@pytest.mark.slow  # a process of its own: 11 s; the clipped steps themselves are tested in-process above
 def test_cli_clipping_reports_each_steps_norm(tmp_path):
     out = tmp_path / "r.json"
     r = cli(
