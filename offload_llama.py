@@ -5592,19 +5592,20 @@ def agreed_text(run: RunConfig, config: LlamaConfig) -> Text | None:
     """prepare_text on each host's first rank, then on its others, which read what it cached (each host tokenizes
     into its own --data-cache); every rank's tokenizer and token ids the same (text_fingerprint), else one line."""
     text = run.ranks.in_turn(lambda: prepare_text(run, config))
-    check_same(run.ranks, text_fingerprint(text), "their text: each host's tokenizer and token ids")
+    if run.ranks.several:
+        check_same(run.ranks, text_fingerprint(text), "their text: each host's tokenizer and token ids")
     return text
 
 
 def text_fingerprint(text: Text | None) -> str | None:
-    """A hash of the tokenizer, the token count and about a million token ids spread over the corpus: another
-    tokenizer or corpus changes nearly every id."""
+    """A hash of the tokenizer, the token count and 65,536 token ids spread over the corpus (a page of the token
+    cache each, at most 256 MiB read): another tokenizer or corpus changes nearly every id."""
     if text is None:
         return None
     digest = hashlib.sha256(text.tokenizer.backend_tokenizer.to_str().encode())
     if text.blocks is not None:
         ids = text.blocks.ids
-        digest.update(f"{ids.numel()}".encode() + ids[:: max(1, ids.numel() >> 20)].numpy().tobytes())
+        digest.update(f"{ids.numel()}".encode() + ids[:: max(1, ids.numel() >> 16)].numpy().tobytes())
     return digest.hexdigest()[:24]
 
 
