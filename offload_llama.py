@@ -5529,7 +5529,7 @@ def step_batches(blocks: Blocks, run: RunConfig, device: torch.device):
         that the copy waits in the stream for the step's kernels and the host goes on (from pageable memory CUDA
         first waits for every kernel queued, and the next step would start from an idle GPU)."""
         ids = blocks.gather(blocks.step_blocks(i, count))
-        if device.type == "cuda":
+        if device.type == "cuda":  # the caching host allocator hands the block out again once its copy has landed
             ids = ids.pin_memory()
         return [micro.to(device, non_blocking=True) for micro in run.ranks.share(ids.chunk(run.grad_accum))]
 
