@@ -2469,10 +2469,11 @@ class StreamedUnit(torch.autograd.Function):
         trainer, u = ctx.trainer, ctx.u
         module = trainer.streamer.acquire(u)
         xs = trainer.inputs.load(u, ctx.saved_tensors)
-        grads_in = unit_backward(trainer, u, module, xs, grad_outs)
+        views = trainer.grad_views(u)
+        grads_in = unit_backward(trainer, u, module, xs, grad_outs, views)
         trainer.streamer.release(u)
         trainer.inputs.release(u)
-        trainer.send(u, trainer.grad_views(u))
+        trainer.send(u, views)
         return None, None, None, *grads_in  # none for trainer, u and anchor
 
 
@@ -2616,12 +2617,13 @@ class OffloadedTraining:
             self.steppers.cpu_adam.close()
 
 
-def unit_backward(trainer: OffloadedTraining, u: int, module: nn.Module, xs, grad_outs) -> list[torch.Tensor | None]:
+def unit_backward(trainer: OffloadedTraining, u: int, module: nn.Module, xs, grad_outs, views) -> list:
     """Unit u's recompute and backward over every micro-batch; returns the inputs' gradients. The parameters' are
-    summed into the unit's gradient buffer in micro-batch order, as gpu mode sums them, each micro-batch's freed before
-    the next recompute, but the first's are written with the second's (the same sum): the write waits for the last
-    unit's float32 gradients to leave the buffer (wait_to_write), which takes longer than one micro-batch's work."""
-    views, grads_in, first = trainer.grad_views(u), [], None
+    summed into `views`, the unit's gradient buffer (grad_views), in micro-batch order, as gpu mode sums them, each
+    micro-batch's freed before the next recompute, but the first's are written with the second's (the same sum): the
+    write waits for the last unit's float32 gradients to leave the buffer (wait_to_write), which takes longer than
+    one micro-batch's work."""
+    grads_in, first = [], None
     for k, (x, grad_out) in enumerate(zip(xs, grad_outs, strict=True)):
         grad_in, grads = trainer.unit_grads(u, module, x, k, grad_out)
         grads_in.append(grad_in)
@@ -2630,7 +2632,7 @@ def unit_backward(trainer: OffloadedTraining, u: int, module: nn.Module, xs, gra
             continue
         if k <= 1:  # the buffer's first write: micro-batch 0's gradients
             trainer.steppers.wait_to_write(u, trainer.streamer.compute_stream)
-            add_grads(views, first or grads, write=True)
+            add_grads(views, grads if k == 0 else first, write=True)
         if k >= 1:
             add_grads(views, grads)
         first = grads = None  # freed before the next recompute
@@ -6146,6 +6148,7 @@ def unit_passes(trainer: OffloadedTraining, u: int, micro_batches, device):
     hidden = torch.randn(*micro_batches[0].shape, trainer.hidden_size, dtype=streamer.dtype, device=device)
     xs = micro_batches if trainer.units[u].kind == "embed" else [hidden] * len(micro_batches)
     trainer.labels = micro_batches
+    views = trainer.grad_views(u)
 
     @torch.no_grad()
     def forward() -> list[torch.Tensor]:
@@ -6154,7 +6157,7 @@ def unit_passes(trainer: OffloadedTraining, u: int, micro_batches, device):
 
     def backward(outs) -> list:
         """The recompute and backward of unit u over every micro-batch."""
-        return unit_backward(trainer, u, module, xs, outs)
+        return unit_backward(trainer, u, module, xs, outs, views)
 
     return forward, backward
 
