@@ -37,6 +37,7 @@ import collections
 import concurrent.futures
 import contextlib
 import copy
+import ctypes
 import dataclasses
 import datetime
 import errno
@@ -106,6 +107,8 @@ CHECKPOINT_FORMAT = 1
 DISK_BLOCK = 4096  # bytes: direct I/O moves whole blocks between block-aligned memory and file offsets
 DISK_SLOTS = 2  # the disk tier's staging buffers: one unit stepped while the disk reads the next or writes one back
 DISK_CALL = 2**28  # bytes one read or write call moves at most (Linux moves under 2 GiB per call)
+TOUCH_CHUNK = 2**26  # bytes: fresh host memory is first written by the rank's threads in chunks this size
+DRAW_CHUNK = 2**24  # elements: a random weight is drawn in chunks this size, each from a generator of its own
 ADAM_SCRATCH = 2**25  # parameters: the bound times the CPU Adam on at most this much scratch state (512 MiB of it)
 DENSE_PEAK_FLOPS = {  # a GPU's dense 16-bit tensor-core peak, by a part of its name, from NVIDIA's data sheets
     "H100 80GB HBM3": 989e12,  # the SXM card
@@ -133,7 +136,7 @@ DEFAULT_RATES = {  # measured on the project's H100 machine (report/results); --
     "disk_gbps": 2.3,  # the --nvme disk, reading and writing
 }
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # what ends a run early, every output whole or absent
-MAX_SEED = 2**32 - 1  # --seed's largest: seeds derived from it (seed << 16, seed * 1_000_003) stay within 64 bits
+MAX_SEED = 2**32 - 1  # --seed's largest: seeds derived from it (seed << 32, seed * 1_000_003) stay within 64 bits
 
 
 def log(msg: str) -> None:
@@ -1358,22 +1361,31 @@ def draws_units(run: RunConfig) -> bool:
 @torch.no_grad()
 def init_random(model: LlamaForCausalLM, seed: int, prefix: str = "", names=None) -> None:
     """HF's LLaMA initialisation of a meta-device model, or of its submodule `prefix` alone (the rest stays on the meta
-    device; its weights are the whole model's draw): weights N(0, initializer_range) drawn in parallel, each from a
-    generator seeded by the weight's place in the model, norms 1. names: of the submodule's weights, those to draw
-    (the others are left unset), default all."""
+    device; its weights are the whole model's draw): weights N(0, initializer_range), norms 1. Each weight is drawn
+    in chunks of DRAW_CHUNK elements in parallel, each chunk from a generator seeded by its place in the model, in
+    float32 (four times faster than in 16 bits) and rounded to the weight's dtype. names: of the submodule's weights,
+    those to draw (the others are left unset), default all."""
     config = model.config
     module = model.get_submodule(prefix)  # "": the model
     module.to_empty(device="cpu")
     inside = f"{prefix}." if prefix else ""
     weights = [(name, p) for name, p in model.named_parameters() if p.dim() > 1]
-    drawn = [  # no_grad does not reach the pool threads: the tensors are detached
-        (p.detach(), torch.Generator().manual_seed((seed << 16) + i))
+    chunks = [  # no_grad does not reach the pool threads: the tensors are detached
+        (chunk, (seed << 32) + (i << 16) + j)
         for i, (name, p) in enumerate(weights)
         if name.startswith(inside) and (names is None or name.removeprefix(inside) in names)
+        for j, chunk in enumerate(p.detach().view(-1).split(DRAW_CHUNK))
     ]
-    drawn.sort(key=lambda pair: -pair[0].numel())  # the largest first
+
+    def draw(chunk: torch.Tensor, chunk_seed: int) -> None:
+        """One chunk's normal draw, from its own generator."""
+        generator = torch.Generator().manual_seed(chunk_seed)
+        values = chunk if chunk.dtype == torch.float32 else torch.empty(chunk.shape)
+        values.normal_(0.0, config.initializer_range, generator=generator)
+        chunk.copy_(values)  # nothing to do in float32
+
     with ThreadPoolExecutor(torch.get_num_threads()) as pool:  # normal_ releases the GIL; a rank's share of the cores
-        list(pool.map(lambda pair: pair[0].normal_(0.0, config.initializer_range, generator=pair[1]), drawn))
+        list(pool.map(lambda pair: draw(*pair), chunks))
     for p in module.parameters():
         if p.dim() == 1:
             p.fill_(1.0)  # RMSNorm weights
@@ -1479,23 +1491,47 @@ class HostBuffer(mmap.mmap):
     def __init__(self, nbytes: int, pin: bool):
         with contextlib.suppress(AttributeError, OSError):  # a platform or kernel without transparent huge pages
             self.madvise(mmap.MADV_HUGEPAGE)  # before the first touch, which allocates the pages
-        memory = torch.frombuffer(self, dtype=torch.uint8)
-        self.address = memory.data_ptr()
+        self.address = torch.frombuffer(self, dtype=torch.uint8).data_ptr()
         self.unregister = None
         if pin:
-            memory.zero_()  # the pages mapped by every core: registering maps the missing ones in one thread, slowly
-            cudart = torch.cuda.cudart()
-            torch.cuda.check_error(cudart.cudaHostRegister(self.address, nbytes, 0))
-            self.unregister = cudart.cudaHostUnregister
+            touch_pages([(self.address, nbytes)])
+            self.pin()
+
+    def pin(self) -> None:
+        """Page-lock the memory for the copy engines, its pages touched first (touch_pages): registering maps the
+        missing ones itself, in one thread, several times slower."""
+        cudart = torch.cuda.cudart()
+        torch.cuda.check_error(cudart.cudaHostRegister(self.address, len(self), 0))
+        self.unregister = cudart.cudaHostUnregister
 
     def __del__(self):  # before the memory is unmapped: the driver must let go of its pages first
         if self.unregister is not None:
             self.unregister(self.address)
 
 
+def touch_pages(spans) -> None:
+    """Write zeros over each (address, bytes) span of fresh host memory, a chunk a thread: a page's first write maps
+    it, and the kernel maps a thread's pages one at a time, so the rank's threads together map them several times
+    faster (memset runs without the GIL)."""
+    chunks = [(a + i, min(TOUCH_CHUNK, n - i)) for a, n in spans for i in range(0, n, TOUCH_CHUNK)]
+    with ThreadPoolExecutor(torch.get_num_threads()) as pool:
+        list(pool.map(lambda chunk: ctypes.memset(chunk[0], 0, chunk[1]), chunks))
+
+
 def host_zeros(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     """A zeroed flat CPU buffer, pinned when a GPU streams it. Allocate once: pinning is slow."""
     return torch.frombuffer(HostBuffer(numel * dtype.itemsize, pin), dtype=dtype)  # the tensor keeps it alive
+
+
+def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]:
+    """host_zeros of each of `numels`, made together: every page touched by the rank's threads at once, then the
+    buffers pinned by several threads, which the driver serves in parallel."""
+    buffers = [HostBuffer(numel * dtype.itemsize, pin=False) for numel in numels]
+    if pin:
+        touch_pages([(b.address, len(b)) for b in buffers])
+        with ThreadPoolExecutor(torch.get_num_threads()) as pool:
+            list(pool.map(HostBuffer.pin, buffers))
+    return [torch.frombuffer(b, dtype=dtype) for b in buffers]
 
 
 class ParamStore:
@@ -1984,8 +2020,8 @@ class MasterStore:
         self.on_disk = frozenset(disk.units if disk else ())  # units whose moments the disk tier keeps
         self.ranks = ranks  # each unit's state here is this rank's shard of it
         numels = [self.ranks.shard_numel(u.layout.numel) for u in units]
-        self.masters = [host_zeros(numel, torch.float32, pin) for numel in numels]
-        self.copies = [host_zeros(numel, copy_dtype, pin) for numel in numels] if copy_dtype else None
+        self.masters = host_zeros_each(numels, torch.float32, pin)
+        self.copies = host_zeros_each(numels, copy_dtype, pin) if copy_dtype else None
         self.moments = [
             None if u in self.on_disk else (host_zeros(n, torch.float32, False), host_zeros(n, torch.float32, False))
             for u, n in enumerate(numels)
@@ -1994,6 +2030,7 @@ class MasterStore:
         self.update = AdamUpdate(adam, grad_dtype, copy_dtype, scaled_grads)  # scaled: --clip-grad-norm
         self.grad_dtype = self.update.grad_dtype  # float32 where the update did not compile
         self.pinned_moments = set()
+        self.setup_s = {}  # seconds spent building this state, by part (training_store, run_modes, prepare_steps)
         self.steps = [torch.zeros(()) for _ in units]
         self.unstarted = set(range(len(units)))  # units whose moments are not zeroed for their first step yet
         self.pool = GradientPool(numels, grad_buffers or len(units), pin, self.grad_dtype)
@@ -2044,13 +2081,12 @@ class MasterStore:
 
     def zero_moments(self, units) -> None:
         """Start the moments of those of `units` not started since load at zero, as torch.optim.Adam creates them."""
-        for u in self.unstarted.intersection(units):
-            if u in self.on_disk:
-                self.disk.zero(u)
-            else:
-                for moment in self.moments[u]:
-                    moment.zero_()
-            self.unstarted.discard(u)
+        starting = self.unstarted.intersection(units)
+        for u in starting & self.on_disk:
+            self.disk.zero(u)
+        moments = [m for u in starting - self.on_disk for m in self.moments[u]]
+        touch_pages([(m.data_ptr(), m.nbytes) for m in moments])  # zeros, as floats; a first touch maps the pages
+        self.unstarted -= starting
 
     def pin_moments(self, u: int) -> None:
         """Move unit u's Adam moments into pinned memory for the copy engines; one unit at a time."""
@@ -2119,7 +2155,7 @@ class GradientPool:
     def __init__(self, numels: list[int], count: int, pin: bool, dtype: torch.dtype):
         self.dedicated = count >= len(numels)
         sizes = numels if self.dedicated else [max(numels)] * count
-        self.buffers = [host_zeros(numel, dtype, pin) for numel in sizes]
+        self.buffers = host_zeros_each(sizes, dtype, pin)
         self.free = queue.SimpleQueue()
         for buffer in self.buffers:
             self.free.put(buffer)
@@ -2262,21 +2298,25 @@ class Steppers:
     steps every unit until `place` gives some to ResidentUnits or StreamedAdam. The streamer asks it before each
     copy whether the unit's host copy is written (the streamer's writer). A streamed unit's gradients, in order:
 
-        compute   the backward's first write into `buffer` waits last_landed; records ready (unit_backward, send)
+        compute   the backward's first write into `buffer` waits landed where it overlaps; records ready (unit_backward)
         D2H       waits ready; several ranks: reduce-scatter into `summed`, records it     (sum_shard)
                   copies the gradients, or the shard, to pinned host memory, records landed  (CpuAdam.send)
         CPU Adam  waits landed, steps the unit, marks it done                               (CpuAdam.work)
         copy      the unit's next copy waits until it is done                               (wait_written)
 
-    landed becomes last_landed: the next unit's backward writes `buffer` only once these gradients have left it,
-    and with several ranks `summed` too (StreamedAdam's take stands in for the D2H copy, on its own stream)."""
+    Units take the buffer's two ends in turn, so a small unit's backward need not wait for the large gradients before
+    it to leave (the final norm's after the head's): a unit's first write waits for the last gradients sent from each
+    end that it overlaps (`landed`, by end). Each such wait orders every earlier send from that end too, as each of
+    them waited for the one before. With several ranks `summed` is reused once the last send has left it (sum_shard;
+    StreamedAdam's take stands in for the D2H copy, on its own stream)."""
 
     def __init__(self, store: MasterStore, dtype: torch.dtype, device: torch.device, d2h_stream):
         self.store, self.dtype, self.device = store, dtype, device
         self.buffer, _ = gradient_memory(store, (), True, device)  # the streamed units' gradients, a unit at a time
         shard = max(m.numel() for m in store.masters) if store.ranks.several else 0
         self.summed = torch.empty(shard, dtype=store.grad_dtype, device=device)  # this rank's shard of their sum
-        self.last_landed = InOrder()  # the event after which `buffer` may be overwritten: its last gradients left
+        self.landed = {}  # end of `buffer` (0, 1) -> (bytes, event): the last gradients sent from it, and their leaving
+        self.last_landed = InOrder()  # the last gradients sent have left the GPU (`summed` too)
         self.cpu_adam = CpuAdam(store, device, d2h_stream)
         self.of = [self.cpu_adam] * len(store.units)  # unit -> its stepper
 
@@ -2306,13 +2346,23 @@ class Steppers:
         stepper = self.of[u]
         if stepper.holds_grads:
             return stepper.grads(u)
-        return self.buffer[: self.store.ranks.whole_numel(self.store.masters[u])]
+        numel = self.store.ranks.whole_numel(self.store.masters[u])
+        return self.buffer[self.buffer.numel() - numel :] if u % 2 else self.buffer[:numel]  # odd units at the end
+
+    def span(self, u: int) -> range:
+        """The bytes of the gradient buffer's memory that unit u's gradients take."""
+        grads = self.grads(u)
+        start = grads.data_ptr() - self.buffer.data_ptr()
+        return range(start, start + grads.nbytes)
 
     def wait_to_write(self, u: int, stream) -> None:
         """Before unit u's backward writes its gradients into the shared buffer, `stream` waits for the last ones sent
-        to have left it."""
+        from each end of it that they overlap to have left it."""
         if self.of[u].shares_buffer:
-            stream.wait_event(self.last_landed)
+            span = self.span(u)
+            for sent, landed in self.landed.values():
+                if span.start < sent.stop and sent.start < span.stop:
+                    stream.wait_event(landed)
 
     def send(self, u: int, ready) -> torch.Tensor:
         """Send unit u's gradients to its stepper once `ready` (the end of the unit's backward); with several ranks,
@@ -2322,18 +2372,18 @@ class Steppers:
             grads, ready = self.sum_shard(u, ready)
         landed = self.of[u].send(u, grads, ready)
         if landed is not None:  # None: they stay on the GPU (a resident unit), and the last ones sent hold the buffer
+            self.landed[u % 2] = (self.span(u), landed)
             self.last_landed = landed
         return grads
 
     def sum_shard(self, u: int, ready) -> tuple[torch.Tensor, object]:
         """Unit u's gradients summed over the ranks (a reduce-scatter over NVLink), this rank's shard into `summed`, on
-        the D2H stream; returns the shard and the event its stepper waits for. `summed` is free again: the CPU Adam's
-        last copy out of it came before on this stream, and StreamedAdam's take (its event the last one sent) came
-        before this unit's backward wrote the gradients (wait_to_write)."""
+        the D2H stream; returns the shard and the event its stepper waits for."""
         shard, summed = self.summed_shard(u), new_event(self.device)
         stream = self.cpu_adam.d2h_stream
         with on_stream(stream):
             stream.wait_event(ready)  # the unit's backward must have written all its gradients
+            stream.wait_event(self.last_landed)  # the last shard has left `summed` (StreamedAdam takes on its stream)
             self.store.ranks.sum_shard(shard, self.grads(u))
             summed.record(stream)
         return shard, summed
@@ -2621,8 +2671,8 @@ def unit_backward(trainer: OffloadedTraining, u: int, module: nn.Module, xs, gra
     """Unit u's recompute and backward over every micro-batch; returns the inputs' gradients. The parameters' are
     summed into `views`, the unit's gradient buffer (grad_views), in micro-batch order, as gpu mode sums them, each
     micro-batch's freed before the next recompute, but the first's are written with the second's (the same sum): the
-    write waits for the last unit's float32 gradients to leave the buffer (wait_to_write), which takes longer than
-    one micro-batch's work."""
+    write waits for the gradients sent before from the part of the buffer it overlaps to leave it (wait_to_write),
+    which takes longer than one micro-batch's work."""
     grads_in, first = [], None
     for k, (x, grad_out) in enumerate(zip(xs, grad_outs, strict=True)):
         grad_in, grads = trainer.unit_grads(u, module, x, k, grad_out)
@@ -4580,13 +4630,15 @@ def prepare_steps(trainer, run: RunConfig, mode: str, plan: Plan, manifest: dict
     if not isinstance(trainer, OffloadedTraining):
         return {}
     trainer.ranks.meet()  # the steps' collectives wait the rank timeout at most: every rank set up first
+    t0 = time.perf_counter()
     placed = place_units(trainer, run, mode, plan) if trainer.device.type == "cuda" else {}
     # the CPU Adam's moments zeroed now, not in each unit's first step, where a page's first touch is slow; the other
     # steppers keep theirs on the GPU (resident units) or zero them there (StreamedAdam): the host's stay untouched
     trainer.store.zero_moments(
         [u for u, stepper in enumerate(trainer.steppers.of) if stepper is trainer.steppers.cpu_adam]
     )
-    return placed
+    trainer.store.setup_s["placed"] = time.perf_counter() - t0
+    return placed | {"setup_s": dict(trainer.store.setup_s)}
 
 
 def make_trainer(mode: str, model, masters: MasterStore | None, micro_batches, run: RunConfig, device, plan: Plan):
@@ -6296,12 +6348,14 @@ def inference_time_cells(mode: str, r: dict) -> list[str]:
 
 
 def training_memory_cells(mode: str, r: dict) -> list[str]:
-    """Training Table 1's cells: peak GPU memory, the placement's prediction, the units resident, peak host memory,
-    the disk tier's files."""
+    """Training Table 1's cells: peak GPU memory, the placement's prediction, the units resident, peak host memory and
+    its bytes a parameter, the disk tier's files, the seconds the offloaded modes' state took to build (set-up)."""
     resident = f"{len(r['resident_units'])} of {r['units']}" if "units" in r else ""
     gpu = gib(r.get("peak_gpu_bytes")) or "0 (runs on the CPU)"
     disk = gib(r["disk_tier"]["bytes"]) if "disk_tier" in r else ""
-    return [gpu, gib(r.get("predicted_peak_bytes")), resident, gib(r.get("peak_host_bytes")), disk]
+    host = [gib(r.get("peak_host_bytes")), *formatted(r, host_bytes_per_parameter=".1f")]
+    setup = f"{sum(r['setup_s'].values()):.1f}" if "setup_s" in r else ""
+    return [gpu, gib(r.get("predicted_peak_bytes")), resident, *host, disk, setup]
 
 
 def training_time_cells(mode: str, r: dict) -> list[str]:
@@ -6325,12 +6379,13 @@ TABLES = {  # part: its tables as (title, columns split on "|", cells), in print
     "training": [
         (
             "Table 1 (training): peak memory per step",
-            "peak GPU (GiB)|predicted (GiB)|units resident|peak host RSS (GiB)|on the disk (GiB)",
+            "peak GPU (GiB)|predicted (GiB)|units resident|peak host RSS (GiB)|host (B / param)|on the disk (GiB)|"
+            "set-up (s)",
             training_memory_cells,
         ),
         (
             "Table 2 (training): time per step",
-            "step (ms)|bound (ms)|bound by:|efficiency|model TFLOPS|executed TFLOPS|of peak|host bytes / param|"
+            "step (ms)|bound (ms)|bound by:|efficiency|model TFLOPS|executed TFLOPS|of peak|host traffic (B / param)|"
             "loss first -> last:|grads == gpu:|"
             "step-1 masters ~ gpu:",
             training_time_cells,
@@ -6445,6 +6500,9 @@ def training_notes(mode: str, t: dict, run: RunConfig) -> list[str]:
         lines.append(f"{mode} training: {units}, {adam}; {peak}")
     if "gpu_compute_ms" in t:
         lines.append(bound_note(mode, t))
+    if "setup_s" in t:
+        parts = ", ".join(f"{part.replace('_', ' ')} {s:.1f}" for part, s in t["setup_s"].items())
+        lines.append(f"{mode} training: set-up {sum(t['setup_s'].values()):.1f} s before the first step: {parts}")
     if "ranks" in t:
         each = ", ".join(f"{gib(r['peak_gpu_bytes'])} and {gib(r['peak_host_bytes'])}" for r in t["ranks"])
         host = f"host {gib(t['peak_host_bytes'])} GiB in all, {t['host_bytes_per_parameter']:.1f} bytes a parameter"
@@ -6749,7 +6807,10 @@ def run_modes(run: RunConfig, plan: Plan, model, store, masters, input_ids, trai
             results[mode]["inference"], logits[mode] = run_mode(mode, model, store, input_ids, run, plan)
             free_gpu_memory()
         if run.train and mode in ("blocked", "overlapped"):
+            t0 = time.perf_counter()
             masters.load(model, functools.partial(drawn_unit, model, run.seed) if draws_units(run) else None)
+            masters.setup_s["weights"] = time.perf_counter() - t0
+            log(f"mode {mode}: the model's weights in the masters in {masters.setup_s['weights']:.1f} s")
             if run.lean:  # the masters hold the layers now: 2 bytes per parameter less on the host
                 model.model.layers.to("meta")
         if run.train:
@@ -6792,8 +6853,9 @@ def training_store(run: RunConfig, config: LlamaConfig, plan: Plan) -> MasterSto
         raise
     pinned = sum(t.nbytes for t in [*masters.masters, *(masters.copies or []), *masters.pool.buffers])
     moments = sum(2 * m.nbytes for u, m in enumerate(masters.masters) if u not in masters.on_disk)
+    masters.setup_s["host_state"] = time.perf_counter() - t0
     log(
-        f"training state on the host in {time.perf_counter() - t0:.1f} s: {size_text(pinned)} pinned, "
+        f"training state on the host in {masters.setup_s['host_state']:.1f} s: {size_text(pinned)} pinned, "
         f"{size_text(moments)} of Adam moments"
     )
     return masters

@@ -122,10 +122,11 @@ def test_backward_pass_reuses_the_units_the_forward_left_in_the_slots(depth):
 
 
 def test_grad_accumulation_equals_one_big_batch():
-    # sums in another order differ in rounding, and Adam divides by |g| + eps: with gradients near the default eps
-    # (1e-8) that rounding turns into lr-sized moves. An eps above the rounding keeps float32-close gradients
-    # giving float32-close masters
-    adam = ol.Adam(lr=1e-3, eps=1e-6)
+    # sums in another order differ in rounding, and Adam's first step moves lr * g / (|g| + eps), which a change dg in
+    # g moves by up to lr / eps * dg: with gradients near the default eps (1e-8) that rounding turns into lr-sized
+    # moves, and near 1e-6 a gradient of 4e-7 that two sums put 2e-9 apart moved its master by 1e-6, past the
+    # tolerance. At 1e-4 a dg of 1e-8 moves a master by 1e-7 at most: float32-close gradients, float32-close masters
+    adam = ol.Adam(lr=1e-3, eps=1e-4)
     model, ids = build(ol.dataclasses.replace(tiny_run(), dtype="float32", batch_size=4))
     grads, _, masters, _ = train(offloaded_trainer(model, CPU, 1, micro(ids, 4), adam), micro(ids, 4), 2)
     big_grads, _, big_masters, _ = train(ol.ResidentTraining(model, torch.float32, CPU, adam), [ids], 2)
@@ -150,6 +151,29 @@ def test_a_units_gradients_are_first_written_after_two_micro_batches(k):
     for u in range(len(trainer.units)):
         first = min(k, 2)
         assert [what for what, unit in calls if unit == u] == ["grads"] * first + ["write"] + ["grads"] * (k - first)
+
+
+def test_units_take_the_gradient_buffers_ends_in_turn_and_wait_only_where_they_overlap():
+    """Even units' gradients take the buffer's start, odd units' its end: the final norm's, after the head's in the
+    backward, fit beside them and wait for nothing, while a decoder layer's overlap both and wait for both."""
+    model, batches = tiny_batches(1)
+    trainer = offloaded_trainer(model, CPU, 1, batches)
+    steppers, kinds = trainer.steppers, [unit.kind for unit in trainer.units]
+    head, norm, last = kinds.index("head"), kinds.index("norm"), kinds.index("norm") - 1
+    waited = []
+
+    class Stream:
+        def wait_event(self, event):
+            waited.append(event)
+
+    steppers.landed = {head % 2: (steppers.span(head), "head's"), norm % 2: (steppers.span(norm), "norm's")}
+    assert {head % 2, norm % 2} == {0, 1} and steppers.span(norm).stop <= steppers.buffer.nbytes
+    steppers.wait_to_write(norm, Stream())
+    assert waited == ["norm's"]  # its own end's last gradients, none of the head's
+    waited.clear()
+    steppers.wait_to_write(last, Stream())
+    assert sorted(waited) == ["head's", "norm's"]
+    trainer.finish()
 
 
 def test_loss_decreases_over_10_steps():
@@ -549,3 +573,12 @@ def test_a_held_step_is_bound_by_its_backward_then_the_longer_of_forward_and_ada
     assert "updates held for the whole backward (clipping)" in notes
     assert f"{t['unheld_bound_ms']:.1f} ms were they not held" in notes
     trainer.finish()
+
+
+def test_table_1_gives_the_hosts_bytes_a_parameter_and_the_set_up_seconds():
+    """Training Table 1: after the peak host memory, its bytes a parameter; last, the set-up's parts summed."""
+    r = {"peak_host_bytes": 3 * 2**30, "host_bytes_per_parameter": 16.04, "resident_units": [], "units": 3}
+    r["setup_s"] = {"host_state": 1.2, "weights": 2.0, "placed": 0.5}
+    assert ol.training_memory_cells("overlapped", r)[3:] == ["3.00", "16.0", "", "3.7"]
+    lines = ol.training_notes("overlapped", r, ol.RunConfig())
+    assert "set-up 3.7 s before the first step: host state 1.2, weights 2.0, placed 0.5" in "\n".join(lines)
