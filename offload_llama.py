@@ -1942,8 +1942,9 @@ EARLY_COMPILES = {}  # compiled_adam_update's arguments -> its call started in t
 
 
 def start_adam_compile(grad_dtype: torch.dtype, copy_dtype: torch.dtype | None, scaled: bool) -> None:
-    """Compile the update on a thread of its own while the model is built and the host state pinned (the compiler
-    runs in child processes, the build and pinning in C++, so they overlap); the store's AdamUpdate waits for it."""
+    """Compile the update on a thread of its own while the host state is pinned and the weights drawn into it (the
+    compiler runs in child processes, the pinning and drawing in C++, so they overlap); the store's AdamUpdate waits
+    for it. Start it once the model is built: the build changes torch's default dtype, which the compile watches."""
     key = (grad_dtype, copy_dtype, scaled)
     if key not in EARLY_COMPILES:
         pool = ThreadPoolExecutor(1, thread_name_prefix="adam-compile")
@@ -2298,25 +2299,21 @@ class Steppers:
     steps every unit until `place` gives some to ResidentUnits or StreamedAdam. The streamer asks it before each
     copy whether the unit's host copy is written (the streamer's writer). A streamed unit's gradients, in order:
 
-        compute   the backward's first write into `buffer` waits landed where it overlaps; records ready (unit_backward)
+        compute   the backward's first write into `buffer` waits last_landed; records ready (unit_backward, send)
         D2H       waits ready; several ranks: reduce-scatter into `summed`, records it     (sum_shard)
                   copies the gradients, or the shard, to pinned host memory, records landed  (CpuAdam.send)
         CPU Adam  waits landed, steps the unit, marks it done                               (CpuAdam.work)
         copy      the unit's next copy waits until it is done                               (wait_written)
 
-    Units take the buffer's two ends in turn, so a small unit's backward need not wait for the large gradients before
-    it to leave (the final norm's after the head's): a unit's first write waits for the last gradients sent from each
-    end that it overlaps (`landed`, by end). Each such wait orders every earlier send from that end too, as each of
-    them waited for the one before. With several ranks `summed` is reused once the last send has left it (sum_shard;
-    StreamedAdam's take stands in for the D2H copy, on its own stream)."""
+    landed becomes last_landed: the next unit's backward writes `buffer` only once these gradients have left it,
+    and with several ranks `summed` too (StreamedAdam's take stands in for the D2H copy, on its own stream)."""
 
     def __init__(self, store: MasterStore, dtype: torch.dtype, device: torch.device, d2h_stream):
         self.store, self.dtype, self.device = store, dtype, device
         self.buffer, _ = gradient_memory(store, (), True, device)  # the streamed units' gradients, a unit at a time
         shard = max(m.numel() for m in store.masters) if store.ranks.several else 0
         self.summed = torch.empty(shard, dtype=store.grad_dtype, device=device)  # this rank's shard of their sum
-        self.landed = {}  # end of `buffer` (0, 1) -> (bytes, event): the last gradients sent from it, and their leaving
-        self.last_landed = InOrder()  # the last gradients sent have left the GPU (`summed` too)
+        self.last_landed = InOrder()  # the event after which `buffer` may be overwritten: its last gradients left
         self.cpu_adam = CpuAdam(store, device, d2h_stream)
         self.of = [self.cpu_adam] * len(store.units)  # unit -> its stepper
 
@@ -2346,23 +2343,13 @@ class Steppers:
         stepper = self.of[u]
         if stepper.holds_grads:
             return stepper.grads(u)
-        numel = self.store.ranks.whole_numel(self.store.masters[u])
-        return self.buffer[self.buffer.numel() - numel :] if u % 2 else self.buffer[:numel]  # odd units at the end
-
-    def span(self, u: int) -> range:
-        """The bytes of the gradient buffer's memory that unit u's gradients take."""
-        grads = self.grads(u)
-        start = grads.data_ptr() - self.buffer.data_ptr()
-        return range(start, start + grads.nbytes)
+        return self.buffer[: self.store.ranks.whole_numel(self.store.masters[u])]
 
     def wait_to_write(self, u: int, stream) -> None:
         """Before unit u's backward writes its gradients into the shared buffer, `stream` waits for the last ones sent
-        from each end of it that they overlap to have left it."""
+        to have left it."""
         if self.of[u].shares_buffer:
-            span = self.span(u)
-            for sent, landed in self.landed.values():
-                if span.start < sent.stop and sent.start < span.stop:
-                    stream.wait_event(landed)
+            stream.wait_event(self.last_landed)
 
     def send(self, u: int, ready) -> torch.Tensor:
         """Send unit u's gradients to its stepper once `ready` (the end of the unit's backward); with several ranks,
@@ -2372,18 +2359,18 @@ class Steppers:
             grads, ready = self.sum_shard(u, ready)
         landed = self.of[u].send(u, grads, ready)
         if landed is not None:  # None: they stay on the GPU (a resident unit), and the last ones sent hold the buffer
-            self.landed[u % 2] = (self.span(u), landed)
             self.last_landed = landed
         return grads
 
     def sum_shard(self, u: int, ready) -> tuple[torch.Tensor, object]:
         """Unit u's gradients summed over the ranks (a reduce-scatter over NVLink), this rank's shard into `summed`, on
-        the D2H stream; returns the shard and the event its stepper waits for."""
+        the D2H stream; returns the shard and the event its stepper waits for. `summed` is free again: the CPU Adam's
+        last copy out of it came before on this stream, and StreamedAdam's take (its event the last one sent) came
+        before this unit's backward wrote the gradients (wait_to_write)."""
         shard, summed = self.summed_shard(u), new_event(self.device)
         stream = self.cpu_adam.d2h_stream
         with on_stream(stream):
             stream.wait_event(ready)  # the unit's backward must have written all its gradients
-            stream.wait_event(self.last_landed)  # the last shard has left `summed` (StreamedAdam takes on its stream)
             self.store.ranks.sum_shard(shard, self.grads(u))
             summed.record(stream)
         return shard, summed
@@ -2671,8 +2658,8 @@ def unit_backward(trainer: OffloadedTraining, u: int, module: nn.Module, xs, gra
     """Unit u's recompute and backward over every micro-batch; returns the inputs' gradients. The parameters' are
     summed into `views`, the unit's gradient buffer (grad_views), in micro-batch order, as gpu mode sums them, each
     micro-batch's freed before the next recompute, but the first's are written with the second's (the same sum): the
-    write waits for the gradients sent before from the part of the buffer it overlaps to leave it (wait_to_write),
-    which takes longer than one micro-batch's work."""
+    write waits for the last unit's float32 gradients to leave the buffer (wait_to_write), which takes longer than
+    one micro-batch's work."""
     grads_in, first = [], None
     for k, (x, grad_out) in enumerate(zip(xs, grad_outs, strict=True)):
         grad_in, grads = trainer.unit_grads(u, module, x, k, grad_out)
@@ -2840,7 +2827,9 @@ class ResidentUnits:
     def load(self, u: int) -> torch.Tensor:
         """Put unit u's state on the GPU; returns its compute-dtype weights, for the streamer to run it from."""
         numel = self.store.masters[u].numel()
-        grads = self.shared[:numel] if self.shares_buffer else torch.zeros(numel, device=self.device)
+        grads = (
+            self.shared[:numel] if self.shares_buffer else torch.zeros(numel, dtype=torch.float32, device=self.device)
+        )
         self.units[u] = ResidentUnit(self.store, u, self.dtype, grads)
         return self.units[u].weights
 
@@ -6725,13 +6714,14 @@ def run_all(run: RunConfig) -> dict:
     log(f"torch {torch.__version__} and transformers {transformers.__version__} imported, the run checked and planned")
     join_steps(run.ranks, plan.rank_timeout, plan.threads)
     offloaded = {"blocked", "overlapped"} & set(run.modes)
-    if run.train and offloaded:
-        start_adam_compile(gradient_dtype(run), plan.torch_copy_dtype, run.clip_grad_norm is not None)
     text = agreed_text(run, config)
     blocks = text.blocks if text else None
     run = with_epochs(run, blocks)
     warn_if_long(run, config)
     model = build_model(run, config)
+    if run.train and offloaded:  # after the build, which sets torch's default dtype for a while: a compile running
+        # meanwhile fails its guards on the change, and restores the dtype it started with when it ends
+        start_adam_compile(gradient_dtype(run), plan.torch_copy_dtype, run.clip_grad_norm is not None)
     train_ids = first_batch(blocks, run) if blocks else random_input_ids(run, model.config.vocab_size, run.grad_accum)
     reference = forward_backward_reference(model, train_ids, run) if run.fwd_bwd_reference else None
     set_gpu_cap(run)

@@ -93,7 +93,7 @@ def test_race_shared_resident_gradients_wait_for_the_last_copy_out():
                     torch.cuda._sleep(40_000_000)
             send(u, views)
             if u == 2 and drop:
-                trainer.steppers.landed = {}
+                trainer.steppers.last_landed = ol.InOrder()
 
         trainer.send = late
         shared = train(trainer, batches, 2)

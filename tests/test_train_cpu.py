@@ -153,29 +153,6 @@ def test_a_units_gradients_are_first_written_after_two_micro_batches(k):
         assert [what for what, unit in calls if unit == u] == ["grads"] * first + ["write"] + ["grads"] * (k - first)
 
 
-def test_units_take_the_gradient_buffers_ends_in_turn_and_wait_only_where_they_overlap():
-    """Even units' gradients take the buffer's start, odd units' its end: the final norm's, after the head's in the
-    backward, fit beside them and wait for nothing, while a decoder layer's overlap both and wait for both."""
-    model, batches = tiny_batches(1)
-    trainer = offloaded_trainer(model, CPU, 1, batches)
-    steppers, kinds = trainer.steppers, [unit.kind for unit in trainer.units]
-    head, norm, last = kinds.index("head"), kinds.index("norm"), kinds.index("norm") - 1
-    waited = []
-
-    class Stream:
-        def wait_event(self, event):
-            waited.append(event)
-
-    steppers.landed = {head % 2: (steppers.span(head), "head's"), norm % 2: (steppers.span(norm), "norm's")}
-    assert {head % 2, norm % 2} == {0, 1} and steppers.span(norm).stop <= steppers.buffer.nbytes
-    steppers.wait_to_write(norm, Stream())
-    assert waited == ["norm's"]  # its own end's last gradients, none of the head's
-    waited.clear()
-    steppers.wait_to_write(last, Stream())
-    assert sorted(waited) == ["head's", "norm's"]
-    trainer.finish()
-
-
 def test_loss_decreases_over_10_steps():
     model, ids = build(tiny_run())
     *_, losses = train(offloaded_trainer(model, CPU, 1, [ids]), [ids], 10)
