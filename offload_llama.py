@@ -822,16 +822,15 @@ def rank_environment(p: Parser) -> Ranks:
 
 
 def check_rank_flags(p: Parser, a: argparse.Namespace, world: int, who: str = "torchrun started") -> None:
-    """Under torchrun (world ranks; or planned for with --gpus): data-parallel training of an offloaded mode, the
-    step's micro-batches split evenly; what runs on one GPU only is refused. One line, exit 2, before torch loads."""
+    """Under torchrun (world ranks; or planned for with --gpus): an offloaded mode's inference, each rank copying its
+    shard of every layer, and its data-parallel training, the step's micro-batches split evenly; what runs on one GPU
+    only is refused. One line, exit 2, before torch loads."""
     if world == 1:
         return
     modes = MODES if a.mode == "all" else a.mode.split(",")
-    if not a.train:
-        p.error(f"{who} {world} ranks, which train together: add --train")
     if not set(modes) <= {"blocked", "overlapped"}:
-        p.error(f"--mode {a.mode}: {world} ranks train an offloaded mode: use --mode overlapped or blocked")
-    if a.grad_accum % world:
+        p.error(f"--mode {a.mode}: {world} ranks run an offloaded mode: use --mode overlapped or blocked")
+    if a.train and a.grad_accum % world:
         split = f"the step's {a.grad_accum} micro-batches split evenly over the {world} ranks"
         p.error(f"--grad-accum {a.grad_accum}: {split}: use a multiple of {world}")
     for flag, asked in ONE_GPU_FLAGS.items():
@@ -1536,20 +1535,21 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 
 class ParamStore:
     """Inference: each decoder layer's weights as one flat CPU buffer in the compute dtype, pinned when a GPU streams
-    it; the CPU model's layer parameters become views into them, so the host holds one copy."""
+    it; the CPU model's layer parameters become views into them, so the host holds one copy. With several ranks, each
+    holds its shard of every layer beside the model (the GPUs gather the rest over NVLink: LayerStreamer)."""
 
     @torch.no_grad()
-    def __init__(self, model: LlamaForCausalLM, pin: bool):
+    def __init__(self, model: LlamaForCausalLM, pin: bool, ranks: Ranks = Ranks()):
         layers = model.model.layers
         self.layout = FlatLayout.of(layers[0])
         self.dtype = next(layers[0].parameters()).dtype
-        self.flats = []
-        for layer in layers:
-            flat = host_zeros(self.layout.numel, self.dtype, pin)
-            for name, view in self.layout.views(flat).items():
-                view.copy_(layer.get_parameter(name))
-            self.layout.bind(layer, flat)
-            self.flats.append(flat)
+        self.ranks = ranks
+        shard = ranks.shard_numel(self.layout.numel)
+        self.flats = host_zeros_each([shard] * len(layers), self.dtype, pin)
+        for layer, flat in zip(layers, self.flats, strict=True):
+            self.layout.fill(flat, layer.get_parameter, start=ranks.rank * shard)
+            if not ranks.several:
+                self.layout.bind(layer, flat)
 
 
 # ---------------------------------------------------------------------------------------------------- layer streamer
@@ -1758,13 +1758,15 @@ class LayerStreamer:
 
 
 def layer_streamer(store: ParamStore, config: LlamaConfig, device: torch.device, depth: int, resident=()):
-    """Inference: the decoder layers from the pinned store, the `resident` ones copied to the GPU once."""
+    """Inference: the decoder layers from the pinned store (with several ranks, each copies its shards), the
+    `resident` ones copied to the GPU once (one process only)."""
 
     def make_module(kind, buffer):
         """A decoder layer, its weights views into `buffer` (a slot's, or a resident layer's own)."""
         return store.layout.bind(LlamaDecoderLayer(config, layer_idx=0), buffer).eval()
 
-    streamer = LayerStreamer(store.flats, ["layer"] * len(store.flats), make_module, store.dtype, device, depth)
+    kinds = ["layer"] * len(store.flats)
+    streamer = LayerStreamer(store.flats, kinds, make_module, store.dtype, device, depth, ranks=store.ranks)
     if resident:
         streamer.keep_resident(resident, lambda i: store.flats[i].to(device))
     return streamer
@@ -3005,7 +3007,7 @@ class ActivationOffload:
         self.device = device
         self.d2h_stream = trainer.d2h_stream  # the gradients' stream: the inputs leave on it too
         count = micro_batches * math.prod(self.shape)
-        self.host = [host_zeros(count, trainer.dtype, pin=device.type == "cuda") for _ in trainer.units[1:]]
+        self.host = host_zeros_each([count] * (len(trainer.units) - 1), trainer.dtype, pin=device.type == "cuda")
         self.offloaded = [new_event(device) for _ in self.host]
         self.leaving = collections.deque()  # (landed event, GPU inputs) of the copies that may still read them
         kinds, split = ["inputs"] * len(self.host), lambda _, flat: self.split(flat)
@@ -3459,9 +3461,8 @@ def join_steps(ranks: Ranks, timeout: float, threads: int) -> None:
     STEP_GROUP["timeout"] = timeout
     torch.set_num_threads(threads)
     log(
-        f"{ranks.world} ranks train, {ranks.local_world} on this host, each on {threads} of its {host_cores()} "
-        f"cores, waiting {timeout:g} s at most for the others in a step (inference runs on one GPU: run it without "
-        "torchrun)"
+        f"{ranks.world} ranks, {ranks.local_world} on this host, each on {threads} of its {host_cores()} cores, "
+        f"waiting {timeout:g} s at most for the others in a step or a pass"
     )
 
 
@@ -3843,8 +3844,8 @@ def spread(n: int, k: int) -> tuple[int, ...]:
 
 
 def inference_placement(run: RunConfig, config: LlamaConfig, facts: Facts, mode: str) -> tuple[tuple, dict]:
-    """overlapped: as many decoder layers resident as the budget holds (or --resident-layers), spread; blocked: none.
-    Returns them and the forward's predicted GPU memory by part."""
+    """overlapped: as many decoder layers resident as the budget holds (or --resident-layers), spread; blocked, or
+    several ranks: none. Returns them and the forward's predicted GPU memory by part."""
     layers, depth, tokens = config.num_hidden_layers, run.prefetch if mode == "overlapped" else 0, run.tokens
 
     def parts(k: int) -> dict[str, int]:
@@ -3852,7 +3853,7 @@ def inference_placement(run: RunConfig, config: LlamaConfig, facts: Facts, mode:
         return analytic_peak_bytes(config, run.torch_dtype, tokens, k + min(depth + 1, layers - k))
 
     count, budget = run.resident_layers, gpu_budget(run, facts)
-    if mode != "overlapped" or (count is None and budget is None):
+    if mode != "overlapped" or facts.world > 1 or (count is None and budget is None):  # a rank streams every layer
         count = 0
     elif count is None:
         count = max((k for k in range(layers + 1) if sum(parts(k).values()) <= budget), default=0)
@@ -4173,6 +4174,8 @@ def host_parts(run: RunConfig, config: LlamaConfig, facts: Facts, copy, buffers:
     mode's; the cpu mode's training; the passes' ids, logits and inputs."""
     b, params, shards = run.torch_dtype.itemsize, param_count(config), shard_numels(config, facts.ranks)
     parts = {"process": facts.process_bytes, "model": 0 if draws_units(run) else b * params}
+    if facts.world > 1 and run.inference and offloaded(run.modes):  # a rank's shards of the layers, beside the model
+        parts["inference shards"] = b * config.num_hidden_layers * layer_numel(config, facts.ranks)
     if offloaded_training(run):
         on_disk = disk_units(config, run.nvme_layers or 0)
         untouched = sum(shards[u] for u in {*on_disk, *resident})
@@ -4239,12 +4242,18 @@ def check_plan(run: RunConfig, config: LlamaConfig, plan: Plan) -> None:
                 f"{run.batch_size} x {run.seq_len} tokens, more than {what} ({size_text(cap)}): use fewer or shorter "
                 "sequences"
             )
+    budget = gpu_budget(run, plan.facts) or plan.facts.gpu_bytes
     for mode, placed in plan.modes.items():
         if run.ranks.several and run.train and not placed.training_fits:
             raise UsageError(
                 f"mode {mode}: the plan needs {size_text(placed.training_peak)} of GPU memory a rank, more than the "
-                f"{size_text(gpu_budget(run, plan.facts) or plan.facts.gpu_bytes)} it leaves: use "
-                "--offload-activations, or fewer or shorter sequences"
+                f"{size_text(budget)} it leaves: use --offload-activations, or fewer or shorter sequences"
+            )
+        passes = sum(placed.inference_gpu.values())
+        if run.ranks.several and run.inference and budget and passes > budget:
+            raise UsageError(
+                f"mode {mode}: a pass needs {size_text(passes)} of GPU memory a rank, more than the "
+                f"{size_text(budget)} it leaves: use fewer or shorter sequences, or --no-inference"
             )
     check_host(run, config, plan)
 
@@ -4634,12 +4643,14 @@ def make_trainer(mode: str, model, masters: MasterStore | None, micro_batches, r
     """The trainer for `mode`: the resident reference, or the streamed units with the CPU Adam (`masters` loaded)."""
     if mode in ("gpu", "cpu"):
         return ResidentTraining(model, run.torch_dtype, device, run.adam, run.clip_grad_norm)
+    t0 = time.perf_counter()
     kwargs = decoder_kwargs(model, tuple(micro_batches[0].shape), run.torch_dtype, device)
     depth = plan.modes[mode].depth
     loss_function, max_norm = model.loss_function, run.clip_grad_norm
     trainer = OffloadedTraining(masters, model.config, run.torch_dtype, device, depth, loss_function, kwargs, max_norm)
     if plan.offload_activations:
         trainer.inputs = ActivationOffload(trainer, len(micro_batches), tuple(micro_batches[0].shape))
+    masters.setup_s["trainer"] = time.perf_counter() - t0  # the GPU's ring and buffers, the saved inputs' host ones
     return trainer
 
 
@@ -6573,8 +6584,8 @@ def parse_args(argv=None) -> RunConfig:
     """The command line as a RunConfig with its dtype: bfloat16 unless --dtype says otherwise or the GPU lacks it."""
     run = command_line(argv)
     ranks = Ranks.from_environment()
-    if ranks.several or (run.gpus or 1) > 1:  # training only: inference runs on one GPU (said by join_steps)
-        run = dataclasses.replace(run, ranks=ranks, inference=False)
+    if ranks.several:
+        run = dataclasses.replace(run, ranks=ranks)
         if torch.cuda.is_available() and ranks.local_rank < torch.cuda.device_count():  # else refused later
             torch.cuda.set_device(run.ranks.local_rank)  # before CUDA starts on another GPU
     return run if run.dtype else dataclasses.replace(run, dtype=default_dtype())
@@ -6726,7 +6737,7 @@ def run_all(run: RunConfig) -> dict:
     reference = forward_backward_reference(model, train_ids, run) if run.fwd_bwd_reference else None
     set_gpu_cap(run)
     input_ids = random_input_ids(run, model.config.vocab_size)
-    store = ParamStore(model, pin=True) if offloaded and run.inference else None
+    store = ParamStore(model, pin=True, ranks=run.ranks) if offloaded and run.inference else None
     masters = training_store(run, model.config, plan) if run.train and offloaded else None
     try:
         results, logits, trained = run_modes(run, plan, model, store, masters, input_ids, train_ids, text)

@@ -54,7 +54,7 @@ def test_the_machine_flags_need_the_plan(capsys):
         (["--plan", "--rank-timeout", "0.5"], "--rank-timeout must be at least 1 second"),
         (["--plan", "--gpus", "0"], "--gpus must be at least 1"),
         (["--plan", "--rank-timeout", "0"], "--rank-timeout must be a positive number of seconds"),
-        (["--plan", "--gpus", "2", "--mode", "overlapped"], "--plan's --gpus describes 2 ranks, which train together"),
+        (["--plan", "--gpus", "2", "--mode", "gpu"], "--mode gpu: 2 ranks run an offloaded mode"),
         (["--plan", "--gpus", "3", "--mode", "overlapped", "--train"], "split evenly over the 3 ranks"),
     ):
         code, _, err = run_main(capsys, *args)
@@ -62,7 +62,8 @@ def test_the_machine_flags_need_the_plan(capsys):
 
 
 def test_rates_and_ranks_change_the_predictions_not_the_bytes(capsys, tmp_path):
-    """--rate h2d_gbps=27.5 doubles the predicted H2D part; --gpus 2 halves a rank's masters."""
+    """--rate h2d_gbps=27.5 doubles the predicted H2D part; --gpus 2 halves a rank's masters, and its inference holds
+    half of every layer beside the model."""
     plans = {}
     for name, extra in {
         "h100": [],
@@ -78,6 +79,10 @@ def test_rates_and_ranks_change_the_predictions_not_the_bytes(capsys, tmp_path):
     assert abs(h2d["slow"] - 2 * h2d["h100"]) < 1e-6 * h2d["h100"]
     masters = {name: plan["host"]["float32 masters"] for name, plan in plans.items()}
     assert abs(masters["two"] - masters["h100"] / 2) < 4 * ol.ALIGN * 11 and plans["two"]["facts"]["world"] == 2
+    config = ol.llama_config(ol.RunConfig(dtype="bfloat16"))  # the 7b-8l preset the plans are of
+    layers = 2 * config.num_hidden_layers * ol.model_units(config)[1].layout.numel  # bfloat16, every layer whole
+    assert "inference shards" not in plans["h100"]["host"]  # one process streams from the model's own layers
+    assert abs(plans["two"]["host"]["inference shards"] - layers / 2) <= 2 * config.num_hidden_layers * ol.ALIGN
 
 
 @pytest.mark.slow  # a run of its own: 15 s
@@ -123,11 +128,12 @@ def test_a_plan_allocates_nothing_the_size_of_the_run(capsys):
 
 
 def test_ranks_plan_their_share_of_the_step(capsys):
-    """--gpus 8 and 512 micro-batches a step: a rank's 64 fit its GPU, as one process's 64 do; the ranks train only,
-    as under torchrun (no inference row)."""
+    """--gpus 8 and 512 micro-batches a step: a rank's 64 fit its GPU, as one process's 64 do; their inference streams
+    every layer (each rank copies its eighth), none resident, and each holds its shards beside the model."""
     machine = ["--gpu-memory", "80", "--host-memory", "2000"]
     code, out, err = run_main(
         capsys, "--plan", "--mode", "overlapped", "--train", "--grad-accum", "512", "--gpus", "8", *machine
     )
     assert code == 0, err
-    assert "| overlapped training: peak GPU |" in out and "overlapped inference" not in out
+    assert "| overlapped training: peak GPU |" in out
+    assert "| overlapped inference | resident decoder layers: none;" in out and "inference shards" in out

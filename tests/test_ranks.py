@@ -193,8 +193,8 @@ def test_a_step_that_overflows_on_one_rank_is_skipped_on_every_rank(tmp_path):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--mode", "overlapped"], "ranks, which train together: add --train"),
-        (["--mode", "all", "--train"], "--mode all: 2 ranks train an offloaded mode"),
+        (["--mode", "all", "--train"], "--mode all: 2 ranks run an offloaded mode"),
+        (["--mode", "gpu"], "--mode gpu: 2 ranks run an offloaded mode"),
         (["--mode", "overlapped", "--train", "--grad-accum", "3"], "split evenly over the 2 ranks: use a multiple"),
         (["--mode", "overlapped", "--train", "--grad-accum", "2", "--profile", "/tmp/t.json"], "--profile runs"),
         (["--mode", "overlapped", "--train", "--grad-accum", "2", "--resident-layers", "1"], "--resident-layers runs"),
@@ -670,3 +670,28 @@ def test_an_error_of_a_ranks_own_is_its_own_with_its_place():
     lines = [ol.own_error(ranks, e) for e in errors]
     assert lines[0].startswith("rank 1 of 2 stops: TypeError: ") and "(offload_llama.py:" in lines[0]
     assert lines[0].endswith(", in shard_numel)") and lines[1].endswith(", in each)")
+
+
+def rank_inference(rank, world, port, depth, out):
+    """One rank: the offloaded forward, this rank copying its shard of each layer, the others' gathered; its logits
+    saved."""
+    model, ids = build(tiny_run())  # outside inference mode: the draw's threads write the weights in place
+    with joined(rank, world, port) as ranks, torch.inference_mode():
+        store = ol.ParamStore(model, pin=False, ranks=ranks)
+        shell = ol.offloaded_model(model, ol.layer_streamer(store, model.config, CPU, depth), CPU)
+        torch.save({"shard": store.flats[0].numel(), "logits": ol.logits_of(shell, ids)}, out / f"{rank}.pt")
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=SLOW)])
+def test_ranks_run_the_forward_each_copying_its_shard_of_every_layer(tmp_path, world):
+    """Every rank runs the whole batch through every layer, copying 1/world of each (its shard: the layer's elements
+    split evenly, padded) and gathering the rest: each rank's logits equal Hugging Face's forward, bit for bit."""
+    mp.spawn(rank_inference, args=(world, free_port(), world - 1, tmp_path), nprocs=world)
+    model, ids = build(tiny_run())
+    with torch.inference_mode():
+        expected = model(ids).logits
+    layer = ol.FlatLayout.of(model.model.layers[0]).numel
+    for rank in range(world):
+        saved = torch.load(tmp_path / f"{rank}.pt")
+        assert saved["shard"] * world >= layer > (saved["shard"] - ol.ALIGN) * world  # a share, not the whole layer
+        assert torch.equal(saved["logits"], expected), rank
