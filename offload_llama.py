@@ -1379,7 +1379,7 @@ def init_random(model: LlamaForCausalLM, seed: int, prefix: str = "", names=None
     def draw(chunk: torch.Tensor, chunk_seed: int) -> None:
         """One chunk's normal draw, from its own generator."""
         generator = torch.Generator().manual_seed(chunk_seed)
-        values = chunk if chunk.dtype == torch.float32 else torch.empty(chunk.shape)
+        values = chunk if chunk.dtype == torch.float32 else torch.empty(chunk.shape, dtype=torch.float32)
         values.normal_(0.0, config.initializer_range, generator=generator)
         chunk.copy_(values)  # nothing to do in float32
 
@@ -1481,20 +1481,17 @@ class FlatLayout:
 
 class HostBuffer(mmap.mmap):
     """Zeroed host memory of exactly `nbytes` (torch's pinned allocator rounds up to a power of two), in 2 MiB pages
-    where the kernel allows (the CPU Adam streams them faster), page-locked when `pin`. It records no events: its
+    where the kernel allows (the CPU Adam streams them faster), page-locked once pinned. It records no events: its
     tensors must outlive every copy queued from or to them, as the run-long stores do."""
 
-    def __new__(cls, nbytes: int, pin: bool):
+    def __new__(cls, nbytes: int):
         return super().__new__(cls, -1, nbytes)  # anonymous: zero-filled and page-aligned
 
-    def __init__(self, nbytes: int, pin: bool):
+    def __init__(self, nbytes: int):
         with contextlib.suppress(AttributeError, OSError):  # a platform or kernel without transparent huge pages
             self.madvise(mmap.MADV_HUGEPAGE)  # before the first touch, which allocates the pages
         self.address = torch.frombuffer(self, dtype=torch.uint8).data_ptr()
         self.unregister = None
-        if pin:
-            touch_pages([(self.address, nbytes)])
-            self.pin()
 
     def pin(self) -> None:
         """Page-lock the memory for the copy engines, its pages touched first (touch_pages): registering maps the
@@ -1519,18 +1516,18 @@ def touch_pages(spans) -> None:
 
 def host_zeros(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     """A zeroed flat CPU buffer, pinned when a GPU streams it. Allocate once: pinning is slow."""
-    return torch.frombuffer(HostBuffer(numel * dtype.itemsize, pin), dtype=dtype)  # the tensor keeps it alive
+    return host_zeros_each([numel], dtype, pin)[0]
 
 
 def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]:
     """host_zeros of each of `numels`, made together: every page touched by the rank's threads at once, then the
     buffers pinned by several threads, which the driver serves in parallel."""
-    buffers = [HostBuffer(numel * dtype.itemsize, pin=False) for numel in numels]
+    buffers = [HostBuffer(numel * dtype.itemsize) for numel in numels]
     if pin:
         touch_pages([(b.address, len(b)) for b in buffers])
         with ThreadPoolExecutor(torch.get_num_threads()) as pool:
             list(pool.map(HostBuffer.pin, buffers))
-    return [torch.frombuffer(b, dtype=dtype) for b in buffers]
+    return [torch.frombuffer(b, dtype=dtype) for b in buffers]  # each tensor keeps its buffer alive
 
 
 class ParamStore:
@@ -2695,7 +2692,7 @@ def gradient_memory(store: MasterStore, resident, own_grads: bool, device) -> tu
     numels = [store.ranks.whole_numel(m) for m in store.masters]
     streamed = max((n for u, n in enumerate(numels) if u not in resident), default=0)
     shared = 0 if own_grads else max((numels[u] for u in resident), default=0)
-    memory = torch.zeros(max(-(-streamed * store.grad_dtype.itemsize // 4), shared), device=device)
+    memory = torch.zeros(max(-(-streamed * store.grad_dtype.itemsize // 4), shared), dtype=torch.float32, device=device)
     return memory.view(store.grad_dtype)[:streamed], memory
 
 
@@ -3269,7 +3266,7 @@ class DiskTier:
         self.units = tuple(sorted(numels, reverse=True))  # the order the backward sends their gradients in
         # no GPU copy reads or writes them, so they need no pinning
         slot_bytes = 2 * moment_bytes(max(numels.values()))
-        self.ring = [HostBuffer(slot_bytes, pin=False) for _ in range(slots or DISK_SLOTS)]
+        self.ring = [HostBuffer(slot_bytes) for _ in range(slots or DISK_SLOTS)]
         self.files = DiskFiles(folder, numels, self.ring[0])
         self.settled = {u: threading.Event() for u in self.units}
         self.current = {u: threading.Event() for u in self.units}
@@ -3327,7 +3324,7 @@ class DiskTier:
         """Unit u's moments as its file holds them, in new host memory: a checkpoint's, after the updates."""
         self.current[u].wait()  # the last write-back has landed
         self.raise_error()
-        buffer = HostBuffer(2 * self.files.half[u], pin=False)  # block-aligned, as direct I/O needs
+        buffer = HostBuffer(2 * self.files.half[u])  # block-aligned, as direct I/O needs
         if u not in self.fresh:
             self.transfer(os.preadv, u, buffer)
         return self.files.moments(buffer, u)

@@ -325,8 +325,10 @@ def test_a_failed_update_with_a_shared_gradient_pool_raises_instead_of_hanging()
 
     def step_and_finish():
         try:
-            trainer.step(batches)
-            trainer.finish()
+            try:
+                trainer.step(batches)
+            finally:  # the worker stops, its other updates done: none may run on into the next test's model build
+                trainer.finish()
         except RuntimeError as e:
             outcome.append(str(e))
 
