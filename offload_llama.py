@@ -99,7 +99,7 @@ GPU_ADAM_SHARE = 0.3  # of the streamed parameters, the default share of the GPU
 GPU_ADAM_CHUNK = 2**23  # parameters: the state the GPU's Adam streams crosses PCIe in chunks this size
 PLAN_MARGIN = GiB // 2  # of a --max-gpu-memory budget, left out of a placement: the caching allocator's fragmentation
 CUBLAS_WORKSPACE = 32 * 2**20  # torch's default cuBLAS workspace on Hopper, allocated once per stream
-MAX_SEARCH_LAYERS = 128  # the largest-model search stops here (26B parameters of LLaMA-7B's layers)
+MAX_SEARCH_LAYERS = 256  # the largest-model search stops here (52B parameters of LLaMA-7B's layers)
 RUNTIME_HOST_BYTES = 5 * GiB  # host memory a process holds besides the model and its state, with headroom
 SAVE_SHARD = "2GB"  # save_pretrained's shard size: a safetensors writer may hold a whole shard's bytes in memory
 CHECKPOINT_FILE = "checkpoint.json"  # names the unit files of the last whole checkpoint in its folder
@@ -107,6 +107,7 @@ CHECKPOINT_FORMAT = 1
 DISK_BLOCK = 4096  # bytes: direct I/O moves whole blocks between block-aligned memory and file offsets
 DISK_SLOTS = 2  # the disk tier's staging buffers: one unit stepped while the disk reads the next or writes one back
 DISK_CALL = 2**28  # bytes one read or write call moves at most (Linux moves under 2 GiB per call)
+RESIDENT_SCRATCH = 2**24  # elements: the bound times the resident units' Adam over scratch state this size
 TOUCH_CHUNK = 2**26  # bytes: fresh host memory is first written by the rank's threads in chunks this size
 DRAW_CHUNK = 2**24  # elements: a random weight is drawn in chunks this size, each from a generator of its own
 ADAM_SCRATCH = 2**25  # parameters: the bound times the CPU Adam on at most this much scratch state (512 MiB of it)
@@ -3525,6 +3526,7 @@ def stop_ranks() -> None:
 
 PROCESS_BYTES = 8 * GiB // 5  # a GPU run's own resident set beside its parts (measured: torch, CUDA, the compiled Adam)
 HOST_MARGIN = 2 * GiB  # of the host budget, left out of the disk layers', the copy's and the buffers' decisions
+HOST_SLACK = 0.03  # of a larger host budget, left out instead: the host's use ran 2% over the parts at 32B
 RANK_TIMEOUT = 60  # seconds: the least a rank waits for the others in a step's collective (--rank-timeout)
 TIMEOUT_STEPS = 5  # the default timeout is this many times the plan's longest step part, at least RANK_TIMEOUT
 
@@ -3732,10 +3734,12 @@ def gpu_budget(run: RunConfig, facts: Facts) -> int | None:
     return int(min(run.max_gpu_memory * GiB, facts.gpu_bytes or math.inf)) - PLAN_MARGIN
 
 
-def host_spare(run, config, facts: Facts, copy, buffers: int, margin: int = HOST_MARGIN) -> int | None:
-    """One rank's host memory left with `copy` and `buffers` gradient buffers, less `margin`; None: not known."""
+def host_spare(run, config, facts: Facts, copy, buffers: int, margin: int | None = None) -> int | None:
+    """One rank's host memory left with `copy` and `buffers` gradient buffers, less `margin` (default: HOST_MARGIN, or
+    HOST_SLACK of a host budget large enough); None: not known."""
     if facts.host_share is None:
         return None
+    margin = max(HOST_MARGIN, int(HOST_SLACK * facts.host_share)) if margin is None else margin
     return facts.host_share - sum(host_parts(run, config, facts, copy, buffers).values()) - margin
 
 
@@ -3769,11 +3773,11 @@ def disk_layers_planned(run: RunConfig, config: LlamaConfig, facts: Facts) -> in
         raise UsageError(f"--nvme-layers {run.nvme_layers}: the model has {most} decoder layers the CPU Adam steps")
     counts = [run.nvme_layers] if run.nvme_layers is not None else range(most + 1)
 
-    def fits(d: int, margin: int) -> bool:
-        """The host holds the plan with d layers' moments on the disk, `margin` to spare."""
+    def fits(d: int, margin: int | None) -> bool:
+        """The host holds the plan with d layers' moments on the disk, `margin` to spare (None: host_spare's)."""
         return (host_spare(dataclasses.replace(run, nvme_layers=d), config, facts, None, 2, margin) or 0) >= 0
 
-    layers = next((d for d in counts if fits(d, HOST_MARGIN)), None)
+    layers = next((d for d in counts if fits(d, None)), None)
     layers = next((d for d in counts if fits(d, 0)), None) if layers is None else layers
     if layers is None:  # the host is short even so: check_plan says by how much
         return counts[-1]
@@ -6014,10 +6018,11 @@ def resident_forward_backward(model: LlamaForCausalLM, input_ids: torch.Tensor, 
 
 def train_bound_parts(trainer: OffloadedTraining, micro_batches, device) -> dict:
     """The parts of what a training step cannot beat, as functions to time alone (name -> (device, fn)), built anew
-    for each round: each kind of unit's GPU compute (and its forward alone, where updates are held), a step's H2D
-    copies, its D2H copies, the CPU Adam over scratch state as large as the largest unit it steps (at most
-    ADAM_SCRATCH: the scratch is host memory beside the run's), `host`: that Adam with the copy engines moving its
-    share of a step's copies, and with the disk tier, its reads and writes of a step (disk_cycle)."""
+    for each round: each kind of unit's GPU compute (and its forward alone, where updates are held), the resident
+    units' Adam, a step's H2D copies, its D2H copies, the CPU Adam over scratch state as large as the largest unit
+    it steps (at most ADAM_SCRATCH: the scratch is host memory beside the run's), `host`: that Adam with the copy
+    engines moving its share of a step's copies, and with the disk tier, its reads and writes of a step
+    (disk_cycle)."""
     kinds = [u.kind for u in trainer.units]
     fns = {}
     for kind in dict.fromkeys(kinds):
@@ -6027,6 +6032,9 @@ def train_bound_parts(trainer: OffloadedTraining, micro_batches, device) -> dict
             fns[f"{kind}_forward"] = (device, forward)
     if trainer.streamer.streamed:
         fns |= {"h2d": (device, lambda: copy_in(trainer)), "d2h": (device, lambda: copy_out(trainer))}
+    resident = resident_numels(trainer)
+    if resident:
+        fns["resident_adam"] = (device, lambda: resident_adam(trainer, resident, device))
     on_cpu, _ = cpu_and_gpu_adam_units(trainer)
     if on_cpu:  # the CPU Adam steps something
         big, numel = max(on_cpu, key=on_cpu.get), adam_timed_numel(on_cpu)
@@ -6036,6 +6044,27 @@ def train_bound_parts(trainer: OffloadedTraining, micro_batches, device) -> dict
     if trainer.store.disk:
         fns["disk"] = (torch.device("cpu"), lambda: disk_cycle(trainer.store.disk))
     return fns
+
+
+def resident_numels(trainer: OffloadedTraining) -> list[int]:
+    """The sizes of the units kept on the GPU and stepped there, on the compute stream (ResidentUnits)."""
+    resident = next((s for s in trainer.steppers.of if isinstance(s, ResidentUnits)), None)
+    return [trainer.store.masters[u].numel() for u in resident.units] if resident else []
+
+
+def resident_adam(trainer: OffloadedTraining, numels: list[int], device) -> None:
+    """The resident units' Adam steps, compute stream work the passes leave out, over scratch state on the GPU (theirs
+    must not change): a call a unit as ResidentUnit.step makes, each in pieces of RESIDENT_SCRATCH elements at most,
+    so the scratch stays small beside the run's memory."""
+    scratch = min(max(numels), RESIDENT_SCRATCH)
+    master, grads, exp_avg, exp_avg_sq = (torch.zeros(scratch, device=device) for _ in range(4))
+    weights = torch.empty(scratch, dtype=trainer.streamer.dtype, device=device)
+    steps = torch.zeros((), device=device)
+    for numel in numels:
+        for lo in range(0, numel, scratch):
+            n = min(scratch, numel - lo)
+            torch_adam_step(trainer.store.update.adam, master[:n], grads[:n], exp_avg[:n], exp_avg_sq[:n], steps)
+            weights[:n].copy_(master[:n])
 
 
 def copy_in(trainer: OffloadedTraining) -> None:
@@ -6121,15 +6150,18 @@ def queue_copies(nbytes: int, src: torch.Tensor, dst: torch.Tensor, stream) -> N
 
 
 def train_bound(trainer: OffloadedTraining, best: dict[str, float]) -> dict:
-    """What a training step cannot beat, from the best times (ms) of train_bound_parts: GPU compute, H2D, D2H, the CPU
-    Adam over all its units, host memory: the bytes crossing it in a step (the CPU Adam's, the copies' and the disk
-    tier's) at the rate reached when the CPU Adam and the copy engines ran together on one unit's share, and the disk
-    tier's reads and writes of a step."""
+    """What a training step cannot beat, from the best times (ms) of train_bound_parts: GPU compute (the passes and
+    the resident units' Adam), H2D, D2H, the CPU Adam over all its units, host memory: the bytes crossing it in a
+    step (the CPU Adam's, the copies' and the disk tier's) at the rate reached when the CPU Adam and the copy
+    engines ran together on one unit's share, and the disk tier's reads and writes of a step."""
     store = trainer.store
     on_cpu, on_gpu = cpu_and_gpu_adam_units(trainer)
     kinds = [u.kind for u in trainer.units]
     parts = {"gpu_compute_ms": sum(kinds.count(kind) * best[kind] for kind in dict.fromkeys(kinds))}
     disk_bytes, figures = 0, {}
+    if "resident_adam" in best:  # on the compute stream, between the passes
+        parts["gpu_compute_ms"] += best["resident_adam"]
+        figures["resident_adam_ms"] = best["resident_adam"]
     if store.disk:
         disk_bytes = disk_step_bytes(store.disk)  # read, and as many written
         parts["disk_ms"] = best["disk"]
@@ -6568,9 +6600,10 @@ def bound_note(mode: str, t: dict) -> str:
         disk = f", disk {t['disk_ms']:.1f} ms ({t['disk_bytes'] / 1e9:.1f} GB read and written back, "
         disk += f"{t['disk_gbps']:.2f} GB/s together)"
     rounds = len(next(iter(t["bound_parts_ms"].values())))
+    adam = f", the resident units' Adam {t['resident_adam_ms']:.1f}" if "resident_adam_ms" in t else ""
     return (
         f"{mode} training bound, each part alone (best of {rounds} rounds): GPU compute {t['gpu_compute_ms']:.1f} ms "
-        f"(forward, recompute, backward){copies}{host}{disk}{held}"
+        f"(forward, recompute, backward{adam}){copies}{host}{disk}{held}"
     )
 
 

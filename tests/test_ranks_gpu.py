@@ -1,11 +1,14 @@
-"""Two GPUs under torchrun: the CLI's data-parallel training (NCCL all-gathers and reduce-scatters, each rank's
-shard of the host state) against one GPU training on every micro-batch of the same command."""
+"""Two GPUs (four where the machine has them) under torchrun: the CLI's data-parallel training (NCCL all-gathers and
+reduce-scatters, each rank's shard of the host state) against one GPU training on every micro-batch of the same
+command; the offloaded forward over every rank's PCIe link; checkpoints resumed on another number of ranks; two
+launchers, as on two hosts."""
 
 import contextlib
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -14,11 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_data import corpus
 
 import offload_llama as ol
 from helpers import SCRIPT, assert_masters_close, assert_same_checkpoint
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+FOUR = pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs four CUDA GPUs")
 STEPS = 5
 TINY = ["--preset", "tiny", "--mode", "overlapped", "--train", "--seq-len", "256", "--steps", STEPS]
 
@@ -44,22 +49,25 @@ def trained(tmp_path, args, ranks):
     return torch.load(tmp_path / f"{name}.pt")["training"]["overlapped"], result, done.stdout
 
 
-@pytest.mark.parametrize(("dtype", "accum"), [("float32", 2), ("bfloat16", 2), ("bfloat16", 4)])
-def test_two_gpus_train_as_one_on_every_micro_batch(tmp_path, dtype, accum):
-    """Two ranks, each with half the step's micro-batches, against one GPU with all of them: the losses to 1e-6
-    relative; rank 0 alone prints and writes, with both ranks' peaks. One micro-batch a rank: the gradients' float32
-    sum is the one GPU's (two terms), so the masters agree to float32 rounding (the CPU and GPU Adams round apart).
-    Two a rank: the sum's order differs, (g0 + g2) + (g1 + g3) against ((g0 + g1) + g2) + g3, and where a sum nearly
-    cancels Adam turns its rounding into a step of up to the learning rate: nearly every master still agrees to
-    float32 rounding, none by more than twice the steps' learning rates."""
+@pytest.mark.parametrize(
+    ("dtype", "accum", "ranks"),
+    [("float32", 2, 2), ("bfloat16", 2, 2), ("bfloat16", 4, 2), pytest.param("bfloat16", 4, 4, marks=FOUR)],
+)
+def test_gpus_train_as_one_on_every_micro_batch(tmp_path, dtype, accum, ranks):
+    """`ranks` ranks, each with its share of the step's micro-batches, against one GPU with all of them: the losses to
+    1e-6 relative; rank 0 alone prints and writes, with every rank's peaks. One micro-batch on each of two ranks: the
+    gradients' float32 sum is the one GPU's (two terms), so the masters agree to float32 rounding (the CPU and GPU
+    Adams round apart). More terms: the sum's order differs, (g0 + g2) + (g1 + g3) against ((g0 + g1) + g2) + g3,
+    and where a sum nearly cancels Adam turns its rounding into a step of up to the learning rate: nearly every
+    master still agrees to float32 rounding, none by more than twice the steps' learning rates."""
     args = [*TINY, "--dtype", dtype, "--attention", "eager", "--batch-size", 2, "--grad-accum", accum]
     ref, _, _ = trained(tmp_path, args, None)
-    got, result, stdout = trained(tmp_path, args, 2)
+    got, result, stdout = trained(tmp_path, args, ranks)
     assert stdout.count("Table 1 (training)") == 1  # rank 0's tables alone
-    assert [r["peak_gpu_bytes"] > 0 for r in result["ranks"]] == [True, True]
+    assert [r["peak_gpu_bytes"] > 0 for r in result["ranks"]] == [True] * ranks
     assert result["peak_host_bytes"] == sum(r["peak_host_bytes"] for r in result["ranks"])
     assert got["losses"] == pytest.approx(ref["losses"], rel=1e-6)
-    if accum == 2:
+    if accum == ranks == 2:
         assert_masters_close(got["masters"], ref["masters"], STEPS)
         return
     largest = max(m.abs().max().item() for m in ref["masters"].values())
@@ -142,3 +150,66 @@ def test_a_rank_killed_mid_step_ends_the_run_within_a_minute_naming_it():
     stderr = "".join(lines)
     assert torchrun.returncode != 0 and seconds < 60, (torchrun.returncode, seconds, stderr[-3000:])
     assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", stderr.partition("Root Cause")[2]), stderr[-3000:]
+
+
+@pytest.mark.parametrize("ranks", [2, pytest.param(4, marks=FOUR)])
+def test_ranks_run_the_offloaded_forward_to_one_gpus_logits_bitwise(tmp_path, ranks):
+    """Inference over `ranks` ranks, each copying its shard of every layer and an all-gather the rest, every rank on
+    the same batch: the logits of one GPU's offloaded forward, bit for bit."""
+    args = ["--preset", "tiny", "--mode", "overlapped", "--seq-len", 256, "--batch-size", 2]
+    logits = {}
+    for n in (None, ranks):
+        done = run([*args, "--save-output", tmp_path / f"{n}.pt"], n)
+        assert done.returncode == 0, done.stderr[-3000:]
+        logits[n] = torch.load(tmp_path / f"{n}.pt")["logits"]["overlapped"]
+    assert torch.equal(logits[ranks], logits[None])
+
+
+@pytest.mark.parametrize(("saved", "now"), [(2, 1), (1, 2)])
+def test_a_checkpoint_of_n_gpus_goes_on_over_m(tmp_path, saved, now):
+    """A checkpoint written by `saved` GPUs after 3 steps, resumed on `now` (one GPU: no torchrun): 3 more steps, one
+    micro-batch a rank, reach the losses and masters of the `saved` GPUs going on from it, to float32 rounding (the
+    two terms' sum is the same; the CPU and GPU Adams round apart). The bitwise restore of every pairing of 1 to 4
+    ranks is test_ranks.py's."""
+    launchers = {1: None, 2: 2}  # one GPU runs without torchrun
+    args = [*TINY, "--dtype", "float32", "--attention", "eager", "--batch-size", 2, "--grad-accum", 2, "--steps", 3]
+    first = run([*args, "--checkpoint", tmp_path / "saved"], launchers[saved])
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = [*args, "--resume", tmp_path / "saved"]
+    ref, _, _ = trained(tmp_path, [*resumed, "--checkpoint", tmp_path / "ref"], launchers[saved])
+    got, _, _ = trained(tmp_path, [*resumed, "--checkpoint", tmp_path / "got"], launchers[now])
+    assert got["losses"] == pytest.approx(ref["losses"], rel=1e-6)
+    assert_masters_close(got["masters"], ref["masters"], 6)
+
+
+def launcher(node: int, port: int, args) -> subprocess.Popen:
+    """One of two `torchrun --nnodes 2` launchers on this host, as on a host of its own: one rank, on GPU `node`."""
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONDONTWRITEBYTECODE"}
+    env["CUDA_VISIBLE_DEVICES"] = str(node)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node)]
+    command += ["--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", str(SCRIPT), *map(str, args)]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def test_two_launchers_train_what_one_launchers_two_ranks_do(tmp_path):
+    """`torchrun --nnodes 2` twice, a GPU each, each "host" tokenizing the corpus into its own --data-cache, one
+    --checkpoint folder: the losses, evaluations, samples and checkpoint of one launcher's two ranks, bit for bit
+    (two terms sum alike in either order)."""
+    folder = corpus(tmp_path / "corpus")
+    args = [*TINY, "--vocab-size", 512, "--seq-len", 64, "--batch-size", 2, "--grad-accum", 2, "--no-inference"]
+    args += ["--data", folder, "--train-tokenizer", 300, "--eval-every", 3, "--sample", "def", "--sample-tokens", 8]
+    one = [*args, "--data-cache", tmp_path / "cache", "--checkpoint", tmp_path / "one", "--json", tmp_path / "1.json"]
+    one = run(one, 2)
+    assert one.returncode == 0, one.stderr[-3000:]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    two = [*args, "--checkpoint", tmp_path / "two", "--json", tmp_path / "2.json"]
+    nodes = [launcher(node, port, [*two, "--data-cache", tmp_path / f"cache{node}"]) for node in (0, 1)]
+    ended = [node.communicate(timeout=300) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], [stderr[-2000:] for _, stderr in ended]
+    results = [json.loads((tmp_path / f"{n}.json").read_text())["results"]["overlapped"]["training"] for n in (1, 2)]
+    for key in ("losses", "evaluations", "samples"):
+        assert results[1][key] == results[0][key], key
+    assert_same_checkpoint(tmp_path / "one", tmp_path / "two")
+    assert [len(list((tmp_path / f"cache{node}").glob("tokens-*.bin"))) for node in (0, 1)] == [1, 1]
