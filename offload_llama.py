@@ -1486,7 +1486,8 @@ class HostBuffer(mmap.mmap):
     tensors must outlive every copy queued from or to them, as the run-long stores do."""
 
     def __new__(cls, nbytes: int):
-        return super().__new__(cls, -1, nbytes)  # anonymous: zero-filled and page-aligned
+        # anonymous and private: zero-filled, page-aligned, and in huge pages where asked (shared memory gets none)
+        return super().__new__(cls, -1, nbytes, flags=mmap.MAP_PRIVATE)
 
     def __init__(self, nbytes: int):
         with contextlib.suppress(AttributeError, OSError):  # a platform or kernel without transparent huge pages
@@ -1643,7 +1644,8 @@ class LayerStreamer:
       freed[s]   compute has finished with slot s:  the next copy may overwrite it
     Resident units run from GPU buffers of their own. Float32 sources (the masters) in a lower compute dtype cross
     PCIe in chunks through a staging buffer and are cast on the GPU. With several ranks, each source is the rank's
-    shard of its unit: it lands in its place in the slot, and an all-gather over NVLink fills the rest (Ranks)."""
+    shard of its unit: it lands in its place in the slot, and an all-gather over NVLink fills the rest (Ranks), on a
+    stream of its own, beside the next shard's copy."""
 
     def __init__(
         self, sources, kinds, make_module, dtype, device, depth: int, copy_stream=None, writer=None, ranks=Ranks()
@@ -1656,15 +1658,15 @@ class LayerStreamer:
         self.depth = depth  # units the copy stream runs ahead
         self.compute_stream = torch.cuda.current_stream(device) if device.type == "cuda" else InOrder()
         self.copy_stream = copy_stream or new_stream(device)
+        # with several ranks, the all-gathers: one unit's runs over NVLink while the next unit's shard crosses PCIe
+        self.gather_stream = new_stream(device) if ranks.several else self.copy_stream
         # training: each source is rewritten by its unit's update, which the copy must not overtake
         self.writer = writer or ReadOnly()
         self.keep_resident(())
 
     def keep_resident(self, units, load=None) -> None:
         """Run `units` from GPU buffers of their own, filled by load(u), and stream the rest through a new ring."""
-        landed = new_event(self.device)
-        landed.record(self.copy_stream)
-        self.compute_stream.wait_event(landed)  # copies into the old ring must land before its memory is reused
+        self.wait_copies(self.compute_stream)  # copies into the old ring must land before its memory is reused
         self.buffers = self.modules = self.staging = None  # the old ring is freed before load runs
         flats = {u: load(u) for u in units}
         with torch.device("meta"):  # the modules own no memory: their parameters are views into the buffers
@@ -1714,9 +1716,25 @@ class LayerStreamer:
                 dst.copy_(src, non_blocking=True)
             else:
                 self.cast_in(src, dst)
-            self.ranks.gather(full)  # after this rank's shard has landed; the other ranks' shards fill the rest
             self.copied[s].record(self.copy_stream)  # compute waits for it before it reads the slot
+        if self.ranks.several:
+            self.gather_in(s, full)
         self.holds[s] = u
+
+    def gather_in(self, s: int, full: torch.Tensor) -> None:
+        """The other ranks' shards into slot s, on the gather stream: the all-gather waits for this rank's shard to
+        land, and the copy stream goes on to the next unit's shard meanwhile."""
+        with on_stream(self.gather_stream):
+            self.gather_stream.wait_event(self.copied[s])  # this rank's shard has landed
+            self.ranks.gather(full)
+            self.copied[s].record(self.gather_stream)  # compute waits for the whole unit before it reads the slot
+
+    def wait_copies(self, stream) -> None:
+        """`stream` waits for every copy queued so far (with several ranks, every all-gather too)."""
+        for side in dict.fromkeys((self.copy_stream, self.gather_stream)):
+            landed = new_event(self.device)
+            landed.record(side)
+            stream.wait_event(landed)
 
     def cast_in(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy float32 `src` into the compute-dtype slot `dst` through the staging buffer, a chunk at a time."""
@@ -3526,7 +3544,9 @@ def stop_ranks() -> None:
 
 PROCESS_BYTES = 8 * GiB // 5  # a GPU run's own resident set beside its parts (measured: torch, CUDA, the compiled Adam)
 HOST_MARGIN = 2 * GiB  # of the host budget, left out of the disk layers', the copy's and the buffers' decisions
-HOST_SLACK = 0.03  # of a larger host budget, left out instead: the host's use ran 2% over the parts at 32B
+# of the host memory, never planned for: what the kernel (page tables, the driver's records of pinned pages) and each
+# process's allocator hold beside the parts (measured: 2% over them with one GPU, 3% with four ranks, at 32B)
+HOST_SLACK = 4  # percent
 RANK_TIMEOUT = 60  # seconds: the least a rank waits for the others in a step's collective (--rank-timeout)
 TIMEOUT_STEPS = 5  # the default timeout is this many times the plan's longest step part, at least RANK_TIMEOUT
 
@@ -3558,8 +3578,8 @@ class Facts:
 
     @property
     def host_share(self) -> int | None:
-        """The host memory one rank may take: its share of the host's."""
-        return None if self.host_bytes is None else self.host_bytes // self.local_world
+        """The host memory one rank may plan for: its share of the host's, less HOST_SLACK."""
+        return None if self.host_bytes is None else self.host_bytes * (100 - HOST_SLACK) // 100 // self.local_world
 
 
 def measured_facts(run: RunConfig) -> Facts:
@@ -3734,12 +3754,15 @@ def gpu_budget(run: RunConfig, facts: Facts) -> int | None:
     return int(min(run.max_gpu_memory * GiB, facts.gpu_bytes or math.inf)) - PLAN_MARGIN
 
 
-def host_spare(run, config, facts: Facts, copy, buffers: int, margin: int | None = None) -> int | None:
-    """One rank's host memory left with `copy` and `buffers` gradient buffers, less `margin` (default: HOST_MARGIN, or
-    HOST_SLACK of a host budget large enough); None: not known."""
+def host_for(planned: int) -> int:
+    """The least host memory (one rank's) that plans for `planned` bytes: HOST_SLACK of it stays free."""
+    return -(-planned * 100 // (100 - HOST_SLACK))
+
+
+def host_spare(run, config, facts: Facts, copy, buffers: int, margin: int = HOST_MARGIN) -> int | None:
+    """One rank's host memory left with `copy` and `buffers` gradient buffers, less `margin`; None: not known."""
     if facts.host_share is None:
         return None
-    margin = max(HOST_MARGIN, int(HOST_SLACK * facts.host_share)) if margin is None else margin
     return facts.host_share - sum(host_parts(run, config, facts, copy, buffers).values()) - margin
 
 
@@ -3773,11 +3796,11 @@ def disk_layers_planned(run: RunConfig, config: LlamaConfig, facts: Facts) -> in
         raise UsageError(f"--nvme-layers {run.nvme_layers}: the model has {most} decoder layers the CPU Adam steps")
     counts = [run.nvme_layers] if run.nvme_layers is not None else range(most + 1)
 
-    def fits(d: int, margin: int | None) -> bool:
-        """The host holds the plan with d layers' moments on the disk, `margin` to spare (None: host_spare's)."""
+    def fits(d: int, margin: int) -> bool:
+        """The host holds the plan with d layers' moments on the disk, `margin` to spare."""
         return (host_spare(dataclasses.replace(run, nvme_layers=d), config, facts, None, 2, margin) or 0) >= 0
 
-    layers = next((d for d in counts if fits(d, None)), None)
+    layers = next((d for d in counts if fits(d, HOST_MARGIN)), None)
     layers = next((d for d in counts if fits(d, 0)), None) if layers is None else layers
     if layers is None:  # the host is short even so: check_plan says by how much
         return counts[-1]
@@ -4278,9 +4301,11 @@ def check_host(run: RunConfig, config: LlamaConfig, plan: Plan) -> None:
     largest = sorted(((n, part) for part, n in plan.host.items() if n >= plan.host_peak / 20), reverse=True)
     parts = ", ".join(f"{part} {size_text(n)}" for n, part in largest)
     short = f"{size_text(plan.host_peak - available)} short; the largest parts: {parts}"
+    host = plan.facts.host_bytes // plan.facts.local_world  # this rank's share
     raise UsageError(
-        f"the run needs {size_text(plan.host_peak)} of host memory, only {size_text(available)} are available "
-        f"({short}): {advice}"
+        f"the run needs {size_text(plan.host_peak)} of host memory, only {size_text(host)} are available, "
+        f"{size_text(available)} to plan for ({HOST_SLACK}% stays free for the kernel and the allocators; {short}): "
+        f"{advice}"
     )
 
 
@@ -5866,8 +5891,7 @@ def inference_parts(shell, streamer: LayerStreamer, input_ids) -> dict:
         """Copy every streamed layer into its slot, nothing computed."""
         for p in range(len(streamer.window.units)):
             streamer.prefetch(p)
-        # `timed` records its end event on this stream: make it wait for the copies
-        torch.cuda.current_stream(device).wait_stream(streamer.copy_stream)
+        streamer.wait_copies(torch.cuda.current_stream(device))  # `timed` records its end event on this stream
 
     def compute_all():
         """One layer's compute once for every layer of the model, back to back."""
@@ -6079,7 +6103,7 @@ def copy_in(trainer: OffloadedTraining) -> None:
         for u in gpu_adam.units if gpu_adam else ():
             for k, lo, count in gpu_adam.chunks(u):
                 gpu_adam.copy_in(u, k, lo, count)
-    torch.cuda.current_stream().wait_stream(streamer.copy_stream)  # `timed` records its end event on this stream
+    streamer.wait_copies(torch.cuda.current_stream())  # `timed` records its end event on this stream
 
 
 def copy_out(trainer: OffloadedTraining) -> None:

@@ -66,6 +66,15 @@ LATER_SOURCES = {"small_host_7b8l": "results/small_host/small_host_7b8l.json"}
 TEXT_SOURCES = {name: f"results/text/{name}.json" for name in ("text_stdlib", "text_steps_data", "text_steps_random")}
 # made on the two-GPU machine by the several-GPU versions (issue 46), each run beside its one-GPU run by one version:
 # section 13, which names each row's version; host_probe (report/host_probe.py) ran in the 7b-8l rows' call
+# made on the four-GPU machine (four H200s that call) by one version in three calls: section 14
+FOUR_SOURCES = {
+    f"four_{name}": f"results/four_gpus/{call}_{name}.json"
+    for call, names in (
+        ("a", ("inf_1", "inf_2", "inf_4", "l7_1", "l7_2", "l7_4", "s_1", "s_4", "s_16")),
+        ("b", ("q32_1", "q32_4")),
+    )
+    for name in names
+}
 RANK_SOURCES = {
     name: f"results/ranks/{name}.json"
     for name in ("7b8l_1gpu", "7b8l_2gpus", "7b8l_2gpus_share06", "llama7b_1gpu", "llama7b_2gpus", "largest_2gpus")
@@ -97,8 +106,9 @@ LABELS = {"gpu": "w/o offload (gpu)", "blocked": "blocked offload", "overlapped"
 
 
 def load(sources: dict[str, str] | None = None) -> dict[str, dict]:
-    """name -> the JSON of each file in `sources` (default: SOURCES, LATER_SOURCES, TEXT_SOURCES, RANK_SOURCES)."""
-    sources = sources or {**SOURCES, **LATER_SOURCES, **TEXT_SOURCES, **RANK_SOURCES}
+    """name -> the JSON of each file in `sources` (default: SOURCES, LATER_SOURCES, TEXT_SOURCES, RANK_SOURCES,
+    FOUR_SOURCES)."""
+    sources = sources or {**SOURCES, **LATER_SOURCES, **TEXT_SOURCES, **RANK_SOURCES, **FOUR_SOURCES}
     return {name: json.loads((HERE / path).read_text()) for name, path in sources.items()}
 
 
@@ -1656,9 +1666,10 @@ def ranks_section(runs: dict) -> list[str]:
         "moments, sharded, and two gradient buffers a rank. One more layer, in a rank's share of the host: "
         + big["limited_by"]
         + ".",
-        "- The NVLink collectives in the bound: the all-gathers run on the copy stream after each shard's H2D copy, "
-        "so the bound's H2D part, timed by copying a step's units in, includes them; the reduce-scatters run on the "
-        "D2H stream before each unit's gradients leave, and its D2H part queues them the same way.",
+        "- The NVLink collectives in the bound: in these versions the all-gathers ran on the copy stream after each "
+        "shard's H2D copy (later ones run them on a stream of their own, beside the next shard's copy), and the "
+        "bound's H2D part, timed by copying a step's units in, waits for them; the reduce-scatters run on the D2H "
+        "stream before each unit's gradients leave, and its D2H part queues them the same way.",
         "- Several hosts (arithmetic, not measured): `--nnodes M` with G GPUs each shards the host state over all "
         "M x G ranks, so a host holds 1/M of it and its memory traffic a step falls to 1/M. The collectives then "
         "cross the network: per GPU and step, (M x G - 1)/(M x G) of two passes of the weights and one of the "
@@ -1778,9 +1789,133 @@ def text_figure(runs: dict, out: Path) -> None:
     plt.close(fig)
 
 
+def four_training(r: dict) -> dict:
+    """The training result of a FOUR_SOURCES run, whichever offloaded mode it ran."""
+    return next(m["training"] for m in r["results"].values() if "training" in m)
+
+
+def four_row(label: str, r: dict, one: dict | None) -> list[str]:
+    """A training row of section 14: the step against one GPU's, its bound a rank, the TFLOPS, the peaks (host: every
+    rank's summed) and the set-up."""
+    t = four_training(r)
+    speed = four_training(one)["time_ms"] / t["time_ms"] if one else 1.0
+    return [
+        label,
+        str(len(t.get("ranks", [None]))),
+        f"{t['time_ms']:,.1f}",
+        f"{speed:.3f}x",
+        f"{t['bound_ms']:,.1f} ({t['bound_by'].replace('_', ' ')})",
+        f"{t['bound_ms'] / t['time_ms']:.3f}",
+        f"{t['model_tflops']:.1f}",
+        gib(t["peak_gpu_bytes"]),
+        f"{gib(t['peak_host_bytes'])} ({t['peak_host_bytes'] / r['parameters']:.1f})",
+        f"{sum(t['setup_s'].values()):.1f}",
+    ]
+
+
+def four_parts_row(label: str, r: dict) -> list[str]:
+    """The parts of a row's bound, a rank's, each timed while the other ranks timed theirs."""
+    t = four_training(r)
+    host = f"{t['host_memory_ms']:,.1f} ({t['host_bytes'] / 1e9:,.1f} GB at {t['host_gbps']:.0f} GB/s)"
+    h2d = f"{t['h2d_ms']:,.1f} ({t['h2d_bytes'] / t['h2d_ms'] / 1e6:.1f} GB/s)"
+    return [label, str(len(t.get("ranks", [None]))), f"{t['gpu_compute_ms']:,.1f}", h2d, f"{t['d2h_ms']:,.1f}"] + [
+        f"{t['cpu_adam_ms']:,.1f}",
+        host,
+    ]
+
+
+def four_inference_row(label: str, r: dict, resident: float) -> list[str]:
+    """A row of section 14's forward passes: the time against the resident model's, the bound, a layer's copy (its
+    all-gather included) and compute."""
+    t = r["results"]["overlapped"]["inference"]
+    return [
+        label,
+        f"{t['time_ms']:.1f}",
+        f"{t['time_ms'] / resident:.2f}x",
+        f"{t['bound_ms']:.1f}",
+        f"{t['bound_ms'] / t['time_ms']:.3f}",
+        f"{t['copy_ms_per_layer']:.2f}",
+        f"{t['compute_ms_per_layer']:.2f}",
+    ]
+
+
+def four_gpus_section(runs: dict) -> list[str]:
+    """Section 14: one, two and four GPUs of the four-GPU machine, each run by one version in one call: LLaMA-7B and
+    the 32B shape trained under 11 GiB a GPU, 7b-8l's forward over the ranks, 7b-8l's step shapes on one GPU."""
+    one7, one32, inf1 = runs["four_l7_1"], runs["four_q32_1"], runs["four_inf_1"]
+    rows = [four_row("LLaMA-7B, 64 x 1024 tokens", runs[f"four_l7_{n}"], None if n == 1 else one7) for n in (1, 2, 4)]
+    rows += [four_row("32B shape, 64 x 1024 tokens", runs[f"four_q32_{n}"], None if n == 1 else one32) for n in (1, 4)]
+    names = [("LLaMA-7B", f"four_l7_{n}") for n in (1, 2, 4)] + [("32B shape", f"four_q32_{n}") for n in (1, 4)]
+    parts = [four_parts_row(label, runs[name]) for label, name in names]
+    resident = inf1["results"]["gpu"]["inference"]["time_ms"]
+    forward = [["1, resident (gpu mode)", f"{resident:.1f}", "1.00x", "", "", "", ""]]
+    forward += [four_inference_row(f"{n}, offloaded", runs[f"four_inf_{n}"], resident) for n in (1, 2, 4)]
+    shapes = []
+    for k in (1, 4, 16):
+        t = four_training(runs[f"four_s_{k}"])
+        adam = f"{t['resident_adam_ms']:.1f}" if "resident_adam_ms" in t else ""
+        bound = f"{t['bound_ms']:.1f} ({t['bound_by'].replace('_', ' ')})"
+        shapes.append([str(k), f"{t['time_ms']:.1f}", bound, adam, f"{t['bound_ms'] / t['time_ms']:.3f}"])
+    header = ["run", "GPUs", "step (ms)", "speed-up", "bound a rank (ms)", "efficiency", "model TFLOPS"]
+    header += ["peak GPU (GiB)", "peak host (GiB; B / param)", "set-up (s)"]
+    device = f"{one7['device']} ({one7['gpu_memory_bytes'] / GiB:.1f} GiB)"
+    l7 = [four_training(runs[f"four_l7_{n}"]) for n in (1, 4)]
+    q32 = [four_training(runs[f"four_q32_{n}"]) for n in (1, 4)]
+    several = [t["bound_ms"] / t["time_ms"] for t in (four_training(runs[n]) for n in ("four_l7_2", "four_l7_4"))]
+    several.append(q32[1]["bound_ms"] / q32[1]["time_ms"])
+    return [
+        "## 14. Four GPUs",
+        "",
+        f"Four {device} of one host, NVLink (NV18) between every pair, {one7['cpu_threads']} CPU threads and 503 GiB "
+        "of host memory, lent as the four-H100 kind: these rows compare with each other, not with the H100 rows above. "
+        f"One version, `{one7['script_sha256'][:8]}`, in three calls on one machine; the commands, the host memory "
+        "sampled through each run and the GPU tests of several ranks are in `results/four_gpus/README.md`. "
+        "Training: `--max-gpu-memory 11`, LLaMA-7B `--mode overlapped --batch-size 4 --grad-accum 16`, the 32B shape "
+        "(Qwen2.5-32B's as a LLaMA config, untied) `--mode blocked --batch-size 1 --grad-accum 64`; each rank takes "
+        "its share of the step's micro-batches.",
+        "",
+        *table(header, rows),
+        "",
+        "Each part of the bound, a rank's (ms), timed while the other ranks time theirs:",
+        "",
+        *table(["run", "GPUs", "GPU compute", "H2D", "D2H", "CPU Adam", "host memory"], parts),
+        "",
+        f"- Four GPUs step LLaMA-7B {l7[0]['time_ms'] / l7[1]['time_ms']:.2f}x and the 32B shape "
+        f"{q32[0]['time_ms'] / q32[1]['time_ms']:.2f}x as fast as one (issue 57 asks 3.7x and 3.6x). The "
+        f"several-GPU steps run at {min(several):.2f} to {max(several):.2f} of their bounds, each the GPU's compute: "
+        "the NCCL all-gathers and reduce-scatters, which share the GPU's SMs with the compute, are in no part of the "
+        "bound yet.",
+        f"- One GPU trains the 32B shape under 11 GiB at {q32[0]['model_tflops']:.0f} model TFLOPS "
+        f"({q32[0]['bound_ms'] / q32[0]['time_ms']:.2f} of its bound) on this H200, after "
+        f"{sum(q32[0]['setup_s'].values()):.0f} s of set-up.",
+        "",
+        "7b-8l's forward of 4096 tokens (`--batch-size 1 --seq-len 4096`), each rank copying its shard of every layer "
+        "and an all-gather the rest; every rank's logits equal one GPU's bit for bit (`tests/test_ranks_gpu.py`):",
+        "",
+        *table(
+            [
+                "GPUs",
+                "time (ms)",
+                "against resident",
+                "bound (ms)",
+                "efficiency",
+                "a layer's copy (ms)",
+                "a layer's compute (ms)",
+            ],
+            forward,
+        ),
+        "",
+        "One GPU's 7b-8l step shapes, `--batch-size 1 --seq-len 4096 --grad-accum K`, the resident units' Adam counted "
+        "in the GPU's compute:",
+        "",
+        *table(["micro-batches", "step (ms)", "bound (ms)", "of it: resident units' Adam (ms)", "efficiency"], shapes),
+        "",
+    ]
+
+
 def sources_section(runs: dict) -> list[str]:
     """The last section: each JSON and trace the report reads, with the script versions that made them."""
-    paths = {**SOURCES, **LATER_SOURCES, **TEXT_SOURCES, **RANK_SOURCES}
+    paths = {**SOURCES, **LATER_SOURCES, **TEXT_SOURCES, **RANK_SOURCES, **FOUR_SOURCES}
     rows = [
         [f"`{paths[name]}`", r.get("script_sha256", "(host_probe.py)")[:12], r.get("peers_sha256", "")[:12]]
         for name, r in runs.items()
@@ -1821,6 +1956,7 @@ def build() -> str:
         ablations_section(runs),
         text_section(runs),
         ranks_section(runs),
+        four_gpus_section(runs),
         sources_section(runs),
     ):
         lines += section

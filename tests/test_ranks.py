@@ -556,7 +556,7 @@ def hosts_apart(folder) -> list[int]:
     run = disk_run(folder, ol.Ranks(0, 2, 0, 2))
     config = ol.llama_config(run)
     facts = ol.Facts(None, None, 10**12, ol.GiB, 1, 2, 2)
-    need = 2 * (sum(ol.host_parts(run, config, facts, None, 2).values()) + ol.HOST_MARGIN)  # the host's, 2 ranks'
+    need = ol.host_for(2 * (sum(ol.host_parts(run, config, facts, None, 2).values()) + ol.HOST_MARGIN))  # 2 ranks
     return [need - 8192, need]
 
 
@@ -614,16 +614,16 @@ def test_agreed_facts_are_the_smallest_machine_and_the_slowest_rates():
 
 def test_a_ranks_host_plan_counts_its_shards():
     """LLaMA-7B on 2 ranks of one host: each rank holds its shard of the masters, moments, copy and gradient buffers,
-    so with 110 GiB available the bfloat16 copy stays, and with 120 GiB every unit gets a float32 gradient buffer (a
-    plan sized for the whole model dropped the copy at 110 GiB and gave a rank 4 buffers at 120)."""
+    so with 110 GiB available the bfloat16 copy stays, and with 126 GiB every unit gets a float32 gradient buffer (a
+    plan sized for the whole model dropped the copy at 110 GiB and gave a rank only a few buffers)."""
     run = ol.RunConfig(preset="llama-7b", mode="overlapped", train=True, inference=False, grad_accum=2)
     run = ol.dataclasses.replace(run, ranks=ol.Ranks(0, 2, 0, 2))
     config = ol.llama_config(run)
     shards = ol.shard_numels(config, ol.Ranks(0, 2, 0, 2))
     assert 2 * sum(shards) - ol.param_count(config) < 4 * ol.ALIGN * len(shards)  # half a model each, padded
-    plans = {gib: ol.make_plan(run, config, machine(host_gib=gib, world=2)) for gib in (110, 120)}
+    plans = {gib: ol.make_plan(run, config, machine(host_gib=gib, world=2)) for gib in (110, 126)}
     assert plans[110].copy_dtype == "bfloat16" and plans[110].host["float32 masters"] == 4 * sum(shards)
-    assert plans[120].grad_buffers == len(shards) and plans[120].host["gradient buffers"] == 4 * sum(shards)
+    assert plans[126].grad_buffers == len(shards) and plans[126].host["gradient buffers"] == 4 * sum(shards)
 
 
 def test_a_placement_past_the_cap_is_refused_on_every_rank_alike():

@@ -209,7 +209,9 @@ def test_two_launchers_train_what_one_launchers_two_ranks_do(tmp_path):
     ended = [node.communicate(timeout=300) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], [stderr[-2000:] for _, stderr in ended]
     results = [json.loads((tmp_path / f"{n}.json").read_text())["results"]["overlapped"]["training"] for n in (1, 2)]
-    for key in ("losses", "evaluations", "samples"):
-        assert results[1][key] == results[0][key], key
+    assert results[1]["losses"] == results[0]["losses"]
+    assert results[1]["samples"] == results[0]["samples"]
+    held_out = [[(e["step"], e["tokens"], e["loss"]) for e in r["evaluations"]] for r in results]  # less their times
+    assert held_out[1] == held_out[0]
     assert_same_checkpoint(tmp_path / "one", tmp_path / "two")
     assert [len(list((tmp_path / f"cache{node}").glob("tokens-*.bin"))) for node in (0, 1)] == [1, 1]

@@ -514,9 +514,9 @@ def test_clipping_without_host_room_for_every_gradient_is_refused():
     config = ol.llama_config(run)
     units = len(ol.model_units(config))
     least = sum(ol.host_parts(run, config, machine(), None, units).values())  # no copy, a buffer per unit
-    with pytest.raises(ol.UsageError, match=r"\(1\.0 GiB short; the largest parts: .*gradient buffers"):
-        planned(run, machine(host_gib=least / ol.GiB - 1))
-    plan = planned(run, machine(host_gib=least / ol.GiB))
+    with pytest.raises(ol.UsageError, match=r"; 1\.0 GiB short; the largest parts: .*gradient buffers"):
+        planned(run, machine(host_gib=ol.host_for(least - ol.GiB) / ol.GiB))
+    plan = planned(run, machine(host_gib=ol.host_for(least) / ol.GiB))
     assert plan.grad_buffers == units and plan.copy_dtype is None
 
 
