@@ -1252,7 +1252,7 @@ def build_model(run: RunConfig, config: LlamaConfig) -> LlamaForCausalLM:
     dtype, n = run.torch_dtype, param_count(config)
     size = size_text(n * dtype.itemsize)
     if draws_units(run):
-        log(f"{run.preset}: {count_text(n)} {run.dtype} parameters, drawn unit by unit into the masters")
+        log(f"{run.preset}: {count_text(n)} {run.dtype} parameters, drawn straight into the masters")
     else:
         log(f"building {run.model or run.preset} on the CPU: {count_text(n)} {run.dtype} parameters, {size}")
     t0 = time.perf_counter()
@@ -1353,27 +1353,22 @@ def first_line(e: BaseException) -> str:
 
 
 def draws_units(run: RunConfig) -> bool:
-    """Whether the random model is drawn one unit at a time, each into its masters and freed (drawn_unit): one offloaded
-    mode trains alone (lean), so nothing else reads the CPU model, and the host never holds it whole."""
+    """Whether the random model is drawn straight into the masters (draw_masters): one offloaded mode trains alone
+    (lean), so nothing else reads the CPU model, and the host never holds it."""
     return run.lean and run.model is None and not run.fwd_bwd_reference
 
 
 @torch.no_grad()
-def init_random(model: LlamaForCausalLM, seed: int, prefix: str = "", names=None) -> None:
-    """HF's LLaMA initialisation of a meta-device model, or of its submodule `prefix` alone (the rest stays on the meta
-    device; its weights are the whole model's draw): weights N(0, initializer_range), norms 1. Each weight is drawn
+def init_random(model: LlamaForCausalLM, seed: int) -> None:
+    """HF's LLaMA initialisation of a meta-device model: weights N(0, initializer_range), norms 1. Each weight is drawn
     in chunks of DRAW_CHUNK elements in parallel, each chunk from a generator seeded by its place in the model, in
-    float32 (four times faster than in 16 bits) and rounded to the weight's dtype. names: of the submodule's weights,
-    those to draw (the others are left unset), default all."""
+    float32 (four times faster than in 16 bits) and rounded to the weight's dtype (draw_masters draws the same)."""
     config = model.config
-    module = model.get_submodule(prefix)  # "": the model
-    module.to_empty(device="cpu")
-    inside = f"{prefix}." if prefix else ""
-    weights = [(name, p) for name, p in model.named_parameters() if p.dim() > 1]
+    model.to_empty(device="cpu")
+    weights = [p for p in model.parameters() if p.dim() > 1]
     chunks = [  # no_grad does not reach the pool threads: the tensors are detached
         (chunk, (seed << 32) + (i << 16) + j)
-        for i, (name, p) in enumerate(weights)
-        if name.startswith(inside) and (names is None or name.removeprefix(inside) in names)
+        for i, p in enumerate(weights)
         for j, chunk in enumerate(p.detach().view(-1).split(DRAW_CHUNK))
     ]
 
@@ -1386,24 +1381,56 @@ def init_random(model: LlamaForCausalLM, seed: int, prefix: str = "", names=None
 
     with ThreadPoolExecutor(torch.get_num_threads()) as pool:  # normal_ releases the GIL; a rank's share of the cores
         list(pool.map(lambda pair: draw(*pair), chunks))
-    for p in module.parameters():
+    for p in model.parameters():
         if p.dim() == 1:
             p.fill_(1.0)  # RMSNorm weights
-    if config.pad_token_id is not None and "model.embed_tokens.".startswith(inside):
+    if config.pad_token_id is not None:
         model.model.embed_tokens.weight[config.pad_token_id].zero_()
-    if not prefix:
-        model.model.rotary_emb = LlamaRotaryEmbedding(config)  # its buffers are computed, not drawn
+    model.model.rotary_emb = LlamaRotaryEmbedding(config)  # its buffers are computed, not drawn
 
 
-@contextlib.contextmanager
-def drawn_unit(model: LlamaForCausalLM, seed: int, name: str, names=None):
-    """Unit `name` of a meta-device model drawn as init_random draws the whole model (of its parameters, `names`), for
-    the block; then freed."""
-    init_random(model, seed, name, names)
-    try:
-        yield
-    finally:
-        model.get_submodule(name).to("meta")
+def draw_masters(store, model: LlamaForCausalLM, seed: int) -> None:
+    """The weights init_random draws for the meta-device `model`, rounded to its dtype, written straight into `store`'s
+    float32 masters (a rank: into its shards): no CPU model is built, and the chunks of every unit are drawn at once
+    over the rank's threads, each from its own generator as init_random seeds it. Norms 1, the pad token's row 0."""
+    config, dtype = model.config, next(model.parameters()).dtype
+    index = {name: i for i, name in enumerate(n for n, p in model.named_parameters() if p.dim() > 1)}
+
+    def draw(master, start, span, chunk, chunk_seed) -> None:
+        """One chunk of a weight, drawn in float32 and rounded through the model's dtype; its part within `span` (of
+        the unit's flat buffer) written into the master, a shard from element `start` on."""
+        (a, b), (lo, hi) = chunk, span
+        values = torch.empty(b - a, dtype=torch.float32)
+        values.normal_(0.0, config.initializer_range, generator=torch.Generator().manual_seed(chunk_seed))
+        values.copy_(values.to(dtype))  # nothing to round in float32
+        master[max(a, lo) - start : min(b, hi) - start].copy_(values[max(a, lo) - a : min(b, hi) - a])
+
+    spans, jobs = weight_spans(store), []
+    for name, master, start, o, lo, hi, numel in spans:
+        if name not in index:  # a norm's weight
+            master[lo - start : hi - start].fill_(1.0)
+            continue
+        for j in range((lo - o) // DRAW_CHUNK, (hi - 1 - o) // DRAW_CHUNK + 1):  # the chunks with elements in [lo, hi)
+            chunk = (o + j * DRAW_CHUNK, o + min(numel, (j + 1) * DRAW_CHUNK))
+            jobs.append((master, start, (lo, hi), chunk, (seed << 32) + (index[name] << 16) + j))
+    with ThreadPoolExecutor(torch.get_num_threads()) as pool:  # normal_ releases the GIL; a rank's share of the cores
+        list(pool.map(lambda job: draw(*job), jobs))
+    for name, master, start, o, lo, hi, _ in spans:
+        if name == "model.embed_tokens.weight" and config.pad_token_id is not None:
+            row = o + config.pad_token_id * config.hidden_size
+            master[max(row, lo) - start : max(min(row + config.hidden_size, hi), lo) - start].zero_()
+
+
+def weight_spans(store) -> list[tuple]:
+    """(HF name, master, where its shard starts, the parameter's offset, lo, hi, its numel) of each parameter with
+    elements [lo, hi) of its unit's flat buffer in this rank's shard of `store`'s masters."""
+    spans = []
+    for unit, master in zip(store.units, store.masters, strict=True):
+        start = store.ranks.rank * master.numel()
+        numels = dict(zip(unit.layout.names, (shape.numel() for shape in unit.layout.shapes), strict=True))
+        for name, o, lo, hi in unit.layout.spans(start, start + master.numel()):
+            spans.append((f"{unit.name}.{name}", master, start, o, lo, hi, numels[name]))
+    return spans
 
 
 def param_count(config: LlamaConfig) -> int:
@@ -2114,16 +2141,16 @@ class MasterStore:
             self.pinned_moments.add(u)
 
     @torch.no_grad()
-    def load(self, model: LlamaForCausalLM, unit_source=None) -> None:
+    def load(self, model: LlamaForCausalLM, drawn_seed: int | None = None) -> None:
         """Start from `model`'s weights (a rank: those in its shards) with fresh Adam state, the moments zeroed at each
-        unit's first step, once a lean run has freed the model's layers (the host's peak stays at its steady state).
-        unit_source(name, names): a block in which unit `name` of a meta-device model holds its parameters `names`."""
+        unit's first step; or, drawn_seed given, from the random model init_random draws for `model`, a meta-device
+        model, drawn straight into the masters (draw_masters)."""
+        if drawn_seed is not None:
+            draw_masters(self, model, drawn_seed)
         for u, (unit, master) in enumerate(zip(self.units, self.masters, strict=True)):
-            get = model.get_submodule(unit.name).get_parameter
             start = self.ranks.rank * master.numel()  # where this rank's shard starts in the unit's flat buffer
-            names = [name for name, *_ in unit.layout.spans(start, start + master.numel())]
-            with unit_source(unit.name, names) if unit_source else contextlib.nullcontext():
-                unit.layout.fill(master, get, start)
+            if drawn_seed is None:
+                unit.layout.fill(master, model.get_submodule(unit.name).get_parameter, start)
             if self.copies:
                 self.copies[u].copy_(master)
             self.steps[u].zero_()
@@ -6863,7 +6890,7 @@ def run_modes(run: RunConfig, plan: Plan, model, store, masters, input_ids, trai
             free_gpu_memory()
         if run.train and mode in ("blocked", "overlapped"):
             t0 = time.perf_counter()
-            masters.load(model, functools.partial(drawn_unit, model, run.seed) if draws_units(run) else None)
+            masters.load(model, run.seed if draws_units(run) else None)
             masters.setup_s["weights"] = time.perf_counter() - t0
             log(f"mode {mode}: the model's weights in the masters in {masters.setup_s['weights']:.1f} s")
             if run.lean:  # the masters hold the layers now: 2 bytes per parameter less on the host

@@ -82,9 +82,12 @@ def test_random_init_is_hf_llama_init_and_independent_of_thread_count(monkeypatc
     assert not torch.equal(model.model.layers[0].mlp.up_proj.weight, model.model.layers[1].mlp.up_proj.weight)
 
 
-def test_drawing_unit_by_unit_gives_the_whole_draw_and_frees_each_unit():
-    """A lean run draws each unit into its masters and frees it: the weights are the whole model's draw, bit for bit
-    (the pad row zeroed too), and the CPU model holds none of them afterwards."""
+@pytest.mark.parametrize("ranks", [ol.Ranks(), ol.Ranks(1, 3, 1, 3)])
+def test_drawing_into_the_masters_gives_the_whole_draw(ranks, monkeypatch):
+    """A lean run draws the random model straight into its masters (a rank: into its shards, which cut weights and
+    their chunks apart): the whole model's draw rounded to its dtype, bit for bit (the pad row zeroed too), and no
+    CPU model is built. Chunks of 1000 elements, so that weights and shards span several."""
+    monkeypatch.setattr(ol, "DRAW_CHUNK", 1000)
     run = ol.RunConfig(preset="tiny", mode="overlapped", train=True, inference=False, dtype="bfloat16", seq_len=32)
     run = ol.dataclasses.replace(run, sizes=(("vocab_size", 300),))
     assert ol.draws_units(run) and not ol.draws_units(ol.dataclasses.replace(run, fwd_bwd_reference=True))
@@ -94,12 +97,16 @@ def test_drawing_unit_by_unit_gives_the_whole_draw_and_frees_each_unit():
     lazy = ol.build_model(run, config)
     assert all(p.device.type == "meta" for p in lazy.parameters())
     units = ol.model_units(config)
-    store = ol.MasterStore(units, run.adam, pin=False, grad_dtype=torch.bfloat16, copy_dtype=torch.bfloat16)
-    store.load(lazy, ol.functools.partial(ol.drawn_unit, lazy, run.seed))
+    dtypes = {"grad_dtype": torch.bfloat16, "copy_dtype": torch.bfloat16}
+    store = ol.MasterStore(units, run.adam, pin=False, **dtypes, ranks=ranks)
+    store.load(lazy, run.seed)
     assert all(p.device.type == "meta" for p in lazy.parameters())
-    expected = ol.MasterStore(units, run.adam, pin=False, grad_dtype=torch.bfloat16, copy_dtype=torch.bfloat16)
+    expected = ol.MasterStore(units, run.adam, pin=False, **dtypes)
     expected.load(whole)
-    assert all(torch.equal(a, b) for a, b in zip(store.masters, expected.masters, strict=True))
+    for got, whole_flat in zip(store.masters, expected.masters, strict=True):
+        start = ranks.rank * got.numel()
+        n = max(0, min(got.numel(), whole_flat.numel() - start))  # the last shard runs past the padded unit
+        assert torch.equal(got[:n], whole_flat[start : start + n])
     assert torch.all(whole.model.embed_tokens.weight[7] == 0)
 
 

@@ -134,7 +134,7 @@ def test_a_probe_runs_the_cli_with_the_same_settings(flags):
 
 
 def test_a_lean_run_counts_no_compute_copy_of_the_model():
-    """Training one offloaded mode without inference draws the random model unit by unit into the masters: the host
+    """Training one offloaded mode without inference draws the random model straight into the masters: the host
     never holds it in the compute dtype; with inference it does, 2 bytes a parameter in bfloat16. Either way the
     masters take 4 bytes a parameter and the moments 8 (the units' padding included)."""
     lean = ol.dataclasses.replace(tiny_run(), mode="overlapped", train=True, inference=False, dtype="bfloat16")
