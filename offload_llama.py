@@ -1367,20 +1367,15 @@ def init_random(model: LlamaForCausalLM, seed: int) -> None:
     model.to_empty(device="cpu")
     weights = [p for p in model.parameters() if p.dim() > 1]
     chunks = [  # no_grad does not reach the pool threads: the tensors are detached
-        (chunk, (seed << 32) + (i << 16) + j)
-        for i, p in enumerate(weights)
-        for j, chunk in enumerate(p.detach().view(-1).split(DRAW_CHUNK))
+        (chunk, i, j) for i, p in enumerate(weights) for j, chunk in enumerate(p.detach().view(-1).split(DRAW_CHUNK))
     ]
 
-    def draw(chunk: torch.Tensor, chunk_seed: int) -> None:
-        """One chunk's normal draw, from its own generator."""
-        generator = torch.Generator().manual_seed(chunk_seed)
-        values = chunk if chunk.dtype == torch.float32 else torch.empty(chunk.shape, dtype=torch.float32)
-        values.normal_(0.0, config.initializer_range, generator=generator)
-        chunk.copy_(values)  # nothing to do in float32
+    def draw(chunk: torch.Tensor, i: int, j: int) -> None:
+        """Chunk j of weight i, rounded to its dtype."""
+        chunk.copy_(drawn_chunk(seed, i, j, chunk.numel(), config.initializer_range))
 
     with ThreadPoolExecutor(torch.get_num_threads()) as pool:  # normal_ releases the GIL; a rank's share of the cores
-        list(pool.map(lambda pair: draw(*pair), chunks))
+        list(pool.map(lambda job: draw(*job), chunks))
     for p in model.parameters():
         if p.dim() == 1:
             p.fill_(1.0)  # RMSNorm weights
@@ -1396,12 +1391,11 @@ def draw_masters(store, model: LlamaForCausalLM, seed: int) -> None:
     config, dtype = model.config, next(model.parameters()).dtype
     index = {name: i for i, name in enumerate(n for n, p in model.named_parameters() if p.dim() > 1)}
 
-    def draw(master, start, span, chunk, chunk_seed) -> None:
-        """One chunk of a weight, drawn in float32 and rounded through the model's dtype; its part within `span` (of
-        the unit's flat buffer) written into the master, a shard from element `start` on."""
+    def draw(master, start, span, chunk, i, j) -> None:
+        """Chunk j of weight i (its elements [a, b) of the unit's flat buffer), rounded through the model's dtype; its
+        part within `span` written into the master, a shard from element `start` on."""
         (a, b), (lo, hi) = chunk, span
-        values = torch.empty(b - a, dtype=torch.float32)
-        values.normal_(0.0, config.initializer_range, generator=torch.Generator().manual_seed(chunk_seed))
+        values = drawn_chunk(seed, i, j, b - a, config.initializer_range)
         values.copy_(values.to(dtype))  # nothing to round in float32
         master[max(a, lo) - start : min(b, hi) - start].copy_(values[max(a, lo) - a : min(b, hi) - a])
 
@@ -1412,13 +1406,20 @@ def draw_masters(store, model: LlamaForCausalLM, seed: int) -> None:
             continue
         for j in range((lo - o) // DRAW_CHUNK, (hi - 1 - o) // DRAW_CHUNK + 1):  # the chunks with elements in [lo, hi)
             chunk = (o + j * DRAW_CHUNK, o + min(numel, (j + 1) * DRAW_CHUNK))
-            jobs.append((master, start, (lo, hi), chunk, (seed << 32) + (index[name] << 16) + j))
+            jobs.append((master, start, (lo, hi), chunk, index[name], j))
     with ThreadPoolExecutor(torch.get_num_threads()) as pool:  # normal_ releases the GIL; a rank's share of the cores
         list(pool.map(lambda job: draw(*job), jobs))
     for name, master, start, o, lo, hi, _ in spans:
         if name == "model.embed_tokens.weight" and config.pad_token_id is not None:
             row = o + config.pad_token_id * config.hidden_size
             master[max(row, lo) - start : max(min(row + config.hidden_size, hi), lo) - start].zero_()
+
+
+def drawn_chunk(seed: int, weight: int, chunk: int, numel: int, std: float) -> torch.Tensor:
+    """Chunk `chunk` (of DRAW_CHUNK elements) of weight `weight` of the random model drawn from `seed`: `numel` float32
+    normal values from a generator of the chunk's own, so that chunks can be drawn on any thread, in any order."""
+    generator = torch.Generator().manual_seed((seed << 32) + (weight << 16) + chunk)
+    return torch.empty(numel, dtype=torch.float32).normal_(0.0, std, generator=generator)
 
 
 def weight_spans(store) -> list[tuple]:

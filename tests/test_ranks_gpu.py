@@ -182,13 +182,14 @@ def test_a_checkpoint_of_n_gpus_goes_on_over_m(tmp_path, saved, now):
     assert_masters_close(got["masters"], ref["masters"], 6)
 
 
-def launcher(node: int, port: int, args) -> subprocess.Popen:
-    """One of two `torchrun --nnodes 2` launchers on this host, as on a host of its own: one rank, on GPU `node`."""
+def launcher(node: int, port: int, args, log) -> subprocess.Popen:
+    """One of two `torchrun --nnodes 2` launchers on this host, as on a host of its own: one rank, on GPU `node`; its
+    output into the file `log` (a pipe left unread could fill and stop it while the other is waited for)."""
     env = {name: value for name, value in os.environ.items() if name != "PYTHONDONTWRITEBYTECODE"}
     env["CUDA_VISIBLE_DEVICES"] = str(node)
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node)]
     command += ["--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", str(SCRIPT), *map(str, args)]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
 def test_two_launchers_train_what_one_launchers_two_ranks_do(tmp_path):
@@ -198,16 +199,21 @@ def test_two_launchers_train_what_one_launchers_two_ranks_do(tmp_path):
     folder = corpus(tmp_path / "corpus")
     args = [*TINY, "--vocab-size", 512, "--seq-len", 64, "--batch-size", 2, "--grad-accum", 2, "--no-inference"]
     args += ["--data", folder, "--train-tokenizer", 300, "--eval-every", 3, "--sample", "def", "--sample-tokens", 8]
-    one = [*args, "--data-cache", tmp_path / "cache", "--checkpoint", tmp_path / "one", "--json", tmp_path / "1.json"]
-    one = run(one, 2)
-    assert one.returncode == 0, one.stderr[-3000:]
+    alone = run(
+        [*args, "--data-cache", tmp_path / "cache", "--checkpoint", tmp_path / "one", "--json", tmp_path / "1.json"], 2
+    )
+    assert alone.returncode == 0, alone.stderr[-3000:]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     two = [*args, "--checkpoint", tmp_path / "two", "--json", tmp_path / "2.json"]
-    nodes = [launcher(node, port, [*two, "--data-cache", tmp_path / f"cache{node}"]) for node in (0, 1)]
-    ended = [node.communicate(timeout=300) for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], [stderr[-2000:] for _, stderr in ended]
+    logs = [tmp_path / f"node{node}.log" for node in (0, 1)]
+    with logs[0].open("w") as log0, logs[1].open("w") as log1:
+        nodes = [
+            launcher(n, port, [*two, "--data-cache", tmp_path / f"cache{n}"], log) for n, log in enumerate((log0, log1))
+        ]
+        codes = [node.wait(timeout=300) for node in nodes]
+    assert codes == [0, 0], [log.read_text()[-2000:] for log in logs]
     results = [json.loads((tmp_path / f"{n}.json").read_text())["results"]["overlapped"]["training"] for n in (1, 2)]
     assert results[1]["losses"] == results[0]["losses"]
     assert results[1]["samples"] == results[0]["samples"]
