@@ -1412,7 +1412,9 @@ def draw_masters(store, model: LlamaForCausalLM, seed: int) -> None:
     for name, master, start, o, lo, hi, _ in spans:
         if name == "model.embed_tokens.weight" and config.pad_token_id is not None:
             row = o + config.pad_token_id * config.hidden_size
-            master[max(row, lo) - start : max(min(row + config.hidden_size, hi), lo) - start].zero_()
+            x, y = max(row, lo), min(row + config.hidden_size, hi)  # the pad row's part in this shard
+            if x < y:
+                master[x - start : y - start].zero_()
 
 
 def drawn_chunk(seed: int, weight: int, chunk: int, numel: int, std: float) -> torch.Tensor:
@@ -3780,11 +3782,6 @@ def gpu_budget(run: RunConfig, facts: Facts) -> int | None:
     if run.max_gpu_memory is None:
         return None
     return int(min(run.max_gpu_memory * GiB, facts.gpu_bytes or math.inf)) - PLAN_MARGIN
-
-
-def host_for(planned: int) -> int:
-    """The least host memory (one rank's) that plans for `planned` bytes: HOST_SLACK of it stays free."""
-    return -(-planned * 100 // (100 - HOST_SLACK))
 
 
 def host_spare(run, config, facts: Facts, copy, buffers: int, margin: int = HOST_MARGIN) -> int | None:

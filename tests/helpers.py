@@ -35,6 +35,11 @@ def machine(gpu_gib=80.0, host_gib=None, disk_bytes=None, process=ol.GiB, world=
     return ol.Facts(gpu, host, disk_bytes, process, 16, world, world)
 
 
+def host_for(planned: int) -> int:
+    """The least host memory (one rank's) that plans for `planned` bytes: ol.HOST_SLACK percent of it stays free."""
+    return -(-planned * 100 // (100 - ol.HOST_SLACK))
+
+
 def planned(run: ol.RunConfig, facts: ol.Facts) -> ol.Plan:
     """`run`'s plan on the machine `facts` describe, checked as a run checks it (check_plan refuses what won't fit)."""
     config = ol.llama_config(run)

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import offload_llama as ol
-from helpers import SCRIPT, tiny_run
+from helpers import SCRIPT, host_for, tiny_run
 
 TOOL = SCRIPT.parent / "report" / "find_largest.py"
 spec = importlib.util.spec_from_file_location("find_largest", TOOL)
@@ -51,17 +51,15 @@ def steady_process(monkeypatch):
 
 def test_host_limit_counts_the_training_state_of_each_layer(monkeypatch):
     run = ol.dataclasses.replace(tiny_run(), train=True, mode="overlapped")
-    total = ol.host_for(host_total(run, 3))
+    total = host_for(host_total(run, 3))
     monkeypatch.setattr(ol, "host_memory_available", lambda: total)
     assert fl.host_layer_limit(run, "overlapped") == 3
-    total = ol.host_for(host_total(run, 3)) - 1
+    total = host_for(host_total(run, 3)) - 1
     monkeypatch.setattr(ol, "host_memory_available", lambda: total)
     assert fl.host_layer_limit(run, "overlapped") == 2
     gpu = ol.dataclasses.replace(run, mode="gpu")  # --max-host-memory caps what the kernel has available
     assert (
-        fl.host_layer_limit(
-            ol.dataclasses.replace(gpu, max_host_memory=ol.host_for(host_total(gpu, 5)) / ol.GiB), "gpu"
-        )
+        fl.host_layer_limit(ol.dataclasses.replace(gpu, max_host_memory=host_for(host_total(gpu, 5)) / ol.GiB), "gpu")
         == 5
     )
 
@@ -71,7 +69,7 @@ def test_host_limit_with_the_disk_tier_counts_the_disk(monkeypatch, tmp_path):
     """With --nvme, more layers fit: the last layers' moments go to the disk, as far as its free space takes them (the
     staging buffers cost the host DISK_SLOTS layers' moments, so a few layers on the disk buy nothing)."""
     run = ol.dataclasses.replace(tiny_run(), train=True, mode="overlapped", nvme=str(tmp_path))
-    total = ol.host_for(host_total(run, 20))
+    total = host_for(host_total(run, 20))
     monkeypatch.setattr(ol, "host_memory_available", lambda: total)
     layer = ol.disk_unit_bytes(ol.llama_config(run))
     limits = []
@@ -91,7 +89,7 @@ def test_a_disk_as_large_as_needed_is_arithmetic_from_the_run_found(monkeypatch,
     """With --nvme, the search adds what a disk as large as needed would give (marked as arithmetic): the most layers
     the host holds with their moments on the disk, and the step found scaled by the disk bytes."""
     run = ol.dataclasses.replace(tiny_run(), train=True, mode="overlapped", nvme=str(tmp_path))
-    total = ol.host_for(host_total(run, 20))
+    total = host_for(host_total(run, 20))
     monkeypatch.setattr(ol, "host_memory_available", lambda: total)
     layer = ol.disk_unit_bytes(ol.llama_config(run))
     monkeypatch.setattr(ol.shutil, "disk_usage", lambda _: ol.shutil._ntuple_diskusage(0, 0, 5 * layer))
@@ -170,7 +168,7 @@ def test_find_largest_needs_a_preset(tmp_path):
 def test_the_layer_past_the_host_limit_is_refused_for_host_memory(monkeypatch):
     """Unprobed, the layer past the host's limit says what the plan needs of the host (check_host's line)."""
     run = ol.dataclasses.replace(tiny_run(), train=True, mode="overlapped")
-    total = ol.host_for(host_total(run, 3))
+    total = host_for(host_total(run, 3))
     monkeypatch.setattr(ol, "host_memory_available", lambda: total)
     why = fl.limit(run, "overlapped", ol.llama_config(run), 3, None)
     assert why.startswith("with 4 layers, the run needs") and "of host memory" in why, why
@@ -179,7 +177,7 @@ def test_the_layer_past_the_host_limit_is_refused_for_host_memory(monkeypatch):
 def test_the_layer_past_the_disk_limit_is_refused_for_the_disk(monkeypatch, tmp_path):
     """Unprobed, the layer past the limit that the host would hold, were the disk larger, names the disk."""
     run = ol.dataclasses.replace(tiny_run(), train=True, mode="overlapped", nvme=str(tmp_path))
-    total = ol.host_for(host_total(run, 3))
+    total = host_for(host_total(run, 3))
     monkeypatch.setattr(ol, "host_memory_available", lambda: total)
     monkeypatch.setattr(ol.shutil, "disk_usage", lambda _: ol.shutil._ntuple_diskusage(0, 0, 0))  # no room on it
     n = fl.host_layer_limit(run, "overlapped")

@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from test_data import data_run
 
 import offload_llama as ol
-from helpers import assert_masters_close, build, machine, planned, run_main, tiny_run
+from helpers import assert_masters_close, build, host_for, machine, planned, run_main, tiny_run
 
 CPU = torch.device("cpu")
 STEPS = 3
@@ -556,7 +556,7 @@ def hosts_apart(folder) -> list[int]:
     run = disk_run(folder, ol.Ranks(0, 2, 0, 2))
     config = ol.llama_config(run)
     facts = ol.Facts(None, None, 10**12, ol.GiB, 1, 2, 2)
-    need = ol.host_for(2 * (sum(ol.host_parts(run, config, facts, None, 2).values()) + ol.HOST_MARGIN))  # 2 ranks
+    need = host_for(2 * (sum(ol.host_parts(run, config, facts, None, 2).values()) + ol.HOST_MARGIN))  # 2 ranks
     return [need - 8192, need]
 
 

@@ -9,7 +9,18 @@ import pytest
 import torch
 
 import offload_llama as ol
-from helpers import assert_masters_close, build, cli, machine, offloaded_trainer, planned, run_main, tiny_run, train
+from helpers import (
+    assert_masters_close,
+    build,
+    cli,
+    host_for,
+    machine,
+    offloaded_trainer,
+    planned,
+    run_main,
+    tiny_run,
+    train,
+)
 
 CPU = torch.device("cpu")
 
@@ -515,8 +526,8 @@ def test_clipping_without_host_room_for_every_gradient_is_refused():
     units = len(ol.model_units(config))
     least = sum(ol.host_parts(run, config, machine(), None, units).values())  # no copy, a buffer per unit
     with pytest.raises(ol.UsageError, match=r"; 1\.0 GiB short; the largest parts: .*gradient buffers"):
-        planned(run, machine(host_gib=ol.host_for(least - ol.GiB) / ol.GiB))
-    plan = planned(run, machine(host_gib=ol.host_for(least) / ol.GiB))
+        planned(run, machine(host_gib=host_for(least - ol.GiB) / ol.GiB))
+    plan = planned(run, machine(host_gib=host_for(least) / ol.GiB))
     assert plan.grad_buffers == units and plan.copy_dtype is None
 
 
