@@ -107,6 +107,7 @@ CHECKPOINT_FORMAT = 1
 DISK_BLOCK = 4096  # bytes: direct I/O moves whole blocks between block-aligned memory and file offsets
 DISK_SLOTS = 2  # the disk tier's staging buffers: one unit stepped while the disk reads the next or writes one back
 DISK_CALL = 2**28  # bytes one read or write call moves at most (Linux moves under 2 GiB per call)
+SETTLE_S = 1.5  # seconds the bound times its GPU compute parts after: a loaded GPU's power cap slows its clocks
 RESIDENT_SCRATCH = 2**24  # elements: the bound times the resident units' Adam over scratch state this size
 TOUCH_CHUNK = 2**26  # bytes: fresh host memory is first written by the rank's threads in chunks this size
 DRAW_CHUNK = 2**24  # elements: a random weight is drawn in chunks this size, each from a generator of its own
@@ -4756,12 +4757,38 @@ def run_tasks(tasks, done: int, last: int, clock: StepClock) -> None:
 
 def time_round(fns: dict, parts: dict[str, list[float]], ranks: Ranks) -> None:
     """Time each of `fns` (name -> (device, fn)) once, alone, into `parts`; their outputs and scratch memory are freed
-    on return, before the steps resume and their host peak restarts. With several ranks, all start each part
-    together: in a step they share the host's memory, and a part timed while the others wait would have it alone."""
+    on return, before the steps resume and their host peak restarts. The GPU compute parts (Compute) go first, once
+    the GPU has run them for SETTLE_S (settle_clocks). With several ranks, all start each part together: in a step
+    they share the host's memory, and a part timed while the others wait would have it alone."""
     check_same(ranks, list(fns), "the bound's parts")
-    for name, (device, fn) in fns.items():
+    compute = [name for name, (_, fn) in fns.items() if isinstance(fn, Compute)]
+    settle_clocks([fns[name] for name in compute])
+    for name in [*compute, *(name for name in fns if name not in compute)]:
+        device, fn = fns[name]
         ranks.meet()
         parts[name].append(timed(fn, device)[0])
+
+
+class Compute:
+    """A part of the training bound that is GPU compute, which time_round times at settled clocks (settle_clocks)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self):
+        """Run the part."""
+        return self.fn()
+
+
+def settle_clocks(fns: list) -> None:
+    """Run the GPU compute parts `fns` ((device, fn) each) in turn, untimed, for SETTLE_S: a step loads the GPU for
+    seconds, and its power cap then holds the clocks below the boost that a part timed from idle runs at."""
+    end = time.perf_counter() + SETTLE_S
+    while fns and time.perf_counter() < end:
+        for device, fn in fns:
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # one part at a time queued, so the loop ends near SETTLE_S
 
 
 def check_same(ranks: Ranks, value, what: str) -> None:
@@ -6067,23 +6094,23 @@ def resident_forward_backward(model: LlamaForCausalLM, input_ids: torch.Tensor, 
 
 def train_bound_parts(trainer: OffloadedTraining, micro_batches, device) -> dict:
     """The parts of what a training step cannot beat, as functions to time alone (name -> (device, fn)), built anew
-    for each round: each kind of unit's GPU compute (and its forward alone, where updates are held), the resident
-    units' Adam, a step's H2D copies, its D2H copies, the CPU Adam over scratch state as large as the largest unit
-    it steps (at most ADAM_SCRATCH: the scratch is host memory beside the run's), `host`: that Adam with the copy
-    engines moving its share of a step's copies, and with the disk tier, its reads and writes of a step
-    (disk_cycle)."""
+    for each round: each kind of unit's GPU compute (and its forward alone, where updates are held) and the resident
+    units' Adam (Compute, timed at settled clocks), a step's H2D copies, its D2H copies, the CPU Adam over scratch
+    state as large as the largest unit it steps (at most ADAM_SCRATCH: the scratch is host memory beside the run's),
+    `host`: that Adam with the copy engines moving its share of a step's copies, and with the disk tier, its reads
+    and writes of a step (disk_cycle)."""
     kinds = [u.kind for u in trainer.units]
     fns = {}
     for kind in dict.fromkeys(kinds):
         forward, backward = unit_passes(trainer, kinds.index(kind), micro_batches, device)
-        fns[kind] = (device, lambda forward=forward, backward=backward: backward(forward()))
+        fns[kind] = (device, Compute(lambda forward=forward, backward=backward: backward(forward())))
         if trainer.holds_updates:
-            fns[f"{kind}_forward"] = (device, forward)
+            fns[f"{kind}_forward"] = (device, Compute(forward))
     if trainer.streamer.streamed:
         fns |= {"h2d": (device, lambda: copy_in(trainer)), "d2h": (device, lambda: copy_out(trainer))}
     resident = resident_numels(trainer)
     if resident:
-        fns["resident_adam"] = (device, lambda: resident_adam(trainer, resident, device))
+        fns["resident_adam"] = (device, Compute(lambda: resident_adam(trainer, resident, device)))
     on_cpu, _ = cpu_and_gpu_adam_units(trainer)
     if on_cpu:  # the CPU Adam steps something
         big, numel = max(on_cpu, key=on_cpu.get), adam_timed_numel(on_cpu)
@@ -6652,7 +6679,7 @@ def bound_note(mode: str, t: dict) -> str:
     adam = f", the resident units' Adam {t['resident_adam_ms']:.1f}" if "resident_adam_ms" in t else ""
     return (
         f"{mode} training bound, each part alone (best of {rounds} rounds): GPU compute {t['gpu_compute_ms']:.1f} ms "
-        f"(forward, recompute, backward{adam}){copies}{host}{disk}{held}"
+        f"(forward, recompute, backward{adam}; after {SETTLE_S:g} s of load){copies}{host}{disk}{held}"
     )
 
 

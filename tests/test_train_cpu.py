@@ -455,6 +455,22 @@ def test_every_rank_starts_each_bound_part_together(monkeypatch):
     assert events == ["meet", "a", "meet", "b"] and sorted(parts) == ["a", "b"]
 
 
+def test_compute_parts_are_timed_first_after_running_for_the_settling_time(monkeypatch):
+    """A round times the GPU compute parts (Compute) first, once they have run in turn, untimed, for SETTLE_S: the
+    clocks of a GPU under a step's load settle below their boost, and a part timed from idle would beat the step."""
+    events, parts, clock = [], ol.collections.defaultdict(list), [0.0]
+    monkeypatch.setattr(ol.time, "perf_counter", lambda: clock[0])
+
+    def compute(name):
+        """A compute part that takes 0.5 s of the fake clock."""
+        return ol.Compute(lambda: (events.append(name), clock.__setitem__(0, clock[0] + 0.5)))
+
+    fns = {"copy": (CPU, lambda: events.append("copy")), "a": (CPU, compute("a")), "b": (CPU, compute("b"))}
+    ol.time_round(fns, parts, ol.Ranks())
+    rounds = ol.math.ceil(ol.SETTLE_S / 1.0)  # each round of a and b takes 1 s
+    assert events == ["a", "b"] * rounds + ["a", "b", "copy"] and list(parts) == ["a", "b", "copy"]
+
+
 @pytest.mark.parametrize("k", [1, 2])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_clipped_training_equals_clip_grad_norm(dtype, k):
