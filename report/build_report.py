@@ -66,14 +66,28 @@ LATER_SOURCES = {"small_host_7b8l": "results/small_host/small_host_7b8l.json"}
 TEXT_SOURCES = {name: f"results/text/{name}.json" for name in ("text_stdlib", "text_steps_data", "text_steps_random")}
 # made on the two-GPU machine by the several-GPU versions (issue 46), each run beside its one-GPU run by one version:
 # section 13, which names each row's version; host_probe (report/host_probe.py) ran in the 7b-8l rows' call
-# made on the four-GPU machine (four H200s that call) by one version in three calls: section 14
+# made on the four-GPU machine (four H200s each time): calls A-B by one version, D-F by a later one and G by the one
+# whose bound times the compute at settled clocks, each call's rows compared with each other: section 14
 FOUR_SOURCES = {
-    f"four_{name}": f"results/four_gpus/{call}_{name}.json"
+    f"four_{call}_{name}" if call > "c" else f"four_{name}": f"results/four_gpus/{call}_{name}.json"
     for call, names in (
         ("a", ("inf_1", "inf_2", "inf_4", "l7_1", "l7_2", "l7_4", "s_1", "s_4", "s_16")),
         ("b", ("q32_1", "q32_4")),
+        ("d", ("l7_4t", "l7_4c2", "inf_2", "inf_4")),
+        ("e", ("base", "prio", "carve16", "prio_carve8", "ctas32", "simple", "prio_simple")),
+        ("f", ("g1", "g1_share0", "g2_share0", "g4", "g4_share0")),
+        ("g", ("g1", "g2", "g4", "g4_share0")),
     )
     for name in names
+}
+NCCL_VARIANTS = {  # call E's runs: the environment each ran under (report/results/four_gpus/calls/x5b.sh)
+    "base": "none",
+    "prio": "the compute on a stream of the highest priority",
+    "carve16": "cuBLAS leaves 16 SMs out",
+    "prio_carve8": "both, 8 SMs",
+    "ctas32": "NCCL_MIN_CTAS=32",
+    "simple": "NCCL_PROTO=Simple",
+    "prio_simple": "highest priority and NCCL_PROTO=Simple",
 }
 RANK_SOURCES = {
     name: f"results/ranks/{name}.json"
@@ -1909,6 +1923,63 @@ def four_gpus_section(runs: dict) -> list[str]:
         "in the GPU's compute:",
         "",
         *table(["micro-batches", "step (ms)", "bound (ms)", "of it: resident units' Adam (ms)", "efficiency"], shapes),
+        "",
+        *several_gpu_loss_section(runs),
+    ]
+
+
+def settled_row(call: str, name: str, runs: dict) -> list[str]:
+    """A row of the settled-clock table: LLaMA-7B in a run of call F (compute timed from idle) or G (at settled
+    clocks), against the one-GPU run of its call."""
+    t, one = four_training(runs[f"four_{call}_{name}"]), four_training(runs[f"four_{call}_g1"])
+    label = "LLaMA-7B, no GPU Adam" if name.endswith("share0") else "LLaMA-7B"
+    ranks = len(t.get("ranks", [None]))
+    return [label, call.upper(), str(ranks), f"{t['time_ms']:,.1f}", f"{one['time_ms'] / t['time_ms']:.3f}x"] + [
+        f"{t['gpu_compute_ms']:,.1f}",
+        f"{t['bound_ms'] / t['time_ms']:.3f}",
+    ]
+
+
+def several_gpu_loss_section(runs: dict) -> list[str]:
+    """Section 14's second part: where the several-GPU steps lose (calls D-G): the bound at settled clocks, NCCL's
+    share of the SMs varied, each rank's traced step."""
+    rows = [settled_row("f", name, runs) for name in ("g1", "g1_share0", "g2_share0", "g4", "g4_share0")]
+    rows += [settled_row("g", name, runs) for name in ("g1", "g2", "g4", "g4_share0")]
+    variants = []
+    for name, what in NCCL_VARIANTS.items():
+        t = four_training(runs[f"four_e_{name}"])
+        variants.append([what, f"{t['time_ms']:,.1f}", f"{t['gpu_compute_ms']:,.1f}"])
+    traced = [json.loads((HERE / f"results/four_gpus/d_nccl_{r}.json").read_text()) for r in (0, 3)]
+    g1, g4 = four_training(runs["four_g_g1"]), four_training(runs["four_g_g4"])
+    return [
+        "### Where the several-GPU steps lose",
+        "",
+        "LLaMA-7B as above, 4 to 6 steps, in four more calls on four H200s (`results/four_gpus/README.md`). Call F "
+        "timed the bound's GPU compute from an idle GPU, as every bound before it; call G, one version later, runs "
+        "those parts for 1.5 s before timing them. Under a step's load the GPUs hold their 700 W power cap, their SM "
+        "clocks at about 1,600 to 1,700 MHz against 1,980 idle (`f_smi.csv.gz`, `g_smi.csv.gz`, sampled every 250 "
+        "ms), and a part timed from idle ran at clocks the steps never have. Speed-up: against the one-GPU run of "
+        "the same call.",
+        "",
+        *table(["run", "call", "GPUs", "step (ms)", "speed-up", "GPU compute a rank (ms)", "efficiency"], rows),
+        "",
+        f"- At settled clocks one GPU steps at {g1['bound_ms'] / g1['time_ms']:.3f} of its bound: the compute. Four "
+        f"ranks step at {g4['bound_ms'] / g4['time_ms']:.3f}, {g4['time_ms'] - g4['bound_ms']:.0f} ms a step short.",
+        "- The GPU's Adam over streamed state (the plan's default share) saves no time where the compute bounds the "
+        "step: the runs without it are as fast or faster.",
+        "",
+        "Call E varied how NCCL's kernels share the GPU with the compute, four ranks each (ms):",
+        "",
+        *table(["variant", "step", "GPU compute a rank"], variants),
+        "",
+        "None moves the step by more than 1%. Call D traced each rank's last step (`d_nccl_0.json`, `d_nccl_3.json`, "
+        f"by `calls/trace_nccl.py`): rank 0's NCCL kernels ran {traced[0]['nccl_kernel_ms']:.0f} ms and rank 3's "
+        f"{traced[1]['nccl_kernel_ms']:.0f} ms, yet their compute streams were busy alike, "
+        f"{traced[0]['compute_busy_ms']:,.0f} and {traced[1]['compute_busy_ms']:,.0f} ms of "
+        f"{traced[0]['span_ms']:,.0f} and {traced[1]['span_ms']:,.0f}: the collectives' share of the SMs is not where "
+        "the four ranks lose. A rank of four runs each unit over 4 micro-batches a step, the shape at which one GPU "
+        "also falls short of its bound (the step shapes above); one GPU at `--grad-accum 4` beside four ranks is the "
+        "next measurement.",
         "",
     ]
 
