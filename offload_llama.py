@@ -1583,6 +1583,46 @@ class ParamStore:
 
 
 # ---------------------------------------------------------------------------------------------------- layer streamer
+# Every synchronisation of the core (S1-S11) and of the accelerations (S12-S16). Streams: compute (the current one),
+# copy (weights in), gather (several ranks' all-gathers), D2H (gradients out); threads: main, autograd's (it runs
+# the backward), the CPU Adam's worker. Each wait in the code names its row.
+#   row  sync                   recorded or set by, on         waited on by, on               protects
+#   S1   copied[s], CUDA event  prefetch, copy; several ranks: acquire, compute; gather_in,   slot s read before its
+#                               gather_in again, gather        gather                         unit has landed
+#   S2   freed[s], CUDA event   release, compute               prefetch, copy                 slot s overwritten while a
+#                                                                                             unit reads it
+#   S3   landed, CUDA event     wait_copies, copy and gather   the stream given: compute      a ring freed, or a time
+#                                                              (keep_resident), timed's end   ended, under a copy
+#   S4   done[u], thread event  cleared: CpuAdam.update,       wait_written (prefetch), main  a host source copied or
+#                               autograd; set: the worker      or autograd; wait_all, main    saved mid-update
+#   S5   ready, CUDA event      send, compute: the unit's      CpuAdam.send, sum_shard: D2H;  gradients read before all
+#                               backward is issued             StreamedAdam.take: s_adam      are written
+#   S6   summed, CUDA event     sum_shard, D2H: after the      the stepper, in place of S5    a shard read before its
+#                               reduce-scatter (several ranks)                                sum landed
+#   S7   landed[u], blocking    CpuAdam.send, D2H: after the   the worker (synchronize;       the CPU reading gradients
+#        CUDA event             copy to pinned memory          next_job queries it)           in flight
+#   S8   last_landed: S7's, or  Steppers.send keeps the last   wait_to_write, compute: before the gradient buffer
+#        S13's consumed         one sent                       the backward's first write     overwritten too soon
+#   S9   cond, condition        CpuAdam.update, close: notify  next_job, the worker           the job queue
+#   S10  GradientPool.free,     give, the worker, once it has  take, autograd (CpuAdam.send), a pinned buffer rewritten
+#        queue                  stepped the unit               where buffers are shared       before its step
+#   S11  loss.item(), host sync train_steps, main              (the step's end)               a step timed unfinished
+#   S12  resident units: no     they step on compute, in order every later kernel             their state
+#        event
+#   S13  StreamedAdam:          take, s_adam; s_in; s_adam;    S8; s_adam; s_out; s_in;       its buffer, its two slots,
+#        consumed, landed[k],   s_out; written_back, s_out     wait_written, copy (wait_all:  a source mid-update
+#        stepped[k], left[k],                                  host)
+#        written_back[u], CUDA
+#        events
+#   S14  ActivationOffload:     written, compute; offloaded,   send, D2H; wait_written, copy; inputs copied early, read
+#        written, offloaded[a], D2H                            leaving: main;                 back early, memory reused
+#        CUDA events                                           backward_begins, compute
+#   S15  GradClip.taken, CUDA   norm, the current stream (D2H  multiplier, the current stream the norm of norms taken
+#        event                  with several ranks)                                           early
+#   S16  DiskTier: settled,     the writer thread after each   read_ahead, the reader; read,  a file read while its
+#        current (thread        write (settled, current,       main; stage, the worker        write-back runs; a slot
+#        events), free, staged  free); the reader (staged);                                   reused early
+#        (queues)               reset
 
 
 class InOrder:
@@ -1740,14 +1780,14 @@ class LayerStreamer:
             return
         full = self.buffers[s][: self.ranks.whole_numel(src)]
         dst = self.ranks.shard(full)
-        self.writer.wait_written(u)  # the host, or the copy stream, waits until the update has written it
+        self.writer.wait_written(u)  # S4, S13: the host, or the copy stream, waits until the update has written it
         with on_stream(self.copy_stream):
-            self.copy_stream.wait_event(self.freed[s])  # the slot's previous unit may still be running from it
+            self.copy_stream.wait_event(self.freed[s])  # S2: the slot's previous unit may still be running from it
             if src.dtype == self.dtype:
                 dst.copy_(src, non_blocking=True)
             else:
                 self.cast_in(src, dst)
-            self.copied[s].record(self.copy_stream)  # compute waits for it before it reads the slot
+            self.copied[s].record(self.copy_stream)  # S1: compute waits for it before it reads the slot
         if self.ranks.several:
             self.gather_in(s, full)
         self.holds[s] = u
@@ -1756,16 +1796,16 @@ class LayerStreamer:
         """The other ranks' shards into slot s, on the gather stream: the all-gather waits for this rank's shard to
         land, and the copy stream goes on to the next unit's shard meanwhile."""
         with on_stream(self.gather_stream):
-            self.gather_stream.wait_event(self.copied[s])  # this rank's shard has landed
+            self.gather_stream.wait_event(self.copied[s])  # S1: this rank's shard has landed
             self.ranks.gather(full)
-            self.copied[s].record(self.gather_stream)  # compute waits for the whole unit before it reads the slot
+            self.copied[s].record(self.gather_stream)  # S1: compute waits for the whole unit before it reads the slot
 
     def wait_copies(self, stream) -> None:
         """`stream` waits for every copy queued so far (with several ranks, every all-gather too)."""
         for side in dict.fromkeys((self.copy_stream, self.gather_stream)):
             landed = new_event(self.device)
             landed.record(side)
-            stream.wait_event(landed)
+            stream.wait_event(landed)  # S3
 
     def cast_in(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy float32 `src` into the compute-dtype slot `dst` through the staging buffer, a chunk at a time."""
@@ -1784,7 +1824,7 @@ class LayerStreamer:
         p = self.window.position[u]
         self.issue_through(p + self.depth, need=p)
         s = self.slot[u]
-        self.compute_stream.wait_event(self.copied[s])  # unit u's weights must have landed before its kernels read them
+        self.compute_stream.wait_event(self.copied[s])  # S1: unit u's weights must have landed before its kernels read
         return self.modules[s][self.kinds[u]]
 
     def release(self, u: int) -> None:
@@ -1792,7 +1832,7 @@ class LayerStreamer:
         if u in self.resident:
             self.issue_through(self.window.position[u] + self.depth)
         else:
-            self.freed[self.slot[u]].record(self.compute_stream)  # the slot's next copy waits for it
+            self.freed[self.slot[u]].record(self.compute_stream)  # S2: the slot's next copy waits for it
 
     def issue_through(self, p: int, need: int | None = None) -> None:
         """Issue the window's copies up to position p: the ready ones, then `need`, about to run (CopyWindow). With
@@ -2216,7 +2256,7 @@ class GradientPool:
         if self.dedicated:
             return self.buffers[u]
         start = time.perf_counter()
-        buffer = self.free.get()
+        buffer = self.free.get()  # S10
         self.waited_s += time.perf_counter() - start
         return buffer
 
@@ -2270,9 +2310,9 @@ class CpuAdam(HostState):
         host = self.store.take_grads(u)
         stream = self.d2h_stream
         with on_stream(stream):
-            stream.wait_event(ready)  # the unit's backward must have written all its gradients
+            stream.wait_event(ready)  # S5 (S6): the unit's backward must have written all its gradients
             host.copy_(grads, non_blocking=True)
-            self.landed[u].record(stream)
+            self.landed[u].record(stream)  # S7
         return self.landed[u]
 
     def update(self, u: int, multiplier: float) -> None:
@@ -2285,7 +2325,7 @@ class CpuAdam(HostState):
 
     def wait_written(self, u: int) -> None:
         """Block until unit u's last update has written its master and copy; re-raise an error of the worker."""
-        self.done[u].wait()
+        self.done[u].wait()  # S4
         if self.error:
             raise self.error
 
@@ -2297,7 +2337,7 @@ class CpuAdam(HostState):
         """Block until every queued update is done, and the disk tier has written back what they changed; re-raise
         an error of the worker once all are done (it goes on with the others), so no update outlives the wait."""
         for done in self.done:
-            done.wait()
+            done.wait()  # S4
         if self.error:
             raise self.error
         self.store.flush()
@@ -2317,7 +2357,7 @@ class CpuAdam(HostState):
         """The next (unit, landed, multiplier) to step, sleeping until one is queued; None once close() asks to stop."""
         with self.cond:
             while not self.pending:
-                self.cond.wait()
+                self.cond.wait()  # S9
             if self.pending[0] is None:
                 return None
             # of the units whose gradients have landed, and whose moments the disk tier has read where it keeps them;
@@ -2334,13 +2374,13 @@ class CpuAdam(HostState):
         while (job := self.next_job()) is not None:
             u, landed, multiplier = job
             try:
-                landed.synchronize()  # the gradients must be in pinned memory before the CPU reads them
+                landed.synchronize()  # S7: the gradients must be in pinned memory before the CPU reads them
                 start = time.perf_counter()
                 self.step(u, multiplier)
                 self.busy_s += time.perf_counter() - start
             except Exception as e:  # hand it to the main thread, which waits on `done`
                 self.error = e
-            self.done[u].set()
+            self.done[u].set()  # S4
 
 
 class Steppers:
@@ -2398,7 +2438,7 @@ class Steppers:
         """Before unit u's backward writes its gradients into the shared buffer, `stream` waits for the last ones sent
         to have left it."""
         if self.of[u].shares_buffer:
-            stream.wait_event(self.last_landed)
+            stream.wait_event(self.last_landed)  # S8
 
     def send(self, u: int, ready) -> torch.Tensor:
         """Send unit u's gradients to its stepper once `ready` (the end of the unit's backward); with several ranks,
@@ -2419,9 +2459,9 @@ class Steppers:
         shard, summed = self.summed_shard(u), new_event(self.device)
         stream = self.cpu_adam.d2h_stream
         with on_stream(stream):
-            stream.wait_event(ready)  # the unit's backward must have written all its gradients
+            stream.wait_event(ready)  # S5: the unit's backward must have written all its gradients
             self.store.ranks.sum_shard(shard, self.grads(u))
-            summed.record(stream)
+            summed.record(stream)  # S6
         return shard, summed
 
     def summed_shard(self, u: int) -> torch.Tensor:
@@ -2635,7 +2675,7 @@ class OffloadedTraining:
         if not self.ranks.several:  # the whole unit's, before the next unit's backward may overwrite the buffer
             self.clip.add(u, views)
         ready = new_event(self.device)
-        ready.record(self.streamer.compute_stream)  # marks the end of the unit's backward, for its stepper to wait on
+        ready.record(self.streamer.compute_stream)  # S5: the end of the unit's backward, for its stepper to wait on
         sent = self.steppers.send(u, ready)
         if self.ranks.several:  # the norm of the gradients' sum over the ranks: of this rank's shard, where it lands
             with on_stream(self.d2h_stream):
@@ -2979,7 +3019,7 @@ class StreamedAdam(HostState):
         `grads` may be overwritten. In order on s_adam: a unit's gradients are in the buffer before the next's land."""
         n, consumed = grads.numel(), new_event(self.device)
         with on_stream(self.s_adam):
-            self.s_adam.wait_event(ready)  # the unit's backward must have written all its gradients
+            self.s_adam.wait_event(ready)  # S5: the unit's backward must have written all its gradients
             self.buffer[:n].copy_(grads)
             consumed.record(self.s_adam)
             if host is not None:  # before the next unit's gradients overwrite the buffer, in order on this stream
@@ -3001,7 +3041,7 @@ class StreamedAdam(HostState):
     def bring_in(self, u: int, k: int, lo: int, n: int, fresh: bool) -> None:
         """On s_in: unit u's chunk into slot k (copy_in)."""
         with on_stream(self.s_in):
-            self.s_in.wait_event(self.left[k])  # the slot's chunk before must be back on the host
+            self.s_in.wait_event(self.left[k])  # S13: the slot's chunk before must be back on the host
             self.copy_in(u, k, lo, n, fresh)
             self.landed[k].record(self.s_in)
 
@@ -3009,7 +3049,7 @@ class StreamedAdam(HostState):
         """On s_adam: torch's fused Adam on slot k's chunk, then its compute-dtype copy."""
         p, m, v, copy = (t[:n] if t is not None else None for t in self.slots[k])
         with on_stream(self.s_adam):  # after take: the unit's gradients are in the buffer
-            self.s_adam.wait_event(self.landed[k])  # the chunk's state must have landed
+            self.s_adam.wait_event(self.landed[k])  # S13: the chunk's state must have landed
             step = torch.full((), done, device=p.device)
             torch_adam_step(self.store.update.adam, p, self.buffer[lo : lo + n].float(), m, v, step)
             if copy is not None:
@@ -3019,7 +3059,7 @@ class StreamedAdam(HostState):
     def send_back(self, u: int, k: int, lo: int, n: int) -> None:
         """On s_out: slot k's stepped chunk back into unit u's host state (copy_out)."""
         with on_stream(self.s_out):
-            self.s_out.wait_event(self.stepped[k])  # the chunk must be stepped before it leaves
+            self.s_out.wait_event(self.stepped[k])  # S13: the chunk must be stepped before it leaves
             self.copy_out(u, k, lo, n)
             self.left[k].record(self.s_out)
 
@@ -3031,7 +3071,7 @@ class StreamedAdam(HostState):
 
     def wait_written(self, u: int) -> None:
         """The next forward's copy of unit u waits on the copy stream, not the host."""
-        self.copy_stream.wait_event(self.written_back[u])  # its state must be back on the host
+        self.copy_stream.wait_event(self.written_back[u])  # S13: its state must be back on the host
 
     def written(self, u: int) -> bool:  # the copy stream waits for it: the copy may be issued now
         return True
@@ -3039,7 +3079,7 @@ class StreamedAdam(HostState):
     def wait_all(self) -> None:
         """Block until every queued step has written its state back to the host."""
         for event in self.written_back.values():
-            event.synchronize()
+            event.synchronize()  # S13
 
 
 class ActivationOffload:
@@ -3064,7 +3104,7 @@ class ActivationOffload:
 
     def wait_written(self, a: int) -> None:
         """Host input a comes back only once it has reached the host: the copy stream waits for it."""
-        self.streamer.copy_stream.wait_event(self.offloaded[a])
+        self.streamer.copy_stream.wait_event(self.offloaded[a])  # S14
 
     def written(self, a: int) -> bool:  # the copy stream waits for it: the copy may be issued now
         return True
@@ -3085,19 +3125,19 @@ class ActivationOffload:
         written, stream = new_event(self.device), self.d2h_stream
         written.record(self.streamer.compute_stream)
         with on_stream(stream):
-            stream.wait_event(written)  # the unit before must have written them
+            stream.wait_event(written)  # S14: the unit before must have written them
             for host, x in zip(self.split(self.host[u - 1]), xs, strict=True):
                 host.copy_(x, non_blocking=True)
             self.offloaded[u - 1].record(stream)
         self.leaving.append((self.offloaded[u - 1], xs))
         while self.leaving and (len(self.leaving) > 2 or self.leaving[0][0].query()):
             # the copy reads them: the caching allocator must not hand their memory out before it has landed
-            self.leaving.popleft()[0].synchronize()
+            self.leaving.popleft()[0].synchronize()  # S14
 
     def backward_begins(self, n_units: int) -> None:
         """Let go of the inputs still leaving, so the backward does not carry them, and start the backward's ring."""
         for landed, _ in self.leaving:
-            self.streamer.compute_stream.wait_event(landed)  # the allocator hands their memory out on this stream
+            self.streamer.compute_stream.wait_event(landed)  # S14: the allocator hands their memory out on this stream
         self.leaving.clear()
         self.streamer.begin(reversed(range(n_units - 1)))
 
@@ -3179,7 +3219,7 @@ class GradClip:
 
     def multiplier(self) -> float:
         """This step's coefficient, once the backward is done (a sync): the norm of the norms, in parameter order."""
-        self.taken.wait()  # the current stream waits for the last norm, taken on the D2H stream with several ranks
+        self.taken.wait()  # S15: the current stream waits for the last norm, taken on the D2H stream with several ranks
         norms = [norm for u in sorted(self.norms) for norm in self.norms[u]]
         self.norms = {}
         total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
@@ -3286,8 +3326,8 @@ class DiskReader:
         """The thread: stage each unit in the backward's order, each once settled, into a free slot; until stop()."""
         tier = self.tier
         for u in itertools.cycle(tier.units):
-            tier.settled[u].wait()
-            k = None if self.stopping else tier.free.get()
+            tier.settled[u].wait()  # S16
+            k = None if self.stopping else tier.free.get()  # S16
             with self.lock:  # else stop() could set the event between the check and the clear, and the wait hang
                 if self.stopping or k is None:
                     return
@@ -3343,7 +3383,7 @@ class DiskTier:
         self.raise_error()
         self.start()
         start = time.perf_counter()
-        k = self.staged[u].get()
+        k = self.staged[u].get()  # S16
         self.waited_s += time.perf_counter() - start
         if isinstance(k, BaseException):
             raise k
@@ -3372,7 +3412,7 @@ class DiskTier:
 
     def read(self, u: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Unit u's moments as its file holds them, in new host memory: a checkpoint's, after the updates."""
-        self.current[u].wait()  # the last write-back has landed
+        self.current[u].wait()  # S16: the last write-back has landed
         self.raise_error()
         buffer = HostBuffer(2 * self.files.half[u])  # block-aligned, as direct I/O needs
         if u not in self.fresh:
@@ -4733,7 +4773,7 @@ def train_steps(
         loss = trainer.step(batch)
         if batches and i + 1 < run.steps:  # the next step's blocks, gathered and copied while this step's kernels run
             batch = batches(done + i + 1)
-        losses.append(loss.item())  # a sync: this step's forward and backward have run
+        losses.append(loss.item())  # S11: a sync: this step's forward and backward have run
         if i == 0 and keep_grads:
             grads = first_step_state(trainer)
         clock.lap(i, losses[-1])

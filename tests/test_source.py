@@ -1,6 +1,7 @@
 """The script as a text: every function, method and class says what it is for (the assignment asks for it)."""
 
 import ast
+import re
 
 from helpers import SCRIPT
 
@@ -97,3 +98,39 @@ def test_the_map_at_the_top_names_each_section_in_order():
             assert start < defined[name] < end, (section, name)
         starts.append(start)
     assert starts == sorted(starts) and len(rows) == len(rules) - 1  # every section but the constants
+
+
+WAITS = re.compile(r"\.(wait_event|synchronize|wait)\(|\.get\(\)")  # a CUDA, thread or queue wait
+
+
+def untagged_waits(source: str, first: str, last: str) -> tuple[list[str], set[str], set[str]]:
+    """Between the section rules `first` and `last`: the waits that name no row of the sync table (S1, S2, ...); the
+    rows the table holds; the rows the code names."""
+    lines = source.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("# ----") and line.endswith(first))
+    end = next(i for i, line in enumerate(lines) if line.startswith("# ----") and line.endswith(last))
+    rows, named, untagged = set(), set(), []
+    for number, line in enumerate(lines[start:end], start + 1):
+        if line.startswith("#   S"):  # a row of the table
+            rows.add(line.split()[1])
+            continue
+        code, _, comment = line.partition("#")
+        tags = set(re.findall(r"\bS\d+\b", comment))
+        named |= tags
+        if WAITS.search(code) and not code.lstrip().startswith("def ") and not tags:
+            untagged.append(f"line {number}: {line.strip()}")
+    return untagged, rows, named
+
+
+def test_every_wait_of_the_core_names_its_row_of_the_sync_table():
+    """The table at the top of the streamer section lists every synchronisation of the core and its accelerations;
+    each CUDA, thread or queue wait between there and the several-GPU section names its row, and each row is named."""
+    untagged, rows, named = untagged_waits(SCRIPT.read_text(), "layer streamer", "several GPUs")
+    assert untagged == []
+    assert rows == named and len(rows) >= 10
+
+
+def test_the_sync_check_finds_an_untagged_wait():
+    source = "# ---- a\n#   S1   x\nstream.wait_event(e)  # S1\ndone.wait()\nq.get()  # the queue\n# ---- b\n"
+    untagged, rows, named = untagged_waits(source, "a", "b")
+    assert untagged == ["line 4: done.wait()", "line 5: q.get()  # the queue"] and rows == named == {"S1"}
