@@ -389,7 +389,7 @@ class RunConfig:
     @property
     def gpu_adam(self) -> float:
         """The GPU Adam's share of the streamed parameters: --gpu-adam-share, else GPU_ADAM_SHARE (0 where updates wait
-        for every unit's gradients)."""
+        for every unit's gradients; the plan takes none where the GPU's compute bounds the step: training_placement)."""
         if self.gpu_adam_share is not None:
             return self.gpu_adam_share
         return 0.0 if self.holds_updates else GPU_ADAM_SHARE
@@ -539,8 +539,8 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     clip = "scale the gradients to this float32 norm at most, as clip_grad_norm_ (units step once every one is in)"
     t.add_argument("--clip-grad-norm", type=float, metavar="X", help=f"{clip} (default: no clipping)")
     share = "overlapped: the share (0 to 1) of streamed parameters the GPU's Adam steps over float32 state streamed "
-    share += f"in (embeddings, first layers, head), the CPU Adam the rest (default: {GPU_ADAM_SHARE}; 0 in float16 or "
-    share += "with --clip-grad-norm)"
+    share += f"in (embeddings, first layers, head), the CPU Adam the rest (default: {GPU_ADAM_SHARE} where the plan "
+    share += "predicts the host bounds the step, else 0; 0 in float16 or with --clip-grad-norm)"
     t.add_argument("--gpu-adam-share", type=float, metavar="F", help=share)
     nvme = (
         "offloaded: a folder on a local disk for the Adam moments of the layers the host cannot hold (freed at exit; "
@@ -3969,9 +3969,9 @@ def gpu_adam_units(units: list[Unit], resident, share: float, on_disk=()) -> tup
 def training_placement(run: RunConfig, config: LlamaConfig, facts: Facts, mode: str, copy) -> tuple:
     """overlapped: resident, the longest run of units from the forward's start that fits the budget (or the first
     --resident-layers layers; without a cap, where the GPU's compute bounds the step, boundary_units), then
-    gpu_adam_units, unless its staging alone breaks the budget; blocked: none; neither takes a unit whose moments are
-    on the disk. Returns (resident, GPU Adam units, predicted GPU bytes by part, whether they fit the budget, or
-    without a cap the GPU)."""
+    gpu_adam_units, unless its staging alone breaks the budget or (by default) the compute bounds the step with every
+    unit on the CPU Adam; blocked: none; neither takes a unit whose moments are on the disk. Returns (resident, GPU
+    Adam units, predicted GPU bytes by part, whether they fit the budget, or without a cap the GPU)."""
     depth, units = run.prefetch if mode == "overlapped" else 0, model_units(config)
     own_grads = bool(compared_modes(run)) or run.holds_updates
     on_disk, besides = disk_units(config, run.nvme_layers or 0), unplaced_bytes(run, config, facts)
@@ -3984,6 +3984,9 @@ def training_placement(run: RunConfig, config: LlamaConfig, facts: Facts, mode: 
 
     budget, resident, share = gpu_budget(run, facts), [], run.gpu_adam if mode == "overlapped" else 0.0
     keeps = mode == "overlapped" and facts.world == 1  # a rank's units are its shards: none resident
+    uncapped = keeps and budget is None and run.resident_layers is None  # compute-bound, it keeps units (below)
+    if share and run.gpu_adam_share is None and not uncapped and compute_bound(run, config, facts, ((), ()), copy):
+        share = 0.0  # the compute bounds the step with every unit on the CPU Adam: the GPU's Adam would add to it
     if keeps and run.resident_layers is not None:
         resident = list(range(1, 1 + run.resident_layers))  # unit 0 is the embeddings
     elif keeps and budget is not None:

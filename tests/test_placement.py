@@ -165,6 +165,22 @@ def test_training_plan_fits_its_budget_and_keeps_a_run_from_the_start_of_the_for
     assert own.parts["resident gradients"] == 4 * kept and own.parts["gradient buffer"] == 0
 
 
+def test_under_a_cap_the_gpus_adam_steps_nothing_where_the_compute_bounds_the_step():
+    """Under --max-gpu-memory, where the GPU's compute bounds the step with every streamed unit on the CPU Adam (7b-8l,
+    4 micro-batches of 4096 tokens), the GPU's Adam steps none: it would only add to the compute; where the host
+    bounds it (1 micro-batch) it takes its share; --gpu-adam-share is kept as given; several ranks alike."""
+    run = ol.RunConfig(preset="7b-8l", mode="overlapped", train=True, grad_accum=4, max_gpu_memory=20)
+    config = ol.llama_config(run)
+    bound = ol.training_placement(run, config, machine(), "overlapped", torch.bfloat16)
+    assert bound[1] == () and ol.compute_bound(run, config, machine(), ([], ()), torch.bfloat16)
+    one = ol.dataclasses.replace(run, grad_accum=1)
+    assert ol.training_placement(one, config, machine(), "overlapped", torch.bfloat16)[1] != ()
+    given = ol.dataclasses.replace(run, gpu_adam_share=0.3)
+    assert ol.training_placement(given, config, machine(), "overlapped", torch.bfloat16)[1] != ()
+    ranks = ol.dataclasses.replace(run, grad_accum=8)  # 4 micro-batches a rank
+    assert ol.training_placement(ranks, config, machine(world=2), "overlapped", torch.bfloat16)[1] == ()
+
+
 def test_a_compute_bound_step_keeps_the_gpu_adams_units_resident_without_a_cap():
     """No cap: where the GPU's compute bounds the step (7b-8l, 4 micro-batches of 4096 tokens), the units the GPU's
     Adam would step over streamed state stay on the GPU instead, the GPU's Adam steps none; where the host bounds it
