@@ -16,7 +16,7 @@ accelerations plug into it as policies; the plan, measurement and tables are ins
   layer streamer         CopyWindow, LayerStreamer, StreamedLayer: a ring of GPU slots filled on a copy stream
   training               Adam, MasterStore, CpuAdam, Steppers, OffloadedTraining, ResidentTraining: plain and reference
   accelerations          ResidentUnits, StreamedAdam, ActivationOffload, LossScale, GradClip, DiskTier
-  several GPUs           start_ranks, rank_peaks: the ranks joined, their cores split, their peaks gathered
+  several GPUs           ShardedStreamer, start_ranks, rank_peaks: shards gathered, ranks joined, peaks summed
   the plan               Facts, make_plan, Plan, check_plan: every placement decision, made once before allocating
   modes                  run_mode, train_mode, train_steps, StepClock: each mode's inference and training
   saving and resuming    save_pretrained, write_checkpoint, resume
@@ -178,7 +178,7 @@ class Ranks:
     unit's host state, its shard, and trains on micro-batches rank, rank + world, ... of each step. Every rank calls
     the collectives in the same order and number, each in one of two groups:
       the steps' (group; the plan's rank timeout; NCCL on GPU tensors): gather (a unit's shards,
-        LayerStreamer.prefetch), sum_shard (its gradients, Steppers.sum_shard), sum (the loss, float16's overflow,
+        ShardedStreamer.landed_in), sum_shard (its gradients, Steppers.sum_shard), sum (the loss, float16's overflow,
         clipping's squares); ranks waiting there on one that stalled are ended by NCCL's watchdog, on one that ended
         by torchrun.
       the default (SETUP_TIMEOUT; gloo on CPU tensors): meet (also before each bound part), in_turn (each host's
@@ -1566,7 +1566,7 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 class ParamStore:
     """Inference: each decoder layer's weights as one flat CPU buffer in the compute dtype, pinned when a GPU streams
     it; the CPU model's layer parameters become views into them, so the host holds one copy. With several ranks, each
-    holds its shard of every layer beside the model (the GPUs gather the rest over NVLink: LayerStreamer)."""
+    holds its shard of every layer beside the model (the GPUs gather the rest over NVLink: ShardedStreamer)."""
 
     @torch.no_grad()
     def __init__(self, model: LlamaForCausalLM, pin: bool, ranks: Ranks = Ranks()):
@@ -1587,8 +1587,8 @@ class ParamStore:
 # copy (weights in), gather (several ranks' all-gathers), D2H (gradients out); threads: main, autograd's (it runs
 # the backward), the CPU Adam's worker. Each wait in the code names its row.
 #   row  sync                   recorded or set by, on         waited on by, on               protects
-#   S1   copied[s], CUDA event  prefetch, copy; several ranks: acquire, compute; gather_in,   slot s read before its
-#                               gather_in again, gather        gather                         unit has landed
+#   S1   copied[s], CUDA event  prefetch, copy; several ranks: acquire, compute; landed_in,   slot s read before its
+#                               landed_in again, gather        gather                         unit has landed
 #   S2   freed[s], CUDA event   release, compute               prefetch, copy                 slot s overwritten while a
 #                                                                                             unit reads it
 #   S3   landed, CUDA event     wait_copies, copy and gather   the stream given: compute      a ring freed, or a time
@@ -1714,23 +1714,17 @@ class LayerStreamer:
       copied[s]  the copy into slot s has landed:   compute may read the slot
       freed[s]   compute has finished with slot s:  the next copy may overwrite it
     Resident units run from GPU buffers of their own. Float32 sources (the masters) in a lower compute dtype cross
-    PCIe in chunks through a staging buffer and are cast on the GPU. With several ranks, each source is the rank's
-    shard of its unit: it lands in its place in the slot, and an all-gather over NVLink fills the rest (Ranks), on a
-    stream of its own, beside the next shard's copy."""
+    PCIe in chunks through a staging buffer and are cast on the GPU. Each source is a whole unit (ShardedStreamer:
+    a rank's shard of it, the rest gathered from the other ranks)."""
 
-    def __init__(
-        self, sources, kinds, make_module, dtype, device, depth: int, copy_stream=None, writer=None, ranks=Ranks()
-    ):
-        self.sources = sources  # each unit's flat host buffer (with several ranks, this rank's shard of it)
-        self.ranks = ranks
+    def __init__(self, sources, kinds, make_module, dtype, device, depth: int, copy_stream=None, writer=None):
+        self.sources = sources  # each unit's flat host buffer
         self.kinds = kinds  # each unit's kind, which make_module(kind, buffer) builds a module of
         self.make_module = make_module
         self.dtype, self.device = dtype, device  # of the slots
         self.depth = depth  # units the copy stream runs ahead
         self.compute_stream = torch.cuda.current_stream(device) if device.type == "cuda" else InOrder()
         self.copy_stream = copy_stream or new_stream(device)
-        # with several ranks, the all-gathers: one unit's runs over NVLink while the next unit's shard crosses PCIe
-        self.gather_stream = new_stream(device) if ranks.several else self.copy_stream
         # training: each source is rewritten by its unit's update, which the copy must not overtake
         self.writer = writer or ReadOnly()
         self.keep_resident(())
@@ -1749,7 +1743,7 @@ class LayerStreamer:
     def build_ring(self, n_slots: int) -> None:
         """The slots, each as large as the largest streamed unit, their modules and events; the staging buffer."""
         self.slot = {u: i % n_slots for i, u in enumerate(self.streamed)}  # consecutive units take other slots
-        numel = max((self.ranks.whole_numel(self.sources[u]) for u in self.streamed), default=0)
+        numel = max((self.whole_numel(self.sources[u]) for u in self.streamed), default=0)
         self.buffers = [torch.empty(numel, dtype=self.dtype, device=self.device) for _ in range(n_slots)]
         cast = {self.sources[u].dtype for u in self.streamed} - {self.dtype}
         self.staging = torch.empty(min(numel, STAGING), dtype=cast.pop(), device=self.device) if cast else None
@@ -1778,8 +1772,7 @@ class LayerStreamer:
         s, src = self.slot[u], self.sources[u]
         if u in self.kept and self.holds[s] == u:
             return
-        full = self.buffers[s][: self.ranks.whole_numel(src)]
-        dst = self.ranks.shard(full)
+        dst = self.destination(s, src)
         self.writer.wait_written(u)  # S4, S13: the host, or the copy stream, waits until the update has written it
         with on_stream(self.copy_stream):
             self.copy_stream.wait_event(self.freed[s])  # S2: the slot's previous unit may still be running from it
@@ -1788,21 +1781,27 @@ class LayerStreamer:
             else:
                 self.cast_in(src, dst)
             self.copied[s].record(self.copy_stream)  # S1: compute waits for it before it reads the slot
-        if self.ranks.several:
-            self.gather_in(s, full)
+        self.landed_in(s, src)
         self.holds[s] = u
 
-    def gather_in(self, s: int, full: torch.Tensor) -> None:
-        """The other ranks' shards into slot s, on the gather stream: the all-gather waits for this rank's shard to
-        land, and the copy stream goes on to the next unit's shard meanwhile."""
-        with on_stream(self.gather_stream):
-            self.gather_stream.wait_event(self.copied[s])  # S1: this rank's shard has landed
-            self.ranks.gather(full)
-            self.copied[s].record(self.gather_stream)  # S1: compute waits for the whole unit before it reads the slot
+    def whole_numel(self, src: torch.Tensor) -> int:
+        """The slot elements the unit whose source is `src` takes."""
+        return src.numel()
+
+    def destination(self, s: int, src: torch.Tensor) -> torch.Tensor:
+        """Where in slot s the copy of `src` lands: the slot's start."""
+        return self.buffers[s][: src.numel()]
+
+    def landed_in(self, s: int, src: torch.Tensor) -> None:
+        """After the copy of `src` into slot s is queued: nothing more to bring (ShardedStreamer gathers the rest)."""
+
+    def side_streams(self) -> tuple:
+        """The streams the copies run on."""
+        return (self.copy_stream,)
 
     def wait_copies(self, stream) -> None:
-        """`stream` waits for every copy queued so far (with several ranks, every all-gather too)."""
-        for side in dict.fromkeys((self.copy_stream, self.gather_stream)):
+        """`stream` waits for every copy queued so far."""
+        for side in self.side_streams():
             landed = new_event(self.device)
             landed.record(side)
             stream.wait_event(landed)  # S3
@@ -1835,13 +1834,14 @@ class LayerStreamer:
             self.freed[self.slot[u]].record(self.compute_stream)  # S2: the slot's next copy waits for it
 
     def issue_through(self, p: int, need: int | None = None) -> None:
-        """Issue the window's copies up to position p: the ready ones, then `need`, about to run (CopyWindow). With
-        several ranks, all in order (the host waits for an update instead): each copy ends in an all-gather, and ranks
-        issuing them in different orders would pair one layer's shards with another's, silently."""
+        """Issue the window's copies up to position p: the ready ones, then `need`, about to run (CopyWindow)."""
         self.window.enter_through(p)
-        written = self.writer.written if not self.ranks.several else lambda u: True
-        for q in self.window.take(written, need):
+        for q in self.window.take(self.written, need):
             self.prefetch(q)
+
+    def written(self, u: int) -> bool:
+        """Whether unit u's copy may be issued now: its source is written (the writer's say)."""
+        return self.writer.written(u)
 
 
 def layer_streamer(store: ParamStore, config: LlamaConfig, device: torch.device, depth: int, resident=()):
@@ -1853,7 +1853,7 @@ def layer_streamer(store: ParamStore, config: LlamaConfig, device: torch.device,
         return store.layout.bind(LlamaDecoderLayer(config, layer_idx=0), buffer).eval()
 
     kinds = ["layer"] * len(store.flats)
-    streamer = LayerStreamer(store.flats, kinds, make_module, store.dtype, device, depth, ranks=store.ranks)
+    streamer = layer_streamer_of(store.ranks, store.flats, kinds, make_module, store.dtype, device, depth)
     if resident:
         streamer.keep_resident(resident, lambda i: store.flats[i].to(device))
     return streamer
@@ -2629,7 +2629,7 @@ class OffloadedTraining:
         kinds = [u.kind for u in self.units]
         self.ranks = store.ranks
         streamed = (store.weights, kinds, make_module, dtype, device, depth)
-        self.streamer = LayerStreamer(*streamed, writer=self.steppers, ranks=self.ranks)
+        self.streamer = layer_streamer_of(self.ranks, *streamed, writer=self.steppers)
         self.anchor = torch.empty(0, device=device, requires_grad=True)
         # the plain path's policies for saved inputs, the loss's scale and the gradients' clipping
         self.inputs, self.scaling = KeptInputs(), loss_scaling(dtype, device, self.ranks)
@@ -3525,6 +3525,46 @@ STEP_GROUP = {}  # "group": the steps' process group, with the plan's rank timeo
 # the collectives on one tensor: torch 2.13 names them so, and warns at the older names, which 2.11 and 2.12 have only
 all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class ShardedStreamer(LayerStreamer):
+    """LayerStreamer over several ranks: each source is this rank's shard of its unit, which lands in its place in
+    the slot; an all-gather over NVLink (Ranks.gather) fills the rest, on a stream of its own, beside the next shard's
+    copy. The copies are issued in order (the host waits for an update instead): each ends in an all-gather, and
+    ranks issuing them in different orders would pair one layer's shards with another's, silently."""
+
+    def __init__(self, ranks: Ranks, sources, kinds, make_module, dtype, device, depth: int, writer=None):
+        self.ranks = ranks
+        self.gather_stream = new_stream(device)  # one unit's all-gather runs while the next unit's shard crosses PCIe
+        super().__init__(sources, kinds, make_module, dtype, device, depth, writer=writer)
+
+    def whole_numel(self, src: torch.Tensor) -> int:
+        """The slot elements of the unit whose shard is `src`: every rank's shard."""
+        return self.ranks.whole_numel(src)
+
+    def destination(self, s: int, src: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of the unit's place in slot s."""
+        return self.ranks.shard(self.buffers[s][: self.whole_numel(src)])
+
+    def landed_in(self, s: int, src: torch.Tensor) -> None:
+        """The other ranks' shards into slot s, on the gather stream: the all-gather waits for this rank's shard to
+        land, and the copy stream goes on to the next unit's shard meanwhile."""
+        with on_stream(self.gather_stream):
+            self.gather_stream.wait_event(self.copied[s])  # S1: this rank's shard has landed
+            self.ranks.gather(self.buffers[s][: self.whole_numel(src)])
+            self.copied[s].record(self.gather_stream)  # S1: compute waits for the whole unit before it reads the slot
+
+    def side_streams(self) -> tuple:
+        """The streams the copies and the all-gathers run on."""
+        return (self.copy_stream, self.gather_stream)
+
+    def written(self, u: int) -> bool:  # every copy is issued in order: prefetch's wait_written holds the host
+        return True
+
+
+def layer_streamer_of(ranks: Ranks, *args, **kwargs) -> LayerStreamer:
+    """A LayerStreamer of LayerStreamer's arguments, or with several ranks a ShardedStreamer (copy_stream aside)."""
+    return ShardedStreamer(ranks, *args, **kwargs) if ranks.several else LayerStreamer(*args, **kwargs)
 
 
 def start_ranks(ranks: Ranks) -> None:
