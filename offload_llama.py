@@ -16,7 +16,7 @@ accelerations plug into it as policies; the plan, measurement and tables are ins
   layer streamer         CopyWindow, LayerStreamer, StreamedLayer: a ring of GPU slots filled on a copy stream
   training               Adam, MasterStore, CpuAdam, Steppers, OffloadedTraining, ResidentTraining: plain and reference
   accelerations          ResidentUnits, StreamedAdam, ActivationOffload, LossScale, GradClip, DiskTier
-  several GPUs           ShardedStreamer, start_ranks, rank_peaks: shards gathered, ranks joined, peaks summed
+  several GPUs           ShardedStreamer, ShardedSteppers, start_ranks: shards gathered and summed, ranks joined
   the plan               Facts, make_plan, Plan, check_plan: every placement decision, made once before allocating
   modes                  run_mode, train_mode, train_steps, StepClock: each mode's inference and training
   saving and resuming    save_pretrained, write_checkpoint, resume
@@ -178,9 +178,9 @@ class Ranks:
     unit's host state, its shard, and trains on micro-batches rank, rank + world, ... of each step. Every rank calls
     the collectives in the same order and number, each in one of two groups:
       the steps' (group; the plan's rank timeout; NCCL on GPU tensors): gather (a unit's shards,
-        ShardedStreamer.landed_in), sum_shard (its gradients, Steppers.sum_shard), sum (the loss, float16's overflow,
-        clipping's squares); ranks waiting there on one that stalled are ended by NCCL's watchdog, on one that ended
-        by torchrun.
+        ShardedStreamer.landed_in), sum_shard (its gradients, ShardedSteppers.to_send), sum (the loss, float16's
+        overflow, clipping's squares); ranks waiting there on one that stalled are ended by NCCL's watchdog, on one
+        that ended by torchrun.
       the default (SETUP_TIMEOUT; gloo on CPU tensors): meet (also before each bound part), in_turn (each host's
         ranks), gathered (saving, state_dict), each (peaks, the plan's facts, check_same); their failures reach Python
         (lost_ranks)."""
@@ -1595,9 +1595,9 @@ class ParamStore:
 #                                                              (keep_resident), timed's end   ended, under a copy
 #   S4   done[u], thread event  cleared: CpuAdam.update,       wait_written (prefetch), main  a host source copied or
 #                               autograd; set: the worker      or autograd; wait_all, main    saved mid-update
-#   S5   ready, CUDA event      send, compute: the unit's      CpuAdam.send, sum_shard: D2H;  gradients read before all
+#   S5   ready, CUDA event      send, compute: the unit's      CpuAdam.send, to_send: D2H;    gradients read before all
 #                               backward is issued             StreamedAdam.take: s_adam      are written
-#   S6   summed, CUDA event     sum_shard, D2H: after the      the stepper, in place of S5    a shard read before its
+#   S6   summed, CUDA event     to_send, D2H: after the        the stepper, in place of S5    a shard read before its
 #                               reduce-scatter (several ranks)                                sum landed
 #   S7   landed[u], blocking    CpuAdam.send, D2H: after the   the worker (synchronize;       the CPU reading gradients
 #        CUDA event             copy to pinned memory          next_job queries it)           in flight
@@ -2389,19 +2389,17 @@ class Steppers:
     copy whether the unit's host copy is written (the streamer's writer). A streamed unit's gradients, in order:
 
         compute   the backward's first write into `buffer` waits last_landed; records ready (unit_backward, send)
-        D2H       waits ready; several ranks: reduce-scatter into `summed`, records it     (sum_shard)
-                  copies the gradients, or the shard, to pinned host memory, records landed  (CpuAdam.send)
+        D2H       waits ready (ShardedSteppers: reduces the ranks' into this rank's shard first, sum_shard),
+                  copies the gradients to pinned host memory, records landed                (CpuAdam.send)
         CPU Adam  waits landed, steps the unit, marks it done                               (CpuAdam.work)
         copy      the unit's next copy waits until it is done                               (wait_written)
 
-    landed becomes last_landed: the next unit's backward writes `buffer` only once these gradients have left it,
-    and with several ranks `summed` too (StreamedAdam's take stands in for the D2H copy, on its own stream)."""
+    landed becomes last_landed: the next unit's backward writes `buffer` only once these gradients have left it
+    (StreamedAdam's take stands in for the D2H copy, on its own stream)."""
 
     def __init__(self, store: MasterStore, dtype: torch.dtype, device: torch.device, d2h_stream):
         self.store, self.dtype, self.device = store, dtype, device
         self.buffer, _ = gradient_memory(store, (), True, device)  # the streamed units' gradients, a unit at a time
-        shard = max(m.numel() for m in store.masters) if store.ranks.several else 0
-        self.summed = torch.empty(shard, dtype=store.grad_dtype, device=device)  # this rank's shard of their sum
         self.last_landed = InOrder()  # the event after which `buffer` may be overwritten: its last gradients left
         self.cpu_adam = CpuAdam(store, device, d2h_stream)
         self.of = [self.cpu_adam] * len(store.units)  # unit -> its stepper
@@ -2417,8 +2415,6 @@ class Steppers:
             raise ValueError(f"{held}: resident units need their own gradients")
         if set(resident) & set(gpu_adam):
             raise ValueError("resident units are stepped on the GPU already: give the GPU's Adam streamed units only")
-        if resident and self.store.ranks.several:
-            raise ValueError("several ranks keep only their shards: every unit streams, none is resident")
         self.buffer = None  # freed before the resident units' state is allocated
         self.buffer, shared = gradient_memory(self.store, resident, own_grads, self.device)
         on_gpu = ResidentUnits(self.store, self.dtype, self.device, None if own_grads else shared)
@@ -2441,32 +2437,17 @@ class Steppers:
             stream.wait_event(self.last_landed)  # S8
 
     def send(self, u: int, ready) -> torch.Tensor:
-        """Send unit u's gradients to its stepper once `ready` (the end of the unit's backward); with several ranks,
-        this rank's shard of their sum over the ranks. Returns what was sent."""
-        grads = self.grads(u)
-        if self.store.ranks.several:
-            grads, ready = self.sum_shard(u, ready)
+        """Send unit u's gradients to its stepper once `ready` (the end of the unit's backward). Returns what was
+        sent."""
+        grads, ready = self.to_send(u, ready)
         landed = self.of[u].send(u, grads, ready)
         if landed is not None:  # None: they stay on the GPU (a resident unit), and the last ones sent hold the buffer
             self.last_landed = landed
         return grads
 
-    def sum_shard(self, u: int, ready) -> tuple[torch.Tensor, object]:
-        """Unit u's gradients summed over the ranks (a reduce-scatter over NVLink), this rank's shard into `summed`, on
-        the D2H stream; returns the shard and the event its stepper waits for. `summed` is free again: the CPU Adam's
-        last copy out of it came before on this stream, and StreamedAdam's take (its event the last one sent) came
-        before this unit's backward wrote the gradients (wait_to_write)."""
-        shard, summed = self.summed_shard(u), new_event(self.device)
-        stream = self.cpu_adam.d2h_stream
-        with on_stream(stream):
-            stream.wait_event(ready)  # S5: the unit's backward must have written all its gradients
-            self.store.ranks.sum_shard(shard, self.grads(u))
-            summed.record(stream)  # S6
-        return shard, summed
-
-    def summed_shard(self, u: int) -> torch.Tensor:
-        """Where this rank's shard of unit u's gradients, summed over the ranks, lands on the GPU."""
-        return self.summed[: self.store.masters[u].numel()]
+    def to_send(self, u: int, ready) -> tuple[torch.Tensor, object]:
+        """What unit u's stepper takes, and the event it waits for: its gradients, once `ready`."""
+        return self.grads(u), ready
 
     def update(self, u: int, multiplier: float) -> None:
         """Unit u's Adam step, its gradients times `multiplier`: queued, or (a resident unit) on the compute stream."""
@@ -2529,7 +2510,7 @@ class Unclipped:
     holds_updates = False
     grad_norms = ()  # none taken
 
-    def add(self, u: int, grads: list[torch.Tensor]) -> None: ...  # no norm to take
+    def add(self, u: int, views, sent, stream) -> None: ...  # no norm to take
 
     def multiplier(self) -> float:
         """The gradients' multiplier for this step."""
@@ -2625,7 +2606,7 @@ class OffloadedTraining:
             return layouts[kind].bind(unit_module(kind, config), buffer, trainable=True).eval()
 
         self.d2h_stream = new_stream(device)  # gradients leave on it
-        self.steppers = Steppers(store, dtype, device, self.d2h_stream)
+        self.steppers = steppers_of(store.ranks, store, dtype, device, self.d2h_stream)
         kinds = [u.kind for u in self.units]
         self.ranks = store.ranks
         streamed = (store.weights, kinds, make_module, dtype, device, depth)
@@ -2670,16 +2651,12 @@ class OffloadedTraining:
         return self.scaling.holds_updates or self.clip.holds_updates
 
     def send(self, u: int, views: list[torch.Tensor]) -> None:
-        """Unscale unit u's gradients (views: grad_views(u)), take their norm where clipped, send them to be stepped."""
+        """Unscale unit u's gradients (views: grad_views(u)), send them to be stepped, take their norm where clipped."""
         self.scaling.unscale(views)
-        if not self.ranks.several:  # the whole unit's, before the next unit's backward may overwrite the buffer
-            self.clip.add(u, views)
         ready = new_event(self.device)
         ready.record(self.streamer.compute_stream)  # S5: the end of the unit's backward, for its stepper to wait on
         sent = self.steppers.send(u, ready)
-        if self.ranks.several:  # the norm of the gradients' sum over the ranks: of this rank's shard, where it lands
-            with on_stream(self.d2h_stream):
-                self.clip.add(u, self.units[u].layout.pieces(sent, self.ranks.rank * sent.numel()))
+        self.clip.add(u, views, sent, self.d2h_stream)
         self.sent.append(u)
         if not self.holds_updates:
             self.steppers.update(u, 1.0)
@@ -3201,14 +3178,24 @@ class GradClip:
         if not store.update.scaled:
             raise ValueError("the CPU Adam must multiply the gradients: build the store with scaled_grads")
         self.max_norm = max_norm
+        self.units = store.units
         self.ranks = store.ranks  # with several, each takes the norm of its shards, and the squares are summed
         self.norms = {}  # unit -> its parameters' gradient norms, float32 on the GPU
         self.grad_norms = []  # each applied step's, before clipping
         self.taken = new_event(device)  # recorded after each unit's norms, on the stream that took them
 
-    def add(self, u: int, grads: list[torch.Tensor]) -> None:
-        """Unit u's parameters' gradient norms (with several ranks, of this rank's shard of their sum), queued on the
-        current stream before the next unit's gradients overwrite them."""
+    def add(self, u: int, views: list[torch.Tensor], sent: torch.Tensor, stream) -> None:
+        """Unit u's parameters' gradient norms, queued before the next unit's gradients overwrite them: of `views`,
+        the whole unit's, on the current stream; with several ranks, of `sent`, this rank's shard of their sum, on
+        `stream` (the D2H stream), where the sum lands."""
+        if not self.ranks.several:
+            self.take(u, views)
+            return
+        with on_stream(stream):
+            self.take(u, self.units[u].layout.pieces(sent, self.ranks.rank * sent.numel()))
+
+    def take(self, u: int, grads: list[torch.Tensor]) -> None:
+        """The norms of `grads`, unit u's parameters' (or their pieces in a shard), on the current stream."""
         if not grads:  # a rank's shard of padding alone
             self.norms[u] = []
         elif grads[0].dtype == torch.float32:
@@ -3560,6 +3547,44 @@ class ShardedStreamer(LayerStreamer):
 
     def written(self, u: int) -> bool:  # every copy is issued in order: prefetch's wait_written holds the host
         return True
+
+
+class ShardedSteppers(Steppers):
+    """Steppers over several ranks: each unit's gradients are summed over the ranks (a reduce-scatter over NVLink),
+    and this rank's shard of the sum, in `summed`, goes to its stepper. Every unit streams: a rank keeps shards."""
+
+    def __init__(self, store: MasterStore, dtype: torch.dtype, device: torch.device, d2h_stream):
+        super().__init__(store, dtype, device, d2h_stream)
+        shard = max(m.numel() for m in store.masters)
+        self.summed = torch.empty(shard, dtype=store.grad_dtype, device=device)  # this rank's shard of their sum
+
+    def place(self, streamer: LayerStreamer, resident, gpu_adam, own_grads: bool, holds_updates: bool) -> None:
+        """Steppers.place, with no unit resident."""
+        if resident:
+            raise ValueError("several ranks keep only their shards: every unit streams, none is resident")
+        super().place(streamer, resident, gpu_adam, own_grads, holds_updates)
+
+    def to_send(self, u: int, ready) -> tuple[torch.Tensor, object]:
+        """Unit u's gradients summed over the ranks, this rank's shard into `summed`, on the D2H stream; the shard and
+        the event its stepper waits for. `summed` is free again: the CPU Adam's last copy out of it came before on
+        this stream, and StreamedAdam's take (its event the last one sent) came before this unit's backward wrote the
+        gradients (wait_to_write)."""
+        shard, summed = self.summed_shard(u), new_event(self.device)
+        stream = self.cpu_adam.d2h_stream
+        with on_stream(stream):
+            stream.wait_event(ready)  # S5: the unit's backward must have written all its gradients
+            self.store.ranks.sum_shard(shard, self.grads(u))
+            summed.record(stream)  # S6
+        return shard, summed
+
+    def summed_shard(self, u: int) -> torch.Tensor:
+        """Where this rank's shard of unit u's gradients, summed over the ranks, lands on the GPU."""
+        return self.summed[: self.store.masters[u].numel()]
+
+
+def steppers_of(ranks: Ranks, *args) -> Steppers:
+    """Steppers of Steppers' arguments, or with several ranks ShardedSteppers."""
+    return ShardedSteppers(*args) if ranks.several else Steppers(*args)
 
 
 def layer_streamer_of(ranks: Ranks, *args, **kwargs) -> LayerStreamer:
@@ -4083,7 +4108,7 @@ def training_parts(run, config, facts: Facts, depth: int, own_grads: bool, resid
         "resident weights": sum(kept) * (0 if run.torch_dtype == torch.float32 else b),
         "resident masters and moments": 12 * sum(kept),
         "resident gradients": 4 * sum(kept) if own_grads else 0,
-        "summed gradients": max(shards) * gradient_dtype(run).itemsize if facts.world > 1 else 0,  # Steppers.summed
+        "summed gradients": max(shards) * gradient_dtype(run).itemsize if facts.world > 1 else 0,  # ShardedSteppers
     }
 
 
@@ -6244,7 +6269,7 @@ def copy_in(trainer: OffloadedTraining) -> None:
 def copy_out(trainer: OffloadedTraining) -> None:
     """Every D2H copy of a step, into the pool's buffers (the training state must not change): the gradients of the
     CPU Adam's units, then the state the GPU's Adam writes back; with several ranks, each unit's reduce-scatter into
-    `summed` first, on the same stream, as Steppers.sum_shard queues them."""
+    `summed` first, on the same stream, as ShardedSteppers.to_send queues them."""
     store, gpu_adam, steppers = trainer.store, streamed_adam(trainer), trainer.steppers
     if store.ranks.several:
         with on_stream(trainer.d2h_stream):
