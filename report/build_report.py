@@ -1966,7 +1966,8 @@ def several_gpu_loss_section(runs: dict) -> list[str]:
         f"- At settled clocks one GPU steps at {g1['bound_ms'] / g1['time_ms']:.3f} of its bound: the compute. Four "
         f"ranks step at {g4['bound_ms'] / g4['time_ms']:.3f}, {g4['time_ms'] - g4['bound_ms']:.0f} ms a step short.",
         "- The GPU's Adam over streamed state (the plan's default share) saves no time where the compute bounds the "
-        "step: the runs without it are as fast or faster.",
+        "step: the runs without it are as fast or faster. The plan has since given it no units there (commit "
+        "1622c36).",
         "",
         "Call E varied how NCCL's kernels share the GPU with the compute, four ranks each (ms):",
         "",
