@@ -2086,11 +2086,56 @@ class AdamUpdate:
         self.compiled(master, grads, exp_avg, exp_avg_sq, copy, self.adam.scalars(int(step.item()), multiplier))
 
 
+class HostMoments:
+    """The plain path's Adam moments: two float32 host buffers a unit, stepped in place (DiskMoments: some units' on a
+    disk). A unit's are zeroed at its first step, so their pages are mapped only once a lean run freed the model."""
+
+    disk = None  # no disk tier
+
+    def __init__(self, numels: list[int], elsewhere=frozenset()):
+        self.buffers = [  # None for the units whose moments are kept `elsewhere` (DiskMoments)
+            None if u in elsewhere else (host_zeros(n, torch.float32, False), host_zeros(n, torch.float32, False))
+            for u, n in enumerate(numels)
+        ]
+
+    def stage(self, u: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unit u's moments for its step."""
+        return self.buffers[u]
+
+    def staged(self, u: int) -> None:
+        """Unit u's step is done with its moments: nothing to write back."""
+
+    def ready(self, u: int) -> bool:  # always: they are in memory
+        return True
+
+    def read(self, u: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unit u's moments after its updates, in place."""
+        return self.buffers[u]
+
+    def zero(self, units) -> None:
+        """Zero the moments of `units` for their first step (zeros, as floats; a first touch maps the pages)."""
+        touch_pages([(m.data_ptr(), m.nbytes) for u in units for m in self.buffers[u]])
+
+    def fill(self, u: int, fill) -> None:
+        """Unit u's moments from a checkpoint: fill(exp_avg, exp_avg_sq) writes them."""
+        fill(*self.buffers[u])
+
+    def pin(self, u: int, pin: bool) -> None:
+        """Move unit u's moments into pinned memory (pin) for the copy engines."""
+        self.buffers[u] = tuple(host_zeros(m.numel(), torch.float32, pin).copy_(m) for m in self.buffers[u])
+
+    def restart(self) -> None: ...  # a new mode's load: nothing staged
+
+    def flush(self) -> None: ...  # nothing to write back
+
+    def close(self) -> None: ...  # nothing to free
+
+
 class MasterStore:
     """Training state on the host, one flat buffer per unit and kind: float32 masters and, where there is room, the
-    compute-dtype copies each Adam step rewrites for the GPU to stream (pinned); float32 moments (pinned only for the
-    GPU's Adam: pin_moments; on the disk for the units of a DiskTier); the gradients, in a pinned buffer of the pool
-    from their copy until their Adam step."""
+    compute-dtype copies each Adam step rewrites for the GPU to stream (pinned); float32 moments (HostMoments, pinned
+    only for the GPU's Adam: pin_moments; DiskMoments keeps those of a DiskTier's units on its disk); the gradients,
+    in a pinned buffer of the pool from their copy until their Adam step."""
 
     def __init__(
         self,
@@ -2106,16 +2151,11 @@ class MasterStore:
     ):
         self.units = units
         self.pin = pin  # whether the host buffers are pinned
-        self.disk = disk
-        self.on_disk = frozenset(disk.units if disk else ())  # units whose moments the disk tier keeps
         self.ranks = ranks  # each unit's state here is this rank's shard of it
         numels = [self.ranks.shard_numel(u.layout.numel) for u in units]
         self.masters = host_zeros_each(numels, torch.float32, pin)
         self.copies = host_zeros_each(numels, copy_dtype, pin) if copy_dtype else None
-        self.moments = [
-            None if u in self.on_disk else (host_zeros(n, torch.float32, False), host_zeros(n, torch.float32, False))
-            for u, n in enumerate(numels)
-        ]
+        self.adam_moments = moments_for(numels, disk)  # HostMoments, or DiskMoments with a disk tier
         # after the pinning, which the update's compile may still overlap (start_adam_compile)
         self.update = AdamUpdate(adam, grad_dtype, copy_dtype, scaled_grads)  # scaled: --clip-grad-norm
         self.grad_dtype = self.update.grad_dtype  # float32 where the update did not compile
@@ -2131,6 +2171,16 @@ class MasterStore:
         """What the GPU streams: the compute-dtype copies, or the float32 masters where there are none."""
         return self.copies or self.masters
 
+    @property
+    def moments(self) -> list:
+        """Each unit's moments in host memory, None where the disk tier keeps them."""
+        return self.adam_moments.buffers
+
+    @property
+    def disk(self):
+        """The disk tier, or None."""
+        return self.adam_moments.disk
+
     def take_grads(self, u: int) -> torch.Tensor:
         """A pinned buffer for unit u's gradients, which its Adam step will read (waits while the pool is empty)."""
         self.grads[u] = self.pool.take(u)[: self.masters[u].numel()]
@@ -2142,46 +2192,40 @@ class MasterStore:
             self.zero_moments([u])
         copy = self.copies[u] if self.copies else None
         try:
-            moments = self.disk.stage(u) if u in self.on_disk else self.moments[u]
+            moments = self.adam_moments.stage(u)
             self.update(self.masters[u], self.grads[u], *moments, copy, self.steps[u], multiplier)
         finally:  # a read or update that fails still frees the buffers: the backward waiting for one sees the error
-            if u in self.on_disk:
-                self.disk.write_back(u)
+            self.adam_moments.staged(u)
             if not self.pool.dedicated:
                 self.pool.give(self.grads[u])
                 self.grads[u] = None
 
     def ready(self, u: int) -> bool:
-        """Whether unit u's step can run without waiting for the disk."""
-        return u not in self.on_disk or self.disk.staged_now(u)
+        """Whether unit u's step can run without waiting for its moments (DiskMoments: to be read)."""
+        return self.adam_moments.ready(u)
 
     def moments_of(self, u: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Unit u's Adam moments after its updates: in place on the host, or read from the disk into new memory."""
-        return self.disk.read(u) if u in self.on_disk else self.moments[u]
+        return self.adam_moments.read(u)
 
     def flush(self) -> None:
-        """Block until the disk tier's write-backs have landed; re-raise its error."""
-        if self.disk:
-            self.disk.flush()
+        """Block until the moments' write-backs have landed (DiskMoments); re-raise their error."""
+        self.adam_moments.flush()
 
     def close(self) -> None:
-        """Free the disk tier's files."""
-        if self.disk:
-            self.disk.close()
+        """Free what the moments hold beside host memory (DiskMoments: the disk tier's files)."""
+        self.adam_moments.close()
 
     def zero_moments(self, units) -> None:
         """Start the moments of those of `units` not started since load at zero, as torch.optim.Adam creates them."""
         starting = self.unstarted.intersection(units)
-        for u in starting & self.on_disk:
-            self.disk.zero(u)
-        moments = [m for u in starting - self.on_disk for m in self.moments[u]]
-        touch_pages([(m.data_ptr(), m.nbytes) for m in moments])  # zeros, as floats; a first touch maps the pages
+        self.adam_moments.zero(starting)
         self.unstarted -= starting
 
     def pin_moments(self, u: int) -> None:
         """Move unit u's Adam moments into pinned memory for the copy engines; one unit at a time."""
         if u not in self.pinned_moments:
-            self.moments[u] = tuple(host_zeros(m.numel(), torch.float32, self.pin).copy_(m) for m in self.moments[u])
+            self.adam_moments.pin(u, self.pin)
             self.pinned_moments.add(u)
 
     @torch.no_grad()
@@ -2199,9 +2243,7 @@ class MasterStore:
                 self.copies[u].copy_(master)
             self.steps[u].zero_()
         self.unstarted = set(range(len(self.units)))  # their moments: zeroed before their first step
-        if self.disk:
-            self.disk.stop()  # a mode before may have ended mid-step: the reader starts over
-            self.disk.waited_s = 0.0  # the waits for reads of this mode
+        self.adam_moments.restart()
 
     @torch.no_grad()
     def load_unit(self, u: int, state: dict) -> None:
@@ -2218,11 +2260,7 @@ class MasterStore:
                     layout.fill(flat, state[key].__getitem__, start=start)
 
         fill(("master",), self.masters[u])
-        moments = functools.partial(fill, ("exp_avg", "exp_avg_sq"))
-        if u in self.on_disk:
-            self.disk.load(u, moments)
-        else:
-            moments(*self.moments[u])
+        self.adam_moments.fill(u, functools.partial(fill, ("exp_avg", "exp_avg_sq")))
         if self.copies:
             self.copies[u].copy_(self.masters[u])
         self.steps[u].fill_(state["step"])
@@ -3472,6 +3510,64 @@ class DiskTier:
         self.error = e
         for staged in self.staged.values():
             staged.put(e)
+
+
+class DiskMoments(HostMoments):
+    """HostMoments with the moments of the disk tier's units on its disk: read into host memory for each step and
+    written back after it (DiskTier); the other units' in host memory."""
+
+    def __init__(self, numels: list[int], disk: DiskTier):
+        self.disk = disk
+        self.on_disk = frozenset(disk.units)  # units whose moments the disk tier keeps
+        super().__init__(numels, self.on_disk)
+
+    def stage(self, u: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unit u's moments for its step: read from the disk into a slot, or in host memory."""
+        return self.disk.stage(u) if u in self.on_disk else super().stage(u)
+
+    def staged(self, u: int) -> None:
+        """Unit u's step is done: a disk unit's moments are written back."""
+        if u in self.on_disk:
+            self.disk.write_back(u)
+
+    def ready(self, u: int) -> bool:
+        """Whether unit u's step can run without waiting for the disk."""
+        return u not in self.on_disk or self.disk.staged_now(u)
+
+    def read(self, u: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unit u's moments after its updates: read from the disk into new memory, or in place."""
+        return self.disk.read(u) if u in self.on_disk else super().read(u)
+
+    def zero(self, units) -> None:
+        """Zero the moments of `units` for their first step: the disk's in their slot at that step."""
+        for u in set(units) & self.on_disk:
+            self.disk.zero(u)
+        super().zero(set(units) - self.on_disk)
+
+    def fill(self, u: int, fill) -> None:
+        """Unit u's moments from a checkpoint, into its file or host memory."""
+        if u in self.on_disk:
+            self.disk.load(u, fill)
+        else:
+            super().fill(u, fill)
+
+    def restart(self) -> None:
+        """A new mode's load: a mode before may have ended mid-step, so the reader starts over; its waits restart."""
+        self.disk.stop()
+        self.disk.waited_s = 0.0
+
+    def flush(self) -> None:
+        """Block until the disk tier's write-backs have landed; re-raise its error."""
+        self.disk.flush()
+
+    def close(self) -> None:
+        """Free the disk tier's files."""
+        self.disk.close()
+
+
+def moments_for(numels: list[int], disk: DiskTier | None) -> HostMoments:
+    """The Adam moments of units of `numels` parameters: HostMoments, or with a disk tier DiskMoments."""
+    return DiskMoments(numels, disk) if disk else HostMoments(numels)
 
 
 def unnamed_file(folder: str, nbytes: int) -> int:
