@@ -15,7 +15,7 @@ accelerations plug into it as policies; the plan, measurement and tables are ins
   parameter store        FlatLayout, HostBuffer, ParamStore: each decoder layer one flat pinned buffer
   layer streamer         CopyWindow, LayerStreamer, StreamedLayer: a ring of GPU slots filled on a copy stream
   training               Adam, MasterStore, CpuAdam, Steppers, OffloadedTraining, ResidentTraining: plain and reference
-  accelerations          ResidentUnits, StreamedAdam, ActivationOffload, LossScale, GradClip, DiskTier
+  accelerations          place_on_gpu, ResidentUnits, StreamedAdam, ActivationOffload, LossScale, GradClip, DiskTier
   several GPUs           ShardedStreamer, ShardedSteppers, start_ranks: shards gathered and summed, ranks joined
   the plan               Facts, make_plan, Plan, check_plan: every placement decision, made once before allocating
   modes                  run_mode, train_mode, train_steps, StepClock: each mode's inference and training
@@ -2442,23 +2442,10 @@ class Steppers:
         self.cpu_adam = CpuAdam(store, device, d2h_stream)
         self.of = [self.cpu_adam] * len(store.units)  # unit -> its stepper
 
-    def place(self, streamer: LayerStreamer, resident, gpu_adam, own_grads: bool, holds_updates: bool) -> None:
-        """Keep the `resident` units on the GPU, stepped there (ResidentUnits), and step the `gpu_adam` units on the
-        GPU from their state on the host (StreamedAdam); the CPU Adam steps the rest. own_grads: gradients kept apart,
-        to compare or check them: a resident unit's in memory of its own, the GPU's Adam's first ones on the host."""
-        held = "float16 or clipping steps once every gradient is in"
-        if holds_updates and gpu_adam:
-            raise ValueError(f"{held}: the streamed units stay on the CPU Adam")
-        if holds_updates and resident and not own_grads:
-            raise ValueError(f"{held}: resident units need their own gradients")
-        if set(resident) & set(gpu_adam):
-            raise ValueError("resident units are stepped on the GPU already: give the GPU's Adam streamed units only")
-        self.buffer = None  # freed before the resident units' state is allocated
-        self.buffer, shared = gradient_memory(self.store, resident, own_grads, self.device)
-        on_gpu = ResidentUnits(self.store, self.dtype, self.device, None if own_grads else shared)
-        streamer.keep_resident(resident, on_gpu.load)
-        streamed = StreamedAdam(self.store, gpu_adam, self.device, streamer.copy_stream, own_grads)
-        chosen = {**dict.fromkeys(resident, on_gpu), **dict.fromkeys(gpu_adam, streamed)}
+    def assign(self, chosen: dict, buffer: torch.Tensor) -> None:
+        """Step the units of `chosen` (unit -> stepper) by their steppers, the CPU Adam the rest; their gradients
+        accumulate in `buffer` (place_on_gpu)."""
+        self.buffer = buffer
         self.of = [chosen.get(u, self.cpu_adam) for u in range(len(self.of))]
 
     def grads(self, u: int) -> torch.Tensor:
@@ -2658,8 +2645,9 @@ class OffloadedTraining:
             raise ValueError("float16 steps only once every unit's gradients are in: give each unit a gradient buffer")
 
     def place(self, resident=(), gpu_adam=(), own_grads: bool = True) -> None:
-        """Keep the `resident` units on the GPU and step the `gpu_adam` units on the GPU's Adam (Steppers.place)."""
-        self.steppers.place(self.streamer, resident, gpu_adam, own_grads, self.holds_updates)
+        """Keep the `resident` units on the GPU and step the `gpu_adam` units on the GPU's Adam: the accelerations'
+        entry (place_on_gpu)."""
+        place_on_gpu(self, resident, gpu_adam, own_grads)
 
     def run_unit(self, u: int, module: nn.Module, x: torch.Tensor, k: int) -> torch.Tensor:
         """Unit u's forward on micro-batch k: hidden states out, or the loss for the head."""
@@ -2888,6 +2876,28 @@ def mean_loss(losses, ranks: Ranks = Ranks()) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------- accelerations
 # Each plugs into a policy of OffloadedTraining (steppers, inputs, scaling, clip): without the accelerations it trains
 # the same, slower; float16's LossScale and GradClip (--clip-grad-norm) change what it computes, as gpu mode does.
+
+
+def place_on_gpu(trainer: OffloadedTraining, resident, gpu_adam, own_grads: bool) -> None:
+    """Keep the `resident` units on the GPU, stepped there (ResidentUnits), and step the `gpu_adam` units on the GPU
+    from their state on the host (StreamedAdam); the CPU Adam steps the rest. own_grads: gradients kept apart, to
+    compare or check them: a resident unit's in memory of its own, the GPU's Adam's first ones on the host."""
+    held = "float16 or clipping steps once every gradient is in"
+    if trainer.holds_updates and gpu_adam:
+        raise ValueError(f"{held}: the streamed units stay on the CPU Adam")
+    if trainer.holds_updates and resident and not own_grads:
+        raise ValueError(f"{held}: resident units need their own gradients")
+    if set(resident) & set(gpu_adam):
+        raise ValueError("resident units are stepped on the GPU already: give the GPU's Adam streamed units only")
+    if resident and trainer.ranks.several:
+        raise ValueError("several ranks keep only their shards: every unit streams, none is resident")
+    steppers, streamer, store = trainer.steppers, trainer.streamer, trainer.store
+    steppers.buffer = None  # freed before the resident units' state is allocated
+    buffer, shared = gradient_memory(store, resident, own_grads, trainer.device)
+    on_gpu = ResidentUnits(store, trainer.dtype, trainer.device, None if own_grads else shared)
+    streamer.keep_resident(resident, on_gpu.load)
+    streamed = StreamedAdam(store, gpu_adam, trainer.device, streamer.copy_stream, own_grads)
+    steppers.assign({**dict.fromkeys(resident, on_gpu), **dict.fromkeys(gpu_adam, streamed)}, buffer)
 
 
 class ResidentUnit:
@@ -3647,18 +3657,13 @@ class ShardedStreamer(LayerStreamer):
 
 class ShardedSteppers(Steppers):
     """Steppers over several ranks: each unit's gradients are summed over the ranks (a reduce-scatter over NVLink),
-    and this rank's shard of the sum, in `summed`, goes to its stepper. Every unit streams: a rank keeps shards."""
+    and this rank's shard of the sum, in `summed`, goes to its stepper. Every unit streams (place_on_gpu): a rank
+    keeps shards."""
 
     def __init__(self, store: MasterStore, dtype: torch.dtype, device: torch.device, d2h_stream):
         super().__init__(store, dtype, device, d2h_stream)
         shard = max(m.numel() for m in store.masters)
         self.summed = torch.empty(shard, dtype=store.grad_dtype, device=device)  # this rank's shard of their sum
-
-    def place(self, streamer: LayerStreamer, resident, gpu_adam, own_grads: bool, holds_updates: bool) -> None:
-        """Steppers.place, with no unit resident."""
-        if resident:
-            raise ValueError("several ranks keep only their shards: every unit streams, none is resident")
-        super().place(streamer, resident, gpu_adam, own_grads, holds_updates)
 
     def to_send(self, u: int, ready) -> tuple[torch.Tensor, object]:
         """Unit u's gradients summed over the ranks, this rank's shard into `summed`, on the D2H stream; the shard and
