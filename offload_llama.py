@@ -7168,7 +7168,7 @@ def training_store(run: RunConfig, config: LlamaConfig, plan: Plan) -> MasterSto
             disk.close()
         raise
     pinned = sum(t.nbytes for t in [*masters.masters, *(masters.copies or []), *masters.pool.buffers])
-    moments = sum(2 * m.nbytes for u, m in enumerate(masters.masters) if u not in masters.on_disk)
+    moments = sum(m.nbytes for pair in masters.moments if pair for m in pair)  # None: on the disk tier
     masters.setup_s["host_state"] = time.perf_counter() - t0
     log(
         f"training state on the host in {masters.setup_s['host_state']:.1f} s: {size_text(pinned)} pinned, "

@@ -591,3 +591,23 @@ def test_table_1_gives_the_hosts_bytes_a_parameter_and_the_set_up_seconds():
     assert ol.training_memory_cells("overlapped", r)[3:] == ["3.00", "16.0", "", "3.7"]
     lines = ol.training_notes("overlapped", r, ol.RunConfig())
     assert "set-up 3.7 s before the first step: host state 1.2, weights 2.0, placed 0.5" in "\n".join(lines)
+
+
+@pytest.mark.parametrize("nvme_layers", [0, 1])
+def test_the_training_store_is_built_as_a_run_builds_it(nvme_layers, tmp_path, monkeypatch, capsys):
+    """training_store, which only a GPU run reaches: the masters, the moments (on the host, or one layer's on the disk
+    tier) and the gradient pool as the plan sizes them, and the set-up line that counts the host's moments."""
+    monkeypatch.setattr(ol.HostBuffer, "pin", lambda self: None)  # no GPU to pin for
+    disk = {"nvme": str(tmp_path), "nvme_layers": nvme_layers} if nvme_layers else {}
+    run = ol.RunConfig(preset="tiny", mode="overlapped", train=True, inference=False, seq_len=48, **disk)
+    config = ol.llama_config(run)
+    masters = ol.training_store(run, config, planned(run, machine(host_gib=64)))
+    try:
+        moments = list(masters.moments)
+        assert len(moments) == len(masters.masters) == len(ol.model_units(config))
+        assert sum(pair is None for pair in moments) == nvme_layers
+        host = sum(m.nbytes for pair in moments if pair for m in pair)
+        assert host == sum(2 * m.nbytes for m, pair in zip(masters.masters, moments, strict=True) if pair)
+        assert f"{ol.size_text(host)} of Adam moments" in capsys.readouterr().err
+    finally:
+        masters.close()
