@@ -1,10 +1,13 @@
 """Layer-wise parameter offload for LLaMA, measured.
 
-Each decoder layer's weights live in pinned host memory as one flat buffer, copied on a copy stream into a ring of
-GPU slots just before they run: `blocked` (depth 0) waits for each copy, then computes; `overlapped` fills the next
-slot(s) while the current one computes. Inference runs the unmodified Hugging Face forward with stand-ins for its
-decoder layers. Training streams every unit through an autograd Function and steps Adam on float32 masters: on the
-host (the CPU Adam), or where the plan says on the GPU (resident units, and a share over state streamed in).
+Each decoder layer's weights live in pinned host memory as one flat buffer, copied on a copy stream into a ring of GPU
+slots just before they run. The two offloaded modes run the same code and synchronise the same way (the table at the top
+of the layer streamer): `blocked` is depth 0, one slot, each copy waited for before its layer computes; `overlapped`
+copies --prefetch units ahead into more slots while the current one computes, and its plan may also keep layers resident
+and step a share of the units on the GPU's Adam (training_placement). Inference runs the unmodified Hugging Face forward
+with stand-ins for its decoder layers. Training streams every unit through an autograd Function and steps Adam on
+float32 masters: on the host (the CPU Adam), or where the plan says on the GPU (resident units, and a share over state
+streamed in).
 References: torchao's CPUOffloadOptimizer, torchtune's activation offloading, gau-nernst's offload.py, gpt-fast.
 
 The sections, in reading order, and the names that open them. The plain path runs from the model to training; the
@@ -16,7 +19,7 @@ accelerations plug into it as policies; the plan, measurement and tables are ins
   layer streamer         CopyWindow, LayerStreamer, StreamedLayer: a ring of GPU slots filled on a copy stream
   training               Adam, MasterStore, CpuAdam, Steppers, OffloadedTraining, ResidentTraining: plain and reference
   accelerations          place_on_gpu, ResidentUnits, StreamedAdam, ActivationOffload, LossScale, GradClip, DiskTier
-  several GPUs           ShardedStreamer, ShardedSteppers, start_ranks: shards gathered and summed, ranks joined
+  several GPUs           ShardedParamStore, ShardedStreamer, ShardedSteppers, start_ranks: shards gathered, summed
   the plan               Facts, make_plan, Plan, check_plan: every placement decision, made once before allocating
   modes                  run_mode, train_mode, train_steps, StepClock: each mode's inference and training
   saving and resuming    save_pretrained, write_checkpoint, resume
@@ -216,6 +219,11 @@ class Ranks:
         """This rank's shard of `full`, a flat buffer of world shards."""
         n = full.numel() // self.world
         return full[self.rank * n : (self.rank + 1) * n]
+
+    def checkpointed(self, layout: FlatLayout, flat: torch.Tensor):
+        """A unit's flat state as a checkpoint keeps it: by parameter name, or with several ranks this rank's shard,
+        flat (its ends cut across parameters)."""
+        return flat if self.several else layout.views(flat)
 
     def share(self, micro_batches: list) -> list:
         """This rank's micro-batches of a step's: rank, rank + world, ..."""
@@ -1565,64 +1573,69 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 
 class ParamStore:
     """Inference: each decoder layer's weights as one flat CPU buffer in the compute dtype, pinned when a GPU streams
-    it; the CPU model's layer parameters become views into them, so the host holds one copy. With several ranks, each
-    holds its shard of every layer beside the model (the GPUs gather the rest over NVLink: ShardedStreamer)."""
+    it; the CPU model's layer parameters become views into them, so the host holds one copy (ShardedParamStore: a
+    rank's shard of each)."""
+
+    ranks = Ranks()  # one process
 
     @torch.no_grad()
-    def __init__(self, model: LlamaForCausalLM, pin: bool, ranks: Ranks = Ranks()):
+    def __init__(self, model: LlamaForCausalLM, pin: bool):
         layers = model.model.layers
         self.layout = FlatLayout.of(layers[0])
         self.dtype = next(layers[0].parameters()).dtype
-        self.ranks = ranks
-        shard = ranks.shard_numel(self.layout.numel)
-        self.flats = host_zeros_each([shard] * len(layers), self.dtype, pin)
+        numel, start = self.held(self.layout.numel)
+        self.flats = host_zeros_each([numel] * len(layers), self.dtype, pin)
         for layer, flat in zip(layers, self.flats, strict=True):
-            self.layout.fill(flat, layer.get_parameter, start=ranks.rank * shard)
-            if not ranks.several:
-                self.layout.bind(layer, flat)
+            self.layout.fill(flat, layer.get_parameter, start=start)
+            self.share(layer, flat)
+
+    def held(self, numel: int) -> tuple[int, int]:
+        """The elements of a layer's `numel` this store holds, and where they start: all of them."""
+        return numel, 0
+
+    def share(self, layer: nn.Module, flat: torch.Tensor) -> None:
+        """The model's parameters of `layer` become views into `flat`: one copy on the host."""
+        self.layout.bind(layer, flat)
 
 
 # ---------------------------------------------------------------------------------------------------- layer streamer
 # Every synchronisation of the core (S1-S11) and of the accelerations (S12-S16). Streams: compute (the current one),
 # copy (weights in), gather (several ranks' all-gathers), D2H (gradients out); threads: main, autograd's (it runs
-# the backward), the CPU Adam's worker. Each wait in the code names its row.
-#   row  sync                   recorded or set by, on         waited on by, on               protects
-#   S1   copied[s], CUDA event  prefetch, copy; several ranks: acquire, compute; landed_in,   slot s read before its
-#                               landed_in again, gather        gather                         unit has landed
-#   S2   freed[s], CUDA event   release, compute               prefetch, copy                 slot s overwritten while a
-#                                                                                             unit reads it
-#   S3   landed, CUDA event     wait_copies, copy and gather   the stream given: compute      a ring freed, or a time
-#                                                              (keep_resident), timed's end   ended, under a copy
-#   S4   done[u], thread event  cleared: CpuAdam.update,       wait_written (prefetch), main  a host source copied or
-#                               autograd; set: the worker      or autograd; wait_all, main    saved mid-update
-#   S5   ready, CUDA event      send, compute: the unit's      CpuAdam.send, to_send: D2H;    gradients read before all
-#                               backward is issued             StreamedAdam.take: s_adam      are written
-#   S6   summed, CUDA event     to_send, D2H: after the        the stepper, in place of S5    a shard read before its
-#                               reduce-scatter (several ranks)                                sum landed
-#   S7   landed[u], blocking    CpuAdam.send, D2H: after the   the worker (synchronize;       the CPU reading gradients
-#        CUDA event             copy to pinned memory          next_job queries it)           in flight
-#   S8   last_landed: S7's, or  Steppers.send keeps the last   wait_to_write, compute: before the gradient buffer
-#        S13's consumed         one sent                       the backward's first write     overwritten too soon
-#   S9   cond, condition        CpuAdam.update, close: notify  next_job, the worker           the job queue
-#   S10  GradientPool.free,     give, the worker, once it has  take, autograd (CpuAdam.send), a pinned buffer rewritten
-#        queue                  stepped the unit               where buffers are shared       before its step
-#   S11  loss.item(), host sync train_steps, main              (the step's end)               a step timed unfinished
-#   S12  resident units: no     they step on compute, in order every later kernel             their state
-#        event
-#   S13  StreamedAdam:          take, s_adam; s_in; s_adam;    S8; s_adam; s_out; s_in;       its buffer, its two slots,
-#        consumed, landed[k],   s_out; written_back, s_out     wait_written, copy (wait_all:  a source mid-update
-#        stepped[k], left[k],                                  host)
-#        written_back[u], CUDA
-#        events
-#   S14  ActivationOffload:     written, compute; offloaded,   send, D2H; wait_written, copy; inputs copied early, read
-#        written, offloaded[a], D2H                            leaving: main;                 back early, memory reused
-#        CUDA events                                           backward_begins, compute
-#   S15  GradClip.taken, CUDA   norm, the current stream (D2H  multiplier, the current stream the norm of norms taken
-#        event                  with several ranks)                                           early
-#   S16  DiskTier: settled,     the writer thread after each   read_ahead, the reader; read,  a file read while its
-#        current (thread        write (settled, current,       main; stage, the worker        write-back runs; a slot
-#        events), free, staged  free); the reader (staged);                                   reused early
-#        (queues)               reset
+# the backward), the CPU Adam's worker. Each row: what it is; who records or sets it, on which stream or thread; who
+# waits on it, where; what it protects. Each wait in the code names its row.
+#   S1   copied[s], CUDA event. Recorded by prefetch on copy (several ranks: by landed_in again, on gather). Waited
+#        on by acquire on compute (several ranks: landed_in, on gather). Slot s is not read before its unit landed.
+#   S2   freed[s], CUDA event. Recorded by release on compute. Waited on by prefetch on copy. Slot s is not
+#        overwritten while a unit reads it.
+#   S3   landed, CUDA event. Recorded by wait_copies on copy and gather. Waited on by the stream given: compute
+#        (keep_resident), or timed's end. A ring is not freed, nor a time ended, under a copy.
+#   S4   done[u], thread event. Cleared by CpuAdam.update (main or autograd), set by the worker when unit u's update
+#        is written. Waited on by wait_written (in prefetch; main or autograd) and wait_all (main). A host source is
+#        not copied or saved mid-update.
+#   S5   ready, CUDA event. Recorded by send on compute once the unit's backward is issued. Waited on by
+#        CpuAdam.send and to_send on D2H, StreamedAdam.take on s_adam. Gradients are not read before all are written.
+#   S6   summed, CUDA event (several ranks). Recorded by to_send on D2H after the reduce-scatter. Waited on by the
+#        stepper, in place of S5. A shard is not read before its sum landed.
+#   S7   landed[u], blocking CUDA event. Recorded by CpuAdam.send on D2H after the copy to pinned memory. Waited on by
+#        the worker (synchronize; next_job queries it). The CPU does not read gradients in flight.
+#   S8   last_landed: S7's, or S13's consumed. Kept by Steppers.send, the last one sent. Waited on by wait_to_write on
+#        compute, before the backward's first write. The gradient buffer is not overwritten too soon.
+#   S9   cond, condition. Notified by CpuAdam.update and close. Waited on by next_job, in the worker. The job queue.
+#   S10  GradientPool.free, queue. Given back by the worker once it stepped the unit. Taken by take, in autograd
+#        (CpuAdam.send), where buffers are shared. A pinned buffer is not rewritten before its step.
+#   S11  loss.item(), host sync, in train_steps (main): the step's end. A step is not timed unfinished.
+#   S12  resident units: no event. They step on compute, in order before every later kernel. Their state.
+#   S13  StreamedAdam's CUDA events: consumed (take, on s_adam; waited as S8), landed[k] (s_in; waited on s_adam),
+#        stepped[k] (s_adam; waited on s_out), left[k] (s_out; waited on s_in), written_back[u] (s_out; waited by
+#        wait_written on copy, wait_all on the host). Its buffer, its two slots, and a source mid-update.
+#   S14  ActivationOffload's CUDA events: written (recorded by send on compute; waited on D2H), offloaded[a] (D2H;
+#        waited by wait_written on copy, by send's leaving queue on main, by backward_begins on compute). Inputs are
+#        not copied to the host early, read back early, or their GPU memory reused early.
+#   S15  GradClip.taken, CUDA event. Recorded by the norm on the current stream (D2H with several ranks). Waited on by
+#        multiplier, on the current stream. The norm of the norms is not taken early.
+#   S16  DiskTier's thread events settled and current, set by the writer thread after each write (and by reset), and
+#        its queues free and staged (the reader fills staged). Waited on by read_ahead (the reader), read (main) and
+#        stage (the worker). A file is not read while its write-back runs, nor a slot reused early.
 
 
 class InOrder:
@@ -2064,8 +2077,11 @@ class AdamUpdate:
 
     @property
     def bytes_per_param(self) -> int:
-        """Host memory bytes one step moves per parameter (the fallback reads the master again to cast it, and with
-        clipping reads and writes the gradients once more to scale them)."""
+        """Host memory bytes one step moves per parameter. It reads the float32 master, exp_avg and exp_avg_sq (12) and
+        the gradients (gradient_dtype: bfloat16's 2 with one micro-batch, else float32's 4); it writes the three again
+        (12) and the copy the GPU streams (Plan.copy_dtype: bfloat16's 2; none where the masters stream). So 30 bytes
+        for a bfloat16 run that accumulates, 28 for one micro-batch. The fallback reads the master again to cast it
+        (4), and with clipping reads and writes the gradients once more to scale them (8)."""
         copy = self.copy_dtype.itemsize if self.copy_dtype else 0
         recast = 4 if self.copy_dtype and not self.compiled else 0
         rescale = 8 if self.scaled and not self.compiled else 0
@@ -2715,13 +2731,12 @@ class OffloadedTraining:
         return self.store.state_dict([self.steppers.state(u, grads) for u in range(len(self.units))], on_first)
 
     def unit_state(self, u: int) -> dict:
-        """Unit u's training state for a checkpoint: its step count, and its float32 master and moments by name (with
-        several ranks, this rank's shards of them, flat: a shard's ends cut across parameters)."""
+        """Unit u's training state for a checkpoint: its step count, and its float32 master and moments as a checkpoint
+        keeps them (Ranks.checkpointed: by name, or with several ranks this rank's flat shards)."""
         master, exp_avg, exp_avg_sq, step = self.steppers.adam_state(u)
         flats = {"master": master, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
-        if self.ranks.several:
-            return {"step": step.item()} | {key: flat.cpu() for key, flat in flats.items()}
-        return {"step": step.item()} | {key: self.units[u].layout.views(flat.cpu()) for key, flat in flats.items()}
+        layout = self.units[u].layout
+        return {"step": step.item()} | {key: self.ranks.checkpointed(layout, flat.cpu()) for key, flat in flats.items()}
 
     def load_unit(self, u: int, state: dict) -> None:
         """Set unit u's training state from a checkpoint, before placement: it is all on the host then."""
@@ -3618,6 +3633,27 @@ STEP_GROUP = {}  # "group": the steps' process group, with the plan's rank timeo
 # the collectives on one tensor: torch 2.13 names them so, and warns at the older names, which 2.11 and 2.12 have only
 all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class ShardedParamStore(ParamStore):
+    """ParamStore over several ranks: each holds its shard of every layer beside the model, whose parameters stay its
+    own; the GPUs gather the rest over NVLink (ShardedStreamer)."""
+
+    def __init__(self, model: LlamaForCausalLM, pin: bool, ranks: Ranks):
+        self.ranks = ranks
+        super().__init__(model, pin)
+
+    def held(self, numel: int) -> tuple[int, int]:
+        """This rank's shard of a layer's `numel` elements, and where it starts."""
+        shard = self.ranks.shard_numel(numel)
+        return shard, self.ranks.rank * shard
+
+    def share(self, layer: nn.Module, flat: torch.Tensor) -> None: ...  # a shard: the model keeps its parameters
+
+
+def param_store_of(ranks: Ranks, model: LlamaForCausalLM, pin: bool) -> ParamStore:
+    """A ParamStore of `model`, or with several ranks a ShardedParamStore."""
+    return ShardedParamStore(model, pin, ranks) if ranks.several else ParamStore(model, pin)
 
 
 class ShardedStreamer(LayerStreamer):
@@ -7052,7 +7088,7 @@ def run_all(run: RunConfig) -> dict:
     reference = forward_backward_reference(model, train_ids, run) if run.fwd_bwd_reference else None
     set_gpu_cap(run)
     input_ids = random_input_ids(run, model.config.vocab_size)
-    store = ParamStore(model, pin=True, ranks=run.ranks) if offloaded and run.inference else None
+    store = param_store_of(run.ranks, model, pin=True) if offloaded and run.inference else None
     masters = training_store(run, model.config, plan) if run.train and offloaded else None
     try:
         results, logits, trained = run_modes(run, plan, model, store, masters, input_ids, train_ids, text)

@@ -677,7 +677,7 @@ def rank_inference(rank, world, port, depth, out):
     saved."""
     model, ids = build(tiny_run())  # outside inference mode: the draw's threads write the weights in place
     with joined(rank, world, port) as ranks, torch.inference_mode():
-        store = ol.ParamStore(model, pin=False, ranks=ranks)
+        store = ol.param_store_of(ranks, model, pin=False)
         shell = ol.offloaded_model(model, ol.layer_streamer(store, model.config, CPU, depth), CPU)
         torch.save({"shard": store.flats[0].numel(), "logits": ol.logits_of(shell, ids)}, out / f"{rank}.pt")
 
