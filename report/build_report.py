@@ -77,6 +77,7 @@ FOUR_SOURCES = {
         ("e", ("base", "prio", "carve16", "prio_carve8", "ctas32", "simple", "prio_simple")),
         ("f", ("g1", "g1_share0", "g2_share0", "g4", "g4_share0")),
         ("g", ("g1", "g2", "g4", "g4_share0")),
+        ("n", ("g1", "g1_accum4", "g2", "g4")),
     )
     for name in names
 }
@@ -1941,10 +1942,12 @@ def settled_row(call: str, name: str, runs: dict) -> list[str]:
 
 
 def several_gpu_loss_section(runs: dict) -> list[str]:
-    """Section 14's second part: where the several-GPU steps lose (calls D-G): the bound at settled clocks, NCCL's
-    share of the SMs varied, each rank's traced step."""
+    """Section 14's second part: where the several-GPU steps lose (calls D-G, N): the bound at settled clocks, NCCL's
+    share of the SMs varied, each rank's traced step, one GPU at a rank of four's per-unit shape."""
     rows = [settled_row("f", name, runs) for name in ("g1", "g1_share0", "g2_share0", "g4", "g4_share0")]
     rows += [settled_row("g", name, runs) for name in ("g1", "g2", "g4", "g4_share0")]
+    rows += [settled_row("n", name, runs) for name in ("g1", "g2", "g4")]
+    shape = four_training(runs["four_n_g1_accum4"])
     variants = []
     for name, what in NCCL_VARIANTS.items():
         t = four_training(runs[f"four_e_{name}"])
@@ -1954,8 +1957,8 @@ def several_gpu_loss_section(runs: dict) -> list[str]:
     return [
         "### Where the several-GPU steps lose",
         "",
-        "LLaMA-7B as above, 4 to 6 steps, in four more calls on four H200s (`results/four_gpus/README.md`). Call F "
-        "timed the bound's GPU compute from an idle GPU, as every bound before it; call G, one version later, runs "
+        "LLaMA-7B as above, 4 to 6 steps, in five more calls on four H200s (`results/four_gpus/README.md`). Call F "
+        "timed the bound's GPU compute from an idle GPU, as every bound before it; calls G and N, later versions, run "
         "those parts for 1.5 s before timing them. Under a step's load the GPUs hold their 700 W power cap, their SM "
         "clocks at about 1,600 to 1,700 MHz against 1,980 idle (`f_smi.csv.gz`, `g_smi.csv.gz`, sampled every 250 "
         "ms), and a part timed from idle ran at clocks the steps never have. Speed-up: against the one-GPU run of "
@@ -1978,9 +1981,12 @@ def several_gpu_loss_section(runs: dict) -> list[str]:
         f"{traced[1]['nccl_kernel_ms']:.0f} ms, yet their compute streams were busy alike, "
         f"{traced[0]['compute_busy_ms']:,.0f} and {traced[1]['compute_busy_ms']:,.0f} ms of "
         f"{traced[0]['span_ms']:,.0f} and {traced[1]['span_ms']:,.0f}: the collectives' share of the SMs is not where "
-        "the four ranks lose. A rank of four runs each unit over 4 micro-batches a step, the shape at which one GPU "
-        "also falls short of its bound (the step shapes above); one GPU at `--grad-accum 4` beside four ranks is the "
-        "next measurement.",
+        "the four ranks lose. A rank of four runs each unit over 4 micro-batches a step. Call N ran one GPU at that "
+        f"shape (`--grad-accum 4`): {shape['time_ms']:,.1f} ms a step, its bound {shape['bound_ms']:,.1f} ms, set by "
+        f"{BOUND_NAMES[shape['bound_by']]}: {shape['bound_ms'] / shape['time_ms']:.3f} of the step, what four ranks "
+        "lose, with no collective in it. Call o (`results/step_shapes/README.md`) traced that shape on one H200: "
+        "the CPU Adam's backlog of the first layers, whose gradients come last, runs into the next forward, which "
+        "waits for each.",
         "",
     ]
 
