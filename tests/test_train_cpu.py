@@ -595,8 +595,8 @@ def test_table_1_gives_the_hosts_bytes_a_parameter_and_the_set_up_seconds():
 
 @pytest.mark.parametrize("nvme_layers", [0, 1])
 def test_the_training_store_is_built_as_a_run_builds_it(nvme_layers, tmp_path, monkeypatch, capsys):
-    """training_store, which only a GPU run reaches: the masters, the moments (on the host, or one layer's on the disk
-    tier) and the gradient pool as the plan sizes them, and the set-up line that counts the host's moments."""
+    """training_store, which only a GPU run reaches: a master and moments for every unit (the moments on the host, or
+    one layer's on the disk tier), and the set-up line that counts the host's moments."""
     monkeypatch.setattr(ol.HostBuffer, "pin", lambda self: None)  # no GPU to pin for
     disk = {"nvme": str(tmp_path), "nvme_layers": nvme_layers} if nvme_layers else {}
     run = ol.RunConfig(preset="tiny", mode="overlapped", train=True, inference=False, seq_len=48, **disk)
