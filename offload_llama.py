@@ -10,21 +10,22 @@ float32 masters: on the host (the CPU Adam), or where the plan says on the GPU (
 streamed in).
 References: torchao's CPUOffloadOptimizer, torchtune's activation offloading, gau-nernst's offload.py, gpt-fast.
 
-The sections, in reading order, and the names that open them. The plain path runs from the model to training; the
+The sections, in reading order, and the names that open them. The plain path runs from the model to the modes; the
 accelerations plug into it as policies; the plan, measurement and tables are instruments around it.
   configuration          Ranks, RunConfig: torchrun's processes; one run, frozen, from the command line or a test
   the command line       Parser, command_line, check_flags_needed, check_run: flags, inputs, outputs, before torch
   model                  llama_config, build_model, init_random: a random LLaMA, or one from a save_pretrained folder
   parameter store        FlatLayout, HostBuffer, ParamStore: each decoder layer one flat pinned buffer
   layer streamer         CopyWindow, LayerStreamer, StreamedLayer: a ring of GPU slots filled on a copy stream
-  training               Adam, MasterStore, CpuAdam, Steppers, OffloadedTraining, ResidentTraining: plain and reference
-  accelerations          place_on_gpu, ResidentUnits, StreamedAdam, ActivationOffload, LossScale, GradClip, DiskTier
+  training               Adam, MasterStore, CpuAdam, Steppers, OffloadedTraining: the streamed units and the CPU Adam
+  modes                  run_mode, train_mode, train_steps: each mode's inference and training
+  the reference          ResidentTraining, infer_resident: gpu and cpu modes, the plain model and torch.optim.Adam
+  accelerations          compiled_adam_update, place_on_gpu, ResidentUnits, StreamedAdam, ActivationOffload, GradClip
   several GPUs           ShardedParamStore, ShardedStreamer, ShardedSteppers, start_ranks: shards gathered, summed
   the plan               Facts, make_plan, Plan, check_plan: every placement decision, made once before allocating
-  modes                  run_mode, train_mode, train_steps, StepClock: each mode's inference and training
   saving and resuming    save_pretrained, write_checkpoint, resume
   text in                data_files, token_cache, Blocks, prepare_data: --data tokenized once, packed, shuffled
-  measurement            timed, train_bound_parts, train_bound: times, peaks and bounds
+  measurement            StepClock, timed, train_bound_parts, train_bound: times, peaks and bounds
   tables                 tables, notes
   the run                check_devices, run_all, print_plan, main
 
@@ -2001,59 +2002,6 @@ def adam_update(master, grads, exp_avg, exp_avg_sq, copy, scalars, scaled: bool 
         copy.copy_(master_new)  # rounded to nearest even, as the GPU casts
 
 
-@contextlib.contextmanager
-def without_isa_probes():
-    """Report AVX-512 bf16 and VNNI absent while the update compiles: inductor probes each by building and loading a
-    library in a child process, slowly, and the update uses neither."""
-    probes = ("_is_avx512_bf16_supported", "_is_vnni_supported")
-    saved = {name: getattr(torch.cpu, name) for name in probes if hasattr(torch.cpu, name)}
-    try:
-        for name in saved:
-            setattr(torch.cpu, name, lambda: False)
-        yield
-    finally:
-        for name, probe in saved.items():
-            setattr(torch.cpu, name, probe)
-
-
-@functools.cache
-def compiled_adam_update(grad_dtype: torch.dtype, copy_dtype: torch.dtype | None, scaled: bool = False):
-    """adam_update built by inductor's C++ backend and run once, so no timed step compiles it; None if it cannot be."""
-    n = 2**24  # inductor builds a serial loop for a size that looks small, and reuses it for any size
-    # cpp_wrapper: the kernel runs without the GIL, so the main thread drives the GPU meanwhile. cpp.threads: a core
-    # left to the main thread, as a static OpenMP loop runs at its slowest thread's pace. vec_isa_ok: no ISA probe
-    threads = max(1, torch.get_num_threads() - ADAM_SPARE_CORES)
-    options = {"cpp_wrapper": True, "cpp.threads": threads, "cpp.vec_isa_ok": True, "compile_threads": 1}
-    t0 = time.perf_counter()
-    try:
-        update = functools.partial(adam_update, scaled=scaled)
-        compiled = torch.compile(update, dynamic=True, fullgraph=True, options=options)
-        master, grads = torch.zeros(n), torch.zeros(n, dtype=grad_dtype)
-        copy = None if copy_dtype is None else torch.zeros(n, dtype=copy_dtype)
-        with torch.no_grad(), without_isa_probes():
-            compiled(master, grads, torch.zeros(n), torch.zeros(n), copy, Adam().scalars(1))
-    except Exception as e:  # inductor's errors have no common class; the fallback is exact too
-        reason = f"{type(e).__name__}: {str(e)[:200]}"
-        log(f"CPU Adam: no fused update ({reason}); using torch.optim.Adam(fused=True) and a cast, float32 gradients")
-        return None
-    log(f"CPU Adam: fused update compiled in {time.perf_counter() - t0:.1f} s")
-    return compiled
-
-
-EARLY_COMPILES = {}  # compiled_adam_update's arguments -> its call started in the background by start_adam_compile
-
-
-def start_adam_compile(grad_dtype: torch.dtype, copy_dtype: torch.dtype | None, scaled: bool) -> None:
-    """Compile the update on a thread of its own while the host state is pinned and the weights drawn into it (the
-    compiler runs in child processes, the pinning and drawing in C++, so they overlap); the store's AdamUpdate waits
-    for it. Start it once the model is built: the build changes torch's default dtype, which the compile watches."""
-    key = (grad_dtype, copy_dtype, scaled)
-    if key not in EARLY_COMPILES:
-        pool = ThreadPoolExecutor(1, thread_name_prefix="adam-compile")
-        EARLY_COMPILES[key] = pool.submit(compiled_adam_update, *key)
-        pool.shutdown(wait=False)  # the thread ends with its one job
-
-
 def torch_adam_step(adam: Adam, master, grads, exp_avg, exp_avg_sq, step: torch.Tensor) -> None:
     """Step `master` by `grads` (float32 both) with torch.optim.Adam's fused kernel on its device, state in place."""
     param = nn.Parameter(master)  # shares the master's memory
@@ -2804,6 +2752,217 @@ def gradient_memory(store: MasterStore, resident, own_grads: bool, device) -> tu
     return memory.view(store.grad_dtype)[:streamed], memory
 
 
+def mean_loss(losses, ranks: Ranks = Ranks()) -> torch.Tensor:
+    """The mean of the micro-batches' losses (with several ranks, of every rank's), detached."""
+    return ranks.sum(sum(loss.detach() for loss in losses)) / (len(losses) * ranks.world)
+
+
+# ---------------------------------------------------------------------------------------------------- modes
+
+
+def logits_of(model: LlamaForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
+    """One forward pass, without a KV cache: a single pass needs none."""
+    return model(input_ids, use_cache=False).logits  # (B, T, vocab)
+
+
+def infer_offloaded(model, store: ParamStore, input_ids, device, depth: int, run: RunConfig, config, resident=()):
+    """blocked (depth 0) and overlapped modes: the HF forward streaming all but the `resident` layers; its bound too."""
+    streamer = layer_streamer(store, config, device, depth, resident)
+    shell = offloaded_model(model, streamer, device)
+    ids = input_ids.to(device)
+    result = {"prefetch": depth, "slots": streamer.n_slots, "resident_layers": list(resident)}
+    if device.type != "cuda":
+        ms, logits = median_ms(lambda: logits_of(shell, ids), device, run.warmup, run.repeat)
+        return result | {"time_ms": ms}, logits.cpu()
+    logits_of(shell, ids)  # the peak of one pass, before the bound's parts add theirs
+    result |= gpu_memory(config, store.dtype, ids.numel(), len(resident) + streamer.n_slots)
+    parts = inference_parts(shell, streamer, ids)
+    times, logits = interleaved_ms({**parts, "pass": (device, lambda: logits_of(shell, ids))}, run.warmup, run.repeat)
+    result["time_ms"] = statistics.median(times["pass"])
+    result |= inference_bound(streamer, {name: min(times[name]) for name in parts}, result["time_ms"])
+    if run.profile and run.profile_mode == ("overlapped" if depth else "blocked"):  # a trace of one more pass
+        result["trace"] = profile_pass(lambda: logits_of(shell, ids), run.profile)
+    return result, logits.cpu()
+
+
+def run_mode(mode: str, model, store, input_ids, run: RunConfig, plan: Plan) -> tuple[dict, torch.Tensor | None]:
+    """One mode's inference result; {'oom': True} when it does not fit the GPU (or the --max-gpu-memory cap)."""
+    config = model.config
+    device = torch.device("cpu" if mode == "cpu" else "cuda")
+    log(f"mode {mode}: inference over {input_ids.numel()} tokens ...")
+    reset_peak_memory(device)
+    try:
+        with torch.inference_mode():
+            if mode in ("gpu", "cpu"):
+                return infer_resident(model, input_ids, device, run, config)
+            placed = plan.modes[mode]
+            if placed.inference_resident:
+                layers = ", ".join(map(str, placed.inference_resident))
+                peak = gib(sum(placed.inference_gpu.values()))
+                log(f"mode {mode}: decoder layers {layers} resident, predicted peak {peak} GiB")
+            return infer_offloaded(
+                model, store, input_ids, device, placed.depth, run, config, placed.inference_resident
+            )
+    except torch.OutOfMemoryError:
+        log(f"mode {mode}: out of GPU memory")
+        return {"oom": True}, None
+
+
+def place_units(trainer: OffloadedTraining, run: RunConfig, mode: str, plan: Plan) -> dict:
+    """Install the plan's placement of the units; log it and describe it for the JSON."""
+    placed = plan.modes[mode]
+    trainer.place(placed.resident, placed.gpu_adam, bool(compared_modes(run)) or run.holds_updates)
+    torch.cuda.reset_peak_memory_stats(trainer.device)  # the step's peak
+    resident = [trainer.units[u].name for u in placed.resident]
+    gpu_adam = [trainer.units[u].name for u in placed.gpu_adam]
+    parts = ", ".join(f"{part} {gib(n)}" for part, n in placed.training_gpu.items())
+    log(
+        f"mode {mode}: units resident on the GPU: {', '.join(resident) or 'none'}; stepped by the GPU's Adam over "
+        f"streamed state: {', '.join(gpu_adam) or 'none'}; predicted peak {gib(placed.training_peak)} GiB: {parts}"
+    )
+    described = {"units": len(trainer.units), "resident_units": resident, "gpu_adam_units": gpu_adam}
+    return described | {"predicted_peak_bytes": placed.training_peak, "predicted_parts": placed.training_gpu}
+
+
+def train_mode(mode: str, model, masters, input_ids, run: RunConfig, plan: Plan, text=None) -> dict:
+    """One mode's training: `run.steps` steps on one fixed batch, or on --data's blocks (held-out loss and samples
+    before and after); {'oom': True} where it does not fit the GPU, or the plan says so. Compared with gpu mode's
+    (compared_modes), it keeps the first step's gradients and masters and the last step's masters."""
+    device, compared, ranks = torch.device("cpu" if mode == "cpu" else "cuda"), mode in compared_modes(run), run.ranks
+    if planned_oom(mode, plan, device):
+        return {"oom": True}
+    micro_batches = [ids.to(device) for ids in ranks.share(input_ids.chunk(run.grad_accum))]
+    log(f"mode {mode}: training, {run.steps} steps of {input_ids.numel()} tokens in {run.grad_accum} micro-batch(es)")
+    reset_peak_memory(device)
+    trainer = None
+    try:
+        trainer = make_trainer(mode, model, masters, micro_batches, run, device, plan)
+        manifest = checkpoint_manifest(run, model.config, mode, plan)
+        placed = prepare_steps(trainer, run, mode, plan, manifest)
+        profile = train_trace_path(run.profile) if run.profile and mode == run.profile_mode else None
+        bound_parts = bound_parts_of(trainer, micro_batches, device)
+        folder = mode_folder(run.checkpoint, run, mode) if run.checkpoint else None
+        tokenizer = text.tokenizer if text else None  # it travels with the checkpoints and the saved model
+        checkpoint = Checkpoints(trainer, folder, manifest, run.checkpoint_every, tokenizer) if folder else None
+        done = manifest.get("resumed_from", 0)
+        evaluation = Evaluation(trainer, run, model.config, device, text, done)
+        between = [task for task in (checkpoint, evaluation) if task]
+        batches = step_batches(text.blocks, run, device) if text and text.blocks else None
+        result = train_steps(trainer, micro_batches, run, compared, profile, bound_parts, between, done, batches)
+        trainer.finish()
+        if checkpoint:
+            checkpoint.write(run.steps)
+        evaluation.after()
+        result |= trained_outputs(trainer, run, model.config, mode, compared, tokenizer) | placed
+        result |= evaluation.figures() | training_figures(trainer, result) | step_rates(run, model.config, mode, result)
+        return rank_peaks(ranks, result, param_count(model.config))
+    except torch.OutOfMemoryError as e:
+        if ranks.several:  # one rank's OOM would leave the others in a collective: it ends the run (torchrun's exit)
+            raise
+        log(f"mode {mode}: out of GPU memory ({str(e).splitlines()[0]})")
+        return {"oom": True}
+    finally:  # an OOM or an interrupt too: the CPU Adam worker must stop before the buffers it steps are freed
+        if trainer is not None:
+            trainer.finish()
+
+
+def planned_oom(mode: str, plan: Plan, device: torch.device) -> bool:
+    """Whether the plan says `mode`'s training does not fit the GPU (said): it is then reported OOM, not run into the
+    cap (with several ranks, check_plan refused it)."""
+    placed = plan.modes.get(mode)
+    if placed is None or device.type != "cuda" or placed.training_fits:
+        return False
+    log(f"mode {mode}: out of GPU memory: the plan needs {gib(placed.training_peak)} GiB, more than the cap leaves")
+    return True
+
+
+def prepare_steps(trainer, run: RunConfig, mode: str, plan: Plan, manifest: dict) -> dict:
+    """Before the first step: the state from --resume, the units placed (offloaded modes on the GPU) and the CPU
+    Adam's moments zeroed; returns the placement for the JSON."""
+    if run.resume:
+        manifest["resumed_from"] = resume(trainer, mode_folder(run.resume, run, mode), manifest)
+    if not isinstance(trainer, OffloadedTraining):
+        return {}
+    trainer.ranks.meet()  # the steps' collectives wait the rank timeout at most: every rank set up first
+    t0 = time.perf_counter()
+    placed = place_units(trainer, run, mode, plan) if trainer.device.type == "cuda" else {}
+    # the CPU Adam's moments zeroed now, not in each unit's first step, where a page's first touch is slow; the other
+    # steppers keep theirs on the GPU (resident units) or zero them there (StreamedAdam): the host's stay untouched
+    trainer.store.zero_moments(
+        [u for u, stepper in enumerate(trainer.steppers.of) if stepper is trainer.steppers.cpu_adam]
+    )
+    trainer.store.setup_s["placed"] = time.perf_counter() - t0
+    return placed | {"setup_s": dict(trainer.store.setup_s)}
+
+
+def make_trainer(mode: str, model, masters: MasterStore | None, micro_batches, run: RunConfig, device, plan: Plan):
+    """The trainer for `mode`: the resident reference, or the streamed units with the CPU Adam (`masters` loaded)."""
+    if mode in ("gpu", "cpu"):
+        return ResidentTraining(model, run.torch_dtype, device, run.adam, run.clip_grad_norm)
+    t0 = time.perf_counter()
+    kwargs = decoder_kwargs(model, tuple(micro_batches[0].shape), run.torch_dtype, device)
+    depth = plan.modes[mode].depth
+    loss_function, max_norm = model.loss_function, run.clip_grad_norm
+    trainer = OffloadedTraining(masters, model.config, run.torch_dtype, device, depth, loss_function, kwargs, max_norm)
+    if plan.offload_activations:
+        trainer.inputs = ActivationOffload(trainer, len(micro_batches), tuple(micro_batches[0].shape))
+    masters.setup_s["trainer"] = time.perf_counter() - t0  # the GPU's ring and buffers, the saved inputs' host ones
+    return trainer
+
+
+def train_steps(
+    trainer, micro_batches, run, keep_grads, profile=None, bound_parts=None, tasks=(), done=0, batches=None
+):
+    """Run the steps, each timed from its start to the next one's (a step's last updates overlap the next forward).
+    bound_parts(): the bound's parts, timed in rounds between blocks of steps; tasks: run after i steps where due
+    (Checkpoints, Evaluation); the step after either is not timed. keep_grads: the first step's state, to compare.
+    done: the steps a resumed run had trained. batches(i): step i's micro-batches, else every step's `micro_batches`."""
+    batch = batches(done) if batches else micro_batches
+    tokens = sum(ids.numel() for ids in batch) * run.ranks.world  # the step's, over every rank
+    clock = StepClock(trainer, batch[0].device, done, run.steps, tokens)
+    rounds = bound_rounds(run) if bound_parts else []
+    losses, grads, parts, extra = [], None, collections.defaultdict(list), {}
+    for i in range(run.steps + 1):
+        if i in rounds:
+            clock.pause(i)
+            for _ in range(rounds.count(i)):
+                time_round(bound_parts(), parts, run.ranks)
+            clock.resume(after_round=True)
+        if i == run.steps:
+            break
+        if i == run.steps - 1 and profile:  # the last step, traced and left out of the timing
+            extra["trace"] = profile_step(trainer, batch, profile)
+            losses.append(extra["trace"].pop("loss"))
+            continue  # to the rounds after the last step
+        loss = trainer.step(batch)
+        if batches and i + 1 < run.steps:  # the next step's blocks, gathered and copied while this step's kernels run
+            batch = batches(done + i + 1)
+        losses.append(loss.item())  # S11: a sync: this step's forward and backward have run
+        if i == 0 and keep_grads:
+            grads = first_step_state(trainer)
+        clock.lap(i, losses[-1])
+        run_tasks(tasks, i + 1, run.steps, clock)
+    if parts:
+        extra["bound_parts_ms"] = {name: ms[1:] for name, ms in parts.items()}  # the first round is a warm-up
+    paused = f", and {clock.paused_s:.1f} s between them (bound rounds, checkpoints, evaluations)"
+    log(f"  {len(clock.times)} steps in {sum(clock.times) / 1e3:.1f} s{paused if clock.paused_s else ''}")
+    return clock.result(run.warmup) | {"losses": losses, "grads": grads, "tokens_per_step": clock.tokens} | extra
+
+
+def run_tasks(tasks, done: int, last: int, clock: StepClock) -> None:
+    """The tasks due after `done` of the run's `last` steps, the step clock paused meanwhile."""
+    due = [task for task in tasks if task.due(done, last)]
+    if due:
+        clock.pause(done)  # the updates are written first
+        for task in due:
+            task.run(done)
+        clock.resume(after_round=True)
+
+
+# ---------------------------------------------------------------------------------------------------- the reference
+# gpu and cpu modes train the plain model with torch.optim.Adam: what every offloaded mode is compared with.
+
+
 class ResidentTraining:
     """gpu and cpu modes, the reference: the plain HF model on `device`, torch.optim.Adam on float32 masters there."""
 
@@ -2883,14 +3042,73 @@ class ResidentTraining:
         return {name: t.detach().to("cpu", copy=True) for name, t in zip(self.names, tensors, strict=True)}
 
 
-def mean_loss(losses, ranks: Ranks = Ranks()) -> torch.Tensor:
-    """The mean of the micro-batches' losses (with several ranks, of every rank's), detached."""
-    return ranks.sum(sum(loss.detach() for loss in losses)) / (len(losses) * ranks.world)
+def infer_resident(model, input_ids, device, run: RunConfig, config) -> tuple[dict, torch.Tensor]:
+    """gpu and cpu modes: the plain HF model, resident on `device`; on the CPU one run, no warm-up."""
+    if device.type != "cuda":
+        ms, logits = median_ms(lambda: logits_of(model, input_ids), device, 0, 1)
+        return {"time_ms": ms}, logits.cpu()
+    model = copy.deepcopy(model).to(device)
+    ids = input_ids.to(device)
+    ms, logits = median_ms(lambda: logits_of(model, ids), device, run.warmup, run.repeat)
+    return {"time_ms": ms} | gpu_memory(config, run.torch_dtype, ids.numel(), config.num_hidden_layers), logits.cpu()
 
 
 # ---------------------------------------------------------------------------------------------------- accelerations
 # Each plugs into a policy of OffloadedTraining (steppers, inputs, scaling, clip): without the accelerations it trains
 # the same, slower; float16's LossScale and GradClip (--clip-grad-norm) change what it computes, as gpu mode does.
+
+
+@contextlib.contextmanager
+def without_isa_probes():
+    """Report AVX-512 bf16 and VNNI absent while the update compiles: inductor probes each by building and loading a
+    library in a child process, slowly, and the update uses neither."""
+    probes = ("_is_avx512_bf16_supported", "_is_vnni_supported")
+    saved = {name: getattr(torch.cpu, name) for name in probes if hasattr(torch.cpu, name)}
+    try:
+        for name in saved:
+            setattr(torch.cpu, name, lambda: False)
+        yield
+    finally:
+        for name, probe in saved.items():
+            setattr(torch.cpu, name, probe)
+
+
+@functools.cache
+def compiled_adam_update(grad_dtype: torch.dtype, copy_dtype: torch.dtype | None, scaled: bool = False):
+    """adam_update built by inductor's C++ backend and run once, so no timed step compiles it; None if it cannot be."""
+    n = 2**24  # inductor builds a serial loop for a size that looks small, and reuses it for any size
+    # cpp_wrapper: the kernel runs without the GIL, so the main thread drives the GPU meanwhile. cpp.threads: a core
+    # left to the main thread, as a static OpenMP loop runs at its slowest thread's pace. vec_isa_ok: no ISA probe
+    threads = max(1, torch.get_num_threads() - ADAM_SPARE_CORES)
+    options = {"cpp_wrapper": True, "cpp.threads": threads, "cpp.vec_isa_ok": True, "compile_threads": 1}
+    t0 = time.perf_counter()
+    try:
+        update = functools.partial(adam_update, scaled=scaled)
+        compiled = torch.compile(update, dynamic=True, fullgraph=True, options=options)
+        master, grads = torch.zeros(n), torch.zeros(n, dtype=grad_dtype)
+        copy = None if copy_dtype is None else torch.zeros(n, dtype=copy_dtype)
+        with torch.no_grad(), without_isa_probes():
+            compiled(master, grads, torch.zeros(n), torch.zeros(n), copy, Adam().scalars(1))
+    except Exception as e:  # inductor's errors have no common class; the fallback is exact too
+        reason = f"{type(e).__name__}: {str(e)[:200]}"
+        log(f"CPU Adam: no fused update ({reason}); using torch.optim.Adam(fused=True) and a cast, float32 gradients")
+        return None
+    log(f"CPU Adam: fused update compiled in {time.perf_counter() - t0:.1f} s")
+    return compiled
+
+
+EARLY_COMPILES = {}  # compiled_adam_update's arguments -> its call started in the background by start_adam_compile
+
+
+def start_adam_compile(grad_dtype: torch.dtype, copy_dtype: torch.dtype | None, scaled: bool) -> None:
+    """Compile the update on a thread of its own while the host state is pinned and the weights drawn into it (the
+    compiler runs in child processes, the pinning and drawing in C++, so they overlap); the store's AdamUpdate waits
+    for it. Start it once the model is built: the build changes torch's default dtype, which the compile watches."""
+    key = (grad_dtype, copy_dtype, scaled)
+    if key not in EARLY_COMPILES:
+        pool = ThreadPoolExecutor(1, thread_name_prefix="adam-compile")
+        EARLY_COMPILES[key] = pool.submit(compiled_adam_update, *key)
+        pool.shutdown(wait=False)  # the thread ends with its one job
 
 
 def place_on_gpu(trainer: OffloadedTraining, resident, gpu_adam, own_grads: bool) -> None:
@@ -3727,6 +3945,15 @@ def steppers_of(ranks: Ranks, *args) -> Steppers:
 def layer_streamer_of(ranks: Ranks, *args, **kwargs) -> LayerStreamer:
     """A LayerStreamer of LayerStreamer's arguments, or with several ranks a ShardedStreamer (copy_stream aside)."""
     return ShardedStreamer(ranks, *args, **kwargs) if ranks.several else LayerStreamer(*args, **kwargs)
+
+
+def check_same(ranks: Ranks, value, what: str) -> None:
+    """Every rank holds the same `value` (a small picklable one): else each ends with one line naming the difference,
+    before a collective that would pair up wrongly and hang."""
+    each = ranks.each(value)
+    if any(other != each[0] for other in each):
+        differ = "; ".join(f"rank {r}: {v}" for r, v in enumerate(each))
+        raise UsageError(f"the ranks differ in {what} ({differ}): they must plan alike; say so in an issue")
 
 
 def start_ranks(ranks: Ranks) -> None:
@@ -4758,381 +4985,6 @@ def duration_text(seconds: float) -> str:
     return f"{seconds:.0f} s"
 
 
-# ---------------------------------------------------------------------------------------------------- modes
-
-
-def logits_of(model: LlamaForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
-    """One forward pass, without a KV cache: a single pass needs none."""
-    return model(input_ids, use_cache=False).logits  # (B, T, vocab)
-
-
-def infer_resident(model, input_ids, device, run: RunConfig, config) -> tuple[dict, torch.Tensor]:
-    """gpu and cpu modes: the plain HF model, resident on `device`; on the CPU one run, no warm-up."""
-    if device.type != "cuda":
-        ms, logits = median_ms(lambda: logits_of(model, input_ids), device, 0, 1)
-        return {"time_ms": ms}, logits.cpu()
-    model = copy.deepcopy(model).to(device)
-    ids = input_ids.to(device)
-    ms, logits = median_ms(lambda: logits_of(model, ids), device, run.warmup, run.repeat)
-    return {"time_ms": ms} | gpu_memory(config, run.torch_dtype, ids.numel(), config.num_hidden_layers), logits.cpu()
-
-
-def infer_offloaded(model, store: ParamStore, input_ids, device, depth: int, run: RunConfig, config, resident=()):
-    """blocked (depth 0) and overlapped modes: the HF forward streaming all but the `resident` layers; its bound too."""
-    streamer = layer_streamer(store, config, device, depth, resident)
-    shell = offloaded_model(model, streamer, device)
-    ids = input_ids.to(device)
-    result = {"prefetch": depth, "slots": streamer.n_slots, "resident_layers": list(resident)}
-    if device.type != "cuda":
-        ms, logits = median_ms(lambda: logits_of(shell, ids), device, run.warmup, run.repeat)
-        return result | {"time_ms": ms}, logits.cpu()
-    logits_of(shell, ids)  # the peak of one pass, before the bound's parts add theirs
-    result |= gpu_memory(config, store.dtype, ids.numel(), len(resident) + streamer.n_slots)
-    parts = inference_parts(shell, streamer, ids)
-    times, logits = interleaved_ms({**parts, "pass": (device, lambda: logits_of(shell, ids))}, run.warmup, run.repeat)
-    result["time_ms"] = statistics.median(times["pass"])
-    result |= inference_bound(streamer, {name: min(times[name]) for name in parts}, result["time_ms"])
-    if run.profile and run.profile_mode == ("overlapped" if depth else "blocked"):  # a trace of one more pass
-        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        with torch.profiler.profile(activities=activities) as prof:
-            logits_of(shell, ids)
-            torch.cuda.synchronize()  # the trace must hold the whole pass
-        write_atomically(run.profile, prof.export_chrome_trace)
-        result["trace"] = trace_overlap(run.profile)
-    return result, logits.cpu()
-
-
-def run_mode(mode: str, model, store, input_ids, run: RunConfig, plan: Plan) -> tuple[dict, torch.Tensor | None]:
-    """One mode's inference result; {'oom': True} when it does not fit the GPU (or the --max-gpu-memory cap)."""
-    config = model.config
-    device = torch.device("cpu" if mode == "cpu" else "cuda")
-    log(f"mode {mode}: inference over {input_ids.numel()} tokens ...")
-    reset_peak_memory(device)
-    try:
-        with torch.inference_mode():
-            if mode in ("gpu", "cpu"):
-                return infer_resident(model, input_ids, device, run, config)
-            placed = plan.modes[mode]
-            if placed.inference_resident:
-                layers = ", ".join(map(str, placed.inference_resident))
-                peak = gib(sum(placed.inference_gpu.values()))
-                log(f"mode {mode}: decoder layers {layers} resident, predicted peak {peak} GiB")
-            return infer_offloaded(
-                model, store, input_ids, device, placed.depth, run, config, placed.inference_resident
-            )
-    except torch.OutOfMemoryError:
-        log(f"mode {mode}: out of GPU memory")
-        return {"oom": True}, None
-
-
-def place_units(trainer: OffloadedTraining, run: RunConfig, mode: str, plan: Plan) -> dict:
-    """Install the plan's placement of the units; log it and describe it for the JSON."""
-    placed = plan.modes[mode]
-    trainer.place(placed.resident, placed.gpu_adam, bool(compared_modes(run)) or run.holds_updates)
-    torch.cuda.reset_peak_memory_stats(trainer.device)  # the step's peak
-    resident = [trainer.units[u].name for u in placed.resident]
-    gpu_adam = [trainer.units[u].name for u in placed.gpu_adam]
-    parts = ", ".join(f"{part} {gib(n)}" for part, n in placed.training_gpu.items())
-    log(
-        f"mode {mode}: units resident on the GPU: {', '.join(resident) or 'none'}; stepped by the GPU's Adam over "
-        f"streamed state: {', '.join(gpu_adam) or 'none'}; predicted peak {gib(placed.training_peak)} GiB: {parts}"
-    )
-    described = {"units": len(trainer.units), "resident_units": resident, "gpu_adam_units": gpu_adam}
-    return described | {"predicted_peak_bytes": placed.training_peak, "predicted_parts": placed.training_gpu}
-
-
-def train_mode(mode: str, model, masters, input_ids, run: RunConfig, plan: Plan, text=None) -> dict:
-    """One mode's training: `run.steps` steps on one fixed batch, or on --data's blocks (held-out loss and samples
-    before and after); {'oom': True} where it does not fit the GPU, or the plan says so. Compared with gpu mode's
-    (compared_modes), it keeps the first step's gradients and masters and the last step's masters."""
-    device, compared, ranks = torch.device("cpu" if mode == "cpu" else "cuda"), mode in compared_modes(run), run.ranks
-    if planned_oom(mode, plan, device):
-        return {"oom": True}
-    micro_batches = [ids.to(device) for ids in ranks.share(input_ids.chunk(run.grad_accum))]
-    log(f"mode {mode}: training, {run.steps} steps of {input_ids.numel()} tokens in {run.grad_accum} micro-batch(es)")
-    reset_peak_memory(device)
-    trainer = None
-    try:
-        trainer = make_trainer(mode, model, masters, micro_batches, run, device, plan)
-        manifest = checkpoint_manifest(run, model.config, mode, plan)
-        placed = prepare_steps(trainer, run, mode, plan, manifest)
-        profile = train_trace_path(run.profile) if run.profile and mode == run.profile_mode else None
-        bound_parts = bound_parts_of(trainer, micro_batches, device)
-        folder = mode_folder(run.checkpoint, run, mode) if run.checkpoint else None
-        tokenizer = text.tokenizer if text else None  # it travels with the checkpoints and the saved model
-        checkpoint = Checkpoints(trainer, folder, manifest, run.checkpoint_every, tokenizer) if folder else None
-        done = manifest.get("resumed_from", 0)
-        evaluation = Evaluation(trainer, run, model.config, device, text, done)
-        between = [task for task in (checkpoint, evaluation) if task]
-        batches = step_batches(text.blocks, run, device) if text and text.blocks else None
-        result = train_steps(trainer, micro_batches, run, compared, profile, bound_parts, between, done, batches)
-        trainer.finish()
-        if checkpoint:
-            checkpoint.write(run.steps)
-        evaluation.after()
-        result |= trained_outputs(trainer, run, model.config, mode, compared, tokenizer) | placed
-        result |= evaluation.figures() | training_figures(trainer, result) | step_rates(run, model.config, mode, result)
-        return rank_peaks(ranks, result, param_count(model.config))
-    except torch.OutOfMemoryError as e:
-        if ranks.several:  # one rank's OOM would leave the others in a collective: it ends the run (torchrun's exit)
-            raise
-        log(f"mode {mode}: out of GPU memory ({str(e).splitlines()[0]})")
-        return {"oom": True}
-    finally:  # an OOM or an interrupt too: the CPU Adam worker must stop before the buffers it steps are freed
-        if trainer is not None:
-            trainer.finish()
-
-
-def bound_parts_of(trainer, micro_batches, device: torch.device):
-    """For offloaded training on the GPU, a function that makes the bound's parts to time (train_bound_parts); else
-    None: no bound."""
-    if isinstance(trainer, OffloadedTraining) and device.type == "cuda":
-        return lambda: train_bound_parts(trainer, micro_batches, device)
-    return None
-
-
-def planned_oom(mode: str, plan: Plan, device: torch.device) -> bool:
-    """Whether the plan says `mode`'s training does not fit the GPU (said): it is then reported OOM, not run into the
-    cap (with several ranks, check_plan refused it)."""
-    placed = plan.modes.get(mode)
-    if placed is None or device.type != "cuda" or placed.training_fits:
-        return False
-    log(f"mode {mode}: out of GPU memory: the plan needs {gib(placed.training_peak)} GiB, more than the cap leaves")
-    return True
-
-
-def trained_outputs(trainer, run: RunConfig, config: LlamaConfig, mode: str, compared: bool, tokenizer=None) -> dict:
-    """After the last step: --save-pretrained's folder written (with the tokenizer trained on); each step's gradient
-    norm (--clip-grad-norm) and a float32 copy of every master in host memory (to compare with gpu mode's, or for
-    --save-output)."""
-    result = {}
-    if run.save_pretrained:
-        save_pretrained(trainer, config, mode_folder(run.save_pretrained, run, mode), tokenizer)
-    if run.clip_grad_norm is not None:
-        result["grad_norms"] = list(trainer.grad_norms)
-    if compared or run.save_output:
-        resident = isinstance(trainer, ResidentTraining)
-        # with several ranks, for --save-output: on rank 0 alone, which writes it, one unit at a time
-        result["masters"] = trainer.state_dict(trainer.masters) if resident else trainer.state_dict(on_first=True)
-    return result
-
-
-def prepare_steps(trainer, run: RunConfig, mode: str, plan: Plan, manifest: dict) -> dict:
-    """Before the first step: the state from --resume, the units placed (offloaded modes on the GPU) and the CPU
-    Adam's moments zeroed; returns the placement for the JSON."""
-    if run.resume:
-        manifest["resumed_from"] = resume(trainer, mode_folder(run.resume, run, mode), manifest)
-    if not isinstance(trainer, OffloadedTraining):
-        return {}
-    trainer.ranks.meet()  # the steps' collectives wait the rank timeout at most: every rank set up first
-    t0 = time.perf_counter()
-    placed = place_units(trainer, run, mode, plan) if trainer.device.type == "cuda" else {}
-    # the CPU Adam's moments zeroed now, not in each unit's first step, where a page's first touch is slow; the other
-    # steppers keep theirs on the GPU (resident units) or zero them there (StreamedAdam): the host's stay untouched
-    trainer.store.zero_moments(
-        [u for u, stepper in enumerate(trainer.steppers.of) if stepper is trainer.steppers.cpu_adam]
-    )
-    trainer.store.setup_s["placed"] = time.perf_counter() - t0
-    return placed | {"setup_s": dict(trainer.store.setup_s)}
-
-
-def make_trainer(mode: str, model, masters: MasterStore | None, micro_batches, run: RunConfig, device, plan: Plan):
-    """The trainer for `mode`: the resident reference, or the streamed units with the CPU Adam (`masters` loaded)."""
-    if mode in ("gpu", "cpu"):
-        return ResidentTraining(model, run.torch_dtype, device, run.adam, run.clip_grad_norm)
-    t0 = time.perf_counter()
-    kwargs = decoder_kwargs(model, tuple(micro_batches[0].shape), run.torch_dtype, device)
-    depth = plan.modes[mode].depth
-    loss_function, max_norm = model.loss_function, run.clip_grad_norm
-    trainer = OffloadedTraining(masters, model.config, run.torch_dtype, device, depth, loss_function, kwargs, max_norm)
-    if plan.offload_activations:
-        trainer.inputs = ActivationOffload(trainer, len(micro_batches), tuple(micro_batches[0].shape))
-    masters.setup_s["trainer"] = time.perf_counter() - t0  # the GPU's ring and buffers, the saved inputs' host ones
-    return trainer
-
-
-def train_steps(
-    trainer, micro_batches, run, keep_grads, profile=None, bound_parts=None, tasks=(), done=0, batches=None
-):
-    """Run the steps, each timed from its start to the next one's (a step's last updates overlap the next forward).
-    bound_parts(): the bound's parts, timed in rounds between blocks of steps; tasks: run after i steps where due
-    (Checkpoints, Evaluation); the step after either is not timed. keep_grads: the first step's state, to compare.
-    done: the steps a resumed run had trained. batches(i): step i's micro-batches, else every step's `micro_batches`."""
-    batch = batches(done) if batches else micro_batches
-    tokens = sum(ids.numel() for ids in batch) * run.ranks.world  # the step's, over every rank
-    clock = StepClock(trainer, batch[0].device, done, run.steps, tokens)
-    rounds = bound_rounds(run) if bound_parts else []
-    losses, grads, parts, extra = [], None, collections.defaultdict(list), {}
-    for i in range(run.steps + 1):
-        if i in rounds:
-            clock.pause(i)
-            for _ in range(rounds.count(i)):
-                time_round(bound_parts(), parts, run.ranks)
-            clock.resume(after_round=True)
-        if i == run.steps:
-            break
-        if i == run.steps - 1 and profile:  # the last step, traced and left out of the timing
-            extra["trace"] = profile_step(trainer, batch, profile)
-            losses.append(extra["trace"].pop("loss"))
-            continue  # to the rounds after the last step
-        loss = trainer.step(batch)
-        if batches and i + 1 < run.steps:  # the next step's blocks, gathered and copied while this step's kernels run
-            batch = batches(done + i + 1)
-        losses.append(loss.item())  # S11: a sync: this step's forward and backward have run
-        if i == 0 and keep_grads:
-            grads = first_step_state(trainer)
-        clock.lap(i, losses[-1])
-        run_tasks(tasks, i + 1, run.steps, clock)
-    if parts:
-        extra["bound_parts_ms"] = {name: ms[1:] for name, ms in parts.items()}  # the first round is a warm-up
-    paused = f", and {clock.paused_s:.1f} s between them (bound rounds, checkpoints, evaluations)"
-    log(f"  {len(clock.times)} steps in {sum(clock.times) / 1e3:.1f} s{paused if clock.paused_s else ''}")
-    return clock.result(run.warmup) | {"losses": losses, "grads": grads, "tokens_per_step": clock.tokens} | extra
-
-
-def run_tasks(tasks, done: int, last: int, clock: StepClock) -> None:
-    """The tasks due after `done` of the run's `last` steps, the step clock paused meanwhile."""
-    due = [task for task in tasks if task.due(done, last)]
-    if due:
-        clock.pause(done)  # the updates are written first
-        for task in due:
-            task.run(done)
-        clock.resume(after_round=True)
-
-
-def time_round(fns: dict, parts: dict[str, list[float]], ranks: Ranks) -> None:
-    """Time each of `fns` (name -> (device, fn)) once, alone, into `parts`; their outputs and scratch memory are freed
-    on return, before the steps resume and their host peak restarts. The GPU compute parts (Compute) go first, once
-    the GPU has run them for SETTLE_S (settle_clocks). With several ranks, all start each part together: in a step
-    they share the host's memory, and a part timed while the others wait would have it alone."""
-    check_same(ranks, list(fns), "the bound's parts")
-    compute = [name for name, (_, fn) in fns.items() if isinstance(fn, Compute)]
-    settle_clocks([fns[name] for name in compute])
-    for name in [*compute, *(name for name in fns if name not in compute)]:
-        device, fn = fns[name]
-        ranks.meet()
-        parts[name].append(timed(fn, device)[0])
-
-
-class Compute:
-    """A part of the training bound that is GPU compute, which time_round times at settled clocks (settle_clocks)."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def __call__(self):
-        """Run the part."""
-        return self.fn()
-
-
-def settle_clocks(fns: list) -> None:
-    """Run the GPU compute parts `fns` ((device, fn) each) in turn, untimed, for SETTLE_S: a step loads the GPU for
-    seconds, and its power cap then holds the clocks below the boost that a part timed from idle runs at."""
-    end = time.perf_counter() + SETTLE_S
-    while fns and time.perf_counter() < end:
-        for device, fn in fns:
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)  # one part at a time queued, so the loop ends near SETTLE_S
-
-
-def check_same(ranks: Ranks, value, what: str) -> None:
-    """Every rank holds the same `value` (a small picklable one): else each ends with one line naming the difference,
-    before a collective that would pair up wrongly and hang."""
-    each = ranks.each(value)
-    if any(other != each[0] for other in each):
-        differ = "; ".join(f"rank {r}: {v}" for r, v in enumerate(each))
-        raise UsageError(f"the ranks differ in {what} ({differ}): they must plan alike; say so in an issue")
-
-
-class StepClock:
-    """The training steps' times, the CPU Adam's busy time in each and the peaks of GPU and host memory, leaving out
-    the bound's rounds between the steps and the step after each round, which waits for no update."""
-
-    def __init__(self, trainer, device: torch.device, done: int = 0, steps: int = 0, tokens: int = 0):
-        self.trainer = trainer
-        self.device = device
-        self.done = done  # steps trained before this run (a resumed run goes on counting from them)
-        self.steps, self.tokens = steps, tokens  # this run's steps, and each step's tokens: for the progress
-        self.bar = tqdm.tqdm(total=steps, file=sys.stderr, unit="step", leave=False) if sys.stderr.isatty() else None
-        self.adam = trainer.steppers.cpu_adam if isinstance(trainer, OffloadedTraining) else None
-        self.times, self.busy = [], []  # each step's time, and the CPU Adam's busy time in it (ms)
-        self.untimed = set()  # the steps right after a round
-        self.paused_s = 0.0  # time spent in rounds and checkpoints between the steps
-        self.peaks = {"peak_host_bytes": None}  # and on the GPU peak_gpu_bytes
-        self.resume()
-
-    def resume(self, after_round: bool = False) -> None:
-        """Start timing the next step now; after a round, what the round held does not count in the peaks."""
-        if after_round:
-            reset_peak_memory(self.device)
-            self.paused_s += time.perf_counter() - self.paused_at
-        self.start, self.busy_s = time.perf_counter(), self.adam and self.adam.busy_s
-
-    def pause(self, i: int) -> None:
-        """A round before step i: every update done first, so each part runs alone; step i is not timed."""
-        self.paused_at = time.perf_counter()
-        if self.adam:
-            self.trainer.wait_updates()
-        self.note_peaks()
-        self.untimed.add(i)
-
-    def note_peaks(self) -> None:
-        """Count the GPU and host memory peaks since they were last reset (the host's is None without /proc)."""
-        gpu = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
-        for key, peak in (("peak_host_bytes", peak_host_rss()), ("peak_gpu_bytes", gpu)):
-            if peak is not None:
-                self.peaks[key] = max(self.peaks.get(key) or 0, peak)
-
-    def lap(self, i: int, loss: float) -> None:
-        """Step i has run: its time, and how long the CPU Adam worked in it; a progress line."""
-        now = time.perf_counter()
-        self.times.append((now - self.start) * 1e3)
-        self.start = now
-        line = f"  step {self.done + i + 1}: loss {loss:.4f}, {self.times[-1]:.0f} ms"
-        if self.adam:
-            self.busy.append((self.adam.busy_s - self.busy_s) * 1e3)
-            self.busy_s = self.adam.busy_s
-            line += f", CPU Adam busy {self.busy[-1]:.0f} ms"
-        rate = self.tokens / statistics.median(self.times[-10:]) * 1e3
-        left = duration_text((self.steps - i - 1) * self.tokens / rate)
-        line += f"; {(self.done + i + 1) * self.tokens:,} tokens seen, {rate:,.0f} tokens/s, {left} left"
-        if self.bar is None:
-            log(line)
-        else:
-            self.bar.set_postfix_str(line.strip(), refresh=False)
-            self.bar.update()
-
-    def result(self, warmup: int) -> dict:
-        """The median step after the warm-up, the steps timed, the peaks."""
-        if self.bar is not None:
-            self.bar.close()
-        self.note_peaks()
-        timed = [i for i in range(warmup, len(self.times)) if i not in self.untimed] or list(range(len(self.times)))
-        result = {"time_ms": statistics.median(self.times[i] for i in timed), "step_ms": self.times}
-        result |= {"timed_steps": timed} | self.peaks
-        if self.adam:
-            result["cpu_adam_busy_ms"] = self.busy
-        return result
-
-
-def bound_rounds(run: RunConfig) -> list[int]:
-    """Before which steps a round of the training bound's parts runs (run.steps: after the last): a warm-up round, then
-    one after each of up to run.repeat blocks of 2+ steps; with under 2 steps after the warm-up, all after the last."""
-    after_warmup = run.steps - run.warmup
-    blocks = max(0, min(run.repeat, after_warmup // 2))
-    if blocks == 0:
-        return [run.steps] * (1 + run.repeat)
-    return [run.warmup] + [run.warmup + after_warmup * (b + 1) // blocks for b in range(blocks)]
-
-
-def free_gpu_memory() -> None:
-    """Drop the last mode's GPU copies (and an OOM's leftovers) before the next mode measures its peak."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 # -------------------------------------------------------------------------------------------------- saving and resuming
 
 
@@ -5302,6 +5154,22 @@ class Checkpoints:
     def run(self, done: int) -> None:
         """Write the checkpoint after `done` steps of this run."""
         self.write(done)
+
+
+def trained_outputs(trainer, run: RunConfig, config: LlamaConfig, mode: str, compared: bool, tokenizer=None) -> dict:
+    """After the last step: --save-pretrained's folder written (with the tokenizer trained on); each step's gradient
+    norm (--clip-grad-norm) and a float32 copy of every master in host memory (to compare with gpu mode's, or for
+    --save-output)."""
+    result = {}
+    if run.save_pretrained:
+        save_pretrained(trainer, config, mode_folder(run.save_pretrained, run, mode), tokenizer)
+    if run.clip_grad_norm is not None:
+        result["grad_norms"] = list(trainer.grad_norms)
+    if compared or run.save_output:
+        resident = isinstance(trainer, ResidentTraining)
+        # with several ranks, for --save-output: on rank 0 alone, which writes it, one unit at a time
+        result["masters"] = trainer.state_dict(trainer.masters) if resident else trainer.state_dict(on_first=True)
+    return result
 
 
 def write_checkpoint(trainer, folder: Path, manifest: dict, done: int, tokenizer=None) -> None:
@@ -6098,6 +5966,138 @@ class Evaluation:
 # ---------------------------------------------------------------------------------------------------- measurement
 
 
+def bound_parts_of(trainer, micro_batches, device: torch.device):
+    """For offloaded training on the GPU, a function that makes the bound's parts to time (train_bound_parts); else
+    None: no bound."""
+    if isinstance(trainer, OffloadedTraining) and device.type == "cuda":
+        return lambda: train_bound_parts(trainer, micro_batches, device)
+    return None
+
+
+def time_round(fns: dict, parts: dict[str, list[float]], ranks: Ranks) -> None:
+    """Time each of `fns` (name -> (device, fn)) once, alone, into `parts`; their outputs and scratch memory are freed
+    on return, before the steps resume and their host peak restarts. The GPU compute parts (Compute) go first, once
+    the GPU has run them for SETTLE_S (settle_clocks). With several ranks, all start each part together: in a step
+    they share the host's memory, and a part timed while the others wait would have it alone."""
+    check_same(ranks, list(fns), "the bound's parts")
+    compute = [name for name, (_, fn) in fns.items() if isinstance(fn, Compute)]
+    settle_clocks([fns[name] for name in compute])
+    for name in [*compute, *(name for name in fns if name not in compute)]:
+        device, fn = fns[name]
+        ranks.meet()
+        parts[name].append(timed(fn, device)[0])
+
+
+class Compute:
+    """A part of the training bound that is GPU compute, which time_round times at settled clocks (settle_clocks)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self):
+        """Run the part."""
+        return self.fn()
+
+
+def settle_clocks(fns: list) -> None:
+    """Run the GPU compute parts `fns` ((device, fn) each) in turn, untimed, for SETTLE_S: a step loads the GPU for
+    seconds, and its power cap then holds the clocks below the boost that a part timed from idle runs at."""
+    end = time.perf_counter() + SETTLE_S
+    while fns and time.perf_counter() < end:
+        for device, fn in fns:
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # one part at a time queued, so the loop ends near SETTLE_S
+
+
+class StepClock:
+    """The training steps' times, the CPU Adam's busy time in each and the peaks of GPU and host memory, leaving out
+    the bound's rounds between the steps and the step after each round, which waits for no update."""
+
+    def __init__(self, trainer, device: torch.device, done: int = 0, steps: int = 0, tokens: int = 0):
+        self.trainer = trainer
+        self.device = device
+        self.done = done  # steps trained before this run (a resumed run goes on counting from them)
+        self.steps, self.tokens = steps, tokens  # this run's steps, and each step's tokens: for the progress
+        self.bar = tqdm.tqdm(total=steps, file=sys.stderr, unit="step", leave=False) if sys.stderr.isatty() else None
+        self.adam = trainer.steppers.cpu_adam if isinstance(trainer, OffloadedTraining) else None
+        self.times, self.busy = [], []  # each step's time, and the CPU Adam's busy time in it (ms)
+        self.untimed = set()  # the steps right after a round
+        self.paused_s = 0.0  # time spent in rounds and checkpoints between the steps
+        self.peaks = {"peak_host_bytes": None}  # and on the GPU peak_gpu_bytes
+        self.resume()
+
+    def resume(self, after_round: bool = False) -> None:
+        """Start timing the next step now; after a round, what the round held does not count in the peaks."""
+        if after_round:
+            reset_peak_memory(self.device)
+            self.paused_s += time.perf_counter() - self.paused_at
+        self.start, self.busy_s = time.perf_counter(), self.adam and self.adam.busy_s
+
+    def pause(self, i: int) -> None:
+        """A round before step i: every update done first, so each part runs alone; step i is not timed."""
+        self.paused_at = time.perf_counter()
+        if self.adam:
+            self.trainer.wait_updates()
+        self.note_peaks()
+        self.untimed.add(i)
+
+    def note_peaks(self) -> None:
+        """Count the GPU and host memory peaks since they were last reset (the host's is None without /proc)."""
+        gpu = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+        for key, peak in (("peak_host_bytes", peak_host_rss()), ("peak_gpu_bytes", gpu)):
+            if peak is not None:
+                self.peaks[key] = max(self.peaks.get(key) or 0, peak)
+
+    def lap(self, i: int, loss: float) -> None:
+        """Step i has run: its time, and how long the CPU Adam worked in it; a progress line."""
+        now = time.perf_counter()
+        self.times.append((now - self.start) * 1e3)
+        self.start = now
+        line = f"  step {self.done + i + 1}: loss {loss:.4f}, {self.times[-1]:.0f} ms"
+        if self.adam:
+            self.busy.append((self.adam.busy_s - self.busy_s) * 1e3)
+            self.busy_s = self.adam.busy_s
+            line += f", CPU Adam busy {self.busy[-1]:.0f} ms"
+        rate = self.tokens / statistics.median(self.times[-10:]) * 1e3
+        left = duration_text((self.steps - i - 1) * self.tokens / rate)
+        line += f"; {(self.done + i + 1) * self.tokens:,} tokens seen, {rate:,.0f} tokens/s, {left} left"
+        if self.bar is None:
+            log(line)
+        else:
+            self.bar.set_postfix_str(line.strip(), refresh=False)
+            self.bar.update()
+
+    def result(self, warmup: int) -> dict:
+        """The median step after the warm-up, the steps timed, the peaks."""
+        if self.bar is not None:
+            self.bar.close()
+        self.note_peaks()
+        timed = [i for i in range(warmup, len(self.times)) if i not in self.untimed] or list(range(len(self.times)))
+        result = {"time_ms": statistics.median(self.times[i] for i in timed), "step_ms": self.times}
+        result |= {"timed_steps": timed} | self.peaks
+        if self.adam:
+            result["cpu_adam_busy_ms"] = self.busy
+        return result
+
+
+def bound_rounds(run: RunConfig) -> list[int]:
+    """Before which steps a round of the training bound's parts runs (run.steps: after the last): a warm-up round, then
+    one after each of up to run.repeat blocks of 2+ steps; with under 2 steps after the warm-up, all after the last."""
+    after_warmup = run.steps - run.warmup
+    blocks = max(0, min(run.repeat, after_warmup // 2))
+    if blocks == 0:
+        return [run.steps] * (1 + run.repeat)
+    return [run.warmup] + [run.warmup + after_warmup * (b + 1) // blocks for b in range(blocks)]
+
+
+def free_gpu_memory() -> None:
+    """Drop the last mode's GPU copies (and an OOM's leftovers) before the next mode measures its peak."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def timed(fn, device: torch.device) -> tuple[float, object]:
     """Milliseconds fn() takes on `device`, and its result."""
     if device.type != "cuda":
@@ -6580,6 +6580,16 @@ def adam_scratch(store: MasterStore, numel: int):
     copy = host_zeros(numel, store.update.copy_dtype, pin=False).zero_() if store.update.copy_dtype else None
     step = torch.zeros(())
     return lambda: store.update(master, grads, exp_avg, exp_avg_sq, copy, step)
+
+
+def profile_pass(fn, path: str) -> dict:
+    """--profile for inference: one more pass, fn(), traced into `path`; how much of its copies ran under compute."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        fn()
+        torch.cuda.synchronize()  # the trace must hold the whole pass
+    write_atomically(path, prof.export_chrome_trace)
+    return trace_overlap(path)
 
 
 def profile_step(trainer, micro_batches, path: str) -> dict:
