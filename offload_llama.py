@@ -940,6 +940,14 @@ def check_inputs(run: RunConfig) -> None:
             raise UsageError(f"{flag} {path} cannot be read ({e.strerror}): give one you can read") from None
     if run.model is not None:
         model_type(Path(run.model))
+    check_data_glob(run.data_glob)
+
+
+def check_data_glob(globs: str) -> None:
+    """--data-glob's patterns name files inside the --data folder: none absolute, none climbing out with '..'."""
+    patterns = [pattern.strip() for pattern in globs.split(",") if pattern.strip()]
+    if not patterns or any(Path(p).is_absolute() or ".." in Path(p).parts for p in patterns):
+        raise UsageError(f"--data-glob '{globs}': give patterns relative to the --data folder, such as *.txt,*.jsonl")
 
 
 FILE_OUTPUTS = ("--json", "--save-output", "--profile", "--profile's training trace")
@@ -1007,14 +1015,17 @@ def check_no_clash(run: RunConfig, outputs: dict[str, str]) -> None:
     """No output is, or lies inside, an input (but --checkpoint X --resume X, which goes on from X), however it is
     reached (a link, a hard link, a bind mount); --save-pretrained, replaced whole, holds none; no output is, or lies
     inside, another."""
-    inputs = {"--data": run.data, "--model": run.model, "--tokenizer": run.tokenizer, "--resume": run.resume}
-    inputs = {flag: real_path(path) for flag, path in inputs.items() if path is not None}
-    inputs["the script"] = real_path(__file__)
+    given = {"--data": run.data, "--model": run.model, "--tokenizer": run.tokenizer, "--resume": run.resume}
+    inputs = [(flag, f"{flag} {real_path(path)}", real_path(path)) for flag, path in given.items() if path is not None]
+    for flag, path in given.items():  # and what a link inside an input folder reaches, which the run reads too
+        inputs += [
+            (flag, f"{real_path(link)}, which {flag} reads through {link}", real_path(link)) for link in links(path)
+        ]
+    inputs.append(("the script", "the script", real_path(__file__)))
     seen = {}
     for flag, path in outputs.items():
         out = real_path(path)
-        for other, place in inputs.items():
-            named = other if other == "the script" else f"{other} {place}"
+        for other, named, place in inputs:
             if same_place(out, place) and not (flag == "--checkpoint" and other == "--resume"):
                 raise UsageError(f"{flag} {path} is {named}: an output never replaces an input: give another path")
             if inside(out, place):
@@ -1027,6 +1038,17 @@ def check_no_clash(run: RunConfig, outputs: dict[str, str]) -> None:
             if inside(out, place) or inside(place, out):
                 raise UsageError(f"{flag} {path} and {other} {place} nest: give each output a path of its own")
         seen[flag] = out
+
+
+def links(path) -> list[Path]:
+    """The links inside the folder `path` (none for a file), not followed: what they reach is read as an input too,
+    wherever it is (a Hugging Face cache's snapshot links its files into blobs/)."""
+    if path is None or not os.path.isdir(path):
+        return []
+    found = []
+    for folder, dirs, files in os.walk(path):  # links to folders are listed in dirs, and not walked into
+        found += [Path(folder, name) for name in [*dirs, *files] if os.path.islink(os.path.join(folder, name))]
+    return found
 
 
 def same_place(a: Path, b: Path) -> bool:

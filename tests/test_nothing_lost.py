@@ -128,6 +128,40 @@ def test_an_output_on_or_inside_an_input_is_refused(case, inputs, tmp_path):
     refused(tmp_path, [*model, "--train", *args], words.replace("{tmp}", str(tmp_path)))
 
 
+LINKED = {  # an output on what a link inside an input folder reaches, or a glob that leaves --data
+    "--json on a file a link in the corpus reaches": (
+        ["--data", "{tmp}/corpus", "--json", "{tmp}/outside.txt"],
+        "is {tmp}/outside.txt, which --data reads through {tmp}/corpus/link.txt",
+    ),
+    "--save-output on weights --model links to": (
+        ["--model", "{tmp}/model", "--save-output", "{tmp}/weights.safetensors"],
+        "which --model reads through {tmp}/model/model.safetensors",
+    ),
+    "--data-glob climbing out of --data": (["--data", "{tmp}/corpus", "--data-glob", "../*.txt"], "give patterns"),
+    "--data-glob from the root": (["--data", "{tmp}/corpus", "--data-glob", "/etc/*"], "give patterns relative"),
+}
+
+
+@pytest.mark.parametrize("case", LINKED)
+def test_what_a_link_in_an_input_reaches_is_an_input_too(case, inputs, tmp_path, capsys):
+    """A corpus file that is a link, a model's weights linked from elsewhere (as in a Hugging Face cache): an output
+    there would replace what the run reads; a --data-glob reaching out of --data is refused as it is given."""
+    copied(inputs, tmp_path, "corpus", "model")
+    (tmp_path / "outside.txt").write_text("def g(x):\n    return x\n" * 200)
+    os.symlink("../outside.txt", tmp_path / "corpus" / "link.txt")
+    (tmp_path / "model" / "model.safetensors").rename(tmp_path / "weights.safetensors")
+    os.symlink("../weights.safetensors", tmp_path / "model" / "model.safetensors")
+    args, words = LINKED[case]
+    model = [] if "--model" in args else ["--preset", "tiny"]
+    refused(
+        tmp_path,
+        [*model, "--mode", "cpu", "--train", *args],
+        words.replace("{tmp}", str(tmp_path)),
+        in_process=True,
+        capsys=capsys,
+    )
+
+
 @pytest.mark.slow
 def test_the_documented_resume_into_its_own_folder_is_no_clash(inputs, tmp_path):
     copied(inputs, tmp_path, "checkpoint")
