@@ -172,6 +172,14 @@ class UsageError(Exception):
     """Bad input: main() prints it as one line on stderr and exits with code 2."""
 
 
+DIVERGED = "training diverged (try a lower --lr)"
+
+
+class Diverged(Exception):
+    """A training step's loss is not finite: main() prints it as one line and exits with code 1, and the outputs the
+    run had still to write are not written (the last checkpoint stays the one before)."""
+
+
 # ---------------------------------------------------------------------------------------------------- configuration
 
 
@@ -2960,6 +2968,8 @@ def train_steps(
         if batches and i + 1 < run.steps:  # the next step's blocks, gathered and copied while this step's kernels run
             batch = batches(done + i + 1)
         losses.append(loss.item())  # S11: a sync: this step's forward and backward have run
+        if not math.isfinite(losses[-1]):
+            raise Diverged(f"step {done + i + 1}'s loss is {losses[-1]}: {DIVERGED}")
         if i == 0 and keep_grads:
             grads = first_step_state(trainer)
         clock.lap(i, losses[-1])
@@ -5022,6 +5032,7 @@ def save_pretrained(trainer, config: LlamaConfig, folder: Path, tokenizer=None) 
     written into a folder beside `folder` and renamed to it whole (replace_folder): complete or absent, whatever stops
     the run. With several ranks a collective: rank 0 writes."""
     t0 = time.perf_counter()
+    check_finite_masters(trainer)
     reset_peak_memory(torch.device("cpu"))
     config = with_token_ids(config, tokenizer)
     aside = folder_aside(folder) if trainer.ranks.rank == 0 else contextlib.nullcontext()
@@ -5194,6 +5205,20 @@ def trained_outputs(trainer, run: RunConfig, config: LlamaConfig, mode: str, com
     return result
 
 
+def check_finite_masters(trainer) -> None:
+    """Before the trained weights are saved: every master finite on every rank (a collective), else Diverged: the last
+    update overflowed, which no later loss shows."""
+    if isinstance(trainer, ResidentTraining):
+        mine = [name for name, master in trainer.named_masters() if not torch.isfinite(master).all()]
+    else:  # this rank's flat masters (its shards), by unit
+        flats = [trainer.steppers.state(u) for u in range(len(trainer.units))]
+        mine = [trainer.units[u].name for u, flat in enumerate(flats) if not torch.isfinite(flat).all()]
+    bad = sorted({name for names in trainer.ranks.each(mine) for name in names})
+    if bad:
+        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+        raise Diverged(f"after the last step {bad[0]}{more} is not finite: {DIVERGED}; nothing saved")
+
+
 def write_checkpoint(trainer, folder: Path, manifest: dict, done: int, tokenizer=None) -> None:
     """The training state after `done` steps of this run: a file per unit (and the tokenizer's), then CHECKPOINT_FILE
     naming them, each written aside, flushed to the disk and renamed. The previous checkpoint's files go once the new
@@ -5202,12 +5227,19 @@ def write_checkpoint(trainer, folder: Path, manifest: dict, done: int, tokenizer
     t0 = time.perf_counter()
     trainer.wait_updates()
     steps = manifest.get("resumed_from", 0) + done
+    made = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
     ranks, n = trainer.ranks, len(trainer.units)
     files = checkpoint_files(n, steps, ranks)
     try:
         for u, name in enumerate(files[ranks.rank * n : (ranks.rank + 1) * n]):  # this rank's
-            write_atomically(str(folder / name), functools.partial(save_synced, trainer.unit_state(u)))
+            state = trainer.unit_state(u)
+            if not all(ranks.each(finite_state(state))):  # every rank's shard, so that all stop here
+                unit = trainer.units[u].name
+                raise Diverged(
+                    f"after step {steps} {unit}'s state is not finite: {DIVERGED}; the checkpoint before stays"
+                )
+            write_atomically(str(folder / name), functools.partial(save_synced, state))
         tokenizer_files = save_checkpoint_tokenizer(tokenizer, folder) if tokenizer and ranks.rank == 0 else []
         ranks.meet()  # every rank's files are on the disk before the record names them
         if ranks.rank == 0:
@@ -5222,6 +5254,9 @@ def write_checkpoint(trainer, folder: Path, manifest: dict, done: int, tokenizer
     except BaseException:
         with signals_held():
             remove_unnamed(folder)
+            if made and ranks.rank == 0:  # the first write: no empty folder left behind (another rank's files stay)
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
         raise
     log(f"checkpoint after step {steps} written to {folder} in {time.perf_counter() - t0:.1f} s")
 
@@ -5414,7 +5449,13 @@ def resume(trainer, folder: Path, manifest: dict) -> int:
     saved = read_checkpoint(folder, manifest)
     say_plan_changes(saved, manifest)
     for u, unit in enumerate(trainer.units):
-        trainer.load_unit(u, checkpoint_unit(folder, saved, u, unit.layout, trainer.ranks))
+        state = checkpoint_unit(folder, saved, u, unit.layout, trainer.ranks)
+        trainer.load_unit(u, state)
+        if not finite_state(state):  # read again from the page cache the load filled
+            raise UsageError(
+                f"--resume {folder}: unit {unit.name}'s state is not finite (NaN or infinity): resume an "
+                "earlier checkpoint"
+            )
     if saved.get("ranks", 1) != trainer.ranks.world:
         log(f"the checkpoint of {saved.get('ranks', 1)} rank(s) resharded over {trainer.ranks.world}")
     if isinstance(trainer.scaling, LossScale):
@@ -5424,6 +5465,16 @@ def resume(trainer, folder: Path, manifest: dict) -> int:
     if changed:
         log(f"note: another {', '.join(changed)} than the checkpoint's, so another batch than it trained on")
     return saved["steps"]
+
+
+def finite_state(state: dict) -> bool:
+    """Whether a unit's checkpointed state (checkpoint_unit's) holds finite masters and moments alone."""
+    for key in ("master", "exp_avg", "exp_avg_sq"):
+        held = state[key]
+        tensors = held.shards if isinstance(held, Resharded) else held.values() if isinstance(held, dict) else [held]
+        if not all(torch.isfinite(t).all() for t in tensors):
+            return False
+    return True
 
 
 def checkpoint_unit(folder: Path, saved: dict, u: int, layout: FlatLayout, ranks: Ranks) -> dict:
@@ -7264,10 +7315,11 @@ def disk_tier(run: RunConfig, units: list[Unit], layers: int) -> DiskTier | None
 
 
 def main(argv=None) -> int:
-    """The command line's entry point: exit code 0; 2 with one line for bad input; 1 with one line for a file that
-    cannot be written mid-run (a full disk) or, with several ranks, for a gloo collective that another rank left (an
-    NCCL one ends the rank by torchrun's signal or NCCL's watchdog: lost_ranks); 130 with one line for Ctrl-C (SIGINT),
-    143 for SIGTERM. Every output is whole or absent on each of these ways out."""
+    """The command line's entry point: exit code 0; 2 with one line for bad input; 1 with one line for a loss that is
+    not finite (Diverged), a file that cannot be written mid-run (a full disk) or, with several ranks, for a gloo
+    collective that another rank left (an NCCL one ends the rank by torchrun's signal or NCCL's watchdog: lost_ranks);
+    130 with one line for Ctrl-C (SIGINT), 143 for SIGTERM. Every output is whole or absent on each of these ways
+    out."""
     use_expandable_segments()  # before anything starts CUDA: parse_args asks the GPU for its dtypes
     run = parse_args(argv)
     with signals_raised():
@@ -7282,6 +7334,10 @@ def main(argv=None) -> int:
             finish_early()
             print(f"offload_llama.py: error: {e}", file=sys.stderr)
             return 2
+        except Diverged as e:
+            finish_early()
+            print(f"offload_llama.py: error: {e}; no output written after it", file=sys.stderr)
+            return 1
         except OSError as e:  # what was written before stays whole: every output is written aside, then renamed
             finish_early()
             print(f"offload_llama.py: error: {e.strerror or e}: {e.filename or 'an output'}", file=sys.stderr)

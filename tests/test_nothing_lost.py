@@ -510,3 +510,36 @@ def test_a_damaged_cache_entry_is_rebuilt_with_a_note(inputs, tmp_path, capsys):
     code, _, err = run_main(capsys, *args, "--data-cache", tmp_path / "cache")
     assert code == 0 and f"note: the token cache {tokens} is not whole: tokenized again" in err
     assert ol.mapped_tokens(tokens) is not None
+
+
+def test_a_diverged_run_ends_with_one_line_and_writes_no_state_that_is_not_finite(tmp_path, capsys):
+    """--lr 1e300: the first update overflows the masters, which the next step's loss would only show. Neither the
+    checkpoint after it nor the saved model is written: the run ends with one line, exit 1."""
+    args = [*TRAIN[:-1], "2", "--lr", "1e300", "--checkpoint", tmp_path / "ck", "--save-pretrained", tmp_path / "sp"]
+    code, out, err = run_main(capsys, *args, "--checkpoint-every", "1", "--json", tmp_path / "r.json")
+    lines = [line for line in err.splitlines() if " s  " not in line[:12]]
+    assert code == 1 and len(lines) == 1 and "Traceback" not in err, err
+    assert "after step 1 model.embed_tokens's state is not finite" in lines[0] and "diverged" in lines[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no checkpoint, no saved model, no JSON
+
+
+def test_a_checkpoint_whose_state_is_not_finite_is_refused(inputs, tmp_path, capsys):
+    """A unit file of a checkpoint filled with NaN (damaged, or a diverged run's): refused with one line naming the
+    unit, exit 2, before any step."""
+    copied(inputs, tmp_path, "checkpoint")
+    folder = tmp_path / "checkpoint"
+    record = json.loads((folder / ol.CHECKPOINT_FILE).read_text())
+    state = torch.load(folder / record["files"][2])
+    for t in state["master"].values():
+        t.fill_(float("nan"))
+    torch.save(state, folder / record["files"][2])
+    code, _, err = run_main(capsys, *TRAIN, "--resume", folder)
+    assert code == 2 and "Traceback" not in err and "step 1: loss" not in err, err
+    assert "--resume" in err and "model.layers.1's state is not finite" in err, err
+
+
+def test_a_loss_that_is_not_finite_ends_the_run(tmp_path, capsys):
+    """With nothing to write between the steps, the diverged run ends at the first loss that is not finite."""
+    code, _, err = run_main(capsys, *TRAIN[:-1], "3", "--lr", "1e300", "--json", tmp_path / "r.json")
+    assert code == 1 and "step 2's loss is nan: training diverged" in err and "step 3" not in err, err
+    assert not (tmp_path / "r.json").exists()
