@@ -5393,11 +5393,16 @@ def check_record(folder: Path, saved: dict, manifest: dict) -> None:
     ranks = saved.get("ranks", 1)
     if not isinstance(ranks, int) or isinstance(ranks, bool) or not 1 <= ranks <= 2**20:
         raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE}'s ranks is {ranks!r}: the file is damaged")
-    files, expected = saved["files"], (manifest["sizes"]["num_hidden_layers"] + 3) * ranks
-    if len(files) != expected:
+    units = manifest["sizes"]["num_hidden_layers"] + 3
+    files, expected = saved["files"], checkpoint_files(units, saved["steps"], Ranks(world=ranks))
+    if len(files) != len(expected):
         raise UsageError(
-            f"--resume {folder}: {CHECKPOINT_FILE} names {len(files)} files, not {expected}: it is damaged"
+            f"--resume {folder}: {CHECKPOINT_FILE} names {len(files)} files, not {len(expected)}: it is damaged"
         )
+    wrong = next((i for i, (f, e) in enumerate(zip(files, expected, strict=True)) if f != e), None)
+    if wrong is not None:  # each unit's own file, as written after that step: none named twice, none swapped
+        what = f"names {files[wrong]} where a checkpoint after step {saved['steps']} has {expected[wrong]}"
+        raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE} {what}: it is damaged")
 
 
 def check_unit_files(folder: Path, saved: dict, units: list[Unit]) -> None:

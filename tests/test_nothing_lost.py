@@ -237,6 +237,9 @@ def test_damaged_inputs_are_refused_before_the_model_is_built(inputs, tmp_path, 
         refused(tmp_path, args, f"checkpoint.json's ranks is {ranks!r}", in_process=True, capsys=capsys)
     record.write_text(json.dumps(original | {"ranks": 2}))  # a file a unit, where 2 ranks write two
     refused(tmp_path, args, "names 6 files, not 12", in_process=True, capsys=capsys)
+    twice = [*original["files"][:2], original["files"][1], *original["files"][3:]]  # one layer's file for the next's
+    record.write_text(json.dumps(original | {"files": twice}))
+    refused(tmp_path, args, f"names {original['files'][1]} where", in_process=True, capsys=capsys)
     shutil.copy(inputs / "checkpoint" / ol.CHECKPOINT_FILE, record)
     state = torch.load(inputs / "checkpoint" / unit.name)
     torch.save(state | {"step": 4}, unit)  # a whole number, where unit_state writes a float count
