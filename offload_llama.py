@@ -1280,10 +1280,27 @@ def load_config(path: Path) -> LlamaConfig:
     """A save_pretrained folder's LlamaConfig, refused with one line if the folder is not a LLaMA model."""
     model_type(path)
     try:
-        return LlamaConfig.from_pretrained(path)
+        with transformers_quiet():  # its warnings on a config it cannot check: the refusal below is the one line
+            config = LlamaConfig.from_pretrained(path)
+        with torch.device("meta"):
+            LlamaRotaryEmbedding(config)  # its rope settings, which the config takes unchecked
     except Exception as e:  # transformers' own validation, whose error classes vary between versions
         reason = str(e.__cause__ or e).splitlines()[0]
-        raise UsageError(f"--model {path}: transformers rejects its config.json ({reason})") from None
+        raise UsageError(
+            f"--model {path}: transformers rejects its config.json ({type(e).__name__}: {reason})"
+        ) from None
+    return config
+
+
+@contextlib.contextmanager
+def transformers_quiet():
+    """transformers' warnings held back for the block (its errors still show): this script says what matters."""
+    verbosity = transformers.utils.logging.get_verbosity()
+    transformers.utils.logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers.utils.logging.set_verbosity(verbosity)
 
 
 def build_model(run: RunConfig, config: LlamaConfig) -> LlamaForCausalLM:
@@ -1299,9 +1316,16 @@ def build_model(run: RunConfig, config: LlamaConfig) -> LlamaForCausalLM:
     if run.model is not None:
         transformers.utils.logging.disable_progress_bar()  # stderr carries this script's progress lines alone
         try:
-            model = LlamaForCausalLM.from_pretrained(run.model, dtype=dtype, attn_implementation=run.attention)
+            with transformers_quiet():  # its report of missing weights: the refusal below says it in one line
+                model, info = LlamaForCausalLM.from_pretrained(
+                    run.model, dtype=dtype, attn_implementation=run.attention, output_loading_info=True
+                )
         except Exception as e:  # what check_weights cannot see; transformers' error classes vary between versions
             raise UsageError(f"--model {run.model}: cannot load the weights ({first_line(e)})") from None
+        missing = sorted([*info.get("missing_keys", ()), *(key for key, *_ in info.get("mismatched_keys", ()))])
+        if missing:  # from_pretrained draws those at random and goes on: not the model the folder names
+            what = f"{len(missing)} of the model's weights, such as {missing[0]}"
+            raise UsageError(f"--model {run.model}: its weights lack {what}: save the model again")
     else:
         with torch.device("meta"):
             model = LlamaForCausalLM._from_config(config, dtype=dtype, attn_implementation=run.attention)
@@ -1330,8 +1354,10 @@ def check_weights(folder: Path, config: LlamaConfig) -> None:
             raise UsageError(f"--model {folder}: {index.name} is damaged ({first_line(e)}): save it again") from None
     elif (folder / "model.safetensors").is_file():
         files = ["model.safetensors"]
+    elif any((folder / name).is_file() for name in ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+        return  # no safetensors: from_pretrained's own checks, and build_model's of what it found
     else:
-        return  # no safetensors (pytorch_model.bin, say): from_pretrained's own checks, after the model is built
+        raise UsageError(f"--model {folder}: no weights in it (model.safetensors or pytorch_model.bin): save it again")
     found = {}
     for name in files:
         found |= safetensors_shapes(folder, name)

@@ -546,3 +546,23 @@ def test_a_loss_that_is_not_finite_ends_the_run(tmp_path, capsys):
     code, _, err = run_main(capsys, *TRAIN[:-1], "3", "--lr", "1e300", "--json", tmp_path / "r.json")
     assert code == 1 and "step 2's loss is nan: training diverged" in err and "step 3" not in err, err
     assert not (tmp_path / "r.json").exists()
+
+
+def test_a_model_folder_it_cannot_run_as_saved_is_refused(inputs, tmp_path, capsys):
+    """--model with rope settings transformers does not know, with no weights, or with weights of other names (which
+    from_pretrained would draw at random): one line each, exit 2, no traceback."""
+    for name in ("rope", "none", "other"):
+        copied(inputs, tmp_path, "model")
+        (tmp_path / "model").rename(tmp_path / name)
+    config = tmp_path / "rope" / "config.json"
+    config.write_text(json.dumps(json.loads(config.read_text()) | {"rope_scaling": {"type": "nonsense"}}))
+    args = ["--model", "{tmp}/rope", "--mode", "cpu", "--seq-len", "16"]
+    refused(tmp_path, args, "transformers rejects its config.json (KeyError", in_process=True, capsys=capsys)
+    (tmp_path / "none" / "model.safetensors").unlink()
+    args = ["--model", "{tmp}/none", "--mode", "cpu", "--seq-len", "16"]
+    refused(tmp_path, args, "no weights in it", in_process=True, capsys=capsys)
+    (tmp_path / "other" / "model.safetensors").unlink()
+    torch.save({"x": torch.zeros(1)}, tmp_path / "other" / "pytorch_model.bin")
+    code, out, err = run_main(capsys, "--model", tmp_path / "other", "--mode", "cpu", "--seq-len", "16")
+    assert code == 2 and "Traceback" not in err and "MISSING" not in err and out == "", err
+    assert "its weights lack 30 of the model's weights, such as lm_head.weight" in err.splitlines()[-1], err
