@@ -985,7 +985,10 @@ def check_outputs(run: RunConfig) -> None:
             raise UsageError(f"{flag} {path} is {kind}: give {'a folder' if want == 'a folder' else 'a file name'}")
         if kind not in (None, want) and not (want == "a folder" and linked_folder):
             raise UsageError(f"{flag} {path} is {kind}, which the run would replace: give the path of {want}")
+        if want == "a file" and path.endswith(os.sep):
+            raise UsageError(f"{flag} {path} ends with {os.sep}: give a file name")
         folder = Path(path).parent if want == "a file" else Path(path)
+        check_name_length(flag, path, aside=flag in FILE_OUTPUTS or flag == "--save-pretrained")
         if flag == "--data-cache" and not run.data_cache:  # the default, made with its parents (~/.cache)
             folder = existing(folder)
         made = want == "a folder" and flag != "--nvme"  # the disk tier's folder is a disk's, given, not made
@@ -1116,6 +1119,23 @@ def check_writable(flag: str, path: str, folder: Path, make: bool = False) -> No
         raise UsageError(
             f"{flag} {path}: the folder {folder} cannot be written: no file can be created there ({e.strerror})"
         ) from None
+
+
+ASIDE_CHARS = 18  # the most a name grows aside: .NAME.PID.tmp (write_atomically), .NAME.XXXXXXXX.tmp.old (folders)
+
+
+def check_name_length(flag: str, path: str, aside: bool) -> None:
+    """The output's name fits its file system, with what writing it aside adds (aside); else the write would fail
+    once the run is done."""
+    name = Path(path).name
+    folder = existing(Path(path).parent)
+    try:
+        limit = os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    extra = ASIDE_CHARS if aside else 0
+    if len(os.fsencode(name)) + extra > limit:
+        raise UsageError(f"{flag}: the name {name[:40]}... is too long: give one of at most {limit - extra} bytes")
 
 
 def existing(path: Path) -> Path:
@@ -5722,14 +5742,15 @@ def folder_aside(folder: Path):
 
 
 @contextlib.contextmanager
-def named_errors(path, writer: bool = False):
+def named_errors(path, writer: bool = False, aside: str | None = None):
     """A failed write of `path` reported with it, so that the run ends with one line saying what could not be
-    written: an OSError without a file name (a full disk's) gets `path`; writer: the block only writes, and its
-    writer's own errors (safetensors', tokenizers') become OSErrors naming `path` too."""
+    written: an OSError without a file name (a full disk's), or naming `aside` (the temporary file written for
+    `path`), gets `path`; writer: the block only writes, and its writer's own errors (safetensors', tokenizers')
+    become OSErrors naming `path` too."""
     try:
         yield
     except OSError as e:
-        if e.filename is not None:
+        if e.filename is not None and e.filename != aside:
             raise
         raise OSError(e.errno, e.strerror, str(path)) from e
     except Exception as e:
@@ -7141,7 +7162,7 @@ def write_atomically(path: str, write) -> None:
     """write(tmp) to a temporary file beside `path`, then rename it: an interrupt never leaves a truncated file."""
     tmp = str(Path(path).with_name(f".{Path(path).name}.{os.getpid()}.tmp"))
     try:
-        with named_errors(path):
+        with named_errors(path, aside=tmp):
             write(tmp)
             os.replace(tmp, path)
     finally:

@@ -566,3 +566,19 @@ def test_a_model_folder_it_cannot_run_as_saved_is_refused(inputs, tmp_path, caps
     code, out, err = run_main(capsys, "--model", tmp_path / "other", "--mode", "cpu", "--seq-len", "16")
     assert code == 2 and "Traceback" not in err and "MISSING" not in err and out == "", err
     assert "its weights lack 30 of the model's weights, such as lm_head.weight" in err.splitlines()[-1], err
+
+
+NAMES = {  # outputs whose write would fail only once the run is done
+    "--json ending in /": (["--json", "{tmp}/new/"], "ends with /: give a file name"),
+    "--json too long to write aside": (["--json", "{tmp}/" + "j" * 250], "is too long: give one of at most"),
+    "--save-pretrained too long to write aside": (
+        ["--train", "--save-pretrained", "{tmp}/" + "s" * 240],
+        "is too long: give one of at most 237 bytes",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", NAMES)
+def test_an_output_name_it_could_not_write_is_refused_before_the_run(case, tmp_path, capsys):
+    args, words = NAMES[case]
+    refused(tmp_path, [*TINY, *args], words, in_process=True, capsys=capsys)
