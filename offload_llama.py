@@ -5632,6 +5632,27 @@ def has_tokenizer(folder: str | None) -> bool:
     return folder is not None and any((Path(folder) / name).is_file() for name in names)
 
 
+def checkpoint_tokenizer(run: RunConfig):
+    """The tokenizer a --resume checkpoint trained with (its record names its files), or None where it has none;
+    refused with one line where it does not load."""
+    if run.resume is None:
+        return None
+    folder = mode_folder(run.resume, run, run.modes[0])
+    try:
+        named = json.loads((folder / CHECKPOINT_FILE).read_text()).get("tokenizer") or []
+    except (OSError, ValueError, AttributeError):
+        return None  # read_checkpoint says what is wrong with the record
+    try:
+        return transformers.AutoTokenizer.from_pretrained(folder) if named else None
+    except Exception as e:  # a damaged or missing file: the errors of tokenizers and json vary
+        raise UsageError(f"--resume {folder}: its tokenizer does not load ({first_line(e)}): it is damaged") from None
+
+
+def tokenizer_text(tokenizer) -> str:
+    """A fast tokenizer's whole definition, serialized: equal for two tokenizers that map text to the same ids."""
+    return tokenizer.backend_tokenizer.to_str()
+
+
 def load_tokenizer(run: RunConfig):
     """--tokenizer's tokenizer, else --model's where its folder has one, else None."""
     folder = run.tokenizer or run.model
@@ -5982,7 +6003,8 @@ def text_fingerprint(text: Text | None) -> str | None:
 def prepare_data(run: RunConfig, vocab_size: int) -> tuple[Blocks, object]:
     """--data read, tokenized (or read from the token cache) and packed: (the blocks, the tokenizer)."""
     files = data_files(run)
-    tokenizer = None if run.train_tokenizer else load_tokenizer(run)  # asked to train one: --model's is not used
+    resumed = checkpoint_tokenizer(run)  # the one the checkpoint trained with: a run that goes on keeps its ids
+    tokenizer = None if run.train_tokenizer else load_tokenizer(run) or resumed  # asked to train one: not --model's
     if run.train_tokenizer and run.train_tokenizer > vocab_size:
         raise UsageError(f"--train-tokenizer {run.train_tokenizer} is larger than the model's vocab_size {vocab_size}")
     if tokenizer is None and run.train_tokenizer:
@@ -5990,6 +6012,11 @@ def prepare_data(run: RunConfig, vocab_size: int) -> tuple[Blocks, object]:
         tokenizer = train_tokenizer(run, files, data_cache_folder(run) / f"tokenizer-{key}")
     if tokenizer is None:
         raise UsageError("no tokenizer: give --tokenizer DIR, or --train-tokenizer V to train one on the data")
+    if resumed is not None and tokenizer_text(tokenizer) != tokenizer_text(resumed):
+        raise UsageError(
+            f"--resume {run.resume} trained with another tokenizer than this run's, so its token ids mean other text: "
+            "leave out --tokenizer and --train-tokenizer to go on with its own"
+        )
     if not tokenizer.is_fast:
         raise UsageError("the tokenizer has no fast (tokenizers) form, which tokenizing in threads needs")
     if len(tokenizer) > vocab_size:

@@ -582,3 +582,19 @@ NAMES = {  # outputs whose write would fail only once the run is done
 def test_an_output_name_it_could_not_write_is_refused_before_the_run(case, tmp_path, capsys):
     args, words = NAMES[case]
     refused(tmp_path, [*TINY, *args], words, in_process=True, capsys=capsys)
+
+
+def test_a_resumed_run_goes_on_with_the_tokenizer_its_checkpoint_trained_with(inputs, tmp_path, capsys):
+    """--resume with --data takes the checkpoint's tokenizer; another one (trained anew to another size) would give
+    its token ids other text, and a damaged one is named: one line each, exit 2."""
+    copied(inputs, tmp_path, "corpus")
+    text = ["--data", tmp_path / "corpus", "--data-cache", tmp_path / "cache", "--vocab-size", "512"]
+    code, _, err = run_main(capsys, *TRAIN, *text, "--train-tokenizer", "300", "--checkpoint", tmp_path / "ck")
+    assert code == 0, err
+    code, _, err = run_main(capsys, *TRAIN, *text, "--resume", tmp_path / "ck")
+    assert code == 0 and "resumed from" in err, err
+    code, _, err = run_main(capsys, *TRAIN, *text, "--resume", tmp_path / "ck", "--train-tokenizer", "260")
+    assert code == 2 and "trained with another tokenizer than this run's" in err, err
+    (tmp_path / "ck" / "tokenizer.json").write_text("{")
+    code, _, err = run_main(capsys, *TRAIN, *text, "--resume", tmp_path / "ck")
+    assert code == 2 and "its tokenizer does not load" in err and "it is damaged" in err, err
