@@ -5572,7 +5572,11 @@ def data_files(run: RunConfig) -> list[Path]:
     if not path.exists():
         raise UsageError(f"--data {path}: no such file or folder")
     patterns = [pattern.strip() for pattern in run.data_glob.split(",") if pattern.strip()]
-    files = [path] if path.is_file() else sorted({f for p in patterns for f in path.rglob(p) if f.is_file()})
+    matched = {path} if path.is_file() else {f for p in patterns for f in path.rglob(p)}
+    files = sorted(f for f in matched if f.is_file())
+    others = sorted(f for f in matched if not f.is_file() and not f.is_dir())  # a FIFO, a device, a broken link
+    if others:
+        log(f"note: --data: {len(others)} match(es) of --data-glob left out, not files to read, such as {others[0]}")
     if not files:
         raise UsageError(f"--data {path}: no file in it matches --data-glob {run.data_glob}")
     if not any(f.stat().st_size for f in files):

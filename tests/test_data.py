@@ -2,6 +2,8 @@
 trained on, the others shuffled by --seed; and each bad input refused with one line, exit 2, before the model."""
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -65,6 +67,17 @@ def test_a_folder_is_read_in_sorted_order_at_any_depth(tmp_path):
     assert files == sorted(files) and any(f.parent.name == "sub" for f in files)
     assert {f.suffix for f in files} == {".py", ".jsonl"}
     assert [f.suffix for f in ol.data_files(ol.dataclasses.replace(run, data_glob="*.jsonl"))] == [".jsonl"]
+
+
+def test_matches_that_are_not_files_are_left_out_with_a_note(tmp_path, capsys):
+    """A FIFO and a broken link that --data-glob matches: not read (a FIFO would block), but said."""
+    run = data_run(tmp_path)
+    before = ol.data_files(run)
+    os.mkfifo(Path(run.data) / "fifo.py")
+    os.symlink(tmp_path / "nowhere", Path(run.data) / "broken.py")
+    capsys.readouterr()
+    assert ol.data_files(run) == before
+    assert "2 match(es) of --data-glob left out, not files to read, such as" in capsys.readouterr().err
 
 
 def test_jsonl_documents_are_the_field_of_each_line(tmp_path):
