@@ -7417,13 +7417,9 @@ def main(argv=None) -> int:
             finish_early()
             print(f"offload_llama.py: error: {e}", file=sys.stderr)
             return 2
-        except Diverged as e:
+        except (Diverged, OSError) as e:  # what was written before stays whole: every output is written aside
             finish_early()
-            print(f"offload_llama.py: error: {e}; no output written after it", file=sys.stderr)
-            return 1
-        except OSError as e:  # what was written before stays whole: every output is written aside, then renamed
-            finish_early()
-            print(f"offload_llama.py: error: {e.strerror or e}: {e.filename or 'an output'}", file=sys.stderr)
+            print(f"offload_llama.py: error: {failure_line(e)}", file=sys.stderr)
             return 1
         except (KeyboardInterrupt, Terminated) as e:
             finish_early()
@@ -7440,6 +7436,13 @@ def main(argv=None) -> int:
             print(f"offload_llama.py: error: {lost or own_error(run.ranks, e)}", file=sys.stderr, flush=True)
             os._exit(1)  # without the interpreter's teardown, which would wait on collectives that never end
     return 0
+
+
+def failure_line(e: Exception) -> str:
+    """What a run that failed mid-way says: its loss diverged, or an output could not be written (a full disk)."""
+    if isinstance(e, Diverged):
+        return f"{e}; no output written after it"
+    return f"{e.strerror or e}: {e.filename or 'an output'}"
 
 
 class Terminated(BaseException):
