@@ -705,6 +705,8 @@ def check_combinations(p: Parser, a: argparse.Namespace) -> None:
         p.error(f"--clip-grad-norm must be a positive number, got {a.clip_grad_norm}")
     if a.gpu_adam_share and a.clip_grad_norm is not None:
         p.error("--gpu-adam-share must be 0 with --clip-grad-norm: the norm must see every gradient before any step")
+    if a.train and a.seq_len == 1:
+        p.error("--seq-len must be at least 2 with --train: each token is trained to predict the next")
 
 
 def offloaded(modes) -> bool:
@@ -2755,12 +2757,14 @@ class OffloadedTraining:
         return self.store.state_dict([self.steppers.state(u, grads) for u in range(len(self.units))], on_first)
 
     def unit_state(self, u: int) -> dict:
-        """Unit u's training state for a checkpoint: its step count, and its float32 master and moments as a checkpoint
-        keeps them (Ranks.checkpointed: by name, or with several ranks this rank's flat shards)."""
+        """Unit u's training state for a checkpoint: its name (resume checks it), its step count, and its float32 master
+        and moments as a checkpoint keeps them (Ranks.checkpointed: by name, or with several ranks this rank's flat
+        shards)."""
         master, exp_avg, exp_avg_sq, step = self.steppers.adam_state(u)
         flats = {"master": master, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
-        layout = self.units[u].layout
-        return {"step": step.item()} | {key: self.ranks.checkpointed(layout, flat.cpu()) for key, flat in flats.items()}
+        layout, name = self.units[u].layout, self.units[u].name
+        state = {key: self.ranks.checkpointed(layout, flat.cpu()) for key, flat in flats.items()}
+        return {"unit": name, "step": step.item()} | state
 
     def load_unit(self, u: int, state: dict) -> None:
         """Set unit u's training state from a checkpoint, before placement: it is all on the host then."""
@@ -3090,7 +3094,7 @@ class ResidentTraining:
 
     def unit_state(self, u: int) -> dict:
         """Unit u's training state for a checkpoint, as OffloadedTraining.unit_state gives it."""
-        state = {"step": 0.0, "master": {}, "exp_avg": {}, "exp_avg_sq": {}}
+        state = {"unit": self.units[u].name, "step": 0.0, "master": {}, "exp_avg": {}, "exp_avg_sq": {}}
         for name, master, _ in self.unit_params(u):
             adam = self.optimizer.state.get(master)  # none before the first step that was applied
             state["master"][name] = master.cpu()
@@ -5462,7 +5466,7 @@ def check_unit_files(folder: Path, saved: dict, units: list[Unit]) -> None:
         except Exception as e:  # torch's errors for a file cut short or not its format vary between versions
             reason = first_line(e)
             raise UsageError(f"--resume {folder}: {name} does not load ({reason}): resume another checkpoint") from None
-        if not unit_state_fits(state, units[u].layout, ranks):
+        if not unit_state_fits(state, units[u].layout, ranks) or state.get("unit", units[u].name) != units[u].name:
             raise UsageError(f"--resume {folder}: {name} does not hold unit {units[u].name}'s state: it is damaged")
 
 
@@ -6008,7 +6012,9 @@ def prepare_data(run: RunConfig, vocab_size: int) -> tuple[Blocks, object]:
     """--data read, tokenized (or read from the token cache) and packed: (the blocks, the tokenizer)."""
     files = data_files(run)
     resumed = checkpoint_tokenizer(run)  # the one the checkpoint trained with: a run that goes on keeps its ids
-    tokenizer = None if run.train_tokenizer else load_tokenizer(run) or resumed  # asked to train one: not --model's
+    tokenizer = None  # asked to train one: not --model's
+    if not run.train_tokenizer:
+        tokenizer = load_tokenizer(run) if run.tokenizer or resumed is None else resumed  # before --model's
     if run.train_tokenizer and run.train_tokenizer > vocab_size:
         raise UsageError(f"--train-tokenizer {run.train_tokenizer} is larger than the model's vocab_size {vocab_size}")
     if tokenizer is None and run.train_tokenizer:

@@ -244,6 +244,10 @@ def test_damaged_inputs_are_refused_before_the_model_is_built(inputs, tmp_path, 
     state = torch.load(inputs / "checkpoint" / unit.name)
     torch.save(state | {"step": 4}, unit)  # a whole number, where unit_state writes a float count
     refused(tmp_path, args, f"{unit.name} does not hold unit", in_process=True, capsys=capsys)
+    next_layer = unit.with_name(unit.name.replace("unit001", "unit002"))
+    torch.save(state, unit)
+    torch.save(state, next_layer)  # the first layer's state where the second's goes: of the same shapes
+    refused(tmp_path, args, f"{next_layer.name} does not hold unit model.layers.1", in_process=True, capsys=capsys)
     index = tmp_path / "model" / "model.safetensors.index.json"
     index.write_text(json.dumps({"weight_map": {"lm_head.weight": 1}}))
     args = ["--model", "{tmp}/model", "--mode", "cpu"]
@@ -303,6 +307,7 @@ NUMBERS = {
         "the model has 4096 positions",
     ),
     "--epochs nan": (["--train", "--data", "x", "--epochs", "nan"], "--epochs must be a positive number"),
+    "--seq-len 1 to train": (["--train", "--seq-len", "1"], "--seq-len must be at least 2 with --train"),
 }
 
 
