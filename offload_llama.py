@@ -5196,6 +5196,7 @@ def checkpoint_manifest(run: RunConfig, config: LlamaConfig, mode: str, plan: Pl
     adam = json.loads(json.dumps(dataclasses.asdict(run.adam)))  # as read back: betas a list
     sizes = {field: getattr(config, field) for field in SIZE_FLAGS}
     batch = {"grad_accum": run.grad_accum, "batch_size": run.batch_size, "seq_len": run.seq_len, "seed": run.seed}
+    batch["eval_fraction"] = run.eval_fraction  # with the seed, which blocks --data holds out
     ranks = {"ranks": run.ranks.world} if run.ranks.several else {}  # each rank's files hold its shards
     planned = {"plan_inputs": plan_inputs(run, plan), "plan": plan.as_dict()} if plan else {}
     record = {"format": CHECKPOINT_FORMAT, "mode": mode, "sizes": sizes, "dtype": run.dtype, "adam": adam}
@@ -5524,9 +5525,10 @@ def resume(trainer, folder: Path, manifest: dict) -> int:
     if isinstance(trainer.scaling, LossScale):
         trainer.scaling.restore(saved["loss_scale"], saved["good_steps"])
     log(f"resumed from {folder} after step {saved['steps']} in {time.perf_counter() - t0:.1f} s")
-    changed = [key for key in ("grad_accum", "batch_size", "seq_len", "seed") if saved.get(key) != manifest[key]]
+    batch = ("grad_accum", "batch_size", "seq_len", "seed", "eval_fraction")
+    changed = [key for key in batch if key in saved and saved[key] != manifest[key]]  # older records lack some
     if changed:
-        log(f"note: another {', '.join(changed)} than the checkpoint's, so another batch than it trained on")
+        log(f"note: another {', '.join(changed)} than the checkpoint's, so other batches (and held-out blocks)")
     return saved["steps"]
 
 

@@ -597,7 +597,9 @@ def test_a_resumed_run_goes_on_with_the_tokenizer_its_checkpoint_trained_with(in
     code, _, err = run_main(capsys, *TRAIN, *text, "--train-tokenizer", "300", "--checkpoint", tmp_path / "ck")
     assert code == 0, err
     code, _, err = run_main(capsys, *TRAIN, *text, "--resume", tmp_path / "ck")
-    assert code == 0 and "resumed from" in err, err
+    assert code == 0 and "resumed from" in err and "note: another" not in err, err
+    code, _, err = run_main(capsys, *TRAIN, *text, "--resume", tmp_path / "ck", "--eval-fraction", "0.5")
+    assert code == 0 and "note: another eval_fraction than the checkpoint's" in err, err
     code, _, err = run_main(capsys, *TRAIN, *text, "--resume", tmp_path / "ck", "--train-tokenizer", "260")
     assert code == 2 and "trained with another tokenizer than this run's" in err, err
     (tmp_path / "ck" / "tokenizer.json").write_text("{")
