@@ -2492,6 +2492,10 @@ class Steppers:
         self.cpu_adam = CpuAdam(store, device, d2h_stream)
         self.of = [self.cpu_adam] * len(store.units)  # unit -> its stepper
 
+    def release(self) -> None:
+        """Free the gradient buffer, so that a new placement's state takes its memory (assign gives the new one)."""
+        self.buffer = None
+
     def assign(self, chosen: dict, buffer: torch.Tensor) -> None:
         """Step the units of `chosen` (unit -> stepper) by their steppers, the CPU Adam the rest; their gradients
         accumulate in `buffer` (place_on_gpu)."""
@@ -3215,7 +3219,7 @@ def place_on_gpu(trainer: OffloadedTraining, resident, gpu_adam, own_grads: bool
     if resident and trainer.ranks.several:
         raise ValueError("several ranks keep only their shards: every unit streams, none is resident")
     steppers, streamer, store = trainer.steppers, trainer.streamer, trainer.store
-    steppers.buffer = None  # freed before the resident units' state is allocated
+    steppers.release()  # before the resident units' state is allocated
     buffer, shared = gradient_memory(store, resident, own_grads, trainer.device)
     on_gpu = ResidentUnits(store, trainer.dtype, trainer.device, None if own_grads else shared)
     streamer.keep_resident(resident, on_gpu.load)
