@@ -10,23 +10,26 @@ float32 masters: on the host (the CPU Adam), or where the plan says on the GPU (
 streamed in).
 References: torchao's CPUOffloadOptimizer, torchtune's activation offloading, gau-nernst's offload.py, gpt-fast.
 
-The sections, in reading order, and the names that open them. The plain path runs from the model to the modes; the
-accelerations plug into it as policies; the plan, measurement and tables are instruments around it.
+The sections, in reading order, and the names that open them. The core, the plain path, runs from the parameter store
+to the modes, right after the command line (checked before torch loads); the accelerations plug into it as policies;
+the plan, measurement and tables are instruments around it; running a mode puts them together.
   configuration          Ranks, RunConfig: torchrun's processes; one run, frozen, from the command line or a test
   the command line       Parser, command_line, check_flags_needed, check_run: flags, inputs, outputs, before torch
-  model                  llama_config, build_model, init_random: a random LLaMA, or one from a save_pretrained folder
-  parameter store        FlatLayout, HostBuffer, ParamStore: each decoder layer one flat pinned buffer
+  parameter store        FlatLayout, ParamStore: each decoder layer one flat pinned buffer
   layer streamer         CopyWindow, LayerStreamer, StreamedLayer: a ring of GPU slots filled on a copy stream
-  training               Adam, MasterStore, CpuAdam, Steppers, OffloadedTraining: the streamed units and the CPU Adam
-  modes                  run_mode, train_mode, train_steps: each mode's inference and training
-  the reference          ResidentTraining, infer_resident: gpu and cpu modes, the plain model and torch.optim.Adam
-  accelerations          compiled_adam_update, place_on_gpu, ResidentUnits, StreamedAdam, ActivationOffload, GradClip
+  training               AdamUpdate, MasterStore, CpuAdam, Steppers, StreamedUnit, OffloadedTraining: the CPU Adam
+  modes                  infer_offloaded: inference's pass (training's: OffloadedTraining.step)
+  streams and events     InOrder, new_stream, new_event: CUDA's on a GPU, stand-ins on the CPU
+  model                  llama_config, build_model, init_random, model_units: a random LLaMA, or a saved one
+  the reference          Adam, ResidentTraining, infer_resident: gpu and cpu modes, the plain model, torch.optim.Adam
+  accelerations          HostBuffer, compiled_adam_update, place_on_gpu, StreamedAdam, ActivationOffload, GradClip
   several GPUs           ShardedParamStore, ShardedStreamer, ShardedSteppers, start_ranks: shards gathered, summed
   the plan               Facts, make_plan, Plan, check_plan: every placement decision, made once before allocating
   saving and resuming    save_pretrained, write_checkpoint, resume
   text in                data_files, token_cache, Blocks, prepare_data: --data tokenized once, packed, shuffled
   measurement            StepClock, timed, train_bound_parts, train_bound: times, peaks and bounds
   tables                 tables, notes
+  running a mode         run_mode, train_mode, train_steps: each mode's inference and training, run whole
   the run                check_devices, run_all, print_plan, main
 
     python -m pytest -q tests                          # every mode computes the same thing
@@ -76,12 +79,6 @@ from pathlib import Path
 GiB = 2**30
 MODES = ("gpu", "blocked", "overlapped", "cpu")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
-MODE_NAMES = {
-    "gpu": "w/o offload (gpu)",
-    "blocked": "blocked offload",
-    "overlapped": "overlapped offload",
-    "cpu": "cpu",
-}
 SIZE_FLAGS = {  # a LlamaConfig size and its flag, in the order of PRESET_SIZES
     "hidden_size": "hidden-size",
     "intermediate_size": "intermediate-size",
@@ -97,42 +94,9 @@ PRESET_SIZES = {  # hidden, intermediate, layers, heads, key/value heads, vocabu
 }
 PRESETS = {name: dict(zip(SIZE_FLAGS, sizes, strict=True)) for name, sizes in PRESET_SIZES.items()}  # field -> size
 ALIGN = 128  # elements (256 B in 16 bits): each parameter starts as the caching allocator aligns, for cuBLAS's kernels
-STAGING = 2**24  # elements: float32 masters cross PCIe in chunks this size, cast to the compute dtype on the GPU
-ADAM_SPARE_CORES = 1  # cores the CPU Adam leaves to the main thread, which drives the GPU meanwhile
 GPU_ADAM_SHARE = 0.3  # of the streamed parameters, the default share of the GPU's Adam over streamed state
-GPU_ADAM_CHUNK = 2**23  # parameters: the state the GPU's Adam streams crosses PCIe in chunks this size
-PLAN_MARGIN = GiB // 2  # of a --max-gpu-memory budget, left out of a placement: the caching allocator's fragmentation
-CUBLAS_WORKSPACE = 32 * 2**20  # torch's default cuBLAS workspace on Hopper, allocated once per stream
-MAX_SEARCH_LAYERS = 256  # the largest-model search stops here (52B parameters of LLaMA-7B's layers)
-RUNTIME_HOST_BYTES = 5 * GiB  # host memory a process holds besides the model and its state, with headroom
-SAVE_SHARD = "2GB"  # save_pretrained's shard size: a safetensors writer may hold a whole shard's bytes in memory
 CHECKPOINT_FILE = "checkpoint.json"  # names the unit files of the last whole checkpoint in its folder
-CHECKPOINT_FORMAT = 1
-DISK_BLOCK = 4096  # bytes: direct I/O moves whole blocks between block-aligned memory and file offsets
-DISK_SLOTS = 2  # the disk tier's staging buffers: one unit stepped while the disk reads the next or writes one back
-DISK_CALL = 2**28  # bytes one read or write call moves at most (Linux moves under 2 GiB per call)
-SETTLE_S = 1.5  # seconds the bound times its GPU compute parts after: a loaded GPU's power cap slows its clocks
-RESIDENT_SCRATCH = 2**24  # elements: the bound times the resident units' Adam over scratch state this size
-TOUCH_CHUNK = 2**26  # bytes: fresh host memory is first written by the rank's threads in chunks this size
-DRAW_CHUNK = 2**24  # elements: a random weight is drawn in chunks this size, each from a generator of its own
-ADAM_SCRATCH = 2**25  # parameters: the bound times the CPU Adam on at most this much scratch state (512 MiB of it)
-DENSE_PEAK_FLOPS = {  # a GPU's dense 16-bit tensor-core peak, by a part of its name, from NVIDIA's data sheets
-    "H100 80GB HBM3": 989e12,  # the SXM card
-    "H100 PCIe": 756e12,
-    "H100 NVL": 835e12,
-    "H200": 989e12,
-    "A100": 312e12,
-}
-FAST_FLOPS = {"cpu": 1e11, "cuda": 2e15}  # FLOP/s: a run that takes under a minute at these is not worth timing a
-# matmul for (a GPU's are beyond any GPU's; a CPU's are a few cores', so that a run of minutes on a laptop is noted)
-END_OF_TEXT = "<|endoftext|>"  # a trained tokenizer's one special token: joins documents
-TOKEN_MAGIC = b"OLTOKS"  # a token cache file's header: this, the ids' itemsize (2 or 4) and their count
-TOKEN_HEADER = "<6sHQ"
-TOKEN_START = 16  # bytes: the header's size, where the ids start
-TOKEN_CACHE_FORMAT = 1  # part of the cache's key: a new format never reads an old file
-TOKENIZE_BATCH = 256  # documents the tokenizer's threads encode at once
 SETUP_TIMEOUT = 1800  # seconds: the ranks meet before the steps, once each has built its model and state
-HELD_OUT_SEED = 0  # draws the held-out blocks: the same for every --seed, so none is ever trained on
 DEFAULT_RATES = {  # measured on the project's H100 machine (report/results); --rate NAME=VALUE overrides one
     "h2d_gbps": 55.0,  # pinned host memory to the GPU
     "d2h_gbps": 55.0,  # the GPU to pinned host memory
@@ -141,7 +105,6 @@ DEFAULT_RATES = {  # measured on the project's H100 machine (report/results); --
     "gpu_tflops": 440.0,  # a step's matrix work in 16 bits (float32 runs at an eighth of it)
     "disk_gbps": 2.3,  # the --nvme disk, reading and writing
 }
-SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # what ends a run early, every output whole or absent
 MAX_SEED = 2**32 - 1  # --seed's largest: seeds derived from it (seed << 32, seed * 1_000_003) stay within 64 bits
 
 
@@ -1292,269 +1255,6 @@ from transformers.models.llama.modeling_llama import (  # noqa: E402
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
-# ---------------------------------------------------------------------------------------------------- model
-
-
-def llama_config(run: RunConfig) -> LlamaConfig:
-    """The model's config: from --model's folder, or the preset with size flags applied; validated."""
-    if run.model is not None:
-        config = load_config(Path(run.model))
-        check_sizes({field: getattr(config, field) for field in SIZE_FLAGS}, f"--model {run.model}: config.json's ")
-        return config
-    sizes = {**PRESETS[run.preset], **dict(run.sizes)}
-    check_sizes(sizes)
-    return LlamaConfig(**sizes, max_position_embeddings=max(4096, run.seq_len), tie_word_embeddings=False)
-
-
-def load_config(path: Path) -> LlamaConfig:
-    """A save_pretrained folder's LlamaConfig, refused with one line if the folder is not a LLaMA model."""
-    model_type(path)
-    try:
-        with transformers_quiet():  # its warnings on a config it cannot check: the refusal below is the one line
-            config = LlamaConfig.from_pretrained(path)
-        with torch.device("meta"):
-            LlamaRotaryEmbedding(config)  # its rope settings, which the config takes unchecked
-    except Exception as e:  # transformers' own validation, whose error classes vary between versions
-        reason = str(e.__cause__ or e).splitlines()[0]
-        raise UsageError(
-            f"--model {path}: transformers rejects its config.json ({type(e).__name__}: {reason})"
-        ) from None
-    return config
-
-
-@contextlib.contextmanager
-def transformers_quiet():
-    """transformers' warnings held back for the block (its errors still show): this script says what matters."""
-    verbosity = transformers.utils.logging.get_verbosity()
-    transformers.utils.logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        transformers.utils.logging.set_verbosity(verbosity)
-
-
-def build_model(run: RunConfig, config: LlamaConfig) -> LlamaForCausalLM:
-    """The CPU model in the compute dtype: loaded from --model, or randomly initialised from --seed; where the run
-    draws its units one at a time (draws_units), only its rotary tables, the rest on the meta device."""
-    dtype, n = run.torch_dtype, param_count(config)
-    size = size_text(n * dtype.itemsize)
-    if draws_units(run):
-        log(f"{run.preset}: {count_text(n)} {run.dtype} parameters, drawn straight into the masters")
-    else:
-        log(f"building {run.model or run.preset} on the CPU: {count_text(n)} {run.dtype} parameters, {size}")
-    t0 = time.perf_counter()
-    if run.model is not None:
-        transformers.utils.logging.disable_progress_bar()  # stderr carries this script's progress lines alone
-        try:
-            with transformers_quiet():  # its report of missing weights: the refusal below says it in one line
-                model, info = LlamaForCausalLM.from_pretrained(
-                    run.model, dtype=dtype, attn_implementation=run.attention, output_loading_info=True
-                )
-        except Exception as e:  # what check_weights cannot see; transformers' error classes vary between versions
-            raise UsageError(f"--model {run.model}: cannot load the weights ({first_line(e)})") from None
-        missing = sorted([*info.get("missing_keys", ()), *(key for key, *_ in info.get("mismatched_keys", ()))])
-        if missing:  # from_pretrained draws those at random and goes on: not the model the folder names
-            what = f"{len(missing)} of the model's weights, such as {missing[0]}"
-            raise UsageError(f"--model {run.model}: its weights lack {what}: save the model again")
-    else:
-        with torch.device("meta"):
-            model = LlamaForCausalLM._from_config(config, dtype=dtype, attn_implementation=run.attention)
-        if draws_units(run):
-            model.model.rotary_emb = LlamaRotaryEmbedding(config)  # computed, not drawn
-        else:
-            init_random(model, run.seed)
-            log(f"built in {time.perf_counter() - t0:.1f} s")
-    return model.eval()
-
-
-SAFETENSORS_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1}
-SAFETENSORS_ITEMSIZE |= {"BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
-
-
-def check_weights(folder: Path, config: LlamaConfig) -> None:
-    """--model's safetensors files are whole and hold every weight of its config in its shape; else one line naming
-    the file, before the model is built (from_pretrained would stop half-way, or draw a missing weight at random)."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            if not all(isinstance(name, str) and name == Path(name).name for name in files):
-                raise ValueError("its weight_map names files outside the folder, or not by name")
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise UsageError(f"--model {folder}: {index.name} is damaged ({first_line(e)}): save it again") from None
-    elif (folder / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    elif any((folder / name).is_file() for name in ("pytorch_model.bin", "pytorch_model.bin.index.json")):
-        return  # no safetensors: from_pretrained's own checks, and build_model's of what it found
-    else:
-        raise UsageError(f"--model {folder}: no weights in it (model.safetensors or pytorch_model.bin): save it again")
-    found = {}
-    for name in files:
-        found |= safetensors_shapes(folder, name)
-    with torch.device("meta"):
-        expected = {name: tuple(p.shape) for name, p in LlamaForCausalLM(config).named_parameters()}
-    for name, shape in expected.items():
-        if found.get(name) != shape:
-            saved = "missing" if name not in found else f"of shape {list(found[name])}"
-            raise UsageError(f"--model {folder}: {name} is {saved}, the config needs {list(shape)}: save it again")
-
-
-def safetensors_shapes(folder: Path, name: str) -> dict[str, tuple]:
-    """The tensors' shapes in one of --model's safetensors files; refused with one line where it is not one whole."""
-    shapes = safetensors_header(folder / name)
-    if shapes is None:
-        size = (folder / name).stat().st_size if (folder / name).is_file() else 0
-        raise UsageError(f"--model {folder}: {name} is damaged or cut short ({size:,} bytes): save the model again")
-    return shapes
-
-
-def safetensors_header(path: Path) -> dict[str, tuple] | None:
-    """The tensors' shapes in a safetensors file (write_safetensors says its layout); None where it is not one whole:
-    a regular file, its header's length and JSON header, each tensor's byte range fitting its shape and dtype and
-    lying within the file."""
-    if not path.is_file():
-        return None
-    size = path.stat().st_size
-    try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-            length = struct.unpack("<Q", head)[0] if len(head) == 8 else size
-            if length > size - 8:
-                return None
-            header = json.loads(f.read(length))
-    except OSError as e:
-        raise UsageError(f"--model {path.parent}: {path.name} cannot be read ({e.strerror})") from None
-    except ValueError:  # not JSON, or not UTF-8
-        return None
-    shapes = {}
-    for key, entry in header.items() if isinstance(header, dict) else [(None, None)]:
-        if key == "__metadata__":
-            continue
-        try:
-            shape, (start, stop) = tuple(entry["shape"]), entry["data_offsets"]
-            nbytes = math.prod(shape) * SAFETENSORS_ITEMSIZE[entry["dtype"]]
-            fits = stop - start == nbytes and start >= 0 and 8 + length + stop <= size
-        except (KeyError, TypeError, ValueError):
-            fits = False
-        if not fits:
-            return None
-        shapes[key] = shape
-    return shapes
-
-
-def first_line(e: BaseException) -> str:
-    """An exception's message, its first line (200 characters at most), or its class where it has none."""
-    line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return line if len(line) <= 200 else line[:197] + "..."
-
-
-def draws_units(run: RunConfig) -> bool:
-    """Whether the random model is drawn straight into the masters (draw_masters): one offloaded mode trains alone
-    (lean), so nothing else reads the CPU model, and the host never holds it."""
-    return run.lean and run.model is None and not run.fwd_bwd_reference
-
-
-@torch.no_grad()
-def init_random(model: LlamaForCausalLM, seed: int) -> None:
-    """HF's LLaMA initialisation of a meta-device model: weights N(0, initializer_range), norms 1. Each weight is drawn
-    in chunks of DRAW_CHUNK elements in parallel, each chunk from a generator seeded by its place in the model, in
-    float32 (four times faster than in 16 bits) and rounded to the weight's dtype (draw_masters draws the same)."""
-    config = model.config
-    model.to_empty(device="cpu")
-    weights = [p for p in model.parameters() if p.dim() > 1]
-    chunks = [  # no_grad does not reach the pool threads: the tensors are detached
-        (chunk, i, j) for i, p in enumerate(weights) for j, chunk in enumerate(p.detach().view(-1).split(DRAW_CHUNK))
-    ]
-
-    def draw(chunk: torch.Tensor, i: int, j: int) -> None:
-        """Chunk j of weight i, rounded to its dtype."""
-        chunk.copy_(drawn_chunk(seed, i, j, chunk.numel(), config.initializer_range))
-
-    with ThreadPoolExecutor(torch.get_num_threads()) as pool:  # normal_ releases the GIL; a rank's share of the cores
-        list(pool.map(lambda job: draw(*job), chunks))
-    for p in model.parameters():
-        if p.dim() == 1:
-            p.fill_(1.0)  # RMSNorm weights
-    if config.pad_token_id is not None:
-        model.model.embed_tokens.weight[config.pad_token_id].zero_()
-    model.model.rotary_emb = LlamaRotaryEmbedding(config)  # its buffers are computed, not drawn
-
-
-def draw_masters(store, model: LlamaForCausalLM, seed: int) -> None:
-    """The weights init_random draws for the meta-device `model`, rounded to its dtype, written straight into `store`'s
-    float32 masters (a rank: into its shards): no CPU model is built, and the chunks of every unit are drawn at once
-    over the rank's threads, each from its own generator as init_random seeds it. Norms 1, the pad token's row 0."""
-    config, dtype = model.config, next(model.parameters()).dtype
-    index = {name: i for i, name in enumerate(n for n, p in model.named_parameters() if p.dim() > 1)}
-
-    def draw(master, start, span, chunk, i, j) -> None:
-        """Chunk j of weight i (its elements [a, b) of the unit's flat buffer), rounded through the model's dtype; its
-        part within `span` written into the master, a shard from element `start` on."""
-        (a, b), (lo, hi) = chunk, span
-        values = drawn_chunk(seed, i, j, b - a, config.initializer_range)
-        values.copy_(values.to(dtype))  # nothing to round in float32
-        master[max(a, lo) - start : min(b, hi) - start].copy_(values[max(a, lo) - a : min(b, hi) - a])
-
-    spans, jobs = weight_spans(store), []
-    for name, master, start, o, lo, hi, numel in spans:
-        if name not in index:  # a norm's weight
-            master[lo - start : hi - start].fill_(1.0)
-            continue
-        for j in range((lo - o) // DRAW_CHUNK, (hi - 1 - o) // DRAW_CHUNK + 1):  # the chunks with elements in [lo, hi)
-            chunk = (o + j * DRAW_CHUNK, o + min(numel, (j + 1) * DRAW_CHUNK))
-            jobs.append((master, start, (lo, hi), chunk, index[name], j))
-    with ThreadPoolExecutor(torch.get_num_threads()) as pool:  # normal_ releases the GIL; a rank's share of the cores
-        list(pool.map(lambda job: draw(*job), jobs))
-    for name, master, start, o, lo, hi, _ in spans:
-        if name == "model.embed_tokens.weight" and config.pad_token_id is not None:
-            row = o + config.pad_token_id * config.hidden_size
-            x, y = max(row, lo), min(row + config.hidden_size, hi)  # the pad row's part in this shard
-            if x < y:
-                master[x - start : y - start].zero_()
-
-
-def drawn_chunk(seed: int, weight: int, chunk: int, numel: int, std: float) -> torch.Tensor:
-    """Chunk `chunk` (of DRAW_CHUNK elements) of weight `weight` of the random model drawn from `seed`: `numel` float32
-    normal values from a generator of the chunk's own, so that chunks can be drawn on any thread, in any order."""
-    generator = torch.Generator().manual_seed((seed << 32) + (weight << 16) + chunk)
-    return torch.empty(numel, dtype=torch.float32).normal_(0.0, std, generator=generator)
-
-
-def weight_spans(store) -> list[tuple]:
-    """(HF name, master, where its shard starts, the parameter's offset, lo, hi, its numel) of each parameter with
-    elements [lo, hi) of its unit's flat buffer in this rank's shard of `store`'s masters."""
-    spans = []
-    for unit, master in zip(store.units, store.masters, strict=True):
-        start = store.ranks.rank * master.numel()
-        numels = dict(zip(unit.layout.names, (shape.numel() for shape in unit.layout.shapes), strict=True))
-        for name, o, lo, hi in unit.layout.spans(start, start + master.numel()):
-            spans.append((f"{unit.name}.{name}", master, start, o, lo, hi, numels[name]))
-    return spans
-
-
-def param_count(config: LlamaConfig) -> int:
-    """The model's parameter count, from its config by arithmetic (parameter_count): a model of a million layers is
-    counted as fast as one of eight."""
-    return parameter_count(config.to_dict())
-
-
-def meta_layer(config: LlamaConfig) -> nn.Module:
-    """One decoder layer on the meta device: its shapes without its memory."""
-    with torch.device("meta"):
-        return LlamaDecoderLayer(config, layer_idx=0)
-
-
-def layer_bytes(config: LlamaConfig, dtype: torch.dtype) -> int:
-    """Bytes of one decoder layer's weights in `dtype`, laid out as the store and the GPU slots hold them."""
-    return FlatLayout.of(meta_layer(config)).numel * dtype.itemsize
-
-
-def random_input_ids(run: RunConfig, vocab_size: int, micro_batches: int = 1) -> torch.Tensor:
-    """Token ids drawn from --seed: micro_batches x batch_size sequences of seq_len tokens."""
-    generator = torch.Generator().manual_seed(run.seed)
-    return torch.randint(vocab_size, (micro_batches * run.batch_size, run.seq_len), generator=generator)  # (K*B, T)
-
-
 # ---------------------------------------------------------------------------------------------------- parameter store
 
 
@@ -1606,58 +1306,6 @@ class FlatLayout:
         return module
 
 
-class HostBuffer(mmap.mmap):
-    """Zeroed host memory of exactly `nbytes` (torch's pinned allocator rounds up to a power of two), in 2 MiB pages
-    where the kernel allows (the CPU Adam streams them faster), page-locked once pinned. It records no events: its
-    tensors must outlive every copy queued from or to them, as the run-long stores do."""
-
-    def __new__(cls, nbytes: int):
-        # anonymous and private: zero-filled, page-aligned, and in huge pages where asked (shared memory gets none)
-        return super().__new__(cls, -1, nbytes, flags=mmap.MAP_PRIVATE)
-
-    def __init__(self, nbytes: int):
-        with contextlib.suppress(AttributeError, OSError):  # a platform or kernel without transparent huge pages
-            self.madvise(mmap.MADV_HUGEPAGE)  # before the first touch, which allocates the pages
-        self.address = torch.frombuffer(self, dtype=torch.uint8).data_ptr()
-        self.unregister = None
-
-    def pin(self) -> None:
-        """Page-lock the memory for the copy engines, its pages touched first (touch_pages): registering maps the
-        missing ones itself, in one thread, several times slower."""
-        cudart = torch.cuda.cudart()
-        torch.cuda.check_error(cudart.cudaHostRegister(self.address, len(self), 0))
-        self.unregister = cudart.cudaHostUnregister
-
-    def __del__(self):  # before the memory is unmapped: the driver must let go of its pages first
-        if self.unregister is not None:
-            self.unregister(self.address)
-
-
-def touch_pages(spans) -> None:
-    """Write zeros over each (address, bytes) span of fresh host memory, a chunk a thread: a page's first write maps
-    it, and the kernel maps a thread's pages one at a time, so the rank's threads together map them several times
-    faster (memset runs without the GIL)."""
-    chunks = [(a + i, min(TOUCH_CHUNK, n - i)) for a, n in spans for i in range(0, n, TOUCH_CHUNK)]
-    with ThreadPoolExecutor(torch.get_num_threads()) as pool:
-        list(pool.map(lambda chunk: ctypes.memset(chunk[0], 0, chunk[1]), chunks))
-
-
-def host_zeros(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """A zeroed flat CPU buffer, pinned when a GPU streams it. Allocate once: pinning is slow."""
-    return host_zeros_each([numel], dtype, pin)[0]
-
-
-def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]:
-    """host_zeros of each of `numels`, made together: every page touched by the rank's threads at once, then the
-    buffers pinned by several threads, which the driver serves in parallel."""
-    buffers = [HostBuffer(numel * dtype.itemsize) for numel in numels]
-    if pin:
-        touch_pages([(b.address, len(b)) for b in buffers])
-        with ThreadPoolExecutor(torch.get_num_threads()) as pool:
-            list(pool.map(HostBuffer.pin, buffers))
-    return [torch.frombuffer(b, dtype=dtype) for b in buffers]  # each tensor keeps its buffer alive
-
-
 class ParamStore:
     """Inference: each decoder layer's weights as one flat CPU buffer in the compute dtype, pinned when a GPU streams
     it; the CPU model's layer parameters become views into them, so the host holds one copy (ShardedParamStore: a
@@ -1686,10 +1334,10 @@ class ParamStore:
 
 
 # ---------------------------------------------------------------------------------------------------- layer streamer
-# Every synchronisation of the core (S1-S11) and of the accelerations (S12-S16). Streams: compute (the current one),
-# copy (weights in), gather (several ranks' all-gathers), D2H (gradients out); threads: main, autograd's (it runs
-# the backward), the CPU Adam's worker. Each row: what it is; who records or sets it, on which stream or thread; who
-# waits on it, where; what it protects. Each wait in the code names its row.
+# Every synchronisation of the core (the accelerations' S12-S16 continue it at their section). Streams: compute (the
+# current one), copy (weights in), gather (several ranks' all-gathers), D2H (gradients out); threads: main, autograd's
+# (it runs the backward), the CPU Adam's worker. Each row: what it is; who records or sets it, on which stream or
+# thread; who waits on it, where; what it protects. Each wait in the code names its row.
 #   S1   copied[s], CUDA event. Recorded by prefetch on copy (several ranks: by landed_in again, on gather). Waited
 #        on by acquire on compute (several ranks: landed_in, on gather). Slot s is not read before its unit landed.
 #   S2   freed[s], CUDA event. Recorded by release on compute. Waited on by prefetch on copy. Slot s is not
@@ -1711,55 +1359,16 @@ class ParamStore:
 #   S10  GradientPool.free, queue. Given back by the worker once it stepped the unit. Taken by take, in autograd
 #        (CpuAdam.send), where buffers are shared. A pinned buffer is not rewritten before its step.
 #   S11  loss.item(), host sync, in train_steps (main): the step's end. A step is not timed unfinished.
-#   S12  resident units: no event. They step on compute, in order before every later kernel. Their state.
-#   S13  StreamedAdam's CUDA events: consumed (take, on s_adam; waited as S8), landed[k] (s_in; waited on s_adam),
-#        stepped[k] (s_adam; waited on s_out), left[k] (s_out; waited on s_in), written_back[u] (s_out; waited by
-#        wait_written on copy, wait_all on the host). Its buffer, its two slots, and a source mid-update.
-#   S14  ActivationOffload's CUDA events: written (recorded by send on compute; waited on D2H), offloaded[a] (D2H;
-#        waited by wait_written on copy, by send's leaving queue on main, by backward_begins on compute). Inputs are
-#        not copied to the host early, read back early, or their GPU memory reused early.
-#   S15  GradClip.taken, CUDA event. Recorded by the norm on the current stream (D2H with several ranks). Waited on by
-#        multiplier, on the current stream. The norm of the norms is not taken early.
-#   S16  DiskTier's thread events settled and current, set by the writer thread after each write (and by reset), and
-#        its queues free and staged (the reader fills staged). Waited on by read_ahead (the reader), read (main) and
-#        stage (the worker). A file is not read while its write-back runs, nor a slot reused early.
-
-
-class InOrder:
-    """A CUDA stream or event's stand-in on the CPU, where ops run in order; tests swap it in to drop one wait."""
-
-    def wait_event(self, event) -> None: ...  # nothing to wait for: the CPU runs every op in order
-    def wait(self, stream=None) -> None: ...  # nothing to wait for
-    def record(self, stream=None) -> None: ...  # nothing to record
-    def synchronize(self) -> None: ...  # nothing to finish
-    def query(self) -> bool:  # always done
-        return True
 
 
 class ReadOnly:
-    """The writer of sources nothing rewrites (inference's weights): a copy may read any of them at once. In training
-    the writer is Steppers: the CPU Adam's units are written once their updates are done; the GPU's, by a wait on the
-    copy stream."""
+    """The writer of sources nothing rewrites (inference's weights): every copy may be issued at once. In training the
+    writer is Steppers: a unit's copy waits for its update (on the host for the CPU Adam's, on the copy stream)."""
 
     def wait_written(self, u: int) -> None: ...  # nothing to wait for
 
     def written(self, u: int) -> bool:  # always
         return True
-
-
-def on_stream(stream):
-    """A `with` block that issues its work on `stream` (nothing to switch on the CPU)."""
-    return torch.cuda.stream(stream) if isinstance(stream, torch.cuda.Stream) else contextlib.nullcontext()
-
-
-def new_stream(device: torch.device):
-    """A side stream on a GPU; on the CPU, a stand-in that needs no ordering."""
-    return torch.cuda.Stream(device) if device.type == "cuda" else InOrder()
-
-
-def new_event(device: torch.device, blocking: bool = False):
-    """blocking: a host thread that waits on it sleeps instead of spinning on a core the CPU Adam needs."""
-    return torch.cuda.Event(blocking=blocking) if device.type == "cuda" else InOrder()
 
 
 @dataclass
@@ -1808,12 +1417,14 @@ class CopyWindow:
         return issue
 
 
+STAGING = 2**24  # elements: float32 masters cross PCIe in chunks this size, cast to the compute dtype on the GPU
+
+
 class LayerStreamer:
     """Streams units (decoder layers; in training also embeddings, norm, head) from flat host buffers through a ring of
-    GPU slots taken in turn. The copy stream runs `depth` units ahead of compute: 0 is blocked, >= 1 overlapped.
-      copied[s]  the copy into slot s has landed:   compute may read the slot
-      freed[s]   compute has finished with slot s:  the next copy may overwrite it
-    Resident units run from GPU buffers of their own. Float32 sources (the masters) in a lower compute dtype cross
+    GPU slots taken in turn. The copy stream runs `depth` units ahead of compute: 0 is blocked, >= 1 overlapped; a
+    slot's compute waits for its copy (copied[s], S1), its next copy for its compute (freed[s], S2). Resident units
+    run from GPU buffers of their own. Float32 sources (the masters) in a lower compute dtype cross
     PCIe in chunks through a staging buffer and are cast on the GPU. Each source is a whole unit (ShardedStreamer:
     a rank's shard of it, the rest gathered from the other ranks)."""
 
@@ -1990,102 +1601,7 @@ def offloaded_model(model: LlamaForCausalLM, strategy, device: torch.device) -> 
     return shell.train(model.training)
 
 
-def streamed_shell(config: LlamaConfig, streamer: LayerStreamer, device: torch.device) -> LlamaForCausalLM:
-    """A model with no weights of its own: every unit (embeddings, decoder layers, norm, head) a StreamedLayer over
-    the training streamer's units, so HF's forward and generate, KV cache and all, run the training state as it
-    streams. Each forward is one pass over the units in order."""
-    with torch.device("meta"):
-        shell = LlamaForCausalLM(config)
-    n = config.num_hidden_layers
-    shell.model.embed_tokens = StreamedLayer(0, streamer)
-    shell.model.layers = nn.ModuleList(StreamedLayer(1 + i, streamer, layer=i) for i in range(n))
-    shell.model.norm = StreamedLayer(n + 1, streamer)
-    shell.lm_head = StreamedLayer(n + 2, streamer)
-    shell.model.rotary_emb = LlamaRotaryEmbedding(config).to(device)  # computed, not trained
-    # HF reads the model's device and dtype from its first parameter: an empty one says where the units compute
-    shell.anchor = nn.Parameter(torch.empty(0, dtype=streamer.dtype, device=device), requires_grad=False)
-    streamer.begin(range(n + 3))
-    return shell.eval()
-
-
 # ---------------------------------------------------------------------------------------------------- training
-
-
-@dataclass(frozen=True)
-class Unit:
-    """A piece of the model streamed whole in training: the embeddings, a decoder layer, the norm or the head."""
-
-    name: str  # its module's name in the HF model, so master weights map back to HF parameter names
-    kind: str  # embed, layer, norm or head
-    layout: FlatLayout
-
-
-def unit_module(kind: str, config: LlamaConfig) -> nn.Module:
-    """A module of this kind, built as LlamaForCausalLM builds its own (call it under torch.device('meta'))."""
-    if kind == "embed":
-        return nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
-    if kind == "layer":
-        return LlamaDecoderLayer(config, layer_idx=0)
-    if kind == "norm":
-        return LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-    return nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-
-def model_units(config: LlamaConfig) -> list[Unit]:
-    """The units in forward order: embeddings, decoder layers, final norm, head."""
-    return list(units_of(config.to_json_string()))
-
-
-@functools.cache
-def units_of(config_json: str) -> tuple[Unit, ...]:
-    """model_units of the config in `config_json`, made once: the plan asks for them many times."""
-    config = LlamaConfig.from_dict(json.loads(config_json))
-    with torch.device("meta"):
-        layout = {kind: FlatLayout.of(unit_module(kind, config)) for kind in ("embed", "layer", "norm", "head")}
-    layers = range(config.num_hidden_layers)
-    names = ["model.embed_tokens", *(f"model.layers.{i}" for i in layers), "model.norm", "lm_head"]
-    kinds = ["embed", *("layer" for _ in layers), "norm", "head"]
-    return tuple(Unit(name, kind, layout[kind]) for name, kind in zip(names, kinds, strict=True))
-
-
-@dataclass(frozen=True)
-class Adam:
-    """torch.optim.Adam's hyper-parameters, with its meaning (L2 weight decay added to the gradient)."""
-
-    lr: float = 1e-4
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-
-    def optimizer(self, params: list[torch.Tensor]) -> torch.optim.Adam:
-        """torch.optim.Adam over `params` with these hyper-parameters, fused (on the CPU, far faster than plain)."""
-        return torch.optim.Adam(params, self.lr, self.betas, self.eps, self.weight_decay, fused=True)
-
-    def scalars(self, step: int, multiplier: float = 1.0) -> torch.Tensor:
-        """adam_update's scalars for step `step` (from 1), as torch's fused CPU kernel rounds them, and the gradients'
-        multiplier (--clip-grad-norm); a tensor, not floats, so one compiled kernel serves every step."""
-        beta1, beta2 = self.betas
-        step_size = -self.lr / (1 - beta1**step)
-        values = [1 - beta1, beta2, 1 - beta2, math.sqrt(1 - beta2**step), self.eps, step_size, self.weight_decay]
-        return torch.tensor([*values, multiplier], dtype=torch.float32)
-
-
-def adam_update(master, grads, exp_avg, exp_avg_sq, copy, scalars, scaled: bool = False) -> None:
-    """torch.optim.Adam's step of one unit, for torch.compile to fuse into one pass over memory: float32 master and
-    moments and the gradients (float32 or 16-bit; scaled: times scalars[7] first, as clip_grad_norm_ multiplies them)
-    in; master, moments and the compute-dtype `copy` (or None) out."""
-    grads = grads.float()
-    if scaled:
-        grads = grads * scalars[7]
-    grads = grads + master * scalars[6]
-    exp_avg_new = exp_avg + (grads - exp_avg) * scalars[0]  # exp_avg.lerp_(grads, 1 - beta1)
-    exp_avg_sq_new = exp_avg_sq * scalars[1] + scalars[2] * grads * grads
-    master_new = master + scalars[5] * exp_avg_new / (exp_avg_sq_new.sqrt() / scalars[3] + scalars[4])
-    exp_avg.copy_(exp_avg_new)
-    exp_avg_sq.copy_(exp_avg_sq_new)
-    master.copy_(master_new)
-    if copy is not None:
-        copy.copy_(master_new)  # rounded to nearest even, as the GPU casts
 
 
 def torch_adam_step(adam: Adam, master, grads, exp_avg, exp_avg_sq, step: torch.Tensor) -> None:
@@ -2136,55 +1652,10 @@ class AdamUpdate:
         self.compiled(master, grads, exp_avg, exp_avg_sq, copy, self.adam.scalars(int(step.item()), multiplier))
 
 
-class HostMoments:
-    """The plain path's Adam moments: two float32 host buffers a unit, stepped in place (DiskMoments: some units' on a
-    disk). A unit's are zeroed at its first step, so their pages are mapped only once a lean run freed the model."""
-
-    disk = None  # no disk tier
-
-    def __init__(self, numels: list[int], elsewhere=frozenset()):
-        self.buffers = [  # None for the units whose moments are kept `elsewhere` (DiskMoments)
-            None if u in elsewhere else (host_zeros(n, torch.float32, False), host_zeros(n, torch.float32, False))
-            for u, n in enumerate(numels)
-        ]
-
-    def stage(self, u: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Unit u's moments for its step."""
-        return self.buffers[u]
-
-    def staged(self, u: int) -> None:
-        """Unit u's step is done with its moments: nothing to write back."""
-
-    def ready(self, u: int) -> bool:  # always: they are in memory
-        return True
-
-    def read(self, u: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Unit u's moments after its updates, in place."""
-        return self.buffers[u]
-
-    def zero(self, units) -> None:
-        """Zero the moments of `units` for their first step (zeros, as floats; a first touch maps the pages)."""
-        touch_pages([(m.data_ptr(), m.nbytes) for u in units for m in self.buffers[u]])
-
-    def fill(self, u: int, fill) -> None:
-        """Unit u's moments from a checkpoint: fill(exp_avg, exp_avg_sq) writes them."""
-        fill(*self.buffers[u])
-
-    def pin(self, u: int, pin: bool) -> None:
-        """Move unit u's moments into pinned memory (pin) for the copy engines."""
-        self.buffers[u] = tuple(host_zeros(m.numel(), torch.float32, pin).copy_(m) for m in self.buffers[u])
-
-    def restart(self) -> None: ...  # a new mode's load: nothing staged
-
-    def flush(self) -> None: ...  # nothing to write back
-
-    def close(self) -> None: ...  # nothing to free
-
-
 class MasterStore:
     """Training state on the host, one flat buffer per unit and kind: float32 masters and, where there is room, the
     compute-dtype copies each Adam step rewrites for the GPU to stream (pinned); float32 moments (HostMoments, pinned
-    only for the GPU's Adam: pin_moments; DiskMoments keeps those of a DiskTier's units on its disk); the gradients,
+    only for the GPU's Adam: StreamedAdam; DiskMoments keeps those of a DiskTier's units on its disk); the gradients,
     in a pinned buffer of the pool from their copy until their Adam step."""
 
     def __init__(
@@ -2209,7 +1680,7 @@ class MasterStore:
         # after the pinning, which the update's compile may still overlap (start_adam_compile)
         self.update = AdamUpdate(adam, grad_dtype, copy_dtype, scaled_grads)  # scaled: --clip-grad-norm
         self.grad_dtype = self.update.grad_dtype  # float32 where the update did not compile
-        self.pinned_moments = set()
+        self.pinned_moments = set()  # units whose moments StreamedAdam moved into pinned memory
         self.setup_s = {}  # seconds spent building this state, by part (training_store, run_modes, prepare_steps)
         self.steps = [torch.zeros(()) for _ in units]
         self.unstarted = set(range(len(units)))  # units whose moments are not zeroed for their first step yet
@@ -2225,11 +1696,6 @@ class MasterStore:
     def moments(self) -> list:
         """Each unit's moments in host memory, None where the disk tier keeps them."""
         return self.adam_moments.buffers
-
-    @property
-    def disk(self):
-        """The disk tier, or None."""
-        return self.adam_moments.disk
 
     def take_grads(self, u: int) -> torch.Tensor:
         """A pinned buffer for unit u's gradients, which its Adam step will read (waits while the pool is empty)."""
@@ -2271,12 +1737,6 @@ class MasterStore:
         starting = self.unstarted.intersection(units)
         self.adam_moments.zero(starting)
         self.unstarted -= starting
-
-    def pin_moments(self, u: int) -> None:
-        """Move unit u's Adam moments into pinned memory for the copy engines; one unit at a time."""
-        if u not in self.pinned_moments:
-            self.adam_moments.pin(u, self.pin)
-            self.pinned_moments.add(u)
 
     @torch.no_grad()
     def load(self, model: LlamaForCausalLM, drawn_seed: int | None = None) -> None:
@@ -2354,9 +1814,8 @@ class GradientPool:
 
 
 class HostState:
-    """What the steppers of streamed units share: gradients accumulate in the gradient buffer of Steppers, state lives
-    in the host store. Every stepper answers holds_grads, shares_buffer, send, update, wait_written, written, state,
-    adam_state, wait_all (ResidentUnits, which holds its units' gradients, also grads)."""
+    """The steppers of streamed units (CpuAdam, StreamedAdam): gradients in Steppers' buffer, state in the host store.
+    Every stepper answers these, send, update, wait_written, written and wait_all (ResidentUnits also grads)."""
 
     holds_grads = False  # the units' gradients accumulate in the gradient buffer of Steppers
     shares_buffer = True  # and so wait for the last gradients sent to leave it
@@ -2473,7 +1932,7 @@ class CpuAdam(HostState):
 
 class Steppers:
     """Each unit's stepper, and the GPU memory its gradients accumulate in until they leave. The plain path's CpuAdam
-    steps every unit until `place` gives some to ResidentUnits or StreamedAdam. The streamer asks it before each
+    steps every unit until place_on_gpu gives some to ResidentUnits or StreamedAdam. The streamer asks it before each
     copy whether the unit's host copy is written (the streamer's writer). A streamed unit's gradients, in order:
 
         compute   the backward's first write into `buffer` waits last_landed; records ready (unit_backward, send)
@@ -2570,74 +2029,16 @@ class KeptInputs:
     def backward_begins(self, n_units: int) -> None: ...  # nothing to bring back
 
 
-class Unscaled:
-    """The plain path's loss, unscaled (LossScale, float16: units step once every gradient is in, to check them)."""
-
-    scale = 1.0
-    holds_updates = False
-
-    def unscale(self, grads: list[torch.Tensor]) -> None: ...  # nothing to undo
-
-    def update(self) -> bool:
-        """After the backward: whether the step may be applied."""
-        return True
-
-
-class Unclipped:
-    """The plain path's gradients, unclipped (GradClip: times a coefficient once every unit's norm is in)."""
-
-    holds_updates = False
-    grad_norms = ()  # none taken
-
-    def add(self, u: int, views, sent, stream) -> None: ...  # no norm to take
-
-    def multiplier(self) -> float:
-        """The gradients' multiplier for this step."""
-        return 1.0
-
-
-def loss_scaling(dtype: torch.dtype, device: torch.device, ranks: Ranks = Ranks()):
-    """float16's dynamic loss scaling (LossScale), or none."""
-    return LossScale(device, ranks) if dtype == torch.float16 else Unscaled()
-
-
 def objective(loss: torch.Tensor, micro_batches: int, scale: float) -> torch.Tensor:
     """One micro-batch's share of the mean loss times the loss scale, built here for every mode: the same gradients."""
     return loss / micro_batches * scale
 
 
-def decoder_kwargs(model: LlamaForCausalLM, shape: tuple[int, int], dtype: torch.dtype, device) -> dict:
-    """What HF's LlamaModel.forward passes its decoder layers besides the hidden states (rotary cos/sin, mask,
-    positions), computed by HF itself: its forward runs on zero embeddings through one recording layer."""
-    captured = {}
-
-    class Recorder(nn.Module):
-        """A decoder layer that keeps the keyword arguments HF passes it and returns its input."""
-
-        def forward(self, hidden_states, **kwargs):
-            """Record the kwargs, pass the hidden states through."""
-            captured.update(kwargs)
-            return hidden_states
-
-    base = model.model
-    kept = base.layers, base.norm, base.rotary_emb
-    base.layers, base.norm, base.rotary_emb = nn.ModuleList([Recorder()]), nn.Identity(), copy.deepcopy(kept[2])
-    base.rotary_emb.to(device)
-    try:
-        with torch.no_grad():
-            zeros = torch.zeros(*shape, model.config.hidden_size, dtype=dtype, device=device)
-            base(inputs_embeds=zeros, use_cache=False)
-    finally:
-        base.layers, base.norm, base.rotary_emb = kept
-    return captured
-
-
 class StreamedUnit(torch.autograd.Function):
-    """One unit over every micro-batch while its weights are on the GPU. Forward streams the unit in and keeps only
-    its inputs; backward streams it in again (unless still in its slot), recomputes, back-propagates and sends its
-    gradients to be stepped. `anchor` requires grad, so autograd calls backward for the embeddings too, whose inputs
-    are token ids. Autograd runs backward on its own thread for the device, on the stream the forward ran on, while
-    the main thread waits in .backward(): the backward's copies, waits and updates are issued from that thread."""
+    """One unit over every micro-batch while its weights are on the GPU. Forward streams the unit in and keeps only its
+    inputs; backward streams it in again (unless still in its slot), recomputes, back-propagates and sends its
+    gradients to be stepped. `anchor` requires grad, so autograd calls backward for the embeddings too (inputs: token
+    ids). Autograd runs backward on its own thread, on the forward's stream, while main waits in backward()."""
 
     @staticmethod
     def forward(ctx, trainer: OffloadedTraining, u: int, anchor: torch.Tensor, *xs: torch.Tensor):
@@ -2664,13 +2065,11 @@ class StreamedUnit(torch.autograd.Function):
 
 
 class OffloadedTraining:
-    """blocked and overlapped training: each unit streamed in by the LayerStreamer for its forward and again for its
-    backward (but the forward's last ones, still in their slots), its gradients sent out and stepped. Streams:
-    compute runs the units, the streamer's copy stream brings weights in, `d2h_stream` takes gradients out. A unit's
-    update rewrites the host copy the GPU streamed it from with no wait of its own: it waits for the unit's
-    gradients, which exist only once that copy has landed. Policies: `steppers` step each unit (Steppers: CpuAdam;
-    ResidentUnits, StreamedAdam), `inputs` keeps the saved inputs (KeptInputs; ActivationOffload), `scaling`
-    (Unscaled; float16's LossScale), `clip` (Unclipped; GradClip)."""
+    """blocked and overlapped training: each unit streamed in for its forward and again for its backward (but the
+    forward's last ones, still in their slots), its gradients sent out and stepped. An update rewrites the host copy
+    the GPU streamed from with no wait of its own: it waits for the unit's gradients, which exist only once that copy
+    landed. Policies: `steppers` (Steppers: CpuAdam; ResidentUnits, StreamedAdam), `inputs` (KeptInputs;
+    ActivationOffload), `scaling` (Unscaled; float16's LossScale), `clip` (Unclipped; GradClip)."""
 
     def __init__(self, store: MasterStore, config, dtype, device, depth: int, loss_function, kwargs, max_norm=None):
         self.store = store
@@ -2697,11 +2096,6 @@ class OffloadedTraining:
         self.grad_norms = self.clip.grad_norms  # each applied step's gradient norm before clipping (none without it)
         if self.scaling.holds_updates and not store.pool.dedicated:
             raise ValueError("float16 steps only once every unit's gradients are in: give each unit a gradient buffer")
-
-    def place(self, resident=(), gpu_adam=(), own_grads: bool = True) -> None:
-        """Keep the `resident` units on the GPU and step the `gpu_adam` units on the GPU's Adam: the accelerations'
-        entry (place_on_gpu)."""
-        place_on_gpu(self, resident, gpu_adam, own_grads)
 
     def run_unit(self, u: int, module: nn.Module, x: torch.Tensor, k: int) -> torch.Tensor:
         """Unit u's forward on micro-batch k: hidden states out, or the loss for the head."""
@@ -2802,11 +2196,10 @@ class OffloadedTraining:
 
 
 def unit_backward(trainer: OffloadedTraining, u: int, module: nn.Module, xs, grad_outs, views) -> list:
-    """Unit u's recompute and backward over every micro-batch; returns the inputs' gradients. The parameters' are
-    summed into `views`, the unit's gradient buffer (grad_views), in micro-batch order, as gpu mode sums them, each
-    micro-batch's freed before the next recompute, but the first's are written with the second's (the same sum): the
-    write waits for the last unit's float32 gradients to leave the buffer (wait_to_write), which takes longer than
-    one micro-batch's work."""
+    """Unit u's recompute and backward over every micro-batch; returns the inputs' gradients. The parameters' are summed
+    into `views` (grad_views) in micro-batch order, as gpu mode sums them, each freed before the next recompute; but
+    micro-batch 0's are written with 1's (the same sum): the write waits for the last unit's gradients to leave the
+    buffer (wait_to_write), which takes longer than one micro-batch's work."""
     grads_in, first = [], None
     for k, (x, grad_out) in enumerate(zip(xs, grad_outs, strict=True)):
         grad_in, grads = trainer.unit_grads(u, module, x, k, grad_out)
@@ -2833,10 +2226,9 @@ def add_grads(views: list[torch.Tensor], grads, write: bool = False) -> None:
 
 
 def gradient_memory(store: MasterStore, resident, own_grads: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """GPU memory for the gradients: the streamed units' buffer in the store's gradient dtype (float32 to accumulate
-    micro-batches or unscale float16; else the compute dtype), and the float32 memory it starts, large enough for the
-    resident units' gradients too where they share it (not own_grads). Zeroed: the padding between a unit's
-    parameters is sent and stepped too, and must hold no NaN from unwritten memory (later, what another unit left)."""
+    """GPU memory for the gradients: the streamed units' buffer in the store's gradient dtype, and the float32 memory it
+    starts, large enough for the resident units' too where they share it (not own_grads). Zeroed: the padding between
+    a unit's parameters is sent and stepped too, and must hold no NaN (later, it holds what another unit left)."""
     numels = [store.ranks.whole_numel(m) for m in store.masters]
     streamed = max((n for u, n in enumerate(numels) if u not in resident), default=0)
     shared = 0 if own_grads else max((numels[u] for u in resident), default=0)
@@ -2850,6 +2242,7 @@ def mean_loss(losses, ranks: Ranks = Ranks()) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------- modes
+# Inference's pass; training's is OffloadedTraining.step. A mode run whole (its plan, steps, checkpoints) comes last.
 
 
 def logits_of(model: LlamaForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
@@ -2857,204 +2250,396 @@ def logits_of(model: LlamaForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids, use_cache=False).logits  # (B, T, vocab)
 
 
-def infer_offloaded(model, store: ParamStore, input_ids, device, depth: int, run: RunConfig, config, resident=()):
-    """blocked (depth 0) and overlapped modes: the HF forward streaming all but the `resident` layers; its bound too."""
-    streamer = layer_streamer(store, config, device, depth, resident)
-    shell = offloaded_model(model, streamer, device)
-    ids = input_ids.to(device)
-    result = {"prefetch": depth, "slots": streamer.n_slots, "resident_layers": list(resident)}
-    if device.type != "cuda":
-        ms, logits = median_ms(lambda: logits_of(shell, ids), device, run.warmup, run.repeat)
-        return result | {"time_ms": ms}, logits.cpu()
-    logits_of(shell, ids)  # the peak of one pass, before the bound's parts add theirs
-    result |= gpu_memory(config, store.dtype, ids.numel(), len(resident) + streamer.n_slots)
-    parts = inference_parts(shell, streamer, ids)
-    times, logits = interleaved_ms({**parts, "pass": (device, lambda: logits_of(shell, ids))}, run.warmup, run.repeat)
-    result["time_ms"] = statistics.median(times["pass"])
-    result |= inference_bound(streamer, {name: min(times[name]) for name in parts}, result["time_ms"])
-    if run.profile and run.profile_mode == ("overlapped" if depth else "blocked"):  # a trace of one more pass
-        result["trace"] = profile_pass(lambda: logits_of(shell, ids), run.profile)
-    return result, logits.cpu()
+def infer_offloaded(model: LlamaForCausalLM, store: ParamStore, device, depth: int, resident=()):
+    """blocked (depth 0) and overlapped modes' inference: the HF forward streaming all but the `resident` layers from
+    `store`. Returns that model and its streamer; logits_of runs it."""
+    streamer = layer_streamer(store, model.config, device, depth, resident)
+    return offloaded_model(model, streamer, device), streamer
 
 
-def run_mode(mode: str, model, store, input_ids, run: RunConfig, plan: Plan) -> tuple[dict, torch.Tensor | None]:
-    """One mode's inference result; {'oom': True} when it does not fit the GPU (or the --max-gpu-memory cap)."""
+# -------------------------------------------------------------------------------------------------- streams and events
+# A CUDA stream or event on a GPU; on the CPU, where ops run in order, a stand-in that needs no ordering.
+
+
+class InOrder:
+    """A CUDA stream or event's stand-in on the CPU, where ops run in order; tests swap it in to drop one wait."""
+
+    def wait_event(self, event) -> None: ...  # nothing to wait for: the CPU runs every op in order
+    def wait(self, stream=None) -> None: ...  # nothing to wait for
+    def record(self, stream=None) -> None: ...  # nothing to record
+    def synchronize(self) -> None: ...  # nothing to finish
+    def query(self) -> bool:  # always done
+        return True
+
+
+def on_stream(stream):
+    """A `with` block that issues its work on `stream` (nothing to switch on the CPU)."""
+    return torch.cuda.stream(stream) if isinstance(stream, torch.cuda.Stream) else contextlib.nullcontext()
+
+
+def new_stream(device: torch.device):
+    """A side stream on a GPU; on the CPU, a stand-in that needs no ordering."""
+    return torch.cuda.Stream(device) if device.type == "cuda" else InOrder()
+
+
+def new_event(device: torch.device, blocking: bool = False):
+    """blocking: a host thread that waits on it sleeps instead of spinning on a core the CPU Adam needs."""
+    return torch.cuda.Event(blocking=blocking) if device.type == "cuda" else InOrder()
+
+
+# ---------------------------------------------------------------------------------------------------- model
+
+
+def llama_config(run: RunConfig) -> LlamaConfig:
+    """The model's config: from --model's folder, or the preset with size flags applied; validated."""
+    if run.model is not None:
+        config = load_config(Path(run.model))
+        check_sizes({field: getattr(config, field) for field in SIZE_FLAGS}, f"--model {run.model}: config.json's ")
+        return config
+    sizes = {**PRESETS[run.preset], **dict(run.sizes)}
+    check_sizes(sizes)
+    return LlamaConfig(**sizes, max_position_embeddings=max(4096, run.seq_len), tie_word_embeddings=False)
+
+
+def load_config(path: Path) -> LlamaConfig:
+    """A save_pretrained folder's LlamaConfig, refused with one line if the folder is not a LLaMA model."""
+    model_type(path)
+    try:
+        with transformers_quiet():  # its warnings on a config it cannot check: the refusal below is the one line
+            config = LlamaConfig.from_pretrained(path)
+        with torch.device("meta"):
+            LlamaRotaryEmbedding(config)  # its rope settings, which the config takes unchecked
+    except Exception as e:  # transformers' own validation, whose error classes vary between versions
+        reason = str(e.__cause__ or e).splitlines()[0]
+        raise UsageError(
+            f"--model {path}: transformers rejects its config.json ({type(e).__name__}: {reason})"
+        ) from None
+    return config
+
+
+@contextlib.contextmanager
+def transformers_quiet():
+    """transformers' warnings held back for the block (its errors still show): this script says what matters."""
+    verbosity = transformers.utils.logging.get_verbosity()
+    transformers.utils.logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers.utils.logging.set_verbosity(verbosity)
+
+
+def build_model(run: RunConfig, config: LlamaConfig) -> LlamaForCausalLM:
+    """The CPU model in the compute dtype: loaded from --model, or randomly initialised from --seed; where the run
+    draws its units one at a time (draws_units), only its rotary tables, the rest on the meta device."""
+    dtype, n = run.torch_dtype, param_count(config)
+    size = size_text(n * dtype.itemsize)
+    if draws_units(run):
+        log(f"{run.preset}: {count_text(n)} {run.dtype} parameters, drawn straight into the masters")
+    else:
+        log(f"building {run.model or run.preset} on the CPU: {count_text(n)} {run.dtype} parameters, {size}")
+    t0 = time.perf_counter()
+    if run.model is not None:
+        transformers.utils.logging.disable_progress_bar()  # stderr carries this script's progress lines alone
+        try:
+            with transformers_quiet():  # its report of missing weights: the refusal below says it in one line
+                model, info = LlamaForCausalLM.from_pretrained(
+                    run.model, dtype=dtype, attn_implementation=run.attention, output_loading_info=True
+                )
+        except Exception as e:  # what check_weights cannot see; transformers' error classes vary between versions
+            raise UsageError(f"--model {run.model}: cannot load the weights ({first_line(e)})") from None
+        missing = sorted([*info.get("missing_keys", ()), *(key for key, *_ in info.get("mismatched_keys", ()))])
+        if missing:  # from_pretrained draws those at random and goes on: not the model the folder names
+            what = f"{len(missing)} of the model's weights, such as {missing[0]}"
+            raise UsageError(f"--model {run.model}: its weights lack {what}: save the model again")
+    else:
+        with torch.device("meta"):
+            model = LlamaForCausalLM._from_config(config, dtype=dtype, attn_implementation=run.attention)
+        if draws_units(run):
+            model.model.rotary_emb = LlamaRotaryEmbedding(config)  # computed, not drawn
+        else:
+            init_random(model, run.seed)
+            log(f"built in {time.perf_counter() - t0:.1f} s")
+    return model.eval()
+
+
+SAFETENSORS_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1}
+SAFETENSORS_ITEMSIZE |= {"BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def check_weights(folder: Path, config: LlamaConfig) -> None:
+    """--model's safetensors files are whole and hold every weight of its config in its shape; else one line naming
+    the file, before the model is built (from_pretrained would stop half-way, or draw a missing weight at random)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            if not all(isinstance(name, str) and name == Path(name).name for name in files):
+                raise ValueError("its weight_map names files outside the folder, or not by name")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise UsageError(f"--model {folder}: {index.name} is damaged ({first_line(e)}): save it again") from None
+    elif (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    elif any((folder / name).is_file() for name in ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+        return  # no safetensors: from_pretrained's own checks, and build_model's of what it found
+    else:
+        raise UsageError(f"--model {folder}: no weights in it (model.safetensors or pytorch_model.bin): save it again")
+    found = {}
+    for name in files:
+        found |= safetensors_shapes(folder, name)
+    with torch.device("meta"):
+        expected = {name: tuple(p.shape) for name, p in LlamaForCausalLM(config).named_parameters()}
+    for name, shape in expected.items():
+        if found.get(name) != shape:
+            saved = "missing" if name not in found else f"of shape {list(found[name])}"
+            raise UsageError(f"--model {folder}: {name} is {saved}, the config needs {list(shape)}: save it again")
+
+
+def safetensors_shapes(folder: Path, name: str) -> dict[str, tuple]:
+    """The tensors' shapes in one of --model's safetensors files; refused with one line where it is not one whole."""
+    shapes = safetensors_header(folder / name)
+    if shapes is None:
+        size = (folder / name).stat().st_size if (folder / name).is_file() else 0
+        raise UsageError(f"--model {folder}: {name} is damaged or cut short ({size:,} bytes): save the model again")
+    return shapes
+
+
+def safetensors_header(path: Path) -> dict[str, tuple] | None:
+    """The tensors' shapes in a safetensors file (write_safetensors says its layout); None where it is not one whole:
+    a regular file, its header's length and JSON header, each tensor's byte range fitting its shape and dtype and
+    lying within the file."""
+    if not path.is_file():
+        return None
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            length = struct.unpack("<Q", head)[0] if len(head) == 8 else size
+            if length > size - 8:
+                return None
+            header = json.loads(f.read(length))
+    except OSError as e:
+        raise UsageError(f"--model {path.parent}: {path.name} cannot be read ({e.strerror})") from None
+    except ValueError:  # not JSON, or not UTF-8
+        return None
+    shapes = {}
+    for key, entry in header.items() if isinstance(header, dict) else [(None, None)]:
+        if key == "__metadata__":
+            continue
+        try:
+            shape, (start, stop) = tuple(entry["shape"]), entry["data_offsets"]
+            nbytes = math.prod(shape) * SAFETENSORS_ITEMSIZE[entry["dtype"]]
+            fits = stop - start == nbytes and start >= 0 and 8 + length + stop <= size
+        except (KeyError, TypeError, ValueError):
+            fits = False
+        if not fits:
+            return None
+        shapes[key] = shape
+    return shapes
+
+
+def first_line(e: BaseException) -> str:
+    """An exception's message, its first line (200 characters at most), or its class where it has none."""
+    line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return line if len(line) <= 200 else line[:197] + "..."
+
+
+def draws_units(run: RunConfig) -> bool:
+    """Whether the random model is drawn straight into the masters (draw_masters): one offloaded mode trains alone
+    (lean), so nothing else reads the CPU model, and the host never holds it."""
+    return run.lean and run.model is None and not run.fwd_bwd_reference
+
+
+DRAW_CHUNK = 2**24  # elements: a random weight is drawn in chunks this size, each from a generator of its own
+
+
+@torch.no_grad()
+def init_random(model: LlamaForCausalLM, seed: int) -> None:
+    """HF's LLaMA initialisation of a meta-device model: weights N(0, initializer_range), norms 1. Each weight is drawn
+    in chunks of DRAW_CHUNK elements in parallel, each chunk from a generator seeded by its place in the model, in
+    float32 (four times faster than in 16 bits) and rounded to the weight's dtype (draw_masters draws the same)."""
     config = model.config
-    device = torch.device("cpu" if mode == "cpu" else "cuda")
-    log(f"mode {mode}: inference over {input_ids.numel()} tokens ...")
-    reset_peak_memory(device)
+    model.to_empty(device="cpu")
+    weights = [p for p in model.parameters() if p.dim() > 1]
+    chunks = [  # no_grad does not reach the pool threads: the tensors are detached
+        (chunk, i, j) for i, p in enumerate(weights) for j, chunk in enumerate(p.detach().view(-1).split(DRAW_CHUNK))
+    ]
+
+    def draw(chunk: torch.Tensor, i: int, j: int) -> None:
+        """Chunk j of weight i, rounded to its dtype."""
+        chunk.copy_(drawn_chunk(seed, i, j, chunk.numel(), config.initializer_range))
+
+    with ThreadPoolExecutor(torch.get_num_threads()) as pool:  # normal_ releases the GIL; a rank's share of the cores
+        list(pool.map(lambda job: draw(*job), chunks))
+    for p in model.parameters():
+        if p.dim() == 1:
+            p.fill_(1.0)  # RMSNorm weights
+    if config.pad_token_id is not None:
+        model.model.embed_tokens.weight[config.pad_token_id].zero_()
+    model.model.rotary_emb = LlamaRotaryEmbedding(config)  # its buffers are computed, not drawn
+
+
+def draw_masters(store, model: LlamaForCausalLM, seed: int) -> None:
+    """The weights init_random draws for the meta-device `model`, rounded to its dtype, written straight into `store`'s
+    float32 masters (a rank: into its shards): no CPU model is built, and the chunks of every unit are drawn at once
+    over the rank's threads, each from its own generator as init_random seeds it. Norms 1, the pad token's row 0."""
+    config, dtype = model.config, next(model.parameters()).dtype
+    index = {name: i for i, name in enumerate(n for n, p in model.named_parameters() if p.dim() > 1)}
+
+    def draw(master, start, span, chunk, i, j) -> None:
+        """Chunk j of weight i (its elements [a, b) of the unit's flat buffer), rounded through the model's dtype; its
+        part within `span` written into the master, a shard from element `start` on."""
+        (a, b), (lo, hi) = chunk, span
+        values = drawn_chunk(seed, i, j, b - a, config.initializer_range)
+        values.copy_(values.to(dtype))  # nothing to round in float32
+        master[max(a, lo) - start : min(b, hi) - start].copy_(values[max(a, lo) - a : min(b, hi) - a])
+
+    spans, jobs = weight_spans(store), []
+    for name, master, start, o, lo, hi, numel in spans:
+        if name not in index:  # a norm's weight
+            master[lo - start : hi - start].fill_(1.0)
+            continue
+        for j in range((lo - o) // DRAW_CHUNK, (hi - 1 - o) // DRAW_CHUNK + 1):  # the chunks with elements in [lo, hi)
+            chunk = (o + j * DRAW_CHUNK, o + min(numel, (j + 1) * DRAW_CHUNK))
+            jobs.append((master, start, (lo, hi), chunk, index[name], j))
+    with ThreadPoolExecutor(torch.get_num_threads()) as pool:  # normal_ releases the GIL; a rank's share of the cores
+        list(pool.map(lambda job: draw(*job), jobs))
+    for name, master, start, o, lo, hi, _ in spans:
+        if name == "model.embed_tokens.weight" and config.pad_token_id is not None:
+            row = o + config.pad_token_id * config.hidden_size
+            x, y = max(row, lo), min(row + config.hidden_size, hi)  # the pad row's part in this shard
+            if x < y:
+                master[x - start : y - start].zero_()
+
+
+def drawn_chunk(seed: int, weight: int, chunk: int, numel: int, std: float) -> torch.Tensor:
+    """Chunk `chunk` (of DRAW_CHUNK elements) of weight `weight` of the random model drawn from `seed`: `numel` float32
+    normal values from a generator of the chunk's own, so that chunks can be drawn on any thread, in any order."""
+    generator = torch.Generator().manual_seed((seed << 32) + (weight << 16) + chunk)
+    return torch.empty(numel, dtype=torch.float32).normal_(0.0, std, generator=generator)
+
+
+def weight_spans(store) -> list[tuple]:
+    """(HF name, master, where its shard starts, the parameter's offset, lo, hi, its numel) of each parameter with
+    elements [lo, hi) of its unit's flat buffer in this rank's shard of `store`'s masters."""
+    spans = []
+    for unit, master in zip(store.units, store.masters, strict=True):
+        start = store.ranks.rank * master.numel()
+        numels = dict(zip(unit.layout.names, (shape.numel() for shape in unit.layout.shapes), strict=True))
+        for name, o, lo, hi in unit.layout.spans(start, start + master.numel()):
+            spans.append((f"{unit.name}.{name}", master, start, o, lo, hi, numels[name]))
+    return spans
+
+
+def param_count(config: LlamaConfig) -> int:
+    """The model's parameter count, from its config by arithmetic (parameter_count): a model of a million layers is
+    counted as fast as one of eight."""
+    return parameter_count(config.to_dict())
+
+
+def meta_layer(config: LlamaConfig) -> nn.Module:
+    """One decoder layer on the meta device: its shapes without its memory."""
+    with torch.device("meta"):
+        return LlamaDecoderLayer(config, layer_idx=0)
+
+
+def layer_bytes(config: LlamaConfig, dtype: torch.dtype) -> int:
+    """Bytes of one decoder layer's weights in `dtype`, laid out as the store and the GPU slots hold them."""
+    return FlatLayout.of(meta_layer(config)).numel * dtype.itemsize
+
+
+def random_input_ids(run: RunConfig, vocab_size: int, micro_batches: int = 1) -> torch.Tensor:
+    """Token ids drawn from --seed: micro_batches x batch_size sequences of seq_len tokens."""
+    generator = torch.Generator().manual_seed(run.seed)
+    return torch.randint(vocab_size, (micro_batches * run.batch_size, run.seq_len), generator=generator)  # (K*B, T)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A piece of the model streamed whole in training: the embeddings, a decoder layer, the norm or the head."""
+
+    name: str  # its module's name in the HF model, so master weights map back to HF parameter names
+    kind: str  # embed, layer, norm or head
+    layout: FlatLayout
+
+
+def unit_module(kind: str, config: LlamaConfig) -> nn.Module:
+    """A module of this kind, built as LlamaForCausalLM builds its own (call it under torch.device('meta'))."""
+    if kind == "embed":
+        return nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+    if kind == "layer":
+        return LlamaDecoderLayer(config, layer_idx=0)
+    if kind == "norm":
+        return LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+    return nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+
+def model_units(config: LlamaConfig) -> list[Unit]:
+    """The units in forward order: embeddings, decoder layers, final norm, head."""
+    return list(units_of(config.to_json_string()))
+
+
+@functools.cache
+def units_of(config_json: str) -> tuple[Unit, ...]:
+    """model_units of the config in `config_json`, made once: the plan asks for them many times."""
+    config = LlamaConfig.from_dict(json.loads(config_json))
+    with torch.device("meta"):
+        layout = {kind: FlatLayout.of(unit_module(kind, config)) for kind in ("embed", "layer", "norm", "head")}
+    layers = range(config.num_hidden_layers)
+    names = ["model.embed_tokens", *(f"model.layers.{i}" for i in layers), "model.norm", "lm_head"]
+    kinds = ["embed", *("layer" for _ in layers), "norm", "head"]
+    return tuple(Unit(name, kind, layout[kind]) for name, kind in zip(names, kinds, strict=True))
+
+
+def decoder_kwargs(model: LlamaForCausalLM, shape: tuple[int, int], dtype: torch.dtype, device) -> dict:
+    """What HF's LlamaModel.forward passes its decoder layers besides the hidden states (rotary cos/sin, mask,
+    positions), computed by HF itself: its forward runs on zero embeddings through one recording layer."""
+    captured = {}
+
+    class Recorder(nn.Module):
+        """A decoder layer that keeps the keyword arguments HF passes it and returns its input."""
+
+        def forward(self, hidden_states, **kwargs):
+            """Record the kwargs, pass the hidden states through."""
+            captured.update(kwargs)
+            return hidden_states
+
+    base = model.model
+    kept = base.layers, base.norm, base.rotary_emb
+    base.layers, base.norm, base.rotary_emb = nn.ModuleList([Recorder()]), nn.Identity(), copy.deepcopy(kept[2])
+    base.rotary_emb.to(device)
     try:
-        with torch.inference_mode():
-            if mode in ("gpu", "cpu"):
-                return infer_resident(model, input_ids, device, run, config)
-            placed = plan.modes[mode]
-            if placed.inference_resident:
-                layers = ", ".join(map(str, placed.inference_resident))
-                peak = gib(sum(placed.inference_gpu.values()))
-                log(f"mode {mode}: decoder layers {layers} resident, predicted peak {peak} GiB")
-            return infer_offloaded(
-                model, store, input_ids, device, placed.depth, run, config, placed.inference_resident
-            )
-    except torch.OutOfMemoryError:
-        log(f"mode {mode}: out of GPU memory")
-        return {"oom": True}, None
-
-
-def place_units(trainer: OffloadedTraining, run: RunConfig, mode: str, plan: Plan) -> dict:
-    """Install the plan's placement of the units; log it and describe it for the JSON."""
-    placed = plan.modes[mode]
-    trainer.place(placed.resident, placed.gpu_adam, bool(compared_modes(run)) or run.holds_updates)
-    torch.cuda.reset_peak_memory_stats(trainer.device)  # the step's peak
-    resident = [trainer.units[u].name for u in placed.resident]
-    gpu_adam = [trainer.units[u].name for u in placed.gpu_adam]
-    parts = ", ".join(f"{part} {gib(n)}" for part, n in placed.training_gpu.items())
-    log(
-        f"mode {mode}: units resident on the GPU: {', '.join(resident) or 'none'}; stepped by the GPU's Adam over "
-        f"streamed state: {', '.join(gpu_adam) or 'none'}; predicted peak {gib(placed.training_peak)} GiB: {parts}"
-    )
-    described = {"units": len(trainer.units), "resident_units": resident, "gpu_adam_units": gpu_adam}
-    return described | {"predicted_peak_bytes": placed.training_peak, "predicted_parts": placed.training_gpu}
-
-
-def train_mode(mode: str, model, masters, input_ids, run: RunConfig, plan: Plan, text=None) -> dict:
-    """One mode's training: `run.steps` steps on one fixed batch, or on --data's blocks (held-out loss and samples
-    before and after); {'oom': True} where it does not fit the GPU, or the plan says so. Compared with gpu mode's
-    (compared_modes), it keeps the first step's gradients and masters and the last step's masters."""
-    device, compared, ranks = torch.device("cpu" if mode == "cpu" else "cuda"), mode in compared_modes(run), run.ranks
-    if planned_oom(mode, plan, device):
-        return {"oom": True}
-    micro_batches = [ids.to(device) for ids in ranks.share(input_ids.chunk(run.grad_accum))]
-    log(f"mode {mode}: training, {run.steps} steps of {input_ids.numel()} tokens in {run.grad_accum} micro-batch(es)")
-    reset_peak_memory(device)
-    trainer = None
-    try:
-        trainer = make_trainer(mode, model, masters, micro_batches, run, device, plan)
-        manifest = checkpoint_manifest(run, model.config, mode, plan)
-        placed = prepare_steps(trainer, run, mode, plan, manifest)
-        profile = train_trace_path(run.profile) if run.profile and mode == run.profile_mode else None
-        bound_parts = bound_parts_of(trainer, micro_batches, device)
-        folder = mode_folder(run.checkpoint, run, mode) if run.checkpoint else None
-        tokenizer = text.tokenizer if text else None  # it travels with the checkpoints and the saved model
-        checkpoint = Checkpoints(trainer, folder, manifest, run.checkpoint_every, tokenizer) if folder else None
-        done = manifest.get("resumed_from", 0)
-        evaluation = Evaluation(trainer, run, model.config, device, text, done)
-        between = [task for task in (checkpoint, evaluation) if task]
-        batches = step_batches(text.blocks, run, device) if text and text.blocks else None
-        result = train_steps(trainer, micro_batches, run, compared, profile, bound_parts, between, done, batches)
-        trainer.finish()
-        if checkpoint:
-            checkpoint.write(run.steps)
-        evaluation.after()
-        result |= trained_outputs(trainer, run, model.config, mode, compared, tokenizer) | placed
-        result |= evaluation.figures() | training_figures(trainer, result) | step_rates(run, model.config, mode, result)
-        return rank_peaks(ranks, result, param_count(model.config))
-    except torch.OutOfMemoryError as e:
-        if ranks.several:  # one rank's OOM would leave the others in a collective: it ends the run (torchrun's exit)
-            raise
-        log(f"mode {mode}: out of GPU memory ({str(e).splitlines()[0]})")
-        return {"oom": True}
-    finally:  # an OOM or an interrupt too: the CPU Adam worker must stop before the buffers it steps are freed
-        if trainer is not None:
-            trainer.finish()
-
-
-def planned_oom(mode: str, plan: Plan, device: torch.device) -> bool:
-    """Whether the plan says `mode`'s training does not fit the GPU (said): it is then reported OOM, not run into the
-    cap (with several ranks, check_plan refused it)."""
-    placed = plan.modes.get(mode)
-    if placed is None or device.type != "cuda" or placed.training_fits:
-        return False
-    log(f"mode {mode}: out of GPU memory: the plan needs {gib(placed.training_peak)} GiB, more than the cap leaves")
-    return True
-
-
-def prepare_steps(trainer, run: RunConfig, mode: str, plan: Plan, manifest: dict) -> dict:
-    """Before the first step: the state from --resume, the units placed (offloaded modes on the GPU) and the CPU
-    Adam's moments zeroed; returns the placement for the JSON."""
-    if run.resume:
-        manifest["resumed_from"] = resume(trainer, mode_folder(run.resume, run, mode), manifest)
-    if not isinstance(trainer, OffloadedTraining):
-        return {}
-    trainer.ranks.meet()  # the steps' collectives wait the rank timeout at most: every rank set up first
-    t0 = time.perf_counter()
-    placed = place_units(trainer, run, mode, plan) if trainer.device.type == "cuda" else {}
-    # the CPU Adam's moments zeroed now, not in each unit's first step, where a page's first touch is slow; the other
-    # steppers keep theirs on the GPU (resident units) or zero them there (StreamedAdam): the host's stay untouched
-    trainer.store.zero_moments(
-        [u for u, stepper in enumerate(trainer.steppers.of) if stepper is trainer.steppers.cpu_adam]
-    )
-    trainer.store.setup_s["placed"] = time.perf_counter() - t0
-    return placed | {"setup_s": dict(trainer.store.setup_s)}
-
-
-def make_trainer(mode: str, model, masters: MasterStore | None, micro_batches, run: RunConfig, device, plan: Plan):
-    """The trainer for `mode`: the resident reference, or the streamed units with the CPU Adam (`masters` loaded)."""
-    if mode in ("gpu", "cpu"):
-        return ResidentTraining(model, run.torch_dtype, device, run.adam, run.clip_grad_norm)
-    t0 = time.perf_counter()
-    kwargs = decoder_kwargs(model, tuple(micro_batches[0].shape), run.torch_dtype, device)
-    depth = plan.modes[mode].depth
-    loss_function, max_norm = model.loss_function, run.clip_grad_norm
-    trainer = OffloadedTraining(masters, model.config, run.torch_dtype, device, depth, loss_function, kwargs, max_norm)
-    if plan.offload_activations:
-        trainer.inputs = ActivationOffload(trainer, len(micro_batches), tuple(micro_batches[0].shape))
-    masters.setup_s["trainer"] = time.perf_counter() - t0  # the GPU's ring and buffers, the saved inputs' host ones
-    return trainer
-
-
-def train_steps(
-    trainer, micro_batches, run, keep_grads, profile=None, bound_parts=None, tasks=(), done=0, batches=None
-):
-    """Run the steps, each timed from its start to the next one's (a step's last updates overlap the next forward).
-    bound_parts(): the bound's parts, timed in rounds between blocks of steps; tasks: run after i steps where due
-    (Checkpoints, Evaluation); the step after either is not timed. keep_grads: the first step's state, to compare.
-    done: the steps a resumed run had trained. batches(i): step i's micro-batches, else every step's `micro_batches`."""
-    batch = batches(done) if batches else micro_batches
-    tokens = sum(ids.numel() for ids in batch) * run.ranks.world  # the step's, over every rank
-    clock = StepClock(trainer, batch[0].device, done, run.steps, tokens)
-    rounds = bound_rounds(run) if bound_parts else []
-    losses, grads, parts, extra = [], None, collections.defaultdict(list), {}
-    for i in range(run.steps + 1):
-        if i in rounds:
-            clock.pause(i)
-            for _ in range(rounds.count(i)):
-                time_round(bound_parts(), parts, run.ranks)
-            clock.resume(after_round=True)
-        if i == run.steps:
-            break
-        if i == run.steps - 1 and profile:  # the last step, traced and left out of the timing
-            extra["trace"] = profile_step(trainer, batch, profile)
-            losses.append(extra["trace"].pop("loss"))
-            continue  # to the rounds after the last step
-        loss = trainer.step(batch)
-        if batches and i + 1 < run.steps:  # the next step's blocks, gathered and copied while this step's kernels run
-            batch = batches(done + i + 1)
-        losses.append(loss.item())  # S11: a sync: this step's forward and backward have run
-        if not math.isfinite(losses[-1]):
-            raise Diverged(f"step {done + i + 1}'s loss is {losses[-1]}: {DIVERGED}")
-        if i == 0 and keep_grads:
-            grads = first_step_state(trainer)
-        clock.lap(i, losses[-1])
-        run_tasks(tasks, i + 1, run.steps, clock)
-    if parts:
-        extra["bound_parts_ms"] = {name: ms[1:] for name, ms in parts.items()}  # the first round is a warm-up
-    paused = f", and {clock.paused_s:.1f} s between them (bound rounds, checkpoints, evaluations)"
-    log(f"  {len(clock.times)} steps in {sum(clock.times) / 1e3:.1f} s{paused if clock.paused_s else ''}")
-    return clock.result(run.warmup) | {"losses": losses, "grads": grads, "tokens_per_step": clock.tokens} | extra
-
-
-def run_tasks(tasks, done: int, last: int, clock: StepClock) -> None:
-    """The tasks due after `done` of the run's `last` steps, the step clock paused meanwhile."""
-    due = [task for task in tasks if task.due(done, last)]
-    if due:
-        clock.pause(done)  # the updates are written first
-        for task in due:
-            task.run(done)
-        clock.resume(after_round=True)
+        with torch.no_grad():
+            zeros = torch.zeros(*shape, model.config.hidden_size, dtype=dtype, device=device)
+            base(inputs_embeds=zeros, use_cache=False)
+    finally:
+        base.layers, base.norm, base.rotary_emb = kept
+    return captured
 
 
 # ---------------------------------------------------------------------------------------------------- the reference
 # gpu and cpu modes train the plain model with torch.optim.Adam: what every offloaded mode is compared with.
+
+
+@dataclass(frozen=True)
+class Adam:
+    """torch.optim.Adam's hyper-parameters, with its meaning (L2 weight decay added to the gradient)."""
+
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+    def optimizer(self, params: list[torch.Tensor]) -> torch.optim.Adam:
+        """torch.optim.Adam over `params` with these hyper-parameters, fused (on the CPU, far faster than plain)."""
+        return torch.optim.Adam(params, self.lr, self.betas, self.eps, self.weight_decay, fused=True)
+
+    def scalars(self, step: int, multiplier: float = 1.0) -> torch.Tensor:
+        """adam_update's scalars for step `step` (from 1), as torch's fused CPU kernel rounds them, and the gradients'
+        multiplier (--clip-grad-norm); a tensor, not floats, so one compiled kernel serves every step."""
+        beta1, beta2 = self.betas
+        step_size = -self.lr / (1 - beta1**step)
+        values = [1 - beta1, beta2, 1 - beta2, math.sqrt(1 - beta2**step), self.eps, step_size, self.weight_decay]
+        return torch.tensor([*values, multiplier], dtype=torch.float32)
 
 
 class ResidentTraining:
@@ -3150,6 +2735,74 @@ def infer_resident(model, input_ids, device, run: RunConfig, config) -> tuple[di
 # ---------------------------------------------------------------------------------------------------- accelerations
 # Each plugs into a policy of OffloadedTraining (steppers, inputs, scaling, clip): without the accelerations it trains
 # the same, slower; float16's LossScale and GradClip (--clip-grad-norm) change what it computes, as gpu mode does.
+# Their synchronisations continue the core's table (at the top of the layer streamer):
+#   S12  resident units: no event. They step on compute, in order before every later kernel. Their state.
+#   S13  StreamedAdam's CUDA events: consumed (take, on s_adam; waited as S8), landed[k] (s_in; waited on s_adam),
+#        stepped[k] (s_adam; waited on s_out), left[k] (s_out; waited on s_in), written_back[u] (s_out; waited by
+#        wait_written on copy, wait_all on the host). Its buffer, its two slots, and a source mid-update.
+#   S14  ActivationOffload's CUDA events: written (recorded by send on compute; waited on D2H), offloaded[a] (D2H;
+#        waited by wait_written on copy, by send's leaving queue on main, by backward_begins on compute). Inputs are
+#        not copied to the host early, read back early, or their GPU memory reused early.
+#   S15  GradClip.taken, CUDA event. Recorded by the norm on the current stream (D2H with several ranks). Waited on by
+#        multiplier, on the current stream. The norm of the norms is not taken early.
+#   S16  DiskTier's thread events settled and current, set by the writer thread after each write (and by reset), and
+#        its queues free and staged (the reader fills staged). Waited on by read_ahead (the reader), read (main) and
+#        stage (the worker). A file is not read while its write-back runs, nor a slot reused early.
+
+
+class HostBuffer(mmap.mmap):
+    """Zeroed host memory of exactly `nbytes` (torch's pinned allocator rounds up to a power of two), in 2 MiB pages
+    where the kernel allows (the CPU Adam streams them faster), page-locked once pinned. It records no events: its
+    tensors must outlive every copy queued from or to them, as the run-long stores do."""
+
+    def __new__(cls, nbytes: int):
+        # anonymous and private: zero-filled, page-aligned, and in huge pages where asked (shared memory gets none)
+        return super().__new__(cls, -1, nbytes, flags=mmap.MAP_PRIVATE)
+
+    def __init__(self, nbytes: int):
+        with contextlib.suppress(AttributeError, OSError):  # a platform or kernel without transparent huge pages
+            self.madvise(mmap.MADV_HUGEPAGE)  # before the first touch, which allocates the pages
+        self.address = torch.frombuffer(self, dtype=torch.uint8).data_ptr()
+        self.unregister = None
+
+    def pin(self) -> None:
+        """Page-lock the memory for the copy engines, its pages touched first (touch_pages): registering maps the
+        missing ones itself, in one thread, several times slower."""
+        cudart = torch.cuda.cudart()
+        torch.cuda.check_error(cudart.cudaHostRegister(self.address, len(self), 0))
+        self.unregister = cudart.cudaHostUnregister
+
+    def __del__(self):  # before the memory is unmapped: the driver must let go of its pages first
+        if self.unregister is not None:
+            self.unregister(self.address)
+
+
+TOUCH_CHUNK = 2**26  # bytes: fresh host memory is first written by the rank's threads in chunks this size
+
+
+def touch_pages(spans) -> None:
+    """Write zeros over each (address, bytes) span of fresh host memory, a chunk a thread: a page's first write maps
+    it, and the kernel maps a thread's pages one at a time, so the rank's threads together map them several times
+    faster (memset runs without the GIL)."""
+    chunks = [(a + i, min(TOUCH_CHUNK, n - i)) for a, n in spans for i in range(0, n, TOUCH_CHUNK)]
+    with ThreadPoolExecutor(torch.get_num_threads()) as pool:
+        list(pool.map(lambda chunk: ctypes.memset(chunk[0], 0, chunk[1]), chunks))
+
+
+def host_zeros(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A zeroed flat CPU buffer, pinned when a GPU streams it. Allocate once: pinning is slow."""
+    return host_zeros_each([numel], dtype, pin)[0]
+
+
+def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]:
+    """host_zeros of each of `numels`, made together: every page touched by the rank's threads at once, then the
+    buffers pinned by several threads, which the driver serves in parallel."""
+    buffers = [HostBuffer(numel * dtype.itemsize) for numel in numels]
+    if pin:
+        touch_pages([(b.address, len(b)) for b in buffers])
+        with ThreadPoolExecutor(torch.get_num_threads()) as pool:
+            list(pool.map(HostBuffer.pin, buffers))
+    return [torch.frombuffer(b, dtype=dtype) for b in buffers]  # each tensor keeps its buffer alive
 
 
 @contextlib.contextmanager
@@ -3165,6 +2818,27 @@ def without_isa_probes():
     finally:
         for name, probe in saved.items():
             setattr(torch.cpu, name, probe)
+
+
+def adam_update(master, grads, exp_avg, exp_avg_sq, copy, scalars, scaled: bool = False) -> None:
+    """torch.optim.Adam's step of one unit, for torch.compile to fuse into one pass over memory: float32 master and
+    moments and the gradients (float32 or 16-bit; scaled: times scalars[7] first, as clip_grad_norm_ multiplies them)
+    in; master, moments and the compute-dtype `copy` (or None) out."""
+    grads = grads.float()
+    if scaled:
+        grads = grads * scalars[7]
+    grads = grads + master * scalars[6]
+    exp_avg_new = exp_avg + (grads - exp_avg) * scalars[0]  # exp_avg.lerp_(grads, 1 - beta1)
+    exp_avg_sq_new = exp_avg_sq * scalars[1] + scalars[2] * grads * grads
+    master_new = master + scalars[5] * exp_avg_new / (exp_avg_sq_new.sqrt() / scalars[3] + scalars[4])
+    exp_avg.copy_(exp_avg_new)
+    exp_avg_sq.copy_(exp_avg_sq_new)
+    master.copy_(master_new)
+    if copy is not None:
+        copy.copy_(master_new)  # rounded to nearest even, as the GPU casts
+
+
+ADAM_SPARE_CORES = 1  # cores the CPU Adam leaves to the main thread, which drives the GPU meanwhile
 
 
 @functools.cache
@@ -3205,7 +2879,7 @@ def start_adam_compile(grad_dtype: torch.dtype, copy_dtype: torch.dtype | None, 
         pool.shutdown(wait=False)  # the thread ends with its one job
 
 
-def place_on_gpu(trainer: OffloadedTraining, resident, gpu_adam, own_grads: bool) -> None:
+def place_on_gpu(trainer: OffloadedTraining, resident=(), gpu_adam=(), own_grads: bool = True) -> None:
     """Keep the `resident` units on the GPU, stepped there (ResidentUnits), and step the `gpu_adam` units on the GPU
     from their state on the host (StreamedAdam); the CPU Adam steps the rest. own_grads: gradients kept apart, to
     compare or check them: a resident unit's in memory of its own, the GPU's Adam's first ones on the host."""
@@ -3302,6 +2976,9 @@ class ResidentUnits:
     def wait_all(self) -> None: ...  # its steps run on the compute stream, which every read of the state waits for
 
 
+GPU_ADAM_CHUNK = 2**23  # parameters: the state the GPU's Adam streams crosses PCIe in chunks this size
+
+
 class StreamedAdam(HostState):
     """The GPU's fused Adam for streamed units whose state stays on the host, so that the CPU Adam has fewer units to
     step. After a unit's backward its gradients are taken into a buffer of this Adam's; then its master and moments
@@ -3325,8 +3002,9 @@ class StreamedAdam(HostState):
         self.device = device
         self.copy_stream = copy_stream  # the weights' copies: a unit's next one waits for its state to be written
         self.keep_first_grads = keep_first_grads  # the first step's gradients go to the host, to compare them
-        for u in self.units:
-            store.pin_moments(u)
+        for u in [u for u in self.units if u not in store.pinned_moments]:  # once: each placement makes a new one
+            store.adam_moments.pin(u, store.pin)  # for the copy engines, a unit at a time
+            store.pinned_moments.add(u)
         numel = max((store.masters[u].numel() for u in self.units), default=0)
         self.buffer = torch.empty(numel, dtype=store.grad_dtype, device=device)  # the unit's gradients, taken
         self.slots = [self.staging_slot(min(numel, GPU_ADAM_CHUNK)) for _ in range(2)]
@@ -3503,6 +3181,19 @@ class ActivationOffload:
             self.streamer.release(u - 1)
 
 
+class Unscaled:
+    """The plain path's loss, unscaled (LossScale, float16: units step once every gradient is in, to check them)."""
+
+    scale = 1.0
+    holds_updates = False
+
+    def unscale(self, grads: list[torch.Tensor]) -> None: ...  # nothing to undo
+
+    def update(self) -> bool:
+        """After the backward: whether the step may be applied."""
+        return True
+
+
 class LossScale:
     """float16's dynamic loss scaling, as torch.amp.GradScaler does it, so small gradients do not flush to zero: a step
     whose gradients overflow is skipped. Powers of two, so exact. Every unit's gradients must be in before any step."""
@@ -3537,6 +3228,24 @@ class LossScale:
             self.scale *= 2
             self.good_steps = 0
         return not overflow
+
+
+def loss_scaling(dtype: torch.dtype, device: torch.device, ranks: Ranks = Ranks()):
+    """float16's dynamic loss scaling (LossScale), or none."""
+    return LossScale(device, ranks) if dtype == torch.float16 else Unscaled()
+
+
+class Unclipped:
+    """The plain path's gradients, unclipped (GradClip: times a coefficient once every unit's norm is in)."""
+
+    holds_updates = False
+    grad_norms = ()  # none taken
+
+    def add(self, u: int, views, sent, stream) -> None: ...  # no norm to take
+
+    def multiplier(self) -> float:
+        """The gradients' multiplier for this step."""
+        return 1.0
 
 
 class GradClip:
@@ -3591,6 +3300,9 @@ class GradClip:
         norm, multiplier = torch.stack([total, coefficient]).tolist()  # one sync for both
         self.grad_norms.append(norm)
         return multiplier
+
+
+DISK_CALL = 2**28  # bytes one read or write call moves at most (Linux moves under 2 GiB per call)
 
 
 class DiskFiles:
@@ -3700,6 +3412,9 @@ class DiskReader:
                 tier.fail(e)
                 return
             tier.staged[u].put(k)
+
+
+DISK_SLOTS = 2  # the disk tier's staging buffers: one unit stepped while the disk reads the next or writes one back
 
 
 class DiskTier:
@@ -3849,6 +3564,51 @@ class DiskTier:
             staged.put(e)
 
 
+class HostMoments:
+    """The plain path's Adam moments: two float32 host buffers a unit, stepped in place (DiskMoments: some units' on a
+    disk). A unit's are zeroed at its first step, so their pages are mapped only once a lean run freed the model."""
+
+    disk = None  # no disk tier
+
+    def __init__(self, numels: list[int], elsewhere=frozenset()):
+        self.buffers = [  # None for the units whose moments are kept `elsewhere` (DiskMoments)
+            None if u in elsewhere else (host_zeros(n, torch.float32, False), host_zeros(n, torch.float32, False))
+            for u, n in enumerate(numels)
+        ]
+
+    def stage(self, u: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unit u's moments for its step."""
+        return self.buffers[u]
+
+    def staged(self, u: int) -> None:
+        """Unit u's step is done with its moments: nothing to write back."""
+
+    def ready(self, u: int) -> bool:  # always: they are in memory
+        return True
+
+    def read(self, u: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unit u's moments after its updates, in place."""
+        return self.buffers[u]
+
+    def zero(self, units) -> None:
+        """Zero the moments of `units` for their first step (zeros, as floats; a first touch maps the pages)."""
+        touch_pages([(m.data_ptr(), m.nbytes) for u in units for m in self.buffers[u]])
+
+    def fill(self, u: int, fill) -> None:
+        """Unit u's moments from a checkpoint: fill(exp_avg, exp_avg_sq) writes them."""
+        fill(*self.buffers[u])
+
+    def pin(self, u: int, pin: bool) -> None:
+        """Move unit u's moments into pinned memory (pin) for the copy engines."""
+        self.buffers[u] = tuple(host_zeros(m.numel(), torch.float32, pin).copy_(m) for m in self.buffers[u])
+
+    def restart(self) -> None: ...  # a new mode's load: nothing staged
+
+    def flush(self) -> None: ...  # nothing to write back
+
+    def close(self) -> None: ...  # nothing to free
+
+
 class DiskMoments(HostMoments):
     """HostMoments with the moments of the disk tier's units on its disk: read into host memory for each step and
     written back after it (DiskTier); the other units' in host memory."""
@@ -3922,6 +3682,9 @@ def unnamed_file(folder: str, nbytes: int) -> int:
         os.close(fd)
         raise
     return fd
+
+
+DISK_BLOCK = 4096  # bytes: direct I/O moves whole blocks between block-aligned memory and file offsets
 
 
 def direct_io(fd: int, buffer: mmap.mmap) -> bool:
@@ -4340,6 +4103,9 @@ def compared_modes(run: RunConfig) -> set[str]:
     )
 
 
+PLAN_MARGIN = GiB // 2  # of a --max-gpu-memory budget, left out of a placement: the caching allocator's fragmentation
+
+
 def gpu_budget(run: RunConfig, facts: Facts) -> int | None:
     """The GPU bytes a placement may plan for: the --max-gpu-memory cap (at most the GPU) less PLAN_MARGIN; None without
     a cap, so overlapped streams every unit, as the tables compare full offload with gpu mode."""
@@ -4605,6 +4371,9 @@ def unit_inputs_bytes(run: RunConfig, config: LlamaConfig, facts: Facts | None =
     return micro_batches * run.tokens * config.hidden_size * run.torch_dtype.itemsize
 
 
+CUBLAS_WORKSPACE = 32 * 2**20  # torch's default cuBLAS workspace on Hopper, allocated once per stream
+
+
 def other_bytes(run: RunConfig, config: LlamaConfig, facts: Facts) -> int:
     """A training step's GPU memory besides the units' weights, gradients, saved inputs and working sets: cuBLAS's
     workspace, what HF passes each decoder layer (the rotary tables, the positions; eager attention's mask), every
@@ -4780,6 +4549,9 @@ def sdpa_as_on_cuda():
         yield
     finally:
         nn.functional.scaled_dot_product_attention = plain
+
+
+ADAM_SCRATCH = 2**25  # parameters: the bound times the CPU Adam on at most this much scratch state (512 MiB of it)
 
 
 def host_parts(run: RunConfig, config: LlamaConfig, facts: Facts, copy, buffers: int, resident=()) -> dict[str, int]:
@@ -5062,6 +4834,9 @@ def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
     return 2 * n**3 * count / (time.perf_counter() - t0)
 
 
+FAST_FLOPS = {"cpu": 1e11, "cuda": 2e15}  # FLOP/s: a run that takes under a minute at these is not worth timing a
+
+
 def warn_if_long(run: RunConfig, config: LlamaConfig) -> None:
     """Say on stderr how long the run will compute at least where that is over a minute: its FLOPs at each device's
     rate, measured only where the FLOPs take a minute even at FAST_FLOPS."""
@@ -5077,6 +4852,32 @@ def duration_text(seconds: float) -> str:
         if seconds >= 2 * unit or (unit < 86400 and seconds >= unit):
             return f"{seconds / unit:.1f} {name}" if seconds < 10 * unit else f"{seconds / unit:.0f} {name}"
     return f"{seconds:.0f} s"
+
+
+def place_units(trainer: OffloadedTraining, run: RunConfig, mode: str, plan: Plan) -> dict:
+    """Install the plan's placement of the units; log it and describe it for the JSON."""
+    placed = plan.modes[mode]
+    place_on_gpu(trainer, placed.resident, placed.gpu_adam, bool(compared_modes(run)) or run.holds_updates)
+    torch.cuda.reset_peak_memory_stats(trainer.device)  # the step's peak
+    resident = [trainer.units[u].name for u in placed.resident]
+    gpu_adam = [trainer.units[u].name for u in placed.gpu_adam]
+    parts = ", ".join(f"{part} {gib(n)}" for part, n in placed.training_gpu.items())
+    log(
+        f"mode {mode}: units resident on the GPU: {', '.join(resident) or 'none'}; stepped by the GPU's Adam over "
+        f"streamed state: {', '.join(gpu_adam) or 'none'}; predicted peak {gib(placed.training_peak)} GiB: {parts}"
+    )
+    described = {"units": len(trainer.units), "resident_units": resident, "gpu_adam_units": gpu_adam}
+    return described | {"predicted_peak_bytes": placed.training_peak, "predicted_parts": placed.training_gpu}
+
+
+def planned_oom(mode: str, plan: Plan, device: torch.device) -> bool:
+    """Whether the plan says `mode`'s training does not fit the GPU (said): it is then reported OOM, not run into the
+    cap (with several ranks, check_plan refused it)."""
+    placed = plan.modes.get(mode)
+    if placed is None or device.type != "cuda" or placed.training_fits:
+        return False
+    log(f"mode {mode}: out of GPU memory: the plan needs {gib(placed.training_peak)} GiB, more than the cap leaves")
+    return True
 
 
 # -------------------------------------------------------------------------------------------------- saving and resuming
@@ -5124,6 +4925,9 @@ def with_token_ids(config: LlamaConfig, tokenizer) -> LlamaConfig:
     config.eos_token_id = eos
     config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     return config
+
+
+SAVE_SHARD = "2GB"  # save_pretrained's shard size: a safetensors writer may hold a whole shard's bytes in memory
 
 
 def save_masters(trainer, config: LlamaConfig, folder: Path) -> None:
@@ -5192,6 +4996,9 @@ def with_umask_modes(folder: Path) -> None:
     for path in folder.iterdir():
         if path.is_file():
             path.chmod(0o666 & ~current_umask())
+
+
+CHECKPOINT_FORMAT = 1
 
 
 def checkpoint_manifest(run: RunConfig, config: LlamaConfig, mode: str, plan: Plan | None = None) -> dict:
@@ -5349,6 +5156,9 @@ def save_checkpoint_tokenizer(tokenizer, folder: Path) -> list[str]:
         for name in names:
             os.replace(tmp / name, folder / name)
         return names
+
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # what ends a run early, every output whole or absent
 
 
 @contextlib.contextmanager
@@ -5712,6 +5522,10 @@ def train_tokenizer(run: RunConfig, files: list[Path], folder: Path):
     return tokenizer
 
 
+# matmul for (a GPU's are beyond any GPU's; a CPU's are a few cores', so that a run of minutes on a laptop is noted)
+END_OF_TEXT = "<|endoftext|>"  # a trained tokenizer's one special token: joins documents
+
+
 def trained_bpe(run: RunConfig, files: list[Path]):
     """A byte-level BPE of --train-tokenizer tokens trained on the corpus, END_OF_TEXT its one special token."""
     byte_level = tokenizers.pre_tokenizers.ByteLevel
@@ -5809,6 +5623,9 @@ def current_umask() -> int:
     return umask
 
 
+TOKEN_CACHE_FORMAT = 1  # part of the cache's key: a new format never reads an old file
+
+
 def corpus_key(run: RunConfig, files: list[Path], tokenizer_text: str) -> str:
     """What the token cache of a corpus is keyed by: each file's path, size and modification time, how it is read,
     and the tokenizer (its serialized form)."""
@@ -5853,6 +5670,15 @@ def remove_path(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+TOKEN_MAGIC = b"OLTOKS"  # a token cache file's header: this, the ids' itemsize (2 or 4) and their count
+
+
+TOKEN_HEADER = "<6sHQ"
+
+
+TOKENIZE_BATCH = 256  # documents the tokenizer's threads encode at once
+
+
 def write_tokens(run: RunConfig, files: list[Path], tokenizer, f) -> None:
     """Tokenize the documents a batch at a time in the tokenizer's threads, each followed by the end-of-text token,
     into `f` after its header; a progress line every few seconds."""
@@ -5878,6 +5704,9 @@ def write_tokens(run: RunConfig, files: list[Path], tokenizer, f) -> None:
     log(f"data: {count:,} tokens of {len(files)} file(s) tokenized in {time.perf_counter() - t0:.1f} s{note}")
 
 
+TOKEN_START = 16  # bytes: the header's size, where the ids start
+
+
 def mapped_tokens(path: Path) -> torch.Tensor | None:
     """The ids of a token cache file, memory-mapped; None where it is missing or not whole."""
     try:
@@ -5891,6 +5720,9 @@ def mapped_tokens(path: Path) -> torch.Tensor | None:
         return None
     dtype = torch.uint16 if itemsize == 2 else torch.uint32
     return torch.frombuffer(mapped, dtype=dtype, offset=TOKEN_START, count=count)
+
+
+HELD_OUT_SEED = 0  # draws the held-out blocks: the same for every --seed, so none is ever trained on
 
 
 class Blocks:
@@ -6049,6 +5881,24 @@ def prepare_data(run: RunConfig, vocab_size: int) -> tuple[Blocks, object]:
     return blocks, tokenizer
 
 
+def streamed_shell(config: LlamaConfig, streamer: LayerStreamer, device: torch.device) -> LlamaForCausalLM:
+    """A model with no weights of its own: every unit (embeddings, decoder layers, norm, head) a StreamedLayer over
+    the training streamer's units, so HF's forward and generate, KV cache and all, run the training state as it
+    streams. Each forward is one pass over the units in order."""
+    with torch.device("meta"):
+        shell = LlamaForCausalLM(config)
+    n = config.num_hidden_layers
+    shell.model.embed_tokens = StreamedLayer(0, streamer)
+    shell.model.layers = nn.ModuleList(StreamedLayer(1 + i, streamer, layer=i) for i in range(n))
+    shell.model.norm = StreamedLayer(n + 1, streamer)
+    shell.lm_head = StreamedLayer(n + 2, streamer)
+    shell.model.rotary_emb = LlamaRotaryEmbedding(config).to(device)  # computed, not trained
+    # HF reads the model's device and dtype from its first parameter: an empty one says where the units compute
+    shell.anchor = nn.Parameter(torch.empty(0, dtype=streamer.dtype, device=device), requires_grad=False)
+    streamer.begin(range(n + 3))
+    return shell.eval()
+
+
 def forward_model(trainer, config: LlamaConfig, device: torch.device) -> nn.Module:
     """What runs forward passes of the training state: gpu and cpu modes' model, or a streamed shell over the
     offloaded units."""
@@ -6173,6 +6023,9 @@ class Compute:
     def __call__(self):
         """Run the part."""
         return self.fn()
+
+
+SETTLE_S = 1.5  # seconds the bound times its GPU compute parts after: a loaded GPU's power cap slows its clocks
 
 
 def settle_clocks(fns: list) -> None:
@@ -6435,7 +6288,7 @@ def training_figures(trainer, result: dict) -> dict:
     pool = trainer.store.pool
     figures = {"gradient_pool": {"buffers": len(pool.buffers), "per_unit": pool.dedicated}}
     figures["gradient_pool"]["waited_ms"] = pool.waited_s * 1e3
-    disk = trainer.store.disk
+    disk = trainer.store.adam_moments.disk
     if disk:
         figures["disk_tier"] = {
             "units": len(disk.units),
@@ -6464,6 +6317,15 @@ def step_rates(run: RunConfig, config: LlamaConfig, mode: str, result: dict) -> 
     if peak and run.torch_dtype != torch.float32:
         rates["executed_share_of_peak"] = rates["executed_tflops"] * 1e12 / peak
     return rates
+
+
+DENSE_PEAK_FLOPS = {  # a GPU's dense 16-bit tensor-core peak, by a part of its name, from NVIDIA's data sheets
+    "H100 80GB HBM3": 989e12,  # the SXM card
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
+    "H200": 989e12,
+    "A100": 312e12,
+}
 
 
 def dense_peak_flops() -> float | None:
@@ -6538,8 +6400,8 @@ def train_bound_parts(trainer: OffloadedTraining, micro_batches, device) -> dict
         adam = adam_scratch(trainer.store, numel)
         cpu = torch.device("cpu")
         fns |= {"adam": (cpu, adam), "host": (cpu, lambda: adam_and_copies(trainer, big, adam, numel))}
-    if trainer.store.disk:
-        fns["disk"] = (torch.device("cpu"), lambda: disk_cycle(trainer.store.disk))
+    if trainer.store.adam_moments.disk:
+        fns["disk"] = (torch.device("cpu"), lambda: disk_cycle(trainer.store.adam_moments.disk))
     return fns
 
 
@@ -6547,6 +6409,9 @@ def resident_numels(trainer: OffloadedTraining) -> list[int]:
     """The sizes of the units kept on the GPU and stepped there, on the compute stream (ResidentUnits)."""
     resident = next((s for s in trainer.steppers.of if isinstance(s, ResidentUnits)), None)
     return [trainer.store.masters[u].numel() for u in resident.units] if resident else []
+
+
+RESIDENT_SCRATCH = 2**24  # elements: the bound times the resident units' Adam over scratch state this size
 
 
 def resident_adam(trainer: OffloadedTraining, numels: list[int], device) -> None:
@@ -6659,8 +6524,8 @@ def train_bound(trainer: OffloadedTraining, best: dict[str, float]) -> dict:
     if "resident_adam" in best:  # on the compute stream, between the passes
         parts["gpu_compute_ms"] += best["resident_adam"]
         figures["resident_adam_ms"] = best["resident_adam"]
-    if store.disk:
-        disk_bytes = disk_step_bytes(store.disk)  # read, and as many written
+    if store.adam_moments.disk:
+        disk_bytes = disk_step_bytes(store.adam_moments.disk)  # read, and as many written
         parts["disk_ms"] = best["disk"]
         figures |= {"disk_bytes": disk_bytes, "disk_gbps": 2 * disk_bytes / best["disk"] / 1e6}
     if trainer.streamer.streamed:
@@ -6930,6 +6795,14 @@ TABLES = {  # part: its tables as (title, columns split on "|", cells), in print
 }
 
 
+MODE_NAMES = {
+    "gpu": "w/o offload (gpu)",
+    "blocked": "blocked offload",
+    "overlapped": "overlapped offload",
+    "cpu": "cpu",
+}
+
+
 def tables(results: dict, run: RunConfig, tokens: int, reference: dict | None = None, host: dict | None = None) -> str:
     """The memory and time tables of a run, inference then training, with notes below (host: the process's peak
     resident set and the host memory it had, as run_all gives them)."""
@@ -7112,6 +6985,178 @@ def bound_note(mode: str, t: dict) -> str:
         f"{mode} training bound, each part alone (best of {rounds} rounds): GPU compute {t['gpu_compute_ms']:.1f} ms "
         f"(forward, recompute, backward{adam}; after {SETTLE_S:g} s of load){copies}{host}{disk}{held}"
     )
+
+
+# ---------------------------------------------------------------------------------------------------- running a mode
+# A mode run whole: its trainer set up from the plan, resumed, placed; its steps timed, with the bound's rounds,
+# checkpoints and evaluations between them; its outputs saved and described.
+
+
+def make_trainer(mode: str, model, masters: MasterStore | None, micro_batches, run: RunConfig, device, plan: Plan):
+    """The trainer for `mode`: the resident reference, or the streamed units with the CPU Adam (`masters` loaded)."""
+    if mode in ("gpu", "cpu"):
+        return ResidentTraining(model, run.torch_dtype, device, run.adam, run.clip_grad_norm)
+    t0 = time.perf_counter()
+    kwargs = decoder_kwargs(model, tuple(micro_batches[0].shape), run.torch_dtype, device)
+    depth = plan.modes[mode].depth
+    loss_function, max_norm = model.loss_function, run.clip_grad_norm
+    trainer = OffloadedTraining(masters, model.config, run.torch_dtype, device, depth, loss_function, kwargs, max_norm)
+    if plan.offload_activations:
+        trainer.inputs = ActivationOffload(trainer, len(micro_batches), tuple(micro_batches[0].shape))
+    masters.setup_s["trainer"] = time.perf_counter() - t0  # the GPU's ring and buffers, the saved inputs' host ones
+    return trainer
+
+
+def measure_offloaded(model, store: ParamStore, input_ids, device, depth: int, run: RunConfig, resident=()):
+    """An offloaded mode's inference (infer_offloaded), timed, its peak memory and its bound; the logits."""
+    shell, streamer = infer_offloaded(model, store, device, depth, resident)
+    ids = input_ids.to(device)
+    result = {"prefetch": depth, "slots": streamer.n_slots, "resident_layers": list(resident)}
+    if device.type != "cuda":
+        ms, logits = median_ms(lambda: logits_of(shell, ids), device, run.warmup, run.repeat)
+        return result | {"time_ms": ms}, logits.cpu()
+    logits_of(shell, ids)  # the peak of one pass, before the bound's parts add theirs
+    result |= gpu_memory(model.config, store.dtype, ids.numel(), len(resident) + streamer.n_slots)
+    parts = inference_parts(shell, streamer, ids)
+    times, logits = interleaved_ms({**parts, "pass": (device, lambda: logits_of(shell, ids))}, run.warmup, run.repeat)
+    result["time_ms"] = statistics.median(times["pass"])
+    result |= inference_bound(streamer, {name: min(times[name]) for name in parts}, result["time_ms"])
+    if run.profile and run.profile_mode == ("overlapped" if depth else "blocked"):  # a trace of one more pass
+        result["trace"] = profile_pass(lambda: logits_of(shell, ids), run.profile)
+    return result, logits.cpu()
+
+
+def run_mode(mode: str, model, store, input_ids, run: RunConfig, plan: Plan) -> tuple[dict, torch.Tensor | None]:
+    """One mode's inference result; {'oom': True} when it does not fit the GPU (or the --max-gpu-memory cap)."""
+    config = model.config
+    device = torch.device("cpu" if mode == "cpu" else "cuda")
+    log(f"mode {mode}: inference over {input_ids.numel()} tokens ...")
+    reset_peak_memory(device)
+    try:
+        with torch.inference_mode():
+            if mode in ("gpu", "cpu"):
+                return infer_resident(model, input_ids, device, run, config)
+            placed = plan.modes[mode]
+            if placed.inference_resident:
+                layers = ", ".join(map(str, placed.inference_resident))
+                peak = gib(sum(placed.inference_gpu.values()))
+                log(f"mode {mode}: decoder layers {layers} resident, predicted peak {peak} GiB")
+            return measure_offloaded(model, store, input_ids, device, placed.depth, run, placed.inference_resident)
+    except torch.OutOfMemoryError:
+        log(f"mode {mode}: out of GPU memory")
+        return {"oom": True}, None
+
+
+def train_mode(mode: str, model, masters, input_ids, run: RunConfig, plan: Plan, text=None) -> dict:
+    """One mode's training: `run.steps` steps on one fixed batch, or on --data's blocks (held-out loss and samples
+    before and after); {'oom': True} where it does not fit the GPU, or the plan says so. Compared with gpu mode's
+    (compared_modes), it keeps the first step's gradients and masters and the last step's masters."""
+    device, compared, ranks = torch.device("cpu" if mode == "cpu" else "cuda"), mode in compared_modes(run), run.ranks
+    if planned_oom(mode, plan, device):
+        return {"oom": True}
+    micro_batches = [ids.to(device) for ids in ranks.share(input_ids.chunk(run.grad_accum))]
+    log(f"mode {mode}: training, {run.steps} steps of {input_ids.numel()} tokens in {run.grad_accum} micro-batch(es)")
+    reset_peak_memory(device)
+    trainer = None
+    try:
+        trainer = make_trainer(mode, model, masters, micro_batches, run, device, plan)
+        manifest = checkpoint_manifest(run, model.config, mode, plan)
+        placed = prepare_steps(trainer, run, mode, plan, manifest)
+        profile = train_trace_path(run.profile) if run.profile and mode == run.profile_mode else None
+        bound_parts = bound_parts_of(trainer, micro_batches, device)
+        folder = mode_folder(run.checkpoint, run, mode) if run.checkpoint else None
+        tokenizer = text.tokenizer if text else None  # it travels with the checkpoints and the saved model
+        checkpoint = Checkpoints(trainer, folder, manifest, run.checkpoint_every, tokenizer) if folder else None
+        done = manifest.get("resumed_from", 0)
+        evaluation = Evaluation(trainer, run, model.config, device, text, done)
+        between = [task for task in (checkpoint, evaluation) if task]
+        batches = step_batches(text.blocks, run, device) if text and text.blocks else None
+        result = train_steps(trainer, micro_batches, run, compared, profile, bound_parts, between, done, batches)
+        trainer.finish()
+        if checkpoint:
+            checkpoint.write(run.steps)
+        evaluation.after()
+        result |= trained_outputs(trainer, run, model.config, mode, compared, tokenizer) | placed
+        result |= evaluation.figures() | training_figures(trainer, result) | step_rates(run, model.config, mode, result)
+        return rank_peaks(ranks, result, param_count(model.config))
+    except torch.OutOfMemoryError as e:
+        if ranks.several:  # one rank's OOM would leave the others in a collective: it ends the run (torchrun's exit)
+            raise
+        log(f"mode {mode}: out of GPU memory ({str(e).splitlines()[0]})")
+        return {"oom": True}
+    finally:  # an OOM or an interrupt too: the CPU Adam worker must stop before the buffers it steps are freed
+        if trainer is not None:
+            trainer.finish()
+
+
+def prepare_steps(trainer, run: RunConfig, mode: str, plan: Plan, manifest: dict) -> dict:
+    """Before the first step: the state from --resume, the units placed (offloaded modes on the GPU) and the CPU
+    Adam's moments zeroed; returns the placement for the JSON."""
+    if run.resume:
+        manifest["resumed_from"] = resume(trainer, mode_folder(run.resume, run, mode), manifest)
+    if not isinstance(trainer, OffloadedTraining):
+        return {}
+    trainer.ranks.meet()  # the steps' collectives wait the rank timeout at most: every rank set up first
+    t0 = time.perf_counter()
+    placed = place_units(trainer, run, mode, plan) if trainer.device.type == "cuda" else {}
+    # the CPU Adam's moments zeroed now, not in each unit's first step, where a page's first touch is slow; the other
+    # steppers keep theirs on the GPU (resident units) or zero them there (StreamedAdam): the host's stay untouched
+    trainer.store.zero_moments(
+        [u for u, stepper in enumerate(trainer.steppers.of) if stepper is trainer.steppers.cpu_adam]
+    )
+    trainer.store.setup_s["placed"] = time.perf_counter() - t0
+    return placed | {"setup_s": dict(trainer.store.setup_s)}
+
+
+def train_steps(
+    trainer, micro_batches, run, keep_grads, profile=None, bound_parts=None, tasks=(), done=0, batches=None
+):
+    """Run the steps, each timed from its start to the next one's (a step's last updates overlap the next forward).
+    bound_parts(): the bound's parts, timed in rounds between blocks of steps; tasks: run after i steps where due
+    (Checkpoints, Evaluation); the step after either is not timed. keep_grads: the first step's state, to compare.
+    done: the steps a resumed run had trained. batches(i): step i's micro-batches, else every step's `micro_batches`."""
+    batch = batches(done) if batches else micro_batches
+    tokens = sum(ids.numel() for ids in batch) * run.ranks.world  # the step's, over every rank
+    clock = StepClock(trainer, batch[0].device, done, run.steps, tokens)
+    rounds = bound_rounds(run) if bound_parts else []
+    losses, grads, parts, extra = [], None, collections.defaultdict(list), {}
+    for i in range(run.steps + 1):
+        if i in rounds:
+            clock.pause(i)
+            for _ in range(rounds.count(i)):
+                time_round(bound_parts(), parts, run.ranks)
+            clock.resume(after_round=True)
+        if i == run.steps:
+            break
+        if i == run.steps - 1 and profile:  # the last step, traced and left out of the timing
+            extra["trace"] = profile_step(trainer, batch, profile)
+            losses.append(extra["trace"].pop("loss"))
+            continue  # to the rounds after the last step
+        loss = trainer.step(batch)
+        if batches and i + 1 < run.steps:  # the next step's blocks, gathered and copied while this step's kernels run
+            batch = batches(done + i + 1)
+        losses.append(loss.item())  # S11: a sync: this step's forward and backward have run
+        if not math.isfinite(losses[-1]):
+            raise Diverged(f"step {done + i + 1}'s loss is {losses[-1]}: {DIVERGED}")
+        if i == 0 and keep_grads:
+            grads = first_step_state(trainer)
+        clock.lap(i, losses[-1])
+        run_tasks(tasks, i + 1, run.steps, clock)
+    if parts:
+        extra["bound_parts_ms"] = {name: ms[1:] for name, ms in parts.items()}  # the first round is a warm-up
+    paused = f", and {clock.paused_s:.1f} s between them (bound rounds, checkpoints, evaluations)"
+    log(f"  {len(clock.times)} steps in {sum(clock.times) / 1e3:.1f} s{paused if clock.paused_s else ''}")
+    return clock.result(run.warmup) | {"losses": losses, "grads": grads, "tokens_per_step": clock.tokens} | extra
+
+
+def run_tasks(tasks, done: int, last: int, clock: StepClock) -> None:
+    """The tasks due after `done` of the run's `last` steps, the step clock paused meanwhile."""
+    due = [task for task in tasks if task.due(done, last)]
+    if due:
+        clock.pause(done)  # the updates are written first
+        for task in due:
+            task.run(done)
+        clock.resume(after_round=True)
 
 
 # ------------------------------------------------------------------------------------------------ the run: checks, main

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import offload_llama as ol  # noqa: E402
 
 SCRIPT = Path(ol.__file__)
+MAX_SEARCH_LAYERS = 256  # the largest-model search stops here (52B parameters of LLaMA-7B's layers)
 LARGE_DISK_LAYERS = 1024  # how far large_disk looks
 
 
@@ -35,7 +36,7 @@ def with_layers(run: ol.RunConfig, layers: int) -> ol.RunConfig:
 
 
 def host_layer_limit(
-    run: ol.RunConfig, mode: str, free: float | None = None, most: int = ol.MAX_SEARCH_LAYERS
+    run: ol.RunConfig, mode: str, free: float | None = None, most: int = MAX_SEARCH_LAYERS
 ) -> int | None:
     """The most decoder layers (up to `most`) whose plan this machine's host memory holds in `mode`, and with --nvme
     its disk too, with `free` bytes of room there (default: its free space); None: not known."""
@@ -167,7 +168,7 @@ def probe_line(mode: str, layers: int, params: int, r: dict) -> str:
 def search(run: ol.RunConfig, mode: str, config) -> dict:
     """The most layers of `mode` that train, the probes made, and what stops one more."""
     host_limit = host_layer_limit(run, mode)
-    upper = ol.MAX_SEARCH_LAYERS if host_limit is None else host_limit  # more layers: refused before a probe
+    upper = MAX_SEARCH_LAYERS if host_limit is None else host_limit  # more layers: refused before a probe
     first = gpu_layer_guess(run, config) if mode == "gpu" else upper  # offloaded: GPU memory flat in layers
     probes = {}
 
@@ -194,7 +195,7 @@ def limit(run: ol.RunConfig, mode: str, config, n: int, after: dict | None) -> s
     more = dataclasses.replace(with_layers(run, n + 1), mode=mode)
     refusal = ol.plan_refusal(more, ol.llama_config(more), machine(more))
     if refusal is None:
-        return f"the search stops at {ol.MAX_SEARCH_LAYERS} layers"
+        return f"the search stops at {MAX_SEARCH_LAYERS} layers"
     return f"with {layer_count(n + 1)}, {refusal}"
 
 

@@ -64,7 +64,7 @@ def test_the_disk_tier_trains_bitwise_as_the_host(dtype, k, slots, grad_buffers,
     disk = offloaded_trainer(
         model, CPU, 1, batches, grad_buffers=grad_buffers, clip=clip, disk=(tmp_path, (2, 3, 4, 5))
     )
-    assert len(disk.store.disk.ring) == slots and disk.store.moments[3] is None
+    assert len(disk.store.adam_moments.disk.ring) == slots and disk.store.moments[3] is None
     disk_masters, disk_losses = steps(disk, batches, 4)
     assert disk_losses == losses
     assert all(torch.equal(disk_masters[name], m) for name, m in masters.items())
@@ -93,10 +93,10 @@ def test_the_bounds_disk_cycle_moves_a_step_and_changes_no_bit(slots, tmp_path, 
         return transfer(self, call, u, buffer)
 
     monkeypatch.setattr(ol.DiskTier, "transfer", counted)
-    waited = disk.store.disk.waited_s
-    ol.disk_cycle(disk.store.disk)
+    waited = disk.store.adam_moments.disk.waited_s
+    ol.disk_cycle(disk.store.adam_moments.disk)
     monkeypatch.setattr(ol.DiskTier, "transfer", transfer)
-    assert disk.store.disk.waited_s == waited > 0  # the mode's waits for reads still count, rounds or not
+    assert disk.store.adam_moments.disk.waited_s == waited > 0  # the mode's waits for reads still count, rounds or not
     assert sorted(moved) == sorted((call, u) for call in ("preadv", "pwritev") for u in (2, 3, 4, 5))
     assert [u for call, u in moved if call == "preadv"] == [5, 4, 3, 2]  # the backward's order
     steps(disk, batches, 2)
@@ -131,13 +131,13 @@ def test_a_failing_disk_ends_the_step_with_its_error(call, tmp_path, monkeypatch
     trainer = offloaded_trainer(model, CPU, 1, batches, disk=(tmp_path, (3, 4, 5)))
     trainer.step(batches)
     trainer.wait_updates()
-    trainer.store.disk.stop()  # the reader's next reads go through the failing call too
+    trainer.store.adam_moments.disk.stop()  # the reader's next reads go through the failing call too
 
     def full(*args):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(os, call, full)
-    trainer.store.disk.start()
+    trainer.store.adam_moments.disk.start()
     with pytest.raises(OSError) as e:
         trainer.step(batches)
         trainer.finish()
@@ -258,7 +258,7 @@ def test_the_bound_and_the_notes_count_the_disk(tmp_path):
     parts = ("embed", "layer", "norm", "head", "h2d", "d2h", "adam", "host")
     result = {"time_ms": 1e6, "bound_parts_ms": {name: [1.0] for name in parts} | {"disk": [3.0, 2.0]}}
     t = result | ol.training_figures(trainer, result)
-    disk = trainer.store.disk
+    disk = trainer.store.adam_moments.disk
     assert t["disk_tier"]["units"] == 2 and t["disk_bytes"] == ol.disk_step_bytes(disk) >= 8 * 2 * 46336
     assert t["disk_ms"] == 2.0 and t["disk_gbps"] == pytest.approx(2 * t["disk_bytes"] / 2e6)  # the best round
     notes = "\n".join(ol.training_notes("overlapped", t, ol.RunConfig(train=True)))
@@ -324,7 +324,7 @@ def test_stopping_the_reader_as_it_takes_a_unit_does_not_hang(tmp_path):
     before a bound's round or a mode's load; stop() returns, and the reader with it."""
     model, batches = five_layers("bfloat16")
     trainer = offloaded_trainer(model, CPU, 1, batches, disk=(tmp_path, (5,)))
-    disk, inside = trainer.store.disk, threading.Event()
+    disk, inside = trainer.store.adam_moments.disk, threading.Event()
 
     class SlowClear(threading.Event):
         """An event whose clear() lets stop() come first."""

@@ -154,9 +154,9 @@ def test_cli_find_largest_on_the_cpu(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     found = json.loads(out.read_text())["find_largest"]["cpu"]
-    assert found["layers"] == ol.MAX_SEARCH_LAYERS and "search stops" in found["limited_by"]
+    assert found["layers"] == fl.MAX_SEARCH_LAYERS and "search stops" in found["limited_by"]
     assert len(found["training"]["losses"]) == 2 and found["training"]["time_ms"] > 0
-    assert f"probe cpu, {ol.MAX_SEARCH_LAYERS} layers" in r.stderr and "The largest model that trains" in r.stdout
+    assert f"probe cpu, {fl.MAX_SEARCH_LAYERS} layers" in r.stderr and "The largest model that trains" in r.stdout
 
 
 @pytest.mark.slow  # a process of its own, importing torch: 11 s

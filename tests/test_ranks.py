@@ -56,7 +56,7 @@ def trainer_of(model, micro_batches, world_batches, depth, ranks=None, clip=None
     kwargs = ol.decoder_kwargs(model, tuple(micro_batches[0].shape), dtype, CPU)
     trainer = ol.OffloadedTraining(store, model.config, dtype, CPU, depth, model.loss_function, kwargs, clip)
     if gpu_adam:
-        trainer.place((), gpu_adam, own_grads=False)
+        ol.place_on_gpu(trainer, (), gpu_adam, own_grads=False)
     return trainer
 
 

@@ -208,7 +208,7 @@ def test_offloaded_resume_equals_one_run(tmp_path, dtype, clip, resident):
         if resume_from:
             manifest["resumed_from"] = ol.resume(trainer, resume_from, manifest)
         if resident:
-            trainer.place(resident)
+            ol.place_on_gpu(trainer, resident)
         for _ in range(steps):
             trainer.step([ids])
         trainer.finish()
