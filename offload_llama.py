@@ -873,6 +873,39 @@ def check_run(run: RunConfig) -> None:
     positions = sizes.get("max_position_embeddings") or 0
     if run.sample and positions and run.sample_tokens >= positions:
         raise UsageError(f"--sample-tokens {run.sample_tokens}: the model has {positions} positions, prompt included")
+    check_tokenizer_at_hand(run)
+
+
+def check_tokenizer_at_hand(run: RunConfig) -> None:
+    """Text in (--data) or out (--sample) needs a tokenizer: --tokenizer's, one trained on --data (--train-tokenizer),
+    with --data the --resume checkpoint's, or --model's where its folder has one; else one line, before torch loads."""
+    if run.tokenizer and not has_tokenizer(run.tokenizer):
+        raise UsageError(f"--tokenizer {run.tokenizer}: no tokenizer.json, tokenizer.model or vocab.json there")
+    if run.tokenizer or has_tokenizer(run.model) or not (run.data or run.sample):
+        return
+    if run.data and (run.train_tokenizer or resumes_with_tokenizer(run)):
+        return
+    if run.data:
+        raise UsageError("no tokenizer: give --tokenizer DIR, or --train-tokenizer V to train one on the data")
+    raise UsageError("--sample needs a tokenizer: give --tokenizer DIR, or --data with --train-tokenizer V")
+
+
+def resumes_with_tokenizer(run: RunConfig) -> bool:
+    """Whether the --resume checkpoint's record names a tokenizer it trained with (an unreadable record: no; resume
+    says what is wrong with it)."""
+    if run.resume is None:
+        return False
+    try:
+        record = json.loads((mode_folder(run.resume, run, run.modes[0]) / CHECKPOINT_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and bool(record.get("tokenizer"))
+
+
+def has_tokenizer(folder: str | None) -> bool:
+    """Whether `folder` holds a tokenizer's files."""
+    names = ("tokenizer.json", "tokenizer.model", "vocab.json")
+    return folder is not None and any((Path(folder) / name).is_file() for name in names)
 
 
 # inputs and outputs: every input readable, every output writable, and no output on or inside an input
@@ -5458,12 +5491,6 @@ def corpus_documents(run: RunConfig, files: list[Path], skipped: list[Path] | No
         yield from file_documents(path, text, run.text_field)
 
 
-def has_tokenizer(folder: str | None) -> bool:
-    """Whether `folder` holds a tokenizer's files."""
-    names = ("tokenizer.json", "tokenizer.model", "vocab.json")
-    return folder is not None and any((Path(folder) / name).is_file() for name in names)
-
-
 def checkpoint_tokenizer(run: RunConfig):
     """The tokenizer a --resume checkpoint trained with (its record names its files), or None where it has none;
     refused with one line where it does not load."""
@@ -5829,7 +5856,8 @@ def prepare_text(run: RunConfig, config: LlamaConfig) -> Text | None:
         tokens = len(text.tokenizer(prompt).input_ids) + run.sample_tokens
         if tokens > config.max_position_embeddings:
             positions = config.max_position_embeddings
-            raise UsageError(f"--sample {prompt!r} and --sample-tokens make {tokens} tokens: the model has {positions}")
+            shown = repr(prompt) if len(prompt) <= 60 else f"{prompt[:40]!r}... ({len(prompt)} characters)"
+            raise UsageError(f"--sample {shown} and --sample-tokens make {tokens} tokens: the model has {positions}")
     return text
 
 

@@ -197,6 +197,15 @@ def test_bad_data_is_refused_before_the_model_is_built(tmp_path, capsys):
     assert "tokens: --seq-len 32 needs 64" in line
 
 
+def test_an_over_long_prompt_is_refused_in_one_short_line(tmp_path, capsys):
+    """A prompt longer than the model's positions is named by its start and length, not echoed whole."""
+    prompt = "def return " * 3000
+    line = refusal(
+        capsys, tmp_path, "--data", corpus(tmp_path / "corpus"), "--train-tokenizer", 300, "--sample", prompt
+    )
+    assert "and --sample-tokens make" in line and f"({len(prompt)} characters)" in line and len(line) < 300
+
+
 def test_a_file_that_is_not_utf8_is_named_with_its_byte_offset_or_skipped(tmp_path, capsys):
     folder = corpus(tmp_path / "corpus")
     (folder / "bad.py").write_bytes(b"def f():\n    return '\xff'\n")

@@ -106,6 +106,15 @@ REFUSED_AT_ONCE = {  # flags wrong in themselves: answered before the model is b
         "--save-pretrained and --checkpoint both name",
     ),
     "sizes no LLaMA has": (["--preset", "tiny", "--heads", "5"], "not divisible by 5 attention heads"),
+    "text without a tokenizer": (
+        ["--preset", "tiny", "--train", "--data", "{tmp}/site/torch/__init__.py"],
+        "no tokenizer: give --tokenizer DIR",
+    ),
+    "a prompt without a tokenizer": (["--preset", "tiny", "--train", "--sample", "def"], "--sample needs a tokenizer"),
+    "a tokenizer folder without one": (
+        ["--preset", "tiny", "--train", "--sample", "def", "--tokenizer", "{tmp}/site"],
+        "no tokenizer.json, tokenizer.model or vocab.json there",
+    ),
 }
 
 
