@@ -4,8 +4,8 @@ Each decoder layer's weights live in pinned host memory as one flat buffer, copi
 slots just before they run. The two offloaded modes run the same code and synchronise the same way (the table at the top
 of the layer streamer): `blocked` is depth 0, one slot, each copy waited for before its layer computes; `overlapped`
 copies --prefetch units ahead into more slots while the current one computes, and its plan may also keep layers resident
-and step a share of the units on the GPU's Adam (training_placement). Inference runs the unmodified Hugging Face forward
-with stand-ins for its decoder layers. Training streams every unit through an autograd Function and steps Adam on
+and step a share of the units on the GPU's Adam (places_on_gpu). Inference runs the unmodified Hugging Face forward with
+stand-ins for its decoder layers. Training streams every unit through an autograd Function and steps Adam on
 float32 masters: on the host (the CPU Adam), or where the plan says on the GPU (resident units, and a share over state
 streamed in).
 References: torchao's CPUOffloadOptimizer, torchtune's activation offloading, gau-nernst's offload.py, gpt-fast.
@@ -1321,8 +1321,7 @@ class FlatLayout:
         return [(name, o, lo, hi) for name, o, lo, hi in bounds if lo < hi]
 
     def pieces(self, shard: torch.Tensor, start: int) -> list[torch.Tensor]:
-        """The parameters' pieces within `shard`, the part of a flat buffer from element `start` on, the padding
-        between them left out (in the shared gradient buffer, it holds what other units left there)."""
+        """The parameters' pieces within `shard` (a flat buffer from element `start` on), the padding left out."""
         return [shard[lo - start : hi - start] for _, _, lo, hi in self.spans(start, start + shard.numel())]
 
     def fill(self, flat: torch.Tensor, get, start: int = 0) -> None:
@@ -1341,8 +1340,7 @@ class FlatLayout:
 
 class ParamStore:
     """Inference: each decoder layer's weights as one flat CPU buffer in the compute dtype, pinned when a GPU streams
-    it; the CPU model's layer parameters become views into them, so the host holds one copy (ShardedParamStore: a
-    rank's shard of each)."""
+    it; the CPU model's layer parameters become views into them: one copy (ShardedParamStore: a rank's shards)."""
 
     ranks = Ranks()  # one process
 
@@ -1378,8 +1376,8 @@ class ParamStore:
 #   S3   landed, CUDA event. Recorded by wait_copies on copy and gather. Waited on by the stream given: compute
 #        (keep_resident), or timed's end. A ring is not freed, nor a time ended, under a copy.
 #   S4   done[u], thread event. Cleared by CpuAdam.update (main or autograd), set by the worker when unit u's update
-#        is written. Waited on by wait_written (in prefetch; main or autograd) and wait_all (main). A host source is
-#        not copied or saved mid-update.
+#        is written. Waited on by wait_written (in prefetch; main or autograd) and wait_all (main); polled by written
+#        (CopyWindow). A host source is not copied or saved mid-update.
 #   S5   ready, CUDA event. Recorded by send on compute once the unit's backward is issued. Waited on by
 #        CpuAdam.send and to_send on D2H, StreamedAdam.take on s_adam. Gradients are not read before all are written.
 #   S6   summed, CUDA event (several ranks). Recorded by to_send on D2H after the reduce-scatter. Waited on by the
@@ -1441,8 +1439,7 @@ class CopyWindow:
         self.entered = max(self.entered, end)
 
     def take(self, written, need: int | None = None) -> list[int]:
-        """The waiting positions to issue now: those whose units' sources are written(u), in order, then `need`, about
-        to run, which must be issued even if its copy has to wait for its source."""
+        """The waiting positions to issue now: the written(u) ones in order, then `need` (about to run) even if not."""
         issue = [q for q in self.waiting if written(self.units[q])]
         if need in self.waiting and need not in issue:
             issue.append(need)
@@ -1517,7 +1514,7 @@ class LayerStreamer:
         if u in self.kept and self.holds[s] == u:
             return
         dst = self.destination(s, src)
-        self.writer.wait_written(u)  # S4, S13: the host, or the copy stream, waits until the update has written it
+        self.writer.wait_written(u)  # S4, S13, S14: the host, or the copy stream, waits until the source is written
         with on_stream(self.copy_stream):
             self.copy_stream.wait_event(self.freed[s])  # S2: the slot's previous unit may still be running from it
             if src.dtype == self.dtype:
@@ -1714,7 +1711,7 @@ class MasterStore:
         self.update = AdamUpdate(adam, grad_dtype, copy_dtype, scaled_grads)  # scaled: --clip-grad-norm
         self.grad_dtype = self.update.grad_dtype  # float32 where the update did not compile
         self.pinned_moments = set()  # units whose moments StreamedAdam moved into pinned memory
-        self.setup_s = {}  # seconds spent building this state, by part (training_store, run_modes, prepare_steps)
+        self.setup_s = {}  # seconds of set-up by part (training_store, run_modes, make_trainer, prepare_steps)
         self.steps = [torch.zeros(()) for _ in units]
         self.unstarted = set(range(len(units)))  # units whose moments are not zeroed for their first step yet
         self.pool = GradientPool(numels, grad_buffers or len(units), pin, self.grad_dtype)
@@ -1736,7 +1733,7 @@ class MasterStore:
         return self.grads[u]
 
     def step(self, u: int, multiplier: float = 1.0) -> None:
-        """Unit u's Adam step (master, moments and copy in one pass) on its gradients times `multiplier`, then freed."""
+        """Unit u's Adam step (master, moments, copy: one pass where compiled) on its gradients times `multiplier`."""
         if u in self.unstarted:
             self.zero_moments([u])
         copy = self.copies[u] if self.copies else None
@@ -1866,9 +1863,8 @@ class HostState:
 
 
 class CpuAdam(HostState):
-    """The plain path's stepper: a unit's gradients leave on the D2H stream for a pinned buffer of the store, and a
-    worker thread steps the unit once they have landed; of the landed units, first the one the next forward needs
-    first (the embeddings and first layers, whose gradients come last), so it overlaps the later layers' updates."""
+    """The plain path's stepper: a unit's gradients leave on the D2H stream for a pinned buffer, and a worker thread
+    steps it once they landed; of the landed units, first the one the next forward needs first (the lowest)."""
 
     def __init__(self, store: MasterStore, device: torch.device, d2h_stream):
         super().__init__(store)
@@ -1914,8 +1910,8 @@ class CpuAdam(HostState):
         return self.done[u].is_set()
 
     def wait_all(self) -> None:
-        """Block until every queued update is done, and the disk tier has written back what they changed; re-raise
-        an error of the worker once all are done (it goes on with the others), so no update outlives the wait."""
+        """Block until every queued update is done, and the disk tier has written back what they changed. An error of
+        the worker is re-raised once every update is done (it goes on with the others), before the write-backs."""
         for done in self.done:
             done.wait()  # S4
         if self.error:
@@ -1930,7 +1926,7 @@ class CpuAdam(HostState):
         with self.cond:
             self.pending.append(None)  # last in the queue: the worker steps every queued unit first
             self.cond.notify()
-        self.thread.join()
+        self.thread.join()  # S9: the worker took the stop, after every queued job
         self.wait_all()
 
     def next_job(self):
@@ -1989,8 +1985,7 @@ class Steppers:
         self.buffer = None
 
     def assign(self, chosen: dict, buffer: torch.Tensor) -> None:
-        """Step the units of `chosen` (unit -> stepper) by their steppers, the CPU Adam the rest; their gradients
-        accumulate in `buffer` (place_on_gpu)."""
+        """Step `chosen`'s units (unit -> stepper) by theirs, the rest by the CPU Adam; their gradients in `buffer`."""
         self.buffer = buffer
         self.of = [chosen.get(u, self.cpu_adam) for u in range(len(self.of))]
 
@@ -2002,14 +1997,12 @@ class Steppers:
         return self.buffer[: self.store.ranks.whole_numel(self.store.masters[u])]
 
     def wait_to_write(self, u: int, stream) -> None:
-        """Before unit u's backward writes its gradients into the shared buffer, `stream` waits for the last ones sent
-        to have left it."""
+        """Before unit u's backward writes the shared buffer, `stream` waits for the last gradients sent to leave it."""
         if self.of[u].shares_buffer:
             stream.wait_event(self.last_landed)  # S8
 
     def send(self, u: int, ready) -> torch.Tensor:
-        """Send unit u's gradients to its stepper once `ready` (the end of the unit's backward). Returns what was
-        sent."""
+        """Send unit u's gradients to its stepper once `ready` (its backward's end); returns what was sent."""
         grads, ready = self.to_send(u, ready)
         landed = self.of[u].send(u, grads, ready)
         if landed is not None:  # None: they stay on the GPU (a resident unit), and the last ones sent hold the buffer
@@ -2123,7 +2116,7 @@ class OffloadedTraining:
         streamed = (store.weights, kinds, make_module, dtype, device, depth)
         self.streamer = layer_streamer_of(self.ranks, *streamed, writer=self.steppers)
         self.anchor = torch.empty(0, device=device, requires_grad=True)
-        # the plain path's policies for saved inputs, the loss's scale and the gradients' clipping
+        # saved inputs: the plain path's (make_trainer may offload them); float16: LossScale; max_norm: GradClip
         self.inputs, self.scaling = KeptInputs(), loss_scaling(dtype, device, self.ranks)
         self.clip = Unclipped() if max_norm is None else GradClip(store, max_norm, device)
         self.grad_norms = self.clip.grad_norms  # each applied step's gradient norm before clipping (none without it)
@@ -2190,15 +2183,13 @@ class OffloadedTraining:
         return mean_loss(losses, self.ranks)
 
     def state_dict(self, grads: bool = False, on_first: bool = False) -> dict[str, torch.Tensor]:
-        """The float32 masters (grads: the gradients the steppers keep) with HF names on the CPU, after every update;
-        with several ranks on every rank, or (on_first) on rank 0 alone (MasterStore.state_dict)."""
+        """The float32 masters (grads: the gradients the steppers keep) by HF name on the CPU, after every update."""
         self.wait_updates()
         return self.store.state_dict([self.steppers.state(u, grads) for u in range(len(self.units))], on_first)
 
     def unit_state(self, u: int) -> dict:
-        """Unit u's training state for a checkpoint: its name (resume checks it), its step count, and its float32 master
-        and moments as a checkpoint keeps them (Ranks.checkpointed: by name, or with several ranks this rank's flat
-        shards)."""
+        """Unit u's state for a checkpoint: its name (resume checks it), step count, float32 master and moments, kept by
+        parameter name (several ranks: this rank's flat shards, Ranks.checkpointed)."""
         master, exp_avg, exp_avg_sq, step = self.steppers.adam_state(u)
         flats = {"master": master, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
         layout, name = self.units[u].layout, self.units[u].name
@@ -2210,7 +2201,7 @@ class OffloadedTraining:
         self.store.load_unit(u, state)
 
     def named_masters(self):
-        """Each parameter's float32 master on the CPU by HF name: host masters in place, each its own storage."""
+        """Each parameter's float32 master by HF name on the CPU, its own storage (one process: a rank has shards)."""
         for u, unit in enumerate(self.units):
             master = self.steppers.state(u).cpu()  # a resident unit's is copied from the GPU
             for name, shape, offset in zip(unit.layout.names, unit.layout.shapes, unit.layout.offsets, strict=True):
@@ -2275,7 +2266,7 @@ def mean_loss(losses, ranks: Ranks = Ranks()) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------- modes
-# Inference's pass; training's is OffloadedTraining.step. A mode run whole (its plan, steps, checkpoints) comes last.
+# Inference's pass; training's is OffloadedTraining.step. A mode run whole (plan, steps, checkpoints): running a mode.
 
 
 def logits_of(model: LlamaForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
@@ -2283,9 +2274,18 @@ def logits_of(model: LlamaForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids, use_cache=False).logits  # (B, T, vocab)
 
 
+def mode_depth(mode: str, prefetch: int) -> int:
+    """Units the copy stream runs ahead: blocked 0, overlapped --prefetch (else the same code but places_on_gpu)."""
+    return prefetch if mode == "overlapped" else 0
+
+
+def places_on_gpu(mode: str) -> bool:
+    """Whether the plan may keep `mode`'s units resident and step some on the GPU's Adam: overlapped alone."""
+    return mode == "overlapped"
+
+
 def infer_offloaded(model: LlamaForCausalLM, store: ParamStore, device, depth: int, resident=()):
-    """blocked (depth 0) and overlapped modes' inference: the HF forward streaming all but the `resident` layers from
-    `store`. Returns that model and its streamer; logits_of runs it."""
+    """Offloaded inference: HF's forward streaming all but the `resident` layers; returns it and its streamer."""
     streamer = layer_streamer(store, model.config, device, depth, resident)
     return offloaded_model(model, streamer, device), streamer
 
@@ -4164,7 +4164,7 @@ def activation_offload_planned(run: RunConfig, config: LlamaConfig, facts: Facts
 
     def streamed_peak(r: RunConfig, mode: str) -> int:
         """Training's peak in `mode` with every unit streamed and stepped by the CPU Adam."""
-        depth = r.prefetch if mode == "overlapped" else 0
+        depth = mode_depth(mode, r.prefetch)
         parts = training_parts(r, config, facts, depth, False, (), (), r.torch_dtype) | unplaced_bytes(r, config, facts)
         return sum(parts.values())
 
@@ -4241,7 +4241,7 @@ def disk_units(config: LlamaConfig, layers: int) -> tuple[int, ...]:
 
 def mode_plan(run: RunConfig, config: LlamaConfig, facts: Facts, mode: str, copy) -> ModePlan:
     """An offloaded mode's placements, for inference and for training, and its training bound's parts."""
-    depth = run.prefetch if mode == "overlapped" else 0
+    depth = mode_depth(mode, run.prefetch)
     inference = inference_placement(run, config, facts, mode) if run.inference else ((), {})
     training = ((), (), {}, True)
     if run.train:
@@ -4258,14 +4258,14 @@ def spread(n: int, k: int) -> tuple[int, ...]:
 def inference_placement(run: RunConfig, config: LlamaConfig, facts: Facts, mode: str) -> tuple[tuple, dict]:
     """overlapped: as many decoder layers resident as the budget holds (or --resident-layers), spread; blocked, or
     several ranks: none. Returns them and the forward's predicted GPU memory by part."""
-    layers, depth, tokens = config.num_hidden_layers, run.prefetch if mode == "overlapped" else 0, run.tokens
+    layers, depth, tokens = config.num_hidden_layers, mode_depth(mode, run.prefetch), run.tokens
 
     def parts(k: int) -> dict[str, int]:
         """The forward's GPU memory with k layers resident."""
         return analytic_peak_bytes(config, run.torch_dtype, tokens, k + min(depth + 1, layers - k))
 
     count, budget = run.resident_layers, gpu_budget(run, facts)
-    if mode != "overlapped" or facts.world > 1 or (count is None and budget is None):  # a rank streams every layer
+    if not places_on_gpu(mode) or facts.world > 1 or (count is None and budget is None):  # a rank streams every layer
         count = 0
     elif count is None:
         count = max((k for k in range(layers + 1) if sum(parts(k).values()) <= budget), default=0)
@@ -4294,7 +4294,7 @@ def training_placement(run: RunConfig, config: LlamaConfig, facts: Facts, mode: 
     gpu_adam_units, unless its staging alone breaks the budget or (by default) the compute bounds the step with every
     unit on the CPU Adam; blocked: none; neither takes a unit whose moments are on the disk. Returns (resident, GPU
     Adam units, predicted GPU bytes by part, whether they fit the budget, or without a cap the GPU)."""
-    depth, units = run.prefetch if mode == "overlapped" else 0, model_units(config)
+    depth, units = mode_depth(mode, run.prefetch), model_units(config)
     own_grads = bool(compared_modes(run)) or run.holds_updates
     on_disk, besides = disk_units(config, run.nvme_layers or 0), unplaced_bytes(run, config, facts)
 
@@ -4304,8 +4304,8 @@ def training_placement(run: RunConfig, config: LlamaConfig, facts: Facts, mode: 
         parts = training_parts(run, config, facts, depth, own_grads, resident, gpu_adam, copy)
         return tuple(resident), gpu_adam, parts | besides
 
-    budget, resident, share = gpu_budget(run, facts), [], run.gpu_adam if mode == "overlapped" else 0.0
-    keeps = mode == "overlapped" and facts.world == 1  # a rank's units are its shards: none resident
+    budget, resident, share = gpu_budget(run, facts), [], run.gpu_adam if places_on_gpu(mode) else 0.0
+    keeps = places_on_gpu(mode) and facts.world == 1  # a rank's units are its shards: none resident
     uncapped = keeps and budget is None and run.resident_layers is None  # compute-bound, it keeps units (below)
     if share and run.gpu_adam_share is None and not uncapped and compute_bound(run, config, facts, ((), ()), copy):
         share = 0.0  # the compute bounds the step with every unit on the CPU Adam: the GPU's Adam would add to it
@@ -4822,7 +4822,7 @@ def gpu_bytes_needed(run: RunConfig, config: LlamaConfig, mode: str) -> int:
     act = max(act, attention_bytes(run, config, whole_backward=run.train and mode == "gpu"))
     if mode == "gpu":
         return param_count(config) * (2 * b + 16 if run.train else b) + act
-    depth = 0 if mode == "blocked" else run.prefetch
+    depth = mode_depth(mode, run.prefetch)
     inference = min(depth + 1, layers) * layer_bytes(config, dtype) + resident_bytes(config, dtype) + act
     if not run.train:
         return inference
