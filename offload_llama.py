@@ -10,6 +10,12 @@ float32 masters: on the host (the CPU Adam), or where the plan says on the GPU (
 streamed in).
 References: torchao's CPUOffloadOptimizer, torchtune's activation offloading, gau-nernst's offload.py, gpt-fast.
 
+A training step in the core: StreamedUnit's forward takes each unit from the LayerStreamer (prefetch copies it ahead,
+acquire waits for the copy) and keeps only its inputs (KeptInputs); its backward takes the unit again, recomputes and
+back-propagates it (unit_backward), and sends the gradients out (OffloadedTraining.send, Steppers, CpuAdam.send: the
+D2H copy), where the CPU Adam's worker steps the unit (AdamUpdate, whose bytes_per_param counts its host traffic); the
+unit's next copy waits for that update (wait_written). The table at the top of the layer streamer lists every wait.
+
 The sections, in reading order, and the names that open them. The core, the plain path, runs from the parameter store
 to the modes, right after the command line (checked before torch loads); the accelerations plug into it as policies;
 the plan, measurement and tables are instruments around it; running a mode puts them together.
