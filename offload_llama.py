@@ -5500,15 +5500,11 @@ def corpus_documents(run: RunConfig, files: list[Path], skipped: list[Path] | No
 def checkpoint_tokenizer(run: RunConfig):
     """The tokenizer a --resume checkpoint trained with (its record names its files), or None where it has none;
     refused with one line where it does not load."""
-    if run.resume is None:
+    if not resumes_with_tokenizer(run):  # an unreadable record too: read_checkpoint says what is wrong with it
         return None
     folder = mode_folder(run.resume, run, run.modes[0])
     try:
-        named = json.loads((folder / CHECKPOINT_FILE).read_text()).get("tokenizer") or []
-    except (OSError, ValueError, AttributeError):
-        return None  # read_checkpoint says what is wrong with the record
-    try:
-        return transformers.AutoTokenizer.from_pretrained(folder) if named else None
+        return transformers.AutoTokenizer.from_pretrained(folder)
     except Exception as e:  # a damaged or missing file: the errors of tokenizers and json vary
         raise UsageError(f"--resume {folder}: its tokenizer does not load ({first_line(e)}): it is damaged") from None
 
