@@ -1716,7 +1716,6 @@ class MasterStore:
         # after the pinning, which the update's compile may still overlap (start_adam_compile)
         self.update = AdamUpdate(adam, grad_dtype, copy_dtype, scaled_grads)  # scaled: --clip-grad-norm
         self.grad_dtype = self.update.grad_dtype  # float32 where the update did not compile
-        self.pinned_moments = set()  # units whose moments StreamedAdam moved into pinned memory
         self.setup_s = {}  # seconds of set-up by part (training_store, run_modes, make_trainer, prepare_steps)
         self.steps = [torch.zeros(()) for _ in units]
         self.unstarted = set(range(len(units)))  # units whose moments are not zeroed for their first step yet
@@ -3041,9 +3040,8 @@ class StreamedAdam(HostState):
         self.device = device
         self.copy_stream = copy_stream  # the weights' copies: a unit's next one waits for its state to be written
         self.keep_first_grads = keep_first_grads  # the first step's gradients go to the host, to compare them
-        for u in [u for u in self.units if u not in store.pinned_moments]:  # once: each placement makes a new one
+        for u in self.units:
             store.adam_moments.pin(u, store.pin)  # for the copy engines, a unit at a time
-            store.pinned_moments.add(u)
         numel = max((store.masters[u].numel() for u in self.units), default=0)
         self.buffer = torch.empty(numel, dtype=store.grad_dtype, device=device)  # the unit's gradients, taken
         self.slots = [self.staging_slot(min(numel, GPU_ADAM_CHUNK)) for _ in range(2)]
@@ -3614,6 +3612,7 @@ class HostMoments:
             None if u in elsewhere else (host_zeros(n, torch.float32, False), host_zeros(n, torch.float32, False))
             for u, n in enumerate(numels)
         ]
+        self.pinned = set()  # units whose moments pin moved: each placement makes a new StreamedAdam, which pins
 
     def stage(self, u: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Unit u's moments for its step."""
@@ -3638,8 +3637,10 @@ class HostMoments:
         fill(*self.buffers[u])
 
     def pin(self, u: int, pin: bool) -> None:
-        """Move unit u's moments into pinned memory (pin) for the copy engines."""
-        self.buffers[u] = tuple(host_zeros(m.numel(), torch.float32, pin).copy_(m) for m in self.buffers[u])
+        """Move unit u's moments into pinned memory (pin) for the copy engines, once."""
+        if u not in self.pinned:
+            self.buffers[u] = tuple(host_zeros(m.numel(), torch.float32, pin).copy_(m) for m in self.buffers[u])
+            self.pinned.add(u)
 
     def restart(self) -> None: ...  # a new mode's load: nothing staged
 

@@ -123,9 +123,9 @@ def untagged_waits(source: str, first: str, last: str) -> tuple[list[str], set[s
 
 
 def test_every_wait_of_the_core_names_its_row_of_the_sync_table():
-    """The table at the top of the streamer section lists every synchronisation of the core and its accelerations;
-    each CUDA, thread or queue wait from there to the end of the several-GPU section, and in running a mode (the
-    steps' end), names its row, and each row is named."""
+    """The table lists every synchronisation of the core (its rows at the top of the streamer section) and of the
+    accelerations (theirs at the top of that section); each CUDA, thread or queue wait from the streamer to the end of
+    the several-GPU section, and in running a mode (the steps' end), names its row, and each row is named."""
     source = SCRIPT.read_text()
     untagged, rows, named = untagged_waits(source, "layer streamer", "the plan")
     steps_untagged, _, steps_named = untagged_waits(source, "running a mode", "the run: checks, main")  # S11
