@@ -401,6 +401,13 @@ EXAMPLES = f"""examples:
       LLaMA-7B, 64 x 1024 tokens a step, under an 11 GiB GPU cap"""
 
 
+def print_error(message: str) -> None:
+    """The one line of a refusal or failure on stderr, written and flushed in one call: several ranks share the
+    stream, and print's separate write of the newline would let their lines run together."""
+    sys.stderr.write(f"offload_llama.py: error: {message}\n")
+    sys.stderr.flush()
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with bad arguments reported as one line and exit code 2, like every other bad input; no prefixes of
     flags (--save-pretrain is not --save-pretrained)."""
@@ -410,7 +417,7 @@ class Parser(argparse.ArgumentParser):
         super().__init__(description=description, formatter_class=HelpFormatter, epilog=EXAMPLES, allow_abbrev=False)
 
     def error(self, message):  # one line, exit 2
-        print(f"offload_llama.py: error: {message} (see --help)", file=sys.stderr)
+        print_error(f"{message} (see --help)")
         sys.exit(2)
 
 
@@ -863,7 +870,7 @@ def check_command_line(argv=None) -> None:
     try:
         check_run(run)
     except UsageError as e:
-        print(f"offload_llama.py: error: {e}", file=sys.stderr)
+        print_error(str(e))
         sys.exit(2)
 
 
@@ -7511,11 +7518,11 @@ def main(argv=None) -> int:
             stop_ranks()
         except UsageError as e:
             finish_early()
-            print(f"offload_llama.py: error: {e}", file=sys.stderr)
+            print_error(str(e))
             return 2
         except (Diverged, OSError) as e:  # what was written before stays whole: every output is written aside
             finish_early()
-            print(f"offload_llama.py: error: {failure_line(e)}", file=sys.stderr)
+            print_error(failure_line(e))
             return 1
         except (KeyboardInterrupt, Terminated) as e:
             finish_early()
@@ -7529,7 +7536,7 @@ def main(argv=None) -> int:
             lost = lost_ranks(run.ranks, e)
             if lost is None:
                 traceback.print_exc()
-            print(f"offload_llama.py: error: {lost or own_error(run.ranks, e)}", file=sys.stderr, flush=True)
+            print_error(lost or own_error(run.ranks, e))
             os._exit(1)  # without the interpreter's teardown, which would wait on collectives that never end
     return 0
 

@@ -132,20 +132,28 @@ def probe(run: ol.RunConfig, mode: str, layers: int) -> dict:
                 for line in process.stderr:
                     sys.stderr.write(line)
                     last = line.strip() or last
-                    said = line.strip() if line.startswith("offload_llama.py: error: ") else said
+                    said = refusal_in(line) or said
                     codes += [int(code) for code in re.findall(r"^\s*exitcode\s*:\s*(-?\d+)", line)]
             except KeyboardInterrupt:
                 process.terminate()  # the probe writes nothing that lasts, so it need not clean up
                 raise
         if process.returncode == 0:
             return json.loads(path.read_text())["results"][mode]["training"]
-    why = (said or last).removeprefix("offload_llama.py: error: ")
+    why = said or last
     code = codes[-1] if codes else process.returncode
     if code == 2:
         return {"refused": why}
     if code < 0:  # SIGKILL, most likely from the kernel's out-of-memory killer: the host ran out
         return {"failed": f"killed by signal {-code} after: {why}"}
     return {"failed": f"exit code {code}: {why}"}
+
+
+def refusal_in(line: str) -> str:
+    """The reason in a line of offload_llama.py's stderr that says `offload_llama.py: error: why`, else ''. The last
+    such reason in the line: ranks under torchrun share stderr, and a child that writes its line in two parts lets
+    another rank's line run into it."""
+    head, prefix, why = line.rpartition("offload_llama.py: error: ")
+    return why.strip() if prefix else ""
 
 
 def launcher(ranks: ol.Ranks) -> list[str]:

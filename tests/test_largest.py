@@ -197,6 +197,15 @@ def test_a_probe_under_torchrun_reads_a_ranks_refusal_through_its_summary(monkey
     assert fl.probe(run, "overlapped", 2) == {"refused": "no room"}
 
 
+def test_a_refusal_is_read_where_another_ranks_line_ran_into_it():
+    """Ranks share stderr: a line of two refusals run together gives one reason, and a line without one gives none."""
+    assert fl.refusal_in("no roomoffload_llama.py: error: no room\n") == "no room"
+    assert fl.refusal_in("offload_llama.py: error: --steps must be positive (see --help)\n") == (
+        "--steps must be positive (see --help)"
+    )
+    assert fl.refusal_in("probe overlapped, 8 layers: trains\n") == ""
+
+
 @pytest.mark.slow  # a process of its own, importing torch: 10 s
 def test_find_largest_splits_the_step_over_its_ranks(tmp_path):
     r = find_largest("--nproc-per-node", 2, "--preset", "tiny", "--mode", "overlapped", "--grad-accum", 3)
