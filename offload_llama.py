@@ -13,12 +13,14 @@ References: torchao's CPUOffloadOptimizer, torchtune's activation offloading, ga
 A training step in the core: StreamedUnit's forward takes each unit from the LayerStreamer (prefetch copies it ahead,
 acquire waits for the copy) and keeps only its inputs (KeptInputs); its backward takes the unit again, recomputes and
 back-propagates it (unit_backward), and sends the gradients out (OffloadedTraining.send, Steppers, CpuAdam.send: the
-D2H copy), where the CPU Adam's worker steps the unit (AdamUpdate, whose bytes_per_param counts its host traffic); the
-unit's next copy waits for that update (wait_written). The table at the top of the layer streamer lists every wait.
+D2H copy), where the CPU Adam's worker steps the unit (AdamUpdate; a run uses CompiledAdamUpdate, its one-pass form:
+each's bytes_per_param counts its host traffic); the unit's next copy waits for that update (wait_written). The table
+at the top of the layer streamer lists every wait.
 
 The sections, in reading order, and the names that open them. The core, the plain path, runs from the parameter store
-to the modes, right after the command line (checked before torch loads); the accelerations plug into it as policies;
-the plan, measurement and tables are instruments around it; running a mode puts them together.
+to the modes, right after the command line (checked before torch loads). The accelerations and several GPUs plug into
+it as policies, each a section of its own that the core never names (tests/test_plain_path.py deletes them all and
+trains); the plan, measurement and tables are instruments around it; running a mode puts them together.
   configuration          Ranks, RunConfig: torchrun's processes; one run, frozen, from the command line or a test
   the command line       Parser, command_line, check_flags_needed, check_run: flags, inputs, outputs, before torch
   parameter store        FlatLayout, ParamStore: each decoder layer one flat pinned buffer
@@ -26,10 +28,15 @@ the plan, measurement and tables are instruments around it; running a mode puts 
   training               AdamUpdate, MasterStore, CpuAdam, Steppers, StreamedUnit, OffloadedTraining: the CPU Adam
   modes                  infer_offloaded: inference's pass (training's: OffloadedTraining.step)
   streams and events     InOrder, new_stream, new_event: CUDA's on a GPU, stand-ins on the CPU
+  host memory            HostBuffer, host_zeros_each, HostMoments: the core's host buffers, pinned; the Adam moments
   model                  llama_config, build_model, init_random, model_units: a random LLaMA, or a saved one
   the reference          Adam, ResidentTraining, infer_resident: gpu and cpu modes, the plain model, torch.optim.Adam
-  accelerations          HostBuffer, compiled_adam_update, place_on_gpu, StreamedAdam, ActivationOffload, GradClip
-  several GPUs           ShardedParamStore, ShardedStreamer, ShardedSteppers, start_ranks: shards gathered, summed
+  compiled Adam          CompiledAdamUpdate, compiled_adam_update: the first acceleration, the CPU Adam in one pass
+  the GPU's Adam         place_on_gpu, ResidentUnits, StreamedAdam: units stepped on the GPU, resident or streamed
+  activation offload     ActivationOffload: --offload-activations, the saved inputs on the host
+  float16 and clipping   LossScale, GradClip, scale_and_clip: float16's loss scale, --clip-grad-norm
+  the disk tier          DiskTier, DiskMoments, moments_for: --nvme, Adam moments on a disk
+  several GPUs           ShardedParamStore, ShardedStreamer, ShardedSteppers, ShardedTraining: shards gathered, summed
   the plan               Facts, make_plan, Plan, check_plan: every placement decision, made once before allocating
   saving and resuming    save_pretrained, write_checkpoint, resume
   text in                data_files, token_cache, Blocks, prepare_data: --data tokenized once, packed, shuffled
@@ -1376,9 +1383,13 @@ class ParamStore:
         """The model's parameters of `layer` become views into `flat`: one copy on the host."""
         self.layout.bind(layer, flat)
 
+    def streamer(self, kinds, make_module, device, depth: int) -> LayerStreamer:
+        """A LayerStreamer of the layers (ShardedParamStore: of this rank's shards, the rest gathered)."""
+        return LayerStreamer(self.flats, kinds, make_module, self.dtype, device, depth)
+
 
 # ---------------------------------------------------------------------------------------------------- layer streamer
-# Every synchronisation of the core (the accelerations' S12-S16 continue it at their section). Streams: compute (the
+# Every synchronisation of the core (the accelerations' S12-S16 continue it, each at its section). Streams: compute (the
 # current one), copy (weights in), gather (several ranks' all-gathers), D2H (gradients out); threads: main, autograd's
 # (it runs the backward), the CPU Adam's worker. Each row: what it is; who records or sets it, on which stream or
 # thread; who waits on it, where; what it protects. Each wait in the code names its row.
@@ -1607,7 +1618,7 @@ def layer_streamer(store: ParamStore, config: LlamaConfig, device: torch.device,
         return store.layout.bind(LlamaDecoderLayer(config, layer_idx=0), buffer).eval()
 
     kinds = ["layer"] * len(store.flats)
-    streamer = layer_streamer_of(store.ranks, store.flats, kinds, make_module, store.dtype, device, depth)
+    streamer = store.streamer(kinds, make_module, device, depth)
     if resident:
         streamer.keep_resident(resident, lambda i: store.flats[i].to(device))
     return streamer
@@ -1657,49 +1668,41 @@ def torch_adam_step(adam: Adam, master, grads, exp_avg, exp_avg_sq, step: torch.
 
 
 class AdamUpdate:
-    """One unit's Adam step on the CPU: adam_update compiled, else torch.optim.Adam's fused kernel on float32 gradients
-    and a cast into the copy (the two round differently in float32's last bit)."""
+    """One unit's Adam step on the CPU: torch.optim.Adam's fused kernel on float32 gradients, then a cast into the copy
+    the GPU streams (CompiledAdamUpdate fuses the two into one pass)."""
 
     def __init__(self, adam: Adam, grad_dtype: torch.dtype, copy_dtype: torch.dtype | None, scaled: bool = False):
         self.adam = adam
         self.copy_dtype = copy_dtype
-        self.scaled = scaled  # the compiled update multiplies the gradients (clipping)
-        early = EARLY_COMPILES.get((grad_dtype, copy_dtype, scaled))
-        self.compiled = early.result() if early else compiled_adam_update(grad_dtype, copy_dtype, scaled)
-        self.grad_dtype = grad_dtype if self.compiled else torch.float32
+        self.scaled = scaled  # the gradients are multiplied first (clipping)
+        self.grad_dtype = torch.float32  # the fused kernel's; `grad_dtype`: what a fused update would take
 
     @property
     def bytes_per_param(self) -> int:
-        """Host memory bytes one step moves per parameter. It reads the float32 master, exp_avg and exp_avg_sq (12) and
-        the gradients (gradient_dtype: bfloat16's 2 with one micro-batch, else float32's 4); it writes the three again
-        (12) and the copy the GPU streams (Plan.copy_dtype: bfloat16's 2; none where the masters stream). So 30 bytes
-        for a bfloat16 run that accumulates, 28 for one micro-batch. The fallback reads the master again to cast it
-        (4), and with clipping reads and writes the gradients once more to scale them (8)."""
-        copy = self.copy_dtype.itemsize if self.copy_dtype else 0
-        recast = 4 if self.copy_dtype and not self.compiled else 0
-        rescale = 8 if self.scaled and not self.compiled else 0
-        return 24 + self.grad_dtype.itemsize + copy + recast + rescale
+        """Host memory bytes one step moves per parameter. It reads the float32 master, exp_avg and exp_avg_sq (12),
+        the float32 gradients (4) and the master again to cast it (4, where there is a copy); it writes the three
+        again (12) and the copy the GPU streams (Plan.copy_dtype: bfloat16's 2; none where the masters stream). With
+        clipping it reads and writes the gradients once more to scale them (8). So 34 bytes for bfloat16."""
+        copy = self.copy_dtype.itemsize + 4 if self.copy_dtype else 0
+        rescale = 8 if self.scaled else 0
+        return 24 + self.grad_dtype.itemsize + copy + rescale
 
     @torch.no_grad()
     def __call__(self, master, grads, exp_avg, exp_avg_sq, copy, step: torch.Tensor, multiplier: float = 1.0) -> None:
-        """Step `master` by `grads` times `multiplier` (the compiled update heeds it only where built `scaled`; clipping
-        builds it so); `step`: the unit's step count (a float32 tensor, as torch.optim.Adam keeps it)."""
-        if self.compiled is None:
-            if multiplier != 1.0:
-                grads.mul_(multiplier)  # float32 here
-            torch_adam_step(self.adam, master, grads, exp_avg, exp_avg_sq, step)
-            if copy is not None:
-                copy.copy_(master)
-            return
-        step += 1
-        self.compiled(master, grads, exp_avg, exp_avg_sq, copy, self.adam.scalars(int(step.item()), multiplier))
+        """Step `master` by `grads` times `multiplier`; `step`: the unit's step count (a float32 tensor, as
+        torch.optim.Adam keeps it)."""
+        if multiplier != 1.0:
+            grads.mul_(multiplier)  # float32 here
+        torch_adam_step(self.adam, master, grads, exp_avg, exp_avg_sq, step)
+        if copy is not None:
+            copy.copy_(master)
 
 
 class MasterStore:
     """Training state on the host, one flat buffer per unit and kind: float32 masters and, where there is room, the
-    compute-dtype copies each Adam step rewrites for the GPU to stream (pinned); float32 moments (HostMoments, pinned
-    only for the GPU's Adam: StreamedAdam; DiskMoments keeps those of a DiskTier's units on its disk); the gradients,
-    in a pinned buffer of the pool from their copy until their Adam step."""
+    compute-dtype copies each Adam step rewrites for the GPU to stream (pinned); float32 moments; the gradients, in a
+    pinned buffer of the pool from their copy until their Adam step. Policies: `moments` (HostMoments; DiskMoments
+    keeps some units' on a disk), `update` (AdamUpdate; CompiledAdamUpdate)."""
 
     def __init__(
         self,
@@ -1710,8 +1713,9 @@ class MasterStore:
         grad_dtype=torch.float32,
         copy_dtype=None,
         scaled_grads: bool = False,
-        disk: DiskTier | None = None,
+        moments=None,
         ranks: Ranks = Ranks(),
+        update=AdamUpdate,
     ):
         self.units = units
         self.pin = pin  # whether the host buffers are pinned
@@ -1719,10 +1723,10 @@ class MasterStore:
         numels = [self.ranks.shard_numel(u.layout.numel) for u in units]
         self.masters = host_zeros_each(numels, torch.float32, pin)
         self.copies = host_zeros_each(numels, copy_dtype, pin) if copy_dtype else None
-        self.adam_moments = moments_for(numels, disk)  # HostMoments, or DiskMoments with a disk tier
-        # after the pinning, which the update's compile may still overlap (start_adam_compile)
-        self.update = AdamUpdate(adam, grad_dtype, copy_dtype, scaled_grads)  # scaled: --clip-grad-norm
-        self.grad_dtype = self.update.grad_dtype  # float32 where the update did not compile
+        self.adam_moments = (moments or HostMoments)(numels)  # moments_for: DiskMoments with a disk tier
+        # after the pinning, which a compiled update may still overlap (CompiledAdamUpdate, start_adam_compile)
+        self.update = update(adam, grad_dtype, copy_dtype, scaled_grads)  # scaled: --clip-grad-norm
+        self.grad_dtype = self.update.grad_dtype  # what the update takes: float32 but where it compiled
         self.setup_s = {}  # seconds of set-up by part (training_store, run_modes, make_trainer, prepare_steps)
         self.steps = [torch.zeros(()) for _ in units]
         self.unstarted = set(range(len(units)))  # units whose moments are not zeroed for their first step yet
@@ -1796,27 +1800,6 @@ class MasterStore:
             self.steps[u].zero_()
         self.unstarted = set(range(len(self.units)))  # their moments: zeroed before their first step
         self.adam_moments.restart()
-
-    @torch.no_grad()
-    def load_unit(self, u: int, state: dict) -> None:
-        """Unit u's master, Adam moments and step count from a checkpoint (checkpoint_unit), and its copy: this rank's
-        shards, from each parameter by name (any number of ranks wrote them) or the flat shards this rank wrote."""
-        layout, start = self.units[u].layout, self.ranks.rank * self.masters[u].numel()
-
-        def fill(keys: tuple[str, ...], *flats) -> None:
-            """The state's `keys` into this rank's part of the flat buffers `flats`."""
-            for key, flat in zip(keys, flats, strict=True):
-                if isinstance(state[key], torch.Tensor):  # the shard this rank wrote, padding and all
-                    flat.copy_(state[key])
-                else:
-                    layout.fill(flat, state[key].__getitem__, start=start)
-
-        fill(("master",), self.masters[u])
-        self.adam_moments.fill(u, functools.partial(fill, ("exp_avg", "exp_avg_sq")))
-        if self.copies:
-            self.copies[u].copy_(self.masters[u])
-        self.steps[u].fill_(state["step"])
-        self.unstarted.discard(u)
 
     def state_dict(self, flats: list[torch.Tensor] | None = None, on_first: bool = False) -> dict[str, torch.Tensor]:
         """The masters (or other per-unit flats: gradients) as float32 CPU tensors with HF names, every rank's shards
@@ -1987,7 +1970,8 @@ class Steppers:
 
     def __init__(self, store: MasterStore, dtype: torch.dtype, device: torch.device, d2h_stream):
         self.store, self.dtype, self.device = store, dtype, device
-        self.buffer, _ = gradient_memory(store, (), True, device)  # the streamed units' gradients, a unit at a time
+        numel = max(map(store.ranks.whole_numel, store.masters))  # the streamed units' gradients, one unit at a time
+        self.buffer = torch.zeros(numel, dtype=store.grad_dtype, device=device)  # zeroed: the padding is stepped too
         self.last_landed = InOrder()  # the event after which `buffer` may be overwritten: its last gradients left
         self.cpu_adam = CpuAdam(store, device, d2h_stream)
         self.of = [self.cpu_adam] * len(store.units)  # unit -> its stepper
@@ -2067,6 +2051,32 @@ class KeptInputs:
     def backward_begins(self, n_units: int) -> None: ...  # nothing to bring back
 
 
+class Unscaled:
+    """The plain path's loss, unscaled (LossScale, float16: units step once every gradient is in, to check them)."""
+
+    scale = 1.0
+    holds_updates = False
+
+    def unscale(self, grads: list[torch.Tensor]) -> None: ...  # nothing to undo
+
+    def update(self) -> bool:
+        """After the backward: whether the step may be applied."""
+        return True
+
+
+class Unclipped:
+    """The plain path's gradients, unclipped (GradClip: times a coefficient once every unit's norm is in)."""
+
+    holds_updates = False
+    grad_norms = ()  # none taken
+
+    def add(self, u: int, views, sent, stream) -> None: ...  # no norm to take
+
+    def multiplier(self) -> float:
+        """The gradients' multiplier for this step."""
+        return 1.0
+
+
 def objective(loss: torch.Tensor, micro_batches: int, scale: float) -> torch.Tensor:
     """One micro-batch's share of the mean loss times the loss scale, built here for every mode: the same gradients."""
     return loss / micro_batches * scale
@@ -2109,9 +2119,10 @@ class OffloadedTraining:
     landed. Policies: `steppers` (Steppers: CpuAdam; ResidentUnits, StreamedAdam), `inputs` (KeptInputs;
     ActivationOffload), `scaling` (Unscaled; float16's LossScale), `clip` (Unclipped; GradClip)."""
 
-    def __init__(self, store: MasterStore, config, dtype, device, depth: int, loss_function, kwargs, max_norm=None):
+    def __init__(self, store: MasterStore, config, dtype, device, depth: int, loss_function, kwargs):
         self.store = store
         self.units = store.units
+        self.ranks = store.ranks
         self.dtype, self.device = dtype, device  # where the units compute
         self.loss_function, self.kwargs = loss_function, kwargs  # for the head and the decoder layers
         self.vocab_size, self.hidden_size = config.vocab_size, config.hidden_size
@@ -2122,18 +2133,25 @@ class OffloadedTraining:
             return layouts[kind].bind(unit_module(kind, config), buffer, trainable=True).eval()
 
         self.d2h_stream = new_stream(device)  # gradients leave on it
-        self.steppers = steppers_of(store.ranks, store, dtype, device, self.d2h_stream)
-        kinds = [u.kind for u in self.units]
-        self.ranks = store.ranks
-        streamed = (store.weights, kinds, make_module, dtype, device, depth)
-        self.streamer = layer_streamer_of(self.ranks, *streamed, writer=self.steppers)
+        self.steppers = self.make_steppers(store, dtype, device, self.d2h_stream)
+        streamed = (store.weights, [u.kind for u in self.units], make_module, dtype, device, depth)
+        self.streamer = self.make_streamer(*streamed, writer=self.steppers)
         self.anchor = torch.empty(0, device=device, requires_grad=True)
-        # saved inputs: the plain path's (make_trainer may offload them); float16: LossScale; max_norm: GradClip
-        self.inputs, self.scaling = KeptInputs(), loss_scaling(dtype, device, self.ranks)
-        self.clip = Unclipped() if max_norm is None else GradClip(store, max_norm, device)
-        self.grad_norms = self.clip.grad_norms  # each applied step's gradient norm before clipping (none without it)
-        if self.scaling.holds_updates and not store.pool.dedicated:
-            raise ValueError("float16 steps only once every unit's gradients are in: give each unit a gradient buffer")
+        # the plain path's policies; make_trainer may offload the inputs, scale float16's losses, clip the gradients
+        self.inputs, self.scaling, self.clip = KeptInputs(), Unscaled(), Unclipped()
+
+    def make_steppers(self, *args) -> Steppers:
+        """The units' steppers, of Steppers' arguments (ShardedTraining: the gradients summed over the ranks first)."""
+        return Steppers(*args)
+
+    def make_streamer(self, *args, **kwargs) -> LayerStreamer:
+        """The units' streamer, of LayerStreamer's arguments (ShardedTraining: shards copied, the rest gathered)."""
+        return LayerStreamer(*args, **kwargs)
+
+    @property
+    def grad_norms(self) -> list[float]:
+        """Each applied step's gradient norm before clipping (none without it)."""
+        return self.clip.grad_norms
 
     def run_unit(self, u: int, module: nn.Module, x: torch.Tensor, k: int) -> torch.Tensor:
         """Unit u's forward on micro-batch k: hidden states out, or the loss for the head."""
@@ -2210,7 +2228,7 @@ class OffloadedTraining:
 
     def load_unit(self, u: int, state: dict) -> None:
         """Set unit u's training state from a checkpoint, before placement: it is all on the host then."""
-        self.store.load_unit(u, state)
+        restore_unit(self.store, u, state)
 
     def named_masters(self):
         """Each parameter's float32 master by HF name on the CPU, its own storage (one process: a rank has shards)."""
@@ -2259,17 +2277,6 @@ def add_grads(views: list[torch.Tensor], grads, write: bool = False) -> None:
             view.copy_(grad)
         else:
             view.add_(grad)
-
-
-def gradient_memory(store: MasterStore, resident, own_grads: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """GPU memory for the gradients: the streamed units' buffer in the store's gradient dtype, and the float32 memory it
-    starts, large enough for the resident units' too where they share it (not own_grads). Zeroed: the padding between
-    a unit's parameters is sent and stepped too, and must hold no NaN (later, it holds what another unit left)."""
-    numels = [store.ranks.whole_numel(m) for m in store.masters]
-    streamed = max((n for u, n in enumerate(numels) if u not in resident), default=0)
-    shared = 0 if own_grads else max((numels[u] for u in resident), default=0)
-    memory = torch.zeros(max(-(-streamed * store.grad_dtype.itemsize // 4), shared), dtype=torch.float32, device=device)
-    return memory.view(store.grad_dtype)[:streamed], memory
 
 
 def mean_loss(losses, ranks: Ranks = Ranks()) -> torch.Tensor:
@@ -2330,6 +2337,113 @@ def new_stream(device: torch.device):
 def new_event(device: torch.device, blocking: bool = False):
     """blocking: a host thread that waits on it sleeps instead of spinning on a core the CPU Adam needs."""
     return torch.cuda.Event(blocking=blocking) if device.type == "cuda" else InOrder()
+
+
+# ---------------------------------------------------------------------------------------------------- host memory
+# The core's host buffers: allocated exactly, zeroed by the rank's threads, pinned in parallel; and the Adam moments.
+
+
+class HostBuffer(mmap.mmap):
+    """Zeroed host memory of exactly `nbytes` (torch's pinned allocator rounds up to a power of two), in 2 MiB pages
+    where the kernel allows (the CPU Adam streams them faster), page-locked once pinned. It records no events: its
+    tensors must outlive every copy queued from or to them, as the run-long stores do."""
+
+    def __new__(cls, nbytes: int):
+        # anonymous and private: zero-filled, page-aligned, and in huge pages where asked (shared memory gets none)
+        return super().__new__(cls, -1, nbytes, flags=mmap.MAP_PRIVATE)
+
+    def __init__(self, nbytes: int):
+        with contextlib.suppress(AttributeError, OSError):  # a platform or kernel without transparent huge pages
+            self.madvise(mmap.MADV_HUGEPAGE)  # before the first touch, which allocates the pages
+        self.address = torch.frombuffer(self, dtype=torch.uint8).data_ptr()
+        self.unregister = None
+
+    def pin(self) -> None:
+        """Page-lock the memory for the copy engines, its pages touched first (touch_pages): registering maps the
+        missing ones itself, in one thread, several times slower."""
+        cudart = torch.cuda.cudart()
+        torch.cuda.check_error(cudart.cudaHostRegister(self.address, len(self), 0))
+        self.unregister = cudart.cudaHostUnregister
+
+    def __del__(self):  # before the memory is unmapped: the driver must let go of its pages first
+        if self.unregister is not None:
+            self.unregister(self.address)
+
+
+TOUCH_CHUNK = 2**26  # bytes: fresh host memory is first written by the rank's threads in chunks this size
+
+
+def touch_pages(spans) -> None:
+    """Write zeros over each (address, bytes) span of fresh host memory, a chunk a thread: a page's first write maps
+    it, and the kernel maps a thread's pages one at a time, so the rank's threads together map them several times
+    faster (memset runs without the GIL)."""
+    chunks = [(a + i, min(TOUCH_CHUNK, n - i)) for a, n in spans for i in range(0, n, TOUCH_CHUNK)]
+    with ThreadPoolExecutor(torch.get_num_threads()) as pool:
+        list(pool.map(lambda chunk: ctypes.memset(chunk[0], 0, chunk[1]), chunks))
+
+
+def host_zeros(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A zeroed flat CPU buffer, pinned when a GPU streams it. Allocate once: pinning is slow."""
+    return host_zeros_each([numel], dtype, pin)[0]
+
+
+def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]:
+    """host_zeros of each of `numels`, made together: every page touched by the rank's threads at once, then the
+    buffers pinned by several threads, which the driver serves in parallel."""
+    buffers = [HostBuffer(numel * dtype.itemsize) for numel in numels]
+    if pin:
+        touch_pages([(b.address, len(b)) for b in buffers])
+        with ThreadPoolExecutor(torch.get_num_threads()) as pool:
+            list(pool.map(HostBuffer.pin, buffers))
+    return [torch.frombuffer(b, dtype=dtype) for b in buffers]  # each tensor keeps its buffer alive
+
+
+class HostMoments:
+    """The plain path's Adam moments: two float32 host buffers a unit, stepped in place (DiskMoments: some units' on a
+    disk). A unit's are zeroed at its first step, so their pages are mapped only once a lean run freed the model."""
+
+    disk = None  # no disk tier
+
+    def __init__(self, numels: list[int], elsewhere=frozenset()):
+        self.buffers = [  # None for the units whose moments are kept `elsewhere` (DiskMoments)
+            None if u in elsewhere else (host_zeros(n, torch.float32, False), host_zeros(n, torch.float32, False))
+            for u, n in enumerate(numels)
+        ]
+        self.pinned = set()  # units whose moments pin moved: each placement makes a new StreamedAdam, which pins
+
+    def stage(self, u: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unit u's moments for its step."""
+        return self.buffers[u]
+
+    def staged(self, u: int) -> None:
+        """Unit u's step is done with its moments: nothing to write back."""
+
+    def ready(self, u: int) -> bool:  # always: they are in memory
+        return True
+
+    def read(self, u: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unit u's moments after its updates, in place."""
+        return self.buffers[u]
+
+    def zero(self, units) -> None:
+        """Zero the moments of `units` for their first step (zeros, as floats; a first touch maps the pages)."""
+        touch_pages([(m.data_ptr(), m.nbytes) for u in units for m in self.buffers[u]])
+
+    def fill(self, u: int, fill) -> None:
+        """Unit u's moments from a checkpoint: fill(exp_avg, exp_avg_sq) writes them."""
+        fill(*self.buffers[u])
+
+    def pin(self, u: int, pin: bool) -> None:
+        """Move unit u's moments into pinned memory (pin) for the copy engines, once."""
+        if u not in self.pinned:
+            self.buffers[u] = tuple(host_zeros(m.numel(), torch.float32, pin).copy_(m) for m in self.buffers[u])
+            self.pinned.add(u)
+
+    def restart(self) -> None: ...  # a new mode's load: nothing staged
+
+    def flush(self) -> None: ...  # nothing to write back
+
+    def close(self) -> None: ...  # nothing to free
 
 
 # ---------------------------------------------------------------------------------------------------- model
@@ -2777,77 +2891,13 @@ def infer_resident(model, input_ids, device, run: RunConfig, config) -> tuple[di
     return {"time_ms": ms} | gpu_memory(config, run.torch_dtype, ids.numel(), config.num_hidden_layers), logits.cpu()
 
 
-# ---------------------------------------------------------------------------------------------------- accelerations
-# Each plugs into a policy of OffloadedTraining (steppers, inputs, scaling, clip): without the accelerations it trains
-# the same, slower; float16's LossScale and GradClip (--clip-grad-norm) change what it computes, as gpu mode does.
-# Their synchronisations continue the core's table (at the top of the layer streamer):
-#   S12  resident units: no event. They step on compute, in order before every later kernel. Their state.
-#   S13  StreamedAdam's CUDA events: consumed (take, on s_adam; waited as S8), landed[k] (s_in; waited on s_adam),
-#        stepped[k] (s_adam; waited on s_out), left[k] (s_out; waited on s_in), written_back[u] (s_out; waited by
-#        wait_written on copy, wait_all on the host). Its buffer, its two slots, and a source mid-update.
-#   S14  ActivationOffload's CUDA events: written (recorded by send on compute; waited on D2H), offloaded[a] (D2H;
-#        waited by wait_written on copy, by send's leaving queue on main, by backward_begins on compute). Inputs are
-#        not copied to the host early, read back early, or their GPU memory reused early.
-#   S15  GradClip.taken, CUDA event. Recorded by the norm on the current stream (D2H with several ranks). Waited on by
-#        multiplier, on the current stream. The norm of the norms is not taken early.
-#   S16  DiskTier's thread events settled and current, set by the writer thread after each write (and by reset), and
-#        its queues free and staged (the reader fills staged). Waited on by read_ahead (the reader), read (main) and
-#        stage (the worker). A file is not read while its write-back runs, nor a slot reused early.
-
-
-class HostBuffer(mmap.mmap):
-    """Zeroed host memory of exactly `nbytes` (torch's pinned allocator rounds up to a power of two), in 2 MiB pages
-    where the kernel allows (the CPU Adam streams them faster), page-locked once pinned. It records no events: its
-    tensors must outlive every copy queued from or to them, as the run-long stores do."""
-
-    def __new__(cls, nbytes: int):
-        # anonymous and private: zero-filled, page-aligned, and in huge pages where asked (shared memory gets none)
-        return super().__new__(cls, -1, nbytes, flags=mmap.MAP_PRIVATE)
-
-    def __init__(self, nbytes: int):
-        with contextlib.suppress(AttributeError, OSError):  # a platform or kernel without transparent huge pages
-            self.madvise(mmap.MADV_HUGEPAGE)  # before the first touch, which allocates the pages
-        self.address = torch.frombuffer(self, dtype=torch.uint8).data_ptr()
-        self.unregister = None
-
-    def pin(self) -> None:
-        """Page-lock the memory for the copy engines, its pages touched first (touch_pages): registering maps the
-        missing ones itself, in one thread, several times slower."""
-        cudart = torch.cuda.cudart()
-        torch.cuda.check_error(cudart.cudaHostRegister(self.address, len(self), 0))
-        self.unregister = cudart.cudaHostUnregister
-
-    def __del__(self):  # before the memory is unmapped: the driver must let go of its pages first
-        if self.unregister is not None:
-            self.unregister(self.address)
-
-
-TOUCH_CHUNK = 2**26  # bytes: fresh host memory is first written by the rank's threads in chunks this size
-
-
-def touch_pages(spans) -> None:
-    """Write zeros over each (address, bytes) span of fresh host memory, a chunk a thread: a page's first write maps
-    it, and the kernel maps a thread's pages one at a time, so the rank's threads together map them several times
-    faster (memset runs without the GIL)."""
-    chunks = [(a + i, min(TOUCH_CHUNK, n - i)) for a, n in spans for i in range(0, n, TOUCH_CHUNK)]
-    with ThreadPoolExecutor(torch.get_num_threads()) as pool:
-        list(pool.map(lambda chunk: ctypes.memset(chunk[0], 0, chunk[1]), chunks))
-
-
-def host_zeros(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """A zeroed flat CPU buffer, pinned when a GPU streams it. Allocate once: pinning is slow."""
-    return host_zeros_each([numel], dtype, pin)[0]
-
-
-def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]:
-    """host_zeros of each of `numels`, made together: every page touched by the rank's threads at once, then the
-    buffers pinned by several threads, which the driver serves in parallel."""
-    buffers = [HostBuffer(numel * dtype.itemsize) for numel in numels]
-    if pin:
-        touch_pages([(b.address, len(b)) for b in buffers])
-        with ThreadPoolExecutor(torch.get_num_threads()) as pool:
-            list(pool.map(HostBuffer.pin, buffers))
-    return [torch.frombuffer(b, dtype=dtype) for b in buffers]  # each tensor keeps its buffer alive
+# ---------------------------------------------------------------------------------------------------- compiled Adam
+# The accelerations, from here to the disk tier: each plugs into a policy of the core (MasterStore's update and
+# moments; OffloadedTraining's steppers, inputs, scaling and clip), installed where a mode's trainer is made
+# (training_store, make_trainer, prepare_steps). Without them it trains the same, slower; float16's LossScale and
+# GradClip (--clip-grad-norm) change what it computes, as gpu mode does. Their waits continue the core's sync table
+# (at the top of the layer streamer), each section's rows at its top.
+# This one: adam_update fused by torch.compile into one pass over host memory (CompiledAdamUpdate), compiled early.
 
 
 @contextlib.contextmanager
@@ -2915,13 +2965,64 @@ EARLY_COMPILES = {}  # compiled_adam_update's arguments -> its call started in t
 
 def start_adam_compile(grad_dtype: torch.dtype, copy_dtype: torch.dtype | None, scaled: bool) -> None:
     """Compile the update on a thread of its own while the host state is pinned and the weights drawn into it (the
-    compiler runs in child processes, the pinning and drawing in C++, so they overlap); the store's AdamUpdate waits
+    compiler runs in child processes, the pinning and drawing in C++, so they overlap); CompiledAdamUpdate waits
     for it. Start it once the model is built: the build changes torch's default dtype, which the compile watches."""
     key = (grad_dtype, copy_dtype, scaled)
     if key not in EARLY_COMPILES:
         pool = ThreadPoolExecutor(1, thread_name_prefix="adam-compile")
         EARLY_COMPILES[key] = pool.submit(compiled_adam_update, *key)
         pool.shutdown(wait=False)  # the thread ends with its one job
+
+
+class CompiledAdamUpdate(AdamUpdate):
+    """AdamUpdate as one pass over memory: adam_update compiled (its early compile awaited), taking the gradients in
+    their own dtype and writing the copy as it goes; AdamUpdate's where it cannot compile (the two round differently
+    in float32's last bit)."""
+
+    def __init__(self, adam: Adam, grad_dtype: torch.dtype, copy_dtype: torch.dtype | None, scaled: bool = False):
+        super().__init__(adam, grad_dtype, copy_dtype, scaled)
+        early = EARLY_COMPILES.get((grad_dtype, copy_dtype, scaled))
+        self.compiled = early.result() if early else compiled_adam_update(grad_dtype, copy_dtype, scaled)
+        if self.compiled:
+            self.grad_dtype = grad_dtype
+
+    @property
+    def bytes_per_param(self) -> int:
+        """Host memory bytes one step moves per parameter: the master and moments read and written (24), the
+        gradients read once (gradient_dtype: bfloat16's 2 with one micro-batch, else float32's 4) and the copy
+        written (bfloat16's 2). So 30 bytes for a bfloat16 run that accumulates, 28 for one micro-batch."""
+        if self.compiled is None:
+            return super().bytes_per_param
+        copy = self.copy_dtype.itemsize if self.copy_dtype else 0
+        return 24 + self.grad_dtype.itemsize + copy
+
+    @torch.no_grad()
+    def __call__(self, master, grads, exp_avg, exp_avg_sq, copy, step: torch.Tensor, multiplier: float = 1.0) -> None:
+        """AdamUpdate's step in one pass; `multiplier` is heeded where the update was built `scaled` (clipping)."""
+        if self.compiled is None:
+            return super().__call__(master, grads, exp_avg, exp_avg_sq, copy, step, multiplier)
+        step += 1
+        self.compiled(master, grads, exp_avg, exp_avg_sq, copy, self.adam.scalars(int(step.item()), multiplier))
+
+
+# ---------------------------------------------------------------------------------------------------- the GPU's Adam
+# Units kept on the GPU and stepped there (ResidentUnits), and a share of the streamed ones stepped on the GPU
+# from their state on the host (StreamedAdam): the plan's places_on_gpu.
+#   S12  resident units: no event. They step on compute, in order before every later kernel. Their state.
+#   S13  StreamedAdam's CUDA events: consumed (take, on s_adam; waited as S8), landed[k] (s_in; waited on s_adam),
+#        stepped[k] (s_adam; waited on s_out), left[k] (s_out; waited on s_in), written_back[u] (s_out; waited by
+#        wait_written on copy, wait_all on the host). Its buffer, its two slots, and a source mid-update.
+
+
+def gradient_memory(store: MasterStore, resident, own_grads: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPU memory for the gradients: the streamed units' buffer in the store's gradient dtype, and the float32 memory it
+    starts, large enough for the resident units' too where they share it (not own_grads). Zeroed: the padding between
+    a unit's parameters is sent and stepped too, and must hold no NaN (later, it holds what another unit left)."""
+    numels = [store.ranks.whole_numel(m) for m in store.masters]
+    streamed = max((n for u, n in enumerate(numels) if u not in resident), default=0)
+    shared = 0 if own_grads else max((numels[u] for u in resident), default=0)
+    memory = torch.zeros(max(-(-streamed * store.grad_dtype.itemsize // 4), shared), dtype=torch.float32, device=device)
+    return memory.view(store.grad_dtype)[:streamed], memory
 
 
 def place_on_gpu(trainer: OffloadedTraining, resident=(), gpu_adam=(), own_grads: bool = True) -> None:
@@ -3156,6 +3257,13 @@ class StreamedAdam(HostState):
             event.synchronize()  # S13
 
 
+# -------------------------------------------------------------------------------------------------- activation offload
+# --offload-activations: the saved inputs on the host between a unit's forward and its backward.
+#   S14  ActivationOffload's CUDA events: written (recorded by send on compute; waited on D2H), offloaded[a] (D2H;
+#        waited by wait_written on copy, by send's leaving queue on main, by backward_begins on compute). Inputs are
+#        not copied to the host early, read back early, or their GPU memory reused early.
+
+
 class ActivationOffload:
     """--offload-activations: each unit's inputs wait in pinned host memory from its forward to its backward: they
     leave on the D2H stream, and a LayerStreamer on the weights' copy stream brings them back `depth` units ahead. The
@@ -3225,17 +3333,10 @@ class ActivationOffload:
             self.streamer.release(u - 1)
 
 
-class Unscaled:
-    """The plain path's loss, unscaled (LossScale, float16: units step once every gradient is in, to check them)."""
-
-    scale = 1.0
-    holds_updates = False
-
-    def unscale(self, grads: list[torch.Tensor]) -> None: ...  # nothing to undo
-
-    def update(self) -> bool:
-        """After the backward: whether the step may be applied."""
-        return True
+# ------------------------------------------------------------------------------------------------ float16 and clipping
+# float16's loss scaling and --clip-grad-norm: a unit steps only once every unit's gradients are in.
+#   S15  GradClip.taken, CUDA event. Recorded by the norm on the current stream (D2H with several ranks). Waited on by
+#        multiplier, on the current stream. The norm of the norms is not taken early.
 
 
 class LossScale:
@@ -3277,19 +3378,6 @@ class LossScale:
 def loss_scaling(dtype: torch.dtype, device: torch.device, ranks: Ranks = Ranks()):
     """float16's dynamic loss scaling (LossScale), or none."""
     return LossScale(device, ranks) if dtype == torch.float16 else Unscaled()
-
-
-class Unclipped:
-    """The plain path's gradients, unclipped (GradClip: times a coefficient once every unit's norm is in)."""
-
-    holds_updates = False
-    grad_norms = ()  # none taken
-
-    def add(self, u: int, views, sent, stream) -> None: ...  # no norm to take
-
-    def multiplier(self) -> float:
-        """The gradients' multiplier for this step."""
-        return 1.0
 
 
 class GradClip:
@@ -3344,6 +3432,23 @@ class GradClip:
         norm, multiplier = torch.stack([total, coefficient]).tolist()  # one sync for both
         self.grad_norms.append(norm)
         return multiplier
+
+
+def scale_and_clip(trainer: OffloadedTraining, max_norm: float | None) -> None:
+    """The trainer's float16 losses scaled (LossScale) and its gradients clipped to `max_norm` (GradClip), in place of
+    the plain path's Unscaled and Unclipped."""
+    trainer.scaling = loss_scaling(trainer.dtype, trainer.device, trainer.ranks)
+    if trainer.scaling.holds_updates and not trainer.store.pool.dedicated:
+        raise ValueError("float16 steps only once every unit's gradients are in: give each unit a gradient buffer")
+    if max_norm is not None:
+        trainer.clip = GradClip(trainer.store, max_norm, trainer.device)
+
+
+# ---------------------------------------------------------------------------------------------------- the disk tier
+# --nvme: the Adam moments of the last decoder layers on a disk, read ahead of their steps, written back after.
+#   S16  DiskTier's thread events settled and current, set by the writer thread after each write (and by reset), and
+#        its queues free and staged (the reader fills staged). Waited on by read_ahead (the reader), read (main) and
+#        stage (the worker). A file is not read while its write-back runs, nor a slot reused early.
 
 
 DISK_CALL = 2**28  # bytes one read or write call moves at most (Linux moves under 2 GiB per call)
@@ -3608,54 +3713,6 @@ class DiskTier:
             staged.put(e)
 
 
-class HostMoments:
-    """The plain path's Adam moments: two float32 host buffers a unit, stepped in place (DiskMoments: some units' on a
-    disk). A unit's are zeroed at its first step, so their pages are mapped only once a lean run freed the model."""
-
-    disk = None  # no disk tier
-
-    def __init__(self, numels: list[int], elsewhere=frozenset()):
-        self.buffers = [  # None for the units whose moments are kept `elsewhere` (DiskMoments)
-            None if u in elsewhere else (host_zeros(n, torch.float32, False), host_zeros(n, torch.float32, False))
-            for u, n in enumerate(numels)
-        ]
-        self.pinned = set()  # units whose moments pin moved: each placement makes a new StreamedAdam, which pins
-
-    def stage(self, u: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Unit u's moments for its step."""
-        return self.buffers[u]
-
-    def staged(self, u: int) -> None:
-        """Unit u's step is done with its moments: nothing to write back."""
-
-    def ready(self, u: int) -> bool:  # always: they are in memory
-        return True
-
-    def read(self, u: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Unit u's moments after its updates, in place."""
-        return self.buffers[u]
-
-    def zero(self, units) -> None:
-        """Zero the moments of `units` for their first step (zeros, as floats; a first touch maps the pages)."""
-        touch_pages([(m.data_ptr(), m.nbytes) for u in units for m in self.buffers[u]])
-
-    def fill(self, u: int, fill) -> None:
-        """Unit u's moments from a checkpoint: fill(exp_avg, exp_avg_sq) writes them."""
-        fill(*self.buffers[u])
-
-    def pin(self, u: int, pin: bool) -> None:
-        """Move unit u's moments into pinned memory (pin) for the copy engines, once."""
-        if u not in self.pinned:
-            self.buffers[u] = tuple(host_zeros(m.numel(), torch.float32, pin).copy_(m) for m in self.buffers[u])
-            self.pinned.add(u)
-
-    def restart(self) -> None: ...  # a new mode's load: nothing staged
-
-    def flush(self) -> None: ...  # nothing to write back
-
-    def close(self) -> None: ...  # nothing to free
-
-
 class DiskMoments(HostMoments):
     """HostMoments with the moments of the disk tier's units on its disk: read into host memory for each step and
     written back after it (DiskTier); the other units' in host memory."""
@@ -3709,9 +3766,9 @@ class DiskMoments(HostMoments):
         self.disk.close()
 
 
-def moments_for(numels: list[int], disk: DiskTier | None) -> HostMoments:
-    """The Adam moments of units of `numels` parameters: HostMoments, or with a disk tier DiskMoments."""
-    return DiskMoments(numels, disk) if disk else HostMoments(numels)
+def moments_for(disk: DiskTier | None):
+    """MasterStore's `moments`: HostMoments, or with a disk tier DiskMoments on it."""
+    return functools.partial(DiskMoments, disk=disk) if disk else HostMoments
 
 
 def unnamed_file(folder: str, nbytes: int) -> int:
@@ -3771,6 +3828,10 @@ class ShardedParamStore(ParamStore):
         return shard, self.ranks.rank * shard
 
     def share(self, layer: nn.Module, flat: torch.Tensor) -> None: ...  # a shard: the model keeps its parameters
+
+    def streamer(self, kinds, make_module, device, depth: int) -> LayerStreamer:
+        """A ShardedStreamer of the layers' shards."""
+        return ShardedStreamer(self.ranks, self.flats, kinds, make_module, self.dtype, device, depth)
 
 
 def param_store_of(ranks: Ranks, model: LlamaForCausalLM, pin: bool) -> ParamStore:
@@ -3841,14 +3902,17 @@ class ShardedSteppers(Steppers):
         return self.summed[: self.store.masters[u].numel()]
 
 
-def steppers_of(ranks: Ranks, *args) -> Steppers:
-    """Steppers of Steppers' arguments, or with several ranks ShardedSteppers."""
-    return ShardedSteppers(*args) if ranks.several else Steppers(*args)
+class ShardedTraining(OffloadedTraining):
+    """OffloadedTraining of one of several ranks: its units' gradients summed over the ranks (ShardedSteppers) and
+    their weights gathered from the ranks' shards (ShardedStreamer)."""
 
+    def make_steppers(self, *args) -> Steppers:
+        """ShardedSteppers of Steppers' arguments."""
+        return ShardedSteppers(*args)
 
-def layer_streamer_of(ranks: Ranks, *args, **kwargs) -> LayerStreamer:
-    """A LayerStreamer of LayerStreamer's arguments, or with several ranks a ShardedStreamer (copy_stream aside)."""
-    return ShardedStreamer(ranks, *args, **kwargs) if ranks.several else LayerStreamer(*args, **kwargs)
+    def make_streamer(self, *args, **kwargs) -> LayerStreamer:
+        """A ShardedStreamer of LayerStreamer's arguments."""
+        return ShardedStreamer(self.ranks, *args, **kwargs)
 
 
 def check_same(ranks: Ranks, value, what: str) -> None:
@@ -5366,6 +5430,28 @@ def checkpoint_hint(folder: Path) -> str:
     if inside:
         return f"it holds the checkpoints of modes {', '.join(inside)}: give one of their folders, or --mode as trained"
     return "give a folder written by --checkpoint"
+
+
+@torch.no_grad()
+def restore_unit(store: MasterStore, u: int, state: dict) -> None:
+    """Unit u's master, Adam moments, step count and copy in `store`, from a checkpoint's (checkpoint_unit): this rank's
+    shards, from each parameter by name (any number of ranks wrote them) or the flat shards this rank wrote."""
+    layout, start = store.units[u].layout, store.ranks.rank * store.masters[u].numel()
+
+    def fill(keys: tuple[str, ...], *flats) -> None:
+        """The state's `keys` into this rank's part of the flat buffers `flats`."""
+        for key, flat in zip(keys, flats, strict=True):
+            if isinstance(state[key], torch.Tensor):  # the shard this rank wrote, padding and all
+                flat.copy_(state[key])
+            else:
+                layout.fill(flat, state[key].__getitem__, start=start)
+
+    fill(("master",), store.masters[u])
+    store.adam_moments.fill(u, functools.partial(fill, ("exp_avg", "exp_avg_sq")))
+    if store.copies:
+        store.copies[u].copy_(store.masters[u])
+    store.steps[u].fill_(state["step"])
+    store.unstarted.discard(u)
 
 
 def resume(trainer, folder: Path, manifest: dict) -> int:
@@ -7037,8 +7123,9 @@ def make_trainer(mode: str, model, masters: MasterStore | None, micro_batches, r
     t0 = time.perf_counter()
     kwargs = decoder_kwargs(model, tuple(micro_batches[0].shape), run.torch_dtype, device)
     depth = plan.modes[mode].depth
-    loss_function, max_norm = model.loss_function, run.clip_grad_norm
-    trainer = OffloadedTraining(masters, model.config, run.torch_dtype, device, depth, loss_function, kwargs, max_norm)
+    training = ShardedTraining if run.ranks.several else OffloadedTraining
+    trainer = training(masters, model.config, run.torch_dtype, device, depth, model.loss_function, kwargs)
+    scale_and_clip(trainer, run.clip_grad_norm)
     if plan.offload_activations:
         trainer.inputs = ActivationOffload(trainer, len(micro_batches), tuple(micro_batches[0].shape))
     masters.setup_s["trainer"] = time.perf_counter() - t0  # the GPU's ring and buffers, the saved inputs' host ones
@@ -7466,8 +7553,8 @@ def training_store(run: RunConfig, config: LlamaConfig, plan: Plan) -> MasterSto
     disk = disk_tier(run, units, plan.disk_layers)
     try:
         copy, buffers = plan.torch_copy_dtype, plan.grad_buffers
-        args = (units, run.adam, True, buffers, gradient_dtype(run), copy, scaled, disk, run.ranks)
-        masters = MasterStore(*args)
+        args = (units, run.adam, True, buffers, gradient_dtype(run), copy, scaled, moments_for(disk), run.ranks)
+        masters = MasterStore(*args, update=CompiledAdamUpdate)
     except BaseException:
         if disk:
             disk.close()

@@ -105,7 +105,8 @@ def master_store(model, adam, pin, grad_buffers, grad_dtype, copy_dtype, reuse, 
     if store is None:
         units = ol.model_units(model.config)
         tier = ol.DiskTier(disk[0], {u: units[u].layout.numel for u in disk[1]}) if disk else None
-        store = ol.MasterStore(units, adam, pin, grad_buffers, grad_dtype, copy_dtype, scaled, tier)
+        args = (units, adam, pin, grad_buffers, grad_dtype, copy_dtype, scaled, ol.moments_for(tier))
+        store = ol.MasterStore(*args, update=ol.CompiledAdamUpdate)
     else:
         torch.cuda.synchronize()  # the last trainer's copies from and to the store have landed
         for t in [*store.pool.buffers, *(m for pair in store.moments if pair for m in pair)]:
@@ -148,8 +149,9 @@ def offloaded_trainer(
     scaled = clip is not None
     store = master_store(model, adam, pin, grad_buffers, ol.gradient_dtype(run), copy_dtype, reuse, scaled, disk)
     kwargs = ol.decoder_kwargs(model, tuple(micro_batches[0].shape), dtype, torch.device(device))
-    args = (store, model.config, dtype, torch.device(device), depth, model.loss_function, kwargs, clip)
+    args = (store, model.config, dtype, torch.device(device), depth, model.loss_function, kwargs)
     trainer = ol.OffloadedTraining(*args)
+    ol.scale_and_clip(trainer, clip)
     if offload:
         trainer.inputs = ol.ActivationOffload(trainer, len(micro_batches), tuple(micro_batches[0].shape))
     if resident or gpu_adam:

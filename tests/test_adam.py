@@ -55,7 +55,7 @@ def assert_adam_close(ours, theirs):
     ],
 )
 def test_fused_update_equals_torch_adam(dtype, grad_dtype, weight_decay):
-    update = ol.AdamUpdate(
+    update = ol.CompiledAdamUpdate(
         ol.Adam(lr=1e-3, weight_decay=weight_decay), grad_dtype, dtype if dtype != torch.float32 else None
     )
     assert update.compiled is not None, "this machine has a C++ compiler: the update must compile"
@@ -63,14 +63,16 @@ def test_fused_update_equals_torch_adam(dtype, grad_dtype, weight_decay):
     assert_adam_close(*run_update(update, dtype, grad_dtype))
 
 
+@pytest.mark.parametrize("kind", ["AdamUpdate", "CompiledAdamUpdate"])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.01])
-def test_fallback_is_torch_adam_and_a_cast(monkeypatch, weight_decay):
-    """Without the compiled update the gradients come in float32 and torch.optim.Adam's own kernel steps: bitwise
-    torch's masters and moments."""
+def test_the_plain_update_is_torch_adam_and_a_cast(monkeypatch, weight_decay, kind):
+    """The plain AdamUpdate, and CompiledAdamUpdate where the update does not compile: the gradients come in float32 and
+    torch.optim.Adam's own kernel steps, bitwise torch's masters and moments."""
     monkeypatch.setattr(ol, "compiled_adam_update", lambda grad_dtype, copy_dtype, scaled: None)
-    update = ol.AdamUpdate(ol.Adam(lr=1e-3, weight_decay=weight_decay), torch.bfloat16, torch.bfloat16)
+    kind = getattr(ol, kind)
+    update = kind(ol.Adam(lr=1e-3, weight_decay=weight_decay), torch.bfloat16, torch.bfloat16)
     assert update.grad_dtype == torch.float32 and update.bytes_per_param == 24 + 4 + 2 + 4
-    clipped = ol.AdamUpdate(ol.Adam(), torch.bfloat16, torch.bfloat16, scaled=True)  # scales the gradients first
+    clipped = kind(ol.Adam(), torch.bfloat16, torch.bfloat16, scaled=True)  # scales the gradients first
     assert clipped.bytes_per_param == update.bytes_per_param + 8
     ours, theirs = run_update(update, torch.bfloat16, update.grad_dtype)
     assert all(torch.equal(a, b) for a, b in zip(ours[:3], theirs, strict=False))
@@ -88,13 +90,13 @@ def test_compile_failure_falls_back_and_says_so(monkeypatch, capsys):
 
 def test_fused_update_moves_28_bytes_per_parameter():
     """float32 master and moments read and written, 16-bit gradients read and copy written."""
-    assert ol.AdamUpdate(ol.Adam(), torch.bfloat16, torch.bfloat16).bytes_per_param == 28
-    assert ol.AdamUpdate(ol.Adam(), torch.float32, None).bytes_per_param == 28
+    assert ol.CompiledAdamUpdate(ol.Adam(), torch.bfloat16, torch.bfloat16).bytes_per_param == 28
+    assert ol.CompiledAdamUpdate(ol.Adam(), torch.float32, None).bytes_per_param == 28
 
 
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
 def test_scaled_update_equals_torch_adam_on_scaled_gradients(grad_dtype):
     """--clip-grad-norm's update: the gradients times the step's multiplier in the same pass (float32 product)."""
-    update = ol.AdamUpdate(ol.Adam(lr=1e-3, weight_decay=0.01), grad_dtype, torch.bfloat16, scaled=True)
+    update = ol.CompiledAdamUpdate(ol.Adam(lr=1e-3, weight_decay=0.01), grad_dtype, torch.bfloat16, scaled=True)
     assert update.compiled is not None
     assert_adam_close(*run_update(update, torch.bfloat16, grad_dtype, multiplier=0.37))

@@ -51,10 +51,12 @@ def trainer_of(model, micro_batches, world_batches, depth, ranks=None, clip=None
     args = (units, ol.Adam(lr=1e-3), False, None, ol.gradient_dtype(run), copy_dtype, scaled)
     ranks = ranks or ol.Ranks()
     tier = ol.DiskTier(disk[0], {u: ranks.shard_numel(units[u].layout.numel) for u in disk[1]}) if disk else None
-    store = ol.MasterStore(*args, tier, ranks)
+    store = ol.MasterStore(*args, ol.moments_for(tier), ranks, update=ol.CompiledAdamUpdate)
     store.load(model)
     kwargs = ol.decoder_kwargs(model, tuple(micro_batches[0].shape), dtype, CPU)
-    trainer = ol.OffloadedTraining(store, model.config, dtype, CPU, depth, model.loss_function, kwargs, clip)
+    training = ol.ShardedTraining if ranks.several else ol.OffloadedTraining
+    trainer = training(store, model.config, dtype, CPU, depth, model.loss_function, kwargs)
+    ol.scale_and_clip(trainer, clip)
     if gpu_adam:
         ol.place_on_gpu(trainer, (), gpu_adam, own_grads=False)
     return trainer

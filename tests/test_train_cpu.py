@@ -512,7 +512,8 @@ def test_clipping_needs_a_gradient_buffer_per_unit_and_no_gpu_adam():
     store = ol.MasterStore(ol.model_units(model.config), ol.Adam(), False, scaled_grads=True)
     store.load(model)
     kwargs = ol.decoder_kwargs(model, tuple(batches[0].shape), model.dtype, CPU)
-    trainer = ol.OffloadedTraining(store, model.config, model.dtype, CPU, 1, model.loss_function, kwargs, 1.0)
+    trainer = ol.OffloadedTraining(store, model.config, model.dtype, CPU, 1, model.loss_function, kwargs)
+    ol.scale_and_clip(trainer, 1.0)
     with pytest.raises(ValueError, match="the streamed units stay on the CPU Adam"):
         ol.place_on_gpu(trainer, gpu_adam=(0,))
     trainer.finish()
