@@ -17,10 +17,11 @@ D2H copy), where the CPU Adam's worker steps the unit (AdamUpdate; a run uses Co
 each's bytes_per_param counts its host traffic); the unit's next copy waits for that update (wait_written). The table
 at the top of the layer streamer lists every wait.
 
-The sections, in reading order, and the names that open them. The core, the plain path, runs from the parameter store
-to the modes, right after the command line (checked before torch loads). The accelerations and several GPUs plug into
-it as policies, each a section of its own that the core never names (tests/test_plain_path.py deletes them all and
-trains); the plan, measurement and tables are instruments around it; running a mode puts them together.
+The sections, in reading order, and the names that open them (`grep -n '^# ---' offload_llama.py` gives their lines).
+The core, the plain path, runs from the parameter store to the modes, right after the command line (checked before
+torch loads). The accelerations and several GPUs plug into it as policies, each a section of its own that the core
+never names (tests/test_plain_path.py deletes them all and trains); the plan, measurement and tables are instruments
+around it; running a mode puts them together.
   configuration          Ranks, RunConfig: torchrun's processes; one run, frozen, from the command line or a test
   the command line       Parser, command_line, check_flags_needed, check_run: flags, inputs, outputs, before torch
   parameter store        FlatLayout, ParamStore: each decoder layer one flat pinned buffer
