@@ -30,14 +30,14 @@ around it; running a mode puts them together.
   modes                  infer_offloaded: inference's pass (training's: OffloadedTraining.step)
   streams and events     InOrder, new_stream, new_event: CUDA's on a GPU, stand-ins on the CPU
   host memory            HostBuffer, host_zeros_each, HostMoments: the core's host buffers, pinned; the Adam moments
-  model                  llama_config, build_model, init_random, model_units: a random LLaMA, or a saved one
-  the reference          Adam, ResidentTraining, infer_resident: gpu and cpu modes, the plain model, torch.optim.Adam
   compiled Adam          CompiledAdamUpdate, compiled_adam_update: the first acceleration, the CPU Adam in one pass
   the GPU's Adam         place_on_gpu, ResidentUnits, StreamedAdam: units stepped on the GPU, resident or streamed
   activation offload     ActivationOffload: --offload-activations, the saved inputs on the host
   float16 and clipping   LossScale, GradClip, scale_and_clip: float16's loss scale, --clip-grad-norm
   the disk tier          DiskTier, DiskMoments, moments_for: --nvme, Adam moments on a disk
   several GPUs           ShardedParamStore, ShardedStreamer, ShardedSteppers, ShardedTraining: shards gathered, summed
+  model                  llama_config, build_model, init_random, model_units: a random LLaMA, or a saved one
+  the reference          Adam, ResidentTraining, infer_resident: gpu and cpu modes, the plain model, torch.optim.Adam
   the plan               Facts, make_plan, Plan, check_plan: every placement decision, made once before allocating
   saving and resuming    save_pretrained, write_checkpoint, resume
   text in                data_files, token_cache, Blocks, prepare_data: --data tokenized once, packed, shuffled
@@ -1390,10 +1390,10 @@ class ParamStore:
 
 
 # ---------------------------------------------------------------------------------------------------- layer streamer
-# Every synchronisation of the core (the accelerations' S12-S16 continue it, each at its section). Streams: compute (the
-# current one), copy (weights in), gather (several ranks' all-gathers), D2H (gradients out); threads: main, autograd's
-# (it runs the backward), the CPU Adam's worker. Each row: what it is; who records or sets it, on which stream or
-# thread; who waits on it, where; what it protects. Each wait in the code names its row.
+# Every synchronisation of the core (the accelerations' S12-S16 continue it, each at its section): what it is; who
+# records or sets it, on which stream or thread; who waits on it, where; what it protects. Each wait names its row.
+# Streams: compute (the current one), copy (weights in), gather (several ranks'), D2H (gradients out); threads: main,
+# autograd's (it runs the backward), the CPU Adam's worker.
 #   S1   copied[s], CUDA event. Recorded by prefetch on copy (several ranks: by landed_in again, on gather). Waited
 #        on by acquire on compute (several ranks: landed_in, on gather). Slot s is not read before its unit landed.
 #   S2   freed[s], CUDA event. Recorded by release on compute. Waited on by prefetch on copy. Slot s is not
@@ -1626,9 +1626,8 @@ def layer_streamer(store: ParamStore, config: LlamaConfig, device: torch.device,
 
 
 class StreamedLayer(nn.Module):
-    """Stands in for unit `index` of `strategy` inside the HF forward (a decoder layer; for a training state, also the
-    embeddings, the norm and the head): gets the module holding its weights and runs it. The ring's modules serve
-    every decoder layer, so each is told which one it is (`layer`) for the KV cache."""
+    """Stands in for unit `index` of `strategy` (a decoder layer; a trainer's, also another unit) in the HF forward:
+    runs the module holding its weights, told which layer it is (`layer`, for the KV cache: slots serve every layer)."""
 
     def __init__(self, index: int, strategy, layer: int | None = None):
         super().__init__()
@@ -1670,7 +1669,7 @@ def torch_adam_step(adam: Adam, master, grads, exp_avg, exp_avg_sq, step: torch.
 
 class AdamUpdate:
     """One unit's Adam step on the CPU: torch.optim.Adam's fused kernel on float32 gradients, then a cast into the copy
-    the GPU streams (CompiledAdamUpdate fuses the two into one pass)."""
+    the GPU streams. A run's store steps with CompiledAdamUpdate, the two fused into one pass (training_store)."""
 
     def __init__(self, adam: Adam, grad_dtype: torch.dtype, copy_dtype: torch.dtype | None, scaled: bool = False):
         self.adam = adam
@@ -2287,6 +2286,7 @@ def mean_loss(losses, ranks: Ranks = Ranks()) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------------- modes
 # Inference's pass; training's is OffloadedTraining.step. A mode run whole (plan, steps, checkpoints): running a mode.
+# The plan asks these two of each mode, for make_trainer's depth and place_units's resident and GPU-Adam units.
 
 
 def logits_of(model: LlamaForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
@@ -2445,451 +2445,6 @@ class HostMoments:
     def flush(self) -> None: ...  # nothing to write back
 
     def close(self) -> None: ...  # nothing to free
-
-
-# ---------------------------------------------------------------------------------------------------- model
-
-
-def llama_config(run: RunConfig) -> LlamaConfig:
-    """The model's config: from --model's folder, or the preset with size flags applied; validated."""
-    if run.model is not None:
-        config = load_config(Path(run.model))
-        check_sizes({field: getattr(config, field) for field in SIZE_FLAGS}, f"--model {run.model}: config.json's ")
-        return config
-    sizes = {**PRESETS[run.preset], **dict(run.sizes)}
-    check_sizes(sizes)
-    return LlamaConfig(**sizes, max_position_embeddings=max(4096, run.seq_len), tie_word_embeddings=False)
-
-
-def load_config(path: Path) -> LlamaConfig:
-    """A save_pretrained folder's LlamaConfig, refused with one line if the folder is not a LLaMA model."""
-    model_type(path)
-    try:
-        with transformers_quiet():  # its warnings on a config it cannot check: the refusal below is the one line
-            config = LlamaConfig.from_pretrained(path)
-        with torch.device("meta"):
-            LlamaRotaryEmbedding(config)  # its rope settings, which the config takes unchecked
-    except Exception as e:  # transformers' own validation, whose error classes vary between versions
-        reason = str(e.__cause__ or e).splitlines()[0]
-        raise UsageError(
-            f"--model {path}: transformers rejects its config.json ({type(e).__name__}: {reason})"
-        ) from None
-    return config
-
-
-@contextlib.contextmanager
-def transformers_quiet():
-    """transformers' warnings held back for the block (its errors still show): this script says what matters."""
-    verbosity = transformers.utils.logging.get_verbosity()
-    transformers.utils.logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        transformers.utils.logging.set_verbosity(verbosity)
-
-
-def build_model(run: RunConfig, config: LlamaConfig) -> LlamaForCausalLM:
-    """The CPU model in the compute dtype: loaded from --model, or randomly initialised from --seed; where the run
-    draws its units one at a time (draws_units), only its rotary tables, the rest on the meta device."""
-    dtype, n = run.torch_dtype, param_count(config)
-    size = size_text(n * dtype.itemsize)
-    if draws_units(run):
-        log(f"{run.preset}: {count_text(n)} {run.dtype} parameters, drawn straight into the masters")
-    else:
-        log(f"building {run.model or run.preset} on the CPU: {count_text(n)} {run.dtype} parameters, {size}")
-    t0 = time.perf_counter()
-    if run.model is not None:
-        transformers.utils.logging.disable_progress_bar()  # stderr carries this script's progress lines alone
-        try:
-            with transformers_quiet():  # its report of missing weights: the refusal below says it in one line
-                model, info = LlamaForCausalLM.from_pretrained(
-                    run.model, dtype=dtype, attn_implementation=run.attention, output_loading_info=True
-                )
-        except Exception as e:  # what check_weights cannot see; transformers' error classes vary between versions
-            raise UsageError(f"--model {run.model}: cannot load the weights ({first_line(e)})") from None
-        missing = sorted([*info.get("missing_keys", ()), *(key for key, *_ in info.get("mismatched_keys", ()))])
-        if missing:  # from_pretrained draws those at random and goes on: not the model the folder names
-            what = f"{len(missing)} of the model's weights, such as {missing[0]}"
-            raise UsageError(f"--model {run.model}: its weights lack {what}: save the model again")
-    else:
-        with torch.device("meta"):
-            model = LlamaForCausalLM._from_config(config, dtype=dtype, attn_implementation=run.attention)
-        if draws_units(run):
-            model.model.rotary_emb = LlamaRotaryEmbedding(config)  # computed, not drawn
-        else:
-            init_random(model, run.seed)
-            log(f"built in {time.perf_counter() - t0:.1f} s")
-    return model.eval()
-
-
-SAFETENSORS_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1}
-SAFETENSORS_ITEMSIZE |= {"BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
-
-
-def check_weights(folder: Path, config: LlamaConfig) -> None:
-    """--model's safetensors files are whole and hold every weight of its config in its shape; else one line naming
-    the file, before the model is built (from_pretrained would stop half-way, or draw a missing weight at random)."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            if not all(isinstance(name, str) and name == Path(name).name for name in files):
-                raise ValueError("its weight_map names files outside the folder, or not by name")
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise UsageError(f"--model {folder}: {index.name} is damaged ({first_line(e)}): save it again") from None
-    elif (folder / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    elif any((folder / name).is_file() for name in ("pytorch_model.bin", "pytorch_model.bin.index.json")):
-        return  # no safetensors: from_pretrained's own checks, and build_model's of what it found
-    else:
-        raise UsageError(f"--model {folder}: no weights in it (model.safetensors or pytorch_model.bin): save it again")
-    found = {}
-    for name in files:
-        found |= safetensors_shapes(folder, name)
-    with torch.device("meta"):
-        expected = {name: tuple(p.shape) for name, p in LlamaForCausalLM(config).named_parameters()}
-    for name, shape in expected.items():
-        if found.get(name) != shape:
-            saved = "missing" if name not in found else f"of shape {list(found[name])}"
-            raise UsageError(f"--model {folder}: {name} is {saved}, the config needs {list(shape)}: save it again")
-
-
-def safetensors_shapes(folder: Path, name: str) -> dict[str, tuple]:
-    """The tensors' shapes in one of --model's safetensors files; refused with one line where it is not one whole."""
-    shapes = safetensors_header(folder / name)
-    if shapes is None:
-        size = (folder / name).stat().st_size if (folder / name).is_file() else 0
-        raise UsageError(f"--model {folder}: {name} is damaged or cut short ({size:,} bytes): save the model again")
-    return shapes
-
-
-def safetensors_header(path: Path) -> dict[str, tuple] | None:
-    """The tensors' shapes in a safetensors file (write_safetensors says its layout); None where it is not one whole:
-    a regular file, its header's length and JSON header, each tensor's byte range fitting its shape and dtype and
-    lying within the file."""
-    if not path.is_file():
-        return None
-    size = path.stat().st_size
-    try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-            length = struct.unpack("<Q", head)[0] if len(head) == 8 else size
-            if length > size - 8:
-                return None
-            header = json.loads(f.read(length))
-    except OSError as e:
-        raise UsageError(f"--model {path.parent}: {path.name} cannot be read ({e.strerror})") from None
-    except ValueError:  # not JSON, or not UTF-8
-        return None
-    shapes = {}
-    for key, entry in header.items() if isinstance(header, dict) else [(None, None)]:
-        if key == "__metadata__":
-            continue
-        try:
-            shape, (start, stop) = tuple(entry["shape"]), entry["data_offsets"]
-            nbytes = math.prod(shape) * SAFETENSORS_ITEMSIZE[entry["dtype"]]
-            fits = stop - start == nbytes and start >= 0 and 8 + length + stop <= size
-        except (KeyError, TypeError, ValueError):
-            fits = False
-        if not fits:
-            return None
-        shapes[key] = shape
-    return shapes
-
-
-def first_line(e: BaseException) -> str:
-    """An exception's message, its first line (200 characters at most), or its class where it has none."""
-    line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return line if len(line) <= 200 else line[:197] + "..."
-
-
-def draws_units(run: RunConfig) -> bool:
-    """Whether the random model is drawn straight into the masters (draw_masters): one offloaded mode trains alone
-    (lean), so nothing else reads the CPU model, and the host never holds it."""
-    return run.lean and run.model is None and not run.fwd_bwd_reference
-
-
-DRAW_CHUNK = 2**24  # elements: a random weight is drawn in chunks this size, each from a generator of its own
-
-
-@torch.no_grad()
-def init_random(model: LlamaForCausalLM, seed: int) -> None:
-    """HF's LLaMA initialisation of a meta-device model: weights N(0, initializer_range), norms 1. Each weight is drawn
-    in chunks of DRAW_CHUNK elements in parallel, each chunk from a generator seeded by its place in the model, in
-    float32 (four times faster than in 16 bits) and rounded to the weight's dtype (draw_masters draws the same)."""
-    config = model.config
-    model.to_empty(device="cpu")
-    weights = [p for p in model.parameters() if p.dim() > 1]
-    chunks = [  # no_grad does not reach the pool threads: the tensors are detached
-        (chunk, i, j) for i, p in enumerate(weights) for j, chunk in enumerate(p.detach().view(-1).split(DRAW_CHUNK))
-    ]
-
-    def draw(chunk: torch.Tensor, i: int, j: int) -> None:
-        """Chunk j of weight i, rounded to its dtype."""
-        chunk.copy_(drawn_chunk(seed, i, j, chunk.numel(), config.initializer_range))
-
-    with ThreadPoolExecutor(torch.get_num_threads()) as pool:  # normal_ releases the GIL; a rank's share of the cores
-        list(pool.map(lambda job: draw(*job), chunks))
-    for p in model.parameters():
-        if p.dim() == 1:
-            p.fill_(1.0)  # RMSNorm weights
-    if config.pad_token_id is not None:
-        model.model.embed_tokens.weight[config.pad_token_id].zero_()
-    model.model.rotary_emb = LlamaRotaryEmbedding(config)  # its buffers are computed, not drawn
-
-
-def draw_masters(store, model: LlamaForCausalLM, seed: int) -> None:
-    """The weights init_random draws for the meta-device `model`, rounded to its dtype, written straight into `store`'s
-    float32 masters (a rank: into its shards): no CPU model is built, and the chunks of every unit are drawn at once
-    over the rank's threads, each from its own generator as init_random seeds it. Norms 1, the pad token's row 0."""
-    config, dtype = model.config, next(model.parameters()).dtype
-    index = {name: i for i, name in enumerate(n for n, p in model.named_parameters() if p.dim() > 1)}
-
-    def draw(master, start, span, chunk, i, j) -> None:
-        """Chunk j of weight i (its elements [a, b) of the unit's flat buffer), rounded through the model's dtype; its
-        part within `span` written into the master, a shard from element `start` on."""
-        (a, b), (lo, hi) = chunk, span
-        values = drawn_chunk(seed, i, j, b - a, config.initializer_range)
-        values.copy_(values.to(dtype))  # nothing to round in float32
-        master[max(a, lo) - start : min(b, hi) - start].copy_(values[max(a, lo) - a : min(b, hi) - a])
-
-    spans, jobs = weight_spans(store), []
-    for name, master, start, o, lo, hi, numel in spans:
-        if name not in index:  # a norm's weight
-            master[lo - start : hi - start].fill_(1.0)
-            continue
-        for j in range((lo - o) // DRAW_CHUNK, (hi - 1 - o) // DRAW_CHUNK + 1):  # the chunks with elements in [lo, hi)
-            chunk = (o + j * DRAW_CHUNK, o + min(numel, (j + 1) * DRAW_CHUNK))
-            jobs.append((master, start, (lo, hi), chunk, index[name], j))
-    with ThreadPoolExecutor(torch.get_num_threads()) as pool:  # normal_ releases the GIL; a rank's share of the cores
-        list(pool.map(lambda job: draw(*job), jobs))
-    for name, master, start, o, lo, hi, _ in spans:
-        if name == "model.embed_tokens.weight" and config.pad_token_id is not None:
-            row = o + config.pad_token_id * config.hidden_size
-            x, y = max(row, lo), min(row + config.hidden_size, hi)  # the pad row's part in this shard
-            if x < y:
-                master[x - start : y - start].zero_()
-
-
-def drawn_chunk(seed: int, weight: int, chunk: int, numel: int, std: float) -> torch.Tensor:
-    """Chunk `chunk` (of DRAW_CHUNK elements) of weight `weight` of the random model drawn from `seed`: `numel` float32
-    normal values from a generator of the chunk's own, so that chunks can be drawn on any thread, in any order."""
-    generator = torch.Generator().manual_seed((seed << 32) + (weight << 16) + chunk)
-    return torch.empty(numel, dtype=torch.float32).normal_(0.0, std, generator=generator)
-
-
-def weight_spans(store) -> list[tuple]:
-    """(HF name, master, where its shard starts, the parameter's offset, lo, hi, its numel) of each parameter with
-    elements [lo, hi) of its unit's flat buffer in this rank's shard of `store`'s masters."""
-    spans = []
-    for unit, master in zip(store.units, store.masters, strict=True):
-        start = store.ranks.rank * master.numel()
-        numels = dict(zip(unit.layout.names, (shape.numel() for shape in unit.layout.shapes), strict=True))
-        for name, o, lo, hi in unit.layout.spans(start, start + master.numel()):
-            spans.append((f"{unit.name}.{name}", master, start, o, lo, hi, numels[name]))
-    return spans
-
-
-def param_count(config: LlamaConfig) -> int:
-    """The model's parameter count, from its config by arithmetic (parameter_count): a model of a million layers is
-    counted as fast as one of eight."""
-    return parameter_count(config.to_dict())
-
-
-def meta_layer(config: LlamaConfig) -> nn.Module:
-    """One decoder layer on the meta device: its shapes without its memory."""
-    with torch.device("meta"):
-        return LlamaDecoderLayer(config, layer_idx=0)
-
-
-def layer_bytes(config: LlamaConfig, dtype: torch.dtype) -> int:
-    """Bytes of one decoder layer's weights in `dtype`, laid out as the store and the GPU slots hold them."""
-    return FlatLayout.of(meta_layer(config)).numel * dtype.itemsize
-
-
-def random_input_ids(run: RunConfig, vocab_size: int, micro_batches: int = 1) -> torch.Tensor:
-    """Token ids drawn from --seed: micro_batches x batch_size sequences of seq_len tokens."""
-    generator = torch.Generator().manual_seed(run.seed)
-    return torch.randint(vocab_size, (micro_batches * run.batch_size, run.seq_len), generator=generator)  # (K*B, T)
-
-
-@dataclass(frozen=True)
-class Unit:
-    """A piece of the model streamed whole in training: the embeddings, a decoder layer, the norm or the head."""
-
-    name: str  # its module's name in the HF model, so master weights map back to HF parameter names
-    kind: str  # embed, layer, norm or head
-    layout: FlatLayout
-
-
-def unit_module(kind: str, config: LlamaConfig) -> nn.Module:
-    """A module of this kind, built as LlamaForCausalLM builds its own (call it under torch.device('meta'))."""
-    if kind == "embed":
-        return nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
-    if kind == "layer":
-        return LlamaDecoderLayer(config, layer_idx=0)
-    if kind == "norm":
-        return LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-    return nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-
-def model_units(config: LlamaConfig) -> list[Unit]:
-    """The units in forward order: embeddings, decoder layers, final norm, head."""
-    return list(units_of(config.to_json_string()))
-
-
-@functools.cache
-def units_of(config_json: str) -> tuple[Unit, ...]:
-    """model_units of the config in `config_json`, made once: the plan asks for them many times."""
-    config = LlamaConfig.from_dict(json.loads(config_json))
-    with torch.device("meta"):
-        layout = {kind: FlatLayout.of(unit_module(kind, config)) for kind in ("embed", "layer", "norm", "head")}
-    layers = range(config.num_hidden_layers)
-    names = ["model.embed_tokens", *(f"model.layers.{i}" for i in layers), "model.norm", "lm_head"]
-    kinds = ["embed", *("layer" for _ in layers), "norm", "head"]
-    return tuple(Unit(name, kind, layout[kind]) for name, kind in zip(names, kinds, strict=True))
-
-
-def decoder_kwargs(model: LlamaForCausalLM, shape: tuple[int, int], dtype: torch.dtype, device) -> dict:
-    """What HF's LlamaModel.forward passes its decoder layers besides the hidden states (rotary cos/sin, mask,
-    positions), computed by HF itself: its forward runs on zero embeddings through one recording layer."""
-    captured = {}
-
-    class Recorder(nn.Module):
-        """A decoder layer that keeps the keyword arguments HF passes it and returns its input."""
-
-        def forward(self, hidden_states, **kwargs):
-            """Record the kwargs, pass the hidden states through."""
-            captured.update(kwargs)
-            return hidden_states
-
-    base = model.model
-    kept = base.layers, base.norm, base.rotary_emb
-    base.layers, base.norm, base.rotary_emb = nn.ModuleList([Recorder()]), nn.Identity(), copy.deepcopy(kept[2])
-    base.rotary_emb.to(device)
-    try:
-        with torch.no_grad():
-            zeros = torch.zeros(*shape, model.config.hidden_size, dtype=dtype, device=device)
-            base(inputs_embeds=zeros, use_cache=False)
-    finally:
-        base.layers, base.norm, base.rotary_emb = kept
-    return captured
-
-
-# ---------------------------------------------------------------------------------------------------- the reference
-# gpu and cpu modes train the plain model with torch.optim.Adam: what every offloaded mode is compared with.
-
-
-@dataclass(frozen=True)
-class Adam:
-    """torch.optim.Adam's hyper-parameters, with its meaning (L2 weight decay added to the gradient)."""
-
-    lr: float = 1e-4
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-
-    def optimizer(self, params: list[torch.Tensor]) -> torch.optim.Adam:
-        """torch.optim.Adam over `params` with these hyper-parameters, fused (on the CPU, far faster than plain)."""
-        return torch.optim.Adam(params, self.lr, self.betas, self.eps, self.weight_decay, fused=True)
-
-    def scalars(self, step: int, multiplier: float = 1.0) -> torch.Tensor:
-        """adam_update's scalars for step `step` (from 1), as torch's fused CPU kernel rounds them, and the gradients'
-        multiplier (--clip-grad-norm); a tensor, not floats, so one compiled kernel serves every step."""
-        beta1, beta2 = self.betas
-        step_size = -self.lr / (1 - beta1**step)
-        values = [1 - beta1, beta2, 1 - beta2, math.sqrt(1 - beta2**step), self.eps, step_size, self.weight_decay]
-        return torch.tensor([*values, multiplier], dtype=torch.float32)
-
-
-class ResidentTraining:
-    """gpu and cpu modes, the reference: the plain HF model on `device`, torch.optim.Adam on float32 masters there."""
-
-    def __init__(self, model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device, adam: Adam, clip=None):
-        self.model = copy.deepcopy(model).to(device)
-        self.clip = clip  # --clip-grad-norm: torch.nn.utils.clip_grad_norm_ over every master's gradients
-        self.grad_norms = []  # each applied step's, before clipping
-        self.names = [name for name, _ in self.model.named_parameters()]
-        self.params = [p.requires_grad_() for p in self.model.parameters()]  # the inference store froze the layers
-        self.masters = [p.detach().float().clone() for p in self.params]
-        self.optimizer = adam.optimizer(self.masters)
-        self.scaling = loss_scaling(dtype, device)
-        self.units = model_units(model.config)
-        self.ranks = Ranks()  # one process
-
-    def step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
-        """One step: backward each micro-batch, gradients summed in float32, Adam on the masters copied into the
-        weights; returns the mean loss."""
-        losses = []
-        for k, ids in enumerate(micro_batches):
-            loss = self.model(ids, labels=ids, use_cache=False).loss
-            objective(loss, len(micro_batches), self.scaling.scale).backward()
-            for master, p in zip(self.masters, self.params, strict=True):
-                master.grad = p.grad.float() if k == 0 else master.grad.add_(p.grad)
-                p.grad = None
-            losses.append(loss.detach())
-        self.scaling.unscale([m.grad for m in self.masters])
-        if self.scaling.update():
-            if self.clip is not None:
-                self.grad_norms.append(torch.nn.utils.clip_grad_norm_(self.masters, self.clip).item())
-            self.optimizer.step()
-            with torch.no_grad():
-                for p, master in zip(self.params, self.masters, strict=True):
-                    p.copy_(master)
-        return mean_loss(losses)
-
-    def finish(self) -> None: ...  # nothing runs in the background
-
-    def wait_updates(self) -> None: ...  # each step is done when step() returns
-
-    def unit_params(self, u: int):
-        """Unit u's parameters as (name within the unit, float32 master, compute-dtype weight)."""
-        prefix = self.units[u].name + "."
-        for name, master, param in zip(self.names, self.masters, self.params, strict=True):
-            if name.startswith(prefix):
-                yield name.removeprefix(prefix), master, param
-
-    def unit_state(self, u: int) -> dict:
-        """Unit u's training state for a checkpoint, as OffloadedTraining.unit_state gives it."""
-        state = {"unit": self.units[u].name, "step": 0.0, "master": {}, "exp_avg": {}, "exp_avg_sq": {}}
-        for name, master, _ in self.unit_params(u):
-            adam = self.optimizer.state.get(master)  # none before the first step that was applied
-            state["master"][name] = master.cpu()
-            for key in ("exp_avg", "exp_avg_sq"):
-                state[key][name] = adam[key].cpu() if adam else torch.zeros_like(master, device="cpu")
-            state["step"] = adam["step"].item() if adam else 0.0
-        return state
-
-    @torch.no_grad()
-    def load_unit(self, u: int, state: dict) -> None:
-        """Set unit u's masters, weights and Adam state from a checkpoint."""
-        for name, master, param in self.unit_params(u):
-            master.copy_(state["master"][name])
-            param.copy_(master)
-            if state["step"]:  # as torch.optim.Adam(fused=True) keeps it: tensors on the master's device
-                moments = {key: state[key][name].to(master.device, copy=True) for key in ("exp_avg", "exp_avg_sq")}
-                step = torch.tensor(state["step"], device=master.device)
-                self.optimizer.state[master] = {"step": step, **moments}
-
-    def named_masters(self):
-        """Each parameter's float32 master on the CPU by HF name."""
-        for name, master in zip(self.names, self.masters, strict=True):
-            yield name, master.detach().cpu()
-
-    def state_dict(self, tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Copies of `tensors` (masters or their gradients) on the CPU under HF parameter names."""
-        return {name: t.detach().to("cpu", copy=True) for name, t in zip(self.names, tensors, strict=True)}
-
-
-def infer_resident(model, input_ids, device, run: RunConfig, config) -> tuple[dict, torch.Tensor]:
-    """gpu and cpu modes: the plain HF model, resident on `device`; on the CPU one run, no warm-up."""
-    if device.type != "cuda":
-        ms, logits = median_ms(lambda: logits_of(model, input_ids), device, 0, 1)
-        return {"time_ms": ms}, logits.cpu()
-    model = copy.deepcopy(model).to(device)
-    ids = input_ids.to(device)
-    ms, logits = median_ms(lambda: logits_of(model, ids), device, run.warmup, run.repeat)
-    return {"time_ms": ms} | gpu_memory(config, run.torch_dtype, ids.numel(), config.num_hidden_layers), logits.cpu()
 
 
 # ---------------------------------------------------------------------------------------------------- compiled Adam
@@ -4002,6 +3557,451 @@ def stop_ranks() -> None:
     if dist.is_available() and dist.is_initialized():
         STEP_GROUP.clear()
         dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------------- model
+
+
+def llama_config(run: RunConfig) -> LlamaConfig:
+    """The model's config: from --model's folder, or the preset with size flags applied; validated."""
+    if run.model is not None:
+        config = load_config(Path(run.model))
+        check_sizes({field: getattr(config, field) for field in SIZE_FLAGS}, f"--model {run.model}: config.json's ")
+        return config
+    sizes = {**PRESETS[run.preset], **dict(run.sizes)}
+    check_sizes(sizes)
+    return LlamaConfig(**sizes, max_position_embeddings=max(4096, run.seq_len), tie_word_embeddings=False)
+
+
+def load_config(path: Path) -> LlamaConfig:
+    """A save_pretrained folder's LlamaConfig, refused with one line if the folder is not a LLaMA model."""
+    model_type(path)
+    try:
+        with transformers_quiet():  # its warnings on a config it cannot check: the refusal below is the one line
+            config = LlamaConfig.from_pretrained(path)
+        with torch.device("meta"):
+            LlamaRotaryEmbedding(config)  # its rope settings, which the config takes unchecked
+    except Exception as e:  # transformers' own validation, whose error classes vary between versions
+        reason = str(e.__cause__ or e).splitlines()[0]
+        raise UsageError(
+            f"--model {path}: transformers rejects its config.json ({type(e).__name__}: {reason})"
+        ) from None
+    return config
+
+
+@contextlib.contextmanager
+def transformers_quiet():
+    """transformers' warnings held back for the block (its errors still show): this script says what matters."""
+    verbosity = transformers.utils.logging.get_verbosity()
+    transformers.utils.logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers.utils.logging.set_verbosity(verbosity)
+
+
+def build_model(run: RunConfig, config: LlamaConfig) -> LlamaForCausalLM:
+    """The CPU model in the compute dtype: loaded from --model, or randomly initialised from --seed; where the run
+    draws its units one at a time (draws_units), only its rotary tables, the rest on the meta device."""
+    dtype, n = run.torch_dtype, param_count(config)
+    size = size_text(n * dtype.itemsize)
+    if draws_units(run):
+        log(f"{run.preset}: {count_text(n)} {run.dtype} parameters, drawn straight into the masters")
+    else:
+        log(f"building {run.model or run.preset} on the CPU: {count_text(n)} {run.dtype} parameters, {size}")
+    t0 = time.perf_counter()
+    if run.model is not None:
+        transformers.utils.logging.disable_progress_bar()  # stderr carries this script's progress lines alone
+        try:
+            with transformers_quiet():  # its report of missing weights: the refusal below says it in one line
+                model, info = LlamaForCausalLM.from_pretrained(
+                    run.model, dtype=dtype, attn_implementation=run.attention, output_loading_info=True
+                )
+        except Exception as e:  # what check_weights cannot see; transformers' error classes vary between versions
+            raise UsageError(f"--model {run.model}: cannot load the weights ({first_line(e)})") from None
+        missing = sorted([*info.get("missing_keys", ()), *(key for key, *_ in info.get("mismatched_keys", ()))])
+        if missing:  # from_pretrained draws those at random and goes on: not the model the folder names
+            what = f"{len(missing)} of the model's weights, such as {missing[0]}"
+            raise UsageError(f"--model {run.model}: its weights lack {what}: save the model again")
+    else:
+        with torch.device("meta"):
+            model = LlamaForCausalLM._from_config(config, dtype=dtype, attn_implementation=run.attention)
+        if draws_units(run):
+            model.model.rotary_emb = LlamaRotaryEmbedding(config)  # computed, not drawn
+        else:
+            init_random(model, run.seed)
+            log(f"built in {time.perf_counter() - t0:.1f} s")
+    return model.eval()
+
+
+SAFETENSORS_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1}
+SAFETENSORS_ITEMSIZE |= {"BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def check_weights(folder: Path, config: LlamaConfig) -> None:
+    """--model's safetensors files are whole and hold every weight of its config in its shape; else one line naming
+    the file, before the model is built (from_pretrained would stop half-way, or draw a missing weight at random)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            if not all(isinstance(name, str) and name == Path(name).name for name in files):
+                raise ValueError("its weight_map names files outside the folder, or not by name")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise UsageError(f"--model {folder}: {index.name} is damaged ({first_line(e)}): save it again") from None
+    elif (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    elif any((folder / name).is_file() for name in ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+        return  # no safetensors: from_pretrained's own checks, and build_model's of what it found
+    else:
+        raise UsageError(f"--model {folder}: no weights in it (model.safetensors or pytorch_model.bin): save it again")
+    found = {}
+    for name in files:
+        found |= safetensors_shapes(folder, name)
+    with torch.device("meta"):
+        expected = {name: tuple(p.shape) for name, p in LlamaForCausalLM(config).named_parameters()}
+    for name, shape in expected.items():
+        if found.get(name) != shape:
+            saved = "missing" if name not in found else f"of shape {list(found[name])}"
+            raise UsageError(f"--model {folder}: {name} is {saved}, the config needs {list(shape)}: save it again")
+
+
+def safetensors_shapes(folder: Path, name: str) -> dict[str, tuple]:
+    """The tensors' shapes in one of --model's safetensors files; refused with one line where it is not one whole."""
+    shapes = safetensors_header(folder / name)
+    if shapes is None:
+        size = (folder / name).stat().st_size if (folder / name).is_file() else 0
+        raise UsageError(f"--model {folder}: {name} is damaged or cut short ({size:,} bytes): save the model again")
+    return shapes
+
+
+def safetensors_header(path: Path) -> dict[str, tuple] | None:
+    """The tensors' shapes in a safetensors file (write_safetensors says its layout); None where it is not one whole:
+    a regular file, its header's length and JSON header, each tensor's byte range fitting its shape and dtype and
+    lying within the file."""
+    if not path.is_file():
+        return None
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            length = struct.unpack("<Q", head)[0] if len(head) == 8 else size
+            if length > size - 8:
+                return None
+            header = json.loads(f.read(length))
+    except OSError as e:
+        raise UsageError(f"--model {path.parent}: {path.name} cannot be read ({e.strerror})") from None
+    except ValueError:  # not JSON, or not UTF-8
+        return None
+    shapes = {}
+    for key, entry in header.items() if isinstance(header, dict) else [(None, None)]:
+        if key == "__metadata__":
+            continue
+        try:
+            shape, (start, stop) = tuple(entry["shape"]), entry["data_offsets"]
+            nbytes = math.prod(shape) * SAFETENSORS_ITEMSIZE[entry["dtype"]]
+            fits = stop - start == nbytes and start >= 0 and 8 + length + stop <= size
+        except (KeyError, TypeError, ValueError):
+            fits = False
+        if not fits:
+            return None
+        shapes[key] = shape
+    return shapes
+
+
+def first_line(e: BaseException) -> str:
+    """An exception's message, its first line (200 characters at most), or its class where it has none."""
+    line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return line if len(line) <= 200 else line[:197] + "..."
+
+
+def draws_units(run: RunConfig) -> bool:
+    """Whether the random model is drawn straight into the masters (draw_masters): one offloaded mode trains alone
+    (lean), so nothing else reads the CPU model, and the host never holds it."""
+    return run.lean and run.model is None and not run.fwd_bwd_reference
+
+
+DRAW_CHUNK = 2**24  # elements: a random weight is drawn in chunks this size, each from a generator of its own
+
+
+@torch.no_grad()
+def init_random(model: LlamaForCausalLM, seed: int) -> None:
+    """HF's LLaMA initialisation of a meta-device model: weights N(0, initializer_range), norms 1. Each weight is drawn
+    in chunks of DRAW_CHUNK elements in parallel, each chunk from a generator seeded by its place in the model, in
+    float32 (four times faster than in 16 bits) and rounded to the weight's dtype (draw_masters draws the same)."""
+    config = model.config
+    model.to_empty(device="cpu")
+    weights = [p for p in model.parameters() if p.dim() > 1]
+    chunks = [  # no_grad does not reach the pool threads: the tensors are detached
+        (chunk, i, j) for i, p in enumerate(weights) for j, chunk in enumerate(p.detach().view(-1).split(DRAW_CHUNK))
+    ]
+
+    def draw(chunk: torch.Tensor, i: int, j: int) -> None:
+        """Chunk j of weight i, rounded to its dtype."""
+        chunk.copy_(drawn_chunk(seed, i, j, chunk.numel(), config.initializer_range))
+
+    with ThreadPoolExecutor(torch.get_num_threads()) as pool:  # normal_ releases the GIL; a rank's share of the cores
+        list(pool.map(lambda job: draw(*job), chunks))
+    for p in model.parameters():
+        if p.dim() == 1:
+            p.fill_(1.0)  # RMSNorm weights
+    if config.pad_token_id is not None:
+        model.model.embed_tokens.weight[config.pad_token_id].zero_()
+    model.model.rotary_emb = LlamaRotaryEmbedding(config)  # its buffers are computed, not drawn
+
+
+def draw_masters(store, model: LlamaForCausalLM, seed: int) -> None:
+    """The weights init_random draws for the meta-device `model`, rounded to its dtype, written straight into `store`'s
+    float32 masters (a rank: into its shards): no CPU model is built, and the chunks of every unit are drawn at once
+    over the rank's threads, each from its own generator as init_random seeds it. Norms 1, the pad token's row 0."""
+    config, dtype = model.config, next(model.parameters()).dtype
+    index = {name: i for i, name in enumerate(n for n, p in model.named_parameters() if p.dim() > 1)}
+
+    def draw(master, start, span, chunk, i, j) -> None:
+        """Chunk j of weight i (its elements [a, b) of the unit's flat buffer), rounded through the model's dtype; its
+        part within `span` written into the master, a shard from element `start` on."""
+        (a, b), (lo, hi) = chunk, span
+        values = drawn_chunk(seed, i, j, b - a, config.initializer_range)
+        values.copy_(values.to(dtype))  # nothing to round in float32
+        master[max(a, lo) - start : min(b, hi) - start].copy_(values[max(a, lo) - a : min(b, hi) - a])
+
+    spans, jobs = weight_spans(store), []
+    for name, master, start, o, lo, hi, numel in spans:
+        if name not in index:  # a norm's weight
+            master[lo - start : hi - start].fill_(1.0)
+            continue
+        for j in range((lo - o) // DRAW_CHUNK, (hi - 1 - o) // DRAW_CHUNK + 1):  # the chunks with elements in [lo, hi)
+            chunk = (o + j * DRAW_CHUNK, o + min(numel, (j + 1) * DRAW_CHUNK))
+            jobs.append((master, start, (lo, hi), chunk, index[name], j))
+    with ThreadPoolExecutor(torch.get_num_threads()) as pool:  # normal_ releases the GIL; a rank's share of the cores
+        list(pool.map(lambda job: draw(*job), jobs))
+    for name, master, start, o, lo, hi, _ in spans:
+        if name == "model.embed_tokens.weight" and config.pad_token_id is not None:
+            row = o + config.pad_token_id * config.hidden_size
+            x, y = max(row, lo), min(row + config.hidden_size, hi)  # the pad row's part in this shard
+            if x < y:
+                master[x - start : y - start].zero_()
+
+
+def drawn_chunk(seed: int, weight: int, chunk: int, numel: int, std: float) -> torch.Tensor:
+    """Chunk `chunk` (of DRAW_CHUNK elements) of weight `weight` of the random model drawn from `seed`: `numel` float32
+    normal values from a generator of the chunk's own, so that chunks can be drawn on any thread, in any order."""
+    generator = torch.Generator().manual_seed((seed << 32) + (weight << 16) + chunk)
+    return torch.empty(numel, dtype=torch.float32).normal_(0.0, std, generator=generator)
+
+
+def weight_spans(store) -> list[tuple]:
+    """(HF name, master, where its shard starts, the parameter's offset, lo, hi, its numel) of each parameter with
+    elements [lo, hi) of its unit's flat buffer in this rank's shard of `store`'s masters."""
+    spans = []
+    for unit, master in zip(store.units, store.masters, strict=True):
+        start = store.ranks.rank * master.numel()
+        numels = dict(zip(unit.layout.names, (shape.numel() for shape in unit.layout.shapes), strict=True))
+        for name, o, lo, hi in unit.layout.spans(start, start + master.numel()):
+            spans.append((f"{unit.name}.{name}", master, start, o, lo, hi, numels[name]))
+    return spans
+
+
+def param_count(config: LlamaConfig) -> int:
+    """The model's parameter count, from its config by arithmetic (parameter_count): a model of a million layers is
+    counted as fast as one of eight."""
+    return parameter_count(config.to_dict())
+
+
+def meta_layer(config: LlamaConfig) -> nn.Module:
+    """One decoder layer on the meta device: its shapes without its memory."""
+    with torch.device("meta"):
+        return LlamaDecoderLayer(config, layer_idx=0)
+
+
+def layer_bytes(config: LlamaConfig, dtype: torch.dtype) -> int:
+    """Bytes of one decoder layer's weights in `dtype`, laid out as the store and the GPU slots hold them."""
+    return FlatLayout.of(meta_layer(config)).numel * dtype.itemsize
+
+
+def random_input_ids(run: RunConfig, vocab_size: int, micro_batches: int = 1) -> torch.Tensor:
+    """Token ids drawn from --seed: micro_batches x batch_size sequences of seq_len tokens."""
+    generator = torch.Generator().manual_seed(run.seed)
+    return torch.randint(vocab_size, (micro_batches * run.batch_size, run.seq_len), generator=generator)  # (K*B, T)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A piece of the model streamed whole in training: the embeddings, a decoder layer, the norm or the head."""
+
+    name: str  # its module's name in the HF model, so master weights map back to HF parameter names
+    kind: str  # embed, layer, norm or head
+    layout: FlatLayout
+
+
+def unit_module(kind: str, config: LlamaConfig) -> nn.Module:
+    """A module of this kind, built as LlamaForCausalLM builds its own (call it under torch.device('meta'))."""
+    if kind == "embed":
+        return nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+    if kind == "layer":
+        return LlamaDecoderLayer(config, layer_idx=0)
+    if kind == "norm":
+        return LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+    return nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+
+def model_units(config: LlamaConfig) -> list[Unit]:
+    """The units in forward order: embeddings, decoder layers, final norm, head."""
+    return list(units_of(config.to_json_string()))
+
+
+@functools.cache
+def units_of(config_json: str) -> tuple[Unit, ...]:
+    """model_units of the config in `config_json`, made once: the plan asks for them many times."""
+    config = LlamaConfig.from_dict(json.loads(config_json))
+    with torch.device("meta"):
+        layout = {kind: FlatLayout.of(unit_module(kind, config)) for kind in ("embed", "layer", "norm", "head")}
+    layers = range(config.num_hidden_layers)
+    names = ["model.embed_tokens", *(f"model.layers.{i}" for i in layers), "model.norm", "lm_head"]
+    kinds = ["embed", *("layer" for _ in layers), "norm", "head"]
+    return tuple(Unit(name, kind, layout[kind]) for name, kind in zip(names, kinds, strict=True))
+
+
+def decoder_kwargs(model: LlamaForCausalLM, shape: tuple[int, int], dtype: torch.dtype, device) -> dict:
+    """What HF's LlamaModel.forward passes its decoder layers besides the hidden states (rotary cos/sin, mask,
+    positions), computed by HF itself: its forward runs on zero embeddings through one recording layer."""
+    captured = {}
+
+    class Recorder(nn.Module):
+        """A decoder layer that keeps the keyword arguments HF passes it and returns its input."""
+
+        def forward(self, hidden_states, **kwargs):
+            """Record the kwargs, pass the hidden states through."""
+            captured.update(kwargs)
+            return hidden_states
+
+    base = model.model
+    kept = base.layers, base.norm, base.rotary_emb
+    base.layers, base.norm, base.rotary_emb = nn.ModuleList([Recorder()]), nn.Identity(), copy.deepcopy(kept[2])
+    base.rotary_emb.to(device)
+    try:
+        with torch.no_grad():
+            zeros = torch.zeros(*shape, model.config.hidden_size, dtype=dtype, device=device)
+            base(inputs_embeds=zeros, use_cache=False)
+    finally:
+        base.layers, base.norm, base.rotary_emb = kept
+    return captured
+
+
+# ---------------------------------------------------------------------------------------------------- the reference
+# gpu and cpu modes train the plain model with torch.optim.Adam: what every offloaded mode is compared with.
+
+
+@dataclass(frozen=True)
+class Adam:
+    """torch.optim.Adam's hyper-parameters, with its meaning (L2 weight decay added to the gradient)."""
+
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+    def optimizer(self, params: list[torch.Tensor]) -> torch.optim.Adam:
+        """torch.optim.Adam over `params` with these hyper-parameters, fused (on the CPU, far faster than plain)."""
+        return torch.optim.Adam(params, self.lr, self.betas, self.eps, self.weight_decay, fused=True)
+
+    def scalars(self, step: int, multiplier: float = 1.0) -> torch.Tensor:
+        """adam_update's scalars for step `step` (from 1), as torch's fused CPU kernel rounds them, and the gradients'
+        multiplier (--clip-grad-norm); a tensor, not floats, so one compiled kernel serves every step."""
+        beta1, beta2 = self.betas
+        step_size = -self.lr / (1 - beta1**step)
+        values = [1 - beta1, beta2, 1 - beta2, math.sqrt(1 - beta2**step), self.eps, step_size, self.weight_decay]
+        return torch.tensor([*values, multiplier], dtype=torch.float32)
+
+
+class ResidentTraining:
+    """gpu and cpu modes, the reference: the plain HF model on `device`, torch.optim.Adam on float32 masters there."""
+
+    def __init__(self, model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device, adam: Adam, clip=None):
+        self.model = copy.deepcopy(model).to(device)
+        self.clip = clip  # --clip-grad-norm: torch.nn.utils.clip_grad_norm_ over every master's gradients
+        self.grad_norms = []  # each applied step's, before clipping
+        self.names = [name for name, _ in self.model.named_parameters()]
+        self.params = [p.requires_grad_() for p in self.model.parameters()]  # the inference store froze the layers
+        self.masters = [p.detach().float().clone() for p in self.params]
+        self.optimizer = adam.optimizer(self.masters)
+        self.scaling = loss_scaling(dtype, device)
+        self.units = model_units(model.config)
+        self.ranks = Ranks()  # one process
+
+    def step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
+        """One step: backward each micro-batch, gradients summed in float32, Adam on the masters copied into the
+        weights; returns the mean loss."""
+        losses = []
+        for k, ids in enumerate(micro_batches):
+            loss = self.model(ids, labels=ids, use_cache=False).loss
+            objective(loss, len(micro_batches), self.scaling.scale).backward()
+            for master, p in zip(self.masters, self.params, strict=True):
+                master.grad = p.grad.float() if k == 0 else master.grad.add_(p.grad)
+                p.grad = None
+            losses.append(loss.detach())
+        self.scaling.unscale([m.grad for m in self.masters])
+        if self.scaling.update():
+            if self.clip is not None:
+                self.grad_norms.append(torch.nn.utils.clip_grad_norm_(self.masters, self.clip).item())
+            self.optimizer.step()
+            with torch.no_grad():
+                for p, master in zip(self.params, self.masters, strict=True):
+                    p.copy_(master)
+        return mean_loss(losses)
+
+    def finish(self) -> None: ...  # nothing runs in the background
+
+    def wait_updates(self) -> None: ...  # each step is done when step() returns
+
+    def unit_params(self, u: int):
+        """Unit u's parameters as (name within the unit, float32 master, compute-dtype weight)."""
+        prefix = self.units[u].name + "."
+        for name, master, param in zip(self.names, self.masters, self.params, strict=True):
+            if name.startswith(prefix):
+                yield name.removeprefix(prefix), master, param
+
+    def unit_state(self, u: int) -> dict:
+        """Unit u's training state for a checkpoint, as OffloadedTraining.unit_state gives it."""
+        state = {"unit": self.units[u].name, "step": 0.0, "master": {}, "exp_avg": {}, "exp_avg_sq": {}}
+        for name, master, _ in self.unit_params(u):
+            adam = self.optimizer.state.get(master)  # none before the first step that was applied
+            state["master"][name] = master.cpu()
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key][name] = adam[key].cpu() if adam else torch.zeros_like(master, device="cpu")
+            state["step"] = adam["step"].item() if adam else 0.0
+        return state
+
+    @torch.no_grad()
+    def load_unit(self, u: int, state: dict) -> None:
+        """Set unit u's masters, weights and Adam state from a checkpoint."""
+        for name, master, param in self.unit_params(u):
+            master.copy_(state["master"][name])
+            param.copy_(master)
+            if state["step"]:  # as torch.optim.Adam(fused=True) keeps it: tensors on the master's device
+                moments = {key: state[key][name].to(master.device, copy=True) for key in ("exp_avg", "exp_avg_sq")}
+                step = torch.tensor(state["step"], device=master.device)
+                self.optimizer.state[master] = {"step": step, **moments}
+
+    def named_masters(self):
+        """Each parameter's float32 master on the CPU by HF name."""
+        for name, master in zip(self.names, self.masters, strict=True):
+            yield name, master.detach().cpu()
+
+    def state_dict(self, tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Copies of `tensors` (masters or their gradients) on the CPU under HF parameter names."""
+        return {name: t.detach().to("cpu", copy=True) for name, t in zip(self.names, tensors, strict=True)}
+
+
+def infer_resident(model, input_ids, device, run: RunConfig, config) -> tuple[dict, torch.Tensor]:
+    """gpu and cpu modes: the plain HF model, resident on `device`; on the CPU one run, no warm-up."""
+    if device.type != "cuda":
+        ms, logits = median_ms(lambda: logits_of(model, input_ids), device, 0, 1)
+        return {"time_ms": ms}, logits.cpu()
+    model = copy.deepcopy(model).to(device)
+    ids = input_ids.to(device)
+    ms, logits = median_ms(lambda: logits_of(model, ids), device, run.warmup, run.repeat)
+    return {"time_ms": ms} | gpu_memory(config, run.torch_dtype, ids.numel(), config.num_hidden_layers), logits.cpu()
 
 
 # ---------------------------------------------------------------------------------------------------- the plan
