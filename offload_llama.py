@@ -19,9 +19,9 @@ at the top of the layer streamer lists every wait.
 
 The sections, in reading order, and the names that open them (`grep -n '^# ---' offload_llama.py` gives their lines).
 The core, the plain path, runs from the parameter store to the modes, right after the command line (checked before
-torch loads). The accelerations and several GPUs plug into it as policies, each a section of its own that the core
-never names (tests/test_plain_path.py deletes them all and trains); the plan, measurement and tables are instruments
-around it; running a mode puts them together.
+torch loads). The accelerations and several GPUs plug into it as policies, each a section of its own that the core's
+code never refers to (its docstrings point to them; tests/test_plain_path.py deletes them all and trains); the plan,
+measurement and tables are instruments around it; running a mode puts them together.
   configuration          Ranks, RunConfig: torchrun's processes; one run, frozen, from the command line or a test
   the command line       Parser, command_line, check_flags_needed, check_run: flags, inputs, outputs, before torch
   parameter store        FlatLayout, ParamStore: each decoder layer one flat pinned buffer
@@ -1411,7 +1411,7 @@ class ParamStore:
 #        the worker (synchronize; next_job queries it). The CPU does not read gradients in flight.
 #   S8   last_landed: S7's, or S13's consumed. Kept by Steppers.send, the last one sent. Waited on by wait_to_write on
 #        compute, before the backward's first write. The gradient buffer is not overwritten too soon.
-#   S9   cond, condition. Notified by CpuAdam.update and close. Waited on by next_job, in the worker. The job queue.
+#   S9   cond, condition. Notified by CpuAdam.update and close. Waited on by next_job (worker); close joins it. Queue.
 #   S10  GradientPool.free, queue. Given back by the worker once it stepped the unit. Taken by take, in autograd
 #        (CpuAdam.send), where buffers are shared. A pinned buffer is not rewritten before its step.
 #   S11  loss.item(), host sync, in train_steps (main): the step's end. A step is not timed unfinished.
@@ -1508,7 +1508,7 @@ class LayerStreamer:
 
     def build_ring(self, n_slots: int) -> None:
         """The slots, each as large as the largest streamed unit, their modules and events; the staging buffer."""
-        self.slot = {u: i % n_slots for i, u in enumerate(self.streamed)}  # consecutive units take other slots
+        self.slot = {u: i % n_slots for i, u in enumerate(self.streamed)}  # the slots in turn (blocked: its one)
         numel = max((self.whole_numel(self.sources[u]) for u in self.streamed), default=0)
         self.buffers = [torch.empty(numel, dtype=self.dtype, device=self.device) for _ in range(n_slots)]
         cast = {self.sources[u].dtype for u in self.streamed} - {self.dtype}
@@ -1786,8 +1786,8 @@ class MasterStore:
 
     @torch.no_grad()
     def load(self, model: LlamaForCausalLM, drawn_seed: int | None = None) -> None:
-        """Start from `model`'s weights (a rank: those in its shards) with fresh Adam state, the moments zeroed at each
-        unit's first step; or, drawn_seed given, from the random model init_random draws for `model`, a meta-device
+        """Start from `model`'s weights (a rank: those in its shards) with fresh Adam state, the moments zeroed before
+        each unit's first step; or, drawn_seed given, from the random model init_random draws for `model`, a meta-device
         model, drawn straight into the masters (draw_masters)."""
         if drawn_seed is not None:
             draw_masters(self, model, drawn_seed)
@@ -2341,7 +2341,8 @@ def new_event(device: torch.device, blocking: bool = False):
 
 
 # ---------------------------------------------------------------------------------------------------- host memory
-# The core's host buffers: allocated exactly, zeroed by the rank's threads, pinned in parallel; and the Adam moments.
+# The core's host buffers: allocated exactly, zero-filled, their pages touched by the rank's threads and pinned in
+# parallel where pinned; and the Adam moments.
 
 
 class HostBuffer(mmap.mmap):
@@ -2401,7 +2402,7 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 
 class HostMoments:
     """The plain path's Adam moments: two float32 host buffers a unit, stepped in place (DiskMoments: some units' on a
-    disk). A unit's are zeroed at its first step, so their pages are mapped only once a lean run freed the model."""
+    disk). A unit's are zeroed before its first step (zero), so their pages map once a lean run freed the model."""
 
     disk = None  # no disk tier
 
@@ -2450,8 +2451,9 @@ class HostMoments:
 # ---------------------------------------------------------------------------------------------------- compiled Adam
 # The accelerations, from here to the disk tier: each plugs into a policy of the core (MasterStore's update and
 # moments; OffloadedTraining's steppers, inputs, scaling and clip), installed where a mode's trainer is made
-# (training_store, make_trainer, prepare_steps). Without them it trains the same, slower; float16's LossScale and
-# GradClip (--clip-grad-norm) change what it computes, as gpu mode does. Their waits continue the core's sync table
+# (training_store, make_trainer, prepare_steps). Without them it trains the same (to float32's last bit: the compiled
+# update and the GPU's Adam round apart), slower; float16's LossScale and GradClip (--clip-grad-norm) change what it
+# computes, as gpu mode does. Their waits continue the core's sync table
 # (at the top of the layer streamer), each section's rows at its top.
 # This one: adam_update fused by torch.compile into one pass over host memory (CompiledAdamUpdate), compiled early.
 
@@ -3002,9 +3004,10 @@ def scale_and_clip(trainer: OffloadedTraining, max_norm: float | None) -> None:
 
 # ---------------------------------------------------------------------------------------------------- the disk tier
 # --nvme: the Adam moments of the last decoder layers on a disk, read ahead of their steps, written back after.
-#   S16  DiskTier's thread events settled and current, set by the writer thread after each write (and by reset), and
-#        its queues free and staged (the reader fills staged). Waited on by read_ahead (the reader), read (main) and
-#        stage (the worker). A file is not read while its write-back runs, nor a slot reused early.
+#   S16  DiskTier's thread events settled and current, set by the writer thread after each write (and by reset;
+#        settled also by the reader's stop, to wake it), and its queues free and staged (the reader fills staged; stop
+#        puts None on free). Waited on by read_ahead (the reader), read (main) and stage (the worker). A file is not
+#        read while its write-back runs, nor a slot reused early.
 
 
 DISK_CALL = 2**28  # bytes one read or write call moves at most (Linux moves under 2 GiB per call)
