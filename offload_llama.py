@@ -1411,7 +1411,7 @@ class ParamStore:
 #        the worker (synchronize; next_job queries it). The CPU does not read gradients in flight.
 #   S8   last_landed: S7's, or S13's consumed. Kept by Steppers.send, the last one sent. Waited on by wait_to_write on
 #        compute, before the backward's first write. The gradient buffer is not overwritten too soon.
-#   S9   cond, condition. Notified by CpuAdam.update and close. Waited on by next_job (worker); close joins it. Queue.
+#   S9   cond, condition. Notified by CpuAdam.update, close. Waited on by next_job (worker); close joins it. Job queue.
 #   S10  GradientPool.free, queue. Given back by the worker once it stepped the unit. Taken by take, in autograd
 #        (CpuAdam.send), where buffers are shared. A pinned buffer is not rewritten before its step.
 #   S11  loss.item(), host sync, in train_steps (main): the step's end. A step is not timed unfinished.
