@@ -410,9 +410,10 @@ EXAMPLES = f"""examples:
 
 
 def print_error(message: str) -> None:
-    """The one line of a refusal or failure on stderr, written and flushed in one call: several ranks share the
-    stream, and print's separate write of the newline would let their lines run together."""
-    sys.stderr.write(f"offload_llama.py: error: {message}\n")
+    """The one line of a refusal or failure on stderr (line breaks in it escaped), written and flushed in one call:
+    several ranks share the stream, and print's separate write of the newline would let their lines run together."""
+    escaped = message.replace("\r", "\\r").replace("\n", "\\n")  # a path may hold a line break
+    sys.stderr.write(f"offload_llama.py: error: {escaped}\n")
     sys.stderr.flush()
 
 
@@ -917,7 +918,7 @@ def resumes_with_tokenizer(run: RunConfig) -> bool:
     if run.resume is None:
         return False
     try:
-        record = json.loads((mode_folder(run.resume, run, run.modes[0]) / CHECKPOINT_FILE).read_text())
+        record = parse_json((mode_folder(run.resume, run, run.modes[0]) / CHECKPOINT_FILE).read_text())
     except (OSError, ValueError):
         return False
     return isinstance(record, dict) and bool(record.get("tokenizer"))
@@ -1183,17 +1184,37 @@ def model_type(path: Path) -> str:
     return "llama"
 
 
+def first_line(e: BaseException) -> str:
+    """An exception's message, its first line (200 characters at most), or its class where it has none."""
+    line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return line if len(line) <= 200 else line[:197] + "..."
+
+
+def parse_json(text: str | bytes):
+    """JSON as the inputs must hold it: a ValueError for anything else, also where Python's json would take NaN or
+    Infinity, or fail with another error (nesting too deep: RecursionError)."""
+
+    def refuse(constant: str):
+        """NaN, Infinity or -Infinity, which JSON does not have."""
+        raise ValueError(f"{constant} is not a JSON number")
+
+    try:
+        return json.loads(text, parse_constant=refuse)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
 def read_config_json(path: Path) -> dict:
     """A save_pretrained folder's config.json as a dict; refused with one line where it is missing or not JSON."""
     config_file = path / "config.json"
     if not config_file.is_file():
         raise UsageError(f"--model {path}: no config.json, so not a save_pretrained folder")
     try:
-        config = json.loads(config_file.read_text())
+        config = parse_json(config_file.read_text())
     except OSError as e:
         raise UsageError(f"--model {path}: config.json cannot be read ({e.strerror})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UsageError(f"--model {path}: config.json is not valid JSON ({e})") from None
+    except ValueError as e:  # UnicodeDecodeError too
+        raise UsageError(f"--model {path}: config.json is not valid JSON ({first_line(e)})") from None
     if not isinstance(config, dict):
         raise UsageError(f"--model {path}: config.json holds no settings")
     return config
@@ -1244,6 +1265,8 @@ def check_host_holds(run: RunConfig, sizes: dict) -> None:
         fix = "a smaller model" if run.model else SMALLER_LAYERS
         if ids > needed // 2:
             fix = "fewer or shorter sequences (--batch-size, --seq-len, --grad-accum)"
+        if run.max_host_memory is not None:
+            fix += ", or a larger --max-host-memory"
         raise UsageError(
             f"{count_text(params)} parameters and {count_text(ids // 8)} token ids need at least {size_text(needed)} "
             f"of host memory, only {size_text(available)} are available: use {fix}, or a host with more memory"
@@ -3647,7 +3670,7 @@ def check_weights(folder: Path, config: LlamaConfig) -> None:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            files = sorted(set(parse_json(index.read_text())["weight_map"].values()))
             if not all(isinstance(name, str) and name == Path(name).name for name in files):
                 raise ValueError("its weight_map names files outside the folder, or not by name")
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
@@ -3691,7 +3714,7 @@ def safetensors_header(path: Path) -> dict[str, tuple] | None:
             length = struct.unpack("<Q", head)[0] if len(head) == 8 else size
             if length > size - 8:
                 return None
-            header = json.loads(f.read(length))
+            header = parse_json(f.read(length))
     except OSError as e:
         raise UsageError(f"--model {path.parent}: {path.name} cannot be read ({e.strerror})") from None
     except ValueError:  # not JSON, or not UTF-8
@@ -3710,12 +3733,6 @@ def safetensors_header(path: Path) -> dict[str, tuple] | None:
             return None
         shapes[key] = shape
     return shapes
-
-
-def first_line(e: BaseException) -> str:
-    """An exception's message, its first line (200 characters at most), or its class where it has none."""
-    line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return line if len(line) <= 200 else line[:197] + "..."
 
 
 def draws_units(run: RunConfig) -> bool:
@@ -4777,6 +4794,8 @@ def check_host(run: RunConfig, config: LlamaConfig, plan: Plan) -> None:
     )
     if run.nvme is None and advice != sequences and offloaded_training(run):
         advice += ", or give --nvme DIR on a local disk for the Adam state"
+    if run.max_host_memory is not None:
+        advice += ", or a larger --max-host-memory"
     largest = sorted(((n, part) for part, n in plan.host.items() if n >= plan.host_peak / 20), reverse=True)
     parts = ", ".join(f"{part} {size_text(n)}" for n, part in largest)
     short = f"{size_text(plan.host_peak - available)} short; the largest parts: {parts}"
@@ -5253,7 +5272,7 @@ def remove_unnamed(folder: Path) -> None:
     """Remove what a checkpoint write leaves in `folder` that its CHECKPOINT_FILE does not name: an older
     checkpoint's unit files, or those of a write that stopped part-way (and its temporary files)."""
     try:
-        record = json.loads((folder / CHECKPOINT_FILE).read_text())
+        record = parse_json((folder / CHECKPOINT_FILE).read_text())
         named = {*record["files"], *record.get("tokenizer", [])}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):  # no whole record: nothing of a write is
         named = set()
@@ -5340,11 +5359,11 @@ def read_checkpoint(folder: Path, manifest: dict, units: list[Unit] | None = Non
     if not path.is_file():
         raise UsageError(f"--resume {folder}: no {CHECKPOINT_FILE} there: {checkpoint_hint(folder)}")
     try:
-        saved = json.loads(path.read_text())
+        saved = parse_json(path.read_text())
     except OSError as e:
         raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE} cannot be read ({e.strerror})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE} is not valid JSON ({e})") from None
+    except ValueError as e:  # UnicodeDecodeError too
+        raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE} is not valid JSON ({first_line(e)})") from None
     if not isinstance(saved, dict):
         raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE} holds no record: it is damaged")
     if saved.get("format") != CHECKPOINT_FORMAT:
@@ -5568,13 +5587,13 @@ def file_documents(path: Path, text: str, field: str) -> list[str]:
     if path.suffix != ".jsonl":
         return [text]
     documents = []
-    for number, line in enumerate(text.splitlines(), 1):
+    for number, line in enumerate(text.removeprefix("\ufeff").splitlines(), 1):  # a BOM, as some editors write
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UsageError(f"--data: {path} line {number} is not JSON ({e.msg})") from None
+            record = parse_json(line)
+        except ValueError as e:
+            raise UsageError(f"--data: {path} line {number} is not JSON ({getattr(e, 'msg', e)})") from None
         if not isinstance(record, dict) or not isinstance(record.get(field), str):
             raise UsageError(f"--data: {path} line {number} has no text under {field!r}: see --text-field")
         try:
@@ -5949,6 +5968,7 @@ def prepare_text(run: RunConfig, config: LlamaConfig) -> Text | None:
         tokenizer = load_tokenizer(run)
         if tokenizer is None:
             raise UsageError("--sample needs a tokenizer: give --tokenizer DIR, or --data with --train-tokenizer V")
+        check_vocab(run, tokenizer, config.vocab_size)
         text = Text(None, tokenizer)
     else:
         return None
@@ -5959,6 +5979,17 @@ def prepare_text(run: RunConfig, config: LlamaConfig) -> Text | None:
             shown = repr(prompt) if len(prompt) <= 60 else f"{prompt[:40]!r}... ({len(prompt)} characters)"
             raise UsageError(f"--sample {shown} and --sample-tokens make {tokens} tokens: the model has {positions}")
     return text
+
+
+def check_vocab(run: RunConfig, tokenizer, vocab_size: int) -> None:
+    """The tokenizer's ids all have a row in the model's embeddings; else one line saying what would fit."""
+    if len(tokenizer) > vocab_size:
+        fits = f"a tokenizer of at most {vocab_size:,} ids" + (
+            "" if run.model else f", or --vocab-size {len(tokenizer)}"
+        )
+        raise UsageError(
+            f"the tokenizer's {len(tokenizer):,} ids exceed the model's vocab_size {vocab_size:,}: give {fits}"
+        )
 
 
 def agreed_text(run: RunConfig, config: LlamaConfig) -> Text | None:
@@ -6003,8 +6034,7 @@ def prepare_data(run: RunConfig, vocab_size: int) -> tuple[Blocks, object]:
         )
     if not tokenizer.is_fast:
         raise UsageError("the tokenizer has no fast (tokenizers) form, which tokenizing in threads needs")
-    if len(tokenizer) > vocab_size:
-        raise UsageError(f"the tokenizer's {len(tokenizer):,} ids exceed the model's vocab_size {vocab_size:,}")
+    check_vocab(run, tokenizer, vocab_size)
     blocks = Blocks(token_cache(run, files, tokenizer), run.seq_len, run.eval_fraction, run.seed)
     return blocks, tokenizer
 

@@ -178,9 +178,13 @@ BAD_INPUT = {
     "hidden not divisible by heads": (["--preset", "tiny", "--hidden-size", 66], "not divisible by 4 attention heads"),
     "zero layers": (["--preset", "tiny", "--layers", 0], "--layers must be at least 1"),
     "missing folder": (["--model", "/no/such/folder"], "no such folder"),
+    "a path with a line break": (["--model", "/no/such\nfolder"], "/no/such\\nfolder"),
     "folder without config": (["--model", "{tmp}"], "no config.json"),
     "not a llama folder": (["--model", "{gpt2}"], "model_type is 'gpt2', not 'llama'"),
     "negative hidden size in config.json": (["--model", "{negative}"], "config.json"),  # transformers' message, or ours
+    "Infinity in config.json": (["--model", "{infinite}"], "config.json is not valid JSON (Infinity is not a JSON"),
+    "config.json nested too deeply": (["--model", "{deep}"], "config.json is not valid JSON (nested too deeply)"),
+    "a 5,000-digit number in config.json": (["--model", "{huge}"], "config.json is not valid JSON (Exceeds the limit"),
     "cap below one layer": (
         ["--preset", "tiny", "--mode", "gpu", "--max-gpu-memory", 1e-5],
         "less than one decoder layer",
@@ -203,8 +207,14 @@ BAD_INPUT = {
 def test_bad_input_exits_2_with_one_line(case, tmp_path, capsys):
     gpt2 = write_config(tmp_path / "gpt2", model_type="gpt2")
     negative = write_config(tmp_path / "negative", model_type="llama", hidden_size=-3)
+    damaged = {"infinite": '{"model_type": "llama", "rms_norm_eps": Infinity}', "deep": "[" * 10**5 + "]" * 10**5}
+    damaged["huge"] = '{"model_type": "llama", "hidden_size": ' + "9" * 5000 + "}"
+    folders = {"tmp": tmp_path, "gpt2": gpt2, "negative": negative}
+    for name, text in damaged.items():
+        folders[name] = write_config(tmp_path / name)
+        (folders[name] / "config.json").write_text(text)
     args, message = BAD_INPUT[case]
-    code, out, err = run_main(capsys, *[str(a).format(tmp=tmp_path, gpt2=gpt2, negative=negative) for a in args])
+    code, out, err = run_main(capsys, *[str(a).format(**folders) for a in args])
     assert code == 2
     assert message in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1, err

@@ -188,6 +188,11 @@ def test_bad_data_is_refused_before_the_model_is_built(tmp_path, capsys):
     assert "k.jsonl line 2 is not JSON" in refusal(
         capsys, tmp_path, "--data", tmp_path / "k.jsonl", "--train-tokenizer", 300
     )
+    assert ol.file_documents(Path("b.jsonl"), '\ufeff{"text": "a"}\n', "text") == ["a"]  # a BOM at the start
+    (tmp_path / "deep.jsonl").write_text("[" * 10**5 + "]" * 10**5 + "\n")
+    assert "deep.jsonl line 1 is not JSON (nested too deeply)" in refusal(
+        capsys, tmp_path, "--data", tmp_path / "deep.jsonl", "--train-tokenizer", 300
+    )
     assert "no tokenizer" in refusal(capsys, tmp_path, "--data", folder)
     assert "larger than the model's vocab_size 512" in refusal(
         capsys, tmp_path, "--data", folder, "--train-tokenizer", 600
@@ -224,7 +229,10 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path, capsys):
     line = refusal(
         capsys, tmp_path, "--data", tmp_path / "corpus", "--tokenizer", tmp_path / "tok", "--vocab-size", 256
     )
-    assert "the tokenizer's 300 ids exceed the model's vocab_size 256" in line
+    assert "the tokenizer's 300 ids exceed the model's vocab_size 256: give a tokenizer of at most 256" in line
+    sample = ["--preset", "tiny", "--vocab-size", 256, "--mode", "cpu", "--train", "--sample", "hi", "--tokenizer"]
+    code, _, err = run_main(capsys, *sample, tmp_path / "tok")  # no --data: the tokenizer only samples
+    assert code == 2 and "the tokenizer's 300 ids exceed" in err and "--vocab-size 300" in err and "building" not in err
 
 
 def test_data_flags_out_of_place_are_refused_before_torch_loads(capsys):

@@ -165,6 +165,16 @@ def test_a_refusal_for_host_memory_suggests_only_what_the_mode_allows(monkeypatc
         planned(run, ol.measured_facts(run))
 
 
+def test_a_refusal_under_the_users_host_cap_says_to_raise_it(monkeypatch):
+    """--max-host-memory below what the model needs: the refusal, before or with the plan, names the cap."""
+    with pytest.raises(ol.UsageError, match=r"or a larger --max-host-memory, or a host with more memory$"):
+        capped = ol.RunConfig(preset="7b-8l", train=True, max_host_memory=1e-9)
+        ol.check_host_holds(capped, ol.model_sizes(capped)[0])
+    run = host_checked(monkeypatch, 1, preset="7b-8l", train=True, max_host_memory=1.0)
+    with pytest.raises(ol.UsageError, match=r"or a larger --max-host-memory$"):
+        planned(run, ol.measured_facts(run))
+
+
 def test_a_sequence_the_host_cannot_hold_is_refused_and_a_long_one_is_estimated(monkeypatch, capsys):
     run = host_checked(monkeypatch, 23, seq_len=10_000_000, batch_size=4)
     with pytest.raises(ol.UsageError, match="of host memory, only 23.0 GiB are available"):
