@@ -73,6 +73,7 @@ import mmap
 import os
 import platform
 import queue
+import re
 import shutil
 import signal
 import stat
@@ -1035,10 +1036,19 @@ def check_saved_model_folder(folder: Path) -> None:
         raise UsageError(f"--save-pretrained {folder} holds {what}: the folder is replaced whole, so give a new one")
 
 
+# what a checkpoint write killed before its record (SIGKILL: the kernel's out-of-memory killer) leaves in its folder
+INTERRUPTED_WRITE = re.compile(
+    rf"\.?unit\d+(\.rank\d+of\d+)?\.step\d+\.pt(\.\d+\.tmp)?|\.{re.escape(CHECKPOINT_FILE)}\.\d+\.tmp|\.tokenizer\..+\.tmp"
+)
+
+
 def check_checkpoint_folder(folder: Path) -> None:
-    """A --checkpoint folder that exists is empty or holds a checkpoint: writing one removes the files of its kind
-    that the record does not name, which in another folder could be the user's."""
-    if folder.is_dir() and any(folder.iterdir()) and not (folder / CHECKPOINT_FILE).is_file():
+    """A --checkpoint folder that exists is empty, holds a checkpoint, or holds only what a first write killed before
+    its record left (replaced by the next write): writing one removes the files of its kind that the record does not
+    name, which in another folder could be the user's."""
+    if not folder.is_dir() or (folder / CHECKPOINT_FILE).is_file():
+        return
+    if not all(INTERRUPTED_WRITE.fullmatch(path.name) for path in folder.iterdir()):
         raise UsageError(f"--checkpoint {folder} holds files and no {CHECKPOINT_FILE}: give a new or empty folder")
 
 

@@ -2,6 +2,7 @@
 for bit, a writer killed mid-checkpoint, and the refused paths."""
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -94,6 +95,26 @@ def checkpoint(tmp_path_factory):
     r = cli(*TRAIN, "--steps", "1", "--checkpoint", folder)
     assert r.returncode == 0, r.stderr
     return folder
+
+
+def test_a_first_checkpoint_killed_before_its_record_is_replaced_by_the_next_run(checkpoint, tmp_path):
+    """What a SIGKILL in the first write leaves (unit files, a temporary one, no record) does not block the rerun,
+    which writes its checkpoint over it; a file of another kind there still does."""
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    for unit in checkpoint.glob("unit*.pt"):
+        shutil.copy(unit, killed / unit.name)
+    (killed / ".unit004.step1.pt.4613.tmp").write_bytes(b"cut short")
+    r = cli(*TRAIN, "--steps", "1", "--checkpoint", killed)
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in killed.iterdir()) == sorted(
+        [ol.CHECKPOINT_FILE, *checkpoint_state(killed)[0]["files"]]
+    )
+    (tmp_path / "mixed").mkdir()
+    (tmp_path / "mixed" / "unit000.step1.pt").write_bytes(b"x")
+    (tmp_path / "mixed" / "notes.txt").write_text("mine")
+    r = cli(*TRAIN, "--steps", "1", "--checkpoint", tmp_path / "mixed")
+    assert r.returncode == 2 and "holds files and no checkpoint.json" in r.stderr
 
 
 REFUSED = {
