@@ -7407,6 +7407,36 @@ def check_saving(run: RunConfig, config: LlamaConfig, plan: Plan | None = None) 
             raise UsageError(f"{flag} {path}: {short}; free some space or give a folder on another disk")
 
 
+HELD_FOLDERS = []  # (descriptor, folder, made for the lock) of each --checkpoint folder this run holds locked
+
+
+def hold_checkpoint_folders(run: RunConfig) -> None:
+    """Lock each --checkpoint folder for the run's life (rank 0 does, for every rank, which write into one folder): a
+    second run given the same folder is refused at once, where it would blend its unit files with this run's. A
+    folder made for the lock goes again at the end if it stayed empty (release_checkpoint_folders)."""
+    if not (run.train and run.checkpoint) or run.ranks.rank:
+        return
+    folders = [Path(run.checkpoint)] + [mode_folder(run.checkpoint, run, mode) for mode in run.modes]
+    for folder in dict.fromkeys(folders):  # the given folder first, so it goes last
+        made = not folder.exists()
+        folder.mkdir(exist_ok=True)
+        HELD_FOLDERS.append((os.open(folder, os.O_RDONLY), folder, made))
+        try:
+            fcntl.flock(HELD_FOLDERS[-1][0], fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UsageError(f"--checkpoint {folder} is being written by another run: give each run its own") from None
+
+
+def release_checkpoint_folders() -> None:
+    """Unlock the --checkpoint folders, removing those made for the lock that stayed empty."""
+    while HELD_FOLDERS:
+        descriptor, folder, made = HELD_FOLDERS.pop()
+        os.close(descriptor)
+        if made:
+            with contextlib.suppress(OSError):  # not empty: it holds a checkpoint
+                folder.rmdir()
+
+
 def save_output_bytes(run: RunConfig, config: LlamaConfig) -> int:
     """At most what --save-output writes: the token ids, each mode's logits (float32 at most) and, with --train, the
     training ids and each mode's float32 masters."""
@@ -7472,6 +7502,7 @@ def run_all(run: RunConfig) -> dict:
     plan = make_plan(run, config, agreed_facts(run.ranks, measured_facts(run)))
     check_plan(run, config, plan)
     check_saving(run, config, plan)
+    hold_checkpoint_folders(run)
     say_plan(run, config, plan)
     log(f"torch {torch.__version__} and transformers {transformers.__version__} imported, the run checked and planned")
     join_steps(run.ranks, plan.rank_timeout, plan.threads)
@@ -7669,6 +7700,8 @@ def main(argv=None) -> int:
                 traceback.print_exc()
             print_error(lost or own_error(run.ranks, e))
             os._exit(1)  # without the interpreter's teardown, which would wait on collectives that never end
+        finally:
+            release_checkpoint_folders()
     return 0
 
 

@@ -117,6 +117,25 @@ def test_a_first_checkpoint_killed_before_its_record_is_replaced_by_the_next_run
     assert r.returncode == 2 and "holds files and no checkpoint.json" in r.stderr
 
 
+def test_a_second_run_on_a_checkpoint_folder_in_use_is_refused(tmp_path):
+    """Two runs given one --checkpoint folder would blend their unit files: the folder is locked while a run holds
+    it, and a folder made only for the lock goes again with it."""
+    held = tmp_path / "held"
+    run = ol.RunConfig(preset="tiny", mode="cpu", train=True, checkpoint=str(held))
+    ol.hold_checkpoint_folders(run)
+    try:
+        r = cli(*TRAIN, "--steps", "1", "--checkpoint", held)
+        assert r.returncode == 2 and f"--checkpoint {held} is being written by another run" in r.stderr, r.stderr
+    finally:
+        ol.release_checkpoint_folders()
+    assert not held.exists() and ol.HELD_FOLDERS == []
+    two = ol.dataclasses.replace(run, mode="cpu,gpu")
+    ol.hold_checkpoint_folders(two)
+    assert [folder.name for _, folder, _ in ol.HELD_FOLDERS] == ["held", *two.modes]  # the given folder goes last
+    ol.release_checkpoint_folders()
+    assert not held.exists()
+
+
 REFUSED = {
     "another model": (["--layers", "2"], "a checkpoint of another model"),
     "another dtype": (["--dtype", "float32"], "a checkpoint of another dtype"),
