@@ -3659,6 +3659,9 @@ def build_model(run: RunConfig, config: LlamaConfig) -> LlamaForCausalLM:
         if missing:  # from_pretrained draws those at random and goes on: not the model the folder names
             what = f"{len(missing)} of the model's weights, such as {missing[0]}"
             raise UsageError(f"--model {run.model}: its weights lack {what}: save the model again")
+        damaged = next((name for name, p in model.named_parameters() if not torch.isfinite(p).all()), None)
+        if damaged:  # it would run, every logit NaN, or train and diverge at once
+            raise UsageError(f"--model {run.model}: {damaged} holds NaN or infinite values: save the model again")
     else:
         with torch.device("meta"):
             model = LlamaForCausalLM._from_config(config, dtype=dtype, attn_implementation=run.attention)
@@ -3688,7 +3691,7 @@ def check_weights(folder: Path, config: LlamaConfig) -> None:
     elif (folder / "model.safetensors").is_file():
         files = ["model.safetensors"]
     elif any((folder / name).is_file() for name in ("pytorch_model.bin", "pytorch_model.bin.index.json")):
-        return  # no safetensors: from_pretrained's own checks, and build_model's of what it found
+        return check_torch_files(folder)  # no safetensors: from_pretrained checks the shapes, build_model the rest
     else:
         raise UsageError(f"--model {folder}: no weights in it (model.safetensors or pytorch_model.bin): save it again")
     found = {}
@@ -3702,11 +3705,31 @@ def check_weights(folder: Path, config: LlamaConfig) -> None:
             raise UsageError(f"--model {folder}: {name} is {saved}, the config needs {list(shape)}: save it again")
 
 
+def check_torch_files(folder: Path) -> None:
+    """--model's pytorch_model.bin files (or the shards its index names) are there and torch's zip format, or an
+    older pickle; else one line naming the file, before the model is built."""
+    index = folder / "pytorch_model.bin.index.json"
+    try:
+        names = sorted(set(parse_json(index.read_text())["weight_map"].values())) if index.is_file() else []
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise UsageError(f"--model {folder}: {index.name} is damaged ({first_line(e)}): save it again") from None
+    for name in names or ["pytorch_model.bin"]:
+        path = folder / Path(str(name)).name
+        if not path.is_file():
+            raise UsageError(f"--model {folder}: {path.name} is missing: save the model again")
+        with open(path, "rb") as f:
+            head = f.read(4)
+        if head != b"PK\x03\x04" and head[:1] != b"\x80":  # a zip, as torch.save writes; or a pickle
+            raise UsageError(f"--model {folder}: {path.name} is damaged, not a torch file: save the model again")
+
+
 def safetensors_shapes(folder: Path, name: str) -> dict[str, tuple]:
     """The tensors' shapes in one of --model's safetensors files; refused with one line where it is not one whole."""
     shapes = safetensors_header(folder / name)
+    if shapes is None and not (folder / name).is_file():
+        raise UsageError(f"--model {folder}: {name} is missing: save the model again")
     if shapes is None:
-        size = (folder / name).stat().st_size if (folder / name).is_file() else 0
+        size = (folder / name).stat().st_size
         raise UsageError(f"--model {folder}: {name} is damaged or cut short ({size:,} bytes): save the model again")
     return shapes
 

@@ -203,6 +203,28 @@ def test_folder_outputs_refuse_what_they_would_replace(tmp_path):
     refused(tmp_path, [*TINY, "--train", "--data", "{tmp}/file", "--data-cache", "{tmp}/file"], "is a file")
 
 
+def test_damaged_weights_in_other_forms_are_refused(inputs, tmp_path, capsys):
+    """pytorch_model.bin that is not a torch file, a shard the index names that is not there: one line before the
+    build; a weight holding NaN: one line once the weights are read (it would run NaN logits, or blame --lr)."""
+    copied(inputs, tmp_path, "model")
+    (tmp_path / "model" / "model.safetensors").unlink()
+    (tmp_path / "model" / "pytorch_model.bin").write_bytes(b"garbage" * 100)
+    args = ["--model", "{tmp}/model", "--mode", "cpu"]
+    refused(tmp_path, args, "pytorch_model.bin is damaged, not a torch file", in_process=True, capsys=capsys)
+    (tmp_path / "model" / "pytorch_model.bin").unlink()
+    index = {"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}
+    (tmp_path / "model" / "model.safetensors.index.json").write_text(json.dumps(index))
+    refused(tmp_path, args, "model-00002-of-00002.safetensors is missing", in_process=True, capsys=capsys)
+    (tmp_path / "model" / "model.safetensors.index.json").unlink()
+    model = LlamaForCausalLM.from_pretrained(inputs / "model")
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[0, 0] = float("nan")
+    model.save_pretrained(tmp_path / "model")
+    capsys.readouterr()
+    code, _, err = run_main(capsys, "--model", tmp_path / "model", "--mode", "cpu")
+    assert code == 2 and "model.layers.1.mlp.down_proj.weight holds NaN or infinite values" in err.splitlines()[-1]
+
+
 def test_damaged_inputs_are_refused_before_the_model_is_built(inputs, tmp_path, capsys):
     copied(inputs, tmp_path, "model", "tokenizer", "checkpoint", "corpus")
     weights = tmp_path / "model" / "model.safetensors"
