@@ -860,6 +860,8 @@ def command_line(argv=None) -> RunConfig:
     check_data_flags(p, a)
     check_flags_needed(p, a, flags_given(p, a, argv))
     check_rank_flags(p, a, rank_environment(p).world)
+    if a.plan and rank_environment(p).several:  # each rank would print a plan, made apart
+        p.error("--plan describes a run without starting one: run it once, without torchrun (--gpus N plans N ranks)")
     check_rank_flags(p, a, a.gpus or 1, who="--plan's --gpus describes")
     a.sizes = tuple((f, getattr(a, f)) for f in SIZE_FLAGS if getattr(a, f) is not None)
     if a.model is not None and (a.sizes or a.preset is not None):
@@ -1305,12 +1307,19 @@ def check_sizes(sizes: dict, origin: str = "") -> None:
             name = field if origin else f"--{SIZE_FLAGS[field]}"
             raise UsageError(f"{origin}{name} must be at least {least}, got {sizes[field]}")
     hidden, heads, kv_heads = sizes["hidden_size"], sizes["num_attention_heads"], sizes["num_key_value_heads"]
+
+    def change(flag: str) -> str:
+        """What to change where the sizes came from flags (a saved model's are not the user's to change)."""
+        return "" if origin else f": change {flag}"
+
     if hidden % heads:
-        raise UsageError(f"{origin}hidden size {hidden} is not divisible by {heads} attention heads")
+        raise UsageError(f"{origin}hidden size {hidden} is not divisible by {heads} attention heads{change('--heads')}")
     if heads % kv_heads:
-        raise UsageError(f"{origin}{heads} attention heads are not divisible by {kv_heads} key/value heads")
+        why = f"{heads} attention heads are not divisible by {kv_heads} key/value heads{change('--kv-heads')}"
+        raise UsageError(f"{origin}{why}")
     if (hidden // heads) % 2:
-        raise UsageError(f"{origin}head dimension (hidden size / heads) must be even for rotary embeddings")
+        why = f"head dimension (hidden size / heads) must be even for rotary embeddings{change('--hidden-size')}"
+        raise UsageError(f"{origin}{why}")
 
 
 def quit_on_signal(signum, frame) -> None:
@@ -5201,9 +5210,16 @@ def say_plan_changes(saved: dict, manifest: dict) -> None:
     """Say on stderr what differs between the plan inputs a checkpoint was trained under and this run's: the state
     resumes the same, the placement and the time may not."""
     before, now = saved.get("plan_inputs") or {}, manifest.get("plan_inputs") or {}
-    changed = [f"{key} {before.get(key)} -> {value}" for key, value in now.items() if before.get(key) != value]
+    changed = [f"{key} {before.get(key)} -> {value}" for key, value in now.items() if differs(before.get(key), value)]
     if before and changed:
         log(f"resuming under other plan inputs than the checkpoint's: {'; '.join(changed)}")
+
+
+def differs(before, now) -> bool:
+    """Whether a plan input changed: memory (in GiB, as the kernel has it available) by 5% or more, else at all."""
+    if isinstance(before, float) and isinstance(now, float):
+        return abs(now - before) >= 0.05 * max(abs(before), abs(now))
+    return before != now
 
 
 class Checkpoints:
@@ -7450,6 +7466,15 @@ def hold_checkpoint_folders(run: RunConfig) -> None:
             raise UsageError(f"--checkpoint {folder} is being written by another run: give each run its own") from None
 
 
+@contextlib.contextmanager
+def checkpoint_folders_released():
+    """A `with` block at whose end the --checkpoint folders are released (release_checkpoint_folders)."""
+    try:
+        yield
+    finally:
+        release_checkpoint_folders()
+
+
 def release_checkpoint_folders() -> None:
     """Unlock the --checkpoint folders, removing those made for the lock that stayed empty."""
     while HELD_FOLDERS:
@@ -7693,7 +7718,7 @@ def main(argv=None) -> int:
     out."""
     use_expandable_segments()  # before anything starts CUDA: parse_args asks the GPU for its dtypes
     run = parse_args(argv)
-    with signals_raised():
+    with signals_raised(), checkpoint_folders_released():
         try:
             check_run(run)
             if run.plan:
@@ -7723,8 +7748,6 @@ def main(argv=None) -> int:
                 traceback.print_exc()
             print_error(lost or own_error(run.ranks, e))
             os._exit(1)  # without the interpreter's teardown, which would wait on collectives that never end
-        finally:
-            release_checkpoint_folders()
     return 0
 
 

@@ -62,6 +62,14 @@ def test_the_machine_flags_need_the_plan(capsys):
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_the_plan_under_torchrun_is_refused(monkeypatch, capsys):
+    """Each rank would print a plan of its own: --plan runs once, without torchrun, --gpus saying how many ranks."""
+    for name, value in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(name, value)
+    code, _, err = run_main(capsys, "--plan", "--mode", "overlapped")
+    assert code == 2 and "--plan describes a run without starting one: run it once, without torchrun" in err
+
+
 def test_rates_and_ranks_change_the_predictions_not_the_bytes(capsys, tmp_path):
     """--rate h2d_gbps=27.5 doubles the predicted H2D part; --gpus 2 halves a rank's masters, and its inference holds
     half of every layer beside the model."""

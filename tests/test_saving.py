@@ -275,3 +275,6 @@ def test_a_resume_under_other_plan_inputs_says_what_differs(capsys):
     assert said in line
     ol.say_plan_changes(saved, saved)
     assert capsys.readouterr().err == ""
+    drifted = saved | {"plan_inputs": saved["plan_inputs"] | {"host_gib": 100.0 * 1.04}}  # the kernel's, moving
+    ol.say_plan_changes(saved, drifted)
+    assert capsys.readouterr().err == ""
