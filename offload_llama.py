@@ -1040,7 +1040,8 @@ def check_saved_model_folder(folder: Path) -> None:
 
 # what a checkpoint write killed before its record (SIGKILL: the kernel's out-of-memory killer) leaves in its folder
 INTERRUPTED_WRITE = re.compile(
-    rf"\.?unit\d+(\.rank\d+of\d+)?\.step\d+\.pt(\.\d+\.tmp)?|\.{re.escape(CHECKPOINT_FILE)}\.\d+\.tmp|\.tokenizer\..+\.tmp"
+    rf"\.?unit\d+(\.rank\d+of\d+)?\.step\d+\.pt(\.\d+\.tmp)?"  # a unit file, whole or being written
+    rf"|\.{re.escape(CHECKPOINT_FILE)}\.\d+\.tmp|\.tokenizer\..+\.tmp"  # the record and the tokenizer, being written
 )
 
 
@@ -5296,9 +5297,7 @@ def write_checkpoint(trainer, folder: Path, manifest: dict, done: int, tokenizer
         tokenizer_files = save_checkpoint_tokenizer(tokenizer, folder) if tokenizer and ranks.rank == 0 else []
         ranks.meet()  # every rank's files are on the disk before the record names them
         if ranks.rank == 0:
-            loss_scale = {"loss_scale": trainer.scaling.scale, "good_steps": getattr(trainer.scaling, "good_steps", 0)}
-            named = {"steps": steps, "files": files, "tokenizer": tokenizer_files}
-            record = json.dumps(manifest | loss_scale | named, indent=2)
+            record = checkpoint_record(trainer, manifest, done, files, tokenizer_files)
             with signals_held():  # the record and the folder agree once this returns
                 write_atomically(str(folder / CHECKPOINT_FILE), functools.partial(save_synced, record))
                 sync_folder(folder)  # the renames too, before the files they replace go
@@ -5315,6 +5314,16 @@ def write_checkpoint(trainer, folder: Path, manifest: dict, done: int, tokenizer
 
 
 CHECKPOINT_WRITES = ("unit*.pt", ".unit*.tmp", f".{CHECKPOINT_FILE}.*.tmp", ".tokenizer.*.tmp", *TOKENIZER_FILES)
+
+
+def checkpoint_record(trainer, manifest: dict, done: int, files: list[str], tokenizer_files: list[str]) -> str:
+    """CHECKPOINT_FILE's text after `done` steps of this run: the manifest, the loss scale, the steps and tokens the
+    state has trained on, and the files that hold it."""
+    scale = {"loss_scale": trainer.scaling.scale, "good_steps": getattr(trainer.scaling, "good_steps", 0)}
+    steps = manifest.get("resumed_from", 0) + done
+    tokens = manifest.get("tokens_before", 0) + done * step_tokens(manifest)
+    named = {"steps": steps, "tokens": tokens, "files": files, "tokenizer": tokenizer_files}
+    return json.dumps(manifest | scale | named, indent=2)
 
 
 def remove_unnamed(folder: Path) -> None:
@@ -5544,11 +5553,26 @@ def resume(trainer, folder: Path, manifest: dict) -> int:
     if isinstance(trainer.scaling, LossScale):
         trainer.scaling.restore(saved["loss_scale"], saved["good_steps"])
     log(f"resumed from {folder} after step {saved['steps']} in {time.perf_counter() - t0:.1f} s")
+    manifest["tokens_before"] = tokens_trained(saved, manifest)
     batch = ("grad_accum", "batch_size", "seq_len", "seed", "eval_fraction")
     changed = [key for key in batch if key in saved and saved[key] != manifest[key]]  # older records lack some
     if changed:
         log(f"note: another {', '.join(changed)} than the checkpoint's, so other batches (and held-out blocks)")
     return saved["steps"]
+
+
+def tokens_trained(saved: dict, manifest: dict) -> int:
+    """The tokens a checkpoint's state has trained on: as its record counts them, or (an older record) its steps at
+    its batch's tokens, or this run's where the record lacks them."""
+    tokens = saved.get("tokens")
+    if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0:
+        return tokens
+    return saved["steps"] * step_tokens(saved | {k: v for k, v in manifest.items() if k not in saved})
+
+
+def step_tokens(record: dict) -> int:
+    """The tokens of a step of the run a checkpoint manifest describes: its micro-batches of batch_size sequences."""
+    return record["grad_accum"] * record["batch_size"] * record["seq_len"]
 
 
 def finite_state(state: dict) -> bool:
@@ -6250,10 +6274,10 @@ class StepClock:
     """The training steps' times, the CPU Adam's busy time in each and the peaks of GPU and host memory, leaving out
     the bound's rounds between the steps and the step after each round, which waits for no update."""
 
-    def __init__(self, trainer, device: torch.device, done: int = 0, steps: int = 0, tokens: int = 0):
+    def __init__(self, trainer, device: torch.device, done: int = 0, steps: int = 0, tokens: int = 0, seen: int = 0):
         self.trainer = trainer
         self.device = device
-        self.done = done  # steps trained before this run (a resumed run goes on counting from them)
+        self.done, self.seen = done, seen  # steps and tokens trained before this run (a resumed run counts on)
         self.steps, self.tokens = steps, tokens  # this run's steps, and each step's tokens: for the progress
         self.bar = tqdm.tqdm(total=steps, file=sys.stderr, unit="step", leave=False) if sys.stderr.isatty() else None
         self.adam = trainer.steppers.cpu_adam if isinstance(trainer, OffloadedTraining) else None
@@ -6297,7 +6321,7 @@ class StepClock:
             line += f", CPU Adam busy {self.busy[-1]:.0f} ms"
         rate = self.tokens / statistics.median(self.times[-10:]) * 1e3
         left = duration_text((self.steps - i - 1) * self.tokens / rate)
-        line += f"; {(self.done + i + 1) * self.tokens:,} tokens seen, {rate:,.0f} tokens/s, {left} left"
+        line += f"; {self.seen + (i + 1) * self.tokens:,} tokens seen, {rate:,.0f} tokens/s, {left} left"
         if self.bar is None:
             log(line)
         else:
@@ -7275,11 +7299,11 @@ def train_mode(mode: str, model, masters, input_ids, run: RunConfig, plan: Plan,
         folder = mode_folder(run.checkpoint, run, mode) if run.checkpoint else None
         tokenizer = text.tokenizer if text else None  # it travels with the checkpoints and the saved model
         checkpoint = Checkpoints(trainer, folder, manifest, run.checkpoint_every, tokenizer) if folder else None
-        done = manifest.get("resumed_from", 0)
+        done, seen = manifest.get("resumed_from", 0), manifest.get("tokens_before", 0)  # by the checkpoint resumed
         evaluation = Evaluation(trainer, run, model.config, device, text, done)
         between = [task for task in (checkpoint, evaluation) if task]
         batches = step_batches(text.blocks, run, device) if text and text.blocks else None
-        result = train_steps(trainer, micro_batches, run, compared, profile, bound_parts, between, done, batches)
+        result = train_steps(trainer, micro_batches, run, compared, profile, bound_parts, between, done, batches, seen)
         trainer.finish()
         if checkpoint:
             checkpoint.write(run.steps)
@@ -7317,15 +7341,16 @@ def prepare_steps(trainer, run: RunConfig, mode: str, plan: Plan, manifest: dict
 
 
 def train_steps(
-    trainer, micro_batches, run, keep_grads, profile=None, bound_parts=None, tasks=(), done=0, batches=None
+    trainer, micro_batches, run, keep_grads, profile=None, bound_parts=None, tasks=(), done=0, batches=None, seen=0
 ):
     """Run the steps, each timed from its start to the next one's (a step's last updates overlap the next forward).
     bound_parts(): the bound's parts, timed in rounds between blocks of steps; tasks: run after i steps where due
     (Checkpoints, Evaluation); the step after either is not timed. keep_grads: the first step's state, to compare.
-    done: the steps a resumed run had trained. batches(i): step i's micro-batches, else every step's `micro_batches`."""
+    done, seen: the steps and tokens a resumed run had trained. batches(i): step i's micro-batches, else every step's
+    `micro_batches`."""
     batch = batches(done) if batches else micro_batches
     tokens = sum(ids.numel() for ids in batch) * run.ranks.world  # the step's, over every rank
-    clock = StepClock(trainer, batch[0].device, done, run.steps, tokens)
+    clock = StepClock(trainer, batch[0].device, done, run.steps, tokens, seen)
     rounds = bound_rounds(run) if bound_parts else []
     losses, grads, parts, extra = [], None, collections.defaultdict(list), {}
     for i in range(run.steps + 1):

@@ -117,6 +117,18 @@ def test_a_first_checkpoint_killed_before_its_record_is_replaced_by_the_next_run
     assert r.returncode == 2 and "holds files and no checkpoint.json" in r.stderr
 
 
+def test_a_checkpoint_counts_the_tokens_its_state_trained_on(checkpoint, tmp_path):
+    """A resumed run with longer sequences counts on from the checkpoint's tokens, not its steps at the new shape."""
+    first = json.loads((checkpoint / ol.CHECKPOINT_FILE).read_text())
+    assert first["tokens"] == first["steps"] * first["grad_accum"] * first["batch_size"] * 32
+    args = ["--seq-len", "64", "--steps", "1", "--resume", checkpoint, "--checkpoint", tmp_path / "longer"]
+    r = cli(*[a for a in TRAIN if a not in ("--seq-len", "32")], *args)
+    assert r.returncode == 0, r.stderr
+    tokens = first["tokens"] + first["grad_accum"] * first["batch_size"] * 64
+    assert f"{tokens:,} tokens seen" in r.stderr
+    assert json.loads((tmp_path / "longer" / ol.CHECKPOINT_FILE).read_text())["tokens"] == tokens
+
+
 def test_a_second_run_on_a_checkpoint_folder_in_use_is_refused(tmp_path):
     """Two runs given one --checkpoint folder would blend their unit files: the folder is locked while a run holds
     it, and a folder made only for the lock goes again with it."""
