@@ -411,9 +411,9 @@ EXAMPLES = f"""examples:
 
 
 def print_error(message: str) -> None:
-    """The one line of a refusal or failure on stderr (line breaks in it escaped), written and flushed in one call:
+    """The one line of a refusal or failure on stderr (control characters escaped), written and flushed in one call:
     several ranks share the stream, and print's separate write of the newline would let their lines run together."""
-    escaped = message.replace("\r", "\\r").replace("\n", "\\n")  # a path may hold a line break
+    escaped = "".join(c if c.isprintable() or c == "\t" else ascii(c)[1:-1] for c in message)  # a path's \n, ESC
     sys.stderr.write(f"offload_llama.py: error: {escaped}\n")
     sys.stderr.flush()
 
@@ -1038,20 +1038,32 @@ def check_saved_model_folder(folder: Path) -> None:
         raise UsageError(f"--save-pretrained {folder} holds {what}: the folder is replaced whole, so give a new one")
 
 
-# what a checkpoint write killed before its record (SIGKILL: the kernel's out-of-memory killer) leaves in its folder
-INTERRUPTED_WRITE = re.compile(
-    rf"\.?unit\d+(\.rank\d+of\d+)?\.step\d+\.pt(\.\d+\.tmp)?"  # a unit file, whole or being written
-    rf"|\.{re.escape(CHECKPOINT_FILE)}\.\d+\.tmp|\.tokenizer\..+\.tmp"  # the record and the tokenizer, being written
+UNIT_FILE = r"unit\d+(\.rank\d+of\d+)?\.step\d+\.pt"  # a unit's state in a checkpoint (checkpoint_files)
+WRITTEN_FILE = re.compile(  # what a checkpoint write makes in its folder, each a regular file
+    rf"{UNIT_FILE}|\.{UNIT_FILE}\.\d+\.tmp|\.{re.escape(CHECKPOINT_FILE)}\.\d+\.tmp"  # whole, or being written
+    r"|tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json|chat_template\.jinja"  # the tokenizer's
 )
+WRITTEN_FOLDER = re.compile(r"\.tokenizer\.[a-z0-9_]{8}\.tmp")  # the tokenizer written aside (folder_aside)
+
+
+def written_by_checkpoint(path: Path) -> bool:
+    """Whether `path`, in a checkpoint's folder, is of a kind a checkpoint write makes there: a regular file named as
+    its files are, or its tokenizer's folder aside; never a link."""
+    if path.is_symlink():
+        return False
+    if path.is_dir():
+        return bool(WRITTEN_FOLDER.fullmatch(path.name))
+    return path.is_file() and bool(WRITTEN_FILE.fullmatch(path.name))
 
 
 def check_checkpoint_folder(folder: Path) -> None:
     """A --checkpoint folder that exists is empty, holds a checkpoint, or holds only what a first write killed before
-    its record left (replaced by the next write): writing one removes the files of its kind that the record does not
-    name, which in another folder could be the user's."""
+    its record left (its unit files among them; the next write replaces them): writing one removes the files of its
+    kind that the record does not name, which in another folder could be the user's."""
     if not folder.is_dir() or (folder / CHECKPOINT_FILE).is_file():
         return
-    if not all(INTERRUPTED_WRITE.fullmatch(path.name) for path in folder.iterdir()):
+    entries = list(folder.iterdir())
+    if entries and not (all(map(written_by_checkpoint, entries)) and any("unit" in p.name for p in entries)):
         raise UsageError(f"--checkpoint {folder} holds files and no {CHECKPOINT_FILE}: give a new or empty folder")
 
 
@@ -1203,16 +1215,26 @@ def first_line(e: BaseException) -> str:
     return line if len(line) <= 200 else line[:197] + "..."
 
 
-def parse_json(text: str | bytes):
-    """JSON as the inputs must hold it: a ValueError for anything else, also where Python's json would take NaN or
-    Infinity, or fail with another error (nesting too deep: RecursionError)."""
+def parse_json(text: str | bytes, finite_numbers: bool = True):
+    """JSON as the inputs must hold it: a ValueError for anything else, also where Python's json would fail with
+    another error (nesting too deep: RecursionError) or, with finite_numbers (a config or a record, not a corpus
+    line's other fields), take NaN, Infinity or 1e999."""
 
     def refuse(constant: str):
         """NaN, Infinity or -Infinity, which JSON does not have."""
         raise ValueError(f"{constant} is not a JSON number")
 
+    def finite(number: str) -> float:
+        """A JSON number as a float, where it is one: 1e999 is none."""
+        value = float(number)
+        if not math.isfinite(value):
+            raise ValueError(f"{number} is beyond a float's range")
+        return value
+
     try:
-        return json.loads(text, parse_constant=refuse)
+        if not finite_numbers:
+            return json.loads(text)
+        return json.loads(text, parse_constant=refuse, parse_float=finite)
     except RecursionError:
         raise ValueError("nested too deeply") from None
 
@@ -3627,6 +3649,7 @@ def load_config(path: Path) -> LlamaConfig:
             config = LlamaConfig.from_pretrained(path)
         with torch.device("meta"):
             LlamaRotaryEmbedding(config)  # its rope settings, which the config takes unchecked
+            LlamaDecoderLayer(config, layer_idx=0)  # its activation's name, and the like
     except Exception as e:  # transformers' own validation, whose error classes vary between versions
         reason = str(e.__cause__ or e).splitlines()[0]
         raise UsageError(
@@ -5313,9 +5336,6 @@ def write_checkpoint(trainer, folder: Path, manifest: dict, done: int, tokenizer
     log(f"checkpoint after step {steps} written to {folder} in {time.perf_counter() - t0:.1f} s")
 
 
-CHECKPOINT_WRITES = ("unit*.pt", ".unit*.tmp", f".{CHECKPOINT_FILE}.*.tmp", ".tokenizer.*.tmp", *TOKENIZER_FILES)
-
-
 def checkpoint_record(trainer, manifest: dict, done: int, files: list[str], tokenizer_files: list[str]) -> str:
     """CHECKPOINT_FILE's text after `done` steps of this run: the manifest, the loss scale, the steps and tokens the
     state has trained on, and the files that hold it."""
@@ -5334,8 +5354,8 @@ def remove_unnamed(folder: Path) -> None:
         named = {*record["files"], *record.get("tokenizer", [])}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):  # no whole record: nothing of a write is
         named = set()
-    for path in {p for pattern in CHECKPOINT_WRITES for p in folder.glob(pattern)}:
-        if path.name not in named:
+    for path in folder.iterdir():
+        if path.name not in named and written_by_checkpoint(path):  # no file of the user's
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
 
 
@@ -5458,6 +5478,7 @@ def check_record(folder: Path, saved: dict, manifest: dict) -> None:
     ranks = saved.get("ranks", 1)
     if not isinstance(ranks, int) or isinstance(ranks, bool) or not 1 <= ranks <= 2**20:
         raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE}'s ranks is {ranks!r}: the file is damaged")
+    check_optional_fields(folder, saved)
     units = manifest["sizes"]["num_hidden_layers"] + 3
     files, expected = saved["files"], checkpoint_files(units, saved["steps"], Ranks(world=ranks))
     if len(files) != len(expected):
@@ -5468,6 +5489,21 @@ def check_record(folder: Path, saved: dict, manifest: dict) -> None:
     if wrong is not None:  # each unit's own file, as written after that step: none named twice, none swapped
         what = f"names {files[wrong]} where a checkpoint after step {saved['steps']} has {expected[wrong]}"
         raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE} {what}: it is damaged")
+
+
+RECORD_COUNTS = {"tokens": 0, "grad_accum": 1, "batch_size": 1, "seq_len": 1}  # each one's least value
+
+
+def check_optional_fields(folder: Path, saved: dict) -> None:
+    """The record's fields that older checkpoints lack, where it has them: counts (RECORD_COUNTS) whole numbers in
+    range, and the plan and its inputs tables."""
+    for key, least in RECORD_COUNTS.items():
+        value = saved.get(key, least)
+        if not isinstance(value, int) or isinstance(value, bool) or not least <= value < 2**63:
+            raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE}'s {key} is {value!r}: the file is damaged")
+    for key in ("plan", "plan_inputs"):
+        if not isinstance(saved.get(key, {}), dict):
+            raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE}'s {key} is not a table: the file is damaged")
 
 
 def check_unit_files(folder: Path, saved: dict, units: list[Unit]) -> None:
@@ -5563,11 +5599,10 @@ def resume(trainer, folder: Path, manifest: dict) -> int:
 
 def tokens_trained(saved: dict, manifest: dict) -> int:
     """The tokens a checkpoint's state has trained on: as its record counts them, or (an older record) its steps at
-    its batch's tokens, or this run's where the record lacks them."""
-    tokens = saved.get("tokens")
-    if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0:
-        return tokens
-    return saved["steps"] * step_tokens(saved | {k: v for k, v in manifest.items() if k not in saved})
+    its batch's tokens (this run's, where the record lacks them)."""
+    if "tokens" in saved:  # check_record checked it
+        return saved["tokens"]
+    return saved["steps"] * step_tokens(manifest | saved)
 
 
 def step_tokens(record: dict) -> int:
@@ -5660,11 +5695,12 @@ def file_documents(path: Path, text: str, field: str) -> list[str]:
     if path.suffix != ".jsonl":
         return [text]
     documents = []
-    for number, line in enumerate(text.removeprefix("\ufeff").splitlines(), 1):  # a BOM, as some editors write
+    # lines end at \n alone (JSON strings may hold U+2028 and the like), and a BOM may start the file
+    for number, line in enumerate(text.removeprefix("\ufeff").split("\n"), 1):
         if not line.strip():
             continue
         try:
-            record = parse_json(line)
+            record = parse_json(line, finite_numbers=False)  # only its text is read
         except ValueError as e:
             raise UsageError(f"--data: {path} line {number} is not JSON ({getattr(e, 'msg', e)})") from None
         if not isinstance(record, dict) or not isinstance(record.get(field), str):
@@ -7475,20 +7511,27 @@ HELD_FOLDERS = []  # (descriptor, folder, made for the lock) of each --checkpoin
 
 
 def hold_checkpoint_folders(run: RunConfig) -> None:
-    """Lock each --checkpoint folder for the run's life (rank 0 does, for every rank, which write into one folder): a
-    second run given the same folder is refused at once, where it would blend its unit files with this run's. A
-    folder made for the lock goes again at the end if it stayed empty (release_checkpoint_folders)."""
-    if not (run.train and run.checkpoint) or run.ranks.rank:
+    """Lock each --checkpoint folder for the run's life, and share a lock on each --resume folder (rank 0 does, for
+    every rank): a second run given a folder this one writes, or one another run writes, is refused at once, where
+    it would blend unit files, or read a checkpoint as its writer replaces it. A folder made for the lock goes again
+    at the end if it stayed empty (release_checkpoint_folders)."""
+    if not run.train or run.ranks.rank:
         return
-    folders = [Path(run.checkpoint)] + [mode_folder(run.checkpoint, run, mode) for mode in run.modes]
-    for folder in dict.fromkeys(folders):  # the given folder first, so it goes last
+    written = (
+        [Path(run.checkpoint), *(mode_folder(run.checkpoint, run, m) for m in run.modes)] if run.checkpoint else []
+    )
+    locks = {folder: ("--checkpoint", fcntl.LOCK_EX) for folder in written}
+    for folder in [mode_folder(run.resume, run, mode) for mode in run.modes] if run.resume else []:
+        if not any(same_place(real_path(folder), real_path(other)) for other in locks):  # --resume X --checkpoint X
+            locks[folder] = ("--resume", fcntl.LOCK_SH)
+    for folder, (flag, kind) in locks.items():  # the given folder first, so it goes last
         made = not folder.exists()
         folder.mkdir(exist_ok=True)
         HELD_FOLDERS.append((os.open(folder, os.O_RDONLY), folder, made))
         try:
-            fcntl.flock(HELD_FOLDERS[-1][0], fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(HELD_FOLDERS[-1][0], kind | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise UsageError(f"--checkpoint {folder} is being written by another run: give each run its own") from None
+            raise UsageError(f"{flag} {folder} is in use by another run: wait for it to end, or give another") from None
 
 
 @contextlib.contextmanager

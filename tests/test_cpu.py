@@ -179,12 +179,18 @@ BAD_INPUT = {
     "zero layers": (["--preset", "tiny", "--layers", 0], "--layers must be at least 1"),
     "missing folder": (["--model", "/no/such/folder"], "no such folder"),
     "a path with a line break": (["--model", "/no/such\nfolder"], "/no/such\\nfolder"),
+    "a path with an escape sequence": (["--model", "/no/\x1b[2Jsuch"], "/no/\\x1b[2Jsuch"),
     "folder without config": (["--model", "{tmp}"], "no config.json"),
     "not a llama folder": (["--model", "{gpt2}"], "model_type is 'gpt2', not 'llama'"),
     "negative hidden size in config.json": (["--model", "{negative}"], "config.json"),  # transformers' message, or ours
     "Infinity in config.json": (["--model", "{infinite}"], "config.json is not valid JSON (Infinity is not a JSON"),
     "config.json nested too deeply": (["--model", "{deep}"], "config.json is not valid JSON (nested too deeply)"),
     "a 5,000-digit number in config.json": (["--model", "{huge}"], "config.json is not valid JSON (Exceeds the limit"),
+    "1e999 in config.json": (
+        ["--model", "{beyond}"],
+        "config.json is not valid JSON (1e999 is beyond a float's range)",
+    ),
+    "an activation transformers lacks": (["--model", "{evil}"], "transformers rejects its config.json (KeyError"),
     "cap below one layer": (
         ["--preset", "tiny", "--mode", "gpu", "--max-gpu-memory", 1e-5],
         "less than one decoder layer",
@@ -209,6 +215,8 @@ def test_bad_input_exits_2_with_one_line(case, tmp_path, capsys):
     negative = write_config(tmp_path / "negative", model_type="llama", hidden_size=-3)
     damaged = {"infinite": '{"model_type": "llama", "rms_norm_eps": Infinity}', "deep": "[" * 10**5 + "]" * 10**5}
     damaged["huge"] = '{"model_type": "llama", "hidden_size": ' + "9" * 5000 + "}"
+    damaged["beyond"] = '{"model_type": "llama", "rms_norm_eps": 1e999}'
+    damaged["evil"] = json.dumps(ol.llama_config(ol.RunConfig(preset="tiny")).to_dict() | {"hidden_act": "evil"})
     folders = {"tmp": tmp_path, "gpt2": gpt2, "negative": negative}
     for name, text in damaged.items():
         folders[name] = write_config(tmp_path / name)

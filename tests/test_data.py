@@ -189,6 +189,8 @@ def test_bad_data_is_refused_before_the_model_is_built(tmp_path, capsys):
         capsys, tmp_path, "--data", tmp_path / "k.jsonl", "--train-tokenizer", 300
     )
     assert ol.file_documents(Path("b.jsonl"), '\ufeff{"text": "a"}\n', "text") == ["a"]  # a BOM at the start
+    web = '{"text": "quote\u2028from the web\u0085"}\r\n{"text": "b"}\n'  # line breaks JSON strings may hold
+    assert ol.file_documents(Path("w.jsonl"), web, "text") == ["quote\u2028from the web\u0085", "b"]
     (tmp_path / "deep.jsonl").write_text("[" * 10**5 + "]" * 10**5 + "\n")
     assert "deep.jsonl line 1 is not JSON (nested too deeply)" in refusal(
         capsys, tmp_path, "--data", tmp_path / "deep.jsonl", "--train-tokenizer", 300

@@ -257,6 +257,12 @@ def test_damaged_inputs_are_refused_before_the_model_is_built(inputs, tmp_path, 
     for ranks in ("2", 0, True):  # any number of ranks resumes a checkpoint, but its record must say a number of them
         record.write_text(json.dumps(original | {"ranks": ranks}))
         refused(tmp_path, args, f"checkpoint.json's ranks is {ranks!r}", in_process=True, capsys=capsys)
+    for key, value in [("tokens", -64), ("tokens", 2**63), ("batch_size", "1"), ("grad_accum", [1]), ("seq_len", None)]:
+        record.write_text(json.dumps(original | {key: value}))
+        damaged = f"checkpoint.json's {key} is {value!r}: the file is damaged"
+        refused(tmp_path, args, damaged, in_process=True, capsys=capsys)
+    record.write_text(json.dumps(original | {"plan_inputs": "x"}))
+    refused(tmp_path, args, "checkpoint.json's plan_inputs is not a table", in_process=True, capsys=capsys)
     record.write_text(json.dumps(original | {"ranks": 2}))  # a file a unit, where 2 ranks write two
     refused(tmp_path, args, "names 6 files, not 12", in_process=True, capsys=capsys)
     twice = [*original["files"][:2], original["files"][1], *original["files"][3:]]  # one layer's file for the next's

@@ -117,6 +117,40 @@ def test_a_first_checkpoint_killed_before_its_record_is_replaced_by_the_next_run
     assert r.returncode == 2 and "holds files and no checkpoint.json" in r.stderr
 
 
+def test_a_checkpoint_folder_takes_and_removes_only_what_a_write_makes(tmp_path):
+    """Only regular files named as a write names its files (and its tokenizer's folder aside) are taken as a killed
+    first write's, or removed as unnamed: the user's look-alikes and folders stay, and refuse a first write."""
+    for name, kind in {
+        "unit000.step1.pt": "folder",
+        ".tokenizer.backup.tmp": "folder",
+        ".unit000.step5.pt": "file",
+    }.items():
+        folder = tmp_path / name.strip(".")
+        folder.mkdir()
+        (folder / name).mkdir() if kind == "folder" else (folder / name).write_bytes(b"mine")
+        with pytest.raises(ol.UsageError, match="holds files and no checkpoint.json"):
+            ol.check_checkpoint_folder(folder)
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    for name in ("unit000.step1.pt", "tokenizer.json", ".checkpoint.json.77.tmp"):
+        (killed / name).write_bytes(b"x")
+    (killed / ".tokenizer.a1b2c3d4.tmp").mkdir()
+    ol.check_checkpoint_folder(killed)  # taken: the next write replaces it
+    (tmp_path / "tokenizer_only").mkdir()
+    (tmp_path / "tokenizer_only" / "tokenizer.json").write_text("{}")  # the user's: no unit file beside it
+    with pytest.raises(ol.UsageError, match="holds files and no checkpoint.json"):
+        ol.check_checkpoint_folder(tmp_path / "tokenizer_only")
+    kept = ["unit-notes.pt", "tokenizer_mine.json", "README.txt"]
+    for name in kept:
+        (killed / name).write_text("mine")
+    (killed / "unit_runs.pt").mkdir()
+    (killed / ol.CHECKPOINT_FILE).write_text(json.dumps({"files": ["unit000.step1.pt"]}))
+    ol.remove_unnamed(killed)
+    assert sorted(p.name for p in killed.iterdir()) == sorted(
+        [*kept, "unit_runs.pt", ol.CHECKPOINT_FILE, "unit000.step1.pt"]
+    )
+
+
 def test_a_checkpoint_counts_the_tokens_its_state_trained_on(checkpoint, tmp_path):
     """A resumed run with longer sequences counts on from the checkpoint's tokens, not its steps at the new shape."""
     first = json.loads((checkpoint / ol.CHECKPOINT_FILE).read_text())
@@ -129,15 +163,24 @@ def test_a_checkpoint_counts_the_tokens_its_state_trained_on(checkpoint, tmp_pat
     assert json.loads((tmp_path / "longer" / ol.CHECKPOINT_FILE).read_text())["tokens"] == tokens
 
 
-def test_a_second_run_on_a_checkpoint_folder_in_use_is_refused(tmp_path):
-    """Two runs given one --checkpoint folder would blend their unit files: the folder is locked while a run holds
-    it, and a folder made only for the lock goes again with it."""
+def test_a_second_run_on_a_checkpoint_folder_in_use_is_refused(checkpoint, tmp_path):
+    """Two runs given one --checkpoint folder would blend their unit files, and a run resuming from a folder another
+    writes would read it as it is replaced: the folder is locked while a run writes it (shared while one resumes
+    from it), and a folder made only for the lock goes again with it."""
     held = tmp_path / "held"
     run = ol.RunConfig(preset="tiny", mode="cpu", train=True, checkpoint=str(held))
     ol.hold_checkpoint_folders(run)
     try:
         r = cli(*TRAIN, "--steps", "1", "--checkpoint", held)
-        assert r.returncode == 2 and f"--checkpoint {held} is being written by another run" in r.stderr, r.stderr
+        assert r.returncode == 2 and f"--checkpoint {held} is in use by another run" in r.stderr, r.stderr
+    finally:
+        ol.release_checkpoint_folders()
+    reading = ol.dataclasses.replace(run, checkpoint=None, resume=str(checkpoint))
+    ol.hold_checkpoint_folders(reading)
+    try:
+        r = cli(*TRAIN, "--steps", "1", "--resume", checkpoint, "--checkpoint", checkpoint)
+        assert r.returncode == 2 and f"--checkpoint {checkpoint} is in use by another run" in r.stderr, r.stderr
+        assert cli(*TRAIN, "--steps", "1", "--resume", checkpoint, "--checkpoint", tmp_path / "other").returncode == 0
     finally:
         ol.release_checkpoint_folders()
     assert not held.exists() and ol.HELD_FOLDERS == []
