@@ -7507,7 +7507,7 @@ def check_saving(run: RunConfig, config: LlamaConfig, plan: Plan | None = None) 
             raise UsageError(f"{flag} {path}: {short}; free some space or give a folder on another disk")
 
 
-HELD_FOLDERS = []  # (descriptor, folder, made for the lock) of each --checkpoint folder this run holds locked
+HELD_FOLDERS = []  # (descriptor, folder, made for the lock) of each folder this run holds (hold_checkpoint_folders)
 
 
 def hold_checkpoint_folders(run: RunConfig) -> None:
@@ -7536,7 +7536,7 @@ def hold_checkpoint_folders(run: RunConfig) -> None:
 
 @contextlib.contextmanager
 def checkpoint_folders_released():
-    """A `with` block at whose end the --checkpoint folders are released (release_checkpoint_folders)."""
+    """A `with` block at whose end the held --checkpoint and --resume folders are released."""
     try:
         yield
     finally:
@@ -7544,7 +7544,7 @@ def checkpoint_folders_released():
 
 
 def release_checkpoint_folders() -> None:
-    """Unlock the --checkpoint folders, removing those made for the lock that stayed empty."""
+    """Unlock the held --checkpoint and --resume folders, removing those made for the lock that stayed empty."""
     while HELD_FOLDERS:
         descriptor, folder, made = HELD_FOLDERS.pop()
         os.close(descriptor)
