@@ -3715,12 +3715,7 @@ def check_weights(folder: Path, config: LlamaConfig) -> None:
     the file, before the model is built (from_pretrained would stop half-way, or draw a missing weight at random)."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            files = sorted(set(parse_json(index.read_text())["weight_map"].values()))
-            if not all(isinstance(name, str) and name == Path(name).name for name in files):
-                raise ValueError("its weight_map names files outside the folder, or not by name")
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise UsageError(f"--model {folder}: {index.name} is damaged ({first_line(e)}): save it again") from None
+        files = indexed_files(index)
     elif (folder / "model.safetensors").is_file():
         files = ["model.safetensors"]
     elif any((folder / name).is_file() for name in ("pytorch_model.bin", "pytorch_model.bin.index.json")):
@@ -3738,16 +3733,23 @@ def check_weights(folder: Path, config: LlamaConfig) -> None:
             raise UsageError(f"--model {folder}: {name} is {saved}, the config needs {list(shape)}: save it again")
 
 
+def indexed_files(index: Path) -> list[str]:
+    """The weight files a sharded model's index names, each by name in its folder; else one line: it is damaged."""
+    try:
+        files = sorted(set(parse_json(index.read_text())["weight_map"].values()))
+        if not all(isinstance(name, str) and name == Path(name).name for name in files):
+            raise ValueError("its weight_map names files outside the folder, or not by name")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise UsageError(f"--model {index.parent}: {index.name} is damaged ({first_line(e)}): save it again") from None
+    return files
+
+
 def check_torch_files(folder: Path) -> None:
     """--model's pytorch_model.bin files (or the shards its index names) are there and torch's zip format, or an
     older pickle; else one line naming the file, before the model is built."""
     index = folder / "pytorch_model.bin.index.json"
-    try:
-        names = sorted(set(parse_json(index.read_text())["weight_map"].values())) if index.is_file() else []
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise UsageError(f"--model {folder}: {index.name} is damaged ({first_line(e)}): save it again") from None
-    for name in names or ["pytorch_model.bin"]:
-        path = folder / Path(str(name)).name
+    for name in indexed_files(index) if index.is_file() else ["pytorch_model.bin"]:
+        path = folder / name
         if not path.is_file():
             raise UsageError(f"--model {folder}: {path.name} is missing: save the model again")
         with open(path, "rb") as f:
