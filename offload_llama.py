@@ -1023,25 +1023,37 @@ def check_outputs(run: RunConfig) -> None:
         check_checkpoint_folder(mode_folder(run.checkpoint, run, mode))
 
 
-TOKENIZER_FILES = ("tokenizer*.json", "special_tokens_map.json", "chat_template.jinja")  # what save_pretrained writes
-SAVED_MODEL_FILES = ("config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json")
-SAVED_MODEL_FILES += TOKENIZER_FILES
+TOKENIZER_FILE = r"tokenizer(_config)?\.json|tokenizer\.model|special_tokens_map\.json|added_tokens\.json"
+TOKENIZER_FILE += r"|chat_template\.jinja|vocab\.json|merges\.txt"  # what a tokenizer's save_pretrained writes
+SAVED_MODEL_FILE = re.compile(  # what save_pretrained writes, each a regular file
+    rf"config\.json|generation_config\.json|model(-\d{{5}}-of-\d{{5}})?\.safetensors|model\.safetensors\.index\.json"
+    rf"|{TOKENIZER_FILE}"
+)
+
+
+def foreign_entry(folder: Path, own) -> str | None:
+    """The first entry of the output folder `folder` (by name) that own(path) says no write of the run's leaves there,
+    as its name and kind ('notes (a folder)'); None where every entry is the run's own (or there is no folder)."""
+    if path_kind(folder) != "a folder":
+        return None
+    path = next((p for p in sorted(folder.iterdir()) if not own(p)), None)
+    return None if path is None else f"{path.name} ({path_kind(path)})"
 
 
 def check_saved_model_folder(folder: Path) -> None:
-    """A --save-pretrained folder that exists holds only what save_pretrained writes: it is replaced whole."""
-    if path_kind(folder) != "a folder":
-        return
-    others = [p.name for p in folder.iterdir() if not any(p.match(name) for name in SAVED_MODEL_FILES)]
-    if others:
-        what = f"{len(others)} file(s) a saved model does not hold, such as {sorted(others)[0]}"
+    """A --save-pretrained folder that exists holds only the regular files save_pretrained writes: it is replaced
+    whole; a mode's folder inside it is a folder, if anything."""
+    if path_kind(folder) not in (None, "a folder"):
+        raise UsageError(f"--save-pretrained {folder} is {path_kind(folder)}, which the run would replace")
+    other = foreign_entry(folder, lambda p: path_kind(p) == "a file" and SAVED_MODEL_FILE.fullmatch(p.name))
+    if other:
+        what = f"{other}, which a saved model does not hold"
         raise UsageError(f"--save-pretrained {folder} holds {what}: the folder is replaced whole, so give a new one")
 
 
 UNIT_FILE = r"unit\d+(\.rank\d+of\d+)?\.step\d+\.pt"  # a unit's state in a checkpoint (checkpoint_files)
-WRITTEN_FILE = re.compile(  # what a checkpoint write makes in its folder, each a regular file
-    rf"{UNIT_FILE}|\.{UNIT_FILE}\.\d+\.tmp|\.{re.escape(CHECKPOINT_FILE)}\.\d+\.tmp"  # whole, or being written
-    r"|tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json|chat_template\.jinja"  # the tokenizer's
+WRITTEN_FILE = re.compile(  # what a checkpoint write makes in its folder, each a regular file; its tokenizer's too
+    rf"{UNIT_FILE}|\.{UNIT_FILE}\.\d+\.tmp|\.{re.escape(CHECKPOINT_FILE)}\.\d+\.tmp|{TOKENIZER_FILE}"
 )
 WRITTEN_FOLDER = re.compile(r"\.tokenizer\.[a-z0-9_]{8}\.tmp")  # the tokenizer written aside (folder_aside)
 
@@ -1057,13 +1069,20 @@ def written_by_checkpoint(path: Path) -> bool:
 
 
 def check_checkpoint_folder(folder: Path) -> None:
-    """A --checkpoint folder that exists is empty, holds a checkpoint, or holds only what a first write killed before
-    its record left (its unit files among them; the next write replaces them): writing one removes the files of its
-    kind that the record does not name, which in another folder could be the user's."""
-    if not folder.is_dir() or (folder / CHECKPOINT_FILE).is_file():
-        return
-    entries = list(folder.iterdir())
-    if entries and not (all(map(written_by_checkpoint, entries)) and any("unit" in p.name for p in entries)):
+    """A --checkpoint folder that exists holds nothing but what checkpoint writes make (the record a regular file):
+    it is empty, holds a checkpoint, or holds only what a first write killed before its record left (its unit files
+    among them; the next write replaces them). Writing one removes the files of its kind that the record does not
+    name, and replaces those of its names: in another folder they could be the user's."""
+    if path_kind(folder) not in (None, "a folder"):
+        raise UsageError(f"--checkpoint {folder} is {path_kind(folder)}: give a folder")
+    record = path_kind(folder / CHECKPOINT_FILE) == "a file"
+    other = foreign_entry(folder, lambda p: written_by_checkpoint(p) or (record and p.name == CHECKPOINT_FILE))
+    if other:
+        raise UsageError(
+            f"--checkpoint {folder} holds {other}, which a checkpoint does not: give a new or empty folder"
+        )
+    entries = list(folder.iterdir()) if folder.is_dir() else []
+    if entries and not record and not any("unit" in p.name for p in entries):
         raise UsageError(f"--checkpoint {folder} holds files and no {CHECKPOINT_FILE}: give a new or empty folder")
 
 
@@ -5762,12 +5781,22 @@ def load_tokenizer(run: RunConfig):
 def train_tokenizer(run: RunConfig, files: list[Path], folder: Path):
     """A byte-level BPE of --train-tokenizer tokens trained on the corpus with `tokenizers`, cached in `folder`: read
     back from there on the next run, or trained anew where what is there does not load."""
-    if folder.exists() or folder.is_symlink():
+    if path_kind(folder) not in (None, "a folder"):  # no write of the run's leaves one: the user's
+        kind = path_kind(folder)
+        raise UsageError(
+            f"--data-cache {folder.parent}: {folder.name} is {kind}, where the run caches a tokenizer's "
+            "folder: move it, or give another --data-cache"
+        )
+    if folder.exists():
         try:
-            if path_kind(folder) != "a folder":
-                raise ValueError(f"it is {path_kind(folder)}")
             return transformers.AutoTokenizer.from_pretrained(folder)
         except Exception as e:  # a cache entry damaged (a full disk, an edit): rebuilt, never a traceback
+            other = foreign_entry(folder, lambda p: path_kind(p) == "a file" and re.fullmatch(TOKENIZER_FILE, p.name))
+            if other:
+                raise UsageError(
+                    f"--data-cache {folder.parent}: {folder.name} does not load as a tokenizer and holds "
+                    f"{other}, which training it again would remove: move it, or give another --data-cache"
+                ) from None
             log(f"note: the cached tokenizer {folder} does not load ({first_line(e)}): trained again")
             remove_path(folder)
     t0 = time.perf_counter()
@@ -5894,10 +5923,15 @@ def corpus_key(run: RunConfig, files: list[Path], tokenizer_text: str) -> str:
 
 def token_cache(run: RunConfig, files: list[Path], tokenizer) -> torch.Tensor:
     """The corpus's token ids, memory-mapped from the token cache: written once per corpus and tokenizer, under a
-    temporary name, then renamed, so a file cut short (a run killed while writing) is never read, only rebuilt; an
-    entry that is not whole, not a file, or holds ids past the tokenizer's is removed and rebuilt."""
+    temporary name, then renamed, so a file cut short (a run killed while writing) is never read, only rebuilt; a
+    file that is not whole or holds ids past the tokenizer's is removed and rebuilt, anything else there refused."""
     folder = data_cache_folder(run)
     path = folder / f"tokens-{corpus_key(run, files, tokenizer.backend_tokenizer.to_str())}.bin"
+    if path_kind(path) not in (None, "a file"):  # no write of the run's leaves one: the user's
+        raise UsageError(
+            f"--data-cache {folder}: {path.name} is {path_kind(path)}, where the run caches token ids "
+            "in a file: move it, or give another --data-cache"
+        )
     ids = mapped_tokens(path) if path_kind(path) == "a file" else None
     if ids is not None and largest_id(ids) < len(tokenizer):
         log(f"data: {ids.numel():,} tokens of {len(files)} file(s), from the token cache {path}")

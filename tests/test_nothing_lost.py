@@ -114,7 +114,7 @@ CLASHES = {  # an output on or inside an input: one line naming both flags
     "--json inside --save-pretrained": (["--save-pretrained", "{tmp}/out", "--json", "{tmp}/out/r.json"], "nest"),
     "--json on --checkpoint's record": (["--checkpoint", "{tmp}/out", "--json", "{tmp}/out/checkpoint.json"], "nest"),
     "--json on a hard link to the corpus": (["--data", "{tmp}/corpus/0.txt", "--json", "{tmp}/hard.txt"], "is --data"),
-    "--checkpoint in a folder of the user's": (["--checkpoint", "{tmp}/corpus"], "holds files and no checkpoint"),
+    "--checkpoint in a folder of the user's": (["--checkpoint", "{tmp}/corpus"], "holds 0.txt (a file), which a"),
 }
 
 
@@ -201,6 +201,113 @@ def test_folder_outputs_refuse_what_they_would_replace(tmp_path):
     refused(tmp_path, [*TINY, "--train", "--checkpoint", "{tmp}/fifo"], "is a FIFO")
     refused(tmp_path, [*TINY, "--train", "--save-pretrained", "{tmp}"], "the folder is replaced whole")
     refused(tmp_path, [*TINY, "--train", "--data", "{tmp}/file", "--data-cache", "{tmp}/file"], "is a file")
+
+
+def user_entries(folder, *names) -> None:
+    """The user's entries in `folder` named as a write of the run's names its own: a folder holding the user's notes
+    (a sub-folder named like a weights file), a link, or a file of a name the run never writes."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        if name.startswith("link:"):
+            os.symlink(folder.parent / "notes.txt", folder / name.removeprefix("link:"))
+        elif name.endswith("/"):
+            (folder / name).mkdir()
+            (folder / name / "NOTES.txt").write_text("mine")
+        else:
+            (folder / name).write_text("mine")
+
+
+FOREIGN = {  # an output folder holding an entry no write of the run's leaves, and how the refusal names it
+    "--save-pretrained: a folder named like a shard": (
+        ["--save-pretrained", "{tmp}/out"],
+        ("out", "config.json", "model-old.safetensors/"),
+        "holds model-old.safetensors (a folder), which a saved model does not hold",
+    ),
+    "--save-pretrained: a link named as the weights": (
+        ["--save-pretrained", "{tmp}/out"],
+        ("out", "link:model.safetensors"),
+        "holds model.safetensors (a symbolic link)",
+    ),
+    "--save-pretrained: a file of another name": (
+        ["--save-pretrained", "{tmp}/out"],
+        ("out", "model-notes.safetensors"),
+        "holds model-notes.safetensors (a file)",
+    ),
+    "--save-pretrained: a mode's folder that is a file": (
+        ["--mode", "cpu,gpu", "--save-pretrained", "{tmp}/out"],
+        ("out", "cpu"),
+        "out/cpu is a file, which the run would replace",
+    ),
+    "--checkpoint: notes beside a checkpoint it goes on from": (
+        ["--resume", "{tmp}/checkpoint", "--checkpoint", "{tmp}/checkpoint"],
+        ("checkpoint", "NOTES.txt"),
+        "holds NOTES.txt (a file), which a checkpoint does not",
+    ),
+    "--checkpoint: a link named as a unit file": (
+        ["--checkpoint", "{tmp}/ck"],
+        ("ck", "unit000.step1.pt", "link:unit001.step1.pt"),
+        "holds unit001.step1.pt (a symbolic link)",
+    ),
+    "--checkpoint: a folder named as its tokenizer's": (
+        ["--checkpoint", "{tmp}/ck"],
+        ("ck", "unit000.step1.pt", "tokenizer.json/"),
+        "holds tokenizer.json (a folder)",
+    ),
+    "--checkpoint: a mode's folder that is a link": (
+        ["--mode", "cpu,gpu", "--checkpoint", "{tmp}/ck"],
+        ("ck", "link:cpu"),
+        "ck/cpu is a symbolic link: give a folder",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", FOREIGN)
+def test_a_folder_output_replaces_only_what_a_write_of_its_own_left(case, inputs, tmp_path, capsys):
+    """Its regular files by the exact names it writes: anything else there refuses the run before it starts, named,
+    and stays as it was (before, --save-pretrained replaced a folder holding model-old.safetensors/NOTES.txt)."""
+    copied(inputs, tmp_path, "checkpoint")
+    (tmp_path / "notes.txt").write_text("the user's")
+    args, (folder, *names), words = FOREIGN[case]
+    user_entries(tmp_path / folder, *names)
+    refused(tmp_path, [*TRAIN, *args], words, in_process=True, capsys=capsys)
+
+
+CACHE_ENTRIES = {  # a --data-cache entry the run would rebuild, of a kind no write of its own leaves
+    "the token cache's name on a folder": ("tokens-", "a folder", "is a folder, where the run caches token ids"),
+    "the tokenizer's name on a file": ("tokenizer-", "a file", "is a file, where the run caches a tokenizer's folder"),
+    "a tokenizer that does not load, with notes": (
+        "tokenizer-",
+        "notes",
+        "holds NOTES.txt (a file), which training it again",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CACHE_ENTRIES)
+def test_a_data_cache_entry_it_would_rebuild_is_one_of_its_own(case, inputs, tmp_path, capsys):
+    """The token cache is a regular file, a cached tokenizer a folder of its files: a folder, a file or a notes file
+    where the run would remove one to write it again is refused, named, before the model is built."""
+    shutil.copytree(inputs / "cache", tmp_path / "cache")
+    prefix, damage, words = CACHE_ENTRIES[case]
+    (entry,) = (tmp_path / "cache").glob(f"{prefix}*")
+    if damage == "notes":
+        (entry / "tokenizer.json").write_text("")
+        (entry / "NOTES.txt").write_text("mine")
+    else:
+        ol.remove_path(entry)
+        entry.mkdir() if damage == "a folder" else entry.write_text("mine")
+    args = [*TRAIN, "--data", inputs / "corpus", "--train-tokenizer", "300", "--vocab-size", "300"]
+    refused(tmp_path, [*args, "--data-cache", "{tmp}/cache"], words, in_process=True, capsys=capsys)
+
+
+def test_the_disk_tier_leaves_what_its_folder_held(tmp_path):
+    """--nvme's files have no name (or lose theirs at once): the user's entries there, look-alikes of the fallback's
+    temporary names included, stay as they were."""
+    user_entries(tmp_path / "disk", "NOTES.txt", ".offload_llama-abc", "sub/", "link:link")
+    before = checksums(tmp_path)
+    tier = ol.DiskTier(str(tmp_path / "disk"), {1: 2**16, 2: 2**16})
+    tier.close()
+    assert checksums(tmp_path) == before
 
 
 def test_damaged_weights_in_other_forms_are_refused(inputs, tmp_path, capsys):
@@ -485,21 +592,13 @@ def test_a_signal_leaves_every_output_whole_or_absent(doing, sig, inputs, tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("damage", ["ids past the vocabulary", "a folder", "a tokenizer that is a file"])
+@pytest.mark.parametrize("damage", ["ids past the vocabulary"])
 def test_a_cache_entry_of_the_wrong_kind_is_rebuilt(damage, inputs, tmp_path, capsys):
     shutil.copytree(inputs / "cache", tmp_path / "cache")
     (tokens,) = (tmp_path / "cache").glob("tokens-*")
-    (tokenizer,) = (tmp_path / "cache").glob("tokenizer-*")
-    if damage == "ids past the vocabulary":
-        data = bytearray(tokens.read_bytes())
-        data[ol.TOKEN_START : ol.TOKEN_START + 2] = (299 + 1000).to_bytes(2, "little")
-        tokens.write_bytes(data)
-    elif damage == "a folder":
-        tokens.unlink()
-        tokens.mkdir()
-    else:
-        shutil.rmtree(tokenizer)
-        tokenizer.write_text("")
+    data = bytearray(tokens.read_bytes())
+    data[ol.TOKEN_START : ol.TOKEN_START + 2] = (299 + 1000).to_bytes(2, "little")
+    tokens.write_bytes(data)
     args = [*TRAIN, "--data", inputs / "corpus", "--train-tokenizer", "300", "--vocab-size", "300"]
     code, _, err = run_main(capsys, *args, "--data-cache", tmp_path / "cache")
     assert code == 0 and "note: the " in err, err
