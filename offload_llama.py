@@ -151,6 +151,7 @@ class UsageError(Exception):
 
 
 DIVERGED = "training diverged (try a lower --lr)"
+UNTRAINED = "the model computes so before any update (its weights or config, not --lr)"  # where DIVERGED is not it
 
 
 class Diverged(Exception):
@@ -896,6 +897,9 @@ def check_run(run: RunConfig) -> None:
     check_sizes(sizes, origin)
     check_host_holds(run, sizes)
     positions = sizes.get("max_position_embeddings") or 0
+    if positions < run.seq_len:  # a preset's are at least --seq-len
+        why = f"max_position_embeddings is {positions}, fewer than --seq-len {run.seq_len}: give --seq-len {positions}"
+        raise UsageError(f"{origin}{why} at most")
     if run.sample and positions and run.sample_tokens >= positions:
         raise UsageError(f"--sample-tokens {run.sample_tokens}: the model has {positions} positions, prompt included")
     check_tokenizer_at_hand(run)
@@ -1287,6 +1291,16 @@ def model_sizes(run: RunConfig) -> tuple[dict, str]:
     for field in (*SIZE_FLAGS, "max_position_embeddings", "head_dim"):
         if (type(sizes[field]) is not int or sizes[field] < 1) and not (field == "head_dim" and sizes[field] is None):
             raise UsageError(f"{origin}{field} is {sizes[field]!r}, not a whole number of at least 1")
+    rope = config.get("rope_parameters")  # transformers 5's home of rope_theta (older configs: the top level)
+    sizes["rope_theta"] = rope.get("rope_theta", sizes["rope_theta"]) if isinstance(rope, dict) else sizes["rope_theta"]
+    for field in ("rope_theta", "rms_norm_eps"):  # 0 or less: every logit NaN (parse_json: no NaN or infinity)
+        if type(sizes[field]) not in (int, float) or sizes[field] <= 0:
+            raise UsageError(f"{origin}{field} is {sizes[field]!r}, not a positive number: the model would compute NaN")
+    pad = sizes["pad_token_id"]
+    if pad is not None and (
+        type(pad) is not int or not -sizes["vocab_size"] <= pad < sizes["vocab_size"]
+    ):  # as nn.Embedding
+        raise UsageError(f"{origin}pad_token_id is {pad!r}, not an id of its vocab_size {sizes['vocab_size']}")
     return sizes, origin
 
 
@@ -1299,6 +1313,9 @@ LLAMA_DEFAULTS = {  # LlamaConfig's defaults, where a config.json leaves a field
     "attention_bias": False,
     "mlp_bias": False,
     "head_dim": None,  # then hidden size / heads
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-6,
+    "pad_token_id": None,
 }
 
 
@@ -3711,6 +3728,7 @@ def build_model(run: RunConfig, config: LlamaConfig) -> LlamaForCausalLM:
         if missing:  # from_pretrained draws those at random and goes on: not the model the folder names
             what = f"{len(missing)} of the model's weights, such as {missing[0]}"
             raise UsageError(f"--model {run.model}: its weights lack {what}: save the model again")
+        check_no_extra_weights(Path(run.model), config, set(info.get("unexpected_keys", ())))  # pytorch_model.bin's
         damaged = next((name for name, p in model.named_parameters() if not torch.isfinite(p).all()), None)
         if damaged:  # it would run, every logit NaN, or train and diverge at once
             raise UsageError(f"--model {run.model}: {damaged} holds NaN or infinite values: save the model again")
@@ -3745,11 +3763,26 @@ def check_weights(folder: Path, config: LlamaConfig) -> None:
     for name in files:
         found |= safetensors_shapes(folder, name)
     with torch.device("meta"):
-        expected = {name: tuple(p.shape) for name, p in LlamaForCausalLM(config).named_parameters()}
+        model = LlamaForCausalLM(config)
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
     for name, shape in expected.items():
         if found.get(name) != shape:
             saved = "missing" if name not in found else f"of shape {list(found[name])}"
             raise UsageError(f"--model {folder}: {name} is {saved}, the config needs {list(shape)}: save it again")
+    check_no_extra_weights(folder, config, set(found) - set(model.state_dict()))
+
+
+def check_no_extra_weights(folder: Path, config: LlamaConfig, extra: set[str]) -> None:
+    """--model's weights hold none that its config has no place for (from_pretrained leaves them out without a word:
+    a layer past num_hidden_layers, say); else one line naming one, and the layers the weights hold."""
+    extra = sorted(name for name in extra if not name.endswith("rotary_emb.inv_freq"))  # older saves' tables
+    if extra:
+        held = [int(m[1]) for name in extra if (m := re.match(r"model\.layers\.(\d+)\.", name))]
+        layers = f" (num_hidden_layers is {config.num_hidden_layers}, the weights hold {max(held) + 1} layers)"
+        raise UsageError(
+            f"--model {folder}: its weights hold {len(extra)} weight(s) the config has no place for, such as {extra[0]}"
+            f"{layers if held else ''}: fix config.json, or save the model again"
+        )
 
 
 def indexed_files(index: Path) -> list[str]:
@@ -6269,6 +6302,8 @@ class Evaluation:
         loss = held_out_loss(self.model(), self.text.blocks, self.run_config, self.device)
         ms = (time.perf_counter() - t0) * 1e3
         step = self.start + done
+        if not math.isfinite(loss):
+            raise Diverged(f"the held-out loss after step {step} is {loss}: {DIVERGED if step else UNTRAINED}")
         record = {"step": step, "tokens": step * self.tokens_per_step, "loss": loss, "perplexity": math.exp(loss)}
         self.evaluations.append(record | {"ms": ms})
         log(f"  held-out loss after step {step}: {loss:.4f}, perplexity {math.exp(loss):.2f} ({ms:.0f} ms)")
@@ -7442,7 +7477,7 @@ def train_steps(
             batch = batches(done + i + 1)
         losses.append(loss.item())  # S11: a sync: this step's forward and backward have run
         if not math.isfinite(losses[-1]):
-            raise Diverged(f"step {done + i + 1}'s loss is {losses[-1]}: {DIVERGED}")
+            raise Diverged(f"step {done + i + 1}'s loss is {losses[-1]}: {DIVERGED if done + i else UNTRAINED}")
         if i == 0 and keep_grads:
             grads = first_step_state(trainer)
         clock.lap(i, losses[-1])
@@ -7740,6 +7775,12 @@ def run_modes(run: RunConfig, plan: Plan, model, store, masters, input_ids, trai
         results[mode] = {}
         if run.inference:
             results[mode]["inference"], logits[mode] = run_mode(mode, model, store, input_ids, run, plan)
+            bad = None if logits[mode] is None else ~torch.isfinite(logits[mode])  # (sequence, position, token)
+            if bad is not None and bad.any():  # never reported as a result, nor written
+                first = int(bad.flatten().to(torch.uint8).argmax()) // bad.shape[-1]  # argmax: the first of them
+                what = "NaN" if logits[mode].isnan().any() else "infinities"
+                where = f"the first at sequence {first // bad.shape[1]}, position {first % bad.shape[1]}"
+                raise Diverged(f"mode {mode}: the logits hold {what} ({where}): {UNTRAINED}")
             free_gpu_memory()
         if run.train and mode in ("blocked", "overlapped"):
             t0 = time.perf_counter()

@@ -680,6 +680,72 @@ def test_a_loss_that_is_not_finite_ends_the_run(tmp_path, capsys):
     assert not (tmp_path / "r.json").exists()
 
 
+OUT_OF_DOMAIN = {  # a config.json value the model cannot compute with, the run, and the field's refusal
+    "rope_theta 0": ({"rope_parameters": {"rope_theta": 0.0, "rope_type": "default"}}, [], "rope_theta is 0.0, not a"),
+    "rope_theta -10000, an older config's": (
+        {"rope_parameters": None, "rope_theta": -10000.0},
+        ["--train"],
+        "rope_theta is -10000.0, not a positive number",
+    ),
+    "rms_norm_eps -1": ({"rms_norm_eps": -1.0}, ["--train"], "rms_norm_eps is -1.0, not a positive number"),
+    "rms_norm_eps 0": ({"rms_norm_eps": 0.0}, [], "rms_norm_eps is 0.0, not a positive number"),
+    "max_position_embeddings under --seq-len": (
+        {"max_position_embeddings": 16},
+        ["--seq-len", "64"],
+        "max_position_embeddings is 16, fewer than --seq-len 64: give --seq-len 16 at most",
+    ),
+    "pad_token_id past the vocabulary": ({"pad_token_id": 9999}, [], "pad_token_id is 9999, not an id of its"),
+    "fewer layers than the weights hold": (
+        {"num_hidden_layers": 2},
+        [],
+        "such as model.layers.2.input_layernorm.weight (num_hidden_layers is 2, the weights hold 3 layers)",
+    ),
+    "more layers than the weights hold": (
+        {"num_hidden_layers": 4},
+        [],
+        "model.layers.3.self_attn.q_proj.weight is missing",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", OUT_OF_DOMAIN)
+def test_a_config_value_the_model_cannot_compute_with_is_refused(case, inputs, tmp_path, capsys):
+    """Before, rope_theta 0 ran to NaN logits and said done, -10000 or rms_norm_eps -1 blamed --lr, a config of 2
+    layers over weights of 3 dropped the third without a word: each refused before the build, the field named."""
+    copied(inputs, tmp_path, "model")
+    config = tmp_path / "model" / "config.json"
+    patch, args, words = OUT_OF_DOMAIN[case]
+    config.write_text(json.dumps(json.loads(config.read_text()) | patch))
+    args = ["--model", "{tmp}/model", "--mode", "cpu", "--seq-len", "16", *args]
+    refused(tmp_path, args, words, in_process=True, capsys=capsys)
+
+
+def test_logits_or_a_loss_that_are_not_finite_end_the_run_saying_where(inputs, tmp_path, capsys):
+    """A head of weights near float32's largest: every logit overflows. Inference, the first training step and the
+    held-out loss before it each end the run with one line naming where, exit 1, the learning rate not blamed, and
+    no result written (before, NaN logits were reported and saved, exit 0)."""
+    model = LlamaForCausalLM(ol.llama_config(ol.RunConfig(preset="tiny", sizes=(("vocab_size", 300),))))
+    with torch.no_grad():
+        model.lm_head.weight.fill_(3e38)
+    model.save_pretrained(tmp_path / "model")
+    capsys.readouterr()
+    outputs = ["--json", tmp_path / "r.json", "--save-output", tmp_path / "o.pt"]
+    run = ["--model", tmp_path / "model", "--mode", "cpu", "--dtype", "float32", "--seq-len", "16", *outputs]
+    text = ["--data", inputs / "corpus", "--tokenizer", inputs / "tokenizer", "--data-cache", tmp_path / "cache"]
+    for args, words in (
+        (
+            [],
+            "mode cpu: the logits hold infinities (the first at sequence 0, position 0): the model computes so",
+        ),
+        (["--train", "--no-inference", "--steps", "2"], "step 1's loss is nan: the model computes so before any"),
+        (["--train", "--no-inference", *text], "the held-out loss after step 0 is nan: the model computes so"),
+    ):
+        code, out, err = run_main(capsys, *run, *args)
+        lines = [line for line in err.splitlines() if " s  " not in line[:12]]
+        assert code == 1 and len(lines) == 1 and words in lines[0] and "try a lower --lr" not in err and out == "", err
+        assert sorted(p.name for p in tmp_path.iterdir()) == (["cache", "model"] if text[0] in args else ["model"])
+
+
 def test_a_model_folder_it_cannot_run_as_saved_is_refused(inputs, tmp_path, capsys):
     """--model with rope settings transformers does not know, with no weights, or with weights of other names (which
     from_pretrained would draw at random): one line each, exit 2, no traceback."""
