@@ -7585,17 +7585,18 @@ def hold_checkpoint_folders(run: RunConfig) -> None:
     """Lock each --checkpoint folder for the run's life, and share a lock on each --resume folder (rank 0 does, for
     every rank): a second run given a folder this one writes, or one another run writes, is refused at once, where
     it would blend unit files, or read a checkpoint as its writer replaces it. A folder made for the lock goes again
-    at the end if it stayed empty (release_checkpoint_folders)."""
+    at the end if it stayed empty (release_checkpoint_folders). --plan writes none: it shares the --resume locks."""
     if not run.train or run.ranks.rank:
         return
-    written = (
-        [Path(run.checkpoint), *(mode_folder(run.checkpoint, run, m) for m in run.modes)] if run.checkpoint else []
-    )
+    written = [] if run.plan or not run.checkpoint else [Path(run.checkpoint)]
+    written += [mode_folder(run.checkpoint, run, m) for m in run.modes] if written else []
     locks = {folder: ("--checkpoint", fcntl.LOCK_EX) for folder in written}
     for folder in [mode_folder(run.resume, run, mode) for mode in run.modes] if run.resume else []:
         if not any(same_place(real_path(folder), real_path(other)) for other in locks):  # --resume X --checkpoint X
             locks[folder] = ("--resume", fcntl.LOCK_SH)
     for folder, (flag, kind) in locks.items():  # the given folder first, so it goes last
+        if os.path.lexists(folder) and not folder.is_dir():  # a mode's (the given ones are checked: check_run)
+            raise UsageError(f"{flag} {folder} is {path_kind(folder)}: give a folder")
         made = not folder.exists()
         folder.mkdir(exist_ok=True)
         HELD_FOLDERS.append((os.open(folder, os.O_RDONLY), folder, made))
@@ -7689,7 +7690,6 @@ def run_all(run: RunConfig) -> dict:
     plan = make_plan(run, config, agreed_facts(run.ranks, measured_facts(run)))
     check_plan(run, config, plan)
     check_saving(run, config, plan)
-    hold_checkpoint_folders(run)
     say_plan(run, config, plan)
     log(f"torch {torch.__version__} and transformers {transformers.__version__} imported, the run checked and planned")
     join_steps(run.ranks, plan.rank_timeout, plan.threads)
@@ -7866,6 +7866,7 @@ def main(argv=None) -> int:
     with signals_raised(), checkpoint_folders_released():
         try:
             check_run(run)
+            hold_checkpoint_folders(run)  # before a checkpoint is read (check_saving, resume)
             if run.plan:
                 print_plan(run)
                 return 0

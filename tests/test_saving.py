@@ -192,6 +192,28 @@ def test_a_second_run_on_a_checkpoint_folder_in_use_is_refused(checkpoint, tmp_p
     assert not held.exists()
 
 
+@pytest.mark.slow
+def test_a_resume_beside_a_run_rewriting_the_checkpoint_never_refuses_a_whole_one(checkpoint, tmp_path, capsys):
+    """One run goes on from a folder into it, a checkpoint every step; meanwhile another resumes from the folder, 100
+    times: each is refused at once as the folder is in use, never for a checkpoint it read as the writer replaced it
+    (before, 1 in 4 read it first, then took the lock, and said 'unit003.step184.pt does not load')."""
+    folder = tmp_path / "ck"
+    shutil.copytree(checkpoint, folder)
+    args = [*TRAIN, "--steps", "100000", "--resume", folder, "--checkpoint", folder, "--checkpoint-every", "1"]
+    writer = subprocess.Popen([sys.executable, SCRIPT, *map(str, args)], stderr=subprocess.PIPE, text=True)
+    try:
+        for line in writer.stderr:  # until it has rewritten the checkpoint once
+            if "checkpoint after step" in line:
+                break
+        for _ in range(100):
+            code, _, err = run_main(capsys, *TRAIN, "--steps", "1", "--resume", folder)
+            assert code == 2 and f"--resume {folder} is in use by another run" in err.splitlines()[-1], err
+        assert writer.poll() is None, "the writer ended early"
+    finally:
+        writer.kill()
+        writer.wait()
+
+
 REFUSED = {
     "another model": (["--layers", "2"], "a checkpoint of another model"),
     "another dtype": (["--dtype", "float32"], "a checkpoint of another dtype"),
