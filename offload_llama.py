@@ -587,6 +587,9 @@ def check_data_flags(p: Parser, a: argparse.Namespace) -> None:
     """Text flags out of range: one line, exit 2."""
     if any(not prompt for prompt in a.sample):
         p.error("--sample needs a prompt: an empty one has nothing to continue")
+    for prompt in a.sample:  # a byte that is not UTF-8 comes from argv as a lone surrogate, which no tokenizer takes
+        if not_utf8(prompt):
+            p.error(f"--sample {prompt!r} holds bytes that are not UTF-8: give the prompt in UTF-8")
     if a.train_tokenizer is not None and a.train_tokenizer < 257:
         p.error(f"--train-tokenizer must be at least 257 (256 bytes, the end-of-text token), got {a.train_tokenizer}")
     if not 0 < a.eval_fraction < 1:
@@ -891,6 +894,11 @@ def check_run(run: RunConfig) -> None:
     """Everything about the run that needs neither torch nor a model: the inputs can be read, the outputs written
     without touching an input, the model's sizes (the preset's and flags', or --model's config.json) are a LLaMA's
     that the host can hold, and --sample's tokens fit its positions."""
+    named = {"--model": run.model, "--tokenizer": run.tokenizer, "--resume": run.resume} | output_paths(run)
+    for flag, path in named.items():  # --json, --save-output, --nvme and --data are Python's own to open: any bytes
+        if flag in LIBRARY_PATHS and path and not_utf8(path):
+            why = "torch, safetensors and tokenizers open UTF-8 paths alone"
+            raise UsageError(f"{flag} {path} holds bytes that are not UTF-8, and {why}: rename it, or give another")
     check_inputs(run)
     check_outputs(run)
     sizes, origin = model_sizes(run)
@@ -903,6 +911,15 @@ def check_run(run: RunConfig) -> None:
     if run.sample and positions and run.sample_tokens >= positions:
         raise UsageError(f"--sample-tokens {run.sample_tokens}: the model has {positions} positions, prompt included")
     check_tokenizer_at_hand(run)
+
+
+LIBRARY_PATHS = ("--model", "--tokenizer", "--resume", "--checkpoint", "--save-pretrained", "--data-cache", "--profile")
+
+
+def not_utf8(text: str) -> bool:
+    """Whether `text` (a command line's, where Python decodes a byte that is not UTF-8 as a lone surrogate) holds a
+    character UTF-8 cannot encode."""
+    return any(0xD800 <= ord(c) <= 0xDFFF for c in text)
 
 
 def check_tokenizer_at_hand(run: RunConfig) -> None:
@@ -7716,9 +7733,9 @@ def run_all(run: RunConfig) -> dict:
     host = {"host_budget_bytes": plan.facts.host_share, "peak_host_bytes_process": process_host_peak()}
     host = host_peaks(run.ranks, host)
     report = run_report(run, model.config, input_ids.numel(), results, reference, host) | {"plan": plan.as_dict()}
-    if run.ranks.rank == 0:  # rank 0 prints and writes for all
-        print(tables(results, run, input_ids.numel(), reference, host))
+    if run.ranks.rank == 0:  # rank 0 writes and prints for all: the files first, whole whatever the terminal does
         write_outputs(run, report, input_ids, logits, train_ids, trained)
+        print(tables(results, run, input_ids.numel(), reference, host))
     return report
 
 
@@ -7862,6 +7879,9 @@ def main(argv=None) -> int:
     130 with one line for Ctrl-C (SIGINT), 143 for SIGTERM. Every output is whole or absent on each of these ways
     out."""
     use_expandable_segments()  # before anything starts CUDA: parse_args asks the GPU for its dtypes
+    for stream in (sys.stdout, sys.stderr):  # a terminal that cannot show a prompt's or a path's text: escaped
+        with contextlib.suppress(AttributeError, ValueError):
+            stream.reconfigure(errors="backslashreplace")
     run = parse_args(argv)
     with signals_raised(), checkpoint_folders_released():
         try:

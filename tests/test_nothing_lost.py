@@ -4,6 +4,7 @@ unchanged; SIGINT and SIGTERM while tokenizing, training or saving leave each ou
 entry is rebuilt."""
 
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -744,6 +745,45 @@ def test_logits_or_a_loss_that_are_not_finite_end_the_run_saying_where(inputs, t
         lines = [line for line in err.splitlines() if " s  " not in line[:12]]
         assert code == 1 and len(lines) == 1 and words in lines[0] and "try a lower --lr" not in err and out == "", err
         assert sorted(p.name for p in tmp_path.iterdir()) == (["cache", "model"] if text[0] in args else ["model"])
+
+
+NOT_UTF8 = os.fsdecode(b"\xff")  # a byte that is not UTF-8, as Python decodes it from argv: a lone surrogate
+NOT_UTF8_TEXT = {  # text with that byte where it cannot go on, and the refusal
+    "a prompt": (["--sample", f"def {NOT_UTF8}"], "--sample 'def \\udcff' holds bytes that are not UTF-8"),
+    "--save-pretrained": (["--save-pretrained", f"{{tmp}}/out{NOT_UTF8}"], "out\\udcff holds bytes that are not UTF-8"),
+    "--checkpoint": (["--checkpoint", f"{{tmp}}/ck{NOT_UTF8}"], "ck\\udcff holds bytes that are not UTF-8, and torch"),
+    "--data-cache": (["--data-cache", f"{{tmp}}/c{NOT_UTF8}"], "c\\udcff holds bytes that are not UTF-8"),
+    "--tokenizer": (["--tokenizer", f"{{tmp}}/t{NOT_UTF8}"], "t\\udcff holds bytes that are not UTF-8"),
+}
+
+
+@pytest.mark.parametrize("case", NOT_UTF8_TEXT)
+def test_text_that_is_not_utf8_is_refused_where_it_cannot_go(case, inputs, tmp_path, capsys):
+    """Before, such a prompt ended in tokenizers' TypeError; torch's mapped loads, safetensors and tokenizers refuse
+    such paths (a checkpoint written there would not resume): one line, the byte escaped, before torch's work."""
+    (tmp_path / f"t{NOT_UTF8}").mkdir()
+    args, words = NOT_UTF8_TEXT[case]
+    text = ["--data", inputs / "corpus", "--tokenizer", inputs / "tokenizer", "--vocab-size", "300"]
+    refused(tmp_path, [*TRAIN, *text, *args], words, in_process=True, capsys=capsys)
+
+
+def test_any_bytes_and_any_terminal_encoding_end_in_no_traceback(inputs, tmp_path, capsys, monkeypatch):
+    """A terminal of ASCII alone (PYTHONIOENCODING=ascii) and a prompt that is not ASCII: the results files are written
+    first and the tables print, the sample escaped (before, a UnicodeEncodeError as they printed lost --json and
+    --save-output); outputs and a corpus file whose names are not UTF-8, which Python opens, are taken as they are."""
+    shutil.copytree(inputs / "corpus", tmp_path / f"corpus{NOT_UTF8}")
+    shutil.copy(inputs / "corpus" / "0.txt", tmp_path / f"corpus{NOT_UTF8}" / f"{NOT_UTF8}.txt")
+    for name in ("stdout", "stderr"):
+        monkeypatch.setattr(sys, name, io.TextIOWrapper(io.BytesIO(), encoding="ascii"))  # errors="strict"
+    outputs = ["--json", tmp_path / f"r{NOT_UTF8}.json", "--save-output", tmp_path / f"o{NOT_UTF8}.pt"]
+    text = ["--data", tmp_path / f"corpus{NOT_UTF8}", "--tokenizer", inputs / "tokenizer", "--vocab-size", "300"]
+    args = [*TRAIN, *text, "--data-cache", tmp_path / "cache", "--sample", "déf ", "--sample-tokens", "2", *outputs]
+    code = ol.main([str(a) for a in args])
+    out, err = (stream.flush() or stream.buffer.getvalue() for stream in (sys.stdout, sys.stderr))
+    assert code == 0 and b"sample before training: 'd\\xe9f '" in out and b"Traceback" not in err, err
+    assert json.loads((tmp_path / f"r{NOT_UTF8}.json").read_text())["run"]["sample"] == ["déf "]
+    assert torch.load(tmp_path / f"o{NOT_UTF8}.pt")["training"]["cpu"]["losses"]
+    assert f"of {4} file(s)".encode() in err  # the file named with the byte read too
 
 
 def test_a_model_folder_it_cannot_run_as_saved_is_refused(inputs, tmp_path, capsys):
