@@ -4948,6 +4948,7 @@ def plan_table(plan: Plan, run: RunConfig, config: LlamaConfig) -> str:
     """The plan as one table: the machine it is made for, each decision, and what it predicts."""
     facts, units = plan.facts, model_units(config)
     gpu = f"{gib(facts.gpu_bytes)} GiB" if facts.gpu_bytes else "no GPU"
+    gpu += " (--gpu-memory's)" if run.gpu_memory else ""
     host = f"{gib(facts.host_bytes)} GiB" if facts.host_bytes else "unknown"
     rows = [("machine", f"{facts.world} rank(s), {facts.local_world} a host; a GPU: {gpu}; host memory: {host}")]
     if offloaded_training(run):  # the offloaded training state's decisions
@@ -5279,6 +5280,7 @@ def checkpoint_manifest(run: RunConfig, config: LlamaConfig, mode: str, plan: Pl
     sizes = {field: getattr(config, field) for field in SIZE_FLAGS}
     batch = {"grad_accum": run.grad_accum, "batch_size": run.batch_size, "seq_len": run.seq_len, "seed": run.seed}
     batch["eval_fraction"] = run.eval_fraction  # with the seed, which blocks --data holds out
+    batch["data"] = run.data  # None: random ids
     ranks = {"ranks": run.ranks.world} if run.ranks.several else {}  # each rank's files hold its shards
     planned = {"plan_inputs": plan_inputs(run, plan), "plan": plan.as_dict()} if plan else {}
     record = {"format": CHECKPOINT_FORMAT, "mode": mode, "sizes": sizes, "dtype": run.dtype, "adam": adam}
@@ -5665,6 +5667,9 @@ def resume(trainer, folder: Path, manifest: dict) -> int:
     changed = [key for key in batch if key in saved and saved[key] != manifest[key]]  # older records lack some
     if changed:
         log(f"note: another {', '.join(changed)} than the checkpoint's, so other batches (and held-out blocks)")
+    if isinstance(saved.get("data"), str) and manifest["data"] is None:
+        without = "without --data, this run trains on random ids"
+        log(f"note: the checkpoint trained on text (--data {saved['data']}); {without}")
     return saved["steps"]
 
 
@@ -6026,6 +6031,7 @@ def write_tokens(run: RunConfig, files: list[Path], tokenizer, f) -> None:
     itemsize = 2 if len(tokenizer) <= 2**16 else 4
     f.write(struct.pack(TOKEN_HEADER, TOKEN_MAGIC, itemsize, 0))  # the count is written once every token is in
     count, skipped, t0, shown = 0, [], time.perf_counter(), time.perf_counter()
+    read = texts = 0  # documents, and of them those with a token of their own (not the end of text alone)
     documents = corpus_documents(run, files, skipped)
     while batch := list(itertools.islice(documents, TOKENIZE_BATCH)):
         encode = functools.partial(tokenizer.backend_tokenizer.encode_batch, batch, add_special_tokens=False)
@@ -6033,12 +6039,15 @@ def write_tokens(run: RunConfig, files: list[Path], tokenizer, f) -> None:
             ids = array.array("H" if itemsize == 2 else "I", encoding.ids)
             ids.append(tokenizer.eos_token_id)
             f.write(ids.tobytes())
-            count += len(ids)
+            count, read, texts = count + len(ids), read + 1, texts + (len(ids) > 1)
         if time.perf_counter() - shown > 5:
             shown = time.perf_counter()
             log(f"data: tokenizing, {count:,} tokens so far")
-    if not count:
+    if skipped and len(skipped) == len(files):
         raise UsageError(f"--data: all {len(skipped)} file(s) were skipped as not UTF-8: no text to train on")
+    if not texts:  # end-of-text tokens alone: nothing to learn
+        held = f"its {read:,} document(s) are all empty" if read else "its JSONL lines are all blank"
+        raise UsageError(f"--data {run.data} holds no text to train on: {held}, end-of-text tokens alone")
     f.seek(0)
     f.write(struct.pack(TOKEN_HEADER, TOKEN_MAGIC, itemsize, count))
     note = f", {len(skipped)} file(s) skipped as not UTF-8" if skipped else ""
@@ -7745,7 +7754,11 @@ def print_plan(run: RunConfig) -> None:
     training does not fit the GPU, which a run reports OOM, with a note."""
     config = llama_config(run)
     check_model_flags(run, config)
-    plan = make_plan(run, config, measured_facts(run))
+    facts, gpu_modes = measured_facts(run), [m for m in run.modes if m != "cpu"]
+    if gpu_modes and facts.gpu_bytes is None:  # its peaks and bound would be for no GPU at all
+        why = f"mode {gpu_modes[0]} runs on a GPU, and this machine has none"
+        raise UsageError(f"--plan: {why}: give --gpu-memory GIB to plan for one of that memory, or --mode cpu")
+    plan = make_plan(run, config, facts)
     print(plan_table(plan, run, config))
     if run.json:
         write_json(

@@ -310,3 +310,20 @@ def test_a_corpus_whose_every_file_is_skipped_is_refused(tmp_path, capsys):
     args = ["--data", tmp_path / "bad", "--skip-undecodable", "--train-tokenizer", 300]
     assert "all 1 file(s) were skipped as not UTF-8" in refusal(capsys, tmp_path, *args)
     assert not list((tmp_path / "cache").glob("tokens-*"))  # nothing half-made is left to be read
+
+
+@pytest.mark.parametrize(
+    "texts, words",
+    [
+        (['{"text": ""}'] * 20_000, "holds no text to train on: its 20,000 document(s) are all empty"),
+        (["", " ", "\t"] * 50, "holds no text to train on: its JSONL lines are all blank, end-of-text tokens alone"),
+    ],
+    ids=["20,000 empty texts", "blank lines"],
+)
+def test_a_corpus_with_nothing_to_learn_is_refused_saying_so(texts, words, tmp_path, capsys):
+    """Documents every one empty would train on end-of-text tokens alone, and a JSONL file of blank lines was said to
+    be 'all 0 file(s) skipped as not UTF-8': each refused with a line saying what it holds, the token cache not
+    written."""
+    (tmp_path / "d.jsonl").write_text("\n".join(texts) + "\n")
+    assert words in refusal(capsys, tmp_path, "--data", tmp_path / "d.jsonl", "--train-tokenizer", 300)
+    assert not list((tmp_path / "cache").glob("tokens-*"))

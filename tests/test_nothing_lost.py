@@ -830,7 +830,12 @@ def test_a_resumed_run_goes_on_with_the_tokenizer_its_checkpoint_trained_with(in
     code, _, err = run_main(capsys, *TRAIN, *text, "--train-tokenizer", "300", "--checkpoint", tmp_path / "ck")
     assert code == 0, err
     code, _, err = run_main(capsys, *TRAIN, *text, "--resume", tmp_path / "ck")
-    assert code == 0 and "resumed from" in err and "note: another" not in err, err
+    assert code == 0 and "resumed from" in err and "note: another" not in err and "random ids" not in err, err
+    code, _, err = run_main(capsys, *TRAIN, "--vocab-size", "512", "--resume", tmp_path / "ck")  # and no --data
+    said = f"note: the checkpoint trained on text (--data {tmp_path / 'corpus'}); without --data, this run trains on"
+    assert code == 0 and said in err, err
+    code, _, err = run_main(capsys, *TRAIN, "--resume", inputs / "checkpoint")  # trained on random ids: nothing to say
+    assert code == 0 and "note:" not in err, err
     code, _, err = run_main(capsys, *TRAIN, *text, "--resume", tmp_path / "ck", "--eval-fraction", "0.5")
     assert code == 0 and "note: another eval_fraction than the checkpoint's" in err, err
     code, _, err = run_main(capsys, *TRAIN, *text, "--resume", tmp_path / "ck", "--train-tokenizer", "260")

@@ -13,12 +13,26 @@ LLAMA_7B_65K += ["--batch-size", "4", "--seq-len", "1024", "--max-gpu-memory", "
 
 
 def test_the_plan_is_printed_without_building_the_model(capsys):
-    """For this machine (no GPU here: the GPU modes' plans have no GPU to fit), one table and no model built."""
-    code, out, err = run_main(capsys, "--plan", "--preset", "tiny", "--mode", "overlapped", "--train")
+    """For a GPU of 80 GiB, one table that names it, and no model built."""
+    code, out, err = run_main(
+        capsys, "--plan", "--preset", "tiny", "--mode", "overlapped", "--train", "--gpu-memory", 80
+    )
     assert code == 0, err
+    assert "a GPU: 80.00 GiB (--gpu-memory's)" in out
     for row in ("| machine |", "| the masters' copy the GPU streams |", "| predicted peak host, a rank |"):
         assert row in out
     assert "| overlapped training: bound |" in out and "building" not in err and "training state" not in err
+
+
+@pytest.mark.skipif(ol.torch.cuda.is_available(), reason="plans for this machine's GPU")
+def test_a_plan_of_a_gpu_mode_on_a_machine_without_one_says_to_describe_it(capsys):
+    """Before, it predicted a GPU peak and a bound for 'a GPU: no GPU' that the same run refused: one line saying to
+    give --gpu-memory, nothing printed; a cpu mode's plan needs no GPU."""
+    code, out, err = run_main(capsys, "--plan", "--preset", "tiny", "--mode", "cpu,overlapped", "--train")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert "--plan: mode overlapped runs on a GPU, and this machine has none: give --gpu-memory GIB" in err
+    code, out, err = run_main(capsys, "--plan", "--preset", "tiny", "--mode", "cpu", "--train")
+    assert code == 0 and "a GPU: no GPU" in out and "| predicted peak host, a rank |" in out, err
 
 
 def test_a_machine_the_flags_describe(capsys, tmp_path):
