@@ -155,8 +155,9 @@ UNTRAINED = "the model computes so before any update (its weights or config, not
 
 
 class Diverged(Exception):
-    """A training step's loss is not finite: main() prints it as one line and exits with code 1, and the outputs the
-    run had still to write are not written (the last checkpoint stays the one before)."""
+    """Logits or a loss that are not finite (a step's, the held-out one, a mode's inference): main() prints it as one
+    line and exits with code 1, and the outputs the run had still to write are not written (the last checkpoint
+    stays the one before)."""
 
 
 # ---------------------------------------------------------------------------------------------------- configuration
@@ -7715,6 +7716,7 @@ def run_all(run: RunConfig) -> dict:
     start_ranks(run.ranks)
     plan = make_plan(run, config, agreed_facts(run.ranks, measured_facts(run)))
     check_plan(run, config, plan)
+    hold_checkpoint_folders(run)  # before check_saving reads a checkpoint
     check_saving(run, config, plan)
     say_plan(run, config, plan)
     log(f"torch {torch.__version__} and transformers {transformers.__version__} imported, the run checked and planned")
@@ -7765,6 +7767,7 @@ def print_plan(run: RunConfig) -> None:
             run.json, {"run": dataclasses.asdict(run), "parameters": param_count(config), "plan": plan.as_dict()}
         )
     check_plan(run, config, plan)
+    hold_checkpoint_folders(run)  # its --resume locks, before check_saving reads a checkpoint
     check_saving(run, config, plan)
     for mode, placed in plan.modes.items():
         if run.train and not placed.training_fits:
@@ -7886,20 +7889,17 @@ def disk_tier(run: RunConfig, units: list[Unit], layers: int) -> DiskTier | None
 
 
 def main(argv=None) -> int:
-    """The command line's entry point: exit code 0; 2 with one line for bad input; 1 with one line for a loss that is
-    not finite (Diverged), a file that cannot be written mid-run (a full disk) or, with several ranks, for a gloo
-    collective that another rank left (an NCCL one ends the rank by torchrun's signal or NCCL's watchdog: lost_ranks);
-    130 with one line for Ctrl-C (SIGINT), 143 for SIGTERM. Every output is whole or absent on each of these ways
-    out."""
+    """The command line's entry point: exit code 0; 2 with one line for bad input; 1 with one line for logits or a
+    loss that are not finite (Diverged), a file that cannot be written mid-run (a full disk) or, with several ranks,
+    for a gloo collective that another rank left (an NCCL one ends the rank by torchrun's signal or NCCL's watchdog:
+    lost_ranks); 130 with one line for Ctrl-C (SIGINT), 143 for SIGTERM. Every output is whole or absent on each of
+    these ways out."""
     use_expandable_segments()  # before anything starts CUDA: parse_args asks the GPU for its dtypes
-    for stream in (sys.stdout, sys.stderr):  # a terminal that cannot show a prompt's or a path's text: escaped
-        with contextlib.suppress(AttributeError, ValueError):
-            stream.reconfigure(errors="backslashreplace")
+    escape_what_the_terminal_cannot_show()
     run = parse_args(argv)
     with signals_raised(), checkpoint_folders_released():
         try:
             check_run(run)
-            hold_checkpoint_folders(run)  # before a checkpoint is read (check_saving, resume)
             if run.plan:
                 print_plan(run)
                 return 0
@@ -7928,6 +7928,14 @@ def main(argv=None) -> int:
             print_error(lost or own_error(run.ranks, e))
             os._exit(1)  # without the interpreter's teardown, which would wait on collectives that never end
     return 0
+
+
+def escape_what_the_terminal_cannot_show() -> None:
+    """Make stdout and stderr write a character their encoding lacks (a prompt's or a path's, on an ASCII terminal)
+    as an escape, where a print would raise UnicodeEncodeError."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, ValueError):  # a stream that is not a TextIOWrapper
+            stream.reconfigure(errors="backslashreplace")
 
 
 def failure_line(e: Exception) -> str:
