@@ -263,7 +263,7 @@ def test_bad_training_flags(args, message):
 def test_train_refuses_tied_embeddings(tmp_path, capsys):
     config = ol.LlamaConfig(**ol.PRESETS["tiny"], tie_word_embeddings=True)
     ol.LlamaForCausalLM(config).save_pretrained(tmp_path)
-    code, _, err = run_main(capsys, "--model", tmp_path, "--mode", "cpu", "--train")
+    code, _, err = run_main(capsys, "--model", tmp_path, "--mode", "cpu", "--train", "--seq-len", "64")
     assert code == 2 and "untied embeddings" in err, err
 
 
