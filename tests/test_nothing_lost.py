@@ -754,6 +754,8 @@ NOT_UTF8_TEXT = {  # text with that byte where it cannot go on, and the refusal
     "--checkpoint": (["--checkpoint", f"{{tmp}}/ck{NOT_UTF8}"], "ck\\udcff holds bytes that are not UTF-8, and torch"),
     "--data-cache": (["--data-cache", f"{{tmp}}/c{NOT_UTF8}"], "c\\udcff holds bytes that are not UTF-8"),
     "--tokenizer": (["--tokenizer", f"{{tmp}}/t{NOT_UTF8}"], "t\\udcff holds bytes that are not UTF-8"),
+    "--resume": (["--resume", f"{{tmp}}/t{NOT_UTF8}"], "--resume {tmp}/t\\udcff holds bytes that are not UTF-8"),
+    "--model": (["--model", f"{{tmp}}/t{NOT_UTF8}"], "--model {tmp}/t\\udcff holds bytes that are not UTF-8"),
 }
 
 
@@ -764,24 +766,28 @@ def test_text_that_is_not_utf8_is_refused_where_it_cannot_go(case, inputs, tmp_p
     (tmp_path / f"t{NOT_UTF8}").mkdir()
     args, words = NOT_UTF8_TEXT[case]
     text = ["--data", inputs / "corpus", "--tokenizer", inputs / "tokenizer", "--vocab-size", "300"]
-    refused(tmp_path, [*TRAIN, *text, *args], words, in_process=True, capsys=capsys)
+    run = [*TRAIN, *text] if case != "--model" else [a for a in TRAIN if a not in ("--preset", "tiny")]  # its sizes
+    refused(tmp_path, [*run, *args], words.replace("{tmp}", str(tmp_path)), in_process=True, capsys=capsys)
 
 
-def test_any_bytes_and_any_terminal_encoding_end_in_no_traceback(inputs, tmp_path, capsys, monkeypatch):
-    """A terminal of ASCII alone (PYTHONIOENCODING=ascii) and a prompt that is not ASCII: the results files are written
-    first and the tables print, the sample escaped (before, a UnicodeEncodeError as they printed lost --json and
-    --save-output); outputs and a corpus file whose names are not UTF-8, which Python opens, are taken as they are."""
+@pytest.mark.parametrize("encoding", ["ascii", "latin-1"])
+def test_any_bytes_and_any_terminal_encoding_end_in_no_traceback(encoding, inputs, tmp_path, capsys, monkeypatch):
+    """A terminal of ASCII alone (PYTHONIOENCODING=ascii) or Latin-1 and a prompt beyond it: the results files are
+    written first and the tables print, what the encoding lacks escaped (before, a UnicodeEncodeError as they printed
+    lost --json and --save-output); outputs and a corpus file whose names are not UTF-8, which Python opens, are taken
+    as they are."""
     shutil.copytree(inputs / "corpus", tmp_path / f"corpus{NOT_UTF8}")
     shutil.copy(inputs / "corpus" / "0.txt", tmp_path / f"corpus{NOT_UTF8}" / f"{NOT_UTF8}.txt")
     for name in ("stdout", "stderr"):
-        monkeypatch.setattr(sys, name, io.TextIOWrapper(io.BytesIO(), encoding="ascii"))  # errors="strict"
+        monkeypatch.setattr(sys, name, io.TextIOWrapper(io.BytesIO(), encoding=encoding))  # errors="strict"
     outputs = ["--json", tmp_path / f"r{NOT_UTF8}.json", "--save-output", tmp_path / f"o{NOT_UTF8}.pt"]
     text = ["--data", tmp_path / f"corpus{NOT_UTF8}", "--tokenizer", inputs / "tokenizer", "--vocab-size", "300"]
-    args = [*TRAIN, *text, "--data-cache", tmp_path / "cache", "--sample", "déf ", "--sample-tokens", "2", *outputs]
+    args = [*TRAIN, *text, "--data-cache", tmp_path / "cache", "--sample", "déf 中", "--sample-tokens", "2", *outputs]
     code = ol.main([str(a) for a in args])
     out, err = (stream.flush() or stream.buffer.getvalue() for stream in (sys.stdout, sys.stderr))
-    assert code == 0 and b"sample before training: 'd\\xe9f '" in out and b"Traceback" not in err, err
-    assert json.loads((tmp_path / f"r{NOT_UTF8}.json").read_text())["run"]["sample"] == ["déf "]
+    shown = "cpu sample before training: 'déf 中'".encode(encoding, "backslashreplace")  # 'd\\xe9f \\u4e2d' in ASCII
+    assert code == 0 and shown in out and b"Traceback" not in err, err
+    assert json.loads((tmp_path / f"r{NOT_UTF8}.json").read_text())["run"]["sample"] == ["déf 中"]
     assert torch.load(tmp_path / f"o{NOT_UTF8}.pt")["training"]["cpu"]["losses"]
     assert f"of {4} file(s)".encode() in err  # the file named with the byte read too
 
