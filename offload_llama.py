@@ -1314,11 +1314,9 @@ def model_sizes(run: RunConfig) -> tuple[dict, str]:
     for field in ("rope_theta", "rms_norm_eps"):  # 0 or less: every logit NaN (parse_json: no NaN or infinity)
         if type(sizes[field]) not in (int, float) or sizes[field] <= 0:
             raise UsageError(f"{origin}{field} is {sizes[field]!r}, not a positive number: the model would compute NaN")
-    pad = sizes["pad_token_id"]
-    if pad is not None and (
-        type(pad) is not int or not -sizes["vocab_size"] <= pad < sizes["vocab_size"]
-    ):  # as nn.Embedding
-        raise UsageError(f"{origin}pad_token_id is {pad!r}, not an id of its vocab_size {sizes['vocab_size']}")
+    pad, vocab = sizes["pad_token_id"], sizes["vocab_size"]
+    if pad is not None and (type(pad) is not int or not -vocab <= pad < vocab):  # as nn.Embedding takes it
+        raise UsageError(f"{origin}pad_token_id is {pad!r}, not an id of its vocab_size {vocab}")
     return sizes, origin
 
 
