@@ -1,54 +1,4 @@
-"""Layer-wise parameter offload for LLaMA, measured.
-
-Each decoder layer's weights live in pinned host memory as one flat buffer, copied on a copy stream into a ring of GPU
-slots just before they run. The two offloaded modes run the same code and synchronise the same way (the table at the top
-of the layer streamer): `blocked` is depth 0, one slot, each copy waited for before its layer computes; `overlapped`
-copies --prefetch units ahead into more slots while the current one computes, and its plan may also keep layers resident
-and step a share of the units on the GPU's Adam (places_on_gpu). Inference runs the unmodified Hugging Face forward with
-stand-ins for its decoder layers. Training streams every unit through an autograd Function and steps Adam on
-float32 masters: on the host (the CPU Adam), or where the plan says on the GPU (resident units, and a share over state
-streamed in).
-References: torchao's CPUOffloadOptimizer, torchtune's activation offloading, gau-nernst's offload.py, gpt-fast.
-
-A training step in the core: StreamedUnit's forward takes each unit from the LayerStreamer (prefetch copies it ahead,
-acquire waits for the copy) and keeps only its inputs (KeptInputs); its backward takes the unit again, recomputes and
-back-propagates it (unit_backward), and sends the gradients out (OffloadedTraining.send, Steppers, CpuAdam.send: the
-D2H copy), where the CPU Adam's worker steps the unit (AdamUpdate; a run uses CompiledAdamUpdate, its one-pass form:
-each's bytes_per_param counts its host traffic); the unit's next copy waits for that update (wait_written). The table
-at the top of the layer streamer lists every wait.
-
-The sections, in reading order, and the names that open them (`grep -n '^# ---' offload_llama.py` gives their lines).
-The core, the plain path, runs from the parameter store to the modes, right after the command line (checked before
-torch loads). The accelerations and several GPUs plug into it as policies, each a section of its own that the core's
-code never refers to (its docstrings point to them; tests/test_plain_path.py deletes them all and trains); the plan,
-measurement and tables are instruments around it; running a mode puts them together.
-  configuration          Ranks, RunConfig: torchrun's processes; one run, frozen, from the command line or a test
-  the command line       Parser, command_line, check_flags_needed, check_run: flags, inputs, outputs, before torch
-  parameter store        FlatLayout, ParamStore: each decoder layer one flat pinned buffer
-  layer streamer         CopyWindow, LayerStreamer, StreamedLayer: a ring of GPU slots filled on a copy stream
-  training               AdamUpdate, MasterStore, CpuAdam, Steppers, StreamedUnit, OffloadedTraining: the CPU Adam
-  modes                  infer_offloaded: inference's pass (training's: OffloadedTraining.step)
-  streams and events     InOrder, new_stream, new_event: CUDA's on a GPU, stand-ins on the CPU
-  host memory            HostBuffer, host_zeros_each, HostMoments: the core's host buffers, pinned; the Adam moments
-  compiled Adam          CompiledAdamUpdate, compiled_adam_update: the first acceleration, the CPU Adam in one pass
-  the GPU's Adam         place_on_gpu, ResidentUnits, StreamedAdam: units stepped on the GPU, resident or streamed
-  activation offload     ActivationOffload: --offload-activations, the saved inputs on the host
-  float16 and clipping   LossScale, GradClip, scale_and_clip: float16's loss scale, --clip-grad-norm
-  the disk tier          DiskTier, DiskMoments, moments_for: --nvme, Adam moments on a disk
-  several GPUs           ShardedParamStore, ShardedStreamer, ShardedSteppers, ShardedTraining: shards gathered, summed
-  model                  llama_config, build_model, init_random, model_units: a random LLaMA, or a saved one
-  the reference          Adam, ResidentTraining, infer_resident: gpu and cpu modes, the plain model, torch.optim.Adam
-  the plan               Facts, make_plan, Plan, check_plan: every placement decision, made once before allocating
-  saving and resuming    save_pretrained, write_checkpoint, resume
-  text in                data_files, token_cache, Blocks, prepare_data: --data tokenized once, packed, shuffled
-  measurement            StepClock, timed, train_bound_parts, train_bound: times, peaks and bounds
-  tables                 tables, notes
-  running a mode         run_mode, train_mode, train_steps: each mode's inference and training, run whole
-  the run                check_devices, run_all, print_plan, main
-
-    python -m pytest -q tests                          # every mode computes the same thing
-    python offload_llama.py --mode overlapped --train  # LLaMA-7B-sized layers: memory and time tables
-"""
+"""Layer-wise parameter offload for LLaMA, measured: PLACEHOLDER"""
 
 from __future__ import annotations
 
@@ -89,11 +39,33 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-# ---------------------------------------------------------------------------------------------------- constants
+import tokenizers
+import torch
+import torch.distributed as dist
+import tqdm
+import transformers
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+
+
+# ------------------------------------------------------------------------------------ the model and its configuration
+
 
 GiB = 2**30
+
+
 MODES = ("gpu", "blocked", "overlapped", "cpu")
+
+
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
+
+
 SIZE_FLAGS = {  # a LlamaConfig size and its flag, in the order of PRESET_SIZES
     "hidden_size": "hidden-size",
     "intermediate_size": "intermediate-size",
@@ -102,25 +74,19 @@ SIZE_FLAGS = {  # a LlamaConfig size and its flag, in the order of PRESET_SIZES
     "num_key_value_heads": "kv-heads",
     "vocab_size": "vocab-size",
 }
+
+
 PRESET_SIZES = {  # hidden, intermediate, layers, heads, key/value heads, vocabulary
     "tiny": (64, 176, 3, 4, 2, 256),  # for tests: grouped-query attention (2 KV heads for 4) and an odd layer count
     "7b-8l": (4096, 11008, 8, 32, 32, 32000),  # LLaMA-7B with 8 layers (1.88B parameters): the report's model
     "llama-7b": (4096, 11008, 32, 32, 32, 32000),
 }
+
+
 PRESETS = {name: dict(zip(SIZE_FLAGS, sizes, strict=True)) for name, sizes in PRESET_SIZES.items()}  # field -> size
+
+
 ALIGN = 128  # elements (256 B in 16 bits): each parameter starts as the caching allocator aligns, for cuBLAS's kernels
-GPU_ADAM_SHARE = 0.3  # of the streamed parameters, the default share of the GPU's Adam over streamed state
-CHECKPOINT_FILE = "checkpoint.json"  # names the unit files of the last whole checkpoint in its folder
-SETUP_TIMEOUT = 1800  # seconds: the ranks meet before the steps, once each has built its model and state
-DEFAULT_RATES = {  # measured on the project's H100 machine (report/results); --rate NAME=VALUE overrides one
-    "h2d_gbps": 55.0,  # pinned host memory to the GPU
-    "d2h_gbps": 55.0,  # the GPU to pinned host memory
-    "adam_gbps": 127.0,  # the CPU Adam's bytes through host memory, alone
-    "host_gbps": 175.0,  # host memory under the CPU Adam and the copies together
-    "gpu_tflops": 440.0,  # a step's matrix work in 16 bits (float32 runs at an eighth of it)
-    "disk_gbps": 2.3,  # the --nvme disk, reading and writing
-}
-MAX_SEED = 2**32 - 1  # --seed's largest: seeds derived from it (seed << 32, seed * 1_000_003) stay within 64 bits
 
 
 def log(msg: str) -> None:
@@ -146,21 +112,14 @@ def process_age() -> float:
 STARTED = time.perf_counter() - process_age()
 
 
-class UsageError(Exception):
-    """Bad input: main() prints it as one line on stderr and exits with code 2."""
+STEP_GROUP = {}  # "group": the steps' process group, with the plan's rank timeout (join_steps)
 
 
-DIVERGED = "training diverged (try a lower --lr)"
-UNTRAINED = "the model computes so before any update (its weights or config, not --lr)"  # where DIVERGED is not it
+# the collectives on one tensor: torch 2.13 names them so, and warns at the older names, which 2.11 and 2.12 have only
+all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-class Diverged(Exception):
-    """Logits or a loss that are not finite (a step's, the held-out one, a mode's inference): main() prints it as one
-    line and exits with code 1, and the outputs the run had still to write are not written (the last checkpoint
-    stays the one before)."""
-
-
-# ---------------------------------------------------------------------------------------------------- configuration
+reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass(frozen=True)
@@ -392,1041 +351,299 @@ class RunConfig:
         return 0.0 if self.holds_updates else GPU_ADAM_SHARE
 
 
-def default_dtype() -> str:
-    """bfloat16, unless the GPU cannot compute in it."""
-    cuda_without_bf16 = torch.cuda.is_available() and not torch.cuda.is_bf16_supported(including_emulation=False)
-    return "float16" if cuda_without_bf16 else "bfloat16"
-
-
-# ---------------------------------------------------------------------------------------------------- the command line
-
-
-FIRST_CONTACT = "python offload_llama.py --preset tiny --mode cpu --train --steps 5 --seq-len 256"  # no GPU needed
-EXAMPLES = f"""examples:
-  {FIRST_CONTACT}
-      a tiny model on the CPU, inference then 5 training steps: seconds, no GPU
-  python offload_llama.py --mode overlapped --train
-      LLaMA-7B-sized layers (7b-8l) streamed through the GPU: the memory and time tables
-  python offload_llama.py --preset llama-7b --mode overlapped --train --no-inference --grad-accum 16 \\
-      --batch-size 4 --seq-len 1024 --max-gpu-memory 11
-      LLaMA-7B, 64 x 1024 tokens a step, under an 11 GiB GPU cap"""
-
-
-def print_error(message: str) -> None:
-    """The one line of a refusal or failure on stderr (control characters escaped), written and flushed in one call:
-    several ranks share the stream, and print's separate write of the newline would let their lines run together."""
-    escaped = "".join(c if c.isprintable() or c == "\t" else ascii(c)[1:-1] for c in message)  # a path's \n, ESC
-    sys.stderr.write(f"offload_llama.py: error: {escaped}\n")
-    sys.stderr.flush()
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse with bad arguments reported as one line and exit code 2, like every other bad input; no prefixes of
-    flags (--save-pretrain is not --save-pretrained)."""
-
-    def __init__(self):
-        description = __doc__.split("\n\n")[0]
-        super().__init__(description=description, formatter_class=HelpFormatter, epilog=EXAMPLES, allow_abbrev=False)
-
-    def error(self, message):  # one line, exit 2
-        print_error(f"{message} (see --help)")
-        sys.exit(2)
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """--help with every flag's default: its value, or for a switch 'off'; a flag without a value says in its help
-    what happens without it. The examples below as written."""
-
-    def _get_help_string(self, action):
-        """The flag's help and its default."""
-        if isinstance(action.default, bool):
-            return f"{action.help} (default: off)"
-        if action.default is None or action.default == argparse.SUPPRESS:
-            return action.help
-        return super()._get_help_string(action)
-
-
-def parameter_count(sizes: dict) -> int:
-    """A LLaMA's parameter count from its sizes (LlamaConfig field -> value; head_dim, tie_word_embeddings,
-    attention_bias and mlp_bias where given), by arithmetic: no torch, no model."""
-    h, i, layers, vocab = (sizes[f] for f in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"))
-    heads, kv_heads = sizes["num_attention_heads"], sizes["num_key_value_heads"]
-    head_dim = sizes.get("head_dim") or h // heads
-    q, kv = heads * head_dim, kv_heads * head_dim  # the queries' width, the keys' and values' each
-    attention = 2 * h * q + 2 * h * kv + (q + 2 * kv + h) * bool(sizes.get("attention_bias"))
-    mlp = 3 * h * i + (2 * i + h) * bool(sizes.get("mlp_bias"))
-    embeddings = vocab * h * (1 if sizes.get("tie_word_embeddings") else 2)  # and the head
-    return embeddings + layers * (attention + mlp + 2 * h) + h  # two norms a layer, the final norm
-
-
-def count_text(n: float) -> str:
-    """A count in words: 1.88B, 53.2M, 171K, 900."""
-    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= scale:
-            return f"{n / scale:.3g}{suffix}" if n < 100 * scale else f"{n / scale:.0f}{suffix}"
-    return f"{n:.0f}"
-
-
-def size_text(nbytes: float) -> str:
-    """Bytes in words, in GiB down to 1 GiB, then MiB, KiB or bytes: 3.5 GiB, 120.0 MiB, 4.0 KiB, 1 byte."""
-    for unit, suffix in ((GiB, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if abs(nbytes) >= unit:
-            return f"{nbytes / unit:.1f} {suffix}"
-    return "1 byte" if nbytes == 1 else f"{nbytes:.0f} bytes"
-
-
-def preset_help() -> str:
-    """--preset's help: each preset's layers, hidden size and parameters."""
-    described = [
-        f"{name}: {s['num_hidden_layers']} layers, hidden {s['hidden_size']}, vocabulary {s['vocab_size']}, "
-        f"{count_text(parameter_count(s))} parameters"
-        for name, s in PRESETS.items()
-    ]
-    return "a random model's sizes; " + "; ".join(described) + f" (default: {RunConfig.preset})"
-
-
-def add_run_flags(p: argparse.ArgumentParser) -> None:
-    """The model, the batch, the timing, what stays on the GPU, and the outputs."""
-    modes = "gpu: resident; cpu; blocked: copy each layer, then run it; overlapped: copy ahead; all; or a list: gpu,cpu"
-    p.add_argument("--mode", default="all", help=modes)
-    p.add_argument("--preset", choices=tuple(PRESETS), help=preset_help())
-    model = "load a save_pretrained LLaMA folder instead of building a random model (default: none, the preset)"
-    p.add_argument("--model", metavar="DIR", help=model)
-    for field, flag in SIZE_FLAGS.items():
-        p.add_argument(
-            f"--{flag}",
-            type=int,
-            dest=field,
-            metavar="N",
-            help=f"override the preset's {field} (default: the preset's)",
-        )
-    dtype = "compute dtype; masters and Adam state stay float32 (default: bfloat16, float16 on a GPU without it)"
-    p.add_argument("--dtype", choices=DTYPE_NAMES, help=dtype)
-    attention = "sdpa: flash, backward not bitwise reproducible; eager: reproducible, memory quadratic in --seq-len"
-    p.add_argument("--attention", choices=("sdpa", "eager"), default=RunConfig.attention, help=attention)
-    p.add_argument("--batch-size", type=int, default=RunConfig.batch_size, help="sequences per micro-batch")
-    p.add_argument("--seq-len", type=int, default=RunConfig.seq_len, help="tokens per sequence")
-    p.add_argument("--seed", type=int, default=RunConfig.seed, help="seeds the random weights and the input token ids")
-    p.add_argument("--prefetch", type=int, default=RunConfig.prefetch, help="units copied ahead in overlapped mode")
-    p.add_argument("--warmup", type=int, default=RunConfig.warmup, help="untimed runs (steps) first")
-    p.add_argument("--repeat", type=int, default=RunConfig.repeat, help="timed runs; the median is reported")
-    cap = "GPU memory cap; overlapped keeps on the GPU the layers (and their Adam state) it holds and streams the rest"
-    p.add_argument("--max-gpu-memory", type=float, metavar="GIB", help=f"{cap} (default: no cap)")
-    host = "the host memory the run keeps under; --nvme takes the rest (default: what the kernel has available)"
-    p.add_argument("--max-host-memory", type=float, metavar="GIB", help=host)
-    resident = "overlapped: N decoder layers resident (inference: spread; training: the first N), not the cap's plan"
-    p.add_argument("--resident-layers", type=int, metavar="N", help=f"{resident} (default: the cap's plan)")
-    p.add_argument("--json", metavar="PATH", help="write the results as JSON (default: none)")
-    saved = "torch.save the input ids, logits and trained masters (default: none)"
-    p.add_argument("--save-output", metavar="PATH", help=saved)
-    trace = "write a Chrome trace of one offloaded forward pass and step (default: none)"
-    p.add_argument("--profile", metavar="PATH", help=trace)
-
-
-def add_training_flags(p: argparse.ArgumentParser) -> None:
-    """Training and its accelerations."""
-    t = p.add_argument_group("training (--train)")
-    t.add_argument("--train", action="store_true", help="after inference, train each mode: forward, backward, Adam")
-    t.add_argument("--steps", type=int, default=RunConfig.steps, help="training steps on one fixed batch")
-    accum = "micro-batches of batch-size x seq-len per optimizer step, accumulated in float32"
-    t.add_argument("--grad-accum", type=int, default=RunConfig.grad_accum, metavar="K", help=accum)
-    lean = "train only; one offloaded mode alone then holds the model in its masters only (a random one drawn by unit)"
-    t.add_argument("--no-inference", dest="inference", action="store_false", help=lean)
-    reference = "first time plain forward and backward of the model resident on the GPU (no optimizer, no cap)"
-    t.add_argument("--fwd-bwd-reference", action="store_true", help=reference)
-    acts = "keep the units' saved inputs in pinned host memory (turned on by itself when they would not fit the cap)"
-    t.add_argument("--offload-activations", action="store_true", help=acts)
-    t.add_argument("--lr", type=float, default=RunConfig.lr, help="Adam's learning rate")
-    betas = "Adam's moment decays"
-    t.add_argument("--betas", type=float, nargs=2, default=RunConfig.betas, metavar=("BETA1", "BETA2"), help=betas)
-    t.add_argument("--eps", type=float, default=RunConfig.eps, help="Adam's denominator term")
-    t.add_argument("--weight-decay", type=float, default=RunConfig.weight_decay, help="L2 penalty, as in torch's Adam")
-    clip = "scale the gradients to this float32 norm at most, as clip_grad_norm_ (units step once every one is in)"
-    t.add_argument("--clip-grad-norm", type=float, metavar="X", help=f"{clip} (default: no clipping)")
-    share = "overlapped: the share (0 to 1) of streamed parameters the GPU's Adam steps over float32 state streamed "
-    share += f"in (embeddings, first layers, head), the CPU Adam the rest (default: {GPU_ADAM_SHARE} where the plan "
-    share += "predicts the host bounds the step, else 0; 0 in float16 or with --clip-grad-norm)"
-    t.add_argument("--gpu-adam-share", type=float, metavar="F", help=share)
-    nvme = (
-        "offloaded: a folder on a local disk for the Adam moments of the layers the host cannot hold (freed at exit; "
-    )
-    nvme += "default: none, the host holds them)"
-    t.add_argument("--nvme", metavar="DIR", help=nvme)
-    layers = "with --nvme: the last N decoder layers' Adam moments on the disk (default: the host plan's count)"
-    t.add_argument("--nvme-layers", type=int, metavar="N", help=layers)
-
-
-def add_data_flags(p: argparse.ArgumentParser) -> None:
-    """Text to train on, and its tokenizer."""
-    d = p.add_argument_group("text to train on (--train --data; without it, one fixed batch of random ids)")
-    data = "a UTF-8 text file, a JSONL file, or a folder of them: tokenized once, packed into --seq-len blocks"
-    d.add_argument("--data", metavar="PATH", help=f"{data} (default: none)")
-    d.add_argument("--data-glob", default=RunConfig.data_glob, metavar="GLOBS", help="a folder's files to read")
-    d.add_argument("--text-field", default=RunConfig.text_field, metavar="KEY", help="a JSONL record's text")
-    skip = "skip the files that are not UTF-8 (and say how many) instead of refusing them"
-    d.add_argument("--skip-undecodable", action="store_true", help=skip)
-    d.add_argument("--tokenizer", metavar="DIR", help="a folder with the tokenizer (default: --model's)")
-    train = "no tokenizer at hand: train a byte-level BPE of V tokens on the data (V at most the model's vocab_size)"
-    d.add_argument("--train-tokenizer", type=int, metavar="V", help=train)
-    cache = "the folder for token caches and trained tokenizers (default: $XDG_CACHE_HOME or ~/.cache/offload_llama)"
-    d.add_argument("--data-cache", metavar="DIR", help=cache)
-    held = "the share of the blocks held out, never trained on (at least one block)"
-    d.add_argument("--eval-fraction", type=float, default=RunConfig.eval_fraction, metavar="F", help=held)
-    d.add_argument("--epochs", type=float, metavar="N", help="passes over the training blocks, instead of --steps")
-    every = "the held-out loss every N steps (also before the first and after the last; default: only those two)"
-    d.add_argument("--eval-every", type=int, metavar="N", help=every)
-    sample = "continue PROMPT before training and after (repeat the flag for more prompts)"
-    d.add_argument("--sample", action="append", default=[], metavar="PROMPT", help=sample)
-    d.add_argument(
-        "--sample-tokens", type=int, default=RunConfig.sample_tokens, metavar="N", help="tokens a sample adds"
-    )
-    d.add_argument("--temperature", type=float, default=RunConfig.temperature, help="samples drawn at it; 0: greedy")
-    d.add_argument("--top-k", type=int, metavar="K", help="samples drawn from the K likeliest tokens (default: all)")
-
-
-def check_data_flags(p: Parser, a: argparse.Namespace) -> None:
-    """Text flags out of range: one line, exit 2."""
-    if any(not prompt for prompt in a.sample):
-        p.error("--sample needs a prompt: an empty one has nothing to continue")
-    for prompt in a.sample:  # a byte that is not UTF-8 comes from argv as a lone surrogate, which no tokenizer takes
-        if not_utf8(prompt):
-            p.error(f"--sample {prompt!r} holds bytes that are not UTF-8: give the prompt in UTF-8")
-    if a.train_tokenizer is not None and a.train_tokenizer < 257:
-        p.error(f"--train-tokenizer must be at least 257 (256 bytes, the end-of-text token), got {a.train_tokenizer}")
-    if not 0 < a.eval_fraction < 1:
-        p.error(f"--eval-fraction must be between 0 and 1, got {a.eval_fraction}")
-    if a.epochs is not None and not (math.isfinite(a.epochs) and a.epochs > 0):
-        p.error(f"--epochs must be a positive number, got {a.epochs}")
-    for flag in ("eval_every", "sample_tokens", "top_k"):
-        if getattr(a, flag) is not None and getattr(a, flag) < 1:
-            p.error(f"--{flag.replace('_', '-')} must be at least 1")
-    if not (math.isfinite(a.temperature) and a.temperature >= 0):
-        p.error(f"--temperature must be 0 (greedy) or more, got {a.temperature}")
-
-
-def add_saving_flags(p: argparse.ArgumentParser) -> None:
-    """What training leaves behind, and where it goes on from."""
-    s = p.add_argument_group("saving and resuming (--train)")
-    s.add_argument(
-        "--save-pretrained",
-        metavar="DIR",
-        help="after training, the float32 weights as a HF model folder (default: none)",
-    )
-    s.add_argument("--checkpoint", metavar="DIR", help="the whole training state, after the last step (default: none)")
-    s.add_argument(
-        "--checkpoint-every",
-        type=int,
-        metavar="N",
-        help="also after every N steps, counted from the first (default: the last step only)",
-    )
-    s.add_argument(
-        "--resume", metavar="DIR", help="go on from a --checkpoint folder for --steps more steps (default: none)"
-    )
-
-
-def add_plan_flags(p: argparse.ArgumentParser) -> None:
-    """The plan: printed alone, for this machine or one described; the ranks' timeout."""
-    g = p.add_argument_group("the plan (--plan: where every byte goes, predicted, before anything is allocated)")
-    g.add_argument(
-        "--plan", action="store_true", help="print the plan and its predictions and exit, allocating nothing"
-    )
-    g.add_argument("--gpu-memory", type=float, metavar="GIB", help="plan for GPUs of this memory (default: this one's)")
-    host = "plan for a host with this much memory available (default: this one's MemAvailable)"
-    g.add_argument("--host-memory", type=float, metavar="GIB", help=host)
-    g.add_argument("--gpus", type=int, metavar="N", help="plan for N ranks on one host (default: torchrun's, or 1)")
-    rates = f"override a rate of the plan's predictions; NAME one of {', '.join(DEFAULT_RATES)} (default: an H100's)"
-    g.add_argument(
-        "--rate", dest="rates", type=rate_flag, action="append", default=[], metavar="NAME=VALUE", help=rates
-    )
-    timeout = "seconds a rank waits for the others in a step's collective (default: 5x the plan's longest step part, "
-    g.add_argument("--rank-timeout", type=float, metavar="S", help=timeout + "60 at least)")
-
-
-def rate_flag(text: str) -> tuple[str, float]:
-    """--rate's NAME=VALUE, checked: a known rate, a number from 0.001 to a million (GB/s or TFLOP/s)."""
-    name, _, value = text.partition("=")
-    try:
-        number = float(value)
-    except ValueError:
-        number = math.nan
-    if name not in DEFAULT_RATES or not 1e-3 <= number <= 1e6:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: give NAME=VALUE, NAME one of {', '.join(DEFAULT_RATES)}, VALUE from 0.001 to 1e6"
-        )
-    return name, number
-
-
-def check_ranges(p: Parser, a: argparse.Namespace) -> None:
-    """Flags out of range: one line, exit 2."""
-    if a.mode != "all" and not set(a.mode.split(",")) <= set(MODES):
-        p.error(f"argument --mode: {a.mode!r}: choose all, or one or more of {', '.join(MODES)} with commas")
-    least = dict(batch_size=1, seq_len=1, repeat=1, steps=1, grad_accum=1, prefetch=1, warmup=0, resident_layers=0)
-    least["nvme_layers"] = 0
-    least["checkpoint_every"] = 1
-    for field, low in least.items():
-        if getattr(a, field) is not None and getattr(a, field) < low:
-            hint = " (blocked mode is prefetch 0)" if field == "prefetch" else ""
-            p.error(f"--{field.replace('_', '-')} must be at least {low}{hint}")
-    adam_ok = a.lr > 0 and a.eps > 0 and a.weight_decay >= 0 and all(0 <= b < 1 for b in a.betas)
-    if not all(map(math.isfinite, (a.lr, a.eps, a.weight_decay))) or not adam_ok:
-        p.error("Adam needs --lr > 0, --eps > 0, --weight-decay >= 0 and betas in [0, 1), all finite")
-    for flag in ("max_gpu_memory", "max_host_memory", "gpu_memory", "host_memory", "rank_timeout"):
-        value = getattr(a, flag)
-        if value is not None and not (math.isfinite(value) and value > 0):
-            unit = "seconds" if flag == "rank_timeout" else "GiB"
-            p.error(f"--{flag.replace('_', '-')} must be a positive number of {unit}, got {value}")
-    if a.gpus is not None and a.gpus < 1:
-        p.error(f"--gpus must be at least 1, got {a.gpus}")
-    for flag, most in (("gpu_memory", 2**20), ("host_memory", 2**30), ("gpus", 2**16)):
-        if (getattr(a, flag) or 0) > most:
-            p.error(f"--{flag.replace('_', '-')} must be at most {most:,}, got {getattr(a, flag):g}")
-    if a.rank_timeout is not None and a.rank_timeout < 1:
-        p.error(f"--rank-timeout must be at least 1 second, got {a.rank_timeout:g}")
-    if a.gpu_adam_share is not None and not 0 <= a.gpu_adam_share <= 1:
-        p.error(f"--gpu-adam-share must be between 0 and 1, got {a.gpu_adam_share}")
-    if not 0 <= a.seed <= MAX_SEED:
-        p.error(f"--seed must be between 0 and {MAX_SEED}, got {a.seed}")
-
-
-def check_combinations(p: Parser, a: argparse.Namespace) -> None:
-    """Values that do not go together: one line, exit 2."""
-    if a.gpu_adam_share and a.dtype == "float16":
-        p.error("--gpu-adam-share must be 0 in float16: its loss scale must see every gradient before any unit steps")
-    if a.clip_grad_norm is not None and not (math.isfinite(a.clip_grad_norm) and a.clip_grad_norm > 0):
-        p.error(f"--clip-grad-norm must be a positive number, got {a.clip_grad_norm}")
-    if a.gpu_adam_share and a.clip_grad_norm is not None:
-        p.error("--gpu-adam-share must be 0 with --clip-grad-norm: the norm must see every gradient before any step")
-    if a.train and a.seq_len == 1:
-        p.error("--seq-len must be at least 2 with --train: each token is trained to predict the next")
-
-
-def offloaded(modes) -> bool:
-    """Whether one of `modes` streams the layers: blocked or overlapped."""
-    return bool({"blocked", "overlapped"} & set(modes))
-
-
-TRAINING_FLAGS = ("steps", "grad_accum", "inference", "fwd_bwd_reference", "lr", "betas", "eps", "weight_decay")
-TRAINING_FLAGS += ("clip_grad_norm", "offload_activations", "gpu_adam_share", "nvme", "data", "sample")
-TRAINING_FLAGS += ("save_pretrained", "checkpoint", "resume")
-DATA_FLAGS = ("data_glob", "text_field", "skip_undecodable", "train_tokenizer", "data_cache", "eval_fraction")
-DATA_FLAGS += ("epochs", "eval_every")
-FLAG_NEEDS = (  # flags (argparse dests), what they need to do anything, how to give it, whether the run has it
-    (TRAINING_FLAGS, ("--train", "add --train", lambda a, modes: a.train)),
-    (
-        ("prefetch", "resident_layers", "gpu_adam_share"),
-        ("overlapped mode", "add overlapped to --mode", lambda a, modes: "overlapped" in modes),
-    ),
-    (
-        ("profile", "offload_activations", "nvme"),
-        ("an offloaded mode", "add blocked or overlapped to --mode", lambda a, modes: offloaded(modes)),
-    ),
-    (
-        ("max_gpu_memory", "repeat"),
-        ("a GPU mode", "add gpu, blocked or overlapped to --mode", lambda a, modes: set(modes) - {"cpu"}),
-    ),
-    (
-        ("warmup",),
-        ("a GPU mode or --train", "add a GPU mode or --train", lambda a, modes: a.train or set(modes) - {"cpu"}),
-    ),
-    (("nvme_layers",), ("--nvme DIR", "add --nvme DIR", lambda a, modes: a.nvme)),
-    (("checkpoint_every",), ("--checkpoint DIR", "add --checkpoint DIR", lambda a, modes: a.checkpoint)),
-    (("gpu_memory", "host_memory", "gpus", "rates"), ("--plan", "add --plan", lambda a, modes: a.plan)),
-    (DATA_FLAGS, ("--data PATH", "add --data PATH", lambda a, modes: a.data)),
-    (("data_glob",), ("a folder as --data", "give --data a folder", lambda a, modes: Path(a.data).is_dir())),
-    (
-        ("text_field",),
-        ("JSONL in --data", "give --data a .jsonl file or a folder", lambda a, modes: data_may_hold_jsonl(a.data)),
-    ),
-    (("tokenizer",), ("--data or --sample", "add --data PATH or --sample PROMPT", lambda a, modes: a.data or a.sample)),
-    (("sample_tokens", "temperature"), ("--sample PROMPT", "add --sample PROMPT", lambda a, modes: a.sample)),
-    (("top_k",), ("--temperature above 0", "add --temperature T", lambda a, modes: a.temperature)),
-)
-FLAG_CLASHES = (  # flags (argparse dests) that cannot be given together, and why
-    (("epochs", "steps"), "--epochs sets the number of steps"),
-    (("tokenizer", "train_tokenizer"), "a tokenizer is given or trained, not both"),
-)
-
-
-def data_may_hold_jsonl(data: str) -> bool:
-    """Whether --data can hold JSONL records: a .jsonl file, or a folder."""
-    return data.endswith(".jsonl") or Path(data).is_dir()
-
-
-def flag_name(dest: str) -> str:
-    """The flag of an argparse dest: --no-inference for inference, --hidden-size for hidden_size."""
-    return "--" + {"inference": "no-inference", "rates": "rate", **SIZE_FLAGS}.get(dest, dest.replace("_", "-"))
-
-
-class GivenFlags(argparse.Namespace):
-    """A namespace that records the dests the command line sets. argparse puts a default only where the namespace has
-    no value yet, so with every dest filled beforehand each value set while parsing is a flag given, whether or not
-    it equals the default."""
-
-    def __init__(self, dests):
-        super().__init__(**{dest: [] for dest in dests})  # a fresh value, never a default (which argparse converts)
-        self.given = set()
-
-    def __setattr__(self, name: str, value) -> None:
-        """Set it, and record it once parsing has begun."""
-        if "given" in self.__dict__:
-            self.given.add(name)
-        super().__setattr__(name, value)
-
-
-def flags_given(p: Parser, a: argparse.Namespace, argv) -> set[str]:
-    """The dests of the flags on the command line `argv` that parsed into `a`."""
-    return p.parse_args(argv, GivenFlags(vars(a))).given
-
-
-def check_flags_needed(p: Parser, a: argparse.Namespace, given: set[str]) -> None:
-    """A flag that does nothing in the run asked for is refused, by one table (FLAG_NEEDS, FLAG_CLASHES): one line
-    that says what it needs, exit 2."""
-    modes = MODES if a.mode == "all" else a.mode.split(",")
-    for flags, (need, add, has) in FLAG_NEEDS:
-        for dest in (d for d in flags if d in given):
-            if not has(a, modes):
-                p.error(f"{flag_name(dest)} does nothing without {need}: {add}, or leave {flag_name(dest)} out")
-    for (first, second), why in FLAG_CLASHES:
-        if {first, second} <= given:
-            p.error(f"{flag_name(first)} and {flag_name(second)}: {why}: give one")
-
-
-ONE_GPU_FLAGS = {  # what several ranks do not do yet: flag -> whether the command line asks for it
-    "--resident-layers": lambda a: a.resident_layers is not None,
-    "--profile": lambda a: a.profile is not None,
-    "--fwd-bwd-reference": lambda a: a.fwd_bwd_reference,
-}
-
-
-RANK_VARIABLES = {  # torchrun's variables: each one's least value, and the variable it must stay under
-    "WORLD_SIZE": (1, None),
-    "RANK": (0, "WORLD_SIZE"),
-    "LOCAL_WORLD_SIZE": (1, None),
-    "LOCAL_RANK": (0, "LOCAL_WORLD_SIZE"),
-}
-
-
-def rank_environment(p: Parser) -> Ranks:
-    """The ranks torchrun describes in the environment, checked: whole numbers, ranks below their world sizes, the
-    host's ranks at most the world's; else one line, exit 2. Without WORLD_SIZE, one process (the others ignored)."""
-    env = os.environ
-    if "WORLD_SIZE" not in env:
-        return Ranks()
-    values = {name: env[name] for name in RANK_VARIABLES if name in env}
-    values.setdefault("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])
-    numbers = {}
-    for name, text in values.items():
-        if not (text.strip().isascii() and text.strip().isdigit()):
-            p.error(f"the environment's {name}={text!r} is not a count (0, 1, 2, ...): set it as torchrun does")
-        numbers[name] = int(text)
-    numbers.setdefault("RANK", 0)
-    numbers.setdefault("LOCAL_RANK", 0)
-    for name, (least, below) in RANK_VARIABLES.items():
-        if numbers[name] < least or (below and numbers[name] >= numbers[below]):
-            bound = f" and below {below}={numbers[below]}" if below else ""
-            p.error(
-                f"the environment's {name}={numbers[name]} must be at least {least}{bound}: set it as torchrun does"
-            )
-    if numbers["LOCAL_WORLD_SIZE"] > numbers["WORLD_SIZE"]:
-        local = numbers["LOCAL_WORLD_SIZE"]
-        p.error(f"the environment's LOCAL_WORLD_SIZE={local} exceeds WORLD_SIZE: set both as torchrun does")
-    return Ranks.from_environment()
-
-
-def check_rank_flags(p: Parser, a: argparse.Namespace, world: int, who: str = "torchrun started") -> None:
-    """Under torchrun (world ranks; or planned for with --gpus): an offloaded mode's inference, each rank copying its
-    shard of every layer, and its data-parallel training, the step's micro-batches split evenly; what runs on one GPU
-    only is refused. One line, exit 2, before torch loads."""
-    if world == 1:
-        return
-    modes = MODES if a.mode == "all" else a.mode.split(",")
-    if not set(modes) <= {"blocked", "overlapped"}:
-        p.error(f"--mode {a.mode}: {world} ranks run an offloaded mode: use --mode overlapped or blocked")
-    if a.train and a.grad_accum % world:
-        split = f"the step's {a.grad_accum} micro-batches split evenly over the {world} ranks"
-        p.error(f"--grad-accum {a.grad_accum}: {split}: use a multiple of {world}")
-    for flag, asked in ONE_GPU_FLAGS.items():
-        if asked(a):
-            p.error(f"{flag} runs on one GPU only, for now: leave it out under torchrun, or run without torchrun")
-
-
-def command_line(argv=None) -> RunConfig:
-    """The command line as a RunConfig, its dtype None unless given (parse_args asks the GPU); flags out of range or
-    that do not go together end with one line and exit 2. Needs neither torch nor transformers."""
-    p = Parser()
-    add_run_flags(p)
-    add_training_flags(p)
-    add_data_flags(p)
-    add_saving_flags(p)
-    add_plan_flags(p)
-    a = p.parse_args(argv)
-    check_ranges(p, a)
-    check_combinations(p, a)
-    check_data_flags(p, a)
-    check_flags_needed(p, a, flags_given(p, a, argv))
-    check_rank_flags(p, a, rank_environment(p).world)
-    if a.plan and rank_environment(p).several:  # each rank would print a plan, made apart
-        p.error("--plan describes a run without starting one: run it once, without torchrun (--gpus N plans N ranks)")
-    check_rank_flags(p, a, a.gpus or 1, who="--plan's --gpus describes")
-    a.sizes = tuple((f, getattr(a, f)) for f in SIZE_FLAGS if getattr(a, f) is not None)
-    if a.model is not None and (a.sizes or a.preset is not None):
-        given = [f"--{SIZE_FLAGS[f]}" for f, _ in a.sizes] + ["--preset"] * (a.preset is not None)
-        p.error(f"--model {a.model} brings its own sizes: drop {', '.join(given)}, or drop --model")
-    a.preset = a.preset or RunConfig.preset
-    a.betas = tuple(a.betas)
-    a.sample = tuple(a.sample)
-    a.rates = tuple(a.rates)
-    return RunConfig(
-        **{field.name: getattr(a, field.name) for field in dataclasses.fields(RunConfig) if hasattr(a, field.name)}
-    )
-
-
-def check_command_line(argv=None) -> None:
-    """What can be checked before torch and transformers load (check_run); bad input ends with one line and exit 2."""
-    run = command_line(argv)
-    try:
-        check_run(run)
-    except UsageError as e:
-        print_error(str(e))
-        sys.exit(2)
-
-
-def check_run(run: RunConfig) -> None:
-    """Everything about the run that needs neither torch nor a model: the inputs can be read, the outputs written
-    without touching an input, the model's sizes (the preset's and flags', or --model's config.json) are a LLaMA's
-    that the host can hold, and --sample's tokens fit its positions."""
-    named = {"--model": run.model, "--tokenizer": run.tokenizer, "--resume": run.resume} | output_paths(run)
-    for flag, path in named.items():  # --json, --save-output, --nvme and --data are Python's own to open: any bytes
-        if flag in LIBRARY_PATHS and path and not_utf8(path):
-            why = "torch, safetensors and tokenizers open UTF-8 paths alone"
-            raise UsageError(f"{flag} {path} holds bytes that are not UTF-8, and {why}: rename it, or give another")
-    check_inputs(run)
-    check_outputs(run)
-    sizes, origin = model_sizes(run)
-    check_sizes(sizes, origin)
-    check_host_holds(run, sizes)
-    positions = sizes.get("max_position_embeddings") or 0
-    if positions < run.seq_len:  # a preset's are at least --seq-len
-        why = f"max_position_embeddings is {positions}, fewer than --seq-len {run.seq_len}: give --seq-len {positions}"
-        raise UsageError(f"{origin}{why} at most")
-    if run.sample and positions and run.sample_tokens >= positions:
-        raise UsageError(f"--sample-tokens {run.sample_tokens}: the model has {positions} positions, prompt included")
-    check_tokenizer_at_hand(run)
-
-
-LIBRARY_PATHS = ("--model", "--tokenizer", "--resume", "--checkpoint", "--save-pretrained", "--data-cache", "--profile")
-
-
-def not_utf8(text: str) -> bool:
-    """Whether `text` (a command line's, where Python decodes a byte that is not UTF-8 as a lone surrogate) holds a
-    character UTF-8 cannot encode."""
-    return any(0xD800 <= ord(c) <= 0xDFFF for c in text)
-
-
-def check_tokenizer_at_hand(run: RunConfig) -> None:
-    """Text in (--data) or out (--sample) needs a tokenizer: --tokenizer's, one trained on --data (--train-tokenizer),
-    with --data the --resume checkpoint's, or --model's where its folder has one; else one line, before torch loads."""
-    if run.tokenizer and not has_tokenizer(run.tokenizer):
-        raise UsageError(f"--tokenizer {run.tokenizer}: no tokenizer.json, tokenizer.model or vocab.json there")
-    if run.tokenizer or has_tokenizer(run.model) or not (run.data or run.sample):
-        return
-    if run.data and (run.train_tokenizer or resumes_with_tokenizer(run)):
-        return
-    if run.data:
-        raise UsageError("no tokenizer: give --tokenizer DIR, or --train-tokenizer V to train one on the data")
-    raise UsageError("--sample needs a tokenizer: give --tokenizer DIR, or --data with --train-tokenizer V")
-
-
-def resumes_with_tokenizer(run: RunConfig) -> bool:
-    """Whether the --resume checkpoint's record names a tokenizer it trained with (an unreadable record: no; resume
-    says what is wrong with it)."""
-    if run.resume is None:
-        return False
-    try:
-        record = parse_json((mode_folder(run.resume, run, run.modes[0]) / CHECKPOINT_FILE).read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(record, dict) and bool(record.get("tokenizer"))
-
-
-def has_tokenizer(folder: str | None) -> bool:
-    """Whether `folder` holds a tokenizer's files."""
-    names = ("tokenizer.json", "tokenizer.model", "vocab.json")
-    return folder is not None and any((Path(folder) / name).is_file() for name in names)
-
-
-# inputs and outputs: every input readable, every output writable, and no output on or inside an input
-
-
-def path_kind(path: Path, flag: str = "") -> str | None:
-    """What is at `path`, not following a link: 'a file', 'a folder', 'a symbolic link', ...; None where nothing is.
-    A path that cannot be looked at (a file as a folder, a folder the user cannot search) is refused, for `flag`."""
-    if not str(path):
-        raise UsageError(f"{flag} is empty: give a path")
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        raise UsageError(f"{flag} {path} cannot be looked at ({e.strerror})".strip()) from None
-    kinds = ((stat.S_ISREG, "a file"), (stat.S_ISDIR, "a folder"), (stat.S_ISLNK, "a symbolic link"))
-    kinds += ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"))
-    return next((kind for test, kind in kinds if test(mode)), "a device")
-
-
-def check_inputs(run: RunConfig) -> None:
-    """Every input exists, is a file or folder (through a link too) as its flag needs, and can be read."""
-    inputs = {"--data": (run.data, None), "--model": (run.model, True), "--tokenizer": (run.tokenizer, True)}
-    inputs["--resume"] = (run.resume, True)
-    for flag, (path, folder) in inputs.items():
-        if path is None:
-            continue
-        target = Path(path)
-        kind = path_kind(real_path(path) if path else "", flag)
-        if kind is None:
-            raise UsageError(f"{flag} {path}: no such {'folder' if folder else 'file or folder'}")
-        if kind not in ("a file", "a folder") or (folder and kind != "a folder"):
-            raise UsageError(f"{flag} {path} is {kind}: give {'a folder' if folder else 'a file or a folder'}")
-        try:
-            os.listdir(target) if kind == "a folder" else open(target, "rb").close()
-        except OSError as e:
-            raise UsageError(f"{flag} {path} cannot be read ({e.strerror}): give one you can read") from None
+def llama_config(run: RunConfig) -> LlamaConfig:
+    """The model's config: from --model's folder, or the preset with size flags applied; validated."""
     if run.model is not None:
-        model_type(Path(run.model))
-    check_data_glob(run.data_glob)
+        config = load_config(Path(run.model))
+        check_sizes({field: getattr(config, field) for field in SIZE_FLAGS}, f"--model {run.model}: config.json's ")
+        return config
+    sizes = {**PRESETS[run.preset], **dict(run.sizes)}
+    check_sizes(sizes)
+    return LlamaConfig(**sizes, max_position_embeddings=max(4096, run.seq_len), tie_word_embeddings=False)
 
 
-def check_data_glob(globs: str) -> None:
-    """--data-glob's patterns name files inside the --data folder: none absolute, none climbing out with '..'."""
-    patterns = [pattern.strip() for pattern in globs.split(",") if pattern.strip()]
-    if not patterns or any(Path(p).is_absolute() or ".." in Path(p).parts for p in patterns):
-        raise UsageError(f"--data-glob '{globs}': give patterns relative to the --data folder, such as *.txt,*.jsonl")
-
-
-FILE_OUTPUTS = ("--json", "--save-output", "--profile", "--profile's training trace")
-
-
-def output_paths(run: RunConfig) -> dict[str, str]:
-    """Every path the run writes, by flag: the files, and the folders written into (the token cache's with --data)."""
-    outputs = {"--json": run.json, "--save-output": run.save_output, "--profile": run.profile}
-    if run.profile and run.train:
-        outputs["--profile's training trace"] = train_trace_path(run.profile)
-    outputs |= {"--save-pretrained": run.save_pretrained, "--checkpoint": run.checkpoint, "--nvme": run.nvme}
-    if run.data:
-        outputs["--data-cache"] = str(data_cache_folder(run))
-    return {flag: path for flag, path in outputs.items() if path is not None}
-
-
-def check_outputs(run: RunConfig) -> None:
-    """Every file and folder the run will write can be written, and replaces nothing that is not an output: refused
-    now rather than after a run of many minutes. An existing output is a file (a folder for the folders), never a
-    link, FIFO, socket or device that writing would replace; --save-pretrained, replaced whole, holds nothing but a
-    saved model's files."""
-    outputs = output_paths(run)
-    for flag, path in outputs.items():
-        kind, want = path_kind(Path(path) if path else "", flag), "a file" if flag in FILE_OUTPUTS else "a folder"
-        linked_folder = kind == "a symbolic link" and flag != "--save-pretrained" and Path(path).is_dir()
-        if kind in ("a file", "a folder") and kind != want:
-            raise UsageError(f"{flag} {path} is {kind}: give {'a folder' if want == 'a folder' else 'a file name'}")
-        if kind not in (None, want) and not (want == "a folder" and linked_folder):
-            raise UsageError(f"{flag} {path} is {kind}, which the run would replace: give the path of {want}")
-        if want == "a file" and path.endswith(os.sep):
-            raise UsageError(f"{flag} {path} ends with {os.sep}: give a file name")
-        folder = Path(path).parent if want == "a file" else Path(path)
-        check_name_length(flag, path, aside=flag in FILE_OUTPUTS or flag == "--save-pretrained")
-        if flag == "--data-cache" and not run.data_cache:  # the default, made with its parents (~/.cache)
-            folder = existing(folder)
-        made = want == "a folder" and flag != "--nvme"  # the disk tier's folder is a disk's, given, not made
-        check_writable(flag, path, folder, make=made)
-    check_no_clash(run, outputs)
-    for mode in run.modes if run.save_pretrained else ():
-        check_saved_model_folder(mode_folder(run.save_pretrained, run, mode))
-    for mode in run.modes if run.checkpoint else ():
-        check_checkpoint_folder(mode_folder(run.checkpoint, run, mode))
-
-
-TOKENIZER_FILE = r"tokenizer(_config)?\.json|tokenizer\.model|special_tokens_map\.json|added_tokens\.json"
-TOKENIZER_FILE += r"|chat_template\.jinja|vocab\.json|merges\.txt"  # what a tokenizer's save_pretrained writes
-SAVED_MODEL_FILE = re.compile(  # what save_pretrained writes, each a regular file
-    rf"config\.json|generation_config\.json|model(-\d{{5}}-of-\d{{5}})?\.safetensors|model\.safetensors\.index\.json"
-    rf"|{TOKENIZER_FILE}"
-)
-
-
-def foreign_entry(folder: Path, own) -> str | None:
-    """The first entry of the output folder `folder` (by name) that own(path) says no write of the run's leaves there,
-    as its name and kind ('notes (a folder)'); None where every entry is the run's own (or there is no folder)."""
-    if path_kind(folder) != "a folder":
-        return None
-    path = next((p for p in sorted(folder.iterdir()) if not own(p)), None)
-    return None if path is None else f"{path.name} ({path_kind(path)})"
-
-
-def check_saved_model_folder(folder: Path) -> None:
-    """A --save-pretrained folder that exists holds only the regular files save_pretrained writes: it is replaced
-    whole; a mode's folder inside it is a folder, if anything."""
-    if path_kind(folder) not in (None, "a folder"):
-        raise UsageError(f"--save-pretrained {folder} is {path_kind(folder)}, which the run would replace")
-    other = foreign_entry(folder, lambda p: path_kind(p) == "a file" and SAVED_MODEL_FILE.fullmatch(p.name))
-    if other:
-        what = f"{other}, which a saved model does not hold"
-        raise UsageError(f"--save-pretrained {folder} holds {what}: the folder is replaced whole, so give a new one")
-
-
-UNIT_FILE = r"unit\d+(\.rank\d+of\d+)?\.step\d+\.pt"  # a unit's state in a checkpoint (checkpoint_files)
-WRITTEN_FILE = re.compile(  # what a checkpoint write makes in its folder, each a regular file; its tokenizer's too
-    rf"{UNIT_FILE}|\.{UNIT_FILE}\.\d+\.tmp|\.{re.escape(CHECKPOINT_FILE)}\.\d+\.tmp|{TOKENIZER_FILE}"
-)
-WRITTEN_FOLDER = re.compile(r"\.tokenizer\.[a-z0-9_]{8}\.tmp")  # the tokenizer written aside (folder_aside)
-
-
-def written_by_checkpoint(path: Path) -> bool:
-    """Whether `path`, in a checkpoint's folder, is of a kind a checkpoint write makes there: a regular file named as
-    its files are, or its tokenizer's folder aside; never a link."""
-    if path.is_symlink():
-        return False
-    if path.is_dir():
-        return bool(WRITTEN_FOLDER.fullmatch(path.name))
-    return path.is_file() and bool(WRITTEN_FILE.fullmatch(path.name))
-
-
-def check_checkpoint_folder(folder: Path) -> None:
-    """A --checkpoint folder that exists holds nothing but what checkpoint writes make (the record a regular file):
-    it is empty, holds a checkpoint, or holds only what a first write killed before its record left (its unit files
-    among them; the next write replaces them). Writing one removes the files of its kind that the record does not
-    name, and replaces those of its names: in another folder they could be the user's."""
-    if path_kind(folder) not in (None, "a folder"):
-        raise UsageError(f"--checkpoint {folder} is {path_kind(folder)}: give a folder")
-    record = path_kind(folder / CHECKPOINT_FILE) == "a file"
-    other = foreign_entry(folder, lambda p: written_by_checkpoint(p) or (record and p.name == CHECKPOINT_FILE))
-    if other:
-        raise UsageError(
-            f"--checkpoint {folder} holds {other}, which a checkpoint does not: give a new or empty folder"
-        )
-    entries = list(folder.iterdir()) if folder.is_dir() else []
-    if entries and not record and not any("unit" in p.name for p in entries):
-        raise UsageError(f"--checkpoint {folder} holds files and no {CHECKPOINT_FILE}: give a new or empty folder")
-
-
-def check_no_clash(run: RunConfig, outputs: dict[str, str]) -> None:
-    """No output is, or lies inside, an input (but --checkpoint X --resume X, which goes on from X), however it is
-    reached (a link, a hard link, a bind mount); --save-pretrained, replaced whole, holds none; no output is, or lies
-    inside, another."""
-    given = {"--data": run.data, "--model": run.model, "--tokenizer": run.tokenizer, "--resume": run.resume}
-    inputs = [(flag, f"{flag} {real_path(path)}", real_path(path)) for flag, path in given.items() if path is not None]
-    for flag, path in given.items():  # and what a link inside an input folder reaches, which the run reads too
-        inputs += [
-            (flag, f"{real_path(link)}, which {flag} reads through {link}", real_path(link)) for link in links(path)
-        ]
-    inputs.append(("the script", "the script", real_path(__file__)))
-    seen = {}
-    for flag, path in outputs.items():
-        out = real_path(path)
-        for other, named, place in inputs:
-            if same_place(out, place) and not (flag == "--checkpoint" and other == "--resume"):
-                raise UsageError(f"{flag} {path} is {named}: an output never replaces an input: give another path")
-            if inside(out, place):
-                raise UsageError(f"{flag} {path} lies inside {named}: an output never writes into an input")
-            if inside(place, out) and flag == "--save-pretrained":
-                raise UsageError(f"--save-pretrained {path} holds {named}, and its folder is replaced whole")
-        for other, place in seen.items():
-            if same_place(out, place):
-                raise UsageError(f"{other} and {flag} both name {path}: give each output a path of its own")
-            if inside(out, place) or inside(place, out):
-                raise UsageError(f"{flag} {path} and {other} {place} nest: give each output a path of its own")
-        seen[flag] = out
-
-
-def links(path) -> list[Path]:
-    """The links inside the folder `path` (none for a file), not followed: what they reach is read as an input too,
-    wherever it is (a Hugging Face cache's snapshot links its files into blobs/)."""
-    if path is None or not os.path.isdir(path):
-        return []
-    found, folders = [], [path]
-    while folders:  # scandir's entries know their type: no stat a file, for a corpus of millions
+def build_model(run: RunConfig, config: LlamaConfig) -> LlamaForCausalLM:
+    """The CPU model in the compute dtype: loaded from --model, or randomly initialised from --seed; where the run
+    draws its units one at a time (draws_units), only its rotary tables, the rest on the meta device."""
+    dtype, n = run.torch_dtype, param_count(config)
+    size = size_text(n * dtype.itemsize)
+    if draws_units(run):
+        log(f"{run.preset}: {count_text(n)} {run.dtype} parameters, drawn straight into the masters")
+    else:
+        log(f"building {run.model or run.preset} on the CPU: {count_text(n)} {run.dtype} parameters, {size}")
+    t0 = time.perf_counter()
+    if run.model is not None:
+        transformers.utils.logging.disable_progress_bar()  # stderr carries this script's progress lines alone
         try:
-            with os.scandir(folders.pop()) as entries:
-                for entry in entries:
-                    if entry.is_symlink():
-                        found.append(Path(entry.path))
-                    elif entry.is_dir(follow_symlinks=False):
-                        folders.append(entry.path)
-        except OSError:  # a folder that cannot be listed: the run reads nothing from it
-            continue
-    return found
+            with transformers_quiet():  # its report of missing weights: the refusal below says it in one line
+                model, info = LlamaForCausalLM.from_pretrained(
+                    run.model, dtype=dtype, attn_implementation=run.attention, output_loading_info=True
+                )
+        except Exception as e:  # what check_weights cannot see; transformers' error classes vary between versions
+            raise UsageError(f"--model {run.model}: cannot load the weights ({first_line(e)})") from None
+        missing = sorted([*info.get("missing_keys", ()), *(key for key, *_ in info.get("mismatched_keys", ()))])
+        if missing:  # from_pretrained draws those at random and goes on: not the model the folder names
+            what = f"{len(missing)} of the model's weights, such as {missing[0]}"
+            raise UsageError(f"--model {run.model}: its weights lack {what}: save the model again")
+        check_no_extra_weights(Path(run.model), config, set(info.get("unexpected_keys", ())))  # pytorch_model.bin's
+        damaged = next((name for name, p in model.named_parameters() if not torch.isfinite(p).all()), None)
+        if damaged:  # it would run, every logit NaN, or train and diverge at once
+            raise UsageError(f"--model {run.model}: {damaged} holds NaN or infinite values: save the model again")
+    else:
+        with torch.device("meta"):
+            model = LlamaForCausalLM._from_config(config, dtype=dtype, attn_implementation=run.attention)
+        if draws_units(run):
+            model.model.rotary_emb = LlamaRotaryEmbedding(config)  # computed, not drawn
+        else:
+            init_random(model, run.seed)
+            log(f"built in {time.perf_counter() - t0:.1f} s")
+    return model.eval()
 
 
-def same_place(a: Path, b: Path) -> bool:
-    """Whether real paths `a` and `b` reach one file or folder: the same path, or one device and inode (a hard link
-    to a file, a bind mount of a folder)."""
-    return a == b or (identity(a) is not None and identity(a) == identity(b))
+DRAW_CHUNK = 2**24  # elements: a random weight is drawn in chunks this size, each from a generator of its own
 
 
-def inside(a: Path, b: Path) -> bool:
-    """Whether real path `a` lies inside folder `b`, however `b` is reached."""
-    return any(same_place(parent, b) for parent in a.parents)
+@torch.no_grad()
+def init_random(model: LlamaForCausalLM, seed: int) -> None:
+    """HF's LLaMA initialisation of a meta-device model: weights N(0, initializer_range), norms 1. Each weight is drawn
+    in chunks of DRAW_CHUNK elements in parallel, each chunk from a generator seeded by its place in the model, in
+    float32 (four times faster than in 16 bits) and rounded to the weight's dtype (draw_masters draws the same)."""
+    config = model.config
+    model.to_empty(device="cpu")
+    weights = [p for p in model.parameters() if p.dim() > 1]
+    chunks = [  # no_grad does not reach the pool threads: the tensors are detached
+        (chunk, i, j) for i, p in enumerate(weights) for j, chunk in enumerate(p.detach().view(-1).split(DRAW_CHUNK))
+    ]
+
+    def draw(chunk: torch.Tensor, i: int, j: int) -> None:
+        """Chunk j of weight i, rounded to its dtype."""
+        chunk.copy_(drawn_chunk(seed, i, j, chunk.numel(), config.initializer_range))
+
+    with ThreadPoolExecutor(torch.get_num_threads()) as pool:  # normal_ releases the GIL; a rank's share of the cores
+        list(pool.map(lambda job: draw(*job), chunks))
+    for p in model.parameters():
+        if p.dim() == 1:
+            p.fill_(1.0)  # RMSNorm weights
+    if config.pad_token_id is not None:
+        model.model.embed_tokens.weight[config.pad_token_id].zero_()
+    model.model.rotary_emb = LlamaRotaryEmbedding(config)  # its buffers are computed, not drawn
 
 
-def identity(path: Path) -> tuple[int, int] | None:
-    """The device and inode of what is at `path`; None where nothing is (or it cannot be looked at)."""
+def drawn_chunk(seed: int, weight: int, chunk: int, numel: int, std: float) -> torch.Tensor:
+    """Chunk `chunk` (of DRAW_CHUNK elements) of weight `weight` of the random model drawn from `seed`: `numel` float32
+    normal values from a generator of the chunk's own, so that chunks can be drawn on any thread, in any order."""
+    generator = torch.Generator().manual_seed((seed << 32) + (weight << 16) + chunk)
+    return torch.empty(numel, dtype=torch.float32).normal_(0.0, std, generator=generator)
+
+
+def random_input_ids(run: RunConfig, vocab_size: int, micro_batches: int = 1) -> torch.Tensor:
+    """Token ids drawn from --seed: micro_batches x batch_size sequences of seq_len tokens."""
+    generator = torch.Generator().manual_seed(run.seed)
+    return torch.randint(vocab_size, (micro_batches * run.batch_size, run.seq_len), generator=generator)  # (K*B, T)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A piece of the model streamed whole in training: the embeddings, a decoder layer, the norm or the head."""
+
+    name: str  # its module's name in the HF model, so master weights map back to HF parameter names
+    kind: str  # embed, layer, norm or head
+    layout: FlatLayout
+
+
+def unit_module(kind: str, config: LlamaConfig) -> nn.Module:
+    """A module of this kind, built as LlamaForCausalLM builds its own (call it under torch.device('meta'))."""
+    if kind == "embed":
+        return nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+    if kind == "layer":
+        return LlamaDecoderLayer(config, layer_idx=0)
+    if kind == "norm":
+        return LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+    return nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+
+def model_units(config: LlamaConfig) -> list[Unit]:
+    """The units in forward order: embeddings, decoder layers, final norm, head."""
+    return list(units_of(config.to_json_string()))
+
+
+@functools.cache
+def units_of(config_json: str) -> tuple[Unit, ...]:
+    """model_units of the config in `config_json`, made once: the plan asks for them many times."""
+    config = LlamaConfig.from_dict(json.loads(config_json))
+    with torch.device("meta"):
+        layout = {kind: FlatLayout.of(unit_module(kind, config)) for kind in ("embed", "layer", "norm", "head")}
+    layers = range(config.num_hidden_layers)
+    names = ["model.embed_tokens", *(f"model.layers.{i}" for i in layers), "model.norm", "lm_head"]
+    kinds = ["embed", *("layer" for _ in layers), "norm", "head"]
+    return tuple(Unit(name, kind, layout[kind]) for name, kind in zip(names, kinds, strict=True))
+
+
+def decoder_kwargs(model: LlamaForCausalLM, shape: tuple[int, int], dtype: torch.dtype, device) -> dict:
+    """What HF's LlamaModel.forward passes its decoder layers besides the hidden states (rotary cos/sin, mask,
+    positions), computed by HF itself: its forward runs on zero embeddings through one recording layer."""
+    captured = {}
+
+    class Recorder(nn.Module):
+        """A decoder layer that keeps the keyword arguments HF passes it and returns its input."""
+
+        def forward(self, hidden_states, **kwargs):
+            """Record the kwargs, pass the hidden states through."""
+            captured.update(kwargs)
+            return hidden_states
+
+    base = model.model
+    kept = base.layers, base.norm, base.rotary_emb
+    base.layers, base.norm, base.rotary_emb = nn.ModuleList([Recorder()]), nn.Identity(), copy.deepcopy(kept[2])
+    base.rotary_emb.to(device)
     try:
-        st = os.stat(path)
-    except (OSError, ValueError):
-        return None
-    return st.st_dev, st.st_ino
+        with torch.no_grad():
+            zeros = torch.zeros(*shape, model.config.hidden_size, dtype=dtype, device=device)
+            base(inputs_embeds=zeros, use_cache=False)
+    finally:
+        base.layers, base.norm, base.rotary_emb = kept
+    return captured
 
 
-def real_path(path) -> Path:
-    """`path` absolute, every link in it followed (a loop of links as far as it goes)."""
-    return Path(os.path.realpath(path))
+# ---------------------------------------------------------------------------------------------- gpu and cpu inference
 
 
-def train_trace_path(path: str) -> str:
-    """--profile's path for the training step's trace: trace.json -> trace.train.json."""
-    p = Path(path)
-    return str(p.with_name(p.stem + ".train" + p.suffix))
+def logits_of(model: LlamaForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
+    """One forward pass, without a KV cache: a single pass needs none."""
+    return model(input_ids, use_cache=False).logits  # (B, T, vocab)
 
 
-def mode_folder(path: str, run: RunConfig, mode: str) -> Path:
-    """A mode's folder for --save-pretrained, --checkpoint or --resume: the folder given, or when several modes train,
-    its subfolder named after the mode."""
-    return Path(path) / mode if len(run.modes) > 1 else Path(path)
+def infer_resident(model, input_ids, device, run: RunConfig, config) -> tuple[dict, torch.Tensor]:
+    """gpu and cpu modes: the plain HF model, resident on `device`; on the CPU one run, no warm-up."""
+    if device.type != "cuda":
+        ms, logits = median_ms(lambda: logits_of(model, input_ids), device, 0, 1)
+        return {"time_ms": ms}, logits.cpu()
+    model = copy.deepcopy(model).to(device)
+    ids = input_ids.to(device)
+    ms, logits = median_ms(lambda: logits_of(model, ids), device, run.warmup, run.repeat)
+    return {"time_ms": ms} | gpu_memory(config, run.torch_dtype, ids.numel(), config.num_hidden_layers), logits.cpu()
 
 
-def data_cache_folder(run: RunConfig) -> Path:
-    """--data-cache, else offload_llama under the user's cache folder (XDG_CACHE_HOME, else ~/.cache)."""
-    if run.data_cache:
-        return Path(run.data_cache)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "offload_llama"
+def timed(fn, device: torch.device) -> tuple[float, object]:
+    """Milliseconds fn() takes on `device`, and its result."""
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        out = fn()
+        return (time.perf_counter() - t0) * 1e3, out
+    # start from an idle GPU, so no stream can begin work before `start` is recorded
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    out = fn()
+    end.record()  # fn's side-stream work is all waited for by the current stream, so `end` covers it
+    end.synchronize()
+    return start.elapsed_time(end), out
 
 
-def check_writable(flag: str, path: str, folder: Path, make: bool = False) -> None:
-    """A file can be created in `folder`; make: the folder is made when written, so a missing one's parent must take
-    it (nothing is made now: a run refused later leaves no empty folder)."""
-    if make and not folder.exists():
-        folder = folder.parent
-    if not folder.is_dir():
-        raise UsageError(f"{flag} {path}: the folder {folder} does not exist")
-    try:  # the permission bits do not say whether a file can be created there (/proc, a read-only mount)
-        tempfile.TemporaryFile(dir=folder).close()
-    except OSError as e:
-        raise UsageError(
-            f"{flag} {path}: the folder {folder} cannot be written: no file can be created there ({e.strerror})"
-        ) from None
+def median_ms(fn, device: torch.device, warmup: int, repeat: int) -> tuple[float, object]:
+    """Median time of `repeat` runs after `warmup` untimed ones, and the last run's result."""
+    times, out = interleaved_ms({"fn": (device, fn)}, warmup, repeat)
+    return statistics.median(times["fn"]), out
 
 
-ASIDE_CHARS = 18  # the most a name grows aside: .NAME.PID.tmp (write_atomically), .NAME.XXXXXXXX.tmp.old (folders)
+def interleaved_ms(fns: dict, warmup: int, repeat: int) -> tuple[dict[str, list[float]], object]:
+    """Time each of `fns` (name -> (device, fn)) in rounds, one run of each, so a bound's parts meet the machine as
+    what they bound does; the times, and the last function's last result (the others are dropped at once)."""
+    times, out = {name: [] for name in fns}, None
+    for r in range(warmup + repeat):
+        for name, (device, fn) in fns.items():
+            out = None
+            ms, out = timed(fn, device)
+            if r >= warmup:
+                times[name].append(ms)
+    return times, out
 
 
-def check_name_length(flag: str, path: str, aside: bool) -> None:
-    """The output's name fits its file system, with what writing it aside adds (aside); else the write would fail
-    once the run is done."""
-    name = Path(path).name
-    folder = existing(Path(path).parent)
-    try:
-        limit = os.pathconf(folder, "PC_NAME_MAX")
-    except (OSError, ValueError):
-        limit = 255
-    extra = ASIDE_CHARS if aside else 0
-    if len(os.fsencode(name)) + extra > limit:
-        raise UsageError(f"{flag}: the name {name[:40]}... is too long: give one of at most {limit - extra} bytes")
+# ----------------------------------------------------------------------------- streams, events and pinned host memory
 
 
-def existing(path: Path) -> Path:
-    """`path`, or its nearest folder that exists (where a folder to be made will take its room)."""
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
+class InOrder:
+    """A CUDA stream or event's stand-in on the CPU, where ops run in order; tests swap it in to drop one wait."""
+
+    def wait_event(self, event) -> None: ...  # nothing to wait for: the CPU runs every op in order
+    def wait(self, stream=None) -> None: ...  # nothing to wait for
+    def record(self, stream=None) -> None: ...  # nothing to record
+    def synchronize(self) -> None: ...  # nothing to finish
+    def query(self) -> bool:  # always done
+        return True
 
 
-# the model's sizes, and whether the host can hold it
+def on_stream(stream):
+    """A `with` block that issues its work on `stream` (nothing to switch on the CPU)."""
+    return torch.cuda.stream(stream) if isinstance(stream, torch.cuda.Stream) else contextlib.nullcontext()
 
 
-def model_type(path: Path) -> str:
-    """A save_pretrained folder's model type, 'llama', read from its config.json; refused with one line otherwise."""
-    config = read_config_json(path)
-    if config.get("model_type") != "llama":
-        raise UsageError(f"--model {path}: model_type is {config.get('model_type')!r}, not 'llama'")
-    return "llama"
+def new_stream(device: torch.device):
+    """A side stream on a GPU; on the CPU, a stand-in that needs no ordering."""
+    return torch.cuda.Stream(device) if device.type == "cuda" else InOrder()
 
 
-def first_line(e: BaseException) -> str:
-    """An exception's message, its first line (200 characters at most), or its class where it has none."""
-    line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return line if len(line) <= 200 else line[:197] + "..."
+def new_event(device: torch.device, blocking: bool = False):
+    """blocking: a host thread that waits on it sleeps instead of spinning on a core the CPU Adam needs."""
+    return torch.cuda.Event(blocking=blocking) if device.type == "cuda" else InOrder()
 
 
-def parse_json(text: str | bytes, finite_numbers: bool = True):
-    """JSON as the inputs must hold it: a ValueError for anything else, also where Python's json would fail with
-    another error (nesting too deep: RecursionError) or, with finite_numbers (a config or a record, not a corpus
-    line's other fields), take NaN, Infinity or 1e999."""
+class HostBuffer(mmap.mmap):
+    """Zeroed host memory of exactly `nbytes` (torch's pinned allocator rounds up to a power of two), in 2 MiB pages
+    where the kernel allows (the CPU Adam streams them faster), page-locked once pinned. It records no events: its
+    tensors must outlive every copy queued from or to them, as the run-long stores do."""
 
-    def refuse(constant: str):
-        """NaN, Infinity or -Infinity, which JSON does not have."""
-        raise ValueError(f"{constant} is not a JSON number")
+    def __new__(cls, nbytes: int):
+        # anonymous and private: zero-filled, page-aligned, and in huge pages where asked (shared memory gets none)
+        return super().__new__(cls, -1, nbytes, flags=mmap.MAP_PRIVATE)
 
-    def finite(number: str) -> float:
-        """A JSON number as a float, where it is one: 1e999 is none."""
-        value = float(number)
-        if not math.isfinite(value):
-            raise ValueError(f"{number} is beyond a float's range")
-        return value
+    def __init__(self, nbytes: int):
+        with contextlib.suppress(AttributeError, OSError):  # a platform or kernel without transparent huge pages
+            self.madvise(mmap.MADV_HUGEPAGE)  # before the first touch, which allocates the pages
+        self.address = torch.frombuffer(self, dtype=torch.uint8).data_ptr()
+        self.unregister = None
 
-    try:
-        if not finite_numbers:
-            return json.loads(text)
-        return json.loads(text, parse_constant=refuse, parse_float=finite)
-    except RecursionError:
-        raise ValueError("nested too deeply") from None
+    def pin(self) -> None:
+        """Page-lock the memory for the copy engines, its pages touched first (touch_pages): registering maps the
+        missing ones itself, in one thread, several times slower."""
+        cudart = torch.cuda.cudart()
+        torch.cuda.check_error(cudart.cudaHostRegister(self.address, len(self), 0))
+        self.unregister = cudart.cudaHostUnregister
 
-
-def read_config_json(path: Path) -> dict:
-    """A save_pretrained folder's config.json as a dict; refused with one line where it is missing or not JSON."""
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise UsageError(f"--model {path}: no config.json, so not a save_pretrained folder")
-    try:
-        config = parse_json(config_file.read_text())
-    except OSError as e:
-        raise UsageError(f"--model {path}: config.json cannot be read ({e.strerror})") from None
-    except ValueError as e:  # UnicodeDecodeError too
-        raise UsageError(f"--model {path}: config.json is not valid JSON ({first_line(e)})") from None
-    if not isinstance(config, dict):
-        raise UsageError(f"--model {path}: config.json holds no settings")
-    return config
+    def __del__(self):  # before the memory is unmapped: the driver must let go of its pages first
+        if self.unregister is not None:
+            self.unregister(self.address)
 
 
-def model_sizes(run: RunConfig) -> tuple[dict, str]:
-    """The model's sizes (LlamaConfig field -> value) and where they come from: the preset with the size flags over
-    it, or --model's config.json (where a field is missing, transformers' default)."""
-    if run.model is None:
-        sizes = {**PRESETS[run.preset], **dict(run.sizes), "max_position_embeddings": max(4096, run.seq_len)}
-        return sizes, ""
-    config = read_config_json(Path(run.model))
-    origin = f"--model {run.model}: config.json's "
-    sizes = {field: config.get(field, LLAMA_DEFAULTS.get(field)) for field in (*SIZE_FLAGS, *LLAMA_DEFAULTS)}
-    sizes["num_key_value_heads"] = sizes["num_key_value_heads"] or sizes["num_attention_heads"]
-    for field in (*SIZE_FLAGS, "max_position_embeddings", "head_dim"):
-        if (type(sizes[field]) is not int or sizes[field] < 1) and not (field == "head_dim" and sizes[field] is None):
-            raise UsageError(f"{origin}{field} is {sizes[field]!r}, not a whole number of at least 1")
-    rope = config.get("rope_parameters")  # transformers 5's home of rope_theta (older configs: the top level)
-    sizes["rope_theta"] = rope.get("rope_theta", sizes["rope_theta"]) if isinstance(rope, dict) else sizes["rope_theta"]
-    for field in ("rope_theta", "rms_norm_eps"):  # 0 or less: every logit NaN (parse_json: no NaN or infinity)
-        if type(sizes[field]) not in (int, float) or sizes[field] <= 0:
-            raise UsageError(f"{origin}{field} is {sizes[field]!r}, not a positive number: the model would compute NaN")
-    pad, vocab = sizes["pad_token_id"], sizes["vocab_size"]
-    if pad is not None and (type(pad) is not int or not -vocab <= pad < vocab):  # as nn.Embedding takes it
-        raise UsageError(f"{origin}pad_token_id is {pad!r}, not an id of its vocab_size {vocab}")
-    return sizes, origin
+TOUCH_CHUNK = 2**26  # bytes: fresh host memory is first written by the rank's threads in chunks this size
 
 
-SMALLER_LAYERS = "fewer or smaller layers (--layers, --hidden-size, --intermediate-size, or --preset tiny)"
-LLAMA_DEFAULTS = {  # LlamaConfig's defaults, where a config.json leaves a field out
-    **PRESETS["llama-7b"],
-    "num_key_value_heads": None,  # then the attention heads'
-    "max_position_embeddings": 2048,
-    "tie_word_embeddings": False,
-    "attention_bias": False,
-    "mlp_bias": False,
-    "head_dim": None,  # then hidden size / heads
-    "rope_theta": 10000.0,
-    "rms_norm_eps": 1e-6,
-    "pad_token_id": None,
-}
+def touch_pages(spans) -> None:
+    """Write zeros over each (address, bytes) span of fresh host memory, a chunk a thread: a page's first write maps
+    it, and the kernel maps a thread's pages one at a time, so the rank's threads together map them several times
+    faster (memset runs without the GIL)."""
+    chunks = [(a + i, min(TOUCH_CHUNK, n - i)) for a, n in spans for i in range(0, n, TOUCH_CHUNK)]
+    with ThreadPoolExecutor(torch.get_num_threads()) as pool:
+        list(pool.map(lambda chunk: ctypes.memset(chunk[0], 0, chunk[1]), chunks))
 
 
-def check_host_holds(run: RunConfig, sizes: dict) -> None:
-    """Refuse in a moment a model whose parameters alone the host cannot hold: 4 bytes each for training (the float32
-    masters, whatever else moves to a disk), else the compute dtype's; each host's ranks hold their shares. The full
-    check, with the training state and the passes, comes with the plan (check_plan). --plan's --host-memory and --gpus
-    describe the host instead."""
-    params = parameter_count(sizes)
-    per_param = 4 if run.train or run.dtype == "float32" else 2
-    ranks = Ranks.from_environment() if run.gpus is None else Ranks(0, run.gpus, 0, run.gpus)
-    ids = 8 * run.batch_size * run.seq_len * (run.grad_accum if run.train else 1)  # the step's int64 token ids
-    needed = params * per_param * ranks.local_world // ranks.world + ids
-    available = host_memory_available() if run.host_memory is None else int(run.host_memory * GiB)
-    if run.max_host_memory is not None:
-        available = min(available or math.inf, int(run.max_host_memory * GiB))
-    if available is not None and needed > available:
-        fix = "a smaller model" if run.model else SMALLER_LAYERS
-        if ids > needed // 2:
-            fix = "fewer or shorter sequences (--batch-size, --seq-len, --grad-accum)"
-        if run.max_host_memory is not None:
-            fix += ", or a larger --max-host-memory"
-        raise UsageError(
-            f"{count_text(params)} parameters and {count_text(ids // 8)} token ids need at least {size_text(needed)} "
-            f"of host memory, only {size_text(available)} are available: use {fix}, or a host with more memory"
-        )
+def host_zeros(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A zeroed flat CPU buffer, pinned when a GPU streams it. Allocate once: pinning is slow."""
+    return host_zeros_each([numel], dtype, pin)[0]
 
 
-def host_memory_available() -> int | None:
-    """MemAvailable from /proc/meminfo, in bytes (None where there is no such file)."""
-    return proc_kib("/proc/meminfo", "MemAvailable")
+def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]:
+    """host_zeros of each of `numels`, made together: every page touched by the rank's threads at once, then the
+    buffers pinned by several threads, which the driver serves in parallel."""
+    buffers = [HostBuffer(numel * dtype.itemsize) for numel in numels]
+    if pin:
+        touch_pages([(b.address, len(b)) for b in buffers])
+        with ThreadPoolExecutor(torch.get_num_threads()) as pool:
+            list(pool.map(HostBuffer.pin, buffers))
+    return [torch.frombuffer(b, dtype=dtype) for b in buffers]  # each tensor keeps its buffer alive
 
 
-def proc_kib(path: str, field: str) -> int | None:
-    """A 'field: N kB' line of a Linux /proc file, in bytes (None where there is no such file or field)."""
-    with contextlib.suppress(OSError):
-        for line in Path(path).read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return None
-
-
-def check_sizes(sizes: dict, origin: str = "") -> None:
-    """Refuse sizes (LlamaConfig field -> value) no LLaMA has; `origin` says where they came from in the message."""
-    for field in SIZE_FLAGS:
-        least = 2 if field == "vocab_size" else 1  # one token leaves nothing to predict
-        if sizes[field] < least:
-            name = field if origin else f"--{SIZE_FLAGS[field]}"
-            raise UsageError(f"{origin}{name} must be at least {least}, got {sizes[field]}")
-    hidden, heads, kv_heads = sizes["hidden_size"], sizes["num_attention_heads"], sizes["num_key_value_heads"]
-
-    def change(flag: str) -> str:
-        """What to change where the sizes came from flags (a saved model's are not the user's to change)."""
-        return "" if origin else f": change {flag}"
-
-    if hidden % heads:
-        raise UsageError(f"{origin}hidden size {hidden} is not divisible by {heads} attention heads{change('--heads')}")
-    if heads % kv_heads:
-        why = f"{heads} attention heads are not divisible by {kv_heads} key/value heads{change('--kv-heads')}"
-        raise UsageError(f"{origin}{why}")
-    if (hidden // heads) % 2:
-        why = f"head dimension (hidden size / heads) must be even for rotary embeddings{change('--hidden-size')}"
-        raise UsageError(f"{origin}{why}")
-
-
-def quit_on_signal(signum, frame) -> None:
-    """SIGINT's and SIGTERM's handler until main() runs: nothing is written yet, so the process ends at once."""
-    print(f"offload_llama.py: {signal.Signals(signum).name} before the run began; nothing was written", file=sys.stderr)
-    os._exit(128 + signum)
-
-
-if __name__ == "__main__":  # a mistyped command is answered before torch and transformers load, which takes seconds
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, quit_on_signal)
-    check_command_line(sys.argv[1:])
-
-import tokenizers  # noqa: E402  (after the command line's check)
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import tqdm  # noqa: E402
-import transformers  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-from torch.utils._pytree import tree_leaves, tree_map  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
-from transformers.models.llama.modeling_llama import (  # noqa: E402
-    LlamaDecoderLayer,
-    LlamaRMSNorm,
-    LlamaRotaryEmbedding,
-)
-
-DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
-
-
-# ---------------------------------------------------------------------------------------------------- parameter store
+# ------------------------------------------------------------------------------------- blocked and overlapped offload
 
 
 @dataclass(frozen=True)
@@ -1504,34 +721,6 @@ class ParamStore:
     def streamer(self, kinds, make_module, device, depth: int) -> LayerStreamer:
         """A LayerStreamer of the layers (ShardedParamStore: of this rank's shards, the rest gathered)."""
         return LayerStreamer(self.flats, kinds, make_module, self.dtype, device, depth)
-
-
-# ---------------------------------------------------------------------------------------------------- layer streamer
-# Every synchronisation of the core (the accelerations' S12-S16 continue it, each at its section): what it is; who
-# records or sets it, on which stream or thread; who waits on it, where; what it protects. Each wait names its row.
-# Streams: compute (the current one), copy (weights in), gather (several ranks'), D2H (gradients out); threads: main,
-# autograd's (it runs the backward), the CPU Adam's worker.
-#   S1   copied[s], CUDA event. Recorded by prefetch on copy (several ranks: by landed_in again, on gather). Waited
-#        on by acquire on compute (several ranks: landed_in, on gather). Slot s is not read before its unit landed.
-#   S2   freed[s], CUDA event. Recorded by release on compute. Waited on by prefetch on copy. Slot s is not
-#        overwritten while a unit reads it.
-#   S3   landed, CUDA event. Recorded by wait_copies on copy and gather. Waited on by the stream given: compute
-#        (keep_resident), or timed's end. A ring is not freed, nor a time ended, under a copy.
-#   S4   done[u], thread event. Cleared by CpuAdam.update (main or autograd), set by the worker when unit u's update
-#        is written. Waited on by wait_written (in prefetch; main or autograd) and wait_all (main); polled by written
-#        (CopyWindow). A host source is not copied or saved mid-update.
-#   S5   ready, CUDA event. Recorded by send on compute once the unit's backward is issued. Waited on by
-#        CpuAdam.send and to_send on D2H, StreamedAdam.take on s_adam. Gradients are not read before all are written.
-#   S6   summed, CUDA event (several ranks). Recorded by to_send on D2H after the reduce-scatter. Waited on by the
-#        stepper, in place of S5. A shard is not read before its sum landed.
-#   S7   landed[u], blocking CUDA event. Recorded by CpuAdam.send on D2H after the copy to pinned memory. Waited on by
-#        the worker (synchronize; next_job queries it). The CPU does not read gradients in flight.
-#   S8   last_landed: S7's, or S13's consumed. Kept by Steppers.send, the last one sent. Waited on by wait_to_write on
-#        compute, before the backward's first write. The gradient buffer is not overwritten too soon.
-#   S9   cond, condition. Notified by CpuAdam.update, close. Waited on by next_job (worker); close joins it. Job queue.
-#   S10  GradientPool.free, queue. Given back by the worker once it stepped the unit. Taken by take, in autograd
-#        (CpuAdam.send), where buffers are shared. A pinned buffer is not rewritten before its step.
-#   S11  loss.item(), host sync, in train_steps (main): the step's end. A step is not timed unfinished.
 
 
 class ReadOnly:
@@ -1772,426 +961,23 @@ def offloaded_model(model: LlamaForCausalLM, strategy, device: torch.device) -> 
     return shell.train(model.training)
 
 
-# ---------------------------------------------------------------------------------------------------- training
+def mode_depth(mode: str, prefetch: int) -> int:
+    """Units the copy stream runs ahead: blocked 0, overlapped --prefetch (else the same code but places_on_gpu)."""
+    return prefetch if mode == "overlapped" else 0
 
 
-def torch_adam_step(adam: Adam, master, grads, exp_avg, exp_avg_sq, step: torch.Tensor) -> None:
-    """Step `master` by `grads` (float32 both) with torch.optim.Adam's fused kernel on its device, state in place."""
-    param = nn.Parameter(master)  # shares the master's memory
-    param.grad = grads
-    optimizer = adam.optimizer([param])
-    optimizer.state[param] = {"step": step, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}  # steps it
-    optimizer.step()
+def places_on_gpu(mode: str) -> bool:
+    """Whether the plan may keep `mode`'s units resident and step some on the GPU's Adam: overlapped alone."""
+    return mode == "overlapped"
 
 
-class AdamUpdate:
-    """One unit's Adam step on the CPU: torch.optim.Adam's fused kernel on float32 gradients, then a cast into the copy
-    the GPU streams. A run's store steps with CompiledAdamUpdate, the two fused into one pass (training_store)."""
+def infer_offloaded(model: LlamaForCausalLM, store: ParamStore, device, depth: int, resident=()):
+    """Offloaded inference: HF's forward streaming all but the `resident` layers; returns it and its streamer."""
+    streamer = layer_streamer(store, model.config, device, depth, resident)
+    return offloaded_model(model, streamer, device), streamer
 
-    def __init__(self, adam: Adam, grad_dtype: torch.dtype, copy_dtype: torch.dtype | None, scaled: bool = False):
-        self.adam = adam
-        self.copy_dtype = copy_dtype
-        self.scaled = scaled  # the gradients are multiplied first (clipping)
-        self.grad_dtype = torch.float32  # the fused kernel's; `grad_dtype`: what a fused update would take
 
-    @property
-    def bytes_per_param(self) -> int:
-        """Host bytes one step moves per parameter: it reads the float32 master, exp_avg and exp_avg_sq (12), the
-        float32 gradients (4) and the master again to cast it (4, where there is a copy); it writes the three again
-        (12) and the copy the GPU streams (Plan.copy_dtype: bfloat16's 2). Clipping adds 8 (the gradients scaled). So
-        34 for bfloat16; CompiledAdamUpdate, a run's, 30 (28 with one micro-batch: bfloat16 gradients)."""
-        copy = self.copy_dtype.itemsize + 4 if self.copy_dtype else 0
-        rescale = 8 if self.scaled else 0
-        return 24 + self.grad_dtype.itemsize + copy + rescale
-
-    @torch.no_grad()
-    def __call__(self, master, grads, exp_avg, exp_avg_sq, copy, step: torch.Tensor, multiplier: float = 1.0) -> None:
-        """Step `master` by `grads` times `multiplier`; `step`: the unit's step count (a float32 tensor, as
-        torch.optim.Adam keeps it)."""
-        if multiplier != 1.0:
-            grads.mul_(multiplier)  # float32 here
-        torch_adam_step(self.adam, master, grads, exp_avg, exp_avg_sq, step)
-        if copy is not None:
-            copy.copy_(master)
-
-
-class MasterStore:
-    """Training state on the host, one flat buffer per unit and kind: float32 masters and, where there is room, the
-    compute-dtype copies each Adam step rewrites for the GPU to stream (pinned); float32 moments; the gradients, in a
-    pinned buffer of the pool from their copy until their Adam step. Policies: `moments` (HostMoments; DiskMoments
-    keeps some units' on a disk), `update` (AdamUpdate; CompiledAdamUpdate)."""
-
-    def __init__(
-        self,
-        units: list[Unit],
-        adam: Adam,
-        pin: bool,
-        grad_buffers=None,
-        grad_dtype=torch.float32,
-        copy_dtype=None,
-        scaled_grads: bool = False,
-        moments=None,
-        ranks: Ranks = Ranks(),
-        update=AdamUpdate,
-    ):
-        self.units = units
-        self.pin = pin  # whether the host buffers are pinned
-        self.ranks = ranks  # each unit's state here is this rank's shard of it
-        numels = [self.ranks.shard_numel(u.layout.numel) for u in units]
-        self.masters = host_zeros_each(numels, torch.float32, pin)
-        self.copies = host_zeros_each(numels, copy_dtype, pin) if copy_dtype else None
-        self.adam_moments = (moments or HostMoments)(numels)  # moments_for: DiskMoments with a disk tier
-        # after the pinning, which a compiled update may still overlap (CompiledAdamUpdate, start_adam_compile)
-        self.update = update(adam, grad_dtype, copy_dtype, scaled_grads)  # scaled: --clip-grad-norm
-        self.grad_dtype = self.update.grad_dtype  # what the update takes: float32 but where it compiled
-        self.setup_s = {}  # seconds of set-up by part (training_store, run_modes, make_trainer, prepare_steps)
-        self.steps = [torch.zeros(()) for _ in units]
-        self.unstarted = set(range(len(units)))  # units whose moments are not zeroed for their first step yet
-        self.pool = GradientPool(numels, grad_buffers or len(units), pin, self.grad_dtype)
-        self.grads = list(self.pool.buffers) if self.pool.dedicated else [None] * len(units)
-
-    @property
-    def weights(self) -> list[torch.Tensor]:
-        """What the GPU streams: the compute-dtype copies, or the float32 masters where there are none."""
-        return self.copies or self.masters
-
-    @property
-    def moments(self) -> list:
-        """Each unit's moments in host memory, None where the disk tier keeps them."""
-        return self.adam_moments.buffers
-
-    def take_grads(self, u: int) -> torch.Tensor:
-        """A pinned buffer for unit u's gradients, which its Adam step will read (waits while the pool is empty)."""
-        self.grads[u] = self.pool.take(u)[: self.masters[u].numel()]
-        return self.grads[u]
-
-    def step(self, u: int, multiplier: float = 1.0) -> None:
-        """Unit u's Adam step (master, moments, copy: one pass where compiled) on its gradients times `multiplier`."""
-        if u in self.unstarted:
-            self.zero_moments([u])
-        copy = self.copies[u] if self.copies else None
-        try:
-            moments = self.adam_moments.stage(u)
-            self.update(self.masters[u], self.grads[u], *moments, copy, self.steps[u], multiplier)
-        finally:  # a read or update that fails still frees the buffers: the backward waiting for one sees the error
-            self.adam_moments.staged(u)
-            if not self.pool.dedicated:
-                self.pool.give(self.grads[u])
-                self.grads[u] = None
-
-    def ready(self, u: int) -> bool:
-        """Whether unit u's step can run without waiting for its moments (DiskMoments: to be read)."""
-        return self.adam_moments.ready(u)
-
-    def moments_of(self, u: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Unit u's Adam moments after its updates: in place on the host, or read from the disk into new memory."""
-        return self.adam_moments.read(u)
-
-    def flush(self) -> None:
-        """Block until the moments' write-backs have landed (DiskMoments); re-raise their error."""
-        self.adam_moments.flush()
-
-    def close(self) -> None:
-        """Free what the moments hold beside host memory (DiskMoments: the disk tier's files)."""
-        self.adam_moments.close()
-
-    def zero_moments(self, units) -> None:
-        """Start the moments of those of `units` not started since load at zero, as torch.optim.Adam creates them."""
-        starting = self.unstarted.intersection(units)
-        self.adam_moments.zero(starting)
-        self.unstarted -= starting
-
-    @torch.no_grad()
-    def load(self, model: LlamaForCausalLM, drawn_seed: int | None = None) -> None:
-        """Start from `model`'s weights (a rank: those in its shards) with fresh Adam state, the moments zeroed before
-        each unit's first step; or, drawn_seed given, from the random model init_random draws for `model`, a meta-device
-        model, drawn straight into the masters (draw_masters)."""
-        if drawn_seed is not None:
-            draw_masters(self, model, drawn_seed)
-        for u, (unit, master) in enumerate(zip(self.units, self.masters, strict=True)):
-            start = self.ranks.rank * master.numel()  # where this rank's shard starts in the unit's flat buffer
-            if drawn_seed is None:
-                unit.layout.fill(master, model.get_submodule(unit.name).get_parameter, start)
-            if self.copies:
-                self.copies[u].copy_(master)
-            self.steps[u].zero_()
-        self.unstarted = set(range(len(self.units)))  # their moments: zeroed before their first step
-        self.adam_moments.restart()
-
-    def state_dict(self, flats: list[torch.Tensor] | None = None, on_first: bool = False) -> dict[str, torch.Tensor]:
-        """The masters (or other per-unit flats: gradients) as float32 CPU tensors with HF names, every rank's shards
-        gathered a unit at a time (every rank calls it) on every rank, or (on_first) on rank 0 alone."""
-        fulls = (self.ranks.gathered(flat.cpu(), everywhere=not on_first) for flat in flats or self.masters)
-        units = ((u.name, u.layout.views(full)) for u, full in zip(self.units, fulls, strict=True) if full is not None)
-        return {
-            f"{unit}.{name}": view.to("cpu", torch.float32, copy=True) for unit, v in units for name, view in v.items()
-        }
-
-
-class GradientPool:
-    """The pinned buffers gradients land in: one per unit (`dedicated`), or `count` shared ones as big as the largest
-    unit, each given back as the CPU Adam finishes its unit, which the backward then waits for (`waited_s`)."""
-
-    def __init__(self, numels: list[int], count: int, pin: bool, dtype: torch.dtype):
-        self.dedicated = count >= len(numels)
-        sizes = numels if self.dedicated else [max(numels)] * count
-        self.buffers = host_zeros_each(sizes, dtype, pin)
-        self.free = queue.SimpleQueue()
-        for buffer in self.buffers:
-            self.free.put(buffer)
-        self.waited_s = 0.0
-
-    def take(self, u: int) -> torch.Tensor:
-        """Unit u's own buffer, or the next shared one that is free."""
-        if self.dedicated:
-            return self.buffers[u]
-        start = time.perf_counter()
-        buffer = self.free.get()  # S10
-        self.waited_s += time.perf_counter() - start
-        return buffer
-
-    def give(self, grads: torch.Tensor) -> None:
-        """A shared buffer (or a view at its start) is free again."""
-        self.free.put(next(b for b in self.buffers if b.data_ptr() == grads.data_ptr()))
-
-
-class HostState:
-    """The steppers of streamed units (CpuAdam, StreamedAdam): gradients in Steppers' buffer, state in the host store.
-    Every stepper answers these, send, update, wait_written, written and wait_all (ResidentUnits also grads)."""
-
-    holds_grads = False  # the units' gradients accumulate in the gradient buffer of Steppers
-    shares_buffer = True  # and so wait for the last gradients sent to leave it
-
-    def __init__(self, store: MasterStore):
-        self.store = store
-
-    def state(self, u: int, grads: bool = False) -> torch.Tensor:
-        """Unit u's float32 master (grads: the gradients the host holds) on the host."""
-        return self.store.grads[u] if grads else self.store.masters[u]
-
-    def adam_state(self, u: int) -> tuple[torch.Tensor, ...]:
-        """Unit u's float32 master, Adam moments and step count, on the host."""
-        return self.store.masters[u], *self.store.moments_of(u), self.store.steps[u]
-
-
-class CpuAdam(HostState):
-    """The plain path's stepper: a unit's gradients leave on the D2H stream for a pinned buffer, and a worker thread
-    steps it once they landed; of the landed units, first the one the next forward needs first (the lowest)."""
-
-    def __init__(self, store: MasterStore, device: torch.device, d2h_stream):
-        super().__init__(store)
-        self.step = store.step  # step(u, multiplier): unit u's update, run in the worker
-        self.d2h_stream = d2h_stream  # the gradients leave on it
-        self.landed = [new_event(device, blocking=True) for _ in store.units]
-        self.done = [threading.Event() for _ in store.units]
-        for event in self.done:
-            event.set()
-        self.pending = []  # (unit, landed event, multiplier), in the order submitted; None asks the worker to stop
-        self.error = None
-        self.busy_s = 0.0  # time spent in updates
-        self.cond = threading.Condition()
-        self.thread = threading.Thread(target=self.work, name="cpu-adam", daemon=True)
-        self.thread.start()
-
-    def send(self, u: int, grads: torch.Tensor, ready):
-        """Copy the gradients to the host once `ready`; returns the event after which their memory may be reused."""
-        host = self.store.take_grads(u)
-        stream = self.d2h_stream
-        with on_stream(stream):
-            stream.wait_event(ready)  # S5 (S6): the unit's backward must have written all its gradients
-            host.copy_(grads, non_blocking=True)
-            self.landed[u].record(stream)  # S7
-        return self.landed[u]
-
-    def update(self, u: int, multiplier: float) -> None:
-        """Queue unit u's step, its gradients times `multiplier`; the worker runs it once its gradients land."""
-        self.done[u].clear()
-        with self.cond:
-            # this step's multiplier travels with the job: a later step's must never reach these gradients
-            self.pending.append((u, self.landed[u], multiplier))
-            self.cond.notify()
-
-    def wait_written(self, u: int) -> None:
-        """Block until unit u's last update has written its master and copy; re-raise an error of the worker."""
-        self.done[u].wait()  # S4
-        if self.error:
-            raise self.error
-
-    def written(self, u: int) -> bool:
-        """Whether unit u's last update is done (an error of the worker counts as done: wait_written re-raises it)."""
-        return self.done[u].is_set()
-
-    def wait_all(self) -> None:
-        """Block until every queued update is done, and the disk tier has written back what they changed. An error of
-        the worker is re-raised once every update is done (it goes on with the others), before the write-backs."""
-        for done in self.done:
-            done.wait()  # S4
-        if self.error:
-            raise self.error
-        self.store.flush()
-
-    def close(self) -> None:
-        """Finish every update, then stop the worker thread, also after an error of the worker, which it re-raises:
-        the buffers it steps may be freed on return (once; closing again does nothing)."""
-        if not self.thread.is_alive():
-            return
-        with self.cond:
-            self.pending.append(None)  # last in the queue: the worker steps every queued unit first
-            self.cond.notify()
-        self.thread.join()  # S9: the worker took the stop, after every queued job
-        self.wait_all()
-
-    def next_job(self):
-        """The next (unit, landed, multiplier) to step, sleeping until one is queued; None once close() asks to stop."""
-        with self.cond:
-            while not self.pending:
-                self.cond.wait()  # S9
-            if self.pending[0] is None:
-                return None
-            # of the units whose gradients have landed, and whose moments the disk tier has read where it keeps them;
-            # else the oldest job (where it is a disk unit, the tier reads it before any later one: it reads in order)
-            landed = [job for job in self.pending if job is not None and job[1].query() and self.store.ready(job[0])]
-            job = min(landed, key=lambda job: job[0]) if landed else self.pending[0]
-            self.pending.remove(job)
-            return job
-
-    def work(self) -> None:
-        """The worker thread: step each unit as its job comes, and mark it done."""
-        # Adam's v goes denormal as the loss falls, slow on x86: flush to zero (sqrt(v) is then far below eps anyway)
-        torch.set_flush_denormal(True)
-        while (job := self.next_job()) is not None:
-            u, landed, multiplier = job
-            try:
-                landed.synchronize()  # S7: the gradients must be in pinned memory before the CPU reads them
-                start = time.perf_counter()
-                self.step(u, multiplier)
-                self.busy_s += time.perf_counter() - start
-            except Exception as e:  # hand it to the main thread, which waits on `done`
-                self.error = e
-            self.done[u].set()  # S4
-
-
-class Steppers:
-    """Each unit's stepper, and the GPU memory its gradients accumulate in until they leave. The plain path's CpuAdam
-    steps every unit until place_on_gpu gives some to ResidentUnits or StreamedAdam. The streamer asks it before each
-    copy whether the unit's host copy is written (the streamer's writer). A streamed unit's gradients, in order:
-
-        compute   the backward's first write into `buffer` waits last_landed; records ready (unit_backward, send)
-        D2H       waits ready (ShardedSteppers: reduces the ranks' into this rank's shard first, sum_shard),
-                  copies the gradients to pinned host memory, records landed                (CpuAdam.send)
-        CPU Adam  waits landed, steps the unit, marks it done                               (CpuAdam.work)
-        copy      the unit's next copy waits until it is done                               (wait_written)
-
-    landed becomes last_landed: the next unit's backward writes `buffer` only once these gradients have left it
-    (StreamedAdam's take stands in for the D2H copy, on its own stream)."""
-
-    def __init__(self, store: MasterStore, dtype: torch.dtype, device: torch.device, d2h_stream):
-        self.store, self.dtype, self.device = store, dtype, device
-        numel = max(map(store.ranks.whole_numel, store.masters))  # the streamed units' gradients, one unit at a time
-        self.buffer = torch.zeros(numel, dtype=store.grad_dtype, device=device)  # zeroed: the padding is stepped too
-        self.last_landed = InOrder()  # the event after which `buffer` may be overwritten: its last gradients left
-        self.cpu_adam = CpuAdam(store, device, d2h_stream)
-        self.of = [self.cpu_adam] * len(store.units)  # unit -> its stepper
-
-    def release(self) -> None:
-        """Free the gradient buffer, so that a new placement's state takes its memory (assign gives the new one)."""
-        self.buffer = None
-
-    def assign(self, chosen: dict, buffer: torch.Tensor) -> None:
-        """Step `chosen`'s units (unit -> stepper) by theirs, the rest by the CPU Adam; their gradients in `buffer`."""
-        self.buffer = buffer
-        self.of = [chosen.get(u, self.cpu_adam) for u in range(len(self.of))]
-
-    def grads(self, u: int) -> torch.Tensor:
-        """The GPU memory unit u's gradients accumulate in: the start of the gradient buffer, or a resident unit's."""
-        stepper = self.of[u]
-        if stepper.holds_grads:
-            return stepper.grads(u)
-        return self.buffer[: self.store.ranks.whole_numel(self.store.masters[u])]
-
-    def wait_to_write(self, u: int, stream) -> None:
-        """Before unit u's backward writes the shared buffer, `stream` waits for the last gradients sent to leave it."""
-        if self.of[u].shares_buffer:
-            stream.wait_event(self.last_landed)  # S8
-
-    def send(self, u: int, ready) -> torch.Tensor:
-        """Send unit u's gradients to its stepper once `ready` (its backward's end); returns what was sent."""
-        grads, ready = self.to_send(u, ready)
-        landed = self.of[u].send(u, grads, ready)
-        if landed is not None:  # None: they stay on the GPU (a resident unit), and the last ones sent hold the buffer
-            self.last_landed = landed
-        return grads
-
-    def to_send(self, u: int, ready) -> tuple[torch.Tensor, object]:
-        """What unit u's stepper takes, and the event it waits for: its gradients, once `ready`."""
-        return self.grads(u), ready
-
-    def update(self, u: int, multiplier: float) -> None:
-        """Unit u's Adam step, its gradients times `multiplier`: queued, or (a resident unit) on the compute stream."""
-        self.of[u].update(u, multiplier)
-
-    def wait_written(self, u: int) -> None:
-        """Hold the streamer's next copy of unit u (the host, or the copy stream) until its update has written it."""
-        self.of[u].wait_written(u)
-
-    def written(self, u: int) -> bool:
-        """Whether unit u's copy may be issued now, without waiting on the host."""
-        return self.of[u].written(u)
-
-    def state(self, u: int, grads: bool = False) -> torch.Tensor:
-        """Unit u's float32 master (grads: its last gradients), where its stepper keeps it."""
-        return self.of[u].state(u, grads)
-
-    def adam_state(self, u: int) -> tuple[torch.Tensor, ...]:
-        """Unit u's float32 master, Adam moments and step count, where its stepper keeps them."""
-        return self.of[u].adam_state(u)
-
-    def wait_all(self) -> None:
-        """Block until every update is done and written back."""
-        for stepper in dict.fromkeys(self.of):
-            stepper.wait_all()
-
-
-class KeptInputs:
-    """The plain path's saved inputs, on the GPU until the unit's backward (ActivationOffload: on the host)."""
-
-    def save(self, ctx, u: int, xs) -> None:
-        """Keep unit u's inputs for its backward."""
-        ctx.save_for_backward(*xs)
-
-    def load(self, u: int, saved: tuple) -> tuple:
-        """Unit u's inputs, at its backward."""
-        return saved
-
-    def release(self, u: int) -> None: ...  # nothing to free
-
-    def backward_begins(self, n_units: int) -> None: ...  # nothing to bring back
-
-
-class Unscaled:
-    """The plain path's loss, unscaled (LossScale, float16: units step once every gradient is in, to check them)."""
-
-    scale = 1.0
-    holds_updates = False
-
-    def unscale(self, grads: list[torch.Tensor]) -> None: ...  # nothing to undo
-
-    def update(self) -> bool:
-        """After the backward: whether the step may be applied."""
-        return True
-
-
-class Unclipped:
-    """The plain path's gradients, unclipped (GradClip: times a coefficient once every unit's norm is in)."""
-
-    holds_updates = False
-    grad_norms = ()  # none taken
-
-    def add(self, u: int, views, sent, stream) -> None: ...  # no norm to take
-
-    def multiplier(self) -> float:
-        """The gradients' multiplier for this step."""
-        return 1.0
+# ------------------------------------------------------------------------------------ training: the autograd.Function
 
 
 def objective(loss: torch.Tensor, micro_batches: int, scale: float) -> torch.Tensor:
@@ -2401,120 +1187,251 @@ def mean_loss(losses, ranks: Ranks = Ranks()) -> torch.Tensor:
     return ranks.sum(sum(loss.detach() for loss in losses)) / (len(losses) * ranks.world)
 
 
-# ---------------------------------------------------------------------------------------------------- modes
-# Inference's pass; training's is OffloadedTraining.step. A mode run whole (plan, steps, checkpoints): running a mode.
-# The plan asks these two of each mode, for make_trainer's depth and place_units's resident and GPU-Adam units.
+class KeptInputs:
+    """The plain path's saved inputs, on the GPU until the unit's backward (ActivationOffload: on the host)."""
+
+    def save(self, ctx, u: int, xs) -> None:
+        """Keep unit u's inputs for its backward."""
+        ctx.save_for_backward(*xs)
+
+    def load(self, u: int, saved: tuple) -> tuple:
+        """Unit u's inputs, at its backward."""
+        return saved
+
+    def release(self, u: int) -> None: ...  # nothing to free
+
+    def backward_begins(self, n_units: int) -> None: ...  # nothing to bring back
 
 
-def logits_of(model: LlamaForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
-    """One forward pass, without a KV cache: a single pass needs none."""
-    return model(input_ids, use_cache=False).logits  # (B, T, vocab)
+class Unscaled:
+    """The plain path's loss, unscaled (LossScale, float16: units step once every gradient is in, to check them)."""
 
+    scale = 1.0
+    holds_updates = False
 
-def mode_depth(mode: str, prefetch: int) -> int:
-    """Units the copy stream runs ahead: blocked 0, overlapped --prefetch (else the same code but places_on_gpu)."""
-    return prefetch if mode == "overlapped" else 0
+    def unscale(self, grads: list[torch.Tensor]) -> None: ...  # nothing to undo
 
-
-def places_on_gpu(mode: str) -> bool:
-    """Whether the plan may keep `mode`'s units resident and step some on the GPU's Adam: overlapped alone."""
-    return mode == "overlapped"
-
-
-def infer_offloaded(model: LlamaForCausalLM, store: ParamStore, device, depth: int, resident=()):
-    """Offloaded inference: HF's forward streaming all but the `resident` layers; returns it and its streamer."""
-    streamer = layer_streamer(store, model.config, device, depth, resident)
-    return offloaded_model(model, streamer, device), streamer
-
-
-# -------------------------------------------------------------------------------------------------- streams and events
-# A CUDA stream or event on a GPU; on the CPU, where ops run in order, a stand-in that needs no ordering.
-
-
-class InOrder:
-    """A CUDA stream or event's stand-in on the CPU, where ops run in order; tests swap it in to drop one wait."""
-
-    def wait_event(self, event) -> None: ...  # nothing to wait for: the CPU runs every op in order
-    def wait(self, stream=None) -> None: ...  # nothing to wait for
-    def record(self, stream=None) -> None: ...  # nothing to record
-    def synchronize(self) -> None: ...  # nothing to finish
-    def query(self) -> bool:  # always done
+    def update(self) -> bool:
+        """After the backward: whether the step may be applied."""
         return True
 
 
-def on_stream(stream):
-    """A `with` block that issues its work on `stream` (nothing to switch on the CPU)."""
-    return torch.cuda.stream(stream) if isinstance(stream, torch.cuda.Stream) else contextlib.nullcontext()
+class Unclipped:
+    """The plain path's gradients, unclipped (GradClip: times a coefficient once every unit's norm is in)."""
+
+    holds_updates = False
+    grad_norms = ()  # none taken
+
+    def add(self, u: int, views, sent, stream) -> None: ...  # no norm to take
+
+    def multiplier(self) -> float:
+        """The gradients' multiplier for this step."""
+        return 1.0
 
 
-def new_stream(device: torch.device):
-    """A side stream on a GPU; on the CPU, a stand-in that needs no ordering."""
-    return torch.cuda.Stream(device) if device.type == "cuda" else InOrder()
+# ------------------------------------------------------------------------------------------------- the offloaded Adam
 
 
-def new_event(device: torch.device, blocking: bool = False):
-    """blocking: a host thread that waits on it sleeps instead of spinning on a core the CPU Adam needs."""
-    return torch.cuda.Event(blocking=blocking) if device.type == "cuda" else InOrder()
+@dataclass(frozen=True)
+class Adam:
+    """torch.optim.Adam's hyper-parameters, with its meaning (L2 weight decay added to the gradient)."""
+
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+    def optimizer(self, params: list[torch.Tensor]) -> torch.optim.Adam:
+        """torch.optim.Adam over `params` with these hyper-parameters, fused (on the CPU, far faster than plain)."""
+        return torch.optim.Adam(params, self.lr, self.betas, self.eps, self.weight_decay, fused=True)
+
+    def scalars(self, step: int, multiplier: float = 1.0) -> torch.Tensor:
+        """adam_update's scalars for step `step` (from 1), as torch's fused CPU kernel rounds them, and the gradients'
+        multiplier (--clip-grad-norm); a tensor, not floats, so one compiled kernel serves every step."""
+        beta1, beta2 = self.betas
+        step_size = -self.lr / (1 - beta1**step)
+        values = [1 - beta1, beta2, 1 - beta2, math.sqrt(1 - beta2**step), self.eps, step_size, self.weight_decay]
+        return torch.tensor([*values, multiplier], dtype=torch.float32)
 
 
-# ---------------------------------------------------------------------------------------------------- host memory
-# The core's host buffers: allocated exactly, zero-filled, their pages touched by the rank's threads and pinned in
-# parallel where pinned; and the Adam moments.
+def torch_adam_step(adam: Adam, master, grads, exp_avg, exp_avg_sq, step: torch.Tensor) -> None:
+    """Step `master` by `grads` (float32 both) with torch.optim.Adam's fused kernel on its device, state in place."""
+    param = nn.Parameter(master)  # shares the master's memory
+    param.grad = grads
+    optimizer = adam.optimizer([param])
+    optimizer.state[param] = {"step": step, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}  # steps it
+    optimizer.step()
 
 
-class HostBuffer(mmap.mmap):
-    """Zeroed host memory of exactly `nbytes` (torch's pinned allocator rounds up to a power of two), in 2 MiB pages
-    where the kernel allows (the CPU Adam streams them faster), page-locked once pinned. It records no events: its
-    tensors must outlive every copy queued from or to them, as the run-long stores do."""
+class AdamUpdate:
+    """One unit's Adam step on the CPU: torch.optim.Adam's fused kernel on float32 gradients, then a cast into the copy
+    the GPU streams. A run's store steps with CompiledAdamUpdate, the two fused into one pass (training_store)."""
 
-    def __new__(cls, nbytes: int):
-        # anonymous and private: zero-filled, page-aligned, and in huge pages where asked (shared memory gets none)
-        return super().__new__(cls, -1, nbytes, flags=mmap.MAP_PRIVATE)
+    def __init__(self, adam: Adam, grad_dtype: torch.dtype, copy_dtype: torch.dtype | None, scaled: bool = False):
+        self.adam = adam
+        self.copy_dtype = copy_dtype
+        self.scaled = scaled  # the gradients are multiplied first (clipping)
+        self.grad_dtype = torch.float32  # the fused kernel's; `grad_dtype`: what a fused update would take
 
-    def __init__(self, nbytes: int):
-        with contextlib.suppress(AttributeError, OSError):  # a platform or kernel without transparent huge pages
-            self.madvise(mmap.MADV_HUGEPAGE)  # before the first touch, which allocates the pages
-        self.address = torch.frombuffer(self, dtype=torch.uint8).data_ptr()
-        self.unregister = None
+    @property
+    def bytes_per_param(self) -> int:
+        """Host bytes one step moves per parameter: it reads the float32 master, exp_avg and exp_avg_sq (12), the
+        float32 gradients (4) and the master again to cast it (4, where there is a copy); it writes the three again
+        (12) and the copy the GPU streams (Plan.copy_dtype: bfloat16's 2). Clipping adds 8 (the gradients scaled). So
+        34 for bfloat16; CompiledAdamUpdate, a run's, 30 (28 with one micro-batch: bfloat16 gradients)."""
+        copy = self.copy_dtype.itemsize + 4 if self.copy_dtype else 0
+        rescale = 8 if self.scaled else 0
+        return 24 + self.grad_dtype.itemsize + copy + rescale
 
-    def pin(self) -> None:
-        """Page-lock the memory for the copy engines, its pages touched first (touch_pages): registering maps the
-        missing ones itself, in one thread, several times slower."""
-        cudart = torch.cuda.cudart()
-        torch.cuda.check_error(cudart.cudaHostRegister(self.address, len(self), 0))
-        self.unregister = cudart.cudaHostUnregister
-
-    def __del__(self):  # before the memory is unmapped: the driver must let go of its pages first
-        if self.unregister is not None:
-            self.unregister(self.address)
-
-
-TOUCH_CHUNK = 2**26  # bytes: fresh host memory is first written by the rank's threads in chunks this size
-
-
-def touch_pages(spans) -> None:
-    """Write zeros over each (address, bytes) span of fresh host memory, a chunk a thread: a page's first write maps
-    it, and the kernel maps a thread's pages one at a time, so the rank's threads together map them several times
-    faster (memset runs without the GIL)."""
-    chunks = [(a + i, min(TOUCH_CHUNK, n - i)) for a, n in spans for i in range(0, n, TOUCH_CHUNK)]
-    with ThreadPoolExecutor(torch.get_num_threads()) as pool:
-        list(pool.map(lambda chunk: ctypes.memset(chunk[0], 0, chunk[1]), chunks))
+    @torch.no_grad()
+    def __call__(self, master, grads, exp_avg, exp_avg_sq, copy, step: torch.Tensor, multiplier: float = 1.0) -> None:
+        """Step `master` by `grads` times `multiplier`; `step`: the unit's step count (a float32 tensor, as
+        torch.optim.Adam keeps it)."""
+        if multiplier != 1.0:
+            grads.mul_(multiplier)  # float32 here
+        torch_adam_step(self.adam, master, grads, exp_avg, exp_avg_sq, step)
+        if copy is not None:
+            copy.copy_(master)
 
 
-def host_zeros(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """A zeroed flat CPU buffer, pinned when a GPU streams it. Allocate once: pinning is slow."""
-    return host_zeros_each([numel], dtype, pin)[0]
+class MasterStore:
+    """Training state on the host, one flat buffer per unit and kind: float32 masters and, where there is room, the
+    compute-dtype copies each Adam step rewrites for the GPU to stream (pinned); float32 moments; the gradients, in a
+    pinned buffer of the pool from their copy until their Adam step. Policies: `moments` (HostMoments; DiskMoments
+    keeps some units' on a disk), `update` (AdamUpdate; CompiledAdamUpdate)."""
+
+    def __init__(
+        self,
+        units: list[Unit],
+        adam: Adam,
+        pin: bool,
+        grad_buffers=None,
+        grad_dtype=torch.float32,
+        copy_dtype=None,
+        scaled_grads: bool = False,
+        moments=None,
+        ranks: Ranks = Ranks(),
+        update=AdamUpdate,
+    ):
+        self.units = units
+        self.pin = pin  # whether the host buffers are pinned
+        self.ranks = ranks  # each unit's state here is this rank's shard of it
+        numels = [self.ranks.shard_numel(u.layout.numel) for u in units]
+        self.masters = host_zeros_each(numels, torch.float32, pin)
+        self.copies = host_zeros_each(numels, copy_dtype, pin) if copy_dtype else None
+        self.adam_moments = (moments or HostMoments)(numels)  # moments_for: DiskMoments with a disk tier
+        # after the pinning, which a compiled update may still overlap (CompiledAdamUpdate, start_adam_compile)
+        self.update = update(adam, grad_dtype, copy_dtype, scaled_grads)  # scaled: --clip-grad-norm
+        self.grad_dtype = self.update.grad_dtype  # what the update takes: float32 but where it compiled
+        self.setup_s = {}  # seconds of set-up by part (training_store, run_modes, make_trainer, prepare_steps)
+        self.steps = [torch.zeros(()) for _ in units]
+        self.unstarted = set(range(len(units)))  # units whose moments are not zeroed for their first step yet
+        self.pool = GradientPool(numels, grad_buffers or len(units), pin, self.grad_dtype)
+        self.grads = list(self.pool.buffers) if self.pool.dedicated else [None] * len(units)
+
+    @property
+    def weights(self) -> list[torch.Tensor]:
+        """What the GPU streams: the compute-dtype copies, or the float32 masters where there are none."""
+        return self.copies or self.masters
+
+    @property
+    def moments(self) -> list:
+        """Each unit's moments in host memory, None where the disk tier keeps them."""
+        return self.adam_moments.buffers
+
+    def take_grads(self, u: int) -> torch.Tensor:
+        """A pinned buffer for unit u's gradients, which its Adam step will read (waits while the pool is empty)."""
+        self.grads[u] = self.pool.take(u)[: self.masters[u].numel()]
+        return self.grads[u]
+
+    def step(self, u: int, multiplier: float = 1.0) -> None:
+        """Unit u's Adam step (master, moments, copy: one pass where compiled) on its gradients times `multiplier`."""
+        if u in self.unstarted:
+            self.zero_moments([u])
+        copy = self.copies[u] if self.copies else None
+        try:
+            moments = self.adam_moments.stage(u)
+            self.update(self.masters[u], self.grads[u], *moments, copy, self.steps[u], multiplier)
+        finally:  # a read or update that fails still frees the buffers: the backward waiting for one sees the error
+            self.adam_moments.staged(u)
+            if not self.pool.dedicated:
+                self.pool.give(self.grads[u])
+                self.grads[u] = None
+
+    def ready(self, u: int) -> bool:
+        """Whether unit u's step can run without waiting for its moments (DiskMoments: to be read)."""
+        return self.adam_moments.ready(u)
+
+    def moments_of(self, u: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unit u's Adam moments after its updates: in place on the host, or read from the disk into new memory."""
+        return self.adam_moments.read(u)
+
+    def flush(self) -> None:
+        """Block until the moments' write-backs have landed (DiskMoments); re-raise their error."""
+        self.adam_moments.flush()
+
+    def close(self) -> None:
+        """Free what the moments hold beside host memory (DiskMoments: the disk tier's files)."""
+        self.adam_moments.close()
+
+    def zero_moments(self, units) -> None:
+        """Start the moments of those of `units` not started since load at zero, as torch.optim.Adam creates them."""
+        starting = self.unstarted.intersection(units)
+        self.adam_moments.zero(starting)
+        self.unstarted -= starting
+
+    @torch.no_grad()
+    def load(self, model: LlamaForCausalLM, drawn_seed: int | None = None) -> None:
+        """Start from `model`'s weights (a rank: those in its shards) with fresh Adam state, the moments zeroed before
+        each unit's first step; or, drawn_seed given, from the random model init_random draws for `model`, a meta-device
+        model, drawn straight into the masters (draw_masters)."""
+        if drawn_seed is not None:
+            draw_masters(self, model, drawn_seed)
+        for u, (unit, master) in enumerate(zip(self.units, self.masters, strict=True)):
+            start = self.ranks.rank * master.numel()  # where this rank's shard starts in the unit's flat buffer
+            if drawn_seed is None:
+                unit.layout.fill(master, model.get_submodule(unit.name).get_parameter, start)
+            if self.copies:
+                self.copies[u].copy_(master)
+            self.steps[u].zero_()
+        self.unstarted = set(range(len(self.units)))  # their moments: zeroed before their first step
+        self.adam_moments.restart()
+
+    def state_dict(self, flats: list[torch.Tensor] | None = None, on_first: bool = False) -> dict[str, torch.Tensor]:
+        """The masters (or other per-unit flats: gradients) as float32 CPU tensors with HF names, every rank's shards
+        gathered a unit at a time (every rank calls it) on every rank, or (on_first) on rank 0 alone."""
+        fulls = (self.ranks.gathered(flat.cpu(), everywhere=not on_first) for flat in flats or self.masters)
+        units = ((u.name, u.layout.views(full)) for u, full in zip(self.units, fulls, strict=True) if full is not None)
+        return {
+            f"{unit}.{name}": view.to("cpu", torch.float32, copy=True) for unit, v in units for name, view in v.items()
+        }
 
 
-def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]:
-    """host_zeros of each of `numels`, made together: every page touched by the rank's threads at once, then the
-    buffers pinned by several threads, which the driver serves in parallel."""
-    buffers = [HostBuffer(numel * dtype.itemsize) for numel in numels]
-    if pin:
-        touch_pages([(b.address, len(b)) for b in buffers])
-        with ThreadPoolExecutor(torch.get_num_threads()) as pool:
-            list(pool.map(HostBuffer.pin, buffers))
-    return [torch.frombuffer(b, dtype=dtype) for b in buffers]  # each tensor keeps its buffer alive
+class GradientPool:
+    """The pinned buffers gradients land in: one per unit (`dedicated`), or `count` shared ones as big as the largest
+    unit, each given back as the CPU Adam finishes its unit, which the backward then waits for (`waited_s`)."""
+
+    def __init__(self, numels: list[int], count: int, pin: bool, dtype: torch.dtype):
+        self.dedicated = count >= len(numels)
+        sizes = numels if self.dedicated else [max(numels)] * count
+        self.buffers = host_zeros_each(sizes, dtype, pin)
+        self.free = queue.SimpleQueue()
+        for buffer in self.buffers:
+            self.free.put(buffer)
+        self.waited_s = 0.0
+
+    def take(self, u: int) -> torch.Tensor:
+        """Unit u's own buffer, or the next shared one that is free."""
+        if self.dedicated:
+            return self.buffers[u]
+        start = time.perf_counter()
+        buffer = self.free.get()  # S10
+        self.waited_s += time.perf_counter() - start
+        return buffer
+
+    def give(self, grads: torch.Tensor) -> None:
+        """A shared buffer (or a view at its start) is free again."""
+        self.free.put(next(b for b in self.buffers if b.data_ptr() == grads.data_ptr()))
 
 
 class HostMoments:
@@ -2565,14 +1482,407 @@ class HostMoments:
     def close(self) -> None: ...  # nothing to free
 
 
-# ---------------------------------------------------------------------------------------------------- compiled Adam
-# The accelerations, from here to the disk tier: each plugs into a policy of the core (MasterStore's update and
-# moments; OffloadedTraining's steppers, inputs, scaling and clip), installed where a mode's trainer is made
-# (training_store, make_trainer, prepare_steps). Without them it trains the same (to float32's last bit: the compiled
-# update and the GPU's Adam round apart), slower; float16's LossScale and GradClip (--clip-grad-norm) change what it
-# computes, as gpu mode does. Their waits continue the core's sync table
-# (at the top of the layer streamer), each section's rows at its top.
-# This one: adam_update fused by torch.compile into one pass over host memory (CompiledAdamUpdate), compiled early.
+class HostState:
+    """The steppers of streamed units (CpuAdam, StreamedAdam): gradients in Steppers' buffer, state in the host store.
+    Every stepper answers these, send, update, wait_written, written and wait_all (ResidentUnits also grads)."""
+
+    holds_grads = False  # the units' gradients accumulate in the gradient buffer of Steppers
+    shares_buffer = True  # and so wait for the last gradients sent to leave it
+
+    def __init__(self, store: MasterStore):
+        self.store = store
+
+    def state(self, u: int, grads: bool = False) -> torch.Tensor:
+        """Unit u's float32 master (grads: the gradients the host holds) on the host."""
+        return self.store.grads[u] if grads else self.store.masters[u]
+
+    def adam_state(self, u: int) -> tuple[torch.Tensor, ...]:
+        """Unit u's float32 master, Adam moments and step count, on the host."""
+        return self.store.masters[u], *self.store.moments_of(u), self.store.steps[u]
+
+
+class CpuAdam(HostState):
+    """The plain path's stepper: a unit's gradients leave on the D2H stream for a pinned buffer, and a worker thread
+    steps it once they landed; of the landed units, first the one the next forward needs first (the lowest)."""
+
+    def __init__(self, store: MasterStore, device: torch.device, d2h_stream):
+        super().__init__(store)
+        self.step = store.step  # step(u, multiplier): unit u's update, run in the worker
+        self.d2h_stream = d2h_stream  # the gradients leave on it
+        self.landed = [new_event(device, blocking=True) for _ in store.units]
+        self.done = [threading.Event() for _ in store.units]
+        for event in self.done:
+            event.set()
+        self.pending = []  # (unit, landed event, multiplier), in the order submitted; None asks the worker to stop
+        self.error = None
+        self.busy_s = 0.0  # time spent in updates
+        self.cond = threading.Condition()
+        self.thread = threading.Thread(target=self.work, name="cpu-adam", daemon=True)
+        self.thread.start()
+
+    def send(self, u: int, grads: torch.Tensor, ready):
+        """Copy the gradients to the host once `ready`; returns the event after which their memory may be reused."""
+        host = self.store.take_grads(u)
+        stream = self.d2h_stream
+        with on_stream(stream):
+            stream.wait_event(ready)  # S5 (S6): the unit's backward must have written all its gradients
+            host.copy_(grads, non_blocking=True)
+            self.landed[u].record(stream)  # S7
+        return self.landed[u]
+
+    def update(self, u: int, multiplier: float) -> None:
+        """Queue unit u's step, its gradients times `multiplier`; the worker runs it once its gradients land."""
+        self.done[u].clear()
+        with self.cond:
+            # this step's multiplier travels with the job: a later step's must never reach these gradients
+            self.pending.append((u, self.landed[u], multiplier))
+            self.cond.notify()
+
+    def wait_written(self, u: int) -> None:
+        """Block until unit u's last update has written its master and copy; re-raise an error of the worker."""
+        self.done[u].wait()  # S4
+        if self.error:
+            raise self.error
+
+    def written(self, u: int) -> bool:
+        """Whether unit u's last update is done (an error of the worker counts as done: wait_written re-raises it)."""
+        return self.done[u].is_set()
+
+    def wait_all(self) -> None:
+        """Block until every queued update is done, and the disk tier has written back what they changed. An error of
+        the worker is re-raised once every update is done (it goes on with the others), before the write-backs."""
+        for done in self.done:
+            done.wait()  # S4
+        if self.error:
+            raise self.error
+        self.store.flush()
+
+    def close(self) -> None:
+        """Finish every update, then stop the worker thread, also after an error of the worker, which it re-raises:
+        the buffers it steps may be freed on return (once; closing again does nothing)."""
+        if not self.thread.is_alive():
+            return
+        with self.cond:
+            self.pending.append(None)  # last in the queue: the worker steps every queued unit first
+            self.cond.notify()
+        self.thread.join()  # S9: the worker took the stop, after every queued job
+        self.wait_all()
+
+    def next_job(self):
+        """The next (unit, landed, multiplier) to step, sleeping until one is queued; None once close() asks to stop."""
+        with self.cond:
+            while not self.pending:
+                self.cond.wait()  # S9
+            if self.pending[0] is None:
+                return None
+            # of the units whose gradients have landed, and whose moments the disk tier has read where it keeps them;
+            # else the oldest job (where it is a disk unit, the tier reads it before any later one: it reads in order)
+            landed = [job for job in self.pending if job is not None and job[1].query() and self.store.ready(job[0])]
+            job = min(landed, key=lambda job: job[0]) if landed else self.pending[0]
+            self.pending.remove(job)
+            return job
+
+    def work(self) -> None:
+        """The worker thread: step each unit as its job comes, and mark it done."""
+        # Adam's v goes denormal as the loss falls, slow on x86: flush to zero (sqrt(v) is then far below eps anyway)
+        torch.set_flush_denormal(True)
+        while (job := self.next_job()) is not None:
+            u, landed, multiplier = job
+            try:
+                landed.synchronize()  # S7: the gradients must be in pinned memory before the CPU reads them
+                start = time.perf_counter()
+                self.step(u, multiplier)
+                self.busy_s += time.perf_counter() - start
+            except Exception as e:  # hand it to the main thread, which waits on `done`
+                self.error = e
+            self.done[u].set()  # S4
+
+
+class Steppers:
+    """Each unit's stepper, and the GPU memory its gradients accumulate in until they leave. The plain path's CpuAdam
+    steps every unit until place_on_gpu gives some to ResidentUnits or StreamedAdam. The streamer asks it before each
+    copy whether the unit's host copy is written (the streamer's writer). A streamed unit's gradients, in order:
+
+        compute   the backward's first write into `buffer` waits last_landed; records ready (unit_backward, send)
+        D2H       waits ready (ShardedSteppers: reduces the ranks' into this rank's shard first, sum_shard),
+                  copies the gradients to pinned host memory, records landed                (CpuAdam.send)
+        CPU Adam  waits landed, steps the unit, marks it done                               (CpuAdam.work)
+        copy      the unit's next copy waits until it is done                               (wait_written)
+
+    landed becomes last_landed: the next unit's backward writes `buffer` only once these gradients have left it
+    (StreamedAdam's take stands in for the D2H copy, on its own stream)."""
+
+    def __init__(self, store: MasterStore, dtype: torch.dtype, device: torch.device, d2h_stream):
+        self.store, self.dtype, self.device = store, dtype, device
+        numel = max(map(store.ranks.whole_numel, store.masters))  # the streamed units' gradients, one unit at a time
+        self.buffer = torch.zeros(numel, dtype=store.grad_dtype, device=device)  # zeroed: the padding is stepped too
+        self.last_landed = InOrder()  # the event after which `buffer` may be overwritten: its last gradients left
+        self.cpu_adam = CpuAdam(store, device, d2h_stream)
+        self.of = [self.cpu_adam] * len(store.units)  # unit -> its stepper
+
+    def release(self) -> None:
+        """Free the gradient buffer, so that a new placement's state takes its memory (assign gives the new one)."""
+        self.buffer = None
+
+    def assign(self, chosen: dict, buffer: torch.Tensor) -> None:
+        """Step `chosen`'s units (unit -> stepper) by theirs, the rest by the CPU Adam; their gradients in `buffer`."""
+        self.buffer = buffer
+        self.of = [chosen.get(u, self.cpu_adam) for u in range(len(self.of))]
+
+    def grads(self, u: int) -> torch.Tensor:
+        """The GPU memory unit u's gradients accumulate in: the start of the gradient buffer, or a resident unit's."""
+        stepper = self.of[u]
+        if stepper.holds_grads:
+            return stepper.grads(u)
+        return self.buffer[: self.store.ranks.whole_numel(self.store.masters[u])]
+
+    def wait_to_write(self, u: int, stream) -> None:
+        """Before unit u's backward writes the shared buffer, `stream` waits for the last gradients sent to leave it."""
+        if self.of[u].shares_buffer:
+            stream.wait_event(self.last_landed)  # S8
+
+    def send(self, u: int, ready) -> torch.Tensor:
+        """Send unit u's gradients to its stepper once `ready` (its backward's end); returns what was sent."""
+        grads, ready = self.to_send(u, ready)
+        landed = self.of[u].send(u, grads, ready)
+        if landed is not None:  # None: they stay on the GPU (a resident unit), and the last ones sent hold the buffer
+            self.last_landed = landed
+        return grads
+
+    def to_send(self, u: int, ready) -> tuple[torch.Tensor, object]:
+        """What unit u's stepper takes, and the event it waits for: its gradients, once `ready`."""
+        return self.grads(u), ready
+
+    def update(self, u: int, multiplier: float) -> None:
+        """Unit u's Adam step, its gradients times `multiplier`: queued, or (a resident unit) on the compute stream."""
+        self.of[u].update(u, multiplier)
+
+    def wait_written(self, u: int) -> None:
+        """Hold the streamer's next copy of unit u (the host, or the copy stream) until its update has written it."""
+        self.of[u].wait_written(u)
+
+    def written(self, u: int) -> bool:
+        """Whether unit u's copy may be issued now, without waiting on the host."""
+        return self.of[u].written(u)
+
+    def state(self, u: int, grads: bool = False) -> torch.Tensor:
+        """Unit u's float32 master (grads: its last gradients), where its stepper keeps it."""
+        return self.of[u].state(u, grads)
+
+    def adam_state(self, u: int) -> tuple[torch.Tensor, ...]:
+        """Unit u's float32 master, Adam moments and step count, where its stepper keeps them."""
+        return self.of[u].adam_state(u)
+
+    def wait_all(self) -> None:
+        """Block until every update is done and written back."""
+        for stepper in dict.fromkeys(self.of):
+            stepper.wait_all()
+
+
+# ------------------------------------------------------------- the reference: the resident model and torch.optim.Adam
+
+
+class ResidentTraining:
+    """gpu and cpu modes, the reference: the plain HF model on `device`, torch.optim.Adam on float32 masters there."""
+
+    def __init__(self, model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device, adam: Adam, clip=None):
+        self.model = copy.deepcopy(model).to(device)
+        self.clip = clip  # --clip-grad-norm: torch.nn.utils.clip_grad_norm_ over every master's gradients
+        self.grad_norms = []  # each applied step's, before clipping
+        self.names = [name for name, _ in self.model.named_parameters()]
+        self.params = [p.requires_grad_() for p in self.model.parameters()]  # the inference store froze the layers
+        self.masters = [p.detach().float().clone() for p in self.params]
+        self.optimizer = adam.optimizer(self.masters)
+        self.scaling = loss_scaling(dtype, device)
+        self.units = model_units(model.config)
+        self.ranks = Ranks()  # one process
+
+    def step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
+        """One step: backward each micro-batch, gradients summed in float32, Adam on the masters copied into the
+        weights; returns the mean loss."""
+        losses = []
+        for k, ids in enumerate(micro_batches):
+            loss = self.model(ids, labels=ids, use_cache=False).loss
+            objective(loss, len(micro_batches), self.scaling.scale).backward()
+            for master, p in zip(self.masters, self.params, strict=True):
+                master.grad = p.grad.float() if k == 0 else master.grad.add_(p.grad)
+                p.grad = None
+            losses.append(loss.detach())
+        self.scaling.unscale([m.grad for m in self.masters])
+        if self.scaling.update():
+            if self.clip is not None:
+                self.grad_norms.append(torch.nn.utils.clip_grad_norm_(self.masters, self.clip).item())
+            self.optimizer.step()
+            with torch.no_grad():
+                for p, master in zip(self.params, self.masters, strict=True):
+                    p.copy_(master)
+        return mean_loss(losses)
+
+    def finish(self) -> None: ...  # nothing runs in the background
+
+    def wait_updates(self) -> None: ...  # each step is done when step() returns
+
+    def unit_params(self, u: int):
+        """Unit u's parameters as (name within the unit, float32 master, compute-dtype weight)."""
+        prefix = self.units[u].name + "."
+        for name, master, param in zip(self.names, self.masters, self.params, strict=True):
+            if name.startswith(prefix):
+                yield name.removeprefix(prefix), master, param
+
+    def unit_state(self, u: int) -> dict:
+        """Unit u's training state for a checkpoint, as OffloadedTraining.unit_state gives it."""
+        state = {"unit": self.units[u].name, "step": 0.0, "master": {}, "exp_avg": {}, "exp_avg_sq": {}}
+        for name, master, _ in self.unit_params(u):
+            adam = self.optimizer.state.get(master)  # none before the first step that was applied
+            state["master"][name] = master.cpu()
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key][name] = adam[key].cpu() if adam else torch.zeros_like(master, device="cpu")
+            state["step"] = adam["step"].item() if adam else 0.0
+        return state
+
+    @torch.no_grad()
+    def load_unit(self, u: int, state: dict) -> None:
+        """Set unit u's masters, weights and Adam state from a checkpoint."""
+        for name, master, param in self.unit_params(u):
+            master.copy_(state["master"][name])
+            param.copy_(master)
+            if state["step"]:  # as torch.optim.Adam(fused=True) keeps it: tensors on the master's device
+                moments = {key: state[key][name].to(master.device, copy=True) for key in ("exp_avg", "exp_avg_sq")}
+                step = torch.tensor(state["step"], device=master.device)
+                self.optimizer.state[master] = {"step": step, **moments}
+
+    def named_masters(self):
+        """Each parameter's float32 master on the CPU by HF name."""
+        for name, master in zip(self.names, self.masters, strict=True):
+            yield name, master.detach().cpu()
+
+    def state_dict(self, tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Copies of `tensors` (masters or their gradients) on the CPU under HF parameter names."""
+        return {name: t.detach().to("cpu", copy=True) for name, t in zip(self.names, tensors, strict=True)}
+
+
+# ------------------------------------------------------------------------------------------------ Table 1 and Table 2
+
+
+def fmt(x, spec: str) -> str:
+    """format(x, spec), or an empty cell for None."""
+    return "" if x is None else format(x, spec)
+
+
+def gib(x) -> str:
+    """Bytes as GiB with two decimals, or an empty cell."""
+    return fmt(None if x is None else x / GiB, ".2f")
+
+
+def yes_no(x) -> str:
+    """A check's cell: yes, NO, or empty when it was not made."""
+    return {True: "yes", False: "NO", None: ""}[x]
+
+
+def formatted(r: dict, **specs: str) -> list[str]:
+    """The cells of r's fields named in `specs`, each in its format spec; empty where r lacks the field."""
+    return [fmt(r.get(field), spec) for field, spec in specs.items()]
+
+
+def markdown(title: str, columns: list[tuple[str, str]], rows: list[tuple[str, dict]], cells) -> list[str]:
+    """A markdown table: `cells(mode, r)` gives a row's cells; an OOM result shows OOM in its first column."""
+    header = "| mode | " + " | ".join(h for h, _ in columns) + " |"
+    lines = [title, "", header, "|---|" + "|".join(align for _, align in columns) + "|"]
+    for label, r in rows:
+        row = ["OOM"] + [""] * (len(columns) - 1) if r.get("oom") else cells(label, r)
+        lines.append(f"| {label} | " + " | ".join(row) + " |")
+    return lines + [""]
+
+
+def inference_memory_cells(mode: str, r: dict) -> list[str]:
+    """Table 1's cells: the peak GPU memory of a pass and its analytic figure."""
+    if "peak_gpu_bytes" not in r:
+        return ["0 (runs on the CPU)", ""]
+    return [gib(r["peak_gpu_bytes"]), gib(sum(r["analytic_peak_bytes"].values()))]
+
+
+def inference_time_cells(mode: str, r: dict) -> list[str]:
+    """Table 2's cells: time, bound, efficiency, H2D bandwidth, logits against gpu mode's."""
+    times = formatted(r, time_ms=".1f", bound_ms=".1f", efficiency=".3f", h2d_gbps=".1f")
+    return times + [yes_no(r.get("equal_to_gpu"))]
+
+
+def training_memory_cells(mode: str, r: dict) -> list[str]:
+    """Training Table 1's cells: peak GPU memory, the placement's prediction, the units resident, peak host memory and
+    its bytes a parameter, the disk tier's files, the seconds the offloaded modes' state took to build (set-up)."""
+    resident = f"{len(r['resident_units'])} of {r['units']}" if "units" in r else ""
+    gpu = gib(r.get("peak_gpu_bytes")) or "0 (runs on the CPU)"
+    disk = gib(r["disk_tier"]["bytes"]) if "disk_tier" in r else ""
+    host = [gib(r.get("peak_host_bytes")), *formatted(r, host_bytes_per_parameter=".1f")]
+    setup = f"{sum(r['setup_s'].values()):.1f}" if "setup_s" in r else ""
+    return [gpu, gib(r.get("predicted_peak_bytes")), resident, *host, disk, setup]
+
+
+def training_time_cells(mode: str, r: dict) -> list[str]:
+    """Training Table 2's cells: step time, bound, what bounds it, efficiency, TFLOPS, host bytes, losses, checks."""
+    losses = f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}"
+    checks = [yes_no(r.get("grads_equal_to_gpu")), yes_no(r.get("masters_close_to_gpu"))]
+    rest = formatted(r, efficiency=".3f", model_tflops=".0f", executed_tflops=".0f", executed_share_of_peak=".0%")
+    rest += formatted(r, host_bytes_per_param=".1f")
+    return [*formatted(r, time_ms=".1f", bound_ms=".1f"), r.get("bound_by", ""), *rest, losses, *checks]
+
+
+TABLES = {  # part: its tables as (title, columns split on "|", cells), in print order; "x:" is a centred column x
+    "inference": [
+        ("Table 1: peak GPU memory, inference", "peak GPU (GiB)|analytic (GiB)", inference_memory_cells),
+        (
+            "Table 2: time per forward pass, inference",
+            "time (ms)|bound (ms)|efficiency|H2D (GB/s)|logits == gpu:",
+            inference_time_cells,
+        ),
+    ],
+    "training": [
+        (
+            "Table 1 (training): peak memory per step",
+            "peak GPU (GiB)|predicted (GiB)|units resident|peak host RSS (GiB)|host (B / param)|on the disk (GiB)|"
+            "set-up (s)",
+            training_memory_cells,
+        ),
+        (
+            "Table 2 (training): time per step",
+            "step (ms)|bound (ms)|bound by:|efficiency|model TFLOPS|executed TFLOPS|of peak|host traffic (B / param)|"
+            "loss first -> last:|grads == gpu:|"
+            "step-1 masters ~ gpu:",
+            training_time_cells,
+        ),
+    ],
+}
+
+
+MODE_NAMES = {
+    "gpu": "w/o offload (gpu)",
+    "blocked": "blocked offload",
+    "overlapped": "overlapped offload",
+    "cpu": "cpu",
+}
+
+
+def tables(results: dict, run: RunConfig, tokens: int, reference: dict | None = None, host: dict | None = None) -> str:
+    """The memory and time tables of a run, inference then training, with notes below (host: the process's peak
+    resident set and the host memory it had, as run_all gives them)."""
+    what = {
+        "inference": f"{run.model or run.preset}, {run.dtype}, {run.batch_size}x{run.seq_len} = {tokens} tokens",
+        "training": f"{run.dtype}, {run.grad_accum}x{run.batch_size}x{run.seq_len} tokens per step, Adam",
+    }
+    labels = dict(MODE_NAMES, overlapped=f"{MODE_NAMES['overlapped']} (prefetch {run.prefetch})")
+    lines = []
+    for part in [part for part, wanted in (("inference", run.inference), ("training", run.train)) if wanted]:
+        rows = [(labels[mode], results[mode][part]) for mode in MODES if part in results.get(mode, {})]
+        for title, columns, cells in TABLES[part]:
+            aligned = [(c.removesuffix(":"), ":---:" if c.endswith(":") else "---:") for c in columns.split("|")]
+            lines += markdown(f"{title} ({what[part]})", aligned, rows, cells)
+    return "\n".join(lines + notes(results, run, reference) + host_note(host or {}, run))
+
+
+# === Beyond the assignment ===
+
+
+# -------------------------------------------------------------------------------------------------- the compiled Adam
 
 
 @contextlib.contextmanager
@@ -2680,13 +1990,10 @@ class CompiledAdamUpdate(AdamUpdate):
         self.compiled(master, grads, exp_avg, exp_avg_sq, copy, self.adam.scalars(int(step.item()), multiplier))
 
 
-# ---------------------------------------------------------------------------------------------------- the GPU's Adam
-# Units kept on the GPU and stepped there (ResidentUnits), and a share of the streamed ones stepped on the GPU
-# from their state on the host (StreamedAdam): the plan's places_on_gpu.
-#   S12  resident units: no event. They step on compute, in order before every later kernel. Their state.
-#   S13  StreamedAdam's CUDA events: consumed (take, on s_adam; waited as S8), landed[k] (s_in; waited on s_adam),
-#        stepped[k] (s_adam; waited on s_out), left[k] (s_out; waited on s_in), written_back[u] (s_out; waited by
-#        wait_written on copy, wait_all on the host). Its buffer, its two slots, and a source mid-update.
+# ----------------------------------------------------------------------------------------------------- the GPU's Adam
+
+
+GPU_ADAM_SHARE = 0.3  # of the streamed parameters, the default share of the GPU's Adam over streamed state
 
 
 def gradient_memory(store: MasterStore, resident, own_grads: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -2932,11 +2239,7 @@ class StreamedAdam(HostState):
             event.synchronize()  # S13
 
 
-# -------------------------------------------------------------------------------------------------- activation offload
-# --offload-activations: the saved inputs on the host between a unit's forward and its backward.
-#   S14  ActivationOffload's CUDA events: written (recorded by send on compute; waited on D2H), offloaded[a] (D2H;
-#        waited by wait_written on copy, by send's leaving queue on main, by backward_begins on compute). Inputs are
-#        not copied to the host early, read back early, or their GPU memory reused early.
+# ------------------------------------------------------------------------------------------------- activation offload
 
 
 class ActivationOffload:
@@ -3008,10 +2311,7 @@ class ActivationOffload:
             self.streamer.release(u - 1)
 
 
-# ------------------------------------------------------------------------------------------------ float16 and clipping
-# float16's loss scaling and --clip-grad-norm: a unit steps only once every unit's gradients are in.
-#   S15  GradClip.taken, CUDA event. Recorded by the norm on the current stream (D2H with several ranks). Waited on by
-#        multiplier, on the current stream. The norm of the norms is not taken early.
+# ----------------------------------------------------------------------------------------------- float16 and clipping
 
 
 class LossScale:
@@ -3119,12 +2419,7 @@ def scale_and_clip(trainer: OffloadedTraining, max_norm: float | None) -> None:
         trainer.clip = GradClip(trainer.store, max_norm, trainer.device)
 
 
-# ---------------------------------------------------------------------------------------------------- the disk tier
-# --nvme: the Adam moments of the last decoder layers on a disk, read ahead of their steps, written back after.
-#   S16  DiskTier's thread events settled and current, set by the writer thread after each write (and by reset;
-#        settled also by the reader's stop, to wake it), and its queues free and staged (the reader fills staged; stop
-#        puts None on free). Waited on by read_ahead (the reader), read (main) and stage (the worker). A file is not
-#        read while its write-back runs, nor a slot reused early.
+# ------------------------------------------------------------------------------------------------------ the disk tier
 
 
 DISK_CALL = 2**28  # bytes one read or write call moves at most (Linux moves under 2 GiB per call)
@@ -3481,13 +2776,10 @@ def direct_io(fd: int, buffer: mmap.mmap) -> bool:
         return False
 
 
-# ---------------------------------------------------------------------------------------------------- several GPUs
+# ------------------------------------------------------------------------------------------------------- several GPUs
 
 
-STEP_GROUP = {}  # "group": the steps' process group, with the plan's rank timeout (join_steps)
-# the collectives on one tensor: torch 2.13 names them so, and warns at the older names, which 2.11 and 2.12 have only
-all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+SETUP_TIMEOUT = 1800  # seconds: the ranks meet before the steps, once each has built its model and state
 
 
 class ShardedParamStore(ParamStore):
@@ -3679,18 +2971,7 @@ def stop_ranks() -> None:
         dist.destroy_process_group()
 
 
-# ---------------------------------------------------------------------------------------------------- model
-
-
-def llama_config(run: RunConfig) -> LlamaConfig:
-    """The model's config: from --model's folder, or the preset with size flags applied; validated."""
-    if run.model is not None:
-        config = load_config(Path(run.model))
-        check_sizes({field: getattr(config, field) for field in SIZE_FLAGS}, f"--model {run.model}: config.json's ")
-        return config
-    sizes = {**PRESETS[run.preset], **dict(run.sizes)}
-    check_sizes(sizes)
-    return LlamaConfig(**sizes, max_position_embeddings=max(4096, run.seq_len), tie_word_embeddings=False)
+# ----------------------------------------------------------------------- a model from a folder, or drawn unit by unit
 
 
 def load_config(path: Path) -> LlamaConfig:
@@ -3719,44 +3000,6 @@ def transformers_quiet():
         yield
     finally:
         transformers.utils.logging.set_verbosity(verbosity)
-
-
-def build_model(run: RunConfig, config: LlamaConfig) -> LlamaForCausalLM:
-    """The CPU model in the compute dtype: loaded from --model, or randomly initialised from --seed; where the run
-    draws its units one at a time (draws_units), only its rotary tables, the rest on the meta device."""
-    dtype, n = run.torch_dtype, param_count(config)
-    size = size_text(n * dtype.itemsize)
-    if draws_units(run):
-        log(f"{run.preset}: {count_text(n)} {run.dtype} parameters, drawn straight into the masters")
-    else:
-        log(f"building {run.model or run.preset} on the CPU: {count_text(n)} {run.dtype} parameters, {size}")
-    t0 = time.perf_counter()
-    if run.model is not None:
-        transformers.utils.logging.disable_progress_bar()  # stderr carries this script's progress lines alone
-        try:
-            with transformers_quiet():  # its report of missing weights: the refusal below says it in one line
-                model, info = LlamaForCausalLM.from_pretrained(
-                    run.model, dtype=dtype, attn_implementation=run.attention, output_loading_info=True
-                )
-        except Exception as e:  # what check_weights cannot see; transformers' error classes vary between versions
-            raise UsageError(f"--model {run.model}: cannot load the weights ({first_line(e)})") from None
-        missing = sorted([*info.get("missing_keys", ()), *(key for key, *_ in info.get("mismatched_keys", ()))])
-        if missing:  # from_pretrained draws those at random and goes on: not the model the folder names
-            what = f"{len(missing)} of the model's weights, such as {missing[0]}"
-            raise UsageError(f"--model {run.model}: its weights lack {what}: save the model again")
-        check_no_extra_weights(Path(run.model), config, set(info.get("unexpected_keys", ())))  # pytorch_model.bin's
-        damaged = next((name for name, p in model.named_parameters() if not torch.isfinite(p).all()), None)
-        if damaged:  # it would run, every logit NaN, or train and diverge at once
-            raise UsageError(f"--model {run.model}: {damaged} holds NaN or infinite values: save the model again")
-    else:
-        with torch.device("meta"):
-            model = LlamaForCausalLM._from_config(config, dtype=dtype, attn_implementation=run.attention)
-        if draws_units(run):
-            model.model.rotary_emb = LlamaRotaryEmbedding(config)  # computed, not drawn
-        else:
-            init_random(model, run.seed)
-            log(f"built in {time.perf_counter() - t0:.1f} s")
-    return model.eval()
 
 
 SAFETENSORS_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1}
@@ -3877,35 +3120,6 @@ def draws_units(run: RunConfig) -> bool:
     return run.lean and run.model is None and not run.fwd_bwd_reference
 
 
-DRAW_CHUNK = 2**24  # elements: a random weight is drawn in chunks this size, each from a generator of its own
-
-
-@torch.no_grad()
-def init_random(model: LlamaForCausalLM, seed: int) -> None:
-    """HF's LLaMA initialisation of a meta-device model: weights N(0, initializer_range), norms 1. Each weight is drawn
-    in chunks of DRAW_CHUNK elements in parallel, each chunk from a generator seeded by its place in the model, in
-    float32 (four times faster than in 16 bits) and rounded to the weight's dtype (draw_masters draws the same)."""
-    config = model.config
-    model.to_empty(device="cpu")
-    weights = [p for p in model.parameters() if p.dim() > 1]
-    chunks = [  # no_grad does not reach the pool threads: the tensors are detached
-        (chunk, i, j) for i, p in enumerate(weights) for j, chunk in enumerate(p.detach().view(-1).split(DRAW_CHUNK))
-    ]
-
-    def draw(chunk: torch.Tensor, i: int, j: int) -> None:
-        """Chunk j of weight i, rounded to its dtype."""
-        chunk.copy_(drawn_chunk(seed, i, j, chunk.numel(), config.initializer_range))
-
-    with ThreadPoolExecutor(torch.get_num_threads()) as pool:  # normal_ releases the GIL; a rank's share of the cores
-        list(pool.map(lambda job: draw(*job), chunks))
-    for p in model.parameters():
-        if p.dim() == 1:
-            p.fill_(1.0)  # RMSNorm weights
-    if config.pad_token_id is not None:
-        model.model.embed_tokens.weight[config.pad_token_id].zero_()
-    model.model.rotary_emb = LlamaRotaryEmbedding(config)  # its buffers are computed, not drawn
-
-
 def draw_masters(store, model: LlamaForCausalLM, seed: int) -> None:
     """The weights init_random draws for the meta-device `model`, rounded to its dtype, written straight into `store`'s
     float32 masters (a rank: into its shards): no CPU model is built, and the chunks of every unit are drawn at once
@@ -3939,13 +3153,6 @@ def draw_masters(store, model: LlamaForCausalLM, seed: int) -> None:
                 master[x - start : y - start].zero_()
 
 
-def drawn_chunk(seed: int, weight: int, chunk: int, numel: int, std: float) -> torch.Tensor:
-    """Chunk `chunk` (of DRAW_CHUNK elements) of weight `weight` of the random model drawn from `seed`: `numel` float32
-    normal values from a generator of the chunk's own, so that chunks can be drawn on any thread, in any order."""
-    generator = torch.Generator().manual_seed((seed << 32) + (weight << 16) + chunk)
-    return torch.empty(numel, dtype=torch.float32).normal_(0.0, std, generator=generator)
-
-
 def weight_spans(store) -> list[tuple]:
     """(HF name, master, where its shard starts, the parameter's offset, lo, hi, its numel) of each parameter with
     elements [lo, hi) of its unit's flat buffer in this rank's shard of `store`'s masters."""
@@ -3975,204 +3182,33 @@ def layer_bytes(config: LlamaConfig, dtype: torch.dtype) -> int:
     return FlatLayout.of(meta_layer(config)).numel * dtype.itemsize
 
 
-def random_input_ids(run: RunConfig, vocab_size: int, micro_batches: int = 1) -> torch.Tensor:
-    """Token ids drawn from --seed: micro_batches x batch_size sequences of seq_len tokens."""
-    generator = torch.Generator().manual_seed(run.seed)
-    return torch.randint(vocab_size, (micro_batches * run.batch_size, run.seq_len), generator=generator)  # (K*B, T)
+# ----------------------------------------------------------------------------------------------------------- the plan
 
 
-@dataclass(frozen=True)
-class Unit:
-    """A piece of the model streamed whole in training: the embeddings, a decoder layer, the norm or the head."""
+DEFAULT_RATES = {  # measured on the project's H100 machine (report/results); --rate NAME=VALUE overrides one
+    "h2d_gbps": 55.0,  # pinned host memory to the GPU
+    "d2h_gbps": 55.0,  # the GPU to pinned host memory
+    "adam_gbps": 127.0,  # the CPU Adam's bytes through host memory, alone
+    "host_gbps": 175.0,  # host memory under the CPU Adam and the copies together
+    "gpu_tflops": 440.0,  # a step's matrix work in 16 bits (float32 runs at an eighth of it)
+    "disk_gbps": 2.3,  # the --nvme disk, reading and writing
+}
 
-    name: str  # its module's name in the HF model, so master weights map back to HF parameter names
-    kind: str  # embed, layer, norm or head
-    layout: FlatLayout
-
-
-def unit_module(kind: str, config: LlamaConfig) -> nn.Module:
-    """A module of this kind, built as LlamaForCausalLM builds its own (call it under torch.device('meta'))."""
-    if kind == "embed":
-        return nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
-    if kind == "layer":
-        return LlamaDecoderLayer(config, layer_idx=0)
-    if kind == "norm":
-        return LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-    return nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-
-def model_units(config: LlamaConfig) -> list[Unit]:
-    """The units in forward order: embeddings, decoder layers, final norm, head."""
-    return list(units_of(config.to_json_string()))
-
-
-@functools.cache
-def units_of(config_json: str) -> tuple[Unit, ...]:
-    """model_units of the config in `config_json`, made once: the plan asks for them many times."""
-    config = LlamaConfig.from_dict(json.loads(config_json))
-    with torch.device("meta"):
-        layout = {kind: FlatLayout.of(unit_module(kind, config)) for kind in ("embed", "layer", "norm", "head")}
-    layers = range(config.num_hidden_layers)
-    names = ["model.embed_tokens", *(f"model.layers.{i}" for i in layers), "model.norm", "lm_head"]
-    kinds = ["embed", *("layer" for _ in layers), "norm", "head"]
-    return tuple(Unit(name, kind, layout[kind]) for name, kind in zip(names, kinds, strict=True))
-
-
-def decoder_kwargs(model: LlamaForCausalLM, shape: tuple[int, int], dtype: torch.dtype, device) -> dict:
-    """What HF's LlamaModel.forward passes its decoder layers besides the hidden states (rotary cos/sin, mask,
-    positions), computed by HF itself: its forward runs on zero embeddings through one recording layer."""
-    captured = {}
-
-    class Recorder(nn.Module):
-        """A decoder layer that keeps the keyword arguments HF passes it and returns its input."""
-
-        def forward(self, hidden_states, **kwargs):
-            """Record the kwargs, pass the hidden states through."""
-            captured.update(kwargs)
-            return hidden_states
-
-    base = model.model
-    kept = base.layers, base.norm, base.rotary_emb
-    base.layers, base.norm, base.rotary_emb = nn.ModuleList([Recorder()]), nn.Identity(), copy.deepcopy(kept[2])
-    base.rotary_emb.to(device)
-    try:
-        with torch.no_grad():
-            zeros = torch.zeros(*shape, model.config.hidden_size, dtype=dtype, device=device)
-            base(inputs_embeds=zeros, use_cache=False)
-    finally:
-        base.layers, base.norm, base.rotary_emb = kept
-    return captured
-
-
-# ---------------------------------------------------------------------------------------------------- the reference
-# gpu and cpu modes train the plain model with torch.optim.Adam: what every offloaded mode is compared with.
-
-
-@dataclass(frozen=True)
-class Adam:
-    """torch.optim.Adam's hyper-parameters, with its meaning (L2 weight decay added to the gradient)."""
-
-    lr: float = 1e-4
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-
-    def optimizer(self, params: list[torch.Tensor]) -> torch.optim.Adam:
-        """torch.optim.Adam over `params` with these hyper-parameters, fused (on the CPU, far faster than plain)."""
-        return torch.optim.Adam(params, self.lr, self.betas, self.eps, self.weight_decay, fused=True)
-
-    def scalars(self, step: int, multiplier: float = 1.0) -> torch.Tensor:
-        """adam_update's scalars for step `step` (from 1), as torch's fused CPU kernel rounds them, and the gradients'
-        multiplier (--clip-grad-norm); a tensor, not floats, so one compiled kernel serves every step."""
-        beta1, beta2 = self.betas
-        step_size = -self.lr / (1 - beta1**step)
-        values = [1 - beta1, beta2, 1 - beta2, math.sqrt(1 - beta2**step), self.eps, step_size, self.weight_decay]
-        return torch.tensor([*values, multiplier], dtype=torch.float32)
-
-
-class ResidentTraining:
-    """gpu and cpu modes, the reference: the plain HF model on `device`, torch.optim.Adam on float32 masters there."""
-
-    def __init__(self, model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device, adam: Adam, clip=None):
-        self.model = copy.deepcopy(model).to(device)
-        self.clip = clip  # --clip-grad-norm: torch.nn.utils.clip_grad_norm_ over every master's gradients
-        self.grad_norms = []  # each applied step's, before clipping
-        self.names = [name for name, _ in self.model.named_parameters()]
-        self.params = [p.requires_grad_() for p in self.model.parameters()]  # the inference store froze the layers
-        self.masters = [p.detach().float().clone() for p in self.params]
-        self.optimizer = adam.optimizer(self.masters)
-        self.scaling = loss_scaling(dtype, device)
-        self.units = model_units(model.config)
-        self.ranks = Ranks()  # one process
-
-    def step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
-        """One step: backward each micro-batch, gradients summed in float32, Adam on the masters copied into the
-        weights; returns the mean loss."""
-        losses = []
-        for k, ids in enumerate(micro_batches):
-            loss = self.model(ids, labels=ids, use_cache=False).loss
-            objective(loss, len(micro_batches), self.scaling.scale).backward()
-            for master, p in zip(self.masters, self.params, strict=True):
-                master.grad = p.grad.float() if k == 0 else master.grad.add_(p.grad)
-                p.grad = None
-            losses.append(loss.detach())
-        self.scaling.unscale([m.grad for m in self.masters])
-        if self.scaling.update():
-            if self.clip is not None:
-                self.grad_norms.append(torch.nn.utils.clip_grad_norm_(self.masters, self.clip).item())
-            self.optimizer.step()
-            with torch.no_grad():
-                for p, master in zip(self.params, self.masters, strict=True):
-                    p.copy_(master)
-        return mean_loss(losses)
-
-    def finish(self) -> None: ...  # nothing runs in the background
-
-    def wait_updates(self) -> None: ...  # each step is done when step() returns
-
-    def unit_params(self, u: int):
-        """Unit u's parameters as (name within the unit, float32 master, compute-dtype weight)."""
-        prefix = self.units[u].name + "."
-        for name, master, param in zip(self.names, self.masters, self.params, strict=True):
-            if name.startswith(prefix):
-                yield name.removeprefix(prefix), master, param
-
-    def unit_state(self, u: int) -> dict:
-        """Unit u's training state for a checkpoint, as OffloadedTraining.unit_state gives it."""
-        state = {"unit": self.units[u].name, "step": 0.0, "master": {}, "exp_avg": {}, "exp_avg_sq": {}}
-        for name, master, _ in self.unit_params(u):
-            adam = self.optimizer.state.get(master)  # none before the first step that was applied
-            state["master"][name] = master.cpu()
-            for key in ("exp_avg", "exp_avg_sq"):
-                state[key][name] = adam[key].cpu() if adam else torch.zeros_like(master, device="cpu")
-            state["step"] = adam["step"].item() if adam else 0.0
-        return state
-
-    @torch.no_grad()
-    def load_unit(self, u: int, state: dict) -> None:
-        """Set unit u's masters, weights and Adam state from a checkpoint."""
-        for name, master, param in self.unit_params(u):
-            master.copy_(state["master"][name])
-            param.copy_(master)
-            if state["step"]:  # as torch.optim.Adam(fused=True) keeps it: tensors on the master's device
-                moments = {key: state[key][name].to(master.device, copy=True) for key in ("exp_avg", "exp_avg_sq")}
-                step = torch.tensor(state["step"], device=master.device)
-                self.optimizer.state[master] = {"step": step, **moments}
-
-    def named_masters(self):
-        """Each parameter's float32 master on the CPU by HF name."""
-        for name, master in zip(self.names, self.masters, strict=True):
-            yield name, master.detach().cpu()
-
-    def state_dict(self, tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Copies of `tensors` (masters or their gradients) on the CPU under HF parameter names."""
-        return {name: t.detach().to("cpu", copy=True) for name, t in zip(self.names, tensors, strict=True)}
-
-
-def infer_resident(model, input_ids, device, run: RunConfig, config) -> tuple[dict, torch.Tensor]:
-    """gpu and cpu modes: the plain HF model, resident on `device`; on the CPU one run, no warm-up."""
-    if device.type != "cuda":
-        ms, logits = median_ms(lambda: logits_of(model, input_ids), device, 0, 1)
-        return {"time_ms": ms}, logits.cpu()
-    model = copy.deepcopy(model).to(device)
-    ids = input_ids.to(device)
-    ms, logits = median_ms(lambda: logits_of(model, ids), device, run.warmup, run.repeat)
-    return {"time_ms": ms} | gpu_memory(config, run.torch_dtype, ids.numel(), config.num_hidden_layers), logits.cpu()
-
-
-# ---------------------------------------------------------------------------------------------------- the plan
-# Every decision about where the bytes go, made once before anything is allocated, from the run and the machine's
-# facts (the ranks agree on theirs first, so each makes the same plan): the units resident on the GPU, those the GPU's
-# Adam steps, the host copy's dtype, the gradient buffers, activation offload, the disk layers, the threads and the
-# rank timeout; with what each costs: the predicted GPU, host and disk peaks and the bound's parts. The store, the
-# streamer, the steppers and the disk tier are built from it; `--plan` prints it and exits.
 
 PROCESS_BYTES = 8 * GiB // 5  # a GPU run's own resident set beside its parts (measured: torch, CUDA, the compiled Adam)
+
+
 HOST_MARGIN = 2 * GiB  # of the host budget, left out of the disk layers', the copy's and the buffers' decisions
+
+
 # of the host memory, never planned for: what the kernel (page tables, the driver's records of pinned pages) and each
 # process's allocator hold beside the parts (measured: 2% over them with one GPU, 3% with four ranks, at 32B)
 HOST_SLACK = 4  # percent
+
+
 RANK_TIMEOUT = 60  # seconds: the least a rank waits for the others in a step's collective (--rank-timeout)
+
+
 TIMEOUT_STEPS = 5  # the default timeout is this many times the plan's longest step part, at least RANK_TIMEOUT
 
 
@@ -5151,586 +4187,855 @@ def planned_oom(mode: str, plan: Plan, device: torch.device) -> bool:
     return True
 
 
-# -------------------------------------------------------------------------------------------------- saving and resuming
+# -------------------------------------------------------------------------------------------------------- measurement
 
 
-def own_storage(flat: torch.Tensor, offset: int, shape: torch.Size) -> torch.Tensor:
-    """flat[offset:] as a tensor of `shape` with a storage of its own over the same memory: save_pretrained clones
-    tensors that share a storage, which would copy the whole model."""
-    count = shape.numel()
-    return torch.frombuffer(flat.numpy(), dtype=flat.dtype, count=count, offset=offset * flat.itemsize).view(shape)
+def bound_parts_of(trainer, micro_batches, device: torch.device):
+    """For offloaded training on the GPU, a function that makes the bound's parts to time (train_bound_parts); else
+    None: no bound."""
+    if isinstance(trainer, OffloadedTraining) and device.type == "cuda":
+        return lambda: train_bound_parts(trainer, micro_batches, device)
+    return None
 
 
-def save_pretrained(trainer, config: LlamaConfig, folder: Path, tokenizer=None) -> None:
-    """The trained float32 masters as a Hugging Face folder, with the tokenizer trained on (its ids in the configs),
-    written into a folder beside `folder` and renamed to it whole (replace_folder): complete or absent, whatever stops
-    the run. With several ranks a collective: rank 0 writes."""
-    t0 = time.perf_counter()
-    check_finite_masters(trainer)
-    reset_peak_memory(torch.device("cpu"))
-    config = with_token_ids(config, tokenizer)
-    aside = folder_aside(folder) if trainer.ranks.rank == 0 else contextlib.nullcontext()
-    with aside as tmp, named_errors(folder, writer=not trainer.ranks.several):  # the collectives' errors stay theirs
-        if trainer.ranks.several:
-            save_units(trainer, config, tmp)
+def time_round(fns: dict, parts: dict[str, list[float]], ranks: Ranks) -> None:
+    """Time each of `fns` (name -> (device, fn)) once, alone, into `parts`; their outputs and scratch memory are freed
+    on return, before the steps resume and their host peak restarts. The GPU compute parts (Compute) go first, once
+    the GPU has run them for SETTLE_S (settle_clocks). With several ranks, all start each part together: in a step
+    they share the host's memory, and a part timed while the others wait would have it alone."""
+    check_same(ranks, list(fns), "the bound's parts")
+    compute = [name for name, (_, fn) in fns.items() if isinstance(fn, Compute)]
+    settle_clocks([fns[name] for name in compute])
+    for name in [*compute, *(name for name in fns if name not in compute)]:
+        device, fn = fns[name]
+        ranks.meet()
+        parts[name].append(timed(fn, device)[0])
+
+
+class Compute:
+    """A part of the training bound that is GPU compute, which time_round times at settled clocks (settle_clocks)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self):
+        """Run the part."""
+        return self.fn()
+
+
+SETTLE_S = 1.5  # seconds the bound times its GPU compute parts after: a loaded GPU's power cap slows its clocks
+
+
+def settle_clocks(fns: list) -> None:
+    """Run the GPU compute parts `fns` ((device, fn) each) in turn, untimed, for SETTLE_S: a step loads the GPU for
+    seconds, and its power cap then holds the clocks below the boost that a part timed from idle runs at."""
+    end = time.perf_counter() + SETTLE_S
+    while fns and time.perf_counter() < end:
+        for device, fn in fns:
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # one part at a time queued, so the loop ends near SETTLE_S
+
+
+class StepClock:
+    """The training steps' times, the CPU Adam's busy time in each and the peaks of GPU and host memory, leaving out
+    the bound's rounds between the steps and the step after each round, which waits for no update."""
+
+    def __init__(self, trainer, device: torch.device, done: int = 0, steps: int = 0, tokens: int = 0, seen: int = 0):
+        self.trainer = trainer
+        self.device = device
+        self.done, self.seen = done, seen  # steps and tokens trained before this run (a resumed run counts on)
+        self.steps, self.tokens = steps, tokens  # this run's steps, and each step's tokens: for the progress
+        self.bar = tqdm.tqdm(total=steps, file=sys.stderr, unit="step", leave=False) if sys.stderr.isatty() else None
+        self.adam = trainer.steppers.cpu_adam if isinstance(trainer, OffloadedTraining) else None
+        self.times, self.busy = [], []  # each step's time, and the CPU Adam's busy time in it (ms)
+        self.untimed = set()  # the steps right after a round
+        self.paused_s = 0.0  # time spent in rounds and checkpoints between the steps
+        self.peaks = {"peak_host_bytes": None}  # and on the GPU peak_gpu_bytes
+        self.resume()
+
+    def resume(self, after_round: bool = False) -> None:
+        """Start timing the next step now; after a round, what the round held does not count in the peaks."""
+        if after_round:
+            reset_peak_memory(self.device)
+            self.paused_s += time.perf_counter() - self.paused_at
+        self.start, self.busy_s = time.perf_counter(), self.adam and self.adam.busy_s
+
+    def pause(self, i: int) -> None:
+        """A round before step i: every update done first, so each part runs alone; step i is not timed."""
+        self.paused_at = time.perf_counter()
+        if self.adam:
+            self.trainer.wait_updates()
+        self.note_peaks()
+        self.untimed.add(i)
+
+    def note_peaks(self) -> None:
+        """Count the GPU and host memory peaks since they were last reset (the host's is None without /proc)."""
+        gpu = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+        for key, peak in (("peak_host_bytes", peak_host_rss()), ("peak_gpu_bytes", gpu)):
+            if peak is not None:
+                self.peaks[key] = max(self.peaks.get(key) or 0, peak)
+
+    def lap(self, i: int, loss: float) -> None:
+        """Step i has run: its time, and how long the CPU Adam worked in it; a progress line."""
+        now = time.perf_counter()
+        self.times.append((now - self.start) * 1e3)
+        self.start = now
+        line = f"  step {self.done + i + 1}: loss {loss:.4f}, {self.times[-1]:.0f} ms"
+        if self.adam:
+            self.busy.append((self.adam.busy_s - self.busy_s) * 1e3)
+            self.busy_s = self.adam.busy_s
+            line += f", CPU Adam busy {self.busy[-1]:.0f} ms"
+        rate = self.tokens / statistics.median(self.times[-10:]) * 1e3
+        left = duration_text((self.steps - i - 1) * self.tokens / rate)
+        line += f"; {self.seen + (i + 1) * self.tokens:,} tokens seen, {rate:,.0f} tokens/s, {left} left"
+        if self.bar is None:
+            log(line)
         else:
-            save_masters(trainer, config, tmp)
-        if trainer.ranks.rank == 0:
-            if tokenizer is not None:
-                tokenizer.save_pretrained(tmp)
-            with_umask_modes(tmp)
-            replace_folder(tmp, folder)
-    trainer.ranks.meet()  # the folder is whole before any rank goes on
-    seconds, peak = time.perf_counter() - t0, size_text(peak_host_rss())
-    log(f"trained float32 weights saved to {folder} in {seconds:.1f} s, host peak {peak} meanwhile")
+            self.bar.set_postfix_str(line.strip(), refresh=False)
+            self.bar.update()
+
+    def result(self, warmup: int) -> dict:
+        """The median step after the warm-up, the steps timed, the peaks."""
+        if self.bar is not None:
+            self.bar.close()
+        self.note_peaks()
+        timed = [i for i in range(warmup, len(self.times)) if i not in self.untimed] or list(range(len(self.times)))
+        result = {"time_ms": statistics.median(self.times[i] for i in timed), "step_ms": self.times}
+        result |= {"timed_steps": timed} | self.peaks
+        if self.adam:
+            result["cpu_adam_busy_ms"] = self.busy
+        return result
 
 
-def with_token_ids(config: LlamaConfig, tokenizer) -> LlamaConfig:
-    """`config` with the tokenizer's begin, end and padding ids (a trained tokenizer's end of text is id 0, not the
-    preset's 2), so that generate on the saved model stops where the text ends; as it is without a tokenizer."""
-    if tokenizer is None:
-        return config
-    config = copy.deepcopy(config)
-    eos = tokenizer.eos_token_id
-    config.bos_token_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else eos
-    config.eos_token_id = eos
-    config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    return config
+def bound_rounds(run: RunConfig) -> list[int]:
+    """Before which steps a round of the training bound's parts runs (run.steps: after the last): a warm-up round, then
+    one after each of up to run.repeat blocks of 2+ steps; with under 2 steps after the warm-up, all after the last."""
+    after_warmup = run.steps - run.warmup
+    blocks = max(0, min(run.repeat, after_warmup // 2))
+    if blocks == 0:
+        return [run.steps] * (1 + run.repeat)
+    return [run.warmup] + [run.warmup + after_warmup * (b + 1) // blocks for b in range(blocks)]
 
 
-SAVE_SHARD = "2GB"  # save_pretrained's shard size: a safetensors writer may hold a whole shard's bytes in memory
+def free_gpu_memory() -> None:
+    """Drop the last mode's GPU copies (and an OOM's leftovers) before the next mode measures its peak."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
-def save_masters(trainer, config: LlamaConfig, folder: Path) -> None:
-    """One process: the masters saved by save_pretrained from a meta-device model whose parameters are the masters
-    themselves, shard by shard, with no copy of the model in host memory."""
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    for name, master in trainer.named_masters():
-        owner, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(owner), leaf, nn.Parameter(master, requires_grad=False))
-    transformers.utils.logging.disable_progress_bar()  # stderr carries this script's progress lines alone
-    model.save_pretrained(folder, max_shard_size=SAVE_SHARD)
+RESET_HOST_PEAKS = [0]  # the process's peak resident set at each reset_peak_memory, which restarts the kernel's count
 
 
-def replace_folder(new: Path, folder: Path) -> None:
-    """Rename the finished folder `new` to `folder`, moving an older `folder` aside first and removing it after, with
-    SIGINT and SIGTERM put off meanwhile: `folder` is always whole, the old or the new."""
-    old = new.with_name(new.name + ".old")
-    with signals_held():
-        if folder.exists():
-            os.rename(folder, old)
-        os.rename(new, folder)
-        shutil.rmtree(old, ignore_errors=True)
-        sync_folder(folder.parent)
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak of GPU memory and of the host's resident set (the process's peak so far is kept)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    RESET_HOST_PEAKS.append(peak_host_rss() or 0)
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")  # resets the peak resident set size (Linux)
 
 
-def save_units(trainer, config: LlamaConfig, folder: Path | None) -> None:
-    """Several ranks: a Hugging Face folder of one safetensors file a unit and their index, each unit gathered from
-    every rank's shards and written by rank 0 into `folder` (the others' None), so no rank holds the whole model (a
-    collective: every rank calls it)."""
-    ranks, n, weight_map, total = trainer.ranks, len(trainer.units), {}, 0
-    if ranks.rank == 0:
-        config.save_pretrained(folder)
-        transformers.GenerationConfig.from_model_config(config).save_pretrained(folder)
-    for u, unit in enumerate(trainer.units):
-        full = ranks.gathered(trainer.steppers.state(u).cpu())
-        tensors = {f"{unit.name}.{name}": view for name, view in unit.layout.views(full).items()}
-        name = f"model-{u + 1:05d}-of-{n:05d}.safetensors"
-        weight_map |= dict.fromkeys(tensors, name)
-        total += sum(t.nbytes for t in tensors.values())
-        if ranks.rank == 0:
-            write_safetensors(folder / name, tensors)
-    if ranks.rank == 0:
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+def process_host_peak() -> int | None:
+    """The process's peak resident set size since it started, in bytes: --max-host-memory's measure."""
+    now = peak_host_rss()
+    return None if now is None else max(now, *RESET_HOST_PEAKS)
 
 
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """Float32 `tensors` as a safetensors file, the format from_pretrained reads: the header's length (8 bytes, little
-    endian), a JSON header of each tensor's dtype, shape and byte range, then the tensors' bytes in that order."""
-    header, start = {"__metadata__": {"format": "pt"}}, 0
-    for name, t in tensors.items():
-        header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [start, start + t.nbytes]}
-        start += t.nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the tensors' bytes start 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text)
-        for t in tensors.values():
-            f.write(t.contiguous().numpy())  # its bytes, without a copy: a view of the gathered unit
+def peak_host_rss() -> int | None:
+    """The process's peak resident set size since the last reset, in bytes (pinned memory included)."""
+    return proc_kib("/proc/self/status", "VmHWM")
 
 
-def with_umask_modes(folder: Path) -> None:
-    """Give the files in `folder` the modes the umask gives new files: safetensors writes its shards 0600, beside
-    save_pretrained's 0644 config files."""
-    for path in folder.iterdir():
-        if path.is_file():
-            path.chmod(0o666 & ~current_umask())
+def process_rss() -> int:
+    """The process's resident set now, in bytes (0 where /proc cannot say): the interpreter, torch, transformers."""
+    return proc_kib("/proc/self/status", "VmRSS") or 0
 
 
-CHECKPOINT_FORMAT = 1
+def pipeline_bound_ms(streamed: list[bool], copy_ms: float, compute_ms: float, resident_ms: float, depth: int):
+    """The fastest a pass can be, given per-layer copy and compute times; `streamed` says which layers are copied in.
+    Blocked serialises each copy with its layer. Overlapped takes at least all the compute, and at least the copies
+    up to any streamed layer and the compute from it to the end: x + (L-1) max(x, c) + c with every layer streamed."""
+    n = len(streamed)
+    if depth == 0:
+        return resident_ms + sum(streamed) * copy_ms + n * compute_ms
+    longest, copies = n * compute_ms, 0
+    for i, s in enumerate(streamed):
+        copies += s
+        if s:
+            longest = max(longest, copies * copy_ms + (n - i) * compute_ms)
+    return resident_ms + longest
 
 
-def checkpoint_manifest(run: RunConfig, config: LlamaConfig, mode: str, plan: Plan | None = None) -> dict:
-    """What a checkpoint records besides its unit files: what a resumed run must match (the model's sizes, the dtype,
-    Adam), the mode, seed and batch it trained with, and the plan with what it was made from (plan_inputs)."""
-    adam = json.loads(json.dumps(dataclasses.asdict(run.adam)))  # as read back: betas a list
-    sizes = {field: getattr(config, field) for field in SIZE_FLAGS}
-    batch = {"grad_accum": run.grad_accum, "batch_size": run.batch_size, "seq_len": run.seq_len, "seed": run.seed}
-    batch["eval_fraction"] = run.eval_fraction  # with the seed, which blocks --data holds out
-    batch["data"] = run.data  # None: random ids
-    ranks = {"ranks": run.ranks.world} if run.ranks.several else {}  # each rank's files hold its shards
-    planned = {"plan_inputs": plan_inputs(run, plan), "plan": plan.as_dict()} if plan else {}
-    record = {"format": CHECKPOINT_FORMAT, "mode": mode, "sizes": sizes, "dtype": run.dtype, "adam": adam}
-    return record | batch | ranks | planned
+def inference_parts(shell, streamer: LayerStreamer, input_ids) -> dict:
+    """What bounds an offloaded pass, as functions to time: every streamed layer's copy alone, every layer's compute
+    alone (one layer run as many times back to back, as a pass hides its launch) and the resident parts alone."""
+    device = input_ids.device
+    hidden = shell.model.embed_tokens(input_ids)  # what the pass gives decoder layer 0, with decoder_kwargs
+    kwargs = decoder_kwargs(shell, tuple(input_ids.shape), streamer.dtype, device)
+    layer = streamer.modules[0]["layer"] if streamer.modules else streamer.resident[0]  # any layer: same time
+
+    def copy_all():
+        """Copy every streamed layer into its slot, nothing computed."""
+        for p in range(len(streamer.window.units)):
+            streamer.prefetch(p)
+        streamer.wait_copies(torch.cuda.current_stream(device))  # `timed` records its end event on this stream
+
+    def compute_all():
+        """One layer's compute once for every layer of the model, back to back."""
+        for _ in streamer.sources:
+            layer(hidden, **kwargs)
+
+    def resident_only():
+        """The pass without its decoder layers: embeddings, norm and head."""
+        layers = shell.model.layers
+        shell.model.layers = nn.ModuleList()
+        try:
+            logits_of(shell, input_ids)
+        finally:
+            shell.model.layers = layers
+
+    return {"copy": (device, copy_all), "compute": (device, compute_all), "resident": (device, resident_only)}
 
 
-PLAN_FLAGS = ("max_gpu_memory", "max_host_memory", "prefetch", "resident_layers", "gpu_adam_share")
-PLAN_FLAGS += ("offload_activations", "nvme", "nvme_layers", "rank_timeout")
+def inference_bound(streamer: LayerStreamer, best: dict[str, float], measured_ms: float) -> dict:
+    """The parts' best times combined into the mode's bound, and the pass against it: efficiency, H2D bandwidth."""
+    n, nbytes = len(streamer.streamed), streamer.sources[0].nbytes  # streamed layers, and one layer's bytes
+    copy_ms, compute_ms = best["copy"] / n if n else 0.0, best["compute"] / len(streamer.sources)
+    streamed = [u not in streamer.resident for u in range(len(streamer.sources))]
+    bound_ms = pipeline_bound_ms(streamed, copy_ms, compute_ms, best["resident"], streamer.depth)
+    parts = {"copy_ms_per_layer": copy_ms, "compute_ms_per_layer": compute_ms, "resident_ms": best["resident"]}
+    parts["h2d_gbps_copy_only"] = nbytes / copy_ms / 1e6 if n else None
+    parts |= {"bound_ms": bound_ms, "efficiency": bound_ms / measured_ms}
+    return parts | {"h2d_gbps": n * nbytes / measured_ms / 1e6}
 
 
-def plan_inputs(run: RunConfig, plan: Plan) -> dict:
-    """What a plan is made from, as a checkpoint records it: the machine's facts (memory to a tenth of a GiB) and the
-    flags that steer it (PLAN_FLAGS)."""
-    facts = plan.facts
-    gib_or_none = {
-        f"{field}_gib": None if b is None else round(b / GiB, 1)
-        for field, b in (("gpu", facts.gpu_bytes), ("host", facts.host_bytes), ("disk", facts.disk_bytes))
-    }
-    machine = gib_or_none | {"cores": facts.cores, "ranks": facts.world, "ranks_a_host": facts.local_world}
-    return machine | {flag: getattr(run, flag) for flag in PLAN_FLAGS}
+def gpu_memory(config: LlamaConfig, dtype: torch.dtype, tokens: int, layers_on_gpu: int) -> dict:
+    """The peak GPU memory of the pass just run, next to the analytic figure for it."""
+    analytic = analytic_peak_bytes(config, dtype, tokens, layers_on_gpu)
+    return {"peak_gpu_bytes": torch.cuda.max_memory_allocated(), "analytic_peak_bytes": analytic}
 
 
-def say_plan_changes(saved: dict, manifest: dict) -> None:
-    """Say on stderr what differs between the plan inputs a checkpoint was trained under and this run's: the state
-    resumes the same, the placement and the time may not."""
-    before, now = saved.get("plan_inputs") or {}, manifest.get("plan_inputs") or {}
-    changed = [f"{key} {before.get(key)} -> {value}" for key, value in now.items() if differs(before.get(key), value)]
-    if before and changed:
-        log(f"resuming under other plan inputs than the checkpoint's: {'; '.join(changed)}")
+def analytic_peak_bytes(config: LlamaConfig, dtype: torch.dtype, tokens: int, layers_on_gpu: int) -> dict[str, int]:
+    """The GPU memory a forward pass needs by term: layer weights on the GPU, resident parts, activations, workspace."""
+    weights, resident = layers_on_gpu * layer_bytes(config, dtype), resident_bytes(config, dtype)
+    activations, workspace = activation_bytes(config, dtype, tokens), CUBLAS_WORKSPACE + 8 * 512
+    return {"layer weights": weights, "resident parts": resident, "activations": activations, "workspace": workspace}
 
 
-def differs(before, now) -> bool:
-    """Whether a plan input changed: memory (in GiB, as the kernel has it available) by 5% or more, else at all."""
-    if isinstance(before, float) and isinstance(now, float):
-        return abs(now - before) >= 0.05 * max(abs(before), abs(now))
-    return before != now
+def resident_bytes(config: LlamaConfig, dtype: torch.dtype) -> int:
+    """What offloaded inference keeps on the GPU besides the slots: embeddings, head and final norm."""
+    return (2 * config.vocab_size * config.hidden_size + config.hidden_size) * dtype.itemsize
 
 
-class Checkpoints:
-    """--checkpoint's writer for one mode: due after every `every` steps of training, counted from its first step (a
-    resumed run's steps continue the count), and written after the last step too; the tokenizer trained on goes with
-    each."""
-
-    def __init__(self, trainer, folder: Path, manifest: dict, every: int | None, tokenizer=None):
-        self.write = functools.partial(write_checkpoint, trainer, folder, manifest, tokenizer=tokenizer)  # write(done)
-        self.start = manifest.get("resumed_from", 0)
-        self.every = every
-
-    def due(self, done: int, last: int) -> bool:
-        """Whether a checkpoint is due after `done` of this run's `last` steps (the last one's is written once the
-        trainer has finished)."""
-        return bool(self.every) and done < last and (self.start + done) % self.every == 0
-
-    def run(self, done: int) -> None:
-        """Write the checkpoint after `done` steps of this run."""
-        self.write(done)
+def activation_bytes(config: LlamaConfig, dtype: torch.dtype, tokens: int, at_least: bool = False) -> int:
+    """The largest activation footprint of a forward pass: a decoder layer's MLP or the head, and the rotary tables and
+    ids. at_least: what the pass cannot do without (the MLP's peak, or the logits alone), never above the measured."""
+    b, h, i, v = dtype.itemsize, config.hidden_size, config.intermediate_size, config.vocab_size
+    head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    # a layer peaks in its MLP: layer input, residual, attention sum, normed input; act(gate(x)), up(x), their product
+    layer_act = tokens * b * (4 * h + 3 * i)
+    # the head, counted together though not all coexist: hidden state, normed, float32 norm temporaries, logits
+    head_act = tokens * (2 * b * h + 2 * 4 * h + b * v)
+    if at_least:
+        return max(layer_act, tokens * b * v)
+    rotary_and_ids = tokens * (2 * head_dim * b + 2 * 8)  # cos and sin, token ids and position ids (int64)
+    return max(layer_act, head_act) + rotary_and_ids
 
 
-def trained_outputs(trainer, run: RunConfig, config: LlamaConfig, mode: str, compared: bool, tokenizer=None) -> dict:
-    """After the last step: --save-pretrained's folder written (with the tokenizer trained on); each step's gradient
-    norm (--clip-grad-norm) and a float32 copy of every master in host memory (to compare with gpu mode's, or for
-    --save-output)."""
-    result = {}
-    if run.save_pretrained:
-        save_pretrained(trainer, config, mode_folder(run.save_pretrained, run, mode), tokenizer)
-    if run.clip_grad_norm is not None:
-        result["grad_norms"] = list(trainer.grad_norms)
-    if compared or run.save_output:
-        resident = isinstance(trainer, ResidentTraining)
-        # with several ranks, for --save-output: on rank 0 alone, which writes it, one unit at a time
-        result["masters"] = trainer.state_dict(trainer.masters) if resident else trainer.state_dict(on_first=True)
+def training_figures(trainer, result: dict) -> dict:
+    """An offloaded mode's gradient pool; on the GPU also its bound, from the parts' best times, and efficiency."""
+    if not isinstance(trainer, OffloadedTraining):
+        return {}
+    pool = trainer.store.pool
+    figures = {"gradient_pool": {"buffers": len(pool.buffers), "per_unit": pool.dedicated}}
+    figures["gradient_pool"]["waited_ms"] = pool.waited_s * 1e3
+    disk = trainer.store.adam_moments.disk
+    if disk:
+        figures["disk_tier"] = {
+            "units": len(disk.units),
+            "bytes": disk_step_bytes(disk),
+            "direct_io": disk.files.direct,
+        }
+        figures["disk_tier"] |= disk.files.rates | {"waited_ms": disk.waited_s * 1e3}
+    if "bound_parts_ms" in result:
+        figures |= train_bound(trainer, {name: min(ms) for name, ms in result["bound_parts_ms"].items()})
+        figures["efficiency"] = figures["bound_ms"] / result["time_ms"]
+    return figures
+
+
+def step_rates(run: RunConfig, config: LlamaConfig, mode: str, result: dict) -> dict:
+    """A GPU mode's model TFLOPS a GPU (6 x parameters x its tokens a step, over the step's time), the TFLOPS it
+    executes (step_flops), and these as a share of the GPU's dense 16-bit peak where DENSE_PEAK_FLOPS knows the GPU
+    and the step computes in 16 bits."""
+    if mode == "cpu" or not result.get("time_ms"):
+        return {}
+    seconds = result["time_ms"] / 1e3
+    tokens = result["tokens_per_step"] // run.ranks.world  # a GPU's
+    passes = 3 if mode == "gpu" else 4  # the offloaded modes recompute each forward
+    rates = {"model_tflops": 6 * param_count(config) * tokens / seconds / 1e12}
+    rates["executed_tflops"] = step_flops(config, tokens, run.seq_len, passes) / seconds / 1e12
+    peak = dense_peak_flops()
+    if peak and run.torch_dtype != torch.float32:
+        rates["executed_share_of_peak"] = rates["executed_tflops"] * 1e12 / peak
+    return rates
+
+
+DENSE_PEAK_FLOPS = {  # a GPU's dense 16-bit tensor-core peak, by a part of its name, from NVIDIA's data sheets
+    "H100 80GB HBM3": 989e12,  # the SXM card
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
+    "H200": 989e12,
+    "A100": 312e12,
+}
+
+
+def dense_peak_flops() -> float | None:
+    """The GPU's dense 16-bit peak FLOP/s, where DENSE_PEAK_FLOPS knows it by its name."""
+    name = torch.cuda.get_device_name()
+    return next((flops for part, flops in DENSE_PEAK_FLOPS.items() if part in name), None)
+
+
+def step_flops(config: LlamaConfig, tokens: int, seq_len: int, passes: int) -> float:
+    """The FLOPs of `passes` forwards' worth over `tokens` (a backward is two): 2 a token for each parameter a matrix
+    multiplies (the input embeddings are a lookup), and causal attention's scores and weighted sums, 2 x seq-len x
+    hidden a token and layer (the kernels skip the masked half)."""
+    matmul_params = param_count(config) - (0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size)
+    attention = 2 * config.num_hidden_layers * tokens * seq_len * config.hidden_size
+    return passes * (2 * matmul_params * tokens + attention)
+
+
+def forward_backward_reference(model: LlamaForCausalLM, input_ids: torch.Tensor, run: RunConfig) -> dict:
+    """What offloaded training is held to: plain forward and backward, the model resident on the GPU, no optimizer."""
+    log(f"forward/backward reference: {run.grad_accum} micro-batches, the model resident on the GPU ...")
+    device = torch.device("cuda")
+    reset_peak_memory(device)
+    ms, _ = median_ms(resident_forward_backward(model, input_ids, run), device, max(1, run.warmup), run.repeat)
+    result = {"time_ms": ms, "sequences_per_s": input_ids.shape[0] / ms * 1e3}
+    result["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
+    free_gpu_memory()  # the model's GPU copy is gone with the function timed
     return result
 
 
-def check_finite_masters(trainer) -> None:
-    """Before the trained weights are saved: every master finite on every rank (a collective), else Diverged: the last
-    update overflowed, which no later loss shows."""
+def resident_forward_backward(model: LlamaForCausalLM, input_ids: torch.Tensor, run: RunConfig):
+    """A function to time: one step's forward and backward of a GPU copy of `model` over the micro-batches."""
+    device = torch.device("cuda")
+    with torch.device("meta"):
+        gpu = LlamaForCausalLM._from_config(model.config, dtype=run.torch_dtype, attn_implementation=run.attention)
+    gpu.load_state_dict({k: v.to(device) for k, v in model.state_dict().items()}, assign=True)
+    gpu.model.rotary_emb = LlamaRotaryEmbedding(model.config).to(device)  # computed, not in the state dict
+    params = [p.requires_grad_() for p in gpu.parameters()]
+    micro_batches = [ids.to(device) for ids in input_ids.chunk(run.grad_accum)]
+
+    def forward_backward():
+        """One step's forward and backward; its gradients are dropped at the start of the next."""
+        for p in params:
+            p.grad = None
+        for ids in micro_batches:
+            objective(gpu(ids, labels=ids, use_cache=False).loss, len(micro_batches), 1.0).backward()
+
+    return forward_backward
+
+
+def train_bound_parts(trainer: OffloadedTraining, micro_batches, device) -> dict:
+    """The parts of what a training step cannot beat, as functions to time alone (name -> (device, fn)), built anew
+    for each round: each kind of unit's GPU compute (and its forward alone, where updates are held) and the resident
+    units' Adam (Compute, timed at settled clocks), a step's H2D copies, its D2H copies, the CPU Adam over scratch
+    state as large as the largest unit it steps (at most ADAM_SCRATCH: the scratch is host memory beside the run's),
+    `host`: that Adam with the copy engines moving its share of a step's copies, and with the disk tier, its reads
+    and writes of a step (disk_cycle)."""
+    kinds = [u.kind for u in trainer.units]
+    fns = {}
+    for kind in dict.fromkeys(kinds):
+        forward, backward = unit_passes(trainer, kinds.index(kind), micro_batches, device)
+        fns[kind] = (device, Compute(lambda forward=forward, backward=backward: backward(forward())))
+        if trainer.holds_updates:
+            fns[f"{kind}_forward"] = (device, Compute(forward))
+    if trainer.streamer.streamed:
+        fns |= {"h2d": (device, lambda: copy_in(trainer)), "d2h": (device, lambda: copy_out(trainer))}
+    resident = resident_numels(trainer)
+    if resident:
+        fns["resident_adam"] = (device, Compute(lambda: resident_adam(trainer, resident, device)))
+    on_cpu, _ = cpu_and_gpu_adam_units(trainer)
+    if on_cpu:  # the CPU Adam steps something
+        big, numel = max(on_cpu, key=on_cpu.get), adam_timed_numel(on_cpu)
+        adam = adam_scratch(trainer.store, numel)
+        cpu = torch.device("cpu")
+        fns |= {"adam": (cpu, adam), "host": (cpu, lambda: adam_and_copies(trainer, big, adam, numel))}
+    if trainer.store.adam_moments.disk:
+        fns["disk"] = (torch.device("cpu"), lambda: disk_cycle(trainer.store.adam_moments.disk))
+    return fns
+
+
+def resident_numels(trainer: OffloadedTraining) -> list[int]:
+    """The sizes of the units kept on the GPU and stepped there, on the compute stream (ResidentUnits)."""
+    resident = next((s for s in trainer.steppers.of if isinstance(s, ResidentUnits)), None)
+    return [trainer.store.masters[u].numel() for u in resident.units] if resident else []
+
+
+RESIDENT_SCRATCH = 2**24  # elements: the bound times the resident units' Adam over scratch state this size
+
+
+def resident_adam(trainer: OffloadedTraining, numels: list[int], device) -> None:
+    """The resident units' Adam steps, compute stream work the passes leave out, over scratch state on the GPU (theirs
+    must not change): a call a unit as ResidentUnit.step makes, each in pieces of RESIDENT_SCRATCH elements at most,
+    so the scratch stays small beside the run's memory."""
+    scratch = min(max(numels), RESIDENT_SCRATCH)
+    master, grads, exp_avg, exp_avg_sq = (torch.zeros(scratch, device=device) for _ in range(4))
+    weights = torch.empty(scratch, dtype=trainer.streamer.dtype, device=device)
+    steps = torch.zeros((), device=device)
+    for numel in numels:
+        for lo in range(0, numel, scratch):
+            n = min(scratch, numel - lo)
+            torch_adam_step(trainer.store.update.adam, master[:n], grads[:n], exp_avg[:n], exp_avg_sq[:n], steps)
+            weights[:n].copy_(master[:n])
+
+
+def copy_in(trainer: OffloadedTraining) -> None:
+    """Every H2D copy of a step: the forward's, the backward's less the units it finds in the slots, then the state of
+    the units the GPU's Adam steps."""
+    streamer, n, gpu_adam = trainer.streamer, len(trainer.units), streamed_adam(trainer)
+    for order, keep in ((range(n), False), (reversed(range(n)), True)):
+        streamer.begin(order, keep)
+        for p in range(len(streamer.window.units)):
+            streamer.prefetch(p)
+    with on_stream(streamer.copy_stream):
+        for u in gpu_adam.units if gpu_adam else ():
+            for k, lo, count in gpu_adam.chunks(u):
+                gpu_adam.copy_in(u, k, lo, count)
+    streamer.wait_copies(torch.cuda.current_stream())  # `timed` records its end event on this stream
+
+
+def copy_out(trainer: OffloadedTraining) -> None:
+    """Every D2H copy of a step, into the pool's buffers (the training state must not change): the gradients of the
+    CPU Adam's units, then the state the GPU's Adam writes back; with several ranks, each unit's reduce-scatter into
+    `summed` first, on the same stream, as ShardedSteppers.to_send queues them."""
+    store, gpu_adam, steppers = trainer.store, streamed_adam(trainer), trainer.steppers
+    if store.ranks.several:
+        with on_stream(trainer.d2h_stream):
+            for u in trainer.streamer.streamed:
+                store.ranks.sum_shard(steppers.summed_shard(u), steppers.grads(u))
+    pool, grads = [buffer.view(torch.uint8) for buffer in store.pool.buffers], trainer.steppers.buffer.view(torch.uint8)
+    on_cpu, _ = cpu_and_gpu_adam_units(trainer)
+    for u, numel in on_cpu.items():
+        queue_copies(numel * store.grad_dtype.itemsize, grads, pool[u % len(pool)], trainer.d2h_stream)
+    source = gpu_adam.buffer.view(torch.uint8) if gpu_adam else grads
+    queue_copies(step_copy_bytes(trainer)[2], source, pool[0], trainer.d2h_stream)
+    torch.cuda.current_stream().wait_stream(trainer.d2h_stream)  # `timed` records its end event on this stream
+
+
+def adam_and_copies(trainer: OffloadedTraining, big: int, adam, numel: int) -> None:
+    """The share of a step's host traffic that `numel` of the CPU Adam's parameters make, all at once: that share of
+    the copies, queued on the copy streams from and to unit `big`'s buffers and not waited for, while the CPU Adam
+    steps `numel` parameters of scratch state."""
+    on_cpu, _ = cpu_and_gpu_adam_units(trainer)
+    h2d, d2h, _ = (count * numel // sum(on_cpu.values()) for count in step_copy_bytes(trainer))
+    store, streamer = trainer.store, trainer.streamer
+    buffer = store.pool.buffers[big % len(store.pool.buffers)].view(torch.uint8)
+    queue_copies(h2d, store.masters[big].view(torch.uint8), streamer.buffers[0].view(torch.uint8), streamer.copy_stream)
+    queue_copies(d2h, trainer.steppers.buffer.view(torch.uint8), buffer, trainer.d2h_stream)
+    adam()
+    torch.cuda.synchronize()  # the copies count in the time, which the CPU clock takes
+
+
+def cpu_and_gpu_adam_units(trainer: OffloadedTraining) -> tuple[dict[int, int], dict[int, int]]:
+    """The streamed units the CPU Adam steps, and those the GPU's Adam steps over streamed state: unit -> size."""
+    gpu_adam = streamed_adam(trainer)
+    gpu = gpu_adam.units if gpu_adam else ()
+    numels = {u: trainer.store.masters[u].numel() for u in trainer.streamer.streamed}
+    return {u: n for u, n in numels.items() if u not in gpu}, {u: n for u, n in numels.items() if u in gpu}
+
+
+def streamed_adam(trainer: OffloadedTraining) -> StreamedAdam | None:
+    """The trainer's GPU Adam over streamed state, where a placement gave it units."""
+    return next((s for s in trainer.steppers.of if isinstance(s, StreamedAdam)), None)
+
+
+def step_copy_bytes(trainer: OffloadedTraining) -> tuple[int, int, int]:
+    """(H2D, D2H, of the D2H the GPU Adam's) bytes of a step: each streamed unit's weights twice, less the units the
+    backward finds in the slots, and the GPU Adam's float32 state; the gradients the CPU Adam steps, and that state
+    with its compute-dtype copy back out."""
+    store, streamer = trainer.store, trainer.streamer
+    on_cpu, on_gpu = cpu_and_gpu_adam_units(trainer)
+    kept = streamer.streamed[-streamer.n_slots :]  # the backward finds them in the slots
+    state_in = 12 * sum(on_gpu.values())
+    state_out = state_in + sum(on_gpu.values()) * (store.copies[0].itemsize if store.copies else 0)
+    h2d = 2 * sum(store.weights[u].nbytes for u in streamer.streamed) - sum(store.weights[u].nbytes for u in kept)
+    h2d += state_in
+    return h2d, sum(on_cpu.values()) * store.grad_dtype.itemsize + state_out, state_out
+
+
+def queue_copies(nbytes: int, src: torch.Tensor, dst: torch.Tensor, stream) -> None:
+    """Queue copies of `nbytes` in all from `src` into `dst` (byte views, each copy from their starts) on `stream`."""
+    step = min(src.numel(), dst.numel())
+    with on_stream(stream):
+        for a in range(0, nbytes, step):
+            dst[: min(step, nbytes - a)].copy_(src[: min(step, nbytes - a)], non_blocking=True)
+
+
+def train_bound(trainer: OffloadedTraining, best: dict[str, float]) -> dict:
+    """What a training step cannot beat, from the best times (ms) of train_bound_parts: GPU compute (the passes and
+    the resident units' Adam), H2D, D2H, the CPU Adam over all its units, host memory: the bytes crossing it in a
+    step (the CPU Adam's, the copies' and the disk tier's) at the rate reached when the CPU Adam and the copy
+    engines ran together on one unit's share, and the disk tier's reads and writes of a step."""
+    store = trainer.store
+    on_cpu, on_gpu = cpu_and_gpu_adam_units(trainer)
+    kinds = [u.kind for u in trainer.units]
+    parts = {"gpu_compute_ms": sum(kinds.count(kind) * best[kind] for kind in dict.fromkeys(kinds))}
+    disk_bytes, figures = 0, {}
+    if "resident_adam" in best:  # on the compute stream, between the passes
+        parts["gpu_compute_ms"] += best["resident_adam"]
+        figures["resident_adam_ms"] = best["resident_adam"]
+    if store.adam_moments.disk:
+        disk_bytes = disk_step_bytes(store.adam_moments.disk)  # read, and as many written
+        parts["disk_ms"] = best["disk"]
+        figures |= {"disk_bytes": disk_bytes, "disk_gbps": 2 * disk_bytes / best["disk"] / 1e6}
+    if trainer.streamer.streamed:
+        h2d_bytes, d2h_bytes, _ = step_copy_bytes(trainer)
+        host_bytes = sum(on_cpu.values()) * store.update.bytes_per_param + h2d_bytes + d2h_bytes + 2 * disk_bytes
+        parts |= {"h2d_ms": best["h2d"], "d2h_ms": best["d2h"]}
+        figures |= {"h2d_bytes": h2d_bytes, "d2h_bytes": d2h_bytes, "host_bytes": host_bytes}
+        figures["host_bytes_per_param"] = host_bytes / sum(m.numel() for m in store.masters)
+        figures |= {"adam_bytes_per_param": store.update.bytes_per_param, "gpu_adam_params": sum(on_gpu.values())}
+    if on_cpu:
+        scale = sum(on_cpu.values()) / adam_timed_numel(on_cpu)  # the parts timed this many of its parameters
+        parts |= {"cpu_adam_ms": best["adam"] * scale, "host_memory_ms": best["host"] * scale}
+        figures["host_gbps"] = host_bytes / parts["host_memory_ms"] / 1e6
+    if trainer.holds_updates:  # every update waits for the whole backward
+        figures |= held_updates_figures(trainer, best, parts)
+        parts["held_updates_ms"] = figures.pop("held_updates_ms")
+    bound = {"bound_ms": max(parts.values()), "bound_by": max(parts, key=parts.get).removesuffix("_ms")}
+    return parts | bound | figures
+
+
+def held_updates_figures(trainer: OffloadedTraining, best: dict[str, float], parts: dict[str, float]) -> dict:
+    """Where every update waits for the whole backward (float16's loss scale, clipping), a step cannot beat its
+    backward followed by the longer of the next forward and the CPU Adam (that forward waits for each unit's update,
+    so the two overlap at best): that bound, its forward and backward, and the bound were the updates not held."""
+    kinds = [u.kind for u in trainer.units]
+    forward = sum(kinds.count(kind) * best[f"{kind}_forward"] for kind in dict.fromkeys(kinds))
+    backward = parts["gpu_compute_ms"] - forward  # the recompute and the backward
+    held = backward + max(forward, parts.get("cpu_adam_ms", 0.0))
+    return {"held_updates_ms": held, "gpu_forward_ms": forward, "unheld_bound_ms": max(parts.values())}
+
+
+def disk_cycle(disk: DiskTier) -> None:
+    """A step's disk traffic alone, for the bound: each unit's moments read into a slot in the backward's order and
+    written back unchanged, each write overlapping the next reads as in a step. The reader is stopped first, so
+    the next step reads what it had staged again, from its first gradient on (that step is not timed)."""
+    disk.stop()
+    writes = collections.deque()
+    try:
+        for i, u in enumerate(disk.units):
+            k = i % len(disk.ring)
+            if len(writes) == len(disk.ring):
+                writes.popleft().result()  # slot k's write-back has landed: it may be filled again
+            disk.transfer(os.preadv, u, disk.ring[k])
+            writes.append(disk.writer.submit(disk.transfer, os.pwritev, u, disk.ring[k]))
+    finally:
+        concurrent.futures.wait(writes)  # a read failed: no write still reads a slot the next step fills
+    for write in writes:
+        write.result()
+
+
+def disk_step_bytes(disk: DiskTier) -> int:
+    """The bytes the disk tier reads in a step (and writes back): every unit's moments, in whole blocks."""
+    return sum(2 * half for half in disk.files.half.values())
+
+
+def unit_passes(trainer: OffloadedTraining, u: int, micro_batches, device):
+    """Unit u's forward and backward over every micro-batch, as a step runs them from whatever its slot holds:
+    forward() returns the outputs; backward(outs) recomputes and back-propagates with the outputs standing in for the
+    gradients that come back, and returns the input gradients."""
+    streamer = trainer.streamer
+    streamer.begin([u])
+    module = streamer.acquire(u)
+    hidden = torch.randn(*micro_batches[0].shape, trainer.hidden_size, dtype=streamer.dtype, device=device)
+    xs = micro_batches if trainer.units[u].kind == "embed" else [hidden] * len(micro_batches)
+    trainer.labels = micro_batches
+    views = trainer.grad_views(u)
+
+    @torch.no_grad()
+    def forward() -> list[torch.Tensor]:
+        """The forward pass of unit u over every micro-batch."""
+        return [trainer.run_unit(u, module, x, k) for k, x in enumerate(xs)]
+
+    def backward(outs) -> list:
+        """The recompute and backward of unit u over every micro-batch."""
+        return unit_backward(trainer, u, module, xs, outs, views)
+
+    return forward, backward
+
+
+def adam_timed_numel(on_cpu: dict[int, int]) -> int:
+    """The parameters the bound times the CPU Adam on: the largest unit it steps, at most ADAM_SCRATCH."""
+    return min(max(on_cpu.values()), ADAM_SCRATCH)
+
+
+def adam_scratch(store: MasterStore, numel: int):
+    """A function to time: the store's Adam update on `numel` parameters of scratch state in host memory like the
+    store's, with gradients of Adam's scale so that no moment goes denormal (the update's time does not depend on the
+    values otherwise, so constants do: a fill is parallel, a random draw is not)."""
+    # each written now: the kernel maps a page at its first touch, and the timed update would pay for it
+    master = host_zeros(numel, torch.float32, pin=False).fill_(1.0)
+    exp_avg, exp_avg_sq = (host_zeros(numel, torch.float32, pin=False).zero_() for _ in range(2))
+    grads = host_zeros(numel, store.grad_dtype, pin=False).fill_(1e-3)
+    copy = host_zeros(numel, store.update.copy_dtype, pin=False).zero_() if store.update.copy_dtype else None
+    step = torch.zeros(())
+    return lambda: store.update(master, grads, exp_avg, exp_avg_sq, copy, step)
+
+
+def profile_pass(fn, path: str) -> dict:
+    """--profile for inference: one more pass, fn(), traced into `path`; how much of its copies ran under compute."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        fn()
+        torch.cuda.synchronize()  # the trace must hold the whole pass
+    write_atomically(path, prof.export_chrome_trace)
+    return trace_overlap(path)
+
+
+def profile_step(trainer, micro_batches, path: str) -> dict:
+    """Write a Chrome trace of one training step, its CPU updates included; say how much copying was hidden."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    all_threads = None  # by default only the profiler's and autograd's threads are recorded, not the CPU Adam worker's
+    with contextlib.suppress(AttributeError, TypeError):  # a torch without the option
+        all_threads = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    with torch.profiler.profile(activities=activities, experimental_config=all_threads) as prof:
+        loss = trainer.step(micro_batches).item()
+        trainer.finish()
+        torch.cuda.synchronize()  # the trace must hold the whole step
+    write_atomically(path, prof.export_chrome_trace)
+    return {"loss": loss, "path": path, "h2d": trace_overlap(path, "HtoD"), "d2h": trace_overlap(path, "DtoH")}
+
+
+def trace_overlap(path: str, direction: str = "HtoD") -> dict:
+    """From a Chrome trace: the copy time in `direction` (HtoD or DtoH), and how much of it ran under a kernel on
+    another stream: proof of overlap that does not rely on timing."""
+    events = json.loads(Path(path).read_text())["traceEvents"]
+    copies = [e for e in events if e.get("cat") == "gpu_memcpy" and direction in e.get("name", "")]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    kernel_spans = sorted((e["ts"], e["ts"] + e["dur"], e["args"].get("stream")) for e in kernels)
+    overlap_us = 0.0
+    for c in copies:
+        c0, c1, stream = c["ts"], c["ts"] + c["dur"], c["args"].get("stream")
+        under = [(max(k0, c0), min(k1, c1)) for k0, k1, s in kernel_spans if s != stream and k0 < c1 and k1 > c0]
+        covered, end = 0.0, float("-inf")  # the length of their union: overlaps counted once
+        for a, b in sorted(under):
+            if b > end:
+                covered += b - max(a, end)
+                end = b
+        overlap_us += covered
+    result = {"copy_ms": sum(c["dur"] for c in copies) / 1e3, "overlap_ms": overlap_us / 1e3}
+    result["copy_streams"] = sorted({c["args"].get("stream") for c in copies})
+    return result | {"kernel_streams": sorted({k[2] for k in kernel_spans})}
+
+
+def first_step_state(trainer) -> tuple[dict, dict]:
+    """(float32 gradients, float32 masters) after a step, with HF names, on the CPU."""
     if isinstance(trainer, ResidentTraining):
-        mine = [name for name, master in trainer.named_masters() if not torch.isfinite(master).all()]
-    else:  # this rank's flat masters (its shards), by unit
-        flats = [trainer.steppers.state(u) for u in range(len(trainer.units))]
-        mine = [trainer.units[u].name for u, flat in enumerate(flats) if not torch.isfinite(flat).all()]
-    bad = sorted({name for names in trainer.ranks.each(mine) for name in names})
-    if bad:
-        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
-        raise Diverged(f"after the last step {bad[0]}{more} is not finite: {DIVERGED}; nothing saved")
+        return trainer.state_dict([m.grad for m in trainer.masters]), trainer.state_dict(trainer.masters)
+    trainer.wait_updates()  # gradients have landed once their updates are done
+    return trainer.state_dict(grads=True), trainer.state_dict()
 
 
-def write_checkpoint(trainer, folder: Path, manifest: dict, done: int, tokenizer=None) -> None:
-    """The training state after `done` steps of this run: a file per unit (and the tokenizer's), then CHECKPOINT_FILE
-    naming them, each written aside, flushed to the disk and renamed. The previous checkpoint's files go once the new
-    CHECKPOINT_FILE is on the disk; a write stopped part-way removes the files it wrote (a process killed outright:
-    the next write does), so the folder holds one whole checkpoint and nothing CHECKPOINT_FILE does not name."""
-    t0 = time.perf_counter()
-    trainer.wait_updates()
-    steps = manifest.get("resumed_from", 0) + done
-    made = not folder.exists()
-    folder.mkdir(parents=True, exist_ok=True)
-    ranks, n = trainer.ranks, len(trainer.units)
-    files = checkpoint_files(n, steps, ranks)
-    try:
-        for u, name in enumerate(files[ranks.rank * n : (ranks.rank + 1) * n]):  # this rank's
-            state = trainer.unit_state(u)
-            if not all(ranks.each(finite_state(state))):  # every rank's shard, so that all stop here
-                unit = trainer.units[u].name
-                raise Diverged(
-                    f"after step {steps} {unit}'s state is not finite: {DIVERGED}; the checkpoint before stays"
-                )
-            write_atomically(str(folder / name), functools.partial(save_synced, state))
-        tokenizer_files = save_checkpoint_tokenizer(tokenizer, folder) if tokenizer and ranks.rank == 0 else []
-        ranks.meet()  # every rank's files are on the disk before the record names them
-        if ranks.rank == 0:
-            record = checkpoint_record(trainer, manifest, done, files, tokenizer_files)
-            with signals_held():  # the record and the folder agree once this returns
-                write_atomically(str(folder / CHECKPOINT_FILE), functools.partial(save_synced, record))
-                sync_folder(folder)  # the renames too, before the files they replace go
-                remove_unnamed(folder)
-        ranks.meet()  # the stale files are gone before a rank writes the next checkpoint's
-    except BaseException:
-        with signals_held():
-            remove_unnamed(folder)
-            if made and ranks.rank == 0:  # the first write: no empty folder left behind (another rank's files stay)
-                with contextlib.suppress(OSError):
-                    folder.rmdir()
-        raise
-    log(f"checkpoint after step {steps} written to {folder} in {time.perf_counter() - t0:.1f} s")
+def compare_training(result: dict, reference: dict, run: RunConfig) -> None:
+    """The first step's gradients bitwise (unclipped runs) and masters to float32 rounding, with eager attention only
+    (sdpa's backward differs even from itself); later steps are reported, not judged: in 16-bit compute a one-ulp
+    master difference flips some weights' rounding, which Adam turns into lr-sized moves."""
+    grads, masters = result["grads"]
+    ref_grads, ref_masters = reference["grads"]
+    result["masters_step1_max_abs_diff"] = max_abs_diff(masters, ref_masters)
+    result["masters_tolerance"] = masters_tolerance(max(m.abs().max().item() for m in ref_masters.values()), 1)
+    result["masters_max_abs_diff"] = max_abs_diff(result["masters"], reference["masters"])
+    if run.attention == "eager" and run.clip_grad_norm is None:
+        result["grads_equal_to_gpu"] = all(torch.equal(g, ref_grads[name]) for name, g in grads.items())
+    if run.attention == "eager":
+        result["masters_close_to_gpu"] = result["masters_step1_max_abs_diff"] <= result["masters_tolerance"]
 
 
-def checkpoint_record(trainer, manifest: dict, done: int, files: list[str], tokenizer_files: list[str]) -> str:
-    """CHECKPOINT_FILE's text after `done` steps of this run: the manifest, the loss scale, the steps and tokens the
-    state has trained on, and the files that hold it."""
-    scale = {"loss_scale": trainer.scaling.scale, "good_steps": getattr(trainer.scaling, "good_steps", 0)}
-    steps = manifest.get("resumed_from", 0) + done
-    tokens = manifest.get("tokens_before", 0) + done * step_tokens(manifest)
-    named = {"steps": steps, "tokens": tokens, "files": files, "tokenizer": tokenizer_files}
-    return json.dumps(manifest | scale | named, indent=2)
+def max_abs_diff(a: dict, b: dict) -> float:
+    """The largest absolute difference between two state dicts with the same names."""
+    return max((t - b[name]).abs().max().item() for name, t in a.items())
 
 
-def remove_unnamed(folder: Path) -> None:
-    """Remove what a checkpoint write leaves in `folder` that its CHECKPOINT_FILE does not name: an older
-    checkpoint's unit files, or those of a write that stopped part-way (and its temporary files)."""
-    try:
-        record = parse_json((folder / CHECKPOINT_FILE).read_text())
-        named = {*record["files"], *record.get("tokenizer", [])}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # no whole record: nothing of a write is
-        named = set()
-    for path in folder.iterdir():
-        if path.name not in named and written_by_checkpoint(path):  # no file of the user's
-            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+def masters_tolerance(largest: float, steps: int) -> float:
+    """How far float32 rounding may move masters as large as `largest` in `steps` Adam steps."""
+    return 4 * steps * torch.finfo(torch.float32).eps * largest
 
 
-def save_checkpoint_tokenizer(tokenizer, folder: Path) -> list[str]:
-    """The tokenizer's files into a checkpoint's folder, each written aside and renamed (AutoTokenizer reads them
-    from the folder); returns their names, for the record."""
-    with folder_aside(folder / ".tokenizer") as tmp:
-        tokenizer.save_pretrained(tmp)
-        names = sorted(p.name for p in tmp.iterdir())
-        for name in names:
-            os.replace(tmp / name, folder / name)
-        return names
+# -------------------------------------------------------------------------------------------------- the tables' notes
 
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # what ends a run early, every output whole or absent
+def host_note(host: dict, run: RunConfig) -> list[str]:
+    """The process's peak resident set (the kernel's VmHWM over the whole run) against the host memory it had."""
+    peak, budget = host.get("peak_host_bytes_process"), host.get("host_budget_bytes")
+    if peak is None or budget is None:
+        return []
+    cap = f"the --max-host-memory cap of {run.max_host_memory:g} GiB" if run.max_host_memory else "MemAvailable"
+    within = "within" if peak <= budget else "OVER"
+    return [f"host: the process's peak resident set {gib(peak)} GiB, {within} {cap} ({gib(budget)} GiB at the start)"]
 
 
-@contextlib.contextmanager
-def signals_held():
-    """SIGINT and SIGTERM put off while the block runs, then raised again for the handlers they would have met: a few
-    renames that must not be split, or a writer whose own error would hide them. Python runs handlers in the main
-    thread alone (masking the signal there would not do: another thread takes it), so elsewhere the block runs as is."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught = []
-    before = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum)) for sig in SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, handler in before.items():
-            signal.signal(sig, handler)
-        if caught:
-            signal.raise_signal(caught[0])
-
-
-def checkpoint_files(units: int, steps: int, ranks: Ranks) -> list[str]:
-    """A checkpoint's unit files, after `steps` steps: one a unit, or with several ranks one a unit and rank."""
-    if not ranks.several:
-        return [f"unit{u:03d}.step{steps}.pt" for u in range(units)]
-    return [f"unit{u:03d}.rank{r}of{ranks.world}.step{steps}.pt" for r in range(ranks.world) for u in range(units)]
-
-
-def save_synced(obj, path: str) -> None:
-    """`obj` (text, or what torch.save takes) to `path`, flushed to the disk before it is renamed into a checkpoint."""
-    with open(path, "w" if isinstance(obj, str) else "wb") as f:
-        if isinstance(obj, str):
-            f.write(obj + "\n")
-        else:
-            torch_save(obj, f, path)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def torch_save(obj, f, path: str) -> None:
-    """torch.save(obj, f), whose zip writer reports a full disk as a RuntimeError: an OSError naming `path` instead.
-    Ctrl-C and SIGTERM wait until it returns: raised inside the writer, they too would end as a RuntimeError."""
-    try:
-        with signals_held():
-            torch.save(obj, f)
-    except RuntimeError as e:
-        reason = f"torch.save could not write it ({str(e).splitlines()[0]}): is its disk full?"
-        raise OSError(errno.EIO, reason, path) from None
-
-
-def sync_folder(folder: Path) -> None:
-    """Flush a folder's entries (the files renamed into it) to the disk."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def read_checkpoint(folder: Path, manifest: dict, units: list[Unit] | None = None) -> dict:
-    """A checkpoint's record, refused with one line when it is not one, is damaged, or is of another model, dtype or
-    Adam setting; with `units`, its unit files are checked too (check_unit_files), whatever ranks wrote them."""
-    path = folder / CHECKPOINT_FILE
-    if not path.is_file():
-        raise UsageError(f"--resume {folder}: no {CHECKPOINT_FILE} there: {checkpoint_hint(folder)}")
-    try:
-        saved = parse_json(path.read_text())
-    except OSError as e:
-        raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE} cannot be read ({e.strerror})") from None
-    except ValueError as e:  # UnicodeDecodeError too
-        raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE} is not valid JSON ({first_line(e)})") from None
-    if not isinstance(saved, dict):
-        raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE} holds no record: it is damaged")
-    if saved.get("format") != CHECKPOINT_FORMAT:
-        raise UsageError(
-            f"--resume {folder}: checkpoint format {saved.get('format')}, this script reads {CHECKPOINT_FORMAT}"
+def notes(results: dict, run: RunConfig, reference: dict | None = None) -> list[str]:
+    """The lines under the tables: each mode's notes, how the times were taken, the reference and speeds against it."""
+    lines = []
+    for mode, rs in results.items():
+        lines += inference_notes(mode, rs.get("inference", {})) + training_notes(mode, rs.get("training", {}), run)
+        lines += text_notes(mode, rs.get("training", {}), run)
+    if "cpu" in results and not results["cpu"].get("inference", {"oom": True}).get("oom"):
+        lines.append(f"cpu: one run, no warm-up; GPU modes: median of {run.repeat} runs after {run.warmup} warm-ups")
+    if run.train and run.attention != "eager" and "gpu" in results:
+        lines.append("training: grads and masters judged against gpu mode with --attention eager only (sdpa: atomics)")
+    if run.train and run.clip_grad_norm is not None:
+        clipped = "training: gradients clipped (clip_grad_norm_ in gpu and cpu modes; offloaded units step once every"
+        lines.append(f"{clipped} unit's gradients are in); grads not judged against gpu mode's")
+    if reference:
+        lines.append(
+            f"forward/backward reference (resident model, no optimizer, no cap): {reference['time_ms']:.1f} ms per "
+            f"step, {reference['sequences_per_s']:.2f} sequences/s, peak GPU {gib(reference['peak_gpu_bytes'])} GiB"
         )
-    for key, what in (("sizes", "model"), ("dtype", "dtype"), ("adam", "Adam setting")):
-        if saved.get(key) != manifest[key]:
-            raise UsageError(
-                f"--resume {folder}: a checkpoint of another {what}: {saved.get(key)}, not {manifest[key]}"
-            )
-    check_record(folder, saved, manifest)
-    missing = [name for name in saved["files"] if not (folder / name).is_file()]
-    if missing:
-        raise UsageError(f"--resume {folder}: {len(missing)} of the files {CHECKPOINT_FILE} names are missing")
-    if units is not None:
-        check_unit_files(folder, saved, units)
-    return saved
-
-
-CHECKPOINT_RECORD = {"steps": int, "files": list, "loss_scale": (int, float), "good_steps": int}  # and their types
-
-
-def check_record(folder: Path, saved: dict, manifest: dict) -> None:
-    """A checkpoint record's fields have their types, and it names a file a unit (and rank): the embeddings, each
-    layer, the norm and the head."""
-    for key, kind in CHECKPOINT_RECORD.items():
-        if not isinstance(saved.get(key), kind) or isinstance(saved.get(key), bool):
-            raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE}'s {key} is {saved.get(key)!r}: the file is damaged")
-    if not 0 <= saved["steps"] < 2**53 or not 0 <= saved["good_steps"] < 2**53:
-        raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE}'s step counts are out of range: the file is damaged")
-    if not all(isinstance(f, str) and f == Path(f).name for f in saved["files"]):
-        raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE} names files outside its folder: the file is damaged")
-    ranks = saved.get("ranks", 1)
-    if not isinstance(ranks, int) or isinstance(ranks, bool) or not 1 <= ranks <= 2**20:
-        raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE}'s ranks is {ranks!r}: the file is damaged")
-    check_optional_fields(folder, saved)
-    units = manifest["sizes"]["num_hidden_layers"] + 3
-    files, expected = saved["files"], checkpoint_files(units, saved["steps"], Ranks(world=ranks))
-    if len(files) != len(expected):
-        raise UsageError(
-            f"--resume {folder}: {CHECKPOINT_FILE} names {len(files)} files, not {len(expected)}: it is damaged"
+        for mode, rs in results.items():
+            if "time_ms" in rs.get("training", {}):
+                seqs = run.grad_accum * run.batch_size / rs["training"]["time_ms"] * 1e3
+                ratio = seqs / reference["sequences_per_s"]
+                lines.append(f"{mode} training: {seqs:.2f} sequences/s, {ratio:.2f}x the reference's")
+    if run.train:
+        lines.append(
+            f"training: median step time, start to next start, {timed_steps_text(run)}; "
+            "offloaded GPU modes skip the step after each round of their bound's parts (it waits for no update)"
         )
-    wrong = next((i for i, (f, e) in enumerate(zip(files, expected, strict=True)) if f != e), None)
-    if wrong is not None:  # each unit's own file, as written after that step: none named twice, none swapped
-        what = f"names {files[wrong]} where a checkpoint after step {saved['steps']} has {expected[wrong]}"
-        raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE} {what}: it is damaged")
+    if any("model_tflops" in rs.get("training", {}) for rs in results.values()):
+        lines.append(rates_note())
+    return lines
 
 
-RECORD_COUNTS = {"tokens": 0, "grad_accum": 1, "batch_size": 1, "seq_len": 1}  # each one's least value
+def rates_note() -> str:
+    """What the TFLOPS columns count (step_rates)."""
+    name, peak = torch.cuda.get_device_name(), dense_peak_flops()
+    line = "training: model TFLOPS a GPU count 6 x parameters x tokens; executed TFLOPS the step's forward, the"
+    line += " offloaded modes' recompute and the backward (twice a forward), causal attention's half of the scores"
+    return line + (f"; of peak: of the {name}'s dense 16-bit peak, {peak / 1e12:.0f} TFLOPS" if peak else "")
 
 
-def check_optional_fields(folder: Path, saved: dict) -> None:
-    """The record's fields that older checkpoints lack, where it has them: counts (RECORD_COUNTS) whole numbers in
-    range, and the plan and its inputs tables."""
-    for key, least in RECORD_COUNTS.items():
-        value = saved.get(key, least)
-        if not isinstance(value, int) or isinstance(value, bool) or not least <= value < 2**63:
-            raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE}'s {key} is {value!r}: the file is damaged")
-    for key in ("plan", "plan_inputs"):
-        if not isinstance(saved.get(key, {}), dict):
-            raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE}'s {key} is not a table: the file is damaged")
+def timed_steps_text(run: RunConfig) -> str:
+    """Which steps the median is over (StepClock.result: every step where the warm-up leaves none)."""
+    if run.warmup >= run.steps:
+        return f"over every step (--warmup {run.warmup} leaves none of {run.steps} after it)"
+    return f"after the first {run.warmup} of {run.steps} steps"
 
 
-def check_unit_files(folder: Path, saved: dict, units: list[Unit]) -> None:
-    """Each unit file of a checkpoint loads, and holds its unit's step count and float32 master and moments in the
-    unit's shapes (several ranks': flat shards of the unit, of the shard's size); else one line naming the file."""
-    ranks = Ranks(world=saved.get("ranks", 1))  # that wrote it
-    for i, name in enumerate(saved["files"]):
-        u = i % len(units)
-        try:
-            state = torch.load(folder / name, mmap=True, weights_only=True)
-        except Exception as e:  # torch's errors for a file cut short or not its format vary between versions
-            reason = first_line(e)
-            raise UsageError(f"--resume {folder}: {name} does not load ({reason}): resume another checkpoint") from None
-        if not unit_state_fits(state, units[u].layout, ranks) or state.get("unit", units[u].name) != units[u].name:
-            raise UsageError(f"--resume {folder}: {name} does not hold unit {units[u].name}'s state: it is damaged")
+def inference_notes(mode: str, r: dict) -> list[str]:
+    """A mode's inference notes: resident layers, per-layer copy and compute times, the trace's overlap."""
+    lines = []
+    if r.get("resident_layers"):
+        layers = ", ".join(map(str, r["resident_layers"]))
+        lines.append(f"{mode}: decoder layers {layers} resident on the GPU, the others streamed")
+    if "compute_ms_per_layer" in r:
+        copy = ""
+        if r["h2d_gbps_copy_only"]:
+            copy = f"copy {r['copy_ms_per_layer']:.2f} ms ({r['h2d_gbps_copy_only']:.1f} GB/s alone), "
+        times = f"compute {r['compute_ms_per_layer']:.2f} ms; embeddings + norm + head {r['resident_ms']:.2f} ms"
+        lines.append(f"{mode}: per layer {copy}{times}")
+    if "trace" in r:
+        t = r["trace"]
+        streams = f"(copy streams {t['copy_streams']}, kernel streams {t['kernel_streams']})"
+        lines.append(f"{mode} trace: {t['overlap_ms']:.1f} of {t['copy_ms']:.1f} ms of copies under compute {streams}")
+    return lines
 
 
-def unit_state_fits(state, layout: FlatLayout, ranks: Ranks) -> bool:
-    """Whether `state` is a unit's checkpointed state of `layout` (unit_state's dict): with several ranks, flat shards;
-    else each parameter by name in its shape; float32 throughout."""
-    if not isinstance(state, dict) or not isinstance(state.get("step"), float) or not 0 <= state["step"] < 2**53:
-        return False  # unit_state writes the step count as a float
-    shapes = dict(zip(layout.names, layout.shapes, strict=True))
-    for key in ("master", "exp_avg", "exp_avg_sq"):
-        tensors = state.get(key)
-        if ranks.several:
-            tensors, shapes = {"shard": tensors}, {"shard": torch.Size([ranks.shard_numel(layout.numel)])}
-        if not isinstance(tensors, dict) or tensors.keys() != shapes.keys():
-            return False
-        for name, t in tensors.items():
-            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.shape != shapes[name]:
-                return False
-    return True
+def training_notes(mode: str, t: dict, run: RunConfig) -> list[str]:
+    """A mode's training notes: placement and peak, the bound's parts, the trace, the gradient pool, the masters."""
+    lines = []
+    if "predicted_peak_bytes" in t:
+        resident, gpu_adam = t["resident_units"], t.get("gpu_adam_units", [])
+        units = f"{len(resident)} of {t['units']} units resident ({', '.join(resident) or 'none'})"
+        adam = f"{len(gpu_adam)} stepped by the GPU's Adam ({', '.join(gpu_adam) or 'none'})"
+        parts = ", ".join(f"{part} {gib(n)}" for part, n in t["predicted_parts"].items())
+        peak = f"peak GPU {gib(t['peak_gpu_bytes'])} GiB against {gib(t['predicted_peak_bytes'])} predicted: {parts}"
+        lines.append(f"{mode} training: {units}, {adam}; {peak}")
+    if "gpu_compute_ms" in t:
+        lines.append(bound_note(mode, t))
+    if "setup_s" in t:
+        parts = ", ".join(f"{part.replace('_', ' ')} {s:.1f}" for part, s in t["setup_s"].items())
+        lines.append(f"{mode} training: set-up {sum(t['setup_s'].values()):.1f} s before the first step: {parts}")
+    if "ranks" in t:
+        each = ", ".join(f"{gib(r['peak_gpu_bytes'])} and {gib(r['peak_host_bytes'])}" for r in t["ranks"])
+        host = f"host {gib(t['peak_host_bytes'])} GiB in all, {t['host_bytes_per_parameter']:.1f} bytes a parameter"
+        lines.append(f"{mode} training: {len(t['ranks'])} ranks, peak GPU and host GiB of each: {each}; {host}")
+    if "trace" in t:
+        h2d, d2h = (f"{c['overlap_ms']:.1f} of {c['copy_ms']:.1f} ms" for c in (t["trace"]["h2d"], t["trace"]["d2h"]))
+        lines.append(f"{mode} training trace: {h2d} of H2D copies and {d2h} of D2H copies ran under compute")
+    if not t.get("gradient_pool", {"per_unit": True})["per_unit"]:
+        g = t["gradient_pool"]
+        waited = f"the backward waited {g['waited_ms']:.0f} ms in all for the CPU Adam to free one"
+        lines.append(f"{mode} training: {g['buffers']} shared gradient buffers; {waited}")
+    if "disk_tier" in t:
+        d = t["disk_tier"]
+        io = "direct I/O" if d["direct_io"] else "buffered I/O"
+        moments = f"the Adam moments of {d['units']} units ({gib(d['bytes'])} GiB) on the disk, {io}"
+        lines.append(f"{mode} training: {moments}; the CPU Adam waited {d['waited_ms']:.0f} ms in all for its reads")
+    if t.get("grad_norms"):
+        norms = f"{t['grad_norms'][0]:.3g} -> {t['grad_norms'][-1]:.3g}"
+        lines.append(f"{mode} training: gradient norm {norms} before clipping to {run.clip_grad_norm:g}")
+    if "masters_max_abs_diff" in t:
+        step1 = f"{t['masters_step1_max_abs_diff']:.3g} after step 1 (rounding allows {t['masters_tolerance']:.3g})"
+        last = f"{t['masters_max_abs_diff']:.3g} after step {run.steps}"
+        lines.append(f"{mode} training: masters differ from gpu mode's by at most {step1} and {last}")
+    return lines
 
 
-def checkpoint_hint(folder: Path) -> str:
-    """What to give --resume instead of a folder with no checkpoint: a mode's subfolder, or the folder above it."""
-    if folder.name in MODES and (folder.parent / CHECKPOINT_FILE).is_file():
-        return f"{folder.parent} holds one mode's; several modes resume each from DIR/<mode>: give --mode as it trained"
-    inside = sorted(sub.parent.name for sub in folder.glob(f"*/{CHECKPOINT_FILE}") if sub.parent.name in MODES)
-    if inside:
-        return f"it holds the checkpoints of modes {', '.join(inside)}: give one of their folders, or --mode as trained"
-    return "give a folder written by --checkpoint"
+def text_notes(mode: str, t: dict, run: RunConfig) -> list[str]:
+    """A mode's held-out losses, what one evaluation costs beside a step, and its samples before and after."""
+    lines = []
+    if t.get("evaluations"):
+        first, last = t["evaluations"][0], t["evaluations"][-1]
+        losses = f"{first['loss']:.4f} -> {last['loss']:.4f} (perplexity {first['perplexity']:.1f} -> "
+        losses += f"{last['perplexity']:.1f}) after {last['tokens']:,} tokens"
+        cost = f"{statistics.median(e['ms'] for e in t['evaluations']):.0f} ms an evaluation"
+        step = f", {t['time_ms']:.0f} ms a step" if "time_ms" in t else ""
+        lines.append(f"{mode} training: held-out loss {losses}; {cost}{step}")
+    for when, texts in t.get("samples", {}).items():
+        for prompt, text in zip(run.sample, texts, strict=True):
+            lines.append(f"{mode} sample {when} training: {prompt!r} -> {text!r}")
+    return lines
 
 
-@torch.no_grad()
-def restore_unit(store: MasterStore, u: int, state: dict) -> None:
-    """Unit u's master, Adam moments, step count and copy in `store`, from a checkpoint's (checkpoint_unit): this rank's
-    shards, from each parameter by name (any number of ranks wrote them) or the flat shards this rank wrote."""
-    layout, start = store.units[u].layout, store.ranks.rank * store.masters[u].numel()
-
-    def fill(keys: tuple[str, ...], *flats) -> None:
-        """The state's `keys` into this rank's part of the flat buffers `flats`."""
-        for key, flat in zip(keys, flats, strict=True):
-            if isinstance(state[key], torch.Tensor):  # the shard this rank wrote, padding and all
-                flat.copy_(state[key])
-            else:
-                layout.fill(flat, state[key].__getitem__, start=start)
-
-    fill(("master",), store.masters[u])
-    store.adam_moments.fill(u, functools.partial(fill, ("exp_avg", "exp_avg_sq")))
-    if store.copies:
-        store.copies[u].copy_(store.masters[u])
-    store.steps[u].fill_(state["step"])
-    store.unstarted.discard(u)
-
-
-def resume(trainer, folder: Path, manifest: dict) -> int:
-    """Load a checkpoint into `trainer`, before placement; returns the steps it had done."""
-    t0 = time.perf_counter()
-    saved = read_checkpoint(folder, manifest)
-    say_plan_changes(saved, manifest)
-    for u, unit in enumerate(trainer.units):
-        state = checkpoint_unit(folder, saved, u, unit.layout, trainer.ranks)
-        trainer.load_unit(u, state)
-        if not finite_state(state):  # read again from the page cache the load filled
-            raise UsageError(
-                f"--resume {folder}: unit {unit.name}'s state is not finite (NaN or infinity): resume an "
-                "earlier checkpoint"
-            )
-    if saved.get("ranks", 1) != trainer.ranks.world:
-        log(f"the checkpoint of {saved.get('ranks', 1)} rank(s) resharded over {trainer.ranks.world}")
-    if isinstance(trainer.scaling, LossScale):
-        trainer.scaling.restore(saved["loss_scale"], saved["good_steps"])
-    log(f"resumed from {folder} after step {saved['steps']} in {time.perf_counter() - t0:.1f} s")
-    manifest["tokens_before"] = tokens_trained(saved, manifest)
-    batch = ("grad_accum", "batch_size", "seq_len", "seed", "eval_fraction")
-    changed = [key for key in batch if key in saved and saved[key] != manifest[key]]  # older records lack some
-    if changed:
-        log(f"note: another {', '.join(changed)} than the checkpoint's, so other batches (and held-out blocks)")
-    if isinstance(saved.get("data"), str) and manifest["data"] is None:
-        without = "without --data, this run trains on random ids"
-        log(f"note: the checkpoint trained on text (--data {saved['data']}); {without}")
-    return saved["steps"]
+def bound_note(mode: str, t: dict) -> str:
+    """A mode's training bound, each part alone."""
+    copies = host = ""
+    if "h2d_ms" in t:
+        h2d, d2h = t["h2d_bytes"] / t["h2d_ms"] / 1e6, t["d2h_bytes"] / t["d2h_ms"] / 1e6
+        copies = f", H2D {t['h2d_ms']:.1f} ms ({h2d:.1f} GB/s), D2H {t['d2h_ms']:.1f} ms ({d2h:.1f} GB/s)"
+    if "host_memory_ms" in t:
+        host = (
+            f", CPU Adam {t['cpu_adam_ms']:.1f} ms, host memory {t['host_memory_ms']:.1f} ms "
+            f"({t['host_bytes'] / 1e9:.1f} GB, {t['host_bytes_per_param']:.1f} bytes per parameter, "
+            f"{t['adam_bytes_per_param']} per CPU-stepped one for the Adam, at {t['host_gbps']:.0f} GB/s with the Adam "
+            "and the copies running together)"
+        )
+    held = ""
+    if "held_updates_ms" in t:
+        why = "clipping" if t.get("grad_norms") else "float16's loss scale"
+        held = (
+            f", updates held for the whole backward ({why}) {t['held_updates_ms']:.1f} ms (backward "
+            f"{t['gpu_compute_ms'] - t['gpu_forward_ms']:.1f} ms, then the longer of the forward "
+            f"{t['gpu_forward_ms']:.1f} ms and the CPU Adam; {t['unheld_bound_ms']:.1f} ms were they not held)"
+        )
+    disk = ""
+    if "disk_ms" in t:
+        disk = f", disk {t['disk_ms']:.1f} ms ({t['disk_bytes'] / 1e9:.1f} GB read and written back, "
+        disk += f"{t['disk_gbps']:.2f} GB/s together)"
+    rounds = len(next(iter(t["bound_parts_ms"].values())))
+    adam = f", the resident units' Adam {t['resident_adam_ms']:.1f}" if "resident_adam_ms" in t else ""
+    return (
+        f"{mode} training bound, each part alone (best of {rounds} rounds): GPU compute {t['gpu_compute_ms']:.1f} ms "
+        f"(forward, recompute, backward{adam}; after {SETTLE_S:g} s of load){copies}{host}{disk}{held}"
+    )
 
 
-def tokens_trained(saved: dict, manifest: dict) -> int:
-    """The tokens a checkpoint's state has trained on: as its record counts them, or (an older record) its steps at
-    its batch's tokens (this run's, where the record lacks them)."""
-    if "tokens" in saved:  # check_record checked it
-        return saved["tokens"]
-    return saved["steps"] * step_tokens(manifest | saved)
-
-
-def step_tokens(record: dict) -> int:
-    """The tokens of a step of the run a checkpoint manifest describes: its micro-batches of batch_size sequences."""
-    return record["grad_accum"] * record["batch_size"] * record["seq_len"]
-
-
-def finite_state(state: dict) -> bool:
-    """Whether a unit's checkpointed state (checkpoint_unit's) holds finite masters and moments alone."""
-    for key in ("master", "exp_avg", "exp_avg_sq"):
-        held = state[key]
-        tensors = held.shards if isinstance(held, Resharded) else held.values() if isinstance(held, dict) else [held]
-        if not all(torch.isfinite(t).all() for t in tensors):
-            return False
-    return True
-
-
-def checkpoint_unit(folder: Path, saved: dict, u: int, layout: FlatLayout, ranks: Ranks) -> dict:
-    """Unit u's state in a checkpoint (unit_state's dict), memory-mapped: where as many ranks wrote it, the file this
-    rank wrote (its flat shards, padding and all, so that it goes on bit for bit); else each parameter's master and
-    moments by name, as one process wrote them, or put together from the shards that other ranks wrote (Resharded),
-    of which a rank reads the parameters of its own shard alone."""
-    world, units = saved.get("ranks", 1), len(saved["files"]) // saved.get("ranks", 1)
-    if world == ranks.world:
-        return torch.load(folder / saved["files"][ranks.rank * units + u], mmap=True, weights_only=True)
-    states = [torch.load(folder / saved["files"][r * units + u], mmap=True, weights_only=True) for r in range(world)]
-    if world == 1:
-        return states[0]
-    keys = ("master", "exp_avg", "exp_avg_sq")
-    return {"step": states[0]["step"]} | {key: Resharded([s[key] for s in states], layout) for key in keys}
-
-
-class Resharded:
-    """A unit's flat state that several ranks wrote as equal shards, in rank order, read by parameter name: each
-    parameter put together from the shards it spans (a shard is an offset and a length of the unit's flat buffer)."""
-
-    def __init__(self, shards: list[torch.Tensor], layout: FlatLayout):
-        self.shards, self.size = shards, shards[0].numel()
-        self.places = dict(zip(layout.names, zip(layout.offsets, layout.shapes, strict=True), strict=True))
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        """The parameter `name`, whole, in its shape."""
-        start, shape = self.places[name]
-        end, size = start + shape.numel(), self.size
-        ranks = range(start // size, -(-end // size))  # those whose shards it spans
-        parts = [self.shards[r][max(start, r * size) - r * size : min(end, (r + 1) * size) - r * size] for r in ranks]
-        return torch.cat(parts).view(shape)
-
-
-# ---------------------------------------------------------------------------------------------------- text in
-# --data: documents read and checked, tokenized once into a memory-mapped file of ids (the token cache), packed into
-# blocks of seq_len tokens; a held-out share of the blocks is never trained on, the rest come in an order shuffled by
-# --seed, epoch after epoch.
+# ------------------------------------------------------------------------------------------------------------ text in
 
 
 def data_files(run: RunConfig) -> list[Path]:
@@ -6352,1007 +5657,1626 @@ class Evaluation:
         return {"evaluations": self.evaluations, "samples": self.samples} if self.text else {}
 
 
-# ---------------------------------------------------------------------------------------------------- measurement
+# ------------------------------------------------------------------------------------------------ saving and resuming
 
 
-def bound_parts_of(trainer, micro_batches, device: torch.device):
-    """For offloaded training on the GPU, a function that makes the bound's parts to time (train_bound_parts); else
-    None: no bound."""
-    if isinstance(trainer, OffloadedTraining) and device.type == "cuda":
-        return lambda: train_bound_parts(trainer, micro_batches, device)
-    return None
+CHECKPOINT_FILE = "checkpoint.json"  # names the unit files of the last whole checkpoint in its folder
 
 
-def time_round(fns: dict, parts: dict[str, list[float]], ranks: Ranks) -> None:
-    """Time each of `fns` (name -> (device, fn)) once, alone, into `parts`; their outputs and scratch memory are freed
-    on return, before the steps resume and their host peak restarts. The GPU compute parts (Compute) go first, once
-    the GPU has run them for SETTLE_S (settle_clocks). With several ranks, all start each part together: in a step
-    they share the host's memory, and a part timed while the others wait would have it alone."""
-    check_same(ranks, list(fns), "the bound's parts")
-    compute = [name for name, (_, fn) in fns.items() if isinstance(fn, Compute)]
-    settle_clocks([fns[name] for name in compute])
-    for name in [*compute, *(name for name in fns if name not in compute)]:
-        device, fn = fns[name]
-        ranks.meet()
-        parts[name].append(timed(fn, device)[0])
+def own_storage(flat: torch.Tensor, offset: int, shape: torch.Size) -> torch.Tensor:
+    """flat[offset:] as a tensor of `shape` with a storage of its own over the same memory: save_pretrained clones
+    tensors that share a storage, which would copy the whole model."""
+    count = shape.numel()
+    return torch.frombuffer(flat.numpy(), dtype=flat.dtype, count=count, offset=offset * flat.itemsize).view(shape)
 
 
-class Compute:
-    """A part of the training bound that is GPU compute, which time_round times at settled clocks (settle_clocks)."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def __call__(self):
-        """Run the part."""
-        return self.fn()
-
-
-SETTLE_S = 1.5  # seconds the bound times its GPU compute parts after: a loaded GPU's power cap slows its clocks
-
-
-def settle_clocks(fns: list) -> None:
-    """Run the GPU compute parts `fns` ((device, fn) each) in turn, untimed, for SETTLE_S: a step loads the GPU for
-    seconds, and its power cap then holds the clocks below the boost that a part timed from idle runs at."""
-    end = time.perf_counter() + SETTLE_S
-    while fns and time.perf_counter() < end:
-        for device, fn in fns:
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)  # one part at a time queued, so the loop ends near SETTLE_S
-
-
-class StepClock:
-    """The training steps' times, the CPU Adam's busy time in each and the peaks of GPU and host memory, leaving out
-    the bound's rounds between the steps and the step after each round, which waits for no update."""
-
-    def __init__(self, trainer, device: torch.device, done: int = 0, steps: int = 0, tokens: int = 0, seen: int = 0):
-        self.trainer = trainer
-        self.device = device
-        self.done, self.seen = done, seen  # steps and tokens trained before this run (a resumed run counts on)
-        self.steps, self.tokens = steps, tokens  # this run's steps, and each step's tokens: for the progress
-        self.bar = tqdm.tqdm(total=steps, file=sys.stderr, unit="step", leave=False) if sys.stderr.isatty() else None
-        self.adam = trainer.steppers.cpu_adam if isinstance(trainer, OffloadedTraining) else None
-        self.times, self.busy = [], []  # each step's time, and the CPU Adam's busy time in it (ms)
-        self.untimed = set()  # the steps right after a round
-        self.paused_s = 0.0  # time spent in rounds and checkpoints between the steps
-        self.peaks = {"peak_host_bytes": None}  # and on the GPU peak_gpu_bytes
-        self.resume()
-
-    def resume(self, after_round: bool = False) -> None:
-        """Start timing the next step now; after a round, what the round held does not count in the peaks."""
-        if after_round:
-            reset_peak_memory(self.device)
-            self.paused_s += time.perf_counter() - self.paused_at
-        self.start, self.busy_s = time.perf_counter(), self.adam and self.adam.busy_s
-
-    def pause(self, i: int) -> None:
-        """A round before step i: every update done first, so each part runs alone; step i is not timed."""
-        self.paused_at = time.perf_counter()
-        if self.adam:
-            self.trainer.wait_updates()
-        self.note_peaks()
-        self.untimed.add(i)
-
-    def note_peaks(self) -> None:
-        """Count the GPU and host memory peaks since they were last reset (the host's is None without /proc)."""
-        gpu = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
-        for key, peak in (("peak_host_bytes", peak_host_rss()), ("peak_gpu_bytes", gpu)):
-            if peak is not None:
-                self.peaks[key] = max(self.peaks.get(key) or 0, peak)
-
-    def lap(self, i: int, loss: float) -> None:
-        """Step i has run: its time, and how long the CPU Adam worked in it; a progress line."""
-        now = time.perf_counter()
-        self.times.append((now - self.start) * 1e3)
-        self.start = now
-        line = f"  step {self.done + i + 1}: loss {loss:.4f}, {self.times[-1]:.0f} ms"
-        if self.adam:
-            self.busy.append((self.adam.busy_s - self.busy_s) * 1e3)
-            self.busy_s = self.adam.busy_s
-            line += f", CPU Adam busy {self.busy[-1]:.0f} ms"
-        rate = self.tokens / statistics.median(self.times[-10:]) * 1e3
-        left = duration_text((self.steps - i - 1) * self.tokens / rate)
-        line += f"; {self.seen + (i + 1) * self.tokens:,} tokens seen, {rate:,.0f} tokens/s, {left} left"
-        if self.bar is None:
-            log(line)
+def save_pretrained(trainer, config: LlamaConfig, folder: Path, tokenizer=None) -> None:
+    """The trained float32 masters as a Hugging Face folder, with the tokenizer trained on (its ids in the configs),
+    written into a folder beside `folder` and renamed to it whole (replace_folder): complete or absent, whatever stops
+    the run. With several ranks a collective: rank 0 writes."""
+    t0 = time.perf_counter()
+    check_finite_masters(trainer)
+    reset_peak_memory(torch.device("cpu"))
+    config = with_token_ids(config, tokenizer)
+    aside = folder_aside(folder) if trainer.ranks.rank == 0 else contextlib.nullcontext()
+    with aside as tmp, named_errors(folder, writer=not trainer.ranks.several):  # the collectives' errors stay theirs
+        if trainer.ranks.several:
+            save_units(trainer, config, tmp)
         else:
-            self.bar.set_postfix_str(line.strip(), refresh=False)
-            self.bar.update()
-
-    def result(self, warmup: int) -> dict:
-        """The median step after the warm-up, the steps timed, the peaks."""
-        if self.bar is not None:
-            self.bar.close()
-        self.note_peaks()
-        timed = [i for i in range(warmup, len(self.times)) if i not in self.untimed] or list(range(len(self.times)))
-        result = {"time_ms": statistics.median(self.times[i] for i in timed), "step_ms": self.times}
-        result |= {"timed_steps": timed} | self.peaks
-        if self.adam:
-            result["cpu_adam_busy_ms"] = self.busy
-        return result
+            save_masters(trainer, config, tmp)
+        if trainer.ranks.rank == 0:
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            with_umask_modes(tmp)
+            replace_folder(tmp, folder)
+    trainer.ranks.meet()  # the folder is whole before any rank goes on
+    seconds, peak = time.perf_counter() - t0, size_text(peak_host_rss())
+    log(f"trained float32 weights saved to {folder} in {seconds:.1f} s, host peak {peak} meanwhile")
 
 
-def bound_rounds(run: RunConfig) -> list[int]:
-    """Before which steps a round of the training bound's parts runs (run.steps: after the last): a warm-up round, then
-    one after each of up to run.repeat blocks of 2+ steps; with under 2 steps after the warm-up, all after the last."""
-    after_warmup = run.steps - run.warmup
-    blocks = max(0, min(run.repeat, after_warmup // 2))
-    if blocks == 0:
-        return [run.steps] * (1 + run.repeat)
-    return [run.warmup] + [run.warmup + after_warmup * (b + 1) // blocks for b in range(blocks)]
+def with_token_ids(config: LlamaConfig, tokenizer) -> LlamaConfig:
+    """`config` with the tokenizer's begin, end and padding ids (a trained tokenizer's end of text is id 0, not the
+    preset's 2), so that generate on the saved model stops where the text ends; as it is without a tokenizer."""
+    if tokenizer is None:
+        return config
+    config = copy.deepcopy(config)
+    eos = tokenizer.eos_token_id
+    config.bos_token_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else eos
+    config.eos_token_id = eos
+    config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    return config
 
 
-def free_gpu_memory() -> None:
-    """Drop the last mode's GPU copies (and an OOM's leftovers) before the next mode measures its peak."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+SAVE_SHARD = "2GB"  # save_pretrained's shard size: a safetensors writer may hold a whole shard's bytes in memory
 
 
-def timed(fn, device: torch.device) -> tuple[float, object]:
-    """Milliseconds fn() takes on `device`, and its result."""
-    if device.type != "cuda":
-        t0 = time.perf_counter()
-        out = fn()
-        return (time.perf_counter() - t0) * 1e3, out
-    # start from an idle GPU, so no stream can begin work before `start` is recorded
-    torch.cuda.synchronize(device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    out = fn()
-    end.record()  # fn's side-stream work is all waited for by the current stream, so `end` covers it
-    end.synchronize()
-    return start.elapsed_time(end), out
+def save_masters(trainer, config: LlamaConfig, folder: Path) -> None:
+    """One process: the masters saved by save_pretrained from a meta-device model whose parameters are the masters
+    themselves, shard by shard, with no copy of the model in host memory."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    for name, master in trainer.named_masters():
+        owner, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, nn.Parameter(master, requires_grad=False))
+    transformers.utils.logging.disable_progress_bar()  # stderr carries this script's progress lines alone
+    model.save_pretrained(folder, max_shard_size=SAVE_SHARD)
 
 
-def median_ms(fn, device: torch.device, warmup: int, repeat: int) -> tuple[float, object]:
-    """Median time of `repeat` runs after `warmup` untimed ones, and the last run's result."""
-    times, out = interleaved_ms({"fn": (device, fn)}, warmup, repeat)
-    return statistics.median(times["fn"]), out
+def replace_folder(new: Path, folder: Path) -> None:
+    """Rename the finished folder `new` to `folder`, moving an older `folder` aside first and removing it after, with
+    SIGINT and SIGTERM put off meanwhile: `folder` is always whole, the old or the new."""
+    old = new.with_name(new.name + ".old")
+    with signals_held():
+        if folder.exists():
+            os.rename(folder, old)
+        os.rename(new, folder)
+        shutil.rmtree(old, ignore_errors=True)
+        sync_folder(folder.parent)
 
 
-def interleaved_ms(fns: dict, warmup: int, repeat: int) -> tuple[dict[str, list[float]], object]:
-    """Time each of `fns` (name -> (device, fn)) in rounds, one run of each, so a bound's parts meet the machine as
-    what they bound does; the times, and the last function's last result (the others are dropped at once)."""
-    times, out = {name: [] for name in fns}, None
-    for r in range(warmup + repeat):
-        for name, (device, fn) in fns.items():
-            out = None
-            ms, out = timed(fn, device)
-            if r >= warmup:
-                times[name].append(ms)
-    return times, out
+def save_units(trainer, config: LlamaConfig, folder: Path | None) -> None:
+    """Several ranks: a Hugging Face folder of one safetensors file a unit and their index, each unit gathered from
+    every rank's shards and written by rank 0 into `folder` (the others' None), so no rank holds the whole model (a
+    collective: every rank calls it)."""
+    ranks, n, weight_map, total = trainer.ranks, len(trainer.units), {}, 0
+    if ranks.rank == 0:
+        config.save_pretrained(folder)
+        transformers.GenerationConfig.from_model_config(config).save_pretrained(folder)
+    for u, unit in enumerate(trainer.units):
+        full = ranks.gathered(trainer.steppers.state(u).cpu())
+        tensors = {f"{unit.name}.{name}": view for name, view in unit.layout.views(full).items()}
+        name = f"model-{u + 1:05d}-of-{n:05d}.safetensors"
+        weight_map |= dict.fromkeys(tensors, name)
+        total += sum(t.nbytes for t in tensors.values())
+        if ranks.rank == 0:
+            write_safetensors(folder / name, tensors)
+    if ranks.rank == 0:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-RESET_HOST_PEAKS = [0]  # the process's peak resident set at each reset_peak_memory, which restarts the kernel's count
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Float32 `tensors` as a safetensors file, the format from_pretrained reads: the header's length (8 bytes, little
+    endian), a JSON header of each tensor's dtype, shape and byte range, then the tensors' bytes in that order."""
+    header, start = {"__metadata__": {"format": "pt"}}, 0
+    for name, t in tensors.items():
+        header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [start, start + t.nbytes]}
+        start += t.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the tensors' bytes start 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for t in tensors.values():
+            f.write(t.contiguous().numpy())  # its bytes, without a copy: a view of the gathered unit
 
 
-def reset_peak_memory(device: torch.device) -> None:
-    """Start a new peak of GPU memory and of the host's resident set (the process's peak so far is kept)."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    RESET_HOST_PEAKS.append(peak_host_rss() or 0)
-    with contextlib.suppress(OSError):
-        Path("/proc/self/clear_refs").write_text("5")  # resets the peak resident set size (Linux)
+def with_umask_modes(folder: Path) -> None:
+    """Give the files in `folder` the modes the umask gives new files: safetensors writes its shards 0600, beside
+    save_pretrained's 0644 config files."""
+    for path in folder.iterdir():
+        if path.is_file():
+            path.chmod(0o666 & ~current_umask())
 
 
-def process_host_peak() -> int | None:
-    """The process's peak resident set size since it started, in bytes: --max-host-memory's measure."""
-    now = peak_host_rss()
-    return None if now is None else max(now, *RESET_HOST_PEAKS)
+CHECKPOINT_FORMAT = 1
 
 
-def peak_host_rss() -> int | None:
-    """The process's peak resident set size since the last reset, in bytes (pinned memory included)."""
-    return proc_kib("/proc/self/status", "VmHWM")
+def checkpoint_manifest(run: RunConfig, config: LlamaConfig, mode: str, plan: Plan | None = None) -> dict:
+    """What a checkpoint records besides its unit files: what a resumed run must match (the model's sizes, the dtype,
+    Adam), the mode, seed and batch it trained with, and the plan with what it was made from (plan_inputs)."""
+    adam = json.loads(json.dumps(dataclasses.asdict(run.adam)))  # as read back: betas a list
+    sizes = {field: getattr(config, field) for field in SIZE_FLAGS}
+    batch = {"grad_accum": run.grad_accum, "batch_size": run.batch_size, "seq_len": run.seq_len, "seed": run.seed}
+    batch["eval_fraction"] = run.eval_fraction  # with the seed, which blocks --data holds out
+    batch["data"] = run.data  # None: random ids
+    ranks = {"ranks": run.ranks.world} if run.ranks.several else {}  # each rank's files hold its shards
+    planned = {"plan_inputs": plan_inputs(run, plan), "plan": plan.as_dict()} if plan else {}
+    record = {"format": CHECKPOINT_FORMAT, "mode": mode, "sizes": sizes, "dtype": run.dtype, "adam": adam}
+    return record | batch | ranks | planned
 
 
-def process_rss() -> int:
-    """The process's resident set now, in bytes (0 where /proc cannot say): the interpreter, torch, transformers."""
-    return proc_kib("/proc/self/status", "VmRSS") or 0
+PLAN_FLAGS = ("max_gpu_memory", "max_host_memory", "prefetch", "resident_layers", "gpu_adam_share")
+PLAN_FLAGS += ("offload_activations", "nvme", "nvme_layers", "rank_timeout")
 
 
-def pipeline_bound_ms(streamed: list[bool], copy_ms: float, compute_ms: float, resident_ms: float, depth: int):
-    """The fastest a pass can be, given per-layer copy and compute times; `streamed` says which layers are copied in.
-    Blocked serialises each copy with its layer. Overlapped takes at least all the compute, and at least the copies
-    up to any streamed layer and the compute from it to the end: x + (L-1) max(x, c) + c with every layer streamed."""
-    n = len(streamed)
-    if depth == 0:
-        return resident_ms + sum(streamed) * copy_ms + n * compute_ms
-    longest, copies = n * compute_ms, 0
-    for i, s in enumerate(streamed):
-        copies += s
-        if s:
-            longest = max(longest, copies * copy_ms + (n - i) * compute_ms)
-    return resident_ms + longest
+def plan_inputs(run: RunConfig, plan: Plan) -> dict:
+    """What a plan is made from, as a checkpoint records it: the machine's facts (memory to a tenth of a GiB) and the
+    flags that steer it (PLAN_FLAGS)."""
+    facts = plan.facts
+    gib_or_none = {
+        f"{field}_gib": None if b is None else round(b / GiB, 1)
+        for field, b in (("gpu", facts.gpu_bytes), ("host", facts.host_bytes), ("disk", facts.disk_bytes))
+    }
+    machine = gib_or_none | {"cores": facts.cores, "ranks": facts.world, "ranks_a_host": facts.local_world}
+    return machine | {flag: getattr(run, flag) for flag in PLAN_FLAGS}
 
 
-def inference_parts(shell, streamer: LayerStreamer, input_ids) -> dict:
-    """What bounds an offloaded pass, as functions to time: every streamed layer's copy alone, every layer's compute
-    alone (one layer run as many times back to back, as a pass hides its launch) and the resident parts alone."""
-    device = input_ids.device
-    hidden = shell.model.embed_tokens(input_ids)  # what the pass gives decoder layer 0, with decoder_kwargs
-    kwargs = decoder_kwargs(shell, tuple(input_ids.shape), streamer.dtype, device)
-    layer = streamer.modules[0]["layer"] if streamer.modules else streamer.resident[0]  # any layer: same time
-
-    def copy_all():
-        """Copy every streamed layer into its slot, nothing computed."""
-        for p in range(len(streamer.window.units)):
-            streamer.prefetch(p)
-        streamer.wait_copies(torch.cuda.current_stream(device))  # `timed` records its end event on this stream
-
-    def compute_all():
-        """One layer's compute once for every layer of the model, back to back."""
-        for _ in streamer.sources:
-            layer(hidden, **kwargs)
-
-    def resident_only():
-        """The pass without its decoder layers: embeddings, norm and head."""
-        layers = shell.model.layers
-        shell.model.layers = nn.ModuleList()
-        try:
-            logits_of(shell, input_ids)
-        finally:
-            shell.model.layers = layers
-
-    return {"copy": (device, copy_all), "compute": (device, compute_all), "resident": (device, resident_only)}
+def say_plan_changes(saved: dict, manifest: dict) -> None:
+    """Say on stderr what differs between the plan inputs a checkpoint was trained under and this run's: the state
+    resumes the same, the placement and the time may not."""
+    before, now = saved.get("plan_inputs") or {}, manifest.get("plan_inputs") or {}
+    changed = [f"{key} {before.get(key)} -> {value}" for key, value in now.items() if differs(before.get(key), value)]
+    if before and changed:
+        log(f"resuming under other plan inputs than the checkpoint's: {'; '.join(changed)}")
 
 
-def inference_bound(streamer: LayerStreamer, best: dict[str, float], measured_ms: float) -> dict:
-    """The parts' best times combined into the mode's bound, and the pass against it: efficiency, H2D bandwidth."""
-    n, nbytes = len(streamer.streamed), streamer.sources[0].nbytes  # streamed layers, and one layer's bytes
-    copy_ms, compute_ms = best["copy"] / n if n else 0.0, best["compute"] / len(streamer.sources)
-    streamed = [u not in streamer.resident for u in range(len(streamer.sources))]
-    bound_ms = pipeline_bound_ms(streamed, copy_ms, compute_ms, best["resident"], streamer.depth)
-    parts = {"copy_ms_per_layer": copy_ms, "compute_ms_per_layer": compute_ms, "resident_ms": best["resident"]}
-    parts["h2d_gbps_copy_only"] = nbytes / copy_ms / 1e6 if n else None
-    parts |= {"bound_ms": bound_ms, "efficiency": bound_ms / measured_ms}
-    return parts | {"h2d_gbps": n * nbytes / measured_ms / 1e6}
+def differs(before, now) -> bool:
+    """Whether a plan input changed: memory (in GiB, as the kernel has it available) by 5% or more, else at all."""
+    if isinstance(before, float) and isinstance(now, float):
+        return abs(now - before) >= 0.05 * max(abs(before), abs(now))
+    return before != now
 
 
-def gpu_memory(config: LlamaConfig, dtype: torch.dtype, tokens: int, layers_on_gpu: int) -> dict:
-    """The peak GPU memory of the pass just run, next to the analytic figure for it."""
-    analytic = analytic_peak_bytes(config, dtype, tokens, layers_on_gpu)
-    return {"peak_gpu_bytes": torch.cuda.max_memory_allocated(), "analytic_peak_bytes": analytic}
+class Checkpoints:
+    """--checkpoint's writer for one mode: due after every `every` steps of training, counted from its first step (a
+    resumed run's steps continue the count), and written after the last step too; the tokenizer trained on goes with
+    each."""
+
+    def __init__(self, trainer, folder: Path, manifest: dict, every: int | None, tokenizer=None):
+        self.write = functools.partial(write_checkpoint, trainer, folder, manifest, tokenizer=tokenizer)  # write(done)
+        self.start = manifest.get("resumed_from", 0)
+        self.every = every
+
+    def due(self, done: int, last: int) -> bool:
+        """Whether a checkpoint is due after `done` of this run's `last` steps (the last one's is written once the
+        trainer has finished)."""
+        return bool(self.every) and done < last and (self.start + done) % self.every == 0
+
+    def run(self, done: int) -> None:
+        """Write the checkpoint after `done` steps of this run."""
+        self.write(done)
 
 
-def analytic_peak_bytes(config: LlamaConfig, dtype: torch.dtype, tokens: int, layers_on_gpu: int) -> dict[str, int]:
-    """The GPU memory a forward pass needs by term: layer weights on the GPU, resident parts, activations, workspace."""
-    weights, resident = layers_on_gpu * layer_bytes(config, dtype), resident_bytes(config, dtype)
-    activations, workspace = activation_bytes(config, dtype, tokens), CUBLAS_WORKSPACE + 8 * 512
-    return {"layer weights": weights, "resident parts": resident, "activations": activations, "workspace": workspace}
-
-
-def resident_bytes(config: LlamaConfig, dtype: torch.dtype) -> int:
-    """What offloaded inference keeps on the GPU besides the slots: embeddings, head and final norm."""
-    return (2 * config.vocab_size * config.hidden_size + config.hidden_size) * dtype.itemsize
-
-
-def activation_bytes(config: LlamaConfig, dtype: torch.dtype, tokens: int, at_least: bool = False) -> int:
-    """The largest activation footprint of a forward pass: a decoder layer's MLP or the head, and the rotary tables and
-    ids. at_least: what the pass cannot do without (the MLP's peak, or the logits alone), never above the measured."""
-    b, h, i, v = dtype.itemsize, config.hidden_size, config.intermediate_size, config.vocab_size
-    head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
-    # a layer peaks in its MLP: layer input, residual, attention sum, normed input; act(gate(x)), up(x), their product
-    layer_act = tokens * b * (4 * h + 3 * i)
-    # the head, counted together though not all coexist: hidden state, normed, float32 norm temporaries, logits
-    head_act = tokens * (2 * b * h + 2 * 4 * h + b * v)
-    if at_least:
-        return max(layer_act, tokens * b * v)
-    rotary_and_ids = tokens * (2 * head_dim * b + 2 * 8)  # cos and sin, token ids and position ids (int64)
-    return max(layer_act, head_act) + rotary_and_ids
-
-
-def training_figures(trainer, result: dict) -> dict:
-    """An offloaded mode's gradient pool; on the GPU also its bound, from the parts' best times, and efficiency."""
-    if not isinstance(trainer, OffloadedTraining):
-        return {}
-    pool = trainer.store.pool
-    figures = {"gradient_pool": {"buffers": len(pool.buffers), "per_unit": pool.dedicated}}
-    figures["gradient_pool"]["waited_ms"] = pool.waited_s * 1e3
-    disk = trainer.store.adam_moments.disk
-    if disk:
-        figures["disk_tier"] = {
-            "units": len(disk.units),
-            "bytes": disk_step_bytes(disk),
-            "direct_io": disk.files.direct,
-        }
-        figures["disk_tier"] |= disk.files.rates | {"waited_ms": disk.waited_s * 1e3}
-    if "bound_parts_ms" in result:
-        figures |= train_bound(trainer, {name: min(ms) for name, ms in result["bound_parts_ms"].items()})
-        figures["efficiency"] = figures["bound_ms"] / result["time_ms"]
-    return figures
-
-
-def step_rates(run: RunConfig, config: LlamaConfig, mode: str, result: dict) -> dict:
-    """A GPU mode's model TFLOPS a GPU (6 x parameters x its tokens a step, over the step's time), the TFLOPS it
-    executes (step_flops), and these as a share of the GPU's dense 16-bit peak where DENSE_PEAK_FLOPS knows the GPU
-    and the step computes in 16 bits."""
-    if mode == "cpu" or not result.get("time_ms"):
-        return {}
-    seconds = result["time_ms"] / 1e3
-    tokens = result["tokens_per_step"] // run.ranks.world  # a GPU's
-    passes = 3 if mode == "gpu" else 4  # the offloaded modes recompute each forward
-    rates = {"model_tflops": 6 * param_count(config) * tokens / seconds / 1e12}
-    rates["executed_tflops"] = step_flops(config, tokens, run.seq_len, passes) / seconds / 1e12
-    peak = dense_peak_flops()
-    if peak and run.torch_dtype != torch.float32:
-        rates["executed_share_of_peak"] = rates["executed_tflops"] * 1e12 / peak
-    return rates
-
-
-DENSE_PEAK_FLOPS = {  # a GPU's dense 16-bit tensor-core peak, by a part of its name, from NVIDIA's data sheets
-    "H100 80GB HBM3": 989e12,  # the SXM card
-    "H100 PCIe": 756e12,
-    "H100 NVL": 835e12,
-    "H200": 989e12,
-    "A100": 312e12,
-}
-
-
-def dense_peak_flops() -> float | None:
-    """The GPU's dense 16-bit peak FLOP/s, where DENSE_PEAK_FLOPS knows it by its name."""
-    name = torch.cuda.get_device_name()
-    return next((flops for part, flops in DENSE_PEAK_FLOPS.items() if part in name), None)
-
-
-def step_flops(config: LlamaConfig, tokens: int, seq_len: int, passes: int) -> float:
-    """The FLOPs of `passes` forwards' worth over `tokens` (a backward is two): 2 a token for each parameter a matrix
-    multiplies (the input embeddings are a lookup), and causal attention's scores and weighted sums, 2 x seq-len x
-    hidden a token and layer (the kernels skip the masked half)."""
-    matmul_params = param_count(config) - (0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size)
-    attention = 2 * config.num_hidden_layers * tokens * seq_len * config.hidden_size
-    return passes * (2 * matmul_params * tokens + attention)
-
-
-def forward_backward_reference(model: LlamaForCausalLM, input_ids: torch.Tensor, run: RunConfig) -> dict:
-    """What offloaded training is held to: plain forward and backward, the model resident on the GPU, no optimizer."""
-    log(f"forward/backward reference: {run.grad_accum} micro-batches, the model resident on the GPU ...")
-    device = torch.device("cuda")
-    reset_peak_memory(device)
-    ms, _ = median_ms(resident_forward_backward(model, input_ids, run), device, max(1, run.warmup), run.repeat)
-    result = {"time_ms": ms, "sequences_per_s": input_ids.shape[0] / ms * 1e3}
-    result["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
-    free_gpu_memory()  # the model's GPU copy is gone with the function timed
+def trained_outputs(trainer, run: RunConfig, config: LlamaConfig, mode: str, compared: bool, tokenizer=None) -> dict:
+    """After the last step: --save-pretrained's folder written (with the tokenizer trained on); each step's gradient
+    norm (--clip-grad-norm) and a float32 copy of every master in host memory (to compare with gpu mode's, or for
+    --save-output)."""
+    result = {}
+    if run.save_pretrained:
+        save_pretrained(trainer, config, mode_folder(run.save_pretrained, run, mode), tokenizer)
+    if run.clip_grad_norm is not None:
+        result["grad_norms"] = list(trainer.grad_norms)
+    if compared or run.save_output:
+        resident = isinstance(trainer, ResidentTraining)
+        # with several ranks, for --save-output: on rank 0 alone, which writes it, one unit at a time
+        result["masters"] = trainer.state_dict(trainer.masters) if resident else trainer.state_dict(on_first=True)
     return result
 
 
-def resident_forward_backward(model: LlamaForCausalLM, input_ids: torch.Tensor, run: RunConfig):
-    """A function to time: one step's forward and backward of a GPU copy of `model` over the micro-batches."""
-    device = torch.device("cuda")
-    with torch.device("meta"):
-        gpu = LlamaForCausalLM._from_config(model.config, dtype=run.torch_dtype, attn_implementation=run.attention)
-    gpu.load_state_dict({k: v.to(device) for k, v in model.state_dict().items()}, assign=True)
-    gpu.model.rotary_emb = LlamaRotaryEmbedding(model.config).to(device)  # computed, not in the state dict
-    params = [p.requires_grad_() for p in gpu.parameters()]
-    micro_batches = [ids.to(device) for ids in input_ids.chunk(run.grad_accum)]
-
-    def forward_backward():
-        """One step's forward and backward; its gradients are dropped at the start of the next."""
-        for p in params:
-            p.grad = None
-        for ids in micro_batches:
-            objective(gpu(ids, labels=ids, use_cache=False).loss, len(micro_batches), 1.0).backward()
-
-    return forward_backward
-
-
-def train_bound_parts(trainer: OffloadedTraining, micro_batches, device) -> dict:
-    """The parts of what a training step cannot beat, as functions to time alone (name -> (device, fn)), built anew
-    for each round: each kind of unit's GPU compute (and its forward alone, where updates are held) and the resident
-    units' Adam (Compute, timed at settled clocks), a step's H2D copies, its D2H copies, the CPU Adam over scratch
-    state as large as the largest unit it steps (at most ADAM_SCRATCH: the scratch is host memory beside the run's),
-    `host`: that Adam with the copy engines moving its share of a step's copies, and with the disk tier, its reads
-    and writes of a step (disk_cycle)."""
-    kinds = [u.kind for u in trainer.units]
-    fns = {}
-    for kind in dict.fromkeys(kinds):
-        forward, backward = unit_passes(trainer, kinds.index(kind), micro_batches, device)
-        fns[kind] = (device, Compute(lambda forward=forward, backward=backward: backward(forward())))
-        if trainer.holds_updates:
-            fns[f"{kind}_forward"] = (device, Compute(forward))
-    if trainer.streamer.streamed:
-        fns |= {"h2d": (device, lambda: copy_in(trainer)), "d2h": (device, lambda: copy_out(trainer))}
-    resident = resident_numels(trainer)
-    if resident:
-        fns["resident_adam"] = (device, Compute(lambda: resident_adam(trainer, resident, device)))
-    on_cpu, _ = cpu_and_gpu_adam_units(trainer)
-    if on_cpu:  # the CPU Adam steps something
-        big, numel = max(on_cpu, key=on_cpu.get), adam_timed_numel(on_cpu)
-        adam = adam_scratch(trainer.store, numel)
-        cpu = torch.device("cpu")
-        fns |= {"adam": (cpu, adam), "host": (cpu, lambda: adam_and_copies(trainer, big, adam, numel))}
-    if trainer.store.adam_moments.disk:
-        fns["disk"] = (torch.device("cpu"), lambda: disk_cycle(trainer.store.adam_moments.disk))
-    return fns
-
-
-def resident_numels(trainer: OffloadedTraining) -> list[int]:
-    """The sizes of the units kept on the GPU and stepped there, on the compute stream (ResidentUnits)."""
-    resident = next((s for s in trainer.steppers.of if isinstance(s, ResidentUnits)), None)
-    return [trainer.store.masters[u].numel() for u in resident.units] if resident else []
-
-
-RESIDENT_SCRATCH = 2**24  # elements: the bound times the resident units' Adam over scratch state this size
-
-
-def resident_adam(trainer: OffloadedTraining, numels: list[int], device) -> None:
-    """The resident units' Adam steps, compute stream work the passes leave out, over scratch state on the GPU (theirs
-    must not change): a call a unit as ResidentUnit.step makes, each in pieces of RESIDENT_SCRATCH elements at most,
-    so the scratch stays small beside the run's memory."""
-    scratch = min(max(numels), RESIDENT_SCRATCH)
-    master, grads, exp_avg, exp_avg_sq = (torch.zeros(scratch, device=device) for _ in range(4))
-    weights = torch.empty(scratch, dtype=trainer.streamer.dtype, device=device)
-    steps = torch.zeros((), device=device)
-    for numel in numels:
-        for lo in range(0, numel, scratch):
-            n = min(scratch, numel - lo)
-            torch_adam_step(trainer.store.update.adam, master[:n], grads[:n], exp_avg[:n], exp_avg_sq[:n], steps)
-            weights[:n].copy_(master[:n])
-
-
-def copy_in(trainer: OffloadedTraining) -> None:
-    """Every H2D copy of a step: the forward's, the backward's less the units it finds in the slots, then the state of
-    the units the GPU's Adam steps."""
-    streamer, n, gpu_adam = trainer.streamer, len(trainer.units), streamed_adam(trainer)
-    for order, keep in ((range(n), False), (reversed(range(n)), True)):
-        streamer.begin(order, keep)
-        for p in range(len(streamer.window.units)):
-            streamer.prefetch(p)
-    with on_stream(streamer.copy_stream):
-        for u in gpu_adam.units if gpu_adam else ():
-            for k, lo, count in gpu_adam.chunks(u):
-                gpu_adam.copy_in(u, k, lo, count)
-    streamer.wait_copies(torch.cuda.current_stream())  # `timed` records its end event on this stream
-
-
-def copy_out(trainer: OffloadedTraining) -> None:
-    """Every D2H copy of a step, into the pool's buffers (the training state must not change): the gradients of the
-    CPU Adam's units, then the state the GPU's Adam writes back; with several ranks, each unit's reduce-scatter into
-    `summed` first, on the same stream, as ShardedSteppers.to_send queues them."""
-    store, gpu_adam, steppers = trainer.store, streamed_adam(trainer), trainer.steppers
-    if store.ranks.several:
-        with on_stream(trainer.d2h_stream):
-            for u in trainer.streamer.streamed:
-                store.ranks.sum_shard(steppers.summed_shard(u), steppers.grads(u))
-    pool, grads = [buffer.view(torch.uint8) for buffer in store.pool.buffers], trainer.steppers.buffer.view(torch.uint8)
-    on_cpu, _ = cpu_and_gpu_adam_units(trainer)
-    for u, numel in on_cpu.items():
-        queue_copies(numel * store.grad_dtype.itemsize, grads, pool[u % len(pool)], trainer.d2h_stream)
-    source = gpu_adam.buffer.view(torch.uint8) if gpu_adam else grads
-    queue_copies(step_copy_bytes(trainer)[2], source, pool[0], trainer.d2h_stream)
-    torch.cuda.current_stream().wait_stream(trainer.d2h_stream)  # `timed` records its end event on this stream
-
-
-def adam_and_copies(trainer: OffloadedTraining, big: int, adam, numel: int) -> None:
-    """The share of a step's host traffic that `numel` of the CPU Adam's parameters make, all at once: that share of
-    the copies, queued on the copy streams from and to unit `big`'s buffers and not waited for, while the CPU Adam
-    steps `numel` parameters of scratch state."""
-    on_cpu, _ = cpu_and_gpu_adam_units(trainer)
-    h2d, d2h, _ = (count * numel // sum(on_cpu.values()) for count in step_copy_bytes(trainer))
-    store, streamer = trainer.store, trainer.streamer
-    buffer = store.pool.buffers[big % len(store.pool.buffers)].view(torch.uint8)
-    queue_copies(h2d, store.masters[big].view(torch.uint8), streamer.buffers[0].view(torch.uint8), streamer.copy_stream)
-    queue_copies(d2h, trainer.steppers.buffer.view(torch.uint8), buffer, trainer.d2h_stream)
-    adam()
-    torch.cuda.synchronize()  # the copies count in the time, which the CPU clock takes
-
-
-def cpu_and_gpu_adam_units(trainer: OffloadedTraining) -> tuple[dict[int, int], dict[int, int]]:
-    """The streamed units the CPU Adam steps, and those the GPU's Adam steps over streamed state: unit -> size."""
-    gpu_adam = streamed_adam(trainer)
-    gpu = gpu_adam.units if gpu_adam else ()
-    numels = {u: trainer.store.masters[u].numel() for u in trainer.streamer.streamed}
-    return {u: n for u, n in numels.items() if u not in gpu}, {u: n for u, n in numels.items() if u in gpu}
-
-
-def streamed_adam(trainer: OffloadedTraining) -> StreamedAdam | None:
-    """The trainer's GPU Adam over streamed state, where a placement gave it units."""
-    return next((s for s in trainer.steppers.of if isinstance(s, StreamedAdam)), None)
-
-
-def step_copy_bytes(trainer: OffloadedTraining) -> tuple[int, int, int]:
-    """(H2D, D2H, of the D2H the GPU Adam's) bytes of a step: each streamed unit's weights twice, less the units the
-    backward finds in the slots, and the GPU Adam's float32 state; the gradients the CPU Adam steps, and that state
-    with its compute-dtype copy back out."""
-    store, streamer = trainer.store, trainer.streamer
-    on_cpu, on_gpu = cpu_and_gpu_adam_units(trainer)
-    kept = streamer.streamed[-streamer.n_slots :]  # the backward finds them in the slots
-    state_in = 12 * sum(on_gpu.values())
-    state_out = state_in + sum(on_gpu.values()) * (store.copies[0].itemsize if store.copies else 0)
-    h2d = 2 * sum(store.weights[u].nbytes for u in streamer.streamed) - sum(store.weights[u].nbytes for u in kept)
-    h2d += state_in
-    return h2d, sum(on_cpu.values()) * store.grad_dtype.itemsize + state_out, state_out
-
-
-def queue_copies(nbytes: int, src: torch.Tensor, dst: torch.Tensor, stream) -> None:
-    """Queue copies of `nbytes` in all from `src` into `dst` (byte views, each copy from their starts) on `stream`."""
-    step = min(src.numel(), dst.numel())
-    with on_stream(stream):
-        for a in range(0, nbytes, step):
-            dst[: min(step, nbytes - a)].copy_(src[: min(step, nbytes - a)], non_blocking=True)
-
-
-def train_bound(trainer: OffloadedTraining, best: dict[str, float]) -> dict:
-    """What a training step cannot beat, from the best times (ms) of train_bound_parts: GPU compute (the passes and
-    the resident units' Adam), H2D, D2H, the CPU Adam over all its units, host memory: the bytes crossing it in a
-    step (the CPU Adam's, the copies' and the disk tier's) at the rate reached when the CPU Adam and the copy
-    engines ran together on one unit's share, and the disk tier's reads and writes of a step."""
-    store = trainer.store
-    on_cpu, on_gpu = cpu_and_gpu_adam_units(trainer)
-    kinds = [u.kind for u in trainer.units]
-    parts = {"gpu_compute_ms": sum(kinds.count(kind) * best[kind] for kind in dict.fromkeys(kinds))}
-    disk_bytes, figures = 0, {}
-    if "resident_adam" in best:  # on the compute stream, between the passes
-        parts["gpu_compute_ms"] += best["resident_adam"]
-        figures["resident_adam_ms"] = best["resident_adam"]
-    if store.adam_moments.disk:
-        disk_bytes = disk_step_bytes(store.adam_moments.disk)  # read, and as many written
-        parts["disk_ms"] = best["disk"]
-        figures |= {"disk_bytes": disk_bytes, "disk_gbps": 2 * disk_bytes / best["disk"] / 1e6}
-    if trainer.streamer.streamed:
-        h2d_bytes, d2h_bytes, _ = step_copy_bytes(trainer)
-        host_bytes = sum(on_cpu.values()) * store.update.bytes_per_param + h2d_bytes + d2h_bytes + 2 * disk_bytes
-        parts |= {"h2d_ms": best["h2d"], "d2h_ms": best["d2h"]}
-        figures |= {"h2d_bytes": h2d_bytes, "d2h_bytes": d2h_bytes, "host_bytes": host_bytes}
-        figures["host_bytes_per_param"] = host_bytes / sum(m.numel() for m in store.masters)
-        figures |= {"adam_bytes_per_param": store.update.bytes_per_param, "gpu_adam_params": sum(on_gpu.values())}
-    if on_cpu:
-        scale = sum(on_cpu.values()) / adam_timed_numel(on_cpu)  # the parts timed this many of its parameters
-        parts |= {"cpu_adam_ms": best["adam"] * scale, "host_memory_ms": best["host"] * scale}
-        figures["host_gbps"] = host_bytes / parts["host_memory_ms"] / 1e6
-    if trainer.holds_updates:  # every update waits for the whole backward
-        figures |= held_updates_figures(trainer, best, parts)
-        parts["held_updates_ms"] = figures.pop("held_updates_ms")
-    bound = {"bound_ms": max(parts.values()), "bound_by": max(parts, key=parts.get).removesuffix("_ms")}
-    return parts | bound | figures
-
-
-def held_updates_figures(trainer: OffloadedTraining, best: dict[str, float], parts: dict[str, float]) -> dict:
-    """Where every update waits for the whole backward (float16's loss scale, clipping), a step cannot beat its
-    backward followed by the longer of the next forward and the CPU Adam (that forward waits for each unit's update,
-    so the two overlap at best): that bound, its forward and backward, and the bound were the updates not held."""
-    kinds = [u.kind for u in trainer.units]
-    forward = sum(kinds.count(kind) * best[f"{kind}_forward"] for kind in dict.fromkeys(kinds))
-    backward = parts["gpu_compute_ms"] - forward  # the recompute and the backward
-    held = backward + max(forward, parts.get("cpu_adam_ms", 0.0))
-    return {"held_updates_ms": held, "gpu_forward_ms": forward, "unheld_bound_ms": max(parts.values())}
-
-
-def disk_cycle(disk: DiskTier) -> None:
-    """A step's disk traffic alone, for the bound: each unit's moments read into a slot in the backward's order and
-    written back unchanged, each write overlapping the next reads as in a step. The reader is stopped first, so
-    the next step reads what it had staged again, from its first gradient on (that step is not timed)."""
-    disk.stop()
-    writes = collections.deque()
-    try:
-        for i, u in enumerate(disk.units):
-            k = i % len(disk.ring)
-            if len(writes) == len(disk.ring):
-                writes.popleft().result()  # slot k's write-back has landed: it may be filled again
-            disk.transfer(os.preadv, u, disk.ring[k])
-            writes.append(disk.writer.submit(disk.transfer, os.pwritev, u, disk.ring[k]))
-    finally:
-        concurrent.futures.wait(writes)  # a read failed: no write still reads a slot the next step fills
-    for write in writes:
-        write.result()
-
-
-def disk_step_bytes(disk: DiskTier) -> int:
-    """The bytes the disk tier reads in a step (and writes back): every unit's moments, in whole blocks."""
-    return sum(2 * half for half in disk.files.half.values())
-
-
-def unit_passes(trainer: OffloadedTraining, u: int, micro_batches, device):
-    """Unit u's forward and backward over every micro-batch, as a step runs them from whatever its slot holds:
-    forward() returns the outputs; backward(outs) recomputes and back-propagates with the outputs standing in for the
-    gradients that come back, and returns the input gradients."""
-    streamer = trainer.streamer
-    streamer.begin([u])
-    module = streamer.acquire(u)
-    hidden = torch.randn(*micro_batches[0].shape, trainer.hidden_size, dtype=streamer.dtype, device=device)
-    xs = micro_batches if trainer.units[u].kind == "embed" else [hidden] * len(micro_batches)
-    trainer.labels = micro_batches
-    views = trainer.grad_views(u)
-
-    @torch.no_grad()
-    def forward() -> list[torch.Tensor]:
-        """The forward pass of unit u over every micro-batch."""
-        return [trainer.run_unit(u, module, x, k) for k, x in enumerate(xs)]
-
-    def backward(outs) -> list:
-        """The recompute and backward of unit u over every micro-batch."""
-        return unit_backward(trainer, u, module, xs, outs, views)
-
-    return forward, backward
-
-
-def adam_timed_numel(on_cpu: dict[int, int]) -> int:
-    """The parameters the bound times the CPU Adam on: the largest unit it steps, at most ADAM_SCRATCH."""
-    return min(max(on_cpu.values()), ADAM_SCRATCH)
-
-
-def adam_scratch(store: MasterStore, numel: int):
-    """A function to time: the store's Adam update on `numel` parameters of scratch state in host memory like the
-    store's, with gradients of Adam's scale so that no moment goes denormal (the update's time does not depend on the
-    values otherwise, so constants do: a fill is parallel, a random draw is not)."""
-    # each written now: the kernel maps a page at its first touch, and the timed update would pay for it
-    master = host_zeros(numel, torch.float32, pin=False).fill_(1.0)
-    exp_avg, exp_avg_sq = (host_zeros(numel, torch.float32, pin=False).zero_() for _ in range(2))
-    grads = host_zeros(numel, store.grad_dtype, pin=False).fill_(1e-3)
-    copy = host_zeros(numel, store.update.copy_dtype, pin=False).zero_() if store.update.copy_dtype else None
-    step = torch.zeros(())
-    return lambda: store.update(master, grads, exp_avg, exp_avg_sq, copy, step)
-
-
-def profile_pass(fn, path: str) -> dict:
-    """--profile for inference: one more pass, fn(), traced into `path`; how much of its copies ran under compute."""
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
-        fn()
-        torch.cuda.synchronize()  # the trace must hold the whole pass
-    write_atomically(path, prof.export_chrome_trace)
-    return trace_overlap(path)
-
-
-def profile_step(trainer, micro_batches, path: str) -> dict:
-    """Write a Chrome trace of one training step, its CPU updates included; say how much copying was hidden."""
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    all_threads = None  # by default only the profiler's and autograd's threads are recorded, not the CPU Adam worker's
-    with contextlib.suppress(AttributeError, TypeError):  # a torch without the option
-        all_threads = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
-    with torch.profiler.profile(activities=activities, experimental_config=all_threads) as prof:
-        loss = trainer.step(micro_batches).item()
-        trainer.finish()
-        torch.cuda.synchronize()  # the trace must hold the whole step
-    write_atomically(path, prof.export_chrome_trace)
-    return {"loss": loss, "path": path, "h2d": trace_overlap(path, "HtoD"), "d2h": trace_overlap(path, "DtoH")}
-
-
-def trace_overlap(path: str, direction: str = "HtoD") -> dict:
-    """From a Chrome trace: the copy time in `direction` (HtoD or DtoH), and how much of it ran under a kernel on
-    another stream: proof of overlap that does not rely on timing."""
-    events = json.loads(Path(path).read_text())["traceEvents"]
-    copies = [e for e in events if e.get("cat") == "gpu_memcpy" and direction in e.get("name", "")]
-    kernels = [e for e in events if e.get("cat") == "kernel"]
-    kernel_spans = sorted((e["ts"], e["ts"] + e["dur"], e["args"].get("stream")) for e in kernels)
-    overlap_us = 0.0
-    for c in copies:
-        c0, c1, stream = c["ts"], c["ts"] + c["dur"], c["args"].get("stream")
-        under = [(max(k0, c0), min(k1, c1)) for k0, k1, s in kernel_spans if s != stream and k0 < c1 and k1 > c0]
-        covered, end = 0.0, float("-inf")  # the length of their union: overlaps counted once
-        for a, b in sorted(under):
-            if b > end:
-                covered += b - max(a, end)
-                end = b
-        overlap_us += covered
-    result = {"copy_ms": sum(c["dur"] for c in copies) / 1e3, "overlap_ms": overlap_us / 1e3}
-    result["copy_streams"] = sorted({c["args"].get("stream") for c in copies})
-    return result | {"kernel_streams": sorted({k[2] for k in kernel_spans})}
-
-
-def first_step_state(trainer) -> tuple[dict, dict]:
-    """(float32 gradients, float32 masters) after a step, with HF names, on the CPU."""
+def check_finite_masters(trainer) -> None:
+    """Before the trained weights are saved: every master finite on every rank (a collective), else Diverged: the last
+    update overflowed, which no later loss shows."""
     if isinstance(trainer, ResidentTraining):
-        return trainer.state_dict([m.grad for m in trainer.masters]), trainer.state_dict(trainer.masters)
-    trainer.wait_updates()  # gradients have landed once their updates are done
-    return trainer.state_dict(grads=True), trainer.state_dict()
+        mine = [name for name, master in trainer.named_masters() if not torch.isfinite(master).all()]
+    else:  # this rank's flat masters (its shards), by unit
+        flats = [trainer.steppers.state(u) for u in range(len(trainer.units))]
+        mine = [trainer.units[u].name for u, flat in enumerate(flats) if not torch.isfinite(flat).all()]
+    bad = sorted({name for names in trainer.ranks.each(mine) for name in names})
+    if bad:
+        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+        raise Diverged(f"after the last step {bad[0]}{more} is not finite: {DIVERGED}; nothing saved")
 
 
-def compare_training(result: dict, reference: dict, run: RunConfig) -> None:
-    """The first step's gradients bitwise (unclipped runs) and masters to float32 rounding, with eager attention only
-    (sdpa's backward differs even from itself); later steps are reported, not judged: in 16-bit compute a one-ulp
-    master difference flips some weights' rounding, which Adam turns into lr-sized moves."""
-    grads, masters = result["grads"]
-    ref_grads, ref_masters = reference["grads"]
-    result["masters_step1_max_abs_diff"] = max_abs_diff(masters, ref_masters)
-    result["masters_tolerance"] = masters_tolerance(max(m.abs().max().item() for m in ref_masters.values()), 1)
-    result["masters_max_abs_diff"] = max_abs_diff(result["masters"], reference["masters"])
-    if run.attention == "eager" and run.clip_grad_norm is None:
-        result["grads_equal_to_gpu"] = all(torch.equal(g, ref_grads[name]) for name, g in grads.items())
-    if run.attention == "eager":
-        result["masters_close_to_gpu"] = result["masters_step1_max_abs_diff"] <= result["masters_tolerance"]
+def write_checkpoint(trainer, folder: Path, manifest: dict, done: int, tokenizer=None) -> None:
+    """The training state after `done` steps of this run: a file per unit (and the tokenizer's), then CHECKPOINT_FILE
+    naming them, each written aside, flushed to the disk and renamed. The previous checkpoint's files go once the new
+    CHECKPOINT_FILE is on the disk; a write stopped part-way removes the files it wrote (a process killed outright:
+    the next write does), so the folder holds one whole checkpoint and nothing CHECKPOINT_FILE does not name."""
+    t0 = time.perf_counter()
+    trainer.wait_updates()
+    steps = manifest.get("resumed_from", 0) + done
+    made = not folder.exists()
+    folder.mkdir(parents=True, exist_ok=True)
+    ranks, n = trainer.ranks, len(trainer.units)
+    files = checkpoint_files(n, steps, ranks)
+    try:
+        for u, name in enumerate(files[ranks.rank * n : (ranks.rank + 1) * n]):  # this rank's
+            state = trainer.unit_state(u)
+            if not all(ranks.each(finite_state(state))):  # every rank's shard, so that all stop here
+                unit = trainer.units[u].name
+                raise Diverged(
+                    f"after step {steps} {unit}'s state is not finite: {DIVERGED}; the checkpoint before stays"
+                )
+            write_atomically(str(folder / name), functools.partial(save_synced, state))
+        tokenizer_files = save_checkpoint_tokenizer(tokenizer, folder) if tokenizer and ranks.rank == 0 else []
+        ranks.meet()  # every rank's files are on the disk before the record names them
+        if ranks.rank == 0:
+            record = checkpoint_record(trainer, manifest, done, files, tokenizer_files)
+            with signals_held():  # the record and the folder agree once this returns
+                write_atomically(str(folder / CHECKPOINT_FILE), functools.partial(save_synced, record))
+                sync_folder(folder)  # the renames too, before the files they replace go
+                remove_unnamed(folder)
+        ranks.meet()  # the stale files are gone before a rank writes the next checkpoint's
+    except BaseException:
+        with signals_held():
+            remove_unnamed(folder)
+            if made and ranks.rank == 0:  # the first write: no empty folder left behind (another rank's files stay)
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+        raise
+    log(f"checkpoint after step {steps} written to {folder} in {time.perf_counter() - t0:.1f} s")
 
 
-def max_abs_diff(a: dict, b: dict) -> float:
-    """The largest absolute difference between two state dicts with the same names."""
-    return max((t - b[name]).abs().max().item() for name, t in a.items())
+def checkpoint_record(trainer, manifest: dict, done: int, files: list[str], tokenizer_files: list[str]) -> str:
+    """CHECKPOINT_FILE's text after `done` steps of this run: the manifest, the loss scale, the steps and tokens the
+    state has trained on, and the files that hold it."""
+    scale = {"loss_scale": trainer.scaling.scale, "good_steps": getattr(trainer.scaling, "good_steps", 0)}
+    steps = manifest.get("resumed_from", 0) + done
+    tokens = manifest.get("tokens_before", 0) + done * step_tokens(manifest)
+    named = {"steps": steps, "tokens": tokens, "files": files, "tokenizer": tokenizer_files}
+    return json.dumps(manifest | scale | named, indent=2)
 
 
-def masters_tolerance(largest: float, steps: int) -> float:
-    """How far float32 rounding may move masters as large as `largest` in `steps` Adam steps."""
-    return 4 * steps * torch.finfo(torch.float32).eps * largest
+def remove_unnamed(folder: Path) -> None:
+    """Remove what a checkpoint write leaves in `folder` that its CHECKPOINT_FILE does not name: an older
+    checkpoint's unit files, or those of a write that stopped part-way (and its temporary files)."""
+    try:
+        record = parse_json((folder / CHECKPOINT_FILE).read_text())
+        named = {*record["files"], *record.get("tokenizer", [])}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # no whole record: nothing of a write is
+        named = set()
+    for path in folder.iterdir():
+        if path.name not in named and written_by_checkpoint(path):  # no file of the user's
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
 
 
-# ---------------------------------------------------------------------------------------------------- tables
+def save_checkpoint_tokenizer(tokenizer, folder: Path) -> list[str]:
+    """The tokenizer's files into a checkpoint's folder, each written aside and renamed (AutoTokenizer reads them
+    from the folder); returns their names, for the record."""
+    with folder_aside(folder / ".tokenizer") as tmp:
+        tokenizer.save_pretrained(tmp)
+        names = sorted(p.name for p in tmp.iterdir())
+        for name in names:
+            os.replace(tmp / name, folder / name)
+        return names
 
 
-def fmt(x, spec: str) -> str:
-    """format(x, spec), or an empty cell for None."""
-    return "" if x is None else format(x, spec)
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # what ends a run early, every output whole or absent
 
 
-def gib(x) -> str:
-    """Bytes as GiB with two decimals, or an empty cell."""
-    return fmt(None if x is None else x / GiB, ".2f")
+@contextlib.contextmanager
+def signals_held():
+    """SIGINT and SIGTERM put off while the block runs, then raised again for the handlers they would have met: a few
+    renames that must not be split, or a writer whose own error would hide them. Python runs handlers in the main
+    thread alone (masking the signal there would not do: another thread takes it), so elsewhere the block runs as is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    before = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum)) for sig in SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+        if caught:
+            signal.raise_signal(caught[0])
 
 
-def yes_no(x) -> str:
-    """A check's cell: yes, NO, or empty when it was not made."""
-    return {True: "yes", False: "NO", None: ""}[x]
+def checkpoint_files(units: int, steps: int, ranks: Ranks) -> list[str]:
+    """A checkpoint's unit files, after `steps` steps: one a unit, or with several ranks one a unit and rank."""
+    if not ranks.several:
+        return [f"unit{u:03d}.step{steps}.pt" for u in range(units)]
+    return [f"unit{u:03d}.rank{r}of{ranks.world}.step{steps}.pt" for r in range(ranks.world) for u in range(units)]
 
 
-def formatted(r: dict, **specs: str) -> list[str]:
-    """The cells of r's fields named in `specs`, each in its format spec; empty where r lacks the field."""
-    return [fmt(r.get(field), spec) for field, spec in specs.items()]
+def save_synced(obj, path: str) -> None:
+    """`obj` (text, or what torch.save takes) to `path`, flushed to the disk before it is renamed into a checkpoint."""
+    with open(path, "w" if isinstance(obj, str) else "wb") as f:
+        if isinstance(obj, str):
+            f.write(obj + "\n")
+        else:
+            torch_save(obj, f, path)
+        f.flush()
+        os.fsync(f.fileno())
 
 
-def markdown(title: str, columns: list[tuple[str, str]], rows: list[tuple[str, dict]], cells) -> list[str]:
-    """A markdown table: `cells(mode, r)` gives a row's cells; an OOM result shows OOM in its first column."""
-    header = "| mode | " + " | ".join(h for h, _ in columns) + " |"
-    lines = [title, "", header, "|---|" + "|".join(align for _, align in columns) + "|"]
-    for label, r in rows:
-        row = ["OOM"] + [""] * (len(columns) - 1) if r.get("oom") else cells(label, r)
-        lines.append(f"| {label} | " + " | ".join(row) + " |")
-    return lines + [""]
+def torch_save(obj, f, path: str) -> None:
+    """torch.save(obj, f), whose zip writer reports a full disk as a RuntimeError: an OSError naming `path` instead.
+    Ctrl-C and SIGTERM wait until it returns: raised inside the writer, they too would end as a RuntimeError."""
+    try:
+        with signals_held():
+            torch.save(obj, f)
+    except RuntimeError as e:
+        reason = f"torch.save could not write it ({str(e).splitlines()[0]}): is its disk full?"
+        raise OSError(errno.EIO, reason, path) from None
 
 
-def inference_memory_cells(mode: str, r: dict) -> list[str]:
-    """Table 1's cells: the peak GPU memory of a pass and its analytic figure."""
-    if "peak_gpu_bytes" not in r:
-        return ["0 (runs on the CPU)", ""]
-    return [gib(r["peak_gpu_bytes"]), gib(sum(r["analytic_peak_bytes"].values()))]
+def sync_folder(folder: Path) -> None:
+    """Flush a folder's entries (the files renamed into it) to the disk."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
-def inference_time_cells(mode: str, r: dict) -> list[str]:
-    """Table 2's cells: time, bound, efficiency, H2D bandwidth, logits against gpu mode's."""
-    times = formatted(r, time_ms=".1f", bound_ms=".1f", efficiency=".3f", h2d_gbps=".1f")
-    return times + [yes_no(r.get("equal_to_gpu"))]
-
-
-def training_memory_cells(mode: str, r: dict) -> list[str]:
-    """Training Table 1's cells: peak GPU memory, the placement's prediction, the units resident, peak host memory and
-    its bytes a parameter, the disk tier's files, the seconds the offloaded modes' state took to build (set-up)."""
-    resident = f"{len(r['resident_units'])} of {r['units']}" if "units" in r else ""
-    gpu = gib(r.get("peak_gpu_bytes")) or "0 (runs on the CPU)"
-    disk = gib(r["disk_tier"]["bytes"]) if "disk_tier" in r else ""
-    host = [gib(r.get("peak_host_bytes")), *formatted(r, host_bytes_per_parameter=".1f")]
-    setup = f"{sum(r['setup_s'].values()):.1f}" if "setup_s" in r else ""
-    return [gpu, gib(r.get("predicted_peak_bytes")), resident, *host, disk, setup]
-
-
-def training_time_cells(mode: str, r: dict) -> list[str]:
-    """Training Table 2's cells: step time, bound, what bounds it, efficiency, TFLOPS, host bytes, losses, checks."""
-    losses = f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}"
-    checks = [yes_no(r.get("grads_equal_to_gpu")), yes_no(r.get("masters_close_to_gpu"))]
-    rest = formatted(r, efficiency=".3f", model_tflops=".0f", executed_tflops=".0f", executed_share_of_peak=".0%")
-    rest += formatted(r, host_bytes_per_param=".1f")
-    return [*formatted(r, time_ms=".1f", bound_ms=".1f"), r.get("bound_by", ""), *rest, losses, *checks]
-
-
-TABLES = {  # part: its tables as (title, columns split on "|", cells), in print order; "x:" is a centred column x
-    "inference": [
-        ("Table 1: peak GPU memory, inference", "peak GPU (GiB)|analytic (GiB)", inference_memory_cells),
-        (
-            "Table 2: time per forward pass, inference",
-            "time (ms)|bound (ms)|efficiency|H2D (GB/s)|logits == gpu:",
-            inference_time_cells,
-        ),
-    ],
-    "training": [
-        (
-            "Table 1 (training): peak memory per step",
-            "peak GPU (GiB)|predicted (GiB)|units resident|peak host RSS (GiB)|host (B / param)|on the disk (GiB)|"
-            "set-up (s)",
-            training_memory_cells,
-        ),
-        (
-            "Table 2 (training): time per step",
-            "step (ms)|bound (ms)|bound by:|efficiency|model TFLOPS|executed TFLOPS|of peak|host traffic (B / param)|"
-            "loss first -> last:|grads == gpu:|"
-            "step-1 masters ~ gpu:",
-            training_time_cells,
-        ),
-    ],
-}
-
-
-MODE_NAMES = {
-    "gpu": "w/o offload (gpu)",
-    "blocked": "blocked offload",
-    "overlapped": "overlapped offload",
-    "cpu": "cpu",
-}
-
-
-def tables(results: dict, run: RunConfig, tokens: int, reference: dict | None = None, host: dict | None = None) -> str:
-    """The memory and time tables of a run, inference then training, with notes below (host: the process's peak
-    resident set and the host memory it had, as run_all gives them)."""
-    what = {
-        "inference": f"{run.model or run.preset}, {run.dtype}, {run.batch_size}x{run.seq_len} = {tokens} tokens",
-        "training": f"{run.dtype}, {run.grad_accum}x{run.batch_size}x{run.seq_len} tokens per step, Adam",
-    }
-    labels = dict(MODE_NAMES, overlapped=f"{MODE_NAMES['overlapped']} (prefetch {run.prefetch})")
-    lines = []
-    for part in [part for part, wanted in (("inference", run.inference), ("training", run.train)) if wanted]:
-        rows = [(labels[mode], results[mode][part]) for mode in MODES if part in results.get(mode, {})]
-        for title, columns, cells in TABLES[part]:
-            aligned = [(c.removesuffix(":"), ":---:" if c.endswith(":") else "---:") for c in columns.split("|")]
-            lines += markdown(f"{title} ({what[part]})", aligned, rows, cells)
-    return "\n".join(lines + notes(results, run, reference) + host_note(host or {}, run))
-
-
-def host_note(host: dict, run: RunConfig) -> list[str]:
-    """The process's peak resident set (the kernel's VmHWM over the whole run) against the host memory it had."""
-    peak, budget = host.get("peak_host_bytes_process"), host.get("host_budget_bytes")
-    if peak is None or budget is None:
-        return []
-    cap = f"the --max-host-memory cap of {run.max_host_memory:g} GiB" if run.max_host_memory else "MemAvailable"
-    within = "within" if peak <= budget else "OVER"
-    return [f"host: the process's peak resident set {gib(peak)} GiB, {within} {cap} ({gib(budget)} GiB at the start)"]
-
-
-def notes(results: dict, run: RunConfig, reference: dict | None = None) -> list[str]:
-    """The lines under the tables: each mode's notes, how the times were taken, the reference and speeds against it."""
-    lines = []
-    for mode, rs in results.items():
-        lines += inference_notes(mode, rs.get("inference", {})) + training_notes(mode, rs.get("training", {}), run)
-        lines += text_notes(mode, rs.get("training", {}), run)
-    if "cpu" in results and not results["cpu"].get("inference", {"oom": True}).get("oom"):
-        lines.append(f"cpu: one run, no warm-up; GPU modes: median of {run.repeat} runs after {run.warmup} warm-ups")
-    if run.train and run.attention != "eager" and "gpu" in results:
-        lines.append("training: grads and masters judged against gpu mode with --attention eager only (sdpa: atomics)")
-    if run.train and run.clip_grad_norm is not None:
-        clipped = "training: gradients clipped (clip_grad_norm_ in gpu and cpu modes; offloaded units step once every"
-        lines.append(f"{clipped} unit's gradients are in); grads not judged against gpu mode's")
-    if reference:
-        lines.append(
-            f"forward/backward reference (resident model, no optimizer, no cap): {reference['time_ms']:.1f} ms per "
-            f"step, {reference['sequences_per_s']:.2f} sequences/s, peak GPU {gib(reference['peak_gpu_bytes'])} GiB"
+def read_checkpoint(folder: Path, manifest: dict, units: list[Unit] | None = None) -> dict:
+    """A checkpoint's record, refused with one line when it is not one, is damaged, or is of another model, dtype or
+    Adam setting; with `units`, its unit files are checked too (check_unit_files), whatever ranks wrote them."""
+    path = folder / CHECKPOINT_FILE
+    if not path.is_file():
+        raise UsageError(f"--resume {folder}: no {CHECKPOINT_FILE} there: {checkpoint_hint(folder)}")
+    try:
+        saved = parse_json(path.read_text())
+    except OSError as e:
+        raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE} cannot be read ({e.strerror})") from None
+    except ValueError as e:  # UnicodeDecodeError too
+        raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE} is not valid JSON ({first_line(e)})") from None
+    if not isinstance(saved, dict):
+        raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE} holds no record: it is damaged")
+    if saved.get("format") != CHECKPOINT_FORMAT:
+        raise UsageError(
+            f"--resume {folder}: checkpoint format {saved.get('format')}, this script reads {CHECKPOINT_FORMAT}"
         )
-        for mode, rs in results.items():
-            if "time_ms" in rs.get("training", {}):
-                seqs = run.grad_accum * run.batch_size / rs["training"]["time_ms"] * 1e3
-                ratio = seqs / reference["sequences_per_s"]
-                lines.append(f"{mode} training: {seqs:.2f} sequences/s, {ratio:.2f}x the reference's")
-    if run.train:
-        lines.append(
-            f"training: median step time, start to next start, {timed_steps_text(run)}; "
-            "offloaded GPU modes skip the step after each round of their bound's parts (it waits for no update)"
+    for key, what in (("sizes", "model"), ("dtype", "dtype"), ("adam", "Adam setting")):
+        if saved.get(key) != manifest[key]:
+            raise UsageError(
+                f"--resume {folder}: a checkpoint of another {what}: {saved.get(key)}, not {manifest[key]}"
+            )
+    check_record(folder, saved, manifest)
+    missing = [name for name in saved["files"] if not (folder / name).is_file()]
+    if missing:
+        raise UsageError(f"--resume {folder}: {len(missing)} of the files {CHECKPOINT_FILE} names are missing")
+    if units is not None:
+        check_unit_files(folder, saved, units)
+    return saved
+
+
+CHECKPOINT_RECORD = {"steps": int, "files": list, "loss_scale": (int, float), "good_steps": int}  # and their types
+
+
+def check_record(folder: Path, saved: dict, manifest: dict) -> None:
+    """A checkpoint record's fields have their types, and it names a file a unit (and rank): the embeddings, each
+    layer, the norm and the head."""
+    for key, kind in CHECKPOINT_RECORD.items():
+        if not isinstance(saved.get(key), kind) or isinstance(saved.get(key), bool):
+            raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE}'s {key} is {saved.get(key)!r}: the file is damaged")
+    if not 0 <= saved["steps"] < 2**53 or not 0 <= saved["good_steps"] < 2**53:
+        raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE}'s step counts are out of range: the file is damaged")
+    if not all(isinstance(f, str) and f == Path(f).name for f in saved["files"]):
+        raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE} names files outside its folder: the file is damaged")
+    ranks = saved.get("ranks", 1)
+    if not isinstance(ranks, int) or isinstance(ranks, bool) or not 1 <= ranks <= 2**20:
+        raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE}'s ranks is {ranks!r}: the file is damaged")
+    check_optional_fields(folder, saved)
+    units = manifest["sizes"]["num_hidden_layers"] + 3
+    files, expected = saved["files"], checkpoint_files(units, saved["steps"], Ranks(world=ranks))
+    if len(files) != len(expected):
+        raise UsageError(
+            f"--resume {folder}: {CHECKPOINT_FILE} names {len(files)} files, not {len(expected)}: it is damaged"
         )
-    if any("model_tflops" in rs.get("training", {}) for rs in results.values()):
-        lines.append(rates_note())
-    return lines
+    wrong = next((i for i, (f, e) in enumerate(zip(files, expected, strict=True)) if f != e), None)
+    if wrong is not None:  # each unit's own file, as written after that step: none named twice, none swapped
+        what = f"names {files[wrong]} where a checkpoint after step {saved['steps']} has {expected[wrong]}"
+        raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE} {what}: it is damaged")
 
 
-def rates_note() -> str:
-    """What the TFLOPS columns count (step_rates)."""
-    name, peak = torch.cuda.get_device_name(), dense_peak_flops()
-    line = "training: model TFLOPS a GPU count 6 x parameters x tokens; executed TFLOPS the step's forward, the"
-    line += " offloaded modes' recompute and the backward (twice a forward), causal attention's half of the scores"
-    return line + (f"; of peak: of the {name}'s dense 16-bit peak, {peak / 1e12:.0f} TFLOPS" if peak else "")
+RECORD_COUNTS = {"tokens": 0, "grad_accum": 1, "batch_size": 1, "seq_len": 1}  # each one's least value
 
 
-def timed_steps_text(run: RunConfig) -> str:
-    """Which steps the median is over (StepClock.result: every step where the warm-up leaves none)."""
-    if run.warmup >= run.steps:
-        return f"over every step (--warmup {run.warmup} leaves none of {run.steps} after it)"
-    return f"after the first {run.warmup} of {run.steps} steps"
+def check_optional_fields(folder: Path, saved: dict) -> None:
+    """The record's fields that older checkpoints lack, where it has them: counts (RECORD_COUNTS) whole numbers in
+    range, and the plan and its inputs tables."""
+    for key, least in RECORD_COUNTS.items():
+        value = saved.get(key, least)
+        if not isinstance(value, int) or isinstance(value, bool) or not least <= value < 2**63:
+            raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE}'s {key} is {value!r}: the file is damaged")
+    for key in ("plan", "plan_inputs"):
+        if not isinstance(saved.get(key, {}), dict):
+            raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE}'s {key} is not a table: the file is damaged")
 
 
-def inference_notes(mode: str, r: dict) -> list[str]:
-    """A mode's inference notes: resident layers, per-layer copy and compute times, the trace's overlap."""
-    lines = []
-    if r.get("resident_layers"):
-        layers = ", ".join(map(str, r["resident_layers"]))
-        lines.append(f"{mode}: decoder layers {layers} resident on the GPU, the others streamed")
-    if "compute_ms_per_layer" in r:
-        copy = ""
-        if r["h2d_gbps_copy_only"]:
-            copy = f"copy {r['copy_ms_per_layer']:.2f} ms ({r['h2d_gbps_copy_only']:.1f} GB/s alone), "
-        times = f"compute {r['compute_ms_per_layer']:.2f} ms; embeddings + norm + head {r['resident_ms']:.2f} ms"
-        lines.append(f"{mode}: per layer {copy}{times}")
-    if "trace" in r:
-        t = r["trace"]
-        streams = f"(copy streams {t['copy_streams']}, kernel streams {t['kernel_streams']})"
-        lines.append(f"{mode} trace: {t['overlap_ms']:.1f} of {t['copy_ms']:.1f} ms of copies under compute {streams}")
-    return lines
+def check_unit_files(folder: Path, saved: dict, units: list[Unit]) -> None:
+    """Each unit file of a checkpoint loads, and holds its unit's step count and float32 master and moments in the
+    unit's shapes (several ranks': flat shards of the unit, of the shard's size); else one line naming the file."""
+    ranks = Ranks(world=saved.get("ranks", 1))  # that wrote it
+    for i, name in enumerate(saved["files"]):
+        u = i % len(units)
+        try:
+            state = torch.load(folder / name, mmap=True, weights_only=True)
+        except Exception as e:  # torch's errors for a file cut short or not its format vary between versions
+            reason = first_line(e)
+            raise UsageError(f"--resume {folder}: {name} does not load ({reason}): resume another checkpoint") from None
+        if not unit_state_fits(state, units[u].layout, ranks) or state.get("unit", units[u].name) != units[u].name:
+            raise UsageError(f"--resume {folder}: {name} does not hold unit {units[u].name}'s state: it is damaged")
 
 
-def training_notes(mode: str, t: dict, run: RunConfig) -> list[str]:
-    """A mode's training notes: placement and peak, the bound's parts, the trace, the gradient pool, the masters."""
-    lines = []
-    if "predicted_peak_bytes" in t:
-        resident, gpu_adam = t["resident_units"], t.get("gpu_adam_units", [])
-        units = f"{len(resident)} of {t['units']} units resident ({', '.join(resident) or 'none'})"
-        adam = f"{len(gpu_adam)} stepped by the GPU's Adam ({', '.join(gpu_adam) or 'none'})"
-        parts = ", ".join(f"{part} {gib(n)}" for part, n in t["predicted_parts"].items())
-        peak = f"peak GPU {gib(t['peak_gpu_bytes'])} GiB against {gib(t['predicted_peak_bytes'])} predicted: {parts}"
-        lines.append(f"{mode} training: {units}, {adam}; {peak}")
-    if "gpu_compute_ms" in t:
-        lines.append(bound_note(mode, t))
-    if "setup_s" in t:
-        parts = ", ".join(f"{part.replace('_', ' ')} {s:.1f}" for part, s in t["setup_s"].items())
-        lines.append(f"{mode} training: set-up {sum(t['setup_s'].values()):.1f} s before the first step: {parts}")
-    if "ranks" in t:
-        each = ", ".join(f"{gib(r['peak_gpu_bytes'])} and {gib(r['peak_host_bytes'])}" for r in t["ranks"])
-        host = f"host {gib(t['peak_host_bytes'])} GiB in all, {t['host_bytes_per_parameter']:.1f} bytes a parameter"
-        lines.append(f"{mode} training: {len(t['ranks'])} ranks, peak GPU and host GiB of each: {each}; {host}")
-    if "trace" in t:
-        h2d, d2h = (f"{c['overlap_ms']:.1f} of {c['copy_ms']:.1f} ms" for c in (t["trace"]["h2d"], t["trace"]["d2h"]))
-        lines.append(f"{mode} training trace: {h2d} of H2D copies and {d2h} of D2H copies ran under compute")
-    if not t.get("gradient_pool", {"per_unit": True})["per_unit"]:
-        g = t["gradient_pool"]
-        waited = f"the backward waited {g['waited_ms']:.0f} ms in all for the CPU Adam to free one"
-        lines.append(f"{mode} training: {g['buffers']} shared gradient buffers; {waited}")
-    if "disk_tier" in t:
-        d = t["disk_tier"]
-        io = "direct I/O" if d["direct_io"] else "buffered I/O"
-        moments = f"the Adam moments of {d['units']} units ({gib(d['bytes'])} GiB) on the disk, {io}"
-        lines.append(f"{mode} training: {moments}; the CPU Adam waited {d['waited_ms']:.0f} ms in all for its reads")
-    if t.get("grad_norms"):
-        norms = f"{t['grad_norms'][0]:.3g} -> {t['grad_norms'][-1]:.3g}"
-        lines.append(f"{mode} training: gradient norm {norms} before clipping to {run.clip_grad_norm:g}")
-    if "masters_max_abs_diff" in t:
-        step1 = f"{t['masters_step1_max_abs_diff']:.3g} after step 1 (rounding allows {t['masters_tolerance']:.3g})"
-        last = f"{t['masters_max_abs_diff']:.3g} after step {run.steps}"
-        lines.append(f"{mode} training: masters differ from gpu mode's by at most {step1} and {last}")
-    return lines
+def unit_state_fits(state, layout: FlatLayout, ranks: Ranks) -> bool:
+    """Whether `state` is a unit's checkpointed state of `layout` (unit_state's dict): with several ranks, flat shards;
+    else each parameter by name in its shape; float32 throughout."""
+    if not isinstance(state, dict) or not isinstance(state.get("step"), float) or not 0 <= state["step"] < 2**53:
+        return False  # unit_state writes the step count as a float
+    shapes = dict(zip(layout.names, layout.shapes, strict=True))
+    for key in ("master", "exp_avg", "exp_avg_sq"):
+        tensors = state.get(key)
+        if ranks.several:
+            tensors, shapes = {"shard": tensors}, {"shard": torch.Size([ranks.shard_numel(layout.numel)])}
+        if not isinstance(tensors, dict) or tensors.keys() != shapes.keys():
+            return False
+        for name, t in tensors.items():
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.shape != shapes[name]:
+                return False
+    return True
 
 
-def text_notes(mode: str, t: dict, run: RunConfig) -> list[str]:
-    """A mode's held-out losses, what one evaluation costs beside a step, and its samples before and after."""
-    lines = []
-    if t.get("evaluations"):
-        first, last = t["evaluations"][0], t["evaluations"][-1]
-        losses = f"{first['loss']:.4f} -> {last['loss']:.4f} (perplexity {first['perplexity']:.1f} -> "
-        losses += f"{last['perplexity']:.1f}) after {last['tokens']:,} tokens"
-        cost = f"{statistics.median(e['ms'] for e in t['evaluations']):.0f} ms an evaluation"
-        step = f", {t['time_ms']:.0f} ms a step" if "time_ms" in t else ""
-        lines.append(f"{mode} training: held-out loss {losses}; {cost}{step}")
-    for when, texts in t.get("samples", {}).items():
-        for prompt, text in zip(run.sample, texts, strict=True):
-            lines.append(f"{mode} sample {when} training: {prompt!r} -> {text!r}")
-    return lines
+def checkpoint_hint(folder: Path) -> str:
+    """What to give --resume instead of a folder with no checkpoint: a mode's subfolder, or the folder above it."""
+    if folder.name in MODES and (folder.parent / CHECKPOINT_FILE).is_file():
+        return f"{folder.parent} holds one mode's; several modes resume each from DIR/<mode>: give --mode as it trained"
+    inside = sorted(sub.parent.name for sub in folder.glob(f"*/{CHECKPOINT_FILE}") if sub.parent.name in MODES)
+    if inside:
+        return f"it holds the checkpoints of modes {', '.join(inside)}: give one of their folders, or --mode as trained"
+    return "give a folder written by --checkpoint"
 
 
-def bound_note(mode: str, t: dict) -> str:
-    """A mode's training bound, each part alone."""
-    copies = host = ""
-    if "h2d_ms" in t:
-        h2d, d2h = t["h2d_bytes"] / t["h2d_ms"] / 1e6, t["d2h_bytes"] / t["d2h_ms"] / 1e6
-        copies = f", H2D {t['h2d_ms']:.1f} ms ({h2d:.1f} GB/s), D2H {t['d2h_ms']:.1f} ms ({d2h:.1f} GB/s)"
-    if "host_memory_ms" in t:
-        host = (
-            f", CPU Adam {t['cpu_adam_ms']:.1f} ms, host memory {t['host_memory_ms']:.1f} ms "
-            f"({t['host_bytes'] / 1e9:.1f} GB, {t['host_bytes_per_param']:.1f} bytes per parameter, "
-            f"{t['adam_bytes_per_param']} per CPU-stepped one for the Adam, at {t['host_gbps']:.0f} GB/s with the Adam "
-            "and the copies running together)"
+@torch.no_grad()
+def restore_unit(store: MasterStore, u: int, state: dict) -> None:
+    """Unit u's master, Adam moments, step count and copy in `store`, from a checkpoint's (checkpoint_unit): this rank's
+    shards, from each parameter by name (any number of ranks wrote them) or the flat shards this rank wrote."""
+    layout, start = store.units[u].layout, store.ranks.rank * store.masters[u].numel()
+
+    def fill(keys: tuple[str, ...], *flats) -> None:
+        """The state's `keys` into this rank's part of the flat buffers `flats`."""
+        for key, flat in zip(keys, flats, strict=True):
+            if isinstance(state[key], torch.Tensor):  # the shard this rank wrote, padding and all
+                flat.copy_(state[key])
+            else:
+                layout.fill(flat, state[key].__getitem__, start=start)
+
+    fill(("master",), store.masters[u])
+    store.adam_moments.fill(u, functools.partial(fill, ("exp_avg", "exp_avg_sq")))
+    if store.copies:
+        store.copies[u].copy_(store.masters[u])
+    store.steps[u].fill_(state["step"])
+    store.unstarted.discard(u)
+
+
+def resume(trainer, folder: Path, manifest: dict) -> int:
+    """Load a checkpoint into `trainer`, before placement; returns the steps it had done."""
+    t0 = time.perf_counter()
+    saved = read_checkpoint(folder, manifest)
+    say_plan_changes(saved, manifest)
+    for u, unit in enumerate(trainer.units):
+        state = checkpoint_unit(folder, saved, u, unit.layout, trainer.ranks)
+        trainer.load_unit(u, state)
+        if not finite_state(state):  # read again from the page cache the load filled
+            raise UsageError(
+                f"--resume {folder}: unit {unit.name}'s state is not finite (NaN or infinity): resume an "
+                "earlier checkpoint"
+            )
+    if saved.get("ranks", 1) != trainer.ranks.world:
+        log(f"the checkpoint of {saved.get('ranks', 1)} rank(s) resharded over {trainer.ranks.world}")
+    if isinstance(trainer.scaling, LossScale):
+        trainer.scaling.restore(saved["loss_scale"], saved["good_steps"])
+    log(f"resumed from {folder} after step {saved['steps']} in {time.perf_counter() - t0:.1f} s")
+    manifest["tokens_before"] = tokens_trained(saved, manifest)
+    batch = ("grad_accum", "batch_size", "seq_len", "seed", "eval_fraction")
+    changed = [key for key in batch if key in saved and saved[key] != manifest[key]]  # older records lack some
+    if changed:
+        log(f"note: another {', '.join(changed)} than the checkpoint's, so other batches (and held-out blocks)")
+    if isinstance(saved.get("data"), str) and manifest["data"] is None:
+        without = "without --data, this run trains on random ids"
+        log(f"note: the checkpoint trained on text (--data {saved['data']}); {without}")
+    return saved["steps"]
+
+
+def tokens_trained(saved: dict, manifest: dict) -> int:
+    """The tokens a checkpoint's state has trained on: as its record counts them, or (an older record) its steps at
+    its batch's tokens (this run's, where the record lacks them)."""
+    if "tokens" in saved:  # check_record checked it
+        return saved["tokens"]
+    return saved["steps"] * step_tokens(manifest | saved)
+
+
+def step_tokens(record: dict) -> int:
+    """The tokens of a step of the run a checkpoint manifest describes: its micro-batches of batch_size sequences."""
+    return record["grad_accum"] * record["batch_size"] * record["seq_len"]
+
+
+def finite_state(state: dict) -> bool:
+    """Whether a unit's checkpointed state (checkpoint_unit's) holds finite masters and moments alone."""
+    for key in ("master", "exp_avg", "exp_avg_sq"):
+        held = state[key]
+        tensors = held.shards if isinstance(held, Resharded) else held.values() if isinstance(held, dict) else [held]
+        if not all(torch.isfinite(t).all() for t in tensors):
+            return False
+    return True
+
+
+def checkpoint_unit(folder: Path, saved: dict, u: int, layout: FlatLayout, ranks: Ranks) -> dict:
+    """Unit u's state in a checkpoint (unit_state's dict), memory-mapped: where as many ranks wrote it, the file this
+    rank wrote (its flat shards, padding and all, so that it goes on bit for bit); else each parameter's master and
+    moments by name, as one process wrote them, or put together from the shards that other ranks wrote (Resharded),
+    of which a rank reads the parameters of its own shard alone."""
+    world, units = saved.get("ranks", 1), len(saved["files"]) // saved.get("ranks", 1)
+    if world == ranks.world:
+        return torch.load(folder / saved["files"][ranks.rank * units + u], mmap=True, weights_only=True)
+    states = [torch.load(folder / saved["files"][r * units + u], mmap=True, weights_only=True) for r in range(world)]
+    if world == 1:
+        return states[0]
+    keys = ("master", "exp_avg", "exp_avg_sq")
+    return {"step": states[0]["step"]} | {key: Resharded([s[key] for s in states], layout) for key in keys}
+
+
+class Resharded:
+    """A unit's flat state that several ranks wrote as equal shards, in rank order, read by parameter name: each
+    parameter put together from the shards it spans (a shard is an offset and a length of the unit's flat buffer)."""
+
+    def __init__(self, shards: list[torch.Tensor], layout: FlatLayout):
+        self.shards, self.size = shards, shards[0].numel()
+        self.places = dict(zip(layout.names, zip(layout.offsets, layout.shapes, strict=True), strict=True))
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        """The parameter `name`, whole, in its shape."""
+        start, shape = self.places[name]
+        end, size = start + shape.numel(), self.size
+        ranks = range(start // size, -(-end // size))  # those whose shards it spans
+        parts = [self.shards[r][max(start, r * size) - r * size : min(end, (r + 1) * size) - r * size] for r in ranks]
+        return torch.cat(parts).view(shape)
+
+
+# ------------------------------------------------------------------------------------ the command line and its checks
+
+
+MAX_SEED = 2**32 - 1  # --seed's largest: seeds derived from it (seed << 32, seed * 1_000_003) stay within 64 bits
+
+
+class UsageError(Exception):
+    """Bad input: main() prints it as one line on stderr and exits with code 2."""
+
+
+DIVERGED = "training diverged (try a lower --lr)"
+
+
+UNTRAINED = "the model computes so before any update (its weights or config, not --lr)"  # where DIVERGED is not it
+
+
+class Diverged(Exception):
+    """Logits or a loss that are not finite (a step's, the held-out one, a mode's inference): main() prints it as one
+    line and exits with code 1, and the outputs the run had still to write are not written (the last checkpoint
+    stays the one before)."""
+
+
+def default_dtype() -> str:
+    """bfloat16, unless the GPU cannot compute in it."""
+    cuda_without_bf16 = torch.cuda.is_available() and not torch.cuda.is_bf16_supported(including_emulation=False)
+    return "float16" if cuda_without_bf16 else "bfloat16"
+
+
+FIRST_CONTACT = "python offload_llama.py --preset tiny --mode cpu --train --steps 5 --seq-len 256"  # no GPU needed
+
+
+EXAMPLES = f"""examples:
+  {FIRST_CONTACT}
+      a tiny model on the CPU, inference then 5 training steps: seconds, no GPU
+  python offload_llama.py --mode overlapped --train
+      LLaMA-7B-sized layers (7b-8l) streamed through the GPU: the memory and time tables
+  python offload_llama.py --preset llama-7b --mode overlapped --train --no-inference --grad-accum 16 \\
+      --batch-size 4 --seq-len 1024 --max-gpu-memory 11
+      LLaMA-7B, 64 x 1024 tokens a step, under an 11 GiB GPU cap"""
+
+
+def print_error(message: str) -> None:
+    """The one line of a refusal or failure on stderr (control characters escaped), written and flushed in one call:
+    several ranks share the stream, and print's separate write of the newline would let their lines run together."""
+    escaped = "".join(c if c.isprintable() or c == "\t" else ascii(c)[1:-1] for c in message)  # a path's \n, ESC
+    sys.stderr.write(f"offload_llama.py: error: {escaped}\n")
+    sys.stderr.flush()
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with bad arguments reported as one line and exit code 2, like every other bad input; no prefixes of
+    flags (--save-pretrain is not --save-pretrained)."""
+
+    def __init__(self):
+        description = __doc__.split("\n\n")[0]
+        super().__init__(description=description, formatter_class=HelpFormatter, epilog=EXAMPLES, allow_abbrev=False)
+
+    def error(self, message):  # one line, exit 2
+        print_error(f"{message} (see --help)")
+        sys.exit(2)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help with every flag's default: its value, or for a switch 'off'; a flag without a value says in its help
+    what happens without it. The examples below as written."""
+
+    def _get_help_string(self, action):
+        """The flag's help and its default."""
+        if isinstance(action.default, bool):
+            return f"{action.help} (default: off)"
+        if action.default is None or action.default == argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def parameter_count(sizes: dict) -> int:
+    """A LLaMA's parameter count from its sizes (LlamaConfig field -> value; head_dim, tie_word_embeddings,
+    attention_bias and mlp_bias where given), by arithmetic: no torch, no model."""
+    h, i, layers, vocab = (sizes[f] for f in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"))
+    heads, kv_heads = sizes["num_attention_heads"], sizes["num_key_value_heads"]
+    head_dim = sizes.get("head_dim") or h // heads
+    q, kv = heads * head_dim, kv_heads * head_dim  # the queries' width, the keys' and values' each
+    attention = 2 * h * q + 2 * h * kv + (q + 2 * kv + h) * bool(sizes.get("attention_bias"))
+    mlp = 3 * h * i + (2 * i + h) * bool(sizes.get("mlp_bias"))
+    embeddings = vocab * h * (1 if sizes.get("tie_word_embeddings") else 2)  # and the head
+    return embeddings + layers * (attention + mlp + 2 * h) + h  # two norms a layer, the final norm
+
+
+def count_text(n: float) -> str:
+    """A count in words: 1.88B, 53.2M, 171K, 900."""
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{suffix}" if n < 100 * scale else f"{n / scale:.0f}{suffix}"
+    return f"{n:.0f}"
+
+
+def size_text(nbytes: float) -> str:
+    """Bytes in words, in GiB down to 1 GiB, then MiB, KiB or bytes: 3.5 GiB, 120.0 MiB, 4.0 KiB, 1 byte."""
+    for unit, suffix in ((GiB, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if abs(nbytes) >= unit:
+            return f"{nbytes / unit:.1f} {suffix}"
+    return "1 byte" if nbytes == 1 else f"{nbytes:.0f} bytes"
+
+
+def preset_help() -> str:
+    """--preset's help: each preset's layers, hidden size and parameters."""
+    described = [
+        f"{name}: {s['num_hidden_layers']} layers, hidden {s['hidden_size']}, vocabulary {s['vocab_size']}, "
+        f"{count_text(parameter_count(s))} parameters"
+        for name, s in PRESETS.items()
+    ]
+    return "a random model's sizes; " + "; ".join(described) + f" (default: {RunConfig.preset})"
+
+
+def add_run_flags(p: argparse.ArgumentParser) -> None:
+    """The model, the batch, the timing, what stays on the GPU, and the outputs."""
+    modes = "gpu: resident; cpu; blocked: copy each layer, then run it; overlapped: copy ahead; all; or a list: gpu,cpu"
+    p.add_argument("--mode", default="all", help=modes)
+    p.add_argument("--preset", choices=tuple(PRESETS), help=preset_help())
+    model = "load a save_pretrained LLaMA folder instead of building a random model (default: none, the preset)"
+    p.add_argument("--model", metavar="DIR", help=model)
+    for field, flag in SIZE_FLAGS.items():
+        p.add_argument(
+            f"--{flag}",
+            type=int,
+            dest=field,
+            metavar="N",
+            help=f"override the preset's {field} (default: the preset's)",
         )
-    held = ""
-    if "held_updates_ms" in t:
-        why = "clipping" if t.get("grad_norms") else "float16's loss scale"
-        held = (
-            f", updates held for the whole backward ({why}) {t['held_updates_ms']:.1f} ms (backward "
-            f"{t['gpu_compute_ms'] - t['gpu_forward_ms']:.1f} ms, then the longer of the forward "
-            f"{t['gpu_forward_ms']:.1f} ms and the CPU Adam; {t['unheld_bound_ms']:.1f} ms were they not held)"
-        )
-    disk = ""
-    if "disk_ms" in t:
-        disk = f", disk {t['disk_ms']:.1f} ms ({t['disk_bytes'] / 1e9:.1f} GB read and written back, "
-        disk += f"{t['disk_gbps']:.2f} GB/s together)"
-    rounds = len(next(iter(t["bound_parts_ms"].values())))
-    adam = f", the resident units' Adam {t['resident_adam_ms']:.1f}" if "resident_adam_ms" in t else ""
-    return (
-        f"{mode} training bound, each part alone (best of {rounds} rounds): GPU compute {t['gpu_compute_ms']:.1f} ms "
-        f"(forward, recompute, backward{adam}; after {SETTLE_S:g} s of load){copies}{host}{disk}{held}"
+    dtype = "compute dtype; masters and Adam state stay float32 (default: bfloat16, float16 on a GPU without it)"
+    p.add_argument("--dtype", choices=DTYPE_NAMES, help=dtype)
+    attention = "sdpa: flash, backward not bitwise reproducible; eager: reproducible, memory quadratic in --seq-len"
+    p.add_argument("--attention", choices=("sdpa", "eager"), default=RunConfig.attention, help=attention)
+    p.add_argument("--batch-size", type=int, default=RunConfig.batch_size, help="sequences per micro-batch")
+    p.add_argument("--seq-len", type=int, default=RunConfig.seq_len, help="tokens per sequence")
+    p.add_argument("--seed", type=int, default=RunConfig.seed, help="seeds the random weights and the input token ids")
+    p.add_argument("--prefetch", type=int, default=RunConfig.prefetch, help="units copied ahead in overlapped mode")
+    p.add_argument("--warmup", type=int, default=RunConfig.warmup, help="untimed runs (steps) first")
+    p.add_argument("--repeat", type=int, default=RunConfig.repeat, help="timed runs; the median is reported")
+    cap = "GPU memory cap; overlapped keeps on the GPU the layers (and their Adam state) it holds and streams the rest"
+    p.add_argument("--max-gpu-memory", type=float, metavar="GIB", help=f"{cap} (default: no cap)")
+    host = "the host memory the run keeps under; --nvme takes the rest (default: what the kernel has available)"
+    p.add_argument("--max-host-memory", type=float, metavar="GIB", help=host)
+    resident = "overlapped: N decoder layers resident (inference: spread; training: the first N), not the cap's plan"
+    p.add_argument("--resident-layers", type=int, metavar="N", help=f"{resident} (default: the cap's plan)")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON (default: none)")
+    saved = "torch.save the input ids, logits and trained masters (default: none)"
+    p.add_argument("--save-output", metavar="PATH", help=saved)
+    trace = "write a Chrome trace of one offloaded forward pass and step (default: none)"
+    p.add_argument("--profile", metavar="PATH", help=trace)
+
+
+def add_training_flags(p: argparse.ArgumentParser) -> None:
+    """Training and its accelerations."""
+    t = p.add_argument_group("training (--train)")
+    t.add_argument("--train", action="store_true", help="after inference, train each mode: forward, backward, Adam")
+    t.add_argument("--steps", type=int, default=RunConfig.steps, help="training steps on one fixed batch")
+    accum = "micro-batches of batch-size x seq-len per optimizer step, accumulated in float32"
+    t.add_argument("--grad-accum", type=int, default=RunConfig.grad_accum, metavar="K", help=accum)
+    lean = "train only; one offloaded mode alone then holds the model in its masters only (a random one drawn by unit)"
+    t.add_argument("--no-inference", dest="inference", action="store_false", help=lean)
+    reference = "first time plain forward and backward of the model resident on the GPU (no optimizer, no cap)"
+    t.add_argument("--fwd-bwd-reference", action="store_true", help=reference)
+    acts = "keep the units' saved inputs in pinned host memory (turned on by itself when they would not fit the cap)"
+    t.add_argument("--offload-activations", action="store_true", help=acts)
+    t.add_argument("--lr", type=float, default=RunConfig.lr, help="Adam's learning rate")
+    betas = "Adam's moment decays"
+    t.add_argument("--betas", type=float, nargs=2, default=RunConfig.betas, metavar=("BETA1", "BETA2"), help=betas)
+    t.add_argument("--eps", type=float, default=RunConfig.eps, help="Adam's denominator term")
+    t.add_argument("--weight-decay", type=float, default=RunConfig.weight_decay, help="L2 penalty, as in torch's Adam")
+    clip = "scale the gradients to this float32 norm at most, as clip_grad_norm_ (units step once every one is in)"
+    t.add_argument("--clip-grad-norm", type=float, metavar="X", help=f"{clip} (default: no clipping)")
+    share = "overlapped: the share (0 to 1) of streamed parameters the GPU's Adam steps over float32 state streamed "
+    share += f"in (embeddings, first layers, head), the CPU Adam the rest (default: {GPU_ADAM_SHARE} where the plan "
+    share += "predicts the host bounds the step, else 0; 0 in float16 or with --clip-grad-norm)"
+    t.add_argument("--gpu-adam-share", type=float, metavar="F", help=share)
+    nvme = (
+        "offloaded: a folder on a local disk for the Adam moments of the layers the host cannot hold (freed at exit; "
+    )
+    nvme += "default: none, the host holds them)"
+    t.add_argument("--nvme", metavar="DIR", help=nvme)
+    layers = "with --nvme: the last N decoder layers' Adam moments on the disk (default: the host plan's count)"
+    t.add_argument("--nvme-layers", type=int, metavar="N", help=layers)
+
+
+def add_data_flags(p: argparse.ArgumentParser) -> None:
+    """Text to train on, and its tokenizer."""
+    d = p.add_argument_group("text to train on (--train --data; without it, one fixed batch of random ids)")
+    data = "a UTF-8 text file, a JSONL file, or a folder of them: tokenized once, packed into --seq-len blocks"
+    d.add_argument("--data", metavar="PATH", help=f"{data} (default: none)")
+    d.add_argument("--data-glob", default=RunConfig.data_glob, metavar="GLOBS", help="a folder's files to read")
+    d.add_argument("--text-field", default=RunConfig.text_field, metavar="KEY", help="a JSONL record's text")
+    skip = "skip the files that are not UTF-8 (and say how many) instead of refusing them"
+    d.add_argument("--skip-undecodable", action="store_true", help=skip)
+    d.add_argument("--tokenizer", metavar="DIR", help="a folder with the tokenizer (default: --model's)")
+    train = "no tokenizer at hand: train a byte-level BPE of V tokens on the data (V at most the model's vocab_size)"
+    d.add_argument("--train-tokenizer", type=int, metavar="V", help=train)
+    cache = "the folder for token caches and trained tokenizers (default: $XDG_CACHE_HOME or ~/.cache/offload_llama)"
+    d.add_argument("--data-cache", metavar="DIR", help=cache)
+    held = "the share of the blocks held out, never trained on (at least one block)"
+    d.add_argument("--eval-fraction", type=float, default=RunConfig.eval_fraction, metavar="F", help=held)
+    d.add_argument("--epochs", type=float, metavar="N", help="passes over the training blocks, instead of --steps")
+    every = "the held-out loss every N steps (also before the first and after the last; default: only those two)"
+    d.add_argument("--eval-every", type=int, metavar="N", help=every)
+    sample = "continue PROMPT before training and after (repeat the flag for more prompts)"
+    d.add_argument("--sample", action="append", default=[], metavar="PROMPT", help=sample)
+    d.add_argument(
+        "--sample-tokens", type=int, default=RunConfig.sample_tokens, metavar="N", help="tokens a sample adds"
+    )
+    d.add_argument("--temperature", type=float, default=RunConfig.temperature, help="samples drawn at it; 0: greedy")
+    d.add_argument("--top-k", type=int, metavar="K", help="samples drawn from the K likeliest tokens (default: all)")
+
+
+def check_data_flags(p: Parser, a: argparse.Namespace) -> None:
+    """Text flags out of range: one line, exit 2."""
+    if any(not prompt for prompt in a.sample):
+        p.error("--sample needs a prompt: an empty one has nothing to continue")
+    for prompt in a.sample:  # a byte that is not UTF-8 comes from argv as a lone surrogate, which no tokenizer takes
+        if not_utf8(prompt):
+            p.error(f"--sample {prompt!r} holds bytes that are not UTF-8: give the prompt in UTF-8")
+    if a.train_tokenizer is not None and a.train_tokenizer < 257:
+        p.error(f"--train-tokenizer must be at least 257 (256 bytes, the end-of-text token), got {a.train_tokenizer}")
+    if not 0 < a.eval_fraction < 1:
+        p.error(f"--eval-fraction must be between 0 and 1, got {a.eval_fraction}")
+    if a.epochs is not None and not (math.isfinite(a.epochs) and a.epochs > 0):
+        p.error(f"--epochs must be a positive number, got {a.epochs}")
+    for flag in ("eval_every", "sample_tokens", "top_k"):
+        if getattr(a, flag) is not None and getattr(a, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be at least 1")
+    if not (math.isfinite(a.temperature) and a.temperature >= 0):
+        p.error(f"--temperature must be 0 (greedy) or more, got {a.temperature}")
+
+
+def add_saving_flags(p: argparse.ArgumentParser) -> None:
+    """What training leaves behind, and where it goes on from."""
+    s = p.add_argument_group("saving and resuming (--train)")
+    s.add_argument(
+        "--save-pretrained",
+        metavar="DIR",
+        help="after training, the float32 weights as a HF model folder (default: none)",
+    )
+    s.add_argument("--checkpoint", metavar="DIR", help="the whole training state, after the last step (default: none)")
+    s.add_argument(
+        "--checkpoint-every",
+        type=int,
+        metavar="N",
+        help="also after every N steps, counted from the first (default: the last step only)",
+    )
+    s.add_argument(
+        "--resume", metavar="DIR", help="go on from a --checkpoint folder for --steps more steps (default: none)"
     )
 
 
-# ---------------------------------------------------------------------------------------------------- running a mode
-# A mode run whole: its trainer set up from the plan, resumed, placed; its steps timed, with the bound's rounds,
-# checkpoints and evaluations between them; its outputs saved and described.
+def add_plan_flags(p: argparse.ArgumentParser) -> None:
+    """The plan: printed alone, for this machine or one described; the ranks' timeout."""
+    g = p.add_argument_group("the plan (--plan: where every byte goes, predicted, before anything is allocated)")
+    g.add_argument(
+        "--plan", action="store_true", help="print the plan and its predictions and exit, allocating nothing"
+    )
+    g.add_argument("--gpu-memory", type=float, metavar="GIB", help="plan for GPUs of this memory (default: this one's)")
+    host = "plan for a host with this much memory available (default: this one's MemAvailable)"
+    g.add_argument("--host-memory", type=float, metavar="GIB", help=host)
+    g.add_argument("--gpus", type=int, metavar="N", help="plan for N ranks on one host (default: torchrun's, or 1)")
+    rates = f"override a rate of the plan's predictions; NAME one of {', '.join(DEFAULT_RATES)} (default: an H100's)"
+    g.add_argument(
+        "--rate", dest="rates", type=rate_flag, action="append", default=[], metavar="NAME=VALUE", help=rates
+    )
+    timeout = "seconds a rank waits for the others in a step's collective (default: 5x the plan's longest step part, "
+    g.add_argument("--rank-timeout", type=float, metavar="S", help=timeout + "60 at least)")
+
+
+def rate_flag(text: str) -> tuple[str, float]:
+    """--rate's NAME=VALUE, checked: a known rate, a number from 0.001 to a million (GB/s or TFLOP/s)."""
+    name, _, value = text.partition("=")
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if name not in DEFAULT_RATES or not 1e-3 <= number <= 1e6:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give NAME=VALUE, NAME one of {', '.join(DEFAULT_RATES)}, VALUE from 0.001 to 1e6"
+        )
+    return name, number
+
+
+def check_ranges(p: Parser, a: argparse.Namespace) -> None:
+    """Flags out of range: one line, exit 2."""
+    if a.mode != "all" and not set(a.mode.split(",")) <= set(MODES):
+        p.error(f"argument --mode: {a.mode!r}: choose all, or one or more of {', '.join(MODES)} with commas")
+    least = dict(batch_size=1, seq_len=1, repeat=1, steps=1, grad_accum=1, prefetch=1, warmup=0, resident_layers=0)
+    least["nvme_layers"] = 0
+    least["checkpoint_every"] = 1
+    for field, low in least.items():
+        if getattr(a, field) is not None and getattr(a, field) < low:
+            hint = " (blocked mode is prefetch 0)" if field == "prefetch" else ""
+            p.error(f"--{field.replace('_', '-')} must be at least {low}{hint}")
+    adam_ok = a.lr > 0 and a.eps > 0 and a.weight_decay >= 0 and all(0 <= b < 1 for b in a.betas)
+    if not all(map(math.isfinite, (a.lr, a.eps, a.weight_decay))) or not adam_ok:
+        p.error("Adam needs --lr > 0, --eps > 0, --weight-decay >= 0 and betas in [0, 1), all finite")
+    for flag in ("max_gpu_memory", "max_host_memory", "gpu_memory", "host_memory", "rank_timeout"):
+        value = getattr(a, flag)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            unit = "seconds" if flag == "rank_timeout" else "GiB"
+            p.error(f"--{flag.replace('_', '-')} must be a positive number of {unit}, got {value}")
+    if a.gpus is not None and a.gpus < 1:
+        p.error(f"--gpus must be at least 1, got {a.gpus}")
+    for flag, most in (("gpu_memory", 2**20), ("host_memory", 2**30), ("gpus", 2**16)):
+        if (getattr(a, flag) or 0) > most:
+            p.error(f"--{flag.replace('_', '-')} must be at most {most:,}, got {getattr(a, flag):g}")
+    if a.rank_timeout is not None and a.rank_timeout < 1:
+        p.error(f"--rank-timeout must be at least 1 second, got {a.rank_timeout:g}")
+    if a.gpu_adam_share is not None and not 0 <= a.gpu_adam_share <= 1:
+        p.error(f"--gpu-adam-share must be between 0 and 1, got {a.gpu_adam_share}")
+    if not 0 <= a.seed <= MAX_SEED:
+        p.error(f"--seed must be between 0 and {MAX_SEED}, got {a.seed}")
+
+
+def check_combinations(p: Parser, a: argparse.Namespace) -> None:
+    """Values that do not go together: one line, exit 2."""
+    if a.gpu_adam_share and a.dtype == "float16":
+        p.error("--gpu-adam-share must be 0 in float16: its loss scale must see every gradient before any unit steps")
+    if a.clip_grad_norm is not None and not (math.isfinite(a.clip_grad_norm) and a.clip_grad_norm > 0):
+        p.error(f"--clip-grad-norm must be a positive number, got {a.clip_grad_norm}")
+    if a.gpu_adam_share and a.clip_grad_norm is not None:
+        p.error("--gpu-adam-share must be 0 with --clip-grad-norm: the norm must see every gradient before any step")
+    if a.train and a.seq_len == 1:
+        p.error("--seq-len must be at least 2 with --train: each token is trained to predict the next")
+
+
+def offloaded(modes) -> bool:
+    """Whether one of `modes` streams the layers: blocked or overlapped."""
+    return bool({"blocked", "overlapped"} & set(modes))
+
+
+TRAINING_FLAGS = ("steps", "grad_accum", "inference", "fwd_bwd_reference", "lr", "betas", "eps", "weight_decay")
+TRAINING_FLAGS += ("clip_grad_norm", "offload_activations", "gpu_adam_share", "nvme", "data", "sample")
+TRAINING_FLAGS += ("save_pretrained", "checkpoint", "resume")
+
+
+DATA_FLAGS = ("data_glob", "text_field", "skip_undecodable", "train_tokenizer", "data_cache", "eval_fraction")
+DATA_FLAGS += ("epochs", "eval_every")
+
+
+FLAG_NEEDS = (  # flags (argparse dests), what they need to do anything, how to give it, whether the run has it
+    (TRAINING_FLAGS, ("--train", "add --train", lambda a, modes: a.train)),
+    (
+        ("prefetch", "resident_layers", "gpu_adam_share"),
+        ("overlapped mode", "add overlapped to --mode", lambda a, modes: "overlapped" in modes),
+    ),
+    (
+        ("profile", "offload_activations", "nvme"),
+        ("an offloaded mode", "add blocked or overlapped to --mode", lambda a, modes: offloaded(modes)),
+    ),
+    (
+        ("max_gpu_memory", "repeat"),
+        ("a GPU mode", "add gpu, blocked or overlapped to --mode", lambda a, modes: set(modes) - {"cpu"}),
+    ),
+    (
+        ("warmup",),
+        ("a GPU mode or --train", "add a GPU mode or --train", lambda a, modes: a.train or set(modes) - {"cpu"}),
+    ),
+    (("nvme_layers",), ("--nvme DIR", "add --nvme DIR", lambda a, modes: a.nvme)),
+    (("checkpoint_every",), ("--checkpoint DIR", "add --checkpoint DIR", lambda a, modes: a.checkpoint)),
+    (("gpu_memory", "host_memory", "gpus", "rates"), ("--plan", "add --plan", lambda a, modes: a.plan)),
+    (DATA_FLAGS, ("--data PATH", "add --data PATH", lambda a, modes: a.data)),
+    (("data_glob",), ("a folder as --data", "give --data a folder", lambda a, modes: Path(a.data).is_dir())),
+    (
+        ("text_field",),
+        ("JSONL in --data", "give --data a .jsonl file or a folder", lambda a, modes: data_may_hold_jsonl(a.data)),
+    ),
+    (("tokenizer",), ("--data or --sample", "add --data PATH or --sample PROMPT", lambda a, modes: a.data or a.sample)),
+    (("sample_tokens", "temperature"), ("--sample PROMPT", "add --sample PROMPT", lambda a, modes: a.sample)),
+    (("top_k",), ("--temperature above 0", "add --temperature T", lambda a, modes: a.temperature)),
+)
+
+
+FLAG_CLASHES = (  # flags (argparse dests) that cannot be given together, and why
+    (("epochs", "steps"), "--epochs sets the number of steps"),
+    (("tokenizer", "train_tokenizer"), "a tokenizer is given or trained, not both"),
+)
+
+
+def data_may_hold_jsonl(data: str) -> bool:
+    """Whether --data can hold JSONL records: a .jsonl file, or a folder."""
+    return data.endswith(".jsonl") or Path(data).is_dir()
+
+
+def flag_name(dest: str) -> str:
+    """The flag of an argparse dest: --no-inference for inference, --hidden-size for hidden_size."""
+    return "--" + {"inference": "no-inference", "rates": "rate", **SIZE_FLAGS}.get(dest, dest.replace("_", "-"))
+
+
+class GivenFlags(argparse.Namespace):
+    """A namespace that records the dests the command line sets. argparse puts a default only where the namespace has
+    no value yet, so with every dest filled beforehand each value set while parsing is a flag given, whether or not
+    it equals the default."""
+
+    def __init__(self, dests):
+        super().__init__(**{dest: [] for dest in dests})  # a fresh value, never a default (which argparse converts)
+        self.given = set()
+
+    def __setattr__(self, name: str, value) -> None:
+        """Set it, and record it once parsing has begun."""
+        if "given" in self.__dict__:
+            self.given.add(name)
+        super().__setattr__(name, value)
+
+
+def flags_given(p: Parser, a: argparse.Namespace, argv) -> set[str]:
+    """The dests of the flags on the command line `argv` that parsed into `a`."""
+    return p.parse_args(argv, GivenFlags(vars(a))).given
+
+
+def check_flags_needed(p: Parser, a: argparse.Namespace, given: set[str]) -> None:
+    """A flag that does nothing in the run asked for is refused, by one table (FLAG_NEEDS, FLAG_CLASHES): one line
+    that says what it needs, exit 2."""
+    modes = MODES if a.mode == "all" else a.mode.split(",")
+    for flags, (need, add, has) in FLAG_NEEDS:
+        for dest in (d for d in flags if d in given):
+            if not has(a, modes):
+                p.error(f"{flag_name(dest)} does nothing without {need}: {add}, or leave {flag_name(dest)} out")
+    for (first, second), why in FLAG_CLASHES:
+        if {first, second} <= given:
+            p.error(f"{flag_name(first)} and {flag_name(second)}: {why}: give one")
+
+
+ONE_GPU_FLAGS = {  # what several ranks do not do yet: flag -> whether the command line asks for it
+    "--resident-layers": lambda a: a.resident_layers is not None,
+    "--profile": lambda a: a.profile is not None,
+    "--fwd-bwd-reference": lambda a: a.fwd_bwd_reference,
+}
+
+
+RANK_VARIABLES = {  # torchrun's variables: each one's least value, and the variable it must stay under
+    "WORLD_SIZE": (1, None),
+    "RANK": (0, "WORLD_SIZE"),
+    "LOCAL_WORLD_SIZE": (1, None),
+    "LOCAL_RANK": (0, "LOCAL_WORLD_SIZE"),
+}
+
+
+def rank_environment(p: Parser) -> Ranks:
+    """The ranks torchrun describes in the environment, checked: whole numbers, ranks below their world sizes, the
+    host's ranks at most the world's; else one line, exit 2. Without WORLD_SIZE, one process (the others ignored)."""
+    env = os.environ
+    if "WORLD_SIZE" not in env:
+        return Ranks()
+    values = {name: env[name] for name in RANK_VARIABLES if name in env}
+    values.setdefault("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])
+    numbers = {}
+    for name, text in values.items():
+        if not (text.strip().isascii() and text.strip().isdigit()):
+            p.error(f"the environment's {name}={text!r} is not a count (0, 1, 2, ...): set it as torchrun does")
+        numbers[name] = int(text)
+    numbers.setdefault("RANK", 0)
+    numbers.setdefault("LOCAL_RANK", 0)
+    for name, (least, below) in RANK_VARIABLES.items():
+        if numbers[name] < least or (below and numbers[name] >= numbers[below]):
+            bound = f" and below {below}={numbers[below]}" if below else ""
+            p.error(
+                f"the environment's {name}={numbers[name]} must be at least {least}{bound}: set it as torchrun does"
+            )
+    if numbers["LOCAL_WORLD_SIZE"] > numbers["WORLD_SIZE"]:
+        local = numbers["LOCAL_WORLD_SIZE"]
+        p.error(f"the environment's LOCAL_WORLD_SIZE={local} exceeds WORLD_SIZE: set both as torchrun does")
+    return Ranks.from_environment()
+
+
+def check_rank_flags(p: Parser, a: argparse.Namespace, world: int, who: str = "torchrun started") -> None:
+    """Under torchrun (world ranks; or planned for with --gpus): an offloaded mode's inference, each rank copying its
+    shard of every layer, and its data-parallel training, the step's micro-batches split evenly; what runs on one GPU
+    only is refused. One line, exit 2, before torch loads."""
+    if world == 1:
+        return
+    modes = MODES if a.mode == "all" else a.mode.split(",")
+    if not set(modes) <= {"blocked", "overlapped"}:
+        p.error(f"--mode {a.mode}: {world} ranks run an offloaded mode: use --mode overlapped or blocked")
+    if a.train and a.grad_accum % world:
+        split = f"the step's {a.grad_accum} micro-batches split evenly over the {world} ranks"
+        p.error(f"--grad-accum {a.grad_accum}: {split}: use a multiple of {world}")
+    for flag, asked in ONE_GPU_FLAGS.items():
+        if asked(a):
+            p.error(f"{flag} runs on one GPU only, for now: leave it out under torchrun, or run without torchrun")
+
+
+def command_line(argv=None) -> RunConfig:
+    """The command line as a RunConfig, its dtype None unless given (parse_args asks the GPU); flags out of range or
+    that do not go together end with one line and exit 2. Needs neither torch nor transformers."""
+    p = Parser()
+    add_run_flags(p)
+    add_training_flags(p)
+    add_data_flags(p)
+    add_saving_flags(p)
+    add_plan_flags(p)
+    a = p.parse_args(argv)
+    check_ranges(p, a)
+    check_combinations(p, a)
+    check_data_flags(p, a)
+    check_flags_needed(p, a, flags_given(p, a, argv))
+    check_rank_flags(p, a, rank_environment(p).world)
+    if a.plan and rank_environment(p).several:  # each rank would print a plan, made apart
+        p.error("--plan describes a run without starting one: run it once, without torchrun (--gpus N plans N ranks)")
+    check_rank_flags(p, a, a.gpus or 1, who="--plan's --gpus describes")
+    a.sizes = tuple((f, getattr(a, f)) for f in SIZE_FLAGS if getattr(a, f) is not None)
+    if a.model is not None and (a.sizes or a.preset is not None):
+        given = [f"--{SIZE_FLAGS[f]}" for f, _ in a.sizes] + ["--preset"] * (a.preset is not None)
+        p.error(f"--model {a.model} brings its own sizes: drop {', '.join(given)}, or drop --model")
+    a.preset = a.preset or RunConfig.preset
+    a.betas = tuple(a.betas)
+    a.sample = tuple(a.sample)
+    a.rates = tuple(a.rates)
+    return RunConfig(
+        **{field.name: getattr(a, field.name) for field in dataclasses.fields(RunConfig) if hasattr(a, field.name)}
+    )
+
+
+def check_command_line(argv=None) -> None:
+    """What can be checked before torch and transformers load (check_run); bad input ends with one line and exit 2."""
+    run = command_line(argv)
+    try:
+        check_run(run)
+    except UsageError as e:
+        print_error(str(e))
+        sys.exit(2)
+
+
+def check_run(run: RunConfig) -> None:
+    """Everything about the run that needs neither torch nor a model: the inputs can be read, the outputs written
+    without touching an input, the model's sizes (the preset's and flags', or --model's config.json) are a LLaMA's
+    that the host can hold, and --sample's tokens fit its positions."""
+    named = {"--model": run.model, "--tokenizer": run.tokenizer, "--resume": run.resume} | output_paths(run)
+    for flag, path in named.items():  # --json, --save-output, --nvme and --data are Python's own to open: any bytes
+        if flag in LIBRARY_PATHS and path and not_utf8(path):
+            why = "torch, safetensors and tokenizers open UTF-8 paths alone"
+            raise UsageError(f"{flag} {path} holds bytes that are not UTF-8, and {why}: rename it, or give another")
+    check_inputs(run)
+    check_outputs(run)
+    sizes, origin = model_sizes(run)
+    check_sizes(sizes, origin)
+    check_host_holds(run, sizes)
+    positions = sizes.get("max_position_embeddings") or 0
+    if positions < run.seq_len:  # a preset's are at least --seq-len
+        why = f"max_position_embeddings is {positions}, fewer than --seq-len {run.seq_len}: give --seq-len {positions}"
+        raise UsageError(f"{origin}{why} at most")
+    if run.sample and positions and run.sample_tokens >= positions:
+        raise UsageError(f"--sample-tokens {run.sample_tokens}: the model has {positions} positions, prompt included")
+    check_tokenizer_at_hand(run)
+
+
+LIBRARY_PATHS = ("--model", "--tokenizer", "--resume", "--checkpoint", "--save-pretrained", "--data-cache", "--profile")
+
+
+def not_utf8(text: str) -> bool:
+    """Whether `text` (a command line's, where Python decodes a byte that is not UTF-8 as a lone surrogate) holds a
+    character UTF-8 cannot encode."""
+    return any(0xD800 <= ord(c) <= 0xDFFF for c in text)
+
+
+def check_tokenizer_at_hand(run: RunConfig) -> None:
+    """Text in (--data) or out (--sample) needs a tokenizer: --tokenizer's, one trained on --data (--train-tokenizer),
+    with --data the --resume checkpoint's, or --model's where its folder has one; else one line, before torch loads."""
+    if run.tokenizer and not has_tokenizer(run.tokenizer):
+        raise UsageError(f"--tokenizer {run.tokenizer}: no tokenizer.json, tokenizer.model or vocab.json there")
+    if run.tokenizer or has_tokenizer(run.model) or not (run.data or run.sample):
+        return
+    if run.data and (run.train_tokenizer or resumes_with_tokenizer(run)):
+        return
+    if run.data:
+        raise UsageError("no tokenizer: give --tokenizer DIR, or --train-tokenizer V to train one on the data")
+    raise UsageError("--sample needs a tokenizer: give --tokenizer DIR, or --data with --train-tokenizer V")
+
+
+def resumes_with_tokenizer(run: RunConfig) -> bool:
+    """Whether the --resume checkpoint's record names a tokenizer it trained with (an unreadable record: no; resume
+    says what is wrong with it)."""
+    if run.resume is None:
+        return False
+    try:
+        record = parse_json((mode_folder(run.resume, run, run.modes[0]) / CHECKPOINT_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and bool(record.get("tokenizer"))
+
+
+def has_tokenizer(folder: str | None) -> bool:
+    """Whether `folder` holds a tokenizer's files."""
+    names = ("tokenizer.json", "tokenizer.model", "vocab.json")
+    return folder is not None and any((Path(folder) / name).is_file() for name in names)
+
+
+def path_kind(path: Path, flag: str = "") -> str | None:
+    """What is at `path`, not following a link: 'a file', 'a folder', 'a symbolic link', ...; None where nothing is.
+    A path that cannot be looked at (a file as a folder, a folder the user cannot search) is refused, for `flag`."""
+    if not str(path):
+        raise UsageError(f"{flag} is empty: give a path")
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise UsageError(f"{flag} {path} cannot be looked at ({e.strerror})".strip()) from None
+    kinds = ((stat.S_ISREG, "a file"), (stat.S_ISDIR, "a folder"), (stat.S_ISLNK, "a symbolic link"))
+    kinds += ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"))
+    return next((kind for test, kind in kinds if test(mode)), "a device")
+
+
+def check_inputs(run: RunConfig) -> None:
+    """Every input exists, is a file or folder (through a link too) as its flag needs, and can be read."""
+    inputs = {"--data": (run.data, None), "--model": (run.model, True), "--tokenizer": (run.tokenizer, True)}
+    inputs["--resume"] = (run.resume, True)
+    for flag, (path, folder) in inputs.items():
+        if path is None:
+            continue
+        target = Path(path)
+        kind = path_kind(real_path(path) if path else "", flag)
+        if kind is None:
+            raise UsageError(f"{flag} {path}: no such {'folder' if folder else 'file or folder'}")
+        if kind not in ("a file", "a folder") or (folder and kind != "a folder"):
+            raise UsageError(f"{flag} {path} is {kind}: give {'a folder' if folder else 'a file or a folder'}")
+        try:
+            os.listdir(target) if kind == "a folder" else open(target, "rb").close()
+        except OSError as e:
+            raise UsageError(f"{flag} {path} cannot be read ({e.strerror}): give one you can read") from None
+    if run.model is not None:
+        model_type(Path(run.model))
+    check_data_glob(run.data_glob)
+
+
+def check_data_glob(globs: str) -> None:
+    """--data-glob's patterns name files inside the --data folder: none absolute, none climbing out with '..'."""
+    patterns = [pattern.strip() for pattern in globs.split(",") if pattern.strip()]
+    if not patterns or any(Path(p).is_absolute() or ".." in Path(p).parts for p in patterns):
+        raise UsageError(f"--data-glob '{globs}': give patterns relative to the --data folder, such as *.txt,*.jsonl")
+
+
+FILE_OUTPUTS = ("--json", "--save-output", "--profile", "--profile's training trace")
+
+
+def output_paths(run: RunConfig) -> dict[str, str]:
+    """Every path the run writes, by flag: the files, and the folders written into (the token cache's with --data)."""
+    outputs = {"--json": run.json, "--save-output": run.save_output, "--profile": run.profile}
+    if run.profile and run.train:
+        outputs["--profile's training trace"] = train_trace_path(run.profile)
+    outputs |= {"--save-pretrained": run.save_pretrained, "--checkpoint": run.checkpoint, "--nvme": run.nvme}
+    if run.data:
+        outputs["--data-cache"] = str(data_cache_folder(run))
+    return {flag: path for flag, path in outputs.items() if path is not None}
+
+
+def check_outputs(run: RunConfig) -> None:
+    """Every file and folder the run will write can be written, and replaces nothing that is not an output: refused
+    now rather than after a run of many minutes. An existing output is a file (a folder for the folders), never a
+    link, FIFO, socket or device that writing would replace; --save-pretrained, replaced whole, holds nothing but a
+    saved model's files."""
+    outputs = output_paths(run)
+    for flag, path in outputs.items():
+        kind, want = path_kind(Path(path) if path else "", flag), "a file" if flag in FILE_OUTPUTS else "a folder"
+        linked_folder = kind == "a symbolic link" and flag != "--save-pretrained" and Path(path).is_dir()
+        if kind in ("a file", "a folder") and kind != want:
+            raise UsageError(f"{flag} {path} is {kind}: give {'a folder' if want == 'a folder' else 'a file name'}")
+        if kind not in (None, want) and not (want == "a folder" and linked_folder):
+            raise UsageError(f"{flag} {path} is {kind}, which the run would replace: give the path of {want}")
+        if want == "a file" and path.endswith(os.sep):
+            raise UsageError(f"{flag} {path} ends with {os.sep}: give a file name")
+        folder = Path(path).parent if want == "a file" else Path(path)
+        check_name_length(flag, path, aside=flag in FILE_OUTPUTS or flag == "--save-pretrained")
+        if flag == "--data-cache" and not run.data_cache:  # the default, made with its parents (~/.cache)
+            folder = existing(folder)
+        made = want == "a folder" and flag != "--nvme"  # the disk tier's folder is a disk's, given, not made
+        check_writable(flag, path, folder, make=made)
+    check_no_clash(run, outputs)
+    for mode in run.modes if run.save_pretrained else ():
+        check_saved_model_folder(mode_folder(run.save_pretrained, run, mode))
+    for mode in run.modes if run.checkpoint else ():
+        check_checkpoint_folder(mode_folder(run.checkpoint, run, mode))
+
+
+TOKENIZER_FILE = r"tokenizer(_config)?\.json|tokenizer\.model|special_tokens_map\.json|added_tokens\.json"
+TOKENIZER_FILE += r"|chat_template\.jinja|vocab\.json|merges\.txt"  # what a tokenizer's save_pretrained writes
+
+
+SAVED_MODEL_FILE = re.compile(  # what save_pretrained writes, each a regular file
+    rf"config\.json|generation_config\.json|model(-\d{{5}}-of-\d{{5}})?\.safetensors|model\.safetensors\.index\.json"
+    rf"|{TOKENIZER_FILE}"
+)
+
+
+def foreign_entry(folder: Path, own) -> str | None:
+    """The first entry of the output folder `folder` (by name) that own(path) says no write of the run's leaves there,
+    as its name and kind ('notes (a folder)'); None where every entry is the run's own (or there is no folder)."""
+    if path_kind(folder) != "a folder":
+        return None
+    path = next((p for p in sorted(folder.iterdir()) if not own(p)), None)
+    return None if path is None else f"{path.name} ({path_kind(path)})"
+
+
+def check_saved_model_folder(folder: Path) -> None:
+    """A --save-pretrained folder that exists holds only the regular files save_pretrained writes: it is replaced
+    whole; a mode's folder inside it is a folder, if anything."""
+    if path_kind(folder) not in (None, "a folder"):
+        raise UsageError(f"--save-pretrained {folder} is {path_kind(folder)}, which the run would replace")
+    other = foreign_entry(folder, lambda p: path_kind(p) == "a file" and SAVED_MODEL_FILE.fullmatch(p.name))
+    if other:
+        what = f"{other}, which a saved model does not hold"
+        raise UsageError(f"--save-pretrained {folder} holds {what}: the folder is replaced whole, so give a new one")
+
+
+UNIT_FILE = r"unit\d+(\.rank\d+of\d+)?\.step\d+\.pt"  # a unit's state in a checkpoint (checkpoint_files)
+
+
+WRITTEN_FILE = re.compile(  # what a checkpoint write makes in its folder, each a regular file; its tokenizer's too
+    rf"{UNIT_FILE}|\.{UNIT_FILE}\.\d+\.tmp|\.{re.escape(CHECKPOINT_FILE)}\.\d+\.tmp|{TOKENIZER_FILE}"
+)
+
+
+WRITTEN_FOLDER = re.compile(r"\.tokenizer\.[a-z0-9_]{8}\.tmp")  # the tokenizer written aside (folder_aside)
+
+
+def written_by_checkpoint(path: Path) -> bool:
+    """Whether `path`, in a checkpoint's folder, is of a kind a checkpoint write makes there: a regular file named as
+    its files are, or its tokenizer's folder aside; never a link."""
+    if path.is_symlink():
+        return False
+    if path.is_dir():
+        return bool(WRITTEN_FOLDER.fullmatch(path.name))
+    return path.is_file() and bool(WRITTEN_FILE.fullmatch(path.name))
+
+
+def check_checkpoint_folder(folder: Path) -> None:
+    """A --checkpoint folder that exists holds nothing but what checkpoint writes make (the record a regular file):
+    it is empty, holds a checkpoint, or holds only what a first write killed before its record left (its unit files
+    among them; the next write replaces them). Writing one removes the files of its kind that the record does not
+    name, and replaces those of its names: in another folder they could be the user's."""
+    if path_kind(folder) not in (None, "a folder"):
+        raise UsageError(f"--checkpoint {folder} is {path_kind(folder)}: give a folder")
+    record = path_kind(folder / CHECKPOINT_FILE) == "a file"
+    other = foreign_entry(folder, lambda p: written_by_checkpoint(p) or (record and p.name == CHECKPOINT_FILE))
+    if other:
+        raise UsageError(
+            f"--checkpoint {folder} holds {other}, which a checkpoint does not: give a new or empty folder"
+        )
+    entries = list(folder.iterdir()) if folder.is_dir() else []
+    if entries and not record and not any("unit" in p.name for p in entries):
+        raise UsageError(f"--checkpoint {folder} holds files and no {CHECKPOINT_FILE}: give a new or empty folder")
+
+
+def check_no_clash(run: RunConfig, outputs: dict[str, str]) -> None:
+    """No output is, or lies inside, an input (but --checkpoint X --resume X, which goes on from X), however it is
+    reached (a link, a hard link, a bind mount); --save-pretrained, replaced whole, holds none; no output is, or lies
+    inside, another."""
+    given = {"--data": run.data, "--model": run.model, "--tokenizer": run.tokenizer, "--resume": run.resume}
+    inputs = [(flag, f"{flag} {real_path(path)}", real_path(path)) for flag, path in given.items() if path is not None]
+    for flag, path in given.items():  # and what a link inside an input folder reaches, which the run reads too
+        inputs += [
+            (flag, f"{real_path(link)}, which {flag} reads through {link}", real_path(link)) for link in links(path)
+        ]
+    inputs.append(("the script", "the script", real_path(__file__)))
+    seen = {}
+    for flag, path in outputs.items():
+        out = real_path(path)
+        for other, named, place in inputs:
+            if same_place(out, place) and not (flag == "--checkpoint" and other == "--resume"):
+                raise UsageError(f"{flag} {path} is {named}: an output never replaces an input: give another path")
+            if inside(out, place):
+                raise UsageError(f"{flag} {path} lies inside {named}: an output never writes into an input")
+            if inside(place, out) and flag == "--save-pretrained":
+                raise UsageError(f"--save-pretrained {path} holds {named}, and its folder is replaced whole")
+        for other, place in seen.items():
+            if same_place(out, place):
+                raise UsageError(f"{other} and {flag} both name {path}: give each output a path of its own")
+            if inside(out, place) or inside(place, out):
+                raise UsageError(f"{flag} {path} and {other} {place} nest: give each output a path of its own")
+        seen[flag] = out
+
+
+def links(path) -> list[Path]:
+    """The links inside the folder `path` (none for a file), not followed: what they reach is read as an input too,
+    wherever it is (a Hugging Face cache's snapshot links its files into blobs/)."""
+    if path is None or not os.path.isdir(path):
+        return []
+    found, folders = [], [path]
+    while folders:  # scandir's entries know their type: no stat a file, for a corpus of millions
+        try:
+            with os.scandir(folders.pop()) as entries:
+                for entry in entries:
+                    if entry.is_symlink():
+                        found.append(Path(entry.path))
+                    elif entry.is_dir(follow_symlinks=False):
+                        folders.append(entry.path)
+        except OSError:  # a folder that cannot be listed: the run reads nothing from it
+            continue
+    return found
+
+
+def same_place(a: Path, b: Path) -> bool:
+    """Whether real paths `a` and `b` reach one file or folder: the same path, or one device and inode (a hard link
+    to a file, a bind mount of a folder)."""
+    return a == b or (identity(a) is not None and identity(a) == identity(b))
+
+
+def inside(a: Path, b: Path) -> bool:
+    """Whether real path `a` lies inside folder `b`, however `b` is reached."""
+    return any(same_place(parent, b) for parent in a.parents)
+
+
+def identity(path: Path) -> tuple[int, int] | None:
+    """The device and inode of what is at `path`; None where nothing is (or it cannot be looked at)."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return st.st_dev, st.st_ino
+
+
+def real_path(path) -> Path:
+    """`path` absolute, every link in it followed (a loop of links as far as it goes)."""
+    return Path(os.path.realpath(path))
+
+
+def train_trace_path(path: str) -> str:
+    """--profile's path for the training step's trace: trace.json -> trace.train.json."""
+    p = Path(path)
+    return str(p.with_name(p.stem + ".train" + p.suffix))
+
+
+def mode_folder(path: str, run: RunConfig, mode: str) -> Path:
+    """A mode's folder for --save-pretrained, --checkpoint or --resume: the folder given, or when several modes train,
+    its subfolder named after the mode."""
+    return Path(path) / mode if len(run.modes) > 1 else Path(path)
+
+
+def data_cache_folder(run: RunConfig) -> Path:
+    """--data-cache, else offload_llama under the user's cache folder (XDG_CACHE_HOME, else ~/.cache)."""
+    if run.data_cache:
+        return Path(run.data_cache)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "offload_llama"
+
+
+def check_writable(flag: str, path: str, folder: Path, make: bool = False) -> None:
+    """A file can be created in `folder`; make: the folder is made when written, so a missing one's parent must take
+    it (nothing is made now: a run refused later leaves no empty folder)."""
+    if make and not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        raise UsageError(f"{flag} {path}: the folder {folder} does not exist")
+    try:  # the permission bits do not say whether a file can be created there (/proc, a read-only mount)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        raise UsageError(
+            f"{flag} {path}: the folder {folder} cannot be written: no file can be created there ({e.strerror})"
+        ) from None
+
+
+ASIDE_CHARS = 18  # the most a name grows aside: .NAME.PID.tmp (write_atomically), .NAME.XXXXXXXX.tmp.old (folders)
+
+
+def check_name_length(flag: str, path: str, aside: bool) -> None:
+    """The output's name fits its file system, with what writing it aside adds (aside); else the write would fail
+    once the run is done."""
+    name = Path(path).name
+    folder = existing(Path(path).parent)
+    try:
+        limit = os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    extra = ASIDE_CHARS if aside else 0
+    if len(os.fsencode(name)) + extra > limit:
+        raise UsageError(f"{flag}: the name {name[:40]}... is too long: give one of at most {limit - extra} bytes")
+
+
+def existing(path: Path) -> Path:
+    """`path`, or its nearest folder that exists (where a folder to be made will take its room)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def model_type(path: Path) -> str:
+    """A save_pretrained folder's model type, 'llama', read from its config.json; refused with one line otherwise."""
+    config = read_config_json(path)
+    if config.get("model_type") != "llama":
+        raise UsageError(f"--model {path}: model_type is {config.get('model_type')!r}, not 'llama'")
+    return "llama"
+
+
+def first_line(e: BaseException) -> str:
+    """An exception's message, its first line (200 characters at most), or its class where it has none."""
+    line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return line if len(line) <= 200 else line[:197] + "..."
+
+
+def parse_json(text: str | bytes, finite_numbers: bool = True):
+    """JSON as the inputs must hold it: a ValueError for anything else, also where Python's json would fail with
+    another error (nesting too deep: RecursionError) or, with finite_numbers (a config or a record, not a corpus
+    line's other fields), take NaN, Infinity or 1e999."""
+
+    def refuse(constant: str):
+        """NaN, Infinity or -Infinity, which JSON does not have."""
+        raise ValueError(f"{constant} is not a JSON number")
+
+    def finite(number: str) -> float:
+        """A JSON number as a float, where it is one: 1e999 is none."""
+        value = float(number)
+        if not math.isfinite(value):
+            raise ValueError(f"{number} is beyond a float's range")
+        return value
+
+    try:
+        if not finite_numbers:
+            return json.loads(text)
+        return json.loads(text, parse_constant=refuse, parse_float=finite)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
+def read_config_json(path: Path) -> dict:
+    """A save_pretrained folder's config.json as a dict; refused with one line where it is missing or not JSON."""
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise UsageError(f"--model {path}: no config.json, so not a save_pretrained folder")
+    try:
+        config = parse_json(config_file.read_text())
+    except OSError as e:
+        raise UsageError(f"--model {path}: config.json cannot be read ({e.strerror})") from None
+    except ValueError as e:  # UnicodeDecodeError too
+        raise UsageError(f"--model {path}: config.json is not valid JSON ({first_line(e)})") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"--model {path}: config.json holds no settings")
+    return config
+
+
+def model_sizes(run: RunConfig) -> tuple[dict, str]:
+    """The model's sizes (LlamaConfig field -> value) and where they come from: the preset with the size flags over
+    it, or --model's config.json (where a field is missing, transformers' default)."""
+    if run.model is None:
+        sizes = {**PRESETS[run.preset], **dict(run.sizes), "max_position_embeddings": max(4096, run.seq_len)}
+        return sizes, ""
+    config = read_config_json(Path(run.model))
+    origin = f"--model {run.model}: config.json's "
+    sizes = {field: config.get(field, LLAMA_DEFAULTS.get(field)) for field in (*SIZE_FLAGS, *LLAMA_DEFAULTS)}
+    sizes["num_key_value_heads"] = sizes["num_key_value_heads"] or sizes["num_attention_heads"]
+    for field in (*SIZE_FLAGS, "max_position_embeddings", "head_dim"):
+        if (type(sizes[field]) is not int or sizes[field] < 1) and not (field == "head_dim" and sizes[field] is None):
+            raise UsageError(f"{origin}{field} is {sizes[field]!r}, not a whole number of at least 1")
+    rope = config.get("rope_parameters")  # transformers 5's home of rope_theta (older configs: the top level)
+    sizes["rope_theta"] = rope.get("rope_theta", sizes["rope_theta"]) if isinstance(rope, dict) else sizes["rope_theta"]
+    for field in ("rope_theta", "rms_norm_eps"):  # 0 or less: every logit NaN (parse_json: no NaN or infinity)
+        if type(sizes[field]) not in (int, float) or sizes[field] <= 0:
+            raise UsageError(f"{origin}{field} is {sizes[field]!r}, not a positive number: the model would compute NaN")
+    pad, vocab = sizes["pad_token_id"], sizes["vocab_size"]
+    if pad is not None and (type(pad) is not int or not -vocab <= pad < vocab):  # as nn.Embedding takes it
+        raise UsageError(f"{origin}pad_token_id is {pad!r}, not an id of its vocab_size {vocab}")
+    return sizes, origin
+
+
+SMALLER_LAYERS = "fewer or smaller layers (--layers, --hidden-size, --intermediate-size, or --preset tiny)"
+
+
+LLAMA_DEFAULTS = {  # LlamaConfig's defaults, where a config.json leaves a field out
+    **PRESETS["llama-7b"],
+    "num_key_value_heads": None,  # then the attention heads'
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "head_dim": None,  # then hidden size / heads
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-6,
+    "pad_token_id": None,
+}
+
+
+def check_host_holds(run: RunConfig, sizes: dict) -> None:
+    """Refuse in a moment a model whose parameters alone the host cannot hold: 4 bytes each for training (the float32
+    masters, whatever else moves to a disk), else the compute dtype's; each host's ranks hold their shares. The full
+    check, with the training state and the passes, comes with the plan (check_plan). --plan's --host-memory and --gpus
+    describe the host instead."""
+    params = parameter_count(sizes)
+    per_param = 4 if run.train or run.dtype == "float32" else 2
+    ranks = Ranks.from_environment() if run.gpus is None else Ranks(0, run.gpus, 0, run.gpus)
+    ids = 8 * run.batch_size * run.seq_len * (run.grad_accum if run.train else 1)  # the step's int64 token ids
+    needed = params * per_param * ranks.local_world // ranks.world + ids
+    available = host_memory_available() if run.host_memory is None else int(run.host_memory * GiB)
+    if run.max_host_memory is not None:
+        available = min(available or math.inf, int(run.max_host_memory * GiB))
+    if available is not None and needed > available:
+        fix = "a smaller model" if run.model else SMALLER_LAYERS
+        if ids > needed // 2:
+            fix = "fewer or shorter sequences (--batch-size, --seq-len, --grad-accum)"
+        if run.max_host_memory is not None:
+            fix += ", or a larger --max-host-memory"
+        raise UsageError(
+            f"{count_text(params)} parameters and {count_text(ids // 8)} token ids need at least {size_text(needed)} "
+            f"of host memory, only {size_text(available)} are available: use {fix}, or a host with more memory"
+        )
+
+
+def host_memory_available() -> int | None:
+    """MemAvailable from /proc/meminfo, in bytes (None where there is no such file)."""
+    return proc_kib("/proc/meminfo", "MemAvailable")
+
+
+def proc_kib(path: str, field: str) -> int | None:
+    """A 'field: N kB' line of a Linux /proc file, in bytes (None where there is no such file or field)."""
+    with contextlib.suppress(OSError):
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def check_sizes(sizes: dict, origin: str = "") -> None:
+    """Refuse sizes (LlamaConfig field -> value) no LLaMA has; `origin` says where they came from in the message."""
+    for field in SIZE_FLAGS:
+        least = 2 if field == "vocab_size" else 1  # one token leaves nothing to predict
+        if sizes[field] < least:
+            name = field if origin else f"--{SIZE_FLAGS[field]}"
+            raise UsageError(f"{origin}{name} must be at least {least}, got {sizes[field]}")
+    hidden, heads, kv_heads = sizes["hidden_size"], sizes["num_attention_heads"], sizes["num_key_value_heads"]
+
+    def change(flag: str) -> str:
+        """What to change where the sizes came from flags (a saved model's are not the user's to change)."""
+        return "" if origin else f": change {flag}"
+
+    if hidden % heads:
+        raise UsageError(f"{origin}hidden size {hidden} is not divisible by {heads} attention heads{change('--heads')}")
+    if heads % kv_heads:
+        why = f"{heads} attention heads are not divisible by {kv_heads} key/value heads{change('--kv-heads')}"
+        raise UsageError(f"{origin}{why}")
+    if (hidden // heads) % 2:
+        why = f"head dimension (hidden size / heads) must be even for rotary embeddings{change('--hidden-size')}"
+        raise UsageError(f"{origin}{why}")
+
+
+def quit_on_signal(signum, frame) -> None:
+    """SIGINT's and SIGTERM's handler until main() runs: nothing is written yet, so the process ends at once."""
+    print(f"offload_llama.py: {signal.Signals(signum).name} before the run began; nothing was written", file=sys.stderr)
+    os._exit(128 + signum)
+
+
+# ----------------------------------------------------------------------------------------------------- running a mode
 
 
 def make_trainer(mode: str, model, masters: MasterStore | None, micro_batches, run: RunConfig, device, plan: Plan):
@@ -7524,7 +7448,7 @@ def run_tasks(tasks, done: int, last: int, clock: StepClock) -> None:
         clock.resume(after_round=True)
 
 
-# ------------------------------------------------------------------------------------------------ the run: checks, main
+# ------------------------------------------------------------------------------------------------------------ the run
 
 
 def parse_args(argv=None) -> RunConfig:
