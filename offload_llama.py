@@ -1,4 +1,26 @@
-"""Layer-wise parameter offload for LLaMA, measured: PLACEHOLDER"""
+"""Layer-wise parameter offload for LLaMA: a model run and trained on a GPU that holds a few of its layers.
+
+Weights live in pinned host memory; each decoder layer is copied to the GPU just before it runs (blocked), or on a
+CUDA stream of its own while the layer before computes (overlapped); training recomputes each unit in an autograd
+Function and steps Adam on float32 masters on the host (OffloadedAdam). Install, test, run:
+    pip install -r requirements.txt
+    python -m pytest -q tests                          # every mode computes the same thing
+    python offload_llama.py --mode overlapped --train  # LLaMA-7B-sized layers: the memory and time tables
+The file by line, the assignment first; each section beyond it says what it adds, its flag and the hook it plugs into.
+     71  the model and its configuration         Config, build_model
+    209  gpu and cpu inference                   infer_resident, timed
+    254  streams, events and pinned host memory  new_stream, host_zeros_each
+    334  blocked and overlapped offload          every wait (S1-S16), ParamStore, LayerStreamer
+    688  training: the autograd.Function         StreamedUnit, OffloadedTraining
+    972  the offloaded Adam                      OffloadedAdam, CpuAdam, Steppers
+   1360  the reference                           ResidentTraining
+   1414  Table 1 and Table 2                     tables
+   1498  # === Beyond the assignment ===
+        the compiled Adam 1501, the GPU's Adam 1620, activation offload 1881, float16 and clipping 1955
+        the disk tier 2065, several GPUs 2424, a model folder 2742, the plan 3004, measurement 4048
+        the tables' notes 4734, text in 4966, saving and resuming 5580, the command line 6221, running a mode 7336
+        the run 7517
+"""
 
 from __future__ import annotations
 
@@ -39,33 +61,20 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import tokenizers
 import torch
 import torch.distributed as dist
-import tqdm
 import transformers
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves, tree_map
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
-
 # ------------------------------------------------------------------------------------ the model and its configuration
-
+# A run's configuration (Config: the model, the batch, the timing, Adam) and the random LLaMA it builds.
 
 GiB = 2**30
-
-
-MODES = ("gpu", "blocked", "overlapped", "cpu")
-
-
+MODES = ("gpu", "blocked", "overlapped", "cpu")  # the order of the tables' rows
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
-
-
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
-
-
 SIZE_FLAGS = {  # a LlamaConfig size and its flag, in the order of PRESET_SIZES
     "hidden_size": "hidden-size",
     "intermediate_size": "intermediate-size",
@@ -74,247 +83,51 @@ SIZE_FLAGS = {  # a LlamaConfig size and its flag, in the order of PRESET_SIZES
     "num_key_value_heads": "kv-heads",
     "vocab_size": "vocab-size",
 }
-
-
 PRESET_SIZES = {  # hidden, intermediate, layers, heads, key/value heads, vocabulary
     "tiny": (64, 176, 3, 4, 2, 256),  # for tests: grouped-query attention (2 KV heads for 4) and an odd layer count
     "7b-8l": (4096, 11008, 8, 32, 32, 32000),  # LLaMA-7B with 8 layers (1.88B parameters): the report's model
     "llama-7b": (4096, 11008, 32, 32, 32, 32000),
 }
-
-
 PRESETS = {name: dict(zip(SIZE_FLAGS, sizes, strict=True)) for name, sizes in PRESET_SIZES.items()}  # field -> size
-
-
 ALIGN = 128  # elements (256 B in 16 bits): each parameter starts as the caching allocator aligns, for cuBLAS's kernels
 
 
 def log(msg: str) -> None:
-    """Progress goes to stderr, each line after the seconds since the process started: stdout carries the tables. On
-    a terminal, through tqdm, which keeps a progress bar below the lines. Of torchrun's ranks, rank 0 speaks for all."""
-    if Ranks.from_environment().rank:
-        return
-    line = f"{time.perf_counter() - STARTED:6.1f} s  {msg}"
-    if sys.stderr.isatty():
-        tqdm.tqdm.write(line, file=sys.stderr)
-    else:
-        print(line, file=sys.stderr, flush=True)
+    """Print a progress line on stderr (stdout carries the tables); of torchrun's ranks, rank 0 speaks for all."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{time.perf_counter() - STARTED:6.1f} s  {msg}", file=sys.stderr, flush=True)
 
 
-def process_age() -> float:
-    """Seconds since this process started (Linux), so the log counts the imports too; 0 where /proc cannot say."""
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        started = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
-        return float(Path("/proc/uptime").read_text().split()[0]) - started
-    return 0.0
-
-
-STARTED = time.perf_counter() - process_age()
-
-
-STEP_GROUP = {}  # "group": the steps' process group, with the plan's rank timeout (join_steps)
-
-
-# the collectives on one tensor: torch 2.13 names them so, and warns at the older names, which 2.11 and 2.12 have only
-all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+STARTED = time.perf_counter()
 
 
 @dataclass(frozen=True)
-class Ranks:
-    """The processes of a data-parallel run, one per GPU, as torchrun starts them; one process alone is rank 0 of 1,
-    for which every method is the plain path's (nothing to gather, sum or split). Each rank keeps 1/world of every
-    unit's host state, its shard, and trains on micro-batches rank, rank + world, ... of each step. Every rank calls
-    the collectives in the same order and number, each in one of two groups:
-      the steps' (group; the plan's rank timeout; NCCL on GPU tensors): gather (a unit's shards,
-        ShardedStreamer.landed_in), sum_shard (its gradients, ShardedSteppers.to_send), sum (the loss, float16's
-        overflow, clipping's squares); ranks waiting there on one that stalled are ended by NCCL's watchdog, on one
-        that ended by torchrun.
-      the default (SETUP_TIMEOUT; gloo on CPU tensors): meet (also before each bound part), in_turn (each host's
-        ranks), gathered (saving, state_dict), each (peaks, the plan's facts, check_same); their failures reach Python
-        (lost_ranks)."""
+class Config:
+    """One run of the assignment: the model, the batch, the timing and Adam's settings; frozen, passed explicitly."""
 
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0  # the GPU of this host it drives
-    local_world: int = 1  # the ranks on this host, which share its cores and memory
-
-    @classmethod
-    def from_environment(cls) -> Ranks:
-        """The ranks torchrun describes in the environment, else one process."""
-        env = os.environ
-        if "WORLD_SIZE" not in env:
-            return cls()
-        world, local_world = int(env["WORLD_SIZE"]), int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"]))
-        return cls(int(env.get("RANK", 0)), world, int(env.get("LOCAL_RANK", 0)), local_world)
-
-    @property
-    def several(self) -> bool:
-        """Whether other ranks take part."""
-        return self.world > 1
-
-    def shard_numel(self, numel: int) -> int:
-        """Each rank's share of a flat buffer of `numel` elements, on an ALIGN boundary (the last ones pad)."""
-        return -(-numel // (self.world * ALIGN)) * ALIGN
-
-    def whole_numel(self, shard: torch.Tensor) -> int:
-        """The elements of the flat buffer (a unit, padding included) whose shard on this rank is `shard`."""
-        return shard.numel() * self.world
-
-    def shard(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of `full`, a flat buffer of world shards."""
-        n = full.numel() // self.world
-        return full[self.rank * n : (self.rank + 1) * n]
-
-    def checkpointed(self, layout: FlatLayout, flat: torch.Tensor):
-        """A unit's flat state as a checkpoint keeps it: by parameter name, or with several ranks this rank's shard,
-        flat (its ends cut across parameters)."""
-        return flat if self.several else layout.views(flat)
-
-    def share(self, micro_batches: list) -> list:
-        """This rank's micro-batches of a step's: rank, rank + world, ..."""
-        return micro_batches[self.rank :: self.world]
-
-    def gather(self, full: torch.Tensor) -> None:
-        """Each rank's shard of `full`, written in its place, into every rank's `full`: NCCL's stream runs it after
-        the current stream's work so far, and the current stream's later work waits for it."""
-        if self.several:
-            all_gather(full, self.shard(full), group=self.group)
-
-    def sum_shard(self, shard: torch.Tensor, full: torch.Tensor) -> None:
-        """The sum over ranks of their `full`, this rank's shard of it into `shard` (stream order as gather's)."""
-        if self.several:
-            reduce_scatter(shard, full, group=self.group)
-        else:
-            shard.copy_(full)
-
-    def sum(self, value: torch.Tensor) -> torch.Tensor:
-        """`value` summed over the ranks, in place."""
-        if self.several:
-            dist.all_reduce(value, group=self.group)
-        return value
-
-    def gathered(self, shard: torch.Tensor, everywhere: bool = True) -> torch.Tensor | None:
-        """Every rank's `shard` of a flat host buffer, gathered in a new one on every rank, or (not `everywhere`) on
-        rank 0 alone, None on the others (one process: `shard` itself); in the default group, which waits long: rank
-        0 may be writing a file between two of them."""
-        if not self.several:
-            return shard
-        if everywhere:
-            full = torch.empty(self.whole_numel(shard), dtype=shard.dtype)
-            all_gather(full, shard.contiguous())
-            return full
-        shards = [torch.empty_like(shard) for _ in range(self.world)] if self.rank == 0 else None
-        dist.gather(shard.contiguous(), shards, dst=0)
-        return torch.cat(shards) if self.rank == 0 else None
-
-    def meet(self) -> None:
-        """Wait until every rank is here, as long as setting up may take (one may still be pinning or compiling)."""
-        if self.several:
-            dist.barrier()
-
-    def in_turn(self, make):
-        """make() on each host's first rank, then on its others: what it caches on the host's disk (a token cache, a
-        tokenizer), one rank of the host writes, and the others read."""
-        if self.local_rank == 0:
-            made = make()
-        self.meet()
-        return made if self.local_rank == 0 else make()
-
-    def each(self, value) -> list:
-        """Every rank's `value` (a small picklable one), in rank order."""
-        if not self.several:
-            return [value]
-        values = [None] * self.world
-        dist.all_gather_object(values, value)
-        return values
-
-    @property
-    def group(self):
-        """The group the steps' collectives run in: a stalled rank ends the others after the rank timeout."""
-        return STEP_GROUP.get("group")
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    """Everything one run needs, from the command line (parse_args) or a test: frozen, passed explicitly."""
-
-    # the model
-    mode: str = "all"
+    mode: str = "all"  # gpu, blocked, overlapped or cpu, several with commas, or all
     preset: str = "7b-8l"
-    model: str | None = None  # a save_pretrained folder; overrides preset and sizes
-    sizes: tuple = ()  # (field, value) pairs that override the preset
-    dtype: str = "bfloat16"  # the compute dtype; master weights stay float32
+    sizes: tuple = ()  # (field, value) pairs over the preset's sizes
+    dtype: str = "bfloat16"  # what the GPU computes in; master weights and Adam state stay float32
     attention: str = "sdpa"  # eager: a backward that is bitwise reproducible (sdpa's is not)
-    # the batch and the timing
     batch_size: int = 1
     seq_len: int = 4096
     seed: int = 0
-    prefetch: int = 1  # units copied ahead in overlapped mode (a ring of prefetch + 1 slots)
-    warmup: int = 2
-    repeat: int = 5
-    # placement
-    max_gpu_memory: float | None = None  # GiB; overlapped keeps on the GPU what this budget holds
-    resident_layers: int | None = None  # overlapped: this many decoder layers resident instead of the budget's plan
-    gpu_adam_share: float | None = None  # overlapped training: of the streamed parameters, the GPU Adam's share
-    offload_activations: bool = False  # the units' saved inputs wait in pinned host memory, not on the GPU
-    max_host_memory: float | None = None  # GiB; the host memory the run plans for, at most (default: MemAvailable)
-    nvme: str | None = None  # a folder on a local disk: the disk tier keeps Adam moments there
-    nvme_layers: int | None = None  # decoder layers, from the last, whose Adam moments live on the disk (planned)
-    rank_timeout: float | None = None  # seconds a rank waits in a step's collective (default: the plan's)
-    # the plan alone (--plan), for this machine or one described
-    plan: bool = False  # print the plan and exit, allocating nothing
-    gpu_memory: float | None = None  # GiB: a GPU's memory, instead of this machine's
-    host_memory: float | None = None  # GiB: the host memory available, instead of this machine's
-    gpus: int | None = None  # ranks, one per GPU, all on one host, instead of torchrun's
-    rates: tuple = ()  # (name, value) pairs that override DEFAULT_RATES
-    # outputs
-    json: str | None = None
-    save_output: str | None = None
-    profile: str | None = None
-    save_pretrained: str | None = None  # a folder: the trained float32 weights, for from_pretrained
-    checkpoint: str | None = None  # a folder: the whole training state, every checkpoint_every steps and at the end
-    checkpoint_every: int | None = None
-    resume: str | None = None  # a --checkpoint folder to go on from
-    # training
-    train: bool = False  # also run training steps in every mode
-    inference: bool = True  # False (--no-inference): train only
+    prefetch: int = 1  # units the copy stream runs ahead in overlapped mode (a ring of prefetch + 1 slots)
+    warmup: int = 2  # untimed runs first
+    repeat: int = 5  # timed runs, the median reported
+    train: bool = False  # also train each mode: forward, backward, Adam
+    inference: bool = True
     steps: int = 10
-    grad_accum: int = 1  # micro-batches of batch_size x seq_len per optimizer step
-    fwd_bwd_reference: bool = False  # also time plain forward and backward of the resident model, uncapped
+    grad_accum: int = 1  # micro-batches of batch_size x seq_len tokens a step
     lr: float = 1e-4
     betas: tuple = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
-    clip_grad_norm: float | None = None  # the gradients' largest float32 norm, as torch.nn.utils.clip_grad_norm_
-    # text to train on (--data); without it every step trains on one fixed batch of random ids
-    data: str | None = None  # a text or JSONL file, or a folder of them
-    data_glob: str = "*.txt,*.jsonl,*.py"  # a folder's files to read, at any depth
-    text_field: str = "text"  # a JSONL record's text
-    skip_undecodable: bool = False  # skip files that are not UTF-8, instead of refusing them
-    tokenizer: str | None = None  # a folder with a tokenizer (default: --model's)
-    train_tokenizer: int | None = None  # a byte-level BPE of this many tokens, trained on the data
-    data_cache: str | None = None  # where token caches and trained tokenizers are kept
-    eval_fraction: float = 0.01  # of the blocks, held out
-    eval_every: int | None = None  # steps between held-out losses (also before the first step and after the last)
-    epochs: float | None = None  # passes over the training blocks, instead of --steps
-    sample: tuple = ()  # prompts continued before training and after
-    sample_tokens: int = 32
-    temperature: float = 0.0  # 0: greedy
-    top_k: int | None = None
-    # the processes torchrun started, one per GPU (without torchrun, this one: rank 0 of 1)
-    ranks: Ranks = Ranks()
-
-    @property
-    def adam(self) -> Adam:
-        """The Adam hyper-parameters of this run."""
-        return Adam(self.lr, tuple(self.betas), self.eps, self.weight_decay)
 
     @property
     def modes(self) -> tuple[str, ...]:
-        """The modes to run, in table order (gpu, blocked, overlapped, cpu)."""
+        """The modes to run, in the tables' order."""
         return MODES if self.mode == "all" else tuple(m for m in MODES if m in self.mode.split(","))
 
     @property
@@ -323,80 +136,34 @@ class RunConfig:
         return self.batch_size * self.seq_len
 
     @property
-    def lean(self) -> bool:
-        """One offloaded mode trains alone: once its masters are loaded, the model's decoder layers are freed."""
-        return self.train and not self.inference and self.modes in (("blocked",), ("overlapped",))
-
-    @property
-    def profile_mode(self) -> str:
-        """The mode --profile traces: overlapped, or blocked when overlapped is not run."""
-        return "overlapped" if "overlapped" in self.modes else "blocked"
-
-    @property
     def torch_dtype(self) -> torch.dtype:
         """The compute dtype as a torch.dtype."""
         return DTYPES[self.dtype]
 
     @property
-    def holds_updates(self) -> bool:
-        """Offloaded units step only once every unit's gradients are in: float16's loss scale or clipping sees them."""
-        return self.dtype == "float16" or self.clip_grad_norm is not None
-
-    @property
-    def gpu_adam(self) -> float:
-        """The GPU Adam's share of the streamed parameters: --gpu-adam-share, else GPU_ADAM_SHARE (0 where updates wait
-        for every unit's gradients; the plan takes none where the GPU's compute bounds the step: training_placement)."""
-        if self.gpu_adam_share is not None:
-            return self.gpu_adam_share
-        return 0.0 if self.holds_updates else GPU_ADAM_SHARE
+    def adam(self) -> Adam:
+        """Adam's settings."""
+        return Adam(self.lr, tuple(self.betas), self.eps, self.weight_decay)
 
 
-def llama_config(run: RunConfig) -> LlamaConfig:
-    """The model's config: from --model's folder, or the preset with size flags applied; validated."""
-    if run.model is not None:
-        config = load_config(Path(run.model))
-        check_sizes({field: getattr(config, field) for field in SIZE_FLAGS}, f"--model {run.model}: config.json's ")
-        return config
+def llama_config(run: Config) -> LlamaConfig:
+    """The preset's LlamaConfig with the run's sizes over it; its head untied, as training streams it as a unit."""
     sizes = {**PRESETS[run.preset], **dict(run.sizes)}
-    check_sizes(sizes)
     return LlamaConfig(**sizes, max_position_embeddings=max(4096, run.seq_len), tie_word_embeddings=False)
 
 
-def build_model(run: RunConfig, config: LlamaConfig) -> LlamaForCausalLM:
-    """The CPU model in the compute dtype: loaded from --model, or randomly initialised from --seed; where the run
-    draws its units one at a time (draws_units), only its rotary tables, the rest on the meta device."""
-    dtype, n = run.torch_dtype, param_count(config)
-    size = size_text(n * dtype.itemsize)
-    if draws_units(run):
-        log(f"{run.preset}: {count_text(n)} {run.dtype} parameters, drawn straight into the masters")
-    else:
-        log(f"building {run.model or run.preset} on the CPU: {count_text(n)} {run.dtype} parameters, {size}")
-    t0 = time.perf_counter()
-    if run.model is not None:
-        transformers.utils.logging.disable_progress_bar()  # stderr carries this script's progress lines alone
-        try:
-            with transformers_quiet():  # its report of missing weights: the refusal below says it in one line
-                model, info = LlamaForCausalLM.from_pretrained(
-                    run.model, dtype=dtype, attn_implementation=run.attention, output_loading_info=True
-                )
-        except Exception as e:  # what check_weights cannot see; transformers' error classes vary between versions
-            raise UsageError(f"--model {run.model}: cannot load the weights ({first_line(e)})") from None
-        missing = sorted([*info.get("missing_keys", ()), *(key for key, *_ in info.get("mismatched_keys", ()))])
-        if missing:  # from_pretrained draws those at random and goes on: not the model the folder names
-            what = f"{len(missing)} of the model's weights, such as {missing[0]}"
-            raise UsageError(f"--model {run.model}: its weights lack {what}: save the model again")
-        check_no_extra_weights(Path(run.model), config, set(info.get("unexpected_keys", ())))  # pytorch_model.bin's
-        damaged = next((name for name, p in model.named_parameters() if not torch.isfinite(p).all()), None)
-        if damaged:  # it would run, every logit NaN, or train and diverge at once
-            raise UsageError(f"--model {run.model}: {damaged} holds NaN or infinite values: save the model again")
-    else:
-        with torch.device("meta"):
-            model = LlamaForCausalLM._from_config(config, dtype=dtype, attn_implementation=run.attention)
-        if draws_units(run):
-            model.model.rotary_emb = LlamaRotaryEmbedding(config)  # computed, not drawn
-        else:
-            init_random(model, run.seed)
-            log(f"built in {time.perf_counter() - t0:.1f} s")
+def meta_model(config: LlamaConfig, dtype: torch.dtype, attention: str) -> LlamaForCausalLM:
+    """A LLaMA of `config` on the meta device: its shapes and dtype, no memory."""
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
+
+
+def build_model(run: Config, config: LlamaConfig) -> LlamaForCausalLM:
+    """A random LLaMA on the CPU in the compute dtype, drawn from the run's seed (init_random)."""
+    model = meta_model(config, run.torch_dtype, run.attention)
+    size = sum(p.numel() for p in model.parameters()) * run.torch_dtype.itemsize / GiB
+    log(f"building a random {run.preset} on the CPU: {size:.1f} GiB of {run.dtype} weights")
+    init_random(model, run.seed)
     return model.eval()
 
 
@@ -405,9 +172,7 @@ DRAW_CHUNK = 2**24  # elements: a random weight is drawn in chunks this size, ea
 
 @torch.no_grad()
 def init_random(model: LlamaForCausalLM, seed: int) -> None:
-    """HF's LLaMA initialisation of a meta-device model: weights N(0, initializer_range), norms 1. Each weight is drawn
-    in chunks of DRAW_CHUNK elements in parallel, each chunk from a generator seeded by its place in the model, in
-    float32 (four times faster than in 16 bits) and rounded to the weight's dtype (draw_masters draws the same)."""
+    """HF's LLaMA initialisation of a meta-device model: weights N(0, initializer_range), norms 1, in parallel."""
     config = model.config
     model.to_empty(device="cpu")
     weights = [p for p in model.parameters() if p.dim() > 1]
@@ -419,7 +184,7 @@ def init_random(model: LlamaForCausalLM, seed: int) -> None:
         """Chunk j of weight i, rounded to its dtype."""
         chunk.copy_(drawn_chunk(seed, i, j, chunk.numel(), config.initializer_range))
 
-    with ThreadPoolExecutor(torch.get_num_threads()) as pool:  # normal_ releases the GIL; a rank's share of the cores
+    with ThreadPoolExecutor(torch.get_num_threads()) as pool:  # normal_ releases the GIL
         list(pool.map(lambda job: draw(*job), chunks))
     for p in model.parameters():
         if p.dim() == 1:
@@ -430,82 +195,19 @@ def init_random(model: LlamaForCausalLM, seed: int) -> None:
 
 
 def drawn_chunk(seed: int, weight: int, chunk: int, numel: int, std: float) -> torch.Tensor:
-    """Chunk `chunk` (of DRAW_CHUNK elements) of weight `weight` of the random model drawn from `seed`: `numel` float32
-    normal values from a generator of the chunk's own, so that chunks can be drawn on any thread, in any order."""
+    """Chunk `chunk` of a random weight, from its own generator: chunks may be drawn on any thread, in any order."""
     generator = torch.Generator().manual_seed((seed << 32) + (weight << 16) + chunk)
     return torch.empty(numel, dtype=torch.float32).normal_(0.0, std, generator=generator)
 
 
-def random_input_ids(run: RunConfig, vocab_size: int, micro_batches: int = 1) -> torch.Tensor:
-    """Token ids drawn from --seed: micro_batches x batch_size sequences of seq_len tokens."""
+def random_input_ids(run: Config, vocab_size: int, micro_batches: int = 1) -> torch.Tensor:
+    """Token ids drawn from the run's seed: micro_batches x batch_size sequences of seq_len tokens."""
     generator = torch.Generator().manual_seed(run.seed)
     return torch.randint(vocab_size, (micro_batches * run.batch_size, run.seq_len), generator=generator)  # (K*B, T)
 
 
-@dataclass(frozen=True)
-class Unit:
-    """A piece of the model streamed whole in training: the embeddings, a decoder layer, the norm or the head."""
-
-    name: str  # its module's name in the HF model, so master weights map back to HF parameter names
-    kind: str  # embed, layer, norm or head
-    layout: FlatLayout
-
-
-def unit_module(kind: str, config: LlamaConfig) -> nn.Module:
-    """A module of this kind, built as LlamaForCausalLM builds its own (call it under torch.device('meta'))."""
-    if kind == "embed":
-        return nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
-    if kind == "layer":
-        return LlamaDecoderLayer(config, layer_idx=0)
-    if kind == "norm":
-        return LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-    return nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-
-def model_units(config: LlamaConfig) -> list[Unit]:
-    """The units in forward order: embeddings, decoder layers, final norm, head."""
-    return list(units_of(config.to_json_string()))
-
-
-@functools.cache
-def units_of(config_json: str) -> tuple[Unit, ...]:
-    """model_units of the config in `config_json`, made once: the plan asks for them many times."""
-    config = LlamaConfig.from_dict(json.loads(config_json))
-    with torch.device("meta"):
-        layout = {kind: FlatLayout.of(unit_module(kind, config)) for kind in ("embed", "layer", "norm", "head")}
-    layers = range(config.num_hidden_layers)
-    names = ["model.embed_tokens", *(f"model.layers.{i}" for i in layers), "model.norm", "lm_head"]
-    kinds = ["embed", *("layer" for _ in layers), "norm", "head"]
-    return tuple(Unit(name, kind, layout[kind]) for name, kind in zip(names, kinds, strict=True))
-
-
-def decoder_kwargs(model: LlamaForCausalLM, shape: tuple[int, int], dtype: torch.dtype, device) -> dict:
-    """What HF's LlamaModel.forward passes its decoder layers besides the hidden states (rotary cos/sin, mask,
-    positions), computed by HF itself: its forward runs on zero embeddings through one recording layer."""
-    captured = {}
-
-    class Recorder(nn.Module):
-        """A decoder layer that keeps the keyword arguments HF passes it and returns its input."""
-
-        def forward(self, hidden_states, **kwargs):
-            """Record the kwargs, pass the hidden states through."""
-            captured.update(kwargs)
-            return hidden_states
-
-    base = model.model
-    kept = base.layers, base.norm, base.rotary_emb
-    base.layers, base.norm, base.rotary_emb = nn.ModuleList([Recorder()]), nn.Identity(), copy.deepcopy(kept[2])
-    base.rotary_emb.to(device)
-    try:
-        with torch.no_grad():
-            zeros = torch.zeros(*shape, model.config.hidden_size, dtype=dtype, device=device)
-            base(inputs_embeds=zeros, use_cache=False)
-    finally:
-        base.layers, base.norm, base.rotary_emb = kept
-    return captured
-
-
 # ---------------------------------------------------------------------------------------------- gpu and cpu inference
+# The plain HF model resident on the GPU (gpu mode, the reference) or the CPU (cpu mode), timed.
 
 
 def logits_of(model: LlamaForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
@@ -513,15 +215,15 @@ def logits_of(model: LlamaForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids, use_cache=False).logits  # (B, T, vocab)
 
 
-def infer_resident(model, input_ids, device, run: RunConfig, config) -> tuple[dict, torch.Tensor]:
-    """gpu and cpu modes: the plain HF model, resident on `device`; on the CPU one run, no warm-up."""
+def infer_resident(model, input_ids, device, run: Config) -> tuple[dict, torch.Tensor]:
+    """gpu and cpu modes: the plain model on `device`, timed (on the CPU one run), with its peak GPU memory; logits."""
     if device.type != "cuda":
         ms, logits = median_ms(lambda: logits_of(model, input_ids), device, 0, 1)
         return {"time_ms": ms}, logits.cpu()
     model = copy.deepcopy(model).to(device)
     ids = input_ids.to(device)
     ms, logits = median_ms(lambda: logits_of(model, ids), device, run.warmup, run.repeat)
-    return {"time_ms": ms} | gpu_memory(config, run.torch_dtype, ids.numel(), config.num_hidden_layers), logits.cpu()
+    return {"time_ms": ms, "peak_gpu_bytes": torch.cuda.max_memory_allocated(device)}, logits.cpu()
 
 
 def timed(fn, device: torch.device) -> tuple[float, object]:
@@ -530,8 +232,7 @@ def timed(fn, device: torch.device) -> tuple[float, object]:
         t0 = time.perf_counter()
         out = fn()
         return (time.perf_counter() - t0) * 1e3, out
-    # start from an idle GPU, so no stream can begin work before `start` is recorded
-    torch.cuda.synchronize(device)
+    torch.cuda.synchronize(device)  # from an idle GPU: no stream begins work before `start` is recorded
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     out = fn()
@@ -542,24 +243,16 @@ def timed(fn, device: torch.device) -> tuple[float, object]:
 
 def median_ms(fn, device: torch.device, warmup: int, repeat: int) -> tuple[float, object]:
     """Median time of `repeat` runs after `warmup` untimed ones, and the last run's result."""
-    times, out = interleaved_ms({"fn": (device, fn)}, warmup, repeat)
-    return statistics.median(times["fn"]), out
-
-
-def interleaved_ms(fns: dict, warmup: int, repeat: int) -> tuple[dict[str, list[float]], object]:
-    """Time each of `fns` (name -> (device, fn)) in rounds, one run of each, so a bound's parts meet the machine as
-    what they bound does; the times, and the last function's last result (the others are dropped at once)."""
-    times, out = {name: [] for name in fns}, None
+    times, out = [], None
     for r in range(warmup + repeat):
-        for name, (device, fn) in fns.items():
-            out = None
-            ms, out = timed(fn, device)
-            if r >= warmup:
-                times[name].append(ms)
-    return times, out
+        out = None  # the last result is freed before the next run
+        ms, out = timed(fn, device)
+        times += [ms] if r >= warmup else []
+    return statistics.median(times), out
 
 
 # ----------------------------------------------------------------------------- streams, events and pinned host memory
+# CUDA's streams and events, with stand-ins on the CPU so the CPU tests run the same code; pinned host buffers.
 
 
 class InOrder:
@@ -584,14 +277,13 @@ def new_stream(device: torch.device):
 
 
 def new_event(device: torch.device, blocking: bool = False):
-    """blocking: a host thread that waits on it sleeps instead of spinning on a core the CPU Adam needs."""
+    """A CUDA event (its stand-in on the CPU); blocking: a waiting host thread sleeps, leaving its core to the Adam."""
     return torch.cuda.Event(blocking=blocking) if device.type == "cuda" else InOrder()
 
 
 class HostBuffer(mmap.mmap):
     """Zeroed host memory of exactly `nbytes` (torch's pinned allocator rounds up to a power of two), in 2 MiB pages
-    where the kernel allows (the CPU Adam streams them faster), page-locked once pinned. It records no events: its
-    tensors must outlive every copy queued from or to them, as the run-long stores do."""
+    where the kernel allows, page-locked once pinned. It records no events: its tensors must outlive every copy."""
 
     def __new__(cls, nbytes: int):
         # anonymous and private: zero-filled, page-aligned, and in huge pages where asked (shared memory gets none)
@@ -604,8 +296,7 @@ class HostBuffer(mmap.mmap):
         self.unregister = None
 
     def pin(self) -> None:
-        """Page-lock the memory for the copy engines, its pages touched first (touch_pages): registering maps the
-        missing ones itself, in one thread, several times slower."""
+        """Page-lock the memory for the copy engines, its pages touched first (registering maps them in one thread)."""
         cudart = torch.cuda.cudart()
         torch.cuda.check_error(cudart.cudaHostRegister(self.address, len(self), 0))
         self.unregister = cudart.cudaHostUnregister
@@ -619,9 +310,7 @@ TOUCH_CHUNK = 2**26  # bytes: fresh host memory is first written by the rank's t
 
 
 def touch_pages(spans) -> None:
-    """Write zeros over each (address, bytes) span of fresh host memory, a chunk a thread: a page's first write maps
-    it, and the kernel maps a thread's pages one at a time, so the rank's threads together map them several times
-    faster (memset runs without the GIL)."""
+    """Zero each (address, bytes) span of fresh host memory a chunk a thread: together they map its pages faster."""
     chunks = [(a + i, min(TOUCH_CHUNK, n - i)) for a, n in spans for i in range(0, n, TOUCH_CHUNK)]
     with ThreadPoolExecutor(torch.get_num_threads()) as pool:
         list(pool.map(lambda chunk: ctypes.memset(chunk[0], 0, chunk[1]), chunks))
@@ -633,8 +322,7 @@ def host_zeros(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
 
 
 def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]:
-    """host_zeros of each of `numels`, made together: every page touched by the rank's threads at once, then the
-    buffers pinned by several threads, which the driver serves in parallel."""
+    """host_zeros of each of `numels`, touched and pinned by several threads at once, which the driver serves."""
     buffers = [HostBuffer(numel * dtype.itemsize) for numel in numels]
     if pin:
         touch_pages([(b.address, len(b)) for b in buffers])
@@ -644,6 +332,64 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 
 
 # ------------------------------------------------------------------------------------- blocked and overlapped offload
+# Each decoder layer's weights live in one flat pinned host buffer (ParamStore); a LayerStreamer copies them on a copy
+# stream into a ring of GPU slots just before they run. blocked is depth 0: one slot, each copy issued as its unit is
+# about to run, so S1 and S2 serialise copy and compute; overlapped (depth >= 1) copies depth units ahead into depth + 1
+# slots while the current one computes. Every synchronisation, the accelerations' too (S12-S16), each wait naming its
+# row. Streams: compute (the current one), copy (weights in), D2H (gradients out; blocked's is compute), gather
+# (several GPUs'); threads: main, autograd's (it runs the backward), the CPU Adam's worker.
+#   S1   copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on gather); waited on by acquire
+#        on compute. Slot s is not read before its unit landed.
+#   S2   freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s is not overwritten
+#        while a unit reads it.
+#   S3   landed, CUDA event. Recorded by wait_copies on copy and gather; waited on by compute (keep_resident) or timed's
+#        end. A ring is not freed, nor a time ended, under a copy.
+#   S4   done[u], thread event. Cleared by CpuAdam.update, set by the worker once unit u's update is written; waited on
+#        by wait_written (in prefetch) and wait_all (main: blocked's step ends there); polled by written (CopyWindow
+#        issues ready copies first). A host source is not copied or saved mid-update.
+#   S5   ready, CUDA event. Recorded by OffloadedTraining.send on compute after the unit's backward; waited on by
+#        CpuAdam.send on D2H (StreamedAdam.take on s_adam). Gradients are not read before all are written.
+#   S6   summed, CUDA event (several GPUs). Recorded on D2H after the reduce-scatter; waited on in place of S5.
+#   S7   landed[u], blocking CUDA event. Recorded by CpuAdam.send on D2H after the copy to pinned memory; waited on by
+#        the worker (synchronize; next_job queries it). The CPU does not read gradients in flight.
+#   S8   last_landed: S7's (or S13's consumed), kept by Steppers.send; waited on by wait_to_write on compute before the
+#        backward's first write of the gradient buffer. The buffer is not overwritten before its gradients left.
+#   S9   cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker). The job queue.
+#   S10  GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
+#   S11  loss.item(), host sync, in the training loop (main): the step's end. A step is not timed unfinished.
+#   S12  the GPU's Adam, resident units: no event; each steps on compute, in order before every later kernel.
+#   S13  the GPU's Adam over streamed state (StreamedAdam): consumed, landed[k], stepped[k], left[k], written_back[u];
+#        a unit's next weight copy waits on written_back[u] on the copy stream, not the host (wait_written).
+#   S14  activation offload: written and offloaded[a]. Inputs are not copied out early, read back early, or freed early.
+#   S15  clipping: taken. The norm of the norms is not taken before every unit's norm.
+#   S16  the disk tier: settled, current, free, staged. A file is not read while its write-back runs, nor a slot reused.
+
+
+class OneProcess:
+    """A run's processes when it is one: rank 0 of 1 holds every unit whole, with nothing to gather, sum or wait for."""
+
+    rank, world, local_rank, local_world = 0, 1, 0, 1
+    several = False
+
+    def shard_numel(self, numel: int) -> int:  # all of a flat buffer's elements, on an ALIGN boundary
+        return -(-numel // ALIGN) * ALIGN
+
+    def whole_numel(self, shard: torch.Tensor) -> int:  # the whole unit is here
+        return shard.numel()
+
+    def sum(self, value: torch.Tensor) -> torch.Tensor:  # no other rank's to add
+        return value
+
+    def gathered(self, shard: torch.Tensor, everywhere: bool = True) -> torch.Tensor:  # the whole unit already
+        return shard
+
+    def each(self, value) -> list:  # this process's alone
+        return [value]
+
+    def meet(self) -> None: ...  # nobody to wait for
+
+
+ONE_PROCESS = OneProcess()
 
 
 @dataclass(frozen=True)
@@ -669,19 +415,13 @@ class FlatLayout:
         return {name: flat[off : off + shape.numel()].view(shape) for name, shape, off in places}
 
     def spans(self, start: int, end: int) -> list[tuple[str, int, int, int]]:
-        """(name, offset, lo, hi): the elements [lo, hi) of the flat buffer that each parameter (at `offset`) has
-        within [start, end); a parameter wholly outside is left out."""
+        """(name, offset, lo, hi) of each parameter with elements [lo, hi) of the flat buffer within [start, end)."""
         places = zip(self.names, self.shapes, self.offsets, strict=True)
         bounds = [(name, o, max(o, start), min(o + shape.numel(), end)) for name, shape, o in places]
         return [(name, o, lo, hi) for name, o, lo, hi in bounds if lo < hi]
 
-    def pieces(self, shard: torch.Tensor, start: int) -> list[torch.Tensor]:
-        """The parameters' pieces within `shard` (a flat buffer from element `start` on), the padding left out."""
-        return [shard[lo - start : hi - start] for _, _, lo, hi in self.spans(start, start + shard.numel())]
-
     def fill(self, flat: torch.Tensor, get, start: int = 0) -> None:
-        """`flat`, the part of a flat buffer from element `start` on (by default all of it), filled from get(name) of
-        each parameter in it; with several ranks, a rank's shard, which may cut a parameter in two."""
+        """Fill `flat`, the flat buffer from element `start` on (a rank's shard may cut a parameter), from get(name)."""
         for name, o, lo, hi in self.spans(start, start + flat.numel()):
             flat[lo - start : hi - start].copy_(get(name).reshape(-1)[lo - o : hi - o])
 
@@ -694,10 +434,7 @@ class FlatLayout:
 
 
 class ParamStore:
-    """Inference: each decoder layer's weights as one flat CPU buffer in the compute dtype, pinned when a GPU streams
-    it; the CPU model's layer parameters become views into them: one copy (ShardedParamStore: a rank's shards)."""
-
-    ranks = Ranks()  # one process
+    """Inference's weights: a flat pinned host buffer a decoder layer, the CPU model's parameters views into them."""
 
     @torch.no_grad()
     def __init__(self, model: LlamaForCausalLM, pin: bool):
@@ -710,22 +447,18 @@ class ParamStore:
             self.layout.fill(flat, layer.get_parameter, start=start)
             self.share(layer, flat)
 
-    def held(self, numel: int) -> tuple[int, int]:
-        """The elements of a layer's `numel` this store holds, and where they start: all of them."""
+    def held(self, numel: int) -> tuple[int, int]:  # a layer's elements held here, and where they start: all of them
         return numel, 0
 
-    def share(self, layer: nn.Module, flat: torch.Tensor) -> None:
-        """The model's parameters of `layer` become views into `flat`: one copy on the host."""
+    def share(self, layer: nn.Module, flat: torch.Tensor) -> None:  # the model's parameters: views into the store
         self.layout.bind(layer, flat)
 
-    def streamer(self, kinds, make_module, device, depth: int) -> LayerStreamer:
-        """A LayerStreamer of the layers (ShardedParamStore: of this rank's shards, the rest gathered)."""
+    def streamer(self, kinds, make_module, device, depth: int) -> LayerStreamer:  # over the layers' flat buffers
         return LayerStreamer(self.flats, kinds, make_module, self.dtype, device, depth)
 
 
 class ReadOnly:
-    """The writer of sources nothing rewrites (inference's weights): every copy may be issued at once. In training the
-    writer is Steppers: a unit's copy waits for its update (on the host for the CPU Adam's, on the copy stream)."""
+    """The writer of sources nothing rewrites (inference's weights; training's is Steppers): copies go at once."""
 
     def wait_written(self, u: int) -> None: ...  # nothing to wait for
 
@@ -735,14 +468,9 @@ class ReadOnly:
 
 @dataclass
 class CopyWindow:
-    """One pass's copies, in the order the pass runs its streamed units. A position enters the window once compute is
-    within `depth` positions of it (a resident unit stands at the next streamed unit's position, so while one runs
-    the window reaches depth + 1 positions past the last streamed unit), and leaves once its copy is issued. A copy
-    whose source is not written yet (its unit's CPU Adam update still runs) waits in the window while the ready ones
-    behind it are issued: issuing it would block the thread that issues them all until the update is done. Safe: the
-    window ends at most depth positions past the next streamed unit to run, and consecutive streamed units take the
-    depth + 1 slots in turn, so each copy's slot was last used by a unit already released, whose kernels the copy
-    then waits for (freed)."""
+    """One pass's copies, in the order its streamed units run: a position enters once compute is within `depth` of it
+    and leaves once its copy is issued. A copy whose source is mid-update (the CPU Adam's) waits while the ready ones
+    behind it are issued; the window ends `depth` past the unit running, so each copy's slot is free (S2)."""
 
     units: list[int]  # the streamed units, in the order the pass runs them
     position: dict[int, int]  # a streamed unit's index in `units`; a resident unit's, the next streamed unit's
@@ -759,8 +487,7 @@ class CopyWindow:
                 units.append(u)
         return cls(units, position)
 
-    def restart(self) -> None:
-        """The pass starts again (inference repeats a pass): the ring fills from the first position."""
+    def restart(self) -> None:  # the pass starts again (inference repeats a pass): from the first position
         self.entered, self.waiting = 0, []
 
     def enter_through(self, p: int) -> None:
@@ -782,12 +509,8 @@ STAGING = 2**24  # elements: float32 masters cross PCIe in chunks this size, cas
 
 
 class LayerStreamer:
-    """Streams units (decoder layers; in training also embeddings, norm, head) from flat host buffers through a ring of
-    GPU slots taken in turn. The copy stream runs `depth` units ahead of compute: 0 is blocked, >= 1 overlapped; a
-    slot's compute waits for its copy (copied[s], S1), its next copy for its compute (freed[s], S2). Resident units
-    run from GPU buffers of their own. Float32 sources (the masters) in a lower compute dtype cross
-    PCIe in chunks through a staging buffer and are cast on the GPU. Each source is a whole unit (ShardedStreamer:
-    a rank's shard of it, the rest gathered from the other ranks)."""
+    """Streams units from flat host buffers through a ring of GPU slots taken in turn, the copy stream `depth` units
+    ahead of compute (0: blocked); resident units run from buffers of their own; float32 sources are cast on the GPU."""
 
     def __init__(self, sources, kinds, make_module, dtype, device, depth: int, copy_stream=None, writer=None):
         self.sources = sources  # each unit's flat host buffer
@@ -797,8 +520,7 @@ class LayerStreamer:
         self.depth = depth  # units the copy stream runs ahead
         self.compute_stream = torch.cuda.current_stream(device) if device.type == "cuda" else InOrder()
         self.copy_stream = copy_stream or new_stream(device)
-        # training: each source is rewritten by its unit's update, which the copy must not overtake
-        self.writer = writer or ReadOnly()
+        self.writer = writer or ReadOnly()  # training: a unit's update rewrites its source, which a copy must not pass
         self.keep_resident(())
 
     def keep_resident(self, units, load=None) -> None:
@@ -856,19 +578,15 @@ class LayerStreamer:
         self.landed_in(s, src)
         self.holds[s] = u
 
-    def whole_numel(self, src: torch.Tensor) -> int:
-        """The slot elements the unit whose source is `src` takes."""
+    def whole_numel(self, src: torch.Tensor) -> int:  # the slot elements of the unit whose source is `src`
         return src.numel()
 
-    def destination(self, s: int, src: torch.Tensor) -> torch.Tensor:
-        """Where in slot s the copy of `src` lands: the slot's start."""
+    def destination(self, s: int, src: torch.Tensor) -> torch.Tensor:  # where in slot s the copy of `src` lands
         return self.buffers[s][: src.numel()]
 
-    def landed_in(self, s: int, src: torch.Tensor) -> None:
-        """After the copy of `src` into slot s is queued: nothing more to bring (ShardedStreamer gathers the rest)."""
+    def landed_in(self, s: int, src: torch.Tensor) -> None: ...  # nothing more to bring (several GPUs: gathered)
 
-    def side_streams(self) -> tuple:
-        """The streams the copies run on."""
+    def side_streams(self) -> tuple:  # the streams the copies run on
         return (self.copy_stream,)
 
     def wait_copies(self, stream) -> None:
@@ -889,8 +607,7 @@ class LayerStreamer:
         """The module that runs unit u; a streamed unit also starts the copies up to `depth` positions ahead."""
         if u == self.first:
             self.window.restart()  # a pass run again without begin (inference) fills the ring from its start
-        if u in self.resident:
-            # its copies ahead are issued in release, once its kernels are queued: by then more updates are written
+        if u in self.resident:  # its copies ahead go in release, once its kernels are queued and more updates written
             return self.resident[u]
         p = self.window.position[u]
         self.issue_through(p + self.depth, need=p)
@@ -911,29 +628,25 @@ class LayerStreamer:
         for q in self.window.take(self.written, need):
             self.prefetch(q)
 
-    def written(self, u: int) -> bool:
-        """Whether unit u's copy may be issued now: its source is written (the writer's say)."""
+    def written(self, u: int) -> bool:  # whether unit u's copy may be issued now: the writer's say
         return self.writer.written(u)
 
 
 def layer_streamer(store: ParamStore, config: LlamaConfig, device: torch.device, depth: int, resident=()):
-    """Inference: the decoder layers from the pinned store (with several ranks, each copies its shards), the
-    `resident` ones copied to the GPU once (one process only)."""
+    """Inference's streamer of the decoder layers, the `resident` ones copied to the GPU once (one process only)."""
 
     def make_module(kind, buffer):
         """A decoder layer, its weights views into `buffer` (a slot's, or a resident layer's own)."""
         return store.layout.bind(LlamaDecoderLayer(config, layer_idx=0), buffer).eval()
 
-    kinds = ["layer"] * len(store.flats)
-    streamer = store.streamer(kinds, make_module, device, depth)
+    streamer = store.streamer(["layer"] * len(store.flats), make_module, device, depth)
     if resident:
         streamer.keep_resident(resident, lambda i: store.flats[i].to(device))
     return streamer
 
 
 class StreamedLayer(nn.Module):
-    """Stands in for unit `index` of `strategy` (a decoder layer; a trainer's, also another unit) in the HF forward:
-    runs the module holding its weights, told which layer it is (`layer`, for the KV cache: slots serve every layer)."""
+    """Stands in for unit `index` of `strategy` in HF's forward, telling the module in its slot which layer it is."""
 
     def __init__(self, index: int, strategy, layer: int | None = None):
         super().__init__()
@@ -962,22 +675,80 @@ def offloaded_model(model: LlamaForCausalLM, strategy, device: torch.device) -> 
 
 
 def mode_depth(mode: str, prefetch: int) -> int:
-    """Units the copy stream runs ahead: blocked 0, overlapped --prefetch (else the same code but places_on_gpu)."""
+    """Units the copy stream runs ahead: blocked 0, overlapped --prefetch; the two run the same code."""
     return prefetch if mode == "overlapped" else 0
 
 
-def places_on_gpu(mode: str) -> bool:
-    """Whether the plan may keep `mode`'s units resident and step some on the GPU's Adam: overlapped alone."""
-    return mode == "overlapped"
-
-
 def infer_offloaded(model: LlamaForCausalLM, store: ParamStore, device, depth: int, resident=()):
-    """Offloaded inference: HF's forward streaming all but the `resident` layers; returns it and its streamer."""
+    """blocked and overlapped inference: HF's forward, streaming all but the `resident` layers; it and its streamer."""
     streamer = layer_streamer(store, model.config, device, depth, resident)
     return offloaded_model(model, streamer, device), streamer
 
 
 # ------------------------------------------------------------------------------------ training: the autograd.Function
+# Training streams every unit (embeddings, decoder layers, norm, head) through StreamedUnit, which keeps only the unit's
+# inputs, recomputes it in the backward and sends its gradients to the host for the offloaded Adam.
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A piece of the model streamed whole in training: the embeddings, a decoder layer, the norm or the head."""
+
+    name: str  # its module's name in the HF model, so master weights map back to HF parameter names
+    kind: str  # embed, layer, norm or head
+    layout: FlatLayout
+
+
+def unit_module(kind: str, config: LlamaConfig) -> nn.Module:
+    """A module of this kind, built as LlamaForCausalLM builds its own (call it under torch.device('meta'))."""
+    if kind == "embed":
+        return nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+    if kind == "layer":
+        return LlamaDecoderLayer(config, layer_idx=0)
+    if kind == "norm":
+        return LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+    return nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+
+def model_units(config: LlamaConfig) -> list[Unit]:
+    """The units in forward order: embeddings, decoder layers, final norm, head."""
+    return list(units_of(config.to_json_string()))
+
+
+@functools.cache
+def units_of(config_json: str) -> tuple[Unit, ...]:
+    """model_units of the config in `config_json`, made once: the plan asks for them many times."""
+    config = LlamaConfig.from_dict(json.loads(config_json))
+    with torch.device("meta"):
+        layout = {kind: FlatLayout.of(unit_module(kind, config)) for kind in ("embed", "layer", "norm", "head")}
+    layers = range(config.num_hidden_layers)
+    names = ["model.embed_tokens", *(f"model.layers.{i}" for i in layers), "model.norm", "lm_head"]
+    kinds = ["embed", *("layer" for _ in layers), "norm", "head"]
+    return tuple(Unit(name, kind, layout[kind]) for name, kind in zip(names, kinds, strict=True))
+
+
+def decoder_kwargs(model: LlamaForCausalLM, shape: tuple[int, int], dtype: torch.dtype, device) -> dict:
+    """What HF's forward passes its decoder layers beside the hidden states (rotary tables, mask, positions)."""
+    captured = {}
+
+    class Recorder(nn.Module):
+        """A decoder layer that keeps the keyword arguments HF passes it and returns its input."""
+
+        def forward(self, hidden_states, **kwargs):  # record the kwargs, pass the hidden states through
+            captured.update(kwargs)
+            return hidden_states
+
+    base = model.model
+    kept = base.layers, base.norm, base.rotary_emb
+    base.layers, base.norm, base.rotary_emb = nn.ModuleList([Recorder()]), nn.Identity(), copy.deepcopy(kept[2])
+    base.rotary_emb.to(device)
+    try:
+        with torch.no_grad():
+            zeros = torch.zeros(*shape, model.config.hidden_size, dtype=dtype, device=device)
+            base(inputs_embeds=zeros, use_cache=False)
+    finally:
+        base.layers, base.norm, base.rotary_emb = kept
+    return captured
 
 
 def objective(loss: torch.Tensor, micro_batches: int, scale: float) -> torch.Tensor:
@@ -986,10 +757,9 @@ def objective(loss: torch.Tensor, micro_batches: int, scale: float) -> torch.Ten
 
 
 class StreamedUnit(torch.autograd.Function):
-    """One unit over every micro-batch while its weights are on the GPU. Forward streams the unit in and keeps only its
-    inputs; backward streams it in again (unless still in its slot), recomputes, back-propagates and sends its
-    gradients to be stepped. `anchor` requires grad, so autograd calls backward for the embeddings too (inputs: token
-    ids). Autograd runs backward on its own thread, on the forward's stream, while main waits in backward()."""
+    """One unit over every micro-batch: forward streams it in and keeps only its inputs; backward streams it in again
+    (unless still in its slot), recomputes, back-propagates and sends its gradients to be stepped. `anchor` requires
+    grad, so autograd calls backward for the embeddings too. Autograd runs backward on its own thread."""
 
     @staticmethod
     def forward(ctx, trainer: OffloadedTraining, u: int, anchor: torch.Tensor, *xs: torch.Tensor):
@@ -1003,26 +773,24 @@ class StreamedUnit(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_outs):
-        """Stream unit u in, accumulate its gradients over the micro-batches and send them; the inputs' gradients."""
+        """Stream unit u in, sum its gradients over the micro-batches and send them; return the inputs' gradients."""
         trainer, u = ctx.trainer, ctx.u
         module = trainer.streamer.acquire(u)
         xs = trainer.inputs.load(u, ctx.saved_tensors)
         views = trainer.grad_views(u)
         grads_in = unit_backward(trainer, u, module, xs, grad_outs, views)
+        trainer.send(u, views)
         trainer.streamer.release(u)
         trainer.inputs.release(u)
-        trainer.send(u, views)
         return None, None, None, *grads_in  # none for trainer, u and anchor
 
 
 class OffloadedTraining:
-    """blocked and overlapped training: each unit streamed in for its forward and again for its backward (but the
-    forward's last ones, still in their slots), its gradients sent out and stepped. An update rewrites the host copy
-    the GPU streamed from with no wait of its own: it waits for the unit's gradients, which exist only once that copy
-    landed. Policies: `steppers` (Steppers: CpuAdam; ResidentUnits, StreamedAdam), `inputs` (KeptInputs;
-    ActivationOffload), `scaling` (Unscaled; float16's LossScale), `clip` (Unclipped; GradClip)."""
+    """blocked and overlapped training: each unit streamed in for its forward and again for its backward, its gradients
+    sent to the host and stepped there. blocked (depth 0) overlaps nothing: one slot, gradients out on the compute
+    stream, Adam after the backward. Policies: `steppers`, `inputs`, `scaling`, `clip` (replaced beyond the line)."""
 
-    def __init__(self, store: MasterStore, config, dtype, device, depth: int, loss_function, kwargs):
+    def __init__(self, store: OffloadedAdam, config, dtype, device, depth: int, loss_function, kwargs):
         self.store = store
         self.units = store.units
         self.ranks = store.ranks
@@ -1035,20 +803,21 @@ class OffloadedTraining:
             """A slot's module of this kind, its trainable weights views into the slot's buffer."""
             return layouts[kind].bind(unit_module(kind, config), buffer, trainable=True).eval()
 
-        self.d2h_stream = new_stream(device)  # gradients leave on it
+        self.blocked = depth == 0
+        if self.blocked and not store.pool.dedicated:
+            raise ValueError("blocked steps every unit after the backward: give each unit a gradient buffer")
+        compute = torch.cuda.current_stream(device) if device.type == "cuda" else InOrder()
+        self.d2h_stream = compute if self.blocked else new_stream(device)  # gradients leave on it
         self.steppers = self.make_steppers(store, dtype, device, self.d2h_stream)
         streamed = (store.weights, [u.kind for u in self.units], make_module, dtype, device, depth)
         self.streamer = self.make_streamer(*streamed, writer=self.steppers)
         self.anchor = torch.empty(0, device=device, requires_grad=True)
-        # the plain path's policies; make_trainer may offload the inputs, scale float16's losses, clip the gradients
-        self.inputs, self.scaling, self.clip = KeptInputs(), Unscaled(), Unclipped()
+        self.inputs, self.scaling, self.clip = KeptInputs(), Unscaled(), Unscaled()
 
-    def make_steppers(self, *args) -> Steppers:
-        """The units' steppers, of Steppers' arguments (ShardedTraining: the gradients summed over the ranks first)."""
+    def make_steppers(self, *args) -> Steppers:  # of Steppers' arguments (several GPUs: the gradients summed first)
         return Steppers(*args)
 
-    def make_streamer(self, *args, **kwargs) -> LayerStreamer:
-        """The units' streamer, of LayerStreamer's arguments (ShardedTraining: shards copied, the rest gathered)."""
+    def make_streamer(self, *args, **kwargs) -> LayerStreamer:  # of LayerStreamer's (several GPUs: shards gathered)
         return LayerStreamer(*args, **kwargs)
 
     @property
@@ -1080,11 +849,11 @@ class OffloadedTraining:
 
     @property
     def holds_updates(self) -> bool:
-        """Whether each unit steps only once every unit's gradients are in (float16's loss scale, clipping)."""
-        return self.scaling.holds_updates or self.clip.holds_updates
+        """Whether a unit steps only once every unit's gradients are in: blocked, float16's loss scale, clipping."""
+        return self.blocked or self.scaling.holds_updates or self.clip.holds_updates
 
     def send(self, u: int, views: list[torch.Tensor]) -> None:
-        """Unscale unit u's gradients (views: grad_views(u)), send them to be stepped, take their norm where clipped."""
+        """Send unit u's gradients (views: grad_views(u)) to be stepped, unscaled and their norm taken where asked."""
         self.scaling.unscale(views)
         ready = new_event(self.device)
         ready.record(self.streamer.compute_stream)  # S5: the end of the unit's backward, for its stepper to wait on
@@ -1095,7 +864,7 @@ class OffloadedTraining:
             self.steppers.update(u, 1.0)
 
     def step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
-        """One optimizer step over the micro-batches; returns the mean loss. The updates may still be running."""
+        """One optimizer step over the micro-batches; returns the mean loss. overlapped's updates may still run."""
         if len(micro_batches) > 1 and self.store.grad_dtype != torch.float32:
             raise ValueError("micro-batches accumulate their gradients in float32: give the store float32 gradients")
         n = len(self.units)
@@ -1113,32 +882,14 @@ class OffloadedTraining:
             multiplier = self.clip.multiplier()
             for u in self.sent:
                 self.steppers.update(u, multiplier)
+        if self.blocked:
+            self.steppers.wait_all()  # S4: the naive step ends once the host's Adam is done
         return mean_loss(losses, self.ranks)
 
     def state_dict(self, grads: bool = False, on_first: bool = False) -> dict[str, torch.Tensor]:
         """The float32 masters (grads: the gradients the steppers keep) by HF name on the CPU, after every update."""
         self.wait_updates()
-        return self.store.state_dict([self.steppers.state(u, grads) for u in range(len(self.units))], on_first)
-
-    def unit_state(self, u: int) -> dict:
-        """Unit u's state for a checkpoint: its name (resume checks it), step count, float32 master and moments, kept by
-        parameter name (several ranks: this rank's flat shards, Ranks.checkpointed)."""
-        master, exp_avg, exp_avg_sq, step = self.steppers.adam_state(u)
-        flats = {"master": master, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
-        layout, name = self.units[u].layout, self.units[u].name
-        state = {key: self.ranks.checkpointed(layout, flat.cpu()) for key, flat in flats.items()}
-        return {"unit": name, "step": step.item()} | state
-
-    def load_unit(self, u: int, state: dict) -> None:
-        """Set unit u's training state from a checkpoint, before placement: it is all on the host then."""
-        restore_unit(self.store, u, state)
-
-    def named_masters(self):
-        """Each parameter's float32 master by HF name on the CPU, its own storage (one process: a rank has shards)."""
-        for u, unit in enumerate(self.units):
-            master = self.steppers.state(u).cpu()  # a resident unit's is copied from the GPU
-            for name, shape, offset in zip(unit.layout.names, unit.layout.shapes, unit.layout.offsets, strict=True):
-                yield f"{unit.name}.{name}", own_storage(master, offset, shape)
+        return self.store.named_flats([self.steppers.state(u, grads) for u in range(len(self.units))], on_first)
 
     def wait_updates(self) -> None:
         """Block until every update is done and written back."""
@@ -1154,9 +905,8 @@ class OffloadedTraining:
 
 def unit_backward(trainer: OffloadedTraining, u: int, module: nn.Module, xs, grad_outs, views) -> list:
     """Unit u's recompute and backward over every micro-batch; returns the inputs' gradients. The parameters' are summed
-    into `views` (grad_views) in micro-batch order, as gpu mode sums them, each freed before the next recompute; but
-    micro-batch 0's are written with 1's (the same sum): the write waits for the last unit's gradients to leave the
-    buffer (wait_to_write), which takes longer than one micro-batch's work."""
+    into `views` in micro-batch order, as gpu mode sums them, each freed before the next recompute; micro-batch 0's
+    are written with 1's (the same sum), as that write waits for the last unit's gradients to leave (S8)."""
     grads_in, first = [], None
     for k, (x, grad_out) in enumerate(zip(xs, grad_outs, strict=True)):
         grad_in, grads = trainer.unit_grads(u, module, x, k, grad_out)
@@ -1182,20 +932,18 @@ def add_grads(views: list[torch.Tensor], grads, write: bool = False) -> None:
             view.add_(grad)
 
 
-def mean_loss(losses, ranks: Ranks = Ranks()) -> torch.Tensor:
+def mean_loss(losses, ranks: OneProcess = ONE_PROCESS) -> torch.Tensor:
     """The mean of the micro-batches' losses (with several ranks, of every rank's), detached."""
     return ranks.sum(sum(loss.detach() for loss in losses)) / (len(losses) * ranks.world)
 
 
 class KeptInputs:
-    """The plain path's saved inputs, on the GPU until the unit's backward (ActivationOffload: on the host)."""
+    """The plain path's saved inputs: on the GPU until the unit's backward."""
 
-    def save(self, ctx, u: int, xs) -> None:
-        """Keep unit u's inputs for its backward."""
+    def save(self, ctx, u: int, xs) -> None:  # keep unit u's inputs for its backward
         ctx.save_for_backward(*xs)
 
-    def load(self, u: int, saved: tuple) -> tuple:
-        """Unit u's inputs, at its backward."""
+    def load(self, u: int, saved: tuple) -> tuple:  # unit u's inputs, at its backward
         return saved
 
     def release(self, u: int) -> None: ...  # nothing to free
@@ -1204,32 +952,25 @@ class KeptInputs:
 
 
 class Unscaled:
-    """The plain path's loss, unscaled (LossScale, float16: units step once every gradient is in, to check them)."""
+    """The plain path's loss scale and clipping: none, so each unit steps as its gradients land."""
 
     scale = 1.0
     holds_updates = False
+    grad_norms = ()  # none taken
 
     def unscale(self, grads: list[torch.Tensor]) -> None: ...  # nothing to undo
 
-    def update(self) -> bool:
-        """After the backward: whether the step may be applied."""
+    def update(self) -> bool:  # after the backward: the step may always be applied
         return True
-
-
-class Unclipped:
-    """The plain path's gradients, unclipped (GradClip: times a coefficient once every unit's norm is in)."""
-
-    holds_updates = False
-    grad_norms = ()  # none taken
 
     def add(self, u: int, views, sent, stream) -> None: ...  # no norm to take
 
-    def multiplier(self) -> float:
-        """The gradients' multiplier for this step."""
+    def multiplier(self) -> float:  # the gradients' multiplier for this step
         return 1.0
 
 
 # ------------------------------------------------------------------------------------------------- the offloaded Adam
+# torch.optim.Adam with its state on the host (OffloadedAdam), the worker that steps each unit as its gradients land.
 
 
 @dataclass(frozen=True)
@@ -1245,14 +986,6 @@ class Adam:
         """torch.optim.Adam over `params` with these hyper-parameters, fused (on the CPU, far faster than plain)."""
         return torch.optim.Adam(params, self.lr, self.betas, self.eps, self.weight_decay, fused=True)
 
-    def scalars(self, step: int, multiplier: float = 1.0) -> torch.Tensor:
-        """adam_update's scalars for step `step` (from 1), as torch's fused CPU kernel rounds them, and the gradients'
-        multiplier (--clip-grad-norm); a tensor, not floats, so one compiled kernel serves every step."""
-        beta1, beta2 = self.betas
-        step_size = -self.lr / (1 - beta1**step)
-        values = [1 - beta1, beta2, 1 - beta2, math.sqrt(1 - beta2**step), self.eps, step_size, self.weight_decay]
-        return torch.tensor([*values, multiplier], dtype=torch.float32)
-
 
 def torch_adam_step(adam: Adam, master, grads, exp_avg, exp_avg_sq, step: torch.Tensor) -> None:
     """Step `master` by `grads` (float32 both) with torch.optim.Adam's fused kernel on its device, state in place."""
@@ -1264,8 +997,7 @@ def torch_adam_step(adam: Adam, master, grads, exp_avg, exp_avg_sq, step: torch.
 
 
 class AdamUpdate:
-    """One unit's Adam step on the CPU: torch.optim.Adam's fused kernel on float32 gradients, then a cast into the copy
-    the GPU streams. A run's store steps with CompiledAdamUpdate, the two fused into one pass (training_store)."""
+    """One unit's Adam step on the CPU: torch.optim.Adam's fused kernel, then a cast into the copy the GPU streams."""
 
     def __init__(self, adam: Adam, grad_dtype: torch.dtype, copy_dtype: torch.dtype | None, scaled: bool = False):
         self.adam = adam
@@ -1275,18 +1007,15 @@ class AdamUpdate:
 
     @property
     def bytes_per_param(self) -> int:
-        """Host bytes one step moves per parameter: it reads the float32 master, exp_avg and exp_avg_sq (12), the
-        float32 gradients (4) and the master again to cast it (4, where there is a copy); it writes the three again
-        (12) and the copy the GPU streams (Plan.copy_dtype: bfloat16's 2). Clipping adds 8 (the gradients scaled). So
-        34 for bfloat16; CompiledAdamUpdate, a run's, 30 (28 with one micro-batch: bfloat16 gradients)."""
+        """Host bytes a step moves per parameter: master and moments read and written (24), float32 gradients (4), the
+        master again and the copy (4 + 2 in bfloat16), with clipping the gradients scaled (8): 34 (compiled: 30)."""
         copy = self.copy_dtype.itemsize + 4 if self.copy_dtype else 0
         rescale = 8 if self.scaled else 0
         return 24 + self.grad_dtype.itemsize + copy + rescale
 
     @torch.no_grad()
     def __call__(self, master, grads, exp_avg, exp_avg_sq, copy, step: torch.Tensor, multiplier: float = 1.0) -> None:
-        """Step `master` by `grads` times `multiplier`; `step`: the unit's step count (a float32 tensor, as
-        torch.optim.Adam keeps it)."""
+        """Step `master` by `grads` times `multiplier`; `step`: the unit's count, a tensor as torch keeps it."""
         if multiplier != 1.0:
             grads.mul_(multiplier)  # float32 here
         torch_adam_step(self.adam, master, grads, exp_avg, exp_avg_sq, step)
@@ -1294,11 +1023,10 @@ class AdamUpdate:
             copy.copy_(master)
 
 
-class MasterStore:
-    """Training state on the host, one flat buffer per unit and kind: float32 masters and, where there is room, the
-    compute-dtype copies each Adam step rewrites for the GPU to stream (pinned); float32 moments; the gradients, in a
-    pinned buffer of the pool from their copy until their Adam step. Policies: `moments` (HostMoments; DiskMoments
-    keeps some units' on a disk), `update` (AdamUpdate; CompiledAdamUpdate)."""
+class OffloadedAdam(torch.optim.Optimizer):
+    """torch.optim.Adam with its state on the host: each unit's float32 master, gradients and two moments are flat host
+    buffers, and step_unit(u) steps one unit there with torch's fused kernel, then rewrites the compute-dtype copy the
+    GPU streams. Policies: `moments` (HostMoments) and `update` (AdamUpdate), replaced beyond the line."""
 
     def __init__(
         self,
@@ -1310,7 +1038,7 @@ class MasterStore:
         copy_dtype=None,
         scaled_grads: bool = False,
         moments=None,
-        ranks: Ranks = Ranks(),
+        ranks: OneProcess = ONE_PROCESS,
         update=AdamUpdate,
     ):
         self.units = units
@@ -1319,15 +1047,17 @@ class MasterStore:
         numels = [self.ranks.shard_numel(u.layout.numel) for u in units]
         self.masters = host_zeros_each(numels, torch.float32, pin)
         self.copies = host_zeros_each(numels, copy_dtype, pin) if copy_dtype else None
-        self.adam_moments = (moments or HostMoments)(numels)  # moments_for: DiskMoments with a disk tier
-        # after the pinning, which a compiled update may still overlap (CompiledAdamUpdate, start_adam_compile)
-        self.update = update(adam, grad_dtype, copy_dtype, scaled_grads)  # scaled: --clip-grad-norm
+        self.adam_moments = (moments or HostMoments)(numels)
+        self.update = update(adam, grad_dtype, copy_dtype, scaled_grads)  # after the pinning, which a compile overlaps
         self.grad_dtype = self.update.grad_dtype  # what the update takes: float32 but where it compiled
-        self.setup_s = {}  # seconds of set-up by part (training_store, run_modes, make_trainer, prepare_steps)
+        self.setup_s = {}  # seconds of set-up by part
         self.steps = [torch.zeros(()) for _ in units]
         self.unstarted = set(range(len(units)))  # units whose moments are not zeroed for their first step yet
         self.pool = GradientPool(numels, grad_buffers or len(units), pin, self.grad_dtype)
         self.grads = list(self.pool.buffers) if self.pool.dedicated else [None] * len(units)
+        super().__init__(self.masters, dataclasses.asdict(adam))
+        for master, step in zip(self.masters, self.steps, strict=True):
+            self.state[master]["step"] = step  # the moments: moments_of(u)
 
     @property
     def weights(self) -> list[torch.Tensor]:
@@ -1344,8 +1074,14 @@ class MasterStore:
         self.grads[u] = self.pool.take(u)[: self.masters[u].numel()]
         return self.grads[u]
 
-    def step(self, u: int, multiplier: float = 1.0) -> None:
-        """Unit u's Adam step (master, moments, copy: one pass where compiled) on its gradients times `multiplier`."""
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        """Step every unit on its gradients in host memory, as torch.optim.Adam.step steps every parameter."""
+        for u in range(len(self.units)):
+            self.step_unit(u)
+
+    def step_unit(self, u: int, multiplier: float = 1.0) -> None:
+        """Unit u's Adam step (master, moments, copy) on its gradients times `multiplier`."""
         if u in self.unstarted:
             self.zero_moments([u])
         copy = self.copies[u] if self.copies else None
@@ -1358,20 +1094,16 @@ class MasterStore:
                 self.pool.give(self.grads[u])
                 self.grads[u] = None
 
-    def ready(self, u: int) -> bool:
-        """Whether unit u's step can run without waiting for its moments (DiskMoments: to be read)."""
+    def ready(self, u: int) -> bool:  # whether unit u's step can run without waiting for its moments (the disk's)
         return self.adam_moments.ready(u)
 
-    def moments_of(self, u: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Unit u's Adam moments after its updates: in place on the host, or read from the disk into new memory."""
+    def moments_of(self, u: int) -> tuple[torch.Tensor, torch.Tensor]:  # unit u's moments after its updates
         return self.adam_moments.read(u)
 
-    def flush(self) -> None:
-        """Block until the moments' write-backs have landed (DiskMoments); re-raise their error."""
+    def flush(self) -> None:  # the moments' write-backs landed (the disk tier's)
         self.adam_moments.flush()
 
-    def close(self) -> None:
-        """Free what the moments hold beside host memory (DiskMoments: the disk tier's files)."""
+    def close(self) -> None:  # free what the moments hold beside host memory (the disk tier's files)
         self.adam_moments.close()
 
     def zero_moments(self, units) -> None:
@@ -1381,25 +1113,19 @@ class MasterStore:
         self.unstarted -= starting
 
     @torch.no_grad()
-    def load(self, model: LlamaForCausalLM, drawn_seed: int | None = None) -> None:
-        """Start from `model`'s weights (a rank: those in its shards) with fresh Adam state, the moments zeroed before
-        each unit's first step; or, drawn_seed given, from the random model init_random draws for `model`, a meta-device
-        model, drawn straight into the masters (draw_masters)."""
-        if drawn_seed is not None:
-            draw_masters(self, model, drawn_seed)
+    def load(self, model: LlamaForCausalLM | None) -> None:
+        """Start from `model`'s weights (None: the masters as drawn) with fresh Adam state, as torch.optim.Adam does."""
         for u, (unit, master) in enumerate(zip(self.units, self.masters, strict=True)):
-            start = self.ranks.rank * master.numel()  # where this rank's shard starts in the unit's flat buffer
-            if drawn_seed is None:
-                unit.layout.fill(master, model.get_submodule(unit.name).get_parameter, start)
+            if model is not None:  # this rank's shard starts at rank x its size in the unit's flat buffer
+                unit.layout.fill(master, model.get_submodule(unit.name).get_parameter, self.ranks.rank * master.numel())
             if self.copies:
                 self.copies[u].copy_(master)
             self.steps[u].zero_()
-        self.unstarted = set(range(len(self.units)))  # their moments: zeroed before their first step
+        self.unstarted = set(range(len(self.units)))
         self.adam_moments.restart()
 
-    def state_dict(self, flats: list[torch.Tensor] | None = None, on_first: bool = False) -> dict[str, torch.Tensor]:
-        """The masters (or other per-unit flats: gradients) as float32 CPU tensors with HF names, every rank's shards
-        gathered a unit at a time (every rank calls it) on every rank, or (on_first) on rank 0 alone."""
+    def named_flats(self, flats: list[torch.Tensor] | None = None, on_first: bool = False) -> dict[str, torch.Tensor]:
+        """The masters (or other flats: gradients) as float32 CPU tensors by HF name, gathered (on_first: to rank 0)."""
         fulls = (self.ranks.gathered(flat.cpu(), everywhere=not on_first) for flat in flats or self.masters)
         units = ((u.name, u.layout.views(full)) for u, full in zip(self.units, fulls, strict=True) if full is not None)
         return {
@@ -1408,8 +1134,7 @@ class MasterStore:
 
 
 class GradientPool:
-    """The pinned buffers gradients land in: one per unit (`dedicated`), or `count` shared ones as big as the largest
-    unit, each given back as the CPU Adam finishes its unit, which the backward then waits for (`waited_s`)."""
+    """The pinned buffers gradients land in: one a unit (`dedicated`), or `count` shared ones the backward waits for."""
 
     def __init__(self, numels: list[int], count: int, pin: bool, dtype: torch.dtype):
         self.dedicated = count >= len(numels)
@@ -1429,51 +1154,39 @@ class GradientPool:
         self.waited_s += time.perf_counter() - start
         return buffer
 
-    def give(self, grads: torch.Tensor) -> None:
-        """A shared buffer (or a view at its start) is free again."""
+    def give(self, grads: torch.Tensor) -> None:  # a shared buffer (or a view at its start) is free again
         self.free.put(next(b for b in self.buffers if b.data_ptr() == grads.data_ptr()))
 
 
 class HostMoments:
-    """The plain path's Adam moments: two float32 host buffers a unit, stepped in place (DiskMoments: some units' on a
-    disk). A unit's are zeroed before its first step (zero), so their pages map once a lean run freed the model."""
+    """The plain path's Adam moments: two float32 host buffers a unit, zeroed before the unit's first step."""
 
     disk = None  # no disk tier
 
     def __init__(self, numels: list[int], elsewhere=frozenset()):
-        self.buffers = [  # None for the units whose moments are kept `elsewhere` (DiskMoments)
+        self.buffers = [  # None for the units whose moments are kept `elsewhere` (the disk tier)
             None if u in elsewhere else (host_zeros(n, torch.float32, False), host_zeros(n, torch.float32, False))
             for u, n in enumerate(numels)
         ]
-        self.pinned = set()  # units whose moments pin moved: each placement makes a new StreamedAdam, which pins
+        self.pinned = set()  # units whose moments are pinned (pin_moments)
 
-    def stage(self, u: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Unit u's moments for its step."""
+    def stage(self, u: int) -> tuple[torch.Tensor, torch.Tensor]:  # unit u's moments for its step
         return self.buffers[u]
 
-    def staged(self, u: int) -> None:
-        """Unit u's step is done with its moments: nothing to write back."""
+    def staged(self, u: int) -> None: ...  # its step is done: nothing to write back
 
     def ready(self, u: int) -> bool:  # always: they are in memory
         return True
 
-    def read(self, u: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Unit u's moments after its updates, in place."""
+    def read(self, u: int) -> tuple[torch.Tensor, torch.Tensor]:  # unit u's moments after its updates, in place
         return self.buffers[u]
 
     def zero(self, units) -> None:
-        """Zero the moments of `units` for their first step (zeros, as floats; a first touch maps the pages)."""
+        """Zero the moments of `units` for their first step (a first touch maps the pages)."""
         touch_pages([(m.data_ptr(), m.nbytes) for u in units for m in self.buffers[u]])
 
-    def fill(self, u: int, fill) -> None:
-        """Unit u's moments from a checkpoint: fill(exp_avg, exp_avg_sq) writes them."""
+    def fill(self, u: int, fill) -> None:  # unit u's moments from a checkpoint: fill(exp_avg, exp_avg_sq) writes them
         fill(*self.buffers[u])
-
-    def pin(self, u: int, pin: bool) -> None:
-        """Move unit u's moments into pinned memory (pin) for the copy engines, once."""
-        if u not in self.pinned:
-            self.buffers[u] = tuple(host_zeros(m.numel(), torch.float32, pin).copy_(m) for m in self.buffers[u])
-            self.pinned.add(u)
 
     def restart(self) -> None: ...  # a new mode's load: nothing staged
 
@@ -1483,31 +1196,28 @@ class HostMoments:
 
 
 class HostState:
-    """The steppers of streamed units (CpuAdam, StreamedAdam): gradients in Steppers' buffer, state in the host store.
-    Every stepper answers these, send, update, wait_written, written and wait_all (ResidentUnits also grads)."""
+    """A stepper of streamed units (CpuAdam, StreamedAdam): gradients in Steppers' buffer, state on the host."""
 
     holds_grads = False  # the units' gradients accumulate in the gradient buffer of Steppers
     shares_buffer = True  # and so wait for the last gradients sent to leave it
 
-    def __init__(self, store: MasterStore):
+    def __init__(self, store: OffloadedAdam):
         self.store = store
 
-    def state(self, u: int, grads: bool = False) -> torch.Tensor:
-        """Unit u's float32 master (grads: the gradients the host holds) on the host."""
+    def state(self, u: int, grads: bool = False) -> torch.Tensor:  # unit u's float32 master (or gradients), host's
         return self.store.grads[u] if grads else self.store.masters[u]
 
-    def adam_state(self, u: int) -> tuple[torch.Tensor, ...]:
-        """Unit u's float32 master, Adam moments and step count, on the host."""
+    def adam_state(self, u: int) -> tuple[torch.Tensor, ...]:  # unit u's float32 master, moments and step count
         return self.store.masters[u], *self.store.moments_of(u), self.store.steps[u]
 
 
 class CpuAdam(HostState):
-    """The plain path's stepper: a unit's gradients leave on the D2H stream for a pinned buffer, and a worker thread
-    steps it once they landed; of the landed units, first the one the next forward needs first (the lowest)."""
+    """The plain path's stepper: a unit's gradients leave on the D2H stream for pinned memory, and a worker thread steps
+    the landed units (OffloadedAdam.step_unit), the lowest first: the next forward needs it first."""
 
-    def __init__(self, store: MasterStore, device: torch.device, d2h_stream):
+    def __init__(self, store: OffloadedAdam, device: torch.device, d2h_stream):
         super().__init__(store)
-        self.step = store.step  # step(u, multiplier): unit u's update, run in the worker
+        self.step = store.step_unit  # step(u, multiplier): unit u's update, run in the worker
         self.d2h_stream = d2h_stream  # the gradients leave on it
         self.landed = [new_event(device, blocking=True) for _ in store.units]
         self.done = [threading.Event() for _ in store.units]
@@ -1533,8 +1243,7 @@ class CpuAdam(HostState):
     def update(self, u: int, multiplier: float) -> None:
         """Queue unit u's step, its gradients times `multiplier`; the worker runs it once its gradients land."""
         self.done[u].clear()
-        with self.cond:
-            # this step's multiplier travels with the job: a later step's must never reach these gradients
+        with self.cond:  # the multiplier travels with the job: a later step's must never reach these gradients
             self.pending.append((u, self.landed[u], multiplier))
             self.cond.notify()
 
@@ -1544,13 +1253,11 @@ class CpuAdam(HostState):
         if self.error:
             raise self.error
 
-    def written(self, u: int) -> bool:
-        """Whether unit u's last update is done (an error of the worker counts as done: wait_written re-raises it)."""
+    def written(self, u: int) -> bool:  # whether unit u's last update is done (an error counts: wait_written raises it)
         return self.done[u].is_set()
 
     def wait_all(self) -> None:
-        """Block until every queued update is done, and the disk tier has written back what they changed. An error of
-        the worker is re-raised once every update is done (it goes on with the others), before the write-backs."""
+        """Block until every queued update is done (then re-raise an error of the worker) and written back."""
         for done in self.done:
             done.wait()  # S4
         if self.error:
@@ -1558,8 +1265,7 @@ class CpuAdam(HostState):
         self.store.flush()
 
     def close(self) -> None:
-        """Finish every update, then stop the worker thread, also after an error of the worker, which it re-raises:
-        the buffers it steps may be freed on return (once; closing again does nothing)."""
+        """Finish every update, then stop the worker, also after its error, which it re-raises; once."""
         if not self.thread.is_alive():
             return
         with self.cond:
@@ -1575,8 +1281,7 @@ class CpuAdam(HostState):
                 self.cond.wait()  # S9
             if self.pending[0] is None:
                 return None
-            # of the units whose gradients have landed, and whose moments the disk tier has read where it keeps them;
-            # else the oldest job (where it is a disk unit, the tier reads it before any later one: it reads in order)
+            # the lowest of the units whose gradients landed and whose moments are in memory; else the oldest job
             landed = [job for job in self.pending if job is not None and job[1].query() and self.store.ready(job[0])]
             job = min(landed, key=lambda job: job[0]) if landed else self.pending[0]
             self.pending.remove(job)
@@ -1599,35 +1304,17 @@ class CpuAdam(HostState):
 
 
 class Steppers:
-    """Each unit's stepper, and the GPU memory its gradients accumulate in until they leave. The plain path's CpuAdam
-    steps every unit until place_on_gpu gives some to ResidentUnits or StreamedAdam. The streamer asks it before each
-    copy whether the unit's host copy is written (the streamer's writer). A streamed unit's gradients, in order:
+    """Each unit's stepper (CpuAdam, but those the GPU's Adam takes) and the GPU buffer gradients sum in, a unit at a
+    time; the streamer's writer. A gradient's path: compute writes it (after S8), records ready (S5); D2H copies it
+    out, records landed (S7); the worker steps the unit, sets done (S4); the unit's next copy waits for done."""
 
-        compute   the backward's first write into `buffer` waits last_landed; records ready (unit_backward, send)
-        D2H       waits ready (ShardedSteppers: reduces the ranks' into this rank's shard first, sum_shard),
-                  copies the gradients to pinned host memory, records landed                (CpuAdam.send)
-        CPU Adam  waits landed, steps the unit, marks it done                               (CpuAdam.work)
-        copy      the unit's next copy waits until it is done                               (wait_written)
-
-    landed becomes last_landed: the next unit's backward writes `buffer` only once these gradients have left it
-    (StreamedAdam's take stands in for the D2H copy, on its own stream)."""
-
-    def __init__(self, store: MasterStore, dtype: torch.dtype, device: torch.device, d2h_stream):
+    def __init__(self, store: OffloadedAdam, dtype: torch.dtype, device: torch.device, d2h_stream):
         self.store, self.dtype, self.device = store, dtype, device
         numel = max(map(store.ranks.whole_numel, store.masters))  # the streamed units' gradients, one unit at a time
         self.buffer = torch.zeros(numel, dtype=store.grad_dtype, device=device)  # zeroed: the padding is stepped too
         self.last_landed = InOrder()  # the event after which `buffer` may be overwritten: its last gradients left
         self.cpu_adam = CpuAdam(store, device, d2h_stream)
         self.of = [self.cpu_adam] * len(store.units)  # unit -> its stepper
-
-    def release(self) -> None:
-        """Free the gradient buffer, so that a new placement's state takes its memory (assign gives the new one)."""
-        self.buffer = None
-
-    def assign(self, chosen: dict, buffer: torch.Tensor) -> None:
-        """Step `chosen`'s units (unit -> stepper) by theirs, the rest by the CPU Adam; their gradients in `buffer`."""
-        self.buffer = buffer
-        self.of = [chosen.get(u, self.cpu_adam) for u in range(len(self.of))]
 
     def grads(self, u: int) -> torch.Tensor:
         """The GPU memory unit u's gradients accumulate in: the start of the gradient buffer, or a resident unit's."""
@@ -1649,29 +1336,20 @@ class Steppers:
             self.last_landed = landed
         return grads
 
-    def to_send(self, u: int, ready) -> tuple[torch.Tensor, object]:
-        """What unit u's stepper takes, and the event it waits for: its gradients, once `ready`."""
+    def to_send(self, u: int, ready) -> tuple:  # its gradients, once `ready` (several GPUs: summed first)
         return self.grads(u), ready
 
-    def update(self, u: int, multiplier: float) -> None:
-        """Unit u's Adam step, its gradients times `multiplier`: queued, or (a resident unit) on the compute stream."""
+    def update(self, u: int, multiplier: float) -> None:  # unit u's Adam step: queued, or a resident unit's now
         self.of[u].update(u, multiplier)
 
-    def wait_written(self, u: int) -> None:
-        """Hold the streamer's next copy of unit u (the host, or the copy stream) until its update has written it."""
+    def wait_written(self, u: int) -> None:  # hold the streamer's next copy of unit u until its update is written
         self.of[u].wait_written(u)
 
-    def written(self, u: int) -> bool:
-        """Whether unit u's copy may be issued now, without waiting on the host."""
+    def written(self, u: int) -> bool:  # whether unit u's copy may be issued now, without waiting on the host
         return self.of[u].written(u)
 
-    def state(self, u: int, grads: bool = False) -> torch.Tensor:
-        """Unit u's float32 master (grads: its last gradients), where its stepper keeps it."""
+    def state(self, u: int, grads: bool = False) -> torch.Tensor:  # unit u's float32 master (or gradients)
         return self.of[u].state(u, grads)
-
-    def adam_state(self, u: int) -> tuple[torch.Tensor, ...]:
-        """Unit u's float32 master, Adam moments and step count, where its stepper keeps them."""
-        return self.of[u].adam_state(u)
 
     def wait_all(self) -> None:
         """Block until every update is done and written back."""
@@ -1680,12 +1358,14 @@ class Steppers:
 
 
 # ------------------------------------------------------------- the reference: the resident model and torch.optim.Adam
+# gpu and cpu modes train the plain model with torch.optim.Adam: what every offloaded mode is compared with.
 
 
 class ResidentTraining:
-    """gpu and cpu modes, the reference: the plain HF model on `device`, torch.optim.Adam on float32 masters there."""
+    """gpu and cpu modes, the reference: the plain HF model and torch.optim.Adam on float32 masters on `device`;
+    recompute: each decoder layer recomputed in its backward (HF's checkpointing), as the offloaded modes do."""
 
-    def __init__(self, model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device, adam: Adam, clip=None):
+    def __init__(self, model, dtype, device, adam: Adam, clip=None, scaling=None, recompute: bool = False):
         self.model = copy.deepcopy(model).to(device)
         self.clip = clip  # --clip-grad-norm: torch.nn.utils.clip_grad_norm_ over every master's gradients
         self.grad_norms = []  # each applied step's, before clipping
@@ -1693,13 +1373,17 @@ class ResidentTraining:
         self.params = [p.requires_grad_() for p in self.model.parameters()]  # the inference store froze the layers
         self.masters = [p.detach().float().clone() for p in self.params]
         self.optimizer = adam.optimizer(self.masters)
-        self.scaling = loss_scaling(dtype, device)
+        self.scaling = scaling or Unscaled()  # float16's loss scale, beyond the assignment
         self.units = model_units(model.config)
-        self.ranks = Ranks()  # one process
+        self.ranks = ONE_PROCESS
+        if recompute:
+            enable = getattr(self.model, "activation_checkpointing_enable", None)  # transformers 5.23's name
+            (enable or self.model.gradient_checkpointing_enable)({"use_reentrant": False})
+            for layer in self.model.model.layers:  # HF recomputes a layer in training mode only; its modules stay in
+                layer.training = True  # eval mode, so nothing else changes
 
     def step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
-        """One step: backward each micro-batch, gradients summed in float32, Adam on the masters copied into the
-        weights; returns the mean loss."""
+        """One step: each micro-batch's backward, gradients summed in float32, Adam on the masters; the mean loss."""
         losses = []
         for k, ids in enumerate(micro_batches):
             loss = self.model(ids, labels=ids, use_cache=False).loss
@@ -1722,46 +1406,13 @@ class ResidentTraining:
 
     def wait_updates(self) -> None: ...  # each step is done when step() returns
 
-    def unit_params(self, u: int):
-        """Unit u's parameters as (name within the unit, float32 master, compute-dtype weight)."""
-        prefix = self.units[u].name + "."
-        for name, master, param in zip(self.names, self.masters, self.params, strict=True):
-            if name.startswith(prefix):
-                yield name.removeprefix(prefix), master, param
-
-    def unit_state(self, u: int) -> dict:
-        """Unit u's training state for a checkpoint, as OffloadedTraining.unit_state gives it."""
-        state = {"unit": self.units[u].name, "step": 0.0, "master": {}, "exp_avg": {}, "exp_avg_sq": {}}
-        for name, master, _ in self.unit_params(u):
-            adam = self.optimizer.state.get(master)  # none before the first step that was applied
-            state["master"][name] = master.cpu()
-            for key in ("exp_avg", "exp_avg_sq"):
-                state[key][name] = adam[key].cpu() if adam else torch.zeros_like(master, device="cpu")
-            state["step"] = adam["step"].item() if adam else 0.0
-        return state
-
-    @torch.no_grad()
-    def load_unit(self, u: int, state: dict) -> None:
-        """Set unit u's masters, weights and Adam state from a checkpoint."""
-        for name, master, param in self.unit_params(u):
-            master.copy_(state["master"][name])
-            param.copy_(master)
-            if state["step"]:  # as torch.optim.Adam(fused=True) keeps it: tensors on the master's device
-                moments = {key: state[key][name].to(master.device, copy=True) for key in ("exp_avg", "exp_avg_sq")}
-                step = torch.tensor(state["step"], device=master.device)
-                self.optimizer.state[master] = {"step": step, **moments}
-
-    def named_masters(self):
-        """Each parameter's float32 master on the CPU by HF name."""
-        for name, master in zip(self.names, self.masters, strict=True):
-            yield name, master.detach().cpu()
-
     def state_dict(self, tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """Copies of `tensors` (masters or their gradients) on the CPU under HF parameter names."""
         return {name: t.detach().to("cpu", copy=True) for name, t in zip(self.names, tensors, strict=True)}
 
 
 # ------------------------------------------------------------------------------------------------ Table 1 and Table 2
+# The memory and time tables, a row a mode.
 
 
 def fmt(x, spec: str) -> str:
@@ -1774,18 +1425,50 @@ def gib(x) -> str:
     return fmt(None if x is None else x / GiB, ".2f")
 
 
-def yes_no(x) -> str:
-    """A check's cell: yes, NO, or empty when it was not made."""
-    return {True: "yes", False: "NO", None: ""}[x]
+def cell(field: str, spec: str = "", of=lambda value: value):
+    """A column's cell: a result's `field` in the format `spec` (of(value) first), yes or NO for a bool."""
+
+    def text(r: dict) -> str:  # the cell of result `r`
+        value = r.get(field)
+        return (
+            ("yes" if value else "NO") if isinstance(value, bool) else fmt(None if value is None else of(value), spec)
+        )
+
+    return text
 
 
-def formatted(r: dict, **specs: str) -> list[str]:
-    """The cells of r's fields named in `specs`, each in its format spec; empty where r lacks the field."""
-    return [fmt(r.get(field), spec) for field, spec in specs.items()]
+def losses_cell(r: dict) -> str:
+    """Training's first and last loss."""
+    return f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}"
+
+
+PEAK_GPU = ("peak GPU (GiB)", lambda r: gib(r.get("peak_gpu_bytes")) or "0 (runs on the CPU)")  # the tables' columns
+PEAK_HOST = ("peak host RSS (GiB)", lambda r: gib(r.get("peak_host_bytes")))
+TIME, STEP = ("time (ms)", cell("time_ms", ".1f")), ("step (ms)", cell("time_ms", ".1f"))
+LOGITS = ("logits == gpu:", cell("equal_to_gpu"))
+CHECKS = [("loss first -> last:", losses_cell), ("grads == gpu:", cell("grads_equal_to_gpu"))]
+CHECKS += [("step-1 masters ~ gpu:", cell("masters_close_to_gpu"))]
+TABLES = {  # part: its tables as (title, columns), a column (header, cell of a mode's result); "x:" is centred
+    "inference": [
+        ("Table 1: peak GPU memory, inference", [PEAK_GPU]),
+        ("Table 2: time per forward pass, inference", [TIME, LOGITS]),
+    ],
+    "training": [
+        ("Table 1 (training): peak memory per step", [PEAK_GPU, PEAK_HOST]),
+        ("Table 2 (training): time per step", [STEP, *CHECKS]),
+    ],
+}
+MODE_NAMES = {  # a row's label: the modes, and gpu mode trained with the offloaded modes' recomputation
+    "gpu": "w/o offload (gpu)",
+    "gpu_recomputed": "w/o offload, layers recomputed (gpu)",
+    "blocked": "blocked offload",
+    "overlapped": "overlapped offload",
+    "cpu": "cpu",
+}
 
 
 def markdown(title: str, columns: list[tuple[str, str]], rows: list[tuple[str, dict]], cells) -> list[str]:
-    """A markdown table: `cells(mode, r)` gives a row's cells; an OOM result shows OOM in its first column."""
+    """A markdown table of columns (header, alignment), `cells(label, r)` a row's cells, OOM where it did not fit."""
     header = "| mode | " + " | ".join(h for h, _ in columns) + " |"
     lines = [title, "", header, "|---|" + "|".join(align for _, align in columns) + "|"]
     for label, r in rows:
@@ -1794,95 +1477,30 @@ def markdown(title: str, columns: list[tuple[str, str]], rows: list[tuple[str, d
     return lines + [""]
 
 
-def inference_memory_cells(mode: str, r: dict) -> list[str]:
-    """Table 1's cells: the peak GPU memory of a pass and its analytic figure."""
-    if "peak_gpu_bytes" not in r:
-        return ["0 (runs on the CPU)", ""]
-    return [gib(r["peak_gpu_bytes"]), gib(sum(r["analytic_peak_bytes"].values()))]
-
-
-def inference_time_cells(mode: str, r: dict) -> list[str]:
-    """Table 2's cells: time, bound, efficiency, H2D bandwidth, logits against gpu mode's."""
-    times = formatted(r, time_ms=".1f", bound_ms=".1f", efficiency=".3f", h2d_gbps=".1f")
-    return times + [yes_no(r.get("equal_to_gpu"))]
-
-
-def training_memory_cells(mode: str, r: dict) -> list[str]:
-    """Training Table 1's cells: peak GPU memory, the placement's prediction, the units resident, peak host memory and
-    its bytes a parameter, the disk tier's files, the seconds the offloaded modes' state took to build (set-up)."""
-    resident = f"{len(r['resident_units'])} of {r['units']}" if "units" in r else ""
-    gpu = gib(r.get("peak_gpu_bytes")) or "0 (runs on the CPU)"
-    disk = gib(r["disk_tier"]["bytes"]) if "disk_tier" in r else ""
-    host = [gib(r.get("peak_host_bytes")), *formatted(r, host_bytes_per_parameter=".1f")]
-    setup = f"{sum(r['setup_s'].values()):.1f}" if "setup_s" in r else ""
-    return [gpu, gib(r.get("predicted_peak_bytes")), resident, *host, disk, setup]
-
-
-def training_time_cells(mode: str, r: dict) -> list[str]:
-    """Training Table 2's cells: step time, bound, what bounds it, efficiency, TFLOPS, host bytes, losses, checks."""
-    losses = f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}"
-    checks = [yes_no(r.get("grads_equal_to_gpu")), yes_no(r.get("masters_close_to_gpu"))]
-    rest = formatted(r, efficiency=".3f", model_tflops=".0f", executed_tflops=".0f", executed_share_of_peak=".0%")
-    rest += formatted(r, host_bytes_per_param=".1f")
-    return [*formatted(r, time_ms=".1f", bound_ms=".1f"), r.get("bound_by", ""), *rest, losses, *checks]
-
-
-TABLES = {  # part: its tables as (title, columns split on "|", cells), in print order; "x:" is a centred column x
-    "inference": [
-        ("Table 1: peak GPU memory, inference", "peak GPU (GiB)|analytic (GiB)", inference_memory_cells),
-        (
-            "Table 2: time per forward pass, inference",
-            "time (ms)|bound (ms)|efficiency|H2D (GB/s)|logits == gpu:",
-            inference_time_cells,
-        ),
-    ],
-    "training": [
-        (
-            "Table 1 (training): peak memory per step",
-            "peak GPU (GiB)|predicted (GiB)|units resident|peak host RSS (GiB)|host (B / param)|on the disk (GiB)|"
-            "set-up (s)",
-            training_memory_cells,
-        ),
-        (
-            "Table 2 (training): time per step",
-            "step (ms)|bound (ms)|bound by:|efficiency|model TFLOPS|executed TFLOPS|of peak|host traffic (B / param)|"
-            "loss first -> last:|grads == gpu:|"
-            "step-1 masters ~ gpu:",
-            training_time_cells,
-        ),
-    ],
-}
-
-
-MODE_NAMES = {
-    "gpu": "w/o offload (gpu)",
-    "blocked": "blocked offload",
-    "overlapped": "overlapped offload",
-    "cpu": "cpu",
-}
-
-
-def tables(results: dict, run: RunConfig, tokens: int, reference: dict | None = None, host: dict | None = None) -> str:
-    """The memory and time tables of a run, inference then training, with notes below (host: the process's peak
-    resident set and the host memory it had, as run_all gives them)."""
+def tables(results: dict, run: Config, layout: dict = TABLES, model: str | None = None) -> str:
+    """Table 1 (memory) and Table 2 (time) of inference, then of training, a row a mode (results[mode][part])."""
+    tokens = f"{run.batch_size}x{run.seq_len} = {run.tokens} tokens"
     what = {
-        "inference": f"{run.model or run.preset}, {run.dtype}, {run.batch_size}x{run.seq_len} = {tokens} tokens",
+        "inference": f"{model or run.preset}, {run.dtype}, {tokens}",
         "training": f"{run.dtype}, {run.grad_accum}x{run.batch_size}x{run.seq_len} tokens per step, Adam",
     }
     labels = dict(MODE_NAMES, overlapped=f"{MODE_NAMES['overlapped']} (prefetch {run.prefetch})")
     lines = []
     for part in [part for part, wanted in (("inference", run.inference), ("training", run.train)) if wanted]:
-        rows = [(labels[mode], results[mode][part]) for mode in MODES if part in results.get(mode, {})]
-        for title, columns, cells in TABLES[part]:
-            aligned = [(c.removesuffix(":"), ":---:" if c.endswith(":") else "---:") for c in columns.split("|")]
+        rows = [(labels[mode], results[mode][part]) for mode in MODE_NAMES if part in results.get(mode, {})]
+        for title, columns in layout[part]:
+            aligned = [(h.removesuffix(":"), ":---:" if h.endswith(":") else "---:") for h, _ in columns]
+            cells = functools.partial(lambda columns, label, r: [cell(r) for _, cell in columns], columns)
             lines += markdown(f"{title} ({what[part]})", aligned, rows, cells)
-    return "\n".join(lines + notes(results, run, reference) + host_note(host or {}, run))
+    return "\n".join(lines)
 
 
 # === Beyond the assignment ===
 
 
 # -------------------------------------------------------------------------------------------------- the compiled Adam
+# Adds: the CPU Adam's update as one pass over host memory, fused by torch.compile (adam_update), compiled early.
+# Turned on: by default, where it compiles (AdamUpdate otherwise). Plugs into: OffloadedAdam's `update`.
 
 
 @contextlib.contextmanager
@@ -1918,6 +1536,15 @@ def adam_update(master, grads, exp_avg, exp_avg_sq, copy, scalars, scaled: bool 
         copy.copy_(master_new)  # rounded to nearest even, as the GPU casts
 
 
+def adam_scalars(adam: Adam, step: int, multiplier: float = 1.0) -> torch.Tensor:
+    """adam_update's scalars for step `step` (from 1), as torch's fused CPU kernel rounds them, and the gradients'
+    multiplier (--clip-grad-norm); a tensor, not floats, so one compiled kernel serves every step."""
+    beta1, beta2 = adam.betas
+    step_size = -adam.lr / (1 - beta1**step)
+    values = [1 - beta1, beta2, 1 - beta2, math.sqrt(1 - beta2**step), adam.eps, step_size, adam.weight_decay]
+    return torch.tensor([*values, multiplier], dtype=torch.float32)
+
+
 ADAM_SPARE_CORES = 1  # cores the CPU Adam leaves to the main thread, which drives the GPU meanwhile
 
 
@@ -1936,7 +1563,7 @@ def compiled_adam_update(grad_dtype: torch.dtype, copy_dtype: torch.dtype | None
         master, grads = torch.zeros(n), torch.zeros(n, dtype=grad_dtype)
         copy = None if copy_dtype is None else torch.zeros(n, dtype=copy_dtype)
         with torch.no_grad(), without_isa_probes():
-            compiled(master, grads, torch.zeros(n), torch.zeros(n), copy, Adam().scalars(1))
+            compiled(master, grads, torch.zeros(n), torch.zeros(n), copy, adam_scalars(Adam(), 1))
     except Exception as e:  # inductor's errors have no common class; the fallback is exact too
         reason = f"{type(e).__name__}: {str(e)[:200]}"
         log(f"CPU Adam: no fused update ({reason}); using torch.optim.Adam(fused=True) and a cast, float32 gradients")
@@ -1987,16 +1614,19 @@ class CompiledAdamUpdate(AdamUpdate):
         if self.compiled is None:
             return super().__call__(master, grads, exp_avg, exp_avg_sq, copy, step, multiplier)
         step += 1
-        self.compiled(master, grads, exp_avg, exp_avg_sq, copy, self.adam.scalars(int(step.item()), multiplier))
+        self.compiled(master, grads, exp_avg, exp_avg_sq, copy, adam_scalars(self.adam, int(step.item()), multiplier))
 
 
 # ----------------------------------------------------------------------------------------------------- the GPU's Adam
+# Adds: units kept resident on the GPU and stepped there (ResidentUnits), and a share of the streamed ones stepped
+# on the GPU over state streamed from the host (StreamedAdam). Turned on: overlapped under --max-gpu-memory,
+# --resident-layers, --gpu-adam-share (the plan's choice). Plugs into: Steppers.assign, LayerStreamer.keep_resident.
 
 
 GPU_ADAM_SHARE = 0.3  # of the streamed parameters, the default share of the GPU's Adam over streamed state
 
 
-def gradient_memory(store: MasterStore, resident, own_grads: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
+def gradient_memory(store: OffloadedAdam, resident, own_grads: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
     """GPU memory for the gradients: the streamed units' buffer in the store's gradient dtype, and the float32 memory it
     starts, large enough for the resident units' too where they share it (not own_grads). Zeroed: the padding between
     a unit's parameters is sent and stepped too, and must hold no NaN (later, it holds what another unit left)."""
@@ -2005,6 +1635,14 @@ def gradient_memory(store: MasterStore, resident, own_grads: bool, device) -> tu
     shared = 0 if own_grads else max((numels[u] for u in resident), default=0)
     memory = torch.zeros(max(-(-streamed * store.grad_dtype.itemsize // 4), shared), dtype=torch.float32, device=device)
     return memory.view(store.grad_dtype)[:streamed], memory
+
+
+def pin_moments(moments: HostMoments, u: int, pin: bool) -> None:
+    """Move unit u's moments into pinned memory (pin) for the copy engines, once: each placement makes a new
+    StreamedAdam, which pins its units'."""
+    if u not in moments.pinned:
+        moments.buffers[u] = tuple(host_zeros(m.numel(), torch.float32, pin).copy_(m) for m in moments.buffers[u])
+        moments.pinned.add(u)
 
 
 def place_on_gpu(trainer: OffloadedTraining, resident=(), gpu_adam=(), own_grads: bool = True) -> None:
@@ -2021,18 +1659,19 @@ def place_on_gpu(trainer: OffloadedTraining, resident=(), gpu_adam=(), own_grads
     if resident and trainer.ranks.several:
         raise ValueError("several ranks keep only their shards: every unit streams, none is resident")
     steppers, streamer, store = trainer.steppers, trainer.streamer, trainer.store
-    steppers.release()  # before the resident units' state is allocated
+    steppers.buffer = None  # freed before the resident units' state is allocated
     buffer, shared = gradient_memory(store, resident, own_grads, trainer.device)
     on_gpu = ResidentUnits(store, trainer.dtype, trainer.device, None if own_grads else shared)
     streamer.keep_resident(resident, on_gpu.load)
     streamed = StreamedAdam(store, gpu_adam, trainer.device, streamer.copy_stream, own_grads)
-    steppers.assign({**dict.fromkeys(resident, on_gpu), **dict.fromkeys(gpu_adam, streamed)}, buffer)
+    chosen = {**dict.fromkeys(resident, on_gpu), **dict.fromkeys(gpu_adam, streamed)}
+    steppers.buffer, steppers.of = buffer, [chosen.get(u, steppers.cpu_adam) for u in range(len(steppers.of))]
 
 
 class ResidentUnit:
     """One unit kept on the GPU: weights, float32 master and Adam moments; `grads` may be memory the units share."""
 
-    def __init__(self, store: MasterStore, u: int, dtype: torch.dtype, grads: torch.Tensor):
+    def __init__(self, store: OffloadedAdam, u: int, dtype: torch.dtype, grads: torch.Tensor):
         self.master = store.masters[u].to(grads.device, copy=True)
         self.weights = self.master if dtype == torch.float32 else self.master.to(dtype)  # what the GPU computes with
         resumed = bool(store.steps[u])  # else the store's moments are not written yet: they start at zero
@@ -2061,7 +1700,7 @@ class ResidentUnits:
 
     holds_grads = True  # the units' gradients are in memory of this stepper's (`shared`: of the gradient buffer's)
 
-    def __init__(self, store: MasterStore, dtype: torch.dtype, device: torch.device, shared: torch.Tensor | None):
+    def __init__(self, store: OffloadedAdam, dtype: torch.dtype, device: torch.device, shared: torch.Tensor | None):
         self.store, self.dtype, self.device = store, dtype, device
         self.shared = shared  # float32, or None: each unit gets gradients of its own
         self.shares_buffer = shared is not None  # then its backward waits for the last gradients sent to leave it
@@ -2122,7 +1761,7 @@ class StreamedAdam(HostState):
       send_back  waits for stepped[k]; records left[k]
     After a unit's last chunk, written_back[u]: the unit's next weight copy waits for it on the copy stream."""
 
-    def __init__(self, store: MasterStore, units, device, copy_stream, keep_first_grads: bool = False):
+    def __init__(self, store: OffloadedAdam, units, device, copy_stream, keep_first_grads: bool = False):
         if keep_first_grads and units and not store.pool.dedicated:
             raise ValueError("the first step's gradients stay on the host: give each unit a gradient buffer")
         super().__init__(store)
@@ -2131,7 +1770,7 @@ class StreamedAdam(HostState):
         self.copy_stream = copy_stream  # the weights' copies: a unit's next one waits for its state to be written
         self.keep_first_grads = keep_first_grads  # the first step's gradients go to the host, to compare them
         for u in self.units:
-            store.adam_moments.pin(u, store.pin)  # for the copy engines, a unit at a time
+            pin_moments(store.adam_moments, u, store.pin)  # for the copy engines, a unit at a time
         numel = max((store.masters[u].numel() for u in self.units), default=0)
         self.buffer = torch.empty(numel, dtype=store.grad_dtype, device=device)  # the unit's gradients, taken
         self.slots = [self.staging_slot(min(numel, GPU_ADAM_CHUNK)) for _ in range(2)]
@@ -2240,6 +1879,8 @@ class StreamedAdam(HostState):
 
 
 # ------------------------------------------------------------------------------------------------- activation offload
+# Adds: the saved inputs wait in pinned host memory between a unit's forward and its backward.
+# Turned on: --offload-activations, or the plan where they do not fit the cap. Plugs into: OffloadedTraining.inputs.
 
 
 class ActivationOffload:
@@ -2312,6 +1953,8 @@ class ActivationOffload:
 
 
 # ----------------------------------------------------------------------------------------------- float16 and clipping
+# Adds: float16's dynamic loss scale (LossScale) and --clip-grad-norm (GradClip); units step once every gradient
+# is in. Turned on: --dtype float16, --clip-grad-norm X. Plugs into: the trainers' `scaling` and `clip`.
 
 
 class LossScale:
@@ -2320,7 +1963,7 @@ class LossScale:
 
     holds_updates = True
 
-    def __init__(self, device: torch.device, ranks: Ranks = Ranks()):
+    def __init__(self, device: torch.device, ranks: OneProcess = ONE_PROCESS):
         self.scale = 2.0**16
         self.good_steps = 0  # in a row, since the scale last changed
         self.device = device
@@ -2350,7 +1993,7 @@ class LossScale:
         return not overflow
 
 
-def loss_scaling(dtype: torch.dtype, device: torch.device, ranks: Ranks = Ranks()):
+def loss_scaling(dtype: torch.dtype, device: torch.device, ranks: OneProcess = ONE_PROCESS):
     """float16's dynamic loss scaling (LossScale), or none."""
     return LossScale(device, ranks) if dtype == torch.float16 else Unscaled()
 
@@ -2363,7 +2006,7 @@ class GradClip:
 
     holds_updates = True
 
-    def __init__(self, store: MasterStore, max_norm: float, device: torch.device):
+    def __init__(self, store: OffloadedAdam, max_norm: float, device: torch.device):
         if not store.pool.dedicated:
             raise ValueError("clipping steps only once every unit's gradients are in: give each unit a gradient buffer")
         if not store.update.scaled:
@@ -2383,7 +2026,7 @@ class GradClip:
             self.take(u, views)
             return
         with on_stream(stream):
-            self.take(u, self.units[u].layout.pieces(sent, self.ranks.rank * sent.numel()))
+            self.take(u, pieces(self.units[u].layout, sent, self.ranks.rank * sent.numel()))
 
     def take(self, u: int, grads: list[torch.Tensor]) -> None:
         """The norms of `grads`, unit u's parameters' (or their pieces in a shard), on the current stream."""
@@ -2411,7 +2054,7 @@ class GradClip:
 
 def scale_and_clip(trainer: OffloadedTraining, max_norm: float | None) -> None:
     """The trainer's float16 losses scaled (LossScale) and its gradients clipped to `max_norm` (GradClip), in place of
-    the plain path's Unscaled and Unclipped."""
+    the plain path's Unscaled."""
     trainer.scaling = loss_scaling(trainer.dtype, trainer.device, trainer.ranks)
     if trainer.scaling.holds_updates and not trainer.store.pool.dedicated:
         raise ValueError("float16 steps only once every unit's gradients are in: give each unit a gradient buffer")
@@ -2420,6 +2063,8 @@ def scale_and_clip(trainer: OffloadedTraining, max_norm: float | None) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------ the disk tier
+# Adds: the Adam moments of the last decoder layers on a local disk, read ahead of their steps, written back after.
+# Turned on: --nvme DIR (the plan picks the layers). Plugs into: OffloadedAdam's `moments` (moments_for).
 
 
 DISK_CALL = 2**28  # bytes one read or write call moves at most (Linux moves under 2 GiB per call)
@@ -2738,7 +2383,7 @@ class DiskMoments(HostMoments):
 
 
 def moments_for(disk: DiskTier | None):
-    """MasterStore's `moments`: HostMoments, or with a disk tier DiskMoments on it."""
+    """OffloadedAdam's `moments`: HostMoments, or with a disk tier DiskMoments on it."""
     return functools.partial(DiskMoments, disk=disk) if disk else HostMoments
 
 
@@ -2777,6 +2422,125 @@ def direct_io(fd: int, buffer: mmap.mmap) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------------- several GPUs
+# Adds: data-parallel ranks, each holding 1/N of every unit's host state; a unit's shards cross PCIe on every rank
+# and are gathered over NVLink, its gradients reduce-scattered. Turned on: torchrun. Plugs into: OneProcess (Ranks),
+# ParamStore.streamer, OffloadedTraining.make_steppers and make_streamer (the Sharded subclasses).
+
+
+STEP_GROUP = {}  # "group": the steps' process group, with the plan's rank timeout (join_steps)
+# the collectives on one tensor: torch 2.13 names them so, and warns at the older names, which 2.11 and 2.12 have only
+all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass(frozen=True)
+class Ranks(OneProcess):
+    """The processes of a data-parallel run, one per GPU, as torchrun starts them (one process alone is rank 0 of 1,
+    whose methods are OneProcess's). Each rank keeps 1/world of every
+    unit's host state, its shard, and trains on micro-batches rank, rank + world, ... of each step. Every rank calls
+    the collectives in the same order and number, each in one of two groups:
+      the steps' (group; the plan's rank timeout; NCCL on GPU tensors): gather (a unit's shards,
+        ShardedStreamer.landed_in), sum_shard (its gradients, ShardedSteppers.to_send), sum (the loss, float16's
+        overflow, clipping's squares); ranks waiting there on one that stalled are ended by NCCL's watchdog, on one
+        that ended by torchrun.
+      the default (SETUP_TIMEOUT; gloo on CPU tensors): meet (also before each bound part), in_turn (each host's
+        ranks), gathered (saving, state_dict), each (peaks, the plan's facts, check_same); their failures reach Python
+        (lost_ranks)."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0  # the GPU of this host it drives
+    local_world: int = 1  # the ranks on this host, which share its cores and memory
+
+    @classmethod
+    def from_environment(cls) -> Ranks:
+        """The ranks torchrun describes in the environment, else one process."""
+        env = os.environ
+        if "WORLD_SIZE" not in env:
+            return cls()
+        world, local_world = int(env["WORLD_SIZE"]), int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"]))
+        return cls(int(env.get("RANK", 0)), world, int(env.get("LOCAL_RANK", 0)), local_world)
+
+    @property
+    def several(self) -> bool:
+        """Whether other ranks take part."""
+        return self.world > 1
+
+    def shard_numel(self, numel: int) -> int:
+        """Each rank's share of a flat buffer of `numel` elements, on an ALIGN boundary (the last ones pad)."""
+        return -(-numel // (self.world * ALIGN)) * ALIGN
+
+    def whole_numel(self, shard: torch.Tensor) -> int:
+        """The elements of the flat buffer (a unit, padding included) whose shard on this rank is `shard`."""
+        return shard.numel() * self.world
+
+    def shard(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of `full`, a flat buffer of world shards."""
+        n = full.numel() // self.world
+        return full[self.rank * n : (self.rank + 1) * n]
+
+    def share(self, micro_batches: list) -> list:
+        """This rank's micro-batches of a step's: rank, rank + world, ..."""
+        return micro_batches[self.rank :: self.world]
+
+    def gather(self, full: torch.Tensor) -> None:
+        """Each rank's shard of `full`, written in its place, into every rank's `full`: NCCL's stream runs it after
+        the current stream's work so far, and the current stream's later work waits for it."""
+        if self.several:
+            all_gather(full, self.shard(full), group=self.group)
+
+    def sum_shard(self, shard: torch.Tensor, full: torch.Tensor) -> None:
+        """The sum over ranks of their `full`, this rank's shard of it into `shard` (stream order as gather's)."""
+        if self.several:
+            reduce_scatter(shard, full, group=self.group)
+        else:
+            shard.copy_(full)
+
+    def sum(self, value: torch.Tensor) -> torch.Tensor:
+        """`value` summed over the ranks, in place."""
+        if self.several:
+            dist.all_reduce(value, group=self.group)
+        return value
+
+    def gathered(self, shard: torch.Tensor, everywhere: bool = True) -> torch.Tensor | None:
+        """Every rank's `shard` of a flat host buffer, gathered in a new one on every rank, or (not `everywhere`) on
+        rank 0 alone, None on the others (one process: `shard` itself); in the default group, which waits long: rank
+        0 may be writing a file between two of them."""
+        if not self.several:
+            return shard
+        if everywhere:
+            full = torch.empty(self.whole_numel(shard), dtype=shard.dtype)
+            all_gather(full, shard.contiguous())
+            return full
+        shards = [torch.empty_like(shard) for _ in range(self.world)] if self.rank == 0 else None
+        dist.gather(shard.contiguous(), shards, dst=0)
+        return torch.cat(shards) if self.rank == 0 else None
+
+    def meet(self) -> None:
+        """Wait until every rank is here, as long as setting up may take (one may still be pinning or compiling)."""
+        if self.several:
+            dist.barrier()
+
+    def in_turn(self, make):
+        """make() on each host's first rank, then on its others: what it caches on the host's disk (a token cache, a
+        tokenizer), one rank of the host writes, and the others read."""
+        if self.local_rank == 0:
+            made = make()
+        self.meet()
+        return made if self.local_rank == 0 else make()
+
+    def each(self, value) -> list:
+        """Every rank's `value` (a small picklable one), in rank order."""
+        if not self.several:
+            return [value]
+        values = [None] * self.world
+        dist.all_gather_object(values, value)
+        return values
+
+    @property
+    def group(self):
+        """The group the steps' collectives run in: a stalled rank ends the others after the rank timeout."""
+        return STEP_GROUP.get("group")
 
 
 SETUP_TIMEOUT = 1800  # seconds: the ranks meet before the steps, once each has built its model and state
@@ -2847,7 +2611,7 @@ class ShardedSteppers(Steppers):
     and this rank's shard of the sum, in `summed`, goes to its stepper. Every unit streams (place_on_gpu): a rank
     keeps shards."""
 
-    def __init__(self, store: MasterStore, dtype: torch.dtype, device: torch.device, d2h_stream):
+    def __init__(self, store: OffloadedAdam, dtype: torch.dtype, device: torch.device, d2h_stream):
         super().__init__(store, dtype, device, d2h_stream)
         shard = max(m.numel() for m in store.masters)
         self.summed = torch.empty(shard, dtype=store.grad_dtype, device=device)  # this rank's shard of their sum
@@ -2874,13 +2638,17 @@ class ShardedTraining(OffloadedTraining):
     """OffloadedTraining of one of several ranks: its units' gradients summed over the ranks (ShardedSteppers) and
     their weights gathered from the ranks' shards (ShardedStreamer)."""
 
-    def make_steppers(self, *args) -> Steppers:
-        """ShardedSteppers of Steppers' arguments."""
+    def make_steppers(self, *args) -> Steppers:  # the gradients summed over the ranks first
         return ShardedSteppers(*args)
 
     def make_streamer(self, *args, **kwargs) -> LayerStreamer:
         """A ShardedStreamer of LayerStreamer's arguments."""
         return ShardedStreamer(self.ranks, *args, **kwargs)
+
+
+def pieces(layout: FlatLayout, shard: torch.Tensor, start: int) -> list[torch.Tensor]:
+    """The parameters' pieces within `shard` (a unit's flat buffer from element `start` on), the padding left out."""
+    return [shard[lo - start : hi - start] for _, _, lo, hi in layout.spans(start, start + shard.numel())]
 
 
 def check_same(ranks: Ranks, value, what: str) -> None:
@@ -2972,6 +2740,57 @@ def stop_ranks() -> None:
 
 
 # ----------------------------------------------------------------------- a model from a folder, or drawn unit by unit
+# Adds: --model DIR (a save_pretrained folder, its weights checked before they load), and a lean run's random
+# model drawn straight into the masters. Turned on: --model, --no-inference. Plugs into: load_model, for build_model.
+
+
+def model_config(run: RunConfig) -> LlamaConfig:
+    """The model's config: --model's, or the preset's with the size flags over it; refused with one line where no
+    LLaMA has those sizes."""
+    if run.model is not None:
+        config = load_config(Path(run.model))
+        check_sizes({field: getattr(config, field) for field in SIZE_FLAGS}, f"--model {run.model}: config.json's ")
+        return config
+    check_sizes({**PRESETS[run.preset], **dict(run.sizes)})
+    return llama_config(run)
+
+
+def load_model(run: RunConfig, config: LlamaConfig) -> LlamaForCausalLM:
+    """The CPU model in the compute dtype: --model's (pretrained_model), or a meta-device one whose units the run
+    draws straight into its masters (draws_units), or the random one build_model draws."""
+    if run.model is not None:
+        return pretrained_model(run)
+    if not draws_units(run):
+        t0 = time.perf_counter()
+        model = build_model(run, config)
+        log(f"built in {time.perf_counter() - t0:.1f} s")
+        return model
+    log(f"{run.preset}: {count_text(param_count(config))} {run.dtype} parameters, drawn straight into the masters")
+    model = meta_model(config, run.torch_dtype, run.attention)
+    model.model.rotary_emb = LlamaRotaryEmbedding(config)  # computed, not drawn
+    return model.eval()
+
+
+def pretrained_model(run: RunConfig) -> LlamaForCausalLM:
+    """--model's weights in the compute dtype, refused with one line where they lack a weight or hold NaN."""
+    log(f"loading {run.model} on the CPU in {run.dtype}")
+    transformers.utils.logging.disable_progress_bar()  # stderr carries this script's progress lines alone
+    try:
+        with transformers_quiet():  # its report of missing weights: the refusal below says it in one line
+            model, info = LlamaForCausalLM.from_pretrained(
+                run.model, dtype=run.torch_dtype, attn_implementation=run.attention, output_loading_info=True
+            )
+    except Exception as e:  # what check_weights cannot see; transformers' error classes vary between versions
+        raise UsageError(f"--model {run.model}: cannot load the weights ({first_line(e)})") from None
+    missing = sorted([*info.get("missing_keys", ()), *(key for key, *_ in info.get("mismatched_keys", ()))])
+    if missing:  # from_pretrained draws those at random and goes on: not the model the folder names
+        what = f"{len(missing)} of the model's weights, such as {missing[0]}"
+        raise UsageError(f"--model {run.model}: its weights lack {what}: save the model again")
+    check_no_extra_weights(Path(run.model), model.config, set(info.get("unexpected_keys", ())))  # pytorch_model.bin's
+    damaged = next((name for name, p in model.named_parameters() if not torch.isfinite(p).all()), None)
+    if damaged:  # it would run, every logit NaN, or train and diverge at once
+        raise UsageError(f"--model {run.model}: {damaged} holds NaN or infinite values: save the model again")
+    return model.eval()
 
 
 def load_config(path: Path) -> LlamaConfig:
@@ -3183,6 +3002,10 @@ def layer_bytes(config: LlamaConfig, dtype: torch.dtype) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------- the plan
+# Adds: every placement decision, made once before anything is allocated, from the run and the machine's facts (the
+# ranks agree on theirs first): resident units, the GPU's Adam's units, the copy's dtype, the gradient buffers,
+# activation offload, the disk layers; with the predicted GPU, host and disk peaks and the bound's parts.
+# Turned on: every run (--plan prints it and exits). Plugs into: the stores, streamers and steppers are built from it.
 
 
 DEFAULT_RATES = {  # measured on the project's H100 machine (report/results); --rate NAME=VALUE overrides one
@@ -3392,6 +3215,11 @@ def plan_refusal(run: RunConfig, config: LlamaConfig, facts: Facts) -> str | Non
     return None
 
 
+def places_on_gpu(mode: str) -> bool:
+    """Whether the plan may keep `mode`'s units resident and step some on the GPU's Adam: overlapped alone."""
+    return mode == "overlapped"
+
+
 def offloaded_training(run: RunConfig) -> bool:
     """Whether the run trains an offloaded mode: the host then holds the masters and Adam state."""
     return run.train and offloaded(run.modes)
@@ -3482,7 +3310,7 @@ def copy_dtype_planned(run: RunConfig, config: LlamaConfig, facts: Facts) -> tor
 
 def grad_buffers_planned(run: RunConfig, config: LlamaConfig, facts: Facts, copy) -> int:
     """Offloaded training's pinned gradient buffers: one per unit where every unit's gradients wait for the others'
-    (compared with gpu mode's, float16's loss scale, clipping) or the host has room; else what the host holds, two at
+    (blocked, compared with gpu mode's, float16's loss scale, clipping) or the host has room; else what it holds, two at
     least (one filling while the CPU Adam steps the other)."""
     units, least = len(model_units(config)), least_grad_buffers(run, config)
     spare = host_spare(run, config, facts, copy, least)
@@ -3496,8 +3324,9 @@ def grad_buffers_planned(run: RunConfig, config: LlamaConfig, facts: Facts, copy
 
 def least_grad_buffers(run: RunConfig, config: LlamaConfig) -> int:
     """The fewest gradient buffers the run can train with: one per unit where every unit's gradients wait for the
-    others' (compared with gpu mode's, float16's loss scale, clipping), else two."""
-    return len(model_units(config)) if compared_modes(run) or run.holds_updates else 2
+    others' (blocked, compared with gpu mode's, float16's loss scale, clipping), else two."""
+    held = compared_modes(run) or run.holds_updates or "blocked" in run.modes
+    return len(model_units(config)) if held else 2
 
 
 def shard_numels(config: LlamaConfig, ranks: Ranks) -> list[int]:
@@ -3683,7 +3512,7 @@ def other_bytes(run: RunConfig, config: LlamaConfig, facts: Facts) -> int:
     workspace, what HF passes each decoder layer (the rotary tables, the positions; eager attention's mask), every
     micro-batch's token ids, and with activation offload its ring of slots the saved inputs come back in."""
     kwargs = traced_decoder_kwargs(trace_key(run, config))
-    passed = sum(t.nbytes for t in tree_leaves(kwargs) if isinstance(t, torch.Tensor))
+    passed = sum(t.nbytes for t in tensors_in(kwargs))
     ids = micro_batches_per_rank(run, facts) * run.tokens * 8
     slots = min(run.prefetch + 1, config.num_hidden_layers + 1) if run.offload_activations else 0
     return CUBLAS_WORKSPACE + passed + ids + slots * unit_inputs_bytes(run, config, facts)
@@ -3703,7 +3532,29 @@ def working_bytes(run: RunConfig, config: LlamaConfig, kind: str, facts: Facts) 
     return forward, backward
 
 
-class MetaMemory(TorchDispatchMode):
+def dispatch_mode():
+    """torch's TorchDispatchMode, which sees each op a block runs, below autograd: torch has no public name for it
+    (torch.utils._python_dispatch, checked on torch 2.11 to 2.13)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
+def storage_key(storage) -> int:
+    """A storage's identity, the same for every tensor over it (its C pointer: _cdata, checked on torch 2.11 to 2.13;
+    a meta tensor's data_ptr is 0 for all)."""
+    return storage._cdata
+
+
+def tensors_in(tree) -> list[torch.Tensor]:
+    """The tensors in nested tuples, lists and dicts (an op's arguments, HF's keyword arguments)."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    values = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, (tuple, list)) else ()
+    return [t for value in values for t in tensors_in(value)]
+
+
+class MetaMemory(dispatch_mode()):
     """While on, counts the storages the ops make (on the meta device: nothing is allocated), each rounded as the
     caching allocator rounds a block and counted until torch frees it, and their peak (`peak`, reset by `reset`)."""
 
@@ -3714,15 +3565,15 @@ class MetaMemory(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         """Run the op; count each output storage that is not one of its inputs' (a view or an in-place result)."""
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in inputs:
+        inputs = {storage_key(t.untyped_storage()) for t in tensors_in((args, kwargs))}
+        for t in tensors_in(out):
+            if storage_key(t.untyped_storage()) not in inputs:
                 self.count(t.untyped_storage())
         return out
 
     def count(self, storage) -> None:
         """Count a new storage until it is freed."""
-        key, nbytes = storage._cdata, -(-storage.nbytes() // 512) * 512
+        key, nbytes = storage_key(storage), -(-storage.nbytes() // 512) * 512
         if key in self.counted:
             return
         self.counted.add(key)
@@ -3826,7 +3677,14 @@ def traced_decoder_kwargs(key: tuple) -> dict:
         shape = [batch_size if (i == 0 and n == 3) else seq_len if n == 5 else n for i, n in enumerate(t.shape)]
         return torch.empty(shape, dtype=t.dtype, device="meta")
 
-    return tree_map(lambda t: grown(t) if isinstance(t, torch.Tensor) else t, kwargs)
+    return {key: grown_all(value, grown) for key, value in kwargs.items()}
+
+
+def grown_all(value, grow):
+    """`value` (a tensor, a tuple of them, or another value) with each tensor replaced by grow(tensor)."""
+    if isinstance(value, torch.Tensor):
+        return grow(value)
+    return type(value)(grown_all(v, grow) for v in value) if isinstance(value, (tuple, list)) else value
 
 
 @contextlib.contextmanager
@@ -4046,12 +3904,12 @@ def params_with_layers(config: LlamaConfig, layers: int) -> int:
     return param_count(config) + (layers - config.num_hidden_layers) * per_layer
 
 
-def layer_numel(config: LlamaConfig, ranks: Ranks = Ranks()) -> int:
+def layer_numel(config: LlamaConfig, ranks: OneProcess = ONE_PROCESS) -> int:
     """A decoder layer's elements in its flat buffers, padding included (with several ranks, in a rank's shard)."""
     return ranks.shard_numel(model_units(config)[1].layout.numel)
 
 
-def disk_unit_bytes(config: LlamaConfig, ranks: Ranks = Ranks()) -> int:
+def disk_unit_bytes(config: LlamaConfig, ranks: OneProcess = ONE_PROCESS) -> int:
     """The bytes of a decoder layer's two Adam moments in the disk tier: its file, and each staging buffer."""
     return 2 * moment_bytes(layer_numel(config, ranks))
 
@@ -4188,6 +4046,8 @@ def planned_oom(mode: str, plan: Plan, device: torch.device) -> bool:
 
 
 # -------------------------------------------------------------------------------------------------------- measurement
+# Adds: the bounds (each part of a pass or step timed alone), efficiency, the traces, the comparisons with gpu
+# mode. Turned on: every GPU run; --profile PATH. Plugs into: timed and the tables' results.
 
 
 def bound_parts_of(trainer, micro_batches, device: torch.device):
@@ -4246,7 +4106,6 @@ class StepClock:
         self.device = device
         self.done, self.seen = done, seen  # steps and tokens trained before this run (a resumed run counts on)
         self.steps, self.tokens = steps, tokens  # this run's steps, and each step's tokens: for the progress
-        self.bar = tqdm.tqdm(total=steps, file=sys.stderr, unit="step", leave=False) if sys.stderr.isatty() else None
         self.adam = trainer.steppers.cpu_adam if isinstance(trainer, OffloadedTraining) else None
         self.times, self.busy = [], []  # each step's time, and the CPU Adam's busy time in it (ms)
         self.untimed = set()  # the steps right after a round
@@ -4289,16 +4148,10 @@ class StepClock:
         rate = self.tokens / statistics.median(self.times[-10:]) * 1e3
         left = duration_text((self.steps - i - 1) * self.tokens / rate)
         line += f"; {self.seen + (i + 1) * self.tokens:,} tokens seen, {rate:,.0f} tokens/s, {left} left"
-        if self.bar is None:
-            log(line)
-        else:
-            self.bar.set_postfix_str(line.strip(), refresh=False)
-            self.bar.update()
+        log(line)
 
     def result(self, warmup: int) -> dict:
         """The median step after the warm-up, the steps timed, the peaks."""
-        if self.bar is not None:
-            self.bar.close()
         self.note_peaks()
         timed = [i for i in range(warmup, len(self.times)) if i not in self.untimed] or list(range(len(self.times)))
         result = {"time_ms": statistics.median(self.times[i] for i in timed), "step_ms": self.times}
@@ -4323,6 +4176,19 @@ def free_gpu_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def interleaved_ms(fns: dict, warmup: int, repeat: int) -> tuple[dict[str, list[float]], object]:
+    """Time each of `fns` (name -> (device, fn)) in rounds, one run of each, so a bound's parts meet the machine as
+    what they bound does; the times, and the last function's last result (the others are dropped at once)."""
+    times, out = {name: [] for name in fns}, None
+    for r in range(warmup + repeat):
+        for name, (device, fn) in fns.items():
+            out = None
+            ms, out = timed(fn, device)
+            if r >= warmup:
+                times[name].append(ms)
+    return times, out
 
 
 RESET_HOST_PEAKS = [0]  # the process's peak resident set at each reset_peak_memory, which restarts the kernel's count
@@ -4773,7 +4639,7 @@ def adam_timed_numel(on_cpu: dict[int, int]) -> int:
     return min(max(on_cpu.values()), ADAM_SCRATCH)
 
 
-def adam_scratch(store: MasterStore, numel: int):
+def adam_scratch(store: OffloadedAdam, numel: int):
     """A function to time: the store's Adam update on `numel` parameters of scratch state in host memory like the
     store's, with gradients of Adam's scale so that no moment goes denormal (the update's time does not depend on the
     values otherwise, so constants do: a fill is parallel, a random draw is not)."""
@@ -4866,6 +4732,68 @@ def masters_tolerance(largest: float, steps: int) -> float:
 
 
 # -------------------------------------------------------------------------------------------------- the tables' notes
+# Adds: the instruments' columns beside the assignment's (REPORT_TABLES) and the notes under the tables.
+# Turned on: every run. Plugs into: tables' layout.
+
+
+def summed(parts: dict) -> float:
+    """The sum of a result's parts (bytes, seconds)."""
+    return sum(parts.values())
+
+
+REPORT_TABLES = {  # the tables a run prints: the assignment's columns (TABLES) and the instruments' beside them
+    "inference": [
+        (
+            "Table 1: peak GPU memory, inference",
+            [PEAK_GPU, ("analytic (GiB)", cell("analytic_peak_bytes", ".2f", lambda p: summed(p) / GiB))],
+        ),
+        (
+            "Table 2: time per forward pass, inference",
+            [
+                TIME,
+                ("bound (ms)", cell("bound_ms", ".1f")),
+                ("efficiency", cell("efficiency", ".3f")),
+                ("H2D (GB/s)", cell("h2d_gbps", ".1f")),
+                LOGITS,
+            ],
+        ),
+    ],
+    "training": [
+        (
+            "Table 1 (training): peak memory per step",
+            [
+                PEAK_GPU,
+                ("predicted (GiB)", lambda r: gib(r.get("predicted_peak_bytes"))),
+                ("units resident", lambda r: f"{len(r['resident_units'])} of {r['units']}" if "units" in r else ""),
+                PEAK_HOST,
+                ("host (B / param)", cell("host_bytes_per_parameter", ".1f")),
+                ("on the disk (GiB)", lambda r: gib(r["disk_tier"]["bytes"]) if "disk_tier" in r else ""),
+                ("set-up (s)", cell("setup_s", ".1f", summed)),
+            ],
+        ),
+        (
+            "Table 2 (training): time per step",
+            [
+                STEP,
+                ("bound (ms)", cell("bound_ms", ".1f")),
+                ("bound by:", cell("bound_by")),
+                ("efficiency", cell("efficiency", ".3f")),
+                ("model TFLOPS", cell("model_tflops", ".0f")),
+                ("executed TFLOPS", cell("executed_tflops", ".0f")),
+                ("of peak", cell("executed_share_of_peak", ".0%")),
+                ("host traffic (B / param)", cell("host_bytes_per_param", ".1f")),
+                *CHECKS,
+            ],
+        ),
+    ],
+}
+
+
+def report_tables(results: dict, run: RunConfig, reference: dict | None = None, host: dict | None = None) -> str:
+    """The tables a run prints (REPORT_TABLES), with their notes below (host: the process's peak resident set and the
+    host memory it had, as run_all gives them)."""
+    lines = [tables(results, run, REPORT_TABLES, run.model)]
+    return "\n".join(lines + notes(results, run, reference) + host_note(host or {}, run))
 
 
 def host_note(host: dict, run: RunConfig) -> list[str]:
@@ -5036,6 +4964,9 @@ def bound_note(mode: str, t: dict) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------------ text in
+# Adds: --data tokenized once into a memory-mapped id file (the token cache), packed into --seq-len blocks, shuffled
+# by --seed, a held-out share never trained on; --train-tokenizer; --sample. Turned on: --data, --sample. Plugs into:
+# the steps' micro-batches (step_batches) and a shell over the training streamer (streamed_shell).
 
 
 def data_files(run: RunConfig) -> list[Path]:
@@ -5172,21 +5103,10 @@ END_OF_TEXT = "<|endoftext|>"  # a trained tokenizer's one special token: joins 
 
 
 def trained_bpe(run: RunConfig, files: list[Path]):
-    """A byte-level BPE of --train-tokenizer tokens trained on the corpus, END_OF_TEXT its one special token."""
-    byte_level = tokenizers.pre_tokenizers.ByteLevel
-    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
-    bpe.pre_tokenizer = byte_level(add_prefix_space=False)
-    bpe.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=run.train_tokenizer,
-        special_tokens=[END_OF_TEXT],
-        initial_alphabet=byte_level.alphabet(),
-        show_progress=False,  # its bars would break the progress lines
-    )
-    bpe.train_from_iterator(corpus_documents(run, files), trainer)
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=bpe, eos_token=END_OF_TEXT, bos_token=END_OF_TEXT, unk_token=END_OF_TEXT
-    )
+    """A byte-level BPE of --train-tokenizer tokens trained on the corpus through transformers' own API (GPT-2's
+    tokenizer, empty, trained anew), END_OF_TEXT its one special token."""
+    empty = transformers.GPT2Tokenizer(vocab={}, merges=[], unk_token=END_OF_TEXT, bos_token=END_OF_TEXT)
+    return empty.train_new_from_iterator(corpus_documents(run, files), run.train_tokenizer, show_progress=False)
 
 
 LEFT_RUNNING = []  # threads of waited() still in native code: the interpreter's teardown would abort on them
@@ -5658,6 +5578,8 @@ class Evaluation:
 
 
 # ------------------------------------------------------------------------------------------------ saving and resuming
+# Adds: --save-pretrained, --checkpoint and --resume, every file written aside and renamed. Turned on: those
+# flags. Plugs into: the trainers' state (OffloadedAdam, the steppers).
 
 
 CHECKPOINT_FILE = "checkpoint.json"  # names the unit files of the last whole checkpoint in its folder
@@ -5715,7 +5637,7 @@ def save_masters(trainer, config: LlamaConfig, folder: Path) -> None:
     themselves, shard by shard, with no copy of the model in host memory."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    for name, master in trainer.named_masters():
+    for name, master in named_masters(trainer):
         owner, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(owner), leaf, nn.Parameter(master, requires_grad=False))
     transformers.utils.logging.disable_progress_bar()  # stderr carries this script's progress lines alone
@@ -5867,7 +5789,7 @@ def check_finite_masters(trainer) -> None:
     """Before the trained weights are saved: every master finite on every rank (a collective), else Diverged: the last
     update overflowed, which no later loss shows."""
     if isinstance(trainer, ResidentTraining):
-        mine = [name for name, master in trainer.named_masters() if not torch.isfinite(master).all()]
+        mine = [name for name, master in named_masters(trainer) if not torch.isfinite(master).all()]
     else:  # this rank's flat masters (its shards), by unit
         flats = [trainer.steppers.state(u) for u in range(len(trainer.units))]
         mine = [trainer.units[u].name for u, flat in enumerate(flats) if not torch.isfinite(flat).all()]
@@ -5891,7 +5813,7 @@ def write_checkpoint(trainer, folder: Path, manifest: dict, done: int, tokenizer
     files = checkpoint_files(n, steps, ranks)
     try:
         for u, name in enumerate(files[ranks.rank * n : (ranks.rank + 1) * n]):  # this rank's
-            state = trainer.unit_state(u)
+            state = unit_state(trainer, u)
             if not all(ranks.each(finite_state(state))):  # every rank's shard, so that all stop here
                 unit = trainer.units[u].name
                 raise Diverged(
@@ -6130,8 +6052,68 @@ def checkpoint_hint(folder: Path) -> str:
     return "give a folder written by --checkpoint"
 
 
+def unit_state(trainer, u: int) -> dict:
+    """Unit u's training state for a checkpoint: its name (resume checks it), step count, float32 master and moments
+    by parameter name (several ranks: this rank's flat shards)."""
+    if isinstance(trainer, ResidentTraining):
+        return resident_unit_state(trainer, u)
+    master, exp_avg, exp_avg_sq, step = trainer.steppers.of[u].adam_state(u)
+    flats = {"master": master, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    layout, name = trainer.units[u].layout, trainer.units[u].name
+    kept = (lambda flat: flat) if trainer.ranks.several else layout.views  # a rank's shard, flat
+    state = {key: kept(flat.cpu()) for key, flat in flats.items()}
+    return {"unit": name, "step": step.item()} | state
+
+
+def resident_unit_state(trainer: ResidentTraining, u: int) -> dict:
+    """Unit u's state in gpu or cpu mode, as unit_state gives an offloaded mode's."""
+    state = {"unit": trainer.units[u].name, "step": 0.0, "master": {}, "exp_avg": {}, "exp_avg_sq": {}}
+    for name, master, _ in unit_params(trainer, u):
+        adam = trainer.optimizer.state.get(master)  # none before the first step that was applied
+        state["master"][name] = master.cpu()
+        for key in ("exp_avg", "exp_avg_sq"):
+            state[key][name] = adam[key].cpu() if adam else torch.zeros_like(master, device="cpu")
+        state["step"] = adam["step"].item() if adam else 0.0
+    return state
+
+
+def unit_params(trainer: ResidentTraining, u: int):
+    """Unit u's parameters in gpu or cpu mode as (name within the unit, float32 master, compute-dtype weight)."""
+    prefix = trainer.units[u].name + "."
+    for name, master, param in zip(trainer.names, trainer.masters, trainer.params, strict=True):
+        if name.startswith(prefix):
+            yield name.removeprefix(prefix), master, param
+
+
 @torch.no_grad()
-def restore_unit(store: MasterStore, u: int, state: dict) -> None:
+def load_unit(trainer, u: int, state: dict) -> None:
+    """Set unit u's training state from a checkpoint's (before placement: an offloaded unit's is all on the host)."""
+    if not isinstance(trainer, ResidentTraining):
+        restore_unit(trainer.store, u, state)
+        return
+    for name, master, param in unit_params(trainer, u):
+        master.copy_(state["master"][name])
+        param.copy_(master)
+        if state["step"]:  # as torch.optim.Adam(fused=True) keeps it: tensors on the master's device
+            moments = {key: state[key][name].to(master.device, copy=True) for key in ("exp_avg", "exp_avg_sq")}
+            step = torch.tensor(state["step"], device=master.device)
+            trainer.optimizer.state[master] = {"step": step, **moments}
+
+
+def named_masters(trainer):
+    """Each parameter's float32 master by HF name on the CPU (an offloaded mode's in its own storage; one process: a
+    rank has shards)."""
+    if isinstance(trainer, ResidentTraining):
+        yield from ((name, master.detach().cpu()) for name, master in zip(trainer.names, trainer.masters, strict=True))
+        return
+    for u, unit in enumerate(trainer.units):
+        master = trainer.steppers.state(u).cpu()  # a resident unit's is copied from the GPU
+        for name, shape, offset in zip(unit.layout.names, unit.layout.shapes, unit.layout.offsets, strict=True):
+            yield f"{unit.name}.{name}", own_storage(master, offset, shape)
+
+
+@torch.no_grad()
+def restore_unit(store: OffloadedAdam, u: int, state: dict) -> None:
     """Unit u's master, Adam moments, step count and copy in `store`, from a checkpoint's (checkpoint_unit): this rank's
     shards, from each parameter by name (any number of ranks wrote them) or the flat shards this rank wrote."""
     layout, start = store.units[u].layout, store.ranks.rank * store.masters[u].numel()
@@ -6159,7 +6141,7 @@ def resume(trainer, folder: Path, manifest: dict) -> int:
     say_plan_changes(saved, manifest)
     for u, unit in enumerate(trainer.units):
         state = checkpoint_unit(folder, saved, u, unit.layout, trainer.ranks)
-        trainer.load_unit(u, state)
+        load_unit(trainer, u, state)
         if not finite_state(state):  # read again from the page cache the load filled
             raise UsageError(
                 f"--resume {folder}: unit {unit.name}'s state is not finite (NaN or infinity): resume an "
@@ -6237,6 +6219,81 @@ class Resharded:
 
 
 # ------------------------------------------------------------------------------------ the command line and its checks
+# Adds: the flags (RunConfig), and every check that refuses bad input with one line before the model is built.
+# Turned on: the command line (main).
+
+
+@dataclass(frozen=True)
+class RunConfig(Config):
+    """A run from the command line (parse_args) or a test: the assignment's Config and every flag beyond it."""
+
+    model: str | None = None  # a save_pretrained folder; overrides preset and sizes
+    # placement
+    max_gpu_memory: float | None = None  # GiB; overlapped keeps on the GPU what this budget holds
+    resident_layers: int | None = None  # overlapped: this many decoder layers resident instead of the budget's plan
+    gpu_adam_share: float | None = None  # overlapped training: of the streamed parameters, the GPU Adam's share
+    offload_activations: bool = False  # the units' saved inputs wait in pinned host memory, not on the GPU
+    max_host_memory: float | None = None  # GiB; the host memory the run plans for, at most (default: MemAvailable)
+    nvme: str | None = None  # a folder on a local disk: the disk tier keeps Adam moments there
+    nvme_layers: int | None = None  # decoder layers, from the last, whose Adam moments live on the disk (planned)
+    rank_timeout: float | None = None  # seconds a rank waits in a step's collective (default: the plan's)
+    # the plan alone (--plan), for this machine or one described
+    plan: bool = False  # print the plan and exit, allocating nothing
+    gpu_memory: float | None = None  # GiB: a GPU's memory, instead of this machine's
+    host_memory: float | None = None  # GiB: the host memory available, instead of this machine's
+    gpus: int | None = None  # ranks, one per GPU, all on one host, instead of torchrun's
+    rates: tuple = ()  # (name, value) pairs that override DEFAULT_RATES
+    # outputs
+    json: str | None = None
+    save_output: str | None = None
+    profile: str | None = None
+    save_pretrained: str | None = None  # a folder: the trained float32 weights, for from_pretrained
+    checkpoint: str | None = None  # a folder: the whole training state, every checkpoint_every steps and at the end
+    checkpoint_every: int | None = None
+    resume: str | None = None  # a --checkpoint folder to go on from
+    # training
+    fwd_bwd_reference: bool = False  # also time plain forward and backward of the resident model, uncapped
+    clip_grad_norm: float | None = None  # the gradients' largest float32 norm, as torch.nn.utils.clip_grad_norm_
+    # text to train on (--data); without it every step trains on one fixed batch of random ids
+    data: str | None = None  # a text or JSONL file, or a folder of them
+    data_glob: str = "*.txt,*.jsonl,*.py"  # a folder's files to read, at any depth
+    text_field: str = "text"  # a JSONL record's text
+    skip_undecodable: bool = False  # skip files that are not UTF-8, instead of refusing them
+    tokenizer: str | None = None  # a folder with a tokenizer (default: --model's)
+    train_tokenizer: int | None = None  # a byte-level BPE of this many tokens, trained on the data
+    data_cache: str | None = None  # where token caches and trained tokenizers are kept
+    eval_fraction: float = 0.01  # of the blocks, held out
+    eval_every: int | None = None  # steps between held-out losses (also before the first step and after the last)
+    epochs: float | None = None  # passes over the training blocks, instead of --steps
+    sample: tuple = ()  # prompts continued before training and after
+    sample_tokens: int = 32
+    temperature: float = 0.0  # 0: greedy
+    top_k: int | None = None
+    # the processes torchrun started, one per GPU (without torchrun, this one: rank 0 of 1)
+    ranks: Ranks = Ranks()
+
+    @property
+    def lean(self) -> bool:
+        """One offloaded mode trains alone: once its masters are loaded, the model's decoder layers are freed."""
+        return self.train and not self.inference and self.modes in (("blocked",), ("overlapped",))
+
+    @property
+    def profile_mode(self) -> str:
+        """The mode --profile traces: overlapped, or blocked when overlapped is not run."""
+        return "overlapped" if "overlapped" in self.modes else "blocked"
+
+    @property
+    def holds_updates(self) -> bool:
+        """Offloaded units step only once every unit's gradients are in: float16's loss scale or clipping sees them."""
+        return self.dtype == "float16" or self.clip_grad_norm is not None
+
+    @property
+    def gpu_adam(self) -> float:
+        """The GPU Adam's share of the streamed parameters: --gpu-adam-share, else GPU_ADAM_SHARE (0 where updates wait
+        for every unit's gradients; the plan takes none where the GPU's compute bounds the step: training_placement)."""
+        if self.gpu_adam_share is not None:
+            return self.gpu_adam_share
+        return 0.0 if self.holds_updates else GPU_ADAM_SHARE
 
 
 MAX_SEED = 2**32 - 1  # --seed's largest: seeds derived from it (seed << 32, seed * 1_000_003) stay within 64 bits
@@ -7277,12 +7334,15 @@ def quit_on_signal(signum, frame) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------- running a mode
+# A mode run whole: its trainer set up from the plan, resumed, placed; its steps timed, with the bound's rounds,
+# checkpoints and evaluations between them; its outputs saved and described.
 
 
-def make_trainer(mode: str, model, masters: MasterStore | None, micro_batches, run: RunConfig, device, plan: Plan):
+def make_trainer(mode: str, model, masters: OffloadedAdam | None, micro_batches, run: RunConfig, device, plan: Plan):
     """The trainer for `mode`: the resident reference, or the streamed units with the CPU Adam (`masters` loaded)."""
-    if mode in ("gpu", "cpu"):
-        return ResidentTraining(model, run.torch_dtype, device, run.adam, run.clip_grad_norm)
+    if mode not in ("blocked", "overlapped"):  # gpu, gpu_recomputed, cpu
+        scaling, recompute = loss_scaling(run.torch_dtype, device), mode == "gpu_recomputed"
+        return ResidentTraining(model, run.torch_dtype, device, run.adam, run.clip_grad_norm, scaling, recompute)
     t0 = time.perf_counter()
     kwargs = decoder_kwargs(model, tuple(micro_batches[0].shape), run.torch_dtype, device)
     depth = plan.modes[mode].depth
@@ -7323,7 +7383,13 @@ def run_mode(mode: str, model, store, input_ids, run: RunConfig, plan: Plan) -> 
     try:
         with torch.inference_mode():
             if mode in ("gpu", "cpu"):
-                return infer_resident(model, input_ids, device, run, config)
+                result, logits = infer_resident(model, input_ids, device, run)
+                if device.type == "cuda":
+                    layers = config.num_hidden_layers
+                    result["analytic_peak_bytes"] = analytic_peak_bytes(
+                        config, run.torch_dtype, input_ids.numel(), layers
+                    )
+                return result, logits
             placed = plan.modes[mode]
             if placed.inference_resident:
                 layers = ", ".join(map(str, placed.inference_resident))
@@ -7449,6 +7515,7 @@ def run_tasks(tasks, done: int, last: int, clock: StepClock) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------------ the run
+# The run from the command line: plan, check, build, run each mode, print the tables and write the outputs.
 
 
 def parse_args(argv=None) -> RunConfig:
@@ -7544,7 +7611,9 @@ def hold_checkpoint_folders(run: RunConfig) -> None:
         if not any(same_place(real_path(folder), real_path(other)) for other in locks):  # --resume X --checkpoint X
             locks[folder] = ("--resume", fcntl.LOCK_SH)
     for folder, (flag, kind) in locks.items():  # the given folder first, so it goes last
-        if os.path.lexists(folder) and not folder.is_dir():  # a mode's (the given ones are checked: check_run)
+        if not folder.exists() and (flag == "--resume" or not folder.parent.is_dir()):
+            continue  # nothing to read, or no place for it: check_run says so
+        if os.path.lexists(folder) and not folder.is_dir():
             raise UsageError(f"{flag} {folder} is {path_kind(folder)}: give a folder")
         made = not folder.exists()
         folder.mkdir(exist_ok=True)
@@ -7633,12 +7702,11 @@ def expandable_segments() -> bool | None:
 def run_all(run: RunConfig) -> dict:
     """Plan the run once (make_plan, from the facts the ranks agree on) and refuse what will not fit; build the model
     and its stores as the plan says, run each mode, print the tables and write the outputs."""
-    config = llama_config(run)
+    config = model_config(run)
     check_devices(run, config)
     start_ranks(run.ranks)
     plan = make_plan(run, config, agreed_facts(run.ranks, measured_facts(run)))
     check_plan(run, config, plan)
-    hold_checkpoint_folders(run)  # before check_saving reads a checkpoint
     check_saving(run, config, plan)
     say_plan(run, config, plan)
     log(f"torch {torch.__version__} and transformers {transformers.__version__} imported, the run checked and planned")
@@ -7648,7 +7716,7 @@ def run_all(run: RunConfig) -> dict:
     blocks = text.blocks if text else None
     run = with_epochs(run, blocks)
     warn_if_long(run, config)
-    model = build_model(run, config)
+    model = load_model(run, config)
     if run.train and offloaded:  # after the build, which sets torch's default dtype for a while: a compile running
         # meanwhile fails its guards on the change, and restores the dtype it started with when it ends
         start_adam_compile(gradient_dtype(run), plan.torch_copy_dtype, run.clip_grad_norm is not None)
@@ -7668,7 +7736,7 @@ def run_all(run: RunConfig) -> dict:
     report = run_report(run, model.config, input_ids.numel(), results, reference, host) | {"plan": plan.as_dict()}
     if run.ranks.rank == 0:  # rank 0 writes and prints for all: the files first, whole whatever the terminal does
         write_outputs(run, report, input_ids, logits, train_ids, trained)
-        print(tables(results, run, input_ids.numel(), reference, host))
+        print(report_tables(results, run, reference, host))
     return report
 
 
@@ -7676,7 +7744,7 @@ def print_plan(run: RunConfig) -> None:
     """--plan: the plan for this machine, or for the one the flags describe, printed (and written to --json); nothing
     is allocated. A plan that will not fit ends with check_plan's line (or check_saving's); an offloaded mode whose
     training does not fit the GPU, which a run reports OOM, with a note."""
-    config = llama_config(run)
+    config = model_config(run)
     check_model_flags(run, config)
     facts, gpu_modes = measured_facts(run), [m for m in run.modes if m != "cpu"]
     if gpu_modes and facts.gpu_bytes is None:  # its peaks and bound would be for no GPU at all
@@ -7689,7 +7757,6 @@ def print_plan(run: RunConfig) -> None:
             run.json, {"run": dataclasses.asdict(run), "parameters": param_count(config), "plan": plan.as_dict()}
         )
     check_plan(run, config, plan)
-    hold_checkpoint_folders(run)  # its --resume locks, before check_saving reads a checkpoint
     check_saving(run, config, plan)
     for mode, placed in plan.modes.items():
         if run.train and not placed.training_fits:
@@ -7722,6 +7789,16 @@ def run_report(run: RunConfig, config: LlamaConfig, tokens: int, results: dict, 
     return report
 
 
+def check_finite_logits(mode: str, logits: torch.Tensor | None) -> None:
+    """Logits that are not finite end the run (Diverged), saying where the first is: never reported, nor written."""
+    bad = None if logits is None else ~torch.isfinite(logits)  # (sequence, position, token)
+    if bad is not None and bad.any():
+        first = int(bad.flatten().to(torch.uint8).argmax()) // bad.shape[-1]  # argmax: the first of them
+        what = "NaN" if logits.isnan().any() else "infinities"
+        where = f"the first at sequence {first // bad.shape[1]}, position {first % bad.shape[1]}"
+        raise Diverged(f"mode {mode}: the logits hold {what} ({where}): {UNTRAINED}")
+
+
 def run_modes(run: RunConfig, plan: Plan, model, store, masters, input_ids, train_ids, text) -> tuple[dict, dict, dict]:
     """Each mode's inference, then its training, as the plan places them: (results, logits, training results with
     tensors)."""
@@ -7730,16 +7807,13 @@ def run_modes(run: RunConfig, plan: Plan, model, store, masters, input_ids, trai
         results[mode] = {}
         if run.inference:
             results[mode]["inference"], logits[mode] = run_mode(mode, model, store, input_ids, run, plan)
-            bad = None if logits[mode] is None else ~torch.isfinite(logits[mode])  # (sequence, position, token)
-            if bad is not None and bad.any():  # never reported as a result, nor written
-                first = int(bad.flatten().to(torch.uint8).argmax()) // bad.shape[-1]  # argmax: the first of them
-                what = "NaN" if logits[mode].isnan().any() else "infinities"
-                where = f"the first at sequence {first // bad.shape[1]}, position {first % bad.shape[1]}"
-                raise Diverged(f"mode {mode}: the logits hold {what} ({where}): {UNTRAINED}")
+            check_finite_logits(mode, logits[mode])
             free_gpu_memory()
         if run.train and mode in ("blocked", "overlapped"):
             t0 = time.perf_counter()
-            masters.load(model, run.seed if draws_units(run) else None)
+            if draws_units(run):
+                draw_masters(masters, model, run.seed)
+            masters.load(None if draws_units(run) else model)
             masters.setup_s["weights"] = time.perf_counter() - t0
             log(f"mode {mode}: the model's weights in the masters in {masters.setup_s['weights']:.1f} s")
             if run.lean:  # the masters hold the layers now: 2 bytes per parameter less on the host
@@ -7753,6 +7827,11 @@ def run_modes(run: RunConfig, plan: Plan, model, store, masters, input_ids, trai
                 if not run.save_output:
                     result["masters"] = None
             results[mode]["training"] = {k: v for k, v in result.items() if k not in ("grads", "masters")}
+            free_gpu_memory()
+        if run.train and mode == "gpu":  # again with the offloaded modes' recomputation: a row of the tables alone
+            alone = dataclasses.replace(run, checkpoint=None, save_pretrained=None, resume=None, profile=None)
+            result = train_mode("gpu_recomputed", model, None, train_ids, alone, plan)
+            results["gpu_recomputed"] = {"training": {k: v for k, v in result.items() if k not in ("grads", "masters")}}
             free_gpu_memory()
     for mode in ("blocked", "overlapped"):
         if logits.get("gpu") is not None and logits.get(mode) is not None:
@@ -7769,7 +7848,7 @@ def save_output(run: RunConfig, input_ids, logits: dict, train_ids, trained: dic
     write_atomically(run.save_output, lambda tmp: torch_save(output, tmp, run.save_output))
 
 
-def training_store(run: RunConfig, config: LlamaConfig, plan: Plan) -> MasterStore:
+def training_store(run: RunConfig, config: LlamaConfig, plan: Plan) -> OffloadedAdam:
     """The offloaded modes' pinned training state on the host, as the plan sizes it; its set-up time said on stderr."""
     t0 = time.perf_counter()
     units, scaled = model_units(config), run.clip_grad_norm is not None
@@ -7777,7 +7856,7 @@ def training_store(run: RunConfig, config: LlamaConfig, plan: Plan) -> MasterSto
     try:
         copy, buffers = plan.torch_copy_dtype, plan.grad_buffers
         args = (units, run.adam, True, buffers, gradient_dtype(run), copy, scaled, moments_for(disk), run.ranks)
-        masters = MasterStore(*args, update=CompiledAdamUpdate)
+        masters = OffloadedAdam(*args, update=CompiledAdamUpdate)
     except BaseException:
         if disk:
             disk.close()
@@ -7812,15 +7891,14 @@ def disk_tier(run: RunConfig, units: list[Unit], layers: int) -> DiskTier | None
 
 def main(argv=None) -> int:
     """The command line's entry point: exit code 0; 2 with one line for bad input; 1 with one line for logits or a
-    loss that are not finite (Diverged), a file that cannot be written mid-run (a full disk) or, with several ranks,
-    for a gloo collective that another rank left (an NCCL one ends the rank by torchrun's signal or NCCL's watchdog:
-    lost_ranks); 130 with one line for Ctrl-C (SIGINT), 143 for SIGTERM. Every output is whole or absent on each of
-    these ways out."""
+    loss that are not finite, a file that cannot be written mid-run or another rank lost (lost_ranks); 130 for
+    Ctrl-C, 143 for SIGTERM. Every output is whole or absent on each of these ways out."""
     use_expandable_segments()  # before anything starts CUDA: parse_args asks the GPU for its dtypes
     escape_what_the_terminal_cannot_show()
     run = parse_args(argv)
     with signals_raised(), checkpoint_folders_released():
         try:
+            hold_checkpoint_folders(run)  # before the first read of a checkpoint or its folder
             check_run(run)
             if run.plan:
                 print_plan(run)

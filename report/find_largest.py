@@ -64,7 +64,7 @@ def machine(run: ol.RunConfig, free: float | None = None) -> ol.Facts:
 
 def config_with_layers(run: ol.RunConfig, layers: int):
     """The LlamaConfig of `run` with `layers` decoder layers."""
-    return ol.llama_config(with_layers(run, layers))
+    return ol.model_config(with_layers(run, layers))
 
 
 def gpu_layer_guess(run: ol.RunConfig, config) -> int:
@@ -201,7 +201,7 @@ def limit(run: ol.RunConfig, mode: str, config, n: int, after: dict | None) -> s
             return f"GPU memory: the model with {layer_count(n + 1)} does not fit {cap}"
         return after.get("refused") or after.get("failed")
     more = dataclasses.replace(with_layers(run, n + 1), mode=mode)
-    refusal = ol.plan_refusal(more, ol.llama_config(more), machine(more))
+    refusal = ol.plan_refusal(more, ol.model_config(more), machine(more))
     if refusal is None:
         return f"the search stops at {MAX_SEARCH_LAYERS} layers"
     return f"with {layer_count(n + 1)}, {refusal}"
@@ -282,9 +282,9 @@ def find_largest(run: ol.RunConfig) -> dict:
             f"--nproc-per-node {n}: the step's {run.grad_accum} micro-batches split over the ranks: use a multiple "
             f"of {n} for --grad-accum"
         )
-    config = ol.llama_config(run)
+    config = ol.model_config(run)
     run = dataclasses.replace(run, train=True, inference=False)  # each probe trains one mode alone: lean
-    ol.check_devices(with_layers(run, 1), ol.llama_config(with_layers(run, 1)))
+    ol.check_devices(with_layers(run, 1), ol.model_config(with_layers(run, 1)))
     modes = ("gpu", "overlapped") if run.mode == "all" else run.modes
     found = {mode: search(run, mode, config) for mode in modes}
     for mode, f in found.items():

@@ -237,7 +237,7 @@ def table(results: dict, run: ol.RunConfig, tokens: int) -> str:
                     f"{r['time_ms']:.1f}",
                     ol.gib(r["peak_gpu_bytes"]),
                     ol.gib(r["peak_host_bytes"]),
-                    f"logits == gpu: {ol.yes_no(r['equal_to_gpu'])}"
+                    f"logits == gpu: {'yes' if r['equal_to_gpu'] else 'NO'}"
                     if "equal_to_gpu" in r
                     else f"loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}",
                 ]
@@ -263,8 +263,8 @@ def main(argv=None) -> int:
     if run.ranks.several:
         # torchrun sets OMP_NUM_THREADS=1: DeepSpeed's CPU Adam would run on one core
         torch.set_num_threads(max(1, ol.host_cores() // run.ranks.local_world))
-    config = ol.llama_config(run)
-    model = ol.build_model(dataclasses.replace(run, mode="gpu"), config)  # whole: a peer trains the CPU model
+    config = ol.model_config(run)
+    model = ol.load_model(dataclasses.replace(run, mode="gpu"), config)  # whole: a peer trains the CPU model
     input_ids = ol.random_input_ids(run, config.vocab_size)
     results = {}
     if "accelerate" in peers:

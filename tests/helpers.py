@@ -97,7 +97,7 @@ _stores = {}  # the last pinned store built with reuse, by what it was built for
 
 
 def master_store(model, adam, pin, grad_buffers, grad_dtype, copy_dtype, reuse, scaled=False, disk=None):
-    """A MasterStore loaded from `model`. reuse: the last one built for the same model and settings, its gradient
+    """A OffloadedAdam loaded from `model`. reuse: the last one built for the same model and settings, its gradient
     buffers and moments filled with NaN first, so a read before a write shows; pinning a new one takes seconds. disk:
     (folder, units): a disk tier in that folder keeps those units' moments (never reused)."""
     key = (model.config.to_json_string(), str(adam), pin, grad_buffers, grad_dtype, copy_dtype, scaled)
@@ -106,7 +106,7 @@ def master_store(model, adam, pin, grad_buffers, grad_dtype, copy_dtype, reuse, 
         units = ol.model_units(model.config)
         tier = ol.DiskTier(disk[0], {u: units[u].layout.numel for u in disk[1]}) if disk else None
         args = (units, adam, pin, grad_buffers, grad_dtype, copy_dtype, scaled, ol.moments_for(tier))
-        store = ol.MasterStore(*args, update=ol.CompiledAdamUpdate)
+        store = ol.OffloadedAdam(*args, update=ol.CompiledAdamUpdate)
     else:
         torch.cuda.synchronize()  # the last trainer's copies from and to the store have landed
         for t in [*store.pool.buffers, *(m for pair in store.moments if pair for m in pair)]:
@@ -203,3 +203,8 @@ def assert_same_checkpoint(a, b) -> None:
                 continue
             assert unit_a[key].keys() == unit_b[key].keys()
             assert all(torch.equal(unit_a[key][n], unit_b[key][n]) for n in unit_a[key]), key
+
+
+def table_cells(part: str, table: int, r: dict) -> list[str]:
+    """The cells a result `r` gets in a printed table: REPORT_TABLES[part][table]'s columns."""
+    return [cell(r) for _, cell in ol.REPORT_TABLES[part][table][1]]

@@ -93,15 +93,16 @@ def test_drawing_into_the_masters_gives_the_whole_draw(ranks, monkeypatch):
     assert ol.draws_units(run) and not ol.draws_units(ol.dataclasses.replace(run, fwd_bwd_reference=True))
     config = ol.llama_config(run)
     config.pad_token_id = 7
-    whole = ol.build_model(ol.dataclasses.replace(run, inference=True), config)
-    lazy = ol.build_model(run, config)
+    whole = ol.load_model(ol.dataclasses.replace(run, inference=True), config)
+    lazy = ol.load_model(run, config)
     assert all(p.device.type == "meta" for p in lazy.parameters())
     units = ol.model_units(config)
     dtypes = {"grad_dtype": torch.bfloat16, "copy_dtype": torch.bfloat16}
-    store = ol.MasterStore(units, run.adam, pin=False, **dtypes, ranks=ranks)
-    store.load(lazy, run.seed)
+    store = ol.OffloadedAdam(units, run.adam, pin=False, **dtypes, ranks=ranks)
+    ol.draw_masters(store, lazy, run.seed)
+    store.load(None)
     assert all(p.device.type == "meta" for p in lazy.parameters())
-    expected = ol.MasterStore(units, run.adam, pin=False, **dtypes)
+    expected = ol.OffloadedAdam(units, run.adam, pin=False, **dtypes)
     expected.load(whole)
     for got, whole_flat in zip(store.masters, expected.masters, strict=True):
         start = ranks.rank * got.numel()

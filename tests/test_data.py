@@ -237,7 +237,7 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path, capsys):
     assert code == 2 and "the tokenizer's 300 ids exceed" in err and "--vocab-size 300" in err and "building" not in err
 
 
-def test_data_flags_out_of_place_are_refused_before_torch_loads(capsys):
+def test_data_flags_out_of_place_are_refused_at_once(capsys):
     for args, words in [
         (["--train", "--train-tokenizer", "300"], "--train-tokenizer does nothing without --data PATH"),
         (["--data", "x"], "add --train"),

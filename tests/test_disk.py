@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import offload_llama as ol
-from helpers import build, machine, offloaded_trainer, tiny_run
+from helpers import build, machine, offloaded_trainer, table_cells, tiny_run
 
 CPU = torch.device("cpu")
 
@@ -34,7 +34,7 @@ def steps(trainer, batches, n: int) -> tuple[dict, list[float]]:
 
 def states(trainer) -> list[dict]:
     """Every unit's step count, master and moments (what a checkpoint holds)."""
-    return [trainer.unit_state(u) for u in range(len(trainer.units))]
+    return [ol.unit_state(trainer, u) for u in range(len(trainer.units))]
 
 
 def assert_same_states(a: list[dict], b: list[dict]) -> None:
@@ -116,7 +116,7 @@ def test_a_checkpoint_loads_into_the_disk_tier(tmp_path):
     steps(host, batches, 2)
     disk = offloaded_trainer(model, CPU, 1, batches, disk=(tmp_path, (4, 5)))
     for u, state in enumerate(saved):
-        disk.load_unit(u, state)
+        ol.load_unit(disk, u, state)
     assert_same_states(states(disk), saved)  # read back from the disk before any step
     steps(disk, batches, 2)
     assert_same_states(states(disk), states(host))
@@ -263,7 +263,7 @@ def test_the_bound_and_the_notes_count_the_disk(tmp_path):
     assert t["disk_ms"] == 2.0 and t["disk_gbps"] == pytest.approx(2 * t["disk_bytes"] / 2e6)  # the best round
     notes = "\n".join(ol.training_notes("overlapped", t, ol.RunConfig(train=True)))
     assert "the Adam moments of 2 units" in notes and f", disk {t['disk_ms']:.1f} ms" in notes
-    assert ol.training_memory_cells("overlapped", t)[-2] == ol.gib(t["disk_bytes"])  # Table 1: on the disk
+    assert table_cells("training", 0, t)[-2] == ol.gib(t["disk_bytes"])  # Table 1: on the disk
     disk.close()
     disk.close()  # closing again does nothing
 

@@ -24,7 +24,7 @@ OVERLAPPED += ["--no-inference", "--attention", "eager", "--steps", "4", "--warm
 
 def states(trainer) -> list[dict]:
     """Every unit's step count, master and moments."""
-    return [trainer.unit_state(u) for u in range(len(trainer.units))]
+    return [ol.unit_state(trainer, u) for u in range(len(trainer.units))]
 
 
 @pytest.mark.parametrize("gpu_adam", [(), (0, 1)])

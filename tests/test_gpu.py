@@ -131,7 +131,19 @@ MEMORY_RUNS = {  # run side by side by conftest's memory_runs
     # 6 layers of 7B need 2.4 GB resident: over a 2 GiB cap, while 2 slots and the head fit
     "oom": ["--mode", "all", *seven_b(6, seq_len=512), "--max-gpu-memory", 2],
     "float32": ["--mode", "overlapped", *seven_b(3), "--dtype", "float32"],
+    "recomputed": ["--mode", "gpu", "--train", "--no-inference", *seven_b(2, seq_len=2048), "--steps", 3],
 }
+
+
+def test_the_resident_model_recomputed_has_its_own_row_and_a_smaller_peak(memory_runs):
+    """Table 1 and 2 show gpu mode also with each decoder layer recomputed, as the offloaded modes recompute: its
+    activations are the layers' inputs alone."""
+    r, path = memory_runs["recomputed"]
+    assert r.returncode == 0, r.stderr
+    results = json.loads(path.read_text())["results"]
+    plain, recomputed = results["gpu"]["training"], results["gpu_recomputed"]["training"]
+    assert recomputed["peak_gpu_bytes"] < plain["peak_gpu_bytes"]
+    assert "| w/o offload, layers recomputed (gpu) |" in r.stdout
 
 
 def test_peak_memory_within_analytic_figure_in_float32(memory_runs):

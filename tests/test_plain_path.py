@@ -1,8 +1,7 @@
-"""The core reads and runs alone: with the accelerations' and several GPUs' sections deleted from the script, the
-plain path (store, streamer, StreamedUnit, CPU Adam, step) still trains, bitwise as the whole script's plain path."""
+"""The assignment reads and runs alone: the script cut at its line '# === Beyond the assignment ===', with a short
+runner added, runs the four inference modes and trains blocked and overlapped, bitwise as the whole script does."""
 
 import ast
-import re
 import sys
 import types
 
@@ -10,96 +9,94 @@ import pytest
 import torch
 
 import offload_llama as ol
-from helpers import SCRIPT, build, tiny_run
+from helpers import SCRIPT
 
-CORE = ("parameter store", "layer streamer", "training", "modes")
-PLUG_INS = ("compiled Adam", "the GPU's Adam", "activation offload", "float16 and clipping", "the disk tier")
-PLUG_INS += ("several GPUs",)
+MARK = "# === Beyond the assignment ==="
+
+RUNNER = '''
+def run_assignment(run):
+    """Every mode's logits, then three training steps of each mode: (logits, losses, masters), on the CPU."""
+    cpu = torch.device("cpu")
+    model = build_model(run, llama_config(run))
+    ids = random_input_ids(run, model.config.vocab_size, run.grad_accum)
+    store = ParamStore(model, pin=False)
+    logits = {}
+    for mode in MODES:
+        if mode in ("gpu", "cpu"):
+            logits[mode] = infer_resident(model, ids[: run.batch_size], cpu, run)[1]
+        else:
+            shell, _ = infer_offloaded(model, store, cpu, mode_depth(mode, run.prefetch))
+            with torch.inference_mode():
+                logits[mode] = logits_of(shell, ids[: run.batch_size])
+    batches = list(ids.chunk(run.grad_accum))
+    kwargs = decoder_kwargs(model, (run.batch_size, run.seq_len), run.torch_dtype, cpu)
+    losses, masters = {}, {}
+    for mode in ("blocked", "overlapped"):
+        adam = OffloadedAdam(model_units(model.config), run.adam, pin=False)
+        adam.load(model)
+        depth = mode_depth(mode, run.prefetch)
+        trainer = OffloadedTraining(adam, model.config, run.torch_dtype, cpu, depth, model.loss_function, kwargs)
+        losses[mode] = [trainer.step(batches).item() for _ in range(run.steps)]
+        masters[mode] = trainer.state_dict()
+        trainer.finish()
+    reference = ResidentTraining(model, run.torch_dtype, cpu, run.adam)
+    losses["cpu"] = [reference.step(batches).item() for _ in range(run.steps)]
+    masters["cpu"] = reference.state_dict(reference.masters)
+    return logits, losses, masters
+'''
 
 
-def sections(source: str) -> dict[str, tuple[int, int]]:
-    """Each section's title -> its lines [first, end), 1-based, from its rule to the next."""
-    rules = [
-        (i + 1, m.group(1)) for i, line in enumerate(source.splitlines()) if (m := re.match(r"# -{20,} (.*)$", line))
-    ]
-    ends = [line for line, _ in rules[1:]] + [len(source.splitlines()) + 1]
-    return {title: (line, end) for (line, title), end in zip(rules, ends, strict=True)}
-
-
-def defined_in(source: str, titles) -> dict[str, str]:
-    """The top-level names defined in the sections `titles`, each with its section."""
-    spans = {title: sections(source)[title] for title in titles}
-    names = {}
-    for node in ast.parse(source).body:
-        for target in getattr(node, "targets", [node]):
-            name = getattr(target, "name", None) or getattr(target, "id", None)
-            for title, (first, end) in spans.items():
-                if name and first <= node.lineno < end:
-                    names[name] = title
-    return names
-
-
-def test_the_core_names_nothing_of_the_accelerations_or_several_gpus():
-    """The core's policies are installed from outside it (make_trainer, training_store, ShardedTraining, the stores):
-    no name it uses is defined in a plug-in's section."""
+def assignment() -> types.ModuleType:
+    """The script above its line, with RUNNER, loaded as a module of its own."""
     source = SCRIPT.read_text()
-    plug_ins, core = defined_in(source, PLUG_INS), defined_in(source, CORE)
-    spans = [sections(source)[title] for title in CORE]
-    tree = ast.parse(source)
-    used = {
-        (node.id, plug_ins[node.id])
-        for top in tree.body
-        if any(first <= top.lineno < end for first, end in spans)
-        for node in ast.walk(top)
-        if isinstance(node, ast.Name) and node.id in plug_ins
-    }
-    assert used == set() and {"OffloadedTraining", "CpuAdam", "LayerStreamer"} <= core.keys()
-
-
-def without_plug_ins() -> types.ModuleType:
-    """The script with every plug-in section deleted, loaded as a module of its own."""
-    source = SCRIPT.read_text()
-    lines = source.splitlines(keepends=True)
-    spans = sorted((sections(source)[title] for title in PLUG_INS), reverse=True)
-    for first, end in spans:
-        del lines[first - 1 : end - 1]
-    module = types.ModuleType("offload_llama_plain")
+    assert source.count(f"\n{MARK}\n") == 1
+    module = types.ModuleType("offload_llama_assignment")
     module.__file__ = str(SCRIPT)
     sys.modules[module.__name__] = module  # dataclasses look their module up by name
     try:
-        exec(compile("".join(lines), "offload_llama_plain.py", "exec"), module.__dict__)
+        exec(compile(source.split(f"\n{MARK}\n")[0] + RUNNER, "offload_llama_assignment.py", "exec"), module.__dict__)
     except BaseException:
         del sys.modules[module.__name__]
         raise
     return module
 
 
-def plain_training(ol, depth: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Three plain steps of the tiny model on the CPU (CpuAdam, HostMoments, AdamUpdate) with module `ol`'s core."""
-    torch.manual_seed(0)
-    model, ids = build(ol.dataclasses.replace(tiny_run(), dtype="float32", batch_size=4))
-    batches = list(ids.chunk(2))
-    store = ol.MasterStore(ol.model_units(model.config), ol.Adam(lr=1e-3), pin=False)
-    store.load(model)
-    kwargs = ol.decoder_kwargs(model, tuple(batches[0].shape), torch.float32, torch.device("cpu"))
-    trainer = ol.OffloadedTraining(
-        store, model.config, torch.float32, torch.device("cpu"), depth, model.loss_function, kwargs
+def test_the_assignment_comes_first_and_names_nothing_after_its_line():
+    """The line stands at most 1,500 lines down, and no name used above it is defined below it."""
+    source = SCRIPT.read_text()
+    mark = source.splitlines().index(MARK) + 1
+    tree = ast.parse(source)
+    below = {
+        getattr(t, "name", None) or getattr(t, "id", None)
+        for n in tree.body
+        if n.lineno > mark
+        for t in [n, *getattr(n, "targets", [])]
+    }
+    used = {m.id for n in tree.body if n.lineno < mark for m in ast.walk(n) if isinstance(m, ast.Name)}
+    assert mark <= 1500 and used & below == set()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_assignment_runs_alone_as_in_the_whole_script(dtype):
+    """gpu, blocked, overlapped and cpu inference give the same logits, bit for bit; blocked and overlapped train to
+    the same losses and masters, bit for bit, as the whole script's plain path, and to torch.optim.Adam's masters to
+    float32 rounding."""
+    run = ol.Config(preset="tiny", dtype=dtype, batch_size=2, seq_len=32, grad_accum=2, steps=3, lr=1e-3)
+    alone = assignment()
+    try:
+        logits, losses, masters = alone.run_assignment(alone.Config(**vars(run)))
+    finally:
+        del sys.modules[alone.__name__]
+    exec(compile(RUNNER, "runner", "exec"), vars(ol))  # the same runner over the whole script
+    expected_logits, expected_losses, expected = ol.run_assignment(run)
+    del ol.run_assignment
+    assert all(
+        torch.equal(logits[mode], logits["gpu"]) and torch.equal(logits[mode], expected_logits[mode])
+        for mode in ol.MODES
     )
-    try:
-        losses = [trainer.step(batches).item() for _ in range(3)]
-        return losses, trainer.state_dict()
-    finally:
-        trainer.finish()
-
-
-@pytest.mark.parametrize("depth", [0, 1])  # blocked, overlapped
-def test_the_core_trains_alone_as_in_the_whole_script(depth):
-    plain = without_plug_ins()
-    try:
-        assert not hasattr(plain, "StreamedAdam") and not hasattr(plain, "ShardedTraining")
-        losses, masters = plain_training(plain, depth)
-    finally:
-        del sys.modules[plain.__name__]
-    expected_losses, expected = plain_training(ol, depth)
-    assert losses == expected_losses and losses[-1] < losses[0]
-    assert masters.keys() == expected.keys() and all(torch.equal(masters[k], expected[k]) for k in expected)
+    for mode in ("blocked", "overlapped"):
+        assert losses[mode] == expected_losses[mode] and losses[mode][-1] < losses[mode][0]
+        assert all(torch.equal(masters[mode][k], expected[mode][k]) for k in expected[mode])
+        largest = max(m.abs().max().item() for m in masters["cpu"].values())
+        for name, m in masters[mode].items():
+            torch.testing.assert_close(m, masters["cpu"][name], rtol=0, atol=ol.masters_tolerance(largest, 3))

@@ -51,7 +51,7 @@ def trainer_of(model, micro_batches, world_batches, depth, ranks=None, clip=None
     args = (units, ol.Adam(lr=1e-3), False, None, ol.gradient_dtype(run), copy_dtype, scaled)
     ranks = ranks or ol.Ranks()
     tier = ol.DiskTier(disk[0], {u: ranks.shard_numel(units[u].layout.numel) for u in disk[1]}) if disk else None
-    store = ol.MasterStore(*args, ol.moments_for(tier), ranks, update=ol.CompiledAdamUpdate)
+    store = ol.OffloadedAdam(*args, ol.moments_for(tier), ranks, update=ol.CompiledAdamUpdate)
     store.load(model)
     kwargs = ol.decoder_kwargs(model, tuple(micro_batches[0].shape), dtype, CPU)
     training = ol.ShardedTraining if ranks.several else ol.OffloadedTraining
@@ -252,7 +252,7 @@ def test_each_rank_checkpoints_its_shards_and_resumes_bitwise(tmp_path):
 
 def whole_state(trainer, u: int) -> dict:
     """One process's unit u: its flat float32 master and moments (padding included) and its step count."""
-    master, exp_avg, exp_avg_sq, step = trainer.steppers.adam_state(u)
+    master, exp_avg, exp_avg_sq, step = trainer.steppers.of[u].adam_state(u)
     return {"step": step.item(), "master": master, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 
 
@@ -272,7 +272,7 @@ def write_as(folder, trainer, run: ol.RunConfig, world: int) -> dict:
     for i, name in enumerate(files):
         r, u = divmod(i, units)
         if world == 1:
-            state = trainer.unit_state(u)
+            state = ol.unit_state(trainer, u)
         else:
             state = {key: shard_of(t, r, world) if key != "step" else t for key, t in whole_state(trainer, u).items()}
         torch.save(state, folder / name)
@@ -309,8 +309,8 @@ def test_a_checkpoint_of_n_ranks_resumes_on_m_bitwise(tmp_path, saved, now):
             for key in ("master", "exp_avg", "exp_avg_sq"):  # the parameters' elements: padding is never read
                 start = rank * got[key].numel()
                 pieces = zip(
-                    unit.layout.pieces(got[key], start),
-                    unit.layout.pieces(shard_of(expected[key], rank, now), start),
+                    ol.pieces(unit.layout, got[key], start),
+                    ol.pieces(unit.layout, shard_of(expected[key], rank, now), start),
                     strict=True,
                 )
                 assert all(torch.equal(a, b) for a, b in pieces), (u, key)

@@ -60,44 +60,28 @@ def test_the_length_check_counts_lines():
     assert long_definitions(source) == ["class A (152 lines)", "f (41 lines)"]
 
 
-def test_the_command_line_needs_nothing_defined_after_torch_loads():
-    """check_command_line runs before the heavy imports: what it calls must be defined above them."""
-    tree = ast.parse(SCRIPT.read_text())
-    first_heavy = next(n.lineno for n in tree.body if isinstance(n, ast.Import) and n.names[0].name == "torch")
-    late = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.lineno > first_heavy}
-    early = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.lineno < first_heavy]
-    calls = {
-        f.name: {c.func.id for c in ast.walk(f) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)}
-        for f in early
-    }
-    reached, todo = set(), ["check_command_line"]
-    while todo:
-        name = todo.pop()
-        if name in reached or name not in calls:
-            continue
-        reached.add(name)
-        todo += calls[name]
-    assert "command_line" in reached and not {c for name in reached for c in calls[name]} & late
+def sections(source: str) -> dict[str, int]:
+    """Each section's title -> the line of its rule."""
+    rules = re.compile(r"# -{10,} (.*)$")
+    return {m.group(1): i + 1 for i, line in enumerate(source.splitlines()) if (m := rules.match(line))}
 
 
-def test_the_map_at_the_top_names_each_section_in_order():
-    """The module docstring's map: one line a section, in the file's order, each name defined in its section."""
+def test_the_map_at_the_top_gives_each_sections_line():
+    """The module docstring's map: each section of the assignment on a row with its line and names defined in it,
+    the line '# === Beyond the assignment ===' with its, and every later section with its line."""
     source = SCRIPT.read_text()
-    tree = ast.parse(source)
-    defined = {n.name: n.lineno for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-    rules = {line.split("---- ", 1)[1].strip(): i + 1 for i, line in enumerate(source.splitlines()) if "---- " in line}
-    doc = ast.get_docstring(tree)
-    block = doc.split("The sections,", 1)[1].split("\n\n", 1)[0]  # the map ends at the first blank line
-    rows = [line.strip() for line in block.splitlines() if line.startswith("  ")]
-    starts = []
-    for row in rows:
-        section, names = (part.strip() for part in row.split("  ", 1))
-        start = next(line for title, line in rules.items() if title.startswith(section))
-        end = min((line for line in rules.values() if line > start), default=len(source.splitlines()))
-        for name in names.split(":")[0].split(", "):
-            assert start < defined[name] < end, (section, name)
-        starts.append(start)
-    assert starts == sorted(starts) and len(rows) == len(rules) - 1  # every section but the constants
+    lines, doc, rules = source.splitlines(), ast.get_docstring(ast.parse(source)), sections(source)
+    mark = lines.index("# === Beyond the assignment ===") + 1
+    rows = [re.match(r"\s+(\d+)  (\S.*?)(?:  +(.*))?$", row) for row in doc.splitlines() if re.match(r"\s+\d+  ", row)]
+    core = {int(m.group(1)): m.group(3) for m in rows if "Beyond" not in m.group(2)}
+    assert [m.group(1) for m in rows if "Beyond" in m.group(2)] == [str(mark)]
+    assert sorted(core) == sorted(line for line in rules.values() if line < mark)
+    defined = {n.name: n.lineno for n in ast.parse(source).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    for line, names in core.items():
+        end = min(rule for rule in [*rules.values(), mark] if rule > line)
+        assert all(line < defined[name] < end for name in re.findall(r"[A-Za-z_]+(?=,|$)", names)), names
+    beyond = " ".join(doc.split("# === Beyond the assignment ===", 1)[1].split())
+    assert all(f" {line}" in beyond for title, line in rules.items() if line > mark), beyond
 
 
 WAITS = re.compile(r"\.(wait_event|synchronize|wait)\(|\.get\(\)")  # a CUDA, thread or queue wait
@@ -123,12 +107,14 @@ def untagged_waits(source: str, first: str, last: str) -> tuple[list[str], set[s
 
 
 def test_every_wait_of_the_core_names_its_row_of_the_sync_table():
-    """The table lists every synchronisation of the core (its rows at the top of the streamer section) and of the
-    accelerations (theirs at the top of that section); each CUDA, thread or queue wait from the streamer to the end of
-    the several-GPU section, and in running a mode (the steps' end), names its row, and each row is named."""
+    """The table lists every synchronisation of the core and of the accelerations (at the top of the offload section);
+    each CUDA, thread or queue wait from there to the end of the several-GPU section, and in running a mode (the
+    steps' end), names its row, and each row is named."""
     source = SCRIPT.read_text()
-    untagged, rows, named = untagged_waits(source, "layer streamer", "the plan")
-    steps_untagged, _, steps_named = untagged_waits(source, "running a mode", "the run: checks, main")  # S11
+    untagged, rows, named = untagged_waits(
+        source, "blocked and overlapped offload", "a model from a folder, or drawn unit by unit"
+    )
+    steps_untagged, _, steps_named = untagged_waits(source, "running a mode", "the run")  # S11
     assert untagged == steps_untagged == []
     assert rows == named | steps_named and len(rows) >= 10
 

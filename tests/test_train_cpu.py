@@ -19,6 +19,7 @@ from helpers import (
     offloaded_trainer,
     planned,
     run_main,
+    table_cells,
     tiny_run,
     train,
 )
@@ -63,8 +64,36 @@ def test_streaming_the_masters_without_a_copy_trains_the_same():
     assert without[3] == with_copy[3]
 
 
+def test_blocked_steps_every_unit_before_its_step_returns():
+    """blocked is the naive offload: the host's Adam steps every unit after the backward, and the step waits for it,
+    so each unit's step count is up as soon as the step returns (overlapped's updates may still run then)."""
+    model, ids = build(ol.dataclasses.replace(tiny_run(), dtype="float32"))
+    trainer = offloaded_trainer(model, CPU, 0, [ids])
+    try:
+        for step in (1, 2):
+            trainer.step([ids])
+            assert [int(s) for s in trainer.store.steps] == [step] * len(trainer.units)
+    finally:
+        trainer.finish()
+    with pytest.raises(ValueError, match="blocked steps every unit after the backward"):
+        offloaded_trainer(model, CPU, 0, [ids], grad_buffers=2)
+
+
+def test_the_resident_model_recomputed_trains_as_the_plain_one():
+    """gpu mode's recomputed row: each decoder layer recomputed in its backward, the same losses and masters."""
+    run = ol.dataclasses.replace(tiny_run(), dtype="float32", attention="eager")
+    model, ids = build(run)
+    results = []
+    for recompute in (False, True):
+        trainer = ol.ResidentTraining(model, torch.float32, CPU, ol.Adam(lr=1e-3), recompute=recompute)
+        losses = [trainer.step(list(ids.chunk(2))).item() for _ in range(3)]
+        results.append((losses, trainer.state_dict(trainer.masters)))
+    (plain, plain_masters), (recomputed, masters) = results
+    assert recomputed == plain and all(torch.equal(masters[k], plain_masters[k]) for k in masters)
+
+
 @pytest.mark.parametrize("k", [1, 2])
-@pytest.mark.parametrize("depth", [0, 1])
+@pytest.mark.parametrize("depth", [1, 2])  # overlapped: blocked steps every unit on the CPU Adam
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_adam_over_streamed_state_trains_as_the_cpu_adam(dtype, depth, k, monkeypatch):
     """Units the device's Adam steps over state streamed from the host, in chunks of 1000 through two slots taken in
@@ -175,7 +204,7 @@ def test_float16_skips_the_step_whose_gradients_overflow():
     model, ids = build(ol.dataclasses.replace(tiny_run(), dtype="float16"))
     trainer = offloaded_trainer(model, CPU, 1, [ids])
     scale = trainer.scaling.scale
-    before = trainer.store.state_dict()
+    before = trainer.store.named_flats()
     unit_grads = trainer.unit_grads
 
     def overflowing(u, *args):  # one element of layer 1's gradients is inf
@@ -187,13 +216,13 @@ def test_float16_skips_the_step_whose_gradients_overflow():
     trainer.unit_grads = overflowing
     trainer.step([ids])
     trainer.steppers.cpu_adam.wait_all()
-    after = trainer.store.state_dict()
+    after = trainer.store.named_flats()
     assert all(torch.equal(after[name], m) for name, m in before.items()), "an overflowing step must not update"
     assert trainer.scaling.scale == scale / 2
     trainer.unit_grads = unit_grads
     trainer.step([ids])
     trainer.finish()
-    assert not torch.equal(trainer.store.state_dict()["lm_head.weight"], before["lm_head.weight"])
+    assert not torch.equal(trainer.store.named_flats()["lm_head.weight"], before["lm_head.weight"])
 
 
 def test_master_store_holds_16_bytes_per_parameter():
@@ -314,7 +343,7 @@ def test_shared_gradient_pool_trains_the_same(buffers):
     shared = [trainer.step(batches).item() for _ in range(2)]
     trainer.finish()
     assert shared == losses[1:]
-    assert all(torch.equal(m, dedicated[name]) for name, m in trainer.store.state_dict().items())
+    assert all(torch.equal(m, dedicated[name]) for name, m in trainer.store.named_flats().items())
     largest = max(u.layout.numel for u in trainer.units)
     assert [b.numel() for b in trainer.store.pool.buffers] == [largest] * buffers
 
@@ -352,7 +381,7 @@ def test_a_failed_update_with_a_shared_gradient_pool_raises_instead_of_hanging()
 
 def test_host_holds_12_bytes_per_parameter_and_the_gradient_pool():
     model, _ = build(tiny_run())
-    store = ol.MasterStore(ol.model_units(model.config), ol.Adam(), pin=False, grad_buffers=2)
+    store = ol.OffloadedAdam(ol.model_units(model.config), ol.Adam(), pin=False, grad_buffers=2)
     state = [t for pair in store.moments for t in pair]
     numel = sum(u.layout.numel for u in store.units)
     pool = sum(b.nbytes for b in store.pool.buffers)
@@ -383,7 +412,7 @@ def test_loading_the_store_touches_no_moment(monkeypatch):
     a moment's first pages."""
     monkeypatch.setattr(ol.mmap, "MADV_HUGEPAGE", ol.mmap.MADV_NOHUGEPAGE)
     model, _ = build(tiny_run())
-    store = ol.MasterStore(ol.model_units(model.config), ol.Adam(), pin=False, grad_buffers=2)
+    store = ol.OffloadedAdam(ol.model_units(model.config), ol.Adam(), pin=False, grad_buffers=2)
     store.load(model)
     assert all(pages_present(m) > 0 for m in store.masters)
     assert sum(pages_present(t) for pair in store.moments for t in pair) == 0
@@ -392,7 +421,7 @@ def test_loading_the_store_touches_no_moment(monkeypatch):
 def test_reloading_the_store_starts_adam_afresh():
     """A second load (the next offloaded mode) gives the same first steps: each unit's first step zeroes its moments."""
     model, _ = build(tiny_run())
-    store = ol.MasterStore(ol.model_units(model.config), ol.Adam(lr=1e-3), pin=False, grad_buffers=2)
+    store = ol.OffloadedAdam(ol.model_units(model.config), ol.Adam(lr=1e-3), pin=False, grad_buffers=2)
     grads = [
         torch.randn(m.numel(), generator=torch.Generator().manual_seed(u)).to(store.grad_dtype)
         for u, m in enumerate(store.masters)
@@ -403,8 +432,8 @@ def test_reloading_the_store_starts_adam_afresh():
         for _ in range(2):
             for u, g in enumerate(grads):
                 store.take_grads(u).copy_(g)
-                store.step(u)
-        return {name: t.clone() for name, t in store.state_dict().items()}
+                store.step_unit(u)
+        return {name: t.clone() for name, t in store.named_flats().items()}
 
     first = two_steps()
     assert all(torch.equal(t, first[name]) for name, t in two_steps().items())
@@ -509,7 +538,7 @@ def test_clipping_needs_a_gradient_buffer_per_unit_and_no_gpu_adam():
     model, batches = tiny_batches(1)
     with pytest.raises(ValueError, match="give each unit a gradient buffer"):
         offloaded_trainer(model, CPU, 1, batches, grad_buffers=2, clip=1.0)
-    store = ol.MasterStore(ol.model_units(model.config), ol.Adam(), False, scaled_grads=True)
+    store = ol.OffloadedAdam(ol.model_units(model.config), ol.Adam(), False, scaled_grads=True)
     store.load(model)
     kwargs = ol.decoder_kwargs(model, tuple(batches[0].shape), model.dtype, CPU)
     trainer = ol.OffloadedTraining(store, model.config, model.dtype, CPU, 1, model.loss_function, kwargs)
@@ -590,7 +619,7 @@ def test_table_1_gives_the_hosts_bytes_a_parameter_and_the_set_up_seconds():
     """Training Table 1: after the peak host memory, its bytes a parameter; last, the set-up's parts summed."""
     r = {"peak_host_bytes": 3 * 2**30, "host_bytes_per_parameter": 16.04, "resident_units": [], "units": 3}
     r["setup_s"] = {"host_state": 1.2, "weights": 2.0, "placed": 0.5}
-    assert ol.training_memory_cells("overlapped", r)[3:] == ["3.00", "16.0", "", "3.7"]
+    assert table_cells("training", 0, r)[3:] == ["3.00", "16.0", "", "3.7"]
     lines = ol.training_notes("overlapped", r, ol.RunConfig())
     assert "set-up 3.7 s before the first step: host state 1.2, weights 2.0, placed 0.5" in "\n".join(lines)
 

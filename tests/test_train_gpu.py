@@ -462,6 +462,19 @@ def test_trace_shows_gradient_copies_under_backward_kernels(tmp_path):
     assert set(d2h["copy_streams"]) - set(d2h["kernel_streams"]), "gradients must leave on a stream of their own"
 
 
+def test_blocked_training_overlaps_nothing(tmp_path):
+    """blocked is the naive offload: its weights' copies wait for compute in one slot, its gradients leave on the
+    compute stream and its Adam runs after the backward, so no copy runs under a kernel of another stream."""
+    sizes = {**THIN, "vocab_size": 32000}
+    model, batches = model_and_batches(sizes, seq_len=4096, batch_size=1)
+    trainer = offloaded_trainer(model, CUDA, 0, batches, pin=True)
+    assert trainer.d2h_stream == torch.cuda.current_stream()
+    trainer.step(batches)
+    trace = ol.profile_step(trainer, batches, str(tmp_path / "t.json"))
+    for copies in (trace["h2d"], trace["d2h"]):
+        assert copies["copy_ms"] > 0 and copies["overlap_ms"] < 0.05 * copies["copy_ms"], trace
+
+
 @pytest.mark.parametrize("offload, gpu_adam", [(False, ()), (True, ()), (False, (0, 5, 1))])
 def test_100_steps_grow_no_memory(offload, gpu_adam):
     model, batches = model_and_batches(SMALL, k=2)
