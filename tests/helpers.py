@@ -208,3 +208,10 @@ def assert_same_checkpoint(a, b) -> None:
 def table_cells(part: str, table: int, r: dict) -> list[str]:
     """The cells a result `r` gets in a printed table: REPORT_TABLES[part][table]'s columns."""
     return [cell(r) for _, cell in ol.REPORT_TABLES[part][table][1]]
+
+
+def reference_trainer(model, device, adam, **options) -> ol.ResidentTraining:
+    """gpu or cpu mode's trainer, as the command line makes it: float16's loss scale installed."""
+    return ol.ResidentTraining(
+        model, model.dtype, device, adam, scaling=ol.loss_scaling(model.dtype, device), **options
+    )

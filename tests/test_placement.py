@@ -6,7 +6,16 @@ import pytest
 import torch
 
 import offload_llama as ol
-from helpers import build, machine, offloaded_trainer, resident_logits, streamed_logits, tiny_run, train
+from helpers import (
+    build,
+    machine,
+    offloaded_trainer,
+    reference_trainer,
+    resident_logits,
+    streamed_logits,
+    tiny_run,
+    train,
+)
 
 CPU = torch.device("cpu")
 
@@ -58,9 +67,7 @@ def test_resident_units_train_like_gpu_mode(resident, dtype, k):
     same device as the reference's), the streamed ones' to float32 rounding (the CPU Adam's kernel)."""
     model, batches = tiny_training(dtype, k)
     grads, masters_1, _, losses = train(offloaded_trainer(model, CPU, 1, batches, resident=resident), batches, 2)
-    ref_grads, ref_masters_1, _, ref_losses = train(
-        ol.ResidentTraining(model, model.dtype, CPU, ol.Adam(lr=1e-3)), batches, 2
-    )
+    ref_grads, ref_masters_1, _, ref_losses = train(reference_trainer(model, CPU, ol.Adam(lr=1e-3)), batches, 2)
     assert all(torch.equal(g, ref_grads[name]) for name, g in grads.items())
     names = [unit.name for unit in ol.model_units(model.config)]
     for name, m in masters_1.items():

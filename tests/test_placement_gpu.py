@@ -8,7 +8,16 @@ import pytest
 import torch
 
 import offload_llama as ol
-from helpers import assert_masters_close, build, machine, offloaded_trainer, resident_logits, streamed_logits, train
+from helpers import (
+    assert_masters_close,
+    build,
+    machine,
+    offloaded_trainer,
+    reference_trainer,
+    resident_logits,
+    streamed_logits,
+    train,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CUDA = torch.device("cuda")
@@ -57,9 +66,7 @@ def test_resident_units_grads_bitwise_and_masters_as_gpu_modes(dtype, resident):
     grads, masters_1, _, losses = train(
         offloaded_trainer(model, CUDA, 1, batches, pin=True, resident=resident), batches, 2
     )
-    ref_grads, ref_masters_1, _, ref_losses = train(
-        ol.ResidentTraining(model, model.dtype, CUDA, ol.Adam(lr=1e-3)), batches, 2
-    )
+    ref_grads, ref_masters_1, _, ref_losses = train(reference_trainer(model, CUDA, ol.Adam(lr=1e-3)), batches, 2)
     assert all(torch.equal(g, ref_grads[name]) for name, g in grads.items())
     assert losses[0] == ref_losses[0]
     names = [unit.name + "." for unit in ol.model_units(model.config)]

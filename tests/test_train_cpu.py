@@ -18,6 +18,7 @@ from helpers import (
     machine,
     offloaded_trainer,
     planned,
+    reference_trainer,
     run_main,
     table_cells,
     tiny_run,
@@ -44,9 +45,7 @@ def test_offloaded_training_equals_resident(dtype, depth, k):
     model, ids = build(ol.dataclasses.replace(tiny_run(), dtype=dtype, batch_size=2))
     batches = micro(ids, k)
     grads, _, masters, losses = train(offloaded_trainer(model, CPU, depth, batches), batches, 3)
-    ref_grads, _, ref_masters, ref_losses = train(
-        ol.ResidentTraining(model, model.dtype, CPU, ol.Adam(lr=1e-3)), batches, 3
-    )
+    ref_grads, _, ref_masters, ref_losses = train(reference_trainer(model, CPU, ol.Adam(lr=1e-3)), batches, 3)
     assert grads.keys() == ref_grads.keys() == {name for name, _ in model.named_parameters()}
     for name, g in grads.items():
         assert torch.equal(g, ref_grads[name]), name
@@ -522,7 +521,7 @@ def test_clipped_training_equals_clip_grad_norm(dtype, k):
         norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.05)
         optimizer.step()
     assert norm > 0.05  # the clip scaled the gradients down
-    reference = ol.ResidentTraining(model, model.dtype, CPU, ol.Adam(lr=1e-3), clip=0.05)
+    reference = reference_trainer(model, CPU, ol.Adam(lr=1e-3), clip=0.05)
     _, _, ref_masters, ref_losses = train(reference, batches, 3)
     _, _, masters, losses = train(offloaded_trainer(model, CPU, 1, batches, clip=0.05), batches, 3)
     _, _, unclipped, _ = train(offloaded_trainer(model, CPU, 1, batches), batches, 3)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import offload_llama as ol
-from helpers import assert_masters_close, build, offloaded_trainer, train
+from helpers import assert_masters_close, build, offloaded_trainer, reference_trainer, train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CUDA = torch.device("cuda")
@@ -65,7 +65,7 @@ def reference(model, batches, steps=3):
     """gpu mode's run of `model` on `batches`, once per module for each (the tests only read it)."""
     key = (id(model), id(batches[0]), steps)
     if key not in _references:
-        _references[key] = train(ol.ResidentTraining(model, model.dtype, CUDA, ol.Adam(lr=1e-3)), batches, steps)
+        _references[key] = train(reference_trainer(model, CUDA, ol.Adam(lr=1e-3)), batches, steps)
     return _references[key]
 
 
@@ -100,12 +100,12 @@ def test_clipped_masters_match_gpu_mode(dtype):
     place on the GPU) against gpu mode's clip_grad_norm_: the first step's masters to float32 rounding, the loss."""
     model, batches = model_and_batches(SMALL, dtype)
     adam = ol.Adam(lr=1e-3, weight_decay=0.1)  # the decay makes even the first step depend on the gradients' scale
-    _, ref_masters_1, _, ref_losses = train(ol.ResidentTraining(model, model.dtype, CUDA, adam, clip=0.05), batches, 2)
+    _, ref_masters_1, _, ref_losses = train(reference_trainer(model, CUDA, adam, clip=0.05), batches, 2)
     trainer = offloaded_trainer(model, CUDA, 1, batches, adam=adam, pin=True, resident=(1,), clip=0.05)
     _, masters_1, _, losses = train(trainer, batches, 2)
     assert_masters_close(masters_1, ref_masters_1, 1)
     assert losses[0] == ref_losses[0]
-    _, unclipped_1, _, _ = train(ol.ResidentTraining(model, model.dtype, CUDA, adam), batches, 1)
+    _, unclipped_1, _, _ = train(reference_trainer(model, CUDA, adam), batches, 1)
     assert ol.max_abs_diff(ref_masters_1, unclipped_1) > 1e-5  # the clip scaled the gradients down
 
 
