@@ -8,18 +8,18 @@ Function and steps Adam on float32 masters on the host (OffloadedAdam). Install,
     python offload_llama.py --mode overlapped --train  # LLaMA-7B-sized layers: the memory and time tables
 The file by line, the assignment first; each section beyond it says what it adds, its flag and the hook it plugs into.
      71  the model and its configuration         Config, build_model
-    209  gpu and cpu inference                   infer_resident, timed
-    254  streams, events and pinned host memory  new_stream, host_zeros_each
-    334  blocked and overlapped offload          every wait (S1-S16), ParamStore, LayerStreamer
-    688  training: the autograd.Function         StreamedUnit, OffloadedTraining
-    972  the offloaded Adam                      OffloadedAdam, CpuAdam, Steppers
-   1360  the reference                           ResidentTraining
-   1414  Table 1 and Table 2                     tables
-   1498  # === Beyond the assignment ===
-        the compiled Adam 1501, the GPU's Adam 1620, activation offload 1881, float16 and clipping 1955
-        the disk tier 2065, several GPUs 2424, a model folder 2742, the plan 3004, measurement 4048
-        the tables' notes 4734, text in 4966, saving and resuming 5580, the command line 6221, running a mode 7336
-        the run 7517
+    204  gpu and cpu inference                   infer_resident, timed
+    249  streams, events and pinned host memory  new_stream, host_zeros_each
+    327  blocked and overlapped offload          every wait (S1-S16), ParamStore, LayerStreamer
+    680  training: the autograd.Function         StreamedUnit, OffloadedTraining
+    962  the offloaded Adam                      OffloadedAdam, CpuAdam, Steppers
+   1348  the reference                           ResidentTraining
+   1402  Table 1 and Table 2                     tables
+   1483  # === Beyond the assignment ===
+        the compiled Adam 1486, the GPU's Adam 1600, activation offload 1845, float16 and clipping 1918
+        the disk tier 2023, several GPUs 2362, a model folder 2648, the plan 2901, measurement 3764
+        the tables' notes 4396, text in 4609, saving and resuming 5148, the command line 5686, running a mode 6659
+        the run 6834
 """
 
 from __future__ import annotations
@@ -126,23 +126,19 @@ class Config:
     weight_decay: float = 0.0
 
     @property
-    def modes(self) -> tuple[str, ...]:
-        """The modes to run, in the tables' order."""
+    def modes(self) -> tuple[str, ...]:  # the modes to run, in the tables' order
         return MODES if self.mode == "all" else tuple(m for m in MODES if m in self.mode.split(","))
 
     @property
-    def tokens(self) -> int:
-        """The tokens of one micro-batch."""
+    def tokens(self) -> int:  # the tokens of one micro-batch
         return self.batch_size * self.seq_len
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        """The compute dtype as a torch.dtype."""
+    def torch_dtype(self) -> torch.dtype:  # the compute dtype as a torch.dtype
         return DTYPES[self.dtype]
 
     @property
-    def adam(self) -> Adam:
-        """Adam's settings."""
+    def adam(self) -> Adam:  # Adam's settings
         return Adam(self.lr, tuple(self.betas), self.eps, self.weight_decay)
 
 
@@ -180,8 +176,7 @@ def init_random(model: LlamaForCausalLM, seed: int) -> None:
         (chunk, i, j) for i, p in enumerate(weights) for j, chunk in enumerate(p.detach().view(-1).split(DRAW_CHUNK))
     ]
 
-    def draw(chunk: torch.Tensor, i: int, j: int) -> None:
-        """Chunk j of weight i, rounded to its dtype."""
+    def draw(chunk: torch.Tensor, i: int, j: int) -> None:  # chunk j of weight i, rounded to its dtype
         chunk.copy_(drawn_chunk(seed, i, j, chunk.numel(), config.initializer_range))
 
     with ThreadPoolExecutor(torch.get_num_threads()) as pool:  # normal_ releases the GIL
@@ -266,13 +261,11 @@ class InOrder:
         return True
 
 
-def on_stream(stream):
-    """A `with` block that issues its work on `stream` (nothing to switch on the CPU)."""
+def on_stream(stream):  # A `with` block that issues its work on `stream` (nothing to switch on the CPU)
     return torch.cuda.stream(stream) if isinstance(stream, torch.cuda.Stream) else contextlib.nullcontext()
 
 
-def new_stream(device: torch.device):
-    """A side stream on a GPU; on the CPU, a stand-in that needs no ordering."""
+def new_stream(device: torch.device):  # A side stream on a GPU; on the CPU, a stand-in that needs no ordering
     return torch.cuda.Stream(device) if device.type == "cuda" else InOrder()
 
 
@@ -549,8 +542,7 @@ class LayerStreamer:
         self.holds = [None] * n_slots  # the unit last copied into each slot
 
     @property
-    def n_slots(self) -> int:
-        """How many streamed units fit on the GPU at once."""
+    def n_slots(self) -> int:  # how many streamed units fit on the GPU at once
         return len(self.buffers)
 
     def begin(self, order, keep: bool = False) -> None:
@@ -821,8 +813,7 @@ class OffloadedTraining:
         return LayerStreamer(*args, **kwargs)
 
     @property
-    def grad_norms(self) -> list[float]:
-        """Each applied step's gradient norm before clipping (none without it)."""
+    def grad_norms(self) -> list[float]:  # each applied step's gradient norm before clipping (none without it)
         return self.clip.grad_norms
 
     def run_unit(self, u: int, module: nn.Module, x: torch.Tensor, k: int) -> torch.Tensor:
@@ -891,8 +882,7 @@ class OffloadedTraining:
         self.wait_updates()
         return self.store.named_flats([self.steppers.state(u, grads) for u in range(len(self.units))], on_first)
 
-    def wait_updates(self) -> None:
-        """Block until every update is done and written back."""
+    def wait_updates(self) -> None:  # block until every update is done and written back
         self.steppers.wait_all()
 
     def finish(self) -> None:
@@ -1065,8 +1055,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         return self.copies or self.masters
 
     @property
-    def moments(self) -> list:
-        """Each unit's moments in host memory, None where the disk tier keeps them."""
+    def moments(self) -> list:  # each unit's moments in host memory, None where the disk tier keeps them
         return self.adam_moments.buffers
 
     def take_grads(self, u: int) -> torch.Tensor:
@@ -1181,8 +1170,7 @@ class HostMoments:
     def read(self, u: int) -> tuple[torch.Tensor, torch.Tensor]:  # unit u's moments after its updates, in place
         return self.buffers[u]
 
-    def zero(self, units) -> None:
-        """Zero the moments of `units` for their first step (a first touch maps the pages)."""
+    def zero(self, units) -> None:  # zero the moments of `units` for their first step (a first touch maps the pages)
         touch_pages([(m.data_ptr(), m.nbytes) for u in units for m in self.buffers[u]])
 
     def fill(self, u: int, fill) -> None:  # unit u's moments from a checkpoint: fill(exp_avg, exp_avg_sq) writes them
@@ -1415,13 +1403,11 @@ class ResidentTraining:
 # The memory and time tables, a row a mode.
 
 
-def fmt(x, spec: str) -> str:
-    """format(x, spec), or an empty cell for None."""
+def fmt(x, spec: str) -> str:  # format(x, spec), or an empty cell for None
     return "" if x is None else format(x, spec)
 
 
-def gib(x) -> str:
-    """Bytes as GiB with two decimals, or an empty cell."""
+def gib(x) -> str:  # bytes as GiB with two decimals, or an empty cell
     return fmt(None if x is None else x / GiB, ".2f")
 
 
@@ -1437,8 +1423,7 @@ def cell(field: str, spec: str = "", of=lambda value: value):
     return text
 
 
-def losses_cell(r: dict) -> str:
-    """Training's first and last loss."""
+def losses_cell(r: dict) -> str:  # training's first and last loss
     return f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}"
 
 
@@ -1505,8 +1490,8 @@ def tables(results: dict, run: Config, layout: dict = TABLES, model: str | None 
 
 @contextlib.contextmanager
 def without_isa_probes():
-    """Report AVX-512 bf16 and VNNI absent while the update compiles: inductor probes each by building and loading a
-    library in a child process, slowly, and the update uses neither."""
+    """Report AVX-512 bf16 and VNNI absent while the update compiles: inductor probes each slowly, and the update
+    uses neither (torch.cpu's private probes, checked on torch 2.11 to 2.13)."""
     probes = ("_is_avx512_bf16_supported", "_is_vnni_supported")
     saved = {name: getattr(torch.cpu, name) for name in probes if hasattr(torch.cpu, name)}
     try:
@@ -1519,9 +1504,8 @@ def without_isa_probes():
 
 
 def adam_update(master, grads, exp_avg, exp_avg_sq, copy, scalars, scaled: bool = False) -> None:
-    """torch.optim.Adam's step of one unit, for torch.compile to fuse into one pass over memory: float32 master and
-    moments and the gradients (float32 or 16-bit; scaled: times scalars[7] first, as clip_grad_norm_ multiplies them)
-    in; master, moments and the compute-dtype `copy` (or None) out."""
+    """torch.optim.Adam's step of one unit, for torch.compile to fuse into one pass over memory: float32 master,
+    moments and gradients (scaled: times scalars[7]) in; master, moments and the compute-dtype `copy` out."""
     grads = grads.float()
     if scaled:
         grads = grads * scalars[7]
@@ -1537,8 +1521,7 @@ def adam_update(master, grads, exp_avg, exp_avg_sq, copy, scalars, scaled: bool 
 
 
 def adam_scalars(adam: Adam, step: int, multiplier: float = 1.0) -> torch.Tensor:
-    """adam_update's scalars for step `step` (from 1), as torch's fused CPU kernel rounds them, and the gradients'
-    multiplier (--clip-grad-norm); a tensor, not floats, so one compiled kernel serves every step."""
+    """adam_update's scalars for step `step`, as torch's fused CPU kernel rounds them, and the gradients' multiplier."""
     beta1, beta2 = adam.betas
     step_size = -adam.lr / (1 - beta1**step)
     values = [1 - beta1, beta2, 1 - beta2, math.sqrt(1 - beta2**step), adam.eps, step_size, adam.weight_decay]
@@ -1576,9 +1559,8 @@ EARLY_COMPILES = {}  # compiled_adam_update's arguments -> its call started in t
 
 
 def start_adam_compile(grad_dtype: torch.dtype, copy_dtype: torch.dtype | None, scaled: bool) -> None:
-    """Compile the update on a thread of its own while the host state is pinned and the weights drawn into it (the
-    compiler runs in child processes, the pinning and drawing in C++, so they overlap); CompiledAdamUpdate waits
-    for it. Start it once the model is built: the build changes torch's default dtype, which the compile watches."""
+    """Compile the update on a thread of its own while the host state is pinned (the compiler runs in child
+    processes): after the model's build, which changes torch's default dtype that the compile watches."""
     key = (grad_dtype, copy_dtype, scaled)
     if key not in EARLY_COMPILES:
         pool = ThreadPoolExecutor(1, thread_name_prefix="adam-compile")
@@ -1587,9 +1569,8 @@ def start_adam_compile(grad_dtype: torch.dtype, copy_dtype: torch.dtype | None, 
 
 
 class CompiledAdamUpdate(AdamUpdate):
-    """AdamUpdate as one pass over memory: adam_update compiled (its early compile awaited), taking the gradients in
-    their own dtype and writing the copy as it goes; AdamUpdate's where it cannot compile (the two round differently
-    in float32's last bit)."""
+    """AdamUpdate in one pass over memory (adam_update compiled), the gradients in their own dtype; AdamUpdate's
+    where it cannot compile (the two round apart in float32's last bit)."""
 
     def __init__(self, adam: Adam, grad_dtype: torch.dtype, copy_dtype: torch.dtype | None, scaled: bool = False):
         super().__init__(adam, grad_dtype, copy_dtype, scaled)
@@ -1600,9 +1581,8 @@ class CompiledAdamUpdate(AdamUpdate):
 
     @property
     def bytes_per_param(self) -> int:
-        """Host memory bytes one step moves per parameter: the master and moments read and written (24), the
-        gradients read once (gradient_dtype: bfloat16's 2 with one micro-batch, else float32's 4) and the copy
-        written (bfloat16's 2). So 30 bytes for a bfloat16 run that accumulates, 28 for one micro-batch."""
+        """Host bytes a step moves per parameter: master and moments read and written (24), the gradients read (2 or
+        4) and the copy written (2): 30 for bfloat16 with accumulation, 28 with one micro-batch."""
         if self.compiled is None:
             return super().bytes_per_param
         copy = self.copy_dtype.itemsize if self.copy_dtype else 0
@@ -1627,9 +1607,8 @@ GPU_ADAM_SHARE = 0.3  # of the streamed parameters, the default share of the GPU
 
 
 def gradient_memory(store: OffloadedAdam, resident, own_grads: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """GPU memory for the gradients: the streamed units' buffer in the store's gradient dtype, and the float32 memory it
-    starts, large enough for the resident units' too where they share it (not own_grads). Zeroed: the padding between
-    a unit's parameters is sent and stepped too, and must hold no NaN (later, it holds what another unit left)."""
+    """The GPU's gradient memory: the streamed units' buffer in the gradient dtype, and the float32 memory it starts
+    (zeroed: the padding is stepped too), large enough for the resident units' where they share it."""
     numels = [store.ranks.whole_numel(m) for m in store.masters]
     streamed = max((n for u, n in enumerate(numels) if u not in resident), default=0)
     shared = 0 if own_grads else max((numels[u] for u in resident), default=0)
@@ -1638,17 +1617,15 @@ def gradient_memory(store: OffloadedAdam, resident, own_grads: bool, device) -> 
 
 
 def pin_moments(moments: HostMoments, u: int, pin: bool) -> None:
-    """Move unit u's moments into pinned memory (pin) for the copy engines, once: each placement makes a new
-    StreamedAdam, which pins its units'."""
+    """Move unit u's moments into pinned memory for the copy engines, once (each placement's StreamedAdam pins)."""
     if u not in moments.pinned:
         moments.buffers[u] = tuple(host_zeros(m.numel(), torch.float32, pin).copy_(m) for m in moments.buffers[u])
         moments.pinned.add(u)
 
 
 def place_on_gpu(trainer: OffloadedTraining, resident=(), gpu_adam=(), own_grads: bool = True) -> None:
-    """Keep the `resident` units on the GPU, stepped there (ResidentUnits), and step the `gpu_adam` units on the GPU
-    from their state on the host (StreamedAdam); the CPU Adam steps the rest. own_grads: gradients kept apart, to
-    compare or check them: a resident unit's in memory of its own, the GPU's Adam's first ones on the host."""
+    """Keep the `resident` units on the GPU, stepped there (ResidentUnits), and step the `gpu_adam` units over their
+    state streamed from the host (StreamedAdam); own_grads: their gradients kept apart, to compare them."""
     held = "float16 or clipping steps once every gradient is in"
     if trainer.holds_updates and gpu_adam:
         raise ValueError(f"{held}: the streamed units stay on the CPU Adam")
@@ -1694,9 +1671,8 @@ class ResidentUnit:
 
 
 class ResidentUnits:
-    """Units kept on the GPU, each stepped by gpu mode's fused Adam after its backward (float16, clipping: once every
-    unit's gradients are in). Their float32 gradients get memory of their own, or take `shared` in turn: each unit
-    steps on the compute stream right after its backward, before the next unit's gradients overwrite it."""
+    """Units kept on the GPU, each stepped by gpu mode's fused Adam after its backward, on the compute stream, before
+    the next unit's gradients overwrite the memory they may share (`shared`)."""
 
     holds_grads = True  # the units' gradients are in memory of this stepper's (`shared`: of the gradient buffer's)
 
@@ -1715,8 +1691,7 @@ class ResidentUnits:
         self.units[u] = ResidentUnit(self.store, u, self.dtype, grads)
         return self.units[u].weights
 
-    def grads(self, u: int) -> torch.Tensor:
-        """Unit u's float32 gradients on the GPU."""
+    def grads(self, u: int) -> torch.Tensor:  # unit u's float32 gradients on the GPU
         return self.units[u].grads
 
     def send(self, u: int, grads: torch.Tensor, ready) -> None:
@@ -1747,19 +1722,9 @@ GPU_ADAM_CHUNK = 2**23  # parameters: the state the GPU's Adam streams crosses P
 
 
 class StreamedAdam(HostState):
-    """The GPU's fused Adam for streamed units whose state stays on the host, so that the CPU Adam has fewer units to
-    step. After a unit's backward its gradients are taken into a buffer of this Adam's; then its master and moments
-    cross PCIe a chunk at a time through two staging slots, are stepped, and go back with the compute-dtype copy.
-    Chunk i takes slot i % 2, and three streams pipeline the chunks:
-
-        s_in     bring_in 0   bring_in 1   bring_in 2   ...
-        s_adam                step 0       step 1       step 2   ...
-        s_out                              send_back 0  send_back 1  ...
-
-      bring_in   waits for left[k]: slot k's chunk before is back on the host; records landed[k]
-      step       waits for landed[k] (and, in order on s_adam, follows the unit's take); records stepped[k]
-      send_back  waits for stepped[k]; records left[k]
-    After a unit's last chunk, written_back[u]: the unit's next weight copy waits for it on the copy stream."""
+    """The GPU's fused Adam for streamed units whose state stays on the host. A unit's gradients are taken into a
+    buffer; its state crosses PCIe a chunk at a time through two slots: s_in brings chunk k in (after left[k]),
+    s_adam steps it (after landed[k]), s_out sends it back (after stepped[k]); then written_back[u] (S13)."""
 
     def __init__(self, store: OffloadedAdam, units, device, copy_stream, keep_first_grads: bool = False):
         if keep_first_grads and units and not store.pool.dedicated:
@@ -1811,8 +1776,8 @@ class StreamedAdam(HostState):
         return self.take(u, grads, ready, self.store.take_grads(u) if first else None)
 
     def take(self, u: int, grads: torch.Tensor, ready, host: torch.Tensor | None = None):
-        """Copy unit u's gradients, once `ready`, to this Adam's buffer (and `host`); returns the event after which
-        `grads` may be overwritten. In order on s_adam: a unit's gradients are in the buffer before the next's land."""
+        """Copy unit u's gradients, once `ready`, into this Adam's buffer (and `host`); the event after which `grads`
+        may be overwritten."""
         n, consumed = grads.numel(), new_event(self.device)
         with on_stream(self.s_adam):
             self.s_adam.wait_event(ready)  # S5: the unit's backward must have written all its gradients
@@ -1823,8 +1788,8 @@ class StreamedAdam(HostState):
         return consumed
 
     def update(self, u: int, multiplier: float) -> None:
-        """Queue unit u's Adam step over its streamed state, chunk by chunk (multiplier: always 1, as GradClip and
-        float16 leave the streamed units on the CPU Adam)."""
+        """Queue unit u's Adam step over its streamed state, chunk by chunk (multiplier 1: clipping and float16 leave
+        the streamed units to the CPU Adam)."""
         steps = self.store.steps[u]
         fresh, done = not steps, float(steps)  # steps done: the fused kernel counts this one in
         steps += 1  # this count lives on the host: only the thread that runs the backward issues this unit's steps
@@ -1865,8 +1830,7 @@ class StreamedAdam(HostState):
             if dst is not None:
                 dst.copy_(src[:n], non_blocking=True)
 
-    def wait_written(self, u: int) -> None:
-        """The next forward's copy of unit u waits on the copy stream, not the host."""
+    def wait_written(self, u: int) -> None:  # the next forward's copy of unit u waits on the copy stream, not the host
         self.copy_stream.wait_event(self.written_back[u])  # S13: its state must be back on the host
 
     def written(self, u: int) -> bool:  # the copy stream waits for it: the copy may be issued now
@@ -1884,9 +1848,8 @@ class StreamedAdam(HostState):
 
 
 class ActivationOffload:
-    """--offload-activations: each unit's inputs wait in pinned host memory from its forward to its backward: they
-    leave on the D2H stream, and a LayerStreamer on the weights' copy stream brings them back `depth` units ahead. The
-    embeddings' inputs (token ids) stay put, so host input a is unit a + 1's."""
+    """--offload-activations: each unit's inputs wait in pinned host memory from its forward to its backward: out on
+    the D2H stream, back on the weights' copy stream `depth` units ahead. Host input a is unit a + 1's."""
 
     def __init__(self, trainer: OffloadedTraining, micro_batches: int, shape: tuple[int, int]):
         device, ring = trainer.device, trainer.streamer
@@ -1958,8 +1921,7 @@ class ActivationOffload:
 
 
 class LossScale:
-    """float16's dynamic loss scaling, as torch.amp.GradScaler does it, so small gradients do not flush to zero: a step
-    whose gradients overflow is skipped. Powers of two, so exact. Every unit's gradients must be in before any step."""
+    """float16's dynamic loss scale, as torch.amp.GradScaler's: a step whose gradients overflow is skipped."""
 
     holds_updates = True
 
@@ -1971,10 +1933,10 @@ class LossScale:
         self.found_inf = torch.zeros(1, device=device)
 
     def unscale(self, grads: list[torch.Tensor]) -> None:
-        """Divide the float32 gradients by the scale and note any inf or NaN (no sync). With several ranks, a rank's
-        own gradients: where one is not finite, so is their sum over the ranks."""
+        """Divide the float32 gradients by the scale and note any inf or NaN, without a sync."""
         inv_scale = torch.full((1,), 1 / self.scale, device=self.device)
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found_inf, inv_scale)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found_inf, inv_scale)  # GradScaler's (private,
+        # no public form: checked on torch 2.11 to 2.13)
 
     def restore(self, scale: float, good_steps: int) -> None:
         """The scale, and the good steps in a row since it changed, from a checkpoint."""
@@ -1999,10 +1961,8 @@ def loss_scaling(dtype: torch.dtype, device: torch.device, ranks: OneProcess = O
 
 
 class GradClip:
-    """--clip-grad-norm: every gradient times min(1, max_norm / (norm + 1e-6)), as torch.nn.utils.clip_grad_norm_ does
-    it, with the float32 norm taken on the GPU as each unit's gradients are sent, so units step only once every
-    unit's gradients are in (each in a host buffer of its own, as in float16). The GPU's Adam over streamed state does
-    not take part: its buffer holds one unit's gradients."""
+    """--clip-grad-norm: every gradient times min(1, max_norm / (norm + 1e-6)), as clip_grad_norm_, the float32 norm
+    taken on the GPU as each unit's gradients leave; units step once every unit's are in."""
 
     holds_updates = True
 
@@ -2019,9 +1979,8 @@ class GradClip:
         self.taken = new_event(device)  # recorded after each unit's norms, on the stream that took them
 
     def add(self, u: int, views: list[torch.Tensor], sent: torch.Tensor, stream) -> None:
-        """Unit u's parameters' gradient norms, queued before the next unit's gradients overwrite them: of `views`,
-        the whole unit's, on the current stream; with several ranks, of `sent`, this rank's shard of their sum, on
-        `stream` (the D2H stream), where the sum lands."""
+        """Queue unit u's parameters' gradient norms: of `views`; with several ranks, of `sent`, this rank's shard of
+        their sum, on `stream`, where it lands."""
         if not self.ranks.several:
             self.take(u, views)
             return
@@ -2033,7 +1992,7 @@ class GradClip:
         if not grads:  # a rank's shard of padding alone
             self.norms[u] = []
         elif grads[0].dtype == torch.float32:
-            self.norms[u] = torch._foreach_norm(grads, 2.0)  # as clip_grad_norm_ takes them
+            self.norms[u] = torch._foreach_norm(grads, 2.0)  # clip_grad_norm_'s own (private: torch 2.11 to 2.13)
         else:  # 16-bit gradients, summed in float32 without a float32 copy of the unit
             self.norms[u] = [torch.linalg.vector_norm(g, 2.0, dtype=torch.float32) for g in grads]
         self.taken.record()
@@ -2053,8 +2012,7 @@ class GradClip:
 
 
 def scale_and_clip(trainer: OffloadedTraining, max_norm: float | None) -> None:
-    """The trainer's float16 losses scaled (LossScale) and its gradients clipped to `max_norm` (GradClip), in place of
-    the plain path's Unscaled."""
+    """The trainer's float16 losses scaled (LossScale) and its gradients clipped to `max_norm` (GradClip)."""
     trainer.scaling = loss_scaling(trainer.dtype, trainer.device, trainer.ranks)
     if trainer.scaling.holds_updates and not trainer.store.pool.dedicated:
         raise ValueError("float16 steps only once every unit's gradients are in: give each unit a gradient buffer")
@@ -2071,10 +2029,8 @@ DISK_CALL = 2**28  # bytes one read or write call moves at most (Linux moves und
 
 
 class DiskFiles:
-    """The disk tier's files, one a unit: its two Adam moments, each in whole blocks. They have no name (O_TMPFILE):
-    the kernel frees them when the process ends, however it ends, and their room is reserved up front. Direct I/O where
-    the file system takes it, so the page cache does not take back the host memory the tier frees; the disk's rates
-    measured through them at set-up."""
+    """The disk tier's files, one a unit holding its two Adam moments: unnamed (O_TMPFILE, freed however the process
+    ends), reserved up front, with direct I/O where the file system takes it; the disk's rates measured at set-up."""
 
     def __init__(self, folder: str, numels: dict[int, int], probe: mmap.mmap):
         """probe: a page-aligned buffer as large as the largest file, written and read to try direct I/O and measure."""
@@ -2098,8 +2054,7 @@ class DiskFiles:
         return flat[:n], flat[h : h + n]
 
     def transfer(self, call, u: int, buffer: mmap.mmap) -> None:
-        """os.preadv or os.pwritev of unit u's whole file from or into the start of `buffer`, in calls of at most
-        DISK_CALL bytes; an OSError names the tier's folder."""
+        """os.preadv or os.pwritev of unit u's whole file into or from `buffer`, in calls of at most DISK_CALL bytes."""
         view, nbytes, done = memoryview(buffer), 2 * self.half[u], 0
         try:
             while done < nbytes:
@@ -2111,8 +2066,7 @@ class DiskFiles:
             raise self.failed(e) from None
 
     def measure(self, buffer: mmap.mmap) -> dict:
-        """The disk's write and read rates in GB/s through the tier's own I/O path, over the first unit's file (its
-        moments are not in it yet); the written bytes are flushed, and dropped from the page cache where it is used."""
+        """The disk's write and read rates in GB/s through the tier's own I/O path, over the first unit's file."""
         u = max(self.fds)  # the backward's first
         fd = self.fds[u]
         torch.frombuffer(buffer, dtype=torch.uint8).zero_()  # its pages mapped now, not in the timed write
@@ -2140,9 +2094,8 @@ class DiskFiles:
 
 
 class DiskReader:
-    """The disk tier's reader thread: it stages each unit's moments into a free slot of the tier's ring in the
-    backward's order, over and over, each once its last staging has been stepped and written back (settled), until
-    stop(). A read's error goes to the tier (DiskTier.fail), for every step that waits for a read."""
+    """The disk tier's reader thread: it stages each unit's moments into a free slot in the backward's order, each
+    once its last staging is written back (settled), until stop(); a read's error goes to the tier."""
 
     def __init__(self, tier: DiskTier):
         self.tier = tier
@@ -2183,16 +2136,9 @@ DISK_SLOTS = 2  # the disk tier's staging buffers: one unit stepped while the di
 
 
 class DiskTier:
-    """--nvme: the Adam moments of some of the CPU Adam's units in files on a local disk (DiskFiles), staged in host
-    memory for each step. A reader thread (DiskReader) stages each unit's moments in a ring of page-aligned host
-    buffers in the order the backward sends gradients (the last unit first), while the GPU runs the units above;
-    the CPU Adam steps them there, and a writer thread writes them back while the next unit is read. Per unit:
-      settled[u]  cleared by the reader as it stages u, set by the writer once u is written back:
-                  the reader reads u again only after that (its file holds the last step's moments)
-      current[u]  cleared when u's step takes its staged moments, set once they are written back:
-                  a checkpoint reads u's file only when it holds u's latest moments
-    stop() lets go of whatever is staged, so the reader starts over from the last layer, the backward's first (each
-    mode's load stops it)."""
+    """--nvme: the Adam moments of some units in files on a local disk, staged in host memory for each step: a reader
+    thread stages them in the backward's order, a writer thread writes them back. settled[u]: u's file holds its
+    last step's moments (the reader may read it again); current[u]: it holds its latest (a checkpoint may read it)."""
 
     def __init__(self, folder: str, numels: dict[int, int], slots: int | None = None):
         self.units = tuple(sorted(numels, reverse=True))  # the order the backward sends their gradients in
@@ -2220,8 +2166,7 @@ class DiskTier:
             event.set()
 
     def stage(self, u: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Unit u's moments in host memory for its step, once read (zeros where zero() asked for them); the CPU Adam's
-        worker calls it, and write_back(u) after the step."""
+        """Unit u's moments in host memory for its step, once read (zeros where zero() asked for them)."""
         self.raise_error()
         self.start()
         start = time.perf_counter()
@@ -2262,8 +2207,7 @@ class DiskTier:
         return self.files.moments(buffer, u)
 
     def load(self, u: int, fill) -> None:
-        """Set unit u's moments on the disk: fill(exp_avg, exp_avg_sq) writes them into a staging buffer, which is
-        then written out, with the reader stopped so that no stale copy stays staged (the next stage restarts it)."""
+        """Set unit u's moments on the disk from fill(exp_avg, exp_avg_sq), the reader stopped first."""
         self.stop()
         fill(*self.files.moments(self.ring[0], u))
         self.transfer(os.pwritev, u, self.ring[0])
@@ -2274,8 +2218,7 @@ class DiskTier:
         self.drain()
         self.raise_error()
 
-    def drain(self) -> None:
-        """Block until every write-back has landed or failed."""
+    def drain(self) -> None:  # block until every write-back has landed or failed
         self.writer.submit(lambda: None).result()  # one writer thread: what was queued before has run
 
     def start(self) -> None:
@@ -2330,8 +2273,7 @@ class DiskTier:
 
 
 class DiskMoments(HostMoments):
-    """HostMoments with the moments of the disk tier's units on its disk: read into host memory for each step and
-    written back after it (DiskTier); the other units' in host memory."""
+    """HostMoments with the disk tier's units' moments on its disk, read for each step and written back after it."""
 
     def __init__(self, numels: list[int], disk: DiskTier):
         self.disk = disk
@@ -2347,8 +2289,7 @@ class DiskMoments(HostMoments):
         if u in self.on_disk:
             self.disk.write_back(u)
 
-    def ready(self, u: int) -> bool:
-        """Whether unit u's step can run without waiting for the disk."""
+    def ready(self, u: int) -> bool:  # whether unit u's step can run without waiting for the disk
         return u not in self.on_disk or self.disk.staged_now(u)
 
     def read(self, u: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -2373,17 +2314,14 @@ class DiskMoments(HostMoments):
         self.disk.stop()
         self.disk.waited_s = 0.0
 
-    def flush(self) -> None:
-        """Block until the disk tier's write-backs have landed; re-raise its error."""
+    def flush(self) -> None:  # block until the disk tier's write-backs have landed; re-raise its error
         self.disk.flush()
 
-    def close(self) -> None:
-        """Free the disk tier's files."""
+    def close(self) -> None:  # free the disk tier's files
         self.disk.close()
 
 
-def moments_for(disk: DiskTier | None):
-    """OffloadedAdam's `moments`: HostMoments, or with a disk tier DiskMoments on it."""
+def moments_for(disk: DiskTier | None):  # offloadedAdam's `moments`: HostMoments, or with a disk tier DiskMoments on it
     return functools.partial(DiskMoments, disk=disk) if disk else HostMoments
 
 
@@ -2435,17 +2373,10 @@ reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sca
 
 @dataclass(frozen=True)
 class Ranks(OneProcess):
-    """The processes of a data-parallel run, one per GPU, as torchrun starts them (one process alone is rank 0 of 1,
-    whose methods are OneProcess's). Each rank keeps 1/world of every
-    unit's host state, its shard, and trains on micro-batches rank, rank + world, ... of each step. Every rank calls
-    the collectives in the same order and number, each in one of two groups:
-      the steps' (group; the plan's rank timeout; NCCL on GPU tensors): gather (a unit's shards,
-        ShardedStreamer.landed_in), sum_shard (its gradients, ShardedSteppers.to_send), sum (the loss, float16's
-        overflow, clipping's squares); ranks waiting there on one that stalled are ended by NCCL's watchdog, on one
-        that ended by torchrun.
-      the default (SETUP_TIMEOUT; gloo on CPU tensors): meet (also before each bound part), in_turn (each host's
-        ranks), gathered (saving, state_dict), each (peaks, the plan's facts, check_same); their failures reach Python
-        (lost_ranks)."""
+    """The processes of a data-parallel run, one per GPU, as torchrun starts them (one alone: OneProcess's ways).
+    Each rank keeps 1/world of every unit's host state and trains on micro-batches rank, rank + world, ...; every
+    rank calls the collectives in the same order: the steps' (gather, sum_shard, sum) in `group`, with the plan's
+    rank timeout, the others (meet, in_turn, gathered, each) in the default group, whose failures reach Python."""
 
     rank: int = 0
     world: int = 1
@@ -2462,8 +2393,7 @@ class Ranks(OneProcess):
         return cls(int(env.get("RANK", 0)), world, int(env.get("LOCAL_RANK", 0)), local_world)
 
     @property
-    def several(self) -> bool:
-        """Whether other ranks take part."""
+    def several(self) -> bool:  # whether other ranks take part
         return self.world > 1
 
     def shard_numel(self, numel: int) -> int:
@@ -2479,13 +2409,11 @@ class Ranks(OneProcess):
         n = full.numel() // self.world
         return full[self.rank * n : (self.rank + 1) * n]
 
-    def share(self, micro_batches: list) -> list:
-        """This rank's micro-batches of a step's: rank, rank + world, ..."""
+    def share(self, micro_batches: list) -> list:  # this rank's micro-batches of a step's: rank, rank + world,
         return micro_batches[self.rank :: self.world]
 
     def gather(self, full: torch.Tensor) -> None:
-        """Each rank's shard of `full`, written in its place, into every rank's `full`: NCCL's stream runs it after
-        the current stream's work so far, and the current stream's later work waits for it."""
+        """Each rank's shard of `full` gathered into every rank's `full`, in stream order with the current stream."""
         if self.several:
             all_gather(full, self.shard(full), group=self.group)
 
@@ -2503,9 +2431,8 @@ class Ranks(OneProcess):
         return value
 
     def gathered(self, shard: torch.Tensor, everywhere: bool = True) -> torch.Tensor | None:
-        """Every rank's `shard` of a flat host buffer, gathered in a new one on every rank, or (not `everywhere`) on
-        rank 0 alone, None on the others (one process: `shard` itself); in the default group, which waits long: rank
-        0 may be writing a file between two of them."""
+        """Every rank's `shard` of a flat host buffer, gathered on every rank (not `everywhere`: on rank 0, None on the
+        others), in the default group, which waits long."""
         if not self.several:
             return shard
         if everywhere:
@@ -2522,8 +2449,7 @@ class Ranks(OneProcess):
             dist.barrier()
 
     def in_turn(self, make):
-        """make() on each host's first rank, then on its others: what it caches on the host's disk (a token cache, a
-        tokenizer), one rank of the host writes, and the others read."""
+        """make() on each host's first rank, then on its others, which read what it cached (a token cache)."""
         if self.local_rank == 0:
             made = make()
         self.meet()
@@ -2538,8 +2464,7 @@ class Ranks(OneProcess):
         return values
 
     @property
-    def group(self):
-        """The group the steps' collectives run in: a stalled rank ends the others after the rank timeout."""
+    def group(self):  # the group the steps' collectives run in: a stalled rank ends the others after the rank timeout
         return STEP_GROUP.get("group")
 
 
@@ -2547,8 +2472,7 @@ SETUP_TIMEOUT = 1800  # seconds: the ranks meet before the steps, once each has 
 
 
 class ShardedParamStore(ParamStore):
-    """ParamStore over several ranks: each holds its shard of every layer beside the model, whose parameters stay its
-    own; the GPUs gather the rest over NVLink (ShardedStreamer)."""
+    """ParamStore over several ranks: each holds its shard of every layer; the GPUs gather the rest."""
 
     def __init__(self, model: LlamaForCausalLM, pin: bool, ranks: Ranks):
         self.ranks = ranks
@@ -2572,10 +2496,8 @@ def param_store_of(ranks: Ranks, model: LlamaForCausalLM, pin: bool) -> ParamSto
 
 
 class ShardedStreamer(LayerStreamer):
-    """LayerStreamer over several ranks: each source is this rank's shard of its unit, which lands in its place in
-    the slot; an all-gather over NVLink (Ranks.gather) fills the rest, on a stream of its own, beside the next shard's
-    copy. The copies are issued in order (the host waits for an update instead): each ends in an all-gather, and
-    ranks issuing them in different orders would pair one layer's shards with another's, silently."""
+    """LayerStreamer over several ranks: this rank's shard of a unit crosses PCIe, an all-gather over NVLink fills the
+    rest on a stream of its own. Copies are issued in order: ranks issuing them apart would pair the wrong shards."""
 
     def __init__(self, ranks: Ranks, sources, kinds, make_module, dtype, device, depth: int, writer=None):
         self.ranks = ranks
@@ -2586,20 +2508,17 @@ class ShardedStreamer(LayerStreamer):
         """The slot elements of the unit whose shard is `src`: every rank's shard."""
         return self.ranks.whole_numel(src)
 
-    def destination(self, s: int, src: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of the unit's place in slot s."""
+    def destination(self, s: int, src: torch.Tensor) -> torch.Tensor:  # this rank's shard of the unit's place in slot s
         return self.ranks.shard(self.buffers[s][: self.whole_numel(src)])
 
     def landed_in(self, s: int, src: torch.Tensor) -> None:
-        """The other ranks' shards into slot s, on the gather stream: the all-gather waits for this rank's shard to
-        land, and the copy stream goes on to the next unit's shard meanwhile."""
+        """The other ranks' shards into slot s, on the gather stream, once this rank's has landed."""
         with on_stream(self.gather_stream):
             self.gather_stream.wait_event(self.copied[s])  # S1: this rank's shard has landed
             self.ranks.gather(self.buffers[s][: self.whole_numel(src)])
             self.copied[s].record(self.gather_stream)  # S1: compute waits for the whole unit before it reads the slot
 
-    def side_streams(self) -> tuple:
-        """The streams the copies and the all-gathers run on."""
+    def side_streams(self) -> tuple:  # the streams the copies and the all-gathers run on
         return (self.copy_stream, self.gather_stream)
 
     def written(self, u: int) -> bool:  # every copy is issued in order: prefetch's wait_written holds the host
@@ -2607,9 +2526,8 @@ class ShardedStreamer(LayerStreamer):
 
 
 class ShardedSteppers(Steppers):
-    """Steppers over several ranks: each unit's gradients are summed over the ranks (a reduce-scatter over NVLink),
-    and this rank's shard of the sum, in `summed`, goes to its stepper. Every unit streams (place_on_gpu): a rank
-    keeps shards."""
+    """Steppers over several ranks: each unit's gradients reduce-scattered over the ranks, this rank's shard to its
+    stepper. Every unit streams."""
 
     def __init__(self, store: OffloadedAdam, dtype: torch.dtype, device: torch.device, d2h_stream):
         super().__init__(store, dtype, device, d2h_stream)
@@ -2617,10 +2535,8 @@ class ShardedSteppers(Steppers):
         self.summed = torch.empty(shard, dtype=store.grad_dtype, device=device)  # this rank's shard of their sum
 
     def to_send(self, u: int, ready) -> tuple[torch.Tensor, object]:
-        """Unit u's gradients summed over the ranks, this rank's shard into `summed`, on the D2H stream; the shard and
-        the event its stepper waits for. `summed` is free again: the CPU Adam's last copy out of it came before on
-        this stream, and StreamedAdam's take (its event the last one sent) came before this unit's backward wrote the
-        gradients (wait_to_write)."""
+        """Unit u's gradients summed over the ranks, this rank's shard into `summed` on the D2H stream (after the
+        stepper's last copy out of it, in stream order), and the event its stepper waits for (S6)."""
         shard, summed = self.summed_shard(u), new_event(self.device)
         stream = self.cpu_adam.d2h_stream
         with on_stream(stream):
@@ -2635,14 +2551,12 @@ class ShardedSteppers(Steppers):
 
 
 class ShardedTraining(OffloadedTraining):
-    """OffloadedTraining of one of several ranks: its units' gradients summed over the ranks (ShardedSteppers) and
-    their weights gathered from the ranks' shards (ShardedStreamer)."""
+    """OffloadedTraining of one of several ranks: gradients summed over the ranks, weights gathered from the shards."""
 
     def make_steppers(self, *args) -> Steppers:  # the gradients summed over the ranks first
         return ShardedSteppers(*args)
 
-    def make_streamer(self, *args, **kwargs) -> LayerStreamer:
-        """A ShardedStreamer of LayerStreamer's arguments."""
+    def make_streamer(self, *args, **kwargs) -> LayerStreamer:  # A ShardedStreamer of LayerStreamer's arguments
         return ShardedStreamer(self.ranks, *args, **kwargs)
 
 
@@ -2652,8 +2566,8 @@ def pieces(layout: FlatLayout, shard: torch.Tensor, start: int) -> list[torch.Te
 
 
 def check_same(ranks: Ranks, value, what: str) -> None:
-    """Every rank holds the same `value` (a small picklable one): else each ends with one line naming the difference,
-    before a collective that would pair up wrongly and hang."""
+    """Every rank holds the same `value`; else each ends with one line naming the difference, before a collective
+    that would pair up wrongly and hang."""
     each = ranks.each(value)
     if any(other != each[0] for other in each):
         differ = "; ".join(f"rank {r}: {v}" for r, v in enumerate(each))
@@ -2661,20 +2575,17 @@ def check_same(ranks: Ranks, value, what: str) -> None:
 
 
 def start_ranks(ranks: Ranks) -> None:
-    """Join the other ranks (torchrun's rendezvous) in the default group, which waits long: setting up may take long
-    on one rank (pinning, compiling). NCCL between the GPUs, gloo between CPU tensors."""
+    """Join the other ranks (torchrun's rendezvous) in the default group, which waits as long as setting up may take."""
     if ranks.several:
         dist.init_process_group(backend(), timeout=datetime.timedelta(seconds=SETUP_TIMEOUT))
 
 
-def backend() -> str:
-    """The process groups' backends: NCCL between the GPUs, gloo between CPU tensors."""
+def backend() -> str:  # the process groups' backends: NCCL between the GPUs, gloo between CPU tensors
     return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
 
 
 def join_steps(ranks: Ranks, timeout: float, threads: int) -> None:
-    """The steps' process group, whose collectives wait `timeout` seconds at most (the plan's rank timeout), and this
-    rank's share of the host's cores, `threads`, for its CPU Adam and copies; said."""
+    """The steps' process group, its collectives waiting `timeout` seconds at most, and this rank's `threads` cores."""
     if not ranks.several:
         return
     STEP_GROUP["group"] = dist.new_group(backend=backend(), timeout=datetime.timedelta(seconds=timeout))
@@ -2687,8 +2598,7 @@ def join_steps(ranks: Ranks, timeout: float, threads: int) -> None:
 
 
 def rank_peaks(ranks: Ranks, result: dict, params: int) -> dict:
-    """A mode's training result with every rank's peaks: each rank's in `ranks`, the largest GPU's and the host's sum
-    (the ranks share it) in the peaks' places; and the host's peak bytes a parameter of the model."""
+    """A mode's training result with every rank's peaks, the largest GPU's and the host's sum in the peaks' places."""
     if ranks.several:
         keys = ("peak_gpu_bytes", "peak_host_bytes")
         each = ranks.each({key: result.get(key) for key in keys})
@@ -2707,11 +2617,8 @@ def host_peaks(ranks: Ranks, host: dict) -> dict:
 
 
 def lost_ranks(ranks: Ranks, error: BaseException) -> str | None:
-    """The line a rank ends on when a collective that Python waits on failed because another rank ended or stalled:
-    torch's DistError, or gloo's (CPU tensors) connection dropped or timed out, its message naming gloo's source. NCCL's
-    collectives fail where Python does not wait: a rank waiting on an ended one is ended by torchrun, whose summary
-    names the rank that ended first; on a stalled one, by NCCL's watchdog after the rank timeout. None for one process,
-    or for any other error, this rank's own (own_error)."""
+    """The line a rank ends on when a collective Python waits on failed because another rank ended or stalled (a
+    DistError, gloo's dropped connection); None for one process or this rank's own error. NCCL's: torchrun's."""
     lost = isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and "gloo/" in str(error))
     if not ranks.several or not lost:
         return None
@@ -2724,8 +2631,7 @@ def lost_ranks(ranks: Ranks, error: BaseException) -> str | None:
 
 
 def own_error(ranks: Ranks, error: BaseException) -> str:
-    """The line a rank ends on for an error raised in its own code: the rank, the error and the place it was raised
-    in this script (the last frame of it), so the rank that failed first is named by its own line."""
+    """The line a rank ends on for an error of its own code: the rank, the error and its place in this script."""
     frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename == __file__] or [None]
     place = f" (offload_llama.py:{frames[-1].lineno}, in {frames[-1].name})" if frames[-1] else ""
     what = str(error).strip().splitlines()[0] if str(error).strip() else ""
@@ -2745,8 +2651,7 @@ def stop_ranks() -> None:
 
 
 def model_config(run: RunConfig) -> LlamaConfig:
-    """The model's config: --model's, or the preset's with the size flags over it; refused with one line where no
-    LLaMA has those sizes."""
+    """The model's config: --model's, or the preset's with the size flags over it; refused where no LLaMA has them."""
     if run.model is not None:
         config = load_config(Path(run.model))
         check_sizes({field: getattr(config, field) for field in SIZE_FLAGS}, f"--model {run.model}: config.json's ")
@@ -2756,8 +2661,8 @@ def model_config(run: RunConfig) -> LlamaConfig:
 
 
 def load_model(run: RunConfig, config: LlamaConfig) -> LlamaForCausalLM:
-    """The CPU model in the compute dtype: --model's (pretrained_model), or a meta-device one whose units the run
-    draws straight into its masters (draws_units), or the random one build_model draws."""
+    """The CPU model in the compute dtype: --model's, a meta-device one whose units are drawn straight into the
+    masters (draws_units), or build_model's random one."""
     if run.model is not None:
         return pretrained_model(run)
     if not draws_units(run):
@@ -2826,8 +2731,8 @@ SAFETENSORS_ITEMSIZE |= {"BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
 def check_weights(folder: Path, config: LlamaConfig) -> None:
-    """--model's safetensors files are whole and hold every weight of its config in its shape; else one line naming
-    the file, before the model is built (from_pretrained would stop half-way, or draw a missing weight at random)."""
+    """--model's safetensors files are whole and hold every weight of its config in its shape; else one line
+    naming the file, before the model is built."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         files = indexed_files(index)
@@ -2851,8 +2756,8 @@ def check_weights(folder: Path, config: LlamaConfig) -> None:
 
 
 def check_no_extra_weights(folder: Path, config: LlamaConfig, extra: set[str]) -> None:
-    """--model's weights hold none that its config has no place for (from_pretrained leaves them out without a word:
-    a layer past num_hidden_layers, say); else one line naming one, and the layers the weights hold."""
+    """--model's weights hold none its config has no place for (a layer past num_hidden_layers, which
+    from_pretrained drops without a word); else one line naming one."""
     extra = sorted(name for name in extra if not name.endswith("rotary_emb.inv_freq"))  # older saves' tables
     if extra:
         held = [int(m[1]) for name in extra if (m := re.match(r"model\.layers\.(\d+)\.", name))]
@@ -2875,8 +2780,7 @@ def indexed_files(index: Path) -> list[str]:
 
 
 def check_torch_files(folder: Path) -> None:
-    """--model's pytorch_model.bin files (or the shards its index names) are there and torch's zip format, or an
-    older pickle; else one line naming the file, before the model is built."""
+    """--model's pytorch_model.bin files are there and torch's format; else one line naming the file."""
     index = folder / "pytorch_model.bin.index.json"
     for name in indexed_files(index) if index.is_file() else ["pytorch_model.bin"]:
         path = folder / name
@@ -2900,9 +2804,7 @@ def safetensors_shapes(folder: Path, name: str) -> dict[str, tuple]:
 
 
 def safetensors_header(path: Path) -> dict[str, tuple] | None:
-    """The tensors' shapes in a safetensors file (write_safetensors says its layout); None where it is not one whole:
-    a regular file, its header's length and JSON header, each tensor's byte range fitting its shape and dtype and
-    lying within the file."""
+    """The tensors' shapes in a safetensors file; None where it is not one whole (its header and byte ranges)."""
     if not path.is_file():
         return None
     size = path.stat().st_size
@@ -2934,21 +2836,18 @@ def safetensors_header(path: Path) -> dict[str, tuple] | None:
 
 
 def draws_units(run: RunConfig) -> bool:
-    """Whether the random model is drawn straight into the masters (draw_masters): one offloaded mode trains alone
-    (lean), so nothing else reads the CPU model, and the host never holds it."""
+    """Whether the random model is drawn straight into the masters: one offloaded mode trains alone (lean)."""
     return run.lean and run.model is None and not run.fwd_bwd_reference
 
 
 def draw_masters(store, model: LlamaForCausalLM, seed: int) -> None:
-    """The weights init_random draws for the meta-device `model`, rounded to its dtype, written straight into `store`'s
-    float32 masters (a rank: into its shards): no CPU model is built, and the chunks of every unit are drawn at once
-    over the rank's threads, each from its own generator as init_random seeds it. Norms 1, the pad token's row 0."""
+    """The weights init_random draws for the meta-device `model`, rounded to its dtype, drawn straight into `store`'s
+    masters (a rank: its shards), every chunk on the rank's threads from the generator init_random gives it."""
     config, dtype = model.config, next(model.parameters()).dtype
     index = {name: i for i, name in enumerate(n for n, p in model.named_parameters() if p.dim() > 1)}
 
     def draw(master, start, span, chunk, i, j) -> None:
-        """Chunk j of weight i (its elements [a, b) of the unit's flat buffer), rounded through the model's dtype; its
-        part within `span` written into the master, a shard from element `start` on."""
+        """Chunk j of weight i (its elements [a, b) of the unit) into the master's part within `span`."""
         (a, b), (lo, hi) = chunk, span
         values = drawn_chunk(seed, i, j, b - a, config.initializer_range)
         values.copy_(values.to(dtype))  # nothing to round in float32
@@ -2973,8 +2872,7 @@ def draw_masters(store, model: LlamaForCausalLM, seed: int) -> None:
 
 
 def weight_spans(store) -> list[tuple]:
-    """(HF name, master, where its shard starts, the parameter's offset, lo, hi, its numel) of each parameter with
-    elements [lo, hi) of its unit's flat buffer in this rank's shard of `store`'s masters."""
+    """(HF name, master, shard start, offset, lo, hi, numel) of each parameter in this rank's shards of `store`."""
     spans = []
     for unit, master in zip(store.units, store.masters, strict=True):
         start = store.ranks.rank * master.numel()
@@ -2985,8 +2883,7 @@ def weight_spans(store) -> list[tuple]:
 
 
 def param_count(config: LlamaConfig) -> int:
-    """The model's parameter count, from its config by arithmetic (parameter_count): a model of a million layers is
-    counted as fast as one of eight."""
+    """The model's parameter count from its config, by arithmetic (parameter_count)."""
     return parameter_count(config.to_dict())
 
 
@@ -3002,9 +2899,8 @@ def layer_bytes(config: LlamaConfig, dtype: torch.dtype) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------- the plan
-# Adds: every placement decision, made once before anything is allocated, from the run and the machine's facts (the
-# ranks agree on theirs first): resident units, the GPU's Adam's units, the copy's dtype, the gradient buffers,
-# activation offload, the disk layers; with the predicted GPU, host and disk peaks and the bound's parts.
+# Adds: every placement decision (resident units, the GPU's Adam's units, the copy's dtype, gradient buffers, activation
+# offload, disk layers), made before anything is allocated, from the facts the ranks agree on; predicted peaks, bound.
 # Turned on: every run (--plan prints it and exits). Plugs into: the stores, streamers and steppers are built from it.
 
 
@@ -3016,30 +2912,20 @@ DEFAULT_RATES = {  # measured on the project's H100 machine (report/results); --
     "gpu_tflops": 440.0,  # a step's matrix work in 16 bits (float32 runs at an eighth of it)
     "disk_gbps": 2.3,  # the --nvme disk, reading and writing
 }
-
-
-PROCESS_BYTES = 8 * GiB // 5  # a GPU run's own resident set beside its parts (measured: torch, CUDA, the compiled Adam)
-
-
+PROCESS_BYTES = 8 * GiB // 5  # a GPU run's own resident set beside its parts: torch, CUDA, the compiled Adam
 HOST_MARGIN = 2 * GiB  # of the host budget, left out of the disk layers', the copy's and the buffers' decisions
-
-
-# of the host memory, never planned for: what the kernel (page tables, the driver's records of pinned pages) and each
-# process's allocator hold beside the parts (measured: 2% over them with one GPU, 3% with four ranks, at 32B)
-HOST_SLACK = 4  # percent
-
-
+HOST_SLACK = 4  # percent of host memory never planned for: the kernel's and each allocator's own, beside the parts
 RANK_TIMEOUT = 60  # seconds: the least a rank waits for the others in a step's collective (--rank-timeout)
-
-
 TIMEOUT_STEPS = 5  # the default timeout is this many times the plan's longest step part, at least RANK_TIMEOUT
+PLAN_MARGIN = GiB // 2  # of a --max-gpu-memory budget, left out of a placement: the caching allocator's fragmentation
+CUBLAS_WORKSPACE = 32 * 2**20  # torch's default cuBLAS workspace on Hopper, allocated once per stream
+ADAM_SCRATCH = 2**25  # parameters: the bound times the CPU Adam on at most this much scratch state (512 MiB of it)
+FAST_FLOPS = {"cpu": 1e11, "cuda": 2e15}  # FLOP/s: a run that takes under a minute at these is not worth a rate
 
 
 @dataclass(frozen=True)
 class Facts:
-    """The machine a plan is made for: a GPU's memory, the host memory the run may take, the disk's free space, a
-    process's own memory, the cores, the ranks and the rates. Measured here, or described by --gpu-memory,
-    --host-memory, --gpus and --rate (measured_facts); with several ranks, agreed over them (agreed_facts)."""
+    """The machine a plan is made for: measured here or described by flags (measured_facts), agreed by the ranks."""
 
     gpu_bytes: int | None  # one GPU's memory; None: no GPU
     host_bytes: int | None  # what the run may take: MemAvailable, at most --max-host-memory; None: unknown
@@ -3051,18 +2937,15 @@ class Facts:
     rates: tuple = tuple(DEFAULT_RATES.items())
 
     @property
-    def rate(self) -> dict[str, float]:
-        """The rates by name."""
+    def rate(self) -> dict[str, float]:  # the rates by name
         return dict(self.rates)
 
     @property
-    def ranks(self) -> Ranks:
-        """The ranks as sizes see them: every rank's shard is the same size."""
+    def ranks(self) -> Ranks:  # the ranks as sizes see them: every rank's shard is the same size
         return Ranks(0, self.world, 0, self.local_world)
 
     @property
-    def host_share(self) -> int | None:
-        """The host memory one rank may plan for: its share of the host's, less HOST_SLACK."""
+    def host_share(self) -> int | None:  # the host memory one rank may plan for: its share, less HOST_SLACK
         return None if self.host_bytes is None else self.host_bytes * (100 - HOST_SLACK) // 100 // self.local_world
 
 
@@ -3073,17 +2956,12 @@ def measured_facts(run: RunConfig) -> Facts:
     host = host_memory_available() if run.host_memory is None else int(run.host_memory * GiB)
     if run.max_host_memory is not None:
         host = int(min(host or math.inf, run.max_host_memory * GiB))
-    world = (run.gpus or run.ranks.world, run.gpus or run.ranks.local_world)
-    return Facts(
-        gpu_bytes=int(run.gpu_memory * GiB) if run.gpu_memory else gpu_total_bytes() if gpu else None,
-        host_bytes=host,
-        disk_bytes=shutil.disk_usage(run.nvme).free if run.nvme else None,
-        process_bytes=PROCESS_BYTES if described else max(PROCESS_BYTES, process_rss()) if gpu else process_rss(),
-        cores=host_cores(),
-        world=world[0],
-        local_world=world[1],
-        rates=tuple((DEFAULT_RATES | dict(run.rates)).items()),
-    )
+    gpu_bytes = int(run.gpu_memory * GiB) if run.gpu_memory else gpu_total_bytes() if gpu else None
+    disk = shutil.disk_usage(run.nvme).free if run.nvme else None
+    process = PROCESS_BYTES if described else max(PROCESS_BYTES, process_rss()) if gpu else process_rss()
+    world, local_world = run.gpus or run.ranks.world, run.gpus or run.ranks.local_world
+    rates = tuple((DEFAULT_RATES | dict(run.rates)).items())
+    return Facts(gpu_bytes, host, disk, process, host_cores(), world, local_world, rates)
 
 
 def gpu_total_bytes() -> int:
@@ -3097,44 +2975,31 @@ def host_cores() -> int:
 
 
 def agreed_facts(ranks: Ranks, facts: Facts) -> Facts:
-    """The facts every rank plans from: the smallest memory, disk and cores over the ranks, the largest process, the
-    slowest rates, so that one rank's plan never outgrows its machine and all make the same plan."""
+    """The facts every rank plans from: the least memory, disk and cores, the largest process, the slowest rates."""
     if not ranks.several:
         return facts
     each = ranks.each(facts)
-
-    def least(field: str):
-        """The smallest known value of `field` over the ranks; None where no rank knows it."""
-        known = [getattr(f, field) for f in each if getattr(f, field) is not None]
-        return min(known) if known else None
-
-    rates = {name: min(f.rate[name] for f in each) for name in facts.rate}
-    process = max(f.process_bytes for f in each)
-    return dataclasses.replace(
-        facts,
-        **{field: least(field) for field in ("gpu_bytes", "host_bytes", "disk_bytes", "cores")},
-        process_bytes=process,
-        rates=tuple(rates.items()),
-    )
+    fields = ("gpu_bytes", "host_bytes", "disk_bytes", "cores")  # each the least a rank knows; None where none knows it
+    least = {k: min([getattr(f, k) for f in each if getattr(f, k) is not None], default=None) for k in fields}
+    rates = tuple((name, min(f.rate[name] for f in each)) for name in facts.rate)
+    return dataclasses.replace(facts, **least, process_bytes=max(f.process_bytes for f in each), rates=rates)
 
 
 @dataclass(frozen=True)
 class ModePlan:
-    """An offloaded mode's plan: the prefetch depth, inference's resident decoder layers and training's resident
-    units and GPU Adam units, each with its predicted GPU peak by part; whether training fits; the bound's parts."""
+    """An offloaded mode's plan: prefetch depth, inference's and training's placements and GPU peaks, the bound."""
 
     depth: int
-    inference_resident: tuple[int, ...]
+    inference_resident: tuple[int, ...]  # decoder layers
     inference_gpu: dict  # part -> bytes
-    resident: tuple[int, ...]
-    gpu_adam: tuple[int, ...]
+    resident: tuple[int, ...]  # training's resident units
+    gpu_adam: tuple[int, ...]  # the units the GPU's Adam steps over streamed state
     training_gpu: dict  # part -> bytes
     training_fits: bool
     bound_ms: dict  # part -> predicted ms
 
     @property
-    def training_peak(self) -> int:
-        """The predicted peak GPU memory of a training step."""
+    def training_peak(self) -> int:  # the predicted peak GPU memory of a training step
         return sum(self.training_gpu.values())
 
 
@@ -3154,38 +3019,38 @@ class Plan:
     modes: dict  # mode -> ModePlan, for the offloaded modes
 
     @property
-    def host_peak(self) -> int:
-        """The predicted peak host memory of one rank."""
+    def host_peak(self) -> int:  # the predicted peak host memory of one rank
         return sum(self.host.values())
 
     @property
-    def torch_copy_dtype(self) -> torch.dtype | None:
-        """The copy's dtype as a torch.dtype."""
+    def torch_copy_dtype(self) -> torch.dtype | None:  # the copy's dtype as a torch.dtype
         return DTYPES[self.copy_dtype] if self.copy_dtype else None
 
-    def as_dict(self) -> dict:
-        """The plan for --json and the checkpoint."""
+    def as_dict(self) -> dict:  # the plan for --json and the checkpoint
         return dataclasses.asdict(self)
 
 
 def make_plan(run: RunConfig, config: LlamaConfig, facts: Facts) -> Plan:
-    """The plan of `run` on the machine `facts` describe: a function of these alone, so ranks that agreed on their
-    facts make one plan. Refused (UsageError) where the disk has no room for the layers the host cannot hold."""
+    """The plan of `run` on the machine of `facts`, from these alone (ranks that agree on facts make one plan);
+    UsageError where the disk has no room for the layers the host cannot hold."""
     run = dataclasses.replace(run, offload_activations=activation_offload_planned(run, config, facts))
     run = dataclasses.replace(run, nvme_layers=disk_layers_planned(run, config, facts))
-    copy = copy_dtype_planned(run, config, facts)
-    buffers = grad_buffers_planned(run, config, facts, copy)
-    modes = {m: mode_plan(run, config, facts, m, copy) for m in run.modes if m in ("blocked", "overlapped")}
+    copy, buffers = host_room_planned(run, config, facts)
+    modes = {}  # each offloaded mode's placements and bound
+    for m in (mode for mode in run.modes if mode in ("blocked", "overlapped")):
+        inference = inference_placement(run, config, facts, m) if run.inference else ((), {})
+        training = training_placement(run, config, facts, m, copy) if run.train else ((), (), {}, True)
+        depth = mode_depth(m, run.prefetch)
+        bound = predicted_bound(run, config, facts, depth, *training[:2], copy) if run.train else {}
+        modes[m] = ModePlan(depth, *inference, *training, bound)
     longest = max((ms for plan in modes.values() for ms in plan.bound_ms.values()), default=0.0)
     timeout = run.rank_timeout or max(RANK_TIMEOUT, math.ceil(TIMEOUT_STEPS * longest / 1e3))
     threads = max(1, facts.cores // facts.local_world)
     kept = set.intersection(*(set(plan.resident) for plan in modes.values())) if run.train and modes else set()
     host = host_parts(run, config, facts, copy, buffers, kept)
     disk = run.nvme_layers * disk_unit_bytes(config, facts.ranks) * facts.local_world
-    copy_name = copy and str(copy).removeprefix("torch.")
-    return Plan(
-        facts, run.offload_activations, run.nvme_layers, copy_name, buffers, threads, timeout, host, disk, modes
-    )
+    name = copy and str(copy).removeprefix("torch.")
+    return Plan(facts, run.offload_activations, run.nvme_layers, name, buffers, threads, timeout, host, disk, modes)
 
 
 def say_plan(run: RunConfig, config: LlamaConfig, plan: Plan) -> None:
@@ -3196,11 +3061,8 @@ def say_plan(run: RunConfig, config: LlamaConfig, plan: Plan) -> None:
         cap = f"{run.max_gpu_memory:g} GiB cap"
         log(f"activation offload on: the saved inputs ({saved}) do not fit the {cap} with the rest")
     if offloaded_training(run) and run.torch_dtype != torch.float32 and plan.copy_dtype is None:
-        copy = size_text(run.torch_dtype.itemsize * sum(shards))
-        log(
-            f"no room on the host for the {run.dtype} copy of the masters ({copy}): the GPU streams the float32 "
-            "masters and casts them"
-        )
+        copy, instead = size_text(run.torch_dtype.itemsize * sum(shards)), "the GPU streams the float32 masters"
+        log(f"no room on the host for the {run.dtype} copy of the masters ({copy}): {instead} and casts them")
     if offloaded_training(run) and plan.grad_buffers < len(shards):
         buffer = size_text(gradient_dtype(run).itemsize * max(shards))
         log(f"gradients: {plan.grad_buffers} pinned buffers of {buffer} for {len(shards)} units, all the host holds")
@@ -3215,34 +3077,22 @@ def plan_refusal(run: RunConfig, config: LlamaConfig, facts: Facts) -> str | Non
     return None
 
 
-def places_on_gpu(mode: str) -> bool:
-    """Whether the plan may keep `mode`'s units resident and step some on the GPU's Adam: overlapped alone."""
-    return mode == "overlapped"
-
-
 def offloaded_training(run: RunConfig) -> bool:
     """Whether the run trains an offloaded mode: the host then holds the masters and Adam state."""
     return run.train and offloaded(run.modes)
 
 
 def compared_modes(run: RunConfig) -> set[str]:
-    """The modes whose training is compared with gpu mode's from the same start (a resumed mode starts from its own
-    checkpoint): each then keeps every unit's gradients of the first step."""
-    return (
-        {"gpu", *({"blocked", "overlapped"} & set(run.modes))}
-        if "gpu" in run.modes and offloaded(run.modes) and not run.resume
-        else set()
-    )
-
-
-PLAN_MARGIN = GiB // 2  # of a --max-gpu-memory budget, left out of a placement: the caching allocator's fragmentation
+    """The modes whose training is compared with gpu mode's from one start: each keeps every unit's first gradients."""
+    if "gpu" not in run.modes or not offloaded(run.modes) or run.resume:  # a resumed mode starts from its checkpoint
+        return set()
+    return {"gpu", *({"blocked", "overlapped"} & set(run.modes))}
 
 
 def gpu_budget(run: RunConfig, facts: Facts) -> int | None:
-    """The GPU bytes a placement may plan for: the --max-gpu-memory cap (at most the GPU) less PLAN_MARGIN; None without
-    a cap, so overlapped streams every unit, as the tables compare full offload with gpu mode."""
+    """The GPU bytes a placement may plan for: the --max-gpu-memory cap (at most the GPU) less PLAN_MARGIN, or None."""
     if run.max_gpu_memory is None:
-        return None
+        return None  # overlapped then streams every unit: the tables compare full offload with gpu mode
     return int(min(run.max_gpu_memory * GiB, facts.gpu_bytes or math.inf)) - PLAN_MARGIN
 
 
@@ -3254,15 +3104,13 @@ def host_spare(run, config, facts: Facts, copy, buffers: int, margin: int = HOST
 
 
 def activation_offload_planned(run: RunConfig, config: LlamaConfig, facts: Facts) -> bool:
-    """--offload-activations, or on by itself where only then does every offloaded mode's training, every unit
-    streamed, fit the GPU budget."""
+    """--offload-activations, or on where only then does each offloaded mode's streamed training fit the budget."""
     budget = gpu_budget(run, facts)
     if run.offload_activations or not offloaded_training(run) or budget is None:
         return run.offload_activations
     on = dataclasses.replace(run, offload_activations=True)
 
-    def streamed_peak(r: RunConfig, mode: str) -> int:
-        """Training's peak in `mode` with every unit streamed and stepped by the CPU Adam."""
+    def streamed_peak(r: RunConfig, mode: str) -> int:  # training's peak, every unit streamed and on the CPU Adam
         depth = mode_depth(mode, r.prefetch)
         parts = training_parts(r, config, facts, depth, False, (), (), r.torch_dtype) | unplaced_bytes(r, config, facts)
         return sum(parts.values())
@@ -3273,9 +3121,7 @@ def activation_offload_planned(run: RunConfig, config: LlamaConfig, facts: Facts
 
 def disk_layers_planned(run: RunConfig, config: LlamaConfig, facts: Facts) -> int:
     """How many decoder layers, from the last, keep their Adam moments on the --nvme disk: --nvme-layers, or the fewest
-    with which the host holds the rest with two gradient buffers and no copy (the copy gets no room of its own:
-    dropping it costs PCIe bytes, far faster than the disk bytes another layer on the disk costs). Refused where the
-    disk has no room for them; where even every layer on it leaves the host short, check_plan says by how much."""
+    that let the host hold the rest with 2 gradient buffers and no copy (PCIe bytes cost less than the disk's)."""
     if not (run.nvme and offloaded_training(run)):
         return 0
     most = config.num_hidden_layers - (run.resident_layers or 0)  # the first layers' moments stay on the GPU
@@ -3283,12 +3129,10 @@ def disk_layers_planned(run: RunConfig, config: LlamaConfig, facts: Facts) -> in
         raise UsageError(f"--nvme-layers {run.nvme_layers}: the model has {most} decoder layers the CPU Adam steps")
     counts = [run.nvme_layers] if run.nvme_layers is not None else range(most + 1)
 
-    def fits(d: int, margin: int) -> bool:
-        """The host holds the plan with d layers' moments on the disk, `margin` to spare."""
+    def fits(d: int, margin: int) -> bool:  # the host holds the plan with d layers' moments on the disk, `margin` spare
         return (host_spare(dataclasses.replace(run, nvme_layers=d), config, facts, None, 2, margin) or 0) >= 0
 
-    layers = next((d for d in counts if fits(d, HOST_MARGIN)), None)
-    layers = next((d for d in counts if fits(d, 0)), None) if layers is None else layers
+    layers = next((d for margin in (HOST_MARGIN, 0) for d in counts if fits(d, margin)), None)
     if layers is None:  # the host is short even so: check_plan says by how much
         return counts[-1]
     needed, free = layers * disk_unit_bytes(config, facts.ranks) * facts.local_world, facts.disk_bytes
@@ -3298,35 +3142,22 @@ def disk_layers_planned(run: RunConfig, config: LlamaConfig, facts: Facts) -> in
     return layers
 
 
-def copy_dtype_planned(run: RunConfig, config: LlamaConfig, facts: Facts) -> torch.dtype | None:
-    """The dtype of the masters' copy offloaded training streams: the compute dtype; None in float32 (the masters are
-    the weights), or without host room for it (the GPU then streams the float32 masters and casts them)."""
-    if run.torch_dtype == torch.float32 or not offloaded_training(run):
-        return None
-    spare = host_spare(run, config, facts, None, least_grad_buffers(run, config))
-    copy = run.torch_dtype.itemsize * sum(shard_numels(config, facts.ranks))
-    return None if spare is not None and spare < copy else run.torch_dtype
-
-
-def grad_buffers_planned(run: RunConfig, config: LlamaConfig, facts: Facts, copy) -> int:
-    """Offloaded training's pinned gradient buffers: one per unit where every unit's gradients wait for the others'
-    (blocked, compared with gpu mode's, float16's loss scale, clipping) or the host has room; else what it holds, two at
-    least (one filling while the CPU Adam steps the other)."""
-    units, least = len(model_units(config)), least_grad_buffers(run, config)
-    spare = host_spare(run, config, facts, copy, least)
-    if least == units or spare is None or not offloaded_training(run):
-        return units
+def host_room_planned(run: RunConfig, config: LlamaConfig, facts: Facts) -> tuple[torch.dtype | None, int]:
+    """Offloaded training's masters' copy dtype (None: float32 masters, cast on the GPU) and gradient buffers."""
+    units = len(model_units(config))
+    if not offloaded_training(run):
+        return None, units
+    # one buffer a unit where each unit's gradients wait for all (blocked, compared, float16's loss scale, clipping)
+    least = units if compared_modes(run) or run.holds_updates or "blocked" in run.modes else 2  # one fills, one steps
     shards, itemsize = shard_numels(config, facts.ranks), gradient_dtype(run).itemsize
-    if spare >= itemsize * (sum(shards) - 2 * max(shards)):
-        return units
-    return 2 + max(0, spare) // (itemsize * max(shards))
-
-
-def least_grad_buffers(run: RunConfig, config: LlamaConfig) -> int:
-    """The fewest gradient buffers the run can train with: one per unit where every unit's gradients wait for the
-    others' (blocked, compared with gpu mode's, float16's loss scale, clipping), else two."""
-    held = compared_modes(run) or run.holds_updates or "blocked" in run.modes
-    return len(model_units(config)) if held else 2
+    copy = None if run.torch_dtype == torch.float32 else run.torch_dtype  # in float32 the masters are the weights
+    spare = host_spare(run, config, facts, None, least) if copy else None
+    if spare is not None and spare < copy.itemsize * sum(shards):
+        copy = None  # no room for it
+    spare = host_spare(run, config, facts, copy, least)
+    if least == units or spare is None or spare >= itemsize * (sum(shards) - 2 * max(shards)):
+        return copy, units
+    return copy, 2 + max(0, spare) // (itemsize * max(shards))
 
 
 def shard_numels(config: LlamaConfig, ranks: Ranks) -> list[int]:
@@ -3339,33 +3170,20 @@ def disk_units(config: LlamaConfig, layers: int) -> tuple[int, ...]:
     return tuple(range(config.num_hidden_layers + 1 - layers, config.num_hidden_layers + 1))
 
 
-def mode_plan(run: RunConfig, config: LlamaConfig, facts: Facts, mode: str, copy) -> ModePlan:
-    """An offloaded mode's placements, for inference and for training, and its training bound's parts."""
-    depth = mode_depth(mode, run.prefetch)
-    inference = inference_placement(run, config, facts, mode) if run.inference else ((), {})
-    training = ((), (), {}, True)
-    if run.train:
-        training = training_placement(run, config, facts, mode, copy)
-    bound = predicted_bound(run, config, facts, depth, training[0], training[1], copy) if run.train else {}
-    return ModePlan(depth, *inference, *training, bound)
-
-
 def spread(n: int, k: int) -> tuple[int, ...]:
     """k of range(n), evenly spaced from 0: each streamed layer's copy then runs under a resident layer's compute."""
     return tuple(i for i in range(n) if -(-(i + 1) * k // n) > -(-i * k // n))
 
 
 def inference_placement(run: RunConfig, config: LlamaConfig, facts: Facts, mode: str) -> tuple[tuple, dict]:
-    """overlapped: as many decoder layers resident as the budget holds (or --resident-layers), spread; blocked, or
-    several ranks: none. Returns them and the forward's predicted GPU memory by part."""
+    """Inference's resident decoder layers (overlapped: as many as fit, spread) and the forward's GPU bytes by part."""
     layers, depth, tokens = config.num_hidden_layers, mode_depth(mode, run.prefetch), run.tokens
 
-    def parts(k: int) -> dict[str, int]:
-        """The forward's GPU memory with k layers resident."""
+    def parts(k: int) -> dict[str, int]:  # the forward's GPU memory with k layers resident
         return analytic_peak_bytes(config, run.torch_dtype, tokens, k + min(depth + 1, layers - k))
 
     count, budget = run.resident_layers, gpu_budget(run, facts)
-    if not places_on_gpu(mode) or facts.world > 1 or (count is None and budget is None):  # a rank streams every layer
+    if mode != "overlapped" or facts.world > 1 or (count is None and budget is None):  # a rank streams every layer
         count = 0
     elif count is None:
         count = max((k for k in range(layers + 1) if sum(parts(k).values()) <= budget), default=0)
@@ -3373,9 +3191,8 @@ def inference_placement(run: RunConfig, config: LlamaConfig, facts: Facts, mode:
 
 
 def gpu_adam_units(units: list[Unit], resident, share: float, on_disk=()) -> tuple[int, ...]:
-    """The streamed units the GPU's Adam steps, up to `share` of their parameters: the embeddings and first layers
-    (their gradients come last, the next forward needs them first), then the head (its gradients come first: its
-    state would cross PCIe beside the whole backward's weights); none whose moments the disk tier keeps (`on_disk`)."""
+    """The streamed units the GPU's Adam steps, up to `share` of their parameters, none `on_disk`: the embeddings and
+    first layers (the next forward needs them first), then the head (its state would cross PCIe in the backward)."""
     numels = {u: unit.layout.numel for u, unit in enumerate(units) if u not in resident}
     kinds = [unit.kind for unit in units]
     order = [kinds.index("embed"), *(u for u, kind in enumerate(kinds) if kind == "layer"), kinds.index("head")]
@@ -3389,34 +3206,28 @@ def gpu_adam_units(units: list[Unit], resident, share: float, on_disk=()) -> tup
 
 
 def training_placement(run: RunConfig, config: LlamaConfig, facts: Facts, mode: str, copy) -> tuple:
-    """overlapped: resident, the longest run of units from the forward's start that fits the budget (or the first
-    --resident-layers layers; without a cap, where the GPU's compute bounds the step, boundary_units), then
-    gpu_adam_units, unless its staging alone breaks the budget or (by default) the compute bounds the step with every
-    unit on the CPU Adam; blocked: none; neither takes a unit whose moments are on the disk. Returns (resident, GPU
-    Adam units, predicted GPU bytes by part, whether they fit the budget, or without a cap the GPU)."""
+    """Training's (resident units, GPU Adam units, GPU bytes by part, whether they fit): in overlapped the longest run
+    of units from the forward's start that fits, then gpu_adam_units; in blocked none; none on the disk."""
     depth, units = mode_depth(mode, run.prefetch), model_units(config)
     own_grads = bool(compared_modes(run)) or run.holds_updates
     on_disk, besides = disk_units(config, run.nvme_layers or 0), unplaced_bytes(run, config, facts)
 
-    def placement(resident: list[int], share: float) -> tuple[tuple, tuple, dict]:
-        """The placement keeping `resident`, the GPU's Adam stepping up to `share` of the rest, with its parts."""
+    def placement(resident: list[int], share: float) -> tuple[tuple, tuple, dict]:  # the GPU's Adam takes `share`
         gpu_adam = gpu_adam_units(units, resident, share, on_disk)
         parts = training_parts(run, config, facts, depth, own_grads, resident, gpu_adam, copy)
         return tuple(resident), gpu_adam, parts | besides
 
-    budget, resident, share = gpu_budget(run, facts), [], run.gpu_adam if places_on_gpu(mode) else 0.0
-    keeps = places_on_gpu(mode) and facts.world == 1  # a rank's units are its shards: none resident
+    budget, resident, share = gpu_budget(run, facts), [], run.gpu_adam if mode == "overlapped" else 0.0
+    keeps = mode == "overlapped" and facts.world == 1  # a rank's units are its shards: none resident
     uncapped = keeps and budget is None and run.resident_layers is None  # compute-bound, it keeps units (below)
     if share and run.gpu_adam_share is None and not uncapped and compute_bound(run, config, facts, ((), ()), copy):
         share = 0.0  # the compute bounds the step with every unit on the CPU Adam: the GPU's Adam would add to it
     if keeps and run.resident_layers is not None:
         resident = list(range(1, 1 + run.resident_layers))  # unit 0 is the embeddings
     elif keeps and budget is not None:
-        while (
-            len(resident) < len(units)
-            and len(resident) not in on_disk
-            and sum(placement([*resident, len(resident)], share)[2].values()) <= budget
-        ):
+        while len(resident) < len(units) and len(resident) not in on_disk:
+            if sum(placement([*resident, len(resident)], share)[2].values()) > budget:
+                break
             resident.append(len(resident))
     elif keeps and facts.gpu_bytes and compute_bound(run, config, facts, (streamed := placement([], share))[:2], copy):
         resident, share = boundary_units(units, streamed[1], placement, facts.gpu_bytes), 0.0
@@ -3428,17 +3239,14 @@ def training_placement(run: RunConfig, config: LlamaConfig, facts: Facts, mode: 
 
 
 def compute_bound(run: RunConfig, config: LlamaConfig, facts: Facts, placed: tuple, copy) -> bool:
-    """Whether the GPU's compute bounds an overlapped training step with `placed` (resident, GPU Adam units), by the
-    predicted bound's parts."""
+    """Whether the GPU's compute bounds an overlapped training step with `placed` (resident, GPU Adam units)."""
     parts = predicted_bound(run, config, facts, run.prefetch, *placed, copy)
     return parts["gpu_compute_ms"] >= max(parts.values())
 
 
 def boundary_units(units: list[Unit], gpu_adam, placement, gpu_bytes: int) -> list[int]:
-    """Without a cap, where the GPU's compute bounds the step: the units from the forward's start that the GPU's Adam
-    would step over streamed state, resident instead while the GPU holds them. Streamed, their state crosses PCIe
-    after their gradients, which come last, while the next forward waits for them first: nothing hides that. Resident,
-    each steps in place after its backward, and the host, which has time to spare, steps the rest."""
+    """Without a cap, where compute bounds the step: the first units the GPU's Adam would step, resident while the GPU
+    holds them (streamed, their state would cross PCIe while the next forward waits for them)."""
     resident = []
     for u in gpu_adam:
         if u != len(resident) or sum(placement([*resident, u], 0.0)[2].values()) > gpu_bytes - PLAN_MARGIN:
@@ -3448,49 +3256,46 @@ def boundary_units(units: list[Unit], gpu_adam, placement, gpu_bytes: int) -> li
 
 
 def training_parts(run, config, facts: Facts, depth: int, own_grads: bool, resident, gpu_adam, copy) -> dict:
-    """A training placement's GPU bytes by part. Resident, a parameter takes 14 bytes (weights, float32 master and
-    moments; 12 in float32) and its float32 gradients 4 more, or a share of the gradient buffer (not own_grads). With
-    several ranks, each rank's shard of a unit's gradients summed over them lands in a buffer of its own."""
-    b, shards = run.torch_dtype.itemsize, shard_numels(config, facts.ranks)
+    """A training placement's GPU bytes by part: slots, gradient buffers, GPU Adam staging, resident units' state."""
+    b, shards, grad = run.torch_dtype.itemsize, shard_numels(config, facts.ranks), gradient_dtype(run)
     numels = [shard * facts.world for shard in shards]  # each unit whole on the GPU, its shards gathered
     kept = [numels[u] for u in resident]
     streamed = [n for u, n in enumerate(numels) if u not in resident]
     largest = max(streamed, default=0)
-    grads = largest * gradient_dtype(run).itemsize
+    grads = largest * grad.itemsize
     casts = copy is None and run.torch_dtype != torch.float32  # the staging buffer of LayerStreamer.cast_in
+    # StreamedAdam's: its largest unit's gradients, two staging slots, a chunk of gradients made float32
+    adam = max((shards[u] for u in gpu_adam), default=0)
+    chunk, copied = min(adam, GPU_ADAM_CHUNK), copy.itemsize if copy else 0
     return {
         "slots": min(depth + 1, len(streamed)) * largest * b + casts * min(largest, STAGING) * 4,
         "gradient buffer": grads if own_grads else max(grads, 4 * max(kept, default=0)),
-        "GPU Adam staging": gpu_adam_bytes(run, [shards[u] for u in gpu_adam], copy),
+        "GPU Adam staging": adam * grad.itemsize + 2 * chunk * (12 + copied) + 4 * chunk * (grad != torch.float32),
         "resident weights": sum(kept) * (0 if run.torch_dtype == torch.float32 else b),
         "resident masters and moments": 12 * sum(kept),
         "resident gradients": 4 * sum(kept) if own_grads else 0,
-        "summed gradients": max(shards) * gradient_dtype(run).itemsize if facts.world > 1 else 0,  # ShardedSteppers
+        "summed gradients": max(shards) * grad.itemsize if facts.world > 1 else 0,  # ShardedSteppers
     }
 
 
-def gpu_adam_bytes(run: RunConfig, shards: list[int], copy) -> int:
-    """StreamedAdam's GPU memory: the largest unit's gradients, two staging slots, a chunk of gradients made float32."""
-    largest = max(shards, default=0)
-    chunk, grad_dtype = min(largest, GPU_ADAM_CHUNK), gradient_dtype(run)
-    copy_bytes = copy.itemsize if copy else 0
-    return largest * grad_dtype.itemsize + 2 * chunk * (12 + copy_bytes) + 4 * chunk * (grad_dtype != torch.float32)
-
-
 def unplaced_bytes(run: RunConfig, config: LlamaConfig, facts: Facts) -> dict[str, int]:
-    """The part of a training step's peak GPU memory that no placement changes, where the step peaks (in a unit's
-    forward or its backward): the saved inputs, the unit's working set and the rest (other_bytes)."""
+    """Training's peak GPU bytes no placement changes, where it peaks: saved inputs, a unit's working set, the rest."""
     kinds = [unit.kind for unit in model_units(config)]
     working = {kind: working_bytes(run, config, kind, facts) for kind in dict.fromkeys(kinds)}
     inputs = unit_inputs_bytes(run, config, facts)
     # saved inputs while unit u runs: units 1 to u's (the embeddings keep token ids); with activation offload, the two
-    # units' still leaving in the forward and none in the backward (their slots are in other_bytes)
+    # units' still leaving in the forward and none in the backward (their slots are in the rest)
     saved = {(u, b): u * inputs for u in range(len(kinds)) for b in (0, 1)}
     if run.offload_activations:
         saved = {(u, b): 0 if b else min(u, 2) * inputs for u, b in saved}
     u, backward = max(saved, key=lambda ub: saved[ub] + working[kinds[ub[0]]][ub[1]])
-    working_set = working[kinds[u]][backward]
-    return {"saved inputs": saved[u, backward], "working set": working_set, "other": other_bytes(run, config, facts)}
+    # the rest: cuBLAS's workspace, what HF passes each decoder layer (rotary tables, positions; eager's mask), every
+    # micro-batch's token ids, and with activation offload the ring of slots the saved inputs come back in
+    passed = sum(t.nbytes for t in tensors_in(traced_decoder_kwargs(trace_key(run, config))))
+    ids = micro_batches_per_rank(run, facts) * run.tokens * 8
+    slots = min(run.prefetch + 1, config.num_hidden_layers + 1) if run.offload_activations else 0
+    other = CUBLAS_WORKSPACE + passed + ids + slots * inputs
+    return {"saved inputs": saved[u, backward], "working set": working[kinds[u]][backward], "other": other}
 
 
 def micro_batches_per_rank(run: RunConfig, facts: Facts) -> int:
@@ -3504,24 +3309,8 @@ def unit_inputs_bytes(run: RunConfig, config: LlamaConfig, facts: Facts | None =
     return micro_batches * run.tokens * config.hidden_size * run.torch_dtype.itemsize
 
 
-CUBLAS_WORKSPACE = 32 * 2**20  # torch's default cuBLAS workspace on Hopper, allocated once per stream
-
-
-def other_bytes(run: RunConfig, config: LlamaConfig, facts: Facts) -> int:
-    """A training step's GPU memory besides the units' weights, gradients, saved inputs and working sets: cuBLAS's
-    workspace, what HF passes each decoder layer (the rotary tables, the positions; eager attention's mask), every
-    micro-batch's token ids, and with activation offload its ring of slots the saved inputs come back in."""
-    kwargs = traced_decoder_kwargs(trace_key(run, config))
-    passed = sum(t.nbytes for t in tensors_in(kwargs))
-    ids = micro_batches_per_rank(run, facts) * run.tokens * 8
-    slots = min(run.prefetch + 1, config.num_hidden_layers + 1) if run.offload_activations else 0
-    return CUBLAS_WORKSPACE + passed + ids + slots * unit_inputs_bytes(run, config, facts)
-
-
 def working_bytes(run: RunConfig, config: LlamaConfig, kind: str, facts: Facts) -> tuple[int, int]:
-    """The most GPU memory a unit of `kind` allocates beyond its weights and inputs: in its forward over the rank's
-    micro-batches (their outputs kept), and in its recompute and backward of each in turn (their input gradients
-    kept), traced on the meta device (traced_passes); with what CUDA allocates there and the meta kernels do not."""
+    """The most GPU bytes a unit of `kind` allocates beyond its weights and inputs (forward, backward), as traced."""
     forward, backward = traced_passes(trace_key(run, config), kind, micro_batches_per_rank(run, facts))
     if kind == "layer":  # the backward's thread allocates its cuBLAS workspace in the first layer's backward
         backward += CUBLAS_WORKSPACE
@@ -3532,20 +3321,6 @@ def working_bytes(run: RunConfig, config: LlamaConfig, kind: str, facts: Facts) 
     return forward, backward
 
 
-def dispatch_mode():
-    """torch's TorchDispatchMode, which sees each op a block runs, below autograd: torch has no public name for it
-    (torch.utils._python_dispatch, checked on torch 2.11 to 2.13)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    return TorchDispatchMode
-
-
-def storage_key(storage) -> int:
-    """A storage's identity, the same for every tensor over it (its C pointer: _cdata, checked on torch 2.11 to 2.13;
-    a meta tensor's data_ptr is 0 for all)."""
-    return storage._cdata
-
-
 def tensors_in(tree) -> list[torch.Tensor]:
     """The tensors in nested tuples, lists and dicts (an op's arguments, HF's keyword arguments)."""
     if isinstance(tree, torch.Tensor):
@@ -3554,46 +3329,39 @@ def tensors_in(tree) -> list[torch.Tensor]:
     return [t for value in values for t in tensors_in(value)]
 
 
-class MetaMemory(dispatch_mode()):
-    """While on, counts the storages the ops make (on the meta device: nothing is allocated), each rounded as the
-    caching allocator rounds a block and counted until torch frees it, and their peak (`peak`, reset by `reset`)."""
+# TorchDispatchMode sees each op below autograd; it has no public name (torch.utils._python_dispatch, which torch._ops
+# imports; checked on torch 2.11 to 2.13). A storage's identity is its C pointer, _cdata: a meta tensor's data_ptr is 0
+class MetaMemory(torch.utils._python_dispatch.TorchDispatchMode):
+    """While on, counts the bytes of the storages ops make on the meta device, as the caching allocator rounds them."""
 
     def __init__(self):
         super().__init__()
         self.live, self.peak, self.counted = 0, 0, set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        """Run the op; count each output storage that is not one of its inputs' (a view or an in-place result)."""
+        """Run the op; count each new output storage (not an input's: a view, an in-place result) until it is freed."""
         out = func(*args, **(kwargs or {}))
-        inputs = {storage_key(t.untyped_storage()) for t in tensors_in((args, kwargs))}
-        for t in tensors_in(out):
-            if storage_key(t.untyped_storage()) not in inputs:
-                self.count(t.untyped_storage())
+        inputs = {t.untyped_storage()._cdata for t in tensors_in((args, kwargs))}
+        for storage in (t.untyped_storage() for t in tensors_in(out)):
+            key, nbytes = storage._cdata, -(-storage.nbytes() // 512) * 512
+            if key in inputs or key in self.counted:
+                continue
+            self.counted.add(key)
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self.free, key, nbytes)
         return out
 
-    def count(self, storage) -> None:
-        """Count a new storage until it is freed."""
-        key, nbytes = storage_key(storage), -(-storage.nbytes() // 512) * 512
-        if key in self.counted:
-            return
-        self.counted.add(key)
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(storage, self.free, key, nbytes)
-
-    def free(self, key: int, nbytes: int) -> None:
-        """A counted storage was freed."""
+    def free(self, key: int, nbytes: int) -> None:  # a counted storage was freed
         self.live -= nbytes
         self.counted.discard(key)
 
-    def reset(self) -> None:
-        """Count the peak from now."""
+    def reset(self) -> None:  # count the peak from now
         self.peak = self.live
 
 
 def trace_key(run: RunConfig, config: LlamaConfig, layers: int = 1) -> tuple:
-    """What a trace depends on: the config as JSON (with `layers` decoder layers: a unit's passes depend on none),
-    the attention, the dtype, the micro-batch's shape."""
+    """What a trace depends on: the config as JSON with `layers` decoder layers, the attention, dtype, micro-batch."""
     config = copy.deepcopy(config)
     config.num_hidden_layers = layers
     return config.to_json_string(), run.attention, run.dtype, run.batch_size, run.seq_len
@@ -3601,8 +3369,7 @@ def trace_key(run: RunConfig, config: LlamaConfig, layers: int = 1) -> tuple:
 
 @functools.cache
 def traced_passes(key: tuple, kind: str, micro_batches: int) -> tuple[int, int]:
-    """A unit's forward over `micro_batches` and then its recompute and backward of each, as unit_passes runs them,
-    on the meta device under MetaMemory: the peak bytes of each beyond the weights and inputs (key: trace_key's)."""
+    """A unit's peak bytes beyond weights and inputs: its forward over `micro_batches`, then recompute and backward."""
     config_json, attention, dtype_name, batch_size, seq_len = key
     config, dtype, shape = LlamaConfig.from_dict(json.loads(config_json)), DTYPES[dtype_name], (batch_size, seq_len)
     with torch.device("meta"):
@@ -3612,8 +3379,7 @@ def traced_passes(key: tuple, kind: str, micro_batches: int) -> tuple[int, int]:
     ids = [torch.zeros(shape, dtype=torch.long, device="meta") for _ in range(micro_batches)]
     xs = ids if kind == "embed" else [torch.zeros(*shape, config.hidden_size, dtype=dtype, device="meta")] * len(ids)
 
-    def run_unit(x: torch.Tensor, k: int) -> torch.Tensor:
-        """OffloadedTraining.run_unit's unit on micro-batch k."""
+    def run_unit(x: torch.Tensor, k: int) -> torch.Tensor:  # as OffloadedTraining.run_unit, on micro-batch k
         if kind == "layer":
             return module(x, **kwargs)
         if kind == "head":
@@ -3642,8 +3408,7 @@ def traced_passes(key: tuple, kind: str, micro_batches: int) -> tuple[int, int]:
 
 @functools.cache
 def traced_model_step(key: tuple) -> int:
-    """The peak bytes of the resident model's forward and backward over one micro-batch beyond its weights, its
-    activations and the parameters' gradients, traced on the meta device (key: trace_key's)."""
+    """The resident model's peak bytes in a micro-batch's forward and backward beyond weights, activations, grads."""
     config_json, attention, dtype_name, batch_size, seq_len = key
     config, dtype, shape = LlamaConfig.from_dict(json.loads(config_json)), DTYPES[dtype_name], (batch_size, seq_len)
     with torch.device("meta"):
@@ -3660,10 +3425,8 @@ def traced_model_step(key: tuple) -> int:
 
 @functools.cache
 def traced_decoder_kwargs(key: tuple) -> dict:
-    """What HF passes each decoder layer (decoder_kwargs), on the meta device (key: trace_key's). HF computes them on
-    the CPU for a batch of 3 sequences of 5 tokens, sizes no model dimension has, by a model of one token and no
-    decoder layer (told it has one, so that decoder_kwargs' recorder stands in for it); each tensor's dimensions of
-    those sizes then grow to the run's batch and sequence, on the meta device: nothing the size of the run's is made."""
+    """What HF passes each decoder layer (decoder_kwargs), on the meta device (key: trace_key's): made on the CPU for 3
+    sequences of 5 tokens by a model of one token and no layer, then grown to the run's batch and sequence."""
     config_json, attention, dtype_name, batch_size, seq_len = key
     config, dtype = LlamaConfig.from_dict(json.loads(config_json)), DTYPES[dtype_name]
     small = copy.deepcopy(config)
@@ -3672,39 +3435,33 @@ def traced_decoder_kwargs(key: tuple) -> dict:
     model.config.num_hidden_layers = 1
     kwargs = decoder_kwargs(model, (3, 5), dtype, torch.device("cpu"))
 
-    def grown(t: torch.Tensor) -> torch.Tensor:
-        """`t` on the meta device, its batch of 3 and its 5 tokens the run's."""
-        shape = [batch_size if (i == 0 and n == 3) else seq_len if n == 5 else n for i, n in enumerate(t.shape)]
-        return torch.empty(shape, dtype=t.dtype, device="meta")
+    def grown(value):  # each tensor in `value` on the meta device, its batch of 3 and its 5 tokens the run's
+        if isinstance(value, (tuple, list)):
+            return type(value)(grown(v) for v in value)
+        if not isinstance(value, torch.Tensor):
+            return value
+        shape = [batch_size if (i == 0 and n == 3) else seq_len if n == 5 else n for i, n in enumerate(value.shape)]
+        return torch.empty(shape, dtype=value.dtype, device="meta")
 
-    return {key: grown_all(value, grown) for key, value in kwargs.items()}
-
-
-def grown_all(value, grow):
-    """`value` (a tensor, a tuple of them, or another value) with each tensor replaced by grow(tensor)."""
-    if isinstance(value, torch.Tensor):
-        return grow(value)
-    return type(value)(grown_all(v, grow) for v in value) if isinstance(value, (tuple, list)) else value
+    return {key: grown(value) for key, value in kwargs.items()}
 
 
 @contextlib.contextmanager
 def sdpa_as_on_cuda():
     """While on, sdpa on the meta device runs the kernel CUDA runs without a mask: flash attention in 16 bits, the
-    memory-efficient one in float32 but for grouped heads (the meta device's own choice, as CUDA's there, is the math
-    kernel, whose scores are quadratic)."""
-    plain = nn.functional.scaled_dot_product_attention
+    memory-efficient one in float32 but for grouped heads (not the meta device's own choice, the quadratic math one)."""
+    plain, aten = nn.functional.scaled_dot_product_attention, torch.ops.aten
 
-    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        """Flash or memory-efficient attention on meta tensors; otherwise torch's own."""
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):  # on meta tensors
         grouped = enable_gqa and k.shape[1] != q.shape[1]  # the memory-efficient kernel takes no grouped heads
         if attn_mask is not None or q.device.type != "meta" or (grouped and q.dtype == torch.float32):
             return plain(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
         if q.dtype == torch.float32:
             grad = torch.is_grad_enabled() and q.requires_grad
-            return torch.ops.aten._scaled_dot_product_efficient_attention(
-                q, k, v, None, grad, dropout_p, is_causal, scale=scale
-            )[0]
-        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+            return aten._scaled_dot_product_efficient_attention(q, k, v, None, grad, dropout_p, is_causal, scale=scale)[
+                0
+            ]
+        return aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
 
     nn.functional.scaled_dot_product_attention = sdpa
     try:
@@ -3713,22 +3470,15 @@ def sdpa_as_on_cuda():
         nn.functional.scaled_dot_product_attention = plain
 
 
-ADAM_SCRATCH = 2**25  # parameters: the bound times the CPU Adam on at most this much scratch state (512 MiB of it)
-
-
 def host_parts(run: RunConfig, config: LlamaConfig, facts: Facts, copy, buffers: int, resident=()) -> dict[str, int]:
-    """One rank's peak host memory by part: the process itself; the model as built (none where it is drawn unit by
-    unit into the masters); for offloaded training this rank's shard of the float32 masters, of their Adam moments
-    (but the disk tier's, staged in its buffers instead, and the `resident` units', whose pages are never touched), of
-    the copy and of the gradient buffers, and the bound's scratch Adam state; the states kept to compare with gpu
-    mode's; the cpu mode's training; the passes' ids, logits and inputs."""
+    """One rank's peak host memory by part: the process, the model, offloaded training's state, the rest."""
     b, params, shards = run.torch_dtype.itemsize, param_count(config), shard_numels(config, facts.ranks)
     parts = {"process": facts.process_bytes, "model": 0 if draws_units(run) else b * params}
     if facts.world > 1 and run.inference and offloaded(run.modes):  # a rank's shards of the layers, beside the model
         parts["inference shards"] = b * config.num_hidden_layers * layer_numel(config, facts.ranks)
     if offloaded_training(run):
         on_disk = disk_units(config, run.nvme_layers or 0)
-        untouched = sum(shards[u] for u in {*on_disk, *resident})
+        untouched = sum(shards[u] for u in {*on_disk, *resident})  # their moments' pages: on the disk, or never touched
         grads = gradient_dtype(run).itemsize * (sum(shards) if buffers >= len(shards) else buffers * max(shards))
         parts |= {
             "float32 masters": 4 * sum(shards),
@@ -3749,35 +3499,31 @@ def host_parts(run: RunConfig, config: LlamaConfig, facts: Facts, copy, buffers:
 
 
 def predicted_bound(run, config, facts: Facts, depth: int, resident, gpu_adam, copy) -> dict[str, float]:
-    """What a training step cannot beat, predicted from the rates (ms by part): the GPU's compute (forward, recompute
-    and backward: four forwards' FLOPs), the H2D and D2H copies, the CPU Adam's bytes, all the host's bytes together
-    (every rank's on it) and the disk tier's reads and writes."""
+    """What a training step cannot beat, by the rates: ms by part (GPU compute, copies, CPU Adam, host, disk)."""
     rate, shards = facts.rate, shard_numels(config, facts.ranks)
     streamed = [u for u in range(len(shards)) if u not in resident]
     kept = streamed[-min(depth + 1, len(streamed)) :] if streamed else []  # the backward finds them in the slots
-    on_gpu = sum(shards[u] for u in gpu_adam)
-    on_cpu = sum(shards[u] for u in streamed if u not in gpu_adam)
+    on_gpu, on_cpu = sum(shards[u] for u in gpu_adam), sum(shards[u] for u in streamed if u not in gpu_adam)
     grad, copied = gradient_dtype(run).itemsize, copy.itemsize if copy else 0
     weights = (copied or 4) * (2 * sum(shards[u] for u in streamed) - sum(shards[u] for u in kept))
     h2d, d2h = weights + 12 * on_gpu, grad * on_cpu + (12 + copied) * on_gpu
     adam = on_cpu * (24 + grad + copied)  # masters and moments read and written, gradients read, the copy written
     disk = 2 * (run.nvme_layers or 0) * disk_unit_bytes(config, facts.ranks)  # read, and written back
-    flops = 4 * pass_flops(run, config) * micro_batches_per_rank(run, facts)
+    flops = 4 * pass_flops(run, config) * micro_batches_per_rank(run, facts)  # the forward, recompute and backward
     tflops = rate["gpu_tflops"] / (8 if run.torch_dtype == torch.float32 else 1)
     parts = {
         "gpu_compute_ms": flops / tflops / 1e9,
         "h2d_ms": h2d / rate["h2d_gbps"] / 1e6,
         "d2h_ms": d2h / rate["d2h_gbps"] / 1e6,
         "cpu_adam_ms": adam / rate["adam_gbps"] / 1e6,
-        "host_memory_ms": facts.local_world * (adam + h2d + d2h + disk) / rate["host_gbps"] / 1e6,
+        "host_memory_ms": facts.local_world * (adam + h2d + d2h + disk) / rate["host_gbps"] / 1e6,  # every rank's
     }
     return parts | ({"disk_ms": disk / rate["disk_gbps"] / 1e6} if disk else {})
 
 
 def check_plan(run: RunConfig, config: LlamaConfig, plan: Plan) -> None:
-    """Refuse, before a byte is allocated, what the plan says will not fit: a GPU mode's least memory past the GPU (or
-    its cap), the host's memory, and with several ranks an offloaded training placement past the cap (one rank's OOM
-    would leave the others waiting in a collective; the same line on every rank, as they share the plan)."""
+    """Refuse, before a byte is allocated, what the plan says will not fit: a GPU mode's least memory, the host's, and
+    with several ranks a placement past the cap (one rank's OOM would leave the others waiting in a collective)."""
     run = dataclasses.replace(run, offload_activations=plan.offload_activations, nvme_layers=plan.disk_layers)
     run = dataclasses.replace(run, grad_accum=micro_batches_per_rank(run, plan.facts))  # a rank's share of the step
     gpu_modes = [m for m in run.modes if m != "cpu"]
@@ -3815,13 +3561,8 @@ def check_host(run: RunConfig, config: LlamaConfig, plan: Plan) -> None:
         return
     passes = plan.host["passes"]
     sequences = "use fewer or shorter sequences (--batch-size, --seq-len, --grad-accum)"
-    advice = (
-        sequences
-        if passes > plan.host_peak - passes
-        else "use a smaller model"
-        if run.model
-        else f"use {SMALLER_LAYERS}"
-    )
+    smaller = "use a smaller model" if run.model else f"use {SMALLER_LAYERS}"
+    advice = sequences if passes > plan.host_peak - passes else smaller
     if run.nvme is None and advice != sequences and offloaded_training(run):
         advice += ", or give --nvme DIR on a local disk for the Adam state"
     if run.max_host_memory is not None:
@@ -3861,24 +3602,18 @@ def plan_table(plan: Plan, run: RunConfig, config: LlamaConfig) -> str:
             peak = sum(placed.inference_gpu.values())
             rows.append((f"{mode} inference", f"resident decoder layers: {layers}; predicted peak GPU {gib(peak)} GiB"))
         if run.train:
-            rows += training_rows(mode, placed, units)
+            ms, fits = placed.bound_ms, "" if placed.training_fits else " (does not fit)"
+            by = max(ms, key=ms.get)
+            bound = ", ".join(f"{part.removesuffix('_ms').replace('_', ' ')} {t:.0f}" for part, t in ms.items())
+            names = "; ".join(unit_names(units, chosen) for chosen in (placed.resident, placed.gpu_adam))
+            peak = f"{gib(placed.training_peak)} GiB{fits}: {parts_text(placed.training_gpu)}"
+            rows += [
+                (f"{mode} training: resident; GPU Adam", names),
+                (f"{mode} training: peak GPU", peak),
+                (f"{mode} training: bound", f"{ms[by]:.0f} ms ({by.removesuffix('_ms')}): {bound}"),
+            ]
     lines = ["plan (--plan; predictions from the rates " + ", ".join(f"{k} {v:g}" for k, v in facts.rates) + ")", ""]
     return "\n".join([*lines, "| | |", "|---|---|", *(f"| {what} | {value} |" for what, value in rows)]) + "\n"
-
-
-def training_rows(mode: str, placed: ModePlan, units: list[Unit]) -> list[tuple[str, str]]:
-    """plan_table's rows of a mode's training: what is resident and what the GPU's Adam steps, the peak, the bound."""
-    fits = "" if placed.training_fits else " (does not fit)"
-    by = max(placed.bound_ms, key=placed.bound_ms.get)
-    bound = ", ".join(f"{part.removesuffix('_ms').replace('_', ' ')} {ms:.0f}" for part, ms in placed.bound_ms.items())
-    return [
-        (
-            f"{mode} training: resident; GPU Adam",
-            f"{unit_names(units, placed.resident)}; {unit_names(units, placed.gpu_adam)}",
-        ),
-        (f"{mode} training: peak GPU", f"{gib(placed.training_peak)} GiB{fits}: {parts_text(placed.training_gpu)}"),
-        (f"{mode} training: bound", f"{placed.bound_ms[by]:.0f} ms ({by.removesuffix('_ms')}): {bound}"),
-    ]
 
 
 def parts_text(parts: dict) -> str:
@@ -3889,13 +3624,10 @@ def parts_text(parts: dict) -> str:
 
 def unit_names(units: list[Unit], chosen) -> str:
     """Units by name, runs of decoder layers joined: model.embed_tokens, model.layers.0-13."""
-    if not chosen:
-        return "none"
-    names, layers = [], [u - 1 for u in chosen if units[u].kind == "layer"]
-    names += [units[u].name for u in chosen if units[u].kind == "embed"]
-    if layers:
-        names.append(f"model.layers.{layers[0]}" + (f"-{layers[-1]}" if len(layers) > 1 else ""))
-    return ", ".join(names + [units[u].name for u in chosen if units[u].kind == "head"])
+    layers = [u - 1 for u in chosen if units[u].kind == "layer"]
+    names = [units[u].name for u in chosen if units[u].kind == "embed"]
+    names += [f"model.layers.{layers[0]}" + (f"-{layers[-1]}" if len(layers) > 1 else "")] if layers else []
+    return ", ".join(names + [units[u].name for u in chosen if units[u].kind == "head"]) or "none"
 
 
 def params_with_layers(config: LlamaConfig, layers: int) -> int:
@@ -3925,8 +3657,7 @@ def gradient_dtype(run: RunConfig) -> torch.dtype:
 
 
 def host_pass_bytes(run: RunConfig, config: LlamaConfig, facts: Facts) -> int:
-    """Host memory besides the parameters: token ids, inference's logits, the pinned saved inputs (a rank's), the cpu
-    mode's activations."""
+    """Host memory besides the parameters: ids, logits, the pinned saved inputs (a rank's), cpu mode's activations."""
     tokens, dtype = run.batch_size * run.seq_len, run.torch_dtype
     ids = (1 + run.grad_accum) * tokens * 8  # int64: inference's batch and training's micro-batches
     logits = len(run.modes) * tokens * config.vocab_size * dtype.itemsize if run.inference else 0
@@ -3937,9 +3668,7 @@ def host_pass_bytes(run: RunConfig, config: LlamaConfig, facts: Facts) -> int:
 
 
 def attention_bytes(run: RunConfig, config: LlamaConfig, whole_backward: bool) -> int:
-    """Eager attention's scores at their least: a micro-batch's batch x heads x seq-len x seq-len of them, scaled beside
-    the raw ones; whole_backward: the resident model's training, where every layer keeps its probabilities for the
-    backward (an offloaded unit recomputes its own, one at a time). sdpa keeps none."""
+    """Eager attention's least scores (sdpa keeps none): a micro-batch's, or with whole_backward every layer's."""
     if run.attention != "eager":
         return 0
     scores = run.batch_size * config.num_attention_heads * run.seq_len**2 * run.torch_dtype.itemsize
@@ -3948,8 +3677,7 @@ def attention_bytes(run: RunConfig, config: LlamaConfig, whole_backward: bool) -
 
 def gpu_bytes_needed(run: RunConfig, config: LlamaConfig, mode: str) -> int:
     """A lower bound on a mode's GPU memory, known before allocating: weights or slots, state, inputs, activations."""
-    dtype, b = run.torch_dtype, run.torch_dtype.itemsize
-    layers = config.num_hidden_layers
+    dtype, b, layers = run.torch_dtype, run.torch_dtype.itemsize, config.num_hidden_layers
     act = activation_bytes(config, dtype, run.batch_size * run.seq_len, at_least=True)
     act = max(act, attention_bytes(run, config, whole_backward=run.train and mode == "gpu"))
     if mode == "gpu":
@@ -3966,22 +3694,10 @@ def gpu_bytes_needed(run: RunConfig, config: LlamaConfig, mode: str) -> int:
 
 
 def pass_flops(run: RunConfig, config: LlamaConfig) -> float:
-    """A forward pass's matrix FLOPs over one micro-batch: 2 a parameter a token, and the attention's scores and their
-    weighted sums, 4 x seq-len² x hidden a sequence and layer."""
+    """A forward's matrix FLOPs over a micro-batch: 2 a parameter a token, attention's 4 x seq-len² x hidden a layer."""
     tokens = run.batch_size * run.seq_len
     attention = 4 * config.num_hidden_layers * run.batch_size * run.seq_len**2 * config.hidden_size
     return 2 * param_count(config) * tokens + attention
-
-
-def run_flops(run: RunConfig, config: LlamaConfig) -> dict[str, float]:
-    """The FLOPs the run's modes compute at least, on the CPU and on the GPU: each inference pass timed, and each
-    training step's forward, recompute and backward (twice a forward) over its micro-batches."""
-    flops = {"cpu": 0.0, "cuda": 0.0}
-    for mode in run.modes:
-        device = "cpu" if mode == "cpu" else "cuda"
-        passes = 1 if mode == "cpu" else run.warmup + run.repeat
-        flops[device] += pass_flops(run, config) * (passes * run.inference + 4 * run.steps * run.grad_accum * run.train)
-    return flops
 
 
 def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
@@ -3999,14 +3715,15 @@ def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
     return 2 * n**3 * count / (time.perf_counter() - t0)
 
 
-FAST_FLOPS = {"cpu": 1e11, "cuda": 2e15}  # FLOP/s: a run that takes under a minute at these is not worth timing a
-
-
 def warn_if_long(run: RunConfig, config: LlamaConfig) -> None:
-    """Say on stderr how long the run will compute at least where that is over a minute: its FLOPs at each device's
-    rate, measured only where the FLOPs take a minute even at FAST_FLOPS."""
-    flops = {device: f for device, f in run_flops(run, config).items() if f > 60 * FAST_FLOPS[device]}
-    seconds = sum(f / matmul_rate(torch.device(device), run.torch_dtype) for device, f in flops.items())
+    """Say on stderr how long the run computes at least (passes, steps), where over a minute at a matmul's rate."""
+    flops = {"cpu": 0.0, "cuda": 0.0}
+    for mode in run.modes:
+        device = "cpu" if mode == "cpu" else "cuda"
+        passes = 1 if mode == "cpu" else run.warmup + run.repeat  # and a step is 4 forwards' worth a micro-batch
+        flops[device] += pass_flops(run, config) * (passes * run.inference + 4 * run.steps * run.grad_accum * run.train)
+    slow = {device: f for device, f in flops.items() if f > 60 * FAST_FLOPS[device]}  # the rate is measured for these
+    seconds = sum(f / matmul_rate(torch.device(device), run.torch_dtype) for device, f in slow.items())
     if seconds > 60:
         log(f"note: this run computes for {duration_text(seconds)} at least, at the rate a matmul reaches here")
 
@@ -4036,8 +3753,7 @@ def place_units(trainer: OffloadedTraining, run: RunConfig, mode: str, plan: Pla
 
 
 def planned_oom(mode: str, plan: Plan, device: torch.device) -> bool:
-    """Whether the plan says `mode`'s training does not fit the GPU (said): it is then reported OOM, not run into the
-    cap (with several ranks, check_plan refused it)."""
+    """Whether the plan says `mode`'s training does not fit the GPU (said): then it is reported OOM, not run."""
     placed = plan.modes.get(mode)
     if placed is None or device.type != "cuda" or placed.training_fits:
         return False
@@ -4050,19 +3766,28 @@ def planned_oom(mode: str, plan: Plan, device: torch.device) -> bool:
 # mode. Turned on: every GPU run; --profile PATH. Plugs into: timed and the tables' results.
 
 
+SETTLE_S = 1.5  # seconds the bound times its GPU compute parts after: a loaded GPU's power cap slows its clocks
+RESET_HOST_PEAKS = [0]  # the process's peak resident set at each reset_peak_memory, which restarts the kernel's count
+RESIDENT_SCRATCH = 2**24  # elements: the bound times the resident units' Adam over scratch state this size
+DENSE_PEAK_FLOPS = {  # a GPU's dense 16-bit tensor-core peak, by a part of its name, from NVIDIA's data sheets
+    "H100 80GB HBM3": 989e12,  # the SXM card
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
+    "H200": 989e12,
+    "A100": 312e12,
+}
+
+
 def bound_parts_of(trainer, micro_batches, device: torch.device):
-    """For offloaded training on the GPU, a function that makes the bound's parts to time (train_bound_parts); else
-    None: no bound."""
+    """For offloaded training on the GPU, a function making the bound's parts to time (train_bound_parts); else None."""
     if isinstance(trainer, OffloadedTraining) and device.type == "cuda":
         return lambda: train_bound_parts(trainer, micro_batches, device)
     return None
 
 
 def time_round(fns: dict, parts: dict[str, list[float]], ranks: Ranks) -> None:
-    """Time each of `fns` (name -> (device, fn)) once, alone, into `parts`; their outputs and scratch memory are freed
-    on return, before the steps resume and their host peak restarts. The GPU compute parts (Compute) go first, once
-    the GPU has run them for SETTLE_S (settle_clocks). With several ranks, all start each part together: in a step
-    they share the host's memory, and a part timed while the others wait would have it alone."""
+    """Time each of `fns` (name -> (device, fn)) once, alone, into `parts`, the GPU compute parts (Compute) first, at
+    settled clocks; with several ranks all start each part together, as in a step they share the host's memory."""
     check_same(ranks, list(fns), "the bound's parts")
     compute = [name for name, (_, fn) in fns.items() if isinstance(fn, Compute)]
     settle_clocks([fns[name] for name in compute])
@@ -4078,17 +3803,12 @@ class Compute:
     def __init__(self, fn):
         self.fn = fn
 
-    def __call__(self):
-        """Run the part."""
+    def __call__(self):  # run the part
         return self.fn()
 
 
-SETTLE_S = 1.5  # seconds the bound times its GPU compute parts after: a loaded GPU's power cap slows its clocks
-
-
 def settle_clocks(fns: list) -> None:
-    """Run the GPU compute parts `fns` ((device, fn) each) in turn, untimed, for SETTLE_S: a step loads the GPU for
-    seconds, and its power cap then holds the clocks below the boost that a part timed from idle runs at."""
+    """Run the GPU compute parts `fns` ((device, fn) each) in turn, untimed, for SETTLE_S, till clocks settle."""
     end = time.perf_counter() + SETTLE_S
     while fns and time.perf_counter() < end:
         for device, fn in fns:
@@ -4098,12 +3818,10 @@ def settle_clocks(fns: list) -> None:
 
 
 class StepClock:
-    """The training steps' times, the CPU Adam's busy time in each and the peaks of GPU and host memory, leaving out
-    the bound's rounds between the steps and the step after each round, which waits for no update."""
+    """The training steps' times, CPU Adam busy times and memory peaks, but the bound's rounds and each next step."""
 
     def __init__(self, trainer, device: torch.device, done: int = 0, steps: int = 0, tokens: int = 0, seen: int = 0):
-        self.trainer = trainer
-        self.device = device
+        self.trainer, self.device = trainer, device
         self.done, self.seen = done, seen  # steps and tokens trained before this run (a resumed run counts on)
         self.steps, self.tokens = steps, tokens  # this run's steps, and each step's tokens: for the progress
         self.adam = trainer.steppers.cpu_adam if isinstance(trainer, OffloadedTraining) else None
@@ -4128,8 +3846,7 @@ class StepClock:
         self.note_peaks()
         self.untimed.add(i)
 
-    def note_peaks(self) -> None:
-        """Count the GPU and host memory peaks since they were last reset (the host's is None without /proc)."""
+    def note_peaks(self) -> None:  # count the GPU and host memory peaks since the last reset (no host's without /proc)
         gpu = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
         for key, peak in (("peak_host_bytes", peak_host_rss()), ("peak_gpu_bytes", gpu)):
             if peak is not None:
@@ -4162,8 +3879,8 @@ class StepClock:
 
 
 def bound_rounds(run: RunConfig) -> list[int]:
-    """Before which steps a round of the training bound's parts runs (run.steps: after the last): a warm-up round, then
-    one after each of up to run.repeat blocks of 2+ steps; with under 2 steps after the warm-up, all after the last."""
+    """Before which steps a round of the bound's parts runs (run.steps: after the last): one after the warm-up, then
+    after each of up to run.repeat blocks of 2+ steps; with under 2 steps after the warm-up, all after the last."""
     after_warmup = run.steps - run.warmup
     blocks = max(0, min(run.repeat, after_warmup // 2))
     if blocks == 0:
@@ -4179,8 +3896,7 @@ def free_gpu_memory() -> None:
 
 
 def interleaved_ms(fns: dict, warmup: int, repeat: int) -> tuple[dict[str, list[float]], object]:
-    """Time each of `fns` (name -> (device, fn)) in rounds, one run of each, so a bound's parts meet the machine as
-    what they bound does; the times, and the last function's last result (the others are dropped at once)."""
+    """Time each of `fns` (name -> (device, fn)) in rounds, one run each: the times, and the last one's last result."""
     times, out = {name: [] for name in fns}, None
     for r in range(warmup + repeat):
         for name, (device, fn) in fns.items():
@@ -4189,9 +3905,6 @@ def interleaved_ms(fns: dict, warmup: int, repeat: int) -> tuple[dict[str, list[
             if r >= warmup:
                 times[name].append(ms)
     return times, out
-
-
-RESET_HOST_PEAKS = [0]  # the process's peak resident set at each reset_peak_memory, which restarts the kernel's count
 
 
 def reset_peak_memory(device: torch.device) -> None:
@@ -4220,9 +3933,8 @@ def process_rss() -> int:
 
 
 def pipeline_bound_ms(streamed: list[bool], copy_ms: float, compute_ms: float, resident_ms: float, depth: int):
-    """The fastest a pass can be, given per-layer copy and compute times; `streamed` says which layers are copied in.
-    Blocked serialises each copy with its layer. Overlapped takes at least all the compute, and at least the copies
-    up to any streamed layer and the compute from it to the end: x + (L-1) max(x, c) + c with every layer streamed."""
+    """The fastest a pass can be, from per-layer copy and compute times, `streamed` the layers copied in: blocked runs
+    each copy before its layer; overlapped takes all the compute, and the copies to any streamed layer plus the rest."""
     n = len(streamed)
     if depth == 0:
         return resident_ms + sum(streamed) * copy_ms + n * compute_ms
@@ -4235,26 +3947,22 @@ def pipeline_bound_ms(streamed: list[bool], copy_ms: float, compute_ms: float, r
 
 
 def inference_parts(shell, streamer: LayerStreamer, input_ids) -> dict:
-    """What bounds an offloaded pass, as functions to time: every streamed layer's copy alone, every layer's compute
-    alone (one layer run as many times back to back, as a pass hides its launch) and the resident parts alone."""
+    """What bounds an offloaded pass, as functions to time alone: the streamed layers' copies, the compute, the rest."""
     device = input_ids.device
     hidden = shell.model.embed_tokens(input_ids)  # what the pass gives decoder layer 0, with decoder_kwargs
     kwargs = decoder_kwargs(shell, tuple(input_ids.shape), streamer.dtype, device)
     layer = streamer.modules[0]["layer"] if streamer.modules else streamer.resident[0]  # any layer: same time
 
-    def copy_all():
-        """Copy every streamed layer into its slot, nothing computed."""
+    def copy_all():  # every streamed layer into its slot, nothing computed
         for p in range(len(streamer.window.units)):
             streamer.prefetch(p)
         streamer.wait_copies(torch.cuda.current_stream(device))  # `timed` records its end event on this stream
 
-    def compute_all():
-        """One layer's compute once for every layer of the model, back to back."""
+    def compute_all():  # one layer's compute once for every layer of the model, back to back
         for _ in streamer.sources:
             layer(hidden, **kwargs)
 
-    def resident_only():
-        """The pass without its decoder layers: embeddings, norm and head."""
+    def resident_only():  # the pass without its decoder layers: embeddings, norm and head
         layers = shell.model.layers
         shell.model.layers = nn.ModuleList()
         try:
@@ -4296,8 +4004,7 @@ def resident_bytes(config: LlamaConfig, dtype: torch.dtype) -> int:
 
 
 def activation_bytes(config: LlamaConfig, dtype: torch.dtype, tokens: int, at_least: bool = False) -> int:
-    """The largest activation footprint of a forward pass: a decoder layer's MLP or the head, and the rotary tables and
-    ids. at_least: what the pass cannot do without (the MLP's peak, or the logits alone), never above the measured."""
+    """A forward pass's largest activations; at_least: what it cannot do without (the MLP's peak, or the logits)."""
     b, h, i, v = dtype.itemsize, config.hidden_size, config.intermediate_size, config.vocab_size
     head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
     # a layer peaks in its MLP: layer input, residual, attention sum, normed input; act(gate(x)), up(x), their product
@@ -4319,12 +4026,8 @@ def training_figures(trainer, result: dict) -> dict:
     figures["gradient_pool"]["waited_ms"] = pool.waited_s * 1e3
     disk = trainer.store.adam_moments.disk
     if disk:
-        figures["disk_tier"] = {
-            "units": len(disk.units),
-            "bytes": disk_step_bytes(disk),
-            "direct_io": disk.files.direct,
-        }
-        figures["disk_tier"] |= disk.files.rates | {"waited_ms": disk.waited_s * 1e3}
+        tier = {"units": len(disk.units), "bytes": disk_step_bytes(disk), "direct_io": disk.files.direct}
+        figures["disk_tier"] = tier | disk.files.rates | {"waited_ms": disk.waited_s * 1e3}
     if "bound_parts_ms" in result:
         figures |= train_bound(trainer, {name: min(ms) for name, ms in result["bound_parts_ms"].items()})
         figures["efficiency"] = figures["bound_ms"] / result["time_ms"]
@@ -4332,9 +4035,7 @@ def training_figures(trainer, result: dict) -> dict:
 
 
 def step_rates(run: RunConfig, config: LlamaConfig, mode: str, result: dict) -> dict:
-    """A GPU mode's model TFLOPS a GPU (6 x parameters x its tokens a step, over the step's time), the TFLOPS it
-    executes (step_flops), and these as a share of the GPU's dense 16-bit peak where DENSE_PEAK_FLOPS knows the GPU
-    and the step computes in 16 bits."""
+    """A GPU mode's model TFLOPS a GPU, executed TFLOPS (step_flops) and their share of DENSE_PEAK_FLOPS in 16 bits."""
     if mode == "cpu" or not result.get("time_ms"):
         return {}
     seconds = result["time_ms"] / 1e3
@@ -4348,15 +4049,6 @@ def step_rates(run: RunConfig, config: LlamaConfig, mode: str, result: dict) -> 
     return rates
 
 
-DENSE_PEAK_FLOPS = {  # a GPU's dense 16-bit tensor-core peak, by a part of its name, from NVIDIA's data sheets
-    "H100 80GB HBM3": 989e12,  # the SXM card
-    "H100 PCIe": 756e12,
-    "H100 NVL": 835e12,
-    "H200": 989e12,
-    "A100": 312e12,
-}
-
-
 def dense_peak_flops() -> float | None:
     """The GPU's dense 16-bit peak FLOP/s, where DENSE_PEAK_FLOPS knows it by its name."""
     name = torch.cuda.get_device_name()
@@ -4364,9 +4056,7 @@ def dense_peak_flops() -> float | None:
 
 
 def step_flops(config: LlamaConfig, tokens: int, seq_len: int, passes: int) -> float:
-    """The FLOPs of `passes` forwards' worth over `tokens` (a backward is two): 2 a token for each parameter a matrix
-    multiplies (the input embeddings are a lookup), and causal attention's scores and weighted sums, 2 x seq-len x
-    hidden a token and layer (the kernels skip the masked half)."""
+    """The FLOPs of `passes` forwards over `tokens`: 2 a token for each matmul parameter, and causal attention's."""
     matmul_params = param_count(config) - (0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size)
     attention = 2 * config.num_hidden_layers * tokens * seq_len * config.hidden_size
     return passes * (2 * matmul_params * tokens + attention)
@@ -4394,8 +4084,7 @@ def resident_forward_backward(model: LlamaForCausalLM, input_ids: torch.Tensor, 
     params = [p.requires_grad_() for p in gpu.parameters()]
     micro_batches = [ids.to(device) for ids in input_ids.chunk(run.grad_accum)]
 
-    def forward_backward():
-        """One step's forward and backward; its gradients are dropped at the start of the next."""
+    def forward_backward():  # one step's; its gradients are dropped at the start of the next
         for p in params:
             p.grad = None
         for ids in micro_batches:
@@ -4405,12 +4094,7 @@ def resident_forward_backward(model: LlamaForCausalLM, input_ids: torch.Tensor, 
 
 
 def train_bound_parts(trainer: OffloadedTraining, micro_batches, device) -> dict:
-    """The parts of what a training step cannot beat, as functions to time alone (name -> (device, fn)), built anew
-    for each round: each kind of unit's GPU compute (and its forward alone, where updates are held) and the resident
-    units' Adam (Compute, timed at settled clocks), a step's H2D copies, its D2H copies, the CPU Adam over scratch
-    state as large as the largest unit it steps (at most ADAM_SCRATCH: the scratch is host memory beside the run's),
-    `host`: that Adam with the copy engines moving its share of a step's copies, and with the disk tier, its reads
-    and writes of a step (disk_cycle)."""
+    """The bound's parts as functions to time alone (name -> (device, fn)), made anew each round (train_bound's)."""
     kinds = [u.kind for u in trainer.units]
     fns = {}
     for kind in dict.fromkeys(kinds):
@@ -4440,13 +4124,8 @@ def resident_numels(trainer: OffloadedTraining) -> list[int]:
     return [trainer.store.masters[u].numel() for u in resident.units] if resident else []
 
 
-RESIDENT_SCRATCH = 2**24  # elements: the bound times the resident units' Adam over scratch state this size
-
-
 def resident_adam(trainer: OffloadedTraining, numels: list[int], device) -> None:
-    """The resident units' Adam steps, compute stream work the passes leave out, over scratch state on the GPU (theirs
-    must not change): a call a unit as ResidentUnit.step makes, each in pieces of RESIDENT_SCRATCH elements at most,
-    so the scratch stays small beside the run's memory."""
+    """The resident units' Adam steps, as ResidentUnit.step makes them, over small scratch state on the GPU."""
     scratch = min(max(numels), RESIDENT_SCRATCH)
     master, grads, exp_avg, exp_avg_sq = (torch.zeros(scratch, device=device) for _ in range(4))
     weights = torch.empty(scratch, dtype=trainer.streamer.dtype, device=device)
@@ -4459,8 +4138,7 @@ def resident_adam(trainer: OffloadedTraining, numels: list[int], device) -> None
 
 
 def copy_in(trainer: OffloadedTraining) -> None:
-    """Every H2D copy of a step: the forward's, the backward's less the units it finds in the slots, then the state of
-    the units the GPU's Adam steps."""
+    """Every H2D copy of a step: the forward's, the backward's but the slots', then the GPU's Adam's units' state."""
     streamer, n, gpu_adam = trainer.streamer, len(trainer.units), streamed_adam(trainer)
     for order, keep in ((range(n), False), (reversed(range(n)), True)):
         streamer.begin(order, keep)
@@ -4474,9 +4152,8 @@ def copy_in(trainer: OffloadedTraining) -> None:
 
 
 def copy_out(trainer: OffloadedTraining) -> None:
-    """Every D2H copy of a step, into the pool's buffers (the training state must not change): the gradients of the
-    CPU Adam's units, then the state the GPU's Adam writes back; with several ranks, each unit's reduce-scatter into
-    `summed` first, on the same stream, as ShardedSteppers.to_send queues them."""
+    """Every D2H copy of a step into the pool's buffers (the state must not change): the CPU Adam's gradients, the GPU
+    Adam's state; with several ranks each unit's reduce-scatter first, on that stream, as ShardedSteppers queues it."""
     store, gpu_adam, steppers = trainer.store, streamed_adam(trainer), trainer.steppers
     if store.ranks.several:
         with on_stream(trainer.d2h_stream):
@@ -4492,9 +4169,7 @@ def copy_out(trainer: OffloadedTraining) -> None:
 
 
 def adam_and_copies(trainer: OffloadedTraining, big: int, adam, numel: int) -> None:
-    """The share of a step's host traffic that `numel` of the CPU Adam's parameters make, all at once: that share of
-    the copies, queued on the copy streams from and to unit `big`'s buffers and not waited for, while the CPU Adam
-    steps `numel` parameters of scratch state."""
+    """The host traffic of `numel` CPU Adam parameters at once: their share of the copies, as Adam steps them."""
     on_cpu, _ = cpu_and_gpu_adam_units(trainer)
     h2d, d2h, _ = (count * numel // sum(on_cpu.values()) for count in step_copy_bytes(trainer))
     store, streamer = trainer.store, trainer.streamer
@@ -4519,9 +4194,8 @@ def streamed_adam(trainer: OffloadedTraining) -> StreamedAdam | None:
 
 
 def step_copy_bytes(trainer: OffloadedTraining) -> tuple[int, int, int]:
-    """(H2D, D2H, of the D2H the GPU Adam's) bytes of a step: each streamed unit's weights twice, less the units the
-    backward finds in the slots, and the GPU Adam's float32 state; the gradients the CPU Adam steps, and that state
-    with its compute-dtype copy back out."""
+    """(H2D, D2H, of the D2H the GPU Adam's) bytes of a step: streamed weights twice but the slots' and the GPU Adam's
+    float32 state in; the CPU Adam's gradients and that state with its compute-dtype copy out."""
     store, streamer = trainer.store, trainer.streamer
     on_cpu, on_gpu = cpu_and_gpu_adam_units(trainer)
     kept = streamer.streamed[-streamer.n_slots :]  # the backward finds them in the slots
@@ -4541,10 +4215,7 @@ def queue_copies(nbytes: int, src: torch.Tensor, dst: torch.Tensor, stream) -> N
 
 
 def train_bound(trainer: OffloadedTraining, best: dict[str, float]) -> dict:
-    """What a training step cannot beat, from the best times (ms) of train_bound_parts: GPU compute (the passes and
-    the resident units' Adam), H2D, D2H, the CPU Adam over all its units, host memory: the bytes crossing it in a
-    step (the CPU Adam's, the copies' and the disk tier's) at the rate reached when the CPU Adam and the copy
-    engines ran together on one unit's share, and the disk tier's reads and writes of a step."""
+    """What a training step cannot beat (ms by part), from train_bound_parts' best times scaled to the whole step."""
     store = trainer.store
     on_cpu, on_gpu = cpu_and_gpu_adam_units(trainer)
     kinds = [u.kind for u in trainer.units]
@@ -4576,9 +4247,8 @@ def train_bound(trainer: OffloadedTraining, best: dict[str, float]) -> dict:
 
 
 def held_updates_figures(trainer: OffloadedTraining, best: dict[str, float], parts: dict[str, float]) -> dict:
-    """Where every update waits for the whole backward (float16's loss scale, clipping), a step cannot beat its
-    backward followed by the longer of the next forward and the CPU Adam (that forward waits for each unit's update,
-    so the two overlap at best): that bound, its forward and backward, and the bound were the updates not held."""
+    """Where updates wait for the whole backward (float16's loss scale, clipping), a step cannot beat it and then the
+    longer of the next forward and the CPU Adam: that bound, the forward, and the bound were updates not held."""
     kinds = [u.kind for u in trainer.units]
     forward = sum(kinds.count(kind) * best[f"{kind}_forward"] for kind in dict.fromkeys(kinds))
     backward = parts["gpu_compute_ms"] - forward  # the recompute and the backward
@@ -4587,9 +4257,8 @@ def held_updates_figures(trainer: OffloadedTraining, best: dict[str, float], par
 
 
 def disk_cycle(disk: DiskTier) -> None:
-    """A step's disk traffic alone, for the bound: each unit's moments read into a slot in the backward's order and
-    written back unchanged, each write overlapping the next reads as in a step. The reader is stopped first, so
-    the next step reads what it had staged again, from its first gradient on (that step is not timed)."""
+    """A step's disk traffic alone: each unit's moments read into a slot in the backward's order and written back
+    unchanged, overlapping as in a step; the reader stopped first (the next, untimed, step reads it all again)."""
     disk.stop()
     writes = collections.deque()
     try:
@@ -4611,9 +4280,7 @@ def disk_step_bytes(disk: DiskTier) -> int:
 
 
 def unit_passes(trainer: OffloadedTraining, u: int, micro_batches, device):
-    """Unit u's forward and backward over every micro-batch, as a step runs them from whatever its slot holds:
-    forward() returns the outputs; backward(outs) recomputes and back-propagates with the outputs standing in for the
-    gradients that come back, and returns the input gradients."""
+    """Unit u's forward() and backward(outs) over every micro-batch, as a step runs them from whatever its slot has."""
     streamer = trainer.streamer
     streamer.begin([u])
     module = streamer.acquire(u)
@@ -4623,12 +4290,10 @@ def unit_passes(trainer: OffloadedTraining, u: int, micro_batches, device):
     views = trainer.grad_views(u)
 
     @torch.no_grad()
-    def forward() -> list[torch.Tensor]:
-        """The forward pass of unit u over every micro-batch."""
+    def forward() -> list[torch.Tensor]:  # unit u's outputs
         return [trainer.run_unit(u, module, x, k) for k, x in enumerate(xs)]
 
-    def backward(outs) -> list:
-        """The recompute and backward of unit u over every micro-batch."""
+    def backward(outs) -> list:  # the recompute and backward; the input gradients
         return unit_backward(trainer, u, module, xs, outs, views)
 
     return forward, backward
@@ -4640,9 +4305,8 @@ def adam_timed_numel(on_cpu: dict[int, int]) -> int:
 
 
 def adam_scratch(store: OffloadedAdam, numel: int):
-    """A function to time: the store's Adam update on `numel` parameters of scratch state in host memory like the
-    store's, with gradients of Adam's scale so that no moment goes denormal (the update's time does not depend on the
-    values otherwise, so constants do: a fill is parallel, a random draw is not)."""
+    """A function to time: the store's Adam update on `numel` parameters of scratch host state, gradients of Adam's
+    scale so no moment goes denormal (else values do not change its time: constants fill in parallel)."""
     # each written now: the kernel maps a page at its first touch, and the timed update would pay for it
     master = host_zeros(numel, torch.float32, pin=False).fill_(1.0)
     exp_avg, exp_avg_sq = (host_zeros(numel, torch.float32, pin=False).zero_() for _ in range(2))
@@ -4666,7 +4330,7 @@ def profile_step(trainer, micro_batches, path: str) -> dict:
     """Write a Chrome trace of one training step, its CPU updates included; say how much copying was hidden."""
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     all_threads = None  # by default only the profiler's and autograd's threads are recorded, not the CPU Adam worker's
-    with contextlib.suppress(AttributeError, TypeError):  # a torch without the option
+    with contextlib.suppress(AttributeError, TypeError):  # private, with no public form: torch 2.11 to 2.13 have it
         all_threads = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
     with torch.profiler.profile(activities=activities, experimental_config=all_threads) as prof:
         loss = trainer.step(micro_batches).item()
@@ -4677,8 +4341,7 @@ def profile_step(trainer, micro_batches, path: str) -> dict:
 
 
 def trace_overlap(path: str, direction: str = "HtoD") -> dict:
-    """From a Chrome trace: the copy time in `direction` (HtoD or DtoH), and how much of it ran under a kernel on
-    another stream: proof of overlap that does not rely on timing."""
+    """From a Chrome trace: the copy time in `direction` (HtoD or DtoH), and how much of it ran under other streams."""
     events = json.loads(Path(path).read_text())["traceEvents"]
     copies = [e for e in events if e.get("cat") == "gpu_memcpy" and direction in e.get("name", "")]
     kernels = [e for e in events if e.get("cat") == "kernel"]
@@ -4707,9 +4370,8 @@ def first_step_state(trainer) -> tuple[dict, dict]:
 
 
 def compare_training(result: dict, reference: dict, run: RunConfig) -> None:
-    """The first step's gradients bitwise (unclipped runs) and masters to float32 rounding, with eager attention only
-    (sdpa's backward differs even from itself); later steps are reported, not judged: in 16-bit compute a one-ulp
-    master difference flips some weights' rounding, which Adam turns into lr-sized moves."""
+    """Judge the first step's gradients bitwise (unclipped) and masters to float32 rounding, with eager attention
+    (sdpa's backward differs even from itself); report later steps (16-bit rounding flips grow into lr-sized moves)."""
     grads, masters = result["grads"]
     ref_grads, ref_masters = reference["grads"]
     result["masters_step1_max_abs_diff"] = max_abs_diff(masters, ref_masters)
@@ -4790,20 +4452,14 @@ REPORT_TABLES = {  # the tables a run prints: the assignment's columns (TABLES) 
 
 
 def report_tables(results: dict, run: RunConfig, reference: dict | None = None, host: dict | None = None) -> str:
-    """The tables a run prints (REPORT_TABLES), with their notes below (host: the process's peak resident set and the
-    host memory it had, as run_all gives them)."""
-    lines = [tables(results, run, REPORT_TABLES, run.model)]
-    return "\n".join(lines + notes(results, run, reference) + host_note(host or {}, run))
-
-
-def host_note(host: dict, run: RunConfig) -> list[str]:
-    """The process's peak resident set (the kernel's VmHWM over the whole run) against the host memory it had."""
-    peak, budget = host.get("peak_host_bytes_process"), host.get("host_budget_bytes")
-    if peak is None or budget is None:
-        return []
-    cap = f"the --max-host-memory cap of {run.max_host_memory:g} GiB" if run.max_host_memory else "MemAvailable"
-    within = "within" if peak <= budget else "OVER"
-    return [f"host: the process's peak resident set {gib(peak)} GiB, {within} {cap} ({gib(budget)} GiB at the start)"]
+    """The tables a run prints (REPORT_TABLES), their notes, and the process's peak RSS against its host memory."""
+    lines = [tables(results, run, REPORT_TABLES, run.model), *notes(results, run, reference)]
+    peak, budget = (host or {}).get("peak_host_bytes_process"), (host or {}).get("host_budget_bytes")
+    if peak is not None and budget is not None:
+        cap = f"the --max-host-memory cap of {run.max_host_memory:g} GiB" if run.max_host_memory else "MemAvailable"
+        within = f"{'within' if peak <= budget else 'OVER'} {cap} ({gib(budget)} GiB at the start)"
+        lines.append(f"host: the process's peak resident set {gib(peak)} GiB, {within}")
+    return "\n".join(lines)
 
 
 def notes(results: dict, run: RunConfig, reference: dict | None = None) -> list[str]:
@@ -4829,11 +4485,12 @@ def notes(results: dict, run: RunConfig, reference: dict | None = None) -> list[
                 seqs = run.grad_accum * run.batch_size / rs["training"]["time_ms"] * 1e3
                 ratio = seqs / reference["sequences_per_s"]
                 lines.append(f"{mode} training: {seqs:.2f} sequences/s, {ratio:.2f}x the reference's")
-    if run.train:
-        lines.append(
-            f"training: median step time, start to next start, {timed_steps_text(run)}; "
-            "offloaded GPU modes skip the step after each round of their bound's parts (it waits for no update)"
-        )
+    if run.train:  # StepClock.result: over every step where the warm-up leaves none
+        timed = f"after the first {run.warmup} of {run.steps} steps"
+        if run.warmup >= run.steps:
+            timed = f"over every step (--warmup {run.warmup} leaves none of {run.steps} after it)"
+        skips = "offloaded GPU modes skip the step after each round of their bound's parts (it waits for no update)"
+        lines.append(f"training: median step time, start to next start, {timed}; {skips}")
     if any("model_tflops" in rs.get("training", {}) for rs in results.values()):
         lines.append(rates_note())
     return lines
@@ -4845,13 +4502,6 @@ def rates_note() -> str:
     line = "training: model TFLOPS a GPU count 6 x parameters x tokens; executed TFLOPS the step's forward, the"
     line += " offloaded modes' recompute and the backward (twice a forward), causal attention's half of the scores"
     return line + (f"; of peak: of the {name}'s dense 16-bit peak, {peak / 1e12:.0f} TFLOPS" if peak else "")
-
-
-def timed_steps_text(run: RunConfig) -> str:
-    """Which steps the median is over (StepClock.result: every step where the warm-up leaves none)."""
-    if run.warmup >= run.steps:
-        return f"over every step (--warmup {run.warmup} leaves none of {run.steps} after it)"
-    return f"after the first {run.warmup} of {run.steps} steps"
 
 
 def inference_notes(mode: str, r: dict) -> list[str]:
@@ -4932,41 +4582,33 @@ def text_notes(mode: str, t: dict, run: RunConfig) -> list[str]:
 
 def bound_note(mode: str, t: dict) -> str:
     """A mode's training bound, each part alone."""
-    copies = host = ""
+    copies = host = held = disk = ""
     if "h2d_ms" in t:
         h2d, d2h = t["h2d_bytes"] / t["h2d_ms"] / 1e6, t["d2h_bytes"] / t["d2h_ms"] / 1e6
         copies = f", H2D {t['h2d_ms']:.1f} ms ({h2d:.1f} GB/s), D2H {t['d2h_ms']:.1f} ms ({d2h:.1f} GB/s)"
     if "host_memory_ms" in t:
-        host = (
-            f", CPU Adam {t['cpu_adam_ms']:.1f} ms, host memory {t['host_memory_ms']:.1f} ms "
-            f"({t['host_bytes'] / 1e9:.1f} GB, {t['host_bytes_per_param']:.1f} bytes per parameter, "
-            f"{t['adam_bytes_per_param']} per CPU-stepped one for the Adam, at {t['host_gbps']:.0f} GB/s with the Adam "
-            "and the copies running together)"
-        )
-    held = ""
+        host = f", CPU Adam {t['cpu_adam_ms']:.1f} ms, host memory {t['host_memory_ms']:.1f} ms "
+        host += f"({t['host_bytes'] / 1e9:.1f} GB, {t['host_bytes_per_param']:.1f} bytes per parameter, "
+        host += f"{t['adam_bytes_per_param']} per CPU-stepped one for the Adam, at {t['host_gbps']:.0f} GB/s with the "
+        host += "Adam and the copies running together)"
     if "held_updates_ms" in t:
         why = "clipping" if t.get("grad_norms") else "float16's loss scale"
-        held = (
-            f", updates held for the whole backward ({why}) {t['held_updates_ms']:.1f} ms (backward "
-            f"{t['gpu_compute_ms'] - t['gpu_forward_ms']:.1f} ms, then the longer of the forward "
-            f"{t['gpu_forward_ms']:.1f} ms and the CPU Adam; {t['unheld_bound_ms']:.1f} ms were they not held)"
-        )
-    disk = ""
+        held = f", updates held for the whole backward ({why}) {t['held_updates_ms']:.1f} ms (backward "
+        held += f"{t['gpu_compute_ms'] - t['gpu_forward_ms']:.1f} ms, then the longer of the forward "
+        held += f"{t['gpu_forward_ms']:.1f} ms and the CPU Adam; {t['unheld_bound_ms']:.1f} ms were they not held)"
     if "disk_ms" in t:
         disk = f", disk {t['disk_ms']:.1f} ms ({t['disk_bytes'] / 1e9:.1f} GB read and written back, "
         disk += f"{t['disk_gbps']:.2f} GB/s together)"
     rounds = len(next(iter(t["bound_parts_ms"].values())))
     adam = f", the resident units' Adam {t['resident_adam_ms']:.1f}" if "resident_adam_ms" in t else ""
-    return (
-        f"{mode} training bound, each part alone (best of {rounds} rounds): GPU compute {t['gpu_compute_ms']:.1f} ms "
-        f"(forward, recompute, backward{adam}; after {SETTLE_S:g} s of load){copies}{host}{disk}{held}"
-    )
+    compute = f"GPU compute {t['gpu_compute_ms']:.1f} ms (forward, recompute, backward{adam}; "
+    compute += f"after {SETTLE_S:g} s of load)"
+    return f"{mode} training bound, each part alone (best of {rounds} rounds): {compute}{copies}{host}{disk}{held}"
 
 
 # ------------------------------------------------------------------------------------------------------------ text in
-# Adds: --data tokenized once into a memory-mapped id file (the token cache), packed into --seq-len blocks, shuffled
-# by --seed, a held-out share never trained on; --train-tokenizer; --sample. Turned on: --data, --sample. Plugs into:
-# the steps' micro-batches (step_batches) and a shell over the training streamer (streamed_shell).
+# Adds: --data tokenized once into a memory-mapped token cache, packed into --seq-len blocks shuffled by --seed, a share
+# held out; --train-tokenizer; --sample. Turned on: --data, --sample. Plugs into: step_batches, forward_model.
 
 
 def data_files(run: RunConfig) -> list[Path]:
@@ -4985,20 +4627,6 @@ def data_files(run: RunConfig) -> list[Path]:
     if not any(f.stat().st_size for f in files):
         raise UsageError(f"--data {path}: empty, no text to train on")
     return files
-
-
-def file_text(path: Path, skip_undecodable: bool) -> str | None:
-    """A file's text; None where it is not UTF-8 and --skip-undecodable skips it."""
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise UsageError(f"--data: {path} cannot be read ({e.strerror}): give files you can read") from None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        if skip_undecodable:
-            return None
-        raise UsageError(f"--data: {path} is not UTF-8 (byte {e.start}): fix it, or pass --skip-undecodable") from None
 
 
 def file_documents(path: Path, text: str, field: str) -> list[str]:
@@ -5026,8 +4654,14 @@ def file_documents(path: Path, text: str, field: str) -> list[str]:
 def corpus_documents(run: RunConfig, files: list[Path], skipped: list[Path] | None = None):
     """Each document of the corpus, file by file, checked as it is read; the files skipped go to `skipped`."""
     for path in files:
-        text = file_text(path, run.skip_undecodable)
-        if text is None:
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except OSError as e:
+            raise UsageError(f"--data: {path} cannot be read ({e.strerror}): give files you can read") from None
+        except UnicodeDecodeError as e:
+            if not run.skip_undecodable:
+                fix = "fix it, or pass --skip-undecodable"
+                raise UsageError(f"--data: {path} is not UTF-8 (byte {e.start}): {fix}") from None
             if skipped is not None:
                 skipped.append(path)
             continue
@@ -5035,8 +4669,7 @@ def corpus_documents(run: RunConfig, files: list[Path], skipped: list[Path] | No
 
 
 def checkpoint_tokenizer(run: RunConfig):
-    """The tokenizer a --resume checkpoint trained with (its record names its files), or None where it has none;
-    refused with one line where it does not load."""
+    """The tokenizer a --resume checkpoint trained with, or None where it has none; refused where it does not load."""
     if not resumes_with_tokenizer(run):  # an unreadable record too: read_checkpoint says what is wrong with it
         return None
     folder = mode_folder(run.resume, run, run.modes[0])
@@ -5047,7 +4680,7 @@ def checkpoint_tokenizer(run: RunConfig):
 
 
 def tokenizer_text(tokenizer) -> str:
-    """A fast tokenizer's whole definition, serialized: equal for two tokenizers that map text to the same ids."""
+    """A fast tokenizer's definition, serialized: equal for two tokenizers that map text to the same ids."""
     return tokenizer.backend_tokenizer.to_str()
 
 
@@ -5068,58 +4701,52 @@ def load_tokenizer(run: RunConfig):
     return tokenizer
 
 
+def check_cache_entry(path: Path, kind: str, what: str) -> None:
+    """Refuse what is at `path` in --data-cache unless it is `kind` or nothing: no write of the run's leaves it."""
+    if path_kind(path) not in (None, kind):
+        held = f"{path.name} is {path_kind(path)}, where the run caches {what}"
+        raise UsageError(f"--data-cache {path.parent}: {held}: move it, or give another --data-cache")
+
+
+END_OF_TEXT = "<|endoftext|>"  # a trained tokenizer's one special token: joins documents
+LEFT_RUNNING = []  # threads of waited() still in native code: the interpreter's teardown would abort on them
+
+
 def train_tokenizer(run: RunConfig, files: list[Path], folder: Path):
-    """A byte-level BPE of --train-tokenizer tokens trained on the corpus with `tokenizers`, cached in `folder`: read
-    back from there on the next run, or trained anew where what is there does not load."""
-    if path_kind(folder) not in (None, "a folder"):  # no write of the run's leaves one: the user's
-        kind = path_kind(folder)
-        raise UsageError(
-            f"--data-cache {folder.parent}: {folder.name} is {kind}, where the run caches a tokenizer's "
-            "folder: move it, or give another --data-cache"
-        )
+    """A byte-level BPE of --train-tokenizer tokens trained on the corpus, cached in `folder` (redone if damaged)."""
+    check_cache_entry(folder, "a folder", "a tokenizer's folder")
     if folder.exists():
         try:
             return transformers.AutoTokenizer.from_pretrained(folder)
         except Exception as e:  # a cache entry damaged (a full disk, an edit): rebuilt, never a traceback
             other = foreign_entry(folder, lambda p: path_kind(p) == "a file" and re.fullmatch(TOKENIZER_FILE, p.name))
             if other:
-                raise UsageError(
-                    f"--data-cache {folder.parent}: {folder.name} does not load as a tokenizer and holds "
-                    f"{other}, which training it again would remove: move it, or give another --data-cache"
-                ) from None
+                held = f"{folder.name} does not load as a tokenizer and holds {other}"
+                fix = "which training it again would remove: move it, or give another --data-cache"
+                raise UsageError(f"--data-cache {folder.parent}: {held}, {fix}") from None
             log(f"note: the cached tokenizer {folder} does not load ({first_line(e)}): trained again")
             remove_path(folder)
     t0 = time.perf_counter()
     megabytes = sum(f.stat().st_size for f in files) / 1e6
     log(f"tokenizer: training a byte-level BPE of {run.train_tokenizer} tokens on {megabytes:.1f} MB of text ...")
-    tokenizer = waited(functools.partial(trained_bpe, run, files), "tokenizer: still training")
-    write_folder_aside(folder, tokenizer.save_pretrained)
+    # through transformers' own API: GPT-2's tokenizer, empty, trained anew with END_OF_TEXT its one special token
+    empty = transformers.GPT2Tokenizer(vocab={}, merges=[], unk_token=END_OF_TEXT, bos_token=END_OF_TEXT)
+    documents = corpus_documents(run, files)
+    train = functools.partial(empty.train_new_from_iterator, documents, run.train_tokenizer, show_progress=False)
+    tokenizer = waited(train, "tokenizer: still training")
+    with folder_aside(folder) as tmp, named_errors(folder, writer=True):  # renamed whole: never a part of one
+        tokenizer.save_pretrained(tmp)
+        os.rename(tmp, folder)
     log(f"tokenizer: a byte-level BPE of {len(tokenizer)} tokens trained in {time.perf_counter() - t0:.1f} s")
     return tokenizer
 
 
-# matmul for (a GPU's are beyond any GPU's; a CPU's are a few cores', so that a run of minutes on a laptop is noted)
-END_OF_TEXT = "<|endoftext|>"  # a trained tokenizer's one special token: joins documents
-
-
-def trained_bpe(run: RunConfig, files: list[Path]):
-    """A byte-level BPE of --train-tokenizer tokens trained on the corpus through transformers' own API (GPT-2's
-    tokenizer, empty, trained anew), END_OF_TEXT its one special token."""
-    empty = transformers.GPT2Tokenizer(vocab={}, merges=[], unk_token=END_OF_TEXT, bos_token=END_OF_TEXT)
-    return empty.train_new_from_iterator(corpus_documents(run, files), run.train_tokenizer, show_progress=False)
-
-
-LEFT_RUNNING = []  # threads of waited() still in native code: the interpreter's teardown would abort on them
-
-
 def waited(work, what: str, every: float = 10.0):
-    """work() in a thread of its own while this one waits, saying `what` on stderr every `every` seconds: a long call
-    into native code (tokenizers' training) reports no progress and holds Ctrl-C and SIGTERM until it returns, while
-    a wait here takes them at once (the thread, a daemon, ends with the process)."""
+    """work() in a thread of its own, saying `what` on stderr every `every` seconds while this one waits: a long native
+    call (tokenizers' training) reports nothing and holds Ctrl-C and SIGTERM, a wait here takes them at once."""
     outcome = {}
 
-    def run() -> None:
-        """work()'s value or its error, for the waiting thread."""
+    def run() -> None:  # work()'s value or its error, for the waiting thread
         try:
             outcome["value"] = work()
         except BaseException as e:
@@ -5138,19 +4765,9 @@ def waited(work, what: str, every: float = 10.0):
     return outcome["value"]
 
 
-def write_folder_aside(folder: Path, write) -> None:
-    """write(tmp) into a new folder beside `folder`, then renamed to it, so that `folder` is whole or absent whatever
-    stops the run; a disk that fills is an OSError naming the folder."""
-    with folder_aside(folder) as tmp, named_errors(folder, writer=True):
-        write(tmp)
-        os.rename(tmp, folder)
-
-
 @contextlib.contextmanager
 def folder_aside(folder: Path):
-    """A new folder beside `folder` (its parents made) to write it in, with the umask's mode, removed on the way out
-    whatever happens: renamed into place before then, or gone. Made with the signals put off, so that an interrupt
-    never leaves one behind unnamed."""
+    """A new folder beside `folder` to write it in (the umask's mode), made with signals held, gone unless renamed."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = None
     try:
@@ -5165,10 +4782,8 @@ def folder_aside(folder: Path):
 
 @contextlib.contextmanager
 def named_errors(path, writer: bool = False, aside: str | None = None):
-    """A failed write of `path` reported with it, so that the run ends with one line saying what could not be
-    written: an OSError without a file name (a full disk's), or naming `aside` (the temporary file written for
-    `path`), gets `path`; writer: the block only writes, and its writer's own errors (safetensors', tokenizers')
-    become OSErrors naming `path` too."""
+    """A failed write reported as an OSError naming `path`, for a one-line refusal: where it names no file or `aside`
+    (its temporary file); writer: the block only writes, and its writer's own errors become such OSErrors too."""
     try:
         yield
     except OSError as e:
@@ -5189,11 +4804,15 @@ def current_umask() -> int:
 
 
 TOKEN_CACHE_FORMAT = 1  # part of the cache's key: a new format never reads an old file
+TOKEN_MAGIC = b"OLTOKS"  # a token cache file's header: this, the ids' itemsize (2 or 4) and their count
+TOKEN_HEADER = "<6sHQ"
+TOKEN_START = 16  # bytes: the header's size, where the ids start
+TOKENIZE_BATCH = 256  # documents the tokenizer's threads encode at once
+HELD_OUT_SEED = 0  # draws the held-out blocks: the same for every --seed, so none is ever trained on
 
 
 def corpus_key(run: RunConfig, files: list[Path], tokenizer_text: str) -> str:
-    """What the token cache of a corpus is keyed by: each file's path, size and modification time, how it is read,
-    and the tokenizer (its serialized form)."""
+    """The token cache's key: each file's path, size and modification time, how it is read, and the tokenizer's text."""
     stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
     reading = [run.text_field, run.skip_undecodable, TOKEN_CACHE_FORMAT]
     tokenizer = hashlib.sha256(tokenizer_text.encode()).hexdigest()
@@ -5201,16 +4820,10 @@ def corpus_key(run: RunConfig, files: list[Path], tokenizer_text: str) -> str:
 
 
 def token_cache(run: RunConfig, files: list[Path], tokenizer) -> torch.Tensor:
-    """The corpus's token ids, memory-mapped from the token cache: written once per corpus and tokenizer, under a
-    temporary name, then renamed, so a file cut short (a run killed while writing) is never read, only rebuilt; a
-    file that is not whole or holds ids past the tokenizer's is removed and rebuilt, anything else there refused."""
+    """The corpus's ids, memory-mapped from the token cache: written once (aside, renamed), rebuilt if not whole."""
     folder = data_cache_folder(run)
-    path = folder / f"tokens-{corpus_key(run, files, tokenizer.backend_tokenizer.to_str())}.bin"
-    if path_kind(path) not in (None, "a file"):  # no write of the run's leaves one: the user's
-        raise UsageError(
-            f"--data-cache {folder}: {path.name} is {path_kind(path)}, where the run caches token ids "
-            "in a file: move it, or give another --data-cache"
-        )
+    path = folder / f"tokens-{corpus_key(run, files, tokenizer_text(tokenizer))}.bin"
+    check_cache_entry(path, "a file", "token ids in a file")
     ids = mapped_tokens(path) if path_kind(path) == "a file" else None
     if ids is not None and largest_id(ids) < len(tokenizer):
         log(f"data: {ids.numel():,} tokens of {len(files)} file(s), from the token cache {path}")
@@ -5240,18 +4853,8 @@ def remove_path(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-TOKEN_MAGIC = b"OLTOKS"  # a token cache file's header: this, the ids' itemsize (2 or 4) and their count
-
-
-TOKEN_HEADER = "<6sHQ"
-
-
-TOKENIZE_BATCH = 256  # documents the tokenizer's threads encode at once
-
-
 def write_tokens(run: RunConfig, files: list[Path], tokenizer, f) -> None:
-    """Tokenize the documents a batch at a time in the tokenizer's threads, each followed by the end-of-text token,
-    into `f` after its header; a progress line every few seconds."""
+    """Tokenize the documents into `f` after its header, in the tokenizer's threads, each ended by end-of-text."""
     itemsize = 2 if len(tokenizer) <= 2**16 else 4
     f.write(struct.pack(TOKEN_HEADER, TOKEN_MAGIC, itemsize, 0))  # the count is written once every token is in
     count, skipped, t0, shown = 0, [], time.perf_counter(), time.perf_counter()
@@ -5278,9 +4881,6 @@ def write_tokens(run: RunConfig, files: list[Path], tokenizer, f) -> None:
     log(f"data: {count:,} tokens of {len(files)} file(s) tokenized in {time.perf_counter() - t0:.1f} s{note}")
 
 
-TOKEN_START = 16  # bytes: the header's size, where the ids start
-
-
 def mapped_tokens(path: Path) -> torch.Tensor | None:
     """The ids of a token cache file, memory-mapped; None where it is missing or not whole."""
     try:
@@ -5296,22 +4896,15 @@ def mapped_tokens(path: Path) -> torch.Tensor | None:
     return torch.frombuffer(mapped, dtype=dtype, offset=TOKEN_START, count=count)
 
 
-HELD_OUT_SEED = 0  # draws the held-out blocks: the same for every --seed, so none is ever trained on
-
-
 class Blocks:
-    """The corpus's ids packed into blocks of seq_len tokens (a tail that fills no block is left out). A share of the
-    blocks is held out, drawn with a fixed seed, so that every run on the corpus holds out the same ones; the others
-    are trained on in an order shuffled by --seed, a new one each epoch."""
+    """The corpus's ids in blocks of seq_len tokens: a share held out (the same every run), the rest shuffled."""
 
     def __init__(self, ids: torch.Tensor, seq_len: int, eval_fraction: float, seed: int):
         self.ids, self.seq_len, self.seed = ids, seq_len, seed
         count = ids.numel() // seq_len
         if count < 2:
-            raise UsageError(
-                f"--data has {ids.numel():,} tokens: --seq-len {seq_len} needs {2 * seq_len:,}, a block to train on "
-                "and one held out"
-            )
+            needs = f"--seq-len {seq_len} needs {2 * seq_len:,}, a block to train on and one held out"
+            raise UsageError(f"--data has {ids.numel():,} tokens: {needs}")
         held = min(count - 1, max(1, round(eval_fraction * count)))
         order = torch.randperm(count, generator=torch.Generator().manual_seed(HELD_OUT_SEED))
         self.held_out, self.training = order[:held].sort().values, order[held:].sort().values
@@ -5333,20 +4926,13 @@ class Blocks:
         """The blocks' token ids, (len(blocks), seq_len) int64."""
         return torch.stack([self.ids[b * self.seq_len : (b + 1) * self.seq_len].long() for b in blocks])
 
-    def epochs(self, steps: int, count: int) -> float:
-        """How many passes over the training blocks `steps` steps of `count` blocks make."""
-        return steps * count / len(self.training)
-
 
 def step_batches(blocks: Blocks, run: RunConfig, device: torch.device):
-    """step(i): step i's micro-batches, grad_accum of batch_size blocks each (this rank's share of them), on
-    `device`."""
+    """step(i): step i's micro-batches on `device`, grad_accum of batch_size blocks each (this rank's share of them)."""
     count = run.batch_size * run.grad_accum
 
     def step(i: int) -> list[torch.Tensor]:
-        """Step i's blocks, gathered from the mapped ids and copied to the device: on a GPU from pinned memory, so
-        that the copy waits in the stream for the step's kernels and the host goes on (from pageable memory CUDA
-        first waits for every kernel queued, and the next step would start from an idle GPU)."""
+        """Step i's blocks, on a GPU copied from pinned memory: the copy waits in the stream, the host goes on."""
         ids = blocks.gather(blocks.step_blocks(i, count))
         if device.type == "cuda":  # the caching host allocator hands the block out again once its copy has landed
             ids = ids.pin_memory()
@@ -5364,17 +4950,15 @@ def with_epochs(run: RunConfig, blocks: Blocks | None) -> RunConfig:
     """--epochs as a number of steps; log the blocks' plan."""
     if blocks is None:
         return run
-    per_step = run.batch_size * run.grad_accum
+    per_step, training, held_out = run.batch_size * run.grad_accum, len(blocks.training), len(blocks.held_out)
     if run.epochs is not None:
-        run = dataclasses.replace(run, steps=max(1, math.ceil(run.epochs * len(blocks.training) / per_step)))
-    log(
-        f"data: {len(blocks.training):,} blocks of {run.seq_len} tokens to train on, {len(blocks.held_out):,} held "
-        f"out; {run.steps} steps of {per_step} block(s) make {blocks.epochs(run.steps, per_step):.2f} epoch(s)"
-    )
+        run = dataclasses.replace(run, steps=max(1, math.ceil(run.epochs * training / per_step)))
+    epochs = f"{run.steps} steps of {per_step} block(s) make {run.steps * per_step / training:.2f} epoch(s)"
+    log(f"data: {training:,} blocks of {run.seq_len} tokens to train on, {held_out:,} held out; {epochs}")
     evaluations = 2 + (run.steps // run.eval_every if run.eval_every else 0)  # before, every N steps, after
-    steps = evaluations * len(blocks.held_out) / (3 * per_step)  # a step: forward, recompute, backward
+    steps = evaluations * held_out / (3 * per_step)  # a step: forward, recompute, backward
     if steps > max(10, run.steps):
-        held = f"{evaluations} held-out losses over {len(blocks.held_out):,} blocks"
+        held = f"{evaluations} held-out losses over {held_out:,} blocks"
         log(f"note: the {held} take about as long as {steps:.0f} steps (--eval-fraction, --eval-every)")
     return run
 
@@ -5388,8 +4972,7 @@ class Text:
 
 
 def prepare_text(run: RunConfig, config: LlamaConfig) -> Text | None:
-    """--data's blocks and tokenizer; with --sample alone, --tokenizer's or --model's tokenizer; else None. Each
-    --sample prompt with its --sample-tokens fits the model's positions."""
+    """--data's blocks and tokenizer, or with --sample alone --tokenizer's or --model's, else None; checks --sample."""
     if run.data:
         text = Text(*prepare_data(run, config.vocab_size))
     elif run.sample:
@@ -5400,7 +4983,7 @@ def prepare_text(run: RunConfig, config: LlamaConfig) -> Text | None:
         text = Text(None, tokenizer)
     else:
         return None
-    for prompt in run.sample:
+    for prompt in run.sample:  # each prompt and its --sample-tokens fit the model's positions
         tokens = len(text.tokenizer(prompt).input_ids) + run.sample_tokens
         if tokens > config.max_position_embeddings:
             positions = config.max_position_embeddings
@@ -5410,19 +4993,17 @@ def prepare_text(run: RunConfig, config: LlamaConfig) -> Text | None:
 
 
 def check_vocab(run: RunConfig, tokenizer, vocab_size: int) -> None:
-    """The tokenizer's ids all have a row in the model's embeddings; else one line saying what would fit."""
+    """Refuse a tokenizer with ids past the model's embeddings, in one line saying what would fit."""
     if len(tokenizer) > vocab_size:
         fits = f"a tokenizer of at most {vocab_size:,} ids" + (
             "" if run.model else f", or --vocab-size {len(tokenizer)}"
         )
-        raise UsageError(
-            f"the tokenizer's {len(tokenizer):,} ids exceed the model's vocab_size {vocab_size:,}: give {fits}"
-        )
+        size = f"the tokenizer's {len(tokenizer):,} ids exceed the model's vocab_size {vocab_size:,}"
+        raise UsageError(f"{size}: give {fits}")
 
 
 def agreed_text(run: RunConfig, config: LlamaConfig) -> Text | None:
-    """prepare_text on each host's first rank, then on its others, which read what it cached (each host tokenizes
-    into its own --data-cache); every rank's tokenizer and token ids the same (text_fingerprint), else one line."""
+    """prepare_text on each host's first rank, then on its others (which read its cache); every rank's text the same."""
     text = run.ranks.in_turn(lambda: prepare_text(run, config))
     if run.ranks.several:
         check_same(run.ranks, text_fingerprint(text), "their text: each host's tokenizer and token ids")
@@ -5430,11 +5011,10 @@ def agreed_text(run: RunConfig, config: LlamaConfig) -> Text | None:
 
 
 def text_fingerprint(text: Text | None) -> str | None:
-    """A hash of the tokenizer, the token count and 65,536 token ids spread over the corpus (a page of the token
-    cache each, at most 256 MiB read): another tokenizer or corpus changes nearly every id."""
+    """A hash of the tokenizer, the token count and 65,536 token ids spread over the corpus (a page of cache each)."""
     if text is None:
         return None
-    digest = hashlib.sha256(text.tokenizer.backend_tokenizer.to_str().encode())
+    digest = hashlib.sha256(tokenizer_text(text.tokenizer).encode())
     if text.blocks is not None:
         ids = text.blocks.ids
         digest.update(f"{ids.numel()}".encode() + ids[:: max(1, ids.numel() >> 16)].numpy().tobytes())
@@ -5445,21 +5025,20 @@ def prepare_data(run: RunConfig, vocab_size: int) -> tuple[Blocks, object]:
     """--data read, tokenized (or read from the token cache) and packed: (the blocks, the tokenizer)."""
     files = data_files(run)
     resumed = checkpoint_tokenizer(run)  # the one the checkpoint trained with: a run that goes on keeps its ids
-    tokenizer = None  # asked to train one: not --model's
-    if not run.train_tokenizer:
-        tokenizer = load_tokenizer(run) if run.tokenizer or resumed is None else resumed  # before --model's
-    if run.train_tokenizer and run.train_tokenizer > vocab_size:
-        raise UsageError(f"--train-tokenizer {run.train_tokenizer} is larger than the model's vocab_size {vocab_size}")
-    if tokenizer is None and run.train_tokenizer:
+    if run.train_tokenizer:  # asked to train one: not --model's
+        if run.train_tokenizer > vocab_size:
+            raise UsageError(
+                f"--train-tokenizer {run.train_tokenizer} is larger than the model's vocab_size {vocab_size}"
+            )
         key = corpus_key(run, files, f"byte-level BPE of {run.train_tokenizer}")
         tokenizer = train_tokenizer(run, files, data_cache_folder(run) / f"tokenizer-{key}")
-    if tokenizer is None:
-        raise UsageError("no tokenizer: give --tokenizer DIR, or --train-tokenizer V to train one on the data")
+    else:
+        tokenizer = load_tokenizer(run) if run.tokenizer or resumed is None else resumed  # before --model's
+        if tokenizer is None:
+            raise UsageError("no tokenizer: give --tokenizer DIR, or --train-tokenizer V to train one on the data")
     if resumed is not None and tokenizer_text(tokenizer) != tokenizer_text(resumed):
-        raise UsageError(
-            f"--resume {run.resume} trained with another tokenizer than this run's, so its token ids mean other text: "
-            "leave out --tokenizer and --train-tokenizer to go on with its own"
-        )
+        other = f"--resume {run.resume} trained with another tokenizer than this run's, so its token ids mean"
+        raise UsageError(f"{other} other text: leave out --tokenizer and --train-tokenizer to go on with its own")
     if not tokenizer.is_fast:
         raise UsageError("the tokenizer has no fast (tokenizers) form, which tokenizing in threads needs")
     check_vocab(run, tokenizer, vocab_size)
@@ -5467,13 +5046,14 @@ def prepare_data(run: RunConfig, vocab_size: int) -> tuple[Blocks, object]:
     return blocks, tokenizer
 
 
-def streamed_shell(config: LlamaConfig, streamer: LayerStreamer, device: torch.device) -> LlamaForCausalLM:
-    """A model with no weights of its own: every unit (embeddings, decoder layers, norm, head) a StreamedLayer over
-    the training streamer's units, so HF's forward and generate, KV cache and all, run the training state as it
-    streams. Each forward is one pass over the units in order."""
+def forward_model(trainer, config: LlamaConfig, device: torch.device) -> nn.Module:
+    """What runs forward passes of the training state: gpu and cpu modes' model, else a shell of StreamedLayers over
+    the training streamer's units, so HF's forward and generate (KV cache and all) run the state as it streams."""
+    if isinstance(trainer, ResidentTraining):
+        return trainer.model
+    streamer, n = trainer.streamer, config.num_hidden_layers
     with torch.device("meta"):
         shell = LlamaForCausalLM(config)
-    n = config.num_hidden_layers
     shell.model.embed_tokens = StreamedLayer(0, streamer)
     shell.model.layers = nn.ModuleList(StreamedLayer(1 + i, streamer, layer=i) for i in range(n))
     shell.model.norm = StreamedLayer(n + 1, streamer)
@@ -5483,14 +5063,6 @@ def streamed_shell(config: LlamaConfig, streamer: LayerStreamer, device: torch.d
     shell.anchor = nn.Parameter(torch.empty(0, dtype=streamer.dtype, device=device), requires_grad=False)
     streamer.begin(range(n + 3))
     return shell.eval()
-
-
-def forward_model(trainer, config: LlamaConfig, device: torch.device) -> nn.Module:
-    """What runs forward passes of the training state: gpu and cpu modes' model, or a streamed shell over the
-    offloaded units."""
-    if isinstance(trainer, ResidentTraining):
-        return trainer.model
-    return streamed_shell(config, trainer.streamer, device)
 
 
 @torch.no_grad()
@@ -5509,8 +5081,7 @@ def held_out_loss(model: nn.Module, blocks: Blocks, run: RunConfig, device: torc
 
 @torch.no_grad()
 def continuations(model: nn.Module, tokenizer, run: RunConfig, device: torch.device) -> list[str]:
-    """Each --sample prompt's continuation of --sample-tokens tokens through HF's generate and its KV cache: greedy,
-    or drawn at --temperature (and --top-k) from --seed."""
+    """Each --sample prompt's continuation of --sample-tokens tokens by HF's generate: greedy, or at --temperature."""
     drawn = {"do_sample": True, "temperature": run.temperature, "top_k": run.top_k} if run.temperature else {}
     texts = []
     for prompt in run.sample:
@@ -5525,9 +5096,7 @@ def continuations(model: nn.Module, tokenizer, run: RunConfig, device: torch.dev
 
 
 class Evaluation:
-    """What training on text is judged by: the held-out loss of --data before the first step, every --eval-every
-    steps and after the last, and the --sample continuations before the first step and after the last; each through
-    the forward of the training state, timed apart from the steps (the step clock is paused meanwhile)."""
+    """The held-out loss of --data and the --sample continuations, through the training state, timed apart."""
 
     def __init__(self, trainer, run: RunConfig, config, device, text: Text | None, start: int):
         self.model = lambda: forward_model(trainer, config, device)  # a new pass over the units each time
@@ -5542,9 +5111,8 @@ class Evaluation:
     def due(self, done: int, last: int) -> bool:
         """Whether the held-out loss is due after `done` of this run's `last` steps."""
         every = self.run_config.eval_every
-        return bool(self.text and self.text.blocks) and (
-            done == last or bool(every) and (self.start + done) % every == 0
-        )
+        now = done == last or bool(every) and (self.start + done) % every == 0
+        return bool(self.text and self.text.blocks) and now
 
     def run(self, done: int) -> None:
         """Measure the held-out loss after `done` steps of this run."""
@@ -5567,8 +5135,8 @@ class Evaluation:
         """The prompts' continuations now, logged."""
         run = self.run_config
         log(f"  sampling {len(run.sample)} prompt(s) {when}, {run.sample_tokens} tokens each ...")
-        texts = continuations(self.model(), self.text.tokenizer, self.run_config, self.device)
-        for prompt, text in zip(self.run_config.sample, texts, strict=True):
+        texts = continuations(self.model(), self.text.tokenizer, run, self.device)
+        for prompt, text in zip(run.sample, texts, strict=True):
             log(f"  sample {when}: {prompt!r} -> {text!r}")
         return texts
 
@@ -5578,28 +5146,31 @@ class Evaluation:
 
 
 # ------------------------------------------------------------------------------------------------ saving and resuming
-# Adds: --save-pretrained, --checkpoint and --resume, every file written aside and renamed. Turned on: those
-# flags. Plugs into: the trainers' state (OffloadedAdam, the steppers).
+# Adds: --save-pretrained, --checkpoint and --resume, every file written aside and renamed. Turned on: those flags.
+# Plugs into: the trainers' state (OffloadedAdam, the steppers).
 
 
 CHECKPOINT_FILE = "checkpoint.json"  # names the unit files of the last whole checkpoint in its folder
-
-
-def own_storage(flat: torch.Tensor, offset: int, shape: torch.Size) -> torch.Tensor:
-    """flat[offset:] as a tensor of `shape` with a storage of its own over the same memory: save_pretrained clones
-    tensors that share a storage, which would copy the whole model."""
-    count = shape.numel()
-    return torch.frombuffer(flat.numpy(), dtype=flat.dtype, count=count, offset=offset * flat.itemsize).view(shape)
+CHECKPOINT_FORMAT = 1
+CHECKPOINT_RECORD = {"steps": int, "files": list, "loss_scale": (int, float), "good_steps": int}  # and their types
+RECORD_COUNTS = {"ranks": (1, 2**20 + 1), "tokens": (0, 2**63), "grad_accum": (1, 2**63)}  # each one's [least, end)
+RECORD_COUNTS |= {"batch_size": (1, 2**63), "seq_len": (1, 2**63)}  # least: its value where an older record lacks it
+SAVE_SHARD = "2GB"  # save_pretrained's shard size: a safetensors writer may hold a whole shard's bytes in memory
+PLAN_FLAGS = ("max_gpu_memory", "max_host_memory", "prefetch", "resident_layers", "gpu_adam_share")
+PLAN_FLAGS += ("offload_activations", "nvme", "nvme_layers", "rank_timeout")
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # what ends a run early, every output whole or absent
 
 
 def save_pretrained(trainer, config: LlamaConfig, folder: Path, tokenizer=None) -> None:
-    """The trained float32 masters as a Hugging Face folder, with the tokenizer trained on (its ids in the configs),
-    written into a folder beside `folder` and renamed to it whole (replace_folder): complete or absent, whatever stops
-    the run. With several ranks a collective: rank 0 writes."""
+    """The float32 masters (and the tokenizer) as a Hugging Face folder, replaced whole; with several ranks rank 0's."""
     t0 = time.perf_counter()
     check_finite_masters(trainer)
     reset_peak_memory(torch.device("cpu"))
-    config = with_token_ids(config, tokenizer)
+    if tokenizer is not None:  # its ids in the configs (a trained one's end of text is 0, not the preset's 2)
+        config, eos = copy.deepcopy(config), tokenizer.eos_token_id
+        config.bos_token_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else eos
+        config.eos_token_id = eos
+        config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     aside = folder_aside(folder) if trainer.ranks.rank == 0 else contextlib.nullcontext()
     with aside as tmp, named_errors(folder, writer=not trainer.ranks.several):  # the collectives' errors stay theirs
         if trainer.ranks.several:
@@ -5609,32 +5180,17 @@ def save_pretrained(trainer, config: LlamaConfig, folder: Path, tokenizer=None) 
         if trainer.ranks.rank == 0:
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
-            with_umask_modes(tmp)
+            for path in tmp.iterdir():  # the umask's modes: safetensors writes its shards 0600
+                if path.is_file():
+                    path.chmod(0o666 & ~current_umask())
             replace_folder(tmp, folder)
     trainer.ranks.meet()  # the folder is whole before any rank goes on
     seconds, peak = time.perf_counter() - t0, size_text(peak_host_rss())
     log(f"trained float32 weights saved to {folder} in {seconds:.1f} s, host peak {peak} meanwhile")
 
 
-def with_token_ids(config: LlamaConfig, tokenizer) -> LlamaConfig:
-    """`config` with the tokenizer's begin, end and padding ids (a trained tokenizer's end of text is id 0, not the
-    preset's 2), so that generate on the saved model stops where the text ends; as it is without a tokenizer."""
-    if tokenizer is None:
-        return config
-    config = copy.deepcopy(config)
-    eos = tokenizer.eos_token_id
-    config.bos_token_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else eos
-    config.eos_token_id = eos
-    config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    return config
-
-
-SAVE_SHARD = "2GB"  # save_pretrained's shard size: a safetensors writer may hold a whole shard's bytes in memory
-
-
 def save_masters(trainer, config: LlamaConfig, folder: Path) -> None:
-    """One process: the masters saved by save_pretrained from a meta-device model whose parameters are the masters
-    themselves, shard by shard, with no copy of the model in host memory."""
+    """One process: save_pretrained of a meta-device model whose parameters are the masters, with no copy of them."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     for name, master in named_masters(trainer):
@@ -5645,8 +5201,7 @@ def save_masters(trainer, config: LlamaConfig, folder: Path) -> None:
 
 
 def replace_folder(new: Path, folder: Path) -> None:
-    """Rename the finished folder `new` to `folder`, moving an older `folder` aside first and removing it after, with
-    SIGINT and SIGTERM put off meanwhile: `folder` is always whole, the old or the new."""
+    """Rename the finished folder `new` to `folder` (an older one moved aside, then removed), signals put off."""
     old = new.with_name(new.name + ".old")
     with signals_held():
         if folder.exists():
@@ -5657,9 +5212,7 @@ def replace_folder(new: Path, folder: Path) -> None:
 
 
 def save_units(trainer, config: LlamaConfig, folder: Path | None) -> None:
-    """Several ranks: a Hugging Face folder of one safetensors file a unit and their index, each unit gathered from
-    every rank's shards and written by rank 0 into `folder` (the others' None), so no rank holds the whole model (a
-    collective: every rank calls it)."""
+    """Several ranks (a collective): a safetensors file a unit, gathered one at a time and written by rank 0."""
     ranks, n, weight_map, total = trainer.ranks, len(trainer.units), {}, 0
     if ranks.rank == 0:
         config.save_pretrained(folder)
@@ -5678,8 +5231,7 @@ def save_units(trainer, config: LlamaConfig, folder: Path | None) -> None:
 
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """Float32 `tensors` as a safetensors file, the format from_pretrained reads: the header's length (8 bytes, little
-    endian), a JSON header of each tensor's dtype, shape and byte range, then the tensors' bytes in that order."""
+    """Float32 `tensors` as safetensors: the header's length (8 bytes), a JSON header, then the tensors' bytes."""
     header, start = {"__metadata__": {"format": "pt"}}, 0
     for name, t in tensors.items():
         header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [start, start + t.nbytes]}
@@ -5692,20 +5244,8 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
             f.write(t.contiguous().numpy())  # its bytes, without a copy: a view of the gathered unit
 
 
-def with_umask_modes(folder: Path) -> None:
-    """Give the files in `folder` the modes the umask gives new files: safetensors writes its shards 0600, beside
-    save_pretrained's 0644 config files."""
-    for path in folder.iterdir():
-        if path.is_file():
-            path.chmod(0o666 & ~current_umask())
-
-
-CHECKPOINT_FORMAT = 1
-
-
 def checkpoint_manifest(run: RunConfig, config: LlamaConfig, mode: str, plan: Plan | None = None) -> dict:
-    """What a checkpoint records besides its unit files: what a resumed run must match (the model's sizes, the dtype,
-    Adam), the mode, seed and batch it trained with, and the plan with what it was made from (plan_inputs)."""
+    """What a checkpoint records besides its files: what a resume must match, how it trained, the plan."""
     adam = json.loads(json.dumps(dataclasses.asdict(run.adam)))  # as read back: betas a list
     sizes = {field: getattr(config, field) for field in SIZE_FLAGS}
     batch = {"grad_accum": run.grad_accum, "batch_size": run.batch_size, "seq_len": run.seq_len, "seed": run.seed}
@@ -5717,25 +5257,17 @@ def checkpoint_manifest(run: RunConfig, config: LlamaConfig, mode: str, plan: Pl
     return record | batch | ranks | planned
 
 
-PLAN_FLAGS = ("max_gpu_memory", "max_host_memory", "prefetch", "resident_layers", "gpu_adam_share")
-PLAN_FLAGS += ("offload_activations", "nvme", "nvme_layers", "rank_timeout")
-
-
 def plan_inputs(run: RunConfig, plan: Plan) -> dict:
-    """What a plan is made from, as a checkpoint records it: the machine's facts (memory to a tenth of a GiB) and the
-    flags that steer it (PLAN_FLAGS)."""
+    """What a plan is made from: the machine's facts (memory to a tenth of a GiB) and the flags that steer it."""
     facts = plan.facts
-    gib_or_none = {
-        f"{field}_gib": None if b is None else round(b / GiB, 1)
-        for field, b in (("gpu", facts.gpu_bytes), ("host", facts.host_bytes), ("disk", facts.disk_bytes))
-    }
-    machine = gib_or_none | {"cores": facts.cores, "ranks": facts.world, "ranks_a_host": facts.local_world}
+    memory = (("gpu", facts.gpu_bytes), ("host", facts.host_bytes), ("disk", facts.disk_bytes))
+    machine = {f"{field}_gib": None if b is None else round(b / GiB, 1) for field, b in memory}
+    machine |= {"cores": facts.cores, "ranks": facts.world, "ranks_a_host": facts.local_world}
     return machine | {flag: getattr(run, flag) for flag in PLAN_FLAGS}
 
 
 def say_plan_changes(saved: dict, manifest: dict) -> None:
-    """Say on stderr what differs between the plan inputs a checkpoint was trained under and this run's: the state
-    resumes the same, the placement and the time may not."""
+    """Log the plan inputs that differ from the checkpoint's: the state resumes the same, the placement may not."""
     before, now = saved.get("plan_inputs") or {}, manifest.get("plan_inputs") or {}
     changed = [f"{key} {before.get(key)} -> {value}" for key, value in now.items() if differs(before.get(key), value)]
     if before and changed:
@@ -5750,29 +5282,21 @@ def differs(before, now) -> bool:
 
 
 class Checkpoints:
-    """--checkpoint's writer for one mode: due after every `every` steps of training, counted from its first step (a
-    resumed run's steps continue the count), and written after the last step too; the tokenizer trained on goes with
-    each."""
+    """--checkpoint's writer for one mode: every `every` steps (counted across resumes) and after the last."""
 
     def __init__(self, trainer, folder: Path, manifest: dict, every: int | None, tokenizer=None):
-        self.write = functools.partial(write_checkpoint, trainer, folder, manifest, tokenizer=tokenizer)  # write(done)
+        # write(done): the checkpoint after `done` steps of this run; run(done) as the steps' tasks call it
+        self.write = self.run = functools.partial(write_checkpoint, trainer, folder, manifest, tokenizer=tokenizer)
         self.start = manifest.get("resumed_from", 0)
         self.every = every
 
     def due(self, done: int, last: int) -> bool:
-        """Whether a checkpoint is due after `done` of this run's `last` steps (the last one's is written once the
-        trainer has finished)."""
+        """Whether one is due after `done` of this run's `last` steps (the last one's: once the trainer finished)."""
         return bool(self.every) and done < last and (self.start + done) % self.every == 0
-
-    def run(self, done: int) -> None:
-        """Write the checkpoint after `done` steps of this run."""
-        self.write(done)
 
 
 def trained_outputs(trainer, run: RunConfig, config: LlamaConfig, mode: str, compared: bool, tokenizer=None) -> dict:
-    """After the last step: --save-pretrained's folder written (with the tokenizer trained on); each step's gradient
-    norm (--clip-grad-norm) and a float32 copy of every master in host memory (to compare with gpu mode's, or for
-    --save-output)."""
+    """After the last step: --save-pretrained's folder, gradient norms, the masters on the host to compare or save."""
     result = {}
     if run.save_pretrained:
         save_pretrained(trainer, config, mode_folder(run.save_pretrained, run, mode), tokenizer)
@@ -5786,8 +5310,7 @@ def trained_outputs(trainer, run: RunConfig, config: LlamaConfig, mode: str, com
 
 
 def check_finite_masters(trainer) -> None:
-    """Before the trained weights are saved: every master finite on every rank (a collective), else Diverged: the last
-    update overflowed, which no later loss shows."""
+    """Raise Diverged unless every master is finite on every rank (a collective): the last update may overflow."""
     if isinstance(trainer, ResidentTraining):
         mine = [name for name, master in named_masters(trainer) if not torch.isfinite(master).all()]
     else:  # this rank's flat masters (its shards), by unit
@@ -5800,10 +5323,8 @@ def check_finite_masters(trainer) -> None:
 
 
 def write_checkpoint(trainer, folder: Path, manifest: dict, done: int, tokenizer=None) -> None:
-    """The training state after `done` steps of this run: a file per unit (and the tokenizer's), then CHECKPOINT_FILE
-    naming them, each written aside, flushed to the disk and renamed. The previous checkpoint's files go once the new
-    CHECKPOINT_FILE is on the disk; a write stopped part-way removes the files it wrote (a process killed outright:
-    the next write does), so the folder holds one whole checkpoint and nothing CHECKPOINT_FILE does not name."""
+    """The training state after `done` steps of this run: a file a unit (and the tokenizer's), then CHECKPOINT_FILE
+    naming them, each written aside, synced and renamed; what the record does not name then goes, so one stays whole."""
     t0 = time.perf_counter()
     trainer.wait_updates()
     steps = manifest.get("resumed_from", 0) + done
@@ -5829,7 +5350,7 @@ def write_checkpoint(trainer, folder: Path, manifest: dict, done: int, tokenizer
                 sync_folder(folder)  # the renames too, before the files they replace go
                 remove_unnamed(folder)
         ranks.meet()  # the stale files are gone before a rank writes the next checkpoint's
-    except BaseException:
+    except BaseException:  # a write stopped part-way removes what it wrote (a process killed outright: the next write)
         with signals_held():
             remove_unnamed(folder)
             if made and ranks.rank == 0:  # the first write: no empty folder left behind (another rank's files stay)
@@ -5840,8 +5361,7 @@ def write_checkpoint(trainer, folder: Path, manifest: dict, done: int, tokenizer
 
 
 def checkpoint_record(trainer, manifest: dict, done: int, files: list[str], tokenizer_files: list[str]) -> str:
-    """CHECKPOINT_FILE's text after `done` steps of this run: the manifest, the loss scale, the steps and tokens the
-    state has trained on, and the files that hold it."""
+    """CHECKPOINT_FILE's text: the manifest, the loss scale, the steps and tokens trained on, the files of the state."""
     scale = {"loss_scale": trainer.scaling.scale, "good_steps": getattr(trainer.scaling, "good_steps", 0)}
     steps = manifest.get("resumed_from", 0) + done
     tokens = manifest.get("tokens_before", 0) + done * step_tokens(manifest)
@@ -5850,8 +5370,7 @@ def checkpoint_record(trainer, manifest: dict, done: int, files: list[str], toke
 
 
 def remove_unnamed(folder: Path) -> None:
-    """Remove what a checkpoint write leaves in `folder` that its CHECKPOINT_FILE does not name: an older
-    checkpoint's unit files, or those of a write that stopped part-way (and its temporary files)."""
+    """Remove what checkpoint writes left in `folder` that its CHECKPOINT_FILE does not name (and temporary files)."""
     try:
         record = parse_json((folder / CHECKPOINT_FILE).read_text())
         named = {*record["files"], *record.get("tokenizer", [])}
@@ -5859,12 +5378,11 @@ def remove_unnamed(folder: Path) -> None:
         named = set()
     for path in folder.iterdir():
         if path.name not in named and written_by_checkpoint(path):  # no file of the user's
-            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+            remove_path(path)
 
 
 def save_checkpoint_tokenizer(tokenizer, folder: Path) -> list[str]:
-    """The tokenizer's files into a checkpoint's folder, each written aside and renamed (AutoTokenizer reads them
-    from the folder); returns their names, for the record."""
+    """The tokenizer's files into a checkpoint's folder, each written aside and renamed; returns their names."""
     with folder_aside(folder / ".tokenizer") as tmp:
         tokenizer.save_pretrained(tmp)
         names = sorted(p.name for p in tmp.iterdir())
@@ -5873,14 +5391,10 @@ def save_checkpoint_tokenizer(tokenizer, folder: Path) -> list[str]:
         return names
 
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # what ends a run early, every output whole or absent
-
-
 @contextlib.contextmanager
 def signals_held():
-    """SIGINT and SIGTERM put off while the block runs, then raised again for the handlers they would have met: a few
-    renames that must not be split, or a writer whose own error would hide them. Python runs handlers in the main
-    thread alone (masking the signal there would not do: another thread takes it), so elsewhere the block runs as is."""
+    """SIGINT and SIGTERM put off while the block runs (renames that must not be split), then raised again. Python runs
+    handlers in the main thread alone (masking the signal there would not do), so elsewhere the block runs as is."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -5914,8 +5428,7 @@ def save_synced(obj, path: str) -> None:
 
 
 def torch_save(obj, f, path: str) -> None:
-    """torch.save(obj, f), whose zip writer reports a full disk as a RuntimeError: an OSError naming `path` instead.
-    Ctrl-C and SIGTERM wait until it returns: raised inside the writer, they too would end as a RuntimeError."""
+    """torch.save(obj, f), a full disk an OSError naming `path` (not the zip writer's RuntimeError), signals put off."""
     try:
         with signals_held():
             torch.save(obj, f)
@@ -5934,84 +5447,61 @@ def sync_folder(folder: Path) -> None:
 
 
 def read_checkpoint(folder: Path, manifest: dict, units: list[Unit] | None = None) -> dict:
-    """A checkpoint's record, refused with one line when it is not one, is damaged, or is of another model, dtype or
-    Adam setting; with `units`, its unit files are checked too (check_unit_files), whatever ranks wrote them."""
-    path = folder / CHECKPOINT_FILE
+    """A checkpoint's record, refused where damaged or of another model, dtype or Adam (`units`: its files too)."""
+    path, at = folder / CHECKPOINT_FILE, f"--resume {folder}"
     if not path.is_file():
-        raise UsageError(f"--resume {folder}: no {CHECKPOINT_FILE} there: {checkpoint_hint(folder)}")
+        raise UsageError(f"{at}: no {CHECKPOINT_FILE} there: {checkpoint_hint(folder)}")
     try:
         saved = parse_json(path.read_text())
     except OSError as e:
-        raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE} cannot be read ({e.strerror})") from None
+        raise UsageError(f"{at}: {CHECKPOINT_FILE} cannot be read ({e.strerror})") from None
     except ValueError as e:  # UnicodeDecodeError too
-        raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE} is not valid JSON ({first_line(e)})") from None
+        raise UsageError(f"{at}: {CHECKPOINT_FILE} is not valid JSON ({first_line(e)})") from None
     if not isinstance(saved, dict):
-        raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE} holds no record: it is damaged")
+        raise UsageError(f"{at}: {CHECKPOINT_FILE} holds no record: it is damaged")
     if saved.get("format") != CHECKPOINT_FORMAT:
-        raise UsageError(
-            f"--resume {folder}: checkpoint format {saved.get('format')}, this script reads {CHECKPOINT_FORMAT}"
-        )
+        raise UsageError(f"{at}: checkpoint format {saved.get('format')}, this script reads {CHECKPOINT_FORMAT}")
     for key, what in (("sizes", "model"), ("dtype", "dtype"), ("adam", "Adam setting")):
         if saved.get(key) != manifest[key]:
-            raise UsageError(
-                f"--resume {folder}: a checkpoint of another {what}: {saved.get(key)}, not {manifest[key]}"
-            )
+            raise UsageError(f"{at}: a checkpoint of another {what}: {saved.get(key)}, not {manifest[key]}")
     check_record(folder, saved, manifest)
     missing = [name for name in saved["files"] if not (folder / name).is_file()]
     if missing:
-        raise UsageError(f"--resume {folder}: {len(missing)} of the files {CHECKPOINT_FILE} names are missing")
+        raise UsageError(f"{at}: {len(missing)} of the files {CHECKPOINT_FILE} names are missing")
     if units is not None:
         check_unit_files(folder, saved, units)
     return saved
 
 
-CHECKPOINT_RECORD = {"steps": int, "files": list, "loss_scale": (int, float), "good_steps": int}  # and their types
-
-
 def check_record(folder: Path, saved: dict, manifest: dict) -> None:
-    """A checkpoint record's fields have their types, and it names a file a unit (and rank): the embeddings, each
-    layer, the norm and the head."""
+    """A checkpoint record's fields have their types and ranges, and it names a file a unit (and rank) of its own."""
+    record = f"--resume {folder}: {CHECKPOINT_FILE}"
     for key, kind in CHECKPOINT_RECORD.items():
         if not isinstance(saved.get(key), kind) or isinstance(saved.get(key), bool):
-            raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE}'s {key} is {saved.get(key)!r}: the file is damaged")
+            raise UsageError(f"{record}'s {key} is {saved.get(key)!r}: the file is damaged")
     if not 0 <= saved["steps"] < 2**53 or not 0 <= saved["good_steps"] < 2**53:
-        raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE}'s step counts are out of range: the file is damaged")
+        raise UsageError(f"{record}'s step counts are out of range: the file is damaged")
     if not all(isinstance(f, str) and f == Path(f).name for f in saved["files"]):
-        raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE} names files outside its folder: the file is damaged")
-    ranks = saved.get("ranks", 1)
-    if not isinstance(ranks, int) or isinstance(ranks, bool) or not 1 <= ranks <= 2**20:
-        raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE}'s ranks is {ranks!r}: the file is damaged")
-    check_optional_fields(folder, saved)
+        raise UsageError(f"{record} names files outside its folder: the file is damaged")
+    for key, (least, end) in RECORD_COUNTS.items():
+        value = saved.get(key, least)
+        if not isinstance(value, int) or isinstance(value, bool) or not least <= value < end:
+            raise UsageError(f"{record}'s {key} is {value!r}: the file is damaged")
+    for key in ("plan", "plan_inputs"):
+        if not isinstance(saved.get(key, {}), dict):
+            raise UsageError(f"{record}'s {key} is not a table: the file is damaged")
     units = manifest["sizes"]["num_hidden_layers"] + 3
-    files, expected = saved["files"], checkpoint_files(units, saved["steps"], Ranks(world=ranks))
+    files, expected = saved["files"], checkpoint_files(units, saved["steps"], Ranks(world=saved.get("ranks", 1)))
     if len(files) != len(expected):
-        raise UsageError(
-            f"--resume {folder}: {CHECKPOINT_FILE} names {len(files)} files, not {len(expected)}: it is damaged"
-        )
+        raise UsageError(f"{record} names {len(files)} files, not {len(expected)}: it is damaged")
     wrong = next((i for i, (f, e) in enumerate(zip(files, expected, strict=True)) if f != e), None)
     if wrong is not None:  # each unit's own file, as written after that step: none named twice, none swapped
         what = f"names {files[wrong]} where a checkpoint after step {saved['steps']} has {expected[wrong]}"
-        raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE} {what}: it is damaged")
-
-
-RECORD_COUNTS = {"tokens": 0, "grad_accum": 1, "batch_size": 1, "seq_len": 1}  # each one's least value
-
-
-def check_optional_fields(folder: Path, saved: dict) -> None:
-    """The record's fields that older checkpoints lack, where it has them: counts (RECORD_COUNTS) whole numbers in
-    range, and the plan and its inputs tables."""
-    for key, least in RECORD_COUNTS.items():
-        value = saved.get(key, least)
-        if not isinstance(value, int) or isinstance(value, bool) or not least <= value < 2**63:
-            raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE}'s {key} is {value!r}: the file is damaged")
-    for key in ("plan", "plan_inputs"):
-        if not isinstance(saved.get(key, {}), dict):
-            raise UsageError(f"--resume {folder}: {CHECKPOINT_FILE}'s {key} is not a table: the file is damaged")
+        raise UsageError(f"{record} {what}: it is damaged")
 
 
 def check_unit_files(folder: Path, saved: dict, units: list[Unit]) -> None:
-    """Each unit file of a checkpoint loads, and holds its unit's step count and float32 master and moments in the
-    unit's shapes (several ranks': flat shards of the unit, of the shard's size); else one line naming the file."""
+    """Each unit file of a checkpoint loads and holds its unit's state (unit_state_fits); else one line naming it."""
     ranks = Ranks(world=saved.get("ranks", 1))  # that wrote it
     for i, name in enumerate(saved["files"]):
         u = i % len(units)
@@ -6025,10 +5515,9 @@ def check_unit_files(folder: Path, saved: dict, units: list[Unit]) -> None:
 
 
 def unit_state_fits(state, layout: FlatLayout, ranks: Ranks) -> bool:
-    """Whether `state` is a unit's checkpointed state of `layout` (unit_state's dict): with several ranks, flat shards;
-    else each parameter by name in its shape; float32 throughout."""
+    """Whether `state` is unit_state's dict for `layout`: a float step, float32 master and moments of its shapes."""
     if not isinstance(state, dict) or not isinstance(state.get("step"), float) or not 0 <= state["step"] < 2**53:
-        return False  # unit_state writes the step count as a float
+        return False
     shapes = dict(zip(layout.names, layout.shapes, strict=True))
     for key in ("master", "exp_avg", "exp_avg_sq"):
         tensors = state.get(key)
@@ -6053,28 +5542,21 @@ def checkpoint_hint(folder: Path) -> str:
 
 
 def unit_state(trainer, u: int) -> dict:
-    """Unit u's training state for a checkpoint: its name (resume checks it), step count, float32 master and moments
-    by parameter name (several ranks: this rank's flat shards)."""
+    """Unit u's state for a checkpoint: name, step, float32 master and moments by name (several ranks: flat shards)."""
     if isinstance(trainer, ResidentTraining):
-        return resident_unit_state(trainer, u)
+        state = {"unit": trainer.units[u].name, "step": 0.0, "master": {}, "exp_avg": {}, "exp_avg_sq": {}}
+        for name, master, _ in unit_params(trainer, u):
+            adam = trainer.optimizer.state.get(master)  # none before the first step that was applied
+            state["master"][name] = master.cpu()
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key][name] = adam[key].cpu() if adam else torch.zeros_like(master, device="cpu")
+            state["step"] = adam["step"].item() if adam else 0.0
+        return state
     master, exp_avg, exp_avg_sq, step = trainer.steppers.of[u].adam_state(u)
     flats = {"master": master, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
-    layout, name = trainer.units[u].layout, trainer.units[u].name
-    kept = (lambda flat: flat) if trainer.ranks.several else layout.views  # a rank's shard, flat
+    kept = (lambda flat: flat) if trainer.ranks.several else trainer.units[u].layout.views  # a rank's shard, flat
     state = {key: kept(flat.cpu()) for key, flat in flats.items()}
-    return {"unit": name, "step": step.item()} | state
-
-
-def resident_unit_state(trainer: ResidentTraining, u: int) -> dict:
-    """Unit u's state in gpu or cpu mode, as unit_state gives an offloaded mode's."""
-    state = {"unit": trainer.units[u].name, "step": 0.0, "master": {}, "exp_avg": {}, "exp_avg_sq": {}}
-    for name, master, _ in unit_params(trainer, u):
-        adam = trainer.optimizer.state.get(master)  # none before the first step that was applied
-        state["master"][name] = master.cpu()
-        for key in ("exp_avg", "exp_avg_sq"):
-            state[key][name] = adam[key].cpu() if adam else torch.zeros_like(master, device="cpu")
-        state["step"] = adam["step"].item() if adam else 0.0
-    return state
+    return {"unit": trainer.units[u].name, "step": step.item()} | state
 
 
 def unit_params(trainer: ResidentTraining, u: int):
@@ -6087,35 +5569,17 @@ def unit_params(trainer: ResidentTraining, u: int):
 
 @torch.no_grad()
 def load_unit(trainer, u: int, state: dict) -> None:
-    """Set unit u's training state from a checkpoint's (before placement: an offloaded unit's is all on the host)."""
-    if not isinstance(trainer, ResidentTraining):
-        restore_unit(trainer.store, u, state)
-        return
-    for name, master, param in unit_params(trainer, u):
-        master.copy_(state["master"][name])
-        param.copy_(master)
-        if state["step"]:  # as torch.optim.Adam(fused=True) keeps it: tensors on the master's device
-            moments = {key: state[key][name].to(master.device, copy=True) for key in ("exp_avg", "exp_avg_sq")}
-            step = torch.tensor(state["step"], device=master.device)
-            trainer.optimizer.state[master] = {"step": step, **moments}
-
-
-def named_masters(trainer):
-    """Each parameter's float32 master by HF name on the CPU (an offloaded mode's in its own storage; one process: a
-    rank has shards)."""
+    """Set unit u's training state from a checkpoint's before placement (offloaded: this rank's shards, on the host)."""
     if isinstance(trainer, ResidentTraining):
-        yield from ((name, master.detach().cpu()) for name, master in zip(trainer.names, trainer.masters, strict=True))
+        for name, master, param in unit_params(trainer, u):
+            master.copy_(state["master"][name])
+            param.copy_(master)
+            if state["step"]:  # as torch.optim.Adam(fused=True) keeps it: tensors on the master's device
+                moments = {key: state[key][name].to(master.device, copy=True) for key in ("exp_avg", "exp_avg_sq")}
+                step = torch.tensor(state["step"], device=master.device)
+                trainer.optimizer.state[master] = {"step": step, **moments}
         return
-    for u, unit in enumerate(trainer.units):
-        master = trainer.steppers.state(u).cpu()  # a resident unit's is copied from the GPU
-        for name, shape, offset in zip(unit.layout.names, unit.layout.shapes, unit.layout.offsets, strict=True):
-            yield f"{unit.name}.{name}", own_storage(master, offset, shape)
-
-
-@torch.no_grad()
-def restore_unit(store: OffloadedAdam, u: int, state: dict) -> None:
-    """Unit u's master, Adam moments, step count and copy in `store`, from a checkpoint's (checkpoint_unit): this rank's
-    shards, from each parameter by name (any number of ranks wrote them) or the flat shards this rank wrote."""
+    store = trainer.store
     layout, start = store.units[u].layout, store.ranks.rank * store.masters[u].numel()
 
     def fill(keys: tuple[str, ...], *flats) -> None:
@@ -6124,7 +5588,7 @@ def restore_unit(store: OffloadedAdam, u: int, state: dict) -> None:
             if isinstance(state[key], torch.Tensor):  # the shard this rank wrote, padding and all
                 flat.copy_(state[key])
             else:
-                layout.fill(flat, state[key].__getitem__, start=start)
+                layout.fill(flat, state[key].__getitem__, start=start)  # by name, from any number of ranks
 
     fill(("master",), store.masters[u])
     store.adam_moments.fill(u, functools.partial(fill, ("exp_avg", "exp_avg_sq")))
@@ -6132,6 +5596,19 @@ def restore_unit(store: OffloadedAdam, u: int, state: dict) -> None:
         store.copies[u].copy_(store.masters[u])
     store.steps[u].fill_(state["step"])
     store.unstarted.discard(u)
+
+
+def named_masters(trainer):
+    """Each parameter's float32 master by HF name on the CPU (one process: a rank has shards)."""
+    if isinstance(trainer, ResidentTraining):
+        yield from ((name, master.detach().cpu()) for name, master in zip(trainer.names, trainer.masters, strict=True))
+        return
+    for u, unit in enumerate(trainer.units):
+        flat = trainer.steppers.state(u).cpu()  # a resident unit's is copied from the GPU
+        for name, shape, offset in zip(unit.layout.names, unit.layout.shapes, unit.layout.offsets, strict=True):
+            # its own storage over the same memory: save_pretrained clones tensors that share one (the whole model)
+            view = torch.frombuffer(flat.numpy(), dtype=flat.dtype, count=shape.numel(), offset=offset * flat.itemsize)
+            yield f"{unit.name}.{name}", view.view(shape)
 
 
 def resume(trainer, folder: Path, manifest: dict) -> int:
@@ -6143,16 +5620,15 @@ def resume(trainer, folder: Path, manifest: dict) -> int:
         state = checkpoint_unit(folder, saved, u, unit.layout, trainer.ranks)
         load_unit(trainer, u, state)
         if not finite_state(state):  # read again from the page cache the load filled
-            raise UsageError(
-                f"--resume {folder}: unit {unit.name}'s state is not finite (NaN or infinity): resume an "
-                "earlier checkpoint"
-            )
+            earlier = "resume an earlier checkpoint"
+            raise UsageError(f"--resume {folder}: unit {unit.name}'s state is not finite (NaN or infinity): {earlier}")
     if saved.get("ranks", 1) != trainer.ranks.world:
         log(f"the checkpoint of {saved.get('ranks', 1)} rank(s) resharded over {trainer.ranks.world}")
     if isinstance(trainer.scaling, LossScale):
         trainer.scaling.restore(saved["loss_scale"], saved["good_steps"])
     log(f"resumed from {folder} after step {saved['steps']} in {time.perf_counter() - t0:.1f} s")
-    manifest["tokens_before"] = tokens_trained(saved, manifest)
+    # the tokens trained on: as the record counts them, or (an older record) its steps at its batch's (else this run's)
+    manifest["tokens_before"] = saved["tokens"] if "tokens" in saved else saved["steps"] * step_tokens(manifest | saved)
     batch = ("grad_accum", "batch_size", "seq_len", "seed", "eval_fraction")
     changed = [key for key in batch if key in saved and saved[key] != manifest[key]]  # older records lack some
     if changed:
@@ -6161,14 +5637,6 @@ def resume(trainer, folder: Path, manifest: dict) -> int:
         without = "without --data, this run trains on random ids"
         log(f"note: the checkpoint trained on text (--data {saved['data']}); {without}")
     return saved["steps"]
-
-
-def tokens_trained(saved: dict, manifest: dict) -> int:
-    """The tokens a checkpoint's state has trained on: as its record counts them, or (an older record) its steps at
-    its batch's tokens (this run's, where the record lacks them)."""
-    if "tokens" in saved:  # check_record checked it
-        return saved["tokens"]
-    return saved["steps"] * step_tokens(manifest | saved)
 
 
 def step_tokens(record: dict) -> int:
@@ -6187,10 +5655,8 @@ def finite_state(state: dict) -> bool:
 
 
 def checkpoint_unit(folder: Path, saved: dict, u: int, layout: FlatLayout, ranks: Ranks) -> dict:
-    """Unit u's state in a checkpoint (unit_state's dict), memory-mapped: where as many ranks wrote it, the file this
-    rank wrote (its flat shards, padding and all, so that it goes on bit for bit); else each parameter's master and
-    moments by name, as one process wrote them, or put together from the shards that other ranks wrote (Resharded),
-    of which a rank reads the parameters of its own shard alone."""
+    """Unit u's state in a checkpoint, memory-mapped: the file this rank wrote where as many ranks wrote it (so it goes
+    on bit for bit), else by parameter name, one process's or put together from other ranks' shards (Resharded)."""
     world, units = saved.get("ranks", 1), len(saved["files"]) // saved.get("ranks", 1)
     if world == ranks.world:
         return torch.load(folder / saved["files"][ranks.rank * units + u], mmap=True, weights_only=True)
@@ -6202,8 +5668,7 @@ def checkpoint_unit(folder: Path, saved: dict, u: int, layout: FlatLayout, ranks
 
 
 class Resharded:
-    """A unit's flat state that several ranks wrote as equal shards, in rank order, read by parameter name: each
-    parameter put together from the shards it spans (a shard is an offset and a length of the unit's flat buffer)."""
+    """A unit's flat state written by several ranks as equal shards (in rank order), read by parameter name."""
 
     def __init__(self, shards: list[torch.Tensor], layout: FlatLayout):
         self.shards, self.size = shards, shards[0].numel()
@@ -6289,41 +5754,17 @@ class RunConfig(Config):
 
     @property
     def gpu_adam(self) -> float:
-        """The GPU Adam's share of the streamed parameters: --gpu-adam-share, else GPU_ADAM_SHARE (0 where updates wait
-        for every unit's gradients; the plan takes none where the GPU's compute bounds the step: training_placement)."""
+        """The GPU Adam's share of the streamed parameters: --gpu-adam-share, else GPU_ADAM_SHARE, 0 where updates wait
+        for every unit's gradients (the plan takes none where the GPU's compute bounds the step: training_placement)."""
         if self.gpu_adam_share is not None:
             return self.gpu_adam_share
         return 0.0 if self.holds_updates else GPU_ADAM_SHARE
 
 
 MAX_SEED = 2**32 - 1  # --seed's largest: seeds derived from it (seed << 32, seed * 1_000_003) stay within 64 bits
-
-
-class UsageError(Exception):
-    """Bad input: main() prints it as one line on stderr and exits with code 2."""
-
-
 DIVERGED = "training diverged (try a lower --lr)"
-
-
 UNTRAINED = "the model computes so before any update (its weights or config, not --lr)"  # where DIVERGED is not it
-
-
-class Diverged(Exception):
-    """Logits or a loss that are not finite (a step's, the held-out one, a mode's inference): main() prints it as one
-    line and exits with code 1, and the outputs the run had still to write are not written (the last checkpoint
-    stays the one before)."""
-
-
-def default_dtype() -> str:
-    """bfloat16, unless the GPU cannot compute in it."""
-    cuda_without_bf16 = torch.cuda.is_available() and not torch.cuda.is_bf16_supported(including_emulation=False)
-    return "float16" if cuda_without_bf16 else "bfloat16"
-
-
 FIRST_CONTACT = "python offload_llama.py --preset tiny --mode cpu --train --steps 5 --seq-len 256"  # no GPU needed
-
-
 EXAMPLES = f"""examples:
   {FIRST_CONTACT}
       a tiny model on the CPU, inference then 5 training steps: seconds, no GPU
@@ -6334,17 +5775,29 @@ EXAMPLES = f"""examples:
       LLaMA-7B, 64 x 1024 tokens a step, under an 11 GiB GPU cap"""
 
 
+class UsageError(Exception):
+    """Bad input: main() prints it as one line on stderr and exits with code 2."""
+
+
+class Diverged(Exception):
+    """Logits or a loss that are not finite: main() prints one line and exits with code 1, writing nothing more."""
+
+
+def default_dtype() -> str:
+    """bfloat16, unless the GPU cannot compute in it."""
+    cuda_without_bf16 = torch.cuda.is_available() and not torch.cuda.is_bf16_supported(including_emulation=False)
+    return "float16" if cuda_without_bf16 else "bfloat16"
+
+
 def print_error(message: str) -> None:
-    """The one line of a refusal or failure on stderr (control characters escaped), written and flushed in one call:
-    several ranks share the stream, and print's separate write of the newline would let their lines run together."""
+    """The one line of a refusal on stderr, control characters escaped, in one write: ranks share the stream."""
     escaped = "".join(c if c.isprintable() or c == "\t" else ascii(c)[1:-1] for c in message)  # a path's \n, ESC
     sys.stderr.write(f"offload_llama.py: error: {escaped}\n")
     sys.stderr.flush()
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse with bad arguments reported as one line and exit code 2, like every other bad input; no prefixes of
-    flags (--save-pretrain is not --save-pretrained)."""
+    """argparse with bad arguments as one line and exit code 2, like all bad input; no prefixes of flags."""
 
     def __init__(self):
         description = __doc__.split("\n\n")[0]
@@ -6356,8 +5809,7 @@ class Parser(argparse.ArgumentParser):
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """--help with every flag's default: its value, or for a switch 'off'; a flag without a value says in its help
-    what happens without it. The examples below as written."""
+    """--help with every flag's default (a switch's: off; a flag of none says its own), the examples as written."""
 
     def _get_help_string(self, action):
         """The flag's help and its default."""
@@ -6369,8 +5821,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 
 
 def parameter_count(sizes: dict) -> int:
-    """A LLaMA's parameter count from its sizes (LlamaConfig field -> value; head_dim, tie_word_embeddings,
-    attention_bias and mlp_bias where given), by arithmetic: no torch, no model."""
+    """A LLaMA's parameter count from its sizes (LlamaConfig field -> value), by arithmetic: no torch, no model."""
     h, i, layers, vocab = (sizes[f] for f in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"))
     heads, kv_heads = sizes["num_attention_heads"], sizes["num_key_value_heads"]
     head_dim = sizes.get("head_dim") or h // heads
@@ -6397,31 +5848,22 @@ def size_text(nbytes: float) -> str:
     return "1 byte" if nbytes == 1 else f"{nbytes:.0f} bytes"
 
 
-def preset_help() -> str:
-    """--preset's help: each preset's layers, hidden size and parameters."""
-    described = [
-        f"{name}: {s['num_hidden_layers']} layers, hidden {s['hidden_size']}, vocabulary {s['vocab_size']}, "
-        f"{count_text(parameter_count(s))} parameters"
-        for name, s in PRESETS.items()
-    ]
-    return "a random model's sizes; " + "; ".join(described) + f" (default: {RunConfig.preset})"
-
-
 def add_run_flags(p: argparse.ArgumentParser) -> None:
     """The model, the batch, the timing, what stays on the GPU, and the outputs."""
     modes = "gpu: resident; cpu; blocked: copy each layer, then run it; overlapped: copy ahead; all; or a list: gpu,cpu"
     p.add_argument("--mode", default="all", help=modes)
-    p.add_argument("--preset", choices=tuple(PRESETS), help=preset_help())
+    presets = [  # each preset's layers, hidden size and parameters
+        f"{name}: {s['num_hidden_layers']} layers, hidden {s['hidden_size']}, vocabulary {s['vocab_size']}, "
+        f"{count_text(parameter_count(s))} parameters"
+        for name, s in PRESETS.items()
+    ]
+    presets = "a random model's sizes; " + "; ".join(presets) + f" (default: {RunConfig.preset})"
+    p.add_argument("--preset", choices=tuple(PRESETS), help=presets)
     model = "load a save_pretrained LLaMA folder instead of building a random model (default: none, the preset)"
     p.add_argument("--model", metavar="DIR", help=model)
     for field, flag in SIZE_FLAGS.items():
-        p.add_argument(
-            f"--{flag}",
-            type=int,
-            dest=field,
-            metavar="N",
-            help=f"override the preset's {field} (default: the preset's)",
-        )
+        size = f"override the preset's {field} (default: the preset's)"
+        p.add_argument(f"--{flag}", type=int, dest=field, metavar="N", help=size)
     dtype = "compute dtype; masters and Adam state stay float32 (default: bfloat16, float16 on a GPU without it)"
     p.add_argument("--dtype", choices=DTYPE_NAMES, help=dtype)
     attention = "sdpa: flash, backward not bitwise reproducible; eager: reproducible, memory quadratic in --seq-len"
@@ -6469,11 +5911,8 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     share += f"in (embeddings, first layers, head), the CPU Adam the rest (default: {GPU_ADAM_SHARE} where the plan "
     share += "predicts the host bounds the step, else 0; 0 in float16 or with --clip-grad-norm)"
     t.add_argument("--gpu-adam-share", type=float, metavar="F", help=share)
-    nvme = (
-        "offloaded: a folder on a local disk for the Adam moments of the layers the host cannot hold (freed at exit; "
-    )
-    nvme += "default: none, the host holds them)"
-    t.add_argument("--nvme", metavar="DIR", help=nvme)
+    nvme = "offloaded: a folder on a local disk for the Adam moments of the layers the host cannot hold (freed at exit;"
+    t.add_argument("--nvme", metavar="DIR", help=f"{nvme} default: none, the host holds them)")
     layers = "with --nvme: the last N decoder layers' Adam moments on the disk (default: the host plan's count)"
     t.add_argument("--nvme-layers", type=int, metavar="N", help=layers)
 
@@ -6499,51 +5938,22 @@ def add_data_flags(p: argparse.ArgumentParser) -> None:
     d.add_argument("--eval-every", type=int, metavar="N", help=every)
     sample = "continue PROMPT before training and after (repeat the flag for more prompts)"
     d.add_argument("--sample", action="append", default=[], metavar="PROMPT", help=sample)
-    d.add_argument(
-        "--sample-tokens", type=int, default=RunConfig.sample_tokens, metavar="N", help="tokens a sample adds"
-    )
+    adds = "tokens a sample adds"
+    d.add_argument("--sample-tokens", type=int, default=RunConfig.sample_tokens, metavar="N", help=adds)
     d.add_argument("--temperature", type=float, default=RunConfig.temperature, help="samples drawn at it; 0: greedy")
     d.add_argument("--top-k", type=int, metavar="K", help="samples drawn from the K likeliest tokens (default: all)")
-
-
-def check_data_flags(p: Parser, a: argparse.Namespace) -> None:
-    """Text flags out of range: one line, exit 2."""
-    if any(not prompt for prompt in a.sample):
-        p.error("--sample needs a prompt: an empty one has nothing to continue")
-    for prompt in a.sample:  # a byte that is not UTF-8 comes from argv as a lone surrogate, which no tokenizer takes
-        if not_utf8(prompt):
-            p.error(f"--sample {prompt!r} holds bytes that are not UTF-8: give the prompt in UTF-8")
-    if a.train_tokenizer is not None and a.train_tokenizer < 257:
-        p.error(f"--train-tokenizer must be at least 257 (256 bytes, the end-of-text token), got {a.train_tokenizer}")
-    if not 0 < a.eval_fraction < 1:
-        p.error(f"--eval-fraction must be between 0 and 1, got {a.eval_fraction}")
-    if a.epochs is not None and not (math.isfinite(a.epochs) and a.epochs > 0):
-        p.error(f"--epochs must be a positive number, got {a.epochs}")
-    for flag in ("eval_every", "sample_tokens", "top_k"):
-        if getattr(a, flag) is not None and getattr(a, flag) < 1:
-            p.error(f"--{flag.replace('_', '-')} must be at least 1")
-    if not (math.isfinite(a.temperature) and a.temperature >= 0):
-        p.error(f"--temperature must be 0 (greedy) or more, got {a.temperature}")
 
 
 def add_saving_flags(p: argparse.ArgumentParser) -> None:
     """What training leaves behind, and where it goes on from."""
     s = p.add_argument_group("saving and resuming (--train)")
-    s.add_argument(
-        "--save-pretrained",
-        metavar="DIR",
-        help="after training, the float32 weights as a HF model folder (default: none)",
-    )
+    weights = "after training, the float32 weights as a HF model folder (default: none)"
+    s.add_argument("--save-pretrained", metavar="DIR", help=weights)
     s.add_argument("--checkpoint", metavar="DIR", help="the whole training state, after the last step (default: none)")
-    s.add_argument(
-        "--checkpoint-every",
-        type=int,
-        metavar="N",
-        help="also after every N steps, counted from the first (default: the last step only)",
-    )
-    s.add_argument(
-        "--resume", metavar="DIR", help="go on from a --checkpoint folder for --steps more steps (default: none)"
-    )
+    every = "also after every N steps, counted from the first (default: the last step only)"
+    s.add_argument("--checkpoint-every", type=int, metavar="N", help=every)
+    resume = "go on from a --checkpoint folder for --steps more steps (default: none)"
+    s.add_argument("--resume", metavar="DIR", help=resume)
 
 
 def add_plan_flags(p: argparse.ArgumentParser) -> None:
@@ -6572,54 +5982,76 @@ def rate_flag(text: str) -> tuple[str, float]:
     except ValueError:
         number = math.nan
     if name not in DEFAULT_RATES or not 1e-3 <= number <= 1e6:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: give NAME=VALUE, NAME one of {', '.join(DEFAULT_RATES)}, VALUE from 0.001 to 1e6"
-        )
+        rates = ", ".join(DEFAULT_RATES)
+        raise argparse.ArgumentTypeError(f"{text!r}: give NAME=VALUE, NAME one of {rates}, VALUE from 0.001 to 1e6")
     return name, number
 
 
-def check_ranges(p: Parser, a: argparse.Namespace) -> None:
-    """Flags out of range: one line, exit 2."""
+def positive(value: float) -> bool:
+    """Whether `value` is a finite number above 0."""
+    return math.isfinite(value) and value > 0
+
+
+ADAM_RANGES = "Adam needs --lr > 0, --eps > 0, --weight-decay >= 0 and betas in [0, 1), all finite"
+RANGES = (  # (argparse dests, whether a value given is in range, the refusal), checked in this order
+    (("batch_size", "seq_len", "repeat", "steps", "grad_accum"), lambda v: v >= 1, "{flag} must be at least 1"),
+    (("prefetch",), lambda v: v >= 1, "{flag} must be at least 1 (blocked mode is prefetch 0)"),
+    (("warmup", "resident_layers", "nvme_layers"), lambda v: v >= 0, "{flag} must be at least 0"),
+    (("checkpoint_every",), lambda v: v >= 1, "{flag} must be at least 1"),
+    (("lr", "eps"), positive, ADAM_RANGES),
+    (("weight_decay",), lambda v: math.isfinite(v) and v >= 0, ADAM_RANGES),
+    (("betas",), lambda v: all(0 <= b < 1 for b in v), ADAM_RANGES),
+    (("max_gpu_memory", "max_host_memory"), positive, "{flag} must be a positive number of GiB, got {value}"),
+    (("gpu_memory", "host_memory"), positive, "{flag} must be a positive number of GiB, got {value}"),
+    (("rank_timeout",), positive, "{flag} must be a positive number of seconds, got {value}"),
+    (("gpus",), lambda v: v >= 1, "{flag} must be at least 1, got {value}"),
+    (("gpu_memory",), lambda v: v <= 2**20, f"{{flag}} must be at most {2**20:,}, got {{value:g}}"),
+    (("host_memory",), lambda v: v <= 2**30, f"{{flag}} must be at most {2**30:,}, got {{value:g}}"),
+    (("gpus",), lambda v: v <= 2**16, f"{{flag}} must be at most {2**16:,}, got {{value:g}}"),
+    (("rank_timeout",), lambda v: v >= 1, "{flag} must be at least 1 second, got {value:g}"),
+    (("gpu_adam_share",), lambda v: 0 <= v <= 1, "{flag} must be between 0 and 1, got {value}"),
+    (("seed",), lambda v: 0 <= v <= MAX_SEED, f"{{flag}} must be between 0 and {MAX_SEED}, got {{value}}"),
+)
+TEXT_RANGES = (  # the same for the text flags, checked after the flags that do not go together
+    (
+        ("train_tokenizer",),
+        lambda v: v >= 257,
+        "{flag} must be at least 257 (256 bytes, the end-of-text token), got {value}",
+    ),
+    (("eval_fraction",), lambda v: 0 < v < 1, "{flag} must be between 0 and 1, got {value}"),
+    (("epochs",), positive, "{flag} must be a positive number, got {value}"),
+    (("eval_every", "sample_tokens", "top_k"), lambda v: v >= 1, "{flag} must be at least 1"),
+    (("temperature",), lambda v: math.isfinite(v) and v >= 0, "{flag} must be 0 (greedy) or more, got {value}"),
+)
+
+
+def check_ranges(p: Parser, a: argparse.Namespace, rows=RANGES) -> None:
+    """Each flag given outside its range (a row of `rows`): one line, exit 2."""
+    for dests, in_range, refusal in rows:
+        for dest in dests:
+            if getattr(a, dest) is not None and not in_range(getattr(a, dest)):
+                p.error(refusal.format(flag=flag_name(dest), value=getattr(a, dest)))
+
+
+def check_values(p: Parser, a: argparse.Namespace) -> None:
+    """Flags out of range, or whose values do not go together: the first rule broken, as one line, exit 2."""
     if a.mode != "all" and not set(a.mode.split(",")) <= set(MODES):
         p.error(f"argument --mode: {a.mode!r}: choose all, or one or more of {', '.join(MODES)} with commas")
-    least = dict(batch_size=1, seq_len=1, repeat=1, steps=1, grad_accum=1, prefetch=1, warmup=0, resident_layers=0)
-    least["nvme_layers"] = 0
-    least["checkpoint_every"] = 1
-    for field, low in least.items():
-        if getattr(a, field) is not None and getattr(a, field) < low:
-            hint = " (blocked mode is prefetch 0)" if field == "prefetch" else ""
-            p.error(f"--{field.replace('_', '-')} must be at least {low}{hint}")
-    adam_ok = a.lr > 0 and a.eps > 0 and a.weight_decay >= 0 and all(0 <= b < 1 for b in a.betas)
-    if not all(map(math.isfinite, (a.lr, a.eps, a.weight_decay))) or not adam_ok:
-        p.error("Adam needs --lr > 0, --eps > 0, --weight-decay >= 0 and betas in [0, 1), all finite")
-    for flag in ("max_gpu_memory", "max_host_memory", "gpu_memory", "host_memory", "rank_timeout"):
-        value = getattr(a, flag)
-        if value is not None and not (math.isfinite(value) and value > 0):
-            unit = "seconds" if flag == "rank_timeout" else "GiB"
-            p.error(f"--{flag.replace('_', '-')} must be a positive number of {unit}, got {value}")
-    if a.gpus is not None and a.gpus < 1:
-        p.error(f"--gpus must be at least 1, got {a.gpus}")
-    for flag, most in (("gpu_memory", 2**20), ("host_memory", 2**30), ("gpus", 2**16)):
-        if (getattr(a, flag) or 0) > most:
-            p.error(f"--{flag.replace('_', '-')} must be at most {most:,}, got {getattr(a, flag):g}")
-    if a.rank_timeout is not None and a.rank_timeout < 1:
-        p.error(f"--rank-timeout must be at least 1 second, got {a.rank_timeout:g}")
-    if a.gpu_adam_share is not None and not 0 <= a.gpu_adam_share <= 1:
-        p.error(f"--gpu-adam-share must be between 0 and 1, got {a.gpu_adam_share}")
-    if not 0 <= a.seed <= MAX_SEED:
-        p.error(f"--seed must be between 0 and {MAX_SEED}, got {a.seed}")
-
-
-def check_combinations(p: Parser, a: argparse.Namespace) -> None:
-    """Values that do not go together: one line, exit 2."""
+    check_ranges(p, a)
     if a.gpu_adam_share and a.dtype == "float16":
         p.error("--gpu-adam-share must be 0 in float16: its loss scale must see every gradient before any unit steps")
-    if a.clip_grad_norm is not None and not (math.isfinite(a.clip_grad_norm) and a.clip_grad_norm > 0):
+    if a.clip_grad_norm is not None and not positive(a.clip_grad_norm):
         p.error(f"--clip-grad-norm must be a positive number, got {a.clip_grad_norm}")
     if a.gpu_adam_share and a.clip_grad_norm is not None:
         p.error("--gpu-adam-share must be 0 with --clip-grad-norm: the norm must see every gradient before any step")
     if a.train and a.seq_len == 1:
         p.error("--seq-len must be at least 2 with --train: each token is trained to predict the next")
+    if any(not prompt for prompt in a.sample):
+        p.error("--sample needs a prompt: an empty one has nothing to continue")
+    for prompt in a.sample:  # a byte that is not UTF-8 comes from argv as a lone surrogate, which no tokenizer takes
+        if not_utf8(prompt):
+            p.error(f"--sample {prompt!r} holds bytes that are not UTF-8: give the prompt in UTF-8")
+    check_ranges(p, a, TEXT_RANGES)
 
 
 def offloaded(modes) -> bool:
@@ -6630,12 +6062,8 @@ def offloaded(modes) -> bool:
 TRAINING_FLAGS = ("steps", "grad_accum", "inference", "fwd_bwd_reference", "lr", "betas", "eps", "weight_decay")
 TRAINING_FLAGS += ("clip_grad_norm", "offload_activations", "gpu_adam_share", "nvme", "data", "sample")
 TRAINING_FLAGS += ("save_pretrained", "checkpoint", "resume")
-
-
 DATA_FLAGS = ("data_glob", "text_field", "skip_undecodable", "train_tokenizer", "data_cache", "eval_fraction")
 DATA_FLAGS += ("epochs", "eval_every")
-
-
 FLAG_NEEDS = (  # flags (argparse dests), what they need to do anything, how to give it, whether the run has it
     (TRAINING_FLAGS, ("--train", "add --train", lambda a, modes: a.train)),
     (
@@ -6667,12 +6095,21 @@ FLAG_NEEDS = (  # flags (argparse dests), what they need to do anything, how to 
     (("sample_tokens", "temperature"), ("--sample PROMPT", "add --sample PROMPT", lambda a, modes: a.sample)),
     (("top_k",), ("--temperature above 0", "add --temperature T", lambda a, modes: a.temperature)),
 )
-
-
 FLAG_CLASHES = (  # flags (argparse dests) that cannot be given together, and why
     (("epochs", "steps"), "--epochs sets the number of steps"),
     (("tokenizer", "train_tokenizer"), "a tokenizer is given or trained, not both"),
 )
+ONE_GPU_FLAGS = {  # what several ranks do not do yet: flag -> whether the command line asks for it
+    "--resident-layers": lambda a: a.resident_layers is not None,
+    "--profile": lambda a: a.profile is not None,
+    "--fwd-bwd-reference": lambda a: a.fwd_bwd_reference,
+}
+RANK_VARIABLES = {  # torchrun's variables: each one's least value, and the variable it must stay under
+    "WORLD_SIZE": (1, None),
+    "RANK": (0, "WORLD_SIZE"),
+    "LOCAL_WORLD_SIZE": (1, None),
+    "LOCAL_RANK": (0, "LOCAL_WORLD_SIZE"),
+}
 
 
 def data_may_hold_jsonl(data: str) -> bool:
@@ -6686,9 +6123,8 @@ def flag_name(dest: str) -> str:
 
 
 class GivenFlags(argparse.Namespace):
-    """A namespace that records the dests the command line sets. argparse puts a default only where the namespace has
-    no value yet, so with every dest filled beforehand each value set while parsing is a flag given, whether or not
-    it equals the default."""
+    """A namespace that records each dest the command line sets, default or not: argparse puts a default only where
+    a dest has no value yet, and every dest is filled beforehand."""
 
     def __init__(self, dests):
         super().__init__(**{dest: [] for dest in dests})  # a fresh value, never a default (which argparse converts)
@@ -6701,14 +6137,8 @@ class GivenFlags(argparse.Namespace):
         super().__setattr__(name, value)
 
 
-def flags_given(p: Parser, a: argparse.Namespace, argv) -> set[str]:
-    """The dests of the flags on the command line `argv` that parsed into `a`."""
-    return p.parse_args(argv, GivenFlags(vars(a))).given
-
-
 def check_flags_needed(p: Parser, a: argparse.Namespace, given: set[str]) -> None:
-    """A flag that does nothing in the run asked for is refused, by one table (FLAG_NEEDS, FLAG_CLASHES): one line
-    that says what it needs, exit 2."""
+    """A flag given that does nothing in this run (FLAG_NEEDS), or beside one it clashes with: one line, exit 2."""
     modes = MODES if a.mode == "all" else a.mode.split(",")
     for flags, (need, add, has) in FLAG_NEEDS:
         for dest in (d for d in flags if d in given):
@@ -6719,52 +6149,30 @@ def check_flags_needed(p: Parser, a: argparse.Namespace, given: set[str]) -> Non
             p.error(f"{flag_name(first)} and {flag_name(second)}: {why}: give one")
 
 
-ONE_GPU_FLAGS = {  # what several ranks do not do yet: flag -> whether the command line asks for it
-    "--resident-layers": lambda a: a.resident_layers is not None,
-    "--profile": lambda a: a.profile is not None,
-    "--fwd-bwd-reference": lambda a: a.fwd_bwd_reference,
-}
-
-
-RANK_VARIABLES = {  # torchrun's variables: each one's least value, and the variable it must stay under
-    "WORLD_SIZE": (1, None),
-    "RANK": (0, "WORLD_SIZE"),
-    "LOCAL_WORLD_SIZE": (1, None),
-    "LOCAL_RANK": (0, "LOCAL_WORLD_SIZE"),
-}
-
-
 def rank_environment(p: Parser) -> Ranks:
-    """The ranks torchrun describes in the environment, checked: whole numbers, ranks below their world sizes, the
-    host's ranks at most the world's; else one line, exit 2. Without WORLD_SIZE, one process (the others ignored)."""
+    """The ranks torchrun describes in the environment, checked (else one line, exit 2); no WORLD_SIZE: one process."""
     env = os.environ
     if "WORLD_SIZE" not in env:
         return Ranks()
     values = {name: env[name] for name in RANK_VARIABLES if name in env}
     values.setdefault("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])
-    numbers = {}
+    numbers = {"RANK": 0, "LOCAL_RANK": 0}
     for name, text in values.items():
         if not (text.strip().isascii() and text.strip().isdigit()):
             p.error(f"the environment's {name}={text!r} is not a count (0, 1, 2, ...): set it as torchrun does")
         numbers[name] = int(text)
-    numbers.setdefault("RANK", 0)
-    numbers.setdefault("LOCAL_RANK", 0)
     for name, (least, below) in RANK_VARIABLES.items():
         if numbers[name] < least or (below and numbers[name] >= numbers[below]):
-            bound = f" and below {below}={numbers[below]}" if below else ""
-            p.error(
-                f"the environment's {name}={numbers[name]} must be at least {least}{bound}: set it as torchrun does"
-            )
+            bound = f"at least {least}" + (f" and below {below}={numbers[below]}" if below else "")
+            p.error(f"the environment's {name}={numbers[name]} must be {bound}: set it as torchrun does")
     if numbers["LOCAL_WORLD_SIZE"] > numbers["WORLD_SIZE"]:
         local = numbers["LOCAL_WORLD_SIZE"]
         p.error(f"the environment's LOCAL_WORLD_SIZE={local} exceeds WORLD_SIZE: set both as torchrun does")
     return Ranks.from_environment()
 
 
-def check_rank_flags(p: Parser, a: argparse.Namespace, world: int, who: str = "torchrun started") -> None:
-    """Under torchrun (world ranks; or planned for with --gpus): an offloaded mode's inference, each rank copying its
-    shard of every layer, and its data-parallel training, the step's micro-batches split evenly; what runs on one GPU
-    only is refused. One line, exit 2, before torch loads."""
+def check_rank_flags(p: Parser, a: argparse.Namespace, world: int) -> None:
+    """Under `world` ranks (torchrun's, or --plan's --gpus): offloaded modes, even micro-batches, no one-GPU flags."""
     if world == 1:
         return
     modes = MODES if a.mode == "all" else a.mode.split(",")
@@ -6779,50 +6187,29 @@ def check_rank_flags(p: Parser, a: argparse.Namespace, world: int, who: str = "t
 
 
 def command_line(argv=None) -> RunConfig:
-    """The command line as a RunConfig, its dtype None unless given (parse_args asks the GPU); flags out of range or
-    that do not go together end with one line and exit 2. Needs neither torch nor transformers."""
+    """The command line as a RunConfig, its dtype None unless given (parse_args asks the GPU); bad flags: exit 2."""
     p = Parser()
-    add_run_flags(p)
-    add_training_flags(p)
-    add_data_flags(p)
-    add_saving_flags(p)
-    add_plan_flags(p)
+    for add in (add_run_flags, add_training_flags, add_data_flags, add_saving_flags, add_plan_flags):
+        add(p)
     a = p.parse_args(argv)
-    check_ranges(p, a)
-    check_combinations(p, a)
-    check_data_flags(p, a)
-    check_flags_needed(p, a, flags_given(p, a, argv))
-    check_rank_flags(p, a, rank_environment(p).world)
-    if a.plan and rank_environment(p).several:  # each rank would print a plan, made apart
+    check_values(p, a)
+    check_flags_needed(p, a, p.parse_args(argv, GivenFlags(vars(a))).given)
+    ranks = rank_environment(p)
+    check_rank_flags(p, a, ranks.world)
+    if a.plan and ranks.several:  # each rank would print a plan, made apart
         p.error("--plan describes a run without starting one: run it once, without torchrun (--gpus N plans N ranks)")
-    check_rank_flags(p, a, a.gpus or 1, who="--plan's --gpus describes")
+    check_rank_flags(p, a, a.gpus or 1)
     a.sizes = tuple((f, getattr(a, f)) for f in SIZE_FLAGS if getattr(a, f) is not None)
     if a.model is not None and (a.sizes or a.preset is not None):
         given = [f"--{SIZE_FLAGS[f]}" for f, _ in a.sizes] + ["--preset"] * (a.preset is not None)
         p.error(f"--model {a.model} brings its own sizes: drop {', '.join(given)}, or drop --model")
     a.preset = a.preset or RunConfig.preset
-    a.betas = tuple(a.betas)
-    a.sample = tuple(a.sample)
-    a.rates = tuple(a.rates)
-    return RunConfig(
-        **{field.name: getattr(a, field.name) for field in dataclasses.fields(RunConfig) if hasattr(a, field.name)}
-    )
-
-
-def check_command_line(argv=None) -> None:
-    """What can be checked before torch and transformers load (check_run); bad input ends with one line and exit 2."""
-    run = command_line(argv)
-    try:
-        check_run(run)
-    except UsageError as e:
-        print_error(str(e))
-        sys.exit(2)
+    a.betas, a.sample, a.rates = tuple(a.betas), tuple(a.sample), tuple(a.rates)
+    return RunConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(RunConfig) if hasattr(a, f.name)})
 
 
 def check_run(run: RunConfig) -> None:
-    """Everything about the run that needs neither torch nor a model: the inputs can be read, the outputs written
-    without touching an input, the model's sizes (the preset's and flags', or --model's config.json) are a LLaMA's
-    that the host can hold, and --sample's tokens fit its positions."""
+    """Everything about the run that needs neither torch nor a model: its inputs, outputs, sizes and host memory."""
     named = {"--model": run.model, "--tokenizer": run.tokenizer, "--resume": run.resume} | output_paths(run)
     for flag, path in named.items():  # --json, --save-output, --nvme and --data are Python's own to open: any bytes
         if flag in LIBRARY_PATHS and path and not_utf8(path):
@@ -6843,17 +6230,28 @@ def check_run(run: RunConfig) -> None:
 
 
 LIBRARY_PATHS = ("--model", "--tokenizer", "--resume", "--checkpoint", "--save-pretrained", "--data-cache", "--profile")
+FILE_OUTPUTS = ("--json", "--save-output", "--profile", "--profile's training trace")
+ASIDE_CHARS = 18  # the most a name grows aside: .NAME.PID.tmp (write_atomically), .NAME.XXXXXXXX.tmp.old (folders)
+TOKENIZER_FILE = r"tokenizer(_config)?\.json|tokenizer\.model|special_tokens_map\.json|added_tokens\.json"
+TOKENIZER_FILE += r"|chat_template\.jinja|vocab\.json|merges\.txt"  # what a tokenizer's save_pretrained writes
+SAVED_MODEL_FILE = re.compile(  # what save_pretrained writes, each a regular file
+    rf"config\.json|generation_config\.json|model(-\d{{5}}-of-\d{{5}})?\.safetensors|model\.safetensors\.index\.json"
+    rf"|{TOKENIZER_FILE}"
+)
+UNIT_FILE = r"unit\d+(\.rank\d+of\d+)?\.step\d+\.pt"  # a unit's state in a checkpoint (checkpoint_files)
+WRITTEN_FILE = re.compile(  # what a checkpoint write makes in its folder, each a regular file; its tokenizer's too
+    rf"{UNIT_FILE}|\.{UNIT_FILE}\.\d+\.tmp|\.{re.escape(CHECKPOINT_FILE)}\.\d+\.tmp|{TOKENIZER_FILE}"
+)
+WRITTEN_FOLDER = re.compile(r"\.tokenizer\.[a-z0-9_]{8}\.tmp")  # the tokenizer written aside (folder_aside)
 
 
 def not_utf8(text: str) -> bool:
-    """Whether `text` (a command line's, where Python decodes a byte that is not UTF-8 as a lone surrogate) holds a
-    character UTF-8 cannot encode."""
+    """Whether `text` (from argv, where a byte that is not UTF-8 is a lone surrogate) holds what UTF-8 cannot encode."""
     return any(0xD800 <= ord(c) <= 0xDFFF for c in text)
 
 
 def check_tokenizer_at_hand(run: RunConfig) -> None:
-    """Text in (--data) or out (--sample) needs a tokenizer: --tokenizer's, one trained on --data (--train-tokenizer),
-    with --data the --resume checkpoint's, or --model's where its folder has one; else one line, before torch loads."""
+    """Text in (--data) or out (--sample) has a tokenizer: given, to train, the resumed checkpoint's or --model's."""
     if run.tokenizer and not has_tokenizer(run.tokenizer):
         raise UsageError(f"--tokenizer {run.tokenizer}: no tokenizer.json, tokenizer.model or vocab.json there")
     if run.tokenizer or has_tokenizer(run.model) or not (run.data or run.sample):
@@ -6866,8 +6264,7 @@ def check_tokenizer_at_hand(run: RunConfig) -> None:
 
 
 def resumes_with_tokenizer(run: RunConfig) -> bool:
-    """Whether the --resume checkpoint's record names a tokenizer it trained with (an unreadable record: no; resume
-    says what is wrong with it)."""
+    """Whether the --resume checkpoint's record names a tokenizer (an unreadable record: no; resume refuses it)."""
     if run.resume is None:
         return False
     try:
@@ -6884,15 +6281,14 @@ def has_tokenizer(folder: str | None) -> bool:
 
 
 def path_kind(path: Path, flag: str = "") -> str | None:
-    """What is at `path`, not following a link: 'a file', 'a folder', 'a symbolic link', ...; None where nothing is.
-    A path that cannot be looked at (a file as a folder, a folder the user cannot search) is refused, for `flag`."""
+    """What is at `path`, not following a link ('a file', 'a folder', 'a FIFO', ...; None: nothing); else refused."""
     if not str(path):
         raise UsageError(f"{flag} is empty: give a path")
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
         return None
-    except OSError as e:
+    except OSError as e:  # a file as a folder, a folder the user cannot search
         raise UsageError(f"{flag} {path} cannot be looked at ({e.strerror})".strip()) from None
     kinds = ((stat.S_ISREG, "a file"), (stat.S_ISDIR, "a folder"), (stat.S_ISLNK, "a symbolic link"))
     kinds += ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"))
@@ -6906,29 +6302,21 @@ def check_inputs(run: RunConfig) -> None:
     for flag, (path, folder) in inputs.items():
         if path is None:
             continue
-        target = Path(path)
         kind = path_kind(real_path(path) if path else "", flag)
         if kind is None:
             raise UsageError(f"{flag} {path}: no such {'folder' if folder else 'file or folder'}")
         if kind not in ("a file", "a folder") or (folder and kind != "a folder"):
             raise UsageError(f"{flag} {path} is {kind}: give {'a folder' if folder else 'a file or a folder'}")
         try:
-            os.listdir(target) if kind == "a folder" else open(target, "rb").close()
+            os.listdir(path) if kind == "a folder" else open(path, "rb").close()
         except OSError as e:
             raise UsageError(f"{flag} {path} cannot be read ({e.strerror}): give one you can read") from None
     if run.model is not None:
         model_type(Path(run.model))
-    check_data_glob(run.data_glob)
-
-
-def check_data_glob(globs: str) -> None:
-    """--data-glob's patterns name files inside the --data folder: none absolute, none climbing out with '..'."""
-    patterns = [pattern.strip() for pattern in globs.split(",") if pattern.strip()]
+    patterns = [pattern.strip() for pattern in run.data_glob.split(",") if pattern.strip()]  # none leaves --data
     if not patterns or any(Path(p).is_absolute() or ".." in Path(p).parts for p in patterns):
-        raise UsageError(f"--data-glob '{globs}': give patterns relative to the --data folder, such as *.txt,*.jsonl")
-
-
-FILE_OUTPUTS = ("--json", "--save-output", "--profile", "--profile's training trace")
+        why = "give patterns relative to the --data folder, such as *.txt,*.jsonl"
+        raise UsageError(f"--data-glob '{run.data_glob}': {why}")
 
 
 def output_paths(run: RunConfig) -> dict[str, str]:
@@ -6943,17 +6331,14 @@ def output_paths(run: RunConfig) -> dict[str, str]:
 
 
 def check_outputs(run: RunConfig) -> None:
-    """Every file and folder the run will write can be written, and replaces nothing that is not an output: refused
-    now rather than after a run of many minutes. An existing output is a file (a folder for the folders), never a
-    link, FIFO, socket or device that writing would replace; --save-pretrained, replaced whole, holds nothing but a
-    saved model's files."""
+    """Every output can be written now, not after the run, and replaces nothing but an output of the same kind."""
     outputs = output_paths(run)
     for flag, path in outputs.items():
         kind, want = path_kind(Path(path) if path else "", flag), "a file" if flag in FILE_OUTPUTS else "a folder"
         linked_folder = kind == "a symbolic link" and flag != "--save-pretrained" and Path(path).is_dir()
         if kind in ("a file", "a folder") and kind != want:
             raise UsageError(f"{flag} {path} is {kind}: give {'a folder' if want == 'a folder' else 'a file name'}")
-        if kind not in (None, want) and not (want == "a folder" and linked_folder):
+        if kind not in (None, want) and not (want == "a folder" and linked_folder):  # a link, FIFO, socket, device
             raise UsageError(f"{flag} {path} is {kind}, which the run would replace: give the path of {want}")
         if want == "a file" and path.endswith(os.sep):
             raise UsageError(f"{flag} {path} ends with {os.sep}: give a file name")
@@ -6970,19 +6355,8 @@ def check_outputs(run: RunConfig) -> None:
         check_checkpoint_folder(mode_folder(run.checkpoint, run, mode))
 
 
-TOKENIZER_FILE = r"tokenizer(_config)?\.json|tokenizer\.model|special_tokens_map\.json|added_tokens\.json"
-TOKENIZER_FILE += r"|chat_template\.jinja|vocab\.json|merges\.txt"  # what a tokenizer's save_pretrained writes
-
-
-SAVED_MODEL_FILE = re.compile(  # what save_pretrained writes, each a regular file
-    rf"config\.json|generation_config\.json|model(-\d{{5}}-of-\d{{5}})?\.safetensors|model\.safetensors\.index\.json"
-    rf"|{TOKENIZER_FILE}"
-)
-
-
 def foreign_entry(folder: Path, own) -> str | None:
-    """The first entry of the output folder `folder` (by name) that own(path) says no write of the run's leaves there,
-    as its name and kind ('notes (a folder)'); None where every entry is the run's own (or there is no folder)."""
+    """The first entry of `folder` (by name) that is not own(path), as 'notes (a folder)'; None where there is none."""
     if path_kind(folder) != "a folder":
         return None
     path = next((p for p in sorted(folder.iterdir()) if not own(p)), None)
@@ -6990,8 +6364,7 @@ def foreign_entry(folder: Path, own) -> str | None:
 
 
 def check_saved_model_folder(folder: Path) -> None:
-    """A --save-pretrained folder that exists holds only the regular files save_pretrained writes: it is replaced
-    whole; a mode's folder inside it is a folder, if anything."""
+    """A --save-pretrained folder, replaced whole, holds only the regular files save_pretrained writes, if anything."""
     if path_kind(folder) not in (None, "a folder"):
         raise UsageError(f"--save-pretrained {folder} is {path_kind(folder)}, which the run would replace")
     other = foreign_entry(folder, lambda p: path_kind(p) == "a file" and SAVED_MODEL_FILE.fullmatch(p.name))
@@ -7000,20 +6373,8 @@ def check_saved_model_folder(folder: Path) -> None:
         raise UsageError(f"--save-pretrained {folder} holds {what}: the folder is replaced whole, so give a new one")
 
 
-UNIT_FILE = r"unit\d+(\.rank\d+of\d+)?\.step\d+\.pt"  # a unit's state in a checkpoint (checkpoint_files)
-
-
-WRITTEN_FILE = re.compile(  # what a checkpoint write makes in its folder, each a regular file; its tokenizer's too
-    rf"{UNIT_FILE}|\.{UNIT_FILE}\.\d+\.tmp|\.{re.escape(CHECKPOINT_FILE)}\.\d+\.tmp|{TOKENIZER_FILE}"
-)
-
-
-WRITTEN_FOLDER = re.compile(r"\.tokenizer\.[a-z0-9_]{8}\.tmp")  # the tokenizer written aside (folder_aside)
-
-
 def written_by_checkpoint(path: Path) -> bool:
-    """Whether `path`, in a checkpoint's folder, is of a kind a checkpoint write makes there: a regular file named as
-    its files are, or its tokenizer's folder aside; never a link."""
+    """Whether `path` in a checkpoint's folder is what a checkpoint write makes: a file of its names, never a link."""
     if path.is_symlink():
         return False
     if path.is_dir():
@@ -7022,10 +6383,8 @@ def written_by_checkpoint(path: Path) -> bool:
 
 
 def check_checkpoint_folder(folder: Path) -> None:
-    """A --checkpoint folder that exists holds nothing but what checkpoint writes make (the record a regular file):
-    it is empty, holds a checkpoint, or holds only what a first write killed before its record left (its unit files
-    among them; the next write replaces them). Writing one removes the files of its kind that the record does not
-    name, and replaces those of its names: in another folder they could be the user's."""
+    """A --checkpoint folder holds only what checkpoint writes make (a write replaces files of its names, which in
+    another folder could be the user's): nothing, a checkpoint, or the unit files of a first write cut short."""
     if path_kind(folder) not in (None, "a folder"):
         raise UsageError(f"--checkpoint {folder} is {path_kind(folder)}: give a folder")
     record = path_kind(folder / CHECKPOINT_FILE) == "a file"
@@ -7040,15 +6399,12 @@ def check_checkpoint_folder(folder: Path) -> None:
 
 
 def check_no_clash(run: RunConfig, outputs: dict[str, str]) -> None:
-    """No output is, or lies inside, an input (but --checkpoint X --resume X, which goes on from X), however it is
-    reached (a link, a hard link, a bind mount); --save-pretrained, replaced whole, holds none; no output is, or lies
-    inside, another."""
+    """No output is, holds (--save-pretrained) or lies inside an input, however reached (links, hard links, bind
+    mounts), nor is or nests in another output; --checkpoint X --resume X goes on from X."""
     given = {"--data": run.data, "--model": run.model, "--tokenizer": run.tokenizer, "--resume": run.resume}
     inputs = [(flag, f"{flag} {real_path(path)}", real_path(path)) for flag, path in given.items() if path is not None]
     for flag, path in given.items():  # and what a link inside an input folder reaches, which the run reads too
-        inputs += [
-            (flag, f"{real_path(link)}, which {flag} reads through {link}", real_path(link)) for link in links(path)
-        ]
+        inputs += [(flag, f"{real_path(ln)}, which {flag} reads through {ln}", real_path(ln)) for ln in links(path)]
     inputs.append(("the script", "the script", real_path(__file__)))
     seen = {}
     for flag, path in outputs.items():
@@ -7069,8 +6425,7 @@ def check_no_clash(run: RunConfig, outputs: dict[str, str]) -> None:
 
 
 def links(path) -> list[Path]:
-    """The links inside the folder `path` (none for a file), not followed: what they reach is read as an input too,
-    wherever it is (a Hugging Face cache's snapshot links its files into blobs/)."""
+    """The links inside the folder `path`, not followed: what they reach is an input too (a Hugging Face cache's)."""
     if path is None or not os.path.isdir(path):
         return []
     found, folders = [], [path]
@@ -7088,8 +6443,7 @@ def links(path) -> list[Path]:
 
 
 def same_place(a: Path, b: Path) -> bool:
-    """Whether real paths `a` and `b` reach one file or folder: the same path, or one device and inode (a hard link
-    to a file, a bind mount of a folder)."""
+    """Whether real paths `a` and `b` reach one file or folder: one path, or one device and inode (hard link, mount)."""
     return a == b or (identity(a) is not None and identity(a) == identity(b))
 
 
@@ -7119,8 +6473,7 @@ def train_trace_path(path: str) -> str:
 
 
 def mode_folder(path: str, run: RunConfig, mode: str) -> Path:
-    """A mode's folder for --save-pretrained, --checkpoint or --resume: the folder given, or when several modes train,
-    its subfolder named after the mode."""
+    """A mode's --save-pretrained, --checkpoint or --resume folder: the one given, or for several modes its `mode`."""
     return Path(path) / mode if len(run.modes) > 1 else Path(path)
 
 
@@ -7132,8 +6485,7 @@ def data_cache_folder(run: RunConfig) -> Path:
 
 
 def check_writable(flag: str, path: str, folder: Path, make: bool = False) -> None:
-    """A file can be created in `folder`; make: the folder is made when written, so a missing one's parent must take
-    it (nothing is made now: a run refused later leaves no empty folder)."""
+    """A file can be created in `folder`, or with make, where it is missing, in its parent (nothing is made yet)."""
     if make and not folder.exists():
         folder = folder.parent
     if not folder.is_dir():
@@ -7141,17 +6493,12 @@ def check_writable(flag: str, path: str, folder: Path, make: bool = False) -> No
     try:  # the permission bits do not say whether a file can be created there (/proc, a read-only mount)
         tempfile.TemporaryFile(dir=folder).close()
     except OSError as e:
-        raise UsageError(
-            f"{flag} {path}: the folder {folder} cannot be written: no file can be created there ({e.strerror})"
-        ) from None
-
-
-ASIDE_CHARS = 18  # the most a name grows aside: .NAME.PID.tmp (write_atomically), .NAME.XXXXXXXX.tmp.old (folders)
+        why = f"no file can be created there ({e.strerror})"
+        raise UsageError(f"{flag} {path}: the folder {folder} cannot be written: {why}") from None
 
 
 def check_name_length(flag: str, path: str, aside: bool) -> None:
-    """The output's name fits its file system, with what writing it aside adds (aside); else the write would fail
-    once the run is done."""
+    """The output's name fits its file system, with what writing it aside adds: else the write fails after the run."""
     name = Path(path).name
     folder = existing(Path(path).parent)
     try:
@@ -7185,16 +6532,13 @@ def first_line(e: BaseException) -> str:
 
 
 def parse_json(text: str | bytes, finite_numbers: bool = True):
-    """JSON as the inputs must hold it: a ValueError for anything else, also where Python's json would fail with
-    another error (nesting too deep: RecursionError) or, with finite_numbers (a config or a record, not a corpus
-    line's other fields), take NaN, Infinity or 1e999."""
+    """JSON as inputs must hold it, else a ValueError: also for nesting too deep and, with finite_numbers (a config
+    or a record, not a corpus line's other fields), for NaN, Infinity or 1e999."""
 
-    def refuse(constant: str):
-        """NaN, Infinity or -Infinity, which JSON does not have."""
+    def refuse(constant: str):  # NaN, Infinity or -Infinity, which JSON does not have
         raise ValueError(f"{constant} is not a JSON number")
 
-    def finite(number: str) -> float:
-        """A JSON number as a float, where it is one: 1e999 is none."""
+    def finite(number: str) -> float:  # a JSON number as a float, where it is one: 1e999 is none
         value = float(number)
         if not math.isfinite(value):
             raise ValueError(f"{number} is beyond a float's range")
@@ -7225,8 +6569,7 @@ def read_config_json(path: Path) -> dict:
 
 
 def model_sizes(run: RunConfig) -> tuple[dict, str]:
-    """The model's sizes (LlamaConfig field -> value) and where they come from: the preset with the size flags over
-    it, or --model's config.json (where a field is missing, transformers' default)."""
+    """The model's sizes (LlamaConfig field -> value), the preset's and flags' or --model's, and where they are from."""
     if run.model is None:
         sizes = {**PRESETS[run.preset], **dict(run.sizes), "max_position_embeddings": max(4096, run.seq_len)}
         return sizes, ""
@@ -7249,27 +6592,15 @@ def model_sizes(run: RunConfig) -> tuple[dict, str]:
 
 
 SMALLER_LAYERS = "fewer or smaller layers (--layers, --hidden-size, --intermediate-size, or --preset tiny)"
-
-
-LLAMA_DEFAULTS = {  # LlamaConfig's defaults, where a config.json leaves a field out
-    **PRESETS["llama-7b"],
-    "num_key_value_heads": None,  # then the attention heads'
-    "max_position_embeddings": 2048,
-    "tie_word_embeddings": False,
-    "attention_bias": False,
-    "mlp_bias": False,
-    "head_dim": None,  # then hidden size / heads
-    "rope_theta": 10000.0,
-    "rms_norm_eps": 1e-6,
-    "pad_token_id": None,
-}
+# LlamaConfig's defaults, where a config.json leaves a field out (None: kv heads = heads, head_dim = hidden / heads)
+LLAMA_DEFAULTS = {**PRESETS["llama-7b"], "max_position_embeddings": 2048, "rope_theta": 10000.0, "rms_norm_eps": 1e-6}
+LLAMA_DEFAULTS |= dict.fromkeys(("tie_word_embeddings", "attention_bias", "mlp_bias"), False)
+LLAMA_DEFAULTS |= dict.fromkeys(("num_key_value_heads", "head_dim", "pad_token_id"))
 
 
 def check_host_holds(run: RunConfig, sizes: dict) -> None:
-    """Refuse in a moment a model whose parameters alone the host cannot hold: 4 bytes each for training (the float32
-    masters, whatever else moves to a disk), else the compute dtype's; each host's ranks hold their shares. The full
-    check, with the training state and the passes, comes with the plan (check_plan). --plan's --host-memory and --gpus
-    describe the host instead."""
+    """Refuse at once a model whose parameters alone the host cannot hold (4 bytes each to train, each rank its share;
+    the plan checks the rest: check_plan); --plan's --host-memory and --gpus describe the host instead."""
     params = parameter_count(sizes)
     per_param = 4 if run.train or run.dtype == "float32" else 2
     ranks = Ranks.from_environment() if run.gpus is None else Ranks(0, run.gpus, 0, run.gpus)
@@ -7284,10 +6615,9 @@ def check_host_holds(run: RunConfig, sizes: dict) -> None:
             fix = "fewer or shorter sequences (--batch-size, --seq-len, --grad-accum)"
         if run.max_host_memory is not None:
             fix += ", or a larger --max-host-memory"
-        raise UsageError(
-            f"{count_text(params)} parameters and {count_text(ids // 8)} token ids need at least {size_text(needed)} "
-            f"of host memory, only {size_text(available)} are available: use {fix}, or a host with more memory"
-        )
+        need = f"{count_text(params)} parameters and {count_text(ids // 8)} token ids need at least {size_text(needed)}"
+        have = f"only {size_text(available)} are available: use {fix}, or a host with more memory"
+        raise UsageError(f"{need} of host memory, {have}")
 
 
 def host_memory_available() -> int | None:
@@ -7313,8 +6643,7 @@ def check_sizes(sizes: dict, origin: str = "") -> None:
             raise UsageError(f"{origin}{name} must be at least {least}, got {sizes[field]}")
     hidden, heads, kv_heads = sizes["hidden_size"], sizes["num_attention_heads"], sizes["num_key_value_heads"]
 
-    def change(flag: str) -> str:
-        """What to change where the sizes came from flags (a saved model's are not the user's to change)."""
+    def change(flag: str) -> str:  # what to change, where flags gave the sizes (a saved model's are not the user's)
         return "" if origin else f": change {flag}"
 
     if hidden % heads:
@@ -7325,12 +6654,6 @@ def check_sizes(sizes: dict, origin: str = "") -> None:
     if (hidden // heads) % 2:
         why = f"head dimension (hidden size / heads) must be even for rotary embeddings{change('--hidden-size')}"
         raise UsageError(f"{origin}{why}")
-
-
-def quit_on_signal(signum, frame) -> None:
-    """SIGINT's and SIGTERM's handler until main() runs: nothing is written yet, so the process ends at once."""
-    print(f"offload_llama.py: {signal.Signals(signum).name} before the run began; nothing was written", file=sys.stderr)
-    os._exit(128 + signum)
 
 
 # ----------------------------------------------------------------------------------------------------- running a mode
@@ -7402,9 +6725,8 @@ def run_mode(mode: str, model, store, input_ids, run: RunConfig, plan: Plan) -> 
 
 
 def train_mode(mode: str, model, masters, input_ids, run: RunConfig, plan: Plan, text=None) -> dict:
-    """One mode's training: `run.steps` steps on one fixed batch, or on --data's blocks (held-out loss and samples
-    before and after); {'oom': True} where it does not fit the GPU, or the plan says so. Compared with gpu mode's
-    (compared_modes), it keeps the first step's gradients and masters and the last step's masters."""
+    """One mode's training, on one fixed batch or --data's blocks; {'oom': True} where it does not fit the GPU. Where
+    compared with gpu mode's (compared_modes), it keeps the first step's gradients and masters and the last masters."""
     device, compared, ranks = torch.device("cpu" if mode == "cpu" else "cuda"), mode in compared_modes(run), run.ranks
     if planned_oom(mode, plan, device):
         return {"oom": True}
@@ -7444,8 +6766,7 @@ def train_mode(mode: str, model, masters, input_ids, run: RunConfig, plan: Plan,
 
 
 def prepare_steps(trainer, run: RunConfig, mode: str, plan: Plan, manifest: dict) -> dict:
-    """Before the first step: the state from --resume, the units placed (offloaded modes on the GPU) and the CPU
-    Adam's moments zeroed; returns the placement for the JSON."""
+    """Before the first step: resume, place the units and zero the CPU Adam's moments; the placement, for the JSON."""
     if run.resume:
         manifest["resumed_from"] = resume(trainer, mode_folder(run.resume, run, mode), manifest)
     if not isinstance(trainer, OffloadedTraining):
@@ -7453,8 +6774,7 @@ def prepare_steps(trainer, run: RunConfig, mode: str, plan: Plan, manifest: dict
     trainer.ranks.meet()  # the steps' collectives wait the rank timeout at most: every rank set up first
     t0 = time.perf_counter()
     placed = place_units(trainer, run, mode, plan) if trainer.device.type == "cuda" else {}
-    # the CPU Adam's moments zeroed now, not in each unit's first step, where a page's first touch is slow; the other
-    # steppers keep theirs on the GPU (resident units) or zero them there (StreamedAdam): the host's stay untouched
+    # the CPU Adam's moments zeroed now, not at each unit's first step (a page's first touch is slow); the rest: GPU's
     trainer.store.zero_moments(
         [u for u, stepper in enumerate(trainer.steppers.of) if stepper is trainer.steppers.cpu_adam]
     )
@@ -7465,11 +6785,8 @@ def prepare_steps(trainer, run: RunConfig, mode: str, plan: Plan, manifest: dict
 def train_steps(
     trainer, micro_batches, run, keep_grads, profile=None, bound_parts=None, tasks=(), done=0, batches=None, seen=0
 ):
-    """Run the steps, each timed from its start to the next one's (a step's last updates overlap the next forward).
-    bound_parts(): the bound's parts, timed in rounds between blocks of steps; tasks: run after i steps where due
-    (Checkpoints, Evaluation); the step after either is not timed. keep_grads: the first step's state, to compare.
-    done, seen: the steps and tokens a resumed run had trained. batches(i): step i's micro-batches, else every step's
-    `micro_batches`."""
+    """Run the steps, each timed to the next one's start, with the bound's rounds (bound_parts) and the tasks due
+    between them, untimed. keep_grads: keep step 1's state; done, seen: a resumed run's steps, tokens; batches(i)."""
     batch = batches(done) if batches else micro_batches
     tokens = sum(ids.numel() for ids in batch) * run.ranks.world  # the step's, over every rank
     clock = StepClock(trainer, batch[0].device, done, run.steps, tokens, seen)
@@ -7543,23 +6860,18 @@ def check_model_flags(run: RunConfig, config: LlamaConfig) -> None:
 
 
 def check_devices(run: RunConfig, config: LlamaConfig) -> None:
-    """Everything about the model, the GPU and the host that can be refused before the plan (check_plan says what
-    will not fit)."""
+    """What the model, the GPU and the host refuse before the plan (check_plan says what will not fit)."""
     check_model_flags(run, config)
     gpu_modes = [m for m in run.modes if m != "cpu"]
     local_world = run.ranks.local_world
     if gpu_modes and local_world > max(1, torch.cuda.device_count()):
-        raise UsageError(
-            f"torchrun started {local_world} ranks on this host, which has {torch.cuda.device_count()} GPU(s): use "
-            "--nproc-per-node with at most one rank per GPU"
-        )
+        ranks = f"torchrun started {local_world} ranks on this host, which has {torch.cuda.device_count()} GPU(s)"
+        raise UsageError(f"{ranks}: use --nproc-per-node with at most one rank per GPU")
     if run.fwd_bwd_reference and not torch.cuda.is_available():
         raise UsageError("--fwd-bwd-reference runs on a CUDA GPU, and torch.cuda.is_available() is False")
     if gpu_modes and not torch.cuda.is_available():
-        raise UsageError(
-            f"mode {gpu_modes[0]} needs a CUDA GPU, and torch.cuda.is_available() is False: use --mode cpu (a first "
-            f"try: {FIRST_CONTACT})"
-        )
+        why = f"mode {gpu_modes[0]} needs a CUDA GPU, and torch.cuda.is_available() is False"
+        raise UsageError(f"{why}: use --mode cpu (a first try: {FIRST_CONTACT})")
     if run.gpu_adam_share and run.dtype == "float16":  # the dtype the GPU gave, where --dtype did not say
         raise UsageError("--gpu-adam-share must be 0 in float16: its loss scale sees every gradient before any step")
     if gpu_modes and run.dtype == "bfloat16" and not torch.cuda.is_bf16_supported(including_emulation=False):
@@ -7569,9 +6881,8 @@ def check_devices(run: RunConfig, config: LlamaConfig) -> None:
 
 
 def check_saving(run: RunConfig, config: LlamaConfig, plan: Plan | None = None) -> None:
-    """--resume's checkpoints are whole and of this model, dtype and Adam; --checkpoint overwrites none that is not
-    resumed; the folders have room: 4 bytes a parameter for --save-pretrained, 12 for a checkpoint (twice that when a
-    second is written while the first stays whole), for each mode that trains; --save-output's, save_output_bytes."""
+    """--resume's checkpoints fit this run, --checkpoint overwrites none it does not resume, and every folder written
+    has room: 4 bytes a parameter to save, 12 a checkpoint (24 while a second is written), save_output_bytes."""
     same = bool(run.resume and run.checkpoint) and real_path(run.resume) == real_path(run.checkpoint)
     for mode in run.modes if run.train else ():
         if run.resume:
@@ -7588,7 +6899,11 @@ def check_saving(run: RunConfig, config: LlamaConfig, plan: Plan | None = None) 
         "--save-output": (run.save_output, save_output_bytes(run, config)),
     }
     for flag, (path, needed) in needs.items():
-        free = shutil.disk_usage(existing(Path(path))).free - disk_tier_bytes_on(run, plan, path) if path else needed
+        if not path:
+            continue
+        folder = existing(Path(path))
+        nvme_there = plan is not None and plan.disk and os.stat(folder).st_dev == os.stat(run.nvme).st_dev
+        free = shutil.disk_usage(folder).free - (plan.disk if nvme_there else 0)  # the disk tier's files take theirs
         if needed > free:
             short = f"{size_text(needed)} to write, {size_text(needed - free)} more than is free there"
             raise UsageError(f"{flag} {path}: {short}; free some space or give a folder on another disk")
@@ -7598,10 +6913,8 @@ HELD_FOLDERS = []  # (descriptor, folder, made for the lock) of each folder this
 
 
 def hold_checkpoint_folders(run: RunConfig) -> None:
-    """Lock each --checkpoint folder for the run's life, and share a lock on each --resume folder (rank 0 does, for
-    every rank): a second run given a folder this one writes, or one another run writes, is refused at once, where
-    it would blend unit files, or read a checkpoint as its writer replaces it. A folder made for the lock goes again
-    at the end if it stayed empty (release_checkpoint_folders). --plan writes none: it shares the --resume locks."""
+    """Lock each --checkpoint folder, and share a lock on each --resume folder, for the run's life (rank 0, for all):
+    a run given a folder another one writes is refused at once. --plan writes none: it shares the --resume locks."""
     if not run.train or run.ranks.rank:
         return
     written = [] if run.plan or not run.checkpoint else [Path(run.checkpoint)]
@@ -7624,15 +6937,6 @@ def hold_checkpoint_folders(run: RunConfig) -> None:
             raise UsageError(f"{flag} {folder} is in use by another run: wait for it to end, or give another") from None
 
 
-@contextlib.contextmanager
-def checkpoint_folders_released():
-    """A `with` block at whose end the held --checkpoint and --resume folders are released."""
-    try:
-        yield
-    finally:
-        release_checkpoint_folders()
-
-
 def release_checkpoint_folders() -> None:
     """Unlock the held --checkpoint and --resume folders, removing those made for the lock that stayed empty."""
     while HELD_FOLDERS:
@@ -7644,19 +6948,11 @@ def release_checkpoint_folders() -> None:
 
 
 def save_output_bytes(run: RunConfig, config: LlamaConfig) -> int:
-    """At most what --save-output writes: the token ids, each mode's logits (float32 at most) and, with --train, the
-    training ids and each mode's float32 masters."""
+    """At most what --save-output writes: the token ids, each mode's logits and, with --train, its float32 masters."""
     tokens, modes = run.batch_size * run.seq_len, len(run.modes)
     logits = modes * tokens * config.vocab_size * 4 if run.inference else 0
     training = run.grad_accum * tokens * 8 + modes * 4 * param_count(config) if run.train else 0
     return tokens * 8 + logits + training + 2**20  # and the pickle's own records
-
-
-def disk_tier_bytes_on(run: RunConfig, plan: Plan | None, path: str) -> int:
-    """The bytes the plan's --nvme disk tier will take on the file system that holds `path` (0 on another)."""
-    if plan is None or not plan.disk or os.stat(existing(Path(path))).st_dev != os.stat(run.nvme).st_dev:
-        return 0
-    return plan.disk
 
 
 def write_atomically(path: str, write) -> None:
@@ -7700,8 +6996,7 @@ def expandable_segments() -> bool | None:
 
 
 def run_all(run: RunConfig) -> dict:
-    """Plan the run once (make_plan, from the facts the ranks agree on) and refuse what will not fit; build the model
-    and its stores as the plan says, run each mode, print the tables and write the outputs."""
+    """Plan the run on the facts the ranks agree on, refuse what will not fit, build, run each mode, print, write."""
     config = model_config(run)
     check_devices(run, config)
     start_ranks(run.ranks)
@@ -7717,8 +7012,7 @@ def run_all(run: RunConfig) -> dict:
     run = with_epochs(run, blocks)
     warn_if_long(run, config)
     model = load_model(run, config)
-    if run.train and offloaded:  # after the build, which sets torch's default dtype for a while: a compile running
-        # meanwhile fails its guards on the change, and restores the dtype it started with when it ends
+    if run.train and offloaded:  # after the build, whose change of torch's default dtype would fail a compile's guards
         start_adam_compile(gradient_dtype(run), plan.torch_copy_dtype, run.clip_grad_norm is not None)
     train_ids = first_batch(blocks, run) if blocks else random_input_ids(run, model.config.vocab_size, run.grad_accum)
     reference = forward_backward_reference(model, train_ids, run) if run.fwd_bwd_reference else None
@@ -7741,9 +7035,8 @@ def run_all(run: RunConfig) -> dict:
 
 
 def print_plan(run: RunConfig) -> None:
-    """--plan: the plan for this machine, or for the one the flags describe, printed (and written to --json); nothing
-    is allocated. A plan that will not fit ends with check_plan's line (or check_saving's); an offloaded mode whose
-    training does not fit the GPU, which a run reports OOM, with a note."""
+    """--plan: the plan, for this machine or the one described, printed (and --json), allocating nothing; refused
+    where it does not fit (check_plan, check_saving), with a note for each mode whose training a run reports OOM."""
     config = model_config(run)
     check_model_flags(run, config)
     facts, gpu_modes = measured_facts(run), [m for m in run.modes if m != "cpu"]
@@ -7800,8 +7093,7 @@ def check_finite_logits(mode: str, logits: torch.Tensor | None) -> None:
 
 
 def run_modes(run: RunConfig, plan: Plan, model, store, masters, input_ids, train_ids, text) -> tuple[dict, dict, dict]:
-    """Each mode's inference, then its training, as the plan places them: (results, logits, training results with
-    tensors)."""
+    """Each mode's inference, then its training, as planned: (results, logits, training results with tensors)."""
     results, logits, trained = {}, {}, {}
     for mode in run.modes:
         results[mode] = {}
@@ -7864,16 +7156,13 @@ def training_store(run: RunConfig, config: LlamaConfig, plan: Plan) -> Offloaded
     pinned = sum(t.nbytes for t in [*masters.masters, *(masters.copies or []), *masters.pool.buffers])
     moments = sum(m.nbytes for pair in masters.moments if pair for m in pair)  # None: on the disk tier
     masters.setup_s["host_state"] = time.perf_counter() - t0
-    log(
-        f"training state on the host in {masters.setup_s['host_state']:.1f} s: {size_text(pinned)} pinned, "
-        f"{size_text(moments)} of Adam moments"
-    )
+    state = f"{size_text(pinned)} pinned, {size_text(moments)} of Adam moments"
+    log(f"training state on the host in {masters.setup_s['host_state']:.1f} s: {state}")
     return masters
 
 
 def disk_tier(run: RunConfig, units: list[Unit], layers: int) -> DiskTier | None:
-    """--nvme: the disk tier for the last `layers` decoder layers (the plan's), its files reserved and its disk
-    measured; said on stderr."""
+    """--nvme: the disk tier for the plan's last `layers` decoder layers, its files reserved, its disk measured."""
     if run.nvme and not layers:
         log("disk tier: unused, the host holds the training state")
     if not layers:
@@ -7890,13 +7179,13 @@ def disk_tier(run: RunConfig, units: list[Unit], layers: int) -> DiskTier | None
 
 
 def main(argv=None) -> int:
-    """The command line's entry point: exit code 0; 2 with one line for bad input; 1 with one line for logits or a
-    loss that are not finite, a file that cannot be written mid-run or another rank lost (lost_ranks); 130 for
-    Ctrl-C, 143 for SIGTERM. Every output is whole or absent on each of these ways out."""
+    """The command line's entry point: exit code 0; 2 for bad input, 1 for a loss or logits not finite, an output not
+    written or a rank lost (each with one line); 130 for Ctrl-C, 143 for SIGTERM; each output whole or absent."""
     use_expandable_segments()  # before anything starts CUDA: parse_args asks the GPU for its dtypes
     escape_what_the_terminal_cannot_show()
     run = parse_args(argv)
-    with signals_raised(), checkpoint_folders_released():
+    with signals_raised(), contextlib.ExitStack() as cleanup:
+        cleanup.callback(release_checkpoint_folders)
         try:
             hold_checkpoint_folders(run)  # before the first read of a checkpoint or its folder
             check_run(run)
@@ -7931,8 +7220,7 @@ def main(argv=None) -> int:
 
 
 def escape_what_the_terminal_cannot_show() -> None:
-    """Make stdout and stderr write a character their encoding lacks (a prompt's or a path's, on an ASCII terminal)
-    as an escape, where a print would raise UnicodeEncodeError."""
+    """Make stdout and stderr write what their encoding lacks (on an ASCII terminal) as escapes, not raise."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(AttributeError, ValueError):  # a stream that is not a TextIOWrapper
             stream.reconfigure(errors="backslashreplace")
@@ -7946,8 +7234,7 @@ def failure_line(e: Exception) -> str:
 
 
 class Terminated(BaseException):
-    """SIGTERM or SIGHUP (a closed terminal), raised in the main thread as Ctrl-C raises KeyboardInterrupt: the run
-    unwinds, cleaning up; args[0] is the signal's number."""
+    """SIGTERM or SIGHUP, raised in the main thread as Ctrl-C raises KeyboardInterrupt; args[0] is the signal."""
 
 
 def raise_terminated(signum, frame) -> None:
@@ -7957,8 +7244,7 @@ def raise_terminated(signum, frame) -> None:
 
 @contextlib.contextmanager
 def signals_raised():
-    """SIGINT as KeyboardInterrupt and SIGTERM as Terminated while the block runs (in the main thread), the handlers
-    before it restored after."""
+    """SIGINT as KeyboardInterrupt, SIGTERM and SIGHUP as Terminated in the block (main thread), then as before."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -7974,27 +7260,22 @@ def signals_raised():
 
 
 def use_expandable_segments() -> None:
-    """Let the CUDA allocator grow segments in place, unless the user configured it; the allocator reads the setting
-    when CUDA starts, so call it first. Under --max-gpu-memory, the saved inputs that live across the streamed units'
-    short-lived blocks otherwise split fixed-size segments until a request that the placement's prediction fits is
-    refused."""
+    """Let the CUDA allocator grow segments in place, unless configured (before CUDA starts): under a cap, fixed
+    segments split by the saved inputs would refuse a request that the placement's prediction fits."""
     if "PYTORCH_ALLOC_CONF" not in os.environ and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
         os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"  # read when CUDA starts, after this
 
 
 def finish_early() -> None:
-    """On the way out early: the copies still queued must land before the pinned buffers they use are unregistered
-    as the frames drop, and a CPU Adam compile still running ends first (the interpreter waits for it at exit
-    anyway), so the error is the last line. With several ranks, a collective this rank queued that another rank
-    never joins holds the wait until NCCL's watchdog ends it (the rank timeout), or torchrun ends the rank."""
+    """On the way out early, let queued copies land and a CPU Adam compile end first, so the error is the last line
+    (a collective another rank never joins waits until NCCL's watchdog or torchrun ends it)."""
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()
     concurrent.futures.wait(EARLY_COMPILES.values())
 
 
 def exit_with(code: int) -> None:
-    """End the process with `code`; after a signal, or where a waited() thread was left in native code (tokenizers'
-    training), without the interpreter's teardown, which can abort on such a thread (every output is closed by now)."""
+    """End the process with `code`; after a signal or with a waited() thread in native code, without the teardown."""
     if code >= 128 or any(thread.is_alive() for thread in LEFT_RUNNING):
         sys.stdout.flush()
         sys.stderr.flush()
