@@ -16,10 +16,10 @@ The file by line, the assignment first; each section beyond it says what it adds
    1348  the reference                           ResidentTraining
    1402  Table 1 and Table 2                     tables
    1483  # === Beyond the assignment ===
-        the compiled Adam 1486, the GPU's Adam 1600, activation offload 1845, float16 and clipping 1918
-        the disk tier 2023, several GPUs 2362, a model folder 2648, the plan 2901, measurement 3764
-        the tables' notes 4396, text in 4609, saving and resuming 5148, the command line 5686, running a mode 6659
-        the run 6834
+        the compiled Adam 1486, the GPU's Adam 1591, activation offload 1795, float16 and clipping 1856
+        the disk tier 1945, several GPUs 2244, a model folder 2496, the plan 2696, measurement 3495
+        the tables' notes 4083, text in 4280, saving and resuming 4795, the command line 5280, running a mode 6201
+        the run 6375
 """
 
 from __future__ import annotations
@@ -1488,11 +1488,14 @@ def tables(results: dict, run: Config, layout: dict = TABLES, model: str | None 
 # Turned on: by default, where it compiles (AdamUpdate otherwise). Plugs into: OffloadedAdam's `update`.
 
 
+ADAM_SPARE_CORES = 1  # cores the CPU Adam leaves to the main thread, which drives the GPU meanwhile
+EARLY_COMPILES = {}  # compiled_adam_update's arguments -> its call started in the background by start_adam_compile
+
+
 @contextlib.contextmanager
 def without_isa_probes():
-    """Report AVX-512 bf16 and VNNI absent while the update compiles: inductor probes each slowly, and the update
-    uses neither (torch.cpu's private probes, checked on torch 2.11 to 2.13)."""
-    probes = ("_is_avx512_bf16_supported", "_is_vnni_supported")
+    """Report AVX-512 bf16 and VNNI absent while the update compiles: the update uses neither, and probing is slow."""
+    probes = ("_is_avx512_bf16_supported", "_is_vnni_supported")  # torch.cpu's private probes (torch 2.11 to 2.13)
     saved = {name: getattr(torch.cpu, name) for name in probes if hasattr(torch.cpu, name)}
     try:
         for name in saved:
@@ -1504,8 +1507,7 @@ def without_isa_probes():
 
 
 def adam_update(master, grads, exp_avg, exp_avg_sq, copy, scalars, scaled: bool = False) -> None:
-    """torch.optim.Adam's step of one unit, for torch.compile to fuse into one pass over memory: float32 master,
-    moments and gradients (scaled: times scalars[7]) in; master, moments and the compute-dtype `copy` out."""
+    """torch.optim.Adam's step of one unit, for torch.compile to fuse into one pass over memory (`copy`: rounded)."""
     grads = grads.float()
     if scaled:
         grads = grads * scalars[7]
@@ -1520,15 +1522,11 @@ def adam_update(master, grads, exp_avg, exp_avg_sq, copy, scalars, scaled: bool 
         copy.copy_(master_new)  # rounded to nearest even, as the GPU casts
 
 
-def adam_scalars(adam: Adam, step: int, multiplier: float = 1.0) -> torch.Tensor:
-    """adam_update's scalars for step `step`, as torch's fused CPU kernel rounds them, and the gradients' multiplier."""
+def adam_scalars(adam: Adam, step: int, multiplier: float = 1.0) -> torch.Tensor:  # adam_update's, as torch rounds
     beta1, beta2 = adam.betas
     step_size = -adam.lr / (1 - beta1**step)
     values = [1 - beta1, beta2, 1 - beta2, math.sqrt(1 - beta2**step), adam.eps, step_size, adam.weight_decay]
     return torch.tensor([*values, multiplier], dtype=torch.float32)
-
-
-ADAM_SPARE_CORES = 1  # cores the CPU Adam leaves to the main thread, which drives the GPU meanwhile
 
 
 @functools.cache
@@ -1555,12 +1553,8 @@ def compiled_adam_update(grad_dtype: torch.dtype, copy_dtype: torch.dtype | None
     return compiled
 
 
-EARLY_COMPILES = {}  # compiled_adam_update's arguments -> its call started in the background by start_adam_compile
-
-
 def start_adam_compile(grad_dtype: torch.dtype, copy_dtype: torch.dtype | None, scaled: bool) -> None:
-    """Compile the update on a thread of its own while the host state is pinned (the compiler runs in child
-    processes): after the model's build, which changes torch's default dtype that the compile watches."""
+    """Compile the update on a thread while the host state pins; after the model's build, which sets the dtype."""
     key = (grad_dtype, copy_dtype, scaled)
     if key not in EARLY_COMPILES:
         pool = ThreadPoolExecutor(1, thread_name_prefix="adam-compile")
@@ -1569,8 +1563,7 @@ def start_adam_compile(grad_dtype: torch.dtype, copy_dtype: torch.dtype | None, 
 
 
 class CompiledAdamUpdate(AdamUpdate):
-    """AdamUpdate in one pass over memory (adam_update compiled), the gradients in their own dtype; AdamUpdate's
-    where it cannot compile (the two round apart in float32's last bit)."""
+    """AdamUpdate in one pass over memory (adam_update compiled), gradients in their dtype; else AdamUpdate's."""
 
     def __init__(self, adam: Adam, grad_dtype: torch.dtype, copy_dtype: torch.dtype | None, scaled: bool = False):
         super().__init__(adam, grad_dtype, copy_dtype, scaled)
@@ -1580,9 +1573,7 @@ class CompiledAdamUpdate(AdamUpdate):
             self.grad_dtype = grad_dtype
 
     @property
-    def bytes_per_param(self) -> int:
-        """Host bytes a step moves per parameter: master and moments read and written (24), the gradients read (2 or
-        4) and the copy written (2): 30 for bfloat16 with accumulation, 28 with one micro-batch."""
+    def bytes_per_param(self) -> int:  # host bytes a step moves per parameter: master, moments, gradients, copy
         if self.compiled is None:
             return super().bytes_per_param
         copy = self.copy_dtype.itemsize if self.copy_dtype else 0
@@ -1598,34 +1589,23 @@ class CompiledAdamUpdate(AdamUpdate):
 
 
 # ----------------------------------------------------------------------------------------------------- the GPU's Adam
-# Adds: units kept resident on the GPU and stepped there (ResidentUnits), and a share of the streamed ones stepped
-# on the GPU over state streamed from the host (StreamedAdam). Turned on: overlapped under --max-gpu-memory,
-# --resident-layers, --gpu-adam-share (the plan's choice). Plugs into: Steppers.assign, LayerStreamer.keep_resident.
+# Adds: units kept and stepped on the GPU (ResidentUnits), and streamed ones stepped there over state streamed from
+# the host (StreamedAdam). Turned on: overlapped under --max-gpu-memory, --resident-layers, --gpu-adam-share (the
+# plan's choice). Plugs into: Steppers.assign, LayerStreamer.keep_resident.
 
 
 GPU_ADAM_SHARE = 0.3  # of the streamed parameters, the default share of the GPU's Adam over streamed state
+GPU_ADAM_CHUNK = 2**23  # parameters: the state the GPU's Adam streams crosses PCIe in chunks this size
 
 
-def gradient_memory(store: OffloadedAdam, resident, own_grads: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The GPU's gradient memory: the streamed units' buffer in the gradient dtype, and the float32 memory it starts
-    (zeroed: the padding is stepped too), large enough for the resident units' where they share it."""
-    numels = [store.ranks.whole_numel(m) for m in store.masters]
-    streamed = max((n for u, n in enumerate(numels) if u not in resident), default=0)
-    shared = 0 if own_grads else max((numels[u] for u in resident), default=0)
-    memory = torch.zeros(max(-(-streamed * store.grad_dtype.itemsize // 4), shared), dtype=torch.float32, device=device)
-    return memory.view(store.grad_dtype)[:streamed], memory
-
-
-def pin_moments(moments: HostMoments, u: int, pin: bool) -> None:
-    """Move unit u's moments into pinned memory for the copy engines, once (each placement's StreamedAdam pins)."""
+def pin_moments(moments: HostMoments, u: int, pin: bool) -> None:  # unit u's moments into pinned memory, once
     if u not in moments.pinned:
         moments.buffers[u] = tuple(host_zeros(m.numel(), torch.float32, pin).copy_(m) for m in moments.buffers[u])
         moments.pinned.add(u)
 
 
 def place_on_gpu(trainer: OffloadedTraining, resident=(), gpu_adam=(), own_grads: bool = True) -> None:
-    """Keep the `resident` units on the GPU, stepped there (ResidentUnits), and step the `gpu_adam` units over their
-    state streamed from the host (StreamedAdam); own_grads: their gradients kept apart, to compare them."""
+    """Keep `resident` units on the GPU (ResidentUnits); step `gpu_adam` ones over streamed state (StreamedAdam)."""
     held = "float16 or clipping steps once every gradient is in"
     if trainer.holds_updates and gpu_adam:
         raise ValueError(f"{held}: the streamed units stay on the CPU Adam")
@@ -1637,7 +1617,12 @@ def place_on_gpu(trainer: OffloadedTraining, resident=(), gpu_adam=(), own_grads
         raise ValueError("several ranks keep only their shards: every unit streams, none is resident")
     steppers, streamer, store = trainer.steppers, trainer.streamer, trainer.store
     steppers.buffer = None  # freed before the resident units' state is allocated
-    buffer, shared = gradient_memory(store, resident, own_grads, trainer.device)
+    numels = [store.ranks.whole_numel(m) for m in store.masters]
+    streamed = max((n for u, n in enumerate(numels) if u not in resident), default=0)
+    sharing = 0 if own_grads else max((numels[u] for u in resident), default=0)
+    words = max(-(-streamed * store.grad_dtype.itemsize // 4), sharing)
+    shared = torch.zeros(words, dtype=torch.float32, device=trainer.device)  # zeroed: the padding is stepped too
+    buffer = shared.view(store.grad_dtype)[:streamed]  # the streamed units', in memory resident ones may share
     on_gpu = ResidentUnits(store, trainer.dtype, trainer.device, None if own_grads else shared)
     streamer.keep_resident(resident, on_gpu.load)
     streamed = StreamedAdam(store, gpu_adam, trainer.device, streamer.copy_stream, own_grads)
@@ -1655,14 +1640,12 @@ class ResidentUnit:
         self.moments = tuple(
             m.to(grads.device, copy=True) if resumed else torch.zeros_like(self.master) for m in store.moments_of(u)
         )
-        # the step count: float32 beside the master, as the fused kernel keeps it
-        self.steps = store.steps[u].to(grads.device, copy=True)
+        self.steps = store.steps[u].to(grads.device, copy=True)  # float32 beside the master, as the fused kernel has it
         self.adam = store.update.adam
         self.grads = grads  # float32, alive from the unit's backward to its step
 
     @torch.no_grad()
-    def step(self, multiplier: float = 1.0) -> None:
-        """Adam on the master, its gradients times `multiplier` first, then the compute-dtype weights from it."""
+    def step(self, multiplier: float = 1.0) -> None:  # Adam on the master, gradients times `multiplier`; then weights
         if multiplier != 1.0:
             self.grads.mul_(multiplier)
         torch_adam_step(self.adam, self.master, self.grads, *self.moments, self.steps)
@@ -1671,8 +1654,7 @@ class ResidentUnit:
 
 
 class ResidentUnits:
-    """Units kept on the GPU, each stepped by gpu mode's fused Adam after its backward, on the compute stream, before
-    the next unit's gradients overwrite the memory they may share (`shared`)."""
+    """Units kept on the GPU, each stepped after its backward on the compute stream, before the next reuses `shared`."""
 
     holds_grads = True  # the units' gradients are in memory of this stepper's (`shared`: of the gradient buffer's)
 
@@ -1682,23 +1664,18 @@ class ResidentUnits:
         self.shares_buffer = shared is not None  # then its backward waits for the last gradients sent to leave it
         self.units = {}  # unit -> its ResidentUnit
 
-    def load(self, u: int) -> torch.Tensor:
-        """Put unit u's state on the GPU; returns its compute-dtype weights, for the streamer to run it from."""
-        numel = self.store.masters[u].numel()
-        grads = (
-            self.shared[:numel] if self.shares_buffer else torch.zeros(numel, dtype=torch.float32, device=self.device)
-        )
+    def load(self, u: int) -> torch.Tensor:  # unit u's state onto the GPU; returns its compute-dtype weights
+        n = self.store.masters[u].numel()
+        grads = self.shared[:n] if self.shares_buffer else torch.zeros(n, dtype=torch.float32, device=self.device)
         self.units[u] = ResidentUnit(self.store, u, self.dtype, grads)
         return self.units[u].weights
 
     def grads(self, u: int) -> torch.Tensor:  # unit u's float32 gradients on the GPU
         return self.units[u].grads
 
-    def send(self, u: int, grads: torch.Tensor, ready) -> None:
-        """Nothing leaves the GPU."""
+    def send(self, u: int, grads: torch.Tensor, ready) -> None: ...  # nothing leaves the GPU
 
-    def update(self, u: int, multiplier: float) -> None:
-        """Unit u's Adam step, its gradients times `multiplier`, now, on the compute stream."""
+    def update(self, u: int, multiplier: float) -> None:  # unit u's Adam step, now, on the compute stream
         self.units[u].step(multiplier)
 
     def wait_written(self, u: int) -> None: ...  # never streamed
@@ -1706,32 +1683,25 @@ class ResidentUnits:
     def written(self, u: int) -> bool:  # never streamed
         return True
 
-    def state(self, u: int, grads: bool = False) -> torch.Tensor:
-        """Unit u's float32 master (grads: its last gradients) on the GPU."""
+    def state(self, u: int, grads: bool = False) -> torch.Tensor:  # unit u's float32 master (or gradients) on the GPU
         return self.units[u].grads if grads else self.units[u].master
 
-    def adam_state(self, u: int) -> tuple[torch.Tensor, ...]:
-        """Unit u's float32 master, Adam moments and step count, on the GPU."""
+    def adam_state(self, u: int) -> tuple[torch.Tensor, ...]:  # unit u's float32 master, moments and step count
         unit = self.units[u]
         return unit.master, *unit.moments, unit.steps
 
     def wait_all(self) -> None: ...  # its steps run on the compute stream, which every read of the state waits for
 
 
-GPU_ADAM_CHUNK = 2**23  # parameters: the state the GPU's Adam streams crosses PCIe in chunks this size
-
-
 class StreamedAdam(HostState):
-    """The GPU's fused Adam for streamed units whose state stays on the host. A unit's gradients are taken into a
-    buffer; its state crosses PCIe a chunk at a time through two slots: s_in brings chunk k in (after left[k]),
-    s_adam steps it (after landed[k]), s_out sends it back (after stepped[k]); then written_back[u] (S13)."""
+    """The GPU's fused Adam for streamed units whose state stays on the host, crossing PCIe a chunk at a time in two
+    slots: s_in brings chunk k in (after left[k]), s_adam steps it (after landed[k]), s_out sends it back (S13)."""
 
     def __init__(self, store: OffloadedAdam, units, device, copy_stream, keep_first_grads: bool = False):
         if keep_first_grads and units and not store.pool.dedicated:
             raise ValueError("the first step's gradients stay on the host: give each unit a gradient buffer")
         super().__init__(store)
-        self.units = tuple(units)
-        self.device = device
+        self.units, self.device = tuple(units), device
         self.copy_stream = copy_stream  # the weights' copies: a unit's next one waits for its state to be written
         self.keep_first_grads = keep_first_grads  # the first step's gradients go to the host, to compare them
         for u in self.units:
@@ -1743,19 +1713,16 @@ class StreamedAdam(HostState):
         self.landed, self.stepped, self.left = ([new_event(device) for _ in range(2)] for _ in range(3))
         self.written_back = {u: new_event(device, blocking=True) for u in self.units}
 
-    def staging_slot(self, chunk: int) -> tuple:
-        """A chunk's float32 master and moments and, where the store has one, its compute-dtype copy, on the GPU."""
+    def staging_slot(self, chunk: int) -> tuple:  # a chunk's float32 master and moments, and its copy where kept
         copies = self.store.copies
         copy = torch.empty(chunk, dtype=copies[0].dtype, device=self.device) if copies else None
         return (*(torch.empty(chunk, device=self.device) for _ in range(3)), copy)
 
-    def chunks(self, u: int):
-        """(slot, start, length) of unit u's chunks, in order; consecutive chunks take the two slots in turn."""
+    def chunks(self, u: int):  # (slot, start, length) of unit u's chunks, in order, taking the two slots in turn
         n, chunk = self.store.masters[u].numel(), self.slots[0][0].numel()
         return [(i % 2, lo, min(chunk, n - lo)) for i, lo in enumerate(range(0, n, chunk))]
 
-    def host_state(self, u: int, lo: int, n: int) -> tuple:
-        """Unit u's master, moments and compute-dtype copy (or None) from lo, n parameters: pinned host views."""
+    def host_state(self, u: int, lo: int, n: int) -> tuple:  # unit u's master, moments and copy (or None) from lo, n
         copy = self.store.copies[u][lo : lo + n] if self.store.copies else None
         return self.store.masters[u][lo : lo + n], *(m[lo : lo + n] for m in self.store.moments[u]), copy
 
@@ -1770,14 +1737,12 @@ class StreamedAdam(HostState):
             else:
                 dst[:n].copy_(src, non_blocking=True)
 
-    def send(self, u: int, grads: torch.Tensor, ready):
-        """Take unit u's gradients (take); at the first step to the host too, where the comparison keeps them."""
+    def send(self, u: int, grads: torch.Tensor, ready):  # take unit u's gradients; the first step's to the host too
         first = self.keep_first_grads and not self.store.steps[u]
         return self.take(u, grads, ready, self.store.take_grads(u) if first else None)
 
     def take(self, u: int, grads: torch.Tensor, ready, host: torch.Tensor | None = None):
-        """Copy unit u's gradients, once `ready`, into this Adam's buffer (and `host`); the event after which `grads`
-        may be overwritten."""
+        """Copy unit u's gradients, once `ready`, into the buffer (and `host`); the event after which they may go."""
         n, consumed = grads.numel(), new_event(self.device)
         with on_stream(self.s_adam):
             self.s_adam.wait_event(ready)  # S5: the unit's backward must have written all its gradients
@@ -1788,44 +1753,30 @@ class StreamedAdam(HostState):
         return consumed
 
     def update(self, u: int, multiplier: float) -> None:
-        """Queue unit u's Adam step over its streamed state, chunk by chunk (multiplier 1: clipping and float16 leave
-        the streamed units to the CPU Adam)."""
+        """Queue unit u's Adam step chunk by chunk (multiplier 1: clipping and float16 keep streamed units on CPU)."""
         steps = self.store.steps[u]
         fresh, done = not steps, float(steps)  # steps done: the fused kernel counts this one in
         steps += 1  # this count lives on the host: only the thread that runs the backward issues this unit's steps
         for k, lo, n in self.chunks(u):
-            self.bring_in(u, k, lo, n, fresh)
-            self.step(k, lo, n, done)
-            self.send_back(u, k, lo, n)
+            with on_stream(self.s_in):
+                self.s_in.wait_event(self.left[k])  # S13: the slot's chunk before must be back on the host
+                self.copy_in(u, k, lo, n, fresh)
+                self.landed[k].record(self.s_in)
+            p, m, v, copy = (t[:n] if t is not None else None for t in self.slots[k])
+            with on_stream(self.s_adam):  # after take: the unit's gradients are in the buffer
+                self.s_adam.wait_event(self.landed[k])  # S13: the chunk's state must have landed
+                step = torch.full((), done, device=p.device)
+                torch_adam_step(self.store.update.adam, p, self.buffer[lo : lo + n].float(), m, v, step)
+                if copy is not None:
+                    copy.copy_(p)  # rounded to nearest even, as the CPU Adam writes the copy
+                self.stepped[k].record(self.s_adam)
+            with on_stream(self.s_out):
+                self.s_out.wait_event(self.stepped[k])  # S13: the chunk must be stepped before it leaves
+                self.copy_out(u, k, lo, n)
+                self.left[k].record(self.s_out)
         self.written_back[u].record(self.s_out)
 
-    def bring_in(self, u: int, k: int, lo: int, n: int, fresh: bool) -> None:
-        """On s_in: unit u's chunk into slot k (copy_in)."""
-        with on_stream(self.s_in):
-            self.s_in.wait_event(self.left[k])  # S13: the slot's chunk before must be back on the host
-            self.copy_in(u, k, lo, n, fresh)
-            self.landed[k].record(self.s_in)
-
-    def step(self, k: int, lo: int, n: int, done: float) -> None:
-        """On s_adam: torch's fused Adam on slot k's chunk, then its compute-dtype copy."""
-        p, m, v, copy = (t[:n] if t is not None else None for t in self.slots[k])
-        with on_stream(self.s_adam):  # after take: the unit's gradients are in the buffer
-            self.s_adam.wait_event(self.landed[k])  # S13: the chunk's state must have landed
-            step = torch.full((), done, device=p.device)
-            torch_adam_step(self.store.update.adam, p, self.buffer[lo : lo + n].float(), m, v, step)
-            if copy is not None:
-                copy.copy_(p)  # rounded to nearest even, as the CPU Adam writes the copy
-            self.stepped[k].record(self.s_adam)
-
-    def send_back(self, u: int, k: int, lo: int, n: int) -> None:
-        """On s_out: slot k's stepped chunk back into unit u's host state (copy_out)."""
-        with on_stream(self.s_out):
-            self.s_out.wait_event(self.stepped[k])  # S13: the chunk must be stepped before it leaves
-            self.copy_out(u, k, lo, n)
-            self.left[k].record(self.s_out)
-
-    def copy_out(self, u: int, k: int, lo: int, n: int) -> None:
-        """Slot k's stepped chunk back into unit u's host state, on the current stream."""
+    def copy_out(self, u: int, k: int, lo: int, n: int) -> None:  # slot k's chunk into u's host state, this stream
         for dst, src in zip(self.host_state(u, lo, n), self.slots[k], strict=True):
             if dst is not None:
                 dst.copy_(src[:n], non_blocking=True)
@@ -1836,8 +1787,7 @@ class StreamedAdam(HostState):
     def written(self, u: int) -> bool:  # the copy stream waits for it: the copy may be issued now
         return True
 
-    def wait_all(self) -> None:
-        """Block until every queued step has written its state back to the host."""
+    def wait_all(self) -> None:  # block until every queued step has written its state back to the host
         for event in self.written_back.values():
             event.synchronize()  # S13
 
@@ -1852,40 +1802,31 @@ class ActivationOffload:
     the D2H stream, back on the weights' copy stream `depth` units ahead. Host input a is unit a + 1's."""
 
     def __init__(self, trainer: OffloadedTraining, micro_batches: int, shape: tuple[int, int]):
-        device, ring = trainer.device, trainer.streamer
-        self.micro_batches = micro_batches
+        device, dtype, ring = trainer.device, trainer.dtype, trainer.streamer
+        self.micro_batches, self.device = micro_batches, device
         self.shape = (*shape, trainer.hidden_size)  # one micro-batch's inputs
-        self.device = device
         self.d2h_stream = trainer.d2h_stream  # the gradients' stream: the inputs leave on it too
         count = micro_batches * math.prod(self.shape)
-        self.host = host_zeros_each([count] * (len(trainer.units) - 1), trainer.dtype, pin=device.type == "cuda")
+        self.host = host_zeros_each([count] * (len(trainer.units) - 1), dtype, pin=device.type == "cuda")
         self.offloaded = [new_event(device) for _ in self.host]
         self.leaving = collections.deque()  # (landed event, GPU inputs) of the copies that may still read them
         kinds, split = ["inputs"] * len(self.host), lambda _, flat: self.split(flat)
-        self.streamer = LayerStreamer(
-            self.host, kinds, split, trainer.dtype, device, ring.depth, ring.copy_stream, self
-        )
+        self.streamer = LayerStreamer(self.host, kinds, split, dtype, device, ring.depth, ring.copy_stream, self)
 
-    def wait_written(self, a: int) -> None:
-        """Host input a comes back only once it has reached the host: the copy stream waits for it."""
+    def wait_written(self, a: int) -> None:  # host input a comes back only once it has reached the host
         self.streamer.copy_stream.wait_event(self.offloaded[a])  # S14
 
     def written(self, a: int) -> bool:  # the copy stream waits for it: the copy may be issued now
         return True
 
-    def split(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """A flat buffer as one (B, T, hidden) view per micro-batch."""
+    def split(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:  # one (B, T, hidden) view per micro-batch
         return flat[: self.micro_batches * math.prod(self.shape)].view(self.micro_batches, *self.shape).unbind()
 
     def save(self, ctx, u: int, xs) -> None:
-        """Unit u's inputs to the host; the embeddings' token ids stay in ctx."""
+        """Copy unit u's inputs to the host on the D2H stream before its kernels are issued; unit 0's stay in ctx."""
         if u == 0:
             ctx.save_for_backward(*xs)
-        else:
-            self.send(u, xs)
-
-    def send(self, u: int, xs: tuple[torch.Tensor, ...]) -> None:
-        """Copy unit u's inputs to the host on the D2H stream; called before the unit's kernels are issued."""
+            return
         written, stream = new_event(self.device), self.d2h_stream
         written.record(self.streamer.compute_stream)
         with on_stream(stream):
@@ -1898,19 +1839,16 @@ class ActivationOffload:
             # the copy reads them: the caching allocator must not hand their memory out before it has landed
             self.leaving.popleft()[0].synchronize()  # S14
 
-    def backward_begins(self, n_units: int) -> None:
-        """Let go of the inputs still leaving, so the backward does not carry them, and start the backward's ring."""
+    def backward_begins(self, n_units: int) -> None:  # let go of the inputs still leaving; start the backward's ring
         for landed, _ in self.leaving:
             self.streamer.compute_stream.wait_event(landed)  # S14: the allocator hands their memory out on this stream
         self.leaving.clear()
         self.streamer.begin(reversed(range(n_units - 1)))
 
-    def load(self, u: int, saved: tuple) -> tuple:
-        """Unit u's inputs, at its backward: back from the host into a slot, or the token ids kept in ctx."""
+    def load(self, u: int, saved: tuple) -> tuple:  # unit u's inputs at its backward: back from the host, or the ids
         return saved if u == 0 else self.streamer.acquire(u - 1)
 
-    def release(self, u: int) -> None:
-        """Unit u's backward is issued: its inputs' slot may take the next unit's."""
+    def release(self, u: int) -> None:  # unit u's backward is issued: its inputs' slot may take the next unit's
         if u > 0:
             self.streamer.release(u - 1)
 
@@ -1926,24 +1864,18 @@ class LossScale:
     holds_updates = True
 
     def __init__(self, device: torch.device, ranks: OneProcess = ONE_PROCESS):
-        self.scale = 2.0**16
-        self.good_steps = 0  # in a row, since the scale last changed
-        self.device = device
-        self.ranks = ranks  # every rank skips a step that overflows on one
+        self.scale, self.good_steps = 2.0**16, 0  # good steps in a row, since the scale last changed
+        self.device, self.ranks = device, ranks  # every rank skips a step that overflows on one
         self.found_inf = torch.zeros(1, device=device)
 
-    def unscale(self, grads: list[torch.Tensor]) -> None:
-        """Divide the float32 gradients by the scale and note any inf or NaN, without a sync."""
+    def unscale(self, grads: list[torch.Tensor]) -> None:  # divide by the scale, noting inf or NaN, with no sync
         inv_scale = torch.full((1,), 1 / self.scale, device=self.device)
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found_inf, inv_scale)  # GradScaler's (private,
-        # no public form: checked on torch 2.11 to 2.13)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found_inf, inv_scale)  # private (torch 2.11-13)
 
-    def restore(self, scale: float, good_steps: int) -> None:
-        """The scale, and the good steps in a row since it changed, from a checkpoint."""
+    def restore(self, scale: float, good_steps: int) -> None:  # the scale and its good steps, from a checkpoint
         self.scale, self.good_steps = scale, good_steps
 
-    def update(self) -> bool:
-        """After the backward pass: whether the step may be applied (a sync)."""
+    def update(self) -> bool:  # after the backward pass: whether the step may be applied (a sync)
         overflow = bool(self.ranks.sum(self.found_inf).item())
         self.found_inf.zero_()
         self.good_steps = 0 if overflow else self.good_steps + 1
@@ -1955,14 +1887,12 @@ class LossScale:
         return not overflow
 
 
-def loss_scaling(dtype: torch.dtype, device: torch.device, ranks: OneProcess = ONE_PROCESS):
-    """float16's dynamic loss scaling (LossScale), or none."""
+def loss_scaling(dtype: torch.dtype, device: torch.device, ranks: OneProcess = ONE_PROCESS):  # LossScale for float16
     return LossScale(device, ranks) if dtype == torch.float16 else Unscaled()
 
 
 class GradClip:
-    """--clip-grad-norm: every gradient times min(1, max_norm / (norm + 1e-6)), as clip_grad_norm_, the float32 norm
-    taken on the GPU as each unit's gradients leave; units step once every unit's are in."""
+    """--clip-grad-norm: gradients times min(1, max_norm / (norm + 1e-6)) as clip_grad_norm_; units step once all in."""
 
     holds_updates = True
 
@@ -1971,31 +1901,24 @@ class GradClip:
             raise ValueError("clipping steps only once every unit's gradients are in: give each unit a gradient buffer")
         if not store.update.scaled:
             raise ValueError("the CPU Adam must multiply the gradients: build the store with scaled_grads")
-        self.max_norm = max_norm
-        self.units = store.units
+        self.max_norm, self.units = max_norm, store.units
         self.ranks = store.ranks  # with several, each takes the norm of its shards, and the squares are summed
         self.norms = {}  # unit -> its parameters' gradient norms, float32 on the GPU
         self.grad_norms = []  # each applied step's, before clipping
         self.taken = new_event(device)  # recorded after each unit's norms, on the stream that took them
 
     def add(self, u: int, views: list[torch.Tensor], sent: torch.Tensor, stream) -> None:
-        """Queue unit u's parameters' gradient norms: of `views`; with several ranks, of `sent`, this rank's shard of
-        their sum, on `stream`, where it lands."""
-        if not self.ranks.several:
-            self.take(u, views)
-            return
-        with on_stream(stream):
-            self.take(u, pieces(self.units[u].layout, sent, self.ranks.rank * sent.numel()))
-
-    def take(self, u: int, grads: list[torch.Tensor]) -> None:
-        """The norms of `grads`, unit u's parameters' (or their pieces in a shard), on the current stream."""
-        if not grads:  # a rank's shard of padding alone
-            self.norms[u] = []
-        elif grads[0].dtype == torch.float32:
-            self.norms[u] = torch._foreach_norm(grads, 2.0)  # clip_grad_norm_'s own (private: torch 2.11 to 2.13)
-        else:  # 16-bit gradients, summed in float32 without a float32 copy of the unit
-            self.norms[u] = [torch.linalg.vector_norm(g, 2.0, dtype=torch.float32) for g in grads]
-        self.taken.record()
+        """Queue the float32 norms of unit u's gradients `views` (several ranks: of this rank's summed shard `sent`)."""
+        several = self.ranks.several
+        grads = pieces(self.units[u].layout, sent, self.ranks.rank * sent.numel()) if several else views
+        with on_stream(stream if several else None):
+            if not grads:  # a rank's shard of padding alone
+                self.norms[u] = []
+            elif grads[0].dtype == torch.float32:
+                self.norms[u] = torch._foreach_norm(grads, 2.0)  # clip_grad_norm_'s own (private: torch 2.11 to 2.13)
+            else:  # 16-bit gradients, summed in float32 without a float32 copy of the unit
+                self.norms[u] = [torch.linalg.vector_norm(g, 2.0, dtype=torch.float32) for g in grads]
+            self.taken.record()
 
     def multiplier(self) -> float:
         """This step's coefficient, once the backward is done (a sync): the norm of the norms, in parameter order."""
@@ -2011,8 +1934,7 @@ class GradClip:
         return multiplier
 
 
-def scale_and_clip(trainer: OffloadedTraining, max_norm: float | None) -> None:
-    """The trainer's float16 losses scaled (LossScale) and its gradients clipped to `max_norm` (GradClip)."""
+def scale_and_clip(trainer: OffloadedTraining, max_norm: float | None) -> None:  # LossScale, and GradClip if asked
     trainer.scaling = loss_scaling(trainer.dtype, trainer.device, trainer.ranks)
     if trainer.scaling.holds_updates and not trainer.store.pool.dedicated:
         raise ValueError("float16 steps only once every unit's gradients are in: give each unit a gradient buffer")
@@ -2026,16 +1948,15 @@ def scale_and_clip(trainer: OffloadedTraining, max_norm: float | None) -> None:
 
 
 DISK_CALL = 2**28  # bytes one read or write call moves at most (Linux moves under 2 GiB per call)
+DISK_SLOTS = 2  # the disk tier's staging buffers: one unit stepped while the disk reads the next or writes one back
+DISK_BLOCK = 4096  # bytes: direct I/O moves whole blocks between block-aligned memory and file offsets
 
 
 class DiskFiles:
-    """The disk tier's files, one a unit holding its two Adam moments: unnamed (O_TMPFILE, freed however the process
-    ends), reserved up front, with direct I/O where the file system takes it; the disk's rates measured at set-up."""
+    """The disk tier's unnamed files (O_TMPFILE), a unit's two moments each, reserved up front, direct I/O if taken."""
 
-    def __init__(self, folder: str, numels: dict[int, int], probe: mmap.mmap):
-        """probe: a page-aligned buffer as large as the largest file, written and read to try direct I/O and measure."""
-        self.folder = folder
-        self.numels = numels
+    def __init__(self, folder: str, numels: dict[int, int], probe: mmap.mmap):  # probe: aligned, as large as any file
+        self.folder, self.numels = folder, numels
         self.half = {u: moment_bytes(n) for u, n in numels.items()}  # one moment's bytes in the file and a slot
         self.fds = {}
         try:
@@ -2047,8 +1968,7 @@ class DiskFiles:
             self.close()
             raise self.failed(e) from None
 
-    def moments(self, buffer: mmap.mmap, u: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Unit u's two moments in `buffer` (a slot, or a read's own), laid out as in its file."""
+    def moments(self, buffer: mmap.mmap, u: int) -> tuple[torch.Tensor, torch.Tensor]:  # unit u's, as in its file
         flat = torch.frombuffer(buffer, dtype=torch.float32)  # keeps the buffer alive
         h, n = self.half[u] // 4, self.numels[u]
         return flat[:n], flat[h : h + n]
@@ -2080,38 +2000,33 @@ class DiskFiles:
         nbytes, read = 2 * self.half[u], time.perf_counter()
         return {"write_gbps": nbytes / (written - start) / 1e9, "read_gbps": nbytes / (read - written) / 1e9}
 
-    def failed(self, e: OSError) -> OSError:
-        """`e` with the tier's folder as its file name, for the one line that ends the run."""
+    def failed(self, e: OSError) -> OSError:  # `e` with the tier's folder as its file name, for the run's last line
         if e.filename and e.filename.endswith("(the --nvme disk tier)"):
             return e
         return OSError(e.errno, e.strerror or str(e), f"{self.folder} (the --nvme disk tier)")
 
-    def close(self) -> None:
-        """Close every file (the kernel frees an unnamed file with its last descriptor)."""
+    def close(self) -> None:  # close every file (the kernel frees an unnamed file with its last descriptor)
         for fd in self.fds.values():
             os.close(fd)
         self.fds = {}
 
 
 class DiskReader:
-    """The disk tier's reader thread: it stages each unit's moments into a free slot in the backward's order, each
-    once its last staging is written back (settled), until stop(); a read's error goes to the tier."""
+    """The disk tier's reader thread: stages each settled unit's moments into a free slot, in the backward's order."""
 
     def __init__(self, tier: DiskTier):
-        self.tier = tier
-        self.stopping = False
+        self.tier, self.stopping = tier, False
         self.lock = threading.Lock()  # stop() sets `stopping` and the reader clears a settled event, never both at once
         self.thread = threading.Thread(target=self.read_ahead, name="disk-reader", daemon=True)
         self.thread.start()
 
     def stop(self) -> None:
         """Stop the thread, wherever it waits: for a unit to settle, or for a free slot."""
-        tier = self.tier
         with self.lock:
             self.stopping = True
-            for event in tier.settled.values():
+            for event in self.tier.settled.values():
                 event.set()  # wakes the reader where it waits to read a unit again
-        tier.free.put(None)  # wakes it where it waits for a slot
+        self.tier.free.put(None)  # wakes it where it waits for a slot
         self.thread.join()
 
     def read_ahead(self) -> None:
@@ -2132,32 +2047,24 @@ class DiskReader:
             tier.staged[u].put(k)
 
 
-DISK_SLOTS = 2  # the disk tier's staging buffers: one unit stepped while the disk reads the next or writes one back
-
-
 class DiskTier:
-    """--nvme: the Adam moments of some units in files on a local disk, staged in host memory for each step: a reader
-    thread stages them in the backward's order, a writer thread writes them back. settled[u]: u's file holds its
-    last step's moments (the reader may read it again); current[u]: it holds its latest (a checkpoint may read it)."""
+    """--nvme: some units' Adam moments in files on a local disk, staged for each step by reader and writer threads."""
 
     def __init__(self, folder: str, numels: dict[int, int], slots: int | None = None):
         self.units = tuple(sorted(numels, reverse=True))  # the order the backward sends their gradients in
-        # no GPU copy reads or writes them, so they need no pinning
-        slot_bytes = 2 * moment_bytes(max(numels.values()))
+        slot_bytes = 2 * moment_bytes(max(numels.values()))  # no GPU copy reads the slots: they need no pinning
         self.ring = [HostBuffer(slot_bytes) for _ in range(slots or DISK_SLOTS)]
         self.files = DiskFiles(folder, numels, self.ring[0])
-        self.settled = {u: threading.Event() for u in self.units}
-        self.current = {u: threading.Event() for u in self.units}
+        self.settled = {u: threading.Event() for u in self.units}  # u's file has its last step's: the reader may read
+        self.current = {u: threading.Event() for u in self.units}  # u's file has its latest: a checkpoint may read it
         self.fresh = set()  # units whose moments start at zero at their next step
         self.in_slot = {}  # unit -> the slot it is being stepped in
         self.error = None  # the reader's or the writer's, raised by the next stage, read or flush
         self.waited_s = 0.0  # the CPU Adam's wait for reads in this mode
-        self.writer = ThreadPoolExecutor(1, thread_name_prefix="disk-writer")
-        self.reader = None
+        self.writer, self.reader = ThreadPoolExecutor(1, thread_name_prefix="disk-writer"), None
         self.reset()
 
-    def reset(self) -> None:
-        """Nothing staged, every slot free, the reader not started (the next stage starts it)."""
+    def reset(self) -> None:  # nothing staged, every slot free, the reader not started (the next stage starts it)
         self.free = queue.SimpleQueue()
         for k in range(len(self.ring)):
             self.free.put(k)
@@ -2183,19 +2090,9 @@ class DiskTier:
             self.fresh.discard(u)
         return moments
 
-    def write_back(self, u: int) -> None:
-        """Queue the write of unit u's stepped moments, if staged; its slot is free once it lands."""
+    def write_back(self, u: int) -> None:  # queue the write of unit u's stepped moments, if staged; then its slot frees
         if u in self.in_slot:
             self.writer.submit(self.write, u, self.in_slot.pop(u))
-
-    def staged_now(self, u: int) -> bool:
-        """Whether unit u's moments are read, so that its step would not wait; starts the reader if it is stopped."""
-        self.start()
-        return not self.staged[u].empty()
-
-    def zero(self, u: int) -> None:
-        """Start unit u's moments at zero: its next step zeroes them in the slot (its file is not written)."""
-        self.fresh.add(u)
 
     def read(self, u: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Unit u's moments as its file holds them, in new host memory: a checkpoint's, after the updates."""
@@ -2206,28 +2103,24 @@ class DiskTier:
             self.transfer(os.preadv, u, buffer)
         return self.files.moments(buffer, u)
 
-    def load(self, u: int, fill) -> None:
-        """Set unit u's moments on the disk from fill(exp_avg, exp_avg_sq), the reader stopped first."""
+    def load(self, u: int, fill) -> None:  # unit u's moments on the disk from fill(exp_avg, exp_avg_sq), reader stopped
         self.stop()
         fill(*self.files.moments(self.ring[0], u))
         self.transfer(os.pwritev, u, self.ring[0])
         self.fresh.discard(u)
 
-    def flush(self) -> None:
-        """Block until every write-back has landed; re-raise an error of the disk."""
+    def flush(self) -> None:  # block until every write-back has landed; re-raise an error of the disk
         self.drain()
         self.raise_error()
 
     def drain(self) -> None:  # block until every write-back has landed or failed
         self.writer.submit(lambda: None).result()  # one writer thread: what was queued before has run
 
-    def start(self) -> None:
-        """Start the reader thread, unless it runs."""
+    def start(self) -> None:  # start the reader thread, unless it runs
         if self.reader is None:
             self.reader = DiskReader(self)
 
-    def stop(self) -> None:
-        """Stop the reader after the write-backs have landed, and let go of what it staged; no step may be running."""
+    def stop(self) -> None:  # stop the reader once the write-backs land, dropping what it staged; no step may run
         self.drain()
         if self.reader is not None:
             self.reader.stop()
@@ -2256,17 +2149,14 @@ class DiskTier:
             self.settled[u].set()
             self.free.put(k)
 
-    def transfer(self, call, u: int, buffer: mmap.mmap) -> None:
-        """Unit u's whole file read into (os.preadv) or written from (os.pwritev) the start of `buffer`."""
+    def transfer(self, call, u: int, buffer: mmap.mmap) -> None:  # unit u's file read into or written from `buffer`
         self.files.transfer(call, u, buffer)
 
-    def raise_error(self) -> None:
-        """Re-raise the reader's or the writer's error, if any."""
+    def raise_error(self) -> None:  # re-raise the reader's or the writer's error, if any
         if self.error is not None:
             raise self.error
 
-    def fail(self, e: BaseException) -> None:
-        """The reader's error: raised by every step that waits for a read from now on, and by the next flush."""
+    def fail(self, e: BaseException) -> None:  # the reader's error: raised by every later wait for a read, and flush
         self.error = e
         for staged in self.staged.values():
             staged.put(e)
@@ -2276,41 +2166,36 @@ class DiskMoments(HostMoments):
     """HostMoments with the disk tier's units' moments on its disk, read for each step and written back after it."""
 
     def __init__(self, numels: list[int], disk: DiskTier):
-        self.disk = disk
-        self.on_disk = frozenset(disk.units)  # units whose moments the disk tier keeps
+        self.disk, self.on_disk = disk, frozenset(disk.units)  # the units whose moments the disk tier keeps
         super().__init__(numels, self.on_disk)
 
-    def stage(self, u: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Unit u's moments for its step: read from the disk into a slot, or in host memory."""
+    def stage(self, u: int) -> tuple[torch.Tensor, torch.Tensor]:  # unit u's moments for its step: from disk, or host
         return self.disk.stage(u) if u in self.on_disk else super().stage(u)
 
-    def staged(self, u: int) -> None:
-        """Unit u's step is done: a disk unit's moments are written back."""
+    def staged(self, u: int) -> None:  # unit u's step is done: a disk unit's moments are written back
         if u in self.on_disk:
             self.disk.write_back(u)
 
-    def ready(self, u: int) -> bool:  # whether unit u's step can run without waiting for the disk
-        return u not in self.on_disk or self.disk.staged_now(u)
+    def ready(self, u: int) -> bool:  # whether unit u's step can run without waiting for the disk; starts its reader
+        if u not in self.on_disk:
+            return True
+        self.disk.start()
+        return not self.disk.staged[u].empty()
 
-    def read(self, u: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Unit u's moments after its updates: read from the disk into new memory, or in place."""
+    def read(self, u: int) -> tuple[torch.Tensor, torch.Tensor]:  # unit u's moments after its updates, wherever
         return self.disk.read(u) if u in self.on_disk else super().read(u)
 
-    def zero(self, units) -> None:
-        """Zero the moments of `units` for their first step: the disk's in their slot at that step."""
-        for u in set(units) & self.on_disk:
-            self.disk.zero(u)
+    def zero(self, units) -> None:  # zero the moments of `units` for their first step (a disk unit's in its slot)
+        self.disk.fresh |= set(units) & self.on_disk
         super().zero(set(units) - self.on_disk)
 
-    def fill(self, u: int, fill) -> None:
-        """Unit u's moments from a checkpoint, into its file or host memory."""
+    def fill(self, u: int, fill) -> None:  # unit u's moments from a checkpoint, into its file or host memory
         if u in self.on_disk:
             self.disk.load(u, fill)
         else:
             super().fill(u, fill)
 
-    def restart(self) -> None:
-        """A new mode's load: a mode before may have ended mid-step, so the reader starts over; its waits restart."""
+    def restart(self) -> None:  # a new mode's load: one before may have ended mid-step, so the reader starts over
         self.disk.stop()
         self.disk.waited_s = 0.0
 
@@ -2342,9 +2227,6 @@ def unnamed_file(folder: str, nbytes: int) -> int:
     return fd
 
 
-DISK_BLOCK = 4096  # bytes: direct I/O moves whole blocks between block-aligned memory and file offsets
-
-
 def direct_io(fd: int, buffer: mmap.mmap) -> bool:
     """Turn on direct I/O for `fd` where the file system takes it (one block written from `buffer` tells)."""
     flags = fcntl.fcntl(fd, fcntl.F_GETFL)
@@ -2360,12 +2242,12 @@ def direct_io(fd: int, buffer: mmap.mmap) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------------- several GPUs
-# Adds: data-parallel ranks, each holding 1/N of every unit's host state; a unit's shards cross PCIe on every rank
-# and are gathered over NVLink, its gradients reduce-scattered. Turned on: torchrun. Plugs into: OneProcess (Ranks),
-# ParamStore.streamer, OffloadedTraining.make_steppers and make_streamer (the Sharded subclasses).
+# Adds: data-parallel ranks, each holding 1/N of every unit's host state, gathered over NVLink, gradients reduce-
+# scattered. Turned on: torchrun. Plugs into: OneProcess (Ranks), ParamStore.streamer, OffloadedTraining's makers.
 
 
 STEP_GROUP = {}  # "group": the steps' process group, with the plan's rank timeout (join_steps)
+SETUP_TIMEOUT = 1800  # seconds: the ranks meet before the steps, once each has built its model and state
 # the collectives on one tensor: torch 2.13 names them so, and warns at the older names, which 2.11 and 2.12 have only
 all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -2373,10 +2255,8 @@ reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sca
 
 @dataclass(frozen=True)
 class Ranks(OneProcess):
-    """The processes of a data-parallel run, one per GPU, as torchrun starts them (one alone: OneProcess's ways).
-    Each rank keeps 1/world of every unit's host state and trains on micro-batches rank, rank + world, ...; every
-    rank calls the collectives in the same order: the steps' (gather, sum_shard, sum) in `group`, with the plan's
-    rank timeout, the others (meet, in_turn, gathered, each) in the default group, whose failures reach Python."""
+    """The processes of a data-parallel run, one per GPU, as torchrun starts them, each with 1/world of the host state.
+    All call the collectives in one order: the steps' in `group` (rank timeout), the others in the default group."""
 
     rank: int = 0
     world: int = 1
@@ -2384,8 +2264,7 @@ class Ranks(OneProcess):
     local_world: int = 1  # the ranks on this host, which share its cores and memory
 
     @classmethod
-    def from_environment(cls) -> Ranks:
-        """The ranks torchrun describes in the environment, else one process."""
+    def from_environment(cls) -> Ranks:  # the ranks torchrun describes in the environment, else one process
         env = os.environ
         if "WORLD_SIZE" not in env:
             return cls()
@@ -2396,43 +2275,36 @@ class Ranks(OneProcess):
     def several(self) -> bool:  # whether other ranks take part
         return self.world > 1
 
-    def shard_numel(self, numel: int) -> int:
-        """Each rank's share of a flat buffer of `numel` elements, on an ALIGN boundary (the last ones pad)."""
+    def shard_numel(self, numel: int) -> int:  # each rank's share of a flat buffer of `numel`, ALIGNed (the last pad)
         return -(-numel // (self.world * ALIGN)) * ALIGN
 
-    def whole_numel(self, shard: torch.Tensor) -> int:
-        """The elements of the flat buffer (a unit, padding included) whose shard on this rank is `shard`."""
+    def whole_numel(self, shard: torch.Tensor) -> int:  # the elements of the flat buffer whose shard here is `shard`
         return shard.numel() * self.world
 
-    def shard(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of `full`, a flat buffer of world shards."""
+    def shard(self, full: torch.Tensor) -> torch.Tensor:  # this rank's shard of `full`, a flat buffer of world shards
         n = full.numel() // self.world
         return full[self.rank * n : (self.rank + 1) * n]
 
     def share(self, micro_batches: list) -> list:  # this rank's micro-batches of a step's: rank, rank + world,
         return micro_batches[self.rank :: self.world]
 
-    def gather(self, full: torch.Tensor) -> None:
-        """Each rank's shard of `full` gathered into every rank's `full`, in stream order with the current stream."""
+    def gather(self, full: torch.Tensor) -> None:  # each rank's shard of `full` into every rank's, on this stream
         if self.several:
             all_gather(full, self.shard(full), group=self.group)
 
-    def sum_shard(self, shard: torch.Tensor, full: torch.Tensor) -> None:
-        """The sum over ranks of their `full`, this rank's shard of it into `shard` (stream order as gather's)."""
+    def sum_shard(self, shard: torch.Tensor, full: torch.Tensor) -> None:  # the ranks' `full` summed, this one's shard
         if self.several:
             reduce_scatter(shard, full, group=self.group)
         else:
             shard.copy_(full)
 
-    def sum(self, value: torch.Tensor) -> torch.Tensor:
-        """`value` summed over the ranks, in place."""
+    def sum(self, value: torch.Tensor) -> torch.Tensor:  # `value` summed over the ranks, in place
         if self.several:
             dist.all_reduce(value, group=self.group)
         return value
 
     def gathered(self, shard: torch.Tensor, everywhere: bool = True) -> torch.Tensor | None:
-        """Every rank's `shard` of a flat host buffer, gathered on every rank (not `everywhere`: on rank 0, None on the
-        others), in the default group, which waits long."""
+        """Every rank's `shard` of a flat host buffer, gathered on every rank (not `everywhere`: on rank 0)."""
         if not self.several:
             return shard
         if everywhere:
@@ -2443,20 +2315,17 @@ class Ranks(OneProcess):
         dist.gather(shard.contiguous(), shards, dst=0)
         return torch.cat(shards) if self.rank == 0 else None
 
-    def meet(self) -> None:
-        """Wait until every rank is here, as long as setting up may take (one may still be pinning or compiling)."""
+    def meet(self) -> None:  # wait until every rank is here, as long as setting up may take
         if self.several:
             dist.barrier()
 
-    def in_turn(self, make):
-        """make() on each host's first rank, then on its others, which read what it cached (a token cache)."""
+    def in_turn(self, make):  # make() on each host's first rank, then on its others, which read what it cached
         if self.local_rank == 0:
             made = make()
         self.meet()
         return made if self.local_rank == 0 else make()
 
-    def each(self, value) -> list:
-        """Every rank's `value` (a small picklable one), in rank order."""
+    def each(self, value) -> list:  # every rank's `value` (a small picklable one), in rank order
         if not self.several:
             return [value]
         values = [None] * self.world
@@ -2468,9 +2337,6 @@ class Ranks(OneProcess):
         return STEP_GROUP.get("group")
 
 
-SETUP_TIMEOUT = 1800  # seconds: the ranks meet before the steps, once each has built its model and state
-
-
 class ShardedParamStore(ParamStore):
     """ParamStore over several ranks: each holds its shard of every layer; the GPUs gather the rest."""
 
@@ -2478,41 +2344,35 @@ class ShardedParamStore(ParamStore):
         self.ranks = ranks
         super().__init__(model, pin)
 
-    def held(self, numel: int) -> tuple[int, int]:
-        """This rank's shard of a layer's `numel` elements, and where it starts."""
+    def held(self, numel: int) -> tuple[int, int]:  # this rank's shard of a layer's `numel` elements, and its start
         shard = self.ranks.shard_numel(numel)
         return shard, self.ranks.rank * shard
 
     def share(self, layer: nn.Module, flat: torch.Tensor) -> None: ...  # a shard: the model keeps its parameters
 
-    def streamer(self, kinds, make_module, device, depth: int) -> LayerStreamer:
-        """A ShardedStreamer of the layers' shards."""
+    def streamer(self, kinds, make_module, device, depth: int) -> LayerStreamer:  # a ShardedStreamer of the shards
         return ShardedStreamer(self.ranks, self.flats, kinds, make_module, self.dtype, device, depth)
 
 
-def param_store_of(ranks: Ranks, model: LlamaForCausalLM, pin: bool) -> ParamStore:
-    """A ParamStore of `model`, or with several ranks a ShardedParamStore."""
+def param_store_of(ranks: Ranks, model: LlamaForCausalLM, pin: bool) -> ParamStore:  # sharded with several ranks
     return ShardedParamStore(model, pin, ranks) if ranks.several else ParamStore(model, pin)
 
 
 class ShardedStreamer(LayerStreamer):
-    """LayerStreamer over several ranks: this rank's shard of a unit crosses PCIe, an all-gather over NVLink fills the
-    rest on a stream of its own. Copies are issued in order: ranks issuing them apart would pair the wrong shards."""
+    """LayerStreamer over ranks: this rank's shard crosses PCIe, an all-gather fills the rest; copies issue in order."""
 
     def __init__(self, ranks: Ranks, sources, kinds, make_module, dtype, device, depth: int, writer=None):
         self.ranks = ranks
         self.gather_stream = new_stream(device)  # one unit's all-gather runs while the next unit's shard crosses PCIe
         super().__init__(sources, kinds, make_module, dtype, device, depth, writer=writer)
 
-    def whole_numel(self, src: torch.Tensor) -> int:
-        """The slot elements of the unit whose shard is `src`: every rank's shard."""
+    def whole_numel(self, src: torch.Tensor) -> int:  # the slot elements of the unit whose shard is `src`
         return self.ranks.whole_numel(src)
 
     def destination(self, s: int, src: torch.Tensor) -> torch.Tensor:  # this rank's shard of the unit's place in slot s
         return self.ranks.shard(self.buffers[s][: self.whole_numel(src)])
 
-    def landed_in(self, s: int, src: torch.Tensor) -> None:
-        """The other ranks' shards into slot s, on the gather stream, once this rank's has landed."""
+    def landed_in(self, s: int, src: torch.Tensor) -> None:  # the other ranks' shards into slot s, on the gather stream
         with on_stream(self.gather_stream):
             self.gather_stream.wait_event(self.copied[s])  # S1: this rank's shard has landed
             self.ranks.gather(self.buffers[s][: self.whole_numel(src)])
@@ -2526,27 +2386,22 @@ class ShardedStreamer(LayerStreamer):
 
 
 class ShardedSteppers(Steppers):
-    """Steppers over several ranks: each unit's gradients reduce-scattered over the ranks, this rank's shard to its
-    stepper. Every unit streams."""
+    """Steppers over several ranks: each unit's gradients reduce-scattered, this rank's shard (`summed`) stepped."""
 
     def __init__(self, store: OffloadedAdam, dtype: torch.dtype, device: torch.device, d2h_stream):
         super().__init__(store, dtype, device, d2h_stream)
-        shard = max(m.numel() for m in store.masters)
-        self.summed = torch.empty(shard, dtype=store.grad_dtype, device=device)  # this rank's shard of their sum
+        self.summed = torch.empty(max(m.numel() for m in store.masters), dtype=store.grad_dtype, device=device)
 
     def to_send(self, u: int, ready) -> tuple[torch.Tensor, object]:
-        """Unit u's gradients summed over the ranks, this rank's shard into `summed` on the D2H stream (after the
-        stepper's last copy out of it, in stream order), and the event its stepper waits for (S6)."""
-        shard, summed = self.summed_shard(u), new_event(self.device)
-        stream = self.cpu_adam.d2h_stream
+        """Unit u's gradients summed over the ranks, this rank's shard into `summed` on the D2H stream (S6)."""
+        shard, summed, stream = self.summed_shard(u), new_event(self.device), self.cpu_adam.d2h_stream
         with on_stream(stream):
             stream.wait_event(ready)  # S5: the unit's backward must have written all its gradients
             self.store.ranks.sum_shard(shard, self.grads(u))
             summed.record(stream)  # S6
         return shard, summed
 
-    def summed_shard(self, u: int) -> torch.Tensor:
-        """Where this rank's shard of unit u's gradients, summed over the ranks, lands on the GPU."""
+    def summed_shard(self, u: int) -> torch.Tensor:  # where this rank's shard of unit u's summed gradients lands
         return self.summed[: self.store.masters[u].numel()]
 
 
@@ -2560,22 +2415,18 @@ class ShardedTraining(OffloadedTraining):
         return ShardedStreamer(self.ranks, *args, **kwargs)
 
 
-def pieces(layout: FlatLayout, shard: torch.Tensor, start: int) -> list[torch.Tensor]:
-    """The parameters' pieces within `shard` (a unit's flat buffer from element `start` on), the padding left out."""
+def pieces(layout: FlatLayout, shard: torch.Tensor, start: int) -> list[torch.Tensor]:  # the parameters' pieces in it
     return [shard[lo - start : hi - start] for _, _, lo, hi in layout.spans(start, start + shard.numel())]
 
 
-def check_same(ranks: Ranks, value, what: str) -> None:
-    """Every rank holds the same `value`; else each ends with one line naming the difference, before a collective
-    that would pair up wrongly and hang."""
+def check_same(ranks: Ranks, value, what: str) -> None:  # every rank holds the same `value`, or each ends naming it
     each = ranks.each(value)
     if any(other != each[0] for other in each):
         differ = "; ".join(f"rank {r}: {v}" for r, v in enumerate(each))
         raise UsageError(f"the ranks differ in {what} ({differ}): they must plan alike; say so in an issue")
 
 
-def start_ranks(ranks: Ranks) -> None:
-    """Join the other ranks (torchrun's rendezvous) in the default group, which waits as long as setting up may take."""
+def start_ranks(ranks: Ranks) -> None:  # join the other ranks (torchrun's rendezvous) in the default group
     if ranks.several:
         dist.init_process_group(backend(), timeout=datetime.timedelta(seconds=SETUP_TIMEOUT))
 
@@ -2609,16 +2460,14 @@ def rank_peaks(ranks: Ranks, result: dict, params: int) -> dict:
     return result
 
 
-def host_peaks(ranks: Ranks, host: dict) -> dict:
-    """The host's budget and peak resident set: with several ranks on it, every rank's summed."""
+def host_peaks(ranks: Ranks, host: dict) -> dict:  # the host's budget and peak resident set, every rank's summed
     if not ranks.several:
         return host
     return {key: sum(rank[key] or 0 for rank in ranks.each(host)) for key in host}
 
 
 def lost_ranks(ranks: Ranks, error: BaseException) -> str | None:
-    """The line a rank ends on when a collective Python waits on failed because another rank ended or stalled (a
-    DistError, gloo's dropped connection); None for one process or this rank's own error. NCCL's: torchrun's."""
+    """The line a rank ends on when a collective failed as another rank ended or stalled, else None."""
     lost = isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and "gloo/" in str(error))
     if not ranks.several or not lost:
         return None
@@ -2638,8 +2487,7 @@ def own_error(ranks: Ranks, error: BaseException) -> str:
     return f"rank {ranks.rank} of {ranks.world} stops: {type(error).__name__}: {what}{place}"
 
 
-def stop_ranks() -> None:
-    """Leave the other ranks, once every collective is done."""
+def stop_ranks() -> None:  # leave the other ranks, once every collective is done
     if dist.is_available() and dist.is_initialized():
         STEP_GROUP.clear()
         dist.destroy_process_group()
@@ -2653,7 +2501,17 @@ def stop_ranks() -> None:
 def model_config(run: RunConfig) -> LlamaConfig:
     """The model's config: --model's, or the preset's with the size flags over it; refused where no LLaMA has them."""
     if run.model is not None:
-        config = load_config(Path(run.model))
+        path = Path(run.model)
+        model_type(path)  # a LLaMA's save_pretrained folder
+        try:
+            with transformers_quiet():  # its warnings on a config it cannot check: the refusal below is the one line
+                config = LlamaConfig.from_pretrained(path)
+            with torch.device("meta"):
+                LlamaRotaryEmbedding(config)  # its rope settings, which the config takes unchecked
+                LlamaDecoderLayer(config, layer_idx=0)  # its activation's name, and the like
+        except Exception as e:  # transformers' own validation, whose error classes vary between versions
+            reason = f"{type(e).__name__}: {str(e.__cause__ or e).splitlines()[0]}"
+            raise UsageError(f"--model {path}: transformers rejects its config.json ({reason})") from None
         check_sizes({field: getattr(config, field) for field in SIZE_FLAGS}, f"--model {run.model}: config.json's ")
         return config
     check_sizes({**PRESETS[run.preset], **dict(run.sizes)})
@@ -2661,23 +2519,18 @@ def model_config(run: RunConfig) -> LlamaConfig:
 
 
 def load_model(run: RunConfig, config: LlamaConfig) -> LlamaForCausalLM:
-    """The CPU model in the compute dtype: --model's, a meta-device one whose units are drawn straight into the
-    masters (draws_units), or build_model's random one."""
-    if run.model is not None:
-        return pretrained_model(run)
-    if not draws_units(run):
+    """The CPU model in its dtype: --model's, a meta one drawn into the masters (draws_units), or a random one."""
+    if draws_units(run):
+        log(f"{run.preset}: {count_text(param_count(config))} {run.dtype} parameters, drawn straight into the masters")
+        model = meta_model(config, run.torch_dtype, run.attention)
+        model.model.rotary_emb = LlamaRotaryEmbedding(config)  # computed, not drawn
+        return model.eval()
+    if run.model is None:
         t0 = time.perf_counter()
         model = build_model(run, config)
         log(f"built in {time.perf_counter() - t0:.1f} s")
         return model
-    log(f"{run.preset}: {count_text(param_count(config))} {run.dtype} parameters, drawn straight into the masters")
-    model = meta_model(config, run.torch_dtype, run.attention)
-    model.model.rotary_emb = LlamaRotaryEmbedding(config)  # computed, not drawn
-    return model.eval()
-
-
-def pretrained_model(run: RunConfig) -> LlamaForCausalLM:
-    """--model's weights in the compute dtype, refused with one line where they lack a weight or hold NaN."""
+    # --model's weights, refused with one line where they lack a weight or hold NaN
     log(f"loading {run.model} on the CPU in {run.dtype}")
     transformers.utils.logging.disable_progress_bar()  # stderr carries this script's progress lines alone
     try:
@@ -2698,23 +2551,6 @@ def pretrained_model(run: RunConfig) -> LlamaForCausalLM:
     return model.eval()
 
 
-def load_config(path: Path) -> LlamaConfig:
-    """A save_pretrained folder's LlamaConfig, refused with one line if the folder is not a LLaMA model."""
-    model_type(path)
-    try:
-        with transformers_quiet():  # its warnings on a config it cannot check: the refusal below is the one line
-            config = LlamaConfig.from_pretrained(path)
-        with torch.device("meta"):
-            LlamaRotaryEmbedding(config)  # its rope settings, which the config takes unchecked
-            LlamaDecoderLayer(config, layer_idx=0)  # its activation's name, and the like
-    except Exception as e:  # transformers' own validation, whose error classes vary between versions
-        reason = str(e.__cause__ or e).splitlines()[0]
-        raise UsageError(
-            f"--model {path}: transformers rejects its config.json ({type(e).__name__}: {reason})"
-        ) from None
-    return config
-
-
 @contextlib.contextmanager
 def transformers_quiet():
     """transformers' warnings held back for the block (its errors still show): this script says what matters."""
@@ -2726,25 +2562,30 @@ def transformers_quiet():
         transformers.utils.logging.set_verbosity(verbosity)
 
 
-SAFETENSORS_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1}
-SAFETENSORS_ITEMSIZE |= {"BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+SAFETENSORS_ITEMSIZE = dict(F64=8, F32=4, F16=2, BF16=2, I64=8, I32=4, I16=2, I8=1, U8=1, BOOL=1, F8_E4M3=1, F8_E5M2=1)
 
 
 def check_weights(folder: Path, config: LlamaConfig) -> None:
-    """--model's safetensors files are whole and hold every weight of its config in its shape; else one line
-    naming the file, before the model is built."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        files = indexed_files(index)
-    elif (folder / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    elif any((folder / name).is_file() for name in ("pytorch_model.bin", "pytorch_model.bin.index.json")):
-        return check_torch_files(folder)  # no safetensors: from_pretrained checks the shapes, build_model the rest
+    """--model's weight files are there and whole, safetensors ones with each weight of its config in its shape."""
+    for single in ("model.safetensors", "pytorch_model.bin"):  # safetensors first; sharded (an index) first
+        index = folder / f"{single}.index.json"
+        if index.is_file() or (folder / single).is_file():
+            break
     else:
         raise UsageError(f"--model {folder}: no weights in it (model.safetensors or pytorch_model.bin): save it again")
-    found = {}
-    for name in files:
-        found |= safetensors_shapes(folder, name)
+    found, pickled = {}, single == "pytorch_model.bin"
+    for name in indexed_files(index) if index.is_file() else [single]:
+        if not (folder / name).is_file():
+            raise UsageError(f"--model {folder}: {name} is missing: save the model again")
+        if not pickled:
+            found |= safetensors_shapes(folder, name)
+            continue
+        with open(folder / name, "rb") as f:
+            head = f.read(4)
+        if head != b"PK\x03\x04" and head[:1] != b"\x80":  # a zip, as torch.save writes; or a pickle
+            raise UsageError(f"--model {folder}: {name} is damaged, not a torch file: save the model again")
+    if pickled:  # from_pretrained checks the shapes, build_model the rest
+        return
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
@@ -2756,16 +2597,15 @@ def check_weights(folder: Path, config: LlamaConfig) -> None:
 
 
 def check_no_extra_weights(folder: Path, config: LlamaConfig, extra: set[str]) -> None:
-    """--model's weights hold none its config has no place for (a layer past num_hidden_layers, which
-    from_pretrained drops without a word); else one line naming one."""
+    """Refuse, naming one, weights the config has no place for (from_pretrained drops layers past its count)."""
     extra = sorted(name for name in extra if not name.endswith("rotary_emb.inv_freq"))  # older saves' tables
     if extra:
         held = [int(m[1]) for name in extra if (m := re.match(r"model\.layers\.(\d+)\.", name))]
-        layers = f" (num_hidden_layers is {config.num_hidden_layers}, the weights hold {max(held) + 1} layers)"
-        raise UsageError(
-            f"--model {folder}: its weights hold {len(extra)} weight(s) the config has no place for, such as {extra[0]}"
-            f"{layers if held else ''}: fix config.json, or save the model again"
+        layers = (
+            f" (num_hidden_layers is {config.num_hidden_layers}, the weights hold {max(held, default=0) + 1} layers)"
         )
+        what = f"{len(extra)} weight(s) the config has no place for, such as {extra[0]}{layers if held else ''}"
+        raise UsageError(f"--model {folder}: its weights hold {what}: fix config.json, or save the model again")
 
 
 def indexed_files(index: Path) -> list[str]:
@@ -2779,81 +2619,50 @@ def indexed_files(index: Path) -> list[str]:
     return files
 
 
-def check_torch_files(folder: Path) -> None:
-    """--model's pytorch_model.bin files are there and torch's format; else one line naming the file."""
-    index = folder / "pytorch_model.bin.index.json"
-    for name in indexed_files(index) if index.is_file() else ["pytorch_model.bin"]:
-        path = folder / name
-        if not path.is_file():
-            raise UsageError(f"--model {folder}: {path.name} is missing: save the model again")
-        with open(path, "rb") as f:
-            head = f.read(4)
-        if head != b"PK\x03\x04" and head[:1] != b"\x80":  # a zip, as torch.save writes; or a pickle
-            raise UsageError(f"--model {folder}: {path.name} is damaged, not a torch file: save the model again")
-
-
 def safetensors_shapes(folder: Path, name: str) -> dict[str, tuple]:
     """The tensors' shapes in one of --model's safetensors files; refused with one line where it is not one whole."""
-    shapes = safetensors_header(folder / name)
-    if shapes is None and not (folder / name).is_file():
-        raise UsageError(f"--model {folder}: {name} is missing: save the model again")
-    if shapes is None:
-        size = (folder / name).stat().st_size
-        raise UsageError(f"--model {folder}: {name} is damaged or cut short ({size:,} bytes): save the model again")
-    return shapes
-
-
-def safetensors_header(path: Path) -> dict[str, tuple] | None:
-    """The tensors' shapes in a safetensors file; None where it is not one whole (its header and byte ranges)."""
-    if not path.is_file():
-        return None
+    path, shapes = folder / name, {}
     size = path.stat().st_size
     try:
         with open(path, "rb") as f:
             head = f.read(8)
             length = struct.unpack("<Q", head)[0] if len(head) == 8 else size
-            if length > size - 8:
-                return None
-            header = parse_json(f.read(length))
+            header = parse_json(f.read(length)) if length <= size - 8 else None
+        for key, entry in header.items():  # not a table (or cut short, None): AttributeError
+            if key != "__metadata__":
+                shape, (start, stop) = tuple(entry["shape"]), entry["data_offsets"]
+                nbytes = math.prod(shape) * SAFETENSORS_ITEMSIZE[entry["dtype"]]
+                if not (stop - start == nbytes and start >= 0 and 8 + length + stop <= size):
+                    raise ValueError("a tensor's bytes out of place")
+                shapes[key] = shape
     except OSError as e:
-        raise UsageError(f"--model {path.parent}: {path.name} cannot be read ({e.strerror})") from None
-    except ValueError:  # not JSON, or not UTF-8
-        return None
-    shapes = {}
-    for key, entry in header.items() if isinstance(header, dict) else [(None, None)]:
-        if key == "__metadata__":
-            continue
-        try:
-            shape, (start, stop) = tuple(entry["shape"]), entry["data_offsets"]
-            nbytes = math.prod(shape) * SAFETENSORS_ITEMSIZE[entry["dtype"]]
-            fits = stop - start == nbytes and start >= 0 and 8 + length + stop <= size
-        except (KeyError, TypeError, ValueError):
-            fits = False
-        if not fits:
-            return None
-        shapes[key] = shape
+        raise UsageError(f"--model {folder}: {name} cannot be read ({e.strerror})") from None
+    except (AttributeError, KeyError, TypeError, ValueError):  # not JSON or UTF-8, or a tensor's entry not whole
+        what = f"{name} is damaged or cut short ({size:,} bytes)"
+        raise UsageError(f"--model {folder}: {what}: save the model again") from None
     return shapes
 
 
-def draws_units(run: RunConfig) -> bool:
-    """Whether the random model is drawn straight into the masters: one offloaded mode trains alone (lean)."""
+def draws_units(run: RunConfig) -> bool:  # the random model drawn into the masters: one offloaded mode trains alone
     return run.lean and run.model is None and not run.fwd_bwd_reference
 
 
 def draw_masters(store, model: LlamaForCausalLM, seed: int) -> None:
-    """The weights init_random draws for the meta-device `model`, rounded to its dtype, drawn straight into `store`'s
-    masters (a rank: its shards), every chunk on the rank's threads from the generator init_random gives it."""
+    """init_random's weights for the meta `model`, in its dtype, drawn by chunks into `store`'s masters (shards)."""
     config, dtype = model.config, next(model.parameters()).dtype
     index = {name: i for i, name in enumerate(n for n, p in model.named_parameters() if p.dim() > 1)}
 
-    def draw(master, start, span, chunk, i, j) -> None:
-        """Chunk j of weight i (its elements [a, b) of the unit) into the master's part within `span`."""
+    def draw(master, start, span, chunk, i, j) -> None:  # chunk j of weight i (elements [a, b)) into `span`'s part
         (a, b), (lo, hi) = chunk, span
         values = drawn_chunk(seed, i, j, b - a, config.initializer_range)
         values.copy_(values.to(dtype))  # nothing to round in float32
         master[max(a, lo) - start : min(b, hi) - start].copy_(values[max(a, lo) - a : min(b, hi) - a])
 
-    spans, jobs = weight_spans(store), []
+    spans, jobs = [], []  # spans: (HF name, master, shard start, offset, lo, hi, numel) in this rank's shards
+    for unit, master in zip(store.units, store.masters, strict=True):
+        start, numels = store.ranks.rank * master.numel(), dict(zip(unit.layout.names, unit.layout.shapes, strict=True))
+        for name, o, lo, hi in unit.layout.spans(start, start + master.numel()):
+            spans.append((f"{unit.name}.{name}", master, start, o, lo, hi, numels[name].numel()))
     for name, master, start, o, lo, hi, numel in spans:
         if name not in index:  # a norm's weight
             master[lo - start : hi - start].fill_(1.0)
@@ -2871,36 +2680,21 @@ def draw_masters(store, model: LlamaForCausalLM, seed: int) -> None:
                 master[x - start : y - start].zero_()
 
 
-def weight_spans(store) -> list[tuple]:
-    """(HF name, master, shard start, offset, lo, hi, numel) of each parameter in this rank's shards of `store`."""
-    spans = []
-    for unit, master in zip(store.units, store.masters, strict=True):
-        start = store.ranks.rank * master.numel()
-        numels = dict(zip(unit.layout.names, (shape.numel() for shape in unit.layout.shapes), strict=True))
-        for name, o, lo, hi in unit.layout.spans(start, start + master.numel()):
-            spans.append((f"{unit.name}.{name}", master, start, o, lo, hi, numels[name]))
-    return spans
-
-
-def param_count(config: LlamaConfig) -> int:
-    """The model's parameter count from its config, by arithmetic (parameter_count)."""
+def param_count(config: LlamaConfig) -> int:  # the model's parameter count from its config, by arithmetic
     return parameter_count(config.to_dict())
 
 
-def meta_layer(config: LlamaConfig) -> nn.Module:
-    """One decoder layer on the meta device: its shapes without its memory."""
+def meta_layer(config: LlamaConfig) -> nn.Module:  # one decoder layer on the meta device: its shapes, no memory
     with torch.device("meta"):
         return LlamaDecoderLayer(config, layer_idx=0)
 
 
-def layer_bytes(config: LlamaConfig, dtype: torch.dtype) -> int:
-    """Bytes of one decoder layer's weights in `dtype`, laid out as the store and the GPU slots hold them."""
+def layer_bytes(config: LlamaConfig, dtype: torch.dtype) -> int:  # one decoder layer's weights, flat, in `dtype`
     return FlatLayout.of(meta_layer(config)).numel * dtype.itemsize
 
 
 # ----------------------------------------------------------------------------------------------------------- the plan
-# Adds: every placement decision (resident units, the GPU's Adam's units, the copy's dtype, gradient buffers, activation
-# offload, disk layers), made before anything is allocated, from the facts the ranks agree on; predicted peaks, bound.
+# Adds: every placement decision (Plan's fields), made before a byte is allocated from the facts the ranks agree on.
 # Turned on: every run (--plan prints it and exits). Plugs into: the stores, streamers and steppers are built from it.
 
 
@@ -2964,13 +2758,11 @@ def measured_facts(run: RunConfig) -> Facts:
     return Facts(gpu_bytes, host, disk, process, host_cores(), world, local_world, rates)
 
 
-def gpu_total_bytes() -> int:
-    """The memory of this process's GPU (under torchrun, its rank's)."""
+def gpu_total_bytes() -> int:  # the memory of this process's GPU (under torchrun, its rank's)
     return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
 
 
-def host_cores() -> int:
-    """The cores this process may run on."""
+def host_cores() -> int:  # the cores this process may run on
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
@@ -3031,8 +2823,7 @@ class Plan:
 
 
 def make_plan(run: RunConfig, config: LlamaConfig, facts: Facts) -> Plan:
-    """The plan of `run` on the machine of `facts`, from these alone (ranks that agree on facts make one plan);
-    UsageError where the disk has no room for the layers the host cannot hold."""
+    """The plan of `run` on the machine of `facts`, from these alone; UsageError where the disk lacks room for it."""
     run = dataclasses.replace(run, offload_activations=activation_offload_planned(run, config, facts))
     run = dataclasses.replace(run, nvme_layers=disk_layers_planned(run, config, facts))
     copy, buffers = host_room_planned(run, config, facts)
@@ -3068,8 +2859,7 @@ def say_plan(run: RunConfig, config: LlamaConfig, plan: Plan) -> None:
         log(f"gradients: {plan.grad_buffers} pinned buffers of {buffer} for {len(shards)} units, all the host holds")
 
 
-def plan_refusal(run: RunConfig, config: LlamaConfig, facts: Facts) -> str | None:
-    """Why the host or the disk cannot hold the run's plan (make_plan's and check_host's line), None where they can."""
+def plan_refusal(run: RunConfig, config: LlamaConfig, facts: Facts) -> str | None:  # why host or disk can't, or None
     try:
         check_host(run, config, make_plan(run, config, facts))
     except UsageError as e:
@@ -3077,20 +2867,17 @@ def plan_refusal(run: RunConfig, config: LlamaConfig, facts: Facts) -> str | Non
     return None
 
 
-def offloaded_training(run: RunConfig) -> bool:
-    """Whether the run trains an offloaded mode: the host then holds the masters and Adam state."""
+def offloaded_training(run: RunConfig) -> bool:  # whether it trains an offloaded mode (the host holds its state)
     return run.train and offloaded(run.modes)
 
 
-def compared_modes(run: RunConfig) -> set[str]:
-    """The modes whose training is compared with gpu mode's from one start: each keeps every unit's first gradients."""
+def compared_modes(run: RunConfig) -> set[str]:  # modes trained from gpu mode's start, each keeping first gradients
     if "gpu" not in run.modes or not offloaded(run.modes) or run.resume:  # a resumed mode starts from its checkpoint
         return set()
     return {"gpu", *({"blocked", "overlapped"} & set(run.modes))}
 
 
-def gpu_budget(run: RunConfig, facts: Facts) -> int | None:
-    """The GPU bytes a placement may plan for: the --max-gpu-memory cap (at most the GPU) less PLAN_MARGIN, or None."""
+def gpu_budget(run: RunConfig, facts: Facts) -> int | None:  # a placement's bytes: the cap less PLAN_MARGIN, or None
     if run.max_gpu_memory is None:
         return None  # overlapped then streams every unit: the tables compare full offload with gpu mode
     return int(min(run.max_gpu_memory * GiB, facts.gpu_bytes or math.inf)) - PLAN_MARGIN
@@ -3120,8 +2907,7 @@ def activation_offload_planned(run: RunConfig, config: LlamaConfig, facts: Facts
 
 
 def disk_layers_planned(run: RunConfig, config: LlamaConfig, facts: Facts) -> int:
-    """How many decoder layers, from the last, keep their Adam moments on the --nvme disk: --nvme-layers, or the fewest
-    that let the host hold the rest with 2 gradient buffers and no copy (PCIe bytes cost less than the disk's)."""
+    """The last decoder layers whose Adam moments live on --nvme: --nvme-layers, or the fewest the host needs them."""
     if not (run.nvme and offloaded_training(run)):
         return 0
     most = config.num_hidden_layers - (run.resident_layers or 0)  # the first layers' moments stay on the GPU
@@ -3132,6 +2918,7 @@ def disk_layers_planned(run: RunConfig, config: LlamaConfig, facts: Facts) -> in
     def fits(d: int, margin: int) -> bool:  # the host holds the plan with d layers' moments on the disk, `margin` spare
         return (host_spare(dataclasses.replace(run, nvme_layers=d), config, facts, None, 2, margin) or 0) >= 0
 
+    # with 2 gradient buffers and no copy: PCIe bytes cost less than the disk's
     layers = next((d for margin in (HOST_MARGIN, 0) for d in counts if fits(d, margin)), None)
     if layers is None:  # the host is short even so: check_plan says by how much
         return counts[-1]
@@ -3160,18 +2947,15 @@ def host_room_planned(run: RunConfig, config: LlamaConfig, facts: Facts) -> tupl
     return copy, 2 + max(0, spare) // (itemsize * max(shards))
 
 
-def shard_numels(config: LlamaConfig, ranks: Ranks) -> list[int]:
-    """Each unit's elements in one rank's shard of its flat buffers (one process: the whole unit, padding included)."""
+def shard_numels(config: LlamaConfig, ranks: Ranks) -> list[int]:  # each unit's elements in a rank's shard, padded
     return [ranks.shard_numel(unit.layout.numel) for unit in model_units(config)]
 
 
-def disk_units(config: LlamaConfig, layers: int) -> tuple[int, ...]:
-    """The units whose Adam moments the disk tier keeps: the last `layers` decoder layers."""
+def disk_units(config: LlamaConfig, layers: int) -> tuple[int, ...]:  # the disk tier's units: the last `layers`
     return tuple(range(config.num_hidden_layers + 1 - layers, config.num_hidden_layers + 1))
 
 
-def spread(n: int, k: int) -> tuple[int, ...]:
-    """k of range(n), evenly spaced from 0: each streamed layer's copy then runs under a resident layer's compute."""
+def spread(n: int, k: int) -> tuple[int, ...]:  # k of range(n) evenly from 0: each copy under a resident's compute
     return tuple(i for i in range(n) if -(-(i + 1) * k // n) > -(-i * k // n))
 
 
@@ -3191,8 +2975,8 @@ def inference_placement(run: RunConfig, config: LlamaConfig, facts: Facts, mode:
 
 
 def gpu_adam_units(units: list[Unit], resident, share: float, on_disk=()) -> tuple[int, ...]:
-    """The streamed units the GPU's Adam steps, up to `share` of their parameters, none `on_disk`: the embeddings and
-    first layers (the next forward needs them first), then the head (its state would cross PCIe in the backward)."""
+    """The streamed units, none `on_disk`, the GPU's Adam steps, up to `share` of their parameters: embeddings, layers
+    (the next forward needs them first), then the head (its state would cross PCIe in the backward)."""
     numels = {u: unit.layout.numel for u, unit in enumerate(units) if u not in resident}
     kinds = [unit.kind for unit in units]
     order = [kinds.index("embed"), *(u for u, kind in enumerate(kinds) if kind == "layer"), kinds.index("head")]
@@ -3206,8 +2990,7 @@ def gpu_adam_units(units: list[Unit], resident, share: float, on_disk=()) -> tup
 
 
 def training_placement(run: RunConfig, config: LlamaConfig, facts: Facts, mode: str, copy) -> tuple:
-    """Training's (resident units, GPU Adam units, GPU bytes by part, whether they fit): in overlapped the longest run
-    of units from the forward's start that fits, then gpu_adam_units; in blocked none; none on the disk."""
+    """Training's (resident units, GPU Adam units, GPU bytes by part, whether they fit); only overlapped keeps units."""
     depth, units = mode_depth(mode, run.prefetch), model_units(config)
     own_grads = bool(compared_modes(run)) or run.holds_updates
     on_disk, besides = disk_units(config, run.nvme_layers or 0), unplaced_bytes(run, config, facts)
@@ -3225,12 +3008,9 @@ def training_placement(run: RunConfig, config: LlamaConfig, facts: Facts, mode: 
     if keeps and run.resident_layers is not None:
         resident = list(range(1, 1 + run.resident_layers))  # unit 0 is the embeddings
     elif keeps and budget is not None:
-        while len(resident) < len(units) and len(resident) not in on_disk:
-            if sum(placement([*resident, len(resident)], share)[2].values()) > budget:
-                break
-            resident.append(len(resident))
+        resident = boundary_units([u for u in range(len(units)) if u not in on_disk], placement, budget, share)
     elif keeps and facts.gpu_bytes and compute_bound(run, config, facts, (streamed := placement([], share))[:2], copy):
-        resident, share = boundary_units(units, streamed[1], placement, facts.gpu_bytes), 0.0
+        resident, share = boundary_units(streamed[1], placement, facts.gpu_bytes - PLAN_MARGIN), 0.0
     chosen = placement(resident, share)
     if budget is not None and sum(chosen[2].values()) > budget:
         chosen = placement(resident, 0.0)  # every streamed unit on the CPU Adam: no staging on the GPU
@@ -3244,12 +3024,12 @@ def compute_bound(run: RunConfig, config: LlamaConfig, facts: Facts, placed: tup
     return parts["gpu_compute_ms"] >= max(parts.values())
 
 
-def boundary_units(units: list[Unit], gpu_adam, placement, gpu_bytes: int) -> list[int]:
-    """Without a cap, where compute bounds the step: the first units the GPU's Adam would step, resident while the GPU
-    holds them (streamed, their state would cross PCIe while the next forward waits for them)."""
+def boundary_units(candidates, placement, limit: float, share: float = 0.0) -> list[int]:
+    """The longest run of `candidates` from unit 0 whose placement fits `limit`: under a cap, or compute-bound without
+    one the GPU's Adam's first units (streamed, their state would cross PCIe while the next forward waits for them)."""
     resident = []
-    for u in gpu_adam:
-        if u != len(resident) or sum(placement([*resident, u], 0.0)[2].values()) > gpu_bytes - PLAN_MARGIN:
+    for u in candidates:
+        if u != len(resident) or sum(placement([*resident, u], share)[2].values()) > limit:
             break
         resident.append(u)
     return resident
@@ -3280,17 +3060,23 @@ def training_parts(run, config, facts: Facts, depth: int, own_grads: bool, resid
 
 def unplaced_bytes(run: RunConfig, config: LlamaConfig, facts: Facts) -> dict[str, int]:
     """Training's peak GPU bytes no placement changes, where it peaks: saved inputs, a unit's working set, the rest."""
-    kinds = [unit.kind for unit in model_units(config)]
-    working = {kind: working_bytes(run, config, kind, facts) for kind in dict.fromkeys(kinds)}
-    inputs = unit_inputs_bytes(run, config, facts)
-    # saved inputs while unit u runs: units 1 to u's (the embeddings keep token ids); with activation offload, the two
-    # units' still leaving in the forward and none in the backward (their slots are in the rest)
+    kinds, inputs = [unit.kind for unit in model_units(config)], unit_inputs_bytes(run, config, facts)
+    working = {}  # each kind's most GPU bytes beyond its weights and inputs (forward, backward), as traced
+    for kind in dict.fromkeys(kinds):
+        forward, backward = traced_passes(trace_key(run, config), kind, micro_batches_per_rank(run, facts))
+        if kind == "layer":  # the backward's thread allocates its cuBLAS workspace in the first layer's backward
+            backward += CUBLAS_WORKSPACE
+        if kind == "layer" and run.attention == "eager":  # the float32 gradient of the scores' softmax
+            backward += 4 * run.batch_size * config.num_attention_heads * run.seq_len**2
+        if kind == "embed" and run.tokens > 3072:  # CUDA's sorted backward: float32 sums of each run of a token's rows
+            backward += 9 * run.tokens * config.hidden_size // 2
+        working[kind] = forward, backward
+    # saved inputs as unit u runs: units 1 to u's; offloaded, the two still leaving in the forward, none in the backward
     saved = {(u, b): u * inputs for u in range(len(kinds)) for b in (0, 1)}
     if run.offload_activations:
         saved = {(u, b): 0 if b else min(u, 2) * inputs for u, b in saved}
     u, backward = max(saved, key=lambda ub: saved[ub] + working[kinds[ub[0]]][ub[1]])
-    # the rest: cuBLAS's workspace, what HF passes each decoder layer (rotary tables, positions; eager's mask), every
-    # micro-batch's token ids, and with activation offload the ring of slots the saved inputs come back in
+    # the rest: cuBLAS's workspace, HF's decoder kwargs, the token ids, activation offload's ring of slots
     passed = sum(t.nbytes for t in tensors_in(traced_decoder_kwargs(trace_key(run, config))))
     ids = micro_batches_per_rank(run, facts) * run.tokens * 8
     slots = min(run.prefetch + 1, config.num_hidden_layers + 1) if run.offload_activations else 0
@@ -3298,31 +3084,16 @@ def unplaced_bytes(run: RunConfig, config: LlamaConfig, facts: Facts) -> dict[st
     return {"saved inputs": saved[u, backward], "working set": working[kinds[u]][backward], "other": other}
 
 
-def micro_batches_per_rank(run: RunConfig, facts: Facts) -> int:
-    """The most micro-batches of a step one rank trains on (rank 0's)."""
+def micro_batches_per_rank(run: RunConfig, facts: Facts) -> int:  # a step's most micro-batches on a rank (rank 0's)
     return -(-run.grad_accum // facts.world)
 
 
-def unit_inputs_bytes(run: RunConfig, config: LlamaConfig, facts: Facts | None = None) -> int:
-    """What one unit keeps for its backward: its input hidden states, one tensor per micro-batch of the rank's."""
+def unit_inputs_bytes(run: RunConfig, config: LlamaConfig, facts: Facts | None = None) -> int:  # a unit's saved inputs
     micro_batches = run.grad_accum if facts is None else micro_batches_per_rank(run, facts)
     return micro_batches * run.tokens * config.hidden_size * run.torch_dtype.itemsize
 
 
-def working_bytes(run: RunConfig, config: LlamaConfig, kind: str, facts: Facts) -> tuple[int, int]:
-    """The most GPU bytes a unit of `kind` allocates beyond its weights and inputs (forward, backward), as traced."""
-    forward, backward = traced_passes(trace_key(run, config), kind, micro_batches_per_rank(run, facts))
-    if kind == "layer":  # the backward's thread allocates its cuBLAS workspace in the first layer's backward
-        backward += CUBLAS_WORKSPACE
-    if kind == "layer" and run.attention == "eager":  # the float32 gradient of the scores' softmax
-        backward += 4 * run.batch_size * config.num_attention_heads * run.seq_len**2
-    if kind == "embed" and run.tokens > 3072:  # CUDA's sorted backward: float32 sums of each run of a token's rows
-        backward += 9 * run.tokens * config.hidden_size // 2
-    return forward, backward
-
-
-def tensors_in(tree) -> list[torch.Tensor]:
-    """The tensors in nested tuples, lists and dicts (an op's arguments, HF's keyword arguments)."""
+def tensors_in(tree) -> list[torch.Tensor]:  # the tensors in nested tuples, lists and dicts (an op's arguments, kwargs)
     if isinstance(tree, torch.Tensor):
         return [tree]
     values = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, (tuple, list)) else ()
@@ -3338,8 +3109,7 @@ class MetaMemory(torch.utils._python_dispatch.TorchDispatchMode):
         super().__init__()
         self.live, self.peak, self.counted = 0, 0, set()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        """Run the op; count each new output storage (not an input's: a view, an in-place result) until it is freed."""
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # run the op; count new storages until freed
         out = func(*args, **(kwargs or {}))
         inputs = {t.untyped_storage()._cdata for t in tensors_in((args, kwargs))}
         for storage in (t.untyped_storage() for t in tensors_in(out)):
@@ -3356,12 +3126,8 @@ class MetaMemory(torch.utils._python_dispatch.TorchDispatchMode):
         self.live -= nbytes
         self.counted.discard(key)
 
-    def reset(self) -> None:  # count the peak from now
-        self.peak = self.live
 
-
-def trace_key(run: RunConfig, config: LlamaConfig, layers: int = 1) -> tuple:
-    """What a trace depends on: the config as JSON with `layers` decoder layers, the attention, dtype, micro-batch."""
+def trace_key(run: RunConfig, config: LlamaConfig, layers: int = 1) -> tuple:  # what a trace depends on
     config = copy.deepcopy(config)
     config.num_hidden_layers = layers
     return config.to_json_string(), run.attention, run.dtype, run.batch_size, run.seq_len
@@ -3390,18 +3156,15 @@ def traced_passes(key: tuple, kind: str, micro_batches: int) -> tuple[int, int]:
         with torch.no_grad():
             outs = [run_unit(x, k) for k, x in enumerate(xs)]
         forward = memory.peak
-        memory.reset()
+        memory.peak = memory.live  # the backward's peak, from here
         grads_in, held = [], []
         for k, (x, out) in enumerate(zip(xs, outs, strict=True)):
             x = x.detach().requires_grad_(x.is_floating_point())
             inputs = [x, *module.parameters()] if x.requires_grad else list(module.parameters())
             grads = torch.autograd.grad(run_unit(x, k), inputs, out)
             grads_in.append(grads[0] if x.requires_grad else None)  # kept, as the backward's are until it returns
-            # the parameters' gradients are added into the buffer and freed before the next micro-batch, but the
-            # first micro-batch's, held until the second's are in (unit_backward)
-            held.clear()
-            if k == 0 and micro_batches > 1:
-                held.append(grads)
+            # each micro-batch's parameter gradients are freed before the next's, but the first's wait for the second's
+            held[:] = [grads] if k == 0 and micro_batches > 1 else []
             del grads
     return forward, memory.peak
 
@@ -3425,8 +3188,7 @@ def traced_model_step(key: tuple) -> int:
 
 @functools.cache
 def traced_decoder_kwargs(key: tuple) -> dict:
-    """What HF passes each decoder layer (decoder_kwargs), on the meta device (key: trace_key's): made on the CPU for 3
-    sequences of 5 tokens by a model of one token and no layer, then grown to the run's batch and sequence."""
+    """What HF passes each decoder layer, on the meta device: made on the CPU for 3 x 5 tokens, grown to the run's."""
     config_json, attention, dtype_name, batch_size, seq_len = key
     config, dtype = LlamaConfig.from_dict(json.loads(config_json)), DTYPES[dtype_name]
     small = copy.deepcopy(config)
@@ -3448,19 +3210,16 @@ def traced_decoder_kwargs(key: tuple) -> dict:
 
 @contextlib.contextmanager
 def sdpa_as_on_cuda():
-    """While on, sdpa on the meta device runs the kernel CUDA runs without a mask: flash attention in 16 bits, the
-    memory-efficient one in float32 but for grouped heads (not the meta device's own choice, the quadratic math one)."""
+    """While on, sdpa on meta tensors runs CUDA's maskless kernel (not the meta device's math one), as its memory."""
     plain, aten = nn.functional.scaled_dot_product_attention, torch.ops.aten
 
     def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):  # on meta tensors
         grouped = enable_gqa and k.shape[1] != q.shape[1]  # the memory-efficient kernel takes no grouped heads
         if attn_mask is not None or q.device.type != "meta" or (grouped and q.dtype == torch.float32):
             return plain(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
-        if q.dtype == torch.float32:
-            grad = torch.is_grad_enabled() and q.requires_grad
-            return aten._scaled_dot_product_efficient_attention(q, k, v, None, grad, dropout_p, is_causal, scale=scale)[
-                0
-            ]
+        if q.dtype == torch.float32:  # the memory-efficient kernel; flash attention in 16 bits
+            grad, efficient = torch.is_grad_enabled() and q.requires_grad, aten._scaled_dot_product_efficient_attention
+            return efficient(q, k, v, None, grad, dropout_p, is_causal, scale=scale)[0]
         return aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
 
     nn.functional.scaled_dot_product_attention = sdpa
@@ -3495,7 +3254,13 @@ def host_parts(run: RunConfig, config: LlamaConfig, facts: Facts, copy, buffers:
         # a copy of the model, its float32 masters, their gradients and moments; a step's activations and gradients
         step = traced_model_step(trace_key(run, config, config.num_hidden_layers))
         parts["cpu mode's training"] = params * (b + 16) + step
-    return parts | {"passes": host_pass_bytes(run, config, facts)}
+    tokens = run.batch_size * run.seq_len  # the passes': ids, logits, the pinned saved inputs, cpu mode's activations
+    ids = (1 + run.grad_accum) * tokens * 8  # int64: inference's batch and training's micro-batches
+    logits = len(run.modes) * tokens * config.vocab_size * b if run.inference else 0
+    saved = (config.num_hidden_layers + 2) * unit_inputs_bytes(run, config, facts)
+    pool = saved if run.offload_activations and offloaded_training(run) else 0
+    cpu = max(activation_bytes(config, run.torch_dtype, tokens), attention_bytes(run, config, whole_backward=run.train))
+    return parts | {"passes": ids + logits + pool + (cpu if "cpu" in run.modes else 0)}
 
 
 def predicted_bound(run, config, facts: Facts, depth: int, resident, gpu_adam, copy) -> dict[str, float]:
@@ -3511,19 +3276,15 @@ def predicted_bound(run, config, facts: Facts, depth: int, resident, gpu_adam, c
     disk = 2 * (run.nvme_layers or 0) * disk_unit_bytes(config, facts.ranks)  # read, and written back
     flops = 4 * pass_flops(run, config) * micro_batches_per_rank(run, facts)  # the forward, recompute and backward
     tflops = rate["gpu_tflops"] / (8 if run.torch_dtype == torch.float32 else 1)
-    parts = {
-        "gpu_compute_ms": flops / tflops / 1e9,
-        "h2d_ms": h2d / rate["h2d_gbps"] / 1e6,
-        "d2h_ms": d2h / rate["d2h_gbps"] / 1e6,
-        "cpu_adam_ms": adam / rate["adam_gbps"] / 1e6,
-        "host_memory_ms": facts.local_world * (adam + h2d + d2h + disk) / rate["host_gbps"] / 1e6,  # every rank's
-    }
-    return parts | ({"disk_ms": disk / rate["disk_gbps"] / 1e6} if disk else {})
+    moved = {"h2d": (h2d, "h2d_gbps"), "d2h": (d2h, "d2h_gbps"), "cpu_adam": (adam, "adam_gbps")}  # bytes, their rate
+    moved["host_memory"] = facts.local_world * (adam + h2d + d2h + disk), "host_gbps"  # every rank's
+    if disk:
+        moved["disk"] = disk, "disk_gbps"
+    return {"gpu_compute_ms": flops / tflops / 1e9} | {f"{k}_ms": n / rate[r] / 1e6 for k, (n, r) in moved.items()}
 
 
 def check_plan(run: RunConfig, config: LlamaConfig, plan: Plan) -> None:
-    """Refuse, before a byte is allocated, what the plan says will not fit: a GPU mode's least memory, the host's, and
-    with several ranks a placement past the cap (one rank's OOM would leave the others waiting in a collective)."""
+    """Refuse before allocating what the plan says won't fit: a GPU mode's least memory, the host's, a rank's peak."""
     run = dataclasses.replace(run, offload_activations=plan.offload_activations, nvme_layers=plan.disk_layers)
     run = dataclasses.replace(run, grad_accum=micro_batches_per_rank(run, plan.facts))  # a rank's share of the step
     gpu_modes = [m for m in run.modes if m != "cpu"]
@@ -3533,24 +3294,19 @@ def check_plan(run: RunConfig, config: LlamaConfig, plan: Plan) -> None:
         least = min(needs, key=needs.get)
         if needs[least] > cap:
             what = f"the --max-gpu-memory cap of {run.max_gpu_memory:g} GiB" if run.max_gpu_memory else "the GPU has"
-            raise UsageError(
-                f"mode {least} needs at least {size_text(needs[least])} of GPU memory for {run.grad_accum} x "
-                f"{run.batch_size} x {run.seq_len} tokens, more than {what} ({size_text(cap)}): use fewer or shorter "
-                "sequences"
-            )
+            tokens = f"GPU memory for {run.grad_accum} x {run.batch_size} x {run.seq_len} tokens"
+            more = f"more than {what} ({size_text(cap)}): use fewer or shorter sequences"
+            raise UsageError(f"mode {least} needs at least {size_text(needs[least])} of {tokens}, {more}")
     budget = gpu_budget(run, plan.facts) or plan.facts.gpu_bytes
-    for mode, placed in plan.modes.items():
+    for mode, placed in plan.modes.items():  # past the cap, one rank's OOM would leave the others waiting
+        more = f"of GPU memory a rank, more than the {size_text(budget or 0)} it leaves"  # None: all fit
         if run.ranks.several and run.train and not placed.training_fits:
-            raise UsageError(
-                f"mode {mode}: the plan needs {size_text(placed.training_peak)} of GPU memory a rank, more than the "
-                f"{size_text(budget)} it leaves: use --offload-activations, or fewer or shorter sequences"
-            )
+            advice = "use --offload-activations, or fewer or shorter sequences"
+            raise UsageError(f"mode {mode}: the plan needs {size_text(placed.training_peak)} {more}: {advice}")
         passes = sum(placed.inference_gpu.values())
         if run.ranks.several and run.inference and budget and passes > budget:
-            raise UsageError(
-                f"mode {mode}: a pass needs {size_text(passes)} of GPU memory a rank, more than the "
-                f"{size_text(budget)} it leaves: use fewer or shorter sequences, or --no-inference"
-            )
+            advice = "use fewer or shorter sequences, or --no-inference"
+            raise UsageError(f"mode {mode}: a pass needs {size_text(passes)} {more}: {advice}")
     check_host(run, config, plan)
 
 
@@ -3567,15 +3323,11 @@ def check_host(run: RunConfig, config: LlamaConfig, plan: Plan) -> None:
         advice += ", or give --nvme DIR on a local disk for the Adam state"
     if run.max_host_memory is not None:
         advice += ", or a larger --max-host-memory"
-    largest = sorted(((n, part) for part, n in plan.host.items() if n >= plan.host_peak / 20), reverse=True)
-    parts = ", ".join(f"{part} {size_text(n)}" for n, part in largest)
-    short = f"{size_text(plan.host_peak - available)} short; the largest parts: {parts}"
-    host = plan.facts.host_bytes // plan.facts.local_world  # this rank's share
-    raise UsageError(
-        f"the run needs {size_text(plan.host_peak)} of host memory, only {size_text(host)} are available, "
-        f"{size_text(available)} to plan for ({HOST_SLACK}% stays free for the kernel and the allocators; {short}): "
-        f"{advice}"
-    )
+    parts = parts_text(plan.host, plan.host_peak / 20, size_text)
+    short = f"{HOST_SLACK}% stays free for the kernel and the allocators; {size_text(plan.host_peak - available)} short"
+    host = size_text(plan.facts.host_bytes // plan.facts.local_world)  # this rank's share
+    needs = f"the run needs {size_text(plan.host_peak)} of host memory, only {host} are available"
+    raise UsageError(f"{needs}, {size_text(available)} to plan for ({short}; the largest parts: {parts}): {advice}")
 
 
 def plan_table(plan: Plan, run: RunConfig, config: LlamaConfig) -> str:
@@ -3592,10 +3344,8 @@ def plan_table(plan: Plan, run: RunConfig, config: LlamaConfig) -> str:
             ("the masters' copy the GPU streams", plan.copy_dtype or "none: the float32 masters, cast on the GPU"),
             ("pinned gradient buffers", f"{plan.grad_buffers} for {len(units)} units"),
         ]
-    rows += [
-        ("threads a rank; rank timeout", f"{plan.threads}; {plan.rank_timeout:g} s"),
-        ("predicted peak host, a rank", f"{gib(plan.host_peak)} GiB: {parts_text(plan.host)}"),
-    ]
+    rows.append(("threads a rank; rank timeout", f"{plan.threads}; {plan.rank_timeout:g} s"))
+    rows.append(("predicted peak host, a rank", f"{gib(plan.host_peak)} GiB: {parts_text(plan.host)}"))
     for mode, placed in plan.modes.items():
         if run.inference:
             layers = ", ".join(map(str, placed.inference_resident)) or "none"
@@ -3607,37 +3357,33 @@ def plan_table(plan: Plan, run: RunConfig, config: LlamaConfig) -> str:
             bound = ", ".join(f"{part.removesuffix('_ms').replace('_', ' ')} {t:.0f}" for part, t in ms.items())
             names = "; ".join(unit_names(units, chosen) for chosen in (placed.resident, placed.gpu_adam))
             peak = f"{gib(placed.training_peak)} GiB{fits}: {parts_text(placed.training_gpu)}"
-            rows += [
-                (f"{mode} training: resident; GPU Adam", names),
-                (f"{mode} training: peak GPU", peak),
-                (f"{mode} training: bound", f"{ms[by]:.0f} ms ({by.removesuffix('_ms')}): {bound}"),
-            ]
+            rows.append((f"{mode} training: resident; GPU Adam", names))
+            rows.append((f"{mode} training: peak GPU", peak))
+            rows.append((f"{mode} training: bound", f"{ms[by]:.0f} ms ({by.removesuffix('_ms')}): {bound}"))
     lines = ["plan (--plan; predictions from the rates " + ", ".join(f"{k} {v:g}" for k, v in facts.rates) + ")", ""]
     return "\n".join([*lines, "| | |", "|---|---|", *(f"| {what} | {value} |" for what, value in rows)]) + "\n"
 
 
-def parts_text(parts: dict) -> str:
-    """Parts of a peak in words, the largest first, those under a MiB left out."""
-    kept = sorted(((n, part) for part, n in parts.items() if n >= 2**20), reverse=True)
-    return ", ".join(f"{part} {gib(n)}" for n, part in kept)
+def parts_text(parts: dict, least: float = 2**20, text=gib) -> str:
+    """A peak's parts in words, the largest first, those under `least` (a MiB) left out."""
+    kept = sorted(((n, part) for part, n in parts.items() if n >= least), reverse=True)
+    return ", ".join(f"{part} {text(n)}" for n, part in kept)
 
 
-def unit_names(units: list[Unit], chosen) -> str:
-    """Units by name, runs of decoder layers joined: model.embed_tokens, model.layers.0-13."""
+def unit_names(units: list[Unit], chosen) -> str:  # units by name, a run of layers joined: model.layers.0-13
+
     layers = [u - 1 for u in chosen if units[u].kind == "layer"]
     names = [units[u].name for u in chosen if units[u].kind == "embed"]
     names += [f"model.layers.{layers[0]}" + (f"-{layers[-1]}" if len(layers) > 1 else "")] if layers else []
     return ", ".join(names + [units[u].name for u in chosen if units[u].kind == "head"]) or "none"
 
 
-def params_with_layers(config: LlamaConfig, layers: int) -> int:
-    """The parameter count of the configured model with `layers` decoder layers."""
+def params_with_layers(config: LlamaConfig, layers: int) -> int:  # the model's parameters with `layers` layers
     per_layer = sum(p.numel() for p in meta_layer(config).parameters())
     return param_count(config) + (layers - config.num_hidden_layers) * per_layer
 
 
-def layer_numel(config: LlamaConfig, ranks: OneProcess = ONE_PROCESS) -> int:
-    """A decoder layer's elements in its flat buffers, padding included (with several ranks, in a rank's shard)."""
+def layer_numel(config: LlamaConfig, ranks: OneProcess = ONE_PROCESS) -> int:  # a decoder layer's padded shard
     return ranks.shard_numel(model_units(config)[1].layout.numel)
 
 
@@ -3646,25 +3392,12 @@ def disk_unit_bytes(config: LlamaConfig, ranks: OneProcess = ONE_PROCESS) -> int
     return 2 * moment_bytes(layer_numel(config, ranks))
 
 
-def moment_bytes(numel: int) -> int:
-    """One Adam moment of `numel` float32 elements in the disk tier, in whole blocks (as direct I/O moves them)."""
+def moment_bytes(numel: int) -> int:  # an Adam moment of `numel` float32s on the disk, in whole direct-I/O blocks
     return -(-4 * numel // DISK_BLOCK) * DISK_BLOCK
 
 
-def gradient_dtype(run: RunConfig) -> torch.dtype:
-    """The dtype gradients leave the GPU in: the backward's own bfloat16 with one micro-batch, else float32."""
+def gradient_dtype(run: RunConfig) -> torch.dtype:  # gradients' dtype off the GPU: bfloat16's at one micro-batch
     return torch.bfloat16 if run.torch_dtype == torch.bfloat16 and run.grad_accum == 1 else torch.float32
-
-
-def host_pass_bytes(run: RunConfig, config: LlamaConfig, facts: Facts) -> int:
-    """Host memory besides the parameters: ids, logits, the pinned saved inputs (a rank's), cpu mode's activations."""
-    tokens, dtype = run.batch_size * run.seq_len, run.torch_dtype
-    ids = (1 + run.grad_accum) * tokens * 8  # int64: inference's batch and training's micro-batches
-    logits = len(run.modes) * tokens * config.vocab_size * dtype.itemsize if run.inference else 0
-    saved = (config.num_hidden_layers + 2) * unit_inputs_bytes(run, config, facts)
-    pool = saved if run.offload_activations and offloaded_training(run) else 0
-    cpu = max(activation_bytes(config, dtype, tokens), attention_bytes(run, config, whole_backward=run.train))
-    return ids + logits + pool + (cpu if "cpu" in run.modes else 0)
 
 
 def attention_bytes(run: RunConfig, config: LlamaConfig, whole_backward: bool) -> int:
@@ -3693,8 +3426,7 @@ def gpu_bytes_needed(run: RunConfig, config: LlamaConfig, mode: str) -> int:
     return max(inference, weights + saved_units * unit_inputs_bytes(run, config) + act)
 
 
-def pass_flops(run: RunConfig, config: LlamaConfig) -> float:
-    """A forward's matrix FLOPs over a micro-batch: 2 a parameter a token, attention's 4 x seq-len² x hidden a layer."""
+def pass_flops(run: RunConfig, config: LlamaConfig) -> float:  # a forward's matrix FLOPs over a micro-batch
     tokens = run.batch_size * run.seq_len
     attention = 4 * config.num_hidden_layers * run.batch_size * run.seq_len**2 * config.hidden_size
     return 2 * param_count(config) * tokens + attention
@@ -3728,8 +3460,7 @@ def warn_if_long(run: RunConfig, config: LlamaConfig) -> None:
         log(f"note: this run computes for {duration_text(seconds)} at least, at the rate a matmul reaches here")
 
 
-def duration_text(seconds: float) -> str:
-    """A duration in words: 45 s, 12 min, 3.2 h, 18 days."""
+def duration_text(seconds: float) -> str:  # a duration in words: 45 s, 12 min, 3.2 h, 18 days
     for unit, name in ((86400, "days"), (3600, "h"), (60, "min")):
         if seconds >= 2 * unit or (unit < 86400 and seconds >= unit):
             return f"{seconds / unit:.1f} {name}" if seconds < 10 * unit else f"{seconds / unit:.0f} {name}"
@@ -3752,8 +3483,8 @@ def place_units(trainer: OffloadedTraining, run: RunConfig, mode: str, plan: Pla
     return described | {"predicted_peak_bytes": placed.training_peak, "predicted_parts": placed.training_gpu}
 
 
-def planned_oom(mode: str, plan: Plan, device: torch.device) -> bool:
-    """Whether the plan says `mode`'s training does not fit the GPU (said): then it is reported OOM, not run."""
+def planned_oom(mode: str, plan: Plan, device: torch.device) -> bool:  # the plan says training won't fit: OOM, logged
+
     placed = plan.modes.get(mode)
     if placed is None or device.type != "cuda" or placed.training_fits:
         return False
@@ -3769,13 +3500,8 @@ def planned_oom(mode: str, plan: Plan, device: torch.device) -> bool:
 SETTLE_S = 1.5  # seconds the bound times its GPU compute parts after: a loaded GPU's power cap slows its clocks
 RESET_HOST_PEAKS = [0]  # the process's peak resident set at each reset_peak_memory, which restarts the kernel's count
 RESIDENT_SCRATCH = 2**24  # elements: the bound times the resident units' Adam over scratch state this size
-DENSE_PEAK_FLOPS = {  # a GPU's dense 16-bit tensor-core peak, by a part of its name, from NVIDIA's data sheets
-    "H100 80GB HBM3": 989e12,  # the SXM card
-    "H100 PCIe": 756e12,
-    "H100 NVL": 835e12,
-    "H200": 989e12,
-    "A100": 312e12,
-}
+# a GPU's dense 16-bit tensor-core peak, by a part of its name (H100 80GB HBM3: the SXM card), from NVIDIA's data sheets
+DENSE_PEAK_FLOPS = {"H100 80GB HBM3": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H200": 989e12, "A100": 312e12}
 
 
 def bound_parts_of(trainer, micro_batches, device: torch.device):
@@ -3786,35 +3512,23 @@ def bound_parts_of(trainer, micro_batches, device: torch.device):
 
 
 def time_round(fns: dict, parts: dict[str, list[float]], ranks: Ranks) -> None:
-    """Time each of `fns` (name -> (device, fn)) once, alone, into `parts`, the GPU compute parts (Compute) first, at
-    settled clocks; with several ranks all start each part together, as in a step they share the host's memory."""
+    """Time each of `fns` (name -> (device, fn)) once, alone, into `parts`, the GPU compute parts first."""
     check_same(ranks, list(fns), "the bound's parts")
     compute = [name for name, (_, fn) in fns.items() if isinstance(fn, Compute)]
-    settle_clocks([fns[name] for name in compute])
-    for name in [*compute, *(name for name in fns if name not in compute)]:
-        device, fn = fns[name]
-        ranks.meet()
-        parts[name].append(timed(fn, device)[0])
-
-
-class Compute:
-    """A part of the training bound that is GPU compute, which time_round times at settled clocks (settle_clocks)."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def __call__(self):  # run the part
-        return self.fn()
-
-
-def settle_clocks(fns: list) -> None:
-    """Run the GPU compute parts `fns` ((device, fn) each) in turn, untimed, for SETTLE_S, till clocks settle."""
-    end = time.perf_counter() + SETTLE_S
-    while fns and time.perf_counter() < end:
-        for device, fn in fns:
+    end = time.perf_counter() + SETTLE_S  # they run untimed, in turn, till then: a loaded GPU's clocks settle lower
+    while compute and time.perf_counter() < end:
+        for device, fn in (fns[name] for name in compute):
             fn()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # one part at a time queued, so the loop ends near SETTLE_S
+    for name in [*compute, *(name for name in fns if name not in compute)]:
+        device, fn = fns[name]
+        ranks.meet()  # every rank starts each part together: as in a step, they share the host's memory
+        parts[name].append(timed(fn, device)[0])
+
+
+class Compute(functools.partial):
+    """A part of the training bound that is GPU compute, which time_round times first, at settled clocks."""
 
 
 class StepClock:
@@ -3879,17 +3593,15 @@ class StepClock:
 
 
 def bound_rounds(run: RunConfig) -> list[int]:
-    """Before which steps a round of the bound's parts runs (run.steps: after the last): one after the warm-up, then
-    after each of up to run.repeat blocks of 2+ steps; with under 2 steps after the warm-up, all after the last."""
+    """Before which steps a round of the bound's parts runs: after the warm-up, then after up to run.repeat blocks."""
     after_warmup = run.steps - run.warmup
-    blocks = max(0, min(run.repeat, after_warmup // 2))
-    if blocks == 0:
+    blocks = max(0, min(run.repeat, after_warmup // 2))  # of 2 steps or more
+    if blocks == 0:  # all after the last step (run.steps)
         return [run.steps] * (1 + run.repeat)
     return [run.warmup] + [run.warmup + after_warmup * (b + 1) // blocks for b in range(blocks)]
 
 
-def free_gpu_memory() -> None:
-    """Drop the last mode's GPU copies (and an OOM's leftovers) before the next mode measures its peak."""
+def free_gpu_memory() -> None:  # drop the last mode's GPU copies (an OOM's leftovers too) before the next's peak
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -3916,29 +3628,25 @@ def reset_peak_memory(device: torch.device) -> None:
         Path("/proc/self/clear_refs").write_text("5")  # resets the peak resident set size (Linux)
 
 
-def process_host_peak() -> int | None:
-    """The process's peak resident set size since it started, in bytes: --max-host-memory's measure."""
+def process_host_peak() -> int | None:  # the peak resident set since the process began: --max-host-memory's measure
     now = peak_host_rss()
     return None if now is None else max(now, *RESET_HOST_PEAKS)
 
 
-def peak_host_rss() -> int | None:
-    """The process's peak resident set size since the last reset, in bytes (pinned memory included)."""
+def peak_host_rss() -> int | None:  # the process's peak resident set since the last reset, pinned memory included
     return proc_kib("/proc/self/status", "VmHWM")
 
 
-def process_rss() -> int:
-    """The process's resident set now, in bytes (0 where /proc cannot say): the interpreter, torch, transformers."""
+def process_rss() -> int:  # the process's resident set now (0 where /proc cannot say): interpreter, torch, transformers
     return proc_kib("/proc/self/status", "VmRSS") or 0
 
 
 def pipeline_bound_ms(streamed: list[bool], copy_ms: float, compute_ms: float, resident_ms: float, depth: int):
-    """The fastest a pass can be, from per-layer copy and compute times, `streamed` the layers copied in: blocked runs
-    each copy before its layer; overlapped takes all the compute, and the copies to any streamed layer plus the rest."""
+    """The fastest a pass can be, from per-layer copy and compute times (`streamed`: the layers copied in)."""
     n = len(streamed)
-    if depth == 0:
+    if depth == 0:  # blocked: each copy before its layer
         return resident_ms + sum(streamed) * copy_ms + n * compute_ms
-    longest, copies = n * compute_ms, 0
+    longest, copies = n * compute_ms, 0  # overlapped: all the compute, or the copies to a streamed layer and the rest
     for i, s in enumerate(streamed):
         copies += s
         if s:
@@ -3998,8 +3706,7 @@ def analytic_peak_bytes(config: LlamaConfig, dtype: torch.dtype, tokens: int, la
     return {"layer weights": weights, "resident parts": resident, "activations": activations, "workspace": workspace}
 
 
-def resident_bytes(config: LlamaConfig, dtype: torch.dtype) -> int:
-    """What offloaded inference keeps on the GPU besides the slots: embeddings, head and final norm."""
+def resident_bytes(config: LlamaConfig, dtype: torch.dtype) -> int:  # on the GPU but slots: embeddings, head, norm
     return (2 * config.vocab_size * config.hidden_size + config.hidden_size) * dtype.itemsize
 
 
@@ -4049,8 +3756,7 @@ def step_rates(run: RunConfig, config: LlamaConfig, mode: str, result: dict) -> 
     return rates
 
 
-def dense_peak_flops() -> float | None:
-    """The GPU's dense 16-bit peak FLOP/s, where DENSE_PEAK_FLOPS knows it by its name."""
+def dense_peak_flops() -> float | None:  # the GPU's dense 16-bit peak FLOP/s, where DENSE_PEAK_FLOPS knows its name
     name = torch.cuda.get_device_name()
     return next((flops for part, flops in DENSE_PEAK_FLOPS.items() if part in name), None)
 
@@ -4152,10 +3858,9 @@ def copy_in(trainer: OffloadedTraining) -> None:
 
 
 def copy_out(trainer: OffloadedTraining) -> None:
-    """Every D2H copy of a step into the pool's buffers (the state must not change): the CPU Adam's gradients, the GPU
-    Adam's state; with several ranks each unit's reduce-scatter first, on that stream, as ShardedSteppers queues it."""
+    """Every D2H copy of a step into the pool's buffers (the state unchanged): CPU Adam gradients, GPU Adam state."""
     store, gpu_adam, steppers = trainer.store, streamed_adam(trainer), trainer.steppers
-    if store.ranks.several:
+    if store.ranks.several:  # each unit's reduce-scatter first, on that stream, as ShardedSteppers queues it
         with on_stream(trainer.d2h_stream):
             for u in trainer.streamer.streamed:
                 store.ranks.sum_shard(steppers.summed_shard(u), steppers.grads(u))
@@ -4188,14 +3893,12 @@ def cpu_and_gpu_adam_units(trainer: OffloadedTraining) -> tuple[dict[int, int], 
     return {u: n for u, n in numels.items() if u not in gpu}, {u: n for u, n in numels.items() if u in gpu}
 
 
-def streamed_adam(trainer: OffloadedTraining) -> StreamedAdam | None:
-    """The trainer's GPU Adam over streamed state, where a placement gave it units."""
+def streamed_adam(trainer: OffloadedTraining) -> StreamedAdam | None:  # its GPU Adam over streamed state, if any
     return next((s for s in trainer.steppers.of if isinstance(s, StreamedAdam)), None)
 
 
 def step_copy_bytes(trainer: OffloadedTraining) -> tuple[int, int, int]:
-    """(H2D, D2H, of the D2H the GPU Adam's) bytes of a step: streamed weights twice but the slots' and the GPU Adam's
-    float32 state in; the CPU Adam's gradients and that state with its compute-dtype copy out."""
+    """A step's (H2D, D2H, the GPU Adam's part of D2H) bytes: weights and GPU Adam state in, gradients and state out."""
     store, streamer = trainer.store, trainer.streamer
     on_cpu, on_gpu = cpu_and_gpu_adam_units(trainer)
     kept = streamer.streamed[-streamer.n_slots :]  # the backward finds them in the slots
@@ -4239,27 +3942,17 @@ def train_bound(trainer: OffloadedTraining, best: dict[str, float]) -> dict:
         scale = sum(on_cpu.values()) / adam_timed_numel(on_cpu)  # the parts timed this many of its parameters
         parts |= {"cpu_adam_ms": best["adam"] * scale, "host_memory_ms": best["host"] * scale}
         figures["host_gbps"] = host_bytes / parts["host_memory_ms"] / 1e6
-    if trainer.holds_updates:  # every update waits for the whole backward
-        figures |= held_updates_figures(trainer, best, parts)
-        parts["held_updates_ms"] = figures.pop("held_updates_ms")
+    if trainer.holds_updates:  # each waits for the whole backward, then the longer of the next forward and the Adam
+        forward = sum(kinds.count(kind) * best[f"{kind}_forward"] for kind in dict.fromkeys(kinds))
+        figures |= {"gpu_forward_ms": forward, "unheld_bound_ms": max(parts.values())}
+        parts["held_updates_ms"] = parts["gpu_compute_ms"] - forward + max(forward, parts.get("cpu_adam_ms", 0.0))
     bound = {"bound_ms": max(parts.values()), "bound_by": max(parts, key=parts.get).removesuffix("_ms")}
     return parts | bound | figures
 
 
-def held_updates_figures(trainer: OffloadedTraining, best: dict[str, float], parts: dict[str, float]) -> dict:
-    """Where updates wait for the whole backward (float16's loss scale, clipping), a step cannot beat it and then the
-    longer of the next forward and the CPU Adam: that bound, the forward, and the bound were updates not held."""
-    kinds = [u.kind for u in trainer.units]
-    forward = sum(kinds.count(kind) * best[f"{kind}_forward"] for kind in dict.fromkeys(kinds))
-    backward = parts["gpu_compute_ms"] - forward  # the recompute and the backward
-    held = backward + max(forward, parts.get("cpu_adam_ms", 0.0))
-    return {"held_updates_ms": held, "gpu_forward_ms": forward, "unheld_bound_ms": max(parts.values())}
-
-
 def disk_cycle(disk: DiskTier) -> None:
-    """A step's disk traffic alone: each unit's moments read into a slot in the backward's order and written back
-    unchanged, overlapping as in a step; the reader stopped first (the next, untimed, step reads it all again)."""
-    disk.stop()
+    """A step's disk traffic alone: each unit's moments read into a slot, in the backward's order, and written back."""
+    disk.stop()  # the reader: the next step, untimed, reads it all again
     writes = collections.deque()
     try:
         for i, u in enumerate(disk.units):
@@ -4274,8 +3967,7 @@ def disk_cycle(disk: DiskTier) -> None:
         write.result()
 
 
-def disk_step_bytes(disk: DiskTier) -> int:
-    """The bytes the disk tier reads in a step (and writes back): every unit's moments, in whole blocks."""
+def disk_step_bytes(disk: DiskTier) -> int:  # the bytes a step reads (and writes back): the moments, in whole blocks
     return sum(2 * half for half in disk.files.half.values())
 
 
@@ -4299,18 +3991,16 @@ def unit_passes(trainer: OffloadedTraining, u: int, micro_batches, device):
     return forward, backward
 
 
-def adam_timed_numel(on_cpu: dict[int, int]) -> int:
-    """The parameters the bound times the CPU Adam on: the largest unit it steps, at most ADAM_SCRATCH."""
+def adam_timed_numel(on_cpu: dict[int, int]) -> int:  # what the bound times the CPU Adam on: its largest unit, capped
     return min(max(on_cpu.values()), ADAM_SCRATCH)
 
 
 def adam_scratch(store: OffloadedAdam, numel: int):
-    """A function to time: the store's Adam update on `numel` parameters of scratch host state, gradients of Adam's
-    scale so no moment goes denormal (else values do not change its time: constants fill in parallel)."""
+    """A function to time: the store's Adam update on `numel` parameters of scratch host state."""
     # each written now: the kernel maps a page at its first touch, and the timed update would pay for it
     master = host_zeros(numel, torch.float32, pin=False).fill_(1.0)
     exp_avg, exp_avg_sq = (host_zeros(numel, torch.float32, pin=False).zero_() for _ in range(2))
-    grads = host_zeros(numel, store.grad_dtype, pin=False).fill_(1e-3)
+    grads = host_zeros(numel, store.grad_dtype, pin=False).fill_(1e-3)  # Adam's scale: no moment goes denormal
     copy = host_zeros(numel, store.update.copy_dtype, pin=False).zero_() if store.update.copy_dtype else None
     step = torch.zeros(())
     return lambda: store.update(master, grads, exp_avg, exp_avg_sq, copy, step)
@@ -4370,44 +4060,35 @@ def first_step_state(trainer) -> tuple[dict, dict]:
 
 
 def compare_training(result: dict, reference: dict, run: RunConfig) -> None:
-    """Judge the first step's gradients bitwise (unclipped) and masters to float32 rounding, with eager attention
-    (sdpa's backward differs even from itself); report later steps (16-bit rounding flips grow into lr-sized moves)."""
+    """Judge the first step's gradients (bitwise, unclipped) and masters (to float32 rounding) under eager attention."""
     grads, masters = result["grads"]
     ref_grads, ref_masters = reference["grads"]
     result["masters_step1_max_abs_diff"] = max_abs_diff(masters, ref_masters)
     result["masters_tolerance"] = masters_tolerance(max(m.abs().max().item() for m in ref_masters.values()), 1)
-    result["masters_max_abs_diff"] = max_abs_diff(result["masters"], reference["masters"])
-    if run.attention == "eager" and run.clip_grad_norm is None:
+    result["masters_max_abs_diff"] = max_abs_diff(result["masters"], reference["masters"])  # 16-bit flips grow big
+    if run.attention == "eager" and run.clip_grad_norm is None:  # sdpa's backward differs even from itself
         result["grads_equal_to_gpu"] = all(torch.equal(g, ref_grads[name]) for name, g in grads.items())
     if run.attention == "eager":
         result["masters_close_to_gpu"] = result["masters_step1_max_abs_diff"] <= result["masters_tolerance"]
 
 
-def max_abs_diff(a: dict, b: dict) -> float:
-    """The largest absolute difference between two state dicts with the same names."""
+def max_abs_diff(a: dict, b: dict) -> float:  # the largest absolute difference of two state dicts with the same names
     return max((t - b[name]).abs().max().item() for name, t in a.items())
 
 
-def masters_tolerance(largest: float, steps: int) -> float:
-    """How far float32 rounding may move masters as large as `largest` in `steps` Adam steps."""
+def masters_tolerance(largest: float, steps: int) -> float:  # how far float32 rounding may move masters in `steps`
     return 4 * steps * torch.finfo(torch.float32).eps * largest
 
 
 # -------------------------------------------------------------------------------------------------- the tables' notes
-# Adds: the instruments' columns beside the assignment's (REPORT_TABLES) and the notes under the tables.
-# Turned on: every run. Plugs into: tables' layout.
-
-
-def summed(parts: dict) -> float:
-    """The sum of a result's parts (bytes, seconds)."""
-    return sum(parts.values())
+# Adds: the instruments' columns (REPORT_TABLES) and the notes under the tables. On: every run. Plugs into: tables.
 
 
 REPORT_TABLES = {  # the tables a run prints: the assignment's columns (TABLES) and the instruments' beside them
     "inference": [
         (
             "Table 1: peak GPU memory, inference",
-            [PEAK_GPU, ("analytic (GiB)", cell("analytic_peak_bytes", ".2f", lambda p: summed(p) / GiB))],
+            [PEAK_GPU, ("analytic (GiB)", cell("analytic_peak_bytes", ".2f", lambda p: sum(p.values()) / GiB))],
         ),
         (
             "Table 2: time per forward pass, inference",
@@ -4430,7 +4111,7 @@ REPORT_TABLES = {  # the tables a run prints: the assignment's columns (TABLES) 
                 PEAK_HOST,
                 ("host (B / param)", cell("host_bytes_per_parameter", ".1f")),
                 ("on the disk (GiB)", lambda r: gib(r["disk_tier"]["bytes"]) if "disk_tier" in r else ""),
-                ("set-up (s)", cell("setup_s", ".1f", summed)),
+                ("set-up (s)", cell("setup_s", ".1f", lambda p: sum(p.values()))),
             ],
         ),
         (
@@ -4466,7 +4147,7 @@ def notes(results: dict, run: RunConfig, reference: dict | None = None) -> list[
     """The lines under the tables: each mode's notes, how the times were taken, the reference and speeds against it."""
     lines = []
     for mode, rs in results.items():
-        lines += inference_notes(mode, rs.get("inference", {})) + training_notes(mode, rs.get("training", {}), run)
+        lines += [*inference_notes(mode, rs.get("inference", {})), *training_notes(mode, rs.get("training", {}), run)]
         lines += text_notes(mode, rs.get("training", {}), run)
     if "cpu" in results and not results["cpu"].get("inference", {"oom": True}).get("oom"):
         lines.append(f"cpu: one run, no warm-up; GPU modes: median of {run.repeat} runs after {run.warmup} warm-ups")
@@ -4476,10 +4157,9 @@ def notes(results: dict, run: RunConfig, reference: dict | None = None) -> list[
         clipped = "training: gradients clipped (clip_grad_norm_ in gpu and cpu modes; offloaded units step once every"
         lines.append(f"{clipped} unit's gradients are in); grads not judged against gpu mode's")
     if reference:
-        lines.append(
-            f"forward/backward reference (resident model, no optimizer, no cap): {reference['time_ms']:.1f} ms per "
-            f"step, {reference['sequences_per_s']:.2f} sequences/s, peak GPU {gib(reference['peak_gpu_bytes'])} GiB"
-        )
+        ref = f"forward/backward reference (resident model, no optimizer, no cap): {reference['time_ms']:.1f} ms per"
+        ref += f" step, {reference['sequences_per_s']:.2f} sequences/s, peak GPU {gib(reference['peak_gpu_bytes'])} GiB"
+        lines.append(ref)
         for mode, rs in results.items():
             if "time_ms" in rs.get("training", {}):
                 seqs = run.grad_accum * run.batch_size / rs["training"]["time_ms"] * 1e3
@@ -4491,36 +4171,29 @@ def notes(results: dict, run: RunConfig, reference: dict | None = None) -> list[
             timed = f"over every step (--warmup {run.warmup} leaves none of {run.steps} after it)"
         skips = "offloaded GPU modes skip the step after each round of their bound's parts (it waits for no update)"
         lines.append(f"training: median step time, start to next start, {timed}; {skips}")
-    if any("model_tflops" in rs.get("training", {}) for rs in results.values()):
-        lines.append(rates_note())
+    if any("model_tflops" in rs.get("training", {}) for rs in results.values()):  # what step_rates counts
+        name, peak = torch.cuda.get_device_name(), dense_peak_flops()
+        line = "training: model TFLOPS a GPU count 6 x parameters x tokens; executed TFLOPS the step's forward, the"
+        line += " offloaded modes' recompute and the backward (twice a forward), causal attention's half of the scores"
+        lines.append(line + (f"; of peak: of the {name}'s dense 16-bit peak, {peak / 1e12:.0f} TFLOPS" if peak else ""))
     return lines
 
 
-def rates_note() -> str:
-    """What the TFLOPS columns count (step_rates)."""
-    name, peak = torch.cuda.get_device_name(), dense_peak_flops()
-    line = "training: model TFLOPS a GPU count 6 x parameters x tokens; executed TFLOPS the step's forward, the"
-    line += " offloaded modes' recompute and the backward (twice a forward), causal attention's half of the scores"
-    return line + (f"; of peak: of the {name}'s dense 16-bit peak, {peak / 1e12:.0f} TFLOPS" if peak else "")
-
-
-def inference_notes(mode: str, r: dict) -> list[str]:
+def inference_notes(mode: str, r: dict):
     """A mode's inference notes: resident layers, per-layer copy and compute times, the trace's overlap."""
-    lines = []
     if r.get("resident_layers"):
         layers = ", ".join(map(str, r["resident_layers"]))
-        lines.append(f"{mode}: decoder layers {layers} resident on the GPU, the others streamed")
+        yield f"{mode}: decoder layers {layers} resident on the GPU, the others streamed"
     if "compute_ms_per_layer" in r:
         copy = ""
         if r["h2d_gbps_copy_only"]:
             copy = f"copy {r['copy_ms_per_layer']:.2f} ms ({r['h2d_gbps_copy_only']:.1f} GB/s alone), "
         times = f"compute {r['compute_ms_per_layer']:.2f} ms; embeddings + norm + head {r['resident_ms']:.2f} ms"
-        lines.append(f"{mode}: per layer {copy}{times}")
+        yield f"{mode}: per layer {copy}{times}"
     if "trace" in r:
         t = r["trace"]
         streams = f"(copy streams {t['copy_streams']}, kernel streams {t['kernel_streams']})"
-        lines.append(f"{mode} trace: {t['overlap_ms']:.1f} of {t['copy_ms']:.1f} ms of copies under compute {streams}")
-    return lines
+        yield f"{mode} trace: {t['overlap_ms']:.1f} of {t['copy_ms']:.1f} ms of copies under compute {streams}"
 
 
 def training_notes(mode: str, t: dict, run: RunConfig) -> list[str]:
@@ -4564,20 +4237,18 @@ def training_notes(mode: str, t: dict, run: RunConfig) -> list[str]:
     return lines
 
 
-def text_notes(mode: str, t: dict, run: RunConfig) -> list[str]:
+def text_notes(mode: str, t: dict, run: RunConfig):
     """A mode's held-out losses, what one evaluation costs beside a step, and its samples before and after."""
-    lines = []
     if t.get("evaluations"):
         first, last = t["evaluations"][0], t["evaluations"][-1]
         losses = f"{first['loss']:.4f} -> {last['loss']:.4f} (perplexity {first['perplexity']:.1f} -> "
         losses += f"{last['perplexity']:.1f}) after {last['tokens']:,} tokens"
         cost = f"{statistics.median(e['ms'] for e in t['evaluations']):.0f} ms an evaluation"
         step = f", {t['time_ms']:.0f} ms a step" if "time_ms" in t else ""
-        lines.append(f"{mode} training: held-out loss {losses}; {cost}{step}")
+        yield f"{mode} training: held-out loss {losses}; {cost}{step}"
     for when, texts in t.get("samples", {}).items():
         for prompt, text in zip(run.sample, texts, strict=True):
-            lines.append(f"{mode} sample {when} training: {prompt!r} -> {text!r}")
-    return lines
+            yield f"{mode} sample {when} training: {prompt!r} -> {text!r}"
 
 
 def bound_note(mode: str, t: dict) -> str:
@@ -4679,8 +4350,7 @@ def checkpoint_tokenizer(run: RunConfig):
         raise UsageError(f"--resume {folder}: its tokenizer does not load ({first_line(e)}): it is damaged") from None
 
 
-def tokenizer_text(tokenizer) -> str:
-    """A fast tokenizer's definition, serialized: equal for two tokenizers that map text to the same ids."""
+def tokenizer_text(tokenizer) -> str:  # a fast tokenizer's definition: equal for two that map text to the same ids
     return tokenizer.backend_tokenizer.to_str()
 
 
@@ -4742,8 +4412,7 @@ def train_tokenizer(run: RunConfig, files: list[Path], folder: Path):
 
 
 def waited(work, what: str, every: float = 10.0):
-    """work() in a thread of its own, saying `what` on stderr every `every` seconds while this one waits: a long native
-    call (tokenizers' training) reports nothing and holds Ctrl-C and SIGTERM, a wait here takes them at once."""
+    """work() in its own thread, logging `what` every `every` s: this wait takes the signals a native call holds."""
     outcome = {}
 
     def run() -> None:  # work()'s value or its error, for the waiting thread
@@ -4782,8 +4451,7 @@ def folder_aside(folder: Path):
 
 @contextlib.contextmanager
 def named_errors(path, writer: bool = False, aside: str | None = None):
-    """A failed write reported as an OSError naming `path`, for a one-line refusal: where it names no file or `aside`
-    (its temporary file); writer: the block only writes, and its writer's own errors become such OSErrors too."""
+    """A failed write as an OSError naming `path` (where it names none, or `aside`); writer: any error of the block."""
     try:
         yield
     except OSError as e:
@@ -4796,8 +4464,7 @@ def named_errors(path, writer: bool = False, aside: str | None = None):
         raise OSError(errno.EIO, f"could not be written ({first_line(e)}): is its disk full?", str(path)) from e
 
 
-def current_umask() -> int:
-    """The process's umask (reading it means setting it: set back at once)."""
+def current_umask() -> int:  # the process's umask (reading it means setting it: set back at once)
     umask = os.umask(0)
     os.umask(umask)
     return umask
@@ -4840,8 +4507,7 @@ def token_cache(run: RunConfig, files: list[Path], tokenizer) -> torch.Tensor:
     return mapped_tokens(path)
 
 
-def largest_id(ids: torch.Tensor) -> int:
-    """The largest of a token cache's ids, a chunk at a time (unsigned 16-bit tensors have no max of their own)."""
+def largest_id(ids: torch.Tensor) -> int:  # a chunk at a time: unsigned 16-bit tensors have no max of their own
     return max(int(chunk.to(torch.int64).max()) for chunk in ids.split(2**24))
 
 
@@ -4910,8 +4576,7 @@ class Blocks:
         self.held_out, self.training = order[:held].sort().values, order[held:].sort().values
         self.orders = {}  # epoch -> its order of the training blocks
 
-    def epoch_order(self, epoch: int) -> torch.Tensor:
-        """The training blocks in epoch `epoch`'s order."""
+    def epoch_order(self, epoch: int) -> torch.Tensor:  # the training blocks in epoch `epoch`'s order
         if epoch not in self.orders:
             generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
             self.orders = {epoch: self.training[torch.randperm(len(self.training), generator=generator)]}
@@ -4922,8 +4587,7 @@ class Blocks:
         n = len(self.training)
         return [int(self.epoch_order(p // n)[p % n]) for p in range(step * count, (step + 1) * count)]
 
-    def gather(self, blocks) -> torch.Tensor:
-        """The blocks' token ids, (len(blocks), seq_len) int64."""
+    def gather(self, blocks) -> torch.Tensor:  # the blocks' token ids, (len(blocks), seq_len) int64
         return torch.stack([self.ids[b * self.seq_len : (b + 1) * self.seq_len].long() for b in blocks])
 
 
@@ -4931,8 +4595,7 @@ def step_batches(blocks: Blocks, run: RunConfig, device: torch.device):
     """step(i): step i's micro-batches on `device`, grad_accum of batch_size blocks each (this rank's share of them)."""
     count = run.batch_size * run.grad_accum
 
-    def step(i: int) -> list[torch.Tensor]:
-        """Step i's blocks, on a GPU copied from pinned memory: the copy waits in the stream, the host goes on."""
+    def step(i: int) -> list[torch.Tensor]:  # step i's; on a GPU copied from pinned memory, the host going on
         ids = blocks.gather(blocks.step_blocks(i, count))
         if device.type == "cuda":  # the caching host allocator hands the block out again once its copy has landed
             ids = ids.pin_memory()
@@ -4941,8 +4604,7 @@ def step_batches(blocks: Blocks, run: RunConfig, device: torch.device):
     return step
 
 
-def first_batch(blocks: Blocks, run: RunConfig) -> torch.Tensor:
-    """The first step's blocks, (grad_accum x batch_size, seq_len): what sizes the plans and --save-output keeps."""
+def first_batch(blocks: Blocks, run: RunConfig) -> torch.Tensor:  # what sizes the plans and --save-output keeps
     return blocks.gather(blocks.step_blocks(0, run.batch_size * run.grad_accum))
 
 
@@ -4964,9 +4626,7 @@ def with_epochs(run: RunConfig, blocks: Blocks | None) -> RunConfig:
 
 
 @dataclass
-class Text:
-    """What a run on text has: the blocks of --data (None with --sample alone) and the tokenizer."""
-
+class Text:  # what a run on text has: the blocks of --data (None with --sample alone) and the tokenizer
     blocks: Blocks | None
     tokenizer: object
 
@@ -4995,11 +4655,9 @@ def prepare_text(run: RunConfig, config: LlamaConfig) -> Text | None:
 def check_vocab(run: RunConfig, tokenizer, vocab_size: int) -> None:
     """Refuse a tokenizer with ids past the model's embeddings, in one line saying what would fit."""
     if len(tokenizer) > vocab_size:
-        fits = f"a tokenizer of at most {vocab_size:,} ids" + (
-            "" if run.model else f", or --vocab-size {len(tokenizer)}"
-        )
         size = f"the tokenizer's {len(tokenizer):,} ids exceed the model's vocab_size {vocab_size:,}"
-        raise UsageError(f"{size}: give {fits}")
+        other = "" if run.model else f", or --vocab-size {len(tokenizer)}"
+        raise UsageError(f"{size}: give a tokenizer of at most {vocab_size:,} ids{other}")
 
 
 def agreed_text(run: RunConfig, config: LlamaConfig) -> Text | None:
@@ -5027,9 +4685,8 @@ def prepare_data(run: RunConfig, vocab_size: int) -> tuple[Blocks, object]:
     resumed = checkpoint_tokenizer(run)  # the one the checkpoint trained with: a run that goes on keeps its ids
     if run.train_tokenizer:  # asked to train one: not --model's
         if run.train_tokenizer > vocab_size:
-            raise UsageError(
-                f"--train-tokenizer {run.train_tokenizer} is larger than the model's vocab_size {vocab_size}"
-            )
+            larger = f"is larger than the model's vocab_size {vocab_size}"
+            raise UsageError(f"--train-tokenizer {run.train_tokenizer} {larger}")
         key = corpus_key(run, files, f"byte-level BPE of {run.train_tokenizer}")
         tokenizer = train_tokenizer(run, files, data_cache_folder(run) / f"tokenizer-{key}")
     else:
@@ -5047,12 +4704,11 @@ def prepare_data(run: RunConfig, vocab_size: int) -> tuple[Blocks, object]:
 
 
 def forward_model(trainer, config: LlamaConfig, device: torch.device) -> nn.Module:
-    """What runs forward passes of the training state: gpu and cpu modes' model, else a shell of StreamedLayers over
-    the training streamer's units, so HF's forward and generate (KV cache and all) run the state as it streams."""
+    """What runs forward passes of the training state: gpu and cpu modes' model, else a shell of StreamedLayers."""
     if isinstance(trainer, ResidentTraining):
         return trainer.model
     streamer, n = trainer.streamer, config.num_hidden_layers
-    with torch.device("meta"):
+    with torch.device("meta"):  # HF's forward and generate (KV cache and all) run the units' state as it streams
         shell = LlamaForCausalLM(config)
     shell.model.embed_tokens = StreamedLayer(0, streamer)
     shell.model.layers = nn.ModuleList(StreamedLayer(1 + i, streamer, layer=i) for i in range(n))
@@ -5066,30 +4722,15 @@ def forward_model(trainer, config: LlamaConfig, device: torch.device) -> nn.Modu
 
 
 @torch.no_grad()
-def held_out_loss(model: nn.Module, blocks: Blocks, run: RunConfig, device: torch.device) -> float:
-    """The mean loss over the held-out blocks, batch_size blocks at a time, through `model` without gradients."""
-    total, shown = 0.0, time.perf_counter()
-    for i, part in enumerate(blocks.held_out.split(run.batch_size)):
-        ids = blocks.gather(part.tolist()).to(device)
-        total += model(ids, labels=ids, use_cache=False).loss.item() * len(part)
-        if time.perf_counter() - shown > 10:  # a long evaluation says how far it is
-            shown = time.perf_counter()
-            held = len(blocks.held_out)
-            log(f"  held-out loss: {min((i + 1) * run.batch_size, held):,} of {held:,} blocks")
-    return total / len(blocks.held_out)
-
-
-@torch.no_grad()
 def continuations(model: nn.Module, tokenizer, run: RunConfig, device: torch.device) -> list[str]:
     """Each --sample prompt's continuation of --sample-tokens tokens by HF's generate: greedy, or at --temperature."""
     drawn = {"do_sample": True, "temperature": run.temperature, "top_k": run.top_k} if run.temperature else {}
+    kwargs = {"max_new_tokens": run.sample_tokens, "pad_token_id": tokenizer.eos_token_id, "do_sample": False}
+    kwargs["synced_gpus"] = run.ranks.several  # each pass gathers the units: a rank whose text ended passes on
     texts = []
     for prompt in run.sample:
         ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
         torch.manual_seed(run.seed)
-        kwargs = {"max_new_tokens": run.sample_tokens, "pad_token_id": tokenizer.eos_token_id, "do_sample": False}
-        # several ranks: each pass gathers the units, so a rank whose text ended passes on until every rank's has
-        kwargs["synced_gpus"] = run.ranks.several
         out = model.generate(ids, attention_mask=torch.ones_like(ids), **(kwargs | drawn))
         texts.append(tokenizer.decode(out[0, ids.shape[1] :]))
     return texts
@@ -5108,16 +4749,25 @@ class Evaluation:
         if text and text.blocks:
             self.run(0)
 
-    def due(self, done: int, last: int) -> bool:
-        """Whether the held-out loss is due after `done` of this run's `last` steps."""
+    def due(self, done: int, last: int) -> bool:  # whether the held-out loss is due after `done` of `last` steps
         every = self.run_config.eval_every
         now = done == last or bool(every) and (self.start + done) % every == 0
         return bool(self.text and self.text.blocks) and now
 
+    @torch.no_grad()
     def run(self, done: int) -> None:
-        """Measure the held-out loss after `done` steps of this run."""
+        """Measure the mean loss over the held-out blocks after `done` steps, batch_size blocks at a time."""
         t0 = time.perf_counter()
-        loss = held_out_loss(self.model(), self.text.blocks, self.run_config, self.device)
+        model, blocks, batch, total = self.model(), self.text.blocks, self.run_config.batch_size, 0.0
+        shown = time.perf_counter()
+        for i, part in enumerate(blocks.held_out.split(batch)):
+            ids = blocks.gather(part.tolist()).to(self.device)
+            total += model(ids, labels=ids, use_cache=False).loss.item() * len(part)
+            if time.perf_counter() - shown > 10:  # a long evaluation says how far it is
+                shown = time.perf_counter()
+                held = len(blocks.held_out)
+                log(f"  held-out loss: {min((i + 1) * batch, held):,} of {held:,} blocks")
+        loss = total / len(blocks.held_out)
         ms = (time.perf_counter() - t0) * 1e3
         step = self.start + done
         if not math.isfinite(loss):
@@ -5126,13 +4776,11 @@ class Evaluation:
         self.evaluations.append(record | {"ms": ms})
         log(f"  held-out loss after step {step}: {loss:.4f}, perplexity {math.exp(loss):.2f} ({ms:.0f} ms)")
 
-    def after(self) -> None:
-        """The samples after the last step."""
+    def after(self) -> None:  # the samples after the last step
         if self.text and self.run_config.sample:
             self.samples["after"] = self.sampled("after training")
 
-    def sampled(self, when: str) -> list[str]:
-        """The prompts' continuations now, logged."""
+    def sampled(self, when: str) -> list[str]:  # the prompts' continuations now, logged
         run = self.run_config
         log(f"  sampling {len(run.sample)} prompt(s) {when}, {run.sample_tokens} tokens each ...")
         texts = continuations(self.model(), self.text.tokenizer, run, self.device)
@@ -5140,8 +4788,7 @@ class Evaluation:
             log(f"  sample {when}: {prompt!r} -> {text!r}")
         return texts
 
-    def figures(self) -> dict:
-        """For the JSON: each held-out evaluation and the samples."""
+    def figures(self) -> dict:  # for the JSON: each held-out evaluation and the samples
         return {"evaluations": self.evaluations, "samples": self.samples} if self.text else {}
 
 
@@ -5168,22 +4815,24 @@ def save_pretrained(trainer, config: LlamaConfig, folder: Path, tokenizer=None) 
     reset_peak_memory(torch.device("cpu"))
     if tokenizer is not None:  # its ids in the configs (a trained one's end of text is 0, not the preset's 2)
         config, eos = copy.deepcopy(config), tokenizer.eos_token_id
-        config.bos_token_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else eos
-        config.eos_token_id = eos
-        config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+        for field in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            setattr(config, field, eos if getattr(tokenizer, field) is None else getattr(tokenizer, field))
     aside = folder_aside(folder) if trainer.ranks.rank == 0 else contextlib.nullcontext()
     with aside as tmp, named_errors(folder, writer=not trainer.ranks.several):  # the collectives' errors stay theirs
-        if trainer.ranks.several:
-            save_units(trainer, config, tmp)
-        else:
-            save_masters(trainer, config, tmp)
+        (save_units if trainer.ranks.several else save_masters)(trainer, config, tmp)
         if trainer.ranks.rank == 0:
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
             for path in tmp.iterdir():  # the umask's modes: safetensors writes its shards 0600
                 if path.is_file():
                     path.chmod(0o666 & ~current_umask())
-            replace_folder(tmp, folder)
+            old = tmp.with_name(tmp.name + ".old")  # the older folder moved aside, then removed
+            with signals_held():
+                if folder.exists():
+                    os.rename(folder, old)
+                os.rename(tmp, folder)
+                shutil.rmtree(old, ignore_errors=True)
+                sync_folder(folder.parent)
     trainer.ranks.meet()  # the folder is whole before any rank goes on
     seconds, peak = time.perf_counter() - t0, size_text(peak_host_rss())
     log(f"trained float32 weights saved to {folder} in {seconds:.1f} s, host peak {peak} meanwhile")
@@ -5198,17 +4847,6 @@ def save_masters(trainer, config: LlamaConfig, folder: Path) -> None:
         setattr(model.get_submodule(owner), leaf, nn.Parameter(master, requires_grad=False))
     transformers.utils.logging.disable_progress_bar()  # stderr carries this script's progress lines alone
     model.save_pretrained(folder, max_shard_size=SAVE_SHARD)
-
-
-def replace_folder(new: Path, folder: Path) -> None:
-    """Rename the finished folder `new` to `folder` (an older one moved aside, then removed), signals put off."""
-    old = new.with_name(new.name + ".old")
-    with signals_held():
-        if folder.exists():
-            os.rename(folder, old)
-        os.rename(new, folder)
-        shutil.rmtree(old, ignore_errors=True)
-        sync_folder(folder.parent)
 
 
 def save_units(trainer, config: LlamaConfig, folder: Path | None) -> None:
@@ -5248,37 +4886,31 @@ def checkpoint_manifest(run: RunConfig, config: LlamaConfig, mode: str, plan: Pl
     """What a checkpoint records besides its files: what a resume must match, how it trained, the plan."""
     adam = json.loads(json.dumps(dataclasses.asdict(run.adam)))  # as read back: betas a list
     sizes = {field: getattr(config, field) for field in SIZE_FLAGS}
-    batch = {"grad_accum": run.grad_accum, "batch_size": run.batch_size, "seq_len": run.seq_len, "seed": run.seed}
-    batch["eval_fraction"] = run.eval_fraction  # with the seed, which blocks --data holds out
-    batch["data"] = run.data  # None: random ids
+    # eval_fraction and the seed: which blocks --data holds out; data None: random ids
+    batch = {key: getattr(run, key) for key in ("grad_accum", "batch_size", "seq_len", "seed", "eval_fraction", "data")}
     ranks = {"ranks": run.ranks.world} if run.ranks.several else {}  # each rank's files hold its shards
-    planned = {"plan_inputs": plan_inputs(run, plan), "plan": plan.as_dict()} if plan else {}
     record = {"format": CHECKPOINT_FORMAT, "mode": mode, "sizes": sizes, "dtype": run.dtype, "adam": adam}
-    return record | batch | ranks | planned
-
-
-def plan_inputs(run: RunConfig, plan: Plan) -> dict:
-    """What a plan is made from: the machine's facts (memory to a tenth of a GiB) and the flags that steer it."""
+    if plan is None:
+        return record | batch | ranks
+    # what the plan is made from: the machine's facts (memory to a tenth of a GiB) and the flags that steer it
     facts = plan.facts
     memory = (("gpu", facts.gpu_bytes), ("host", facts.host_bytes), ("disk", facts.disk_bytes))
-    machine = {f"{field}_gib": None if b is None else round(b / GiB, 1) for field, b in memory}
-    machine |= {"cores": facts.cores, "ranks": facts.world, "ranks_a_host": facts.local_world}
-    return machine | {flag: getattr(run, flag) for flag in PLAN_FLAGS}
+    inputs = {f"{field}_gib": None if b is None else round(b / GiB, 1) for field, b in memory}
+    inputs |= {"cores": facts.cores, "ranks": facts.world, "ranks_a_host": facts.local_world}
+    inputs |= {flag: getattr(run, flag) for flag in PLAN_FLAGS}
+    return record | batch | ranks | {"plan_inputs": inputs, "plan": plan.as_dict()}
 
 
 def say_plan_changes(saved: dict, manifest: dict) -> None:
     """Log the plan inputs that differ from the checkpoint's: the state resumes the same, the placement may not."""
     before, now = saved.get("plan_inputs") or {}, manifest.get("plan_inputs") or {}
+
+    def differs(a, b) -> bool:  # memory (GiB, as the kernel has it available) by 5% or more; the rest at all
+        return abs(b - a) >= 0.05 * max(abs(a), abs(b)) if isinstance(a, float) and isinstance(b, float) else a != b
+
     changed = [f"{key} {before.get(key)} -> {value}" for key, value in now.items() if differs(before.get(key), value)]
     if before and changed:
         log(f"resuming under other plan inputs than the checkpoint's: {'; '.join(changed)}")
-
-
-def differs(before, now) -> bool:
-    """Whether a plan input changed: memory (in GiB, as the kernel has it available) by 5% or more, else at all."""
-    if isinstance(before, float) and isinstance(now, float):
-        return abs(now - before) >= 0.05 * max(abs(before), abs(now))
-    return before != now
 
 
 class Checkpoints:
@@ -5287,11 +4919,9 @@ class Checkpoints:
     def __init__(self, trainer, folder: Path, manifest: dict, every: int | None, tokenizer=None):
         # write(done): the checkpoint after `done` steps of this run; run(done) as the steps' tasks call it
         self.write = self.run = functools.partial(write_checkpoint, trainer, folder, manifest, tokenizer=tokenizer)
-        self.start = manifest.get("resumed_from", 0)
-        self.every = every
+        self.start, self.every = manifest.get("resumed_from", 0), every
 
-    def due(self, done: int, last: int) -> bool:
-        """Whether one is due after `done` of this run's `last` steps (the last one's: once the trainer finished)."""
+    def due(self, done: int, last: int) -> bool:  # after `done` of `last` steps (the last one's: once trained)
         return bool(self.every) and done < last and (self.start + done) % self.every == 0
 
 
@@ -5302,9 +4932,8 @@ def trained_outputs(trainer, run: RunConfig, config: LlamaConfig, mode: str, com
         save_pretrained(trainer, config, mode_folder(run.save_pretrained, run, mode), tokenizer)
     if run.clip_grad_norm is not None:
         result["grad_norms"] = list(trainer.grad_norms)
-    if compared or run.save_output:
+    if compared or run.save_output:  # several ranks: on rank 0 alone (which writes --save-output), a unit at a time
         resident = isinstance(trainer, ResidentTraining)
-        # with several ranks, for --save-output: on rank 0 alone, which writes it, one unit at a time
         result["masters"] = trainer.state_dict(trainer.masters) if resident else trainer.state_dict(on_first=True)
     return result
 
@@ -5323,8 +4952,7 @@ def check_finite_masters(trainer) -> None:
 
 
 def write_checkpoint(trainer, folder: Path, manifest: dict, done: int, tokenizer=None) -> None:
-    """The training state after `done` steps of this run: a file a unit (and the tokenizer's), then CHECKPOINT_FILE
-    naming them, each written aside, synced and renamed; what the record does not name then goes, so one stays whole."""
+    """The state after `done` steps: unit files, tokenizer, then CHECKPOINT_FILE naming them, each written aside."""
     t0 = time.perf_counter()
     trainer.wait_updates()
     steps = manifest.get("resumed_from", 0) + done
@@ -5336,15 +4964,16 @@ def write_checkpoint(trainer, folder: Path, manifest: dict, done: int, tokenizer
         for u, name in enumerate(files[ranks.rank * n : (ranks.rank + 1) * n]):  # this rank's
             state = unit_state(trainer, u)
             if not all(ranks.each(finite_state(state))):  # every rank's shard, so that all stop here
-                unit = trainer.units[u].name
-                raise Diverged(
-                    f"after step {steps} {unit}'s state is not finite: {DIVERGED}; the checkpoint before stays"
-                )
+                what = f"{trainer.units[u].name}'s state is not finite: {DIVERGED}"
+                raise Diverged(f"after step {steps} {what}; the checkpoint before stays")
             write_atomically(str(folder / name), functools.partial(save_synced, state))
         tokenizer_files = save_checkpoint_tokenizer(tokenizer, folder) if tokenizer and ranks.rank == 0 else []
         ranks.meet()  # every rank's files are on the disk before the record names them
-        if ranks.rank == 0:
-            record = checkpoint_record(trainer, manifest, done, files, tokenizer_files)
+        if ranks.rank == 0:  # the manifest, the loss scale, the steps and tokens trained on, the files of the state
+            scale = {"loss_scale": trainer.scaling.scale, "good_steps": getattr(trainer.scaling, "good_steps", 0)}
+            tokens = manifest.get("tokens_before", 0) + done * step_tokens(manifest)
+            named = {"steps": steps, "tokens": tokens, "files": files, "tokenizer": tokenizer_files}
+            record = json.dumps(manifest | scale | named, indent=2)
             with signals_held():  # the record and the folder agree once this returns
                 write_atomically(str(folder / CHECKPOINT_FILE), functools.partial(save_synced, record))
                 sync_folder(folder)  # the renames too, before the files they replace go
@@ -5358,15 +4987,6 @@ def write_checkpoint(trainer, folder: Path, manifest: dict, done: int, tokenizer
                     folder.rmdir()
         raise
     log(f"checkpoint after step {steps} written to {folder} in {time.perf_counter() - t0:.1f} s")
-
-
-def checkpoint_record(trainer, manifest: dict, done: int, files: list[str], tokenizer_files: list[str]) -> str:
-    """CHECKPOINT_FILE's text: the manifest, the loss scale, the steps and tokens trained on, the files of the state."""
-    scale = {"loss_scale": trainer.scaling.scale, "good_steps": getattr(trainer.scaling, "good_steps", 0)}
-    steps = manifest.get("resumed_from", 0) + done
-    tokens = manifest.get("tokens_before", 0) + done * step_tokens(manifest)
-    named = {"steps": steps, "tokens": tokens, "files": files, "tokenizer": tokenizer_files}
-    return json.dumps(manifest | scale | named, indent=2)
 
 
 def remove_unnamed(folder: Path) -> None:
@@ -5393,13 +5013,9 @@ def save_checkpoint_tokenizer(tokenizer, folder: Path) -> list[str]:
 
 @contextlib.contextmanager
 def signals_held():
-    """SIGINT and SIGTERM put off while the block runs (renames that must not be split), then raised again. Python runs
-    handlers in the main thread alone (masking the signal there would not do), so elsewhere the block runs as is."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught = []
-    before = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum)) for sig in SIGNALS}
+    """SIGNALS put off during the block (renames not to split), then raised; in the main thread, which handles them."""
+    caught, main = [], threading.current_thread() is threading.main_thread()
+    before = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum)) for sig in SIGNALS if main}
     try:
         yield
     finally:
@@ -5409,8 +5025,7 @@ def signals_held():
             signal.raise_signal(caught[0])
 
 
-def checkpoint_files(units: int, steps: int, ranks: Ranks) -> list[str]:
-    """A checkpoint's unit files, after `steps` steps: one a unit, or with several ranks one a unit and rank."""
+def checkpoint_files(units: int, steps: int, ranks: Ranks) -> list[str]:  # one a unit (and rank) after `steps` steps
     if not ranks.several:
         return [f"unit{u:03d}.step{steps}.pt" for u in range(units)]
     return [f"unit{u:03d}.rank{r}of{ranks.world}.step{steps}.pt" for r in range(ranks.world) for u in range(units)]
@@ -5437,8 +5052,7 @@ def torch_save(obj, f, path: str) -> None:
         raise OSError(errno.EIO, reason, path) from None
 
 
-def sync_folder(folder: Path) -> None:
-    """Flush a folder's entries (the files renamed into it) to the disk."""
+def sync_folder(folder: Path) -> None:  # flush a folder's entries (the files renamed into it) to the disk
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -5447,7 +5061,7 @@ def sync_folder(folder: Path) -> None:
 
 
 def read_checkpoint(folder: Path, manifest: dict, units: list[Unit] | None = None) -> dict:
-    """A checkpoint's record, refused where damaged or of another model, dtype or Adam (`units`: its files too)."""
+    """A checkpoint's record, refused where damaged or of another model, dtype or Adam (`units`: its unit files too)."""
     path, at = folder / CHECKPOINT_FILE, f"--resume {folder}"
     if not path.is_file():
         raise UsageError(f"{at}: no {CHECKPOINT_FILE} there: {checkpoint_hint(folder)}")
@@ -5457,61 +5071,49 @@ def read_checkpoint(folder: Path, manifest: dict, units: list[Unit] | None = Non
         raise UsageError(f"{at}: {CHECKPOINT_FILE} cannot be read ({e.strerror})") from None
     except ValueError as e:  # UnicodeDecodeError too
         raise UsageError(f"{at}: {CHECKPOINT_FILE} is not valid JSON ({first_line(e)})") from None
-    if not isinstance(saved, dict):
-        raise UsageError(f"{at}: {CHECKPOINT_FILE} holds no record: it is damaged")
-    if saved.get("format") != CHECKPOINT_FORMAT:
-        raise UsageError(f"{at}: checkpoint format {saved.get('format')}, this script reads {CHECKPOINT_FORMAT}")
-    for key, what in (("sizes", "model"), ("dtype", "dtype"), ("adam", "Adam setting")):
-        if saved.get(key) != manifest[key]:
-            raise UsageError(f"{at}: a checkpoint of another {what}: {saved.get(key)}, not {manifest[key]}")
-    check_record(folder, saved, manifest)
-    missing = [name for name in saved["files"] if not (folder / name).is_file()]
-    if missing:
-        raise UsageError(f"{at}: {len(missing)} of the files {CHECKPOINT_FILE} names are missing")
-    if units is not None:
-        check_unit_files(folder, saved, units)
-    return saved
-
-
-def check_record(folder: Path, saved: dict, manifest: dict) -> None:
-    """A checkpoint record's fields have their types and ranges, and it names a file a unit (and rank) of its own."""
-    record = f"--resume {folder}: {CHECKPOINT_FILE}"
-    for key, kind in CHECKPOINT_RECORD.items():
-        if not isinstance(saved.get(key), kind) or isinstance(saved.get(key), bool):
-            raise UsageError(f"{record}'s {key} is {saved.get(key)!r}: the file is damaged")
-    if not 0 <= saved["steps"] < 2**53 or not 0 <= saved["good_steps"] < 2**53:
-        raise UsageError(f"{record}'s step counts are out of range: the file is damaged")
-    if not all(isinstance(f, str) and f == Path(f).name for f in saved["files"]):
-        raise UsageError(f"{record} names files outside its folder: the file is damaged")
-    for key, (least, end) in RECORD_COUNTS.items():
-        value = saved.get(key, least)
-        if not isinstance(value, int) or isinstance(value, bool) or not least <= value < end:
-            raise UsageError(f"{record}'s {key} is {value!r}: the file is damaged")
-    for key in ("plan", "plan_inputs"):
-        if not isinstance(saved.get(key, {}), dict):
-            raise UsageError(f"{record}'s {key} is not a table: the file is damaged")
-    units = manifest["sizes"]["num_hidden_layers"] + 3
-    files, expected = saved["files"], checkpoint_files(units, saved["steps"], Ranks(world=saved.get("ranks", 1)))
-    if len(files) != len(expected):
-        raise UsageError(f"{record} names {len(files)} files, not {len(expected)}: it is damaged")
-    wrong = next((i for i, (f, e) in enumerate(zip(files, expected, strict=True)) if f != e), None)
-    if wrong is not None:  # each unit's own file, as written after that step: none named twice, none swapped
-        what = f"names {files[wrong]} where a checkpoint after step {saved['steps']} has {expected[wrong]}"
-        raise UsageError(f"{record} {what}: it is damaged")
-
-
-def check_unit_files(folder: Path, saved: dict, units: list[Unit]) -> None:
-    """Each unit file of a checkpoint loads and holds its unit's state (unit_state_fits); else one line naming it."""
-    ranks = Ranks(world=saved.get("ranks", 1))  # that wrote it
-    for i, name in enumerate(saved["files"]):
-        u = i % len(units)
+    fault = next((message for bad, message in record_faults(folder, saved, manifest) if bad), None)
+    if fault:
+        raise UsageError(f"{at}: {fault}")
+    for i, name in enumerate(saved["files"] if units is not None else []):  # each loads and holds its unit's state
+        unit, ranks = units[i % len(units)], Ranks(world=saved.get("ranks", 1))  # the ranks that wrote it
         try:
             state = torch.load(folder / name, mmap=True, weights_only=True)
         except Exception as e:  # torch's errors for a file cut short or not its format vary between versions
-            reason = first_line(e)
-            raise UsageError(f"--resume {folder}: {name} does not load ({reason}): resume another checkpoint") from None
-        if not unit_state_fits(state, units[u].layout, ranks) or state.get("unit", units[u].name) != units[u].name:
-            raise UsageError(f"--resume {folder}: {name} does not hold unit {units[u].name}'s state: it is damaged")
+            raise UsageError(f"{at}: {name} does not load ({first_line(e)}): resume another checkpoint") from None
+        if not unit_state_fits(state, unit.layout, ranks) or state.get("unit", unit.name) != unit.name:
+            raise UsageError(f"{at}: {name} does not hold unit {unit.name}'s state: it is damaged")
+    return saved
+
+
+def record_faults(folder: Path, saved, manifest: dict):
+    """(fault, message) of each check of a checkpoint's record in turn, each made once those before it passed."""
+    record, damaged = CHECKPOINT_FILE, ": the file is damaged"
+    yield not isinstance(saved, dict), f"{record} holds no record: it is damaged"
+    fmt = saved.get("format")
+    yield fmt != CHECKPOINT_FORMAT, f"checkpoint format {fmt}, this script reads {CHECKPOINT_FORMAT}"
+    for key, what in (("sizes", "model"), ("dtype", "dtype"), ("adam", "Adam setting")):
+        yield saved.get(key) != manifest[key], f"a checkpoint of another {what}: {saved.get(key)}, not {manifest[key]}"
+    for key, kind in CHECKPOINT_RECORD.items():
+        value = saved.get(key)
+        yield not isinstance(value, kind) or isinstance(value, bool), f"{record}'s {key} is {value!r}{damaged}"
+    steps, files = saved["steps"], saved["files"]
+    counts = not 0 <= steps < 2**53 or not 0 <= saved["good_steps"] < 2**53
+    yield counts, f"{record}'s step counts are out of range{damaged}"
+    outside = not all(isinstance(f, str) and f == Path(f).name for f in files)
+    yield outside, f"{record} names files outside its folder{damaged}"
+    for key, (least, end) in RECORD_COUNTS.items():
+        value = saved.get(key, least)
+        wrong = not isinstance(value, int) or isinstance(value, bool) or not least <= value < end
+        yield wrong, f"{record}'s {key} is {value!r}{damaged}"
+    for key in ("plan", "plan_inputs"):
+        yield not isinstance(saved.get(key, {}), dict), f"{record}'s {key} is not a table{damaged}"
+    units = manifest["sizes"]["num_hidden_layers"] + 3
+    expected = checkpoint_files(units, steps, Ranks(world=saved.get("ranks", 1)))
+    yield len(files) != len(expected), f"{record} names {len(files)} files, not {len(expected)}: it is damaged"
+    for f, e in zip(files, expected, strict=True):  # each unit's own file, as written after that step: none swapped
+        yield f != e, f"{record} names {f} where a checkpoint after step {steps} has {e}: it is damaged"
+    missing = [name for name in files if not (folder / name).is_file()]
+    yield bool(missing), f"{len(missing)} of the files {record} names are missing"
 
 
 def unit_state_fits(state, layout: FlatLayout, ranks: Ranks) -> bool:
@@ -5582,8 +5184,7 @@ def load_unit(trainer, u: int, state: dict) -> None:
     store = trainer.store
     layout, start = store.units[u].layout, store.ranks.rank * store.masters[u].numel()
 
-    def fill(keys: tuple[str, ...], *flats) -> None:
-        """The state's `keys` into this rank's part of the flat buffers `flats`."""
+    def fill(keys: tuple[str, ...], *flats) -> None:  # the state's `keys` into this rank's part of the buffers `flats`
         for key, flat in zip(keys, flats, strict=True):
             if isinstance(state[key], torch.Tensor):  # the shard this rank wrote, padding and all
                 flat.copy_(state[key])
@@ -5620,8 +5221,8 @@ def resume(trainer, folder: Path, manifest: dict) -> int:
         state = checkpoint_unit(folder, saved, u, unit.layout, trainer.ranks)
         load_unit(trainer, u, state)
         if not finite_state(state):  # read again from the page cache the load filled
-            earlier = "resume an earlier checkpoint"
-            raise UsageError(f"--resume {folder}: unit {unit.name}'s state is not finite (NaN or infinity): {earlier}")
+            what = f"unit {unit.name}'s state is not finite (NaN or infinity)"
+            raise UsageError(f"--resume {folder}: {what}: resume an earlier checkpoint")
     if saved.get("ranks", 1) != trainer.ranks.world:
         log(f"the checkpoint of {saved.get('ranks', 1)} rank(s) resharded over {trainer.ranks.world}")
     if isinstance(trainer.scaling, LossScale):
@@ -5639,29 +5240,23 @@ def resume(trainer, folder: Path, manifest: dict) -> int:
     return saved["steps"]
 
 
-def step_tokens(record: dict) -> int:
-    """The tokens of a step of the run a checkpoint manifest describes: its micro-batches of batch_size sequences."""
+def step_tokens(record: dict) -> int:  # the tokens of a step of the run a checkpoint manifest describes
     return record["grad_accum"] * record["batch_size"] * record["seq_len"]
 
 
 def finite_state(state: dict) -> bool:
     """Whether a unit's checkpointed state (checkpoint_unit's) holds finite masters and moments alone."""
-    for key in ("master", "exp_avg", "exp_avg_sq"):
-        held = state[key]
-        tensors = held.shards if isinstance(held, Resharded) else held.values() if isinstance(held, dict) else [held]
-        if not all(torch.isfinite(t).all() for t in tensors):
-            return False
-    return True
+    held = [state[key] for key in ("master", "exp_avg", "exp_avg_sq")]
+    held = [h.shards if isinstance(h, Resharded) else h.values() if isinstance(h, dict) else [h] for h in held]
+    return all(torch.isfinite(t).all() for tensors in held for t in tensors)
 
 
 def checkpoint_unit(folder: Path, saved: dict, u: int, layout: FlatLayout, ranks: Ranks) -> dict:
-    """Unit u's state in a checkpoint, memory-mapped: the file this rank wrote where as many ranks wrote it (so it goes
-    on bit for bit), else by parameter name, one process's or put together from other ranks' shards (Resharded)."""
+    """Unit u's state in a checkpoint, mmapped: this rank's file (as many ranks wrote), else by name (Resharded)."""
     world, units = saved.get("ranks", 1), len(saved["files"]) // saved.get("ranks", 1)
-    if world == ranks.world:
-        return torch.load(folder / saved["files"][ranks.rank * units + u], mmap=True, weights_only=True)
-    states = [torch.load(folder / saved["files"][r * units + u], mmap=True, weights_only=True) for r in range(world)]
-    if world == 1:
+    writers = [ranks.rank] if world == ranks.world else range(world)  # its own file: it goes on bit for bit
+    states = [torch.load(folder / saved["files"][r * units + u], mmap=True, weights_only=True) for r in writers]
+    if len(states) == 1:
         return states[0]
     keys = ("master", "exp_avg", "exp_avg_sq")
     return {"step": states[0]["step"]} | {key: Resharded([s[key] for s in states], layout) for key in keys}
@@ -5674,8 +5269,7 @@ class Resharded:
         self.shards, self.size = shards, shards[0].numel()
         self.places = dict(zip(layout.names, zip(layout.offsets, layout.shapes, strict=True), strict=True))
 
-    def __getitem__(self, name: str) -> torch.Tensor:
-        """The parameter `name`, whole, in its shape."""
+    def __getitem__(self, name: str) -> torch.Tensor:  # the parameter `name`, whole, in its shape
         start, shape = self.places[name]
         end, size = start + shape.numel(), self.size
         ranks = range(start // size, -(-end // size))  # those whose shards it spans
@@ -5734,8 +5328,7 @@ class RunConfig(Config):
     sample_tokens: int = 32
     temperature: float = 0.0  # 0: greedy
     top_k: int | None = None
-    # the processes torchrun started, one per GPU (without torchrun, this one: rank 0 of 1)
-    ranks: Ranks = Ranks()
+    ranks: Ranks = Ranks()  # the processes torchrun started, one per GPU (without torchrun, this one: rank 0 of 1)
 
     @property
     def lean(self) -> bool:
@@ -5754,8 +5347,7 @@ class RunConfig(Config):
 
     @property
     def gpu_adam(self) -> float:
-        """The GPU Adam's share of the streamed parameters: --gpu-adam-share, else GPU_ADAM_SHARE, 0 where updates wait
-        for every unit's gradients (the plan takes none where the GPU's compute bounds the step: training_placement)."""
+        """The GPU Adam's share of streamed parameters: --gpu-adam-share, or 0 if updates wait, or GPU_ADAM_SHARE."""
         if self.gpu_adam_share is not None:
             return self.gpu_adam_share
         return 0.0 if self.holds_updates else GPU_ADAM_SHARE
@@ -5811,8 +5403,7 @@ class Parser(argparse.ArgumentParser):
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """--help with every flag's default (a switch's: off; a flag of none says its own), the examples as written."""
 
-    def _get_help_string(self, action):
-        """The flag's help and its default."""
+    def _get_help_string(self, action):  # the flag's help and its default
         if isinstance(action.default, bool):
             return f"{action.help} (default: off)"
         if action.default is None or action.default == argparse.SUPPRESS:
@@ -5959,9 +5550,8 @@ def add_saving_flags(p: argparse.ArgumentParser) -> None:
 def add_plan_flags(p: argparse.ArgumentParser) -> None:
     """The plan: printed alone, for this machine or one described; the ranks' timeout."""
     g = p.add_argument_group("the plan (--plan: where every byte goes, predicted, before anything is allocated)")
-    g.add_argument(
-        "--plan", action="store_true", help="print the plan and its predictions and exit, allocating nothing"
-    )
+    plan = "print the plan and its predictions and exit, allocating nothing"
+    g.add_argument("--plan", action="store_true", help=plan)
     g.add_argument("--gpu-memory", type=float, metavar="GIB", help="plan for GPUs of this memory (default: this one's)")
     host = "plan for a host with this much memory available (default: this one's MemAvailable)"
     g.add_argument("--host-memory", type=float, metavar="GIB", help=host)
@@ -6064,46 +5654,37 @@ TRAINING_FLAGS += ("clip_grad_norm", "offload_activations", "gpu_adam_share", "n
 TRAINING_FLAGS += ("save_pretrained", "checkpoint", "resume")
 DATA_FLAGS = ("data_glob", "text_field", "skip_undecodable", "train_tokenizer", "data_cache", "eval_fraction")
 DATA_FLAGS += ("epochs", "eval_every")
-FLAG_NEEDS = (  # flags (argparse dests), what they need to do anything, how to give it, whether the run has it
-    (TRAINING_FLAGS, ("--train", "add --train", lambda a, modes: a.train)),
-    (
-        ("prefetch", "resident_layers", "gpu_adam_share"),
-        ("overlapped mode", "add overlapped to --mode", lambda a, modes: "overlapped" in modes),
-    ),
-    (
-        ("profile", "offload_activations", "nvme"),
-        ("an offloaded mode", "add blocked or overlapped to --mode", lambda a, modes: offloaded(modes)),
-    ),
-    (
-        ("max_gpu_memory", "repeat"),
-        ("a GPU mode", "add gpu, blocked or overlapped to --mode", lambda a, modes: set(modes) - {"cpu"}),
-    ),
-    (
-        ("warmup",),
-        ("a GPU mode or --train", "add a GPU mode or --train", lambda a, modes: a.train or set(modes) - {"cpu"}),
-    ),
-    (("nvme_layers",), ("--nvme DIR", "add --nvme DIR", lambda a, modes: a.nvme)),
-    (("checkpoint_every",), ("--checkpoint DIR", "add --checkpoint DIR", lambda a, modes: a.checkpoint)),
-    (("gpu_memory", "host_memory", "gpus", "rates"), ("--plan", "add --plan", lambda a, modes: a.plan)),
-    (DATA_FLAGS, ("--data PATH", "add --data PATH", lambda a, modes: a.data)),
-    (("data_glob",), ("a folder as --data", "give --data a folder", lambda a, modes: Path(a.data).is_dir())),
+OVERLAPPED_FLAGS = ("prefetch", "resident_layers", "gpu_adam_share")
+OFFLOADED_FLAGS = ("profile", "offload_activations", "nvme")
+GPU_FLAGS = ("max_gpu_memory", "repeat")
+FLAG_NEEDS = (  # flags (argparse dests), what they need to do anything, how to give it, whether run a (modes m) has it
+    (TRAINING_FLAGS, ("--train", "add --train", lambda a, m: a.train)),
+    (OVERLAPPED_FLAGS, ("overlapped mode", "add overlapped to --mode", lambda a, m: "overlapped" in m)),
+    (OFFLOADED_FLAGS, ("an offloaded mode", "add blocked or overlapped to --mode", lambda a, m: offloaded(m))),
+    (GPU_FLAGS, ("a GPU mode", "add gpu, blocked or overlapped to --mode", lambda a, m: set(m) - {"cpu"})),
+    (("warmup",), ("a GPU mode or --train", "add a GPU mode or --train", lambda a, m: a.train or set(m) - {"cpu"})),
+    (("nvme_layers",), ("--nvme DIR", "add --nvme DIR", lambda a, m: a.nvme)),
+    (("checkpoint_every",), ("--checkpoint DIR", "add --checkpoint DIR", lambda a, m: a.checkpoint)),
+    (("gpu_memory", "host_memory", "gpus", "rates"), ("--plan", "add --plan", lambda a, m: a.plan)),
+    (DATA_FLAGS, ("--data PATH", "add --data PATH", lambda a, m: a.data)),
+    (("data_glob",), ("a folder as --data", "give --data a folder", lambda a, m: Path(a.data).is_dir())),
     (
         ("text_field",),
-        ("JSONL in --data", "give --data a .jsonl file or a folder", lambda a, modes: data_may_hold_jsonl(a.data)),
+        (
+            "JSONL in --data",
+            "give --data a .jsonl file or a folder",
+            lambda a, m: a.data.endswith(".jsonl") or Path(a.data).is_dir(),
+        ),
     ),
-    (("tokenizer",), ("--data or --sample", "add --data PATH or --sample PROMPT", lambda a, modes: a.data or a.sample)),
-    (("sample_tokens", "temperature"), ("--sample PROMPT", "add --sample PROMPT", lambda a, modes: a.sample)),
-    (("top_k",), ("--temperature above 0", "add --temperature T", lambda a, modes: a.temperature)),
+    (("tokenizer",), ("--data or --sample", "add --data PATH or --sample PROMPT", lambda a, m: a.data or a.sample)),
+    (("sample_tokens", "temperature"), ("--sample PROMPT", "add --sample PROMPT", lambda a, m: a.sample)),
+    (("top_k",), ("--temperature above 0", "add --temperature T", lambda a, m: a.temperature)),
 )
 FLAG_CLASHES = (  # flags (argparse dests) that cannot be given together, and why
     (("epochs", "steps"), "--epochs sets the number of steps"),
     (("tokenizer", "train_tokenizer"), "a tokenizer is given or trained, not both"),
 )
-ONE_GPU_FLAGS = {  # what several ranks do not do yet: flag -> whether the command line asks for it
-    "--resident-layers": lambda a: a.resident_layers is not None,
-    "--profile": lambda a: a.profile is not None,
-    "--fwd-bwd-reference": lambda a: a.fwd_bwd_reference,
-}
+ONE_GPU_FLAGS = {"resident_layers": None, "profile": None, "fwd_bwd_reference": False}  # dest -> its value unasked
 RANK_VARIABLES = {  # torchrun's variables: each one's least value, and the variable it must stay under
     "WORLD_SIZE": (1, None),
     "RANK": (0, "WORLD_SIZE"),
@@ -6112,33 +5693,16 @@ RANK_VARIABLES = {  # torchrun's variables: each one's least value, and the vari
 }
 
 
-def data_may_hold_jsonl(data: str) -> bool:
-    """Whether --data can hold JSONL records: a .jsonl file, or a folder."""
-    return data.endswith(".jsonl") or Path(data).is_dir()
-
-
 def flag_name(dest: str) -> str:
     """The flag of an argparse dest: --no-inference for inference, --hidden-size for hidden_size."""
     return "--" + {"inference": "no-inference", "rates": "rate", **SIZE_FLAGS}.get(dest, dest.replace("_", "-"))
 
 
-class GivenFlags(argparse.Namespace):
-    """A namespace that records each dest the command line sets, default or not: argparse puts a default only where
-    a dest has no value yet, and every dest is filled beforehand."""
-
-    def __init__(self, dests):
-        super().__init__(**{dest: [] for dest in dests})  # a fresh value, never a default (which argparse converts)
-        self.given = set()
-
-    def __setattr__(self, name: str, value) -> None:
-        """Set it, and record it once parsing has begun."""
-        if "given" in self.__dict__:
-            self.given.add(name)
-        super().__setattr__(name, value)
-
-
-def check_flags_needed(p: Parser, a: argparse.Namespace, given: set[str]) -> None:
+def check_flags_needed(p: Parser, a: argparse.Namespace, argv) -> None:
     """A flag given that does nothing in this run (FLAG_NEEDS), or beside one it clashes with: one line, exit 2."""
+    fresh = {dest: [] for dest in vars(a)}  # values no flag makes: parsed again, a dest that changed was given
+    again = vars(p.parse_args(argv, argparse.Namespace(**fresh)))
+    given = {dest for dest, value in again.items() if value is not fresh[dest]}
     modes = MODES if a.mode == "all" else a.mode.split(",")
     for flags, (need, add, has) in FLAG_NEEDS:
         for dest in (d for d in flags if d in given):
@@ -6181,9 +5745,10 @@ def check_rank_flags(p: Parser, a: argparse.Namespace, world: int) -> None:
     if a.train and a.grad_accum % world:
         split = f"the step's {a.grad_accum} micro-batches split evenly over the {world} ranks"
         p.error(f"--grad-accum {a.grad_accum}: {split}: use a multiple of {world}")
-    for flag, asked in ONE_GPU_FLAGS.items():
-        if asked(a):
-            p.error(f"{flag} runs on one GPU only, for now: leave it out under torchrun, or run without torchrun")
+    for dest, unasked in ONE_GPU_FLAGS.items():  # what several ranks do not do yet
+        if getattr(a, dest) is not unasked:
+            why = "leave it out under torchrun, or run without torchrun"
+            p.error(f"{flag_name(dest)} runs on one GPU only, for now: {why}")
 
 
 def command_line(argv=None) -> RunConfig:
@@ -6193,7 +5758,7 @@ def command_line(argv=None) -> RunConfig:
         add(p)
     a = p.parse_args(argv)
     check_values(p, a)
-    check_flags_needed(p, a, p.parse_args(argv, GivenFlags(vars(a))).given)
+    check_flags_needed(p, a, argv)
     ranks = rank_environment(p)
     check_rank_flags(p, a, ranks.world)
     if a.plan and ranks.several:  # each rank would print a plan, made apart
@@ -6224,7 +5789,7 @@ def check_run(run: RunConfig) -> None:
     if positions < run.seq_len:  # a preset's are at least --seq-len
         why = f"max_position_embeddings is {positions}, fewer than --seq-len {run.seq_len}: give --seq-len {positions}"
         raise UsageError(f"{origin}{why} at most")
-    if run.sample and positions and run.sample_tokens >= positions:
+    if run.sample and run.sample_tokens >= positions:  # positions >= --seq-len >= 1
         raise UsageError(f"--sample-tokens {run.sample_tokens}: the model has {positions} positions, prompt included")
     check_tokenizer_at_hand(run)
 
@@ -6256,11 +5821,10 @@ def check_tokenizer_at_hand(run: RunConfig) -> None:
         raise UsageError(f"--tokenizer {run.tokenizer}: no tokenizer.json, tokenizer.model or vocab.json there")
     if run.tokenizer or has_tokenizer(run.model) or not (run.data or run.sample):
         return
-    if run.data and (run.train_tokenizer or resumes_with_tokenizer(run)):
-        return
-    if run.data:
+    if not run.data:
+        raise UsageError("--sample needs a tokenizer: give --tokenizer DIR, or --data with --train-tokenizer V")
+    if not (run.train_tokenizer or resumes_with_tokenizer(run)):
         raise UsageError("no tokenizer: give --tokenizer DIR, or --train-tokenizer V to train one on the data")
-    raise UsageError("--sample needs a tokenizer: give --tokenizer DIR, or --data with --train-tokenizer V")
 
 
 def resumes_with_tokenizer(run: RunConfig) -> bool:
@@ -6343,11 +5907,10 @@ def check_outputs(run: RunConfig) -> None:
         if want == "a file" and path.endswith(os.sep):
             raise UsageError(f"{flag} {path} ends with {os.sep}: give a file name")
         folder = Path(path).parent if want == "a file" else Path(path)
-        check_name_length(flag, path, aside=flag in FILE_OUTPUTS or flag == "--save-pretrained")
         if flag == "--data-cache" and not run.data_cache:  # the default, made with its parents (~/.cache)
             folder = existing(folder)
         made = want == "a folder" and flag != "--nvme"  # the disk tier's folder is a disk's, given, not made
-        check_writable(flag, path, folder, make=made)
+        check_writable(flag, path, folder, make=made, aside=flag in FILE_OUTPUTS or flag == "--save-pretrained")
     check_no_clash(run, outputs)
     for mode in run.modes if run.save_pretrained else ():
         check_saved_model_folder(mode_folder(run.save_pretrained, run, mode))
@@ -6390,9 +5953,8 @@ def check_checkpoint_folder(folder: Path) -> None:
     record = path_kind(folder / CHECKPOINT_FILE) == "a file"
     other = foreign_entry(folder, lambda p: written_by_checkpoint(p) or (record and p.name == CHECKPOINT_FILE))
     if other:
-        raise UsageError(
-            f"--checkpoint {folder} holds {other}, which a checkpoint does not: give a new or empty folder"
-        )
+        what = f"{other}, which a checkpoint does not"
+        raise UsageError(f"--checkpoint {folder} holds {what}: give a new or empty folder")
     entries = list(folder.iterdir()) if folder.is_dir() else []
     if entries and not record and not any("unit" in p.name for p in entries):
         raise UsageError(f"--checkpoint {folder} holds files and no {CHECKPOINT_FILE}: give a new or empty folder")
@@ -6444,21 +6006,15 @@ def links(path) -> list[Path]:
 
 def same_place(a: Path, b: Path) -> bool:
     """Whether real paths `a` and `b` reach one file or folder: one path, or one device and inode (hard link, mount)."""
-    return a == b or (identity(a) is not None and identity(a) == identity(b))
+    try:
+        return a == b or os.path.samefile(a, b)
+    except (OSError, ValueError):  # nothing there, or it cannot be looked at
+        return False
 
 
 def inside(a: Path, b: Path) -> bool:
     """Whether real path `a` lies inside folder `b`, however `b` is reached."""
     return any(same_place(parent, b) for parent in a.parents)
-
-
-def identity(path: Path) -> tuple[int, int] | None:
-    """The device and inode of what is at `path`; None where nothing is (or it cannot be looked at)."""
-    try:
-        st = os.stat(path)
-    except (OSError, ValueError):
-        return None
-    return st.st_dev, st.st_ino
 
 
 def real_path(path) -> Path:
@@ -6484,8 +6040,17 @@ def data_cache_folder(run: RunConfig) -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "offload_llama"
 
 
-def check_writable(flag: str, path: str, folder: Path, make: bool = False) -> None:
-    """A file can be created in `folder`, or with make, where it is missing, in its parent (nothing is made yet)."""
+def check_writable(flag: str, path: str, folder: Path, make: bool, aside: bool) -> None:
+    """A file can be created in `folder` (with make, where it is missing, in its parent; nothing is made yet), and
+    the output's name fits its file system with what writing it aside adds: else the write fails after the run."""
+    name = Path(path).name
+    try:
+        limit = os.pathconf(existing(Path(path).parent), "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    extra = ASIDE_CHARS if aside else 0
+    if len(os.fsencode(name)) + extra > limit:
+        raise UsageError(f"{flag}: the name {name[:40]}... is too long: give one of at most {limit - extra} bytes")
     if make and not folder.exists():
         folder = folder.parent
     if not folder.is_dir():
@@ -6495,19 +6060,6 @@ def check_writable(flag: str, path: str, folder: Path, make: bool = False) -> No
     except OSError as e:
         why = f"no file can be created there ({e.strerror})"
         raise UsageError(f"{flag} {path}: the folder {folder} cannot be written: {why}") from None
-
-
-def check_name_length(flag: str, path: str, aside: bool) -> None:
-    """The output's name fits its file system, with what writing it aside adds: else the write fails after the run."""
-    name = Path(path).name
-    folder = existing(Path(path).parent)
-    try:
-        limit = os.pathconf(folder, "PC_NAME_MAX")
-    except (OSError, ValueError):
-        limit = 255
-    extra = ASIDE_CHARS if aside else 0
-    if len(os.fsencode(name)) + extra > limit:
-        raise UsageError(f"{flag}: the name {name[:40]}... is too long: give one of at most {limit - extra} bytes")
 
 
 def existing(path: Path) -> Path:
@@ -6532,22 +6084,17 @@ def first_line(e: BaseException) -> str:
 
 
 def parse_json(text: str | bytes, finite_numbers: bool = True):
-    """JSON as inputs must hold it, else a ValueError: also for nesting too deep and, with finite_numbers (a config
-    or a record, not a corpus line's other fields), for NaN, Infinity or 1e999."""
+    """JSON as inputs must hold it, else a ValueError: nested too deep, or (finite_numbers) NaN, Infinity or 1e999."""
 
-    def refuse(constant: str):  # NaN, Infinity or -Infinity, which JSON does not have
-        raise ValueError(f"{constant} is not a JSON number")
-
-    def finite(number: str) -> float:  # a JSON number as a float, where it is one: 1e999 is none
+    def finite(number: str) -> float:  # a JSON number as a float, where it is one: NaN, Infinity and 1e999 are none
         value = float(number)
         if not math.isfinite(value):
-            raise ValueError(f"{number} is beyond a float's range")
+            why = "is beyond a float's range" if number[-1].isdigit() else "is not a JSON number"
+            raise ValueError(f"{number} {why}")
         return value
 
     try:
-        if not finite_numbers:
-            return json.loads(text)
-        return json.loads(text, parse_constant=refuse, parse_float=finite)
+        return json.loads(text, **({"parse_constant": finite, "parse_float": finite} if finite_numbers else {}))
     except RecursionError:
         raise ValueError("nested too deeply") from None
 
@@ -6599,8 +6146,7 @@ LLAMA_DEFAULTS |= dict.fromkeys(("num_key_value_heads", "head_dim", "pad_token_i
 
 
 def check_host_holds(run: RunConfig, sizes: dict) -> None:
-    """Refuse at once a model whose parameters alone the host cannot hold (4 bytes each to train, each rank its share;
-    the plan checks the rest: check_plan); --plan's --host-memory and --gpus describe the host instead."""
+    """Refuse at once a model whose parameters the host cannot hold (4 bytes each to train, a rank its share)."""
     params = parameter_count(sizes)
     per_param = 4 if run.train or run.dtype == "float32" else 2
     ranks = Ranks.from_environment() if run.gpus is None else Ranks(0, run.gpus, 0, run.gpus)
@@ -6641,19 +6187,15 @@ def check_sizes(sizes: dict, origin: str = "") -> None:
         if sizes[field] < least:
             name = field if origin else f"--{SIZE_FLAGS[field]}"
             raise UsageError(f"{origin}{name} must be at least {least}, got {sizes[field]}")
-    hidden, heads, kv_heads = sizes["hidden_size"], sizes["num_attention_heads"], sizes["num_key_value_heads"]
-
-    def change(flag: str) -> str:  # what to change, where flags gave the sizes (a saved model's are not the user's)
-        return "" if origin else f": change {flag}"
-
-    if hidden % heads:
-        raise UsageError(f"{origin}hidden size {hidden} is not divisible by {heads} attention heads{change('--heads')}")
-    if heads % kv_heads:
-        why = f"{heads} attention heads are not divisible by {kv_heads} key/value heads{change('--kv-heads')}"
-        raise UsageError(f"{origin}{why}")
-    if (hidden // heads) % 2:
-        why = f"head dimension (hidden size / heads) must be even for rotary embeddings{change('--hidden-size')}"
-        raise UsageError(f"{origin}{why}")
+    h, heads, kv_heads = sizes["hidden_size"], sizes["num_attention_heads"], sizes["num_key_value_heads"]
+    # each rule, and the flag to change where flags gave the sizes (a saved model's are not the user's)
+    for broken, why, flag in (
+        (h % heads, f"hidden size {h} is not divisible by {heads} attention heads", "--heads"),
+        (heads % kv_heads, f"{heads} attention heads are not divisible by {kv_heads} key/value heads", "--kv-heads"),
+        (h // heads % 2, "head dimension (hidden size / heads) must be even for rotary embeddings", "--hidden-size"),
+    ):
+        if broken:
+            raise UsageError(f"{origin}{why}" + ("" if origin else f": change {flag}"))
 
 
 # ----------------------------------------------------------------------------------------------------- running a mode
@@ -6725,8 +6267,7 @@ def run_mode(mode: str, model, store, input_ids, run: RunConfig, plan: Plan) -> 
 
 
 def train_mode(mode: str, model, masters, input_ids, run: RunConfig, plan: Plan, text=None) -> dict:
-    """One mode's training, on one fixed batch or --data's blocks; {'oom': True} where it does not fit the GPU. Where
-    compared with gpu mode's (compared_modes), it keeps the first step's gradients and masters and the last masters."""
+    """One mode's training on a fixed batch or --data's blocks ({'oom': True} where it does not fit the GPU)."""
     device, compared, ranks = torch.device("cpu" if mode == "cpu" else "cuda"), mode in compared_modes(run), run.ranks
     if planned_oom(mode, plan, device):
         return {"oom": True}
@@ -6785,8 +6326,8 @@ def prepare_steps(trainer, run: RunConfig, mode: str, plan: Plan, manifest: dict
 def train_steps(
     trainer, micro_batches, run, keep_grads, profile=None, bound_parts=None, tasks=(), done=0, batches=None, seen=0
 ):
-    """Run the steps, each timed to the next one's start, with the bound's rounds (bound_parts) and the tasks due
-    between them, untimed. keep_grads: keep step 1's state; done, seen: a resumed run's steps, tokens; batches(i)."""
+    """Run the steps, each timed to the next one's start, and between them, untimed, the bound's rounds and the tasks
+    (keep_grads: keep step 1's state; done, seen: a resumed run's steps and tokens; batches(i): step i's blocks)."""
     batch = batches(done) if batches else micro_batches
     tokens = sum(ids.numel() for ids in batch) * run.ranks.world  # the step's, over every rank
     clock = StepClock(trainer, batch[0].device, done, run.steps, tokens, seen)
@@ -6848,8 +6389,7 @@ def parse_args(argv=None) -> RunConfig:
 
 def check_model_flags(run: RunConfig, config: LlamaConfig) -> None:
     """The flags that must fit the model: --resident-layers, --max-gpu-memory's least, --train's untied head."""
-    if run.resident_layers is not None and run.resident_layers > config.num_hidden_layers:
-        layers = config.num_hidden_layers
+    if run.resident_layers is not None and run.resident_layers > (layers := config.num_hidden_layers):
         raise UsageError(f"--resident-layers {run.resident_layers}: the model has {layers} decoder layers")
     one_layer = layer_bytes(config, run.torch_dtype)
     if run.max_gpu_memory is not None and run.max_gpu_memory * GiB < one_layer:
@@ -6862,8 +6402,7 @@ def check_model_flags(run: RunConfig, config: LlamaConfig) -> None:
 def check_devices(run: RunConfig, config: LlamaConfig) -> None:
     """What the model, the GPU and the host refuse before the plan (check_plan says what will not fit)."""
     check_model_flags(run, config)
-    gpu_modes = [m for m in run.modes if m != "cpu"]
-    local_world = run.ranks.local_world
+    gpu_modes, local_world = [m for m in run.modes if m != "cpu"], run.ranks.local_world
     if gpu_modes and local_world > max(1, torch.cuda.device_count()):
         ranks = f"torchrun started {local_world} ranks on this host, which has {torch.cuda.device_count()} GPU(s)"
         raise UsageError(f"{ranks}: use --nproc-per-node with at most one rank per GPU")
@@ -6881,8 +6420,7 @@ def check_devices(run: RunConfig, config: LlamaConfig) -> None:
 
 
 def check_saving(run: RunConfig, config: LlamaConfig, plan: Plan | None = None) -> None:
-    """--resume's checkpoints fit this run, --checkpoint overwrites none it does not resume, and every folder written
-    has room: 4 bytes a parameter to save, 12 a checkpoint (24 while a second is written), save_output_bytes."""
+    """Refuse --resume's checkpoints that do not fit, a --checkpoint that overwrites one, a folder short of room."""
     same = bool(run.resume and run.checkpoint) and real_path(run.resume) == real_path(run.checkpoint)
     for mode in run.modes if run.train else ():
         if run.resume:
@@ -6913,8 +6451,7 @@ HELD_FOLDERS = []  # (descriptor, folder, made for the lock) of each folder this
 
 
 def hold_checkpoint_folders(run: RunConfig) -> None:
-    """Lock each --checkpoint folder, and share a lock on each --resume folder, for the run's life (rank 0, for all):
-    a run given a folder another one writes is refused at once. --plan writes none: it shares the --resume locks."""
+    """Lock each --checkpoint folder, share a lock on each --resume one (rank 0, for all): a second run is refused."""
     if not run.train or run.ranks.rank:
         return
     written = [] if run.plan or not run.checkpoint else [Path(run.checkpoint)]
@@ -6975,6 +6512,7 @@ def write_json(path: str, report: dict) -> None:
 def environment() -> dict:
     """Where the results come from: device, versions, CPU threads and the script's sha256."""
     cuda = torch.cuda.is_available()
+    segments = torch.cuda.memory_snapshot() if torch.cuda.is_initialized() else []  # the allocator's, once CUDA starts
     return {
         "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
         "gpu_memory_bytes": gpu_total_bytes() if cuda else None,
@@ -6983,16 +6521,8 @@ def environment() -> dict:
         "python": platform.python_version(),
         "cpu_threads": torch.get_num_threads(),
         "script_sha256": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
-        "expandable_segments": expandable_segments(),
+        "expandable_segments": all(s["is_expandable"] for s in segments) if segments else None,  # grown in place
     }
-
-
-def expandable_segments() -> bool | None:
-    """Whether the CUDA allocator's segments grow in place (use_expandable_segments); None where it holds none."""
-    if not torch.cuda.is_initialized():
-        return None
-    segments = torch.cuda.memory_snapshot()
-    return all(s["is_expandable"] for s in segments) if segments else None
 
 
 def run_all(run: RunConfig) -> dict:
@@ -7035,8 +6565,7 @@ def run_all(run: RunConfig) -> dict:
 
 
 def print_plan(run: RunConfig) -> None:
-    """--plan: the plan, for this machine or the one described, printed (and --json), allocating nothing; refused
-    where it does not fit (check_plan, check_saving), with a note for each mode whose training a run reports OOM."""
+    """--plan: print the plan for this machine or the one described (and --json), allocating nothing; refuse misfits."""
     config = model_config(run)
     check_model_flags(run, config)
     facts, gpu_modes = measured_facts(run), [m for m in run.modes if m != "cpu"]
@@ -7046,9 +6575,8 @@ def print_plan(run: RunConfig) -> None:
     plan = make_plan(run, config, facts)
     print(plan_table(plan, run, config))
     if run.json:
-        write_json(
-            run.json, {"run": dataclasses.asdict(run), "parameters": param_count(config), "plan": plan.as_dict()}
-        )
+        report = {"run": dataclasses.asdict(run), "parameters": param_count(config), "plan": plan.as_dict()}
+        write_json(run.json, report)
     check_plan(run, config, plan)
     check_saving(run, config, plan)
     for mode, placed in plan.modes.items():
@@ -7057,11 +6585,15 @@ def print_plan(run: RunConfig) -> None:
 
 
 def write_outputs(run: RunConfig, report: dict, input_ids, logits: dict, train_ids, trained: dict) -> None:
-    """--json's report and --save-output's tensors, where asked for."""
+    """--json's report; --save-output's input ids and logits, and the training ids, losses and float32 masters."""
     if run.json:
         write_json(run.json, report)
     if run.save_output:
-        save_output(run, input_ids, logits, train_ids, trained)
+        output = {"input_ids": input_ids, "logits": {m: t for m, t in logits.items() if t is not None}}
+        if run.train:
+            kept = {m: {"losses": r["losses"], "masters": r["masters"]} for m, r in trained.items() if not r.get("oom")}
+            output["training"] = {"input_ids": train_ids, **kept}
+        write_atomically(run.save_output, lambda tmp: torch_save(output, tmp, run.save_output))
     log("done")
 
 
@@ -7131,15 +6663,6 @@ def run_modes(run: RunConfig, plan: Plan, model, store, masters, input_ids, trai
     return results, logits, trained
 
 
-def save_output(run: RunConfig, input_ids, logits: dict, train_ids, trained: dict) -> None:
-    """--save-output: the input ids and each mode's logits; the training ids, losses and final float32 masters."""
-    output = {"input_ids": input_ids, "logits": {m: t for m, t in logits.items() if t is not None}}
-    if run.train:
-        modes = {m: {"losses": r["losses"], "masters": r["masters"]} for m, r in trained.items() if not r.get("oom")}
-        output["training"] = {"input_ids": train_ids, **modes}
-    write_atomically(run.save_output, lambda tmp: torch_save(output, tmp, run.save_output))
-
-
 def training_store(run: RunConfig, config: LlamaConfig, plan: Plan) -> OffloadedAdam:
     """The offloaded modes' pinned training state on the host, as the plan sizes it; its set-up time said on stderr."""
     t0 = time.perf_counter()
@@ -7179,10 +6702,11 @@ def disk_tier(run: RunConfig, units: list[Unit], layers: int) -> DiskTier | None
 
 
 def main(argv=None) -> int:
-    """The command line's entry point: exit code 0; 2 for bad input, 1 for a loss or logits not finite, an output not
-    written or a rank lost (each with one line); 130 for Ctrl-C, 143 for SIGTERM; each output whole or absent."""
+    """The command line's entry point: exit code 0, ended_early's or 1 for a rank lost; each output whole or absent."""
     use_expandable_segments()  # before anything starts CUDA: parse_args asks the GPU for its dtypes
-    escape_what_the_terminal_cannot_show()
+    for stream in (sys.stdout, sys.stderr):  # what their encoding lacks (an ASCII terminal) as escapes, not an error
+        with contextlib.suppress(AttributeError, ValueError):  # a stream that is not a TextIOWrapper
+            stream.reconfigure(errors="backslashreplace")
     run = parse_args(argv)
     with signals_raised(), contextlib.ExitStack() as cleanup:
         cleanup.callback(release_checkpoint_folders)
@@ -7194,20 +6718,8 @@ def main(argv=None) -> int:
                 return 0
             run_all(run)
             stop_ranks()
-        except UsageError as e:
-            finish_early()
-            print_error(str(e))
-            return 2
-        except (Diverged, OSError) as e:  # what was written before stays whole: every output is written aside
-            finish_early()
-            print_error(failure_line(e))
-            return 1
-        except (KeyboardInterrupt, Terminated) as e:
-            finish_early()
-            signum = e.args[0] if isinstance(e, Terminated) else signal.SIGINT
-            how = f"ended by {signal.Signals(signum).name}" if isinstance(e, Terminated) else "interrupted"
-            print(f"offload_llama.py: {how}; each output is whole or absent", file=sys.stderr)
-            return 128 + signum
+        except (UsageError, Diverged, OSError, KeyboardInterrupt, Terminated) as e:
+            return ended_early(e)
         except Exception as e:
             if not run.ranks.several:
                 raise
@@ -7219,27 +6731,26 @@ def main(argv=None) -> int:
     return 0
 
 
-def escape_what_the_terminal_cannot_show() -> None:
-    """Make stdout and stderr write what their encoding lacks (on an ASCII terminal) as escapes, not raise."""
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(AttributeError, ValueError):  # a stream that is not a TextIOWrapper
-            stream.reconfigure(errors="backslashreplace")
-
-
-def failure_line(e: Exception) -> str:
-    """What a run that failed mid-way says: its loss diverged, or an output could not be written (a full disk)."""
-    if isinstance(e, Diverged):
-        return f"{e}; no output written after it"
-    return f"{e.strerror or e}: {e.filename or 'an output'}"
+def ended_early(e: BaseException) -> int:
+    """Say in one line on stderr why the run ended; the exit code: 2 bad input, 1 a failure mid-way, 128 + a signal."""
+    finish_early()
+    if isinstance(e, UsageError):
+        print_error(str(e))
+        return 2
+    if isinstance(e, Diverged):  # what was written before stays whole: every output is written aside
+        print_error(f"{e}; no output written after it")
+        return 1
+    if isinstance(e, OSError):  # an output that could not be written (a full disk)
+        print_error(f"{e.strerror or e}: {e.filename or 'an output'}")
+        return 1
+    signum = e.args[0] if isinstance(e, Terminated) else signal.SIGINT  # Ctrl-C: 130, SIGTERM: 143
+    how = f"ended by {signal.Signals(signum).name}" if isinstance(e, Terminated) else "interrupted"
+    print(f"offload_llama.py: {how}; each output is whole or absent", file=sys.stderr)
+    return 128 + signum
 
 
 class Terminated(BaseException):
     """SIGTERM or SIGHUP, raised in the main thread as Ctrl-C raises KeyboardInterrupt; args[0] is the signal."""
-
-
-def raise_terminated(signum, frame) -> None:
-    """SIGTERM's and SIGHUP's handler during the run."""
-    raise Terminated(signum)
 
 
 @contextlib.contextmanager
@@ -7248,10 +6759,13 @@ def signals_raised():
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+
+    def raise_terminated(signum, frame) -> None:  # SIGTERM's and SIGHUP's handler
+        raise Terminated(signum)
+
     before = {sig: signal.getsignal(sig) for sig in SIGNALS}
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, raise_terminated)
-    signal.signal(signal.SIGHUP, raise_terminated)
+    for sig in SIGNALS:
+        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else raise_terminated)
     try:
         yield
     finally:
@@ -7260,15 +6774,13 @@ def signals_raised():
 
 
 def use_expandable_segments() -> None:
-    """Let the CUDA allocator grow segments in place, unless configured (before CUDA starts): under a cap, fixed
-    segments split by the saved inputs would refuse a request that the placement's prediction fits."""
+    """Let the CUDA allocator grow segments in place unless configured (fixed ones, split by saved inputs, refuse)."""
     if "PYTORCH_ALLOC_CONF" not in os.environ and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
         os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"  # read when CUDA starts, after this
 
 
 def finish_early() -> None:
-    """On the way out early, let queued copies land and a CPU Adam compile end first, so the error is the last line
-    (a collective another rank never joins waits until NCCL's watchdog or torchrun ends it)."""
+    """On the way out early, let queued copies land and a CPU Adam compile end first, so the error is the last line."""
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()
     concurrent.futures.wait(EARLY_COMPILES.values())

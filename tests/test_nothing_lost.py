@@ -738,6 +738,18 @@ def test_a_config_value_the_model_cannot_compute_with_is_refused(case, inputs, t
     refused(tmp_path, args, words, in_process=True, capsys=capsys)
 
 
+def test_a_weight_outside_the_layers_that_the_config_has_no_place_for_is_refused(inputs, tmp_path, capsys):
+    """A stray lm_head.bias beside the weights (no layer to count): one line naming it, as for a layer too many."""
+    from safetensors.torch import load_file, save_file
+
+    copied(inputs, tmp_path, "model")
+    weights = tmp_path / "model" / "model.safetensors"
+    tensors = load_file(weights)
+    save_file(tensors | {"lm_head.bias": torch.zeros(1)}, weights, metadata={"format": "pt"})
+    args = ["--model", "{tmp}/model", "--mode", "cpu", "--seq-len", "16"]
+    refused(tmp_path, args, "1 weight(s) the config has no place for, such as lm_head.bias: fix", capsys=capsys)
+
+
 def test_logits_or_a_loss_that_are_not_finite_end_the_run_saying_where(inputs, tmp_path, capsys):
     """A head of weights near float32's largest: every logit overflows. Inference, the first training step and the
     held-out loss before it each end the run with one line naming where, exit 1, the learning rate not blamed, and
