@@ -16,10 +16,10 @@ The file by line, the assignment first; each section beyond it says what it adds
    1348  the reference                           ResidentTraining
    1402  Table 1 and Table 2                     tables
    1483  # === Beyond the assignment ===
-        the compiled Adam 1486, the GPU's Adam 1591, activation offload 1795, float16 and clipping 1856
-        the disk tier 1945, several GPUs 2244, a model folder 2496, the plan 2696, measurement 3495
-        the tables' notes 4083, text in 4280, saving and resuming 4795, the command line 5280, running a mode 6201
-        the run 6375
+        the compiled Adam 1486, the GPU's Adam 1591, activation offload 1795, float16 and clipping 1860
+        the disk tier 1949, several GPUs 2248, a model folder 2500, the plan 2700, measurement 3499
+        the tables' notes 4087, text in 4284, saving and resuming 4799, the command line 5284, running a mode 6205
+        the run 6379
 """
 
 from __future__ import annotations
@@ -1826,7 +1826,11 @@ class ActivationOffload:
         """Copy unit u's inputs to the host on the D2H stream before its kernels are issued; unit 0's stay in ctx."""
         if u == 0:
             ctx.save_for_backward(*xs)
-            return
+        else:
+            self.send(u, xs)
+
+    def send(self, u: int, xs: tuple[torch.Tensor, ...]) -> None:
+        """Unit u's inputs out to host input u - 1 on the D2H stream, once the unit before has written them."""
         written, stream = new_event(self.device), self.d2h_stream
         written.record(self.streamer.compute_stream)
         with on_stream(stream):
