@@ -16,10 +16,10 @@ The file by line, the assignment first; each section beyond it says what it adds
    1348  the reference                           ResidentTraining
    1402  Table 1 and Table 2                     tables
    1483  # === Beyond the assignment ===
-        the compiled Adam 1486, the GPU's Adam 1591, activation offload 1795, float16 and clipping 1860
-        the disk tier 1949, several GPUs 2248, a model folder 2500, the plan 2700, measurement 3499
-        the tables' notes 4087, text in 4284, saving and resuming 4799, the command line 5284, running a mode 6205
-        the run 6379
+        the compiled Adam 1486, the GPU's Adam 1593, activation offload 1797, float16 and clipping 1862
+        the disk tier 1951, several GPUs 2250, a model folder 2502, the plan 2702, measurement 3501
+        the tables' notes 4089, text in 4286, saving and resuming 4801, the command line 5286, running a mode 6207
+        the run 6381
 """
 
 from __future__ import annotations
@@ -1573,7 +1573,9 @@ class CompiledAdamUpdate(AdamUpdate):
             self.grad_dtype = grad_dtype
 
     @property
-    def bytes_per_param(self) -> int:  # host bytes a step moves per parameter: master, moments, gradients, copy
+    def bytes_per_param(self) -> int:
+        """Host bytes a step moves per parameter: master and moments read and written (24), the gradients, the copy:
+        28 in a run's default (bfloat16 gradients of one micro-batch, a bfloat16 copy), 30 in float32's sums."""
         if self.compiled is None:
             return super().bytes_per_param
         copy = self.copy_dtype.itemsize if self.copy_dtype else 0

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import offload_llama as ol
-from helpers import SCRIPT, cli, machine, planned
+from helpers import SCRIPT, machine, planned, run_main
 
 TINY_CPU = ["--mode", "cpu", "--preset", "tiny"]
 REFUSED = {
@@ -38,13 +38,13 @@ REFUSED = {
 
 
 @pytest.mark.parametrize("case", REFUSED)
-def test_refused_before_the_run_with_one_line_and_no_output(case, tmp_path):
+def test_refused_before_the_run_with_one_line_and_no_output(case, tmp_path, capsys):
     args, message = REFUSED[case]
-    r = cli(*TINY_CPU, *[a.format(tmp=tmp_path) for a in args], timeout=120)
-    assert r.returncode == 2, r.stderr
-    assert message.format(tmp=tmp_path) in r.stderr and "Traceback" not in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1, r.stderr  # no progress line: refused before the model was built
-    assert r.stdout == "" and list(tmp_path.iterdir()) == []
+    code, out, err = run_main(capsys, *TINY_CPU, *[a.format(tmp=tmp_path) for a in args])
+    assert code == 2, err
+    assert message.format(tmp=tmp_path) in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err  # no progress line: refused before the model was built
+    assert out == "" and list(tmp_path.iterdir()) == []
 
 
 def gpu_checked(monkeypatch, **fields) -> ol.RunConfig:

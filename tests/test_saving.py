@@ -271,9 +271,9 @@ def test_resume_hints_at_the_mode_folders(checkpoint, tmp_path):
         (["--train", "--checkpoint", "x", "--checkpoint-every", "0"], "--checkpoint-every must be at least 1"),
     ],
 )
-def test_bad_saving_flags(args, message):
-    r = cli("--preset", "tiny", "--mode", "cpu", *args)
-    assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+def test_bad_saving_flags(args, message, capsys):
+    code, _, err = run_main(capsys, "--preset", "tiny", "--mode", "cpu", *args)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_no_room_on_disk_is_refused(tmp_path, monkeypatch):

@@ -283,9 +283,9 @@ def test_cli_train_json_and_saved_masters(tmp_path):
         (["--clip-grad-norm", "1", "--gpu-adam-share", "0.3"], "--gpu-adam-share must be 0 with --clip-grad-norm"),
     ],
 )
-def test_bad_training_flags(args, message):
-    r = cli("--preset", "tiny", "--mode", "cpu", "--train", *args)
-    assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+def test_bad_training_flags(args, message, capsys):
+    code, _, err = run_main(capsys, "--preset", "tiny", "--mode", "cpu", "--train", *args)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_train_refuses_tied_embeddings(tmp_path, capsys):
