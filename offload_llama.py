@@ -11,15 +11,15 @@ The file by line, the assignment first; each section beyond it says what it adds
     204  gpu and cpu inference                   infer_resident, timed
     249  streams, events and pinned host memory  new_stream, host_zeros_each
     327  blocked and overlapped offload          every wait (S1-S16), ParamStore, LayerStreamer
-    681  training: the autograd.Function         StreamedUnit, OffloadedTraining
-    965  the offloaded Adam                      OffloadedAdam, CpuAdam, Steppers
-   1351  the reference                           ResidentTraining
-   1405  Table 1 and Table 2                     tables
-   1486  # === Beyond the assignment ===
-        the compiled Adam 1489, the GPU's Adam 1596, activation offload 1800, float16 and clipping 1865
-        the disk tier 1954, several GPUs 2253, a model folder 2505, the plan 2705, measurement 3504
-        the tables' notes 4096, text in 4295, saving and resuming 4810, the command line 5295, running a mode 6216
-        the run 6390
+    680  training: the autograd.Function         StreamedUnit, OffloadedTraining
+    962  the offloaded Adam                      OffloadedAdam, CpuAdam, Steppers
+   1348  the reference                           ResidentTraining
+   1402  Table 1 and Table 2                     tables
+   1483  # === Beyond the assignment ===
+        the compiled Adam 1486, the GPU's Adam 1593, activation offload 1797, float16 and clipping 1862
+        the disk tier 1951, several GPUs 2250, a model folder 2502, the plan 2702, measurement 3501
+        the tables' notes 4089, text in 4286, saving and resuming 4801, the command line 5286, running a mode 6207
+        the run 6381
 """
 
 from __future__ import annotations
@@ -349,8 +349,7 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 #        backward's first write of the gradient buffer. The buffer is not overwritten before its gradients left.
 #   S9   cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker). The job queue.
 #   S10  GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
-#   S11  host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU work; loss.item()
-#        in the training loop: the step's end. A step is not timed unfinished.
+#   S11  loss.item(), host sync, in the training loop (main): the step's end. A step is not timed unfinished.
 #   S12  the GPU's Adam, resident units: no event; each steps on compute, in order before every later kernel.
 #   S13  the GPU's Adam over streamed state (StreamedAdam): consumed, landed[k], stepped[k], left[k], written_back[u];
 #        a unit's next weight copy waits on written_back[u] on the copy stream, not the host (wait_written).
@@ -870,8 +869,6 @@ class OffloadedTraining:
         self.inputs.backward_begins(n)
         count = len(losses) * self.ranks.world  # the step's micro-batches, over every rank
         sum(objective(loss, count, self.scaling.scale) for loss in losses).backward()
-        if self.blocked:
-            self.streamer.compute_stream.synchronize()  # S11: the naive step's Adam starts after the whole backward
         if self.scaling.update() and self.holds_updates:
             multiplier = self.clip.multiplier()
             for u in self.sent:
@@ -3815,7 +3812,7 @@ def train_bound_parts(trainer: OffloadedTraining, micro_batches, device) -> dict
     for kind in dict.fromkeys(kinds):
         forward, backward = unit_passes(trainer, kinds.index(kind), micro_batches, device)
         fns[kind] = (device, Compute(lambda forward=forward, backward=backward: backward(forward())))
-        if trainer.holds_updates and not trainer.blocked:  # the held bound's forward (train_bound's)
+        if trainer.holds_updates:
             fns[f"{kind}_forward"] = (device, Compute(forward))
     if trainer.streamer.streamed:
         fns |= {"h2d": (device, lambda: copy_in(trainer)), "d2h": (device, lambda: copy_out(trainer))}
@@ -3951,11 +3948,7 @@ def train_bound(trainer: OffloadedTraining, best: dict[str, float]) -> dict:
         scale = sum(on_cpu.values()) / adam_timed_numel(on_cpu)  # the parts timed this many of its parameters
         parts |= {"cpu_adam_ms": best["adam"] * scale, "host_memory_ms": best["host"] * scale}
         figures["host_gbps"] = host_bytes / parts["host_memory_ms"] / 1e6
-    if trainer.blocked:  # every part in turn: the copies serialised with compute (S1, S2), the Adam after it (S11)
-        adam = max(parts.get("cpu_adam_ms", 0.0), parts.get("host_memory_ms", 0.0))
-        serial = ("gpu_compute_ms", "h2d_ms", "d2h_ms", "disk_ms")
-        parts["serial_ms"] = sum(parts.get(part, 0.0) for part in serial) + adam
-    elif trainer.holds_updates:  # each waits for the whole backward, then the longer of the next forward and the Adam
+    if trainer.holds_updates:  # each waits for the whole backward, then the longer of the next forward and the Adam
         forward = sum(kinds.count(kind) * best[f"{kind}_forward"] for kind in dict.fromkeys(kinds))
         figures |= {"gpu_forward_ms": forward, "unheld_bound_ms": max(parts.values())}
         parts["held_updates_ms"] = parts["gpu_compute_ms"] - forward + max(forward, parts.get("cpu_adam_ms", 0.0))
@@ -4280,8 +4273,6 @@ def bound_note(mode: str, t: dict) -> str:
         held = f", updates held for the whole backward ({why}) {t['held_updates_ms']:.1f} ms (backward "
         held += f"{t['gpu_compute_ms'] - t['gpu_forward_ms']:.1f} ms, then the longer of the forward "
         held += f"{t['gpu_forward_ms']:.1f} ms and the CPU Adam; {t['unheld_bound_ms']:.1f} ms were they not held)"
-    if "serial_ms" in t:
-        held = f", every part in turn (blocked: nothing overlaps) {t['serial_ms']:.1f} ms"
     if "disk_ms" in t:
         disk = f", disk {t['disk_ms']:.1f} ms ({t['disk_bytes'] / 1e9:.1f} GB read and written back, "
         disk += f"{t['disk_gbps']:.2f} GB/s together)"

@@ -78,34 +78,6 @@ def test_blocked_steps_every_unit_before_its_step_returns():
         offloaded_trainer(model, CPU, 0, [ids], grad_buffers=2)
 
 
-class Recorded(ol.InOrder):
-    """The compute stream's stand-in, noting in `log` when the host waits for it."""
-
-    def __init__(self, log):
-        self.log = log
-
-    def synchronize(self) -> None:
-        self.log.append("backward done")
-
-
-@pytest.mark.parametrize("depth", [0, 1])
-def test_blocked_hands_no_unit_to_adam_before_the_whole_backward_is_done(depth):
-    """Blocked's host waits for the compute stream (all the backward and its gradient copies) before the first update
-    is handed to the CPU Adam, so the Adam overlaps no GPU work; overlapped hands each unit over as it lands."""
-    model, ids = build(ol.dataclasses.replace(tiny_run(), dtype="float32"))
-    trainer = offloaded_trainer(model, CPU, depth, [ids])
-    log = []
-    trainer.streamer.compute_stream = Recorded(log)
-    update = trainer.steppers.update
-    trainer.steppers.update = lambda u, multiplier: log.append(u) or update(u, multiplier)
-    try:
-        trainer.step([ids])
-    finally:
-        trainer.finish()
-    units = list(reversed(range(len(trainer.units))))
-    assert log == (["backward done", *units] if depth == 0 else units), log
-
-
 def test_the_resident_model_recomputed_trains_as_the_plain_one():
     """gpu mode's recomputed row: each decoder layer recomputed in its backward, the same losses and masters."""
     run = ol.dataclasses.replace(tiny_run(), dtype="float32", attention="eager")
@@ -639,25 +611,6 @@ def test_a_held_step_is_bound_by_its_backward_then_the_longer_of_forward_and_ada
     notes = "\n".join(ol.training_notes("overlapped", t, ol.RunConfig(train=True, clip_grad_norm=1.0)))
     assert "updates held for the whole backward (clipping)" in notes
     assert f"{t['unheld_bound_ms']:.1f} ms were they not held" in notes
-    trainer.finish()
-
-
-def test_a_blocked_step_is_bound_by_the_sum_of_its_parts():
-    """Blocked overlaps nothing: its bound is compute, both copies and the longer of the Adam's two timings, in turn."""
-    model, batches = tiny_batches(1)
-    trainer = offloaded_trainer(model, CPU, 0, batches)
-    best = {kind: 3.0 for kind in ("embed", "layer", "norm", "head")} | {
-        "h2d": 1.0,
-        "d2h": 1.5,
-        "adam": 2.0,
-        "host": 2.5,
-    }
-    result = {"time_ms": 1e6, "bound_parts_ms": {name: [ms] for name, ms in best.items()}}
-    t = result | ol.training_figures(trainer, result)
-    assert t["serial_ms"] == t["gpu_compute_ms"] + t["h2d_ms"] + t["d2h_ms"] + t["host_memory_ms"] == t["bound_ms"]
-    assert t["bound_by"] == "serial" and "held_updates_ms" not in t
-    notes = "\n".join(ol.training_notes("blocked", t, ol.RunConfig(train=True)))
-    assert f"every part in turn (blocked: nothing overlaps) {t['serial_ms']:.1f} ms" in notes
     trainer.finish()
 
 
