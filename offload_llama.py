@@ -18,8 +18,8 @@ The file by line, the assignment first; each section beyond it says what it adds
    1483  # === Beyond the assignment ===
         the compiled Adam 1486, the GPU's Adam 1593, activation offload 1797, float16 and clipping 1862
         the disk tier 1951, several GPUs 2250, a model folder 2502, the plan 2702, measurement 3501
-        the tables' notes 4089, text in 4286, saving and resuming 4801, the command line 5286, running a mode 6207
-        the run 6381
+        the tables' notes 4089, text in 4286, saving and resuming 4806, the command line 5291, running a mode 6212
+        the run 6386
 """
 
 from __future__ import annotations
@@ -4386,6 +4386,7 @@ def check_cache_entry(path: Path, kind: str, what: str) -> None:
 
 END_OF_TEXT = "<|endoftext|>"  # a trained tokenizer's one special token: joins documents
 LEFT_RUNNING = []  # threads of waited() still in native code: the interpreter's teardown would abort on them
+CAUGHT = []  # the signals signals_raised's handler raised in this run
 
 
 def train_tokenizer(run: RunConfig, files: list[Path], folder: Path):
@@ -4430,10 +4431,14 @@ def waited(work, what: str, every: float = 10.0):
     thread, t0 = threading.Thread(target=run, daemon=True), time.perf_counter()
     thread.start()
     LEFT_RUNNING.append(thread)  # until it returns: should the wait end early, the process ends without it
-    thread.join(every)
+    said = 0
     while thread.is_alive():
-        log(f"{what} ({time.perf_counter() - t0:.0f} s)")
-        thread.join(every)
+        thread.join(0.5)
+        if CAUGHT:  # a signal whose raise fell in a callback, which prints and drops it: raised again here
+            raise KeyboardInterrupt if CAUGHT[-1] == signal.SIGINT else Terminated(CAUGHT[-1])
+        if time.perf_counter() - t0 >= (said + 1) * every and thread.is_alive():
+            said += 1
+            log(f"{what} ({time.perf_counter() - t0:.0f} s)")
     LEFT_RUNNING.remove(thread)
     if "error" in outcome:
         raise outcome["error"]
@@ -6766,12 +6771,14 @@ def signals_raised():
         yield
         return
 
-    def raise_terminated(signum, frame) -> None:  # SIGTERM's and SIGHUP's handler
-        raise Terminated(signum)
+    def raise_signal(signum, frame) -> None:  # noted, for a wait to raise again should a callback drop this raise
+        CAUGHT.append(signum)
+        raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
 
     before = {sig: signal.getsignal(sig) for sig in SIGNALS}
+    CAUGHT.clear()
     for sig in SIGNALS:
-        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else raise_terminated)
+        signal.signal(sig, raise_signal)
     try:
         yield
     finally:

@@ -3,6 +3,8 @@ trained on, the others shuffled by --seed; and each bad input refused with one l
 
 import json
 import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -327,3 +329,24 @@ def test_a_corpus_with_nothing_to_learn_is_refused_saying_so(texts, words, tmp_p
     (tmp_path / "d.jsonl").write_text("\n".join(texts) + "\n")
     assert words in refusal(capsys, tmp_path, "--data", tmp_path / "d.jsonl", "--train-tokenizer", 300)
     assert not list((tmp_path / "cache").glob("tokens-*"))
+
+
+def test_a_signal_whose_raise_a_callback_dropped_still_ends_the_wait():
+    """Ctrl-C's KeyboardInterrupt can fall in a callback that prints and drops it (once, under load, in importlib's
+    module-lock callback while the tokenizer trained): the handler notes the signal, and the wait raises it again."""
+
+    def work():  # the handler ran, and its raise went nowhere
+        ol.CAUGHT.append(signal.SIGINT)
+        time.sleep(3)
+
+    ol.CAUGHT.clear()
+    start = time.perf_counter()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ol.waited(work, "still working")
+        assert time.perf_counter() - start < 2, "the wait went on after the signal"
+        ol.CAUGHT[:] = [signal.SIGTERM]
+        with pytest.raises(ol.Terminated):
+            ol.waited(lambda: time.sleep(3), "still working")
+    finally:
+        ol.CAUGHT.clear()
