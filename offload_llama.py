@@ -10,16 +10,16 @@ The file by line, the assignment first; each section beyond it says what it adds
      71  the model and its configuration         Config, build_model
     204  gpu and cpu inference                   infer_resident, timed
     249  streams, events and pinned host memory  new_stream, host_zeros_each
-    327  blocked and overlapped offload          every wait (S1-S16), ParamStore, LayerStreamer
-    680  training: the autograd.Function         StreamedUnit, OffloadedTraining
-    962  the offloaded Adam                      OffloadedAdam, CpuAdam, Steppers
-   1348  the reference                           ResidentTraining
-   1402  Table 1 and Table 2                     tables
-   1483  # === Beyond the assignment ===
-        the compiled Adam 1486, the GPU's Adam 1593, activation offload 1797, float16 and clipping 1862
-        the disk tier 1951, several GPUs 2250, a model folder 2502, the plan 2702, measurement 3501
-        the tables' notes 4089, text in 4286, saving and resuming 4806, the command line 5291, running a mode 6212
-        the run 6386
+    331  blocked and overlapped offload          every wait (S1-S16), ParamStore, LayerStreamer
+    684  training: the autograd.Function         StreamedUnit, OffloadedTraining
+    965  the offloaded Adam                      OffloadedAdam, CpuAdam, Steppers
+   1351  the reference                           ResidentTraining
+   1405  Table 1 and Table 2                     tables
+   1486  # === Beyond the assignment ===
+        the compiled Adam 1489, the GPU's Adam 1596, activation offload 1800, float16 and clipping 1865
+        the disk tier 1954, several GPUs 2253, a model folder 2505, the plan 2705, measurement 3505
+        the tables' notes 4093, text in 4290, saving and resuming 4810, the command line 5295, running a mode 6216
+        the run 6387
 """
 
 from __future__ import annotations
@@ -269,6 +269,10 @@ def new_stream(device: torch.device):  # A side stream on a GPU; on the CPU, a s
     return torch.cuda.Stream(device) if device.type == "cuda" else InOrder()
 
 
+def compute_stream(device: torch.device):  # The stream kernels run on now (the compute stream); its CPU stand-in
+    return torch.cuda.current_stream(device) if device.type == "cuda" else InOrder()
+
+
 def new_event(device: torch.device, blocking: bool = False):
     """A CUDA event (its stand-in on the CPU); blocking: a waiting host thread sleeps, leaving its core to the Adam."""
     return torch.cuda.Event(blocking=blocking) if device.type == "cuda" else InOrder()
@@ -511,7 +515,7 @@ class LayerStreamer:
         self.make_module = make_module
         self.dtype, self.device = dtype, device  # of the slots
         self.depth = depth  # units the copy stream runs ahead
-        self.compute_stream = torch.cuda.current_stream(device) if device.type == "cuda" else InOrder()
+        self.compute_stream = compute_stream(device)
         self.copy_stream = copy_stream or new_stream(device)
         self.writer = writer or ReadOnly()  # training: a unit's update rewrites its source, which a copy must not pass
         self.keep_resident(())
@@ -798,8 +802,7 @@ class OffloadedTraining:
         self.blocked = depth == 0
         if self.blocked and not store.pool.dedicated:
             raise ValueError("blocked steps every unit after the backward: give each unit a gradient buffer")
-        compute = torch.cuda.current_stream(device) if device.type == "cuda" else InOrder()
-        self.d2h_stream = compute if self.blocked else new_stream(device)  # gradients leave on it
+        self.d2h_stream = compute_stream(device) if self.blocked else new_stream(device)  # gradients leave on it
         self.steppers = self.make_steppers(store, dtype, device, self.d2h_stream)
         streamed = (store.weights, [u.kind for u in self.units], make_module, dtype, device, depth)
         self.streamer = self.make_streamer(*streamed, writer=self.steppers)
@@ -1353,7 +1356,7 @@ class ResidentTraining:
     """gpu and cpu modes, the reference: the plain HF model and torch.optim.Adam on float32 masters on `device`;
     recompute: each decoder layer recomputed in its backward (HF's checkpointing), as the offloaded modes do."""
 
-    def __init__(self, model, dtype, device, adam: Adam, clip=None, scaling=None, recompute: bool = False):
+    def __init__(self, model, device, adam: Adam, clip=None, scaling=None, recompute: bool = False):
         self.model = copy.deepcopy(model).to(device)
         self.clip = clip  # --clip-grad-norm: torch.nn.utils.clip_grad_norm_ over every master's gradients
         self.grad_norms = []  # each applied step's, before clipping
@@ -2537,7 +2540,7 @@ def load_model(run: RunConfig, config: LlamaConfig) -> LlamaForCausalLM:
         log(f"built in {time.perf_counter() - t0:.1f} s")
         return model
     # --model's weights, refused with one line where they lack a weight or hold NaN
-    log(f"loading {run.model} on the CPU in {run.dtype}")
+    log(f"loading {run.model} on the CPU: {count_text(param_count(config))} {run.dtype} parameters")
     transformers.utils.logging.disable_progress_bar()  # stderr carries this script's progress lines alone
     try:
         with transformers_quiet():  # its report of missing weights: the refusal below says it in one line
@@ -2883,6 +2886,10 @@ def compared_modes(run: RunConfig) -> set[str]:  # modes trained from gpu mode's
     return {"gpu", *({"blocked", "overlapped"} & set(run.modes))}
 
 
+def owns_grads(run: RunConfig) -> bool:  # whether each unit keeps its gradients: compared, or its updates held
+    return bool(compared_modes(run)) or run.holds_updates
+
+
 def gpu_budget(run: RunConfig, facts: Facts) -> int | None:  # a placement's bytes: the cap less PLAN_MARGIN, or None
     if run.max_gpu_memory is None:
         return None  # overlapped then streams every unit: the tables compare full offload with gpu mode
@@ -2941,7 +2948,7 @@ def host_room_planned(run: RunConfig, config: LlamaConfig, facts: Facts) -> tupl
     if not offloaded_training(run):
         return None, units
     # one buffer a unit where each unit's gradients wait for all (blocked, compared, float16's loss scale, clipping)
-    least = units if compared_modes(run) or run.holds_updates or "blocked" in run.modes else 2  # one fills, one steps
+    least = units if owns_grads(run) or "blocked" in run.modes else 2  # one fills, one steps
     shards, itemsize = shard_numels(config, facts.ranks), gradient_dtype(run).itemsize
     copy = None if run.torch_dtype == torch.float32 else run.torch_dtype  # in float32 the masters are the weights
     spare = host_spare(run, config, facts, None, least) if copy else None
@@ -2998,7 +3005,7 @@ def gpu_adam_units(units: list[Unit], resident, share: float, on_disk=()) -> tup
 def training_placement(run: RunConfig, config: LlamaConfig, facts: Facts, mode: str, copy) -> tuple:
     """Training's (resident units, GPU Adam units, GPU bytes by part, whether they fit); only overlapped keeps units."""
     depth, units = mode_depth(mode, run.prefetch), model_units(config)
-    own_grads = bool(compared_modes(run)) or run.holds_updates
+    own_grads = owns_grads(run)
     on_disk, besides = disk_units(config, run.nvme_layers or 0), unplaced_bytes(run, config, facts)
 
     def placement(resident: list[int], share: float) -> tuple[tuple, tuple, dict]:  # the GPU's Adam takes `share`
@@ -3144,8 +3151,8 @@ def traced_passes(key: tuple, kind: str, micro_batches: int) -> tuple[int, int]:
     """A unit's peak bytes beyond weights and inputs: its forward over `micro_batches`, then recompute and backward."""
     config_json, attention, dtype_name, batch_size, seq_len = key
     config, dtype, shape = LlamaConfig.from_dict(json.loads(config_json)), DTYPES[dtype_name], (batch_size, seq_len)
+    model = meta_model(config, dtype, attention)
     with torch.device("meta"):
-        model = LlamaForCausalLM._from_config(config, dtype=dtype, attn_implementation=attention)
         module = unit_module(kind, model.config).to(dtype).requires_grad_()
     kwargs = traced_decoder_kwargs(key)
     ids = [torch.zeros(shape, dtype=torch.long, device="meta") for _ in range(micro_batches)]
@@ -3180,8 +3187,7 @@ def traced_model_step(key: tuple) -> int:
     """The resident model's peak bytes in a micro-batch's forward and backward beyond weights, activations, grads."""
     config_json, attention, dtype_name, batch_size, seq_len = key
     config, dtype, shape = LlamaConfig.from_dict(json.loads(config_json)), DTYPES[dtype_name], (batch_size, seq_len)
-    with torch.device("meta"):
-        model = LlamaForCausalLM._from_config(config, dtype=dtype, attn_implementation=attention)
+    model = meta_model(config, dtype, attention)
     kwargs, base = traced_decoder_kwargs(key), model.model
     ids = torch.zeros(shape, dtype=torch.long, device="meta")
     with sdpa_as_on_cuda(), MetaMemory() as memory:
@@ -3377,7 +3383,6 @@ def parts_text(parts: dict, least: float = 2**20, text=gib) -> str:
 
 
 def unit_names(units: list[Unit], chosen) -> str:  # units by name, a run of layers joined: model.layers.0-13
-
     layers = [u - 1 for u in chosen if units[u].kind == "layer"]
     names = [units[u].name for u in chosen if units[u].kind == "embed"]
     names += [f"model.layers.{layers[0]}" + (f"-{layers[-1]}" if len(layers) > 1 else "")] if layers else []
@@ -3476,7 +3481,7 @@ def duration_text(seconds: float) -> str:  # a duration in words: 45 s, 12 min, 
 def place_units(trainer: OffloadedTraining, run: RunConfig, mode: str, plan: Plan) -> dict:
     """Install the plan's placement of the units; log it and describe it for the JSON."""
     placed = plan.modes[mode]
-    place_on_gpu(trainer, placed.resident, placed.gpu_adam, bool(compared_modes(run)) or run.holds_updates)
+    place_on_gpu(trainer, placed.resident, placed.gpu_adam, owns_grads(run))
     torch.cuda.reset_peak_memory_stats(trainer.device)  # the step's peak
     resident = [trainer.units[u].name for u in placed.resident]
     gpu_adam = [trainer.units[u].name for u in placed.gpu_adam]
@@ -3490,7 +3495,6 @@ def place_units(trainer: OffloadedTraining, run: RunConfig, mode: str, plan: Pla
 
 
 def planned_oom(mode: str, plan: Plan, device: torch.device) -> bool:  # the plan says training won't fit: OOM, logged
-
     placed = plan.modes.get(mode)
     if placed is None or device.type != "cuda" or placed.training_fits:
         return False
@@ -6218,7 +6222,7 @@ def make_trainer(mode: str, model, masters: OffloadedAdam | None, micro_batches,
     """The trainer for `mode`: the resident reference, or the streamed units with the CPU Adam (`masters` loaded)."""
     if mode not in ("blocked", "overlapped"):  # gpu, gpu_recomputed, cpu
         scaling, recompute = loss_scaling(run.torch_dtype, device), mode == "gpu_recomputed"
-        return ResidentTraining(model, run.torch_dtype, device, run.adam, run.clip_grad_norm, scaling, recompute)
+        return ResidentTraining(model, device, run.adam, run.clip_grad_norm, scaling, recompute)
     t0 = time.perf_counter()
     kwargs = decoder_kwargs(model, tuple(micro_batches[0].shape), run.torch_dtype, device)
     depth = plan.modes[mode].depth
@@ -6261,10 +6265,7 @@ def run_mode(mode: str, model, store, input_ids, run: RunConfig, plan: Plan) -> 
             if mode in ("gpu", "cpu"):
                 result, logits = infer_resident(model, input_ids, device, run)
                 if device.type == "cuda":
-                    layers = config.num_hidden_layers
-                    result["analytic_peak_bytes"] = analytic_peak_bytes(
-                        config, run.torch_dtype, input_ids.numel(), layers
-                    )
+                    result |= gpu_memory(config, run.torch_dtype, input_ids.numel(), config.num_hidden_layers)
                 return result, logits
             placed = plan.modes[mode]
             if placed.inference_resident:
@@ -6472,12 +6473,15 @@ def hold_checkpoint_folders(run: RunConfig) -> None:
         if not any(same_place(real_path(folder), real_path(other)) for other in locks):  # --resume X --checkpoint X
             locks[folder] = ("--resume", fcntl.LOCK_SH)
     for folder, (flag, kind) in locks.items():  # the given folder first, so it goes last
-        if not folder.exists() and (flag == "--resume" or not folder.parent.is_dir()):
-            continue  # nothing to read, or no place for it: check_run says so
+        if not folder.exists() and flag == "--resume":
+            continue  # nothing to read: check_run says so
         if os.path.lexists(folder) and not folder.is_dir():
             raise UsageError(f"{flag} {folder} is {path_kind(folder)}: give a folder")
         made = not folder.exists()
-        folder.mkdir(exist_ok=True)
+        try:
+            folder.mkdir(exist_ok=True)
+        except OSError:
+            continue  # no place for it (its parent missing or not writable): check_run refuses it in one line
         HELD_FOLDERS.append((os.open(folder, os.O_RDONLY), folder, made))
         try:
             fcntl.flock(HELD_FOLDERS[-1][0], kind | fcntl.LOCK_NB)

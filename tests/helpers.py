@@ -212,6 +212,4 @@ def table_cells(part: str, table: int, r: dict) -> list[str]:
 
 def reference_trainer(model, device, adam, **options) -> ol.ResidentTraining:
     """gpu or cpu mode's trainer, as the command line makes it: float16's loss scale installed."""
-    return ol.ResidentTraining(
-        model, model.dtype, device, adam, scaling=ol.loss_scaling(model.dtype, device), **options
-    )
+    return ol.ResidentTraining(model, device, adam, scaling=ol.loss_scaling(model.dtype, device), **options)

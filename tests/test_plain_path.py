@@ -39,7 +39,7 @@ def run_assignment(run):
         losses[mode] = [trainer.step(batches).item() for _ in range(run.steps)]
         masters[mode] = trainer.state_dict()
         trainer.finish()
-    reference = ResidentTraining(model, run.torch_dtype, cpu, run.adam)
+    reference = ResidentTraining(model, cpu, run.adam)
     losses["cpu"] = [reference.step(batches).item() for _ in range(run.steps)]
     masters["cpu"] = reference.state_dict(reference.masters)
     return logits, losses, masters

@@ -84,7 +84,7 @@ def test_the_resident_model_recomputed_trains_as_the_plain_one():
     model, ids = build(run)
     results = []
     for recompute in (False, True):
-        trainer = ol.ResidentTraining(model, torch.float32, CPU, ol.Adam(lr=1e-3), recompute=recompute)
+        trainer = ol.ResidentTraining(model, CPU, ol.Adam(lr=1e-3), recompute=recompute)
         losses = [trainer.step(list(ids.chunk(2))).item() for _ in range(3)]
         results.append((losses, trainer.state_dict(trainer.masters)))
     (plain, plain_masters), (recomputed, masters) = results
@@ -131,7 +131,7 @@ def test_float16_keeps_every_streamed_unit_on_the_cpu_adam():
 def test_resident_training_is_torch_adam():
     """The reference recipe in float32 is plain training with torch.optim.Adam on the model's own parameters."""
     model, ids = build(ol.dataclasses.replace(tiny_run(), dtype="float32"))
-    grads, _, masters, _ = train(ol.ResidentTraining(model, torch.float32, CPU, ol.Adam(lr=1e-3)), [ids], 3)
+    grads, _, masters, _ = train(ol.ResidentTraining(model, CPU, ol.Adam(lr=1e-3)), [ids], 3)
     plain = ol.copy.deepcopy(model)
     optimizer = torch.optim.Adam(plain.parameters(), lr=1e-3)
     for step in range(3):
@@ -169,7 +169,7 @@ def test_grad_accumulation_equals_one_big_batch():
     adam = ol.Adam(lr=1e-3, eps=1e-4)
     model, ids = build(ol.dataclasses.replace(tiny_run(), dtype="float32", batch_size=4))
     grads, _, masters, _ = train(offloaded_trainer(model, CPU, 1, micro(ids, 4), adam), micro(ids, 4), 2)
-    big_grads, _, big_masters, _ = train(ol.ResidentTraining(model, torch.float32, CPU, adam), [ids], 2)
+    big_grads, _, big_masters, _ = train(ol.ResidentTraining(model, CPU, adam), [ids], 2)
     for name, g in grads.items():
         torch.testing.assert_close(g, big_grads[name], rtol=1e-5, atol=1e-7, msg=name)
     assert_masters_close(masters, big_masters, 2)
