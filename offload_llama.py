@@ -11,15 +11,15 @@ The file by line, the assignment first; each section beyond it says what it adds
     204  gpu and cpu inference                   infer_resident, timed
     249  streams, events and pinned host memory  new_stream, host_zeros_each
     331  blocked and overlapped offload          every wait (S1-S16), ParamStore, LayerStreamer
-    684  training: the autograd.Function         StreamedUnit, OffloadedTraining
-    965  the offloaded Adam                      OffloadedAdam, CpuAdam, Steppers
-   1351  the reference                           ResidentTraining
-   1405  Table 1 and Table 2                     tables
-   1486  # === Beyond the assignment ===
-        the compiled Adam 1489, the GPU's Adam 1596, activation offload 1800, float16 and clipping 1865
-        the disk tier 1954, several GPUs 2253, a model folder 2505, the plan 2705, measurement 3505
-        the tables' notes 4093, text in 4290, saving and resuming 4810, the command line 5295, running a mode 6216
-        the run 6387
+    685  training: the autograd.Function         StreamedUnit, OffloadedTraining
+    968  the offloaded Adam                      OffloadedAdam, CpuAdam, Steppers
+   1354  the reference                           ResidentTraining
+   1408  Table 1 and Table 2                     tables
+   1489  # === Beyond the assignment ===
+        the compiled Adam 1492, the GPU's Adam 1599, activation offload 1803, float16 and clipping 1868
+        the disk tier 1957, several GPUs 2256, a model folder 2508, the plan 2708, measurement 3508
+        the tables' notes 4119, text in 4318, saving and resuming 4838, the command line 5323, running a mode 6244
+        the run 6415
 """
 
 from __future__ import annotations
@@ -353,7 +353,8 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 #        backward's first write of the gradient buffer. The buffer is not overwritten before its gradients left.
 #   S9   cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker). The job queue.
 #   S10  GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
-#   S11  loss.item(), host sync, in the training loop (main): the step's end. A step is not timed unfinished.
+#   S11  host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU work; loss.item()
+#        in the training loop: the step's end. A step is not timed unfinished.
 #   S12  the GPU's Adam, resident units: no event; each steps on compute, in order before every later kernel.
 #   S13  the GPU's Adam over streamed state (StreamedAdam): consumed, landed[k], stepped[k], left[k], written_back[u];
 #        a unit's next weight copy waits on written_back[u] on the copy stream, not the host (wait_written).
@@ -872,6 +873,8 @@ class OffloadedTraining:
         self.inputs.backward_begins(n)
         count = len(losses) * self.ranks.world  # the step's micro-batches, over every rank
         sum(objective(loss, count, self.scaling.scale) for loss in losses).backward()
+        if self.blocked:
+            self.streamer.compute_stream.synchronize()  # S11: the naive step's Adam starts after the whole backward
         if self.scaling.update() and self.holds_updates:
             multiplier = self.clip.multiplier()
             for u in self.sent:
@@ -3531,10 +3534,15 @@ def time_round(fns: dict, parts: dict[str, list[float]], ranks: Ranks) -> None:
             fn()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # one part at a time queued, so the loop ends near SETTLE_S
-    for name in [*compute, *(name for name in fns if name not in compute)]:
-        device, fn = fns[name]
-        ranks.meet()  # every rank starts each part together: as in a step, they share the host's memory
-        parts[name].append(timed(fn, device)[0])
+    try:
+        for name in [*compute, *(name for name in fns if name not in compute)]:
+            device, fn = fns[name]
+            ranks.meet()  # every rank starts each part together: as in a step, they share the host's memory
+            parts[name].append(timed(fn, device)[0])
+    finally:  # the parts timed on the training's own state put it back
+        for _, fn in fns.values():
+            if isinstance(fn, AdamInPlace):
+                fn.restore()
 
 
 class Compute(functools.partial):
@@ -3816,7 +3824,7 @@ def train_bound_parts(trainer: OffloadedTraining, micro_batches, device) -> dict
     for kind in dict.fromkeys(kinds):
         forward, backward = unit_passes(trainer, kinds.index(kind), micro_batches, device)
         fns[kind] = (device, Compute(lambda forward=forward, backward=backward: backward(forward())))
-        if trainer.holds_updates:
+        if trainer.holds_updates and not trainer.blocked:  # the held bound's forward (train_bound's)
             fns[f"{kind}_forward"] = (device, Compute(forward))
     if trainer.streamer.streamed:
         fns |= {"h2d": (device, lambda: copy_in(trainer)), "d2h": (device, lambda: copy_out(trainer))}
@@ -3824,9 +3832,9 @@ def train_bound_parts(trainer: OffloadedTraining, micro_batches, device) -> dict
     if resident:
         fns["resident_adam"] = (device, Compute(lambda: resident_adam(trainer, resident, device)))
     on_cpu, _ = cpu_and_gpu_adam_units(trainer)
-    if on_cpu:  # the CPU Adam steps something
+    if on_cpu:  # the CPU Adam steps something: timed on a share of each unit's own state, put back after the round
         big, numel = max(on_cpu, key=on_cpu.get), adam_timed_numel(on_cpu)
-        adam = adam_scratch(trainer.store, numel)
+        adam = AdamInPlace(trainer.store, {u: n * numel // sum(on_cpu.values()) for u, n in on_cpu.items()})
         cpu = torch.device("cpu")
         fns |= {"adam": (cpu, adam), "host": (cpu, lambda: adam_and_copies(trainer, big, adam, numel))}
     if trainer.store.adam_moments.disk:
@@ -3952,7 +3960,10 @@ def train_bound(trainer: OffloadedTraining, best: dict[str, float]) -> dict:
         scale = sum(on_cpu.values()) / adam_timed_numel(on_cpu)  # the parts timed this many of its parameters
         parts |= {"cpu_adam_ms": best["adam"] * scale, "host_memory_ms": best["host"] * scale}
         figures["host_gbps"] = host_bytes / parts["host_memory_ms"] / 1e6
-    if trainer.holds_updates:  # each waits for the whole backward, then the longer of the next forward and the Adam
+    if trainer.blocked:  # nothing overlaps (S1, S2, S11): the GPU's parts in turn, then the Adam, its moments read
+        parts["serial_ms"] = sum(parts.get(part, 0.0) for part in ("gpu_compute_ms", "h2d_ms", "d2h_ms"))
+        parts["serial_ms"] += max(parts.get("cpu_adam_ms", 0.0), parts.get("disk_ms", 0.0))
+    elif trainer.holds_updates:  # each waits for the whole backward, then the longer of the next forward and the Adam
         forward = sum(kinds.count(kind) * best[f"{kind}_forward"] for kind in dict.fromkeys(kinds))
         figures |= {"gpu_forward_ms": forward, "unheld_bound_ms": max(parts.values())}
         parts["held_updates_ms"] = parts["gpu_compute_ms"] - forward + max(forward, parts.get("cpu_adam_ms", 0.0))
@@ -4005,15 +4016,30 @@ def adam_timed_numel(on_cpu: dict[int, int]) -> int:  # what the bound times the
     return min(max(on_cpu.values()), ADAM_SCRATCH)
 
 
-def adam_scratch(store: OffloadedAdam, numel: int):
-    """A function to time: the store's Adam update on `numel` parameters of scratch host state."""
-    # each written now: the kernel maps a page at its first touch, and the timed update would pay for it
-    master = host_zeros(numel, torch.float32, pin=False).fill_(1.0)
-    exp_avg, exp_avg_sq = (host_zeros(numel, torch.float32, pin=False).zero_() for _ in range(2))
-    grads = host_zeros(numel, store.grad_dtype, pin=False).fill_(1e-3)  # Adam's scale: no moment goes denormal
-    copy = host_zeros(numel, store.update.copy_dtype, pin=False).zero_() if store.update.copy_dtype else None
-    step = torch.zeros(())
-    return lambda: store.update(master, grads, exp_avg, exp_avg_sq, copy, step)
+class AdamInPlace:
+    """A function to time: the store's Adam update on the first `shares[u]` parameters of each unit u's own host state
+    (where the step's memory is), on a thread set up as the CPU Adam's worker; restore() puts it back bit for bit."""
+
+    def __init__(self, store: OffloadedAdam, shares: dict[int, int]):
+        self.update, self.args = store.update, []
+        for u, n in ((u, n) for u, n in shares.items() if n):
+            grads = store.pool.buffers[u if store.pool.dedicated else 0][:n]  # the last step's: they are read only
+            on_disk = store.moments[u] is None  # the disk tier's moments: scratch ones in their place
+            moments = [host_zeros(n, torch.float32, pin=False).zero_() for _ in "ab"] if on_disk else store.moments[u]
+            copy = store.copies[u][:n] if store.copies else None
+            self.args.append((store.masters[u][:n], grads, *(m[:n] for m in moments), copy, store.steps[u]))
+        self.written = [t for args in self.args for i, t in enumerate(args) if i != 1 and t is not None]
+        self.kept = [t.clone() for t in self.written]
+        self.worker = ThreadPoolExecutor(1, initializer=torch.set_flush_denormal, initargs=(True,))
+
+    def __call__(self) -> None:  # one update of every share, on the worker thread
+        self.worker.submit(lambda: [self.update(*args) for args in self.args]).result()
+
+    def restore(self) -> None:
+        """The units' masters, moments, copies and step counts as they were before the first timed update."""
+        self.worker.shutdown()
+        for tensor, kept in zip(self.written, self.kept, strict=True):
+            tensor.copy_(kept)
 
 
 def profile_pass(fn, path: str) -> dict:
@@ -4277,6 +4303,8 @@ def bound_note(mode: str, t: dict) -> str:
         held = f", updates held for the whole backward ({why}) {t['held_updates_ms']:.1f} ms (backward "
         held += f"{t['gpu_compute_ms'] - t['gpu_forward_ms']:.1f} ms, then the longer of the forward "
         held += f"{t['gpu_forward_ms']:.1f} ms and the CPU Adam; {t['unheld_bound_ms']:.1f} ms were they not held)"
+    if "serial_ms" in t:
+        held = f", every part in turn (blocked: nothing overlaps) {t['serial_ms']:.1f} ms"
     if "disk_ms" in t:
         disk = f", disk {t['disk_ms']:.1f} ms ({t['disk_bytes'] / 1e9:.1f} GB read and written back, "
         disk += f"{t['disk_gbps']:.2f} GB/s together)"

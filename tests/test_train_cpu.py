@@ -78,6 +78,34 @@ def test_blocked_steps_every_unit_before_its_step_returns():
         offloaded_trainer(model, CPU, 0, [ids], grad_buffers=2)
 
 
+class Recorded(ol.InOrder):
+    """The compute stream's stand-in, noting in `log` when the host waits for it."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def synchronize(self) -> None:
+        self.log.append("backward done")
+
+
+@pytest.mark.parametrize("depth", [0, 1])
+def test_blocked_hands_no_unit_to_adam_before_the_whole_backward_is_done(depth):
+    """Blocked's host waits for the compute stream (all the backward and its gradient copies) before the first update
+    is handed to the CPU Adam, so the Adam overlaps no GPU work; overlapped hands each unit over as it lands."""
+    model, ids = build(ol.dataclasses.replace(tiny_run(), dtype="float32"))
+    trainer = offloaded_trainer(model, CPU, depth, [ids])
+    log = []
+    trainer.streamer.compute_stream = Recorded(log)
+    update = trainer.steppers.update
+    trainer.steppers.update = lambda u, multiplier: log.append(u) or update(u, multiplier)
+    try:
+        trainer.step([ids])
+    finally:
+        trainer.finish()
+    units = list(reversed(range(len(trainer.units))))
+    assert log == (["backward done", *units] if depth == 0 else units), log
+
+
 def test_the_resident_model_recomputed_trains_as_the_plain_one():
     """gpu mode's recomputed row: each decoder layer recomputed in its backward, the same losses and masters."""
     run = ol.dataclasses.replace(tiny_run(), dtype="float32", attention="eager")
@@ -612,6 +640,45 @@ def test_a_held_step_is_bound_by_its_backward_then_the_longer_of_forward_and_ada
     assert "updates held for the whole backward (clipping)" in notes
     assert f"{t['unheld_bound_ms']:.1f} ms were they not held" in notes
     trainer.finish()
+
+
+def test_a_blocked_step_is_bound_by_the_sum_of_its_parts():
+    """Blocked overlaps nothing: its bound is compute, both copies and then the CPU Adam (timed alone), in turn."""
+    model, batches = tiny_batches(1)
+    trainer = offloaded_trainer(model, CPU, 0, batches)
+    best = {kind: 3.0 for kind in ("embed", "layer", "norm", "head")} | {"h2d": 1.0, "d2h": 1.5, "adam": 2.0}
+    result = {"time_ms": 1e6, "bound_parts_ms": {name: [ms] for name, ms in (best | {"host": 2.5}).items()}}
+    t = result | ol.training_figures(trainer, result)
+    assert t["serial_ms"] == t["gpu_compute_ms"] + t["h2d_ms"] + t["d2h_ms"] + t["cpu_adam_ms"] == t["bound_ms"]
+    assert t["bound_by"] == "serial" and "held_updates_ms" not in t
+    notes = "\n".join(ol.training_notes("blocked", t, ol.RunConfig(train=True)))
+    assert f"every part in turn (blocked: nothing overlaps) {t['serial_ms']:.1f} ms" in notes
+    trainer.finish()
+
+
+@pytest.mark.parametrize("grad_buffers", [None, 2])
+def test_the_bounds_adam_is_timed_on_the_units_own_state_and_puts_it_back(grad_buffers):
+    """The bound times the CPU Adam on a share of each unit's own masters, moments and copy (not on scratch state);
+    after the round they are bitwise as before, and the timed updates did change them meanwhile."""
+    model, batches = tiny_batches(1)
+    trainer = offloaded_trainer(model, CPU, 1, batches, grad_buffers=grad_buffers)
+    try:
+        trainer.step(batches)
+        trainer.wait_updates()
+        store = trainer.store
+        state = lambda u: [t.clone() for t in (store.masters[u], *store.moments_of(u), store.steps[u])]  # noqa: E731
+        before = {u: state(u) for u in (1, 2)}
+        adam = ol.AdamInPlace(store, {1: 64, 2: 32})
+        adam()
+        for u, n in ((1, 64), (2, 32)):
+            assert not torch.equal(store.masters[u][:n], before[u][0][:n]) and store.steps[u] == before[u][3] + 1
+            assert torch.equal(store.masters[u][n:], before[u][0][n:])  # only the share timed
+        parts = ol.collections.defaultdict(list)
+        ol.time_round({"adam": (CPU, adam)}, parts, ol.ONE_PROCESS)
+        assert len(parts["adam"]) == 1
+        assert all(all(map(torch.equal, state(u), before[u])) for u in (1, 2))
+    finally:
+        trainer.finish()
 
 
 def test_table_1_gives_the_hosts_bytes_a_parameter_and_the_set_up_seconds():
