@@ -12,14 +12,14 @@ The file by line, the assignment first; each section beyond it says what it adds
     249  streams, events and pinned host memory  new_stream, host_zeros_each
     331  blocked and overlapped offload          every wait (S1-S16), ParamStore, LayerStreamer
     685  training: the autograd.Function         StreamedUnit, OffloadedTraining
-    968  the offloaded Adam                      OffloadedAdam, CpuAdam, Steppers
-   1354  the reference                           ResidentTraining
-   1408  Table 1 and Table 2                     tables
-   1489  # === Beyond the assignment ===
-        the compiled Adam 1492, the GPU's Adam 1599, activation offload 1803, float16 and clipping 1868
-        the disk tier 1957, several GPUs 2256, a model folder 2508, the plan 2708, measurement 3508
-        the tables' notes 4119, text in 4318, saving and resuming 4838, the command line 5323, running a mode 6244
-        the run 6415
+    971  the offloaded Adam                      OffloadedAdam, CpuAdam, Steppers
+   1363  the reference                           ResidentTraining
+   1417  Table 1 and Table 2                     tables
+   1498  # === Beyond the assignment ===
+        the compiled Adam 1501, the GPU's Adam 1608, activation offload 1812, float16 and clipping 1877
+        the disk tier 1966, several GPUs 2265, a model folder 2517, the plan 2717, measurement 3517
+        the tables' notes 4128, text in 4327, saving and resuming 4847, the command line 5332, running a mode 6253
+        the run 6424
 """
 
 from __future__ import annotations
@@ -355,7 +355,7 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 #   S10  GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
 #   S11  host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU work; loss.item()
 #        in the training loop: the step's end. A step is not timed unfinished.
-#   S12  the GPU's Adam, resident units: no event; each steps on compute, in order before every later kernel.
+#   S12  the GPU's Adam over resident units (ResidentUnits): no event; each steps on compute, before every later kernel.
 #   S13  the GPU's Adam over streamed state (StreamedAdam): consumed, landed[k], stepped[k], left[k], written_back[u];
 #        a unit's next weight copy waits on written_back[u] on the copy stream, not the host (wait_written).
 #   S14  activation offload: written and offloaded[a]. Inputs are not copied out early, read back early, or freed early.
@@ -862,6 +862,9 @@ class OffloadedTraining:
         """One optimizer step over the micro-batches; returns the mean loss. overlapped's updates may still run."""
         if len(micro_batches) > 1 and self.store.grad_dtype != torch.float32:
             raise ValueError("micro-batches accumulate their gradients in float32: give the store float32 gradients")
+        if self.store.hyper_parameters() != self.store.update.adam:  # new settings (an LR scheduler's) for this step:
+            self.wait_updates()  # the last step's updates, which may still run, keep the old ones
+            self.store.update.adam = self.store.hyper_parameters()
         n = len(self.units)
         self.labels = micro_batches
         self.sent = []
@@ -1069,9 +1072,15 @@ class OffloadedAdam(torch.optim.Optimizer):
         self.grads[u] = self.pool.take(u)[: self.masters[u].numel()]
         return self.grads[u]
 
+    def hyper_parameters(self) -> Adam:
+        """Adam's settings as param_groups holds them now: an LR scheduler, or the user, may have changed them."""
+        group = self.param_groups[0]
+        return Adam(group["lr"], tuple(group["betas"]), group["eps"], group["weight_decay"])
+
     @torch.no_grad()
     def step(self, closure=None) -> None:
         """Step every unit on its gradients in host memory, as torch.optim.Adam.step steps every parameter."""
+        self.update.adam = self.hyper_parameters()
         for u in range(len(self.units)):
             self.step_unit(u)
 
@@ -1649,14 +1658,14 @@ class ResidentUnit:
             m.to(grads.device, copy=True) if resumed else torch.zeros_like(self.master) for m in store.moments_of(u)
         )
         self.steps = store.steps[u].to(grads.device, copy=True)  # float32 beside the master, as the fused kernel has it
-        self.adam = store.update.adam
+        self.update = store.update  # its `adam`: the settings of the step, as the store's param_groups set them
         self.grads = grads  # float32, alive from the unit's backward to its step
 
     @torch.no_grad()
     def step(self, multiplier: float = 1.0) -> None:  # Adam on the master, gradients times `multiplier`; then weights
         if multiplier != 1.0:
             self.grads.mul_(multiplier)
-        torch_adam_step(self.adam, self.master, self.grads, *self.moments, self.steps)
+        torch_adam_step(self.update.adam, self.master, self.grads, *self.moments, self.steps)
         if self.weights is not self.master:
             self.weights.copy_(self.master)
 

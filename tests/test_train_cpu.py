@@ -53,6 +53,31 @@ def test_offloaded_training_equals_resident(dtype, depth, k):
     assert_losses_match(losses, ref_losses, dtype)
 
 
+def scheduled(trainer, optimizer, batches, steps):
+    """train()'s results with an LR schedule on `optimizer`: the lr halved after each step."""
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
+    step = trainer.step
+    trainer.step = lambda micro_batches: (step(micro_batches), schedule.step())[0]
+    return train(trainer, batches, steps)
+
+
+@pytest.mark.parametrize("depth", [0, 1])
+def test_an_lr_scheduler_steers_the_offloaded_adam_as_torch_adam(depth):
+    """OffloadedAdam is the optimizer an LR scheduler steps: the lr it sets in param_groups is the next step's, as
+    with torch.optim.Adam; overlapped's updates still running keep the last step's."""
+    model, ids = build(ol.dataclasses.replace(tiny_run(), dtype="float32", batch_size=2))
+    batches = micro(ids, 1)
+    trainer = offloaded_trainer(model, CPU, depth, batches)
+    _, _, masters, losses = scheduled(trainer, trainer.store, batches, 4)
+    reference = reference_trainer(model, CPU, ol.Adam(lr=1e-3))
+    _, _, ref_masters, ref_losses = scheduled(reference, reference.optimizer, batches, 4)
+    assert trainer.store.param_groups[0]["lr"] == reference.optimizer.param_groups[0]["lr"] == 1e-3 / 16
+    assert_masters_close(masters, ref_masters, 4)
+    assert_losses_match(losses, ref_losses, "float32")
+    _, _, unscheduled, _ = train(offloaded_trainer(model, CPU, depth, batches), batches, 4)
+    assert any(not torch.equal(m, unscheduled[name]) for name, m in masters.items())
+
+
 def test_streaming_the_masters_without_a_copy_trains_the_same():
     """bfloat16 without the masters' bfloat16 copy: the float32 masters are streamed and cast, the same bits."""
     model, batches = tiny_batches(1)
