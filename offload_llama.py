@@ -13,13 +13,13 @@ The file by line, the assignment first; each section beyond it says what it adds
     331  blocked and overlapped offload          every wait (S1-S16), ParamStore, LayerStreamer
     685  training: the autograd.Function         StreamedUnit, OffloadedTraining
     971  the offloaded Adam                      OffloadedAdam, CpuAdam, Steppers
-   1363  the reference                           ResidentTraining
-   1417  Table 1 and Table 2                     tables
-   1498  # === Beyond the assignment ===
-        the compiled Adam 1501, the GPU's Adam 1608, activation offload 1812, float16 and clipping 1877
-        the disk tier 1966, several GPUs 2265, a model folder 2517, the plan 2717, measurement 3517
-        the tables' notes 4128, text in 4327, saving and resuming 4847, the command line 5332, running a mode 6253
-        the run 6424
+   1374  the reference                           ResidentTraining
+   1428  Table 1 and Table 2                     tables
+   1509  # === Beyond the assignment ===
+        the compiled Adam 1512, the GPU's Adam 1619, activation offload 1823, float16 and clipping 1888
+        the disk tier 1977, several GPUs 2276, a model folder 2528, the plan 2728, measurement 3528
+        the tables' notes 4139, text in 4338, saving and resuming 4858, the command line 5343, running a mode 6264
+        the run 6435
 """
 
 from __future__ import annotations
@@ -1022,6 +1022,9 @@ class AdamUpdate:
             copy.copy_(master)
 
 
+NO_STATE_DICT = "OffloadedAdam keeps its state (masters, moments, steps) in its own host buffers and the disk tier:"
+
+
 class OffloadedAdam(torch.optim.Optimizer):
     """torch.optim.Adam with its state on the host: each unit's float32 master, gradients and two moments are flat host
     buffers, and step_unit(u) steps one unit there with torch's fused kernel, then rewrites the compute-dtype copy the
@@ -1083,6 +1086,14 @@ class OffloadedAdam(torch.optim.Optimizer):
         self.update.adam = self.hyper_parameters()
         for u in range(len(self.units)):
             self.step_unit(u)
+
+    def state_dict(self) -> dict:
+        """Refused: torch's would hold the step counts alone, as the moments live in host buffers or on the disk."""
+        raise NotImplementedError(f"{NO_STATE_DICT} save it with --checkpoint DIR and go on with --resume DIR")
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Refused, as state_dict is: a checkpoint folder restores the masters, moments and step counts."""
+        raise NotImplementedError(f"{NO_STATE_DICT} --resume DIR loads it from a --checkpoint folder")
 
     def step_unit(self, u: int, multiplier: float = 1.0) -> None:
         """Unit u's Adam step (master, moments, copy) on its gradients times `multiplier`."""

@@ -78,6 +78,19 @@ def test_an_lr_scheduler_steers_the_offloaded_adam_as_torch_adam(depth):
     assert any(not torch.equal(m, unscheduled[name]) for name, m in masters.items())
 
 
+def test_the_offloaded_adams_state_dict_is_refused_for_the_checkpoint_folder():
+    """torch's state_dict would hold OffloadedAdam's step counts without its moments: refused, naming --checkpoint."""
+    model, batches = tiny_batches(1)
+    trainer = offloaded_trainer(model, CPU, 1, batches)
+    try:
+        with pytest.raises(NotImplementedError, match="--checkpoint DIR"):
+            trainer.store.state_dict()
+        with pytest.raises(NotImplementedError, match="--resume DIR"):
+            trainer.store.load_state_dict({})
+    finally:
+        trainer.finish()
+
+
 def test_streaming_the_masters_without_a_copy_trains_the_same():
     """bfloat16 without the masters' bfloat16 copy: the float32 masters are streamed and cast, the same bits."""
     model, batches = tiny_batches(1)
