@@ -11,15 +11,15 @@ The file by line, the assignment first; each section beyond it says what it adds
     204  gpu and cpu inference                   infer_resident, timed
     249  streams, events and pinned host memory  new_stream, host_zeros_each
     331  blocked and overlapped offload          every wait (S1-S16), ParamStore, LayerStreamer
-    685  training: the autograd.Function         StreamedUnit, OffloadedTraining
-    971  the offloaded Adam                      OffloadedAdam, CpuAdam, Steppers
-   1374  the reference                           ResidentTraining
-   1428  Table 1 and Table 2                     tables
-   1509  # === Beyond the assignment ===
-        the compiled Adam 1512, the GPU's Adam 1619, activation offload 1823, float16 and clipping 1888
-        the disk tier 1977, several GPUs 2276, a model folder 2528, the plan 2728, measurement 3528
-        the tables' notes 4139, text in 4338, saving and resuming 4858, the command line 5343, running a mode 6264
-        the run 6435
+    684  training: the autograd.Function         StreamedUnit, OffloadedTraining
+    967  the offloaded Adam                      OffloadedAdam, CpuAdam, Steppers
+   1364  the reference                           ResidentTraining
+   1418  Table 1 and Table 2                     tables
+   1499  # === Beyond the assignment ===
+        the compiled Adam 1502, the GPU's Adam 1609, activation offload 1813, float16 and clipping 1878
+        the disk tier 1967, several GPUs 2238, a model folder 2482, the plan 2676, measurement 3458
+        the tables' notes 4069, text in 4250, saving and resuming 4754, the command line 5223, running a mode 6094
+        the run 6261
 """
 
 from __future__ import annotations
@@ -407,8 +407,7 @@ class FlatLayout:
         offsets = tuple(sum(sizes[:i]) for i in range(len(sizes)))
         return FlatLayout(tuple(params), tuple(p.shape for p in params.values()), offsets, sum(sizes))
 
-    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Each parameter as a view into `flat`, by name."""
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:  # each parameter as a view into `flat`, by name
         places = zip(self.names, self.shapes, self.offsets, strict=True)
         return {name: flat[off : off + shape.numel()].view(shape) for name, shape, off in places}
 
@@ -925,10 +924,7 @@ def unit_backward(trainer: OffloadedTraining, u: int, module: nn.Module, xs, gra
 def add_grads(views: list[torch.Tensor], grads, write: bool = False) -> None:
     """Add a micro-batch's parameter gradients into a unit's gradient views (write: copy them, the first)."""
     for view, grad in zip(views, grads, strict=True):
-        if write:
-            view.copy_(grad)
-        else:
-            view.add_(grad)
+        (view.copy_ if write else view.add_)(grad)
 
 
 def mean_loss(losses, ranks: OneProcess = ONE_PROCESS) -> torch.Tensor:
@@ -1022,9 +1018,6 @@ class AdamUpdate:
             copy.copy_(master)
 
 
-NO_STATE_DICT = "OffloadedAdam keeps its state (masters, moments, steps) in its own host buffers and the disk tier:"
-
-
 class OffloadedAdam(torch.optim.Optimizer):
     """torch.optim.Adam with its state on the host: each unit's float32 master, gradients and two moments are flat host
     buffers, and step_unit(u) steps one unit there with torch's fused kernel, then rewrites the compute-dtype copy the
@@ -1087,13 +1080,11 @@ class OffloadedAdam(torch.optim.Optimizer):
         for u in range(len(self.units)):
             self.step_unit(u)
 
-    def state_dict(self) -> dict:
-        """Refused: torch's would hold the step counts alone, as the moments live in host buffers or on the disk."""
-        raise NotImplementedError(f"{NO_STATE_DICT} save it with --checkpoint DIR and go on with --resume DIR")
+    def state_dict(self, *_) -> dict:
+        """Refused, as load_state_dict is: torch's would hold the step counts without the moments (host or disk)."""
+        raise NotImplementedError("OffloadedAdam's state: save it with --checkpoint DIR, load it with --resume DIR")
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Refused, as state_dict is: a checkpoint folder restores the masters, moments and step counts."""
-        raise NotImplementedError(f"{NO_STATE_DICT} --resume DIR loads it from a --checkpoint folder")
+    load_state_dict = state_dict
 
     def step_unit(self, u: int, multiplier: float = 1.0) -> None:
         """Unit u's Adam step (master, moments, copy) on its gradients times `multiplier`."""
@@ -1365,8 +1356,7 @@ class Steppers:
     def state(self, u: int, grads: bool = False) -> torch.Tensor:  # unit u's float32 master (or gradients)
         return self.of[u].state(u, grads)
 
-    def wait_all(self) -> None:
-        """Block until every update is done and written back."""
+    def wait_all(self) -> None:  # block until every update is done and written back
         for stepper in dict.fromkeys(self.of):
             stepper.wait_all()
 
@@ -2005,8 +1995,7 @@ class DiskFiles:
         h, n = self.half[u] // 4, self.numels[u]
         return flat[:n], flat[h : h + n]
 
-    def transfer(self, call, u: int, buffer: mmap.mmap) -> None:
-        """os.preadv or os.pwritev of unit u's whole file into or from `buffer`, in calls of at most DISK_CALL bytes."""
+    def transfer(self, call, u: int, buffer: mmap.mmap) -> None:  # os.preadv/os.pwritev of u's file, DISK_CALL a call
         view, nbytes, done = memoryview(buffer), 2 * self.half[u], 0
         try:
             while done < nbytes:
@@ -2017,8 +2006,7 @@ class DiskFiles:
         except OSError as e:
             raise self.failed(e) from None
 
-    def measure(self, buffer: mmap.mmap) -> dict:
-        """The disk's write and read rates in GB/s through the tier's own I/O path, over the first unit's file."""
+    def measure(self, buffer: mmap.mmap) -> dict:  # the disk's write and read GB/s, by the tier's I/O, on one file
         u = max(self.fds)  # the backward's first
         fd = self.fds[u]
         torch.frombuffer(buffer, dtype=torch.uint8).zero_()  # its pages mapped now, not in the timed write
@@ -2043,42 +2031,6 @@ class DiskFiles:
         self.fds = {}
 
 
-class DiskReader:
-    """The disk tier's reader thread: stages each settled unit's moments into a free slot, in the backward's order."""
-
-    def __init__(self, tier: DiskTier):
-        self.tier, self.stopping = tier, False
-        self.lock = threading.Lock()  # stop() sets `stopping` and the reader clears a settled event, never both at once
-        self.thread = threading.Thread(target=self.read_ahead, name="disk-reader", daemon=True)
-        self.thread.start()
-
-    def stop(self) -> None:
-        """Stop the thread, wherever it waits: for a unit to settle, or for a free slot."""
-        with self.lock:
-            self.stopping = True
-            for event in self.tier.settled.values():
-                event.set()  # wakes the reader where it waits to read a unit again
-        self.tier.free.put(None)  # wakes it where it waits for a slot
-        self.thread.join()
-
-    def read_ahead(self) -> None:
-        """The thread: stage each unit in the backward's order, each once settled, into a free slot; until stop()."""
-        tier = self.tier
-        for u in itertools.cycle(tier.units):
-            tier.settled[u].wait()  # S16
-            k = None if self.stopping else tier.free.get()  # S16
-            with self.lock:  # else stop() could set the event between the check and the clear, and the wait hang
-                if self.stopping or k is None:
-                    return
-                tier.settled[u].clear()
-            try:
-                tier.transfer(os.preadv, u, tier.ring[k])
-            except BaseException as e:  # every step that waits for a read from now on raises it
-                tier.fail(e)
-                return
-            tier.staged[u].put(k)
-
-
 class DiskTier:
     """--nvme: some units' Adam moments in files on a local disk, staged for each step by reader and writer threads."""
 
@@ -2094,6 +2046,7 @@ class DiskTier:
         self.error = None  # the reader's or the writer's, raised by the next stage, read or flush
         self.waited_s = 0.0  # the CPU Adam's wait for reads in this mode
         self.writer, self.reader = ThreadPoolExecutor(1, thread_name_prefix="disk-writer"), None
+        self.lock = threading.Lock()  # stop() sets `stopping` and the reader clears a settled event, never both at once
         self.reset()
 
     def reset(self) -> None:  # nothing staged, every slot free, the reader not started (the next stage starts it)
@@ -2104,8 +2057,7 @@ class DiskTier:
         for event in [*self.settled.values(), *self.current.values()]:
             event.set()
 
-    def stage(self, u: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Unit u's moments in host memory for its step, once read (zeros where zero() asked for them)."""
+    def stage(self, u: int) -> tuple[torch.Tensor, torch.Tensor]:  # u's moments for its step, read (zeros if fresh)
         self.raise_error()
         self.start()
         start = time.perf_counter()
@@ -2126,8 +2078,7 @@ class DiskTier:
         if u in self.in_slot:
             self.writer.submit(self.write, u, self.in_slot.pop(u))
 
-    def read(self, u: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Unit u's moments as its file holds them, in new host memory: a checkpoint's, after the updates."""
+    def read(self, u: int) -> tuple[torch.Tensor, torch.Tensor]:  # u's moments as its file holds them, in new memory
         self.current[u].wait()  # S16: the last write-back has landed
         self.raise_error()
         buffer = HostBuffer(2 * self.files.half[u])  # block-aligned, as direct I/O needs
@@ -2142,25 +2093,43 @@ class DiskTier:
         self.fresh.discard(u)
 
     def flush(self) -> None:  # block until every write-back has landed; re-raise an error of the disk
-        self.drain()
+        self.writer.submit(lambda: None).result()  # one writer thread: what was queued before has run
         self.raise_error()
 
-    def drain(self) -> None:  # block until every write-back has landed or failed
-        self.writer.submit(lambda: None).result()  # one writer thread: what was queued before has run
-
-    def start(self) -> None:  # start the reader thread, unless it runs
+    def start(self) -> None:  # start the reader thread (read_ahead), unless it runs
         if self.reader is None:
-            self.reader = DiskReader(self)
+            self.stopping = False
+            self.reader = threading.Thread(target=self.read_ahead, name="disk-reader", daemon=True)
+            self.reader.start()
 
     def stop(self) -> None:  # stop the reader once the write-backs land, dropping what it staged; no step may run
-        self.drain()
+        self.writer.submit(lambda: None).result()  # every write-back has landed or failed
         if self.reader is not None:
-            self.reader.stop()
+            with self.lock:
+                self.stopping = True
+                for event in self.settled.values():
+                    event.set()  # wakes the reader where it waits to read a unit again
+            self.free.put(None)  # wakes it where it waits for a slot
+            self.reader.join()
             self.reader = None
         self.reset()
 
-    def close(self) -> None:
-        """Stop both threads and close the files, which frees their room; once (closing again does nothing)."""
+    def read_ahead(self) -> None:  # the reader: each unit, once settled, into a free slot, in the backward's order
+        for u in itertools.cycle(self.units):
+            self.settled[u].wait()  # S16
+            k = None if self.stopping else self.free.get()  # S16
+            with self.lock:  # else stop() could set the event between the check and the clear, and the wait hang
+                if self.stopping or k is None:
+                    return
+                self.settled[u].clear()
+            try:
+                self.transfer(os.preadv, u, self.ring[k])
+            except BaseException as e:  # every step that waits for a read from now on raises it
+                self.fail(e)
+                return
+            self.staged[u].put(k)
+
+    def close(self) -> None:  # stop both threads and close the files, which frees their room; once
         if not self.files.fds:
             return
         try:
@@ -2169,8 +2138,7 @@ class DiskTier:
             self.writer.shutdown()
             self.files.close()
 
-    def write(self, u: int, k: int) -> None:
-        """The writer thread's job: unit u's moments from slot k to its file; the slot is then free."""
+    def write(self, u: int, k: int) -> None:  # the writer thread's job: u's moments from slot k to its file; k frees
         try:
             if self.error is None:
                 self.transfer(os.pwritev, u, self.ring[k])
@@ -2205,8 +2173,7 @@ class DiskMoments(HostMoments):
         return self.disk.stage(u) if u in self.on_disk else super().stage(u)
 
     def staged(self, u: int) -> None:  # unit u's step is done: a disk unit's moments are written back
-        if u in self.on_disk:
-            self.disk.write_back(u)
+        self.disk.write_back(u)  # a host unit's are in no slot: nothing to write
 
     def ready(self, u: int) -> bool:  # whether unit u's step can run without waiting for the disk; starts its reader
         if u not in self.on_disk:
@@ -2222,10 +2189,7 @@ class DiskMoments(HostMoments):
         super().zero(set(units) - self.on_disk)
 
     def fill(self, u: int, fill) -> None:  # unit u's moments from a checkpoint, into its file or host memory
-        if u in self.on_disk:
-            self.disk.load(u, fill)
-        else:
-            super().fill(u, fill)
+        (self.disk.load if u in self.on_disk else super().fill)(u, fill)
 
     def restart(self) -> None:  # a new mode's load: one before may have ended mid-step, so the reader starts over
         self.disk.stop()
@@ -2242,8 +2206,7 @@ def moments_for(disk: DiskTier | None):  # offloadedAdam's `moments`: HostMoment
     return functools.partial(DiskMoments, disk=disk) if disk else HostMoments
 
 
-def unnamed_file(folder: str, nbytes: int) -> int:
-    """A descriptor of a new file of `nbytes` under `folder`, its blocks reserved, that no name points to."""
+def unnamed_file(folder: str, nbytes: int) -> int:  # a new file's descriptor: `nbytes` reserved, no name points to it
     try:
         fd = os.open(folder, os.O_TMPFILE | os.O_RDWR, 0o600)
     except OSError as e:  # a file system without O_TMPFILE: a named file, unnamed at once
@@ -2259,8 +2222,7 @@ def unnamed_file(folder: str, nbytes: int) -> int:
     return fd
 
 
-def direct_io(fd: int, buffer: mmap.mmap) -> bool:
-    """Turn on direct I/O for `fd` where the file system takes it (one block written from `buffer` tells)."""
+def direct_io(fd: int, buffer: mmap.mmap) -> bool:  # direct I/O on for `fd` where it is taken (one block written tells)
     flags = fcntl.fcntl(fd, fcntl.F_GETFL)
     try:
         fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
@@ -2287,8 +2249,7 @@ reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sca
 
 @dataclass(frozen=True)
 class Ranks(OneProcess):
-    """The processes of a data-parallel run, one per GPU, as torchrun starts them, each with 1/world of the host state.
-    All call the collectives in one order: the steps' in `group` (rank timeout), the others in the default group."""
+    """torchrun's data-parallel processes, one a GPU, each with 1/world of the host state, calling collectives alike."""
 
     rank: int = 0
     world: int = 1
@@ -2424,8 +2385,7 @@ class ShardedSteppers(Steppers):
         super().__init__(store, dtype, device, d2h_stream)
         self.summed = torch.empty(max(m.numel() for m in store.masters), dtype=store.grad_dtype, device=device)
 
-    def to_send(self, u: int, ready) -> tuple[torch.Tensor, object]:
-        """Unit u's gradients summed over the ranks, this rank's shard into `summed` on the D2H stream (S6)."""
+    def to_send(self, u: int, ready) -> tuple[torch.Tensor, object]:  # u's gradients summed, this shard into `summed`
         shard, summed, stream = self.summed_shard(u), new_event(self.device), self.cpu_adam.d2h_stream
         with on_stream(stream):
             stream.wait_event(ready)  # S5: the unit's backward must have written all its gradients
@@ -2467,8 +2427,7 @@ def backend() -> str:  # the process groups' backends: NCCL between the GPUs, gl
     return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
 
 
-def join_steps(ranks: Ranks, timeout: float, threads: int) -> None:
-    """The steps' process group, its collectives waiting `timeout` seconds at most, and this rank's `threads` cores."""
+def join_steps(ranks: Ranks, timeout: float, threads: int) -> None:  # the steps' group (`timeout` s), `threads` cores
     if not ranks.several:
         return
     STEP_GROUP["group"] = dist.new_group(backend=backend(), timeout=datetime.timedelta(seconds=timeout))
@@ -2480,8 +2439,7 @@ def join_steps(ranks: Ranks, timeout: float, threads: int) -> None:
     )
 
 
-def rank_peaks(ranks: Ranks, result: dict, params: int) -> dict:
-    """A mode's training result with every rank's peaks, the largest GPU's and the host's sum in the peaks' places."""
+def rank_peaks(ranks: Ranks, result: dict, params: int) -> dict:  # `result`, every rank's peaks (GPUs' max, host sum)
     if ranks.several:
         keys = ("peak_gpu_bytes", "peak_host_bytes")
         each = ranks.each({key: result.get(key) for key in keys})
@@ -2493,13 +2451,10 @@ def rank_peaks(ranks: Ranks, result: dict, params: int) -> dict:
 
 
 def host_peaks(ranks: Ranks, host: dict) -> dict:  # the host's budget and peak resident set, every rank's summed
-    if not ranks.several:
-        return host
-    return {key: sum(rank[key] or 0 for rank in ranks.each(host)) for key in host}
+    return {key: sum(rank[key] or 0 for rank in ranks.each(host)) for key in host} if ranks.several else host
 
 
-def lost_ranks(ranks: Ranks, error: BaseException) -> str | None:
-    """The line a rank ends on when a collective failed as another rank ended or stalled, else None."""
+def lost_ranks(ranks: Ranks, error: BaseException) -> str | None:  # a rank's last line if another one ended, else None
     lost = isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and "gloo/" in str(error))
     if not ranks.several or not lost:
         return None
@@ -2511,8 +2466,7 @@ def lost_ranks(ranks: Ranks, error: BaseException) -> str | None:
     )
 
 
-def own_error(ranks: Ranks, error: BaseException) -> str:
-    """The line a rank ends on for an error of its own code: the rank, the error and its place in this script."""
+def own_error(ranks: Ranks, error: BaseException) -> str:  # a rank's last line for its own error, with its place here
     frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename == __file__] or [None]
     place = f" (offload_llama.py:{frames[-1].lineno}, in {frames[-1].name})" if frames[-1] else ""
     what = str(error).strip().splitlines()[0] if str(error).strip() else ""
@@ -2562,7 +2516,6 @@ def load_model(run: RunConfig, config: LlamaConfig) -> LlamaForCausalLM:
         model = build_model(run, config)
         log(f"built in {time.perf_counter() - t0:.1f} s")
         return model
-    # --model's weights, refused with one line where they lack a weight or hold NaN
     log(f"loading {run.model} on the CPU: {count_text(param_count(config))} {run.dtype} parameters")
     transformers.utils.logging.disable_progress_bar()  # stderr carries this script's progress lines alone
     try:
@@ -2584,8 +2537,7 @@ def load_model(run: RunConfig, config: LlamaConfig) -> LlamaForCausalLM:
 
 
 @contextlib.contextmanager
-def transformers_quiet():
-    """transformers' warnings held back for the block (its errors still show): this script says what matters."""
+def transformers_quiet():  # transformers' warnings held back for the block (its errors still show)
     verbosity = transformers.utils.logging.get_verbosity()
     transformers.utils.logging.set_verbosity_error()
     try:
@@ -2613,18 +2565,16 @@ def check_weights(folder: Path, config: LlamaConfig) -> None:
             found |= safetensors_shapes(folder, name)
             continue
         with open(folder / name, "rb") as f:
-            head = f.read(4)
-        if head != b"PK\x03\x04" and head[:1] != b"\x80":  # a zip, as torch.save writes; or a pickle
-            raise UsageError(f"--model {folder}: {name} is damaged, not a torch file: save the model again")
+            if (head := f.read(4)) != b"PK\x03\x04" and head[:1] != b"\x80":  # a zip, as torch.save writes; or a pickle
+                raise UsageError(f"--model {folder}: {name} is damaged, not a torch file: save the model again")
     if pickled:  # from_pretrained checks the shapes, build_model the rest
         return
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    for name, shape in expected.items():
-        if found.get(name) != shape:
+    for name, p in model.named_parameters():
+        if found.get(name) != tuple(p.shape):
             saved = "missing" if name not in found else f"of shape {list(found[name])}"
-            raise UsageError(f"--model {folder}: {name} is {saved}, the config needs {list(shape)}: save it again")
+            raise UsageError(f"--model {folder}: {name} is {saved}, the config needs {list(p.shape)}: save it again")
     check_no_extra_weights(folder, config, set(found) - set(model.state_dict()))
 
 
@@ -2633,15 +2583,13 @@ def check_no_extra_weights(folder: Path, config: LlamaConfig, extra: set[str]) -
     extra = sorted(name for name in extra if not name.endswith("rotary_emb.inv_freq"))  # older saves' tables
     if extra:
         held = [int(m[1]) for name in extra if (m := re.match(r"model\.layers\.(\d+)\.", name))]
-        layers = (
-            f" (num_hidden_layers is {config.num_hidden_layers}, the weights hold {max(held, default=0) + 1} layers)"
-        )
-        what = f"{len(extra)} weight(s) the config has no place for, such as {extra[0]}{layers if held else ''}"
+        n = config.num_hidden_layers
+        layers = f" (num_hidden_layers is {n}, the weights hold {max(held) + 1} layers)" if held else ""
+        what = f"{len(extra)} weight(s) the config has no place for, such as {extra[0]}{layers}"
         raise UsageError(f"--model {folder}: its weights hold {what}: fix config.json, or save the model again")
 
 
-def indexed_files(index: Path) -> list[str]:
-    """The weight files a sharded model's index names, each by name in its folder; else one line: it is damaged."""
+def indexed_files(index: Path) -> list[str]:  # the files a sharded model's index names, by name; else it is damaged
     try:
         files = sorted(set(parse_json(index.read_text())["weight_map"].values()))
         if not all(isinstance(name, str) and name == Path(name).name for name in files):
@@ -2763,10 +2711,6 @@ class Facts:
     rates: tuple = tuple(DEFAULT_RATES.items())
 
     @property
-    def rate(self) -> dict[str, float]:  # the rates by name
-        return dict(self.rates)
-
-    @property
     def ranks(self) -> Ranks:  # the ranks as sizes see them: every rank's shard is the same size
         return Ranks(0, self.world, 0, self.local_world)
 
@@ -2805,7 +2749,7 @@ def agreed_facts(ranks: Ranks, facts: Facts) -> Facts:
     each = ranks.each(facts)
     fields = ("gpu_bytes", "host_bytes", "disk_bytes", "cores")  # each the least a rank knows; None where none knows it
     least = {k: min([getattr(f, k) for f in each if getattr(f, k) is not None], default=None) for k in fields}
-    rates = tuple((name, min(f.rate[name] for f in each)) for name in facts.rate)
+    rates = tuple((name, min(dict(f.rates)[name] for f in each)) for name, _ in facts.rates)
     return dataclasses.replace(facts, **least, process_bytes=max(f.process_bytes for f in each), rates=rates)
 
 
@@ -2896,7 +2840,6 @@ def plan_refusal(run: RunConfig, config: LlamaConfig, facts: Facts) -> str | Non
         check_host(run, config, make_plan(run, config, facts))
     except UsageError as e:
         return str(e)
-    return None
 
 
 def offloaded_training(run: RunConfig) -> bool:  # whether it trains an offloaded mode (the host holds its state)
@@ -2934,9 +2877,8 @@ def activation_offload_planned(run: RunConfig, config: LlamaConfig, facts: Facts
     on = dataclasses.replace(run, offload_activations=True)
 
     def streamed_peak(r: RunConfig, mode: str) -> int:  # training's peak, every unit streamed and on the CPU Adam
-        depth = mode_depth(mode, r.prefetch)
-        parts = training_parts(r, config, facts, depth, False, (), (), r.torch_dtype) | unplaced_bytes(r, config, facts)
-        return sum(parts.values())
+        parts = training_parts(r, config, facts, mode_depth(mode, r.prefetch), False, (), (), r.torch_dtype)
+        return sum((parts | unplaced_bytes(r, config, facts)).values())
 
     modes = [m for m in run.modes if m in ("blocked", "overlapped")]
     return all(streamed_peak(run, m) > budget >= streamed_peak(on, m) for m in modes)
@@ -3011,8 +2953,7 @@ def inference_placement(run: RunConfig, config: LlamaConfig, facts: Facts, mode:
 
 
 def gpu_adam_units(units: list[Unit], resident, share: float, on_disk=()) -> tuple[int, ...]:
-    """The streamed units, none `on_disk`, the GPU's Adam steps, up to `share` of their parameters: embeddings, layers
-    (the next forward needs them first), then the head (its state would cross PCIe in the backward)."""
+    """The streamed units, none `on_disk`, the GPU's Adam steps: up to `share` of their parameters, the head last."""
     numels = {u: unit.layout.numel for u, unit in enumerate(units) if u not in resident}
     kinds = [unit.kind for unit in units]
     order = [kinds.index("embed"), *(u for u, kind in enumerate(kinds) if kind == "layer"), kinds.index("head")]
@@ -3028,12 +2969,11 @@ def gpu_adam_units(units: list[Unit], resident, share: float, on_disk=()) -> tup
 def training_placement(run: RunConfig, config: LlamaConfig, facts: Facts, mode: str, copy) -> tuple:
     """Training's (resident units, GPU Adam units, GPU bytes by part, whether they fit); only overlapped keeps units."""
     depth, units = mode_depth(mode, run.prefetch), model_units(config)
-    own_grads = owns_grads(run)
     on_disk, besides = disk_units(config, run.nvme_layers or 0), unplaced_bytes(run, config, facts)
 
     def placement(resident: list[int], share: float) -> tuple[tuple, tuple, dict]:  # the GPU's Adam takes `share`
         gpu_adam = gpu_adam_units(units, resident, share, on_disk)
-        parts = training_parts(run, config, facts, depth, own_grads, resident, gpu_adam, copy)
+        parts = training_parts(run, config, facts, depth, owns_grads(run), resident, gpu_adam, copy)
         return tuple(resident), gpu_adam, parts | besides
 
     budget, resident, share = gpu_budget(run, facts), [], run.gpu_adam if mode == "overlapped" else 0.0
@@ -3061,8 +3001,7 @@ def compute_bound(run: RunConfig, config: LlamaConfig, facts: Facts, placed: tup
 
 
 def boundary_units(candidates, placement, limit: float, share: float = 0.0) -> list[int]:
-    """The longest run of `candidates` from unit 0 whose placement fits `limit`: under a cap, or compute-bound without
-    one the GPU's Adam's first units (streamed, their state would cross PCIe while the next forward waits for them)."""
+    """The longest run of `candidates` from unit 0 whose placement fits `limit` (a cap, or the GPU with no cap)."""
     resident = []
     for u in candidates:
         if u != len(resident) or sum(placement([*resident, u], share)[2].values()) > limit:
@@ -3097,16 +3036,14 @@ def training_parts(run, config, facts: Facts, depth: int, own_grads: bool, resid
 def unplaced_bytes(run: RunConfig, config: LlamaConfig, facts: Facts) -> dict[str, int]:
     """Training's peak GPU bytes no placement changes, where it peaks: saved inputs, a unit's working set, the rest."""
     kinds, inputs = [unit.kind for unit in model_units(config)], unit_inputs_bytes(run, config, facts)
+    # a backward's bytes the meta trace misses: the layers' cuBLAS workspace (the backward's thread allocates it), eager
+    # attention's float32 gradient of the softmax, CUDA's sorted embedding backward (float32 sums of a token's rows)
+    eager = 4 * run.batch_size * config.num_attention_heads * run.seq_len**2 * (run.attention == "eager")
+    extra = {"layer": CUBLAS_WORKSPACE + eager, "embed": 9 * run.tokens * config.hidden_size // 2 * (run.tokens > 3072)}
     working = {}  # each kind's most GPU bytes beyond its weights and inputs (forward, backward), as traced
     for kind in dict.fromkeys(kinds):
         forward, backward = traced_passes(trace_key(run, config), kind, micro_batches_per_rank(run, facts))
-        if kind == "layer":  # the backward's thread allocates its cuBLAS workspace in the first layer's backward
-            backward += CUBLAS_WORKSPACE
-        if kind == "layer" and run.attention == "eager":  # the float32 gradient of the scores' softmax
-            backward += 4 * run.batch_size * config.num_attention_heads * run.seq_len**2
-        if kind == "embed" and run.tokens > 3072:  # CUDA's sorted backward: float32 sums of each run of a token's rows
-            backward += 9 * run.tokens * config.hidden_size // 2
-        working[kind] = forward, backward
+        working[kind] = forward, backward + extra.get(kind, 0)
     # saved inputs as unit u runs: units 1 to u's; offloaded, the two still leaving in the forward, none in the backward
     saved = {(u, b): u * inputs for u in range(len(kinds)) for b in (0, 1)}
     if run.offload_activations:
@@ -3136,8 +3073,7 @@ def tensors_in(tree) -> list[torch.Tensor]:  # the tensors in nested tuples, lis
     return [t for value in values for t in tensors_in(value)]
 
 
-# TorchDispatchMode sees each op below autograd; it has no public name (torch.utils._python_dispatch, which torch._ops
-# imports; checked on torch 2.11 to 2.13). A storage's identity is its C pointer, _cdata: a meta tensor's data_ptr is 0
+# TorchDispatchMode (torch.utils._python_dispatch, no public name; torch 2.11 to 2.13) sees each op below autograd
 class MetaMemory(torch.utils._python_dispatch.TorchDispatchMode):
     """While on, counts the bytes of the storages ops make on the meta device, as the caching allocator rounds them."""
 
@@ -3149,7 +3085,7 @@ class MetaMemory(torch.utils._python_dispatch.TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         inputs = {t.untyped_storage()._cdata for t in tensors_in((args, kwargs))}
         for storage in (t.untyped_storage() for t in tensors_in(out)):
-            key, nbytes = storage._cdata, -(-storage.nbytes() // 512) * 512
+            key, nbytes = storage._cdata, -(-storage.nbytes() // 512) * 512  # its C pointer: a meta data_ptr is 0
             if key in inputs or key in self.counted:
                 continue
             self.counted.add(key)
@@ -3182,11 +3118,9 @@ def traced_passes(key: tuple, kind: str, micro_batches: int) -> tuple[int, int]:
     xs = ids if kind == "embed" else [torch.zeros(*shape, config.hidden_size, dtype=dtype, device="meta")] * len(ids)
 
     def run_unit(x: torch.Tensor, k: int) -> torch.Tensor:  # as OffloadedTraining.run_unit, on micro-batch k
-        if kind == "layer":
-            return module(x, **kwargs)
-        if kind == "head":
+        if kind == "head":  # its logits freed as the loss makes them float32
             return model.loss_function(module(x), ids[k], vocab_size=config.vocab_size)
-        return module(x)
+        return module(x, **kwargs) if kind == "layer" else module(x)
 
     with sdpa_as_on_cuda(), MetaMemory() as memory:
         with torch.no_grad():
@@ -3282,8 +3216,7 @@ def host_parts(run: RunConfig, config: LlamaConfig, facts: Facts, copy, buffers:
             "gradient buffers": grads,
             "bound's scratch Adam": 16 * min(max(shards[1:-1] or shards), ADAM_SCRATCH) * bool(facts.gpu_bytes),
         }
-    compared = compared_modes(run)
-    if run.train and compared:  # each compared mode's first gradients and last masters, float32
+    if run.train and (compared := compared_modes(run)):  # their first gradients and last masters, float32
         parts["compared states"] = 8 * params * len(compared)
     if run.train and "cpu" in run.modes:
         # a copy of the model, its float32 masters, their gradients and moments; a step's activations and gradients
@@ -3300,7 +3233,7 @@ def host_parts(run: RunConfig, config: LlamaConfig, facts: Facts, copy, buffers:
 
 def predicted_bound(run, config, facts: Facts, depth: int, resident, gpu_adam, copy) -> dict[str, float]:
     """What a training step cannot beat, by the rates: ms by part (GPU compute, copies, CPU Adam, host, disk)."""
-    rate, shards = facts.rate, shard_numels(config, facts.ranks)
+    rate, shards = dict(facts.rates), shard_numels(config, facts.ranks)
     streamed = [u for u in range(len(shards)) if u not in resident]
     kept = streamed[-min(depth + 1, len(streamed)) :] if streamed else []  # the backward finds them in the slots
     on_gpu, on_cpu = sum(shards[u] for u in gpu_adam), sum(shards[u] for u in streamed if u not in gpu_adam)
@@ -3399,8 +3332,7 @@ def plan_table(plan: Plan, run: RunConfig, config: LlamaConfig) -> str:
     return "\n".join([*lines, "| | |", "|---|---|", *(f"| {what} | {value} |" for what, value in rows)]) + "\n"
 
 
-def parts_text(parts: dict, least: float = 2**20, text=gib) -> str:
-    """A peak's parts in words, the largest first, those under `least` (a MiB) left out."""
+def parts_text(parts: dict, least: float = 2**20, text=gib) -> str:  # a peak's parts, largest first, none under least
     kept = sorted(((n, part) for part, n in parts.items() if n >= least), reverse=True)
     return ", ".join(f"{part} {text(n)}" for n, part in kept)
 
@@ -3421,8 +3353,7 @@ def layer_numel(config: LlamaConfig, ranks: OneProcess = ONE_PROCESS) -> int:  #
     return ranks.shard_numel(model_units(config)[1].layout.numel)
 
 
-def disk_unit_bytes(config: LlamaConfig, ranks: OneProcess = ONE_PROCESS) -> int:
-    """The bytes of a decoder layer's two Adam moments in the disk tier: its file, and each staging buffer."""
+def disk_unit_bytes(config: LlamaConfig, ranks: OneProcess = ONE_PROCESS) -> int:  # a layer's moments on the disk
     return 2 * moment_bytes(layer_numel(config, ranks))
 
 
@@ -3434,8 +3365,7 @@ def gradient_dtype(run: RunConfig) -> torch.dtype:  # gradients' dtype off the G
     return torch.bfloat16 if run.torch_dtype == torch.bfloat16 and run.grad_accum == 1 else torch.float32
 
 
-def attention_bytes(run: RunConfig, config: LlamaConfig, whole_backward: bool) -> int:
-    """Eager attention's least scores (sdpa keeps none): a micro-batch's, or with whole_backward every layer's."""
+def attention_bytes(run: RunConfig, config: LlamaConfig, whole_backward: bool) -> int:  # eager attention's scores
     if run.attention != "eager":
         return 0
     scores = run.batch_size * config.num_attention_heads * run.seq_len**2 * run.torch_dtype.itemsize
@@ -4140,50 +4070,37 @@ def masters_tolerance(largest: float, steps: int) -> float:  # how far float32 r
 # Adds: the instruments' columns (REPORT_TABLES) and the notes under the tables. On: every run. Plugs into: tables.
 
 
+ANALYTIC = ("analytic (GiB)", cell("analytic_peak_bytes", ".2f", lambda p: sum(p.values()) / GiB))  # the instruments'
+H2D = ("H2D (GB/s)", cell("h2d_gbps", ".1f"))
+BOUND, EFFICIENCY = ("bound (ms)", cell("bound_ms", ".1f")), ("efficiency", cell("efficiency", ".3f"))  # both parts'
+TRAINING_MEMORY = [
+    PEAK_GPU,
+    ("predicted (GiB)", lambda r: gib(r.get("predicted_peak_bytes"))),
+    ("units resident", lambda r: f"{len(r['resident_units'])} of {r['units']}" if "units" in r else ""),
+    PEAK_HOST,
+    ("host (B / param)", cell("host_bytes_per_parameter", ".1f")),
+    ("on the disk (GiB)", lambda r: gib(r["disk_tier"]["bytes"]) if "disk_tier" in r else ""),
+    ("set-up (s)", cell("setup_s", ".1f", lambda p: sum(p.values()))),
+]
+TRAINING_TIME = [
+    STEP,
+    BOUND,
+    ("bound by:", cell("bound_by")),
+    EFFICIENCY,
+    ("model TFLOPS", cell("model_tflops", ".0f")),
+    ("executed TFLOPS", cell("executed_tflops", ".0f")),
+    ("of peak", cell("executed_share_of_peak", ".0%")),
+    ("host traffic (B / param)", cell("host_bytes_per_param", ".1f")),
+    *CHECKS,
+]
 REPORT_TABLES = {  # the tables a run prints: the assignment's columns (TABLES) and the instruments' beside them
     "inference": [
-        (
-            "Table 1: peak GPU memory, inference",
-            [PEAK_GPU, ("analytic (GiB)", cell("analytic_peak_bytes", ".2f", lambda p: sum(p.values()) / GiB))],
-        ),
-        (
-            "Table 2: time per forward pass, inference",
-            [
-                TIME,
-                ("bound (ms)", cell("bound_ms", ".1f")),
-                ("efficiency", cell("efficiency", ".3f")),
-                ("H2D (GB/s)", cell("h2d_gbps", ".1f")),
-                LOGITS,
-            ],
-        ),
+        ("Table 1: peak GPU memory, inference", [PEAK_GPU, ANALYTIC]),
+        ("Table 2: time per forward pass, inference", [TIME, BOUND, EFFICIENCY, H2D, LOGITS]),
     ],
     "training": [
-        (
-            "Table 1 (training): peak memory per step",
-            [
-                PEAK_GPU,
-                ("predicted (GiB)", lambda r: gib(r.get("predicted_peak_bytes"))),
-                ("units resident", lambda r: f"{len(r['resident_units'])} of {r['units']}" if "units" in r else ""),
-                PEAK_HOST,
-                ("host (B / param)", cell("host_bytes_per_parameter", ".1f")),
-                ("on the disk (GiB)", lambda r: gib(r["disk_tier"]["bytes"]) if "disk_tier" in r else ""),
-                ("set-up (s)", cell("setup_s", ".1f", lambda p: sum(p.values()))),
-            ],
-        ),
-        (
-            "Table 2 (training): time per step",
-            [
-                STEP,
-                ("bound (ms)", cell("bound_ms", ".1f")),
-                ("bound by:", cell("bound_by")),
-                ("efficiency", cell("efficiency", ".3f")),
-                ("model TFLOPS", cell("model_tflops", ".0f")),
-                ("executed TFLOPS", cell("executed_tflops", ".0f")),
-                ("of peak", cell("executed_share_of_peak", ".0%")),
-                ("host traffic (B / param)", cell("host_bytes_per_param", ".1f")),
-                *CHECKS,
-            ],
-        ),
+        ("Table 1 (training): peak memory per step", TRAINING_MEMORY),
+        ("Table 2 (training): time per step", TRAINING_TIME),
     ],
 }
 
@@ -4199,40 +4116,39 @@ def report_tables(results: dict, run: RunConfig, reference: dict | None = None, 
     return "\n".join(lines)
 
 
-def notes(results: dict, run: RunConfig, reference: dict | None = None) -> list[str]:
+def notes(results: dict, run: RunConfig, reference: dict | None = None):
     """The lines under the tables: each mode's notes, how the times were taken, the reference and speeds against it."""
-    lines = []
     for mode, rs in results.items():
-        lines += [*inference_notes(mode, rs.get("inference", {})), *training_notes(mode, rs.get("training", {}), run)]
-        lines += text_notes(mode, rs.get("training", {}), run)
+        yield from inference_notes(mode, rs.get("inference", {}))
+        yield from training_notes(mode, rs.get("training", {}), run)
+        yield from text_notes(mode, rs.get("training", {}), run)
     if "cpu" in results and not results["cpu"].get("inference", {"oom": True}).get("oom"):
-        lines.append(f"cpu: one run, no warm-up; GPU modes: median of {run.repeat} runs after {run.warmup} warm-ups")
+        yield f"cpu: one run, no warm-up; GPU modes: median of {run.repeat} runs after {run.warmup} warm-ups"
     if run.train and run.attention != "eager" and "gpu" in results:
-        lines.append("training: grads and masters judged against gpu mode with --attention eager only (sdpa: atomics)")
+        yield "training: grads and masters judged against gpu mode with --attention eager only (sdpa: atomics)"
     if run.train and run.clip_grad_norm is not None:
         clipped = "training: gradients clipped (clip_grad_norm_ in gpu and cpu modes; offloaded units step once every"
-        lines.append(f"{clipped} unit's gradients are in); grads not judged against gpu mode's")
+        yield f"{clipped} unit's gradients are in); grads not judged against gpu mode's"
     if reference:
         ref = f"forward/backward reference (resident model, no optimizer, no cap): {reference['time_ms']:.1f} ms per"
         ref += f" step, {reference['sequences_per_s']:.2f} sequences/s, peak GPU {gib(reference['peak_gpu_bytes'])} GiB"
-        lines.append(ref)
+        yield ref
         for mode, rs in results.items():
             if "time_ms" in rs.get("training", {}):
                 seqs = run.grad_accum * run.batch_size / rs["training"]["time_ms"] * 1e3
                 ratio = seqs / reference["sequences_per_s"]
-                lines.append(f"{mode} training: {seqs:.2f} sequences/s, {ratio:.2f}x the reference's")
+                yield f"{mode} training: {seqs:.2f} sequences/s, {ratio:.2f}x the reference's"
     if run.train:  # StepClock.result: over every step where the warm-up leaves none
         timed = f"after the first {run.warmup} of {run.steps} steps"
         if run.warmup >= run.steps:
             timed = f"over every step (--warmup {run.warmup} leaves none of {run.steps} after it)"
         skips = "offloaded GPU modes skip the step after each round of their bound's parts (it waits for no update)"
-        lines.append(f"training: median step time, start to next start, {timed}; {skips}")
+        yield f"training: median step time, start to next start, {timed}; {skips}"
     if any("model_tflops" in rs.get("training", {}) for rs in results.values()):  # what step_rates counts
         name, peak = torch.cuda.get_device_name(), dense_peak_flops()
         line = "training: model TFLOPS a GPU count 6 x parameters x tokens; executed TFLOPS the step's forward, the"
         line += " offloaded modes' recompute and the backward (twice a forward), causal attention's half of the scores"
-        lines.append(line + (f"; of peak: of the {name}'s dense 16-bit peak, {peak / 1e12:.0f} TFLOPS" if peak else ""))
-    return lines
+        yield line + (f"; of peak: of the {name}'s dense 16-bit peak, {peak / 1e12:.0f} TFLOPS" if peak else "")
 
 
 def inference_notes(mode: str, r: dict):
@@ -4252,45 +4168,42 @@ def inference_notes(mode: str, r: dict):
         yield f"{mode} trace: {t['overlap_ms']:.1f} of {t['copy_ms']:.1f} ms of copies under compute {streams}"
 
 
-def training_notes(mode: str, t: dict, run: RunConfig) -> list[str]:
+def training_notes(mode: str, t: dict, run: RunConfig):
     """A mode's training notes: placement and peak, the bound's parts, the trace, the gradient pool, the masters."""
-    lines = []
     if "predicted_peak_bytes" in t:
         resident, gpu_adam = t["resident_units"], t.get("gpu_adam_units", [])
         units = f"{len(resident)} of {t['units']} units resident ({', '.join(resident) or 'none'})"
         adam = f"{len(gpu_adam)} stepped by the GPU's Adam ({', '.join(gpu_adam) or 'none'})"
         parts = ", ".join(f"{part} {gib(n)}" for part, n in t["predicted_parts"].items())
         peak = f"peak GPU {gib(t['peak_gpu_bytes'])} GiB against {gib(t['predicted_peak_bytes'])} predicted: {parts}"
-        lines.append(f"{mode} training: {units}, {adam}; {peak}")
+        yield f"{mode} training: {units}, {adam}; {peak}"
     if "gpu_compute_ms" in t:
-        lines.append(bound_note(mode, t))
+        yield bound_note(mode, t)
     if "setup_s" in t:
         parts = ", ".join(f"{part.replace('_', ' ')} {s:.1f}" for part, s in t["setup_s"].items())
-        lines.append(f"{mode} training: set-up {sum(t['setup_s'].values()):.1f} s before the first step: {parts}")
+        yield f"{mode} training: set-up {sum(t['setup_s'].values()):.1f} s before the first step: {parts}"
     if "ranks" in t:
         each = ", ".join(f"{gib(r['peak_gpu_bytes'])} and {gib(r['peak_host_bytes'])}" for r in t["ranks"])
         host = f"host {gib(t['peak_host_bytes'])} GiB in all, {t['host_bytes_per_parameter']:.1f} bytes a parameter"
-        lines.append(f"{mode} training: {len(t['ranks'])} ranks, peak GPU and host GiB of each: {each}; {host}")
+        yield f"{mode} training: {len(t['ranks'])} ranks, peak GPU and host GiB of each: {each}; {host}"
     if "trace" in t:
         h2d, d2h = (f"{c['overlap_ms']:.1f} of {c['copy_ms']:.1f} ms" for c in (t["trace"]["h2d"], t["trace"]["d2h"]))
-        lines.append(f"{mode} training trace: {h2d} of H2D copies and {d2h} of D2H copies ran under compute")
-    if not t.get("gradient_pool", {"per_unit": True})["per_unit"]:
-        g = t["gradient_pool"]
+        yield f"{mode} training trace: {h2d} of H2D copies and {d2h} of D2H copies ran under compute"
+    if not (g := t.get("gradient_pool", {"per_unit": True}))["per_unit"]:
         waited = f"the backward waited {g['waited_ms']:.0f} ms in all for the CPU Adam to free one"
-        lines.append(f"{mode} training: {g['buffers']} shared gradient buffers; {waited}")
+        yield f"{mode} training: {g['buffers']} shared gradient buffers; {waited}"
     if "disk_tier" in t:
         d = t["disk_tier"]
         io = "direct I/O" if d["direct_io"] else "buffered I/O"
         moments = f"the Adam moments of {d['units']} units ({gib(d['bytes'])} GiB) on the disk, {io}"
-        lines.append(f"{mode} training: {moments}; the CPU Adam waited {d['waited_ms']:.0f} ms in all for its reads")
+        yield f"{mode} training: {moments}; the CPU Adam waited {d['waited_ms']:.0f} ms in all for its reads"
     if t.get("grad_norms"):
         norms = f"{t['grad_norms'][0]:.3g} -> {t['grad_norms'][-1]:.3g}"
-        lines.append(f"{mode} training: gradient norm {norms} before clipping to {run.clip_grad_norm:g}")
+        yield f"{mode} training: gradient norm {norms} before clipping to {run.clip_grad_norm:g}"
     if "masters_max_abs_diff" in t:
         step1 = f"{t['masters_step1_max_abs_diff']:.3g} after step 1 (rounding allows {t['masters_tolerance']:.3g})"
         last = f"{t['masters_max_abs_diff']:.3g} after step {run.steps}"
-        lines.append(f"{mode} training: masters differ from gpu mode's by at most {step1} and {last}")
-    return lines
+        yield f"{mode} training: masters differ from gpu mode's by at most {step1} and {last}"
 
 
 def text_notes(mode: str, t: dict, run: RunConfig):
@@ -4308,36 +4221,46 @@ def text_notes(mode: str, t: dict, run: RunConfig):
 
 
 def bound_note(mode: str, t: dict) -> str:
-    """A mode's training bound, each part alone."""
-    copies = host = held = disk = ""
-    if "h2d_ms" in t:
-        h2d, d2h = t["h2d_bytes"] / t["h2d_ms"] / 1e6, t["d2h_bytes"] / t["d2h_ms"] / 1e6
-        copies = f", H2D {t['h2d_ms']:.1f} ms ({h2d:.1f} GB/s), D2H {t['d2h_ms']:.1f} ms ({d2h:.1f} GB/s)"
-    if "host_memory_ms" in t:
-        host = f", CPU Adam {t['cpu_adam_ms']:.1f} ms, host memory {t['host_memory_ms']:.1f} ms "
-        host += f"({t['host_bytes'] / 1e9:.1f} GB, {t['host_bytes_per_param']:.1f} bytes per parameter, "
-        host += f"{t['adam_bytes_per_param']} per CPU-stepped one for the Adam, at {t['host_gbps']:.0f} GB/s with the "
-        host += "Adam and the copies running together)"
-    if "held_updates_ms" in t:
-        why = "clipping" if t.get("grad_norms") else "float16's loss scale"
-        held = f", updates held for the whole backward ({why}) {t['held_updates_ms']:.1f} ms (backward "
-        held += f"{t['gpu_compute_ms'] - t['gpu_forward_ms']:.1f} ms, then the longer of the forward "
-        held += f"{t['gpu_forward_ms']:.1f} ms and the CPU Adam; {t['unheld_bound_ms']:.1f} ms were they not held)"
-    if "serial_ms" in t:
-        held = f", every part in turn (blocked: nothing overlaps) {t['serial_ms']:.1f} ms"
-    if "disk_ms" in t:
-        disk = f", disk {t['disk_ms']:.1f} ms ({t['disk_bytes'] / 1e9:.1f} GB read and written back, "
-        disk += f"{t['disk_gbps']:.2f} GB/s together)"
+    """A mode's training bound, each part alone, in the order of the parts."""
     rounds = len(next(iter(t["bound_parts_ms"].values())))
     adam = f", the resident units' Adam {t['resident_adam_ms']:.1f}" if "resident_adam_ms" in t else ""
-    compute = f"GPU compute {t['gpu_compute_ms']:.1f} ms (forward, recompute, backward{adam}; "
-    compute += f"after {SETTLE_S:g} s of load)"
-    return f"{mode} training bound, each part alone (best of {rounds} rounds): {compute}{copies}{host}{disk}{held}"
+    note = f"{mode} training bound, each part alone (best of {rounds} rounds): GPU compute {t['gpu_compute_ms']:.1f} ms"
+    note += f" (forward, recompute, backward{adam}; after {SETTLE_S:g} s of load)"
+    if "h2d_ms" in t:
+        h2d, d2h = t["h2d_bytes"] / t["h2d_ms"] / 1e6, t["d2h_bytes"] / t["d2h_ms"] / 1e6
+        note += f", H2D {t['h2d_ms']:.1f} ms ({h2d:.1f} GB/s), D2H {t['d2h_ms']:.1f} ms ({d2h:.1f} GB/s)"
+    if "host_memory_ms" in t:
+        note += f", CPU Adam {t['cpu_adam_ms']:.1f} ms, host memory {t['host_memory_ms']:.1f} ms "
+        note += f"({t['host_bytes'] / 1e9:.1f} GB, {t['host_bytes_per_param']:.1f} bytes per parameter, "
+        note += f"{t['adam_bytes_per_param']} per CPU-stepped one for the Adam, at {t['host_gbps']:.0f} GB/s with the "
+        note += "Adam and the copies running together)"
+    if "disk_ms" in t:
+        note += f", disk {t['disk_ms']:.1f} ms ({t['disk_bytes'] / 1e9:.1f} GB read and written back, "
+        note += f"{t['disk_gbps']:.2f} GB/s together)"
+    if "held_updates_ms" in t:
+        why = "clipping" if t.get("grad_norms") else "float16's loss scale"
+        note += f", updates held for the whole backward ({why}) {t['held_updates_ms']:.1f} ms (backward "
+        note += f"{t['gpu_compute_ms'] - t['gpu_forward_ms']:.1f} ms, then the longer of the forward "
+        note += f"{t['gpu_forward_ms']:.1f} ms and the CPU Adam; {t['unheld_bound_ms']:.1f} ms were they not held)"
+    if "serial_ms" in t:
+        note += f", every part in turn (blocked: nothing overlaps) {t['serial_ms']:.1f} ms"
+    return note
 
 
 # ------------------------------------------------------------------------------------------------------------ text in
 # Adds: --data tokenized once into a memory-mapped token cache, packed into --seq-len blocks shuffled by --seed, a share
 # held out; --train-tokenizer; --sample. Turned on: --data, --sample. Plugs into: step_batches, forward_model.
+
+
+END_OF_TEXT = "<|endoftext|>"  # a trained tokenizer's one special token: joins documents
+LEFT_RUNNING = []  # threads of waited() still in native code: the interpreter's teardown would abort on them
+CAUGHT = []  # the signals signals_raised's handler raised in this run
+TOKEN_CACHE_FORMAT = 1  # part of the cache's key: a new format never reads an old file
+TOKEN_MAGIC = b"OLTOKS"  # a token cache file's header: this, the ids' itemsize (2 or 4) and their count
+TOKEN_HEADER = "<6sHQ"
+TOKEN_START = 16  # bytes: the header's size, where the ids start
+TOKENIZE_BATCH = 256  # documents the tokenizer's threads encode at once
+HELD_OUT_SEED = 0  # draws the held-out blocks: the same for every --seed, so none is ever trained on
 
 
 def data_files(run: RunConfig) -> list[Path]:
@@ -4397,15 +4320,12 @@ def corpus_documents(run: RunConfig, files: list[Path], skipped: list[Path] | No
         yield from file_documents(path, text, run.text_field)
 
 
-def checkpoint_tokenizer(run: RunConfig):
-    """The tokenizer a --resume checkpoint trained with, or None where it has none; refused where it does not load."""
-    if not resumes_with_tokenizer(run):  # an unreadable record too: read_checkpoint says what is wrong with it
-        return None
-    folder = mode_folder(run.resume, run, run.modes[0])
+def saved_tokenizer(folder, flag: str, fix: str):
+    """The tokenizer saved in `folder`, refused in one line naming `flag` and `fix` where it does not load."""
     try:
         return transformers.AutoTokenizer.from_pretrained(folder)
-    except Exception as e:  # a damaged or missing file: the errors of tokenizers and json vary
-        raise UsageError(f"--resume {folder}: its tokenizer does not load ({first_line(e)}): it is damaged") from None
+    except Exception as e:  # a damaged or missing file: the errors of tokenizers, json and sentencepiece vary
+        raise UsageError(f"{flag} {folder}: its tokenizer does not load ({first_line(e)}): {fix}") from None
 
 
 def tokenizer_text(tokenizer) -> str:  # a fast tokenizer's definition: equal for two that map text to the same ids
@@ -4419,11 +4339,7 @@ def load_tokenizer(run: RunConfig):
         if run.tokenizer:
             raise UsageError(f"--tokenizer {run.tokenizer}: no tokenizer.json, tokenizer.model or vocab.json there")
         return None
-    flag = "--tokenizer" if run.tokenizer else "--model"
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
-    except Exception as e:  # a damaged file: the errors of tokenizers, json and sentencepiece vary
-        raise UsageError(f"{flag} {folder}: its tokenizer does not load ({first_line(e)}): save it again") from None
+    tokenizer = saved_tokenizer(folder, "--tokenizer" if run.tokenizer else "--model", "save it again")
     if tokenizer.eos_token_id is None:
         raise UsageError(f"the tokenizer in {folder} has no end-of-text token to join documents with")
     return tokenizer
@@ -4434,11 +4350,6 @@ def check_cache_entry(path: Path, kind: str, what: str) -> None:
     if path_kind(path) not in (None, kind):
         held = f"{path.name} is {path_kind(path)}, where the run caches {what}"
         raise UsageError(f"--data-cache {path.parent}: {held}: move it, or give another --data-cache")
-
-
-END_OF_TEXT = "<|endoftext|>"  # a trained tokenizer's one special token: joins documents
-LEFT_RUNNING = []  # threads of waited() still in native code: the interpreter's teardown would abort on them
-CAUGHT = []  # the signals signals_raised's handler raised in this run
 
 
 def train_tokenizer(run: RunConfig, files: list[Path], folder: Path):
@@ -4533,14 +4444,6 @@ def current_umask() -> int:  # the process's umask (reading it means setting it:
     return umask
 
 
-TOKEN_CACHE_FORMAT = 1  # part of the cache's key: a new format never reads an old file
-TOKEN_MAGIC = b"OLTOKS"  # a token cache file's header: this, the ids' itemsize (2 or 4) and their count
-TOKEN_HEADER = "<6sHQ"
-TOKEN_START = 16  # bytes: the header's size, where the ids start
-TOKENIZE_BATCH = 256  # documents the tokenizer's threads encode at once
-HELD_OUT_SEED = 0  # draws the held-out blocks: the same for every --seed, so none is ever trained on
-
-
 def corpus_key(run: RunConfig, files: list[Path], tokenizer_text: str) -> str:
     """The token cache's key: each file's path, size and modification time, how it is read, and the tokenizer's text."""
     stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
@@ -4551,8 +4454,7 @@ def corpus_key(run: RunConfig, files: list[Path], tokenizer_text: str) -> str:
 
 def token_cache(run: RunConfig, files: list[Path], tokenizer) -> torch.Tensor:
     """The corpus's ids, memory-mapped from the token cache: written once (aside, renamed), rebuilt if not whole."""
-    folder = data_cache_folder(run)
-    path = folder / f"tokens-{corpus_key(run, files, tokenizer_text(tokenizer))}.bin"
+    path = data_cache_folder(run) / f"tokens-{corpus_key(run, files, tokenizer_text(tokenizer))}.bin"
     check_cache_entry(path, "a file", "token ids in a file")
     ids = mapped_tokens(path) if path_kind(path) == "a file" else None
     if ids is not None and largest_id(ids) < len(tokenizer):
@@ -4574,8 +4476,7 @@ def largest_id(ids: torch.Tensor) -> int:  # a chunk at a time: unsigned 16-bit 
     return max(int(chunk.to(torch.int64).max()) for chunk in ids.split(2**24))
 
 
-def remove_path(path: Path) -> None:
-    """Remove what is at `path`: a folder with what it holds, else the file, link or other entry itself."""
+def remove_path(path: Path) -> None:  # a folder with what it holds, else the file, link or other entry itself
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
     else:
@@ -4639,16 +4540,15 @@ class Blocks:
         self.held_out, self.training = order[:held].sort().values, order[held:].sort().values
         self.orders = {}  # epoch -> its order of the training blocks
 
-    def epoch_order(self, epoch: int) -> torch.Tensor:  # the training blocks in epoch `epoch`'s order
-        if epoch not in self.orders:
-            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self.orders = {epoch: self.training[torch.randperm(len(self.training), generator=generator)]}
-        return self.orders[epoch]
-
     def step_blocks(self, step: int, count: int) -> list[int]:
         """The `count` blocks of step `step` (from 0): the next ones of the epochs' orders, one epoch after another."""
-        n = len(self.training)
-        return [int(self.epoch_order(p // n)[p % n]) for p in range(step * count, (step + 1) * count)]
+        n, blocks = len(self.training), []
+        for epoch, i in (divmod(p, n) for p in range(step * count, (step + 1) * count)):
+            if epoch not in self.orders:  # the training blocks in this epoch's order (the last epoch's alone kept)
+                generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+                self.orders = {epoch: self.training[torch.randperm(n, generator=generator)]}
+            blocks.append(int(self.orders[epoch][i]))
+        return blocks
 
     def gather(self, blocks) -> torch.Tensor:  # the blocks' token ids, (len(blocks), seq_len) int64
         return torch.stack([self.ids[b * self.seq_len : (b + 1) * self.seq_len].long() for b in blocks])
@@ -4745,7 +4645,9 @@ def text_fingerprint(text: Text | None) -> str | None:
 def prepare_data(run: RunConfig, vocab_size: int) -> tuple[Blocks, object]:
     """--data read, tokenized (or read from the token cache) and packed: (the blocks, the tokenizer)."""
     files = data_files(run)
-    resumed = checkpoint_tokenizer(run)  # the one the checkpoint trained with: a run that goes on keeps its ids
+    resumed = None  # the tokenizer the --resume checkpoint trained with: a run that goes on keeps its ids
+    if resumes_with_tokenizer(run):  # an unreadable record too: read_checkpoint says what is wrong with it
+        resumed = saved_tokenizer(mode_folder(run.resume, run, run.modes[0]), "--resume", "it is damaged")
     if run.train_tokenizer:  # asked to train one: not --model's
         if run.train_tokenizer > vocab_size:
             larger = f"is larger than the model's vocab_size {vocab_size}"
@@ -4762,8 +4664,7 @@ def prepare_data(run: RunConfig, vocab_size: int) -> tuple[Blocks, object]:
     if not tokenizer.is_fast:
         raise UsageError("the tokenizer has no fast (tokenizers) form, which tokenizing in threads needs")
     check_vocab(run, tokenizer, vocab_size)
-    blocks = Blocks(token_cache(run, files, tokenizer), run.seq_len, run.eval_fraction, run.seed)
-    return blocks, tokenizer
+    return Blocks(token_cache(run, files, tokenizer), run.seq_len, run.eval_fraction, run.seed), tokenizer
 
 
 def forward_model(trainer, config: LlamaConfig, device: torch.device) -> nn.Module:
@@ -4782,21 +4683,6 @@ def forward_model(trainer, config: LlamaConfig, device: torch.device) -> nn.Modu
     shell.anchor = nn.Parameter(torch.empty(0, dtype=streamer.dtype, device=device), requires_grad=False)
     streamer.begin(range(n + 3))
     return shell.eval()
-
-
-@torch.no_grad()
-def continuations(model: nn.Module, tokenizer, run: RunConfig, device: torch.device) -> list[str]:
-    """Each --sample prompt's continuation of --sample-tokens tokens by HF's generate: greedy, or at --temperature."""
-    drawn = {"do_sample": True, "temperature": run.temperature, "top_k": run.top_k} if run.temperature else {}
-    kwargs = {"max_new_tokens": run.sample_tokens, "pad_token_id": tokenizer.eos_token_id, "do_sample": False}
-    kwargs["synced_gpus"] = run.ranks.several  # each pass gathers the units: a rank whose text ended passes on
-    texts = []
-    for prompt in run.sample:
-        ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
-        torch.manual_seed(run.seed)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), **(kwargs | drawn))
-        texts.append(tokenizer.decode(out[0, ids.shape[1] :]))
-    return texts
 
 
 class Evaluation:
@@ -4843,10 +4729,20 @@ class Evaluation:
         if self.text and self.run_config.sample:
             self.samples["after"] = self.sampled("after training")
 
-    def sampled(self, when: str) -> list[str]:  # the prompts' continuations now, logged
-        run = self.run_config
+    @torch.no_grad()
+    def sampled(self, when: str) -> list[str]:
+        """Each --sample prompt's continuation by HF's generate, greedy or at --temperature, logged."""
+        run, tokenizer = self.run_config, self.text.tokenizer
         log(f"  sampling {len(run.sample)} prompt(s) {when}, {run.sample_tokens} tokens each ...")
-        texts = continuations(self.model(), self.text.tokenizer, run, self.device)
+        model, texts = self.model(), []
+        drawn = {"do_sample": True, "temperature": run.temperature, "top_k": run.top_k} if run.temperature else {}
+        kwargs = {"max_new_tokens": run.sample_tokens, "pad_token_id": tokenizer.eos_token_id, "do_sample": False}
+        kwargs["synced_gpus"] = run.ranks.several  # each pass gathers the units: a rank whose text ended passes on
+        for prompt in run.sample:
+            ids = tokenizer(prompt, return_tensors="pt").input_ids.to(self.device)
+            torch.manual_seed(run.seed)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), **(kwargs | drawn))
+            texts.append(tokenizer.decode(out[0, ids.shape[1] :]))
         for prompt, text in zip(run.sample, texts, strict=True):
             log(f"  sample {when}: {prompt!r} -> {text!r}")
         return texts
@@ -4865,6 +4761,7 @@ CHECKPOINT_FORMAT = 1
 CHECKPOINT_RECORD = {"steps": int, "files": list, "loss_scale": (int, float), "good_steps": int}  # and their types
 RECORD_COUNTS = {"ranks": (1, 2**20 + 1), "tokens": (0, 2**63), "grad_accum": (1, 2**63)}  # each one's [least, end)
 RECORD_COUNTS |= {"batch_size": (1, 2**63), "seq_len": (1, 2**63)}  # least: its value where an older record lacks it
+BATCH_KEYS = ("grad_accum", "batch_size", "seq_len", "seed", "eval_fraction")  # seed, eval_fraction: held-out blocks
 SAVE_SHARD = "2GB"  # save_pretrained's shard size: a safetensors writer may hold a whole shard's bytes in memory
 PLAN_FLAGS = ("max_gpu_memory", "max_host_memory", "prefetch", "resident_layers", "gpu_adam_share")
 PLAN_FLAGS += ("offload_activations", "nvme", "nvme_layers", "rank_timeout")
@@ -4882,13 +4779,12 @@ def save_pretrained(trainer, config: LlamaConfig, folder: Path, tokenizer=None) 
             setattr(config, field, eos if getattr(tokenizer, field) is None else getattr(tokenizer, field))
     aside = folder_aside(folder) if trainer.ranks.rank == 0 else contextlib.nullcontext()
     with aside as tmp, named_errors(folder, writer=not trainer.ranks.several):  # the collectives' errors stay theirs
-        (save_units if trainer.ranks.several else save_masters)(trainer, config, tmp)
+        save_weights(trainer, config, tmp)
         if trainer.ranks.rank == 0:
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
-            for path in tmp.iterdir():  # the umask's modes: safetensors writes its shards 0600
-                if path.is_file():
-                    path.chmod(0o666 & ~current_umask())
+            for path in filter(Path.is_file, tmp.iterdir()):  # the umask's modes: safetensors writes its shards 0600
+                path.chmod(0o666 & ~current_umask())
             old = tmp.with_name(tmp.name + ".old")  # the older folder moved aside, then removed
             with signals_held():
                 if folder.exists():
@@ -4901,20 +4797,19 @@ def save_pretrained(trainer, config: LlamaConfig, folder: Path, tokenizer=None) 
     log(f"trained float32 weights saved to {folder} in {seconds:.1f} s, host peak {peak} meanwhile")
 
 
-def save_masters(trainer, config: LlamaConfig, folder: Path) -> None:
-    """One process: save_pretrained of a meta-device model whose parameters are the masters, with no copy of them."""
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    for name, master in named_masters(trainer):
-        owner, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(owner), leaf, nn.Parameter(master, requires_grad=False))
-    transformers.utils.logging.disable_progress_bar()  # stderr carries this script's progress lines alone
-    model.save_pretrained(folder, max_shard_size=SAVE_SHARD)
-
-
-def save_units(trainer, config: LlamaConfig, folder: Path | None) -> None:
-    """Several ranks (a collective): a safetensors file a unit, gathered one at a time and written by rank 0."""
+def save_weights(trainer, config: LlamaConfig, folder: Path | None) -> None:
+    """The masters as HF weights: one process saves a meta-device model over them (no copy); several ranks (a
+    collective) a safetensors file a unit, gathered one at a time and written by rank 0."""
     ranks, n, weight_map, total = trainer.ranks, len(trainer.units), {}, 0
+    if not ranks.several:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config)
+        for name, master in named_masters(trainer):
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, nn.Parameter(master, requires_grad=False))
+        transformers.utils.logging.disable_progress_bar()  # stderr carries this script's progress lines alone
+        model.save_pretrained(folder, max_shard_size=SAVE_SHARD)
+        return
     if ranks.rank == 0:
         config.save_pretrained(folder)
         transformers.GenerationConfig.from_model_config(config).save_pretrained(folder)
@@ -4949,17 +4844,15 @@ def checkpoint_manifest(run: RunConfig, config: LlamaConfig, mode: str, plan: Pl
     """What a checkpoint records besides its files: what a resume must match, how it trained, the plan."""
     adam = json.loads(json.dumps(dataclasses.asdict(run.adam)))  # as read back: betas a list
     sizes = {field: getattr(config, field) for field in SIZE_FLAGS}
-    # eval_fraction and the seed: which blocks --data holds out; data None: random ids
-    batch = {key: getattr(run, key) for key in ("grad_accum", "batch_size", "seq_len", "seed", "eval_fraction", "data")}
+    batch = {key: getattr(run, key) for key in (*BATCH_KEYS, "data")}  # data None: random ids
     ranks = {"ranks": run.ranks.world} if run.ranks.several else {}  # each rank's files hold its shards
     record = {"format": CHECKPOINT_FORMAT, "mode": mode, "sizes": sizes, "dtype": run.dtype, "adam": adam}
     if plan is None:
         return record | batch | ranks
     # what the plan is made from: the machine's facts (memory to a tenth of a GiB) and the flags that steer it
-    facts = plan.facts
-    memory = (("gpu", facts.gpu_bytes), ("host", facts.host_bytes), ("disk", facts.disk_bytes))
+    memory = (("gpu", plan.facts.gpu_bytes), ("host", plan.facts.host_bytes), ("disk", plan.facts.disk_bytes))
     inputs = {f"{field}_gib": None if b is None else round(b / GiB, 1) for field, b in memory}
-    inputs |= {"cores": facts.cores, "ranks": facts.world, "ranks_a_host": facts.local_world}
+    inputs |= {"cores": plan.facts.cores, "ranks": plan.facts.world, "ranks_a_host": plan.facts.local_world}
     inputs |= {flag: getattr(run, flag) for flag in PLAN_FLAGS}
     return record | batch | ranks | {"plan_inputs": inputs, "plan": plan.as_dict()}
 
@@ -4979,10 +4872,11 @@ def say_plan_changes(saved: dict, manifest: dict) -> None:
 class Checkpoints:
     """--checkpoint's writer for one mode: every `every` steps (counted across resumes) and after the last."""
 
-    def __init__(self, trainer, folder: Path, manifest: dict, every: int | None, tokenizer=None):
+    def __init__(self, trainer, run: RunConfig, mode: str, manifest: dict, tokenizer=None):
         # write(done): the checkpoint after `done` steps of this run; run(done) as the steps' tasks call it
+        folder = mode_folder(run.checkpoint, run, mode)
         self.write = self.run = functools.partial(write_checkpoint, trainer, folder, manifest, tokenizer=tokenizer)
-        self.start, self.every = manifest.get("resumed_from", 0), every
+        self.start, self.every = manifest.get("resumed_from", 0), run.checkpoint_every
 
     def due(self, done: int, last: int) -> bool:  # after `done` of `last` steps (the last one's: once trained)
         return bool(self.every) and done < last and (self.start + done) % self.every == 0
@@ -4990,11 +4884,9 @@ class Checkpoints:
 
 def trained_outputs(trainer, run: RunConfig, config: LlamaConfig, mode: str, compared: bool, tokenizer=None) -> dict:
     """After the last step: --save-pretrained's folder, gradient norms, the masters on the host to compare or save."""
-    result = {}
+    result = {"grad_norms": list(trainer.grad_norms)} if run.clip_grad_norm is not None else {}
     if run.save_pretrained:
         save_pretrained(trainer, config, mode_folder(run.save_pretrained, run, mode), tokenizer)
-    if run.clip_grad_norm is not None:
-        result["grad_norms"] = list(trainer.grad_norms)
     if compared or run.save_output:  # several ranks: on rank 0 alone (which writes --save-output), a unit at a time
         resident = isinstance(trainer, ResidentTraining)
         result["masters"] = trainer.state_dict(trainer.masters) if resident else trainer.state_dict(on_first=True)
@@ -5016,10 +4908,8 @@ def check_finite_masters(trainer) -> None:
 
 def write_checkpoint(trainer, folder: Path, manifest: dict, done: int, tokenizer=None) -> None:
     """The state after `done` steps: unit files, tokenizer, then CHECKPOINT_FILE naming them, each written aside."""
-    t0 = time.perf_counter()
+    t0, steps, made = time.perf_counter(), manifest.get("resumed_from", 0) + done, not folder.exists()
     trainer.wait_updates()
-    steps = manifest.get("resumed_from", 0) + done
-    made = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
     ranks, n = trainer.ranks, len(trainer.units)
     files = checkpoint_files(n, steps, ranks)
@@ -5052,8 +4942,7 @@ def write_checkpoint(trainer, folder: Path, manifest: dict, done: int, tokenizer
     log(f"checkpoint after step {steps} written to {folder} in {time.perf_counter() - t0:.1f} s")
 
 
-def remove_unnamed(folder: Path) -> None:
-    """Remove what checkpoint writes left in `folder` that its CHECKPOINT_FILE does not name (and temporary files)."""
+def remove_unnamed(folder: Path) -> None:  # remove what checkpoint writes left that CHECKPOINT_FILE does not name
     try:
         record = parse_json((folder / CHECKPOINT_FILE).read_text())
         named = {*record["files"], *record.get("tokenizer", [])}
@@ -5094,8 +4983,7 @@ def checkpoint_files(units: int, steps: int, ranks: Ranks) -> list[str]:  # one 
     return [f"unit{u:03d}.rank{r}of{ranks.world}.step{steps}.pt" for r in range(ranks.world) for u in range(units)]
 
 
-def save_synced(obj, path: str) -> None:
-    """`obj` (text, or what torch.save takes) to `path`, flushed to the disk before it is renamed into a checkpoint."""
+def save_synced(obj, path: str) -> None:  # `obj` (text or torch.save's) to `path`, on the disk before its rename
     with open(path, "w" if isinstance(obj, str) else "wb") as f:
         if isinstance(obj, str):
             f.write(obj + "\n")
@@ -5105,12 +4993,11 @@ def save_synced(obj, path: str) -> None:
         os.fsync(f.fileno())
 
 
-def torch_save(obj, f, path: str) -> None:
-    """torch.save(obj, f), a full disk an OSError naming `path` (not the zip writer's RuntimeError), signals put off."""
+def torch_save(obj, f, path: str) -> None:  # torch.save(obj, f), signals put off; a full disk an OSError naming `path`
     try:
         with signals_held():
             torch.save(obj, f)
-    except RuntimeError as e:
+    except RuntimeError as e:  # the zip writer's error for a full disk
         reason = f"torch.save could not write it ({str(e).splitlines()[0]}): is its disk full?"
         raise OSError(errno.EIO, reason, path) from None
 
@@ -5196,8 +5083,7 @@ def unit_state_fits(state, layout: FlatLayout, ranks: Ranks) -> bool:
     return True
 
 
-def checkpoint_hint(folder: Path) -> str:
-    """What to give --resume instead of a folder with no checkpoint: a mode's subfolder, or the folder above it."""
+def checkpoint_hint(folder: Path) -> str:  # what to give --resume instead: a mode's subfolder, or the folder above
     if folder.name in MODES and (folder.parent / CHECKPOINT_FILE).is_file():
         return f"{folder.parent} holds one mode's; several modes resume each from DIR/<mode>: give --mode as it trained"
     inside = sorted(sub.parent.name for sub in folder.glob(f"*/{CHECKPOINT_FILE}") if sub.parent.name in MODES)
@@ -5224,8 +5110,7 @@ def unit_state(trainer, u: int) -> dict:
     return {"unit": trainer.units[u].name, "step": step.item()} | state
 
 
-def unit_params(trainer: ResidentTraining, u: int):
-    """Unit u's parameters in gpu or cpu mode as (name within the unit, float32 master, compute-dtype weight)."""
+def unit_params(trainer: ResidentTraining, u: int):  # unit u's (name in it, float32 master, weight) in gpu or cpu mode
     prefix = trainer.units[u].name + "."
     for name, master, param in zip(trainer.names, trainer.masters, trainer.params, strict=True):
         if name.startswith(prefix):
@@ -5241,8 +5126,7 @@ def load_unit(trainer, u: int, state: dict) -> None:
             param.copy_(master)
             if state["step"]:  # as torch.optim.Adam(fused=True) keeps it: tensors on the master's device
                 moments = {key: state[key][name].to(master.device, copy=True) for key in ("exp_avg", "exp_avg_sq")}
-                step = torch.tensor(state["step"], device=master.device)
-                trainer.optimizer.state[master] = {"step": step, **moments}
+                trainer.optimizer.state[master] = {"step": torch.tensor(state["step"], device=master.device), **moments}
         return
     store = trainer.store
     layout, start = store.units[u].layout, store.ranks.rank * store.masters[u].numel()
@@ -5262,8 +5146,7 @@ def load_unit(trainer, u: int, state: dict) -> None:
     store.unstarted.discard(u)
 
 
-def named_masters(trainer):
-    """Each parameter's float32 master by HF name on the CPU (one process: a rank has shards)."""
+def named_masters(trainer):  # each parameter's float32 master by HF name on the CPU (one process: a rank has shards)
     if isinstance(trainer, ResidentTraining):
         yield from ((name, master.detach().cpu()) for name, master in zip(trainer.names, trainer.masters, strict=True))
         return
@@ -5277,8 +5160,7 @@ def named_masters(trainer):
 
 def resume(trainer, folder: Path, manifest: dict) -> int:
     """Load a checkpoint into `trainer`, before placement; returns the steps it had done."""
-    t0 = time.perf_counter()
-    saved = read_checkpoint(folder, manifest)
+    t0, saved = time.perf_counter(), read_checkpoint(folder, manifest)
     say_plan_changes(saved, manifest)
     for u, unit in enumerate(trainer.units):
         state = checkpoint_unit(folder, saved, u, unit.layout, trainer.ranks)
@@ -5293,8 +5175,7 @@ def resume(trainer, folder: Path, manifest: dict) -> int:
     log(f"resumed from {folder} after step {saved['steps']} in {time.perf_counter() - t0:.1f} s")
     # the tokens trained on: as the record counts them, or (an older record) its steps at its batch's (else this run's)
     manifest["tokens_before"] = saved["tokens"] if "tokens" in saved else saved["steps"] * step_tokens(manifest | saved)
-    batch = ("grad_accum", "batch_size", "seq_len", "seed", "eval_fraction")
-    changed = [key for key in batch if key in saved and saved[key] != manifest[key]]  # older records lack some
+    changed = [key for key in BATCH_KEYS if key in saved and saved[key] != manifest[key]]  # older records lack some
     if changed:
         log(f"note: another {', '.join(changed)} than the checkpoint's, so other batches (and held-out blocks)")
     if isinstance(saved.get("data"), str) and manifest["data"] is None:
@@ -5307,8 +5188,7 @@ def step_tokens(record: dict) -> int:  # the tokens of a step of the run a check
     return record["grad_accum"] * record["batch_size"] * record["seq_len"]
 
 
-def finite_state(state: dict) -> bool:
-    """Whether a unit's checkpointed state (checkpoint_unit's) holds finite masters and moments alone."""
+def finite_state(state: dict) -> bool:  # whether a unit's checkpointed state holds finite values alone
     held = [state[key] for key in ("master", "exp_avg", "exp_avg_sq")]
     held = [h.shards if isinstance(h, Resharded) else h.values() if isinstance(h, dict) else [h] for h in held]
     return all(torch.isfinite(t).all() for tensors in held for t in tensors)
@@ -5365,10 +5245,9 @@ class RunConfig(Config):
     host_memory: float | None = None  # GiB: the host memory available, instead of this machine's
     gpus: int | None = None  # ranks, one per GPU, all on one host, instead of torchrun's
     rates: tuple = ()  # (name, value) pairs that override DEFAULT_RATES
-    # outputs
-    json: str | None = None
-    save_output: str | None = None
-    profile: str | None = None
+    json: str | None = None  # outputs: the results as JSON
+    save_output: str | None = None  # torch.save'd input ids, logits and trained masters
+    profile: str | None = None  # a Chrome trace of one offloaded forward pass and step
     save_pretrained: str | None = None  # a folder: the trained float32 weights, for from_pretrained
     checkpoint: str | None = None  # a folder: the whole training state, every checkpoint_every steps and at the end
     checkpoint_every: int | None = None
@@ -5394,23 +5273,19 @@ class RunConfig(Config):
     ranks: Ranks = Ranks()  # the processes torchrun started, one per GPU (without torchrun, this one: rank 0 of 1)
 
     @property
-    def lean(self) -> bool:
-        """One offloaded mode trains alone: once its masters are loaded, the model's decoder layers are freed."""
+    def lean(self) -> bool:  # one offloaded mode trains alone: once its masters are loaded, decoder layers are freed
         return self.train and not self.inference and self.modes in (("blocked",), ("overlapped",))
 
     @property
-    def profile_mode(self) -> str:
-        """The mode --profile traces: overlapped, or blocked when overlapped is not run."""
+    def profile_mode(self) -> str:  # the mode --profile traces: overlapped, or blocked when overlapped is not run
         return "overlapped" if "overlapped" in self.modes else "blocked"
 
     @property
-    def holds_updates(self) -> bool:
-        """Offloaded units step only once every unit's gradients are in: float16's loss scale or clipping sees them."""
+    def holds_updates(self) -> bool:  # units step once all gradients are in: float16's loss scale or clipping sees them
         return self.dtype == "float16" or self.clip_grad_norm is not None
 
     @property
-    def gpu_adam(self) -> float:
-        """The GPU Adam's share of streamed parameters: --gpu-adam-share, or 0 if updates wait, or GPU_ADAM_SHARE."""
+    def gpu_adam(self) -> float:  # the GPU Adam's share: --gpu-adam-share, or 0 if updates wait, or GPU_ADAM_SHARE
         if self.gpu_adam_share is not None:
             return self.gpu_adam_share
         return 0.0 if self.holds_updates else GPU_ADAM_SHARE
@@ -5430,22 +5305,18 @@ EXAMPLES = f"""examples:
       LLaMA-7B, 64 x 1024 tokens a step, under an 11 GiB GPU cap"""
 
 
-class UsageError(Exception):
-    """Bad input: main() prints it as one line on stderr and exits with code 2."""
+class UsageError(Exception): ...  # bad input: main() prints it as one line on stderr and exits with code 2
 
 
-class Diverged(Exception):
-    """Logits or a loss that are not finite: main() prints one line and exits with code 1, writing nothing more."""
+class Diverged(Exception): ...  # logits or a loss not finite: main() prints one line, exits 1, writes nothing more
 
 
-def default_dtype() -> str:
-    """bfloat16, unless the GPU cannot compute in it."""
+def default_dtype() -> str:  # bfloat16, unless the GPU cannot compute in it
     cuda_without_bf16 = torch.cuda.is_available() and not torch.cuda.is_bf16_supported(including_emulation=False)
     return "float16" if cuda_without_bf16 else "bfloat16"
 
 
-def print_error(message: str) -> None:
-    """The one line of a refusal on stderr, control characters escaped, in one write: ranks share the stream."""
+def print_error(message: str) -> None:  # a refusal on stderr, control characters escaped, in one write (ranks share it)
     escaped = "".join(c if c.isprintable() or c == "\t" else ascii(c)[1:-1] for c in message)  # a path's \n, ESC
     sys.stderr.write(f"offload_llama.py: error: {escaped}\n")
     sys.stderr.flush()
@@ -5486,16 +5357,14 @@ def parameter_count(sizes: dict) -> int:
     return embeddings + layers * (attention + mlp + 2 * h) + h  # two norms a layer, the final norm
 
 
-def count_text(n: float) -> str:
-    """A count in words: 1.88B, 53.2M, 171K, 900."""
+def count_text(n: float) -> str:  # a count in words: 1.88B, 53.2M, 171K, 900
     for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
         if n >= scale:
             return f"{n / scale:.3g}{suffix}" if n < 100 * scale else f"{n / scale:.0f}{suffix}"
     return f"{n:.0f}"
 
 
-def size_text(nbytes: float) -> str:
-    """Bytes in words, in GiB down to 1 GiB, then MiB, KiB or bytes: 3.5 GiB, 120.0 MiB, 4.0 KiB, 1 byte."""
+def size_text(nbytes: float) -> str:  # bytes in words, from GiB down: 3.5 GiB, 120.0 MiB, 4.0 KiB, 1 byte
     for unit, suffix in ((GiB, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
         if abs(nbytes) >= unit:
             return f"{nbytes / unit:.1f} {suffix}"
@@ -5640,8 +5509,7 @@ def rate_flag(text: str) -> tuple[str, float]:
     return name, number
 
 
-def positive(value: float) -> bool:
-    """Whether `value` is a finite number above 0."""
+def positive(value: float) -> bool:  # whether `value` is a finite number above 0
     return math.isfinite(value) and value > 0
 
 
@@ -5666,11 +5534,7 @@ RANGES = (  # (argparse dests, whether a value given is in range, the refusal), 
     (("seed",), lambda v: 0 <= v <= MAX_SEED, f"{{flag}} must be between 0 and {MAX_SEED}, got {{value}}"),
 )
 TEXT_RANGES = (  # the same for the text flags, checked after the flags that do not go together
-    (
-        ("train_tokenizer",),
-        lambda v: v >= 257,
-        "{flag} must be at least 257 (256 bytes, the end-of-text token), got {value}",
-    ),
+    (("train_tokenizer",), lambda v: v >= 257, "{flag} must be at least 257 (256 bytes, end of text), got {value}"),
     (("eval_fraction",), lambda v: 0 < v < 1, "{flag} must be between 0 and 1, got {value}"),
     (("epochs",), positive, "{flag} must be a positive number, got {value}"),
     (("eval_every", "sample_tokens", "top_k"), lambda v: v >= 1, "{flag} must be at least 1"),
@@ -5701,14 +5565,12 @@ def check_values(p: Parser, a: argparse.Namespace) -> None:
         p.error("--seq-len must be at least 2 with --train: each token is trained to predict the next")
     if any(not prompt for prompt in a.sample):
         p.error("--sample needs a prompt: an empty one has nothing to continue")
-    for prompt in a.sample:  # a byte that is not UTF-8 comes from argv as a lone surrogate, which no tokenizer takes
-        if not_utf8(prompt):
-            p.error(f"--sample {prompt!r} holds bytes that are not UTF-8: give the prompt in UTF-8")
+    for prompt in filter(not_utf8, a.sample):  # a byte that is not UTF-8 comes from argv as a lone surrogate
+        p.error(f"--sample {prompt!r} holds bytes that are not UTF-8: give the prompt in UTF-8")
     check_ranges(p, a, TEXT_RANGES)
 
 
-def offloaded(modes) -> bool:
-    """Whether one of `modes` streams the layers: blocked or overlapped."""
+def offloaded(modes) -> bool:  # whether one of `modes` streams the layers: blocked or overlapped
     return bool({"blocked", "overlapped"} & set(modes))
 
 
@@ -5748,16 +5610,12 @@ FLAG_CLASHES = (  # flags (argparse dests) that cannot be given together, and wh
     (("tokenizer", "train_tokenizer"), "a tokenizer is given or trained, not both"),
 )
 ONE_GPU_FLAGS = {"resident_layers": None, "profile": None, "fwd_bwd_reference": False}  # dest -> its value unasked
-RANK_VARIABLES = {  # torchrun's variables: each one's least value, and the variable it must stay under
-    "WORLD_SIZE": (1, None),
-    "RANK": (0, "WORLD_SIZE"),
-    "LOCAL_WORLD_SIZE": (1, None),
-    "LOCAL_RANK": (0, "LOCAL_WORLD_SIZE"),
-}
+# torchrun's variables: each one's least value, and the variable it must stay under
+RANK_VARIABLES = {"WORLD_SIZE": (1, None), "RANK": (0, "WORLD_SIZE"), "LOCAL_WORLD_SIZE": (1, None)}
+RANK_VARIABLES["LOCAL_RANK"] = (0, "LOCAL_WORLD_SIZE")
 
 
-def flag_name(dest: str) -> str:
-    """The flag of an argparse dest: --no-inference for inference, --hidden-size for hidden_size."""
+def flag_name(dest: str) -> str:  # the flag of a dest: --no-inference for inference, --hidden-size for hidden_size
     return "--" + {"inference": "no-inference", "rates": "rate", **SIZE_FLAGS}.get(dest, dest.replace("_", "-"))
 
 
@@ -5792,8 +5650,7 @@ def rank_environment(p: Parser) -> Ranks:
         if numbers[name] < least or (below and numbers[name] >= numbers[below]):
             bound = f"at least {least}" + (f" and below {below}={numbers[below]}" if below else "")
             p.error(f"the environment's {name}={numbers[name]} must be {bound}: set it as torchrun does")
-    if numbers["LOCAL_WORLD_SIZE"] > numbers["WORLD_SIZE"]:
-        local = numbers["LOCAL_WORLD_SIZE"]
+    if (local := numbers["LOCAL_WORLD_SIZE"]) > numbers["WORLD_SIZE"]:
         p.error(f"the environment's LOCAL_WORLD_SIZE={local} exceeds WORLD_SIZE: set both as torchrun does")
     return Ranks.from_environment()
 
@@ -5854,33 +5711,7 @@ def check_run(run: RunConfig) -> None:
         raise UsageError(f"{origin}{why} at most")
     if run.sample and run.sample_tokens >= positions:  # positions >= --seq-len >= 1
         raise UsageError(f"--sample-tokens {run.sample_tokens}: the model has {positions} positions, prompt included")
-    check_tokenizer_at_hand(run)
-
-
-LIBRARY_PATHS = ("--model", "--tokenizer", "--resume", "--checkpoint", "--save-pretrained", "--data-cache", "--profile")
-FILE_OUTPUTS = ("--json", "--save-output", "--profile", "--profile's training trace")
-ASIDE_CHARS = 18  # the most a name grows aside: .NAME.PID.tmp (write_atomically), .NAME.XXXXXXXX.tmp.old (folders)
-TOKENIZER_FILE = r"tokenizer(_config)?\.json|tokenizer\.model|special_tokens_map\.json|added_tokens\.json"
-TOKENIZER_FILE += r"|chat_template\.jinja|vocab\.json|merges\.txt"  # what a tokenizer's save_pretrained writes
-SAVED_MODEL_FILE = re.compile(  # what save_pretrained writes, each a regular file
-    rf"config\.json|generation_config\.json|model(-\d{{5}}-of-\d{{5}})?\.safetensors|model\.safetensors\.index\.json"
-    rf"|{TOKENIZER_FILE}"
-)
-UNIT_FILE = r"unit\d+(\.rank\d+of\d+)?\.step\d+\.pt"  # a unit's state in a checkpoint (checkpoint_files)
-WRITTEN_FILE = re.compile(  # what a checkpoint write makes in its folder, each a regular file; its tokenizer's too
-    rf"{UNIT_FILE}|\.{UNIT_FILE}\.\d+\.tmp|\.{re.escape(CHECKPOINT_FILE)}\.\d+\.tmp|{TOKENIZER_FILE}"
-)
-WRITTEN_FOLDER = re.compile(r"\.tokenizer\.[a-z0-9_]{8}\.tmp")  # the tokenizer written aside (folder_aside)
-
-
-def not_utf8(text: str) -> bool:
-    """Whether `text` (from argv, where a byte that is not UTF-8 is a lone surrogate) holds what UTF-8 cannot encode."""
-    return any(0xD800 <= ord(c) <= 0xDFFF for c in text)
-
-
-def check_tokenizer_at_hand(run: RunConfig) -> None:
-    """Text in (--data) or out (--sample) has a tokenizer: given, to train, the resumed checkpoint's or --model's."""
-    if run.tokenizer and not has_tokenizer(run.tokenizer):
+    if run.tokenizer and not has_tokenizer(run.tokenizer):  # text in or out: given, to train, resumed or --model's
         raise UsageError(f"--tokenizer {run.tokenizer}: no tokenizer.json, tokenizer.model or vocab.json there")
     if run.tokenizer or has_tokenizer(run.model) or not (run.data or run.sample):
         return
@@ -5888,6 +5719,23 @@ def check_tokenizer_at_hand(run: RunConfig) -> None:
         raise UsageError("--sample needs a tokenizer: give --tokenizer DIR, or --data with --train-tokenizer V")
     if not (run.train_tokenizer or resumes_with_tokenizer(run)):
         raise UsageError("no tokenizer: give --tokenizer DIR, or --train-tokenizer V to train one on the data")
+
+
+LIBRARY_PATHS = ("--model", "--tokenizer", "--resume", "--checkpoint", "--save-pretrained", "--data-cache", "--profile")
+FILE_OUTPUTS = ("--json", "--save-output", "--profile", "--profile's training trace")
+ASIDE_CHARS = 18  # the most a name grows aside: .NAME.PID.tmp (write_atomically), .NAME.XXXXXXXX.tmp.old (folders)
+TOKENIZER_FILE = r"tokenizer(_config)?\.json|tokenizer\.model|special_tokens_map\.json|added_tokens\.json"
+TOKENIZER_FILE += r"|chat_template\.jinja|vocab\.json|merges\.txt"  # what a tokenizer's save_pretrained writes
+MODEL_FILE = r"(generation_)?config\.json|model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json"
+SAVED_MODEL_FILE = re.compile(f"{MODEL_FILE}|{TOKENIZER_FILE}")  # what save_pretrained writes, each a regular file
+UNIT_FILE = r"unit\d+(\.rank\d+of\d+)?\.step\d+\.pt"  # a unit's state in a checkpoint (checkpoint_files)
+# what a checkpoint write makes in its folder, each a regular file (its tokenizer's too); and its files written aside
+WRITTEN_FILE = re.compile(rf"{UNIT_FILE}|\.({UNIT_FILE}|{re.escape(CHECKPOINT_FILE)})\.\d+\.tmp|{TOKENIZER_FILE}")
+WRITTEN_FOLDER = re.compile(r"\.tokenizer\.[a-z0-9_]{8}\.tmp")  # the tokenizer written aside (folder_aside)
+
+
+def not_utf8(text: str) -> bool:  # whether `text` holds a lone surrogate: argv's stand-in for a byte that is not UTF-8
+    return any(0xD800 <= ord(c) <= 0xDFFF for c in text)
 
 
 def resumes_with_tokenizer(run: RunConfig) -> bool:
@@ -5901,8 +5749,7 @@ def resumes_with_tokenizer(run: RunConfig) -> bool:
     return isinstance(record, dict) and bool(record.get("tokenizer"))
 
 
-def has_tokenizer(folder: str | None) -> bool:
-    """Whether `folder` holds a tokenizer's files."""
+def has_tokenizer(folder: str | None) -> bool:  # whether `folder` holds a tokenizer's files
     names = ("tokenizer.json", "tokenizer.model", "vocab.json")
     return folder is not None and any((Path(folder) / name).is_file() for name in names)
 
@@ -5975,8 +5822,14 @@ def check_outputs(run: RunConfig) -> None:
         made = want == "a folder" and flag != "--nvme"  # the disk tier's folder is a disk's, given, not made
         check_writable(flag, path, folder, make=made, aside=flag in FILE_OUTPUTS or flag == "--save-pretrained")
     check_no_clash(run, outputs)
-    for mode in run.modes if run.save_pretrained else ():
-        check_saved_model_folder(mode_folder(run.save_pretrained, run, mode))
+    for mode in run.modes if run.save_pretrained else ():  # replaced whole: only what save_pretrained writes, if any
+        folder = mode_folder(run.save_pretrained, run, mode)
+        if path_kind(folder) not in (None, "a folder"):
+            raise UsageError(f"--save-pretrained {folder} is {path_kind(folder)}, which the run would replace")
+        other = foreign_entry(folder, lambda p: path_kind(p) == "a file" and SAVED_MODEL_FILE.fullmatch(p.name))
+        if other:
+            what = f"{other}, which a saved model does not hold: the folder is replaced whole"
+            raise UsageError(f"--save-pretrained {folder} holds {what}, so give a new one")
     for mode in run.modes if run.checkpoint else ():
         check_checkpoint_folder(mode_folder(run.checkpoint, run, mode))
 
@@ -5989,16 +5842,6 @@ def foreign_entry(folder: Path, own) -> str | None:
     return None if path is None else f"{path.name} ({path_kind(path)})"
 
 
-def check_saved_model_folder(folder: Path) -> None:
-    """A --save-pretrained folder, replaced whole, holds only the regular files save_pretrained writes, if anything."""
-    if path_kind(folder) not in (None, "a folder"):
-        raise UsageError(f"--save-pretrained {folder} is {path_kind(folder)}, which the run would replace")
-    other = foreign_entry(folder, lambda p: path_kind(p) == "a file" and SAVED_MODEL_FILE.fullmatch(p.name))
-    if other:
-        what = f"{other}, which a saved model does not hold"
-        raise UsageError(f"--save-pretrained {folder} holds {what}: the folder is replaced whole, so give a new one")
-
-
 def written_by_checkpoint(path: Path) -> bool:
     """Whether `path` in a checkpoint's folder is what a checkpoint write makes: a file of its names, never a link."""
     if path.is_symlink():
@@ -6009,8 +5852,7 @@ def written_by_checkpoint(path: Path) -> bool:
 
 
 def check_checkpoint_folder(folder: Path) -> None:
-    """A --checkpoint folder holds only what checkpoint writes make (a write replaces files of its names, which in
-    another folder could be the user's): nothing, a checkpoint, or the unit files of a first write cut short."""
+    """A --checkpoint folder holds only what checkpoint writes make (nothing, a checkpoint, a first write cut short)."""
     if path_kind(folder) not in (None, "a folder"):
         raise UsageError(f"--checkpoint {folder} is {path_kind(folder)}: give a folder")
     record = path_kind(folder / CHECKPOINT_FILE) == "a file"
@@ -6024,8 +5866,7 @@ def check_checkpoint_folder(folder: Path) -> None:
 
 
 def check_no_clash(run: RunConfig, outputs: dict[str, str]) -> None:
-    """No output is, holds (--save-pretrained) or lies inside an input, however reached (links, hard links, bind
-    mounts), nor is or nests in another output; --checkpoint X --resume X goes on from X."""
+    """No output is, holds or lies inside an input however reached, nor nests in another; --checkpoint X --resume X."""
     given = {"--data": run.data, "--model": run.model, "--tokenizer": run.tokenizer, "--resume": run.resume}
     inputs = [(flag, f"{flag} {real_path(path)}", real_path(path)) for flag, path in given.items() if path is not None]
     for flag, path in given.items():  # and what a link inside an input folder reaches, which the run reads too
@@ -6067,45 +5908,38 @@ def links(path) -> list[Path]:
     return found
 
 
-def same_place(a: Path, b: Path) -> bool:
-    """Whether real paths `a` and `b` reach one file or folder: one path, or one device and inode (hard link, mount)."""
+def same_place(a: Path, b: Path) -> bool:  # whether real paths reach one file: one path, or one device and inode
     try:
         return a == b or os.path.samefile(a, b)
     except (OSError, ValueError):  # nothing there, or it cannot be looked at
         return False
 
 
-def inside(a: Path, b: Path) -> bool:
-    """Whether real path `a` lies inside folder `b`, however `b` is reached."""
+def inside(a: Path, b: Path) -> bool:  # whether real path `a` lies inside folder `b`, however `b` is reached
     return any(same_place(parent, b) for parent in a.parents)
 
 
-def real_path(path) -> Path:
-    """`path` absolute, every link in it followed (a loop of links as far as it goes)."""
+def real_path(path) -> Path:  # `path` absolute, every link in it followed (a loop of links as far as it goes)
     return Path(os.path.realpath(path))
 
 
-def train_trace_path(path: str) -> str:
-    """--profile's path for the training step's trace: trace.json -> trace.train.json."""
+def train_trace_path(path: str) -> str:  # the training step's --profile trace: trace.json -> trace.train.json
     p = Path(path)
     return str(p.with_name(p.stem + ".train" + p.suffix))
 
 
-def mode_folder(path: str, run: RunConfig, mode: str) -> Path:
-    """A mode's --save-pretrained, --checkpoint or --resume folder: the one given, or for several modes its `mode`."""
+def mode_folder(path: str, run: RunConfig, mode: str) -> Path:  # `path`, or path/`mode` where several modes run
     return Path(path) / mode if len(run.modes) > 1 else Path(path)
 
 
-def data_cache_folder(run: RunConfig) -> Path:
-    """--data-cache, else offload_llama under the user's cache folder (XDG_CACHE_HOME, else ~/.cache)."""
+def data_cache_folder(run: RunConfig) -> Path:  # --data-cache, else offload_llama in XDG_CACHE_HOME, else in ~/.cache
     if run.data_cache:
         return Path(run.data_cache)
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "offload_llama"
 
 
 def check_writable(flag: str, path: str, folder: Path, make: bool, aside: bool) -> None:
-    """A file can be created in `folder` (with make, where it is missing, in its parent; nothing is made yet), and
-    the output's name fits its file system with what writing it aside adds: else the write fails after the run."""
+    """Refuse now what fails after the run: no file can be made in `folder` (make: its parent), or the name is long."""
     name = Path(path).name
     try:
         limit = os.pathconf(existing(Path(path).parent), "PC_NAME_MAX")
@@ -6125,8 +5959,7 @@ def check_writable(flag: str, path: str, folder: Path, make: bool, aside: bool) 
         raise UsageError(f"{flag} {path}: the folder {folder} cannot be written: {why}") from None
 
 
-def existing(path: Path) -> Path:
-    """`path`, or its nearest folder that exists (where a folder to be made will take its room)."""
+def existing(path: Path) -> Path:  # `path`, or its nearest existing folder (where a folder to be made will go)
     while not path.exists() and path != path.parent:
         path = path.parent
     return path
@@ -6134,14 +5967,12 @@ def existing(path: Path) -> Path:
 
 def model_type(path: Path) -> str:
     """A save_pretrained folder's model type, 'llama', read from its config.json; refused with one line otherwise."""
-    config = read_config_json(path)
-    if config.get("model_type") != "llama":
-        raise UsageError(f"--model {path}: model_type is {config.get('model_type')!r}, not 'llama'")
+    if (kind := read_config_json(path).get("model_type")) != "llama":
+        raise UsageError(f"--model {path}: model_type is {kind!r}, not 'llama'")
     return "llama"
 
 
-def first_line(e: BaseException) -> str:
-    """An exception's message, its first line (200 characters at most), or its class where it has none."""
+def first_line(e: BaseException) -> str:  # an exception's first line (200 characters at most), or its class if none
     line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return line if len(line) <= 200 else line[:197] + "..."
 
@@ -6229,8 +6060,7 @@ def check_host_holds(run: RunConfig, sizes: dict) -> None:
         raise UsageError(f"{need} of host memory, {have}")
 
 
-def host_memory_available() -> int | None:
-    """MemAvailable from /proc/meminfo, in bytes (None where there is no such file)."""
+def host_memory_available() -> int | None:  # MemAvailable from /proc/meminfo, in bytes (None: no such file)
     return proc_kib("/proc/meminfo", "MemAvailable")
 
 
@@ -6262,8 +6092,7 @@ def check_sizes(sizes: dict, origin: str = "") -> None:
 
 
 # ----------------------------------------------------------------------------------------------------- running a mode
-# A mode run whole: its trainer set up from the plan, resumed, placed; its steps timed, with the bound's rounds,
-# checkpoints and evaluations between them; its outputs saved and described.
+# A mode run whole: its trainer set up, resumed, placed; its steps timed, with bound rounds, checkpoints, evaluations.
 
 
 def make_trainer(mode: str, model, masters: OffloadedAdam | None, micro_batches, run: RunConfig, device, plan: Plan):
@@ -6304,8 +6133,7 @@ def measure_offloaded(model, store: ParamStore, input_ids, device, depth: int, r
 
 def run_mode(mode: str, model, store, input_ids, run: RunConfig, plan: Plan) -> tuple[dict, torch.Tensor | None]:
     """One mode's inference result; {'oom': True} when it does not fit the GPU (or the --max-gpu-memory cap)."""
-    config = model.config
-    device = torch.device("cpu" if mode == "cpu" else "cuda")
+    config, device = model.config, torch.device("cpu" if mode == "cpu" else "cuda")
     log(f"mode {mode}: inference over {input_ids.numel()} tokens ...")
     reset_peak_memory(device)
     try:
@@ -6341,9 +6169,8 @@ def train_mode(mode: str, model, masters, input_ids, run: RunConfig, plan: Plan,
         placed = prepare_steps(trainer, run, mode, plan, manifest)
         profile = train_trace_path(run.profile) if run.profile and mode == run.profile_mode else None
         bound_parts = bound_parts_of(trainer, micro_batches, device)
-        folder = mode_folder(run.checkpoint, run, mode) if run.checkpoint else None
         tokenizer = text.tokenizer if text else None  # it travels with the checkpoints and the saved model
-        checkpoint = Checkpoints(trainer, folder, manifest, run.checkpoint_every, tokenizer) if folder else None
+        checkpoint = Checkpoints(trainer, run, mode, manifest, tokenizer) if run.checkpoint else None
         done, seen = manifest.get("resumed_from", 0), manifest.get("tokens_before", 0)  # by the checkpoint resumed
         evaluation = Evaluation(trainer, run, model.config, device, text, done)
         between = [task for task in (checkpoint, evaluation) if task]
@@ -6422,8 +6249,7 @@ def train_steps(
     return clock.result(run.warmup) | {"losses": losses, "grads": grads, "tokens_per_step": clock.tokens} | extra
 
 
-def run_tasks(tasks, done: int, last: int, clock: StepClock) -> None:
-    """The tasks due after `done` of the run's `last` steps, the step clock paused meanwhile."""
+def run_tasks(tasks, done: int, last: int, clock: StepClock) -> None:  # the tasks due after step `done`, clock paused
     due = [task for task in tasks if task.due(done, last)]
     if due:
         clock.pause(done)  # the updates are written first
@@ -6438,8 +6264,7 @@ def run_tasks(tasks, done: int, last: int, clock: StepClock) -> None:
 
 def parse_args(argv=None) -> RunConfig:
     """The command line as a RunConfig with its dtype: bfloat16 unless --dtype says otherwise or the GPU lacks it."""
-    run = command_line(argv)
-    ranks = Ranks.from_environment()
+    run, ranks = command_line(argv), Ranks.from_environment()
     if ranks.several:
         run = dataclasses.replace(run, ranks=ranks)
         if torch.cuda.is_available() and ranks.local_rank < torch.cuda.device_count():  # else refused later
@@ -6490,12 +6315,9 @@ def check_saving(run: RunConfig, config: LlamaConfig, plan: Plan | None = None) 
             advice = f"go on from it with --resume {run.checkpoint}, or give another folder"
             raise UsageError(f"--checkpoint {run.checkpoint} holds a checkpoint already: {advice}")
     twice = bool(run.checkpoint_every and run.checkpoint_every < run.steps) and not same
-    params = param_count(config) * len(run.modes)
-    needs = {
-        "--save-pretrained": (run.save_pretrained, 4 * params),
-        "--checkpoint": (run.checkpoint, 12 * params * (1 + twice)),
-        "--save-output": (run.save_output, save_output_bytes(run, config)),
-    }
+    size = 4 * param_count(config) * len(run.modes)  # float32 weights; a checkpoint's moments too
+    needs = {"--save-pretrained": (run.save_pretrained, size), "--checkpoint": (run.checkpoint, 3 * size * (1 + twice))}
+    needs["--save-output"] = (run.save_output, save_output_bytes(run, config))
     for flag, (path, needed) in needs.items():
         if not path:
             continue
@@ -6537,8 +6359,7 @@ def hold_checkpoint_folders(run: RunConfig) -> None:
             raise UsageError(f"{flag} {folder} is in use by another run: wait for it to end, or give another") from None
 
 
-def release_checkpoint_folders() -> None:
-    """Unlock the held --checkpoint and --resume folders, removing those made for the lock that stayed empty."""
+def release_checkpoint_folders() -> None:  # unlock the held folders, removing those made for the lock left empty
     while HELD_FOLDERS:
         descriptor, folder, made = HELD_FOLDERS.pop()
         os.close(descriptor)
@@ -6547,16 +6368,14 @@ def release_checkpoint_folders() -> None:
                 folder.rmdir()
 
 
-def save_output_bytes(run: RunConfig, config: LlamaConfig) -> int:
-    """At most what --save-output writes: the token ids, each mode's logits and, with --train, its float32 masters."""
+def save_output_bytes(run: RunConfig, config: LlamaConfig) -> int:  # --save-output's most bytes: ids, logits, masters
     tokens, modes = run.batch_size * run.seq_len, len(run.modes)
     logits = modes * tokens * config.vocab_size * 4 if run.inference else 0
     training = run.grad_accum * tokens * 8 + modes * 4 * param_count(config) if run.train else 0
     return tokens * 8 + logits + training + 2**20  # and the pickle's own records
 
 
-def write_atomically(path: str, write) -> None:
-    """write(tmp) to a temporary file beside `path`, then rename it: an interrupt never leaves a truncated file."""
+def write_atomically(path: str, write) -> None:  # write(tmp) beside `path`, renamed over it: never a truncated file
     tmp = str(Path(path).with_name(f".{Path(path).name}.{os.getpid()}.tmp"))
     try:
         with named_errors(path, aside=tmp):
@@ -6567,25 +6386,18 @@ def write_atomically(path: str, write) -> None:
             os.unlink(tmp)
 
 
-def write_json(path: str, report: dict) -> None:
-    """The results as indented JSON, written atomically."""
+def write_json(path: str, report: dict) -> None:  # the results as indented JSON, written atomically
     write_atomically(path, lambda tmp: Path(tmp).write_text(json.dumps(report, indent=2) + "\n"))
 
 
-def environment() -> dict:
-    """Where the results come from: device, versions, CPU threads and the script's sha256."""
-    cuda = torch.cuda.is_available()
+def environment() -> dict:  # where the results come from: device, versions, CPU threads and the script's sha256
+    cuda, script = torch.cuda.is_available(), Path(__file__).read_bytes()
     segments = torch.cuda.memory_snapshot() if torch.cuda.is_initialized() else []  # the allocator's, once CUDA starts
-    return {
-        "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
-        "gpu_memory_bytes": gpu_total_bytes() if cuda else None,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "cpu_threads": torch.get_num_threads(),
-        "script_sha256": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
-        "expandable_segments": all(s["is_expandable"] for s in segments) if segments else None,  # grown in place
-    }
+    where = {"device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu"}
+    where |= {"gpu_memory_bytes": gpu_total_bytes() if cuda else None, "torch": torch.__version__}
+    where |= {"transformers": transformers.__version__, "python": platform.python_version()}
+    where |= {"cpu_threads": torch.get_num_threads(), "script_sha256": hashlib.sha256(script).hexdigest()}
+    return where | {"expandable_segments": all(s["is_expandable"] for s in segments) if segments else None}  # in place
 
 
 def run_all(run: RunConfig) -> dict:
@@ -6660,8 +6472,7 @@ def write_outputs(run: RunConfig, report: dict, input_ids, logits: dict, train_i
     log("done")
 
 
-def set_gpu_cap(run: RunConfig) -> None:
-    """--max-gpu-memory as the caching allocator's fraction of the GPU, where a mode runs on it."""
+def set_gpu_cap(run: RunConfig) -> None:  # --max-gpu-memory as the caching allocator's fraction of the GPU
     if run.max_gpu_memory is not None and any(m != "cpu" for m in run.modes):
         total = gpu_total_bytes()
         torch.cuda.set_per_process_memory_fraction(min(1.0, run.max_gpu_memory * GiB / total))
@@ -6672,9 +6483,7 @@ def run_report(run: RunConfig, config: LlamaConfig, tokens: int, results: dict, 
     report = {**environment(), "run": dataclasses.asdict(run), "tokens": tokens, **host}
     report |= {"parameters": param_count(config), "layer_bytes": layer_bytes(config, run.torch_dtype)}
     report |= {"config": json.loads(config.to_json_string()), "results": results}
-    if reference:
-        report["fwd_bwd_reference"] = reference
-    return report
+    return report | ({"fwd_bwd_reference": reference} if reference else {})
 
 
 def check_finite_logits(mode: str, logits: torch.Tensor | None) -> None:
@@ -6727,10 +6536,21 @@ def run_modes(run: RunConfig, plan: Plan, model, store, masters, input_ids, trai
 
 
 def training_store(run: RunConfig, config: LlamaConfig, plan: Plan) -> OffloadedAdam:
-    """The offloaded modes' pinned training state on the host, as the plan sizes it; its set-up time said on stderr."""
-    t0 = time.perf_counter()
+    """The offloaded modes' pinned training state on the host as the plan sizes it, and --nvme's disk tier for its last
+    decoder layers (its files reserved, its disk measured); their set-up times said on stderr."""
+    t0, layers, disk = time.perf_counter(), plan.disk_layers, None
     units, scaled = model_units(config), run.clip_grad_norm is not None
-    disk = disk_tier(run, units, plan.disk_layers)
+    if run.nvme and not layers:
+        log("disk tier: unused, the host holds the training state")
+    if layers:
+        t1 = time.perf_counter()
+        layers = [u for u, unit in enumerate(units) if unit.kind == "layer"][-layers:]
+        disk = DiskTier(run.nvme, {u: run.ranks.shard_numel(units[u].layout.numel) for u in layers})
+        on_disk = f"the Adam moments of the last {len(layers)} decoder layers ({gib(disk_step_bytes(disk))} GiB)"
+        io = "direct I/O" if disk.files.direct else "buffered I/O (the file system refuses O_DIRECT)"
+        rates = f"write {disk.files.rates['write_gbps']:.2f} GB/s, read {disk.files.rates['read_gbps']:.2f} GB/s"
+        log(f"disk tier: {on_disk} in unnamed files under {run.nvme}, reserved in {time.perf_counter() - t1:.1f} s")
+        log(f"disk tier: {io}; measured: {rates}")
     try:
         copy, buffers = plan.torch_copy_dtype, plan.grad_buffers
         args = (units, run.adam, True, buffers, gradient_dtype(run), copy, scaled, moments_for(disk), run.ranks)
@@ -6745,23 +6565,6 @@ def training_store(run: RunConfig, config: LlamaConfig, plan: Plan) -> Offloaded
     state = f"{size_text(pinned)} pinned, {size_text(moments)} of Adam moments"
     log(f"training state on the host in {masters.setup_s['host_state']:.1f} s: {state}")
     return masters
-
-
-def disk_tier(run: RunConfig, units: list[Unit], layers: int) -> DiskTier | None:
-    """--nvme: the disk tier for the plan's last `layers` decoder layers, its files reserved, its disk measured."""
-    if run.nvme and not layers:
-        log("disk tier: unused, the host holds the training state")
-    if not layers:
-        return None
-    t0 = time.perf_counter()
-    layers = [u for u, unit in enumerate(units) if unit.kind == "layer"][-layers:]
-    disk = DiskTier(run.nvme, {u: run.ranks.shard_numel(units[u].layout.numel) for u in layers})
-    moments = f"the Adam moments of the last {len(layers)} decoder layers ({gib(disk_step_bytes(disk))} GiB)"
-    io = "direct I/O" if disk.files.direct else "buffered I/O (the file system refuses O_DIRECT)"
-    rates = f"write {disk.files.rates['write_gbps']:.2f} GB/s, read {disk.files.rates['read_gbps']:.2f} GB/s"
-    log(f"disk tier: {moments} in unnamed files under {run.nvme}, reserved in {time.perf_counter() - t0:.1f} s")
-    log(f"disk tier: {io}; measured: {rates}")
-    return disk
 
 
 def main(argv=None) -> int:
@@ -6796,7 +6599,9 @@ def main(argv=None) -> int:
 
 def ended_early(e: BaseException) -> int:
     """Say in one line on stderr why the run ended; the exit code: 2 bad input, 1 a failure mid-way, 128 + a signal."""
-    finish_early()
+    if torch.cuda.is_initialized():  # queued copies land and a CPU Adam compile ends first: the error is the last line
+        torch.cuda.synchronize()
+    concurrent.futures.wait(EARLY_COMPILES.values())
     if isinstance(e, UsageError):
         print_error(str(e))
         return 2
@@ -6827,10 +6632,8 @@ def signals_raised():
         CAUGHT.append(signum)
         raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
 
-    before = {sig: signal.getsignal(sig) for sig in SIGNALS}
     CAUGHT.clear()
-    for sig in SIGNALS:
-        signal.signal(sig, raise_signal)
+    before = {sig: signal.signal(sig, raise_signal) for sig in SIGNALS}
     try:
         yield
     finally:
@@ -6844,15 +6647,7 @@ def use_expandable_segments() -> None:
         os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"  # read when CUDA starts, after this
 
 
-def finish_early() -> None:
-    """On the way out early, let queued copies land and a CPU Adam compile end first, so the error is the last line."""
-    if torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-    concurrent.futures.wait(EARLY_COMPILES.values())
-
-
-def exit_with(code: int) -> None:
-    """End the process with `code`; after a signal or with a waited() thread in native code, without the teardown."""
+def exit_with(code: int) -> None:  # sys.exit(code), or os._exit after a signal or with a waited() thread alive
     if code >= 128 or any(thread.is_alive() for thread in LEFT_RUNNING):
         sys.stdout.flush()
         sys.stderr.flush()

@@ -426,6 +426,7 @@ def test_a_failed_update_with_a_shared_gradient_pool_raises_instead_of_hanging()
             raise RuntimeError("the update failed")
         update(master, *args)
 
+    failing.adam = update.adam  # the settings the step checks against param_groups'
     trainer.store.update = failing
     outcome = []
 
