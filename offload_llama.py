@@ -2693,7 +2693,7 @@ RANK_TIMEOUT = 60  # seconds: the least a rank waits for the others in a step's 
 TIMEOUT_STEPS = 5  # the default timeout is this many times the plan's longest step part, at least RANK_TIMEOUT
 PLAN_MARGIN = GiB // 2  # of a --max-gpu-memory budget, left out of a placement: the caching allocator's fragmentation
 CUBLAS_WORKSPACE = 32 * 2**20  # torch's default cuBLAS workspace on Hopper, allocated once per stream
-ADAM_SCRATCH = 2**25  # parameters: the bound times the CPU Adam on at most this much scratch state (512 MiB of it)
+ADAM_SCRATCH = 2**25  # parameters: the bound times the CPU Adam on at most this many (their state kept aside, 512 MiB)
 FAST_FLOPS = {"cpu": 1e11, "cuda": 2e15}  # FLOP/s: a run that takes under a minute at these is not worth a rate
 
 
