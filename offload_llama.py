@@ -12,14 +12,14 @@ The file by line, the assignment first; each section beyond it says what it adds
     249  streams, events and pinned host memory  new_stream, host_zeros_each
     331  blocked and overlapped offload          every wait (S1-S16), ParamStore, LayerStreamer
     684  training: the autograd.Function         StreamedUnit, OffloadedTraining
-    967  the offloaded Adam                      OffloadedAdam, CpuAdam, Steppers
-   1364  the reference                           ResidentTraining
-   1418  Table 1 and Table 2                     tables
-   1499  # === Beyond the assignment ===
-        the compiled Adam 1502, the GPU's Adam 1609, activation offload 1813, float16 and clipping 1878
-        the disk tier 1967, several GPUs 2238, a model folder 2482, the plan 2676, measurement 3458
-        the tables' notes 4069, text in 4250, saving and resuming 4754, the command line 5223, running a mode 6094
-        the run 6261
+    965  the offloaded Adam                      OffloadedAdam, CpuAdam, Steppers
+   1365  the reference                           ResidentTraining
+   1419  Table 1 and Table 2                     tables
+   1500  # === Beyond the assignment ===
+        the compiled Adam 1503, the GPU's Adam 1610, activation offload 1814, float16 and clipping 1879
+        the disk tier 1968, several GPUs 2239, a model folder 2483, the plan 2677, measurement 3459
+        the tables' notes 4070, text in 4251, saving and resuming 4755, the command line 5224, running a mode 6095
+        the run 6262
 """
 
 from __future__ import annotations
@@ -837,8 +837,7 @@ class OffloadedTraining:
             grads = torch.autograd.grad(self.run_unit(u, module, x, k), inputs, grad_out)
         return (grads[0], grads[1:]) if x.requires_grad else (None, grads)
 
-    def grad_views(self, u: int) -> list[torch.Tensor]:
-        """Where unit u's gradients accumulate on the GPU, one view per parameter."""
+    def grad_views(self, u: int) -> list[torch.Tensor]:  # where unit u's gradients accumulate on the GPU, by parameter
         return list(self.units[u].layout.views(self.steppers.grads(u)).values())
 
     @property
@@ -927,8 +926,7 @@ def add_grads(views: list[torch.Tensor], grads, write: bool = False) -> None:
         (view.copy_ if write else view.add_)(grad)
 
 
-def mean_loss(losses, ranks: OneProcess = ONE_PROCESS) -> torch.Tensor:
-    """The mean of the micro-batches' losses (with several ranks, of every rank's), detached."""
+def mean_loss(losses, ranks: OneProcess = ONE_PROCESS) -> torch.Tensor:  # the losses' mean, every rank's, detached
     return ranks.sum(sum(loss.detach() for loss in losses)) / (len(losses) * ranks.world)
 
 
@@ -1003,7 +1001,8 @@ class AdamUpdate:
     @property
     def bytes_per_param(self) -> int:
         """Host bytes a step moves per parameter: master and moments read and written (24), float32 gradients (4), the
-        master again and the copy (4 + 2 in bfloat16), with clipping the gradients scaled (8): 34 (compiled: 30)."""
+        master again and the copy (4 + 2 in bfloat16), with clipping the gradients scaled (8): 34. A run steps with
+        CompiledAdamUpdate (beyond the line): 28 in its default, bfloat16 gradients of one micro-batch and copy."""
         copy = self.copy_dtype.itemsize + 4 if self.copy_dtype else 0
         rescale = 8 if self.scaled else 0
         return 24 + self.grad_dtype.itemsize + copy + rescale
@@ -1247,6 +1246,8 @@ class CpuAdam(HostState):
 
     def update(self, u: int, multiplier: float) -> None:
         """Queue unit u's step, its gradients times `multiplier`; the worker runs it once its gradients land."""
+        if not self.thread.is_alive():  # else the next wait for the update would never end
+            raise RuntimeError("the CPU Adam's worker has stopped (the trainer finished): build a new trainer")
         self.done[u].clear()
         with self.cond:  # the multiplier travels with the job: a later step's must never reach these gradients
             self.pending.append((u, self.landed[u], multiplier))
@@ -4010,7 +4011,7 @@ def profile_step(trainer, micro_batches, path: str) -> dict:
         all_threads = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
     with torch.profiler.profile(activities=activities, experimental_config=all_threads) as prof:
         loss = trainer.step(micro_batches).item()
-        trainer.finish()
+        trainer.wait_updates()  # the worker goes on: a caller may step again
         torch.cuda.synchronize()  # the trace must hold the whole step
     write_atomically(path, prof.export_chrome_trace)
     return {"loss": loss, "path": path, "h2d": trace_overlap(path, "HtoD"), "d2h": trace_overlap(path, "DtoH")}

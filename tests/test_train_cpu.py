@@ -116,6 +116,27 @@ def test_blocked_steps_every_unit_before_its_step_returns():
         offloaded_trainer(model, CPU, 0, [ids], grad_buffers=2)
 
 
+def test_a_finished_trainer_refuses_another_step_instead_of_hanging():
+    """After finish() the CPU Adam's worker is gone: another step raises at its first update, where its next forward
+    would have waited forever for an update nobody runs."""
+    model, batches = tiny_batches(1)
+    trainer = offloaded_trainer(model, CPU, 1, batches)
+    trainer.step(batches)
+    trainer.finish()
+    outcome = []
+
+    def step():
+        try:
+            trainer.step(batches)
+        except RuntimeError as e:
+            outcome.append(str(e))
+
+    thread = threading.Thread(target=step, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert len(outcome) == 1 and "worker has stopped" in outcome[0], outcome
+
+
 class Recorded(ol.InOrder):
     """The compute stream's stand-in, noting in `log` when the host waits for it."""
 
