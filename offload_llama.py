@@ -8,18 +8,18 @@ Function and steps Adam on float32 masters on the host (OffloadedAdam). Install,
     python offload_llama.py --mode overlapped --train  # LLaMA-7B-sized layers: the memory and time tables
 The file by line, the assignment first; each section beyond it says what it adds, its flag and the hook it plugs into.
      71  the model and its configuration         Config, build_model
-    204  gpu and cpu inference                   infer_resident, timed
-    249  streams, events and pinned host memory  new_stream, host_zeros_each
-    331  blocked and overlapped offload          every wait (S1-S16), ParamStore, LayerStreamer
-    684  training: the autograd.Function         StreamedUnit, OffloadedTraining
-    965  the offloaded Adam                      OffloadedAdam, CpuAdam, Steppers
-   1365  the reference                           ResidentTraining
-   1419  Table 1 and Table 2                     tables
-   1500  # === Beyond the assignment ===
-        the compiled Adam 1503, the GPU's Adam 1610, activation offload 1814, float16 and clipping 1879
-        the disk tier 1968, several GPUs 2239, a model folder 2483, the plan 2677, measurement 3459
-        the tables' notes 4070, text in 4251, saving and resuming 4755, the command line 5224, running a mode 6095
-        the run 6262
+    200  gpu and cpu inference                   infer_resident, timed
+    244  streams, events and pinned host memory  new_stream, host_zeros_each
+    321  blocked and overlapped offload          every wait (S1-S16), ParamStore, LayerStreamer
+    650  training: the autograd.Function         StreamedUnit, OffloadedTraining
+    914  the offloaded Adam                      OffloadedAdam, CpuAdam, Steppers
+   1288  the reference                           ResidentTraining
+   1340  Table 1 and Table 2                     tables
+   1417  # === Beyond the assignment ===
+        the compiled Adam 1420, the GPU's Adam 1521, activation offload 1725, float16 and clipping 1790
+        the disk tier 1873, several GPUs 2144, a model folder 2388, the plan 2582, measurement 3364
+        the tables' notes 3946, text in 4127, saving and resuming 4631, the command line 5100, running a mode 5971
+        the run 6138
 """
 
 from __future__ import annotations
@@ -90,15 +90,14 @@ PRESET_SIZES = {  # hidden, intermediate, layers, heads, key/value heads, vocabu
 }
 PRESETS = {name: dict(zip(SIZE_FLAGS, sizes, strict=True)) for name, sizes in PRESET_SIZES.items()}  # field -> size
 ALIGN = 128  # elements (256 B in 16 bits): each parameter starts as the caching allocator aligns, for cuBLAS's kernels
+DRAW_CHUNK = 2**24  # elements: a random weight is drawn in chunks this size, each from a generator of its own
+STARTED = time.perf_counter()
 
 
 def log(msg: str) -> None:
     """Print a progress line on stderr (stdout carries the tables); of torchrun's ranks, rank 0 speaks for all."""
     if os.environ.get("RANK", "0") == "0":
         print(f"{time.perf_counter() - STARTED:6.1f} s  {msg}", file=sys.stderr, flush=True)
-
-
-STARTED = time.perf_counter()
 
 
 @dataclass(frozen=True)
@@ -163,9 +162,6 @@ def build_model(run: Config, config: LlamaConfig) -> LlamaForCausalLM:
     return model.eval()
 
 
-DRAW_CHUNK = 2**24  # elements: a random weight is drawn in chunks this size, each from a generator of its own
-
-
 @torch.no_grad()
 def init_random(model: LlamaForCausalLM, seed: int) -> None:
     """HF's LLaMA initialisation of a meta-device model: weights N(0, initializer_range), norms 1, in parallel."""
@@ -205,8 +201,7 @@ def random_input_ids(run: Config, vocab_size: int, micro_batches: int = 1) -> to
 # The plain HF model resident on the GPU (gpu mode, the reference) or the CPU (cpu mode), timed.
 
 
-def logits_of(model: LlamaForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
-    """One forward pass, without a KV cache: a single pass needs none."""
+def logits_of(model: LlamaForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:  # one forward pass, no KV cache
     return model(input_ids, use_cache=False).logits  # (B, T, vocab)
 
 
@@ -250,9 +245,7 @@ def median_ms(fn, device: torch.device, warmup: int, repeat: int) -> tuple[float
 # CUDA's streams and events, with stand-ins on the CPU so the CPU tests run the same code; pinned host buffers.
 
 
-class InOrder:
-    """A CUDA stream or event's stand-in on the CPU, where ops run in order; tests swap it in to drop one wait."""
-
+class InOrder:  # a CUDA stream or event's stand-in on the CPU, where ops run in order; tests swap it in to drop a wait
     def wait_event(self, event) -> None: ...  # nothing to wait for: the CPU runs every op in order
     def wait(self, stream=None) -> None: ...  # nothing to wait for
     def record(self, stream=None) -> None: ...  # nothing to record
@@ -273,17 +266,14 @@ def compute_stream(device: torch.device):  # The stream kernels run on now (the 
     return torch.cuda.current_stream(device) if device.type == "cuda" else InOrder()
 
 
-def new_event(device: torch.device, blocking: bool = False):
-    """A CUDA event (its stand-in on the CPU); blocking: a waiting host thread sleeps, leaving its core to the Adam."""
+def new_event(device: torch.device, blocking: bool = False):  # a CUDA event; blocking: a waiting thread sleeps
     return torch.cuda.Event(blocking=blocking) if device.type == "cuda" else InOrder()
 
 
 class HostBuffer(mmap.mmap):
-    """Zeroed host memory of exactly `nbytes` (torch's pinned allocator rounds up to a power of two), in 2 MiB pages
-    where the kernel allows, page-locked once pinned. It records no events: its tensors must outlive every copy."""
+    """Exactly `nbytes` of zeroed host memory (torch's pinned allocator rounds up); its tensors must outlive copies."""
 
-    def __new__(cls, nbytes: int):
-        # anonymous and private: zero-filled, page-aligned, and in huge pages where asked (shared memory gets none)
+    def __new__(cls, nbytes: int):  # anonymous, private: zero-filled, page-aligned, in huge pages where asked
         return super().__new__(cls, -1, nbytes, flags=mmap.MAP_PRIVATE)
 
     def __init__(self, nbytes: int):
@@ -330,11 +320,10 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 
 # ------------------------------------------------------------------------------------- blocked and overlapped offload
 # Each decoder layer's weights live in one flat pinned host buffer (ParamStore); a LayerStreamer copies them on a copy
-# stream into a ring of GPU slots just before they run. blocked is depth 0: one slot, each copy issued as its unit is
-# about to run, so S1 and S2 serialise copy and compute; overlapped (depth >= 1) copies depth units ahead into depth + 1
-# slots while the current one computes. Every synchronisation, the accelerations' too (S12-S16), each wait naming its
-# row. Streams: compute (the current one), copy (weights in), D2H (gradients out; blocked's is compute), gather
-# (several GPUs'); threads: main, autograd's (it runs the backward), the CPU Adam's worker.
+# stream into a ring of GPU slots. blocked is depth 0: one slot, each copy issued as its unit is about to run (S1 and S2
+# serialise copy and compute); overlapped copies depth units ahead into depth + 1 slots while the current one computes.
+# Every synchronisation (the accelerations' too, S12-S16), each wait naming its row. Streams: compute (the current one),
+# copy (weights in), D2H (gradients out; blocked's is compute), gather (several GPUs'); threads: main, autograd's, Adam.
 #   S1   copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on gather); waited on by acquire
 #        on compute. Slot s is not read before its unit landed.
 #   S2   freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s is not overwritten
@@ -363,9 +352,7 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 #   S16  the disk tier: settled, current, free, staged. A file is not read while its write-back runs, nor a slot reused.
 
 
-class OneProcess:
-    """A run's processes when it is one: rank 0 of 1 holds every unit whole, with nothing to gather, sum or wait for."""
-
+class OneProcess:  # a run's processes when it is one: rank 0 of 1 holds every unit whole, nothing to gather or wait for
     rank, world, local_rank, local_world = 0, 1, 0, 1
     several = False
 
@@ -388,6 +375,7 @@ class OneProcess:
 
 
 ONE_PROCESS = OneProcess()
+STAGING = 2**24  # elements: float32 masters cross PCIe in chunks this size, cast to the compute dtype on the GPU
 
 
 @dataclass(frozen=True)
@@ -400,8 +388,7 @@ class FlatLayout:
     numel: int
 
     @staticmethod
-    def of(module: nn.Module) -> FlatLayout:
-        """The layout of `module`'s parameters."""
+    def of(module: nn.Module) -> FlatLayout:  # the layout of `module`'s parameters
         params = dict(module.named_parameters())
         sizes = [-(-p.numel() // ALIGN) * ALIGN for p in params.values()]  # each rounded up to a multiple of ALIGN
         offsets = tuple(sum(sizes[:i]) for i in range(len(sizes)))
@@ -454,9 +441,7 @@ class ParamStore:
         return LayerStreamer(self.flats, kinds, make_module, self.dtype, device, depth)
 
 
-class ReadOnly:
-    """The writer of sources nothing rewrites (inference's weights; training's is Steppers): copies go at once."""
-
+class ReadOnly:  # the writer of sources nothing rewrites (inference's weights; training's: Steppers): copies go at once
     def wait_written(self, u: int) -> None: ...  # nothing to wait for
 
     def written(self, u: int) -> bool:  # always
@@ -465,9 +450,8 @@ class ReadOnly:
 
 @dataclass
 class CopyWindow:
-    """One pass's copies, in the order its streamed units run: a position enters once compute is within `depth` of it
-    and leaves once its copy is issued. A copy whose source is mid-update (the CPU Adam's) waits while the ready ones
-    behind it are issued; the window ends `depth` past the unit running, so each copy's slot is free (S2)."""
+    """One pass's copies in run order: a position enters once compute is within `depth` of it, leaves once issued; a
+    copy whose source is mid-update waits while ready ones behind it go, never past the window's end (its slot: S2)."""
 
     units: list[int]  # the streamed units, in the order the pass runs them
     position: dict[int, int]  # a streamed unit's index in `units`; a resident unit's, the next streamed unit's
@@ -475,8 +459,7 @@ class CopyWindow:
     waiting: list[int] = dataclasses.field(default_factory=list)  # entered, not issued: their sources were not written
 
     @classmethod
-    def over(cls, order: list[int], resident) -> CopyWindow:
-        """The window of a pass that runs `order`, of which the `resident` units are not copied."""
+    def over(cls, order: list[int], resident) -> CopyWindow:  # the window of a pass running `order`, `resident` aside
         units, position = [], {}
         for u in order:
             position[u] = len(units)
@@ -487,14 +470,11 @@ class CopyWindow:
     def restart(self) -> None:  # the pass starts again (inference repeats a pass): from the first position
         self.entered, self.waiting = 0, []
 
-    def enter_through(self, p: int) -> None:
-        """Positions up to p enter the window, in order."""
+    def take(self, p: int, written, need: int | None = None) -> list[int]:
+        """Positions up to p enter; those waiting to issue now: the written(u) ones in order, then `need` (to run)."""
         end = min(p + 1, len(self.units))
         self.waiting += range(self.entered, end)
         self.entered = max(self.entered, end)
-
-    def take(self, written, need: int | None = None) -> list[int]:
-        """The waiting positions to issue now: the written(u) ones in order, then `need` (about to run) even if not."""
         issue = [q for q in self.waiting if written(self.units[q])]
         if need in self.waiting and need not in issue:
             issue.append(need)
@@ -502,17 +482,12 @@ class CopyWindow:
         return issue
 
 
-STAGING = 2**24  # elements: float32 masters cross PCIe in chunks this size, cast to the compute dtype on the GPU
-
-
 class LayerStreamer:
-    """Streams units from flat host buffers through a ring of GPU slots taken in turn, the copy stream `depth` units
-    ahead of compute (0: blocked); resident units run from buffers of their own; float32 sources are cast on the GPU."""
+    """Streams units from flat host buffers through a ring of GPU slots, copies `depth` units ahead (0: blocked)."""
 
     def __init__(self, sources, kinds, make_module, dtype, device, depth: int, copy_stream=None, writer=None):
         self.sources = sources  # each unit's flat host buffer
-        self.kinds = kinds  # each unit's kind, which make_module(kind, buffer) builds a module of
-        self.make_module = make_module
+        self.kinds, self.make_module = kinds, make_module  # each unit's kind; make_module(kind, buffer) builds one
         self.dtype, self.device = dtype, device  # of the slots
         self.depth = depth  # units the copy stream runs ahead
         self.compute_stream = compute_stream(device)
@@ -528,11 +503,7 @@ class LayerStreamer:
         with torch.device("meta"):  # the modules own no memory: their parameters are views into the buffers
             self.resident = {u: self.make_module(self.kinds[u], flat) for u, flat in flats.items()}
         self.streamed = [u for u in range(len(self.sources)) if u not in self.resident]
-        self.build_ring(min(self.depth + 1, len(self.streamed)))
-        self.begin(range(len(self.sources)))
-
-    def build_ring(self, n_slots: int) -> None:
-        """The slots, each as large as the largest streamed unit, their modules and events; the staging buffer."""
+        n_slots = min(self.depth + 1, len(self.streamed))
         self.slot = {u: i % n_slots for i, u in enumerate(self.streamed)}  # the slots in turn (blocked: its one)
         numel = max((self.whole_numel(self.sources[u]) for u in self.streamed), default=0)
         self.buffers = [torch.empty(numel, dtype=self.dtype, device=self.device) for _ in range(n_slots)]
@@ -544,6 +515,7 @@ class LayerStreamer:
         self.copied = [new_event(self.device) for _ in range(n_slots)]
         self.freed = [new_event(self.device) for _ in range(n_slots)]
         self.holds = [None] * n_slots  # the unit last copied into each slot
+        self.begin(range(len(self.sources)))
 
     @property
     def n_slots(self) -> int:  # how many streamed units fit on the GPU at once
@@ -585,8 +557,7 @@ class LayerStreamer:
     def side_streams(self) -> tuple:  # the streams the copies run on
         return (self.copy_stream,)
 
-    def wait_copies(self, stream) -> None:
-        """`stream` waits for every copy queued so far."""
+    def wait_copies(self, stream) -> None:  # `stream` waits for every copy queued so far
         for side in self.side_streams():
             landed = new_event(self.device)
             landed.record(side)
@@ -618,10 +589,8 @@ class LayerStreamer:
         else:
             self.freed[self.slot[u]].record(self.compute_stream)  # S2: the slot's next copy waits for it
 
-    def issue_through(self, p: int, need: int | None = None) -> None:
-        """Issue the window's copies up to position p: the ready ones, then `need`, about to run (CopyWindow)."""
-        self.window.enter_through(p)
-        for q in self.window.take(self.written, need):
+    def issue_through(self, p: int, need: int | None = None) -> None:  # the window's copies up to p (CopyWindow.take)
+        for q in self.window.take(p, self.written, need):
             self.prefetch(q)
 
     def written(self, u: int) -> bool:  # whether unit u's copy may be issued now: the writer's say
@@ -631,8 +600,7 @@ class LayerStreamer:
 def layer_streamer(store: ParamStore, config: LlamaConfig, device: torch.device, depth: int, resident=()):
     """Inference's streamer of the decoder layers, the `resident` ones copied to the GPU once (one process only)."""
 
-    def make_module(kind, buffer):
-        """A decoder layer, its weights views into `buffer` (a slot's, or a resident layer's own)."""
+    def make_module(kind, buffer):  # a decoder layer, its weights views into `buffer` (a slot's or its own)
         return store.layout.bind(LlamaDecoderLayer(config, layer_idx=0), buffer).eval()
 
     streamer = store.streamer(["layer"] * len(store.flats), make_module, device, depth)
@@ -648,8 +616,7 @@ class StreamedLayer(nn.Module):
         super().__init__()
         self.index, self.strategy, self.layer = index, strategy, layer
 
-    def forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
-        """Run unit `index` from the slot that holds it, then free the slot for the next copy."""
+    def forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:  # run unit `index` from its slot
         module = self.strategy.acquire(self.index)
         if self.layer is not None:
             module.self_attn.layer_idx = self.layer
@@ -670,8 +637,7 @@ def offloaded_model(model: LlamaForCausalLM, strategy, device: torch.device) -> 
     return shell.train(model.training)
 
 
-def mode_depth(mode: str, prefetch: int) -> int:
-    """Units the copy stream runs ahead: blocked 0, overlapped --prefetch; the two run the same code."""
+def mode_depth(mode: str, prefetch: int) -> int:  # units the copy stream runs ahead: blocked 0, overlapped --prefetch
     return prefetch if mode == "overlapped" else 0
 
 
@@ -687,9 +653,7 @@ def infer_offloaded(model: LlamaForCausalLM, store: ParamStore, device, depth: i
 
 
 @dataclass(frozen=True)
-class Unit:
-    """A piece of the model streamed whole in training: the embeddings, a decoder layer, the norm or the head."""
-
+class Unit:  # a piece of the model streamed whole in training: the embeddings, a decoder layer, the norm or the head
     name: str  # its module's name in the HF model, so master weights map back to HF parameter names
     kind: str  # embed, layer, norm or head
     layout: FlatLayout
@@ -706,8 +670,7 @@ def unit_module(kind: str, config: LlamaConfig) -> nn.Module:
     return nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
 
-def model_units(config: LlamaConfig) -> list[Unit]:
-    """The units in forward order: embeddings, decoder layers, final norm, head."""
+def model_units(config: LlamaConfig) -> list[Unit]:  # the units in forward order: embeddings, layers, norm, head
     return list(units_of(config.to_json_string()))
 
 
@@ -727,9 +690,7 @@ def decoder_kwargs(model: LlamaForCausalLM, shape: tuple[int, int], dtype: torch
     """What HF's forward passes its decoder layers beside the hidden states (rotary tables, mask, positions)."""
     captured = {}
 
-    class Recorder(nn.Module):
-        """A decoder layer that keeps the keyword arguments HF passes it and returns its input."""
-
+    class Recorder(nn.Module):  # a decoder layer that keeps the keyword arguments HF passes it, returns its input
         def forward(self, hidden_states, **kwargs):  # record the kwargs, pass the hidden states through
             captured.update(kwargs)
             return hidden_states
@@ -753,9 +714,8 @@ def objective(loss: torch.Tensor, micro_batches: int, scale: float) -> torch.Ten
 
 
 class StreamedUnit(torch.autograd.Function):
-    """One unit over every micro-batch: forward streams it in and keeps only its inputs; backward streams it in again
-    (unless still in its slot), recomputes, back-propagates and sends its gradients to be stepped. `anchor` requires
-    grad, so autograd calls backward for the embeddings too. Autograd runs backward on its own thread."""
+    """One unit over every micro-batch: forward streams it in, keeping only its inputs; backward (on autograd's thread)
+    recomputes it and sends its gradients to be stepped. `anchor` requires grad: the embeddings get a backward too."""
 
     @staticmethod
     def forward(ctx, trainer: OffloadedTraining, u: int, anchor: torch.Tensor, *xs: torch.Tensor):
@@ -782,21 +742,18 @@ class StreamedUnit(torch.autograd.Function):
 
 
 class OffloadedTraining:
-    """blocked and overlapped training: each unit streamed in for its forward and again for its backward, its gradients
-    sent to the host and stepped there. blocked (depth 0) overlaps nothing: one slot, gradients out on the compute
-    stream, Adam after the backward. Policies: `steppers`, `inputs`, `scaling`, `clip` (replaced beyond the line)."""
+    """blocked and overlapped training: each unit streamed in for its forward and its backward, its gradients stepped on
+    the host; blocked (depth 0) overlaps nothing. Policies `steppers`, `inputs`, `scaling`, `clip` are set beyond."""
 
     def __init__(self, store: OffloadedAdam, config, dtype, device, depth: int, loss_function, kwargs):
         self.store = store
-        self.units = store.units
-        self.ranks = store.ranks
+        self.units, self.ranks = store.units, store.ranks
         self.dtype, self.device = dtype, device  # where the units compute
         self.loss_function, self.kwargs = loss_function, kwargs  # for the head and the decoder layers
         self.vocab_size, self.hidden_size = config.vocab_size, config.hidden_size
         layouts = {unit.kind: unit.layout for unit in self.units}
 
-        def make_module(kind, buffer):
-            """A slot's module of this kind, its trainable weights views into the slot's buffer."""
+        def make_module(kind, buffer):  # a slot's module of this kind, its trainable weights views into the buffer
             return layouts[kind].bind(unit_module(kind, config), buffer, trainable=True).eval()
 
         self.blocked = depth == 0
@@ -841,8 +798,7 @@ class OffloadedTraining:
         return list(self.units[u].layout.views(self.steppers.grads(u)).values())
 
     @property
-    def holds_updates(self) -> bool:
-        """Whether a unit steps only once every unit's gradients are in: blocked, float16's loss scale, clipping."""
+    def holds_updates(self) -> bool:  # whether units step only once all gradients are in: blocked, loss scale, clipping
         return self.blocked or self.scaling.holds_updates or self.clip.holds_updates
 
     def send(self, u: int, views: list[torch.Tensor]) -> None:
@@ -864,8 +820,7 @@ class OffloadedTraining:
             self.wait_updates()  # the last step's updates, which may still run, keep the old ones
             self.store.update.adam = self.store.hyper_parameters()
         n = len(self.units)
-        self.labels = micro_batches
-        self.sent = []
+        self.labels, self.sent = micro_batches, []
         self.streamer.begin(range(n))
         losses = StreamedUnit.apply(self, 0, self.anchor, *micro_batches)
         for u in range(1, n):
@@ -901,15 +856,13 @@ class OffloadedTraining:
 
 
 def unit_backward(trainer: OffloadedTraining, u: int, module: nn.Module, xs, grad_outs, views) -> list:
-    """Unit u's recompute and backward over every micro-batch; returns the inputs' gradients. The parameters' are summed
-    into `views` in micro-batch order, as gpu mode sums them, each freed before the next recompute; micro-batch 0's
-    are written with 1's (the same sum), as that write waits for the last unit's gradients to leave (S8)."""
+    """Unit u's recompute and backward over the micro-batches, gradients summed into `views`; returns the inputs'."""
     grads_in, first = [], None
     for k, (x, grad_out) in enumerate(zip(xs, grad_outs, strict=True)):
         grad_in, grads = trainer.unit_grads(u, module, x, k, grad_out)
         grads_in.append(grad_in)
         if k == 0 and len(xs) > 1:
-            first = grads  # written with the second micro-batch's
+            first = grads  # written with micro-batch 1's, as gpu mode sums them: that first write waits on S8
             continue
         if k <= 1:  # the buffer's first write: micro-batch 0's gradients
             trainer.steppers.wait_to_write(u, trainer.streamer.compute_stream)
@@ -930,9 +883,7 @@ def mean_loss(losses, ranks: OneProcess = ONE_PROCESS) -> torch.Tensor:  # the l
     return ranks.sum(sum(loss.detach() for loss in losses)) / (len(losses) * ranks.world)
 
 
-class KeptInputs:
-    """The plain path's saved inputs: on the GPU until the unit's backward."""
-
+class KeptInputs:  # the plain path's saved inputs: on the GPU until the unit's backward
     def save(self, ctx, u: int, xs) -> None:  # keep unit u's inputs for its backward
         ctx.save_for_backward(*xs)
 
@@ -944,9 +895,7 @@ class KeptInputs:
     def backward_begins(self, n_units: int) -> None: ...  # nothing to bring back
 
 
-class Unscaled:
-    """The plain path's loss scale and clipping: none, so each unit steps as its gradients land."""
-
+class Unscaled:  # the plain path's loss scale and clipping: none, so each unit steps as its gradients land
     scale = 1.0
     holds_updates = False
     grad_norms = ()  # none taken
@@ -967,16 +916,13 @@ class Unscaled:
 
 
 @dataclass(frozen=True)
-class Adam:
-    """torch.optim.Adam's hyper-parameters, with its meaning (L2 weight decay added to the gradient)."""
-
+class Adam:  # torch.optim.Adam's hyper-parameters, with its meaning (L2 weight decay added to the gradient)
     lr: float = 1e-4
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
 
-    def optimizer(self, params: list[torch.Tensor]) -> torch.optim.Adam:
-        """torch.optim.Adam over `params` with these hyper-parameters, fused (on the CPU, far faster than plain)."""
+    def optimizer(self, params: list[torch.Tensor]) -> torch.optim.Adam:  # torch's over `params`, fused: far faster
         return torch.optim.Adam(params, self.lr, self.betas, self.eps, self.weight_decay, fused=True)
 
 
@@ -1018,9 +964,8 @@ class AdamUpdate:
 
 
 class OffloadedAdam(torch.optim.Optimizer):
-    """torch.optim.Adam with its state on the host: each unit's float32 master, gradients and two moments are flat host
-    buffers, and step_unit(u) steps one unit there with torch's fused kernel, then rewrites the compute-dtype copy the
-    GPU streams. Policies: `moments` (HostMoments) and `update` (AdamUpdate), replaced beyond the line."""
+    """torch.optim.Adam with each unit's float32 master, gradients and moments in flat host buffers; step_unit(u) steps
+    one unit and rewrites the copy the GPU streams. Policies `moments` (HostMoments), `update` (AdamUpdate)."""
 
     def __init__(
         self,
@@ -1054,27 +999,23 @@ class OffloadedAdam(torch.optim.Optimizer):
             self.state[master]["step"] = step  # the moments: moments_of(u)
 
     @property
-    def weights(self) -> list[torch.Tensor]:
-        """What the GPU streams: the compute-dtype copies, or the float32 masters where there are none."""
+    def weights(self) -> list[torch.Tensor]:  # what the GPU streams: the compute-dtype copies, else the float32 masters
         return self.copies or self.masters
 
     @property
     def moments(self) -> list:  # each unit's moments in host memory, None where the disk tier keeps them
         return self.adam_moments.buffers
 
-    def take_grads(self, u: int) -> torch.Tensor:
-        """A pinned buffer for unit u's gradients, which its Adam step will read (waits while the pool is empty)."""
+    def take_grads(self, u: int) -> torch.Tensor:  # a pinned buffer for unit u's gradients; waits for a free one
         self.grads[u] = self.pool.take(u)[: self.masters[u].numel()]
         return self.grads[u]
 
-    def hyper_parameters(self) -> Adam:
-        """Adam's settings as param_groups holds them now: an LR scheduler, or the user, may have changed them."""
+    def hyper_parameters(self) -> Adam:  # Adam's settings in param_groups now (an LR scheduler's, or the user's)
         group = self.param_groups[0]
         return Adam(group["lr"], tuple(group["betas"]), group["eps"], group["weight_decay"])
 
     @torch.no_grad()
-    def step(self, closure=None) -> None:
-        """Step every unit on its gradients in host memory, as torch.optim.Adam.step steps every parameter."""
+    def step(self, closure=None) -> None:  # every unit on its host gradients, as torch.optim.Adam.step steps all
         self.update.adam = self.hyper_parameters()
         for u in range(len(self.units)):
             self.step_unit(u)
@@ -1099,20 +1040,13 @@ class OffloadedAdam(torch.optim.Optimizer):
                 self.pool.give(self.grads[u])
                 self.grads[u] = None
 
-    def ready(self, u: int) -> bool:  # whether unit u's step can run without waiting for its moments (the disk's)
-        return self.adam_moments.ready(u)
-
     def moments_of(self, u: int) -> tuple[torch.Tensor, torch.Tensor]:  # unit u's moments after its updates
         return self.adam_moments.read(u)
-
-    def flush(self) -> None:  # the moments' write-backs landed (the disk tier's)
-        self.adam_moments.flush()
 
     def close(self) -> None:  # free what the moments hold beside host memory (the disk tier's files)
         self.adam_moments.close()
 
-    def zero_moments(self, units) -> None:
-        """Start the moments of those of `units` not started since load at zero, as torch.optim.Adam creates them."""
+    def zero_moments(self, units) -> None:  # zero the moments of `units` not started since load, as torch's Adam would
         starting = self.unstarted.intersection(units)
         self.adam_moments.zero(starting)
         self.unstarted -= starting
@@ -1138,9 +1072,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         }
 
 
-class GradientPool:
-    """The pinned buffers gradients land in: one a unit (`dedicated`), or `count` shared ones the backward waits for."""
-
+class GradientPool:  # the pinned buffers gradients land in: one a unit (`dedicated`), or `count` shared, waited for
     def __init__(self, numels: list[int], count: int, pin: bool, dtype: torch.dtype):
         self.dedicated = count >= len(numels)
         sizes = numels if self.dedicated else [max(numels)] * count
@@ -1150,8 +1082,7 @@ class GradientPool:
             self.free.put(buffer)
         self.waited_s = 0.0
 
-    def take(self, u: int) -> torch.Tensor:
-        """Unit u's own buffer, or the next shared one that is free."""
+    def take(self, u: int) -> torch.Tensor:  # unit u's own buffer, or the next shared one that is free
         if self.dedicated:
             return self.buffers[u]
         start = time.perf_counter()
@@ -1163,9 +1094,7 @@ class GradientPool:
         self.free.put(next(b for b in self.buffers if b.data_ptr() == grads.data_ptr()))
 
 
-class HostMoments:
-    """The plain path's Adam moments: two float32 host buffers a unit, zeroed before the unit's first step."""
-
+class HostMoments:  # the plain path's Adam moments: two float32 host buffers a unit, zeroed before its first step
     disk = None  # no disk tier
 
     def __init__(self, numels: list[int], elsewhere=frozenset()):
@@ -1183,8 +1112,7 @@ class HostMoments:
     def ready(self, u: int) -> bool:  # always: they are in memory
         return True
 
-    def read(self, u: int) -> tuple[torch.Tensor, torch.Tensor]:  # unit u's moments after its updates, in place
-        return self.buffers[u]
+    read = stage  # unit u's moments after its updates: in place
 
     def zero(self, units) -> None:  # zero the moments of `units` for their first step (a first touch maps the pages)
         touch_pages([(m.data_ptr(), m.nbytes) for u in units for m in self.buffers[u]])
@@ -1199,9 +1127,7 @@ class HostMoments:
     def close(self) -> None: ...  # nothing to free
 
 
-class HostState:
-    """A stepper of streamed units (CpuAdam, StreamedAdam): gradients in Steppers' buffer, state on the host."""
-
+class HostState:  # a stepper of streamed units (CpuAdam, StreamedAdam): gradients in Steppers' buffer, state on host
     holds_grads = False  # the units' gradients accumulate in the gradient buffer of Steppers
     shares_buffer = True  # and so wait for the last gradients sent to leave it
 
@@ -1216,8 +1142,7 @@ class HostState:
 
 
 class CpuAdam(HostState):
-    """The plain path's stepper: a unit's gradients leave on the D2H stream for pinned memory, and a worker thread steps
-    the landed units (OffloadedAdam.step_unit), the lowest first: the next forward needs it first."""
+    """The plain path's stepper: gradients leave on D2H for pinned memory; a worker steps landed units, lowest first."""
 
     def __init__(self, store: OffloadedAdam, device: torch.device, d2h_stream):
         super().__init__(store)
@@ -1237,11 +1162,10 @@ class CpuAdam(HostState):
     def send(self, u: int, grads: torch.Tensor, ready):
         """Copy the gradients to the host once `ready`; returns the event after which their memory may be reused."""
         host = self.store.take_grads(u)
-        stream = self.d2h_stream
-        with on_stream(stream):
-            stream.wait_event(ready)  # S5 (S6): the unit's backward must have written all its gradients
+        with on_stream(self.d2h_stream):
+            self.d2h_stream.wait_event(ready)  # S5 (S6): the unit's backward must have written all its gradients
             host.copy_(grads, non_blocking=True)
-            self.landed[u].record(stream)  # S7
+            self.landed[u].record(self.d2h_stream)  # S7
         return self.landed[u]
 
     def update(self, u: int, multiplier: float) -> None:
@@ -1268,7 +1192,7 @@ class CpuAdam(HostState):
             done.wait()  # S4
         if self.error:
             raise self.error
-        self.store.flush()
+        self.store.adam_moments.flush()
 
     def close(self) -> None:
         """Finish every update, then stop the worker, also after its error, which it re-raises; once."""
@@ -1288,15 +1212,15 @@ class CpuAdam(HostState):
             if self.pending[0] is None:
                 return None
             # the lowest of the units whose gradients landed and whose moments are in memory; else the oldest job
-            landed = [job for job in self.pending if job is not None and job[1].query() and self.store.ready(job[0])]
+            ready = self.store.adam_moments.ready
+            landed = [job for job in self.pending if job is not None and job[1].query() and ready(job[0])]
             job = min(landed, key=lambda job: job[0]) if landed else self.pending[0]
             self.pending.remove(job)
             return job
 
     def work(self) -> None:
         """The worker thread: step each unit as its job comes, and mark it done."""
-        # Adam's v goes denormal as the loss falls, slow on x86: flush to zero (sqrt(v) is then far below eps anyway)
-        torch.set_flush_denormal(True)
+        torch.set_flush_denormal(True)  # Adam's v goes denormal as the loss falls, slow on x86; sqrt(v) << eps anyway
         while (job := self.next_job()) is not None:
             u, landed, multiplier = job
             try:
@@ -1310,9 +1234,8 @@ class CpuAdam(HostState):
 
 
 class Steppers:
-    """Each unit's stepper (CpuAdam, but those the GPU's Adam takes) and the GPU buffer gradients sum in, a unit at a
-    time; the streamer's writer. A gradient's path: compute writes it (after S8), records ready (S5); D2H copies it
-    out, records landed (S7); the worker steps the unit, sets done (S4); the unit's next copy waits for done."""
+    """Each unit's stepper (CpuAdam, or the GPU's Adam) and the GPU buffer gradients sum in; the streamer's writer. A
+    gradient: written (after S8), ready (S5), copied out, landed (S7), stepped, done (S4); then the unit's next copy."""
 
     def __init__(self, store: OffloadedAdam, dtype: torch.dtype, device: torch.device, d2h_stream):
         self.store, self.dtype, self.device = store, dtype, device
@@ -1367,8 +1290,7 @@ class Steppers:
 
 
 class ResidentTraining:
-    """gpu and cpu modes, the reference: the plain HF model and torch.optim.Adam on float32 masters on `device`;
-    recompute: each decoder layer recomputed in its backward (HF's checkpointing), as the offloaded modes do."""
+    """gpu and cpu modes: the plain model, torch.optim.Adam on float32 masters; recompute: HF's layer checkpointing."""
 
     def __init__(self, model, device, adam: Adam, clip=None, scaling=None, recompute: bool = False):
         self.model = copy.deepcopy(model).to(device)
@@ -1411,8 +1333,7 @@ class ResidentTraining:
 
     def wait_updates(self) -> None: ...  # each step is done when step() returns
 
-    def state_dict(self, tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Copies of `tensors` (masters or their gradients) on the CPU under HF parameter names."""
+    def state_dict(self, tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:  # CPU copies of `tensors` by HF name
         return {name: t.detach().to("cpu", copy=True) for name, t in zip(self.names, tensors, strict=True)}
 
 
@@ -1440,16 +1361,13 @@ def cell(field: str, spec: str = "", of=lambda value: value):
     return text
 
 
-def losses_cell(r: dict) -> str:  # training's first and last loss
-    return f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}"
-
-
 PEAK_GPU = ("peak GPU (GiB)", lambda r: gib(r.get("peak_gpu_bytes")) or "0 (runs on the CPU)")  # the tables' columns
 PEAK_HOST = ("peak host RSS (GiB)", lambda r: gib(r.get("peak_host_bytes")))
 TIME, STEP = ("time (ms)", cell("time_ms", ".1f")), ("step (ms)", cell("time_ms", ".1f"))
 LOGITS = ("logits == gpu:", cell("equal_to_gpu"))
-CHECKS = [("loss first -> last:", losses_cell), ("grads == gpu:", cell("grads_equal_to_gpu"))]
-CHECKS += [("step-1 masters ~ gpu:", cell("masters_close_to_gpu"))]
+CHECKS = [("loss first -> last:", lambda r: f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}")]
+CHECKS += [("grads == gpu:", cell("grads_equal_to_gpu")), ("step-1 masters ~ gpu:", cell("masters_close_to_gpu"))]
+
 TABLES = {  # part: its tables as (title, columns), a column (header, cell of a mode's result); "x:" is centred
     "inference": [
         ("Table 1: peak GPU memory, inference", [PEAK_GPU]),
@@ -1481,9 +1399,8 @@ def markdown(title: str, columns: list[tuple[str, str]], rows: list[tuple[str, d
 
 def tables(results: dict, run: Config, layout: dict = TABLES, model: str | None = None) -> str:
     """Table 1 (memory) and Table 2 (time) of inference, then of training, a row a mode (results[mode][part])."""
-    tokens = f"{run.batch_size}x{run.seq_len} = {run.tokens} tokens"
     what = {
-        "inference": f"{model or run.preset}, {run.dtype}, {tokens}",
+        "inference": f"{model or run.preset}, {run.dtype}, {run.batch_size}x{run.seq_len} = {run.tokens} tokens",
         "training": f"{run.dtype}, {run.grad_accum}x{run.batch_size}x{run.seq_len} tokens per step, Adam",
     }
     labels = dict(MODE_NAMES, overlapped=f"{MODE_NAMES['overlapped']} (prefetch {run.prefetch})")
@@ -1515,19 +1432,15 @@ def without_isa_probes():
     probes = ("_is_avx512_bf16_supported", "_is_vnni_supported")  # torch.cpu's private probes (torch 2.11 to 2.13)
     saved = {name: getattr(torch.cpu, name) for name in probes if hasattr(torch.cpu, name)}
     try:
-        for name in saved:
-            setattr(torch.cpu, name, lambda: False)
+        vars(torch.cpu).update(dict.fromkeys(saved, lambda: False))
         yield
     finally:
-        for name, probe in saved.items():
-            setattr(torch.cpu, name, probe)
+        vars(torch.cpu).update(saved)
 
 
 def adam_update(master, grads, exp_avg, exp_avg_sq, copy, scalars, scaled: bool = False) -> None:
     """torch.optim.Adam's step of one unit, for torch.compile to fuse into one pass over memory (`copy`: rounded)."""
-    grads = grads.float()
-    if scaled:
-        grads = grads * scalars[7]
+    grads = grads.float() * scalars[7] if scaled else grads.float()
     grads = grads + master * scalars[6]
     exp_avg_new = exp_avg + (grads - exp_avg) * scalars[0]  # exp_avg.lerp_(grads, 1 - beta1)
     exp_avg_sq_new = exp_avg_sq * scalars[1] + scalars[2] * grads * grads
@@ -1550,8 +1463,7 @@ def adam_scalars(adam: Adam, step: int, multiplier: float = 1.0) -> torch.Tensor
 def compiled_adam_update(grad_dtype: torch.dtype, copy_dtype: torch.dtype | None, scaled: bool = False):
     """adam_update built by inductor's C++ backend and run once, so no timed step compiles it; None if it cannot be."""
     n = 2**24  # inductor builds a serial loop for a size that looks small, and reuses it for any size
-    # cpp_wrapper: the kernel runs without the GIL, so the main thread drives the GPU meanwhile. cpp.threads: a core
-    # left to the main thread, as a static OpenMP loop runs at its slowest thread's pace. vec_isa_ok: no ISA probe
+    # cpp_wrapper: no GIL; cpp.threads: a static OpenMP loop runs at its slowest thread's pace; vec_isa_ok: no ISA probe
     threads = max(1, torch.get_num_threads() - ADAM_SPARE_CORES)
     options = {"cpp_wrapper": True, "cpp.threads": threads, "cpp.vec_isa_ok": True, "compile_threads": 1}
     t0 = time.perf_counter()
@@ -1595,8 +1507,7 @@ class CompiledAdamUpdate(AdamUpdate):
         28 in a run's default (bfloat16 gradients of one micro-batch, a bfloat16 copy), 30 in float32's sums."""
         if self.compiled is None:
             return super().bytes_per_param
-        copy = self.copy_dtype.itemsize if self.copy_dtype else 0
-        return 24 + self.grad_dtype.itemsize + copy
+        return 24 + self.grad_dtype.itemsize + (self.copy_dtype.itemsize if self.copy_dtype else 0)
 
     @torch.no_grad()
     def __call__(self, master, grads, exp_avg, exp_avg_sq, copy, step: torch.Tensor, multiplier: float = 1.0) -> None:
@@ -1902,11 +1813,8 @@ class LossScale:
         overflow = bool(self.ranks.sum(self.found_inf).item())
         self.found_inf.zero_()
         self.good_steps = 0 if overflow else self.good_steps + 1
-        if overflow:
-            self.scale /= 2
-        elif self.good_steps == 2000:  # 2000 good steps in a row double the scale
-            self.scale *= 2
-            self.good_steps = 0
+        if overflow or self.good_steps == 2000:  # an overflow halves the scale, 2000 good steps in a row double it
+            self.scale, self.good_steps = self.scale * (0.5 if overflow else 2), 0
         return not overflow
 
 
@@ -1935,19 +1843,16 @@ class GradClip:
         several = self.ranks.several
         grads = pieces(self.units[u].layout, sent, self.ranks.rank * sent.numel()) if several else views
         with on_stream(stream if several else None):
-            if not grads:  # a rank's shard of padding alone
-                self.norms[u] = []
-            elif grads[0].dtype == torch.float32:
+            if grads and grads[0].dtype == torch.float32:
                 self.norms[u] = torch._foreach_norm(grads, 2.0)  # clip_grad_norm_'s own (private: torch 2.11 to 2.13)
-            else:  # 16-bit gradients, summed in float32 without a float32 copy of the unit
+            else:  # 16-bit gradients, summed in float32 without a float32 copy of the unit (none: a shard of padding)
                 self.norms[u] = [torch.linalg.vector_norm(g, 2.0, dtype=torch.float32) for g in grads]
             self.taken.record()
 
     def multiplier(self) -> float:
         """This step's coefficient, once the backward is done (a sync): the norm of the norms, in parameter order."""
         self.taken.wait()  # S15: the current stream waits for the last norm, taken on the D2H stream with several ranks
-        norms = [norm for u in sorted(self.norms) for norm in self.norms[u]]
-        self.norms = {}
+        norms, self.norms = [norm for u in sorted(self.norms) for norm in self.norms[u]], {}
         total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
         if self.ranks.several:
             total = self.ranks.sum(total.square()).sqrt()
@@ -3468,8 +3373,7 @@ RESIDENT_SCRATCH = 2**24  # elements: the bound times the resident units' Adam o
 DENSE_PEAK_FLOPS = {"H100 80GB HBM3": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H200": 989e12, "A100": 312e12}
 
 
-def bound_parts_of(trainer, micro_batches, device: torch.device):
-    """For offloaded training on the GPU, a function making the bound's parts to time (train_bound_parts); else None."""
+def bound_parts_of(trainer, micro_batches, device: torch.device):  # offloaded GPU training's bound parts maker
     if isinstance(trainer, OffloadedTraining) and device.type == "cuda":
         return lambda: train_bound_parts(trainer, micro_batches, device)
     return None
@@ -3478,22 +3382,20 @@ def bound_parts_of(trainer, micro_batches, device: torch.device):
 def time_round(fns: dict, parts: dict[str, list[float]], ranks: Ranks) -> None:
     """Time each of `fns` (name -> (device, fn)) once, alone, into `parts`, the GPU compute parts first."""
     check_same(ranks, list(fns), "the bound's parts")
-    compute = [name for name, (_, fn) in fns.items() if isinstance(fn, Compute)]
+    compute = {name: part for name, part in fns.items() if isinstance(part[1], Compute)}
     end = time.perf_counter() + SETTLE_S  # they run untimed, in turn, till then: a loaded GPU's clocks settle lower
     while compute and time.perf_counter() < end:
-        for device, fn in (fns[name] for name in compute):
+        for device, fn in compute.values():
             fn()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # one part at a time queued, so the loop ends near SETTLE_S
     try:
-        for name in [*compute, *(name for name in fns if name not in compute)]:
-            device, fn = fns[name]
+        for name, (device, fn) in (compute | fns).items():  # the compute parts first
             ranks.meet()  # every rank starts each part together: as in a step, they share the host's memory
             parts[name].append(timed(fn, device)[0])
     finally:  # the parts timed on the training's own state put it back
-        for _, fn in fns.values():
-            if isinstance(fn, AdamInPlace):
-                fn.restore()
+        for fn in [fn for _, fn in fns.values() if isinstance(fn, AdamInPlace)]:
+            fn.restore()
 
 
 class Compute(functools.partial):
@@ -3514,15 +3416,13 @@ class StepClock:
         self.peaks = {"peak_host_bytes": None}  # and on the GPU peak_gpu_bytes
         self.resume()
 
-    def resume(self, after_round: bool = False) -> None:
-        """Start timing the next step now; after a round, what the round held does not count in the peaks."""
+    def resume(self, after_round: bool = False) -> None:  # time the next step from now; after a round, new peaks
         if after_round:
             reset_peak_memory(self.device)
             self.paused_s += time.perf_counter() - self.paused_at
         self.start, self.busy_s = time.perf_counter(), self.adam and self.adam.busy_s
 
-    def pause(self, i: int) -> None:
-        """A round before step i: every update done first, so each part runs alone; step i is not timed."""
+    def pause(self, i: int) -> None:  # a round before step i: every update done first, so each part runs alone
         self.paused_at = time.perf_counter()
         if self.adam:
             self.trainer.wait_updates()
@@ -3547,18 +3447,14 @@ class StepClock:
             line += f", CPU Adam busy {self.busy[-1]:.0f} ms"
         rate = self.tokens / statistics.median(self.times[-10:]) * 1e3
         left = duration_text((self.steps - i - 1) * self.tokens / rate)
-        line += f"; {self.seen + (i + 1) * self.tokens:,} tokens seen, {rate:,.0f} tokens/s, {left} left"
-        log(line)
+        log(f"{line}; {self.seen + (i + 1) * self.tokens:,} tokens seen, {rate:,.0f} tokens/s, {left} left")
 
-    def result(self, warmup: int) -> dict:
-        """The median step after the warm-up, the steps timed, the peaks."""
+    def result(self, warmup: int) -> dict:  # the median step after the warm-up, the steps timed, the peaks
         self.note_peaks()
         timed = [i for i in range(warmup, len(self.times)) if i not in self.untimed] or list(range(len(self.times)))
         result = {"time_ms": statistics.median(self.times[i] for i in timed), "step_ms": self.times}
-        result |= {"timed_steps": timed} | self.peaks
-        if self.adam:
-            result["cpu_adam_busy_ms"] = self.busy
-        return result
+        busy = {"cpu_adam_busy_ms": self.busy} if self.adam else {}
+        return result | {"timed_steps": timed} | self.peaks | busy
 
 
 def bound_rounds(run: RunConfig) -> list[int]:
@@ -3588,8 +3484,7 @@ def interleaved_ms(fns: dict, warmup: int, repeat: int) -> tuple[dict[str, list[
     return times, out
 
 
-def reset_peak_memory(device: torch.device) -> None:
-    """Start a new peak of GPU memory and of the host's resident set (the process's peak so far is kept)."""
+def reset_peak_memory(device: torch.device) -> None:  # start new GPU and host peaks (the process's peak is kept)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     RESET_HOST_PEAKS.append(peak_host_rss() or 0)
@@ -3615,12 +3510,9 @@ def pipeline_bound_ms(streamed: list[bool], copy_ms: float, compute_ms: float, r
     n = len(streamed)
     if depth == 0:  # blocked: each copy before its layer
         return resident_ms + sum(streamed) * copy_ms + n * compute_ms
-    longest, copies = n * compute_ms, 0  # overlapped: all the compute, or the copies to a streamed layer and the rest
-    for i, s in enumerate(streamed):
-        copies += s
-        if s:
-            longest = max(longest, copies * copy_ms + (n - i) * compute_ms)
-    return resident_ms + longest
+    # overlapped: all the compute, or the copies up to a streamed layer i and the compute from it on
+    ends = [c * copy_ms + (n - i) * compute_ms for i, c in enumerate(itertools.accumulate(streamed)) if streamed[i]]
+    return resident_ms + max([n * compute_ms, *ends])
 
 
 def inference_parts(shell, streamer: LayerStreamer, input_ids) -> dict:
@@ -3683,10 +3575,8 @@ def activation_bytes(config: LlamaConfig, dtype: torch.dtype, tokens: int, at_le
     """A forward pass's largest activations; at_least: what it cannot do without (the MLP's peak, or the logits)."""
     b, h, i, v = dtype.itemsize, config.hidden_size, config.intermediate_size, config.vocab_size
     head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
-    # a layer peaks in its MLP: layer input, residual, attention sum, normed input; act(gate(x)), up(x), their product
-    layer_act = tokens * b * (4 * h + 3 * i)
-    # the head, counted together though not all coexist: hidden state, normed, float32 norm temporaries, logits
-    head_act = tokens * (2 * b * h + 2 * 4 * h + b * v)
+    layer_act = tokens * b * (4 * h + 3 * i)  # in the MLP: x, residual, attention sum, normed; act(gate), up, product
+    head_act = tokens * (2 * b * h + 2 * 4 * h + b * v)  # hidden, normed, float32 norm temps, logits (not all coexist)
     if at_least:
         return max(layer_act, tokens * b * v)
     rotary_and_ids = tokens * (2 * head_dim * b + 2 * 8)  # cos and sin, token ids and position ids (int64)
@@ -3700,8 +3590,7 @@ def training_figures(trainer, result: dict) -> dict:
     pool = trainer.store.pool
     figures = {"gradient_pool": {"buffers": len(pool.buffers), "per_unit": pool.dedicated}}
     figures["gradient_pool"]["waited_ms"] = pool.waited_s * 1e3
-    disk = trainer.store.adam_moments.disk
-    if disk:
+    if disk := trainer.store.adam_moments.disk:
         tier = {"units": len(disk.units), "bytes": disk_step_bytes(disk), "direct_io": disk.files.direct}
         figures["disk_tier"] = tier | disk.files.rates | {"waited_ms": disk.waited_s * 1e3}
     if "bound_parts_ms" in result:
@@ -3711,14 +3600,17 @@ def training_figures(trainer, result: dict) -> dict:
 
 
 def step_rates(run: RunConfig, config: LlamaConfig, mode: str, result: dict) -> dict:
-    """A GPU mode's model TFLOPS a GPU, executed TFLOPS (step_flops) and their share of DENSE_PEAK_FLOPS in 16 bits."""
+    """A GPU mode's model TFLOPS a GPU, executed TFLOPS and their share of DENSE_PEAK_FLOPS in 16 bits."""
     if mode == "cpu" or not result.get("time_ms"):
         return {}
     seconds = result["time_ms"] / 1e3
     tokens = result["tokens_per_step"] // run.ranks.world  # a GPU's
     passes = 3 if mode == "gpu" else 4  # the offloaded modes recompute each forward
+    # executed, in each pass: 2 FLOPs a token for each matmul parameter, and causal attention's
+    matmul_params = param_count(config) - (0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size)
+    attention = 2 * config.num_hidden_layers * tokens * run.seq_len * config.hidden_size
     rates = {"model_tflops": 6 * param_count(config) * tokens / seconds / 1e12}
-    rates["executed_tflops"] = step_flops(config, tokens, run.seq_len, passes) / seconds / 1e12
+    rates["executed_tflops"] = passes * (2 * matmul_params * tokens + attention) / seconds / 1e12
     peak = dense_peak_flops()
     if peak and run.torch_dtype != torch.float32:
         rates["executed_share_of_peak"] = rates["executed_tflops"] * 1e12 / peak
@@ -3728,13 +3620,6 @@ def step_rates(run: RunConfig, config: LlamaConfig, mode: str, result: dict) -> 
 def dense_peak_flops() -> float | None:  # the GPU's dense 16-bit peak FLOP/s, where DENSE_PEAK_FLOPS knows its name
     name = torch.cuda.get_device_name()
     return next((flops for part, flops in DENSE_PEAK_FLOPS.items() if part in name), None)
-
-
-def step_flops(config: LlamaConfig, tokens: int, seq_len: int, passes: int) -> float:
-    """The FLOPs of `passes` forwards over `tokens`: 2 a token for each matmul parameter, and causal attention's."""
-    matmul_params = param_count(config) - (0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size)
-    attention = 2 * config.num_hidden_layers * tokens * seq_len * config.hidden_size
-    return passes * (2 * matmul_params * tokens + attention)
 
 
 def forward_backward_reference(model: LlamaForCausalLM, input_ids: torch.Tensor, run: RunConfig) -> dict:
@@ -3793,8 +3678,7 @@ def train_bound_parts(trainer: OffloadedTraining, micro_batches, device) -> dict
     return fns
 
 
-def resident_numels(trainer: OffloadedTraining) -> list[int]:
-    """The sizes of the units kept on the GPU and stepped there, on the compute stream (ResidentUnits)."""
+def resident_numels(trainer: OffloadedTraining) -> list[int]:  # the sizes of the units stepped on the GPU, resident
     resident = next((s for s in trainer.steppers.of if isinstance(s, ResidentUnits)), None)
     return [trainer.store.masters[u].numel() for u in resident.units] if resident else []
 
@@ -3856,8 +3740,7 @@ def adam_and_copies(trainer: OffloadedTraining, big: int, adam, numel: int) -> N
 
 def cpu_and_gpu_adam_units(trainer: OffloadedTraining) -> tuple[dict[int, int], dict[int, int]]:
     """The streamed units the CPU Adam steps, and those the GPU's Adam steps over streamed state: unit -> size."""
-    gpu_adam = streamed_adam(trainer)
-    gpu = gpu_adam.units if gpu_adam else ()
+    gpu = getattr(streamed_adam(trainer), "units", ())  # none without a StreamedAdam
     numels = {u: trainer.store.masters[u].numel() for u in trainer.streamer.streamed}
     return {u: n for u, n in numels.items() if u not in gpu}, {u: n for u, n in numels.items() if u in gpu}
 
@@ -3870,11 +3753,10 @@ def step_copy_bytes(trainer: OffloadedTraining) -> tuple[int, int, int]:
     """A step's (H2D, D2H, the GPU Adam's part of D2H) bytes: weights and GPU Adam state in, gradients and state out."""
     store, streamer = trainer.store, trainer.streamer
     on_cpu, on_gpu = cpu_and_gpu_adam_units(trainer)
-    kept = streamer.streamed[-streamer.n_slots :]  # the backward finds them in the slots
+    kept = sum(store.weights[u].nbytes for u in streamer.streamed[-streamer.n_slots :])  # the backward's, in the slots
     state_in = 12 * sum(on_gpu.values())
     state_out = state_in + sum(on_gpu.values()) * (store.copies[0].itemsize if store.copies else 0)
-    h2d = 2 * sum(store.weights[u].nbytes for u in streamer.streamed) - sum(store.weights[u].nbytes for u in kept)
-    h2d += state_in
+    h2d = 2 * sum(store.weights[u].nbytes for u in streamer.streamed) - kept + state_in
     return h2d, sum(on_cpu.values()) * store.grad_dtype.itemsize + state_out, state_out
 
 
@@ -3968,15 +3850,13 @@ def adam_timed_numel(on_cpu: dict[int, int]) -> int:  # what the bound times the
 
 
 class AdamInPlace:
-    """A function to time: the store's Adam update on the first `shares[u]` parameters of each unit u's own host state
-    (where the step's memory is), on a thread set up as the CPU Adam's worker; restore() puts it back bit for bit."""
+    """A function to time: the store's Adam on each unit u's first `shares[u]` parameters, in place, on a worker."""
 
     def __init__(self, store: OffloadedAdam, shares: dict[int, int]):
         self.update, self.args = store.update, []
         for u, n in ((u, n) for u, n in shares.items() if n):
             grads = store.pool.buffers[u if store.pool.dedicated else 0][:n]  # the last step's: they are read only
-            on_disk = store.moments[u] is None  # the disk tier's moments: scratch ones in their place
-            moments = [host_zeros(n, torch.float32, pin=False).zero_() for _ in "ab"] if on_disk else store.moments[u]
+            moments = store.moments[u] or [host_zeros(n, torch.float32, False).zero_() for _ in "ab"]  # disk's: scratch
             copy = store.copies[u][:n] if store.copies else None
             self.args.append((store.masters[u][:n], grads, *(m[:n] for m in moments), copy, store.steps[u]))
         self.written = [t for args in self.args for i, t in enumerate(args) if i != 1 and t is not None]
@@ -3986,15 +3866,13 @@ class AdamInPlace:
     def __call__(self) -> None:  # one update of every share, on the worker thread
         self.worker.submit(lambda: [self.update(*args) for args in self.args]).result()
 
-    def restore(self) -> None:
-        """The units' masters, moments, copies and step counts as they were before the first timed update."""
+    def restore(self) -> None:  # the masters, moments, copies and steps as before the first update, bit for bit
         self.worker.shutdown()
         for tensor, kept in zip(self.written, self.kept, strict=True):
             tensor.copy_(kept)
 
 
-def profile_pass(fn, path: str) -> dict:
-    """--profile for inference: one more pass, fn(), traced into `path`; how much of its copies ran under compute."""
+def profile_pass(fn, path: str) -> dict:  # --profile: one more pass traced into `path`; how much copying was hidden
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         fn()
@@ -4021,12 +3899,11 @@ def trace_overlap(path: str, direction: str = "HtoD") -> dict:
     """From a Chrome trace: the copy time in `direction` (HtoD or DtoH), and how much of it ran under other streams."""
     events = json.loads(Path(path).read_text())["traceEvents"]
     copies = [e for e in events if e.get("cat") == "gpu_memcpy" and direction in e.get("name", "")]
-    kernels = [e for e in events if e.get("cat") == "kernel"]
-    kernel_spans = sorted((e["ts"], e["ts"] + e["dur"], e["args"].get("stream")) for e in kernels)
+    spans = sorted((e["ts"], e["ts"] + e["dur"], e["args"].get("stream")) for e in events if e.get("cat") == "kernel")
     overlap_us = 0.0
     for c in copies:
         c0, c1, stream = c["ts"], c["ts"] + c["dur"], c["args"].get("stream")
-        under = [(max(k0, c0), min(k1, c1)) for k0, k1, s in kernel_spans if s != stream and k0 < c1 and k1 > c0]
+        under = [(max(k0, c0), min(k1, c1)) for k0, k1, s in spans if s != stream and k0 < c1 and k1 > c0]
         covered, end = 0.0, float("-inf")  # the length of their union: overlaps counted once
         for a, b in sorted(under):
             if b > end:
@@ -4035,11 +3912,10 @@ def trace_overlap(path: str, direction: str = "HtoD") -> dict:
         overlap_us += covered
     result = {"copy_ms": sum(c["dur"] for c in copies) / 1e3, "overlap_ms": overlap_us / 1e3}
     result["copy_streams"] = sorted({c["args"].get("stream") for c in copies})
-    return result | {"kernel_streams": sorted({k[2] for k in kernel_spans})}
+    return result | {"kernel_streams": sorted({k[2] for k in spans})}
 
 
-def first_step_state(trainer) -> tuple[dict, dict]:
-    """(float32 gradients, float32 masters) after a step, with HF names, on the CPU."""
+def first_step_state(trainer) -> tuple[dict, dict]:  # (float32 gradients, masters) after a step: HF names, CPU
     if isinstance(trainer, ResidentTraining):
         return trainer.state_dict([m.grad for m in trainer.masters]), trainer.state_dict(trainer.masters)
     trainer.wait_updates()  # gradients have landed once their updates are done
