@@ -12,14 +12,14 @@ The file by line, the assignment first; each section beyond it says what it adds
     244  streams, events and pinned host memory  new_stream, host_zeros_each
     321  blocked and overlapped offload          every wait (S1-S16), ParamStore, LayerStreamer
     650  training: the autograd.Function         StreamedUnit, OffloadedTraining
-    914  the offloaded Adam                      OffloadedAdam, CpuAdam, Steppers
-   1288  the reference                           ResidentTraining
-   1340  Table 1 and Table 2                     tables
-   1417  # === Beyond the assignment ===
-        the compiled Adam 1420, the GPU's Adam 1521, activation offload 1725, float16 and clipping 1790
-        the disk tier 1873, several GPUs 2144, a model folder 2388, the plan 2582, measurement 3364
-        the tables' notes 3946, text in 4127, saving and resuming 4631, the command line 5100, running a mode 5971
-        the run 6138
+    915  the offloaded Adam                      OffloadedAdam, CpuAdam, Steppers
+   1289  the reference                           ResidentTraining
+   1341  Table 1 and Table 2                     tables
+   1418  # === Beyond the assignment ===
+        the compiled Adam 1421, the GPU's Adam 1522, activation offload 1726, float16 and clipping 1791
+        the disk tier 1874, several GPUs 2145, a model folder 2389, the plan 2583, measurement 3365
+        the tables' notes 3947, text in 4128, saving and resuming 4632, the command line 5101, running a mode 5972
+        the run 6139
 """
 
 from __future__ import annotations
@@ -816,9 +816,10 @@ class OffloadedTraining:
         """One optimizer step over the micro-batches; returns the mean loss. overlapped's updates may still run."""
         if len(micro_batches) > 1 and self.store.grad_dtype != torch.float32:
             raise ValueError("micro-batches accumulate their gradients in float32: give the store float32 gradients")
-        if self.store.hyper_parameters() != self.store.update.adam:  # new settings (an LR scheduler's) for this step:
-            self.wait_updates()  # the last step's updates, which may still run, keep the old ones
-            self.store.update.adam = self.store.hyper_parameters()
+        settings = self.store.hyper_parameters()  # param_groups' now: an LR scheduler may have set a new lr
+        if settings != self.store.update.adam:
+            self.wait_updates()  # the last step's updates, which may still run, keep the old settings
+            self.store.update.adam = settings
         n = len(self.units)
         self.labels, self.sent = micro_batches, []
         self.streamer.begin(range(n))
