@@ -11,15 +11,15 @@ The file by line, the assignment first; each section beyond it says what it adds
     200  gpu and cpu inference                   infer_resident, timed
     244  streams, events and pinned host memory  new_stream, host_zeros_each
     321  blocked and overlapped offload          every wait (S1-S16), ParamStore, LayerStreamer
-    650  training: the autograd.Function         StreamedUnit, OffloadedTraining
-    915  the offloaded Adam                      OffloadedAdam, CpuAdam, Steppers
-   1289  the reference                           ResidentTraining
-   1341  Table 1 and Table 2                     tables
-   1418  # === Beyond the assignment ===
-        the compiled Adam 1421, the GPU's Adam 1522, activation offload 1726, float16 and clipping 1791
-        the disk tier 1874, several GPUs 2145, a model folder 2389, the plan 2583, measurement 3365
-        the tables' notes 3947, text in 4128, saving and resuming 4632, the command line 5101, running a mode 5972
-        the run 6139
+    651  training: the autograd.Function         StreamedUnit, OffloadedTraining
+    916  the offloaded Adam                      OffloadedAdam, CpuAdam, Steppers
+   1290  the reference                           ResidentTraining
+   1342  Table 1 and Table 2                     tables
+   1419  # === Beyond the assignment ===
+        the compiled Adam 1422, the GPU's Adam 1523, activation offload 1727, float16 and clipping 1792
+        the disk tier 1875, several GPUs 2146, a model folder 2390, the plan 2584, measurement 3366
+        the tables' notes 3948, text in 4129, saving and resuming 4633, the command line 5102, running a mode 5973
+        the run 6140
 """
 
 from __future__ import annotations
@@ -322,34 +322,35 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 # Each decoder layer's weights live in one flat pinned host buffer (ParamStore); a LayerStreamer copies them on a copy
 # stream into a ring of GPU slots. blocked is depth 0: one slot, each copy issued as its unit is about to run (S1 and S2
 # serialise copy and compute); overlapped copies depth units ahead into depth + 1 slots while the current one computes.
-# Every synchronisation (the accelerations' too, S12-S16), each wait naming its row. Streams: compute (the current one),
+# Every synchronisation (the accelerations' too), [the lines naming it]. Streams: compute (the current one),
 # copy (weights in), D2H (gradients out; blocked's is compute), gather (several GPUs'); threads: main, autograd's, Adam.
-#   S1   copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on gather); waited on by acquire
-#        on compute. Slot s is not read before its unit landed.
-#   S2   freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s is not overwritten
-#        while a unit reads it.
-#   S3   landed, CUDA event. Recorded by wait_copies on copy and gather; waited on by compute (keep_resident) or timed's
-#        end. A ring is not freed, nor a time ended, under a copy.
-#   S4   done[u], thread event. Cleared by CpuAdam.update, set by the worker once unit u's update is written; waited on
-#        by wait_written (in prefetch) and wait_all (main: blocked's step ends there); polled by written (CopyWindow
-#        issues ready copies first). A host source is not copied or saved mid-update.
-#   S5   ready, CUDA event. Recorded by OffloadedTraining.send on compute after the unit's backward; waited on by
-#        CpuAdam.send on D2H (StreamedAdam.take on s_adam). Gradients are not read before all are written.
-#   S6   summed, CUDA event (several GPUs). Recorded on D2H after the reduce-scatter; waited on in place of S5.
-#   S7   landed[u], blocking CUDA event. Recorded by CpuAdam.send on D2H after the copy to pinned memory; waited on by
-#        the worker (synchronize; next_job queries it). The CPU does not read gradients in flight.
-#   S8   last_landed: S7's (or S13's consumed), kept by Steppers.send; waited on by wait_to_write on compute before the
-#        backward's first write of the gradient buffer. The buffer is not overwritten before its gradients left.
-#   S9   cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker). The job queue.
-#   S10  GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
-#   S11  host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU work; loss.item()
-#        in the training loop: the step's end. A step is not timed unfinished.
-#   S12  the GPU's Adam over resident units (ResidentUnits): no event; each steps on compute, before every later kernel.
-#   S13  the GPU's Adam over streamed state (StreamedAdam): consumed, landed[k], stepped[k], left[k], written_back[u];
-#        a unit's next weight copy waits on written_back[u] on the copy stream, not the host (wait_written).
-#   S14  activation offload: written and offloaded[a]. Inputs are not copied out early, read back early, or freed early.
-#   S15  clipping: taken. The norm of the norms is not taken before every unit's norm.
-#   S16  the disk tier: settled, current, free, staged. A file is not read while its write-back runs, nor a slot reused.
+#   S1   [546 583 2278 2280 3798] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
+#        gather); waited on by acquire on compute. Slot s is not read before its unit landed.
+#   S2   [541 591 3798] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s is
+#        not overwritten while a unit reads it.
+#   S3   [565] landed, CUDA event. Recorded by wait_copies on copy and gather; waited on by compute (keep_resident) or
+#        timed's end. A ring is not freed, nor a time ended, under a copy.
+#   S4   [539 841 1184 1194 1235] done[u], thread event. Cleared by CpuAdam.update, set by the worker once unit u's
+#        update is written; waited on by wait_written (in prefetch) and wait_all (main: blocked's step ends there);
+#        polled by written (CopyWindow issues ready copies first). A host source is not copied or saved mid-update.
+#   S5   [809 1168 1680 2299] ready, CUDA event. Recorded by OffloadedTraining.send on compute after the unit's
+#        backward; waited on by CpuAdam.send on D2H (StreamedAdam.take on s_adam): gradients read once all are written.
+#   S6   [1168 2301] summed, CUDA event (several GPUs): recorded on D2H after the reduce-scatter, S5's stand-in.
+#   S7   [810 1170 1229] landed[u], blocking CUDA event. Recorded by CpuAdam.send on D2H after the copy to pinned
+#        memory; waited on by the worker (synchronize; next_job queries it). The CPU does not read gradients in flight.
+#   S8   [810 867 1260] last_landed: S7's (or S13's consumed), kept by Steppers.send; waited on by wait_to_write on
+#        compute before the backward's first write of the gradient buffer: not before its gradients left.
+#   S9   [1206 1213] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
+#   S10  [1091] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
+#   S11  [835 3798 6117] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
+#        work; loss.item() in the training loop: the step's end. A step is not timed unfinished.
+#   S12  [1611] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
+#        kernels.
+#   S13  [539 1694 1699 1706 1717 1724] the GPU's Adam over streamed state (StreamedAdam): consumed, landed[k],
+#        stepped[k], left[k], written_back[u], which u's next copy waits on, on the copy stream (wait_written).
+#   S14  [539 1749 1769 1776 1780] activation offload: written, offloaded[a]. No input moved or freed early.
+#   S15  [1856] clipping: taken. The norm of the norms is not taken before every unit's norm.
+#   S16  [1972 1990 2027 2028] the disk tier: settled, current, free, staged. No file read mid-write, no slot reused.
 
 
 class OneProcess:  # a run's processes when it is one: rank 0 of 1 holds every unit whole, nothing to gather or wait for
@@ -1607,7 +1608,7 @@ class ResidentUnits:
     def send(self, u: int, grads: torch.Tensor, ready) -> None: ...  # nothing leaves the GPU
 
     def update(self, u: int, multiplier: float) -> None:  # unit u's Adam step, now, on the compute stream
-        self.units[u].step(multiplier)
+        self.units[u].step(multiplier)  # S12: stream order puts it before every later kernel
 
     def wait_written(self, u: int) -> None: ...  # never streamed
 

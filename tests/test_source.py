@@ -2,6 +2,7 @@
 
 import ast
 import re
+import textwrap
 
 from helpers import SCRIPT
 
@@ -85,6 +86,65 @@ def test_the_map_at_the_top_gives_each_sections_line():
 
 
 WAITS = re.compile(r"\.(wait_event|synchronize|wait)\(|\.get\(\)")  # a CUDA, thread or queue wait
+ROW = re.compile(r"#   (S\d+) +(?:\[[\d ]*\] )?(.*)$")  # a sync table row's first line: its name, its lines, its text
+
+
+def tagged_lines(source: str) -> dict[str, list[int]]:
+    """Each sync row's name -> the lines of code whose comment names it (the table and comments alone aside)."""
+    lines = {}
+    for number, line in enumerate(source.splitlines(), 1):
+        code, _, comment = line.partition("#")
+        if code.strip():
+            for name in dict.fromkeys(re.findall(r"\bS\d+\b", comment)):
+                lines.setdefault(name, []).append(number)
+    return lines
+
+
+def renumbered(source: str) -> str:
+    """`source` with each sync table row giving the lines that name it, and the map at the top each section's line.
+
+    `python tests/test_source.py` writes it to the script, until it stands still (a row rewrapped moves the lines)."""
+    lines = source.splitlines()
+    tagged, out, i = tagged_lines(source), [], 0
+    while i < len(lines):
+        row = ROW.match(lines[i])
+        if not row:
+            out.append(lines[i])
+            i += 1
+            continue
+        text = [row.group(2)]
+        i += 1
+        while i < len(lines) and lines[i].startswith("#        "):
+            text.append(lines[i].strip("# "))
+            i += 1
+        where = "[" + " ".join(map(str, tagged.get(row.group(1), []))) + "] "
+        first = f"#   {row.group(1):<4} "
+        out += textwrap.wrap(where + " ".join(text), 120, initial_indent=first, subsequent_indent="#        ")
+    text = "\n".join(out) + "\n"
+    rules, mark = iter(sections(text).values()), text.splitlines().index("# === Beyond the assignment ===") + 1
+    doc, end = text.splitlines(), text.index('"""', 3)
+    in_map, beyond = True, False
+    for k, line in enumerate(doc[: text[:end].count("\n")]):
+        if beyond:  # the sections beyond the line, each with its line after its title
+            doc[k] = re.sub(r"(?<= )\d{2,}(?=,|$)", lambda _: str(next(rules)), line)
+        elif in_map and (row := re.match(r" +\d+  ", line)):
+            beyond = "# === Beyond the assignment ===" in line
+            doc[k] = f"{mark if beyond else next(rules):>7}  " + line[row.end() :]
+    return "\n".join(doc) + "\n"
+
+
+def test_the_sync_table_and_the_map_give_the_lines_they_name():
+    """Each row of the sync table lists the lines whose code names it, and the map each section's line: both as
+    renumbered writes them (run `python tests/test_source.py` after moving lines)."""
+    source = SCRIPT.read_text()
+    assert renumbered(source) == source, "line references are stale: run python tests/test_source.py"
+
+
+def test_the_line_check_finds_a_moved_line():
+    """A line added above the streamer moves every wait below it: the table and the map are then stale."""
+    source = SCRIPT.read_text().replace("\nclass OneProcess:", "\n\nclass OneProcess:", 1)
+    moved = renumbered(source)
+    assert moved != source and renumbered(moved) == moved
 
 
 def untagged_waits(source: str, first: str, last: str) -> tuple[list[str], set[str], set[str]]:
@@ -123,3 +183,12 @@ def test_the_sync_check_finds_an_untagged_wait():
     source = "# ---- a\n#   S1   x\nstream.wait_event(e)  # S1\ndone.wait()\nq.get()  # the queue\n# ---- b\n"
     untagged, rows, named = untagged_waits(source, "a", "b")
     assert untagged == ["line 4: done.wait()", "line 5: q.get()  # the queue"] and rows == named == {"S1"}
+
+
+if __name__ == "__main__":  # renumber the script's sync table and map in place, until a pass changes nothing
+    for _ in range(5):
+        before = SCRIPT.read_text()
+        after = renumbered(before)
+        if after == before:
+            break
+        SCRIPT.write_text(after)
