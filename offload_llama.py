@@ -3371,6 +3371,7 @@ def planned_oom(mode: str, plan: Plan, device: torch.device) -> bool:  # the pla
 SETTLE_S = 1.5  # seconds the bound times its GPU compute parts after: a loaded GPU's power cap slows its clocks
 RESET_HOST_PEAKS = [0]  # the process's peak resident set at each reset_peak_memory, which restarts the kernel's count
 RESIDENT_SCRATCH = 2**24  # elements: the bound times the resident units' Adam over scratch state this size
+PROFILED = (torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA)  # what --profile traces
 # a GPU's dense 16-bit tensor-core peak, by a part of its name (H100 80GB HBM3: the SXM card), from NVIDIA's data sheets
 DENSE_PEAK_FLOPS = {"H100 80GB HBM3": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H200": 989e12, "A100": 312e12}
 
@@ -3437,8 +3438,7 @@ class StepClock:
             if peak is not None:
                 self.peaks[key] = max(self.peaks.get(key) or 0, peak)
 
-    def lap(self, i: int, loss: float) -> None:
-        """Step i has run: its time, and how long the CPU Adam worked in it; a progress line."""
+    def lap(self, i: int, loss: float) -> None:  # step i has run: its time, the CPU Adam's busy time; a progress line
         now = time.perf_counter()
         self.times.append((now - self.start) * 1e3)
         self.start = now
@@ -3666,9 +3666,10 @@ def train_bound_parts(trainer: OffloadedTraining, micro_batches, device) -> dict
             fns[f"{kind}_forward"] = (device, Compute(forward))
     if trainer.streamer.streamed:
         fns |= {"h2d": (device, lambda: copy_in(trainer)), "d2h": (device, lambda: copy_out(trainer))}
-    resident = resident_numels(trainer)
+    resident = next((s.units for s in trainer.steppers.of if isinstance(s, ResidentUnits)), {})  # stepped on the GPU
     if resident:
-        fns["resident_adam"] = (device, Compute(lambda: resident_adam(trainer, resident, device)))
+        numels = [trainer.store.masters[u].numel() for u in resident]
+        fns["resident_adam"] = (device, Compute(lambda: resident_adam(trainer, numels, device)))
     on_cpu, _ = cpu_and_gpu_adam_units(trainer)
     if on_cpu:  # the CPU Adam steps something: timed on a share of each unit's own state, put back after the round
         big, numel = max(on_cpu, key=on_cpu.get), adam_timed_numel(on_cpu)
@@ -3678,11 +3679,6 @@ def train_bound_parts(trainer: OffloadedTraining, micro_batches, device) -> dict
     if trainer.store.adam_moments.disk:
         fns["disk"] = (torch.device("cpu"), lambda: disk_cycle(trainer.store.adam_moments.disk))
     return fns
-
-
-def resident_numels(trainer: OffloadedTraining) -> list[int]:  # the sizes of the units stepped on the GPU, resident
-    resident = next((s for s in trainer.steppers.of if isinstance(s, ResidentUnits)), None)
-    return [trainer.store.masters[u].numel() for u in resident.units] if resident else []
 
 
 def resident_adam(trainer: OffloadedTraining, numels: list[int], device) -> None:
@@ -3841,10 +3837,7 @@ def unit_passes(trainer: OffloadedTraining, u: int, micro_batches, device):
     def forward() -> list[torch.Tensor]:  # unit u's outputs
         return [trainer.run_unit(u, module, x, k) for k, x in enumerate(xs)]
 
-    def backward(outs) -> list:  # the recompute and backward; the input gradients
-        return unit_backward(trainer, u, module, xs, outs, views)
-
-    return forward, backward
+    return forward, functools.partial(unit_backward, trainer, u, module, xs, views=views)  # backward(outs)
 
 
 def adam_timed_numel(on_cpu: dict[int, int]) -> int:  # what the bound times the CPU Adam on: its largest unit, capped
@@ -3875,8 +3868,7 @@ class AdamInPlace:
 
 
 def profile_pass(fn, path: str) -> dict:  # --profile: one more pass traced into `path`; how much copying was hidden
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
+    with torch.profiler.profile(activities=PROFILED) as prof:
         fn()
         torch.cuda.synchronize()  # the trace must hold the whole pass
     write_atomically(path, prof.export_chrome_trace)
@@ -3885,11 +3877,10 @@ def profile_pass(fn, path: str) -> dict:  # --profile: one more pass traced into
 
 def profile_step(trainer, micro_batches, path: str) -> dict:
     """Write a Chrome trace of one training step, its CPU updates included; say how much copying was hidden."""
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     all_threads = None  # by default only the profiler's and autograd's threads are recorded, not the CPU Adam worker's
     with contextlib.suppress(AttributeError, TypeError):  # private, with no public form: torch 2.11 to 2.13 have it
         all_threads = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
-    with torch.profiler.profile(activities=activities, experimental_config=all_threads) as prof:
+    with torch.profiler.profile(activities=PROFILED, experimental_config=all_threads) as prof:
         loss = trainer.step(micro_batches).item()
         trainer.wait_updates()  # the worker goes on: a caller may step again
         torch.cuda.synchronize()  # the trace must hold the whole step
@@ -4030,8 +4021,7 @@ def notes(results: dict, run: RunConfig, reference: dict | None = None):
         yield line + (f"; of peak: of the {name}'s dense 16-bit peak, {peak / 1e12:.0f} TFLOPS" if peak else "")
 
 
-def inference_notes(mode: str, r: dict):
-    """A mode's inference notes: resident layers, per-layer copy and compute times, the trace's overlap."""
+def inference_notes(mode: str, r: dict):  # a mode's inference notes: its resident layers, per-layer times, trace
     if r.get("resident_layers"):
         layers = ", ".join(map(str, r["resident_layers"]))
         yield f"{mode}: decoder layers {layers} resident on the GPU, the others streamed"
@@ -4085,8 +4075,7 @@ def training_notes(mode: str, t: dict, run: RunConfig):
         yield f"{mode} training: masters differ from gpu mode's by at most {step1} and {last}"
 
 
-def text_notes(mode: str, t: dict, run: RunConfig):
-    """A mode's held-out losses, what one evaluation costs beside a step, and its samples before and after."""
+def text_notes(mode: str, t: dict, run: RunConfig):  # a mode's held-out losses, an evaluation's cost, its samples
     if t.get("evaluations"):
         first, last = t["evaluations"][0], t["evaluations"][-1]
         losses = f"{first['loss']:.4f} -> {last['loss']:.4f} (perplexity {first['perplexity']:.1f} -> "
@@ -4099,8 +4088,7 @@ def text_notes(mode: str, t: dict, run: RunConfig):
             yield f"{mode} sample {when} training: {prompt!r} -> {text!r}"
 
 
-def bound_note(mode: str, t: dict) -> str:
-    """A mode's training bound, each part alone, in the order of the parts."""
+def bound_note(mode: str, t: dict) -> str:  # a mode's training bound, each part alone, in the order of the parts
     rounds = len(next(iter(t["bound_parts_ms"].values())))
     adam = f", the resident units' Adam {t['resident_adam_ms']:.1f}" if "resident_adam_ms" in t else ""
     note = f"{mode} training bound, each part alone (best of {rounds} rounds): GPU compute {t['gpu_compute_ms']:.1f} ms"
