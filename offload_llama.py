@@ -5441,6 +5441,10 @@ def offloaded(modes) -> bool:  # whether one of `modes` streams the layers: bloc
     return bool({"blocked", "overlapped"} & set(modes))
 
 
+def reads_jsonl(a: argparse.Namespace, modes) -> bool:  # whether --data may hold JSONL: a .jsonl file, or a folder
+    return a.data.endswith(".jsonl") or Path(a.data).is_dir()
+
+
 TRAINING_FLAGS = ("steps", "grad_accum", "inference", "fwd_bwd_reference", "lr", "betas", "eps", "weight_decay")
 TRAINING_FLAGS += ("clip_grad_norm", "offload_activations", "gpu_adam_share", "nvme", "data", "sample")
 TRAINING_FLAGS += ("save_pretrained", "checkpoint", "resume")
@@ -5460,14 +5464,7 @@ FLAG_NEEDS = (  # flags (argparse dests), what they need to do anything, how to 
     (("gpu_memory", "host_memory", "gpus", "rates"), ("--plan", "add --plan", lambda a, m: a.plan)),
     (DATA_FLAGS, ("--data PATH", "add --data PATH", lambda a, m: a.data)),
     (("data_glob",), ("a folder as --data", "give --data a folder", lambda a, m: Path(a.data).is_dir())),
-    (
-        ("text_field",),
-        (
-            "JSONL in --data",
-            "give --data a .jsonl file or a folder",
-            lambda a, m: a.data.endswith(".jsonl") or Path(a.data).is_dir(),
-        ),
-    ),
+    (("text_field",), ("JSONL in --data", "give --data a .jsonl file or a folder", reads_jsonl)),
     (("tokenizer",), ("--data or --sample", "add --data PATH or --sample PROMPT", lambda a, m: a.data or a.sample)),
     (("sample_tokens", "temperature"), ("--sample PROMPT", "add --sample PROMPT", lambda a, m: a.sample)),
     (("top_k",), ("--temperature above 0", "add --temperature T", lambda a, m: a.temperature)),
@@ -5547,10 +5544,9 @@ def command_line(argv=None) -> RunConfig:
     check_values(p, a)
     check_flags_needed(p, a, argv)
     ranks = rank_environment(p)
-    check_rank_flags(p, a, ranks.world)
+    check_rank_flags(p, a, ranks.world if ranks.several else a.gpus or 1)
     if a.plan and ranks.several:  # each rank would print a plan, made apart
         p.error("--plan describes a run without starting one: run it once, without torchrun (--gpus N plans N ranks)")
-    check_rank_flags(p, a, a.gpus or 1)
     a.sizes = tuple((f, getattr(a, f)) for f in SIZE_FLAGS if getattr(a, f) is not None)
     if a.model is not None and (a.sizes or a.preset is not None):
         given = [f"--{SIZE_FLAGS[f]}" for f, _ in a.sizes] + ["--preset"] * (a.preset is not None)
@@ -5663,11 +5659,9 @@ def check_inputs(run: RunConfig) -> None:
 def output_paths(run: RunConfig) -> dict[str, str]:
     """Every path the run writes, by flag: the files, and the folders written into (the token cache's with --data)."""
     outputs = {"--json": run.json, "--save-output": run.save_output, "--profile": run.profile}
-    if run.profile and run.train:
-        outputs["--profile's training trace"] = train_trace_path(run.profile)
+    outputs["--profile's training trace"] = train_trace_path(run.profile) if run.profile and run.train else None
     outputs |= {"--save-pretrained": run.save_pretrained, "--checkpoint": run.checkpoint, "--nvme": run.nvme}
-    if run.data:
-        outputs["--data-cache"] = str(data_cache_folder(run))
+    outputs["--data-cache"] = str(data_cache_folder(run)) if run.data else None
     return {flag: path for flag, path in outputs.items() if path is not None}
 
 
@@ -5832,11 +5826,10 @@ def existing(path: Path) -> Path:  # `path`, or its nearest existing folder (whe
     return path
 
 
-def model_type(path: Path) -> str:
-    """A save_pretrained folder's model type, 'llama', read from its config.json; refused with one line otherwise."""
+def model_type(path: Path) -> None:
+    """Refuse with one line a save_pretrained folder whose config.json's model_type is not 'llama'."""
     if (kind := read_config_json(path).get("model_type")) != "llama":
         raise UsageError(f"--model {path}: model_type is {kind!r}, not 'llama'")
-    return "llama"
 
 
 def first_line(e: BaseException) -> str:  # an exception's first line (200 characters at most), or its class if none
@@ -6070,9 +6063,8 @@ def prepare_steps(trainer, run: RunConfig, mode: str, plan: Plan, manifest: dict
     t0 = time.perf_counter()
     placed = place_units(trainer, run, mode, plan) if trainer.device.type == "cuda" else {}
     # the CPU Adam's moments zeroed now, not at each unit's first step (a page's first touch is slow); the rest: GPU's
-    trainer.store.zero_moments(
-        [u for u, stepper in enumerate(trainer.steppers.of) if stepper is trainer.steppers.cpu_adam]
-    )
+    cpu_units = [u for u, stepper in enumerate(trainer.steppers.of) if stepper is trainer.steppers.cpu_adam]
+    trainer.store.zero_moments(cpu_units)
     trainer.store.setup_s["placed"] = time.perf_counter() - t0
     return placed | {"setup_s": dict(trainer.store.setup_s)}
 
@@ -6108,21 +6100,17 @@ def train_steps(
         if i == 0 and keep_grads:
             grads = first_step_state(trainer)
         clock.lap(i, losses[-1])
-        run_tasks(tasks, i + 1, run.steps, clock)
+        due = [task for task in tasks if task.due(i + 1, run.steps)]
+        if due:  # checkpoints and evaluations, untimed
+            clock.pause(i + 1)  # the updates are written first
+            for task in due:
+                task.run(i + 1)
+            clock.resume(after_round=True)
     if parts:
         extra["bound_parts_ms"] = {name: ms[1:] for name, ms in parts.items()}  # the first round is a warm-up
     paused = f", and {clock.paused_s:.1f} s between them (bound rounds, checkpoints, evaluations)"
     log(f"  {len(clock.times)} steps in {sum(clock.times) / 1e3:.1f} s{paused if clock.paused_s else ''}")
     return clock.result(run.warmup) | {"losses": losses, "grads": grads, "tokens_per_step": clock.tokens} | extra
-
-
-def run_tasks(tasks, done: int, last: int, clock: StepClock) -> None:  # the tasks due after step `done`, clock paused
-    due = [task for task in tasks if task.due(done, last)]
-    if due:
-        clock.pause(done)  # the updates are written first
-        for task in due:
-            task.run(done)
-        clock.resume(after_round=True)
 
 
 # ------------------------------------------------------------------------------------------------------------ the run
@@ -6288,7 +6276,8 @@ def run_all(run: RunConfig) -> dict:
         start_adam_compile(gradient_dtype(run), plan.torch_copy_dtype, run.clip_grad_norm is not None)
     train_ids = first_batch(blocks, run) if blocks else random_input_ids(run, model.config.vocab_size, run.grad_accum)
     reference = forward_backward_reference(model, train_ids, run) if run.fwd_bwd_reference else None
-    set_gpu_cap(run)
+    if run.max_gpu_memory is not None and any(m != "cpu" for m in run.modes):  # the allocator's fraction of the GPU
+        torch.cuda.set_per_process_memory_fraction(min(1.0, run.max_gpu_memory * GiB / gpu_total_bytes()))
     input_ids = random_input_ids(run, model.config.vocab_size)
     store = param_store_of(run.ranks, model, pin=True) if offloaded and run.inference else None
     masters = training_store(run, model.config, plan) if run.train and offloaded else None
@@ -6337,12 +6326,6 @@ def write_outputs(run: RunConfig, report: dict, input_ids, logits: dict, train_i
             output["training"] = {"input_ids": train_ids, **kept}
         write_atomically(run.save_output, lambda tmp: torch_save(output, tmp, run.save_output))
     log("done")
-
-
-def set_gpu_cap(run: RunConfig) -> None:  # --max-gpu-memory as the caching allocator's fraction of the GPU
-    if run.max_gpu_memory is not None and any(m != "cpu" for m in run.modes):
-        total = gpu_total_bytes()
-        torch.cuda.set_per_process_memory_fraction(min(1.0, run.max_gpu_memory * GiB / total))
 
 
 def run_report(run: RunConfig, config: LlamaConfig, tokens: int, results: dict, reference, host: dict) -> dict:
@@ -6403,8 +6386,7 @@ def run_modes(run: RunConfig, plan: Plan, model, store, masters, input_ids, trai
 
 
 def training_store(run: RunConfig, config: LlamaConfig, plan: Plan) -> OffloadedAdam:
-    """The offloaded modes' pinned training state on the host as the plan sizes it, and --nvme's disk tier for its last
-    decoder layers (its files reserved, its disk measured); their set-up times said on stderr."""
+    """The offloaded modes' training state, pinned on the host as planned, the last layers' Adam moments on --nvme."""
     t0, layers, disk = time.perf_counter(), plan.disk_layers, None
     units, scaled = model_units(config), run.clip_grad_norm is not None
     if run.nvme and not layers:
