@@ -2652,8 +2652,6 @@ def host_cores() -> int:  # the cores this process may run on
 
 def agreed_facts(ranks: Ranks, facts: Facts) -> Facts:
     """The facts every rank plans from: the least memory, disk and cores, the largest process, the slowest rates."""
-    if not ranks.several:
-        return facts
     each = ranks.each(facts)
     fields = ("gpu_bytes", "host_bytes", "disk_bytes", "cores")  # each the least a rank knows; None where none knows it
     least = {k: min([getattr(f, k) for f in each if getattr(f, k) is not None], default=None) for k in fields}
@@ -2824,8 +2822,7 @@ def host_room_planned(run: RunConfig, config: LlamaConfig, facts: Facts) -> tupl
     least = units if owns_grads(run) or "blocked" in run.modes else 2  # one fills, one steps
     shards, itemsize = shard_numels(config, facts.ranks), gradient_dtype(run).itemsize
     copy = None if run.torch_dtype == torch.float32 else run.torch_dtype  # in float32 the masters are the weights
-    spare = host_spare(run, config, facts, None, least) if copy else None
-    if spare is not None and spare < copy.itemsize * sum(shards):
+    if (host_spare(run, config, facts, copy, least) or 0) < 0:
         copy = None  # no room for it
     spare = host_spare(run, config, facts, copy, least)
     if least == units or spare is None or spare >= itemsize * (sum(shards) - 2 * max(shards)):
@@ -2863,10 +2860,8 @@ def inference_placement(run: RunConfig, config: LlamaConfig, facts: Facts, mode:
 def gpu_adam_units(units: list[Unit], resident, share: float, on_disk=()) -> tuple[int, ...]:
     """The streamed units, none `on_disk`, the GPU's Adam steps: up to `share` of their parameters, the head last."""
     numels = {u: unit.layout.numel for u, unit in enumerate(units) if u not in resident}
-    kinds = [unit.kind for unit in units]
-    order = [kinds.index("embed"), *(u for u, kind in enumerate(kinds) if kind == "layer"), kinds.index("head")]
     chosen, budget = [], share * sum(numels.values())
-    for u in (u for u in order if u in numels and u not in on_disk):
+    for u in (u for u in numels if units[u].kind != "norm" and u not in on_disk):  # in forward order
         if numels[u] > budget:
             break
         chosen.append(u)
@@ -2981,8 +2976,7 @@ def tensors_in(tree) -> list[torch.Tensor]:  # the tensors in nested tuples, lis
     return [t for value in values for t in tensors_in(value)]
 
 
-# TorchDispatchMode (torch.utils._python_dispatch, no public name; torch 2.11 to 2.13) sees each op below autograd
-class MetaMemory(torch.utils._python_dispatch.TorchDispatchMode):
+class MetaMemory(torch.utils._python_dispatch.TorchDispatchMode):  # no public name in torch 2.11 to 2.13
     """While on, counts the bytes of the storages ops make on the meta device, as the caching allocator rounds them."""
 
     def __init__(self):
@@ -3067,8 +3061,7 @@ def traced_model_step(key: tuple) -> int:
 def traced_decoder_kwargs(key: tuple) -> dict:
     """What HF passes each decoder layer, on the meta device: made on the CPU for 3 x 5 tokens, grown to the run's."""
     config_json, attention, dtype_name, batch_size, seq_len = key
-    config, dtype = LlamaConfig.from_dict(json.loads(config_json)), DTYPES[dtype_name]
-    small = copy.deepcopy(config)
+    small, dtype = LlamaConfig.from_dict(json.loads(config_json)), DTYPES[dtype_name]
     small.vocab_size, small.num_hidden_layers = 1, 0
     model = LlamaForCausalLM._from_config(small, dtype=dtype, attn_implementation=attention)
     model.config.num_hidden_layers = 1
@@ -3163,10 +3156,9 @@ def check_plan(run: RunConfig, config: LlamaConfig, plan: Plan) -> None:
     """Refuse before allocating what the plan says won't fit: a GPU mode's least memory, the host's, a rank's peak."""
     run = dataclasses.replace(run, offload_activations=plan.offload_activations, nvme_layers=plan.disk_layers)
     run = dataclasses.replace(run, grad_accum=micro_batches_per_rank(run, plan.facts))  # a rank's share of the step
-    gpu_modes = [m for m in run.modes if m != "cpu"]
-    if gpu_modes and plan.facts.gpu_bytes is not None:
+    needs = {mode: gpu_bytes_needed(run, config, mode) for mode in run.modes if mode != "cpu"}
+    if needs and plan.facts.gpu_bytes is not None:
         cap = int(min(run.max_gpu_memory * GiB, plan.facts.gpu_bytes)) if run.max_gpu_memory else plan.facts.gpu_bytes
-        needs = {mode: gpu_bytes_needed(run, config, mode) for mode in gpu_modes}
         least = min(needs, key=needs.get)
         if needs[least] > cap:
             what = f"the --max-gpu-memory cap of {run.max_gpu_memory:g} GiB" if run.max_gpu_memory else "the GPU has"
@@ -3274,10 +3266,8 @@ def gradient_dtype(run: RunConfig) -> torch.dtype:  # gradients' dtype off the G
 
 
 def attention_bytes(run: RunConfig, config: LlamaConfig, whole_backward: bool) -> int:  # eager attention's scores
-    if run.attention != "eager":
-        return 0
     scores = run.batch_size * config.num_attention_heads * run.seq_len**2 * run.torch_dtype.itemsize
-    return scores * (config.num_hidden_layers + 1 if whole_backward else 2)
+    return scores * (config.num_hidden_layers + 1 if whole_backward else 2) * (run.attention == "eager")
 
 
 def gpu_bytes_needed(run: RunConfig, config: LlamaConfig, mode: str) -> int:
@@ -3299,9 +3289,8 @@ def gpu_bytes_needed(run: RunConfig, config: LlamaConfig, mode: str) -> int:
 
 
 def pass_flops(run: RunConfig, config: LlamaConfig) -> float:  # a forward's matrix FLOPs over a micro-batch
-    tokens = run.batch_size * run.seq_len
     attention = 4 * config.num_hidden_layers * run.batch_size * run.seq_len**2 * config.hidden_size
-    return 2 * param_count(config) * tokens + attention
+    return 2 * param_count(config) * run.tokens + attention
 
 
 def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
@@ -3347,10 +3336,9 @@ def place_units(trainer: OffloadedTraining, run: RunConfig, mode: str, plan: Pla
     resident = [trainer.units[u].name for u in placed.resident]
     gpu_adam = [trainer.units[u].name for u in placed.gpu_adam]
     parts = ", ".join(f"{part} {gib(n)}" for part, n in placed.training_gpu.items())
-    log(
-        f"mode {mode}: units resident on the GPU: {', '.join(resident) or 'none'}; stepped by the GPU's Adam over "
-        f"streamed state: {', '.join(gpu_adam) or 'none'}; predicted peak {gib(placed.training_peak)} GiB: {parts}"
-    )
+    adam = f"stepped by the GPU's Adam over streamed state: {', '.join(gpu_adam) or 'none'}"
+    peak = f"predicted peak {gib(placed.training_peak)} GiB: {parts}"
+    log(f"mode {mode}: units resident on the GPU: {', '.join(resident) or 'none'}; {adam}; {peak}")
     described = {"units": len(trainer.units), "resident_units": resident, "gpu_adam_units": gpu_adam}
     return described | {"predicted_peak_bytes": placed.training_peak, "predicted_parts": placed.training_gpu}
 
