@@ -17,9 +17,9 @@ The file by line, the assignment first; each section beyond it says what it adds
    1342  Table 1 and Table 2                     tables
    1419  # === Beyond the assignment ===
         the compiled Adam 1422, the GPU's Adam 1523, activation offload 1727, float16 and clipping 1792
-        the disk tier 1875, several GPUs 2146, a model folder 2390, the plan 2584, measurement 3366
-        the tables' notes 3939, text in 4117, saving and resuming 4621, the command line 5090, running a mode 5954
-        the run 6116
+        the disk tier 1875, several GPUs 2146, a model folder 2390, the plan 2584, measurement 3354
+        the tables' notes 3927, text in 4105, saving and resuming 4609, the command line 5078, running a mode 5942
+        the run 6104
 """
 
 from __future__ import annotations
@@ -324,9 +324,9 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 # serialise copy and compute); overlapped copies depth units ahead into depth + 1 slots while the current one computes.
 # Every synchronisation (the accelerations' too), [the lines naming it]. Streams: compute (the current one),
 # copy (weights in), D2H (gradients out; blocked's is compute), gather (several GPUs'); threads: main, autograd's, Adam.
-#   S1   [546 583 2278 2280 3794] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
+#   S1   [546 583 2278 2280 3782] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
 #        gather); waited on by acquire on compute. Slot s is not read before its unit landed.
-#   S2   [541 591 3794] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s is
+#   S2   [541 591 3782] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s is
 #        not overwritten while a unit reads it.
 #   S3   [565] landed, CUDA event. Recorded by wait_copies on copy and gather; waited on by compute (keep_resident) or
 #        timed's end. A ring is not freed, nor a time ended, under a copy.
@@ -342,7 +342,7 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 #        compute before the backward's first write of the gradient buffer: not before its gradients left.
 #   S9   [1206 1213] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
 #   S10  [1091] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
-#   S11  [835 3794 6097] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
+#   S11  [835 3782 6085] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
 #        work; loss.item() in the training loop: the step's end. A step is not timed unfinished.
 #   S12  [1611] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
 #        kernels.
