@@ -18,8 +18,8 @@ The file by line, the assignment first; each section beyond it says what it adds
    1419  # === Beyond the assignment ===
         the compiled Adam 1422, the GPU's Adam 1523, activation offload 1727, float16 and clipping 1792
         the disk tier 1875, several GPUs 2146, a model folder 2390, the plan 2584, measurement 3354
-        the tables' notes 3927, text in 4105, saving and resuming 4609, the command line 5078, running a mode 5942
-        the run 6104
+        the tables' notes 3927, text in 4105, saving and resuming 4609, the command line 5078, running a mode 5940
+        the run 6105
 """
 
 from __future__ import annotations
@@ -342,7 +342,7 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 #        compute before the backward's first write of the gradient buffer: not before its gradients left.
 #   S9   [1206 1213] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
 #   S10  [1091] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
-#   S11  [835 3782 6085] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
+#   S11  [835 3782 6082] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
 #        work; loss.item() in the training loop: the step's end. A step is not timed unfinished.
 #   S12  [1611] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
 #        kernels.
@@ -5400,9 +5400,8 @@ TEXT_RANGES = (  # the same for the text flags, checked after the flags that do 
 def check_ranges(p: Parser, a: argparse.Namespace, rows=RANGES) -> None:
     """Each flag given outside its range (a row of `rows`): one line, exit 2."""
     for dests, in_range, refusal in rows:
-        for dest in dests:
-            if getattr(a, dest) is not None and not in_range(getattr(a, dest)):
-                p.error(refusal.format(flag=flag_name(dest), value=getattr(a, dest)))
+        for dest in (d for d in dests if getattr(a, d) is not None and not in_range(getattr(a, d))):
+            p.error(refusal.format(flag=flag_name(dest), value=getattr(a, dest)))
 
 
 def check_values(p: Parser, a: argparse.Namespace) -> None:
@@ -5478,9 +5477,8 @@ def check_flags_needed(p: Parser, a: argparse.Namespace, argv) -> None:
     given = {dest for dest, value in again.items() if value is not fresh[dest]}
     modes = MODES if a.mode == "all" else a.mode.split(",")
     for flags, (need, add, has) in FLAG_NEEDS:
-        for dest in (d for d in flags if d in given):
-            if not has(a, modes):
-                p.error(f"{flag_name(dest)} does nothing without {need}: {add}, or leave {flag_name(dest)} out")
+        for dest in (d for d in flags if d in given and not has(a, modes)):
+            p.error(f"{flag_name(dest)} does nothing without {need}: {add}, or leave {flag_name(dest)} out")
     for (first, second), why in FLAG_CLASHES:
         if {first, second} <= given:
             p.error(f"{flag_name(first)} and {flag_name(second)}: {why}: give one")
@@ -6050,9 +6048,8 @@ def prepare_steps(trainer, run: RunConfig, mode: str, plan: Plan, manifest: dict
     trainer.ranks.meet()  # the steps' collectives wait the rank timeout at most: every rank set up first
     t0 = time.perf_counter()
     placed = place_units(trainer, run, mode, plan) if trainer.device.type == "cuda" else {}
-    # the CPU Adam's moments zeroed now, not at each unit's first step (a page's first touch is slow); the rest: GPU's
     cpu_units = [u for u, stepper in enumerate(trainer.steppers.of) if stepper is trainer.steppers.cpu_adam]
-    trainer.store.zero_moments(cpu_units)
+    trainer.store.zero_moments(cpu_units)  # now, not at each unit's first step: a page's first touch is slow
     trainer.store.setup_s["placed"] = time.perf_counter() - t0
     return placed | {"setup_s": dict(trainer.store.setup_s)}
 
@@ -6088,17 +6085,21 @@ def train_steps(
         if i == 0 and keep_grads:
             grads = first_step_state(trainer)
         clock.lap(i, losses[-1])
-        due = [task for task in tasks if task.due(i + 1, run.steps)]
-        if due:  # checkpoints and evaluations, untimed
-            clock.pause(i + 1)  # the updates are written first
-            for task in due:
-                task.run(i + 1)
-            clock.resume(after_round=True)
+        run_tasks(tasks, i + 1, run.steps, clock)
     if parts:
         extra["bound_parts_ms"] = {name: ms[1:] for name, ms in parts.items()}  # the first round is a warm-up
     paused = f", and {clock.paused_s:.1f} s between them (bound rounds, checkpoints, evaluations)"
     log(f"  {len(clock.times)} steps in {sum(clock.times) / 1e3:.1f} s{paused if clock.paused_s else ''}")
     return clock.result(run.warmup) | {"losses": losses, "grads": grads, "tokens_per_step": clock.tokens} | extra
+
+
+def run_tasks(tasks, done: int, last: int, clock: StepClock) -> None:  # the tasks due after step `done`, clock paused
+    due = [task for task in tasks if task.due(done, last)]
+    if due:
+        clock.pause(done)  # the updates are written first
+        for task in due:
+            task.run(done)
+        clock.resume(after_round=True)
 
 
 # ------------------------------------------------------------------------------------------------------------ the run
