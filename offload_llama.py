@@ -4187,8 +4187,7 @@ def tokenizer_text(tokenizer) -> str:  # a fast tokenizer's definition: equal fo
     return tokenizer.backend_tokenizer.to_str()
 
 
-def load_tokenizer(run: RunConfig):
-    """--tokenizer's tokenizer, else --model's where its folder has one, else None."""
+def load_tokenizer(run: RunConfig):  # --tokenizer's tokenizer, else --model's where its folder has one, else None
     folder = run.tokenizer or run.model
     if not has_tokenizer(folder):
         if run.tokenizer:
@@ -4264,8 +4263,7 @@ def waited(work, what: str, every: float = 10.0):
 
 
 @contextlib.contextmanager
-def folder_aside(folder: Path):
-    """A new folder beside `folder` to write it in (the umask's mode), made with signals held, gone unless renamed."""
+def folder_aside(folder: Path):  # a new folder beside `folder` to write it in, removed unless renamed
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = None
     try:
@@ -4311,7 +4309,7 @@ def token_cache(run: RunConfig, files: list[Path], tokenizer) -> torch.Tensor:
     """The corpus's ids, memory-mapped from the token cache: written once (aside, renamed), rebuilt if not whole."""
     path = data_cache_folder(run) / f"tokens-{corpus_key(run, files, tokenizer_text(tokenizer))}.bin"
     check_cache_entry(path, "a file", "token ids in a file")
-    ids = mapped_tokens(path) if path_kind(path) == "a file" else None
+    ids = mapped_tokens(path)
     if ids is not None and largest_id(ids) < len(tokenizer):
         log(f"data: {ids.numel():,} tokens of {len(files)} file(s), from the token cache {path}")
         return ids
@@ -4426,8 +4424,7 @@ def first_batch(blocks: Blocks, run: RunConfig) -> torch.Tensor:  # what sizes t
     return blocks.gather(blocks.step_blocks(0, run.batch_size * run.grad_accum))
 
 
-def with_epochs(run: RunConfig, blocks: Blocks | None) -> RunConfig:
-    """--epochs as a number of steps; log the blocks' plan."""
+def with_epochs(run: RunConfig, blocks: Blocks | None) -> RunConfig:  # --epochs as a step count; log the blocks' plan
     if blocks is None:
         return run
     per_step, training, held_out = run.batch_size * run.grad_accum, len(blocks.training), len(blocks.held_out)
@@ -4559,11 +4556,9 @@ class Evaluation:
         return bool(self.text and self.text.blocks) and now
 
     @torch.no_grad()
-    def run(self, done: int) -> None:
-        """Measure the mean loss over the held-out blocks after `done` steps, batch_size blocks at a time."""
-        t0 = time.perf_counter()
+    def run(self, done: int) -> None:  # measure the mean held-out loss after `done` steps, batch_size blocks at a time
+        t0 = shown = time.perf_counter()
         model, blocks, batch, total = self.model(), self.text.blocks, self.run_config.batch_size, 0.0
-        shown = time.perf_counter()
         for i, part in enumerate(blocks.held_out.split(batch)):
             ids = blocks.gather(part.tolist()).to(self.device)
             total += model(ids, labels=ids, use_cache=False).loss.item() * len(part)
@@ -4598,8 +4593,7 @@ class Evaluation:
             torch.manual_seed(run.seed)
             out = model.generate(ids, attention_mask=torch.ones_like(ids), **(kwargs | drawn))
             texts.append(tokenizer.decode(out[0, ids.shape[1] :]))
-        for prompt, text in zip(run.sample, texts, strict=True):
-            log(f"  sample {when}: {prompt!r} -> {text!r}")
+            log(f"  sample {when}: {prompt!r} -> {texts[-1]!r}")
         return texts
 
     def figures(self) -> dict:  # for the JSON: each held-out evaluation and the samples
@@ -4621,6 +4615,7 @@ SAVE_SHARD = "2GB"  # save_pretrained's shard size: a safetensors writer may hol
 PLAN_FLAGS = ("max_gpu_memory", "max_host_memory", "prefetch", "resident_layers", "gpu_adam_share")
 PLAN_FLAGS += ("offload_activations", "nvme", "nvme_layers", "rank_timeout")
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # what ends a run early, every output whole or absent
+STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")  # a unit's float32 state in a checkpoint, beside its step
 
 
 def save_pretrained(trainer, config: LlamaConfig, folder: Path, tokenizer=None) -> None:
@@ -4653,8 +4648,7 @@ def save_pretrained(trainer, config: LlamaConfig, folder: Path, tokenizer=None) 
 
 
 def save_weights(trainer, config: LlamaConfig, folder: Path | None) -> None:
-    """The masters as HF weights: one process saves a meta-device model over them (no copy); several ranks (a
-    collective) a safetensors file a unit, gathered one at a time and written by rank 0."""
+    """The masters as HF weights: a meta-device model over them, or (several ranks, a collective) a file a unit."""
     ranks, n, weight_map, total = trainer.ranks, len(trainer.units), {}, 0
     if not ranks.several:
         with torch.device("meta"):
@@ -4665,10 +4659,7 @@ def save_weights(trainer, config: LlamaConfig, folder: Path | None) -> None:
         transformers.utils.logging.disable_progress_bar()  # stderr carries this script's progress lines alone
         model.save_pretrained(folder, max_shard_size=SAVE_SHARD)
         return
-    if ranks.rank == 0:
-        config.save_pretrained(folder)
-        transformers.GenerationConfig.from_model_config(config).save_pretrained(folder)
-    for u, unit in enumerate(trainer.units):
+    for u, unit in enumerate(trainer.units):  # gathered one at a time, written by rank 0
         full = ranks.gathered(trainer.steppers.state(u).cpu())
         tensors = {f"{unit.name}.{name}": view for name, view in unit.layout.views(full).items()}
         name = f"model-{u + 1:05d}-of-{n:05d}.safetensors"
@@ -4677,6 +4668,8 @@ def save_weights(trainer, config: LlamaConfig, folder: Path | None) -> None:
         if ranks.rank == 0:
             write_safetensors(folder / name, tensors)
     if ranks.rank == 0:
+        config.save_pretrained(folder)
+        transformers.GenerationConfig.from_model_config(config).save_pretrained(folder)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
@@ -4748,13 +4741,11 @@ def trained_outputs(trainer, run: RunConfig, config: LlamaConfig, mode: str, com
     return result
 
 
-def check_finite_masters(trainer) -> None:
-    """Raise Diverged unless every master is finite on every rank (a collective): the last update may overflow."""
+def check_finite_masters(trainer) -> None:  # raise Diverged unless every master is finite on every rank (a collective)
     if isinstance(trainer, ResidentTraining):
         mine = [name for name, master in named_masters(trainer) if not torch.isfinite(master).all()]
     else:  # this rank's flat masters (its shards), by unit
-        flats = [trainer.steppers.state(u) for u in range(len(trainer.units))]
-        mine = [trainer.units[u].name for u, flat in enumerate(flats) if not torch.isfinite(flat).all()]
+        mine = [unit.name for u, unit in enumerate(trainer.units) if not trainer.steppers.state(u).isfinite().all()]
     bad = sorted({name for names in trainer.ranks.each(mine) for name in names})
     if bad:
         more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
@@ -4926,7 +4917,7 @@ def unit_state_fits(state, layout: FlatLayout, ranks: Ranks) -> bool:
     if not isinstance(state, dict) or not isinstance(state.get("step"), float) or not 0 <= state["step"] < 2**53:
         return False
     shapes = dict(zip(layout.names, layout.shapes, strict=True))
-    for key in ("master", "exp_avg", "exp_avg_sq"):
+    for key in STATE_KEYS:
         tensors = state.get(key)
         if ranks.several:
             tensors, shapes = {"shard": tensors}, {"shard": torch.Size([ranks.shard_numel(layout.numel)])}
@@ -4958,11 +4949,9 @@ def unit_state(trainer, u: int) -> dict:
                 state[key][name] = adam[key].cpu() if adam else torch.zeros_like(master, device="cpu")
             state["step"] = adam["step"].item() if adam else 0.0
         return state
-    master, exp_avg, exp_avg_sq, step = trainer.steppers.of[u].adam_state(u)
-    flats = {"master": master, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
-    kept = (lambda flat: flat) if trainer.ranks.several else trainer.units[u].layout.views  # a rank's shard, flat
-    state = {key: kept(flat.cpu()) for key, flat in flats.items()}
-    return {"unit": trainer.units[u].name, "step": step.item()} | state
+    *flats, step = trainer.steppers.of[u].adam_state(u)
+    kept = [flat.cpu() if trainer.ranks.several else trainer.units[u].layout.views(flat.cpu()) for flat in flats]
+    return {"unit": trainer.units[u].name, "step": step.item()} | dict(zip(STATE_KEYS, kept, strict=True))
 
 
 def unit_params(trainer: ResidentTraining, u: int):  # unit u's (name in it, float32 master, weight) in gpu or cpu mode
@@ -5044,7 +5033,7 @@ def step_tokens(record: dict) -> int:  # the tokens of a step of the run a check
 
 
 def finite_state(state: dict) -> bool:  # whether a unit's checkpointed state holds finite values alone
-    held = [state[key] for key in ("master", "exp_avg", "exp_avg_sq")]
+    held = [state[key] for key in STATE_KEYS]
     held = [h.shards if isinstance(h, Resharded) else h.values() if isinstance(h, dict) else [h] for h in held]
     return all(torch.isfinite(t).all() for tensors in held for t in tensors)
 
@@ -5056,8 +5045,7 @@ def checkpoint_unit(folder: Path, saved: dict, u: int, layout: FlatLayout, ranks
     states = [torch.load(folder / saved["files"][r * units + u], mmap=True, weights_only=True) for r in writers]
     if len(states) == 1:
         return states[0]
-    keys = ("master", "exp_avg", "exp_avg_sq")
-    return {"step": states[0]["step"]} | {key: Resharded([s[key] for s in states], layout) for key in keys}
+    return {"step": states[0]["step"]} | {key: Resharded([s[key] for s in states], layout) for key in STATE_KEYS}
 
 
 class Resharded:
