@@ -18,8 +18,8 @@ The file by line, the assignment first; each section beyond it says what it adds
    1419  # === Beyond the assignment ===
         the compiled Adam 1422, the GPU's Adam 1523, activation offload 1727, float16 and clipping 1792
         the disk tier 1875, several GPUs 2146, a model folder 2390, the plan 2584, measurement 3354
-        the tables' notes 3927, text in 4105, saving and resuming 4609, the command line 5078, running a mode 5940
-        the run 6105
+        the tables' notes 3927, text in 4105, saving and resuming 4603, the command line 5066, running a mode 5928
+        the run 6093
 """
 
 from __future__ import annotations
@@ -342,7 +342,7 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 #        compute before the backward's first write of the gradient buffer: not before its gradients left.
 #   S9   [1206 1213] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
 #   S10  [1091] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
-#   S11  [835 3782 6082] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
+#   S11  [835 3782 6070] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
 #        work; loss.item() in the training loop: the step's end. A step is not timed unfinished.
 #   S12  [1611] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
 #        kernels.
