@@ -953,8 +953,8 @@ class AdamUpdate:
     @property
     def bytes_per_param(self) -> int:
         """Host bytes a step moves per parameter: master and moments read and written (24), float32 gradients (4), the
-        master again and the copy (4 + 2 in bfloat16), with clipping the gradients scaled (8): 34. A run steps with
-        CompiledAdamUpdate (beyond the line): 28 in its default, bfloat16 gradients of one micro-batch and copy."""
+        master again and the copy (4 + 2 in bfloat16): 34; 42 with clipping, which scales the gradients (8). A run steps
+        with CompiledAdamUpdate (beyond the line): 28 in its default, bfloat16 gradients of one micro-batch and copy."""
         copy = self.copy_dtype.itemsize + 4 if self.copy_dtype else 0
         rescale = 8 if self.scaled else 0
         return 24 + self.grad_dtype.itemsize + copy + rescale
