@@ -18,8 +18,8 @@ The file by line, the assignment first; each section beyond it says what it adds
    1423  # === Beyond the assignment ===
         the compiled Adam 1426, the GPU's Adam 1527, activation offload 1731, float16 and clipping 1796
         the disk tier 1879, several GPUs 2150, a model folder 2394, the plan 2588, measurement 3358
-        the tables' notes 3932, text in 4110, saving and resuming 4608, the command line 5071, running a mode 5933
-        the run 6098
+        the tables' notes 3931, text in 4109, saving and resuming 4607, the command line 5070, running a mode 5932
+        the run 6097
 """
 
 from __future__ import annotations
@@ -344,7 +344,7 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 #        compute before the backward's first write of the gradient buffer: not before its gradients left.
 #   S9   [1210 1217] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
 #   S10  [1095] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
-#   S11  [837 3786 6075] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
+#   S11  [837 3786 6074] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
 #        work; loss.item() in the training loop: the step's end. A step is not timed unfinished.
 #   S12  [1615] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
 #        kernels.
@@ -3849,7 +3849,6 @@ class AdamInPlace:
         self.written = [t for args in self.args for i, t in enumerate(args) if i != 1 and t is not None]
         self.kept = [t.clone() for t in self.written]
         self.worker = ThreadPoolExecutor(1, initializer=torch.set_flush_denormal, initargs=(True,))
-        self()  # untimed: a new thread's first parallel loop starts its OpenMP threads, which the bound scales up
 
     def __call__(self) -> None:  # one update of every share, on the worker thread
         self.worker.submit(lambda: [self.update(*args) for args in self.args]).result()
