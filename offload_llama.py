@@ -12,14 +12,14 @@ The file by line, the assignment first; each section beyond it says what it adds
     244  streams, events and pinned host memory  new_stream, host_zeros_each
     321  blocked and overlapped offload          every wait (S1-S16), ParamStore, LayerStreamer
     653  training: the autograd.Function         StreamedUnit, OffloadedTraining
-    918  the offloaded Adam                      OffloadedAdam, CpuAdam, Steppers
-   1294  the reference                           ResidentTraining
-   1346  Table 1 and Table 2                     tables
-   1423  # === Beyond the assignment ===
-        the compiled Adam 1426, the GPU's Adam 1527, activation offload 1731, float16 and clipping 1796
-        the disk tier 1879, several GPUs 2150, a model folder 2394, the plan 2588, measurement 3358
-        the tables' notes 3931, text in 4109, saving and resuming 4607, the command line 5070, running a mode 5932
-        the run 6097
+    919  the offloaded Adam                      OffloadedAdam, CpuAdam, Steppers
+   1298  the reference                           ResidentTraining
+   1350  Table 1 and Table 2                     tables
+   1427  # === Beyond the assignment ===
+        the compiled Adam 1430, the GPU's Adam 1531, activation offload 1735, float16 and clipping 1800
+        the disk tier 1883, several GPUs 2154, a model folder 2398, the plan 2592, measurement 3362
+        the tables' notes 3935, text in 4113, saving and resuming 4611, the command line 5074, running a mode 5936
+        the run 6101
 """
 
 from __future__ import annotations
@@ -326,33 +326,33 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 # copy (weights in), D2H (gradients out; blocked's is compute), gather (several GPUs'); threads: main, autograd's, Adam.
 # Blocked against overlapped, in training: one slot, D2H on compute, holds_updates (the Adam after S11), wait_all (S4).
 # A unit's copy first calls wait_written: CpuAdam's blocks the host (S4), StreamedAdam's the copy stream (S13).
-#   S1   [548 585 2282 2284 3786] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
+#   S1   [548 585 2286 2288 3790] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
 #        gather); waited on by acquire on compute. Slot s is not read before its unit landed.
-#   S2   [543 593 3786] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s is
+#   S2   [543 593 3790] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s is
 #        not overwritten while a unit reads it.
 #   S3   [567] landed, CUDA event. Recorded by wait_copies on copy and gather; waited on by compute (keep_resident) or
 #        timed's end. A ring is not freed, nor a time ended, under a copy.
-#   S4   [541 843 1188 1198 1239] done[u], thread event. Cleared by CpuAdam.update, set by the worker once unit u's
+#   S4   [541 843 1192 1202 1243] done[u], thread event. Cleared by CpuAdam.update, set by the worker once unit u's
 #        update is written; waited on by wait_written (in prefetch) and wait_all (main: blocked's step ends there);
 #        polled by written (CopyWindow issues ready copies first). A host source is not copied or saved mid-update.
-#   S5   [811 1172 1684 2303] ready, CUDA event. Recorded by OffloadedTraining.send on compute after the unit's
+#   S5   [811 1176 1688 2307] ready, CUDA event. Recorded by OffloadedTraining.send on compute after the unit's
 #        backward; waited on by CpuAdam.send on D2H (StreamedAdam.take on s_adam): gradients read once all are written.
-#   S6   [1172 2305] summed, CUDA event (several GPUs): recorded on D2H after the reduce-scatter, S5's stand-in.
-#   S7   [812 1174 1233] landed[u], blocking CUDA event. Recorded by CpuAdam.send on D2H after the copy to pinned
+#   S6   [1176 2309] summed, CUDA event (several GPUs): recorded on D2H after the reduce-scatter, S5's stand-in.
+#   S7   [812 1178 1237] landed[u], blocking CUDA event. Recorded by CpuAdam.send on D2H after the copy to pinned
 #        memory; waited on by the worker (synchronize; next_job queries it). The CPU does not read gradients in flight.
-#   S8   [812 869 1264] last_landed: S7's (or S13's consumed), kept by Steppers.send; waited on by wait_to_write on
+#   S8   [812 870 1268] last_landed: S7's (or S13's consumed), kept by Steppers.send; waited on by wait_to_write on
 #        compute before the backward's first write of the gradient buffer: not before its gradients left.
-#   S9   [1210 1217] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
-#   S10  [1095] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
-#   S11  [837 3786 6074] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
+#   S9   [1214 1221] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
+#   S10  [1099] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
+#   S11  [837 3790 6078] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
 #        work; loss.item() in the training loop: the step's end. A step is not timed unfinished.
-#   S12  [1615] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
+#   S12  [1619] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
 #        kernels.
-#   S13  [541 1698 1703 1710 1721 1728] the GPU's Adam over streamed state (StreamedAdam): consumed, landed[k],
+#   S13  [541 1702 1707 1714 1725 1732] the GPU's Adam over streamed state (StreamedAdam): consumed, landed[k],
 #        stepped[k], left[k], written_back[u], which u's next copy waits on, on the copy stream (wait_written).
-#   S14  [541 1753 1773 1780 1784] activation offload: written, offloaded[a]. No input moved or freed early.
-#   S15  [1860] clipping: taken. The norm of the norms is not taken before every unit's norm.
-#   S16  [1976 1994 2031 2032] the disk tier: settled, current, free, staged. No file read mid-write, no slot reused.
+#   S14  [541 1757 1777 1784 1788] activation offload: written, offloaded[a]. No input moved or freed early.
+#   S15  [1864] clipping: taken. The norm of the norms is not taken before every unit's norm.
+#   S16  [1980 1998 2035 2036] the disk tier: settled, current, free, staged. No file read mid-write, no slot reused.
 
 
 class OneProcess:  # a run's processes when it is one: rank 0 of 1 holds every unit whole, nothing to gather or wait for
@@ -841,6 +841,7 @@ class OffloadedTraining:
                 self.steppers.update(u, multiplier)
         if self.blocked:
             self.steppers.wait_all()  # S4: the naive step ends once the host's Adam is done
+        self.store.step(queued=True)  # each unit's update queued as its gradients landed: the optimizer's step
         return mean_loss(losses, self.ranks)
 
     def state_dict(self, grads: bool = False, on_first: bool = False) -> dict[str, torch.Tensor]:
@@ -1021,7 +1022,10 @@ class OffloadedAdam(torch.optim.Optimizer):
         return Adam(group["lr"], tuple(group["betas"]), group["eps"], group["weight_decay"])
 
     @torch.no_grad()
-    def step(self, closure=None) -> None:  # every unit on its host gradients, as torch.optim.Adam.step steps all
+    def step(self, closure=None, queued: bool = False) -> None:
+        """Every unit on its host gradients, as torch.optim.Adam.step steps all; `queued`: the trainer already did."""
+        if queued:  # the training step's end, where torch's loop calls step(): an LR scheduler counts it
+            return
         self.update.adam = self.hyper_parameters()
         for u in range(len(self.units)):
             self.step_unit(u)

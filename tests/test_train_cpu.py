@@ -4,6 +4,7 @@ compute device, against the plain model and torch.optim.Adam."""
 import json
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -68,7 +69,10 @@ def test_an_lr_scheduler_steers_the_offloaded_adam_as_torch_adam(depth):
     model, ids = build(ol.dataclasses.replace(tiny_run(), dtype="float32", batch_size=2))
     batches = micro(ids, 1)
     trainer = offloaded_trainer(model, CPU, depth, batches)
-    _, _, masters, losses = scheduled(trainer, trainer.store, batches, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, _, masters, losses = scheduled(trainer, trainer.store, batches, 4)
+    assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]  # the trainer calls the optimizer's step
     reference = reference_trainer(model, CPU, ol.Adam(lr=1e-3))
     _, _, ref_masters, ref_losses = scheduled(reference, reference.optimizer, batches, 4)
     assert trainer.store.param_groups[0]["lr"] == reference.optimizer.param_groups[0]["lr"] == 1e-3 / 16
