@@ -110,9 +110,9 @@ def test_rates_and_ranks_change_the_predictions_not_the_bytes(capsys, tmp_path):
 
 @pytest.mark.slow  # a run of its own: 15 s
 def test_the_plan_predicts_a_cpu_runs_host_peak(tmp_path):
-    """A cpu-mode training run of a 42M-parameter model: its measured peak resident set is the plan's within 7% (the
+    """A cpu-mode training run of a 42M-parameter model: its measured peak resident set is the plan's within 8% (the
     plan counts the process as it is when planning, the model, its copy, masters, gradients and moments, and the
-    traced step; it leaves out what torch's fused Adam and the allocator take besides, 5.5% of this run's peak)."""
+    traced step; it leaves out what torch's fused Adam and the allocator take besides: 5.6 to 7.3% of the peak)."""
     path = tmp_path / "r.json"
     sizes = ["--hidden-size", "512", "--intermediate-size", "1408", "--layers", "8", "--vocab-size", "16384"]
     r = cli(
@@ -138,7 +138,7 @@ def test_the_plan_predicts_a_cpu_runs_host_peak(tmp_path):
     assert r.returncode == 0, r.stderr
     report = json.loads(path.read_text())
     predicted, measured = sum(report["plan"]["host"].values()), report["peak_host_bytes_process"]
-    assert abs(predicted - measured) <= 0.07 * measured, (predicted, measured, report["plan"]["host"])
+    assert abs(predicted - measured) <= 0.08 * measured, (predicted, measured, report["plan"]["host"])
 
 
 def test_a_plan_allocates_nothing_the_size_of_the_run(capsys):
