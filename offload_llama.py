@@ -17,9 +17,9 @@ The file by line, the assignment first; each section beyond it says what it adds
    1350  Table 1 and Table 2                     tables
    1427  # === Beyond the assignment ===
         the compiled Adam 1430, the GPU's Adam 1531, activation offload 1735, float16 and clipping 1800
-        the disk tier 1883, several GPUs 2154, a model folder 2398, the plan 2592, measurement 3362
-        the tables' notes 3935, text in 4113, saving and resuming 4611, the command line 5074, running a mode 5936
-        the run 6101
+        the disk tier 1883, several GPUs 2154, a model folder 2398, the plan 2592, measurement 3364
+        the tables' notes 3937, text in 4115, saving and resuming 4613, the command line 5076, running a mode 5938
+        the run 6103
 """
 
 from __future__ import annotations
@@ -326,9 +326,9 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 # copy (weights in), D2H (gradients out; blocked's is compute), gather (several GPUs'); threads: main, autograd's, Adam.
 # Blocked against overlapped, in training: one slot, D2H on compute, holds_updates (the Adam after S11), wait_all (S4).
 # A unit's copy first calls wait_written: CpuAdam's blocks the host (S4), StreamedAdam's the copy stream (S13).
-#   S1   [548 585 2286 2288 3790] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
+#   S1   [548 585 2286 2288 3792] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
 #        gather); waited on by acquire on compute. Slot s is not read before its unit landed.
-#   S2   [543 593 3790] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s is
+#   S2   [543 593 3792] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s is
 #        not overwritten while a unit reads it.
 #   S3   [567] landed, CUDA event. Recorded by wait_copies on copy and gather; waited on by compute (keep_resident) or
 #        timed's end. A ring is not freed, nor a time ended, under a copy.
@@ -344,7 +344,7 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 #        compute before the backward's first write of the gradient buffer: not before its gradients left.
 #   S9   [1214 1221] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
 #   S10  [1099] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
-#   S11  [837 3790 6078] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
+#   S11  [837 3792 6080] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
 #        work; loss.item() in the training loop: the step's end. A step is not timed unfinished.
 #   S12  [1619] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
 #        kernels.
@@ -2830,9 +2830,10 @@ def host_room_planned(run: RunConfig, config: LlamaConfig, facts: Facts) -> tupl
     least = units if owns_grads(run) or "blocked" in run.modes else 2  # one fills, one steps
     shards, itemsize = shard_numels(config, facts.ranks), gradient_dtype(run).itemsize
     copy = None if run.torch_dtype == torch.float32 else run.torch_dtype  # in float32 the masters are the weights
-    if (host_spare(run, config, facts, copy, least) or 0) < 0:
-        copy = None  # no room for it
     spare = host_spare(run, config, facts, copy, least)
+    if copy and spare is not None and spare < 0:  # no room for the copy
+        copy = None
+        spare = host_spare(run, config, facts, copy, least)
     if least == units or spare is None or spare >= itemsize * (sum(shards) - 2 * max(shards)):
         return copy, units
     return copy, 2 + max(0, spare) // (itemsize * max(shards))
@@ -3164,8 +3165,9 @@ def check_plan(run: RunConfig, config: LlamaConfig, plan: Plan) -> None:
     """Refuse before allocating what the plan says won't fit: a GPU mode's least memory, the host's, a rank's peak."""
     run = dataclasses.replace(run, offload_activations=plan.offload_activations, nvme_layers=plan.disk_layers)
     run = dataclasses.replace(run, grad_accum=micro_batches_per_rank(run, plan.facts))  # a rank's share of the step
-    needs = {mode: gpu_bytes_needed(run, config, mode) for mode in run.modes if mode != "cpu"}
-    if needs and plan.facts.gpu_bytes is not None:
+    known = plan.facts.gpu_bytes is not None  # else there is no GPU to check against
+    needs = {mode: gpu_bytes_needed(run, config, mode) for mode in run.modes if mode != "cpu" and known}
+    if needs:
         cap = int(min(run.max_gpu_memory * GiB, plan.facts.gpu_bytes)) if run.max_gpu_memory else plan.facts.gpu_bytes
         least = min(needs, key=needs.get)
         if needs[least] > cap:
