@@ -18,8 +18,8 @@ The file by line, the assignment first; each section beyond it says what it adds
    1427  # === Beyond the assignment ===
         the compiled Adam 1430, the GPU's Adam 1531, activation offload 1735, float16 and clipping 1800
         the disk tier 1883, several GPUs 2154, a model folder 2398, the plan 2592, measurement 3364
-        the tables' notes 3937, text in 4115, saving and resuming 4613, the command line 5076, running a mode 5938
-        the run 6103
+        the tables' notes 3938, text in 4116, saving and resuming 4614, the command line 5077, running a mode 5939
+        the run 6104
 """
 
 from __future__ import annotations
@@ -344,7 +344,7 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 #        compute before the backward's first write of the gradient buffer: not before its gradients left.
 #   S9   [1214 1221] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
 #   S10  [1099] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
-#   S11  [837 3792 6080] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
+#   S11  [837 3792 6081] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
 #        work; loss.item() in the training loop: the step's end. A step is not timed unfinished.
 #   S12  [1619] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
 #        kernels.
@@ -3855,6 +3855,7 @@ class AdamInPlace:
         self.written = [t for args in self.args for i, t in enumerate(args) if i != 1 and t is not None]
         self.kept = [t.clone() for t in self.written]
         self.worker = ThreadPoolExecutor(1, initializer=torch.set_flush_denormal, initargs=(True,))
+        self()  # untimed: a new thread's first parallel loop starts its OpenMP threads, which the bound scales up
 
     def __call__(self) -> None:  # one update of every share, on the worker thread
         self.worker.submit(lambda: [self.update(*args) for args in self.args]).result()

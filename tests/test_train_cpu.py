@@ -732,10 +732,11 @@ def test_the_bounds_adam_is_timed_on_the_units_own_state_and_puts_it_back(grad_b
         store = trainer.store
         state = lambda u: [t.clone() for t in (store.masters[u], *store.moments_of(u), store.steps[u])]  # noqa: E731
         before = {u: state(u) for u in (1, 2)}
-        adam = ol.AdamInPlace(store, {1: 64, 2: 32})
+        adam = ol.AdamInPlace(store, {1: 64, 2: 32})  # its worker steps the shares once, untimed, to start its threads
+        assert all(store.steps[u] == before[u][3] + 1 for u in (1, 2))
         adam()
         for u, n in ((1, 64), (2, 32)):
-            assert not torch.equal(store.masters[u][:n], before[u][0][:n]) and store.steps[u] == before[u][3] + 1
+            assert not torch.equal(store.masters[u][:n], before[u][0][:n]) and store.steps[u] == before[u][3] + 2
             assert torch.equal(store.masters[u][n:], before[u][0][n:])  # only the share timed
         parts = ol.collections.defaultdict(list)
         ol.time_round({"adam": (CPU, adam)}, parts, ol.ONE_PROCESS)
