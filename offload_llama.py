@@ -11,15 +11,15 @@ The file by line, the assignment first; each section beyond it says what it adds
     200  gpu and cpu inference                   infer_resident, timed
     244  streams, events and pinned host memory  new_stream, host_zeros_each
     321  blocked and overlapped offload          every wait (S1-S16), ParamStore, LayerStreamer
-    653  training: the autograd.Function         StreamedUnit, OffloadedTraining
-    919  the offloaded Adam                      OffloadedAdam, CpuAdam, Steppers
-   1298  the reference                           ResidentTraining
-   1350  Table 1 and Table 2                     tables
-   1427  # === Beyond the assignment ===
-        the compiled Adam 1430, the GPU's Adam 1531, activation offload 1735, float16 and clipping 1800
-        the disk tier 1883, several GPUs 2154, a model folder 2398, the plan 2592, measurement 3364
-        the tables' notes 3938, text in 4116, saving and resuming 4614, the command line 5077, running a mode 5939
-        the run 6104
+    656  training: the autograd.Function         StreamedUnit, OffloadedTraining
+    935  the offloaded Adam                      OffloadedAdam, CpuAdam, Steppers
+   1314  the reference                           ResidentTraining
+   1366  Table 1 and Table 2                     tables
+   1443  # === Beyond the assignment ===
+        the compiled Adam 1446, the GPU's Adam 1547, activation offload 1751, float16 and clipping 1816
+        the disk tier 1899, several GPUs 2170, a model folder 2414, the plan 2608, measurement 3475
+        the tables' notes 4067, text in 4246, saving and resuming 4744, the command line 5207, running a mode 6069
+        the run 6234
 """
 
 from __future__ import annotations
@@ -326,33 +326,33 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 # copy (weights in), D2H (gradients out; blocked's is compute), gather (several GPUs'); threads: main, autograd's, Adam.
 # Blocked against overlapped, in training: one slot, D2H on compute, holds_updates (the Adam after S11), wait_all (S4).
 # A unit's copy first calls wait_written: CpuAdam's blocks the host (S4), StreamedAdam's the copy stream (S13).
-#   S1   [548 585 2286 2288 3792] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
+#   S1   [551 588 2302 2304 3913] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
 #        gather); waited on by acquire on compute. Slot s is not read before its unit landed.
-#   S2   [543 593 3792] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s is
+#   S2   [546 596 3913] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s is
 #        not overwritten while a unit reads it.
-#   S3   [567] landed, CUDA event. Recorded by wait_copies on copy and gather; waited on by compute (keep_resident) or
+#   S3   [570] landed, CUDA event. Recorded by wait_copies on copy and gather; waited on by compute (keep_resident) or
 #        timed's end. A ring is not freed, nor a time ended, under a copy.
-#   S4   [541 843 1192 1202 1243] done[u], thread event. Cleared by CpuAdam.update, set by the worker once unit u's
+#   S4   [544 859 1208 1218 1259] done[u], thread event. Cleared by CpuAdam.update, set by the worker once unit u's
 #        update is written; waited on by wait_written (in prefetch) and wait_all (main: blocked's step ends there);
 #        polled by written (CopyWindow issues ready copies first). A host source is not copied or saved mid-update.
-#   S5   [811 1176 1688 2307] ready, CUDA event. Recorded by OffloadedTraining.send on compute after the unit's
+#   S5   [827 1192 1704 2323] ready, CUDA event. Recorded by OffloadedTraining.send on compute after the unit's
 #        backward; waited on by CpuAdam.send on D2H (StreamedAdam.take on s_adam): gradients read once all are written.
-#   S6   [1176 2309] summed, CUDA event (several GPUs): recorded on D2H after the reduce-scatter, S5's stand-in.
-#   S7   [812 1178 1237] landed[u], blocking CUDA event. Recorded by CpuAdam.send on D2H after the copy to pinned
+#   S6   [1192 2325] summed, CUDA event (several GPUs): recorded on D2H after the reduce-scatter, S5's stand-in.
+#   S7   [828 1194 1253] landed[u], blocking CUDA event. Recorded by CpuAdam.send on D2H after the copy to pinned
 #        memory; waited on by the worker (synchronize; next_job queries it). The CPU does not read gradients in flight.
-#   S8   [812 870 1268] last_landed: S7's (or S13's consumed), kept by Steppers.send; waited on by wait_to_write on
+#   S8   [828 886 1284] last_landed: S7's (or S13's consumed), kept by Steppers.send; waited on by wait_to_write on
 #        compute before the backward's first write of the gradient buffer: not before its gradients left.
-#   S9   [1214 1221] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
-#   S10  [1099] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
-#   S11  [837 3792 6081] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
+#   S9   [1230 1237] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
+#   S10  [1115] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
+#   S11  [853 3913 6211] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
 #        work; loss.item() in the training loop: the step's end. A step is not timed unfinished.
-#   S12  [1619] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
+#   S12  [1635] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
 #        kernels.
-#   S13  [541 1702 1707 1714 1725 1732] the GPU's Adam over streamed state (StreamedAdam): consumed, landed[k],
+#   S13  [544 1718 1723 1730 1741 1748] the GPU's Adam over streamed state (StreamedAdam): consumed, landed[k],
 #        stepped[k], left[k], written_back[u], which u's next copy waits on, on the copy stream (wait_written).
-#   S14  [541 1757 1777 1784 1788] activation offload: written, offloaded[a]. No input moved or freed early.
-#   S15  [1864] clipping: taken. The norm of the norms is not taken before every unit's norm.
-#   S16  [1980 1998 2035 2036] the disk tier: settled, current, free, staged. No file read mid-write, no slot reused.
+#   S14  [544 1773 1793 1800 1804] activation offload: written, offloaded[a]. No input moved or freed early.
+#   S15  [1880] clipping: taken. The norm of the norms is not taken before every unit's norm.
+#   S16  [1996 2014 2051 2052] the disk tier: settled, current, free, staged. No file read mid-write, no slot reused.
 
 
 class OneProcess:  # a run's processes when it is one: rank 0 of 1 holds every unit whole, nothing to gather or wait for
@@ -509,12 +509,15 @@ class LayerStreamer:
         n_slots = min(self.depth + 1, len(self.streamed))
         self.slot = {u: i % n_slots for i, u in enumerate(self.streamed)}  # the slots in turn (blocked: its one)
         numel = max((self.whole_numel(self.sources[u]) for u in self.streamed), default=0)
-        self.buffers = [torch.empty(numel, dtype=self.dtype, device=self.device) for _ in range(n_slots)]
+        slots = [torch.empty(numel, dtype=self.dtype, device=self.device) for _ in range(n_slots)]
         cast = {self.sources[u].dtype for u in self.streamed} - {self.dtype}
         self.staging = torch.empty(min(numel, STAGING), dtype=cast.pop(), device=self.device) if cast else None
         kinds = dict.fromkeys(self.kinds[u] for u in self.streamed)
         with torch.device("meta"):
-            self.modules = [{kind: self.make_module(kind, buf) for kind in kinds} for buf in self.buffers]
+            self.modules = [{kind: self.make_module(kind, buf) for kind in kinds} for buf in slots]
+        # copies write through .data, which has a version counter of its own: a graph kept over a unit's weights stays
+        # valid while other units pass through its slot, as its backward copies the same weights back into it first
+        self.buffers = [buf.data for buf in slots]
         self.copied = [new_event(self.device) for _ in range(n_slots)]
         self.freed = [new_event(self.device) for _ in range(n_slots)]
         self.holds = [None] * n_slots  # the unit last copied into each slot
@@ -722,11 +725,15 @@ class StreamedUnit(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, trainer: OffloadedTraining, u: int, anchor: torch.Tensor, *xs: torch.Tensor):
-        """Run unit u on every micro-batch from its slot; keep the inputs, not the activations."""
+        """Run unit u on every micro-batch from its slot; keep the inputs, or (u in trainer.keep) the whole graphs."""
         ctx.trainer, ctx.u = trainer, u
-        trainer.inputs.save(ctx, u, xs)
         module = trainer.streamer.acquire(u)
-        outs = tuple(trainer.run_unit(u, module, x, k) for k, x in enumerate(xs))
+        if u in trainer.keep:  # its activations fit: the backward skips the recompute
+            ctx.graphs = [trainer.unit_graph(u, module, x, k) for k, x in enumerate(xs)]
+            outs = tuple(out.detach() for _, out in ctx.graphs)
+        else:
+            trainer.inputs.save(ctx, u, xs)
+            outs = tuple(trainer.run_unit(u, module, x, k) for k, x in enumerate(xs))
         trainer.streamer.release(u)
         return outs
 
@@ -735,12 +742,14 @@ class StreamedUnit(torch.autograd.Function):
         """Stream unit u in, sum its gradients over the micro-batches and send them; return the inputs' gradients."""
         trainer, u = ctx.trainer, ctx.u
         module = trainer.streamer.acquire(u)
-        xs = trainer.inputs.load(u, ctx.saved_tensors)
+        xs = ctx.graphs if u in trainer.keep else trainer.inputs.load(u, ctx.saved_tensors)
+        ctx.graphs = None  # each graph freed as its backward runs
         views = trainer.grad_views(u)
         grads_in = unit_backward(trainer, u, module, xs, grad_outs, views)
         trainer.send(u, views)
         trainer.streamer.release(u)
-        trainer.inputs.release(u)
+        if u not in trainer.keep:
+            trainer.inputs.release(u)
         return None, None, None, *grads_in  # none for trainer, u and anchor
 
 
@@ -768,6 +777,7 @@ class OffloadedTraining:
         self.streamer = self.make_streamer(*streamed, writer=self.steppers)
         self.anchor = torch.empty(0, device=device, requires_grad=True)
         self.inputs, self.scaling, self.clip = KeptInputs(), Unscaled(), Unscaled()
+        self.keep = frozenset()  # the units whose graphs the forward keeps: no recompute (the plan's, beyond)
 
     def make_steppers(self, *args) -> Steppers:  # of Steppers' arguments (several GPUs: the gradients summed first)
         return Steppers(*args)
@@ -788,13 +798,19 @@ class OffloadedTraining:
             return self.loss_function(module(x), self.labels[k], vocab_size=self.vocab_size)
         return module(x)
 
-    def unit_grads(self, u: int, module: nn.Module, x: torch.Tensor, k: int, grad_out: torch.Tensor):
-        """Recompute unit u on micro-batch k and back-propagate: (gradient of its input or None, parameter grads)."""
-        params = list(module.parameters())
+    def unit_graph(self, u: int, module: nn.Module, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unit u's forward on micro-batch k with its graph: (the input as a leaf, the output)."""
         with torch.enable_grad():
             x = x.detach().requires_grad_(x.is_floating_point())
-            inputs = [x, *params] if x.requires_grad else params
-            grads = torch.autograd.grad(self.run_unit(u, module, x, k), inputs, grad_out)
+            return x, self.run_unit(u, module, x, k)
+
+    def unit_grads(self, u: int, module: nn.Module, x, k: int, grad_out: torch.Tensor):
+        """Back-propagate unit u on micro-batch k, recomputed from input x or through its kept graph (an (input,
+        output) pair): (gradient of its input or None, parameter gradients)."""
+        params = list(module.parameters())  # those the kept graph was built over: the same slot's module
+        x, out = x if isinstance(x, tuple) else self.unit_graph(u, module, x, k)
+        inputs = [x, *params] if x.requires_grad else params
+        grads = torch.autograd.grad(out, inputs, grad_out)
         return (grads[0], grads[1:]) if x.requires_grad else (None, grads)
 
     def grad_views(self, u: int) -> list[torch.Tensor]:  # where unit u's gradients accumulate on the GPU, by parameter
@@ -2679,6 +2695,9 @@ class ModePlan:
     training_gpu: dict  # part -> bytes
     training_fits: bool
     bound_ms: dict  # part -> predicted ms
+    keep: tuple[int, ...] = ()  # the units whose graphs training keeps: not recomputed
+    step_ms: float = 0.0  # the predicted step
+    runner_up: dict = dataclasses.field(default_factory=dict)  # the next placement the search weighed, described
 
     @property
     def training_peak(self) -> int:  # the predicted peak GPU memory of a training step
@@ -2720,10 +2739,11 @@ def make_plan(run: RunConfig, config: LlamaConfig, facts: Facts) -> Plan:
     modes = {}  # each offloaded mode's placements and bound
     for m in (mode for mode in run.modes if mode in ("blocked", "overlapped")):
         inference = inference_placement(run, config, facts, m) if run.inference else ((), {})
-        training = training_placement(run, config, facts, m, copy) if run.train else ((), (), {}, True)
-        depth = mode_depth(m, run.prefetch)
-        bound = predicted_bound(run, config, facts, depth, *training[:2], copy) if run.train else {}
-        modes[m] = ModePlan(depth, *inference, *training, bound)
+        tried = searched_placement(run, config, facts, m, copy) if run.train else []
+        best = tried[0] if tried else Placement((), (), (), {}, True, {}, 0.0)
+        training = best.resident, best.gpu_adam, best.gpu, best.fits, best.bound_ms, best.keep, best.step_ms
+        runner_up = tried[1].described(model_units(config)) if len(tried) > 1 else {}
+        modes[m] = ModePlan(mode_depth(m, run.prefetch), *inference, *training, runner_up)
     longest = max((ms for plan in modes.values() for ms in plan.bound_ms.values()), default=0.0)
     timeout = run.rank_timeout or max(RANK_TIMEOUT, math.ceil(TIMEOUT_STEPS * longest / 1e3))
     threads = max(1, facts.cores // facts.local_world)
@@ -2878,10 +2898,62 @@ def gpu_adam_units(units: list[Unit], resident, share: float, on_disk=()) -> tup
     return tuple(chosen)
 
 
-def training_placement(run: RunConfig, config: LlamaConfig, facts: Facts, mode: str, copy) -> tuple:
-    """Training's (resident units, GPU Adam units, GPU bytes by part, whether they fit); only overlapped keeps units."""
+@dataclass(frozen=True)
+class Placement:
+    """A training placement the plan weighs: which units keep their graphs, are resident, are stepped by the GPU's
+    Adam; its GPU bytes by part, whether they fit, its predicted bound (ms by part) and step."""
+
+    keep: tuple[int, ...]
+    resident: tuple[int, ...]
+    gpu_adam: tuple[int, ...]
+    gpu: dict
+    fits: bool
+    bound_ms: dict
+    step_ms: float
+
+    def described(self, units: list[Unit]) -> dict:  # for --plan and the JSON
+        names = {f: unit_names(units, getattr(self, f)) for f in ("keep", "resident", "gpu_adam")}
+        return names | {"step_ms": self.step_ms, "peak_bytes": sum(self.gpu.values())}
+
+
+def searched_placement(run: RunConfig, config: LlamaConfig, facts: Facts, mode: str, copy) -> list[Placement]:
+    """Training's placements for `mode`, the fastest predicted step first, of equal steps the least GPU memory: every
+    unit recomputed, or the most (or half as many) keeping their graphs that fit, each with the units it then keeps
+    resident (training_placement)."""
+    depth, blocked = mode_depth(mode, run.prefetch), mode == "blocked"
+    tried = []
+    for keep in graph_options(run, config, facts, mode, copy):
+        resident, gpu_adam, parts, fits = training_placement(run, config, facts, mode, copy, keep)
+        bound = predicted_bound(run, config, facts, depth, resident, gpu_adam, copy, keep)
+        step = sum(bound[p] for p in ("gpu_compute_ms", "h2d_ms", "d2h_ms", "cpu_adam_ms")) if blocked else None
+        tried.append(Placement(keep, resident, gpu_adam, parts, fits, bound, step or max(bound.values())))
+    return sorted(tried, key=lambda p: (not p.fits, round(p.step_ms, 1), sum(p.gpu.values())))
+
+
+def graph_options(run: RunConfig, config: LlamaConfig, facts: Facts, mode: str, copy) -> list[tuple[int, ...]]:
+    """The sets of units keeping their graphs the search weighs: none, and where the GPU has room, the most that fit
+    and half as many; the decoder layers from the last, then the head (the embeddings and the norm recompute free)."""
+    limit = (
+        gpu_budget(run, facts) if run.max_gpu_memory is not None else facts.gpu_bytes and facts.gpu_bytes - PLAN_MARGIN
+    )
+    if not limit or run.offload_activations:
+        return [()]
+    units = model_units(config)
+    order = [u for u in reversed(range(len(units))) if units[u].kind == "layer"] + [len(units) - 1]
+
+    def fits(k: int) -> bool:  # the first k of `order` keep their graphs, every other unit streamed
+        parts = training_placement(dataclasses.replace(run, resident_layers=0), config, facts, mode, copy, order[:k])
+        return sum(parts[2].values()) <= limit
+
+    most = next((k for k in reversed(range(1, len(order) + 1)) if fits(k)), 0)
+    return list(dict.fromkeys([(), tuple(sorted(order[:most])), tuple(sorted(order[: most // 2]))]))
+
+
+def training_placement(run: RunConfig, config: LlamaConfig, facts: Facts, mode: str, copy, keep=()) -> tuple:
+    """Training's (resident units, GPU Adam units, GPU bytes by part, whether they fit) where the units in `keep` keep
+    their graphs; only overlapped keeps units resident."""
     depth, units = mode_depth(mode, run.prefetch), model_units(config)
-    on_disk, besides = disk_units(config, run.nvme_layers or 0), unplaced_bytes(run, config, facts)
+    on_disk, besides = disk_units(config, run.nvme_layers or 0), unplaced_bytes(run, config, facts, keep)
 
     def placement(resident: list[int], share: float) -> tuple[tuple, tuple, dict]:  # the GPU's Adam takes `share`
         gpu_adam = gpu_adam_units(units, resident, share, on_disk)
@@ -2891,13 +2963,18 @@ def training_placement(run: RunConfig, config: LlamaConfig, facts: Facts, mode: 
     budget, resident, share = gpu_budget(run, facts), [], run.gpu_adam if mode == "overlapped" else 0.0
     keeps = mode == "overlapped" and facts.world == 1  # a rank's units are its shards: none resident
     uncapped = keeps and budget is None and run.resident_layers is None  # compute-bound, it keeps units (below)
-    if share and run.gpu_adam_share is None and not uncapped and compute_bound(run, config, facts, ((), ()), copy):
+    bound = compute_bound(run, config, facts, ((), ()), copy, keep)
+    if share and run.gpu_adam_share is None and not uncapped and bound:
         share = 0.0  # the compute bounds the step with every unit on the CPU Adam: the GPU's Adam would add to it
     if keeps and run.resident_layers is not None:
         resident = list(range(1, 1 + run.resident_layers))  # unit 0 is the embeddings
     elif keeps and budget is not None:
         resident = boundary_units([u for u in range(len(units)) if u not in on_disk], placement, budget, share)
-    elif keeps and facts.gpu_bytes and compute_bound(run, config, facts, (streamed := placement([], share))[:2], copy):
+    elif (
+        keeps
+        and facts.gpu_bytes
+        and compute_bound(run, config, facts, (streamed := placement([], share))[:2], copy, keep)
+    ):
         resident, share = boundary_units(streamed[1], placement, facts.gpu_bytes - PLAN_MARGIN), 0.0
     chosen = placement(resident, share)
     if budget is not None and sum(chosen[2].values()) > budget:
@@ -2906,9 +2983,9 @@ def training_placement(run: RunConfig, config: LlamaConfig, facts: Facts, mode: 
     return (*chosen, sum(chosen[2].values()) <= limit)
 
 
-def compute_bound(run: RunConfig, config: LlamaConfig, facts: Facts, placed: tuple, copy) -> bool:
+def compute_bound(run: RunConfig, config: LlamaConfig, facts: Facts, placed: tuple, copy, keep=()) -> bool:
     """Whether the GPU's compute bounds an overlapped training step with `placed` (resident, GPU Adam units)."""
-    parts = predicted_bound(run, config, facts, run.prefetch, *placed, copy)
+    parts = predicted_bound(run, config, facts, run.prefetch, *placed, copy, keep)
     return parts["gpu_compute_ms"] >= max(parts.values())
 
 
@@ -2945,28 +3022,32 @@ def training_parts(run, config, facts: Facts, depth: int, own_grads: bool, resid
     }
 
 
-def unplaced_bytes(run: RunConfig, config: LlamaConfig, facts: Facts) -> dict[str, int]:
-    """Training's peak GPU bytes no placement changes, where it peaks: saved inputs, a unit's working set, the rest."""
+def unplaced_bytes(run: RunConfig, config: LlamaConfig, facts: Facts, keep=()) -> dict[str, int]:
+    """Training's peak GPU bytes beside the units' weights and state, where it peaks: saved inputs, the graphs of the
+    units in `keep` (not recomputed), a unit's working set, the rest."""
     kinds, inputs = [unit.kind for unit in model_units(config)], unit_inputs_bytes(run, config, facts)
     # a backward's bytes the meta trace misses: the layers' cuBLAS workspace (the backward's thread allocates it), eager
     # attention's float32 gradient of the softmax, CUDA's sorted embedding backward (float32 sums of a token's rows)
     eager = 4 * run.batch_size * config.num_attention_heads * run.seq_len**2 * (run.attention == "eager")
     extra = {"layer": CUBLAS_WORKSPACE + eager, "embed": 9 * run.tokens * config.hidden_size // 2 * (run.tokens > 3072)}
-    working = {}  # each kind's most GPU bytes beyond its weights and inputs (forward, backward), as traced
-    for kind in dict.fromkeys(kinds):
-        forward, backward = traced_passes(trace_key(run, config), kind, micro_batches_per_rank(run, facts))
-        working[kind] = forward, backward + extra.get(kind, 0)
-    # saved inputs as unit u runs: units 1 to u's; offloaded, the two still leaving in the forward, none in the backward
+    working, graphs = {}, [0] * len(kinds)  # each unit's most GPU bytes beyond its weights and inputs; its graphs'
+    for u, kind in enumerate(kinds):
+        key = trace_key(run, config), kind, micro_batches_per_rank(run, facts), u in keep
+        forward, backward, graphs[u] = traced_passes(*key)
+        working[u] = forward, backward + extra.get(kind, 0)
+    # saved inputs as unit u runs: units 1 to u's and the graphs before it; offloaded, the two still leaving in the
+    # forward, none in the backward
     saved = {(u, b): u * inputs for u in range(len(kinds)) for b in (0, 1)}
     if run.offload_activations:
         saved = {(u, b): 0 if b else min(u, 2) * inputs for u, b in saved}
-    u, backward = max(saved, key=lambda ub: saved[ub] + working[kinds[ub[0]]][ub[1]])
+    u, backward = max(saved, key=lambda ub: saved[ub] + sum(graphs[: ub[0]]) + working[ub[0]][ub[1]])
     # the rest: cuBLAS's workspace, HF's decoder kwargs, the token ids, activation offload's ring of slots
     passed = sum(t.nbytes for t in tensors_in(traced_decoder_kwargs(trace_key(run, config))))
     ids = micro_batches_per_rank(run, facts) * run.tokens * 8
     slots = min(run.prefetch + 1, config.num_hidden_layers + 1) if run.offload_activations else 0
     other = CUBLAS_WORKSPACE + passed + ids + slots * inputs
-    return {"saved inputs": saved[u, backward], "working set": working[kinds[u]][backward], "other": other}
+    held = {"saved inputs": saved[u, backward], "kept graphs": sum(graphs[:u])}
+    return held | {"working set": working[u][backward], "other": other}
 
 
 def micro_batches_per_rank(run: RunConfig, facts: Facts) -> int:  # a step's most micro-batches on a rank (rank 0's)
@@ -3017,8 +3098,9 @@ def trace_key(run: RunConfig, config: LlamaConfig, layers: int = 1) -> tuple:  #
 
 
 @functools.cache
-def traced_passes(key: tuple, kind: str, micro_batches: int) -> tuple[int, int]:
-    """A unit's peak bytes beyond weights and inputs: its forward over `micro_batches`, then recompute and backward."""
+def traced_passes(key: tuple, kind: str, micro_batches: int, kept: bool = False) -> tuple[int, int, int]:
+    """A unit's peak bytes beyond weights and inputs: its forward over `micro_batches`, then its recompute and
+    backward (kept: its backward through the forward's graphs); and the bytes its graphs hold between the two."""
     config_json, attention, dtype_name, batch_size, seq_len = key
     config, dtype, shape = LlamaConfig.from_dict(json.loads(config_json)), DTYPES[dtype_name], (batch_size, seq_len)
     model = meta_model(config, dtype, attention)
@@ -3033,21 +3115,29 @@ def traced_passes(key: tuple, kind: str, micro_batches: int) -> tuple[int, int]:
             return model.loss_function(module(x), ids[k], vocab_size=config.vocab_size)
         return module(x, **kwargs) if kind == "layer" else module(x)
 
+    def graph(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:  # as OffloadedTraining.unit_graph
+        with torch.enable_grad():
+            x = x.detach().requires_grad_(x.is_floating_point())
+            return x, run_unit(x, k)
+
     with sdpa_as_on_cuda(), MetaMemory() as memory:
         with torch.no_grad():
-            outs = [run_unit(x, k) for k, x in enumerate(xs)]
-        forward = memory.peak
+            graphs = [graph(x, k) for k, x in enumerate(xs)] if kept else None
+            outs = [out.detach() for _, out in graphs] if kept else [run_unit(x, k) for k, x in enumerate(xs)]
+        forward, held = memory.peak, memory.live - sum(out.untyped_storage().nbytes() for out in outs)
         memory.peak = memory.live  # the backward's peak, from here
-        grads_in, held = [], []
+        grads_in, first = [], []
         for k, (x, out) in enumerate(zip(xs, outs, strict=True)):
-            x = x.detach().requires_grad_(x.is_floating_point())
+            x, y = graphs[k] if kept else graph(x, k)
+            if kept:
+                graphs[k] = None  # its saved tensors freed by its backward, as the step's are
             inputs = [x, *module.parameters()] if x.requires_grad else list(module.parameters())
-            grads = torch.autograd.grad(run_unit(x, k), inputs, out)
+            grads = torch.autograd.grad(y, inputs, out)
             grads_in.append(grads[0] if x.requires_grad else None)  # kept, as the backward's are until it returns
             # each micro-batch's parameter gradients are freed before the next's, but the first's wait for the second's
-            held[:] = [grads] if k == 0 and micro_batches > 1 else []
-            del grads
-    return forward, memory.peak
+            first[:] = [grads] if k == 0 and micro_batches > 1 else []
+            del grads, y
+    return forward, memory.peak, held
 
 
 @functools.cache
@@ -3141,8 +3231,9 @@ def host_parts(run: RunConfig, config: LlamaConfig, facts: Facts, copy, buffers:
     return parts | {"passes": ids + logits + pool + (cpu if "cpu" in run.modes else 0)}
 
 
-def predicted_bound(run, config, facts: Facts, depth: int, resident, gpu_adam, copy) -> dict[str, float]:
-    """What a training step cannot beat, by the rates: ms by part (GPU compute, copies, CPU Adam, host, disk)."""
+def predicted_bound(run, config, facts: Facts, depth: int, resident, gpu_adam, copy, keep=()) -> dict[str, float]:
+    """What a training step cannot beat, by the rates: ms by part (GPU compute, copies, CPU Adam, host, disk); the
+    units in `keep` are not recomputed."""
     rate, shards = dict(facts.rates), shard_numels(config, facts.ranks)
     streamed = [u for u in range(len(shards)) if u not in resident]
     kept = streamed[-min(depth + 1, len(streamed)) :] if streamed else []  # the backward finds them in the slots
@@ -3152,7 +3243,9 @@ def predicted_bound(run, config, facts: Facts, depth: int, resident, gpu_adam, c
     h2d, d2h = weights + 12 * on_gpu, grad * on_cpu + (12 + copied) * on_gpu
     adam = on_cpu * (24 + grad + copied)  # masters and moments read and written, gradients read, the copy written
     disk = 2 * (run.nvme_layers or 0) * disk_unit_bytes(config, facts.ranks)  # read, and written back
-    flops = 4 * pass_flops(run, config) * micro_batches_per_rank(run, facts)  # the forward, recompute and backward
+    kinds = [unit.kind for unit in model_units(config)]
+    recomputed = pass_flops(run, config) - sum(unit_flops(run, config, kinds[u]) for u in keep)
+    flops = (3 * pass_flops(run, config) + recomputed) * micro_batches_per_rank(run, facts)  # the backward twice
     tflops = rate["gpu_tflops"] / (8 if run.torch_dtype == torch.float32 else 1)
     moved = {"h2d": (h2d, "h2d_gbps"), "d2h": (d2h, "d2h_gbps"), "cpu_adam": (adam, "adam_gbps")}  # bytes, their rate
     moved["host_memory"] = facts.local_world * (adam + h2d + d2h + disk), "host_gbps"  # every rank's
@@ -3233,11 +3326,18 @@ def plan_table(plan: Plan, run: RunConfig, config: LlamaConfig) -> str:
             ms, fits = placed.bound_ms, "" if placed.training_fits else " (does not fit)"
             by = max(ms, key=ms.get)
             bound = ", ".join(f"{part.removesuffix('_ms').replace('_', ' ')} {t:.0f}" for part, t in ms.items())
-            names = "; ".join(unit_names(units, chosen) for chosen in (placed.resident, placed.gpu_adam))
+            chosen = (placed.resident, placed.gpu_adam, placed.keep)
+            names = "; ".join(unit_names(units, units_of) for units_of in chosen)
             peak = f"{gib(placed.training_peak)} GiB{fits}: {parts_text(placed.training_gpu)}"
-            rows.append((f"{mode} training: resident; GPU Adam", names))
+            rows.append((f"{mode} training: resident; GPU Adam; keeping their graphs", names))
             rows.append((f"{mode} training: peak GPU", peak))
-            rows.append((f"{mode} training: bound", f"{ms[by]:.0f} ms ({by.removesuffix('_ms')}): {bound}"))
+            step = f"{placed.step_ms:.0f} ms, bound by {by.removesuffix('_ms')}: {bound}"
+            rows.append((f"{mode} training: predicted step", step))
+            if placed.runner_up:
+                r = placed.runner_up
+                other = f"{r['step_ms']:.0f} ms, peak GPU {gib(r['peak_bytes'])} GiB; resident {r['resident']}"
+                other += f"; GPU Adam {r['gpu_adam']}; keeping their graphs {r['keep']}"
+                rows.append((f"{mode} training: runner-up", other))
     lines = ["plan (--plan; predictions from the rates " + ", ".join(f"{k} {v:g}" for k, v in facts.rates) + ")", ""]
     return "\n".join([*lines, "| | |", "|---|---|", *(f"| {what} | {value} |" for what, value in rows)]) + "\n"
 
@@ -3303,6 +3403,13 @@ def pass_flops(run: RunConfig, config: LlamaConfig) -> float:  # a forward's mat
     return 2 * param_count(config) * run.tokens + attention
 
 
+def unit_flops(run: RunConfig, config: LlamaConfig, kind: str) -> float:  # a unit's share of pass_flops
+    if kind == "layer":
+        attention = 4 * run.batch_size * run.seq_len**2 * config.hidden_size
+        return 2 * sum(p.numel() for p in meta_layer(config).parameters()) * run.tokens + attention
+    return 2 * config.vocab_size * config.hidden_size * run.tokens if kind == "head" else 0.0
+
+
 def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
     """The FLOP/s of square matmuls in `dtype` on `device`, over a tenth of a second or so: a rough rate."""
     n = 2048 if device.type == "cuda" else 256
@@ -3342,14 +3449,18 @@ def place_units(trainer: OffloadedTraining, run: RunConfig, mode: str, plan: Pla
     """Install the plan's placement of the units; log it and describe it for the JSON."""
     placed = plan.modes[mode]
     place_on_gpu(trainer, placed.resident, placed.gpu_adam, owns_grads(run))
+    trainer.keep = frozenset(placed.keep)
     torch.cuda.reset_peak_memory_stats(trainer.device)  # the step's peak
     resident = [trainer.units[u].name for u in placed.resident]
     gpu_adam = [trainer.units[u].name for u in placed.gpu_adam]
+    kept = [trainer.units[u].name for u in placed.keep]
     parts = ", ".join(f"{part} {gib(n)}" for part, n in placed.training_gpu.items())
     adam = f"stepped by the GPU's Adam over streamed state: {', '.join(gpu_adam) or 'none'}"
+    graphs = f"keeping their graphs (not recomputed): {unit_names(trainer.units, placed.keep)}"
     peak = f"predicted peak {gib(placed.training_peak)} GiB: {parts}"
-    log(f"mode {mode}: units resident on the GPU: {', '.join(resident) or 'none'}; {adam}; {peak}")
+    log(f"mode {mode}: units resident on the GPU: {', '.join(resident) or 'none'}; {adam}; {graphs}; {peak}")
     described = {"units": len(trainer.units), "resident_units": resident, "gpu_adam_units": gpu_adam}
+    described |= {"kept_graph_units": kept, "predicted_step_ms": placed.step_ms, "runner_up": placed.runner_up}
     return described | {"predicted_peak_bytes": placed.training_peak, "predicted_parts": placed.training_gpu}
 
 
@@ -3655,13 +3766,12 @@ def resident_forward_backward(model: LlamaForCausalLM, input_ids: torch.Tensor, 
 
 def train_bound_parts(trainer: OffloadedTraining, micro_batches, device) -> dict:
     """The bound's parts as functions to time alone (name -> (device, fn)), made anew each round (train_bound's)."""
-    kinds = [u.kind for u in trainer.units]
     fns = {}
-    for kind in dict.fromkeys(kinds):
-        forward, backward = unit_passes(trainer, kinds.index(kind), micro_batches, device)
-        fns[kind] = (device, Compute(lambda forward=forward, backward=backward: backward(forward())))
+    for name, (u, _) in compute_groups(trainer).items():  # one unit of each kind, recomputed or keeping its graphs
+        forward, backward = unit_passes(trainer, u, micro_batches, device)
+        fns[name] = (device, Compute(lambda forward=forward, backward=backward: backward(forward())))
         if trainer.holds_updates and not trainer.blocked:  # the held bound's forward (train_bound's)
-            fns[f"{kind}_forward"] = (device, Compute(forward))
+            fns[f"{name}_forward"] = (device, Compute(forward))
     if trainer.streamer.streamed:
         fns |= {"h2d": (device, lambda: copy_in(trainer)), "d2h": (device, lambda: copy_out(trainer))}
     resident = next((s.units for s in trainer.steppers.of if isinstance(s, ResidentUnits)), {})  # stepped on the GPU
@@ -3677,6 +3787,17 @@ def train_bound_parts(trainer: OffloadedTraining, micro_batches, device) -> dict
     if trainer.store.adam_moments.disk:
         fns["disk"] = (torch.device("cpu"), lambda: disk_cycle(trainer.store.adam_moments.disk))
     return fns
+
+
+def compute_groups(trainer: OffloadedTraining) -> dict[str, tuple[int, int]]:
+    """The units the bound times alike, by name ("layer", or "layer kept" for those keeping their graphs): (the first
+    such unit, how many)."""
+    groups = {}
+    for u, unit in enumerate(trainer.units):
+        name = f"{unit.kind} kept" if u in trainer.keep else unit.kind
+        first, count = groups.get(name, (u, 0))
+        groups[name] = first, count + 1
+    return groups
 
 
 def resident_adam(trainer: OffloadedTraining, numels: list[int], device) -> None:
@@ -3768,8 +3889,8 @@ def train_bound(trainer: OffloadedTraining, best: dict[str, float]) -> dict:
     """What a training step cannot beat (ms by part), from train_bound_parts' best times scaled to the whole step."""
     store = trainer.store
     on_cpu, on_gpu = cpu_and_gpu_adam_units(trainer)
-    kinds = [u.kind for u in trainer.units]
-    parts = {"gpu_compute_ms": sum(kinds.count(kind) * best[kind] for kind in dict.fromkeys(kinds))}
+    groups = compute_groups(trainer)
+    parts = {"gpu_compute_ms": sum(count * best[name] for name, (_, count) in groups.items())}
     disk_bytes, figures = 0, {}
     if "resident_adam" in best:  # on the compute stream, between the passes
         parts["gpu_compute_ms"] += best["resident_adam"]
@@ -3793,7 +3914,7 @@ def train_bound(trainer: OffloadedTraining, best: dict[str, float]) -> dict:
         parts["serial_ms"] = sum(parts.get(part, 0.0) for part in ("gpu_compute_ms", "h2d_ms", "d2h_ms"))
         parts["serial_ms"] += max(parts.get("cpu_adam_ms", 0.0), parts.get("disk_ms", 0.0))
     elif trainer.holds_updates:  # each waits for the whole backward, then the longer of the next forward and the Adam
-        forward = sum(kinds.count(kind) * best[f"{kind}_forward"] for kind in dict.fromkeys(kinds))
+        forward = sum(count * best[f"{name}_forward"] for name, (_, count) in groups.items())
         figures |= {"gpu_forward_ms": forward, "unheld_bound_ms": max(parts.values())}
         parts["held_updates_ms"] = parts["gpu_compute_ms"] - forward + max(forward, parts.get("cpu_adam_ms", 0.0))
     bound = {"bound_ms": max(parts.values()), "bound_by": max(parts, key=parts.get).removesuffix("_ms")}
@@ -3822,7 +3943,8 @@ def disk_step_bytes(disk: DiskTier) -> int:  # the bytes a step reads (and write
 
 
 def unit_passes(trainer: OffloadedTraining, u: int, micro_batches, device):
-    """Unit u's forward() and backward(outs) over every micro-batch, as a step runs them from whatever its slot has."""
+    """Unit u's forward() and backward(outs) over every micro-batch, as a step runs them from whatever its slot has:
+    recomputed in the backward, or through the forward's graphs where u keeps them."""
     streamer = trainer.streamer
     streamer.begin([u])
     module = streamer.acquire(u)
@@ -3830,12 +3952,19 @@ def unit_passes(trainer: OffloadedTraining, u: int, micro_batches, device):
     xs = micro_batches if trainer.units[u].kind == "embed" else [hidden] * len(micro_batches)
     trainer.labels = micro_batches
     views = trainer.grad_views(u)
+    kept = u in trainer.keep
 
-    @torch.no_grad()
-    def forward() -> list[torch.Tensor]:  # unit u's outputs
-        return [trainer.run_unit(u, module, x, k) for k, x in enumerate(xs)]
+    def forward() -> list:  # unit u's outputs, or where it keeps them its (input, output) graphs
+        if kept:
+            return [trainer.unit_graph(u, module, x, k) for k, x in enumerate(xs)]
+        with torch.no_grad():
+            return [trainer.run_unit(u, module, x, k) for k, x in enumerate(xs)]
 
-    return forward, functools.partial(unit_backward, trainer, u, module, xs, views=views)  # backward(outs)
+    def backward(outs: list) -> list:  # the outputs stand in for their gradients
+        grad_outs = [out.detach() for _, out in outs] if kept else outs
+        return unit_backward(trainer, u, module, outs if kept else xs, grad_outs, views)
+
+    return forward, backward
 
 
 def adam_timed_numel(on_cpu: dict[int, int]) -> int:  # what the bound times the CPU Adam on: its largest unit, capped
@@ -4091,7 +4220,8 @@ def bound_note(mode: str, t: dict) -> str:  # a mode's training bound, each part
     rounds = len(next(iter(t["bound_parts_ms"].values())))
     adam = f", the resident units' Adam {t['resident_adam_ms']:.1f}" if "resident_adam_ms" in t else ""
     note = f"{mode} training bound, each part alone (best of {rounds} rounds): GPU compute {t['gpu_compute_ms']:.1f} ms"
-    note += f" (forward, recompute, backward{adam}; after {SETTLE_S:g} s of load)"
+    recompute = "recompute, " if len(t.get("kept_graph_units", ())) < t.get("units", 0) else ""
+    note += f" (forward, {recompute}backward{adam}; after {SETTLE_S:g} s of load)"
     if "h2d_ms" in t:
         h2d, d2h = t["h2d_bytes"] / t["h2d_ms"] / 1e6, t["d2h_bytes"] / t["d2h_ms"] / 1e6
         note += f", H2D {t['h2d_ms']:.1f} ms ({h2d:.1f} GB/s), D2H {t['d2h_ms']:.1f} ms ({d2h:.1f} GB/s)"

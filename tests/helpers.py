@@ -134,6 +134,7 @@ def offloaded_trainer(
     reuse=False,
     clip=None,
     disk=None,
+    keep=(),
 ):
     """The blocked (depth 0) or overlapped training of `model` on `device`, as the CLI builds it; offload: the units'
     saved inputs wait on the host (--offload-activations); grad_buffers: a shared gradient pool of that many; copy:
@@ -141,7 +142,8 @@ def offloaded_trainer(
     units kept on the device and stepped there, with gradients of their own or (own_grads False) shared; gpu_adam: the
     streamed units the device's Adam steps over their state streamed from the host, their first step's gradients
     kept on the host for first_step_state; reuse: the last such store, poisoned (master_store); clip: the gradients'
-    largest norm (--clip-grad-norm); disk: (folder, units) whose moments a disk tier keeps there (--nvme)."""
+    largest norm (--clip-grad-norm); disk: (folder, units) whose moments a disk tier keeps there (--nvme); keep: the
+    units whose forward keeps its graph for the backward (no recompute)."""
     adam = adam or ol.Adam(lr=1e-3)
     dtype = next(model.parameters()).dtype
     run = ol.RunConfig(dtype=str(dtype).removeprefix("torch."), grad_accum=len(micro_batches))
@@ -152,6 +154,7 @@ def offloaded_trainer(
     args = (store, model.config, dtype, torch.device(device), depth, model.loss_function, kwargs)
     trainer = ol.OffloadedTraining(*args)
     ol.scale_and_clip(trainer, clip)
+    trainer.keep = frozenset(keep)
     if offload:
         trainer.inputs = ol.ActivationOffload(trainer, len(micro_batches), tuple(micro_batches[0].shape))
     if resident or gpu_adam:

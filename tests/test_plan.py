@@ -21,7 +21,8 @@ def test_the_plan_is_printed_without_building_the_model(capsys):
     assert "a GPU: 80.00 GiB (--gpu-memory's)" in out
     for row in ("| machine |", "| the masters' copy the GPU streams |", "| predicted peak host, a rank |"):
         assert row in out
-    assert "| overlapped training: bound |" in out and "building" not in err and "training state" not in err
+    assert "| overlapped training: predicted step |" in out and "| overlapped training: runner-up |" in out
+    assert "building" not in err and "training state" not in err
 
 
 @pytest.mark.skipif(ol.torch.cuda.is_available(), reason="plans for this machine's GPU")

@@ -54,6 +54,23 @@ def test_offloaded_training_equals_resident(dtype, depth, k):
     assert_losses_match(losses, ref_losses, dtype)
 
 
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("depth", [0, 1, 2])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_units_that_keep_their_graphs_train_as_those_recomputed(dtype, depth, k):
+    """Units whose forward keeps its graph (every other one: its weights' views outlive other units in its slot) and
+    the rest recomputed: the same gradients, masters and losses, bit for bit, as every unit recomputed."""
+    model, ids = build(ol.dataclasses.replace(tiny_run(), dtype=dtype, batch_size=2))
+    batches = micro(ids, k)
+    units = len(ol.model_units(model.config))
+    for keep in (range(0, units, 2), range(1, units, 2)):
+        kept = train(offloaded_trainer(model, CPU, depth, batches, keep=keep), batches, 3)
+        recomputed = train(offloaded_trainer(model, CPU, depth, batches), batches, 3)
+        for ours, theirs in zip(kept[:3], recomputed[:3], strict=True):
+            assert all(torch.equal(t, theirs[name]) for name, t in ours.items())
+        assert kept[3] == recomputed[3]
+
+
 def scheduled(trainer, optimizer, batches, steps):
     """train()'s results with an LR schedule on `optimizer`: the lr halved after each step."""
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)

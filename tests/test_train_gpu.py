@@ -177,6 +177,23 @@ def test_float32_masters_streamed_without_a_copy_give_the_same_grads(depth):
 
 @pytest.mark.parametrize("k", [1, 2])
 @pytest.mark.parametrize("depth", [0, 1, 2])
+def test_units_keeping_their_graphs_give_gpu_modes_grads(depth, k):
+    """No recompute: every unit, then every other one, keeping its forward's graphs (over its slot's weights, copied
+    back before its backward) trains as gpu mode: the same gradients, masters to float32 rounding."""
+    model, batches = model_and_batches(SMALL, k=k)
+    ref_grads, ref_masters_1, _, ref_losses = reference(model, batches)
+    units = len(ol.model_units(model.config))
+    for keep in (range(units), range(1, units, 2)):
+        trainer = offloaded_trainer(model, CUDA, depth, batches, pin=True, keep=keep)
+        grads, masters_1, _, losses = train(trainer, batches, 3)
+        for name, g in grads.items():
+            assert torch.equal(g, ref_grads[name]), (name, keep)
+        assert losses[0] == ref_losses[0]
+        assert_masters_close(masters_1, ref_masters_1, 1)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("depth", [0, 1, 2])
 def test_activation_offload_grads_bitwise_equal_gpu_mode(depth, k):
     model, batches = model_and_batches(SMALL, k=k)
     trainer = offloaded_trainer(model, CUDA, depth, batches, pin=True, offload=True)
