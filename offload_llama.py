@@ -12,14 +12,14 @@ The file by line, the assignment first; each section beyond it says what it adds
     244  streams, events and pinned host memory  new_stream, host_zeros_each
     321  blocked and overlapped offload          every wait (S1-S16), ParamStore, LayerStreamer
     656  training: the autograd.Function         StreamedUnit, OffloadedTraining
-    935  the offloaded Adam                      OffloadedAdam, CpuAdam, Steppers
-   1314  the reference                           ResidentTraining
-   1366  Table 1 and Table 2                     tables
-   1443  # === Beyond the assignment ===
-        the compiled Adam 1446, the GPU's Adam 1547, activation offload 1751, float16 and clipping 1816
-        the disk tier 1899, several GPUs 2170, a model folder 2414, the plan 2608, measurement 3475
-        the tables' notes 4067, text in 4246, saving and resuming 4744, the command line 5207, running a mode 6069
-        the run 6234
+    936  the offloaded Adam                      OffloadedAdam, CpuAdam, Steppers
+   1315  the reference                           ResidentTraining
+   1367  Table 1 and Table 2                     tables
+   1444  # === Beyond the assignment ===
+        the compiled Adam 1447, the GPU's Adam 1548, activation offload 1752, float16 and clipping 1817
+        the disk tier 1900, several GPUs 2171, a model folder 2415, the plan 2609, measurement 3476
+        the tables' notes 4068, text in 4247, saving and resuming 4745, the command line 5208, running a mode 6070
+        the run 6235
 """
 
 from __future__ import annotations
@@ -326,33 +326,33 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 # copy (weights in), D2H (gradients out; blocked's is compute), gather (several GPUs'); threads: main, autograd's, Adam.
 # Blocked against overlapped, in training: one slot, D2H on compute, holds_updates (the Adam after S11), wait_all (S4).
 # A unit's copy first calls wait_written: CpuAdam's blocks the host (S4), StreamedAdam's the copy stream (S13).
-#   S1   [551 588 2302 2304 3913] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
+#   S1   [551 588 2303 2305 3914] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
 #        gather); waited on by acquire on compute. Slot s is not read before its unit landed.
-#   S2   [546 596 3913] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s is
+#   S2   [546 596 3914] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s is
 #        not overwritten while a unit reads it.
 #   S3   [570] landed, CUDA event. Recorded by wait_copies on copy and gather; waited on by compute (keep_resident) or
 #        timed's end. A ring is not freed, nor a time ended, under a copy.
-#   S4   [544 859 1208 1218 1259] done[u], thread event. Cleared by CpuAdam.update, set by the worker once unit u's
+#   S4   [544 860 1209 1219 1260] done[u], thread event. Cleared by CpuAdam.update, set by the worker once unit u's
 #        update is written; waited on by wait_written (in prefetch) and wait_all (main: blocked's step ends there);
 #        polled by written (CopyWindow issues ready copies first). A host source is not copied or saved mid-update.
-#   S5   [827 1192 1704 2323] ready, CUDA event. Recorded by OffloadedTraining.send on compute after the unit's
+#   S5   [828 1193 1705 2324] ready, CUDA event. Recorded by OffloadedTraining.send on compute after the unit's
 #        backward; waited on by CpuAdam.send on D2H (StreamedAdam.take on s_adam): gradients read once all are written.
-#   S6   [1192 2325] summed, CUDA event (several GPUs): recorded on D2H after the reduce-scatter, S5's stand-in.
-#   S7   [828 1194 1253] landed[u], blocking CUDA event. Recorded by CpuAdam.send on D2H after the copy to pinned
+#   S6   [1193 2326] summed, CUDA event (several GPUs): recorded on D2H after the reduce-scatter, S5's stand-in.
+#   S7   [829 1195 1254] landed[u], blocking CUDA event. Recorded by CpuAdam.send on D2H after the copy to pinned
 #        memory; waited on by the worker (synchronize; next_job queries it). The CPU does not read gradients in flight.
-#   S8   [828 886 1284] last_landed: S7's (or S13's consumed), kept by Steppers.send; waited on by wait_to_write on
+#   S8   [829 887 1285] last_landed: S7's (or S13's consumed), kept by Steppers.send; waited on by wait_to_write on
 #        compute before the backward's first write of the gradient buffer: not before its gradients left.
-#   S9   [1230 1237] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
-#   S10  [1115] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
-#   S11  [853 3913 6211] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
+#   S9   [1231 1238] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
+#   S10  [1116] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
+#   S11  [854 3914 6212] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
 #        work; loss.item() in the training loop: the step's end. A step is not timed unfinished.
-#   S12  [1635] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
+#   S12  [1636] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
 #        kernels.
-#   S13  [544 1718 1723 1730 1741 1748] the GPU's Adam over streamed state (StreamedAdam): consumed, landed[k],
+#   S13  [544 1719 1724 1731 1742 1749] the GPU's Adam over streamed state (StreamedAdam): consumed, landed[k],
 #        stepped[k], left[k], written_back[u], which u's next copy waits on, on the copy stream (wait_written).
-#   S14  [544 1773 1793 1800 1804] activation offload: written, offloaded[a]. No input moved or freed early.
-#   S15  [1880] clipping: taken. The norm of the norms is not taken before every unit's norm.
-#   S16  [1996 2014 2051 2052] the disk tier: settled, current, free, staged. No file read mid-write, no slot reused.
+#   S14  [544 1774 1794 1801 1805] activation offload: written, offloaded[a]. No input moved or freed early.
+#   S15  [1881] clipping: taken. The norm of the norms is not taken before every unit's norm.
+#   S16  [1997 2015 2052 2053] the disk tier: settled, current, free, staged. No file read mid-write, no slot reused.
 
 
 class OneProcess:  # a run's processes when it is one: rank 0 of 1 holds every unit whole, nothing to gather or wait for
@@ -655,7 +655,8 @@ def infer_offloaded(model: LlamaForCausalLM, store: ParamStore, device, depth: i
 
 # ------------------------------------------------------------------------------------ training: the autograd.Function
 # Training streams every unit (embeddings, decoder layers, norm, head) through StreamedUnit, which keeps only the unit's
-# inputs, recomputes it in the backward and sends its gradients to the host for the offloaded Adam.
+# inputs, recomputes it in the backward (unless the plan has room to keep its graphs) and sends its gradients to the
+# host for the offloaded Adam.
 
 
 @dataclass(frozen=True)
