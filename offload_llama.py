@@ -17,9 +17,9 @@ The file by line, the assignment first; each section beyond it says what it adds
    1367  Table 1 and Table 2                     tables
    1444  # === Beyond the assignment ===
         the compiled Adam 1447, the GPU's Adam 1548, activation offload 1752, float16 and clipping 1817
-        the disk tier 1900, several GPUs 2171, a model folder 2415, the plan 2609, measurement 3476
-        the tables' notes 4068, text in 4247, saving and resuming 4745, the command line 5208, running a mode 6070
-        the run 6235
+        the disk tier 1900, several GPUs 2171, a model folder 2415, the plan 2609, measurement 3477
+        the tables' notes 4069, text in 4248, saving and resuming 4746, the command line 5209, running a mode 6071
+        the run 6236
 """
 
 from __future__ import annotations
@@ -326,9 +326,9 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 # copy (weights in), D2H (gradients out; blocked's is compute), gather (several GPUs'); threads: main, autograd's, Adam.
 # Blocked against overlapped, in training: one slot, D2H on compute, holds_updates (the Adam after S11), wait_all (S4).
 # A unit's copy first calls wait_written: CpuAdam's blocks the host (S4), StreamedAdam's the copy stream (S13).
-#   S1   [551 588 2303 2305 3914] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
+#   S1   [551 588 2303 2305 3915] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
 #        gather); waited on by acquire on compute. Slot s is not read before its unit landed.
-#   S2   [546 596 3914] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s is
+#   S2   [546 596 3915] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s is
 #        not overwritten while a unit reads it.
 #   S3   [570] landed, CUDA event. Recorded by wait_copies on copy and gather; waited on by compute (keep_resident) or
 #        timed's end. A ring is not freed, nor a time ended, under a copy.
@@ -344,7 +344,7 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 #        compute before the backward's first write of the gradient buffer: not before its gradients left.
 #   S9   [1231 1238] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
 #   S10  [1116] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
-#   S11  [854 3914 6212] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
+#   S11  [854 3915 6213] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
 #        work; loss.item() in the training loop: the step's end. A step is not timed unfinished.
 #   S12  [1636] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
 #        kernels.
@@ -2926,8 +2926,9 @@ def searched_placement(run: RunConfig, config: LlamaConfig, facts: Facts, mode: 
     for keep in graph_options(run, config, facts, mode, copy):
         resident, gpu_adam, parts, fits = training_placement(run, config, facts, mode, copy, keep)
         bound = predicted_bound(run, config, facts, depth, resident, gpu_adam, copy, keep)
-        step = sum(bound[p] for p in ("gpu_compute_ms", "h2d_ms", "d2h_ms", "cpu_adam_ms")) if blocked else None
-        tried.append(Placement(keep, resident, gpu_adam, parts, fits, bound, step or max(bound.values())))
+        serial = sum(bound[p] for p in ("gpu_compute_ms", "h2d_ms", "d2h_ms", "cpu_adam_ms"))  # blocked: in turn
+        step = serial if blocked else max(bound.values())
+        tried.append(Placement(keep, resident, gpu_adam, parts, fits, bound, step))
     return sorted(tried, key=lambda p: (not p.fits, round(p.step_ms, 1), sum(p.gpu.values())))
 
 
