@@ -17,9 +17,9 @@ The file by line, the assignment first; each section beyond it says what it adds
    1367  Table 1 and Table 2                     tables
    1444  # === Beyond the assignment ===
         the compiled Adam 1447, the GPU's Adam 1548, activation offload 1752, float16 and clipping 1817
-        the disk tier 1900, several GPUs 2171, a model folder 2415, the plan 2609, measurement 3477
-        the tables' notes 4069, text in 4248, saving and resuming 4746, the command line 5209, running a mode 6071
-        the run 6236
+        the disk tier 1900, several GPUs 2171, a model folder 2415, the plan 2609, measurement 3478
+        the tables' notes 4105, text in 4288, saving and resuming 4786, the command line 5249, running a mode 6111
+        the run 6276
 """
 
 from __future__ import annotations
@@ -326,9 +326,9 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 # copy (weights in), D2H (gradients out; blocked's is compute), gather (several GPUs'); threads: main, autograd's, Adam.
 # Blocked against overlapped, in training: one slot, D2H on compute, holds_updates (the Adam after S11), wait_all (S4).
 # A unit's copy first calls wait_written: CpuAdam's blocks the host (S4), StreamedAdam's the copy stream (S13).
-#   S1   [551 588 2303 2305 3915] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
+#   S1   [551 588 2303 2305 3931] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
 #        gather); waited on by acquire on compute. Slot s is not read before its unit landed.
-#   S2   [546 596 3915] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s is
+#   S2   [546 596 3931] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s is
 #        not overwritten while a unit reads it.
 #   S3   [570] landed, CUDA event. Recorded by wait_copies on copy and gather; waited on by compute (keep_resident) or
 #        timed's end. A ring is not freed, nor a time ended, under a copy.
@@ -344,7 +344,7 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 #        compute before the backward's first write of the gradient buffer: not before its gradients left.
 #   S9   [1231 1238] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
 #   S10  [1116] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
-#   S11  [854 3915 6213] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
+#   S11  [854 3931 6253] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
 #        work; loss.item() in the training loop: the step's end. A step is not timed unfinished.
 #   S12  [1636] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
 #        kernels.
@@ -2627,6 +2627,7 @@ TIMEOUT_STEPS = 5  # the default timeout is this many times the plan's longest s
 PLAN_MARGIN = GiB // 2  # of a --max-gpu-memory budget, left out of a placement: the caching allocator's fragmentation
 CUBLAS_WORKSPACE = 32 * 2**20  # torch's default cuBLAS workspace on Hopper, allocated once per stream
 ADAM_SCRATCH = 2**25  # parameters: the bound times the CPU Adam on at most this many (their state kept aside, 512 MiB)
+ADAM_FIT = 16  # and again on 1/16 of them: the two times give its fixed cost a call, which a step pays a unit
 FAST_FLOPS = {"cpu": 1e11, "cuda": 2e15}  # FLOP/s: a run that takes under a minute at these is not worth a rate
 
 
@@ -3707,7 +3708,10 @@ def training_figures(trainer, result: dict) -> dict:
         tier = {"units": len(disk.units), "bytes": disk_step_bytes(disk), "direct_io": disk.files.direct}
         figures["disk_tier"] = tier | disk.files.rates | {"waited_ms": disk.waited_s * 1e3}
     if "bound_parts_ms" in result:
-        figures |= train_bound(trainer, {name: min(ms) for name, ms in result["bound_parts_ms"].items()})
+        busy = result.get("cpu_adam_busy_ms", [])
+        timed = [busy[i] for i in result.get("timed_steps", ()) if i < len(busy)]
+        in_step = statistics.median(timed) if timed else None
+        figures |= train_bound(trainer, {name: min(ms) for name, ms in result["bound_parts_ms"].items()}, in_step)
         figures["efficiency"] = figures["bound_ms"] / result["time_ms"]
     return figures
 
@@ -3718,16 +3722,25 @@ def step_rates(run: RunConfig, config: LlamaConfig, mode: str, result: dict) -> 
         return {}
     seconds = result["time_ms"] / 1e3
     tokens = result["tokens_per_step"] // run.ranks.world  # a GPU's
-    passes = 3 if mode == "gpu" else 4  # the offloaded modes recompute each forward
-    # executed, in each pass: 2 FLOPs a token for each matmul parameter, and causal attention's
-    matmul_params = param_count(config) - (0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size)
-    attention = 2 * config.num_hidden_layers * tokens * run.seq_len * config.hidden_size
+    # executed, in each pass: 2 FLOPs a token for each matmul parameter, and causal attention's; the backward is two
+    # passes, and every unit but those keeping their graphs (the gpu mode: all) runs its forward again
+    head = config.vocab_size * config.hidden_size
+    layers = config.num_hidden_layers
+    matmul_params = param_count(config) - (0 if config.tie_word_embeddings else head)
+    layer = 2 * (matmul_params - head) // layers * tokens + 2 * tokens * run.seq_len * config.hidden_size
+    kept = set(result.get("kept_graph_units", ())) if mode != "gpu" else {"lm_head"} | set(decoder_names(layers))
+    forward = {name: layer for name in decoder_names(layers)} | {"lm_head": 2 * head * tokens}
+    recomputed = sum(flops for name, flops in forward.items() if name not in kept)
     rates = {"model_tflops": 6 * param_count(config) * tokens / seconds / 1e12}
-    rates["executed_tflops"] = passes * (2 * matmul_params * tokens + attention) / seconds / 1e12
+    rates["executed_tflops"] = (3 * sum(forward.values()) + recomputed) / seconds / 1e12
     peak = dense_peak_flops()
     if peak and run.torch_dtype != torch.float32:
         rates["executed_share_of_peak"] = rates["executed_tflops"] * 1e12 / peak
     return rates
+
+
+def decoder_names(layers: int) -> list[str]:  # the decoder layers' unit names
+    return [f"model.layers.{i}" for i in range(layers)]
 
 
 def dense_peak_flops() -> float | None:  # the GPU's dense 16-bit peak FLOP/s, where DENSE_PEAK_FLOPS knows its name
@@ -3781,11 +3794,13 @@ def train_bound_parts(trainer: OffloadedTraining, micro_batches, device) -> dict
         numels = [trainer.store.masters[u].numel() for u in resident]
         fns["resident_adam"] = (device, Compute(lambda: resident_adam(trainer, numels, device)))
     on_cpu, _ = cpu_and_gpu_adam_units(trainer)
-    if on_cpu:  # the CPU Adam steps something: timed on a share of each unit's own state, put back after the round
+    if on_cpu:  # the CPU Adam steps something: timed in one call, as a step's, on its largest unit's own state, put
+        # back after the round (a call over a share of each unit would run slower a parameter than a step's)
         big, numel = max(on_cpu, key=on_cpu.get), adam_timed_numel(on_cpu)
-        adam = AdamInPlace(trainer.store, {u: n * numel // sum(on_cpu.values()) for u, n in on_cpu.items()})
+        adam = AdamInPlace(trainer.store, {big: numel})
         cpu = torch.device("cpu")
-        fns |= {"adam": (cpu, adam), "host": (cpu, lambda: adam_and_copies(trainer, big, adam, numel))}
+        fns |= {"adam": (cpu, adam), "adam_small": (cpu, functools.partial(adam, ADAM_FIT))}
+        fns["host"] = (cpu, lambda: adam_and_copies(trainer, big, adam, numel))
     if trainer.store.adam_moments.disk:
         fns["disk"] = (torch.device("cpu"), lambda: disk_cycle(trainer.store.adam_moments.disk))
     return fns
@@ -3887,8 +3902,9 @@ def queue_copies(nbytes: int, src: torch.Tensor, dst: torch.Tensor, stream) -> N
             dst[: min(step, nbytes - a)].copy_(src[: min(step, nbytes - a)], non_blocking=True)
 
 
-def train_bound(trainer: OffloadedTraining, best: dict[str, float]) -> dict:
-    """What a training step cannot beat (ms by part), from train_bound_parts' best times scaled to the whole step."""
+def train_bound(trainer: OffloadedTraining, best: dict[str, float], in_step_adam_ms: float | None = None) -> dict:
+    """What a training step cannot beat (ms by part), from train_bound_parts' best times scaled to the whole step; the
+    CPU Adam's timed alone is a failed measurement where the steps' own (their median busy time) took less."""
     store = trainer.store
     on_cpu, on_gpu = cpu_and_gpu_adam_units(trainer)
     groups = compute_groups(trainer)
@@ -3909,8 +3925,8 @@ def train_bound(trainer: OffloadedTraining, best: dict[str, float]) -> dict:
         figures["host_bytes_per_param"] = host_bytes / sum(m.numel() for m in store.masters)
         figures |= {"adam_bytes_per_param": store.update.bytes_per_param, "gpu_adam_params": sum(on_gpu.values())}
     if on_cpu:
-        scale = sum(on_cpu.values()) / adam_timed_numel(on_cpu)  # the parts timed this many of its parameters
-        parts |= {"cpu_adam_ms": best["adam"] * scale, "host_memory_ms": best["host"] * scale}
+        adam, figures["adam_calls_ms"], figures["cpu_adam_alone_ms"] = cpu_adam_parts(on_cpu, best, in_step_adam_ms)
+        parts |= adam
         figures["host_gbps"] = host_bytes / parts["host_memory_ms"] / 1e6
     if trainer.blocked:  # nothing overlaps (S1, S2, S11): the GPU's parts in turn, then the Adam, its moments read
         parts["serial_ms"] = sum(parts.get(part, 0.0) for part in ("gpu_compute_ms", "h2d_ms", "d2h_ms"))
@@ -3969,12 +3985,31 @@ def unit_passes(trainer: OffloadedTraining, u: int, micro_batches, device):
     return forward, backward
 
 
+def cpu_adam_parts(on_cpu: dict[int, int], best: dict[str, float], in_step_ms: float | None) -> tuple:
+    """The bound's CPU Adam and host memory parts (their timed call scaled to every parameter it steps, its fixed cost
+    counted a call a unit; the steps' own Adam time where the one timed alone took longer), the fixed costs, and the
+    time alone where it failed (else None)."""
+    scale = sum(on_cpu.values()) / adam_timed_numel(on_cpu)  # the parts timed this many of its parameters
+    call = adam_call_ms(best["adam"], best["adam_small"])  # a step makes a call a unit: not scaled up
+    adam, host = (len(on_cpu) * call + (best[name] - call) * scale for name in ("adam", "host"))
+    failed = in_step_ms is not None and in_step_ms < adam
+    parts = {"cpu_adam_ms": in_step_ms if failed else adam, "host_memory_ms": host}
+    return parts, len(on_cpu) * call, adam if failed else None
+
+
+def adam_call_ms(whole_ms: float, small_ms: float) -> float:
+    """The CPU Adam's fixed cost a call (it wakes its threads): where the line through its timed call's time and the
+    time over the call's first 1/ADAM_FIT meets no parameters."""
+    return min(max(0.0, (ADAM_FIT * small_ms - whole_ms) / (ADAM_FIT - 1)), small_ms)
+
+
 def adam_timed_numel(on_cpu: dict[int, int]) -> int:  # what the bound times the CPU Adam on: its largest unit, capped
     return min(max(on_cpu.values()), ADAM_SCRATCH)
 
 
 class AdamInPlace:
-    """A function to time: the store's Adam on each unit u's first `shares[u]` parameters, in place, on a worker."""
+    """A function to time: the store's Adam on each unit u's first `shares[u]` parameters, in place, on a worker; or
+    on the first 1/divisor of each share."""
 
     def __init__(self, store: OffloadedAdam, shares: dict[int, int]):
         self.update, self.args = store.update, []
@@ -3988,8 +4023,9 @@ class AdamInPlace:
         self.worker = ThreadPoolExecutor(1, initializer=torch.set_flush_denormal, initargs=(True,))
         self()  # untimed: a new thread's first parallel loop starts its OpenMP threads, which the bound scales up
 
-    def __call__(self) -> None:  # one update of every share, on the worker thread
-        self.worker.submit(lambda: [self.update(*args) for args in self.args]).result()
+    def __call__(self, divisor: int = 1) -> None:  # one update of every share (or its first 1/divisor), on the worker
+        args = [[t[: t.numel() // divisor] if t is not None and t.dim() else t for t in a] for a in self.args]
+        self.worker.submit(lambda: [self.update(*a) for a in args]).result()
 
     def restore(self) -> None:  # the masters, moments, copies and steps as before the first update, bit for bit
         self.worker.shutdown()
@@ -4228,7 +4264,11 @@ def bound_note(mode: str, t: dict) -> str:  # a mode's training bound, each part
         h2d, d2h = t["h2d_bytes"] / t["h2d_ms"] / 1e6, t["d2h_bytes"] / t["d2h_ms"] / 1e6
         note += f", H2D {t['h2d_ms']:.1f} ms ({h2d:.1f} GB/s), D2H {t['d2h_ms']:.1f} ms ({d2h:.1f} GB/s)"
     if "host_memory_ms" in t:
-        note += f", CPU Adam {t['cpu_adam_ms']:.1f} ms, host memory {t['host_memory_ms']:.1f} ms "
+        note += f", CPU Adam {t['cpu_adam_ms']:.1f} ms ({t['adam_calls_ms']:.1f} of it a call's fixed cost, a unit)"
+        if t.get("cpu_adam_alone_ms") is not None:
+            note = note.removesuffix(")") + f"; as the steps ran it: timed alone, {t['cpu_adam_alone_ms']:.1f} ms, a "
+            note += "failed measurement)"
+        note += f", host memory {t['host_memory_ms']:.1f} ms "
         note += f"({t['host_bytes'] / 1e9:.1f} GB, {t['host_bytes_per_param']:.1f} bytes per parameter, "
         note += f"{t['adam_bytes_per_param']} per CPU-stepped one for the Adam, at {t['host_gbps']:.0f} GB/s with the "
         note += "Adam and the copies running together)"

@@ -1,16 +1,7 @@
 #!/usr/bin/env bash
 # Recompute only what memory forces, on one H200 (7b-8l): overlapped and the resident gpu mode at --grad-accum 4, blocked
 # and overlapped at 1, overlapped at 16, while 420 s last; then the new GPU test. Logs and JSON under $OUT.
-set -u
-export PYTHONUNBUFFERED=1
-sha256sum offload_llama.py | tee $OUT/version.txt
-run() {  # run NAME LIMIT ARGS...: one training run, if LIMIT seconds are left before 420
-  local name=$1 limit=$2; shift 2
-  if (( SECONDS + limit > 420 )); then echo "$name skipped: $SECONDS s spent"; return; fi
-  timeout $limit python3 offload_llama.py --train --no-inference --json $OUT/$name.json "$@" > $OUT/$name.log 2>&1
-  echo "$name rc=$? at $SECONDS s"
-  grep -E "^\| (gpu|blocked|overlapped) |bound, each part|keeping their graphs|Error|error" $OUT/$name.log | cut -c1-700
-}
+source calls/runs.sh
 run ga4 120 --mode overlapped --grad-accum 4
 run ga4_gpu 60 --mode gpu --grad-accum 4
 run bo1 130 --mode blocked,overlapped

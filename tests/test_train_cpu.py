@@ -710,7 +710,7 @@ def test_a_held_step_is_bound_by_its_backward_then_the_longer_of_forward_and_ada
     trainer = offloaded_trainer(model, CPU, 1, batches, clip=1.0)
     kinds = ("embed", "layer", "norm", "head")
     best = {kind: 3.0 for kind in kinds} | {f"{kind}_forward": 1.0 for kind in kinds}
-    best |= {"h2d": 1.0, "d2h": 1.0, "adam": 2.0, "host": 2.5}
+    best |= {"h2d": 1.0, "d2h": 1.0, "adam": 2.0, "adam_small": 0.5, "host": 2.5}
     result = {"time_ms": 1e6, "bound_parts_ms": {name: [ms] for name, ms in best.items()}, "grad_norms": [0.5]}
     t = result | ol.training_figures(trainer, result)
     units = len(trainer.units)  # each takes 3 ms, 1 of them its forward
@@ -728,13 +728,75 @@ def test_a_blocked_step_is_bound_by_the_sum_of_its_parts():
     model, batches = tiny_batches(1)
     trainer = offloaded_trainer(model, CPU, 0, batches)
     best = {kind: 3.0 for kind in ("embed", "layer", "norm", "head")} | {"h2d": 1.0, "d2h": 1.5, "adam": 2.0}
-    result = {"time_ms": 1e6, "bound_parts_ms": {name: [ms] for name, ms in (best | {"host": 2.5}).items()}}
+    best |= {"adam_small": 0.5, "host": 2.5}
+    result = {"time_ms": 1e6, "bound_parts_ms": {name: [ms] for name, ms in best.items()}}
     t = result | ol.training_figures(trainer, result)
     assert t["serial_ms"] == t["gpu_compute_ms"] + t["h2d_ms"] + t["d2h_ms"] + t["cpu_adam_ms"] == t["bound_ms"]
     assert t["bound_by"] == "serial" and "held_updates_ms" not in t
     notes = "\n".join(ol.training_notes("blocked", t, ol.RunConfig(train=True)))
     assert f"every part in turn (blocked: nothing overlaps) {t['serial_ms']:.1f} ms" in notes
     trainer.finish()
+
+
+def test_the_bound_scales_up_the_cpu_adams_parameters_not_its_calls():
+    """The CPU Adam is timed in one call over a share of its parameters, and over 1/ADAM_FIT of that share: the line
+    through the two gives a call's fixed cost, which a step pays a unit, and the rest is scaled to every parameter."""
+    model, batches = tiny_batches(1)
+    trainer = offloaded_trainer(model, CPU, 1, batches)
+    best = {kind: 0.1 for kind in ("embed", "layer", "norm", "head")} | {"h2d": 0.1, "d2h": 0.1}
+    best |= {"adam": 2.0, "adam_small": 0.5, "host": 3.0}  # 0.4 ms of its call, 1.6 ms of parameters
+    result = {"time_ms": 1e6, "bound_parts_ms": {name: [ms] for name, ms in best.items()}}
+    t = ol.training_figures(trainer, result)
+    on_cpu, _ = ol.cpu_and_gpu_adam_units(trainer)
+    scale = sum(on_cpu.values()) / ol.adam_timed_numel(on_cpu)
+    call = (ol.ADAM_FIT * 0.5 - 2.0) / (ol.ADAM_FIT - 1)
+    assert t["adam_calls_ms"] == pytest.approx(len(on_cpu) * call)
+    assert t["cpu_adam_ms"] == pytest.approx(len(on_cpu) * call + (2.0 - call) * scale)
+    assert t["host_memory_ms"] == pytest.approx(len(on_cpu) * call + (3.0 - call) * scale)
+    trainer.finish()
+
+
+def test_executed_flops_count_the_recompute_only_of_units_that_do_not_keep_their_graphs(monkeypatch):
+    """A step executes three passes of each unit, and a fourth of each recomputed one: the offloaded step recomputing
+    all executes 4/3 of the gpu mode's FLOPs, one keeping every graph as many as it."""
+    monkeypatch.setattr(ol, "dense_peak_flops", lambda: None)  # no GPU here to name
+    run = tiny_run()
+    config = build(run)[0].config
+    every = ["lm_head", *(f"model.layers.{i}" for i in range(config.num_hidden_layers))]
+    result = {"time_ms": 10.0, "tokens_per_step": 4096}
+
+    def executed(mode: str, kept: list[str]) -> float:
+        return ol.step_rates(run, config, mode, result | {"kept_graph_units": kept})["executed_tflops"]
+
+    assert executed("overlapped", []) == pytest.approx(4 / 3 * executed("gpu", []))
+    assert executed("overlapped", every) == pytest.approx(executed("gpu", []))
+    assert executed("gpu", []) < executed("overlapped", every[:1]) < executed("overlapped", [])
+
+
+def test_a_cpu_adam_timed_alone_slower_than_in_the_steps_is_a_failed_measurement():
+    """Where the steps' own CPU Adam (its median busy time) took less than the part timed alone, the bound takes the
+    steps' and the notes say the alone time failed; where it took more, the alone time stands."""
+    model, batches = tiny_batches(1)
+    trainer = offloaded_trainer(model, CPU, 0, batches)
+    best = {kind: 0.1 for kind in ("embed", "layer", "norm", "head")} | {"h2d": 0.1, "d2h": 0.1}
+    best |= {"adam": 2.0, "adam_small": 0.5, "host": 3.0}
+    parts = {name: [ms] for name, ms in best.items()}
+    alone = ol.training_figures(trainer, {"time_ms": 1e6, "bound_parts_ms": parts})["cpu_adam_ms"]
+    for busy, expected in ((alone / 2, alone / 2), (2 * alone, alone)):
+        result = {"time_ms": 1e6, "bound_parts_ms": parts, "timed_steps": [1, 2, 3]}
+        result["cpu_adam_busy_ms"] = [1e9, busy, busy, 1e9]  # step 0 untimed
+        t = result | ol.training_figures(trainer, result)
+        assert t["cpu_adam_ms"] == pytest.approx(expected)
+        assert t["serial_ms"] == pytest.approx(t["gpu_compute_ms"] + t["h2d_ms"] + t["d2h_ms"] + expected)
+        notes = "\n".join(ol.training_notes("blocked", t, ol.RunConfig(train=True)))
+        assert ("a failed measurement" in notes) == (busy < alone)
+    trainer.finish()
+
+
+@pytest.mark.parametrize("calls", [(2.0, 0.1), (2.0, 2.0), (2.0, 3.0)])
+def test_the_cpu_adams_fixed_cost_stays_within_its_small_time(calls):
+    """Noisy times give the line's fixed cost no more than the small share took, and never below nothing."""
+    assert 0.0 <= ol.adam_call_ms(*calls) <= calls[1]
 
 
 @pytest.mark.parametrize("grad_buffers", [None, 2])

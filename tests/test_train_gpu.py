@@ -525,10 +525,10 @@ def test_bound_parts_are_timed_in_rounds_between_the_steps():
     )
     trainer.finish()
     assert r["timed_steps"] == [2, 4, 5]
-    assert set(r["bound_parts_ms"]) == {"embed", "layer", "norm", "head", "h2d", "d2h", "adam", "host"}
+    assert set(r["bound_parts_ms"]) == {"embed", "layer", "norm", "head", "h2d", "d2h", "adam", "adam_small", "host"}
     assert all(len(ms) == 2 and min(ms) > 0 for ms in r["bound_parts_ms"].values())
     t = ol.training_figures(trainer, r)
-    assert t["efficiency"] == t["bound_ms"] / r["time_ms"]
+    assert t["efficiency"] == t["bound_ms"] / r["time_ms"] <= 1.02, "a part timed alone took longer than the step"
     weights = [w.nbytes for w in trainer.store.weights]  # every unit streamed; the backward finds the last two there
     assert t["h2d_bytes"] == 2 * sum(weights) - sum(weights[-2:])
 
@@ -544,7 +544,8 @@ def test_a_clipped_step_times_each_forward_for_its_held_bound():
     )
     trainer.finish()
     kinds = {"embed", "layer", "norm", "head"}
-    assert set(r["bound_parts_ms"]) == kinds | {f"{k}_forward" for k in kinds} | {"h2d", "d2h", "adam", "host"}
+    host = {"h2d", "d2h", "adam", "adam_small", "host"}
+    assert set(r["bound_parts_ms"]) == kinds | {f"{k}_forward" for k in kinds} | host
     t = ol.training_figures(trainer, r)
     assert 0 < t["gpu_forward_ms"] < t["gpu_compute_ms"]
     backward = t["gpu_compute_ms"] - t["gpu_forward_ms"]
@@ -569,4 +570,6 @@ def test_bound_counts_the_state_the_gpu_adam_streams():
     assert t["h2d_bytes"] == 2 * sum(weights) - sum(weights[-2:]) + 12 * gpu
     assert t["d2h_bytes"] == 2 * (sum(numels) - gpu) + 14 * gpu and t["gpu_adam_params"] == gpu
     largest_on_cpu = max(numels[1:5])
-    assert t["cpu_adam_ms"] == pytest.approx(min(r["bound_parts_ms"]["adam"]) * (sum(numels) - gpu) / largest_on_cpu)
+    call = ol.adam_call_ms(min(r["bound_parts_ms"]["adam"]), min(r["bound_parts_ms"]["adam_small"]))
+    scaled = len(numels[1:5]) * call + (min(r["bound_parts_ms"]["adam"]) - call) * (sum(numels) - gpu) / largest_on_cpu
+    assert t["cpu_adam_ms"] == pytest.approx(scaled)
