@@ -572,4 +572,5 @@ def test_bound_counts_the_state_the_gpu_adam_streams():
     largest_on_cpu = max(numels[1:5])
     call = ol.adam_call_ms(min(r["bound_parts_ms"]["adam"]), min(r["bound_parts_ms"]["adam_small"]))
     scaled = len(numels[1:5]) * call + (min(r["bound_parts_ms"]["adam"]) - call) * (sum(numels) - gpu) / largest_on_cpu
-    assert t["cpu_adam_ms"] == pytest.approx(scaled)
+    assert (t["cpu_adam_alone_ms"] or t["cpu_adam_ms"]) == pytest.approx(scaled)  # timed alone
+    assert t["cpu_adam_ms"] <= scaled  # the steps' own where it took less
