@@ -12,14 +12,14 @@ The file by line, the assignment first; each section beyond it says what it adds
     244  streams, events and pinned host memory  new_stream, host_zeros_each
     321  blocked and overlapped offload          every wait (S1-S16), ParamStore, LayerStreamer
     656  training: the autograd.Function         StreamedUnit, OffloadedTraining
-    936  the offloaded Adam                      OffloadedAdam, CpuAdam, Steppers
-   1315  the reference                           ResidentTraining
-   1367  Table 1 and Table 2                     tables
-   1444  # === Beyond the assignment ===
-        the compiled Adam 1447, the GPU's Adam 1548, activation offload 1752, float16 and clipping 1817
-        the disk tier 1900, several GPUs 2171, a model folder 2415, the plan 2609, measurement 3478
-        the tables' notes 4105, text in 4288, saving and resuming 4786, the command line 5249, running a mode 6111
-        the run 6276
+    941  the offloaded Adam                      OffloadedAdam, CpuAdam, Steppers
+   1320  the reference                           ResidentTraining
+   1372  Table 1 and Table 2                     tables
+   1449  # === Beyond the assignment ===
+        the compiled Adam 1452, the GPU's Adam 1553, activation offload 1757, float16 and clipping 1822
+        the disk tier 1905, several GPUs 2176, a model folder 2420, the plan 2614, measurement 3483
+        the tables' notes 4110, text in 4293, saving and resuming 4791, the command line 5254, running a mode 6116
+        the run 6281
 """
 
 from __future__ import annotations
@@ -326,33 +326,33 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 # copy (weights in), D2H (gradients out; blocked's is compute), gather (several GPUs'); threads: main, autograd's, Adam.
 # Blocked against overlapped, in training: one slot, D2H on compute, holds_updates (the Adam after S11), wait_all (S4).
 # A unit's copy first calls wait_written: CpuAdam's blocks the host (S4), StreamedAdam's the copy stream (S13).
-#   S1   [551 588 2303 2305 3931] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
+#   S1   [551 588 2308 2310 3936] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
 #        gather); waited on by acquire on compute. Slot s is not read before its unit landed.
-#   S2   [546 596 3931] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s is
+#   S2   [546 596 3936] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s is
 #        not overwritten while a unit reads it.
 #   S3   [570] landed, CUDA event. Recorded by wait_copies on copy and gather; waited on by compute (keep_resident) or
 #        timed's end. A ring is not freed, nor a time ended, under a copy.
-#   S4   [544 860 1209 1219 1260] done[u], thread event. Cleared by CpuAdam.update, set by the worker once unit u's
+#   S4   [544 858 1214 1224 1265] done[u], thread event. Cleared by CpuAdam.update, set by the worker once unit u's
 #        update is written; waited on by wait_written (in prefetch) and wait_all (main: blocked's step ends there);
 #        polled by written (CopyWindow issues ready copies first). A host source is not copied or saved mid-update.
-#   S5   [828 1193 1705 2324] ready, CUDA event. Recorded by OffloadedTraining.send on compute after the unit's
+#   S5   [826 1198 1710 2329] ready, CUDA event. Recorded by OffloadedTraining.send on compute after the unit's
 #        backward; waited on by CpuAdam.send on D2H (StreamedAdam.take on s_adam): gradients read once all are written.
-#   S6   [1193 2326] summed, CUDA event (several GPUs): recorded on D2H after the reduce-scatter, S5's stand-in.
-#   S7   [829 1195 1254] landed[u], blocking CUDA event. Recorded by CpuAdam.send on D2H after the copy to pinned
+#   S6   [1198 2331] summed, CUDA event (several GPUs): recorded on D2H after the reduce-scatter, S5's stand-in.
+#   S7   [827 1200 1259] landed[u], blocking CUDA event. Recorded by CpuAdam.send on D2H after the copy to pinned
 #        memory; waited on by the worker (synchronize; next_job queries it). The CPU does not read gradients in flight.
-#   S8   [829 887 1285] last_landed: S7's (or S13's consumed), kept by Steppers.send; waited on by wait_to_write on
+#   S8   [827 892 1290] last_landed: S7's (or S13's consumed), kept by Steppers.send; waited on by wait_to_write on
 #        compute before the backward's first write of the gradient buffer: not before its gradients left.
-#   S9   [1231 1238] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
-#   S10  [1116] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
-#   S11  [854 3931 6253] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
+#   S9   [1236 1243] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
+#   S10  [1121] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
+#   S11  [852 3936 6258] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
 #        work; loss.item() in the training loop: the step's end. A step is not timed unfinished.
-#   S12  [1636] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
+#   S12  [1641] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
 #        kernels.
-#   S13  [544 1719 1724 1731 1742 1749] the GPU's Adam over streamed state (StreamedAdam): consumed, landed[k],
+#   S13  [544 1724 1729 1736 1747 1754] the GPU's Adam over streamed state (StreamedAdam): consumed, landed[k],
 #        stepped[k], left[k], written_back[u], which u's next copy waits on, on the copy stream (wait_written).
-#   S14  [544 1774 1794 1801 1805] activation offload: written, offloaded[a]. No input moved or freed early.
-#   S15  [1881] clipping: taken. The norm of the norms is not taken before every unit's norm.
-#   S16  [1997 2015 2052 2053] the disk tier: settled, current, free, staged. No file read mid-write, no slot reused.
+#   S14  [544 1779 1799 1806 1810] activation offload: written, offloaded[a]. No input moved or freed early.
+#   S15  [1886] clipping: taken. The norm of the norms is not taken before every unit's norm.
+#   S16  [2002 2020 2057 2058] the disk tier: settled, current, free, staged. No file read mid-write, no slot reused.
 
 
 class OneProcess:  # a run's processes when it is one: rank 0 of 1 holds every unit whole, nothing to gather or wait for
@@ -532,13 +532,13 @@ class LayerStreamer:
         order = list(order)
         self.first = order[0] if order else None
         self.window = CopyWindow.over(order, self.resident)
-        self.kept = {u for u in self.holds if u is not None} if keep else set()
+        self.current = {u for u in self.holds if u is not None} if keep else set()  # need no copy this pass
 
     def prefetch(self, p: int) -> None:
         """Start copying the streamed unit at position p of the pass into its slot, on the copy stream."""
         u = self.window.units[p]
         s, src = self.slot[u], self.sources[u]
-        if u in self.kept and self.holds[s] == u:
+        if u in self.current and self.holds[s] == u:
             return
         dst = self.destination(s, src)
         self.writer.wait_written(u)  # S4, S13, S14: the host, or the copy stream, waits until the source is written
@@ -801,9 +801,7 @@ class OffloadedTraining:
 
     def unit_graph(self, u: int, module: nn.Module, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Unit u's forward on micro-batch k with its graph: (the input as a leaf, the output)."""
-        with torch.enable_grad():
-            x = x.detach().requires_grad_(x.is_floating_point())
-            return x, self.run_unit(u, module, x, k)
+        return with_graph(lambda x: self.run_unit(u, module, x, k), x)
 
     def unit_grads(self, u: int, module: nn.Module, x, k: int, grad_out: torch.Tensor):
         """Back-propagate unit u on micro-batch k, recomputed from input x or through its kept graph (an (input,
@@ -875,6 +873,13 @@ class OffloadedTraining:
             self.wait_updates()
         finally:
             self.steppers.cpu_adam.close()
+
+
+def with_graph(forward, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """forward(x) with its graph, x made a leaf that needs its gradient where it can: (the leaf, the output)."""
+    with torch.enable_grad():
+        x = x.detach().requires_grad_(x.is_floating_point())
+        return x, forward(x)
 
 
 def unit_backward(trainer: OffloadedTraining, u: int, module: nn.Module, xs, grad_outs, views) -> list:
@@ -2749,8 +2754,8 @@ def make_plan(run: RunConfig, config: LlamaConfig, facts: Facts) -> Plan:
     longest = max((ms for plan in modes.values() for ms in plan.bound_ms.values()), default=0.0)
     timeout = run.rank_timeout or max(RANK_TIMEOUT, math.ceil(TIMEOUT_STEPS * longest / 1e3))
     threads = max(1, facts.cores // facts.local_world)
-    kept = set.intersection(*(set(plan.resident) for plan in modes.values())) if run.train and modes else set()
-    host = host_parts(run, config, facts, copy, buffers, kept)
+    everywhere = set.intersection(*(set(plan.resident) for plan in modes.values())) if run.train and modes else set()
+    host = host_parts(run, config, facts, copy, buffers, everywhere)
     disk = run.nvme_layers * disk_unit_bytes(config, facts.ranks) * facts.local_world
     name = copy and str(copy).removeprefix("torch.")
     return Plan(facts, run.offload_activations, run.nvme_layers, name, buffers, threads, timeout, host, disk, modes)
@@ -2810,14 +2815,17 @@ def activation_offload_planned(run: RunConfig, config: LlamaConfig, facts: Facts
     budget = gpu_budget(run, facts)
     if run.offload_activations or not offloaded_training(run) or budget is None:
         return run.offload_activations
-    on = dataclasses.replace(run, offload_activations=True)
-
-    def streamed_peak(r: RunConfig, mode: str) -> int:  # training's peak, every unit streamed and on the CPU Adam
-        parts = training_parts(r, config, facts, mode_depth(mode, r.prefetch), False, (), (), r.torch_dtype)
-        return sum((parts | unplaced_bytes(r, config, facts)).values())
-
+    offloaded = dataclasses.replace(run, offload_activations=True)
     modes = [m for m in run.modes if m in ("blocked", "overlapped")]
-    return all(streamed_peak(run, m) > budget >= streamed_peak(on, m) for m in modes)
+    peaks = [[streamed_peak(r, config, facts, m, run.torch_dtype) for r in (run, offloaded)] for m in modes]
+    return all(on_gpu > budget >= offloaded_peak for on_gpu, offloaded_peak in peaks)
+
+
+def streamed_peak(run: RunConfig, config: LlamaConfig, facts: Facts, mode: str, copy, keep=()) -> int:
+    """Training's peak GPU bytes in `mode` with every unit streamed and stepped by the CPU Adam, those in `keep`
+    keeping their graphs."""
+    parts = training_parts(run, config, facts, mode_depth(mode, run.prefetch), owns_grads(run), (), (), copy)
+    return sum((parts | unplaced_bytes(run, config, facts, keep)).values())
 
 
 def disk_layers_planned(run: RunConfig, config: LlamaConfig, facts: Facts) -> int:
@@ -2944,9 +2952,8 @@ def graph_options(run: RunConfig, config: LlamaConfig, facts: Facts, mode: str, 
     units = model_units(config)
     order = [u for u in reversed(range(len(units))) if units[u].kind == "layer"] + [len(units) - 1]
 
-    def fits(k: int) -> bool:  # the first k of `order` keep their graphs, every other unit streamed
-        parts = training_placement(dataclasses.replace(run, resident_layers=0), config, facts, mode, copy, order[:k])
-        return sum(parts[2].values()) <= limit
+    def fits(k: int) -> bool:  # the first k of `order` keep their graphs, every unit streamed
+        return streamed_peak(run, config, facts, mode, copy, order[:k]) <= limit
 
     most = next((k for k in reversed(range(1, len(order) + 1)) if fits(k)), 0)
     return list(dict.fromkeys([(), tuple(sorted(order[:most])), tuple(sorted(order[: most // 2]))]))
@@ -3006,7 +3013,7 @@ def training_parts(run, config, facts: Facts, depth: int, own_grads: bool, resid
     """A training placement's GPU bytes by part: slots, gradient buffers, GPU Adam staging, resident units' state."""
     b, shards, grad = run.torch_dtype.itemsize, shard_numels(config, facts.ranks), gradient_dtype(run)
     numels = [shard * facts.world for shard in shards]  # each unit whole on the GPU, its shards gathered
-    kept = [numels[u] for u in resident]
+    on_gpu = [numels[u] for u in resident]
     streamed = [n for u, n in enumerate(numels) if u not in resident]
     largest = max(streamed, default=0)
     grads = largest * grad.itemsize
@@ -3016,11 +3023,11 @@ def training_parts(run, config, facts: Facts, depth: int, own_grads: bool, resid
     chunk, copied = min(adam, GPU_ADAM_CHUNK), copy.itemsize if copy else 0
     return {
         "slots": min(depth + 1, len(streamed)) * largest * b + casts * min(largest, STAGING) * 4,
-        "gradient buffer": grads if own_grads else max(grads, 4 * max(kept, default=0)),
+        "gradient buffer": grads if own_grads else max(grads, 4 * max(on_gpu, default=0)),
         "GPU Adam staging": adam * grad.itemsize + 2 * chunk * (12 + copied) + 4 * chunk * (grad != torch.float32),
-        "resident weights": sum(kept) * (0 if run.torch_dtype == torch.float32 else b),
-        "resident masters and moments": 12 * sum(kept),
-        "resident gradients": 4 * sum(kept) if own_grads else 0,
+        "resident weights": sum(on_gpu) * (0 if run.torch_dtype == torch.float32 else b),
+        "resident masters and moments": 12 * sum(on_gpu),
+        "resident gradients": 4 * sum(on_gpu) if own_grads else 0,
         "summed gradients": max(shards) * grad.itemsize if facts.world > 1 else 0,  # ShardedSteppers
     }
 
@@ -3101,9 +3108,9 @@ def trace_key(run: RunConfig, config: LlamaConfig, layers: int = 1) -> tuple:  #
 
 
 @functools.cache
-def traced_passes(key: tuple, kind: str, micro_batches: int, kept: bool = False) -> tuple[int, int, int]:
+def traced_passes(key: tuple, kind: str, micro_batches: int, keeps_graphs: bool = False) -> tuple[int, int, int]:
     """A unit's peak bytes beyond weights and inputs: its forward over `micro_batches`, then its recompute and
-    backward (kept: its backward through the forward's graphs); and the bytes its graphs hold between the two."""
+    backward (keeps_graphs: its backward through the forward's graphs); and the bytes the graphs hold in between."""
     config_json, attention, dtype_name, batch_size, seq_len = key
     config, dtype, shape = LlamaConfig.from_dict(json.loads(config_json)), DTYPES[dtype_name], (batch_size, seq_len)
     model = meta_model(config, dtype, attention)
@@ -3119,20 +3126,18 @@ def traced_passes(key: tuple, kind: str, micro_batches: int, kept: bool = False)
         return module(x, **kwargs) if kind == "layer" else module(x)
 
     def graph(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:  # as OffloadedTraining.unit_graph
-        with torch.enable_grad():
-            x = x.detach().requires_grad_(x.is_floating_point())
-            return x, run_unit(x, k)
+        return with_graph(lambda x: run_unit(x, k), x)
 
     with sdpa_as_on_cuda(), MetaMemory() as memory:
         with torch.no_grad():
-            graphs = [graph(x, k) for k, x in enumerate(xs)] if kept else None
-            outs = [out.detach() for _, out in graphs] if kept else [run_unit(x, k) for k, x in enumerate(xs)]
+            graphs = [graph(x, k) for k, x in enumerate(xs)] if keeps_graphs else None
+            outs = [out.detach() for _, out in graphs] if keeps_graphs else [run_unit(x, k) for k, x in enumerate(xs)]
         forward, held = memory.peak, memory.live - sum(out.untyped_storage().nbytes() for out in outs)
         memory.peak = memory.live  # the backward's peak, from here
         grads_in, first = [], []
         for k, (x, out) in enumerate(zip(xs, outs, strict=True)):
-            x, y = graphs[k] if kept else graph(x, k)
-            if kept:
+            x, y = graphs[k] if keeps_graphs else graph(x, k)
+            if keeps_graphs:
                 graphs[k] = None  # its saved tensors freed by its backward, as the step's are
             inputs = [x, *module.parameters()] if x.requires_grad else list(module.parameters())
             grads = torch.autograd.grad(y, inputs, out)
@@ -3239,10 +3244,10 @@ def predicted_bound(run, config, facts: Facts, depth: int, resident, gpu_adam, c
     units in `keep` are not recomputed."""
     rate, shards = dict(facts.rates), shard_numels(config, facts.ranks)
     streamed = [u for u in range(len(shards)) if u not in resident]
-    kept = streamed[-min(depth + 1, len(streamed)) :] if streamed else []  # the backward finds them in the slots
+    in_slots = streamed[-min(depth + 1, len(streamed)) :] if streamed else []  # the backward finds them there
     on_gpu, on_cpu = sum(shards[u] for u in gpu_adam), sum(shards[u] for u in streamed if u not in gpu_adam)
     grad, copied = gradient_dtype(run).itemsize, copy.itemsize if copy else 0
-    weights = (copied or 4) * (2 * sum(shards[u] for u in streamed) - sum(shards[u] for u in kept))
+    weights = (copied or 4) * (2 * sum(shards[u] for u in streamed) - sum(shards[u] for u in in_slots))
     h2d, d2h = weights + 12 * on_gpu, grad * on_cpu + (12 + copied) * on_gpu
     adam = on_cpu * (24 + grad + copied)  # masters and moments read and written, gradients read, the copy written
     disk = 2 * (run.nvme_layers or 0) * disk_unit_bytes(config, facts.ranks)  # read, and written back
@@ -3346,8 +3351,8 @@ def plan_table(plan: Plan, run: RunConfig, config: LlamaConfig) -> str:
 
 
 def parts_text(parts: dict, least: float = 2**20, text=gib) -> str:  # a peak's parts, largest first, none under least
-    kept = sorted(((n, part) for part, n in parts.items() if n >= least), reverse=True)
-    return ", ".join(f"{part} {text(n)}" for n, part in kept)
+    shown = sorted(((n, part) for part, n in parts.items() if n >= least), reverse=True)
+    return ", ".join(f"{part} {text(n)}" for n, part in shown)
 
 
 def unit_names(units: list[Unit], chosen) -> str:  # units by name, a run of layers joined: model.layers.0-13
@@ -3887,10 +3892,10 @@ def step_copy_bytes(trainer: OffloadedTraining) -> tuple[int, int, int]:
     """A step's (H2D, D2H, the GPU Adam's part of D2H) bytes: weights and GPU Adam state in, gradients and state out."""
     store, streamer = trainer.store, trainer.streamer
     on_cpu, on_gpu = cpu_and_gpu_adam_units(trainer)
-    kept = sum(store.weights[u].nbytes for u in streamer.streamed[-streamer.n_slots :])  # the backward's, in the slots
+    in_slots = sum(store.weights[u].nbytes for u in streamer.streamed[-streamer.n_slots :])  # the backward finds them
     state_in = 12 * sum(on_gpu.values())
     state_out = state_in + sum(on_gpu.values()) * (store.copies[0].itemsize if store.copies else 0)
-    h2d = 2 * sum(store.weights[u].nbytes for u in streamer.streamed) - kept + state_in
+    h2d = 2 * sum(store.weights[u].nbytes for u in streamer.streamed) - in_slots + state_in
     return h2d, sum(on_cpu.values()) * store.grad_dtype.itemsize + state_out, state_out
 
 
@@ -3970,17 +3975,17 @@ def unit_passes(trainer: OffloadedTraining, u: int, micro_batches, device):
     xs = micro_batches if trainer.units[u].kind == "embed" else [hidden] * len(micro_batches)
     trainer.labels = micro_batches
     views = trainer.grad_views(u)
-    kept = u in trainer.keep
+    keeps_graphs = u in trainer.keep
 
     def forward() -> list:  # unit u's outputs, or where it keeps them its (input, output) graphs
-        if kept:
+        if keeps_graphs:
             return [trainer.unit_graph(u, module, x, k) for k, x in enumerate(xs)]
         with torch.no_grad():
             return [trainer.run_unit(u, module, x, k) for k, x in enumerate(xs)]
 
     def backward(outs: list) -> list:  # the outputs stand in for their gradients
-        grad_outs = [out.detach() for _, out in outs] if kept else outs
-        return unit_backward(trainer, u, module, outs if kept else xs, grad_outs, views)
+        grad_outs = [out.detach() for _, out in outs] if keeps_graphs else outs
+        return unit_backward(trainer, u, module, outs if keeps_graphs else xs, grad_outs, views)
 
     return forward, backward
 
@@ -4019,7 +4024,7 @@ class AdamInPlace:
             copy = store.copies[u][:n] if store.copies else None
             self.args.append((store.masters[u][:n], grads, *(m[:n] for m in moments), copy, store.steps[u]))
         self.written = [t for args in self.args for i, t in enumerate(args) if i != 1 and t is not None]
-        self.kept = [t.clone() for t in self.written]
+        self.before = [t.clone() for t in self.written]
         self.worker = ThreadPoolExecutor(1, initializer=torch.set_flush_denormal, initargs=(True,))
         self()  # untimed: a new thread's first parallel loop starts its OpenMP threads, which the bound scales up
 
@@ -4029,8 +4034,8 @@ class AdamInPlace:
 
     def restore(self) -> None:  # the masters, moments, copies and steps as before the first update, bit for bit
         self.worker.shutdown()
-        for tensor, kept in zip(self.written, self.kept, strict=True):
-            tensor.copy_(kept)
+        for tensor, before in zip(self.written, self.before, strict=True):
+            tensor.copy_(before)
 
 
 def profile_pass(fn, path: str) -> dict:  # --profile: one more pass traced into `path`; how much copying was hidden
