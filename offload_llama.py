@@ -18,8 +18,8 @@ The file by line, the assignment first; each section beyond it says what it adds
    1449  # === Beyond the assignment ===
         the compiled Adam 1452, the GPU's Adam 1553, activation offload 1757, float16 and clipping 1822
         the disk tier 1905, several GPUs 2176, a model folder 2420, the plan 2614, measurement 3483
-        the tables' notes 4110, text in 4293, saving and resuming 4791, the command line 5254, running a mode 6116
-        the run 6281
+        the tables' notes 4117, text in 4300, saving and resuming 4798, the command line 5261, running a mode 6123
+        the run 6288
 """
 
 from __future__ import annotations
@@ -344,7 +344,7 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 #        compute before the backward's first write of the gradient buffer: not before its gradients left.
 #   S9   [1236 1243] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
 #   S10  [1121] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
-#   S11  [852 3936 6258] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
+#   S11  [852 3936 6265] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
 #        work; loss.item() in the training loop: the step's end. A step is not timed unfinished.
 #   S12  [1641] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
 #        kernels.
@@ -4060,13 +4060,19 @@ def profile_step(trainer, micro_batches, path: str) -> dict:
 
 
 def trace_overlap(path: str, direction: str = "HtoD") -> dict:
-    """From a Chrome trace: the copy time in `direction` (HtoD or DtoH), and how much of it ran under other streams."""
+    """From a Chrome trace: the copy time in `direction` (HtoD or DtoH), how much of it ran under other streams, and
+    how much could have (hideable: before the other streams' last kernel ended)."""
     events = json.loads(Path(path).read_text())["traceEvents"]
     copies = [e for e in events if e.get("cat") == "gpu_memcpy" and direction in e.get("name", "")]
     spans = sorted((e["ts"], e["ts"] + e["dur"], e["args"].get("stream")) for e in events if e.get("cat") == "kernel")
-    overlap_us = 0.0
+    last = {}  # each stream's end of its kernels
+    for _, k1, s in spans:
+        last[s] = max(last.get(s, k1), k1)
+    overlap_us = hideable_us = 0.0
     for c in copies:
         c0, c1, stream = c["ts"], c["ts"] + c["dur"], c["args"].get("stream")
+        others_end = max((end for s, end in last.items() if s != stream), default=c0)
+        hideable_us += max(0.0, min(c1, others_end) - c0)
         under = [(max(k0, c0), min(k1, c1)) for k0, k1, s in spans if s != stream and k0 < c1 and k1 > c0]
         covered, end = 0.0, float("-inf")  # the length of their union: overlaps counted once
         for a, b in sorted(under):
@@ -4075,6 +4081,7 @@ def trace_overlap(path: str, direction: str = "HtoD") -> dict:
                 end = b
         overlap_us += covered
     result = {"copy_ms": sum(c["dur"] for c in copies) / 1e3, "overlap_ms": overlap_us / 1e3}
+    result["hideable_ms"] = hideable_us / 1e3
     result["copy_streams"] = sorted({c["args"].get("stream") for c in copies})
     return result | {"kernel_streams": sorted({k[2] for k in spans})}
 

@@ -277,10 +277,12 @@ def test_trace_overlap_counts_copy_time_under_kernels_of_other_streams(tmp_path)
             event("kernel", "gemm", 6, 2, 7),  # nested in the last: counted once
             event("kernel", "gemm", 32, 3, 20),  # same stream as the copy: not overlap
             event("kernel", "gemm", 38, 10, 7),  # covers copy 2 from 38 to 40
+            event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 45, 10, 20),  # 3 of it before stream 7's end, at 48
         ]
     }
     path = tmp_path / "t.json"
     path.write_text(json.dumps(trace))
     t = ol.trace_overlap(str(path))
-    assert t["copy_ms"] == pytest.approx(0.020) and t["overlap_ms"] == pytest.approx(0.007)
+    assert t["copy_ms"] == pytest.approx(0.030) and t["overlap_ms"] == pytest.approx(0.010)
+    assert t["hideable_ms"] == pytest.approx(0.023)  # all of copies 1 and 2, and copy 3's first 3
     assert t["copy_streams"] == [20] and t["kernel_streams"] == [7, 20]

@@ -470,12 +470,10 @@ def test_trace_shows_gradient_copies_under_backward_kernels(tmp_path):
     model, batches = model_and_batches(sizes, seq_len=4096, batch_size=1)
     trainer = offloaded_trainer(model, CUDA, 1, batches, pin=True)
     trainer.step(batches)
-    for _ in range(3):  # the best of three steps: a busy host can hold one step's copies past its kernels
-        trace = ol.profile_step(trainer, batches, str(tmp_path / "t.json"))
-        d2h = trace["d2h"]  # the D2H stream's gradient copies, and the loss's .item() on the compute stream
-        if d2h["overlap_ms"] > 0.3 * d2h["copy_ms"]:
-            break
-    assert d2h["overlap_ms"] > 0.3 * d2h["copy_ms"], d2h
+    d2h = ol.profile_step(trainer, batches, str(tmp_path / "t.json"))["d2h"]  # the gradients' copies
+    # held to what this step's copies could hide under: their time before the other streams' kernels ended (a busy host
+    # can hold a step's copies past them); the compute stream has gaps between kernels, so half of it
+    assert d2h["overlap_ms"] > 0.5 * d2h["hideable_ms"] > 0, d2h
     assert set(d2h["copy_streams"]) - set(d2h["kernel_streams"]), "gradients must leave on a stream of their own"
 
 
