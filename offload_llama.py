@@ -10,16 +10,16 @@ The file by line, the assignment first; each section beyond it says what it adds
      71  the model and its configuration         Config, build_model
     200  gpu and cpu inference                   infer_resident, timed
     244  streams, events and pinned host memory  new_stream, host_zeros_each
-    321  blocked and overlapped offload          every wait (S1-S16), ParamStore, LayerStreamer
-    656  training: the autograd.Function         StreamedUnit, OffloadedTraining
-    941  the offloaded Adam                      OffloadedAdam, CpuAdam, Steppers
-   1320  the reference                           ResidentTraining
-   1372  Table 1 and Table 2                     tables
-   1449  # === Beyond the assignment ===
-        the compiled Adam 1452, the GPU's Adam 1553, activation offload 1757, float16 and clipping 1822
-        the disk tier 1905, several GPUs 2176, a model folder 2420, the plan 2614, measurement 3483
-        the tables' notes 4117, text in 4300, saving and resuming 4798, the command line 5261, running a mode 6123
-        the run 6288
+    327  blocked and overlapped offload          every wait (S1-S16), ParamStore, LayerStreamer
+    662  training: the autograd.Function         StreamedUnit, OffloadedTraining
+    947  the offloaded Adam                      OffloadedAdam, CpuAdam, Steppers
+   1341  the reference                           ResidentTraining
+   1393  Table 1 and Table 2                     tables
+   1470  # === Beyond the assignment ===
+        the compiled Adam 1473, the GPU's Adam 1574, activation offload 1780, float16 and clipping 1845
+        the disk tier 1928, several GPUs 2199, a model folder 2443, the plan 2637, measurement 3510
+        the tables' notes 4144, text in 4330, saving and resuming 4828, the command line 5291, running a mode 6153
+        the run 6318
 """
 
 from __future__ import annotations
@@ -308,6 +308,12 @@ def host_zeros(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     return host_zeros_each([numel], dtype, pin)[0]
 
 
+def host_zeros_but(numels, dtype: torch.dtype, pin: bool, elsewhere) -> list[torch.Tensor]:
+    """host_zeros_each of `numels`, but for the indices in `elsewhere` a meta tensor of that size: no memory here."""
+    host = iter(host_zeros_each([n for i, n in enumerate(numels) if i not in elsewhere], dtype, pin))
+    return [torch.empty(n, dtype=dtype, device="meta") if i in elsewhere else next(host) for i, n in enumerate(numels)]
+
+
 def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]:
     """host_zeros of each of `numels`, touched and pinned by several threads at once, which the driver serves."""
     buffers = [HostBuffer(numel * dtype.itemsize) for numel in numels]
@@ -326,33 +332,33 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 # copy (weights in), D2H (gradients out; blocked's is compute), gather (several GPUs'); threads: main, autograd's, Adam.
 # Blocked against overlapped, in training: one slot, D2H on compute, holds_updates (the Adam after S11), wait_all (S4).
 # A unit's copy first calls wait_written: CpuAdam's blocks the host (S4), StreamedAdam's the copy stream (S13).
-#   S1   [551 588 2308 2310 3936] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
+#   S1   [557 594 2331 2333 3963] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
 #        gather); waited on by acquire on compute. Slot s is not read before its unit landed.
-#   S2   [546 596 3936] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s is
+#   S2   [552 602 3963] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s is
 #        not overwritten while a unit reads it.
-#   S3   [570] landed, CUDA event. Recorded by wait_copies on copy and gather; waited on by compute (keep_resident) or
+#   S3   [576] landed, CUDA event. Recorded by wait_copies on copy and gather; waited on by compute (keep_resident) or
 #        timed's end. A ring is not freed, nor a time ended, under a copy.
-#   S4   [544 858 1214 1224 1265] done[u], thread event. Cleared by CpuAdam.update, set by the worker once unit u's
+#   S4   [550 864 1235 1245 1286] done[u], thread event. Cleared by CpuAdam.update, set by the worker once unit u's
 #        update is written; waited on by wait_written (in prefetch) and wait_all (main: blocked's step ends there);
 #        polled by written (CopyWindow issues ready copies first). A host source is not copied or saved mid-update.
-#   S5   [826 1198 1710 2329] ready, CUDA event. Recorded by OffloadedTraining.send on compute after the unit's
+#   S5   [832 1219 1733 2352] ready, CUDA event. Recorded by OffloadedTraining.send on compute after the unit's
 #        backward; waited on by CpuAdam.send on D2H (StreamedAdam.take on s_adam): gradients read once all are written.
-#   S6   [1198 2331] summed, CUDA event (several GPUs): recorded on D2H after the reduce-scatter, S5's stand-in.
-#   S7   [827 1200 1259] landed[u], blocking CUDA event. Recorded by CpuAdam.send on D2H after the copy to pinned
+#   S6   [1219 2354] summed, CUDA event (several GPUs): recorded on D2H after the reduce-scatter, S5's stand-in.
+#   S7   [833 1221 1280] landed[u], blocking CUDA event. Recorded by CpuAdam.send on D2H after the copy to pinned
 #        memory; waited on by the worker (synchronize; next_job queries it). The CPU does not read gradients in flight.
-#   S8   [827 892 1290] last_landed: S7's (or S13's consumed), kept by Steppers.send; waited on by wait_to_write on
+#   S8   [833 898 1311] last_landed: S7's (or S13's consumed), kept by Steppers.send; waited on by wait_to_write on
 #        compute before the backward's first write of the gradient buffer: not before its gradients left.
-#   S9   [1236 1243] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
-#   S10  [1121] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
-#   S11  [852 3936 6265] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
+#   S9   [1257 1264] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
+#   S10  [1142] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
+#   S11  [858 3963 6295] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
 #        work; loss.item() in the training loop: the step's end. A step is not timed unfinished.
-#   S12  [1641] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
+#   S12  [1664] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
 #        kernels.
-#   S13  [544 1724 1729 1736 1747 1754] the GPU's Adam over streamed state (StreamedAdam): consumed, landed[k],
+#   S13  [550 1747 1752 1759 1770 1777] the GPU's Adam over streamed state (StreamedAdam): consumed, landed[k],
 #        stepped[k], left[k], written_back[u], which u's next copy waits on, on the copy stream (wait_written).
-#   S14  [544 1779 1799 1806 1810] activation offload: written, offloaded[a]. No input moved or freed early.
-#   S15  [1886] clipping: taken. The norm of the norms is not taken before every unit's norm.
-#   S16  [2002 2020 2057 2058] the disk tier: settled, current, free, staged. No file read mid-write, no slot reused.
+#   S14  [550 1802 1822 1829 1833] activation offload: written, offloaded[a]. No input moved or freed early.
+#   S15  [1909] clipping: taken. The norm of the norms is not taken before every unit's norm.
+#   S16  [2025 2043 2080 2081] the disk tier: settled, current, free, staged. No file read mid-write, no slot reused.
 
 
 class OneProcess:  # a run's processes when it is one: rank 0 of 1 holds every unit whole, nothing to gather or wait for
@@ -527,12 +533,12 @@ class LayerStreamer:
     def n_slots(self) -> int:  # how many streamed units fit on the GPU at once
         return len(self.buffers)
 
-    def begin(self, order, keep: bool = False) -> None:
-        """The next pass runs `order`; keep: the units the slots hold are current (backward right after forward)."""
+    def begin(self, order, current: bool = False) -> None:
+        """The next pass runs `order`; current: the units the slots hold are current (backward right after forward)."""
         order = list(order)
         self.first = order[0] if order else None
         self.window = CopyWindow.over(order, self.resident)
-        self.current = {u for u in self.holds if u is not None} if keep else set()  # need no copy this pass
+        self.current = {u for u in self.holds if u is not None} if current else set()  # need no copy this pass
 
     def prefetch(self, p: int) -> None:
         """Start copying the streamed unit at position p of the pass into its slot, on the copy stream."""
@@ -844,7 +850,7 @@ class OffloadedTraining:
         losses = StreamedUnit.apply(self, 0, self.anchor, *micro_batches)
         for u in range(1, n):
             losses = StreamedUnit.apply(self, u, self.anchor, *losses)
-        self.streamer.begin(reversed(range(n)), keep=True)  # the forward's last units are still in the slots
+        self.streamer.begin(reversed(range(n)), current=True)  # the forward's last units are still in the slots
         self.inputs.backward_begins(n)
         count = len(losses) * self.ranks.world  # the step's micro-batches, over every rank
         sum(objective(loss, count, self.scaling.scale) for loss in losses).backward()
@@ -1008,13 +1014,15 @@ class OffloadedAdam(torch.optim.Optimizer):
         moments=None,
         ranks: OneProcess = ONE_PROCESS,
         update=AdamUpdate,
+        on_device=None,
     ):
         self.units = units
         self.pin = pin  # whether the host buffers are pinned
         self.ranks = ranks  # each unit's state here is this rank's shard of it
+        self.on_device = on_device or {}  # unit -> the device its master lives on, resident in every mode: not here
         numels = [self.ranks.shard_numel(u.layout.numel) for u in units]
-        self.masters = host_zeros_each(numels, torch.float32, pin)
-        self.copies = host_zeros_each(numels, copy_dtype, pin) if copy_dtype else None
+        self.masters = host_zeros_but(numels, torch.float32, pin, self.on_device)
+        self.copies = host_zeros_but(numels, copy_dtype, pin, self.on_device) if copy_dtype else None
         self.adam_moments = (moments or HostMoments)(numels)
         self.update = update(adam, grad_dtype, copy_dtype, scaled_grads)  # after the pinning, which a compile overlaps
         self.grad_dtype = self.update.grad_dtype  # what the update takes: float32 but where it compiled
@@ -1030,6 +1038,19 @@ class OffloadedAdam(torch.optim.Optimizer):
     @property
     def weights(self) -> list[torch.Tensor]:  # what the GPU streams: the compute-dtype copies, else the float32 masters
         return self.copies or self.masters
+
+    def masters_to_device(self) -> None:
+        """The on_device units' masters onto their device, zeroed, for load or draw_masters to fill: a mode's start."""
+        for u, device in self.on_device.items():
+            self.replace_master(u, torch.zeros(self.masters[u].numel(), device=device))
+
+    def masters_off_device(self) -> None:  # a mode's end: their device memory given back, for the next mode to use
+        for u in self.on_device:
+            self.replace_master(u, torch.empty(self.masters[u].numel(), device="meta"))
+
+    def replace_master(self, u: int, master: torch.Tensor) -> None:  # unit u's master, in torch's param_groups too
+        self.state[master] = self.state.pop(self.masters[u])
+        self.param_groups[0]["params"][u] = self.masters[u] = master
 
     @property
     def moments(self) -> list:  # each unit's moments in host memory, None where the disk tier keeps them
@@ -1089,7 +1110,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         for u, (unit, master) in enumerate(zip(self.units, self.masters, strict=True)):
             if model is not None:  # this rank's shard starts at rank x its size in the unit's flat buffer
                 unit.layout.fill(master, model.get_submodule(unit.name).get_parameter, self.ranks.rank * master.numel())
-            if self.copies:
+            if self.copies and u not in self.on_device:
                 self.copies[u].copy_(master)
             self.steps[u].zero_()
         self.unstarted = set(range(len(self.units)))
@@ -1551,7 +1572,7 @@ class CompiledAdamUpdate(AdamUpdate):
 
 
 # ----------------------------------------------------------------------------------------------------- the GPU's Adam
-# Adds: units kept and stepped on the GPU (ResidentUnits), and streamed ones stepped there over state streamed from
+# Adds: units resident and stepped on the GPU (ResidentUnits), and streamed ones stepped there over state streamed from
 # the host (StreamedAdam). Turned on: overlapped under --max-gpu-memory, --resident-layers, --gpu-adam-share (the
 # plan's choice). Plugs into: Steppers.assign, LayerStreamer.keep_resident.
 
@@ -1593,10 +1614,11 @@ def place_on_gpu(trainer: OffloadedTraining, resident=(), gpu_adam=(), own_grads
 
 
 class ResidentUnit:
-    """One unit kept on the GPU: weights, float32 master and Adam moments; `grads` may be memory the units share."""
+    """One unit resident on the GPU: weights, float32 master and Adam moments; `grads` may be memory the units share."""
 
     def __init__(self, store: OffloadedAdam, u: int, dtype: torch.dtype, grads: torch.Tensor):
-        self.master = store.masters[u].to(grads.device, copy=True)
+        on_device = u in store.on_device  # its master lives there: the store's own, aliased
+        self.master = store.masters[u] if on_device else store.masters[u].to(grads.device, copy=True)
         self.weights = self.master if dtype == torch.float32 else self.master.to(dtype)  # what the GPU computes with
         resumed = bool(store.steps[u])  # else the store's moments are not written yet: they start at zero
         self.moments = tuple(
@@ -1616,7 +1638,8 @@ class ResidentUnit:
 
 
 class ResidentUnits:
-    """Units kept on the GPU, each stepped after its backward on the compute stream, before the next reuses `shared`."""
+    """Units resident on the GPU, each stepped after its backward on the compute stream, before the next reuses
+    `shared`."""
 
     holds_grads = True  # the units' gradients are in memory of this stepper's (`shared`: of the gradient buffer's)
 
@@ -2754,11 +2777,14 @@ def make_plan(run: RunConfig, config: LlamaConfig, facts: Facts) -> Plan:
     longest = max((ms for plan in modes.values() for ms in plan.bound_ms.values()), default=0.0)
     timeout = run.rank_timeout or max(RANK_TIMEOUT, math.ceil(TIMEOUT_STEPS * longest / 1e3))
     threads = max(1, facts.cores // facts.local_world)
-    everywhere = set.intersection(*(set(plan.resident) for plan in modes.values())) if run.train and modes else set()
-    host = host_parts(run, config, facts, copy, buffers, everywhere)
+    host = host_parts(run, config, facts, copy, buffers, resident_everywhere(run, modes))
     disk = run.nvme_layers * disk_unit_bytes(config, facts.ranks) * facts.local_world
     name = copy and str(copy).removeprefix("torch.")
     return Plan(facts, run.offload_activations, run.nvme_layers, name, buffers, threads, timeout, host, disk, modes)
+
+
+def resident_everywhere(run: RunConfig, modes: dict) -> set[int]:  # the units every offloaded training keeps resident
+    return set.intersection(*(set(plan.resident) for plan in modes.values())) if run.train and modes else set()
 
 
 def say_plan(run: RunConfig, config: LlamaConfig, plan: Plan) -> None:
@@ -2821,11 +2847,10 @@ def activation_offload_planned(run: RunConfig, config: LlamaConfig, facts: Facts
     return all(on_gpu > budget >= offloaded_peak for on_gpu, offloaded_peak in peaks)
 
 
-def streamed_peak(run: RunConfig, config: LlamaConfig, facts: Facts, mode: str, copy, keep=()) -> int:
-    """Training's peak GPU bytes in `mode` with every unit streamed and stepped by the CPU Adam, those in `keep`
-    keeping their graphs."""
+def streamed_peak(run: RunConfig, config: LlamaConfig, facts: Facts, mode: str, copy) -> int:
+    """Training's peak GPU bytes in `mode` with every unit streamed, recomputed and stepped by the CPU Adam."""
     parts = training_parts(run, config, facts, mode_depth(mode, run.prefetch), owns_grads(run), (), (), copy)
-    return sum((parts | unplaced_bytes(run, config, facts, keep)).values())
+    return sum((parts | unplaced_bytes(run, config, facts)).values())
 
 
 def disk_layers_planned(run: RunConfig, config: LlamaConfig, facts: Facts) -> int:
@@ -2952,16 +2977,17 @@ def graph_options(run: RunConfig, config: LlamaConfig, facts: Facts, mode: str, 
     units = model_units(config)
     order = [u for u in reversed(range(len(units))) if units[u].kind == "layer"] + [len(units) - 1]
 
-    def fits(k: int) -> bool:  # the first k of `order` keep their graphs, every unit streamed
-        return streamed_peak(run, config, facts, mode, copy, order[:k]) <= limit
+    def fits(k: int) -> bool:  # the first k of `order` keep their graphs, every unit streamed, the GPU's Adam its share
+        parts = training_placement(run, config, facts, mode, copy, order[:k], residents=False)[2]
+        return sum(parts.values()) <= limit
 
     most = next((k for k in reversed(range(1, len(order) + 1)) if fits(k)), 0)
     return list(dict.fromkeys([(), tuple(sorted(order[:most])), tuple(sorted(order[: most // 2]))]))
 
 
-def training_placement(run: RunConfig, config: LlamaConfig, facts: Facts, mode: str, copy, keep=()) -> tuple:
+def training_placement(run: RunConfig, config: LlamaConfig, facts: Facts, mode: str, copy, keep=(), residents=True):
     """Training's (resident units, GPU Adam units, GPU bytes by part, whether they fit) where the units in `keep` keep
-    their graphs; only overlapped keeps units resident."""
+    their graphs; only overlapped keeps units resident, and only where `residents` allows any."""
     depth, units = mode_depth(mode, run.prefetch), model_units(config)
     on_disk, besides = disk_units(config, run.nvme_layers or 0), unplaced_bytes(run, config, facts, keep)
 
@@ -2971,7 +2997,7 @@ def training_placement(run: RunConfig, config: LlamaConfig, facts: Facts, mode: 
         return tuple(resident), gpu_adam, parts | besides
 
     budget, resident, share = gpu_budget(run, facts), [], run.gpu_adam if mode == "overlapped" else 0.0
-    keeps = mode == "overlapped" and facts.world == 1  # a rank's units are its shards: none resident
+    keeps = residents and mode == "overlapped" and facts.world == 1  # a rank's units are its shards: none resident
     uncapped = keeps and budget is None and run.resident_layers is None  # compute-bound, it keeps units (below)
     bound = compute_bound(run, config, facts, ((), ()), copy, keep)
     if share and run.gpu_adam_share is None and not uncapped and bound:
@@ -3215,12 +3241,13 @@ def host_parts(run: RunConfig, config: LlamaConfig, facts: Facts, copy, buffers:
     if offloaded_training(run):
         on_disk = disk_units(config, run.nvme_layers or 0)
         untouched = sum(shards[u] for u in {*on_disk, *resident})  # their moments' pages: on the disk, or never touched
+        here = sum(shards) - sum(shards[u] for u in resident)  # the resident units' masters live on the GPU alone
         grads = gradient_dtype(run).itemsize * (sum(shards) if buffers >= len(shards) else buffers * max(shards))
         parts |= {
-            "float32 masters": 4 * sum(shards),
+            "float32 masters": 4 * here,
             "Adam moments": 8 * (sum(shards) - untouched),
             "disk tier's buffers": DISK_SLOTS * disk_unit_bytes(config, facts.ranks) if on_disk else 0,
-            "masters' copy": copy.itemsize * sum(shards) if copy else 0,
+            "masters' copy": copy.itemsize * here if copy else 0,
             "gradient buffers": grads,
             "bound's scratch Adam": 16 * min(max(shards[1:-1] or shards), ADAM_SCRATCH) * bool(facts.gpu_bytes),
         }
@@ -3838,8 +3865,8 @@ def resident_adam(trainer: OffloadedTraining, numels: list[int], device) -> None
 def copy_in(trainer: OffloadedTraining) -> None:
     """Every H2D copy of a step: the forward's, the backward's but the slots', then the GPU's Adam's units' state."""
     streamer, n, gpu_adam = trainer.streamer, len(trainer.units), streamed_adam(trainer)
-    for order, keep in ((range(n), False), (reversed(range(n)), True)):
-        streamer.begin(order, keep)
+    for order, current in ((range(n), False), (reversed(range(n)), True)):
+        streamer.begin(order, current)
         for p in range(len(streamer.window.units)):
             streamer.prefetch(p)
     with on_stream(streamer.copy_stream):
@@ -4276,10 +4303,13 @@ def bound_note(mode: str, t: dict) -> str:  # a mode's training bound, each part
         h2d, d2h = t["h2d_bytes"] / t["h2d_ms"] / 1e6, t["d2h_bytes"] / t["d2h_ms"] / 1e6
         note += f", H2D {t['h2d_ms']:.1f} ms ({h2d:.1f} GB/s), D2H {t['d2h_ms']:.1f} ms ({d2h:.1f} GB/s)"
     if "host_memory_ms" in t:
-        note += f", CPU Adam {t['cpu_adam_ms']:.1f} ms ({t['adam_calls_ms']:.1f} of it a call's fixed cost, a unit)"
-        if t.get("cpu_adam_alone_ms") is not None:
-            note = note.removesuffix(")") + f"; as the steps ran it: timed alone, {t['cpu_adam_alone_ms']:.1f} ms, a "
-            note += "failed measurement)"
+        calls = f"{t['adam_calls_ms']:.1f} of it a call's fixed cost, a unit"
+        if t.get("cpu_adam_alone_ms") is None:
+            note += f", CPU Adam {t['cpu_adam_ms']:.1f} ms ({calls})"
+        else:  # the steps' own took less
+            alone = t["cpu_adam_alone_ms"]
+            note += f", CPU Adam {t['cpu_adam_ms']:.1f} ms as the steps ran it (timed alone {alone:.1f} ms, {calls}: "
+            note += "a failed measurement)"
         note += f", host memory {t['host_memory_ms']:.1f} ms "
         note += f"({t['host_bytes'] / 1e9:.1f} GB, {t['host_bytes_per_param']:.1f} bytes per parameter, "
         note += f"{t['adam_bytes_per_param']} per CPU-stepped one for the Adam, at {t['host_gbps']:.0f} GB/s with the "
@@ -5179,7 +5209,7 @@ def load_unit(trainer, u: int, state: dict) -> None:
 
     fill(("master",), store.masters[u])
     store.adam_moments.fill(u, functools.partial(fill, ("exp_avg", "exp_avg_sq")))
-    if store.copies:
+    if store.copies and u not in store.on_device:
         store.copies[u].copy_(store.masters[u])
     store.steps[u].fill_(state["step"])
     store.unstarted.discard(u)
@@ -6529,6 +6559,7 @@ def run_modes(run: RunConfig, plan: Plan, model, store, masters, input_ids, trai
             free_gpu_memory()
         if run.train and mode in ("blocked", "overlapped"):
             t0 = time.perf_counter()
+            masters.masters_to_device()  # the units resident in every mode: their masters only there
             if draws_units(run):
                 draw_masters(masters, model, run.seed)
             masters.load(None if draws_units(run) else model)
@@ -6538,6 +6569,8 @@ def run_modes(run: RunConfig, plan: Plan, model, store, masters, input_ids, trai
                 model.model.layers.to("meta")
         if run.train:
             result = trained[mode] = train_mode(mode, model, masters, train_ids, run, plan, text)
+            if mode in ("blocked", "overlapped"):
+                masters.masters_off_device()
             gpu = trained.get("gpu") if mode in ("blocked", "overlapped") else None
             if gpu is not None and not gpu.get("oom") and not result.get("oom"):  # then frees the tensors compared
                 compare_training(result, gpu, run)
@@ -6575,7 +6608,8 @@ def training_store(run: RunConfig, config: LlamaConfig, plan: Plan) -> Offloaded
     try:
         copy, buffers = plan.torch_copy_dtype, plan.grad_buffers
         args = (units, run.adam, True, buffers, gradient_dtype(run), copy, scaled, moments_for(disk), run.ranks)
-        masters = OffloadedAdam(*args, update=CompiledAdamUpdate)
+        on_device = dict.fromkeys(resident_everywhere(run, plan.modes), torch.device("cuda"))
+        masters = OffloadedAdam(*args, update=CompiledAdamUpdate, on_device=on_device)
     except BaseException:
         if disk:
             disk.close()

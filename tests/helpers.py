@@ -96,17 +96,20 @@ def cli_all(commands: dict, workers: int = 5) -> dict:
 _stores = {}  # the last pinned store built with reuse, by what it was built for
 
 
-def master_store(model, adam, pin, grad_buffers, grad_dtype, copy_dtype, reuse, scaled=False, disk=None):
+def master_store(
+    model, adam, pin, grad_buffers, grad_dtype, copy_dtype, reuse, scaled=False, disk=None, on_device=None
+):
     """A OffloadedAdam loaded from `model`. reuse: the last one built for the same model and settings, its gradient
     buffers and moments filled with NaN first, so a read before a write shows; pinning a new one takes seconds. disk:
-    (folder, units): a disk tier in that folder keeps those units' moments (never reused)."""
-    key = (model.config.to_json_string(), str(adam), pin, grad_buffers, grad_dtype, copy_dtype, scaled)
+    (folder, units): a disk tier in that folder keeps those units' moments (never reused). on_device: unit -> the
+    device its master lives on alone (OffloadedAdam's)."""
+    key = (model.config.to_json_string(), str(adam), pin, grad_buffers, grad_dtype, copy_dtype, scaled, str(on_device))
     store = _stores.get(key) if reuse and not disk else None
     if store is None:
         units = ol.model_units(model.config)
         tier = ol.DiskTier(disk[0], {u: units[u].layout.numel for u in disk[1]}) if disk else None
         args = (units, adam, pin, grad_buffers, grad_dtype, copy_dtype, scaled, ol.moments_for(tier))
-        store = ol.OffloadedAdam(*args, update=ol.CompiledAdamUpdate)
+        store = ol.OffloadedAdam(*args, update=ol.CompiledAdamUpdate, on_device=on_device)
     else:
         torch.cuda.synchronize()  # the last trainer's copies from and to the store have landed
         for t in [*store.pool.buffers, *(m for pair in store.moments if pair for m in pair)]:
@@ -114,6 +117,7 @@ def master_store(model, adam, pin, grad_buffers, grad_dtype, copy_dtype, reuse, 
     if reuse:
         _stores.clear()
         _stores[key] = store
+    store.masters_to_device()
     store.load(model)
     return store
 
@@ -135,6 +139,7 @@ def offloaded_trainer(
     clip=None,
     disk=None,
     keep=(),
+    masters_on_device=False,
 ):
     """The blocked (depth 0) or overlapped training of `model` on `device`, as the CLI builds it; offload: the units'
     saved inputs wait on the host (--offload-activations); grad_buffers: a shared gradient pool of that many; copy:
@@ -143,13 +148,16 @@ def offloaded_trainer(
     streamed units the device's Adam steps over their state streamed from the host, their first step's gradients
     kept on the host for first_step_state; reuse: the last such store, poisoned (master_store); clip: the gradients'
     largest norm (--clip-grad-norm); disk: (folder, units) whose moments a disk tier keeps there (--nvme); keep: the
-    units whose forward keeps its graph for the backward (no recompute)."""
+    units whose forward keeps its graph for the backward (no recompute); masters_on_device: the resident units' float32
+    masters live on the device alone, as for units resident in every mode."""
     adam = adam or ol.Adam(lr=1e-3)
     dtype = next(model.parameters()).dtype
     run = ol.RunConfig(dtype=str(dtype).removeprefix("torch."), grad_accum=len(micro_batches))
     copy_dtype = dtype if copy and dtype != torch.float32 else None
     scaled = clip is not None
-    store = master_store(model, adam, pin, grad_buffers, ol.gradient_dtype(run), copy_dtype, reuse, scaled, disk)
+    on_device = dict.fromkeys(resident, torch.device(device)) if masters_on_device else None
+    args = (model, adam, pin, grad_buffers, ol.gradient_dtype(run), copy_dtype, reuse, scaled, disk, on_device)
+    store = master_store(*args)
     kwargs = ol.decoder_kwargs(model, tuple(micro_batches[0].shape), dtype, torch.device(device))
     args = (store, model.config, dtype, torch.device(device), depth, model.loss_function, kwargs)
     trainer = ol.OffloadedTraining(*args)

@@ -54,6 +54,28 @@ def test_a_machine_the_flags_describe(capsys, tmp_path):
     assert "| activation offload | on |" in out
 
 
+def test_units_resident_in_every_mode_hold_no_master_on_the_host(capsys, tmp_path):
+    """The units every offloaded mode keeps resident keep their float32 masters on the GPU alone: the host plans no
+    master and no compute-dtype copy for them, unless another mode streams them (blocked keeps none resident)."""
+    config = ol.llama_config(ol.RunConfig(preset="llama-7b"))
+    shards = ol.shard_numels(config, ol.ONE_PROCESS)
+    host = {}
+    for modes in ("overlapped", "blocked,overlapped"):
+        path = tmp_path / f"{modes}.json"
+        args = [*LLAMA_7B_65K, "--mode", modes, "--gpu-memory", "80", "--host-memory", "200", "--json", path]
+        code, _, err = run_main(capsys, "--plan", *args)
+        assert code == 0, err
+        host[modes] = json.loads(path.read_text())["plan"]
+    resident = host["overlapped"]["modes"]["overlapped"]["resident"]
+    assert resident == [0, 1] and host["blocked,overlapped"]["modes"]["blocked"]["resident"] == []
+    for modes, streamed in (
+        ("overlapped", sum(shards) - sum(shards[u] for u in resident)),
+        ("blocked,overlapped", sum(shards)),
+    ):
+        parts = host[modes]["host"]
+        assert parts["float32 masters"] == 4 * streamed and parts["masters' copy"] == 2 * streamed, modes
+
+
 def test_a_plan_that_will_not_fit_is_printed_then_refused(capsys):
     """The table first, so the user sees where the bytes go; then check_plan's one line, exit 2."""
     code, out, err = run_main(capsys, "--plan", *LLAMA_7B_65K, "--gpu-memory", "80", "--host-memory", "60")
