@@ -6614,7 +6614,8 @@ def training_store(run: RunConfig, config: LlamaConfig, plan: Plan) -> Offloaded
         if disk:
             disk.close()
         raise
-    pinned = sum(t.nbytes for t in [*masters.masters, *(masters.copies or []), *masters.pool.buffers])
+    buffers = [*masters.masters, *(masters.copies or []), *masters.pool.buffers]
+    pinned = sum(t.nbytes for t in buffers if not t.is_meta)  # a meta tensor: a unit's master lives on the GPU alone
     moments = sum(m.nbytes for pair in masters.moments if pair for m in pair)  # None: on the disk tier
     masters.setup_s["host_state"] = time.perf_counter() - t0
     state = f"{size_text(pinned)} pinned, {size_text(moments)} of Adam moments"
