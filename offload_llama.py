@@ -17,9 +17,9 @@ The file by line, the assignment first; each section beyond it says what it adds
    1393  Table 1 and Table 2                     tables
    1470  # === Beyond the assignment ===
         the compiled Adam 1473, the GPU's Adam 1574, activation offload 1780, float16 and clipping 1845
-        the disk tier 1928, several GPUs 2199, a model folder 2443, the plan 2637, measurement 3510
-        the tables' notes 4144, text in 4330, saving and resuming 4828, the command line 5291, running a mode 6153
-        the run 6318
+        the disk tier 1928, several GPUs 2199, a model folder 2443, the plan 2637, measurement 3513
+        the tables' notes 4147, text in 4333, saving and resuming 4831, the command line 5294, running a mode 6156
+        the run 6321
 """
 
 from __future__ import annotations
@@ -332,9 +332,9 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 # copy (weights in), D2H (gradients out; blocked's is compute), gather (several GPUs'); threads: main, autograd's, Adam.
 # Blocked against overlapped, in training: one slot, D2H on compute, holds_updates (the Adam after S11), wait_all (S4).
 # A unit's copy first calls wait_written: CpuAdam's blocks the host (S4), StreamedAdam's the copy stream (S13).
-#   S1   [557 594 2331 2333 3963] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
+#   S1   [557 594 2331 2333 3966] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
 #        gather); waited on by acquire on compute. Slot s is not read before its unit landed.
-#   S2   [552 602 3963] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s is
+#   S2   [552 602 3966] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s is
 #        not overwritten while a unit reads it.
 #   S3   [576] landed, CUDA event. Recorded by wait_copies on copy and gather; waited on by compute (keep_resident) or
 #        timed's end. A ring is not freed, nor a time ended, under a copy.
@@ -350,7 +350,7 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 #        compute before the backward's first write of the gradient buffer: not before its gradients left.
 #   S9   [1257 1264] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
 #   S10  [1142] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
-#   S11  [858 3963 6295] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
+#   S11  [858 3966 6298] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
 #        work; loss.item() in the training loop: the step's end. A step is not timed unfinished.
 #   S12  [1664] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
 #        kernels.
@@ -2769,7 +2769,7 @@ def make_plan(run: RunConfig, config: LlamaConfig, facts: Facts) -> Plan:
     modes = {}  # each offloaded mode's placements and bound
     for m in (mode for mode in run.modes if mode in ("blocked", "overlapped")):
         inference = inference_placement(run, config, facts, m) if run.inference else ((), {})
-        tried = searched_placement(run, config, facts, m, copy) if run.train else []
+        tried = searched_placement(run, config, facts, m, copy, buffers) if run.train else []
         best = tried[0] if tried else Placement((), (), (), {}, True, {}, 0.0)
         training = best.resident, best.gpu_adam, best.gpu, best.fits, best.bound_ms, best.keep, best.step_ms
         runner_up = tried[1].described(model_units(config)) if len(tried) > 1 else {}
@@ -2829,11 +2829,12 @@ def gpu_budget(run: RunConfig, facts: Facts) -> int | None:  # a placement's byt
     return int(min(run.max_gpu_memory * GiB, facts.gpu_bytes or math.inf)) - PLAN_MARGIN
 
 
-def host_spare(run, config, facts: Facts, copy, buffers: int, margin: int = HOST_MARGIN) -> int | None:
-    """One rank's host memory left with `copy` and `buffers` gradient buffers, less `margin`; None: not known."""
+def host_spare(run, config, facts: Facts, copy, buffers: int, margin: int = HOST_MARGIN, resident=()) -> int | None:
+    """One rank's host memory left with `copy`, `buffers` gradient buffers and the units `resident` (their state on the
+    GPU alone), less `margin`; None: not known."""
     if facts.host_share is None:
         return None
-    return facts.host_share - sum(host_parts(run, config, facts, copy, buffers).values()) - margin
+    return facts.host_share - sum(host_parts(run, config, facts, copy, buffers, resident).values()) - margin
 
 
 def activation_offload_planned(run: RunConfig, config: LlamaConfig, facts: Facts) -> bool:
@@ -2936,7 +2937,7 @@ def gpu_adam_units(units: list[Unit], resident, share: float, on_disk=()) -> tup
 @dataclass(frozen=True)
 class Placement:
     """A training placement the plan weighs: which units keep their graphs, are resident, are stepped by the GPU's
-    Adam; its GPU bytes by part, whether they fit, its predicted bound (ms by part) and step."""
+    Adam; its GPU bytes by part, whether they fit, its predicted bound (ms by part) and step, whether the host fits."""
 
     keep: tuple[int, ...]
     resident: tuple[int, ...]
@@ -2945,16 +2946,17 @@ class Placement:
     fits: bool
     bound_ms: dict
     step_ms: float
+    host_fits: bool = True  # the host holds the rest: fewer units resident leave it more to hold
 
     def described(self, units: list[Unit]) -> dict:  # for --plan and the JSON
         names = {f: unit_names(units, getattr(self, f)) for f in ("keep", "resident", "gpu_adam")}
         return names | {"step_ms": self.step_ms, "peak_bytes": sum(self.gpu.values())}
 
 
-def searched_placement(run: RunConfig, config: LlamaConfig, facts: Facts, mode: str, copy) -> list[Placement]:
-    """Training's placements for `mode`, the fastest predicted step first, of equal steps the least GPU memory: every
-    unit recomputed, or the most (or half as many) keeping their graphs that fit, each with the units it then keeps
-    resident (training_placement)."""
+def searched_placement(run: RunConfig, config: LlamaConfig, facts: Facts, mode: str, copy, buffers) -> list:
+    """Training's placements for `mode`, those that fit the GPU and the host first, then the fastest predicted step,
+    of equal steps the least GPU memory: every unit recomputed, or the most (or half as many) keeping their graphs that
+    fit, each with the units it then keeps resident (training_placement)."""
     depth, blocked = mode_depth(mode, run.prefetch), mode == "blocked"
     tried = []
     for keep in graph_options(run, config, facts, mode, copy):
@@ -2962,8 +2964,9 @@ def searched_placement(run: RunConfig, config: LlamaConfig, facts: Facts, mode: 
         bound = predicted_bound(run, config, facts, depth, resident, gpu_adam, copy, keep)
         serial = sum(bound[p] for p in ("gpu_compute_ms", "h2d_ms", "d2h_ms", "cpu_adam_ms"))  # blocked: in turn
         step = serial if blocked else max(bound.values())
-        tried.append(Placement(keep, resident, gpu_adam, parts, fits, bound, step))
-    return sorted(tried, key=lambda p: (not p.fits, round(p.step_ms, 1), sum(p.gpu.values())))
+        host = host_spare(run, config, facts, copy, buffers, 0, resident)  # as check_plan counts it
+        tried.append(Placement(keep, resident, gpu_adam, parts, fits, bound, step, host is None or host >= 0))
+    return sorted(tried, key=lambda p: (not (p.fits and p.host_fits), round(p.step_ms, 1), sum(p.gpu.values())))
 
 
 def graph_options(run: RunConfig, config: LlamaConfig, facts: Facts, mode: str, copy) -> list[tuple[int, ...]]:

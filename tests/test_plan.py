@@ -76,6 +76,30 @@ def test_units_resident_in_every_mode_hold_no_master_on_the_host(capsys, tmp_pat
         assert parts["float32 masters"] == 4 * streamed and parts["masters' copy"] == 2 * streamed, modes
 
 
+def test_the_search_weighs_the_host_too(capsys, tmp_path):
+    """70 LLaMA-7B layers at 64 x 1024 tokens under a 130 GiB cap, 124.5 GiB of host: keeping the most graphs is the
+    fastest on the GPU but leaves the host 37 GiB short; the plan chooses a placement that keeps units resident
+    instead, whose state the host then does not hold, and it fits."""
+    path = tmp_path / "plan.json"
+    args = [
+        *LLAMA_7B_65K,
+        "--layers",
+        "70",
+        "--max-gpu-memory",
+        "130",
+        "--gpu-memory",
+        "139.8",
+        "--host-memory",
+        "124.5",
+    ]
+    code, _, err = run_main(capsys, "--plan", *args, "--json", path)
+    assert code == 0, err
+    plan = json.loads(path.read_text())["plan"]
+    overlapped = plan["modes"]["overlapped"]
+    assert len(overlapped["resident"]) > 10 and overlapped["training_fits"]
+    assert sum(plan["host"].values()) <= plan["facts"]["host_bytes"] * (100 - ol.HOST_SLACK) // 100
+
+
 def test_a_plan_that_will_not_fit_is_printed_then_refused(capsys):
     """The table first, so the user sees where the bytes go; then check_plan's one line, exit 2."""
     code, out, err = run_main(capsys, "--plan", *LLAMA_7B_65K, "--gpu-memory", "80", "--host-memory", "60")
