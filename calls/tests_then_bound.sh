@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Every GPU test file (calls/gpu_tests.sh), then while the call's 440 s last, 7b-8l blocked and overlapped (the bound's
-# CPU Adam fixed: efficiency at most 1.02?). Logs and JSON under $OUT.
-bash calls/gpu_tests.sh
+# 7b-8l blocked and overlapped first (the bound's CPU Adam as a step runs it: efficiency at most 1.02?), then every GPU
+# test file (calls/gpu_tests.sh, about 345 s). Logs and JSON under $OUT; give the call 560 s.
 source calls/runs.sh
-if (( SECONDS < 360 )); then run bo1 $(( 430 - SECONDS )) --mode blocked,overlapped; fi
+run bo1 100 --mode blocked,overlapped
+bash calls/gpu_tests.sh
