@@ -58,7 +58,8 @@ def test_offloaded_training_equals_resident(dtype, depth, k):
 def test_resident_units_whose_masters_live_on_the_device_alone_train_bit_for_bit_alike(dtype):
     """A unit resident in every mode keeps its float32 master on the device alone: the host holds a meta tensor in
     its place and no copy, the resident unit steps the store's master itself, and the training is bit for bit that of
-    the resident units that copy their host masters; at the mode's end the device memory is given back."""
+    the resident units that copy their host masters; at the mode's end the device memory is given back, and the next
+    mode trains from the same store alike."""
     model, ids = build(ol.dataclasses.replace(tiny_run(), dtype=dtype, batch_size=2))
     batches, resident = micro(ids, 1), (0, 1, 2)
     copied = train(offloaded_trainer(model, CPU, 1, batches, resident=resident), batches, 3)
@@ -68,10 +69,17 @@ def test_resident_units_whose_masters_live_on_the_device_alone_train_bit_for_bit
     assert all(store.copies is None or store.copies[u].is_meta for u in resident)
     assert not any(store.masters[u].is_meta for u in range(len(store.units)))
     alone = train(trainer, batches, 3)
-    for got, expected in zip(alone, copied, strict=True):
-        assert got == expected if isinstance(got, list) else all(torch.equal(got[n], expected[n]) for n in expected)
     store.masters_off_device()
     assert [u for u, master in enumerate(store.masters) if master.is_meta] == list(resident)
+    store.masters_to_device()  # the next mode's start, from the same store: as run_modes does
+    store.load(model)
+    kwargs = ol.decoder_kwargs(model, tuple(batches[0].shape), model.dtype, CPU)
+    second = ol.OffloadedTraining(store, model.config, model.dtype, CPU, 1, model.loss_function, kwargs)
+    ol.place_on_gpu(second, resident, (), True)
+    again = train(second, batches, 3)
+    for run in (alone, again):
+        for got, expected in zip(run, copied, strict=True):
+            assert got == expected if isinstance(got, list) else all(torch.equal(got[n], expected[n]) for n in expected)
 
 
 @pytest.mark.parametrize("k", [1, 2])
