@@ -13,13 +13,13 @@ The file by line, the assignment first; each section beyond it says what it adds
     327  blocked and overlapped offload          every wait (S1-S16), ParamStore, LayerStreamer
     662  training: the autograd.Function         StreamedUnit, OffloadedTraining
     947  the offloaded Adam                      OffloadedAdam, CpuAdam, Steppers
-   1341  the reference                           ResidentTraining
-   1393  Table 1 and Table 2                     tables
-   1470  # === Beyond the assignment ===
-        the compiled Adam 1473, the GPU's Adam 1574, activation offload 1780, float16 and clipping 1845
-        the disk tier 1928, several GPUs 2199, a model folder 2443, the plan 2637, measurement 3513
-        the tables' notes 4147, text in 4333, saving and resuming 4831, the command line 5294, running a mode 6156
-        the run 6321
+   1328  the reference                           ResidentTraining
+   1380  Table 1 and Table 2                     tables
+   1457  # === Beyond the assignment ===
+        the compiled Adam 1460, the GPU's Adam 1561, activation offload 1785, float16 and clipping 1850
+        the disk tier 1933, several GPUs 2204, a model folder 2448, the plan 2642, measurement 3518
+        the tables' notes 4152, text in 4338, saving and resuming 4836, the command line 5299, running a mode 6161
+        the run 6326
 """
 
 from __future__ import annotations
@@ -332,33 +332,33 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 # copy (weights in), D2H (gradients out; blocked's is compute), gather (several GPUs'); threads: main, autograd's, Adam.
 # Blocked against overlapped, in training: one slot, D2H on compute, holds_updates (the Adam after S11), wait_all (S4).
 # A unit's copy first calls wait_written: CpuAdam's blocks the host (S4), StreamedAdam's the copy stream (S13).
-#   S1   [557 594 2331 2333 3966] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
+#   S1   [557 594 2336 2338 3971] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
 #        gather); waited on by acquire on compute. Slot s is not read before its unit landed.
-#   S2   [552 602 3966] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s is
+#   S2   [552 602 3971] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s is
 #        not overwritten while a unit reads it.
 #   S3   [576] landed, CUDA event. Recorded by wait_copies on copy and gather; waited on by compute (keep_resident) or
 #        timed's end. A ring is not freed, nor a time ended, under a copy.
-#   S4   [550 864 1235 1245 1286] done[u], thread event. Cleared by CpuAdam.update, set by the worker once unit u's
+#   S4   [550 864 1222 1232 1273] done[u], thread event. Cleared by CpuAdam.update, set by the worker once unit u's
 #        update is written; waited on by wait_written (in prefetch) and wait_all (main: blocked's step ends there);
 #        polled by written (CopyWindow issues ready copies first). A host source is not copied or saved mid-update.
-#   S5   [832 1219 1733 2352] ready, CUDA event. Recorded by OffloadedTraining.send on compute after the unit's
+#   S5   [832 1206 1738 2357] ready, CUDA event. Recorded by OffloadedTraining.send on compute after the unit's
 #        backward; waited on by CpuAdam.send on D2H (StreamedAdam.take on s_adam): gradients read once all are written.
-#   S6   [1219 2354] summed, CUDA event (several GPUs): recorded on D2H after the reduce-scatter, S5's stand-in.
-#   S7   [833 1221 1280] landed[u], blocking CUDA event. Recorded by CpuAdam.send on D2H after the copy to pinned
+#   S6   [1206 2359] summed, CUDA event (several GPUs): recorded on D2H after the reduce-scatter, S5's stand-in.
+#   S7   [833 1208 1267] landed[u], blocking CUDA event. Recorded by CpuAdam.send on D2H after the copy to pinned
 #        memory; waited on by the worker (synchronize; next_job queries it). The CPU does not read gradients in flight.
-#   S8   [833 898 1311] last_landed: S7's (or S13's consumed), kept by Steppers.send; waited on by wait_to_write on
+#   S8   [833 898 1298] last_landed: S7's (or S13's consumed), kept by Steppers.send; waited on by wait_to_write on
 #        compute before the backward's first write of the gradient buffer: not before its gradients left.
-#   S9   [1257 1264] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
-#   S10  [1142] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
-#   S11  [858 3966 6298] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
+#   S9   [1244 1251] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
+#   S10  [1129] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
+#   S11  [858 3971 6303] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
 #        work; loss.item() in the training loop: the step's end. A step is not timed unfinished.
-#   S12  [1664] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
+#   S12  [1669] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
 #        kernels.
-#   S13  [550 1747 1752 1759 1770 1777] the GPU's Adam over streamed state (StreamedAdam): consumed, landed[k],
+#   S13  [550 1752 1757 1764 1775 1782] the GPU's Adam over streamed state (StreamedAdam): consumed, landed[k],
 #        stepped[k], left[k], written_back[u], which u's next copy waits on, on the copy stream (wait_written).
-#   S14  [550 1802 1822 1829 1833] activation offload: written, offloaded[a]. No input moved or freed early.
-#   S15  [1909] clipping: taken. The norm of the norms is not taken before every unit's norm.
-#   S16  [2025 2043 2080 2081] the disk tier: settled, current, free, staged. No file read mid-write, no slot reused.
+#   S14  [550 1807 1827 1834 1838] activation offload: written, offloaded[a]. No input moved or freed early.
+#   S15  [1914] clipping: taken. The norm of the norms is not taken before every unit's norm.
+#   S16  [2030 2048 2085 2086] the disk tier: settled, current, free, staged. No file read mid-write, no slot reused.
 
 
 class OneProcess:  # a run's processes when it is one: rank 0 of 1 holds every unit whole, nothing to gather or wait for
@@ -1019,7 +1019,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         self.units = units
         self.pin = pin  # whether the host buffers are pinned
         self.ranks = ranks  # each unit's state here is this rank's shard of it
-        self.on_device = on_device or {}  # unit -> the device its master lives on, resident in every mode: not here
+        self.on_device = on_device or {}  # unit -> the device its master lives on alone (beyond: masters_to_device)
         numels = [self.ranks.shard_numel(u.layout.numel) for u in units]
         self.masters = host_zeros_but(numels, torch.float32, pin, self.on_device)
         self.copies = host_zeros_but(numels, copy_dtype, pin, self.on_device) if copy_dtype else None
@@ -1038,19 +1038,6 @@ class OffloadedAdam(torch.optim.Optimizer):
     @property
     def weights(self) -> list[torch.Tensor]:  # what the GPU streams: the compute-dtype copies, else the float32 masters
         return self.copies or self.masters
-
-    def masters_to_device(self) -> None:
-        """The on_device units' masters onto their device, zeroed, for load or draw_masters to fill: a mode's start."""
-        for u, device in self.on_device.items():
-            self.replace_master(u, torch.zeros(self.masters[u].numel(), device=device))
-
-    def masters_off_device(self) -> None:  # a mode's end: their device memory given back, for the next mode to use
-        for u in self.on_device:
-            self.replace_master(u, torch.empty(self.masters[u].numel(), device="meta"))
-
-    def replace_master(self, u: int, master: torch.Tensor) -> None:  # unit u's master, in torch's param_groups too
-        self.state[master] = self.state.pop(self.masters[u])
-        self.param_groups[0]["params"][u] = self.masters[u] = master
 
     @property
     def moments(self) -> list:  # each unit's moments in host memory, None where the disk tier keeps them
@@ -1573,8 +1560,9 @@ class CompiledAdamUpdate(AdamUpdate):
 
 # ----------------------------------------------------------------------------------------------------- the GPU's Adam
 # Adds: units resident and stepped on the GPU (ResidentUnits), and streamed ones stepped there over state streamed from
-# the host (StreamedAdam). Turned on: overlapped under --max-gpu-memory, --resident-layers, --gpu-adam-share (the
-# plan's choice). Plugs into: Steppers.assign, LayerStreamer.keep_resident.
+# the host (StreamedAdam); the masters of units resident in every mode on the GPU alone (masters_to_device). Turned on:
+# overlapped under --max-gpu-memory, --resident-layers, --gpu-adam-share (the plan's choice). Plugs into:
+# Steppers.assign, LayerStreamer.keep_resident, OffloadedAdam.on_device.
 
 
 GPU_ADAM_SHARE = 0.3  # of the streamed parameters, the default share of the GPU's Adam over streamed state
@@ -1611,6 +1599,23 @@ def place_on_gpu(trainer: OffloadedTraining, resident=(), gpu_adam=(), own_grads
     streamed = StreamedAdam(store, gpu_adam, trainer.device, streamer.copy_stream, own_grads)
     chosen = {**dict.fromkeys(resident, on_gpu), **dict.fromkeys(gpu_adam, streamed)}
     steppers.buffer, steppers.of = buffer, [chosen.get(u, steppers.cpu_adam) for u in range(len(steppers.of))]
+
+
+def masters_to_device(store: OffloadedAdam) -> None:
+    """The masters of the units resident in every mode (store.on_device) onto their device, zeroed, for load or
+    draw_masters to fill: a mode's start. The host holds a meta tensor in their place, and no copy."""
+    for u, device in store.on_device.items():
+        replace_master(store, u, torch.zeros(store.masters[u].numel(), device=device))
+
+
+def masters_off_device(store: OffloadedAdam) -> None:  # a mode's end: their device memory given back for the next
+    for u in store.on_device:
+        replace_master(store, u, torch.empty(store.masters[u].numel(), device="meta"))
+
+
+def replace_master(store: OffloadedAdam, u: int, master: torch.Tensor) -> None:  # unit u's, in param_groups too
+    store.state[master] = store.state.pop(store.masters[u])
+    store.param_groups[0]["params"][u] = store.masters[u] = master
 
 
 class ResidentUnit:
@@ -6562,7 +6567,7 @@ def run_modes(run: RunConfig, plan: Plan, model, store, masters, input_ids, trai
             free_gpu_memory()
         if run.train and mode in ("blocked", "overlapped"):
             t0 = time.perf_counter()
-            masters.masters_to_device()  # the units resident in every mode: their masters only there
+            masters_to_device(masters)  # the units resident in every mode: their masters there alone
             if draws_units(run):
                 draw_masters(masters, model, run.seed)
             masters.load(None if draws_units(run) else model)
@@ -6573,7 +6578,7 @@ def run_modes(run: RunConfig, plan: Plan, model, store, masters, input_ids, trai
         if run.train:
             result = trained[mode] = train_mode(mode, model, masters, train_ids, run, plan, text)
             if mode in ("blocked", "overlapped"):
-                masters.masters_off_device()
+                masters_off_device(masters)
             gpu = trained.get("gpu") if mode in ("blocked", "overlapped") else None
             if gpu is not None and not gpu.get("oom") and not result.get("oom"):  # then frees the tensors compared
                 compare_training(result, gpu, run)

@@ -117,7 +117,7 @@ def master_store(
     if reuse:
         _stores.clear()
         _stores[key] = store
-    store.masters_to_device()
+    ol.masters_to_device(store)
     store.load(model)
     return store
 

@@ -69,9 +69,9 @@ def test_resident_units_whose_masters_live_on_the_device_alone_train_bit_for_bit
     assert all(store.copies is None or store.copies[u].is_meta for u in resident)
     assert not any(store.masters[u].is_meta for u in range(len(store.units)))
     alone = train(trainer, batches, 3)
-    store.masters_off_device()
+    ol.masters_off_device(store)
     assert [u for u, master in enumerate(store.masters) if master.is_meta] == list(resident)
-    store.masters_to_device()  # the next mode's start, from the same store: as run_modes does
+    ol.masters_to_device(store)  # the next mode's start, from the same store: as run_modes does
     store.load(model)
     kwargs = ol.decoder_kwargs(model, tuple(batches[0].shape), model.dtype, CPU)
     second = ol.OffloadedTraining(store, model.config, model.dtype, CPU, 1, model.loss_function, kwargs)
