@@ -17,9 +17,9 @@ The file by line, the assignment first; each section beyond it says what it adds
    1380  Table 1 and Table 2                     tables
    1457  # === Beyond the assignment ===
         the compiled Adam 1460, the GPU's Adam 1561, activation offload 1785, float16 and clipping 1850
-        the disk tier 1933, several GPUs 2204, a model folder 2448, the plan 2642, measurement 3518
-        the tables' notes 4152, text in 4338, saving and resuming 4836, the command line 5299, running a mode 6161
-        the run 6326
+        the disk tier 1933, several GPUs 2204, a model folder 2448, the plan 2642, measurement 3525
+        the tables' notes 4159, text in 4345, saving and resuming 4843, the command line 5306, running a mode 6168
+        the run 6333
 """
 
 from __future__ import annotations
@@ -332,9 +332,9 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 # copy (weights in), D2H (gradients out; blocked's is compute), gather (several GPUs'); threads: main, autograd's, Adam.
 # Blocked against overlapped, in training: one slot, D2H on compute, holds_updates (the Adam after S11), wait_all (S4).
 # A unit's copy first calls wait_written: CpuAdam's blocks the host (S4), StreamedAdam's the copy stream (S13).
-#   S1   [557 594 2336 2338 3971] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
+#   S1   [557 594 2336 2338 3978] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
 #        gather); waited on by acquire on compute. Slot s is not read before its unit landed.
-#   S2   [552 602 3971] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s is
+#   S2   [552 602 3978] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s is
 #        not overwritten while a unit reads it.
 #   S3   [576] landed, CUDA event. Recorded by wait_copies on copy and gather; waited on by compute (keep_resident) or
 #        timed's end. A ring is not freed, nor a time ended, under a copy.
@@ -350,7 +350,7 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 #        compute before the backward's first write of the gradient buffer: not before its gradients left.
 #   S9   [1244 1251] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
 #   S10  [1129] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
-#   S11  [858 3971 6303] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
+#   S11  [858 3978 6310] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
 #        work; loss.item() in the training loop: the step's end. A step is not timed unfinished.
 #   S12  [1669] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
 #        kernels.
@@ -2788,8 +2788,10 @@ def make_plan(run: RunConfig, config: LlamaConfig, facts: Facts) -> Plan:
     return Plan(facts, run.offload_activations, run.nvme_layers, name, buffers, threads, timeout, host, disk, modes)
 
 
-def resident_everywhere(run: RunConfig, modes: dict) -> set[int]:  # the units every offloaded training keeps resident
-    return set.intersection(*(set(plan.resident) for plan in modes.values())) if run.train and modes else set()
+def resident_everywhere(run: RunConfig, modes: dict) -> set[int]:
+    """The units every offloaded training that fits keeps resident (one that does not is reported OOM, untrained)."""
+    fitting = [set(plan.resident) for plan in modes.values() if plan.training_fits]
+    return set.intersection(*fitting) if run.train and fitting else set()
 
 
 def say_plan(run: RunConfig, config: LlamaConfig, plan: Plan) -> None:
@@ -2971,7 +2973,9 @@ def searched_placement(run: RunConfig, config: LlamaConfig, facts: Facts, mode: 
         step = serial if blocked else max(bound.values())
         host = host_spare(run, config, facts, copy, buffers, 0, resident)  # as check_plan counts it
         tried.append(Placement(keep, resident, gpu_adam, parts, fits, bound, step, host is None or host >= 0))
-    return sorted(tried, key=lambda p: (not (p.fits and p.host_fits), round(p.step_ms, 1), sum(p.gpu.values())))
+    return sorted(
+        tried, key=lambda p: (not (p.fits and p.host_fits), not p.fits, round(p.step_ms, 1), sum(p.gpu.values()))
+    )
 
 
 def graph_options(run: RunConfig, config: LlamaConfig, facts: Facts, mode: str, copy) -> list[tuple[int, ...]]:
@@ -3248,7 +3252,8 @@ def host_parts(run: RunConfig, config: LlamaConfig, facts: Facts, copy, buffers:
         parts["inference shards"] = b * config.num_hidden_layers * layer_numel(config, facts.ranks)
     if offloaded_training(run):
         on_disk = disk_units(config, run.nvme_layers or 0)
-        untouched = sum(shards[u] for u in {*on_disk, *resident})  # their moments' pages: on the disk, or never touched
+        # the moments' pages of the units on the disk, or resident and never touched (a resume fills them here first)
+        untouched = sum(shards[u] for u in {*on_disk, *(() if run.resume else resident)})
         here = sum(shards) - sum(shards[u] for u in resident)  # the resident units' masters live on the GPU alone
         grads = gradient_dtype(run).itemsize * (sum(shards) if buffers >= len(shards) else buffers * max(shards))
         parts |= {
@@ -3259,6 +3264,8 @@ def host_parts(run: RunConfig, config: LlamaConfig, facts: Facts, copy, buffers:
             "gradient buffers": grads,
             "bound's scratch Adam": 16 * min(max(shards[1:-1] or shards), ADAM_SCRATCH) * bool(facts.gpu_bytes),
         }
+    if run.train and run.save_pretrained and resident and offloaded_training(run):  # on the host to be saved, together
+        parts["resident masters saved"] = 4 * sum(shards[u] for u in resident)
     if run.train and (compared := compared_modes(run)):  # their first gradients and last masters, float32
         parts["compared states"] = 8 * params * len(compared)
     if run.train and "cpu" in run.modes:

@@ -6,7 +6,7 @@ import json
 import pytest
 
 import offload_llama as ol
-from helpers import cli, run_main
+from helpers import cli, machine, run_main
 
 LLAMA_7B_65K = ["--preset", "llama-7b", "--mode", "overlapped", "--train", "--no-inference", "--grad-accum", "16"]
 LLAMA_7B_65K += ["--batch-size", "4", "--seq-len", "1024", "--max-gpu-memory", "11"]
@@ -98,6 +98,43 @@ def test_the_search_weighs_the_host_too(capsys, tmp_path):
     overlapped = plan["modes"]["overlapped"]
     assert len(overlapped["resident"]) > 10 and overlapped["training_fits"]
     assert sum(plan["host"].values()) <= plan["facts"]["host_bytes"] * (100 - ol.HOST_SLACK) // 100
+
+
+def test_a_mode_that_does_not_fit_the_gpu_keeps_no_master_there_alone():
+    """A mode the plan reports OOM (training does not fit the cap) is never trained: its resident units' masters stay
+    on the host, so nothing is allocated on the GPU for it before it is reported."""
+    run = ol.RunConfig(preset="7b-8l", mode="gpu,overlapped", train=True, max_gpu_memory=5, resident_layers=8)
+    config = ol.llama_config(run)
+    plan = ol.make_plan(run, config, machine())
+    assert not plan.modes["overlapped"].training_fits and plan.modes["overlapped"].resident
+    assert ol.resident_everywhere(run, plan.modes) == set()
+
+
+def test_a_resume_or_a_save_counts_the_resident_units_host_bytes():
+    """The resident units' moments stay untouched on the host, but a resume fills them there first; --save-pretrained
+    brings their float32 masters back to the host together."""
+    config = ol.llama_config(ol.RunConfig(preset="7b-8l"))
+    shards = ol.shard_numels(config, ol.ONE_PROCESS)
+    resident = {0, 1, 2}
+
+    def host(**flags) -> dict:
+        run = ol.RunConfig(preset="7b-8l", mode="overlapped", train=True, **flags)
+        return ol.host_parts(run, config, machine(), None, 2, resident)
+
+    plain = host()
+    assert host(resume="folder")["Adam moments"] - plain["Adam moments"] == 8 * sum(shards[u] for u in resident)
+    assert host(save_pretrained="folder")["resident masters saved"] == 4 * sum(shards[u] for u in resident)
+    assert "resident masters saved" not in plain
+
+
+def test_a_placement_that_fits_the_gpu_comes_first_where_none_fits_the_host():
+    """With --resident-layers every placement keeps the same units resident, so the host fits all or none: where none,
+    the one that fits the GPU is still chosen before a faster one that does not."""
+    run = ol.RunConfig(
+        preset="7b-8l", mode="overlapped", train=True, max_gpu_memory=20, resident_layers=2, grad_accum=4
+    )
+    plan = ol.make_plan(run, ol.llama_config(run), machine(host_gib=8))
+    assert plan.modes["overlapped"].training_fits
 
 
 def test_a_plan_that_will_not_fit_is_printed_then_refused(capsys):
