@@ -18,8 +18,8 @@ The file by line, the assignment first; each section beyond it says what it adds
    1457  # === Beyond the assignment ===
         the compiled Adam 1460, the GPU's Adam 1561, activation offload 1785, float16 and clipping 1850
         the disk tier 1933, several GPUs 2204, a model folder 2448, the plan 2642, measurement 3525
-        the tables' notes 4159, text in 4345, saving and resuming 4843, the command line 5306, running a mode 6168
-        the run 6333
+        the tables' notes 4156, text in 4342, saving and resuming 4840, the command line 5303, running a mode 6165
+        the run 6330
 """
 
 from __future__ import annotations
@@ -332,9 +332,9 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 # copy (weights in), D2H (gradients out; blocked's is compute), gather (several GPUs'); threads: main, autograd's, Adam.
 # Blocked against overlapped, in training: one slot, D2H on compute, holds_updates (the Adam after S11), wait_all (S4).
 # A unit's copy first calls wait_written: CpuAdam's blocks the host (S4), StreamedAdam's the copy stream (S13).
-#   S1   [557 594 2336 2338 3978] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
+#   S1   [557 594 2336 2338 3975] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
 #        gather); waited on by acquire on compute. Slot s is not read before its unit landed.
-#   S2   [552 602 3978] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s is
+#   S2   [552 602 3975] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s is
 #        not overwritten while a unit reads it.
 #   S3   [576] landed, CUDA event. Recorded by wait_copies on copy and gather; waited on by compute (keep_resident) or
 #        timed's end. A ring is not freed, nor a time ended, under a copy.
@@ -350,7 +350,7 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 #        compute before the backward's first write of the gradient buffer: not before its gradients left.
 #   S9   [1244 1251] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
 #   S10  [1129] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
-#   S11  [858 3978 6310] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
+#   S11  [858 3975 6307] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
 #        work; loss.item() in the training loop: the step's end. A step is not timed unfinished.
 #   S12  [1669] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
 #        kernels.
@@ -3264,8 +3264,8 @@ def host_parts(run: RunConfig, config: LlamaConfig, facts: Facts, copy, buffers:
             "gradient buffers": grads,
             "bound's scratch Adam": 16 * min(max(shards[1:-1] or shards), ADAM_SCRATCH) * bool(facts.gpu_bytes),
         }
-    if run.train and run.save_pretrained and resident and offloaded_training(run):  # on the host to be saved, together
-        parts["resident masters saved"] = 4 * sum(shards[u] for u in resident)
+        if run.save_pretrained and resident:  # on the host to be saved, together
+            parts["resident masters saved"] = 4 * sum(shards[u] for u in resident)
     if run.train and (compared := compared_modes(run)):  # their first gradients and last masters, float32
         parts["compared states"] = 8 * params * len(compared)
     if run.train and "cpu" in run.modes:
@@ -3775,19 +3775,16 @@ def step_rates(run: RunConfig, config: LlamaConfig, mode: str, result: dict) -> 
     layers = config.num_hidden_layers
     matmul_params = param_count(config) - (0 if config.tie_word_embeddings else head)
     layer = 2 * (matmul_params - head) // layers * tokens + 2 * tokens * run.seq_len * config.hidden_size
-    kept = set(result.get("kept_graph_units", ())) if mode != "gpu" else {"lm_head"} | set(decoder_names(layers))
-    forward = {name: layer for name in decoder_names(layers)} | {"lm_head": 2 * head * tokens}
-    recomputed = sum(flops for name, flops in forward.items() if name not in kept)
+    flops = {"layer": layer, "head": 2 * head * tokens}  # a unit's forward, by kind (the embeddings and norm: none)
+    forward = {unit.name: flops[unit.kind] for unit in model_units(config) if unit.kind in flops}
+    kept = set(forward) if mode == "gpu" else set(result.get("kept_graph_units", ()))
+    recomputed = sum(n for name, n in forward.items() if name not in kept)
     rates = {"model_tflops": 6 * param_count(config) * tokens / seconds / 1e12}
     rates["executed_tflops"] = (3 * sum(forward.values()) + recomputed) / seconds / 1e12
     peak = dense_peak_flops()
     if peak and run.torch_dtype != torch.float32:
         rates["executed_share_of_peak"] = rates["executed_tflops"] * 1e12 / peak
     return rates
-
-
-def decoder_names(layers: int) -> list[str]:  # the decoder layers' unit names
-    return [f"model.layers.{i}" for i in range(layers)]
 
 
 def dense_peak_flops() -> float | None:  # the GPU's dense 16-bit peak FLOP/s, where DENSE_PEAK_FLOPS knows its name
