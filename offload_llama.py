@@ -17,9 +17,9 @@ The file by line, the assignment first; each section beyond it says what it adds
    1380  Table 1 and Table 2                     tables
    1457  # === Beyond the assignment ===
         the compiled Adam 1460, the GPU's Adam 1561, activation offload 1785, float16 and clipping 1850
-        the disk tier 1933, several GPUs 2204, a model folder 2448, the plan 2642, measurement 3525
-        the tables' notes 4156, text in 4342, saving and resuming 4840, the command line 5303, running a mode 6165
-        the run 6330
+        the disk tier 1933, several GPUs 2204, a model folder 2448, the plan 2642, measurement 3542
+        the tables' notes 4193, text in 4383, saving and resuming 4881, the command line 5344, running a mode 6206
+        the run 6371
 """
 
 from __future__ import annotations
@@ -332,9 +332,9 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 # copy (weights in), D2H (gradients out; blocked's is compute), gather (several GPUs'); threads: main, autograd's, Adam.
 # Blocked against overlapped, in training: one slot, D2H on compute, holds_updates (the Adam after S11), wait_all (S4).
 # A unit's copy first calls wait_written: CpuAdam's blocks the host (S4), StreamedAdam's the copy stream (S13).
-#   S1   [557 594 2336 2338 3975] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
+#   S1   [557 594 2336 2338 3997] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
 #        gather); waited on by acquire on compute. Slot s is not read before its unit landed.
-#   S2   [552 602 3975] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s is
+#   S2   [552 602 3997] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s is
 #        not overwritten while a unit reads it.
 #   S3   [576] landed, CUDA event. Recorded by wait_copies on copy and gather; waited on by compute (keep_resident) or
 #        timed's end. A ring is not freed, nor a time ended, under a copy.
@@ -350,7 +350,7 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 #        compute before the backward's first write of the gradient buffer: not before its gradients left.
 #   S9   [1244 1251] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
 #   S10  [1129] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
-#   S11  [858 3975 6307] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
+#   S11  [858 3997 6348] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
 #        work; loss.item() in the training loop: the step's end. A step is not timed unfinished.
 #   S12  [1669] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
 #        kernels.
@@ -2644,12 +2644,12 @@ def layer_bytes(config: LlamaConfig, dtype: torch.dtype) -> int:  # one decoder 
 # Turned on: every run (--plan prints it and exits). Plugs into: the stores, streamers and steppers are built from it.
 
 
-DEFAULT_RATES = {  # measured on the project's H100 machine (report/results); --rate NAME=VALUE overrides one
+DEFAULT_RATES = {  # measured on the project's H200 machine (report/results); --rate NAME=VALUE overrides one
     "h2d_gbps": 55.0,  # pinned host memory to the GPU
     "d2h_gbps": 55.0,  # the GPU to pinned host memory
-    "adam_gbps": 127.0,  # the CPU Adam's bytes through host memory, alone
-    "host_gbps": 175.0,  # host memory under the CPU Adam and the copies together
-    "gpu_tflops": 440.0,  # a step's matrix work in 16 bits (float32 runs at an eighth of it)
+    "adam_gbps": 110.0,  # the CPU Adam's bytes through host memory, alone
+    "host_gbps": 130.0,  # host memory under the CPU Adam and the copies together
+    "gpu_tflops": 520.0,  # a step's matrix work in 16 bits (float32 runs at an eighth of it)
     "disk_gbps": 2.3,  # the --nvme disk, reading and writing
 }
 PROCESS_BYTES = 8 * GiB // 5  # a GPU run's own resident set beside its parts: torch, CUDA, the compiled Adam
@@ -3010,7 +3010,7 @@ def training_placement(run: RunConfig, config: LlamaConfig, facts: Facts, mode: 
 
     budget, resident, share = gpu_budget(run, facts), [], run.gpu_adam if mode == "overlapped" else 0.0
     keeps = residents and mode == "overlapped" and facts.world == 1  # a rank's units are its shards: none resident
-    uncapped = keeps and budget is None and run.resident_layers is None  # compute-bound, it keeps units (below)
+    uncapped = keeps and budget is None and run.resident_layers is None  # hiding the copies, it keeps units (below)
     bound = compute_bound(run, config, facts, ((), ()), copy, keep)
     if share and run.gpu_adam_share is None and not uncapped and bound:
         share = 0.0  # the compute bounds the step with every unit on the CPU Adam: the GPU's Adam would add to it
@@ -3018,12 +3018,14 @@ def training_placement(run: RunConfig, config: LlamaConfig, facts: Facts, mode: 
         resident = list(range(1, 1 + run.resident_layers))  # unit 0 is the embeddings
     elif keeps and budget is not None:
         resident = boundary_units([u for u in range(len(units)) if u not in on_disk], placement, budget, share)
-    elif (
-        keeps
-        and facts.gpu_bytes
-        and compute_bound(run, config, facts, (streamed := placement([], share))[:2], copy, keep)
-    ):
-        resident, share = boundary_units(streamed[1], placement, facts.gpu_bytes - PLAN_MARGIN), 0.0
+    elif keeps and facts.gpu_bytes and copies_hidden(run, config, facts, placement([], share)[:2], copy, keep):
+        candidates = [u for u in range(len(units)) if u not in on_disk]
+        fitting = boundary_units(candidates, placement, facts.gpu_bytes - PLAN_MARGIN)
+
+        def step(resident: list[int]) -> float:  # predicted, every streamed unit on the CPU Adam
+            return round(max(predicted_bound(run, config, facts, depth, resident, (), copy, keep).values()), 1)
+
+        resident, share = min((fitting[:k] for k in range(len(fitting) + 1)), key=step), 0.0  # fewest of the fastest
     chosen = placement(resident, share)
     if budget is not None and sum(chosen[2].values()) > budget:
         chosen = placement(resident, 0.0)  # every streamed unit on the CPU Adam: no staging on the GPU
@@ -3035,6 +3037,12 @@ def compute_bound(run: RunConfig, config: LlamaConfig, facts: Facts, placed: tup
     """Whether the GPU's compute bounds an overlapped training step with `placed` (resident, GPU Adam units)."""
     parts = predicted_bound(run, config, facts, run.prefetch, *placed, copy, keep)
     return parts["gpu_compute_ms"] >= max(parts.values())
+
+
+def copies_hidden(run: RunConfig, config: LlamaConfig, facts: Facts, placed: tuple, copy, keep=()) -> bool:
+    """Whether the GPU's compute outlasts an overlapped step's copies with `placed` (resident, GPU Adam units)."""
+    parts = predicted_bound(run, config, facts, run.prefetch, *placed, copy, keep)
+    return parts["gpu_compute_ms"] >= max(parts["h2d_ms"], parts["d2h_ms"])
 
 
 def boundary_units(candidates, placement, limit: float, share: float = 0.0) -> list[int]:
@@ -3301,7 +3309,16 @@ def predicted_bound(run, config, facts: Facts, depth: int, resident, gpu_adam, c
     moved["host_memory"] = facts.local_world * (adam + h2d + d2h + disk), "host_gbps"  # every rank's
     if disk:
         moved["disk"] = disk, "disk_gbps"
-    return {"gpu_compute_ms": flops / tflops / 1e9} | {f"{k}_ms": n / rate[r] / 1e6 for k, (n, r) in moved.items()}
+    parts = {"gpu_compute_ms": flops / tflops / 1e9} | {f"{k}_ms": n / rate[r] / 1e6 for k, (n, r) in moved.items()}
+    on_cpu = [u for u in streamed if u not in gpu_adam]
+    if depth and on_cpu and not run.holds_updates:  # as train_bound's: the CPU Adam idles through adam_chain_ms
+        forward = {kind: unit_flops(run, config, kind) * micro_batches_per_rank(run, facts) for kind in set(kinds)}
+        first, last = min(on_cpu), max(on_cpu)
+        chain = sum(forward[kinds[u]] for u in range(first, len(kinds)))
+        chain += sum((2 + (u not in keep)) * forward[kinds[u]] for u in range(last, len(kinds)))  # backward, recompute
+        copies = (copied or 4) * shards[first] / rate["h2d_gbps"] + grad * shards[last] / rate["d2h_gbps"]
+        parts["cpu_adam_chain_ms"] = parts["cpu_adam_ms"] + chain / tflops / 1e9 + copies / 1e6
+    return parts
 
 
 def check_plan(run: RunConfig, config: LlamaConfig, plan: Plan) -> None:
@@ -3825,11 +3842,12 @@ def resident_forward_backward(model: LlamaForCausalLM, input_ids: torch.Tensor, 
 
 def train_bound_parts(trainer: OffloadedTraining, micro_batches, device) -> dict:
     """The bound's parts as functions to time alone (name -> (device, fn)), made anew each round (train_bound's)."""
-    fns = {}
+    fns, (on_cpu, _) = {}, cpu_and_gpu_adam_units(trainer)
+    forwards = not trainer.blocked and (trainer.holds_updates or bool(on_cpu))  # train_bound's held bound or chain
     for name, (u, _) in compute_groups(trainer).items():  # one unit of each kind, recomputed or keeping its graphs
         forward, backward = unit_passes(trainer, u, micro_batches, device)
         fns[name] = (device, Compute(lambda forward=forward, backward=backward: backward(forward())))
-        if trainer.holds_updates and not trainer.blocked:  # the held bound's forward (train_bound's)
+        if forwards:
             fns[f"{name}_forward"] = (device, Compute(forward))
     if trainer.streamer.streamed:
         fns |= {"h2d": (device, lambda: copy_in(trainer)), "d2h": (device, lambda: copy_out(trainer))}
@@ -3837,7 +3855,6 @@ def train_bound_parts(trainer: OffloadedTraining, micro_batches, device) -> dict
     if resident:
         numels = [trainer.store.masters[u].numel() for u in resident]
         fns["resident_adam"] = (device, Compute(lambda: resident_adam(trainer, numels, device)))
-    on_cpu, _ = cpu_and_gpu_adam_units(trainer)
     if on_cpu:  # the CPU Adam steps something: timed in one call, as a step's, on its largest unit's own state, put
         # back after the round (a call over a share of each unit would run slower a parameter than a step's)
         big, numel = max(on_cpu, key=on_cpu.get), adam_timed_numel(on_cpu)
@@ -3854,11 +3871,16 @@ def compute_groups(trainer: OffloadedTraining) -> dict[str, tuple[int, int]]:
     """The units the bound times alike, by name ("layer", or "layer kept" for those keeping their graphs): (the first
     such unit, how many)."""
     groups = {}
-    for u, unit in enumerate(trainer.units):
-        name = f"{unit.kind} kept" if u in trainer.keep else unit.kind
+    for u in range(len(trainer.units)):
+        name = compute_group(trainer, u)
         first, count = groups.get(name, (u, 0))
         groups[name] = first, count + 1
     return groups
+
+
+def compute_group(trainer: OffloadedTraining, u: int) -> str:  # unit u's name in compute_groups
+    kind = trainer.units[u].kind
+    return f"{kind} kept" if u in trainer.keep else kind
 
 
 def resident_adam(trainer: OffloadedTraining, numels: list[int], device) -> None:
@@ -3979,8 +4001,23 @@ def train_bound(trainer: OffloadedTraining, best: dict[str, float], in_step_adam
         forward = sum(count * best[f"{name}_forward"] for name, (_, count) in groups.items())
         figures |= {"gpu_forward_ms": forward, "unheld_bound_ms": max(parts.values())}
         parts["held_updates_ms"] = parts["gpu_compute_ms"] - forward + max(forward, parts.get("cpu_adam_ms", 0.0))
+    elif on_cpu:  # the CPU Adam idles through the chain (adam_chain_ms), so a step takes at least the two in turn
+        figures["adam_chain_ms"] = adam_chain_ms(trainer, on_cpu, best, figures)
+        parts["cpu_adam_chain_ms"] = parts["cpu_adam_ms"] + figures["adam_chain_ms"]
     bound = {"bound_ms": max(parts.values()), "bound_by": max(parts, key=parts.get).removesuffix("_ms")}
     return parts | bound | figures
+
+
+def adam_chain_ms(trainer: OffloadedTraining, on_cpu: dict[int, int], best: dict[str, float], figures: dict) -> float:
+    """The GPU's work a step between the CPU Adam's last update and its next: the first CPU-stepped unit's update lets
+    its copy in (S4), then the forward runs from it through the head, the backward down to the first unit the CPU
+    Adam steps, and that unit's gradients leave (S5, S7); the Adam, its work all done, waits for them."""
+    first, last, n = min(on_cpu), max(on_cpu), len(trainer.units)
+    forward = {u: best[f"{compute_group(trainer, u)}_forward"] for u in range(first, n)}
+    backward = sum(best[compute_group(trainer, u)] - forward[u] for u in range(last, n))
+    h2d = trainer.store.weights[first].nbytes / figures["h2d_bytes"] * best["h2d"]
+    d2h = on_cpu[last] * trainer.store.grad_dtype.itemsize / figures["d2h_bytes"] * best["d2h"]
+    return h2d + sum(forward.values()) + backward + d2h
 
 
 def disk_cycle(disk: DiskTier) -> None:
@@ -4334,6 +4371,10 @@ def bound_note(mode: str, t: dict) -> str:  # a mode's training bound, each part
         note += f", updates held for the whole backward ({why}) {t['held_updates_ms']:.1f} ms (backward "
         note += f"{t['gpu_compute_ms'] - t['gpu_forward_ms']:.1f} ms, then the longer of the forward "
         note += f"{t['gpu_forward_ms']:.1f} ms and the CPU Adam; {t['unheld_bound_ms']:.1f} ms were they not held)"
+    if "cpu_adam_chain_ms" in t:
+        note += ", the CPU Adam and then the GPU's chain up to its next gradients (the next forward from the unit "
+        note += f"it updates last, the backward down to the first it steps) {t['cpu_adam_chain_ms']:.1f} ms "
+        note += f"(chain {t['adam_chain_ms']:.1f})"
     if "serial_ms" in t:
         note += f", every part in turn (blocked: nothing overlaps) {t['serial_ms']:.1f} ms"
     return note
@@ -5568,7 +5609,7 @@ def add_plan_flags(p: argparse.ArgumentParser) -> None:
     host = "plan for a host with this much memory available (default: this one's MemAvailable)"
     g.add_argument("--host-memory", type=float, metavar="GIB", help=host)
     g.add_argument("--gpus", type=int, metavar="N", help="plan for N ranks on one host (default: torchrun's, or 1)")
-    rates = f"override a rate of the plan's predictions; NAME one of {', '.join(DEFAULT_RATES)} (default: an H100's)"
+    rates = f"override a rate of the plan's predictions; NAME one of {', '.join(DEFAULT_RATES)} (default: an H200's)"
     g.add_argument(
         "--rate", dest="rates", type=rate_flag, action="append", default=[], metavar="NAME=VALUE", help=rates
     )

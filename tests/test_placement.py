@@ -174,9 +174,9 @@ def test_training_plan_fits_its_budget_and_keeps_a_run_from_the_start_of_the_for
 
 def test_under_a_cap_the_gpus_adam_steps_nothing_where_the_compute_bounds_the_step():
     """Under --max-gpu-memory, where the GPU's compute bounds the step with every streamed unit on the CPU Adam (7b-8l,
-    4 micro-batches of 4096 tokens), the GPU's Adam steps none: it would only add to the compute; where the host
+    8 micro-batches of 4096 tokens), the GPU's Adam steps none: it would only add to the compute; where the host
     bounds it (1 micro-batch) it takes its share; --gpu-adam-share is kept as given; several ranks alike."""
-    run = ol.RunConfig(preset="7b-8l", mode="overlapped", train=True, grad_accum=4, max_gpu_memory=20)
+    run = ol.RunConfig(preset="7b-8l", mode="overlapped", train=True, grad_accum=8, max_gpu_memory=20)
     config = ol.llama_config(run)
     bound = ol.training_placement(run, config, machine(), "overlapped", torch.bfloat16)
     assert bound[1] == () and ol.compute_bound(run, config, machine(), ([], ()), torch.bfloat16)
@@ -184,7 +184,7 @@ def test_under_a_cap_the_gpus_adam_steps_nothing_where_the_compute_bounds_the_st
     assert ol.training_placement(one, config, machine(), "overlapped", torch.bfloat16)[1] != ()
     given = ol.dataclasses.replace(run, gpu_adam_share=0.3)
     assert ol.training_placement(given, config, machine(), "overlapped", torch.bfloat16)[1] != ()
-    ranks = ol.dataclasses.replace(run, grad_accum=8)  # 4 micro-batches a rank
+    ranks = ol.dataclasses.replace(run, grad_accum=16)  # 8 micro-batches a rank
     assert ol.training_placement(ranks, config, machine(world=2), "overlapped", torch.bfloat16)[1] == ()
 
 
@@ -254,3 +254,26 @@ def test_inference_plan_spreads_what_the_budget_holds():
     assert ol.spread(8, 4) == (0, 2, 4, 6) and ol.spread(8, 1) == (0,) and ol.spread(8, 8) == tuple(range(8))
     forced = ol.dataclasses.replace(run, resident_layers=3)
     assert ol.inference_placement(forced, config, machine(), "overlapped")[0] == (0, 2, 5)
+
+
+def test_without_a_cap_units_stay_resident_only_where_the_compute_hides_the_copies():
+    """Uncapped, overlapped streams every unit where the copies outlast the compute (7b-8l, one micro-batch: the main
+    command), though residents would be faster; where the compute hides them (4 micro-batches, every unit
+    recomputed), the fewest leading units stay resident whose predicted step is the fastest: one fewer is slower, one
+    more no faster, every streamed unit on the CPU Adam."""
+    facts = machine(139.0)
+
+    def placed(grad_accum: int) -> tuple:
+        run = ol.RunConfig(preset="7b-8l", mode="overlapped", train=True, grad_accum=grad_accum)
+        config = ol.llama_config(run)
+
+        def step(resident) -> float:
+            return round(max(ol.predicted_bound(run, config, facts, 1, list(resident), (), torch.bfloat16).values()), 1)
+
+        return ol.training_placement(run, config, facts, "overlapped", torch.bfloat16), step
+
+    (resident, gpu_adam, _, fits), step = placed(1)
+    assert resident == () and gpu_adam and fits and step([0]) < step([])
+    (resident, gpu_adam, _, fits), step = placed(4)
+    assert resident == tuple(range(len(resident))) and len(resident) >= 2 and gpu_adam == () and fits
+    assert step(resident[:-1]) > step(resident) == step([*resident, len(resident)])

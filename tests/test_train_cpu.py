@@ -751,6 +751,28 @@ def test_a_held_step_is_bound_by_its_backward_then_the_longer_of_forward_and_ada
     trainer.finish()
 
 
+@pytest.mark.parametrize("resident", [(), (0, 1)])
+def test_an_overlapped_step_is_bound_by_the_cpu_adam_then_the_chain_to_its_next_gradients(resident):
+    """The next forward waits for the update of the first unit the CPU Adam steps, and the Adam for the gradients of
+    the last one: the bound gets the Adam and that chain in turn, from stand-in times (no GPU here), where the chain is
+    the first such unit's copy in, the forward from it, the head's backward and its gradients' copy out."""
+    model, batches = tiny_batches(1)
+    trainer = offloaded_trainer(model, CPU, 1, batches, resident=resident)
+    kinds = ("embed", "layer", "norm", "head")
+    best = {kind: 3.0 for kind in kinds} | {f"{kind}_forward": 1.0 for kind in kinds}
+    best |= {"h2d": 1.0, "d2h": 1.0, "adam": 2.0, "adam_small": 0.5, "host": 2.5}
+    result = {"time_ms": 1e6, "bound_parts_ms": {name: [ms] for name, ms in best.items()}}
+    t = result | ol.training_figures(trainer, result)
+    store, first, n = trainer.store, len(resident), len(trainer.units)
+    h2d = store.weights[first].nbytes / t["h2d_bytes"]  # of the step's H2D, timed at 1 ms
+    d2h = store.masters[-1].numel() * store.grad_dtype.itemsize / t["d2h_bytes"]  # the head's gradients
+    assert t["adam_chain_ms"] == pytest.approx(h2d + (n - first) + 2 + d2h)  # forwards from `first`, head's backward
+    assert t["cpu_adam_chain_ms"] == t["cpu_adam_ms"] + t["adam_chain_ms"] <= t["bound_ms"]
+    notes = "\n".join(ol.training_notes("overlapped", t, ol.RunConfig(train=True)))
+    assert "the CPU Adam and then the GPU's chain up to its next gradients" in notes
+    trainer.finish()
+
+
 def test_a_blocked_step_is_bound_by_the_sum_of_its_parts():
     """Blocked overlaps nothing: its bound is compute, both copies and then the CPU Adam (timed alone), in turn."""
     model, batches = tiny_batches(1)
@@ -771,7 +793,8 @@ def test_the_bound_scales_up_the_cpu_adams_parameters_not_its_calls():
     through the two gives a call's fixed cost, which a step pays a unit, and the rest is scaled to every parameter."""
     model, batches = tiny_batches(1)
     trainer = offloaded_trainer(model, CPU, 1, batches)
-    best = {kind: 0.1 for kind in ("embed", "layer", "norm", "head")} | {"h2d": 0.1, "d2h": 0.1}
+    kinds = ("embed", "layer", "norm", "head")
+    best = {kind: 0.1 for kind in kinds} | {f"{kind}_forward": 0.05 for kind in kinds} | {"h2d": 0.1, "d2h": 0.1}
     best |= {"adam": 2.0, "adam_small": 0.5, "host": 3.0}  # 0.4 ms of its call, 1.6 ms of parameters
     result = {"time_ms": 1e6, "bound_parts_ms": {name: [ms] for name, ms in best.items()}}
     t = ol.training_figures(trainer, result)

@@ -467,8 +467,9 @@ def test_race_each_wait_of_the_adam_over_streamed_state_is_needed(race, monkeypa
 
 def test_trace_shows_gradient_copies_under_backward_kernels(tmp_path):
     sizes = {**THIN, "vocab_size": 32000}
-    # 4096 tokens: a layer's backward takes about as long as copying its float32 gradients out
-    model, batches = model_and_batches(sizes, seq_len=4096, batch_size=1)
+    # 8192 tokens: a layer's backward runs several times as long as its gradients' copy, so the copies find kernels to
+    # run under though a busy host delays the launches or the copies (at 4096, as long as the copy, they often did not)
+    model, batches = model_and_batches(sizes, seq_len=8192, batch_size=1)
     trainer = offloaded_trainer(model, CUDA, 1, batches, pin=True)
     trainer.step(batches)
     d2h = ol.profile_step(trainer, batches, str(tmp_path / "t.json"))["d2h"]  # the gradients' copies
@@ -524,7 +525,8 @@ def test_bound_parts_are_timed_in_rounds_between_the_steps():
     )
     trainer.finish()
     assert r["timed_steps"] == [2, 4, 5]
-    assert set(r["bound_parts_ms"]) == {"embed", "layer", "norm", "head", "h2d", "d2h", "adam", "adam_small", "host"}
+    kinds, host = {"embed", "layer", "norm", "head"}, {"h2d", "d2h", "adam", "adam_small", "host"}
+    assert set(r["bound_parts_ms"]) == kinds | {f"{k}_forward" for k in kinds} | host  # forwards: the Adam's chain
     assert all(len(ms) == 2 and min(ms) > 0 for ms in r["bound_parts_ms"].values())
     t = ol.training_figures(trainer, r)
     assert t["efficiency"] == t["bound_ms"] / r["time_ms"] <= 1.02, "a part timed alone took longer than the step"
