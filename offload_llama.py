@@ -17,9 +17,9 @@ The file by line, the assignment first; each section beyond it says what it adds
    1380  Table 1 and Table 2                     tables
    1457  # === Beyond the assignment ===
         the compiled Adam 1460, the GPU's Adam 1561, activation offload 1785, float16 and clipping 1850
-        the disk tier 1933, several GPUs 2204, a model folder 2448, the plan 2642, measurement 3542
-        the tables' notes 4193, text in 4383, saving and resuming 4881, the command line 5344, running a mode 6206
-        the run 6371
+        the disk tier 1933, several GPUs 2204, a model folder 2448, the plan 2642, measurement 3548
+        the tables' notes 4199, text in 4389, saving and resuming 4887, the command line 5350, running a mode 6212
+        the run 6377
 """
 
 from __future__ import annotations
@@ -332,9 +332,9 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 # copy (weights in), D2H (gradients out; blocked's is compute), gather (several GPUs'); threads: main, autograd's, Adam.
 # Blocked against overlapped, in training: one slot, D2H on compute, holds_updates (the Adam after S11), wait_all (S4).
 # A unit's copy first calls wait_written: CpuAdam's blocks the host (S4), StreamedAdam's the copy stream (S13).
-#   S1   [557 594 2336 2338 3997] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
+#   S1   [557 594 2336 2338 4003] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
 #        gather); waited on by acquire on compute. Slot s is not read before its unit landed.
-#   S2   [552 602 3997] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s is
+#   S2   [552 602 4003] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s is
 #        not overwritten while a unit reads it.
 #   S3   [576] landed, CUDA event. Recorded by wait_copies on copy and gather; waited on by compute (keep_resident) or
 #        timed's end. A ring is not freed, nor a time ended, under a copy.
@@ -350,7 +350,7 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 #        compute before the backward's first write of the gradient buffer: not before its gradients left.
 #   S9   [1244 1251] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
 #   S10  [1129] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
-#   S11  [858 3997 6348] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
+#   S11  [858 4003 6354] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
 #        work; loss.item() in the training loop: the step's end. A step is not timed unfinished.
 #   S12  [1669] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
 #        kernels.
@@ -3018,14 +3018,20 @@ def training_placement(run: RunConfig, config: LlamaConfig, facts: Facts, mode: 
         resident = list(range(1, 1 + run.resident_layers))  # unit 0 is the embeddings
     elif keeps and budget is not None:
         resident = boundary_units([u for u in range(len(units)) if u not in on_disk], placement, budget, share)
-    elif keeps and facts.gpu_bytes and copies_hidden(run, config, facts, placement([], share)[:2], copy, keep):
-        candidates = [u for u in range(len(units)) if u not in on_disk]
-        fitting = boundary_units(candidates, placement, facts.gpu_bytes - PLAN_MARGIN)
+    elif (
+        keeps
+        and facts.gpu_bytes
+        and copies_hidden(run, config, facts, (streamed := placement([], share))[:2], copy, keep)
+    ):
+        limit, candidates = facts.gpu_bytes - PLAN_MARGIN, [u for u in range(len(units)) if u not in on_disk]
+        fitting = boundary_units(candidates, placement, limit)
+        # at least the GPU's Adam's share: the host's traffic slows a compute-bound step more than the rates say
+        least = len(boundary_units(streamed[1], placement, limit))
 
         def step(resident: list[int]) -> float:  # predicted, every streamed unit on the CPU Adam
             return round(max(predicted_bound(run, config, facts, depth, resident, (), copy, keep).values()), 1)
 
-        resident, share = min((fitting[:k] for k in range(len(fitting) + 1)), key=step), 0.0  # fewest of the fastest
+        resident, share = min((fitting[:k] for k in range(least, len(fitting) + 1)), key=step), 0.0  # fewest fastest
     chosen = placement(resident, share)
     if budget is not None and sum(chosen[2].values()) > budget:
         chosen = placement(resident, 0.0)  # every streamed unit on the CPU Adam: no staging on the GPU

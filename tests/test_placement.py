@@ -259,8 +259,8 @@ def test_inference_plan_spreads_what_the_budget_holds():
 def test_without_a_cap_units_stay_resident_only_where_the_compute_hides_the_copies():
     """Uncapped, overlapped streams every unit where the copies outlast the compute (7b-8l, one micro-batch: the main
     command), though residents would be faster; where the compute hides them (4 micro-batches, every unit
-    recomputed), the fewest leading units stay resident whose predicted step is the fastest: one fewer is slower, one
-    more no faster, every streamed unit on the CPU Adam."""
+    recomputed), the fewest leading units stay resident whose predicted step is the fastest, and at least the GPU's
+    Adam's share (16 micro-batches: as fast predicted with none), every streamed unit on the CPU Adam."""
     facts = machine(139.0)
 
     def placed(grad_accum: int) -> tuple:
@@ -274,6 +274,9 @@ def test_without_a_cap_units_stay_resident_only_where_the_compute_hides_the_copi
 
     (resident, gpu_adam, _, fits), step = placed(1)
     assert resident == () and gpu_adam and fits and step([0]) < step([])
+    share = ol.gpu_adam_units(ol.model_units(ol.llama_config(ol.RunConfig(preset="7b-8l"))), [], ol.GPU_ADAM_SHARE, ())
     (resident, gpu_adam, _, fits), step = placed(4)
-    assert resident == tuple(range(len(resident))) and len(resident) >= 2 and gpu_adam == () and fits
+    assert resident == tuple(range(len(resident))) and len(resident) >= len(share) and gpu_adam == () and fits
     assert step(resident[:-1]) > step(resident) == step([*resident, len(resident)])
+    (resident, gpu_adam, _, fits), step = placed(16)
+    assert resident == share and gpu_adam == () and fits and step([]) == step(resident)
