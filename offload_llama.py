@@ -2644,7 +2644,7 @@ def layer_bytes(config: LlamaConfig, dtype: torch.dtype) -> int:  # one decoder 
 # Turned on: every run (--plan prints it and exits). Plugs into: the stores, streamers and steppers are built from it.
 
 
-DEFAULT_RATES = {  # measured on the project's H200 machine (report/results); --rate NAME=VALUE overrides one
+DEFAULT_RATES = {  # measured on the project's H200 (calls/results/2026-12-04); --rate NAME=VALUE overrides one
     "h2d_gbps": 55.0,  # pinned host memory to the GPU
     "d2h_gbps": 55.0,  # the GPU to pinned host memory
     "adam_gbps": 110.0,  # the CPU Adam's bytes through host memory, alone
@@ -3018,15 +3018,11 @@ def training_placement(run: RunConfig, config: LlamaConfig, facts: Facts, mode: 
         resident = list(range(1, 1 + run.resident_layers))  # unit 0 is the embeddings
     elif keeps and budget is not None:
         resident = boundary_units([u for u in range(len(units)) if u not in on_disk], placement, budget, share)
-    elif (
-        keeps
-        and facts.gpu_bytes
-        and copies_hidden(run, config, facts, (streamed := placement([], share))[:2], copy, keep)
-    ):
+    elif keeps and facts.gpu_bytes and run.gpu_adam_share is None and copies_hidden(run, config, facts, copy, keep):
         limit, candidates = facts.gpu_bytes - PLAN_MARGIN, [u for u in range(len(units)) if u not in on_disk]
         fitting = boundary_units(candidates, placement, limit)
         # at least the GPU's Adam's share: the host's traffic slows a compute-bound step more than the rates say
-        least = len(boundary_units(streamed[1], placement, limit))
+        least = len(boundary_units(placement([], share)[1], placement, limit))
 
         def step(resident: list[int]) -> float:  # predicted, every streamed unit on the CPU Adam
             return round(max(predicted_bound(run, config, facts, depth, resident, (), copy, keep).values()), 1)
@@ -3045,10 +3041,11 @@ def compute_bound(run: RunConfig, config: LlamaConfig, facts: Facts, placed: tup
     return parts["gpu_compute_ms"] >= max(parts.values())
 
 
-def copies_hidden(run: RunConfig, config: LlamaConfig, facts: Facts, placed: tuple, copy, keep=()) -> bool:
-    """Whether the GPU's compute outlasts an overlapped step's copies with `placed` (resident, GPU Adam units)."""
-    parts = predicted_bound(run, config, facts, run.prefetch, *placed, copy, keep)
-    return parts["gpu_compute_ms"] >= max(parts["h2d_ms"], parts["d2h_ms"])
+def copies_hidden(run: RunConfig, config: LlamaConfig, facts: Facts, copy, keep=()) -> bool:
+    """Whether the GPU's compute outlasts both copies together of an overlapped step streaming every unit to the CPU
+    Adam: the weights in and the gradients out, which share the host's memory with the Adam."""
+    parts = predicted_bound(run, config, facts, run.prefetch, (), (), copy, keep)
+    return parts["gpu_compute_ms"] >= parts["h2d_ms"] + parts["d2h_ms"]
 
 
 def boundary_units(candidates, placement, limit: float, share: float = 0.0) -> list[int]:
@@ -3297,7 +3294,8 @@ def host_parts(run: RunConfig, config: LlamaConfig, facts: Facts, copy, buffers:
 
 def predicted_bound(run, config, facts: Facts, depth: int, resident, gpu_adam, copy, keep=()) -> dict[str, float]:
     """What a training step cannot beat, by the rates: ms by part (GPU compute, copies, CPU Adam, host, disk); the
-    units in `keep` are not recomputed."""
+    units in `keep` are not recomputed. One part is a prediction, not a bound: cpu_adam_tail, the CPU Adam and then
+    the GPU's work from the first unit it steps to the next gradients, as if that unit's update were its last."""
     rate, shards = dict(facts.rates), shard_numels(config, facts.ranks)
     streamed = [u for u in range(len(shards)) if u not in resident]
     in_slots = streamed[-min(depth + 1, len(streamed)) :] if streamed else []  # the backward finds them there
@@ -3316,14 +3314,16 @@ def predicted_bound(run, config, facts: Facts, depth: int, resident, gpu_adam, c
     if disk:
         moved["disk"] = disk, "disk_gbps"
     parts = {"gpu_compute_ms": flops / tflops / 1e9} | {f"{k}_ms": n / rate[r] / 1e6 for k, (n, r) in moved.items()}
-    on_cpu = [u for u in streamed if u not in gpu_adam]
-    if depth and on_cpu and not run.holds_updates:  # as train_bound's: the CPU Adam idles through adam_chain_ms
+    cpu_units = [u for u in streamed if u not in gpu_adam]
+    if depth and cpu_units and not run.holds_updates:  # where the Adam's backlog holds the first unit's update back:
+        # the next forward waits for it, and the Adam for the gradients after it (the measured bound's adam_chain_ms
+        # takes the least of such chains: its lowest-first worker often updates the first unit sooner)
         forward = {kind: unit_flops(run, config, kind) * micro_batches_per_rank(run, facts) for kind in set(kinds)}
-        first, last = min(on_cpu), max(on_cpu)
+        first, last = min(cpu_units), max(cpu_units)
         chain = sum(forward[kinds[u]] for u in range(first, len(kinds)))
         chain += sum((2 + (u not in keep)) * forward[kinds[u]] for u in range(last, len(kinds)))  # backward, recompute
         copies = (copied or 4) * shards[first] / rate["h2d_gbps"] + grad * shards[last] / rate["d2h_gbps"]
-        parts["cpu_adam_chain_ms"] = parts["cpu_adam_ms"] + chain / tflops / 1e9 + copies / 1e6
+        parts["cpu_adam_tail_ms"] = parts["cpu_adam_ms"] + chain / tflops / 1e9 + copies / 1e6
     return parts
 
 
@@ -4015,15 +4015,15 @@ def train_bound(trainer: OffloadedTraining, best: dict[str, float], in_step_adam
 
 
 def adam_chain_ms(trainer: OffloadedTraining, on_cpu: dict[int, int], best: dict[str, float], figures: dict) -> float:
-    """The GPU's work a step between the CPU Adam's last update and its next: the first CPU-stepped unit's update lets
-    its copy in (S4), then the forward runs from it through the head, the backward down to the first unit the CPU
-    Adam steps, and that unit's gradients leave (S5, S7); the Adam, its work all done, waits for them."""
-    first, last, n = min(on_cpu), max(on_cpu), len(trainer.units)
-    forward = {u: best[f"{compute_group(trainer, u)}_forward"] for u in range(first, n)}
+    """The least GPU work a step between the CPU Adam's last update and its next, whichever unit it updates last: that
+    unit's copy in (S4) and the forward from it through the head, then the backward down to the first unit the Adam
+    steps, whose gradients leave (S5, S7) before it can start again."""
+    last, n, store = max(on_cpu), len(trainer.units), trainer.store
+    forward = [best[f"{compute_group(trainer, u)}_forward"] for u in range(n)]
+    h2d = {u: store.weights[u].nbytes / figures["h2d_bytes"] * best["h2d"] for u in on_cpu}
     backward = sum(best[compute_group(trainer, u)] - forward[u] for u in range(last, n))
-    h2d = trainer.store.weights[first].nbytes / figures["h2d_bytes"] * best["h2d"]
-    d2h = on_cpu[last] * trainer.store.grad_dtype.itemsize / figures["d2h_bytes"] * best["d2h"]
-    return h2d + sum(forward.values()) + backward + d2h
+    d2h = on_cpu[last] * store.grad_dtype.itemsize / figures["d2h_bytes"] * best["d2h"]
+    return min(h2d[u] + sum(forward[u:]) for u in on_cpu) + backward + d2h
 
 
 def disk_cycle(disk: DiskTier) -> None:
@@ -4378,9 +4378,9 @@ def bound_note(mode: str, t: dict) -> str:  # a mode's training bound, each part
         note += f"{t['gpu_compute_ms'] - t['gpu_forward_ms']:.1f} ms, then the longer of the forward "
         note += f"{t['gpu_forward_ms']:.1f} ms and the CPU Adam; {t['unheld_bound_ms']:.1f} ms were they not held)"
     if "cpu_adam_chain_ms" in t:
-        note += ", the CPU Adam and then the GPU's chain up to its next gradients (the next forward from the unit "
-        note += f"it updates last, the backward down to the first it steps) {t['cpu_adam_chain_ms']:.1f} ms "
-        note += f"(chain {t['adam_chain_ms']:.1f})"
+        note += ", the CPU Adam and then the least the GPU runs between its last update and the next gradients it "
+        note += "steps (a unit's copy in and the forward from it, the backward down to the first unit it steps) "
+        note += f"{t['cpu_adam_chain_ms']:.1f} ms (of them {t['adam_chain_ms']:.1f})"
     if "serial_ms" in t:
         note += f", every part in turn (blocked: nothing overlaps) {t['serial_ms']:.1f} ms"
     return note

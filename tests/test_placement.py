@@ -257,14 +257,16 @@ def test_inference_plan_spreads_what_the_budget_holds():
 
 
 def test_without_a_cap_units_stay_resident_only_where_the_compute_hides_the_copies():
-    """Uncapped, overlapped streams every unit where the copies outlast the compute (7b-8l, one micro-batch: the main
-    command), though residents would be faster; where the compute hides them (4 micro-batches, every unit
-    recomputed), the fewest leading units stay resident whose predicted step is the fastest, and at least the GPU's
-    Adam's share (16 micro-batches: as fast predicted with none), every streamed unit on the CPU Adam."""
+    """Uncapped, overlapped streams every unit where the two copies together outlast the compute (7b-8l, one
+    micro-batch: the main command), though residents would be faster; where the compute hides them (2, 4 and 16
+    micro-batches, every unit recomputed), the fewest leading units stay resident whose predicted step is the fastest
+    (2: more than the GPU's Adam's share), at least that share (16: as fast predicted with none), every streamed unit
+    on the CPU Adam; a given --gpu-adam-share is kept, every unit streamed."""
     facts = machine(139.0)
+    share = ol.gpu_adam_units(ol.model_units(ol.llama_config(ol.RunConfig(preset="7b-8l"))), [], ol.GPU_ADAM_SHARE, ())
 
-    def placed(grad_accum: int) -> tuple:
-        run = ol.RunConfig(preset="7b-8l", mode="overlapped", train=True, grad_accum=grad_accum)
+    def placed(grad_accum: int, **options) -> tuple:
+        run = ol.RunConfig(preset="7b-8l", mode="overlapped", train=True, grad_accum=grad_accum, **options)
         config = ol.llama_config(run)
 
         def step(resident) -> float:
@@ -273,10 +275,13 @@ def test_without_a_cap_units_stay_resident_only_where_the_compute_hides_the_copi
         return ol.training_placement(run, config, facts, "overlapped", torch.bfloat16), step
 
     (resident, gpu_adam, _, fits), step = placed(1)
-    assert resident == () and gpu_adam and fits and step([0]) < step([])
-    share = ol.gpu_adam_units(ol.model_units(ol.llama_config(ol.RunConfig(preset="7b-8l"))), [], ol.GPU_ADAM_SHARE, ())
-    (resident, gpu_adam, _, fits), step = placed(4)
-    assert resident == tuple(range(len(resident))) and len(resident) >= len(share) and gpu_adam == () and fits
-    assert step(resident[:-1]) > step(resident) == step([*resident, len(resident)])
+    assert resident == () and gpu_adam == share and fits and step([0]) < step([])
+    for grad_accum in (2, 4):
+        (resident, gpu_adam, _, fits), step = placed(grad_accum)
+        assert resident == tuple(range(len(resident))) and len(resident) >= len(share) and gpu_adam == () and fits
+        assert step(resident[:-1]) > step(resident) == step([*resident, len(resident)])
+    assert len(resident) < len(placed(2)[0][0]) and len(placed(2)[0][0]) > len(share)
     (resident, gpu_adam, _, fits), step = placed(16)
     assert resident == share and gpu_adam == () and fits and step([]) == step(resident)
+    (resident, gpu_adam, _, fits), step = placed(4, gpu_adam_share=0.3)
+    assert resident == () and gpu_adam == share and fits
