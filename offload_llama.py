@@ -17,9 +17,9 @@ The file by line, the assignment first; each section beyond it says what it adds
    1380  Table 1 and Table 2                     tables
    1457  # === Beyond the assignment ===
         the compiled Adam 1460, the GPU's Adam 1561, activation offload 1785, float16 and clipping 1850
-        the disk tier 1933, several GPUs 2204, a model folder 2448, the plan 2642, measurement 3548
-        the tables' notes 4199, text in 4389, saving and resuming 4887, the command line 5350, running a mode 6212
-        the run 6377
+        the disk tier 1933, several GPUs 2204, a model folder 2448, the plan 2642, measurement 3549
+        the tables' notes 4200, text in 4391, saving and resuming 4889, the command line 5352, running a mode 6215
+        the run 6380
 """
 
 from __future__ import annotations
@@ -332,9 +332,9 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 # copy (weights in), D2H (gradients out; blocked's is compute), gather (several GPUs'); threads: main, autograd's, Adam.
 # Blocked against overlapped, in training: one slot, D2H on compute, holds_updates (the Adam after S11), wait_all (S4).
 # A unit's copy first calls wait_written: CpuAdam's blocks the host (S4), StreamedAdam's the copy stream (S13).
-#   S1   [557 594 2336 2338 4003] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
+#   S1   [557 594 2336 2338 4004] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
 #        gather); waited on by acquire on compute. Slot s is not read before its unit landed.
-#   S2   [552 602 4003] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s is
+#   S2   [552 602 4004] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s is
 #        not overwritten while a unit reads it.
 #   S3   [576] landed, CUDA event. Recorded by wait_copies on copy and gather; waited on by compute (keep_resident) or
 #        timed's end. A ring is not freed, nor a time ended, under a copy.
@@ -350,7 +350,7 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 #        compute before the backward's first write of the gradient buffer: not before its gradients left.
 #   S9   [1244 1251] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
 #   S10  [1129] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
-#   S11  [858 4003 6354] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
+#   S11  [858 4004 6357] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
 #        work; loss.item() in the training loop: the step's end. A step is not timed unfinished.
 #   S12  [1669] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
 #        kernels.
@@ -3010,15 +3010,16 @@ def training_placement(run: RunConfig, config: LlamaConfig, facts: Facts, mode: 
 
     budget, resident, share = gpu_budget(run, facts), [], run.gpu_adam if mode == "overlapped" else 0.0
     keeps = residents and mode == "overlapped" and facts.world == 1  # a rank's units are its shards: none resident
-    uncapped = keeps and budget is None and run.resident_layers is None  # hiding the copies, it keeps units (below)
+    uncapped = keeps and budget is None and run.resident_layers is None and run.gpu_adam_share is None
+    hidden = uncapped and facts.gpu_bytes and copies_hidden(run, config, facts, copy, keep)  # it keeps units (below)
     bound = compute_bound(run, config, facts, ((), ()), copy, keep)
-    if share and run.gpu_adam_share is None and not uncapped and bound:
+    if share and run.gpu_adam_share is None and not hidden and bound:
         share = 0.0  # the compute bounds the step with every unit on the CPU Adam: the GPU's Adam would add to it
     if keeps and run.resident_layers is not None:
         resident = list(range(1, 1 + run.resident_layers))  # unit 0 is the embeddings
     elif keeps and budget is not None:
         resident = boundary_units([u for u in range(len(units)) if u not in on_disk], placement, budget, share)
-    elif keeps and facts.gpu_bytes and run.gpu_adam_share is None and copies_hidden(run, config, facts, copy, keep):
+    elif hidden:
         limit, candidates = facts.gpu_bytes - PLAN_MARGIN, [u for u in range(len(units)) if u not in on_disk]
         fitting = boundary_units(candidates, placement, limit)
         # at least the GPU's Adam's share: the host's traffic slows a compute-bound step more than the rates say
@@ -3295,7 +3296,7 @@ def host_parts(run: RunConfig, config: LlamaConfig, facts: Facts, copy, buffers:
 def predicted_bound(run, config, facts: Facts, depth: int, resident, gpu_adam, copy, keep=()) -> dict[str, float]:
     """What a training step cannot beat, by the rates: ms by part (GPU compute, copies, CPU Adam, host, disk); the
     units in `keep` are not recomputed. One part is a prediction, not a bound: cpu_adam_tail, the CPU Adam and then
-    the GPU's work from the first unit it steps to the next gradients, as if that unit's update were its last."""
+    the GPU's work from the lowest CPU-stepped unit to the next gradients, as if that unit's update were its last."""
     rate, shards = dict(facts.rates), shard_numels(config, facts.ranks)
     streamed = [u for u in range(len(shards)) if u not in resident]
     in_slots = streamed[-min(depth + 1, len(streamed)) :] if streamed else []  # the backward finds them there
@@ -3315,9 +3316,9 @@ def predicted_bound(run, config, facts: Facts, depth: int, resident, gpu_adam, c
         moved["disk"] = disk, "disk_gbps"
     parts = {"gpu_compute_ms": flops / tflops / 1e9} | {f"{k}_ms": n / rate[r] / 1e6 for k, (n, r) in moved.items()}
     cpu_units = [u for u in streamed if u not in gpu_adam]
-    if depth and cpu_units and not run.holds_updates:  # where the Adam's backlog holds the first unit's update back:
-        # the next forward waits for it, and the Adam for the gradients after it (the measured bound's adam_chain_ms
-        # takes the least of such chains: its lowest-first worker often updates the first unit sooner)
+    if depth and cpu_units and not run.holds_updates:  # were the lowest unit's update the Adam's last (as it is
+        # where the Adam keeps pace with the backward), the next forward waits for it and the Adam for the gradients
+        # after it; the measured bound's adam_chain_ms takes the least chain of any unit updated last
         forward = {kind: unit_flops(run, config, kind) * micro_batches_per_rank(run, facts) for kind in set(kinds)}
         first, last = min(cpu_units), max(cpu_units)
         chain = sum(forward[kinds[u]] for u in range(first, len(kinds)))
@@ -4379,7 +4380,8 @@ def bound_note(mode: str, t: dict) -> str:  # a mode's training bound, each part
         note += f"{t['gpu_forward_ms']:.1f} ms and the CPU Adam; {t['unheld_bound_ms']:.1f} ms were they not held)"
     if "cpu_adam_chain_ms" in t:
         note += ", the CPU Adam and then the least the GPU runs between its last update and the next gradients it "
-        note += "steps (a unit's copy in and the forward from it, the backward down to the first unit it steps) "
+        note += "steps (a unit's copy in and the forward from it, the backward down to the first unit it steps and "
+        note += "its gradients' copy out) "
         note += f"{t['cpu_adam_chain_ms']:.1f} ms (of them {t['adam_chain_ms']:.1f})"
     if "serial_ms" in t:
         note += f", every part in turn (blocked: nothing overlaps) {t['serial_ms']:.1f} ms"
@@ -5559,7 +5561,8 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     t.add_argument("--clip-grad-norm", type=float, metavar="X", help=f"{clip} (default: no clipping)")
     share = "overlapped: the share (0 to 1) of streamed parameters the GPU's Adam steps over float32 state streamed "
     share += f"in (embeddings, first layers, head), the CPU Adam the rest (default: {GPU_ADAM_SHARE} where the plan "
-    share += "predicts the host bounds the step, else 0; 0 in float16 or with --clip-grad-norm)"
+    share += "predicts the host bounds the step, else 0; 0 in float16 or with --clip-grad-norm; given, no units "
+    share += "resident without a cap)"
     t.add_argument("--gpu-adam-share", type=float, metavar="F", help=share)
     nvme = "offloaded: a folder on a local disk for the Adam moments of the layers the host cannot hold (freed at exit;"
     t.add_argument("--nvme", metavar="DIR", help=f"{nvme} default: none, the host holds them)")

@@ -283,5 +283,5 @@ def test_without_a_cap_units_stay_resident_only_where_the_compute_hides_the_copi
     assert len(resident) < len(placed(2)[0][0]) and len(placed(2)[0][0]) > len(share)
     (resident, gpu_adam, _, fits), step = placed(16)
     assert resident == share and gpu_adam == () and fits and step([]) == step(resident)
-    (resident, gpu_adam, _, fits), step = placed(4, gpu_adam_share=0.3)
-    assert resident == () and gpu_adam == share and fits
+    (resident, gpu_adam, _, fits), step = placed(4, gpu_adam_share=0.5)
+    assert resident == () and len(gpu_adam) > len(share) and fits
