@@ -285,3 +285,24 @@ def test_without_a_cap_units_stay_resident_only_where_the_compute_hides_the_copi
     assert resident == share and gpu_adam == () and fits and step([]) == step(resident)
     (resident, gpu_adam, _, fits), step = placed(4, gpu_adam_share=0.5)
     assert resident == () and len(gpu_adam) > len(share) and fits
+
+
+def test_the_search_keeps_the_graphs_that_fit_where_that_makes_the_step_fastest():
+    """The search weighs every unit recomputed against the most graphs that fit and half as many: on a described
+    139 GiB GPU (7b-8l, 4 micro-batches) keeping every decoder layer's and the head's graphs predicts the fastest step,
+    each option recomputing more predicts slower; on a 12 GiB GPU, recomputing all and keeping units resident wins."""
+    run = ol.RunConfig(preset="7b-8l", mode="overlapped", train=True, grad_accum=4)
+    config = ol.llama_config(run)
+    units = ol.model_units(config)
+    graphs = tuple(u for u, unit in enumerate(units) if unit.kind in ("layer", "head"))
+
+    def search(gpu_gib: float) -> list:
+        facts = machine(gpu_gib, host_gib=120.0)
+        return ol.searched_placement(run, config, facts, "overlapped", torch.bfloat16, len(units))
+
+    tried = search(139.0)
+    assert tried[0].keep == graphs and all(p.fits and p.host_fits for p in tried)
+    assert [len(p.keep) for p in tried] == sorted((len(p.keep) for p in tried), reverse=True)  # more kept: faster
+    assert [p.step_ms for p in tried] == sorted(p.step_ms for p in tried) and tried[0].step_ms < tried[1].step_ms
+    small = search(12.0)
+    assert small[0].keep == () and small[0].resident and small[0].step_ms < min(p.step_ms for p in small[1:])
