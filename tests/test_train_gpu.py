@@ -468,7 +468,7 @@ def test_race_each_wait_of_the_adam_over_streamed_state_is_needed(race, monkeypa
 def test_trace_shows_gradient_copies_under_backward_kernels(tmp_path):
     sizes = {**THIN, "vocab_size": 32000}
     # 8192 tokens: a layer's backward runs several times as long as its gradients' copy, so the copies find kernels to
-    # run under though a busy host delays the launches or the copies (at 4096, as long as the copy, they often did not)
+    # run under though a busy host delays the launches or the copies (at 4096 they at times did not)
     model, batches = model_and_batches(sizes, seq_len=8192, batch_size=1)
     trainer = offloaded_trainer(model, CUDA, 1, batches, pin=True)
     trainer.step(batches)
