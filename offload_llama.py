@@ -11,15 +11,15 @@ The file by line, the assignment first; each section beyond it says what it adds
     200  gpu and cpu inference                   infer_resident, timed
     244  streams, events and pinned host memory  new_stream, host_zeros_each
     327  blocked and overlapped offload          every wait (S1-S16), ParamStore, LayerStreamer
-    662  training: the autograd.Function         StreamedUnit, OffloadedTraining
-    947  the offloaded Adam                      OffloadedAdam, CpuAdam, Steppers
-   1328  the reference                           ResidentTraining
-   1380  Table 1 and Table 2                     tables
-   1457  # === Beyond the assignment ===
-        the compiled Adam 1460, the GPU's Adam 1561, activation offload 1785, float16 and clipping 1850
-        the disk tier 1933, several GPUs 2204, a model folder 2448, the plan 2642, measurement 3549
-        the tables' notes 4200, text in 4391, saving and resuming 4889, the command line 5352, running a mode 6215
-        the run 6380
+    680  training: the autograd.Function         StreamedUnit, OffloadedTraining
+    968  the offloaded Adam                      OffloadedAdam, CpuAdam, Steppers
+   1349  the reference                           ResidentTraining
+   1401  Table 1 and Table 2                     tables
+   1478  # === Beyond the assignment ===
+        the compiled Adam 1481, the GPU's Adam 1582, activation offload 1806, segment checkpointing 1871
+        float16 and clipping 1939, the disk tier 2022, several GPUs 2293, a model folder 2537, the plan 2731
+        measurement 3706, the tables' notes 4360, text in 4551, saving and resuming 5049, the command line 5512
+        running a mode 6387, the run 6554
 """
 
 from __future__ import annotations
@@ -332,33 +332,33 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 # copy (weights in), D2H (gradients out; blocked's is compute), gather (several GPUs'); threads: main, autograd's, Adam.
 # Blocked against overlapped, in training: one slot, D2H on compute, holds_updates (the Adam after S11), wait_all (S4).
 # A unit's copy first calls wait_written: CpuAdam's blocks the host (S4), StreamedAdam's the copy stream (S13).
-#   S1   [557 594 2336 2338 4004] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
+#   S1   [578 612 2425 2427 4164] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
 #        gather); waited on by acquire on compute. Slot s is not read before its unit landed.
-#   S2   [552 602 4004] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s is
-#        not overwritten while a unit reads it.
-#   S3   [576] landed, CUDA event. Recorded by wait_copies on copy and gather; waited on by compute (keep_resident) or
+#   S2   [466 573 620 4164] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s
+#        is not overwritten while a unit reads it.
+#   S3   [596] landed, CUDA event. Recorded by wait_copies on copy and gather; waited on by compute (keep_resident) or
 #        timed's end. A ring is not freed, nor a time ended, under a copy.
-#   S4   [550 864 1222 1232 1273] done[u], thread event. Cleared by CpuAdam.update, set by the worker once unit u's
+#   S4   [571 882 1243 1253 1294] done[u], thread event. Cleared by CpuAdam.update, set by the worker once unit u's
 #        update is written; waited on by wait_written (in prefetch) and wait_all (main: blocked's step ends there);
 #        polled by written (CopyWindow issues ready copies first). A host source is not copied or saved mid-update.
-#   S5   [832 1206 1738 2357] ready, CUDA event. Recorded by OffloadedTraining.send on compute after the unit's
+#   S5   [850 1227 1759 2446] ready, CUDA event. Recorded by OffloadedTraining.send on compute after the unit's
 #        backward; waited on by CpuAdam.send on D2H (StreamedAdam.take on s_adam): gradients read once all are written.
-#   S6   [1206 2359] summed, CUDA event (several GPUs): recorded on D2H after the reduce-scatter, S5's stand-in.
-#   S7   [833 1208 1267] landed[u], blocking CUDA event. Recorded by CpuAdam.send on D2H after the copy to pinned
+#   S6   [1227 2448] summed, CUDA event (several GPUs): recorded on D2H after the reduce-scatter, S5's stand-in.
+#   S7   [851 1229 1288] landed[u], blocking CUDA event. Recorded by CpuAdam.send on D2H after the copy to pinned
 #        memory; waited on by the worker (synchronize; next_job queries it). The CPU does not read gradients in flight.
-#   S8   [833 898 1298] last_landed: S7's (or S13's consumed), kept by Steppers.send; waited on by wait_to_write on
+#   S8   [851 916 1319] last_landed: S7's (or S13's consumed), kept by Steppers.send; waited on by wait_to_write on
 #        compute before the backward's first write of the gradient buffer: not before its gradients left.
-#   S9   [1244 1251] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
-#   S10  [1129] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
-#   S11  [858 4004 6357] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
+#   S9   [1265 1272] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
+#   S10  [1150] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
+#   S11  [876 4164 6531] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
 #        work; loss.item() in the training loop: the step's end. A step is not timed unfinished.
-#   S12  [1669] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
+#   S12  [1690] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
 #        kernels.
-#   S13  [550 1752 1757 1764 1775 1782] the GPU's Adam over streamed state (StreamedAdam): consumed, landed[k],
+#   S13  [571 1773 1778 1785 1796 1803] the GPU's Adam over streamed state (StreamedAdam): consumed, landed[k],
 #        stepped[k], left[k], written_back[u], which u's next copy waits on, on the copy stream (wait_written).
-#   S14  [550 1807 1827 1834 1838] activation offload: written, offloaded[a]. No input moved or freed early.
-#   S15  [1914] clipping: taken. The norm of the norms is not taken before every unit's norm.
-#   S16  [2030 2048 2085 2086] the disk tier: settled, current, free, staged. No file read mid-write, no slot reused.
+#   S14  [571 1828 1848 1855 1859] activation offload: written, offloaded[a]. No input moved or freed early.
+#   S15  [2003] clipping: taken. The norm of the norms is not taken before every unit's norm.
+#   S16  [2119 2137 2174 2175] the disk tier: settled, current, free, staged. No file read mid-write, no slot reused.
 
 
 class OneProcess:  # a run's processes when it is one: rank 0 of 1 holds every unit whole, nothing to gather or wait for
@@ -462,22 +462,45 @@ class CopyWindow:
     """One pass's copies in run order: a position enters once compute is within `depth` of it, leaves once issued; a
     copy whose source is mid-update waits while ready ones behind it go, never past the window's end (its slot: S2)."""
 
-    units: list[int]  # the streamed units, in the order the pass runs them
-    position: dict[int, int]  # a streamed unit's index in `units`; a resident unit's, the next streamed unit's
+    units: list[int]  # the streamed unit of each position, in the order the pass runs them (a unit may run twice)
+    slots: list[int]  # each position's slot: where its unit already is, else the one run from least recently (S2)
+    kept: set[int]  # the positions whose unit is still in its slot: no copy
+    runs: list[tuple[int, int]]  # (unit, position) of each run in order; a resident unit's: the next streamed one's
+    holds: list  # after the pass, the unit each slot holds
+    recent: list[int]  # after the pass, the slots from the least recently run from
+    run: int = 0  # the runs before this one are done
     entered: int = 0  # positions 0 .. entered - 1 have entered the window
     waiting: list[int] = dataclasses.field(default_factory=list)  # entered, not issued: their sources were not written
 
     @classmethod
-    def over(cls, order: list[int], resident) -> CopyWindow:  # the window of a pass running `order`, `resident` aside
-        units, position = [], {}
+    def over(cls, order, resident, holds: list, recent: list[int]) -> CopyWindow:
+        """The window of a pass running `order`, `resident` aside, from slots holding `holds`, `recent` ordering them:
+        a slot run from least recently was last run from at least len(slots) positions back, so its copy waits on
+        a release already recorded (S2)."""
+        units, slots, kept, runs, holds, recent = [], [], set(), [], list(holds), list(recent)
         for u in order:
-            position[u] = len(units)
-            if u not in resident:
-                units.append(u)
-        return cls(units, position)
+            runs.append((u, len(units)))
+            if u in resident:
+                continue
+            s = holds.index(u) if u in holds else recent[0]
+            if holds[s] == u:
+                kept.add(len(units))
+            holds[s] = u
+            recent.remove(s)
+            recent.append(s)
+            units.append(u)
+            slots.append(s)
+        return cls(units, slots, kept, runs, holds, recent)
 
-    def restart(self) -> None:  # the pass starts again (inference repeats a pass): from the first position
-        self.entered, self.waiting = 0, []
+    def next_run(self, u: int) -> int:
+        """The position of unit u's next run; a pass run again without begin (inference repeats it) starts over."""
+        later = (r for r in range(self.run, len(self.runs)) if self.runs[r][0] == u)
+        r = next(later, None)
+        if r is None:
+            self.entered, self.waiting = 0, []
+            r = next(r for r, (v, _) in enumerate(self.runs) if v == u)
+        self.run = r + 1
+        return self.runs[r][1]
 
     def take(self, p: int, written, need: int | None = None) -> list[int]:
         """Positions up to p enter; those waiting to issue now: the written(u) ones in order, then `need` (to run)."""
@@ -513,7 +536,6 @@ class LayerStreamer:
             self.resident = {u: self.make_module(self.kinds[u], flat) for u, flat in flats.items()}
         self.streamed = [u for u in range(len(self.sources)) if u not in self.resident]
         n_slots = min(self.depth + 1, len(self.streamed))
-        self.slot = {u: i % n_slots for i, u in enumerate(self.streamed)}  # the slots in turn (blocked: its one)
         numel = max((self.whole_numel(self.sources[u]) for u in self.streamed), default=0)
         slots = [torch.empty(numel, dtype=self.dtype, device=self.device) for _ in range(n_slots)]
         cast = {self.sources[u].dtype for u in self.streamed} - {self.dtype}
@@ -526,7 +548,7 @@ class LayerStreamer:
         self.buffers = [buf.data for buf in slots]
         self.copied = [new_event(self.device) for _ in range(n_slots)]
         self.freed = [new_event(self.device) for _ in range(n_slots)]
-        self.holds = [None] * n_slots  # the unit last copied into each slot
+        self.window = None
         self.begin(range(len(self.sources)))
 
     @property
@@ -535,17 +557,16 @@ class LayerStreamer:
 
     def begin(self, order, current: bool = False) -> None:
         """The next pass runs `order`; current: the units the slots hold are current (backward right after forward)."""
-        order = list(order)
-        self.first = order[0] if order else None
-        self.window = CopyWindow.over(order, self.resident)
-        self.current = {u for u in self.holds if u is not None} if current else set()  # need no copy this pass
+        last = self.window if current and self.window else None  # the slots as the last pass left them
+        holds, recent = (last.holds, last.recent) if last else ([None] * self.n_slots, range(self.n_slots))
+        self.window = CopyWindow.over(order, self.resident, holds, recent)
 
     def prefetch(self, p: int) -> None:
         """Start copying the streamed unit at position p of the pass into its slot, on the copy stream."""
-        u = self.window.units[p]
-        s, src = self.slot[u], self.sources[u]
-        if u in self.current and self.holds[s] == u:
+        u, s = self.window.units[p], self.window.slots[p]
+        if p in self.window.kept:  # still in its slot from the last run
             return
+        src = self.sources[u]
         dst = self.destination(s, src)
         self.writer.wait_written(u)  # S4, S13, S14: the host, or the copy stream, waits until the source is written
         with on_stream(self.copy_stream):
@@ -556,7 +577,6 @@ class LayerStreamer:
                 self.cast_in(src, dst)
             self.copied[s].record(self.copy_stream)  # S1: compute waits for it before it reads the slot
         self.landed_in(s, src)
-        self.holds[s] = u
 
     def whole_numel(self, src: torch.Tensor) -> int:  # the slot elements of the unit whose source is `src`
         return src.numel()
@@ -584,22 +604,20 @@ class LayerStreamer:
 
     def acquire(self, u: int) -> nn.Module:
         """The module that runs unit u; a streamed unit also starts the copies up to `depth` positions ahead."""
-        if u == self.first:
-            self.window.restart()  # a pass run again without begin (inference) fills the ring from its start
+        self.at = p = self.window.next_run(u)
         if u in self.resident:  # its copies ahead go in release, once its kernels are queued and more updates written
             return self.resident[u]
-        p = self.window.position[u]
         self.issue_through(p + self.depth, need=p)
-        s = self.slot[u]
+        s = self.window.slots[p]
         self.compute_stream.wait_event(self.copied[s])  # S1: unit u's weights must have landed before its kernels read
         return self.modules[s][self.kinds[u]]
 
     def release(self, u: int) -> None:
         """Unit u's kernels are issued: its slot frees once they run; a resident unit starts the next copies."""
         if u in self.resident:
-            self.issue_through(self.window.position[u] + self.depth)
+            self.issue_through(self.at + self.depth)
         else:
-            self.freed[self.slot[u]].record(self.compute_stream)  # S2: the slot's next copy waits for it
+            self.freed[self.window.slots[self.at]].record(self.compute_stream)  # S2: the slot's next copy waits for it
 
     def issue_through(self, p: int, need: int | None = None) -> None:  # the window's copies up to p (CopyWindow.take)
         for q in self.window.take(p, self.written, need):
@@ -748,8 +766,8 @@ class StreamedUnit(torch.autograd.Function):
     def backward(ctx, *grad_outs):
         """Stream unit u in, sum its gradients over the micro-batches and send them; return the inputs' gradients."""
         trainer, u = ctx.trainer, ctx.u
+        xs = ctx.graphs if u in trainer.keep else trainer.inputs.load(u, ctx.saved_tensors)  # may run units (segments)
         module = trainer.streamer.acquire(u)
-        xs = ctx.graphs if u in trainer.keep else trainer.inputs.load(u, ctx.saved_tensors)
         ctx.graphs = None  # each graph freed as its backward runs
         views = trainer.grad_views(u)
         grads_in = unit_backward(trainer, u, module, xs, grad_outs, views)
@@ -850,7 +868,7 @@ class OffloadedTraining:
         losses = StreamedUnit.apply(self, 0, self.anchor, *micro_batches)
         for u in range(1, n):
             losses = StreamedUnit.apply(self, u, self.anchor, *losses)
-        self.streamer.begin(reversed(range(n)), current=True)  # the forward's last units are still in the slots
+        self.streamer.begin(self.inputs.backward_order(n), current=True)  # the forward's last units are in the slots
         self.inputs.backward_begins(n)
         count = len(losses) * self.ranks.world  # the step's micro-batches, over every rank
         sum(objective(loss, count, self.scaling.scale) for loss in losses).backward()
@@ -926,6 +944,9 @@ class KeptInputs:  # the plain path's saved inputs: on the GPU until the unit's 
     def release(self, u: int) -> None: ...  # nothing to free
 
     def backward_begins(self, n_units: int) -> None: ...  # nothing to bring back
+
+    def backward_order(self, n_units: int) -> list[int]:  # the units the backward runs, in order: each once, last first
+        return list(reversed(range(n_units)))
 
 
 class Unscaled:  # the plain path's loss scale and clipping: none, so each unit steps as its gradients land
@@ -1787,7 +1808,7 @@ class StreamedAdam(HostState):
 # Turned on: --offload-activations, or the plan where they do not fit the cap. Plugs into: OffloadedTraining.inputs.
 
 
-class ActivationOffload:
+class ActivationOffload(KeptInputs):
     """--offload-activations: each unit's inputs wait in pinned host memory from its forward to its backward: out on
     the D2H stream, back on the weights' copy stream `depth` units ahead. Host input a is unit a + 1's."""
 
@@ -1845,6 +1866,74 @@ class ActivationOffload:
     def release(self, u: int) -> None:  # unit u's backward is issued: its inputs' slot may take the next unit's
         if u > 0:
             self.streamer.release(u - 1)
+
+
+# ---------------------------------------------------------------------------------------------- segment checkpointing
+# Adds: only the first unit of each segment of --segment units keeps its inputs; the backward runs a segment's forward
+# again from them when it reaches the segment's last unit, so the saved inputs take a segment's and the starts' memory.
+# Turned on: --segment, or the plan where the saved inputs fit neither the GPU nor the host. Plugs into:
+# OffloadedTraining.inputs.
+
+
+class SegmentInputs(KeptInputs):
+    """--segment N: the inputs of units 0, N, 2N ... wait on the GPU; the rest are made again in the backward, each
+    segment's units run forward once more (streamed as in the forward) before their backwards run, last first."""
+
+    def __init__(self, trainer: OffloadedTraining, length: int):  # the plan keeps no graphs with it: all recomputed
+        self.trainer, self.length = trainer, length
+        self.inputs = {}  # unit -> its inputs on the GPU until its backward: a start's from the forward, else remade
+
+    def start(self, u: int) -> int:  # the first unit of unit u's segment
+        return u - u % self.length
+
+    def save(self, ctx, u: int, xs) -> None:  # a segment's first unit keeps its inputs, without their graph
+        if u == 0:  # a step begins: none are left from one that ended early
+            self.inputs.clear()
+        if u == self.start(u):
+            self.inputs[u] = tuple(x.detach() for x in xs)
+
+    def load(self, u: int, saved: tuple) -> tuple:  # unit u's inputs at its backward; the segment's last remakes all
+        if u not in self.inputs:
+            self.remake(self.start(u), u)
+        return self.inputs[u]
+
+    def remake(self, first: int, last: int) -> None:
+        """Run units first .. last - 1 forward again from the first's inputs: the inputs of first + 1 .. last."""
+        trainer, xs = self.trainer, self.inputs[first]
+        with torch.no_grad():
+            for v in range(first, last):
+                module = trainer.streamer.acquire(v)
+                xs = tuple(trainer.run_unit(v, module, x, k) for k, x in enumerate(xs))
+                trainer.streamer.release(v)
+                self.inputs[v + 1] = xs
+
+    def release(self, u: int) -> None:  # unit u's backward is issued: its inputs are freed once it has run
+        del self.inputs[u]
+
+    def backward_order(self, n_units: int) -> list[int]:  # the units the backward runs, in order
+        return segment_order(n_units, self.length)
+
+
+def segment_order(n_units: int, length: int) -> list[int]:
+    """The units a backward runs in segments of `length`, in order: each segment from the last, its units but the last
+    forward again, then every unit's backward, last first (length 1: each unit's backward alone)."""
+    order = []
+    for first in reversed(range(0, n_units, length)):
+        last = min(first + length, n_units) - 1
+        order += [*range(first, last), *reversed(range(first, last + 1))]
+    return order
+
+
+def remade_units(order: list[int]) -> list[int]:  # the units a backward running `order` runs forward again
+    return sorted(u for u, runs in collections.Counter(order).items() if runs > 1)
+
+
+def step_copies(backward: list[int], resident, n_slots: int) -> list[int]:
+    """The units a training step copies in, in order: the forward's, then the backward's running `backward`, but those
+    still in their slots (CopyWindow's kept)."""
+    forward = CopyWindow.over(range(len(set(backward))), resident, [None] * n_slots, range(n_slots))
+    after = CopyWindow.over(backward, resident, forward.holds, forward.recent)
+    return [u for window in (forward, after) for p, u in enumerate(window.units) if p not in window.kept]
 
 
 # ----------------------------------------------------------------------------------------------- float16 and clipping
@@ -2657,6 +2746,7 @@ HOST_MARGIN = 2 * GiB  # of the host budget, left out of the disk layers', the c
 HOST_SLACK = 4  # percent of host memory never planned for: the kernel's and each allocator's own, beside the parts
 RANK_TIMEOUT = 60  # seconds: the least a rank waits for the others in a step's collective (--rank-timeout)
 TIMEOUT_STEPS = 5  # the default timeout is this many times the plan's longest step part, at least RANK_TIMEOUT
+SEGMENTS = (2, 3, 4, 6, 8, 12, 16)  # the segment lengths the plan weighs where every unit's inputs do not fit
 PLAN_MARGIN = GiB // 2  # of a --max-gpu-memory budget, left out of a placement: the caching allocator's fragmentation
 CUBLAS_WORKSPACE = 32 * 2**20  # torch's default cuBLAS workspace on Hopper, allocated once per stream
 ADAM_SCRATCH = 2**25  # parameters: the bound times the CPU Adam on at most this many (their state kept aside, 512 MiB)
@@ -2753,6 +2843,7 @@ class Plan:
     host: dict  # part -> bytes of one rank's peak host memory
     disk: int  # bytes on the --nvme disk, every rank of the host's
     modes: dict  # mode -> ModePlan, for the offloaded modes
+    segment: int = 1  # units a segment: only each segment's first keeps its inputs (SegmentInputs); 1: every unit
 
     @property
     def host_peak(self) -> int:  # the predicted peak host memory of one rank
@@ -2765,27 +2856,75 @@ class Plan:
     def as_dict(self) -> dict:  # the plan for --json and the checkpoint
         return dataclasses.asdict(self)
 
+    def described(self, mode: str, units: list[Unit]) -> dict:  # the mode's training placement, as a runner-up is
+        placed = self.modes[mode]
+        names = {f: unit_names(units, getattr(placed, f)) for f in ("keep", "resident", "gpu_adam")}
+        return names | {"step_ms": placed.step_ms, "peak_bytes": placed.training_peak, "segment": self.segment}
+
 
 def make_plan(run: RunConfig, config: LlamaConfig, facts: Facts) -> Plan:
-    """The plan of `run` on the machine of `facts`, from these alone; UsageError where the disk lacks room for it."""
-    run = dataclasses.replace(run, offload_activations=activation_offload_planned(run, config, facts))
-    run = dataclasses.replace(run, nvme_layers=disk_layers_planned(run, config, facts))
-    copy, buffers = host_room_planned(run, config, facts)
-    modes = {}  # each offloaded mode's placements and bound
-    for m in (mode for mode in run.modes if mode in ("blocked", "overlapped")):
-        inference = inference_placement(run, config, facts, m) if run.inference else ((), {})
-        tried = searched_placement(run, config, facts, m, copy, buffers) if run.train else []
-        best = tried[0] if tried else Placement((), (), (), {}, True, {}, 0.0)
-        training = best.resident, best.gpu_adam, best.gpu, best.fits, best.bound_ms, best.keep, best.step_ms
-        runner_up = tried[1].described(model_units(config)) if len(tried) > 1 else {}
-        modes[m] = ModePlan(mode_depth(m, run.prefetch), *inference, *training, runner_up)
+    """The plan of `run` on the machine of `facts`, from these alone; UsageError where the disk lacks room for it.
+    Where every unit keeping its inputs fits neither the GPU nor the host, the fastest segment length that fits."""
+    plan = segment_plan(dataclasses.replace(run, segment=run.segment or 1), config, facts)
+    if run.segment or not offloaded_training(run) or plan_fits(plan):
+        return plan
+    tried = [plan]
+    for length, margin in itertools.product(SEGMENTS, (HOST_MARGIN, 0)):  # the host's margin: moments off the disk
+        try:
+            tried.append(segment_plan(dataclasses.replace(run, segment=length), config, facts, margin))
+        except UsageError:  # the disk lacks room for this one's moments
+            continue
+    # the fastest that fits; where none fits, every unit keeping its inputs (check_plan says what is short)
+    best, other = sorted(tried, key=lambda p: (not plan_fits(p), plan_step_ms(p) if plan_fits(p) else p.segment))[:2]
+    units = model_units(config)
+    modes = {m: dataclasses.replace(placed, runner_up=other.described(m, units)) for m, placed in best.modes.items()}
+    return dataclasses.replace(best, modes=modes)
+
+
+def plan_fits(plan: Plan) -> bool:  # whether the host holds the plan and each mode's training fits its GPU budget
+    host = plan.facts.host_share
+    return (host is None or plan.host_peak <= host) and all(placed.training_fits for placed in plan.modes.values())
+
+
+def plan_step_ms(plan: Plan) -> float:  # the plan's slowest predicted training step of its modes
+    return max((placed.step_ms for placed in plan.modes.values()), default=0.0)
+
+
+def segment_plan(run: RunConfig, config: LlamaConfig, facts: Facts, margin: int = HOST_MARGIN) -> Plan:
+    """The plan with run.segment's segments: activation offload, the disk's layers and the host's room for what the
+    placements leave on the host (planned again once they keep units resident, whose state then leaves it), the
+    disk's layers the fewest that leave `margin` of the host spare (else none)."""
+    given = dataclasses.replace(run, offload_activations=activation_offload_planned(run, config, facts))
+    resident = set()
+    for _ in range(3):  # the units resident settle in a round or two: fewer disk layers free no GPU memory
+        layers = disk_layers_planned(given, config, facts, resident, tuple(dict.fromkeys((margin, 0))))
+        run = dataclasses.replace(given, nvme_layers=layers)
+        copy, buffers = host_room_planned(run, config, facts, resident)
+        modes = mode_plans(run, config, facts, copy, buffers)
+        if resident_everywhere(run, modes) == resident:
+            break
+        resident = resident_everywhere(run, modes)
     longest = max((ms for plan in modes.values() for ms in plan.bound_ms.values()), default=0.0)
     timeout = run.rank_timeout or max(RANK_TIMEOUT, math.ceil(TIMEOUT_STEPS * longest / 1e3))
     threads = max(1, facts.cores // facts.local_world)
     host = host_parts(run, config, facts, copy, buffers, resident_everywhere(run, modes))
     disk = run.nvme_layers * disk_unit_bytes(config, facts.ranks) * facts.local_world
     name = copy and str(copy).removeprefix("torch.")
-    return Plan(facts, run.offload_activations, run.nvme_layers, name, buffers, threads, timeout, host, disk, modes)
+    decided = (run.offload_activations, run.nvme_layers, name, buffers, threads, timeout, host, disk, modes)
+    return Plan(facts, *decided, run.segment_units)
+
+
+def mode_plans(run: RunConfig, config: LlamaConfig, facts: Facts, copy, buffers: int) -> dict:
+    """Each offloaded mode's placements (inference's, the search's for training) and predicted bound."""
+    modes = {}
+    for m in (mode for mode in run.modes if mode in ("blocked", "overlapped")):
+        inference = inference_placement(run, config, facts, m) if run.inference else ((), {})
+        tried = searched_placement(run, config, facts, m, copy, buffers) if run.train else []
+        best = tried[0] if tried else Placement((), (), (), {}, True, {}, 0.0)
+        training = best.resident, best.gpu_adam, best.gpu, best.fits, best.bound_ms, best.keep, best.step_ms
+        runner_up = tried[1].described(model_units(config)) | {"segment": run.segment} if len(tried) > 1 else {}
+        modes[m] = ModePlan(mode_depth(m, run.prefetch), *inference, *training, runner_up)
+    return modes
 
 
 def resident_everywhere(run: RunConfig, modes: dict) -> set[int]:
@@ -2801,6 +2940,9 @@ def say_plan(run: RunConfig, config: LlamaConfig, plan: Plan) -> None:
         saved = size_text((config.num_hidden_layers + 2) * unit_inputs_bytes(run, config, plan.facts))
         cap = f"{run.max_gpu_memory:g} GiB cap"
         log(f"activation offload on: the saved inputs ({saved}) do not fit the {cap} with the rest")
+    if plan.segment > 1 and not run.segment:
+        saved = size_text((config.num_hidden_layers + 2) * unit_inputs_bytes(run, config, plan.facts))
+        log(f"segments of {plan.segment} units on: the saved inputs ({saved}) fit neither the GPU nor the host")
     if offloaded_training(run) and run.torch_dtype != torch.float32 and plan.copy_dtype is None:
         copy, instead = size_text(run.torch_dtype.itemsize * sum(shards)), "the GPU streams the float32 masters"
         log(f"no room on the host for the {run.dtype} copy of the masters ({copy}): {instead} and casts them")
@@ -2847,8 +2989,8 @@ def host_spare(run, config, facts: Facts, copy, buffers: int, margin: int = HOST
 def activation_offload_planned(run: RunConfig, config: LlamaConfig, facts: Facts) -> bool:
     """--offload-activations, or on where only then does each offloaded mode's streamed training fit the budget."""
     budget = gpu_budget(run, facts)
-    if run.offload_activations or not offloaded_training(run) or budget is None:
-        return run.offload_activations
+    if run.offload_activations or not offloaded_training(run) or budget is None or run.segment_units > 1:
+        return run.offload_activations  # segments keep what inputs they keep on the GPU
     offloaded = dataclasses.replace(run, offload_activations=True)
     modes = [m for m in run.modes if m in ("blocked", "overlapped")]
     peaks = [[streamed_peak(r, config, facts, m, run.torch_dtype) for r in (run, offloaded)] for m in modes]
@@ -2861,8 +3003,9 @@ def streamed_peak(run: RunConfig, config: LlamaConfig, facts: Facts, mode: str, 
     return sum((parts | unplaced_bytes(run, config, facts)).values())
 
 
-def disk_layers_planned(run: RunConfig, config: LlamaConfig, facts: Facts) -> int:
-    """The last decoder layers whose Adam moments live on --nvme: --nvme-layers, or the fewest the host needs them."""
+def disk_layers_planned(run, config: LlamaConfig, facts: Facts, resident=(), margins=(HOST_MARGIN, 0)) -> int:
+    """The last decoder layers whose Adam moments live on --nvme: --nvme-layers, or the fewest the host needs them
+    with the units `resident` (their state on the GPU alone), leaving the first of `margins` it can spare."""
     if not (run.nvme and offloaded_training(run)):
         return 0
     most = config.num_hidden_layers - (run.resident_layers or 0)  # the first layers' moments stay on the GPU
@@ -2871,10 +3014,11 @@ def disk_layers_planned(run: RunConfig, config: LlamaConfig, facts: Facts) -> in
     counts = [run.nvme_layers] if run.nvme_layers is not None else range(most + 1)
 
     def fits(d: int, margin: int) -> bool:  # the host holds the plan with d layers' moments on the disk, `margin` spare
-        return (host_spare(dataclasses.replace(run, nvme_layers=d), config, facts, None, 2, margin) or 0) >= 0
+        spare = host_spare(dataclasses.replace(run, nvme_layers=d), config, facts, None, 2, margin, resident)
+        return (spare or 0) >= 0
 
     # with 2 gradient buffers and no copy: PCIe bytes cost less than the disk's
-    layers = next((d for margin in (HOST_MARGIN, 0) for d in counts if fits(d, margin)), None)
+    layers = next((d for margin in margins for d in counts if fits(d, margin)), None)
     if layers is None:  # the host is short even so: check_plan says by how much
         return counts[-1]
     needed, free = layers * disk_unit_bytes(config, facts.ranks) * facts.local_world, facts.disk_bytes
@@ -2884,8 +3028,9 @@ def disk_layers_planned(run: RunConfig, config: LlamaConfig, facts: Facts) -> in
     return layers
 
 
-def host_room_planned(run: RunConfig, config: LlamaConfig, facts: Facts) -> tuple[torch.dtype | None, int]:
-    """Offloaded training's masters' copy dtype (None: float32 masters, cast on the GPU) and gradient buffers."""
+def host_room_planned(run: RunConfig, config: LlamaConfig, facts: Facts, resident=()) -> tuple:
+    """Offloaded training's masters' copy dtype (None: float32 masters, cast on the GPU) and gradient buffers, the
+    units `resident` holding their state on the GPU alone."""
     units = len(model_units(config))
     if not offloaded_training(run):
         return None, units
@@ -2893,10 +3038,10 @@ def host_room_planned(run: RunConfig, config: LlamaConfig, facts: Facts) -> tupl
     least = units if owns_grads(run) or "blocked" in run.modes else 2  # one fills, one steps
     shards, itemsize = shard_numels(config, facts.ranks), gradient_dtype(run).itemsize
     copy = None if run.torch_dtype == torch.float32 else run.torch_dtype  # in float32 the masters are the weights
-    spare = host_spare(run, config, facts, copy, least)
+    spare = host_spare(run, config, facts, copy, least, resident=resident)
     if copy and spare is not None and spare < 0:  # no room for the copy
         copy = None
-        spare = host_spare(run, config, facts, copy, least)
+        spare = host_spare(run, config, facts, copy, least, resident=resident)
     if least == units or spare is None or spare >= itemsize * (sum(shards) - 2 * max(shards)):
         return copy, units
     return copy, 2 + max(0, spare) // (itemsize * max(shards))
@@ -2984,7 +3129,7 @@ def graph_options(run: RunConfig, config: LlamaConfig, facts: Facts, mode: str, 
     limit = (
         gpu_budget(run, facts) if run.max_gpu_memory is not None else facts.gpu_bytes and facts.gpu_bytes - PLAN_MARGIN
     )
-    if not limit or run.offload_activations:
+    if not limit or run.offload_activations or run.segment_units > 1:  # segments recompute every unit
         return [()]
     units = model_units(config)
     order = [u for u in reversed(range(len(units))) if units[u].kind == "layer"] + [len(units) - 1]
@@ -3095,9 +3240,9 @@ def unplaced_bytes(run: RunConfig, config: LlamaConfig, facts: Facts, keep=()) -
         key = trace_key(run, config), kind, micro_batches_per_rank(run, facts), u in keep
         forward, backward, graphs[u] = traced_passes(*key)
         working[u] = forward, backward + extra.get(kind, 0)
-    # saved inputs as unit u runs: units 1 to u's and the graphs before it; offloaded, the two still leaving in the
+    # saved inputs as unit u runs (held_inputs) and the graphs before it; offloaded, the two still leaving in the
     # forward, none in the backward
-    saved = {(u, b): u * inputs for u in range(len(kinds)) for b in (0, 1)}
+    saved = {(u, b): held_inputs(u, run.segment_units, b) * inputs for u in range(len(kinds)) for b in (0, 1)}
     if run.offload_activations:
         saved = {(u, b): 0 if b else min(u, 2) * inputs for u, b in saved}
     u, backward = max(saved, key=lambda ub: saved[ub] + sum(graphs[: ub[0]]) + working[ub[0]][ub[1]])
@@ -3108,6 +3253,15 @@ def unplaced_bytes(run: RunConfig, config: LlamaConfig, facts: Facts, keep=()) -
     other = CUBLAS_WORKSPACE + passed + ids + slots * inputs
     held = {"saved inputs": saved[u, backward], "kept graphs": sum(graphs[:u])}
     return held | {"working set": working[u][backward], "other": other}
+
+
+def held_inputs(u: int, segment: int, backward: bool) -> int:
+    """How many units' inputs (hidden states; unit 0's ids aside) wait on the GPU as unit u runs: the segments' first
+    units' up to u's, and in the backward those of u's segment up to u's own (all remade from its first's)."""
+    first = u - u % segment
+    if not backward:
+        return u // segment
+    return max(first // segment - 1, 0) + u - max(first, 1) + 1
 
 
 def micro_batches_per_rank(run: RunConfig, facts: Facts) -> int:  # a step's most micro-batches on a rank (rank 0's)
@@ -3299,15 +3453,16 @@ def predicted_bound(run, config, facts: Facts, depth: int, resident, gpu_adam, c
     the GPU's work from the lowest CPU-stepped unit to the next gradients, as if that unit's update were its last."""
     rate, shards = dict(facts.rates), shard_numels(config, facts.ranks)
     streamed = [u for u in range(len(shards)) if u not in resident]
-    in_slots = streamed[-min(depth + 1, len(streamed)) :] if streamed else []  # the backward finds them there
+    order = segment_order(len(shards), run.segment_units)
     on_gpu, on_cpu = sum(shards[u] for u in gpu_adam), sum(shards[u] for u in streamed if u not in gpu_adam)
     grad, copied = gradient_dtype(run).itemsize, copy.itemsize if copy else 0
-    weights = (copied or 4) * (2 * sum(shards[u] for u in streamed) - sum(shards[u] for u in in_slots))
+    weights = (copied or 4) * sum(shards[u] for u in step_copies(order, resident, min(depth + 1, len(streamed))))
     h2d, d2h = weights + 12 * on_gpu, grad * on_cpu + (12 + copied) * on_gpu
     adam = on_cpu * (24 + grad + copied)  # masters and moments read and written, gradients read, the copy written
     disk = 2 * (run.nvme_layers or 0) * disk_unit_bytes(config, facts.ranks)  # read, and written back
     kinds = [unit.kind for unit in model_units(config)]
     recomputed = pass_flops(run, config) - sum(unit_flops(run, config, kinds[u]) for u in keep)
+    recomputed += sum(unit_flops(run, config, kinds[u]) for u in remade_units(order))  # the segments' second forwards
     flops = (3 * pass_flops(run, config) + recomputed) * micro_batches_per_rank(run, facts)  # the backward twice
     tflops = rate["gpu_tflops"] / (8 if run.torch_dtype == torch.float32 else 1)
     moved = {"h2d": (h2d, "h2d_gbps"), "d2h": (d2h, "d2h_gbps"), "cpu_adam": (adam, "adam_gbps")}  # bytes, their rate
@@ -3331,7 +3486,7 @@ def predicted_bound(run, config, facts: Facts, depth: int, resident, gpu_adam, c
 def check_plan(run: RunConfig, config: LlamaConfig, plan: Plan) -> None:
     """Refuse before allocating what the plan says won't fit: a GPU mode's least memory, the host's, a rank's peak."""
     run = dataclasses.replace(run, offload_activations=plan.offload_activations, nvme_layers=plan.disk_layers)
-    run = dataclasses.replace(run, grad_accum=micro_batches_per_rank(run, plan.facts))  # a rank's share of the step
+    run = dataclasses.replace(run, segment=plan.segment, grad_accum=micro_batches_per_rank(run, plan.facts))
     known = plan.facts.gpu_bytes is not None  # else there is no GPU to check against
     needs = {mode: gpu_bytes_needed(run, config, mode) for mode in run.modes if mode != "cpu" and known}
     if needs:
@@ -3385,6 +3540,7 @@ def plan_table(plan: Plan, run: RunConfig, config: LlamaConfig) -> str:
     if offloaded_training(run):  # the offloaded training state's decisions
         rows += [
             ("activation offload", "on" if plan.offload_activations else "off"),
+            ("segments: units a segment, only its first keeping its inputs", str(plan.segment)),
             ("Adam moments on the disk", f"the last {plan.disk_layers} decoder layers ({size_text(plan.disk)})"),
             ("the masters' copy the GPU streams", plan.copy_dtype or "none: the float32 masters, cast on the GPU"),
             ("pinned gradient buffers", f"{plan.grad_buffers} for {len(units)} units"),
@@ -3410,7 +3566,7 @@ def plan_table(plan: Plan, run: RunConfig, config: LlamaConfig) -> str:
             if placed.runner_up:
                 r = placed.runner_up
                 other = f"{r['step_ms']:.0f} ms, peak GPU {gib(r['peak_bytes'])} GiB; resident {r['resident']}"
-                other += f"; GPU Adam {r['gpu_adam']}; keeping their graphs {r['keep']}"
+                other += f"; GPU Adam {r['gpu_adam']}; keeping their graphs {r['keep']}; segments {r['segment']}"
                 rows.append((f"{mode} training: runner-up", other))
     lines = ["plan (--plan; predictions from the rates " + ", ".join(f"{k} {v:g}" for k, v in facts.rates) + ")", ""]
     return "\n".join([*lines, "| | |", "|---|---|", *(f"| {what} | {value} |" for what, value in rows)]) + "\n"
@@ -3467,7 +3623,8 @@ def gpu_bytes_needed(run: RunConfig, config: LlamaConfig, mode: str) -> int:
         return inference
     unit_numel = max(layer_bytes(config, dtype) // b, config.vocab_size * config.hidden_size)  # a layer or the head
     # the units' saved inputs: all, or with activation offload the ring of slots and two still being copied out
-    saved_units = min(depth + 1, layers + 2) + 2 if run.offload_activations else layers + 2
+    most = max(held_inputs(u, run.segment_units, True) for u in range(layers + 3))  # all but the ids, in one segment
+    saved_units = min(depth + 1, layers + 2) + 2 if run.offload_activations else most
     weights = min(depth + 1, layers + 3) * unit_numel * b + 4 * unit_numel  # the slots and the float32 gradients
     return max(inference, weights + saved_units * unit_inputs_bytes(run, config) + act)
 
@@ -3851,6 +4008,7 @@ def train_bound_parts(trainer: OffloadedTraining, micro_batches, device) -> dict
     """The bound's parts as functions to time alone (name -> (device, fn)), made anew each round (train_bound's)."""
     fns, (on_cpu, _) = {}, cpu_and_gpu_adam_units(trainer)
     forwards = not trainer.blocked and (trainer.holds_updates or bool(on_cpu))  # train_bound's held bound or chain
+    forwards = forwards or bool(remade_units(trainer.inputs.backward_order(len(trainer.units))))  # segments' too
     for name, (u, _) in compute_groups(trainer).items():  # one unit of each kind, recomputed or keeping its graphs
         forward, backward = unit_passes(trainer, u, micro_batches, device)
         fns[name] = (device, Compute(lambda forward=forward, backward=backward: backward(forward())))
@@ -3906,7 +4064,7 @@ def resident_adam(trainer: OffloadedTraining, numels: list[int], device) -> None
 def copy_in(trainer: OffloadedTraining) -> None:
     """Every H2D copy of a step: the forward's, the backward's but the slots', then the GPU's Adam's units' state."""
     streamer, n, gpu_adam = trainer.streamer, len(trainer.units), streamed_adam(trainer)
-    for order, current in ((range(n), False), (reversed(range(n)), True)):
+    for order, current in ((range(n), False), (trainer.inputs.backward_order(n), True)):
         streamer.begin(order, current)
         for p in range(len(streamer.window.units)):
             streamer.prefetch(p)
@@ -3960,10 +4118,10 @@ def step_copy_bytes(trainer: OffloadedTraining) -> tuple[int, int, int]:
     """A step's (H2D, D2H, the GPU Adam's part of D2H) bytes: weights and GPU Adam state in, gradients and state out."""
     store, streamer = trainer.store, trainer.streamer
     on_cpu, on_gpu = cpu_and_gpu_adam_units(trainer)
-    in_slots = sum(store.weights[u].nbytes for u in streamer.streamed[-streamer.n_slots :])  # the backward finds them
+    copied = step_copies(trainer.inputs.backward_order(len(trainer.units)), streamer.resident, streamer.n_slots)
     state_in = 12 * sum(on_gpu.values())
     state_out = state_in + sum(on_gpu.values()) * (store.copies[0].itemsize if store.copies else 0)
-    h2d = 2 * sum(store.weights[u].nbytes for u in streamer.streamed) - in_slots + state_in
+    h2d = sum(store.weights[u].nbytes for u in copied) + state_in
     return h2d, sum(on_cpu.values()) * store.grad_dtype.itemsize + state_out, state_out
 
 
@@ -3982,6 +4140,8 @@ def train_bound(trainer: OffloadedTraining, best: dict[str, float], in_step_adam
     on_cpu, on_gpu = cpu_and_gpu_adam_units(trainer)
     groups = compute_groups(trainer)
     parts = {"gpu_compute_ms": sum(count * best[name] for name, (_, count) in groups.items())}
+    remade = remade_units(trainer.inputs.backward_order(len(trainer.units)))  # run forward again: segments
+    parts["gpu_compute_ms"] += sum(best[f"{compute_group(trainer, u)}_forward"] for u in remade)
     disk_bytes, figures = 0, {}
     if "resident_adam" in best:  # on the compute stream, between the passes
         parts["gpu_compute_ms"] += best["resident_adam"]
@@ -4899,7 +5059,7 @@ RECORD_COUNTS |= {"batch_size": (1, 2**63), "seq_len": (1, 2**63)}  # least: its
 BATCH_KEYS = ("grad_accum", "batch_size", "seq_len", "seed", "eval_fraction")  # seed, eval_fraction: held-out blocks
 SAVE_SHARD = "2GB"  # save_pretrained's shard size: a safetensors writer may hold a whole shard's bytes in memory
 PLAN_FLAGS = ("max_gpu_memory", "max_host_memory", "prefetch", "resident_layers", "gpu_adam_share")
-PLAN_FLAGS += ("offload_activations", "nvme", "nvme_layers", "rank_timeout")
+PLAN_FLAGS += ("offload_activations", "segment", "nvme", "nvme_layers", "rank_timeout")
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # what ends a run early, every output whole or absent
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")  # a unit's float32 state in a checkpoint, beside its step
 
@@ -5364,6 +5524,7 @@ class RunConfig(Config):
     resident_layers: int | None = None  # overlapped: this many decoder layers resident instead of the budget's plan
     gpu_adam_share: float | None = None  # overlapped training: of the streamed parameters, the GPU Adam's share
     offload_activations: bool = False  # the units' saved inputs wait in pinned host memory, not on the GPU
+    segment: int | None = None  # units a segment: only its first keeps its inputs, the rest recomputed (the plan's)
     max_host_memory: float | None = None  # GiB; the host memory the run plans for, at most (default: MemAvailable)
     nvme: str | None = None  # a folder on a local disk: the disk tier keeps Adam moments there
     nvme_layers: int | None = None  # decoder layers, from the last, whose Adam moments live on the disk (planned)
@@ -5412,6 +5573,10 @@ class RunConfig(Config):
     @property
     def holds_updates(self) -> bool:  # units step once all gradients are in: float16's loss scale or clipping sees them
         return self.dtype == "float16" or self.clip_grad_norm is not None
+
+    @property
+    def segment_units(self) -> int:  # units a segment: --segment, or the plan's; 1 where neither says
+        return self.segment or 1
 
     @property
     def gpu_adam(self) -> float:  # the GPU Adam's share: --gpu-adam-share, or 0 if updates wait, or GPU_ADAM_SHARE
@@ -5552,6 +5717,10 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     t.add_argument("--fwd-bwd-reference", action="store_true", help=reference)
     acts = "keep the units' saved inputs in pinned host memory (turned on by itself when they would not fit the cap)"
     t.add_argument("--offload-activations", action="store_true", help=acts)
+    segment = "offloaded: keep the inputs of every Nth unit only, the backward running each segment's forward again "
+    segment += "(default: the plan's: 1, or where the saved inputs fit neither the cap nor the host, the fastest "
+    segment += "that fits)"
+    t.add_argument("--segment", type=int, metavar="N", help=segment)
     t.add_argument("--lr", type=float, default=RunConfig.lr, help="Adam's learning rate")
     betas = "Adam's moment decays"
     t.add_argument("--betas", type=float, nargs=2, default=RunConfig.betas, metavar=("BETA1", "BETA2"), help=betas)
@@ -5647,6 +5816,7 @@ ADAM_RANGES = "Adam needs --lr > 0, --eps > 0, --weight-decay >= 0 and betas in 
 RANGES = (  # (argparse dests, whether a value given is in range, the refusal), checked in this order
     (("batch_size", "seq_len", "repeat", "steps", "grad_accum"), lambda v: v >= 1, "{flag} must be at least 1"),
     (("prefetch",), lambda v: v >= 1, "{flag} must be at least 1 (blocked mode is prefetch 0)"),
+    (("segment",), lambda v: v >= 1, "{flag} must be at least 1 (1: every unit keeps its inputs)"),
     (("warmup", "resident_layers", "nvme_layers"), lambda v: v >= 0, "{flag} must be at least 0"),
     (("checkpoint_every",), lambda v: v >= 1, "{flag} must be at least 1"),
     (("lr", "eps"), positive, ADAM_RANGES),
@@ -5690,6 +5860,8 @@ def check_values(p: Parser, a: argparse.Namespace) -> None:
         p.error(f"--clip-grad-norm must be a positive number, got {a.clip_grad_norm}")
     if a.gpu_adam_share and a.clip_grad_norm is not None:
         p.error("--gpu-adam-share must be 0 with --clip-grad-norm: the norm must see every gradient before any step")
+    if a.segment and a.segment > 1 and a.offload_activations:
+        p.error("--segment recomputes the inputs --offload-activations would keep on the host: give one of them")
     if a.train and a.seq_len == 1:
         p.error("--seq-len must be at least 2 with --train: each token is trained to predict the next")
     if any(not prompt for prompt in a.sample):
@@ -5708,12 +5880,12 @@ def reads_jsonl(a: argparse.Namespace, modes) -> bool:  # whether --data may hol
 
 
 TRAINING_FLAGS = ("steps", "grad_accum", "inference", "fwd_bwd_reference", "lr", "betas", "eps", "weight_decay")
-TRAINING_FLAGS += ("clip_grad_norm", "offload_activations", "gpu_adam_share", "nvme", "data", "sample")
+TRAINING_FLAGS += ("clip_grad_norm", "offload_activations", "segment", "gpu_adam_share", "nvme", "data", "sample")
 TRAINING_FLAGS += ("save_pretrained", "checkpoint", "resume")
 DATA_FLAGS = ("data_glob", "text_field", "skip_undecodable", "train_tokenizer", "data_cache", "eval_fraction")
 DATA_FLAGS += ("epochs", "eval_every")
 OVERLAPPED_FLAGS = ("prefetch", "resident_layers", "gpu_adam_share")
-OFFLOADED_FLAGS = ("profile", "offload_activations", "nvme")
+OFFLOADED_FLAGS = ("profile", "offload_activations", "segment", "nvme")
 GPU_FLAGS = ("max_gpu_memory", "repeat")
 FLAG_NEEDS = (  # flags (argparse dests), what they need to do anything, how to give it, whether run a (modes m) has it
     (TRAINING_FLAGS, ("--train", "add --train", lambda a, m: a.train)),
@@ -6229,6 +6401,8 @@ def make_trainer(mode: str, model, masters: OffloadedAdam | None, micro_batches,
     scale_and_clip(trainer, run.clip_grad_norm)
     if plan.offload_activations:
         trainer.inputs = ActivationOffload(trainer, len(micro_batches), tuple(micro_batches[0].shape))
+    if plan.segment > 1:
+        trainer.inputs = SegmentInputs(trainer, plan.segment)
     masters.setup_s["trainer"] = time.perf_counter() - t0  # the GPU's ring and buffers, the saved inputs' host ones
     return trainer
 

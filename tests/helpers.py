@@ -140,6 +140,7 @@ def offloaded_trainer(
     disk=None,
     keep=(),
     masters_on_device=False,
+    segment=1,
 ):
     """The blocked (depth 0) or overlapped training of `model` on `device`, as the CLI builds it; offload: the units'
     saved inputs wait on the host (--offload-activations); grad_buffers: a shared gradient pool of that many; copy:
@@ -149,7 +150,8 @@ def offloaded_trainer(
     kept on the host for first_step_state; reuse: the last such store, poisoned (master_store); clip: the gradients'
     largest norm (--clip-grad-norm); disk: (folder, units) whose moments a disk tier keeps there (--nvme); keep: the
     units whose forward keeps its graph for the backward (no recompute); masters_on_device: the resident units' float32
-    masters live on the device alone, as for units resident in every mode."""
+    masters live on the device alone, as for units resident in every mode; segment: units a segment, only the first
+    of each keeping its inputs (--segment)."""
     adam = adam or ol.Adam(lr=1e-3)
     dtype = next(model.parameters()).dtype
     run = ol.RunConfig(dtype=str(dtype).removeprefix("torch."), grad_accum=len(micro_batches))
@@ -165,6 +167,8 @@ def offloaded_trainer(
     trainer.keep = frozenset(keep)
     if offload:
         trainer.inputs = ol.ActivationOffload(trainer, len(micro_batches), tuple(micro_batches[0].shape))
+    if segment > 1:
+        trainer.inputs = ol.SegmentInputs(trainer, segment)
     if resident or gpu_adam:
         ol.place_on_gpu(trainer, resident, gpu_adam, own_grads)
     return trainer

@@ -1,6 +1,7 @@
 """CPU tier, training: the offloaded path (per-unit autograd.Function, gradient offload, CPU Adam) with the CPU as
 compute device, against the plain model and torch.optim.Adam."""
 
+import itertools
 import json
 import threading
 import time
@@ -441,6 +442,39 @@ def test_activation_offload_changes_no_bit(depth, k):
     for ours, theirs in zip(offloaded[:3], kept[:3], strict=False):
         assert all(torch.equal(t, theirs[name]) for name, t in ours.items())
     assert offloaded[3] == kept[3]
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("depth, segment", [(0, 2), (1, 2), (1, 3), (2, 4), (1, 99)])
+def test_segments_change_no_bit(depth, segment, k):
+    """Only each segment's first unit keeping its inputs, the rest remade in the backward: the same gradients,
+    masters and losses as every unit keeping its own; the backward copies each remade unit in again."""
+    model, batches = tiny_batches(k)
+    kept = train(offloaded_trainer(model, "cpu", depth, batches), batches, 3)
+    trainer = offloaded_trainer(model, "cpu", depth, batches, segment=segment)
+    copies = []
+    prefetch = trainer.streamer.prefetch
+    trainer.streamer.prefetch = lambda p: (copies.append(trainer.streamer.window.units[p]), prefetch(p))
+    segmented = train(trainer, batches, 3)
+    for ours, theirs in zip(segmented[:3], kept[:3], strict=False):
+        assert all(torch.equal(t, theirs[name]) for name, t in ours.items())
+    assert segmented[3] == kept[3]
+    n = len(trainer.units)
+    order = ol.segment_order(n, segment)
+    assert len(copies) == 3 * (n + len(order)) and not trainer.inputs.inputs  # each run asked for; none left
+    assert ol.remade_units(order) == [u for u in range(n - 1) if u % segment < segment - 1]
+
+
+def test_segment_window_reuses_slots_only_past_their_release():
+    """A backward in segments runs units twice: each copy goes to a slot last run from at least a ring's length of
+    positions back (its release recorded, S2), or the unit is still in its slot and is not copied."""
+    for n_slots, segment in itertools.product([1, 2, 3, 4], [1, 2, 3, 5, 8]):
+        forward = ol.CopyWindow.over(range(11), (), [None] * n_slots, range(n_slots))
+        window = ol.CopyWindow.over(ol.segment_order(11, segment), (), forward.holds, forward.recent)
+        last = {}  # slot -> the position last run from it
+        for p, s in enumerate(window.slots):
+            assert p in window.kept or p - last.get(s, -n_slots) >= n_slots, (n_slots, segment, p)
+            last[s] = p
 
 
 def test_activation_pool_is_allocated_once_and_read_back():

@@ -193,11 +193,20 @@ def test_units_keeping_their_graphs_give_gpu_modes_grads(depth, k):
         assert_masters_close(masters_1, ref_masters_1, 1)
 
 
+INPUTS = {  # where the units' saved inputs wait: depth, and offloaded_trainer's arguments
+    **{f"on the host, depth {d}": (d, {"offload": True}) for d in (0, 1, 2)},
+    **{f"in segments of {n}, depth {d}": (d, {"segment": n}) for d, n in ((0, 2), (1, 3), (2, 2), (2, 5))},
+}
+
+
 @pytest.mark.parametrize("k", [1, 2])
-@pytest.mark.parametrize("depth", [0, 1, 2])
-def test_activation_offload_grads_bitwise_equal_gpu_mode(depth, k):
+@pytest.mark.parametrize("inputs", INPUTS)
+def test_saved_inputs_elsewhere_give_gpu_modes_grads(inputs, k):
+    """The units' inputs through the host pool and back, or only each segment's first unit keeping them and the
+    rest remade in the backward: gpu mode's gradients, bit for bit."""
+    depth, kwargs = INPUTS[inputs]
     model, batches = model_and_batches(SMALL, k=k)
-    trainer = offloaded_trainer(model, CUDA, depth, batches, pin=True, offload=True)
+    trainer = offloaded_trainer(model, CUDA, depth, batches, pin=True, **kwargs)
     grads, masters_1, _, losses = train(trainer, batches, 3)
     ref_grads, ref_masters_1, _, ref_losses = reference(model, batches)
     for name, g in grads.items():
@@ -278,6 +287,27 @@ ACTIVATION_RACES = {
     "inputs on the host before they come back": (delay_inputs_out, drop_inputs_landed_wait),
     "inputs back on the GPU before the backward": (delay_inputs_in, drop_inputs_copied_wait),
 }
+
+
+def drop_slot_freed_wait(trainer):
+    """A stretched backward whose copies no longer wait for the slot's last unit to have run (S2)."""
+    stretch_backward(trainer)
+    trainer.streamer.freed = [ol.InOrder() for _ in trainer.streamer.freed]
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_race_segments_copy_into_a_slot_after_its_release(depth):
+    """Segments run units twice in the backward, each copy into the slot run from least recently: with a stretched
+    backward it still waits for that slot's release (S2) and gives gpu mode's gradients; without the wait it
+    overwrites weights still in use."""
+    model, batches = model_and_batches(THIN, seq_len=16, batch_size=1)
+    ref_grads, *_ = reference(model, batches, steps=1)
+    for hook, should_match in ((stretch_backward, True), (drop_slot_freed_wait, False)):
+        trainer = offloaded_trainer(model, CUDA, depth, batches, pin=True, reuse=True, segment=3)
+        hook(trainer)
+        grads, *_ = train(trainer, batches, 1)
+        matches = all(torch.equal(g, ref_grads[name]) for name, g in grads.items())
+        assert matches == should_match, "intact" if should_match else "wait removed"
 
 
 @pytest.mark.parametrize("depth", [0, 1])
