@@ -121,13 +121,15 @@ ACCUM = ["--grad-accum", 16]  # 16 micro-batches of 2048 tokens: 64 MiB of input
 
 def low_host_gib() -> float:
     """A --max-host-memory for the accumulating MID run under which the plan leaves the host no room for the masters'
-    bfloat16 copy (half of it short, beyond HOST_MARGIN): the GPU streams the float32 masters and casts them."""
+    bfloat16 copy (half of it short, beyond HOST_MARGIN) of the units it streams under a 2.5 GiB cap: the GPU streams
+    the float32 masters and casts them."""
     sizes = tuple(MID.items())
     run = ol.RunConfig(preset="tiny", sizes=sizes, mode="overlapped", train=True, inference=False, grad_accum=16)
-    run = ol.dataclasses.replace(run, seq_len=2048, batch_size=1)
-    config = ol.llama_config(run)
-    least = sum(ol.host_parts(run, config, machine(process=ol.PROCESS_BYTES), None, 2).values())
-    copy = 2 * sum(ol.shard_numels(config, ol.Ranks()))
+    run = ol.dataclasses.replace(run, seq_len=2048, batch_size=1, max_gpu_memory=2.5)
+    config, facts = ol.llama_config(run), machine(gpu_gib=139.8, process=ol.PROCESS_BYTES)
+    resident = ol.resident_everywhere(run, ol.make_plan(run, config, facts).modes)  # their state leaves the host
+    least = sum(ol.host_parts(run, config, facts, None, 2, resident).values())
+    copy = 2 * sum(n for u, n in enumerate(ol.shard_numels(config, ol.Ranks())) if u not in resident)
     return (least + ol.HOST_MARGIN + copy / 2) / ol.GiB
 
 
