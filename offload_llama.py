@@ -18,8 +18,8 @@ The file by line, the assignment first; each section beyond it says what it adds
    1478  # === Beyond the assignment ===
         the compiled Adam 1481, the GPU's Adam 1582, activation offload 1806, segment checkpointing 1871
         float16 and clipping 1939, the disk tier 2022, several GPUs 2293, a model folder 2537, the plan 2731
-        measurement 3706, the tables' notes 4360, text in 4551, saving and resuming 5049, the command line 5512
-        running a mode 6387, the run 6554
+        measurement 3706, the tables' notes 4369, text in 4563, saving and resuming 5061, the command line 5524
+        running a mode 6399, the run 6566
 """
 
 from __future__ import annotations
@@ -332,9 +332,9 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 # copy (weights in), D2H (gradients out; blocked's is compute), gather (several GPUs'); threads: main, autograd's, Adam.
 # Blocked against overlapped, in training: one slot, D2H on compute, holds_updates (the Adam after S11), wait_all (S4).
 # A unit's copy first calls wait_written: CpuAdam's blocks the host (S4), StreamedAdam's the copy stream (S13).
-#   S1   [578 612 2425 2427 4164] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
+#   S1   [578 612 2425 2427 4173] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
 #        gather); waited on by acquire on compute. Slot s is not read before its unit landed.
-#   S2   [466 573 620 4164] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s
+#   S2   [466 573 620 4173] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s
 #        is not overwritten while a unit reads it.
 #   S3   [596] landed, CUDA event. Recorded by wait_copies on copy and gather; waited on by compute (keep_resident) or
 #        timed's end. A ring is not freed, nor a time ended, under a copy.
@@ -350,7 +350,7 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 #        compute before the backward's first write of the gradient buffer: not before its gradients left.
 #   S9   [1265 1272] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
 #   S10  [1150] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
-#   S11  [876 4164 6531] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
+#   S11  [876 4173 6543] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
 #        work; loss.item() in the training loop: the step's end. A step is not timed unfinished.
 #   S12  [1690] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
 #        kernels.
@@ -3708,6 +3708,7 @@ def planned_oom(mode: str, plan: Plan, device: torch.device) -> bool:  # the pla
 # mode. Turned on: every GPU run; --profile PATH. Plugs into: timed and the tables' results.
 
 
+BOUND_SLACK = 1.02  # a bound this much above its step is a failed measurement: a part ran slower timed alone
 SETTLE_S = 1.5  # seconds the bound times its GPU compute parts after: a loaded GPU's power cap slows its clocks
 RESET_HOST_PEAKS = [0]  # the process's peak resident set at each reset_peak_memory, which restarts the kernel's count
 RESIDENT_SCRATCH = 2**24  # elements: the bound times the resident units' Adam over scratch state this size
@@ -3940,8 +3941,16 @@ def training_figures(trainer, result: dict) -> dict:
         timed = [busy[i] for i in result.get("timed_steps", ()) if i < len(busy)]
         in_step = statistics.median(timed) if timed else None
         figures |= train_bound(trainer, {name: min(ms) for name, ms in result["bound_parts_ms"].items()}, in_step)
-        figures["efficiency"] = figures["bound_ms"] / result["time_ms"]
+        figures |= efficiency_of(figures["bound_ms"], result["time_ms"])
     return figures
+
+
+def efficiency_of(bound_ms: float, step_ms: float) -> dict:
+    """The bound against the step: its efficiency; or, where the bound's parts timed alone took longer than the whole
+    step (by more than BOUND_SLACK), a failed measurement, reported as such, with no efficiency."""
+    if bound_ms > BOUND_SLACK * step_ms:
+        return {"efficiency": None, "bound_failed": True}
+    return {"efficiency": bound_ms / step_ms}
 
 
 def step_rates(run: RunConfig, config: LlamaConfig, mode: str, result: dict) -> dict:
@@ -4545,6 +4554,9 @@ def bound_note(mode: str, t: dict) -> str:  # a mode's training bound, each part
         note += f"{t['cpu_adam_chain_ms']:.1f} ms (of them {t['adam_chain_ms']:.1f})"
     if "serial_ms" in t:
         note += f", every part in turn (blocked: nothing overlaps) {t['serial_ms']:.1f} ms"
+    if t.get("bound_failed"):
+        note += f"; a failed measurement: the {t['bound_by'].replace('_', ' ')} part timed alone took longer than the "
+        note += "whole step, so it bounds nothing here (no efficiency)"
     return note
 
 

@@ -886,6 +886,24 @@ def test_a_cpu_adam_timed_alone_slower_than_in_the_steps_is_a_failed_measurement
     trainer.finish()
 
 
+def test_a_bound_above_its_step_is_reported_as_a_failed_measurement():
+    """A step whose parts timed alone add up to more than the step itself (beyond BOUND_SLACK) has no efficiency:
+    the notes say the bound failed and by which part; within the slack the efficiency stands."""
+    model, batches = tiny_batches(1)
+    trainer = offloaded_trainer(model, CPU, 1, batches)
+    kinds = ("embed", "layer", "norm", "head")
+    best = {kind: 10.0 for kind in kinds} | {f"{kind}_forward": 3.0 for kind in kinds} | {"h2d": 0.1, "d2h": 0.1}
+    parts = {name: [ms] for name, ms in (best | {"adam": 2.0, "adam_small": 0.5, "host": 3.0}).items()}
+    bound = ol.training_figures(trainer, {"time_ms": 1e6, "bound_parts_ms": parts})["bound_ms"]
+    for step, failed in ((bound, False), (bound / ol.BOUND_SLACK * 1.001, False), (bound / 1.03, True)):
+        t = {"time_ms": step, "bound_parts_ms": parts}
+        t |= ol.training_figures(trainer, t)
+        assert t.get("bound_failed", False) == failed and (t["efficiency"] is None) == failed
+        notes = "\n".join(ol.training_notes("overlapped", t, ol.RunConfig(train=True)))
+        assert ("a failed measurement: the gpu compute part" in notes) == failed
+    trainer.finish()
+
+
 @pytest.mark.parametrize("calls", [(2.0, 0.1), (2.0, 2.0), (2.0, 3.0)])
 def test_the_cpu_adams_fixed_cost_stays_within_its_small_time(calls):
     """Noisy times give the line's fixed cost no more than the small share took, and never below nothing."""
