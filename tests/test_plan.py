@@ -12,6 +12,20 @@ LLAMA_7B_65K = ["--preset", "llama-7b", "--mode", "overlapped", "--train", "--no
 LLAMA_7B_65K += ["--batch-size", "4", "--seq-len", "1024", "--max-gpu-memory", "11"]
 
 
+GPT2_XL_64K = ["--hidden-size", "1600", "--layers", "48", "--heads", "25", "--kv-heads", "25", "--vocab-size", "50257"]
+GPT2_XL_64K += [
+    "--intermediate-size",
+    "4267",
+    "--mode",
+    "overlapped",
+    "--train",
+    "--no-inference",
+    "--grad-accum",
+    "64",
+]
+GPT2_XL_64K += ["--batch-size", "1", "--seq-len", "1024", "--max-gpu-memory", "11", "--max-host-memory", "16"]
+
+
 def test_the_plan_is_printed_without_building_the_model(capsys):
     """For a GPU of 80 GiB, one table that names it, and no model built."""
     code, out, err = run_main(
@@ -52,6 +66,26 @@ def test_a_machine_the_flags_describe(capsys, tmp_path):
     assert overlapped["resident"] == [0, 1] and overlapped["gpu_adam"] == [] and overlapped["training_fits"]
     assert 8.4 * ol.GiB < sum(overlapped["training_gpu"].values()) < 9.4 * ol.GiB  # measured: 8.90 GiB (f_g1_share0)
     assert "| activation offload | on |" in out
+
+
+def test_segments_where_every_units_inputs_fit_neither_the_gpu_nor_the_host(capsys, tmp_path):
+    """GPT2-XL's shape at 64 x 1024 tokens under 11 GiB of GPU and 16 of host on a described H200: with every unit
+    keeping its inputs the host is short (they wait there, 9.8 GiB) and the plan is refused; the search finds
+    segments that fit both caps, the disk taking the moments the host cannot, and names the runner-up's segments."""
+    (tmp_path / "disk").mkdir()
+    machine = ["--nvme", tmp_path / "disk", "--gpu-memory", "139.8", "--host-memory", "125"]
+    code, _, err = run_main(capsys, "--plan", *GPT2_XL_64K, *machine, "--segment", "1")
+    assert code == 2 and "of host memory" in err, err
+    path = tmp_path / "plan.json"
+    code, out, err = run_main(capsys, "--plan", *GPT2_XL_64K, *machine, "--json", path)
+    assert code == 0, err
+    plan = json.loads(path.read_text())["plan"]
+    overlapped = plan["modes"]["overlapped"]
+    assert plan["segment"] > 1 and not plan["offload_activations"] and overlapped["training_fits"]
+    assert sum(plan["host"].values()) <= 16 * ol.GiB * (100 - ol.HOST_SLACK) // 100 and 0 < plan["disk_layers"] < 48
+    assert sum(overlapped["training_gpu"].values()) <= 11 * ol.GiB - ol.PLAN_MARGIN
+    assert overlapped["runner_up"]["segment"] > 1 and overlapped["runner_up"]["step_ms"] >= overlapped["step_ms"]
+    assert f"| segments: units a segment, only its first keeping its inputs | {plan['segment']} |" in out
 
 
 def test_units_resident_in_every_mode_hold_no_master_on_the_host(capsys, tmp_path):
