@@ -11,15 +11,15 @@ The file by line, the assignment first; each section beyond it says what it adds
     200  gpu and cpu inference                   infer_resident, timed
     244  streams, events and pinned host memory  new_stream, host_zeros_each
     327  blocked and overlapped offload          every wait (S1-S16), ParamStore, LayerStreamer
-    680  training: the autograd.Function         StreamedUnit, OffloadedTraining
-    968  the offloaded Adam                      OffloadedAdam, CpuAdam, Steppers
-   1349  the reference                           ResidentTraining
-   1401  Table 1 and Table 2                     tables
-   1478  # === Beyond the assignment ===
-        the compiled Adam 1481, the GPU's Adam 1582, activation offload 1806, segment checkpointing 1871
-        float16 and clipping 1939, the disk tier 2022, several GPUs 2293, a model folder 2537, the plan 2731
-        measurement 3706, the tables' notes 4369, text in 4563, saving and resuming 5061, the command line 5524
-        running a mode 6399, the run 6566
+    682  training: the autograd.Function         StreamedUnit, OffloadedTraining
+    970  the offloaded Adam                      OffloadedAdam, CpuAdam, Steppers
+   1351  the reference                           ResidentTraining
+   1403  Table 1 and Table 2                     tables
+   1480  # === Beyond the assignment ===
+        the compiled Adam 1483, the GPU's Adam 1584, activation offload 1808, segment checkpointing 1873
+        float16 and clipping 1948, the disk tier 2031, several GPUs 2302, a model folder 2546, the plan 2740
+        measurement 3719, the tables' notes 4383, text in 4577, saving and resuming 5075, the command line 5538
+        running a mode 6413, the run 6580
 """
 
 from __future__ import annotations
@@ -332,33 +332,33 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 # copy (weights in), D2H (gradients out; blocked's is compute), gather (several GPUs'); threads: main, autograd's, Adam.
 # Blocked against overlapped, in training: one slot, D2H on compute, holds_updates (the Adam after S11), wait_all (S4).
 # A unit's copy first calls wait_written: CpuAdam's blocks the host (S4), StreamedAdam's the copy stream (S13).
-#   S1   [578 612 2425 2427 4173] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
+#   S1   [580 614 2434 2436 4186] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
 #        gather); waited on by acquire on compute. Slot s is not read before its unit landed.
-#   S2   [466 573 620 4173] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s
+#   S2   [466 575 622 4186] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s
 #        is not overwritten while a unit reads it.
-#   S3   [596] landed, CUDA event. Recorded by wait_copies on copy and gather; waited on by compute (keep_resident) or
+#   S3   [598] landed, CUDA event. Recorded by wait_copies on copy and gather; waited on by compute (keep_resident) or
 #        timed's end. A ring is not freed, nor a time ended, under a copy.
-#   S4   [571 882 1243 1253 1294] done[u], thread event. Cleared by CpuAdam.update, set by the worker once unit u's
+#   S4   [573 884 1245 1255 1296] done[u], thread event. Cleared by CpuAdam.update, set by the worker once unit u's
 #        update is written; waited on by wait_written (in prefetch) and wait_all (main: blocked's step ends there);
 #        polled by written (CopyWindow issues ready copies first). A host source is not copied or saved mid-update.
-#   S5   [850 1227 1759 2446] ready, CUDA event. Recorded by OffloadedTraining.send on compute after the unit's
+#   S5   [852 1229 1761 2455] ready, CUDA event. Recorded by OffloadedTraining.send on compute after the unit's
 #        backward; waited on by CpuAdam.send on D2H (StreamedAdam.take on s_adam): gradients read once all are written.
-#   S6   [1227 2448] summed, CUDA event (several GPUs): recorded on D2H after the reduce-scatter, S5's stand-in.
-#   S7   [851 1229 1288] landed[u], blocking CUDA event. Recorded by CpuAdam.send on D2H after the copy to pinned
+#   S6   [1229 2457] summed, CUDA event (several GPUs): recorded on D2H after the reduce-scatter, S5's stand-in.
+#   S7   [853 1231 1290] landed[u], blocking CUDA event. Recorded by CpuAdam.send on D2H after the copy to pinned
 #        memory; waited on by the worker (synchronize; next_job queries it). The CPU does not read gradients in flight.
-#   S8   [851 916 1319] last_landed: S7's (or S13's consumed), kept by Steppers.send; waited on by wait_to_write on
+#   S8   [853 918 1321] last_landed: S7's (or S13's consumed), kept by Steppers.send; waited on by wait_to_write on
 #        compute before the backward's first write of the gradient buffer: not before its gradients left.
-#   S9   [1265 1272] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
-#   S10  [1150] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
-#   S11  [876 4173 6543] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
+#   S9   [1267 1274] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
+#   S10  [1152] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
+#   S11  [878 4186 6557] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
 #        work; loss.item() in the training loop: the step's end. A step is not timed unfinished.
-#   S12  [1690] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
+#   S12  [1692] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
 #        kernels.
-#   S13  [571 1773 1778 1785 1796 1803] the GPU's Adam over streamed state (StreamedAdam): consumed, landed[k],
+#   S13  [573 1775 1780 1787 1798 1805] the GPU's Adam over streamed state (StreamedAdam): consumed, landed[k],
 #        stepped[k], left[k], written_back[u], which u's next copy waits on, on the copy stream (wait_written).
-#   S14  [571 1828 1848 1855 1859] activation offload: written, offloaded[a]. No input moved or freed early.
-#   S15  [2003] clipping: taken. The norm of the norms is not taken before every unit's norm.
-#   S16  [2119 2137 2174 2175] the disk tier: settled, current, free, staged. No file read mid-write, no slot reused.
+#   S14  [573 1830 1850 1857 1861] activation offload: written, offloaded[a]. No input moved or freed early.
+#   S15  [2012] clipping: taken. The norm of the norms is not taken before every unit's norm.
+#   S16  [2128 2146 2183 2184] the disk tier: settled, current, free, staged. No file read mid-write, no slot reused.
 
 
 class OneProcess:  # a run's processes when it is one: rank 0 of 1 holds every unit whole, nothing to gather or wait for
@@ -497,6 +497,8 @@ class CopyWindow:
         later = (r for r in range(self.run, len(self.runs)) if self.runs[r][0] == u)
         r = next(later, None)
         if r is None:
+            if self.kept:  # its first units run from where the last pass left them, which this one has moved
+                raise RuntimeError("a pass begun from the slots' units cannot run again: begin it anew")
             self.entered, self.waiting = 0, []
             r = next(r for r, (v, _) in enumerate(self.runs) if v == u)
         self.run = r + 1
@@ -1879,7 +1881,9 @@ class SegmentInputs(KeptInputs):
     """--segment N: the inputs of units 0, N, 2N ... wait on the GPU; the rest are made again in the backward, each
     segment's units run forward once more (streamed as in the forward) before their backwards run, last first."""
 
-    def __init__(self, trainer: OffloadedTraining, length: int):  # the plan keeps no graphs with it: all recomputed
+    def __init__(self, trainer: OffloadedTraining, length: int):
+        if trainer.keep:  # a kept graph is over its forward's slot, which the backward in segments may not reuse
+            raise ValueError("segments recompute every unit: keep no graphs with them")
         self.trainer, self.length = trainer, length
         self.inputs = {}  # unit -> its inputs on the GPU until its backward: a start's from the forward, else remade
 
@@ -1926,6 +1930,11 @@ def segment_order(n_units: int, length: int) -> list[int]:
 
 def remade_units(order: list[int]) -> list[int]:  # the units a backward running `order` runs forward again
     return sorted(u for u, runs in collections.Counter(order).items() if runs > 1)
+
+
+def remade_before(order: list[int], u: int) -> list[int]:  # the units run forward again before unit u's backward
+    backward = len(order) - 1 - order[::-1].index(u)  # its last run
+    return [v for v in remade_units(order) if order.index(v) < backward]
 
 
 def step_copies(backward: list[int], resident, n_slots: int) -> list[int]:
@@ -2866,8 +2875,8 @@ def make_plan(run: RunConfig, config: LlamaConfig, facts: Facts) -> Plan:
     """The plan of `run` on the machine of `facts`, from these alone; UsageError where the disk lacks room for it.
     Where every unit keeping its inputs fits neither the GPU nor the host, the fastest segment length that fits."""
     plan = segment_plan(dataclasses.replace(run, segment=run.segment or 1), config, facts)
-    if run.segment or not offloaded_training(run) or plan_fits(plan):
-        return plan
+    if run.segment or run.offload_activations or not offloaded_training(run) or plan_fits(plan):
+        return plan  # --offload-activations keeps every unit's inputs, on the host
     tried = [plan]
     for length, margin in itertools.product(SEGMENTS, (HOST_MARGIN, 0)):  # the host's margin: moments off the disk
         try:
@@ -2892,8 +2901,9 @@ def plan_step_ms(plan: Plan) -> float:  # the plan's slowest predicted training 
 
 def segment_plan(run: RunConfig, config: LlamaConfig, facts: Facts, margin: int = HOST_MARGIN) -> Plan:
     """The plan with run.segment's segments: activation offload, the disk's layers and the host's room for what the
-    placements leave on the host (planned again once they keep units resident, whose state then leaves it), the
-    disk's layers the fewest that leave `margin` of the host spare (else none)."""
+    placements leave on the host (planned again once they keep units resident, whose state then leaves it; where that
+    has not settled in 3 rounds, check_plan finds the host short), the disk's layers the fewest that leave `margin` of
+    the host spare (else none)."""
     given = dataclasses.replace(run, offload_activations=activation_offload_planned(run, config, facts))
     resident = set()
     for _ in range(3):  # the units resident settle in a round or two: fewer disk layers free no GPU memory
@@ -3478,6 +3488,7 @@ def predicted_bound(run, config, facts: Facts, depth: int, resident, gpu_adam, c
         first, last = min(cpu_units), max(cpu_units)
         chain = sum(forward[kinds[u]] for u in range(first, len(kinds)))
         chain += sum((2 + (u not in keep)) * forward[kinds[u]] for u in range(last, len(kinds)))  # backward, recompute
+        chain += sum(forward[kinds[v]] for v in remade_before(order, last))  # and the segments' remade forwards
         copies = (copied or 4) * shards[first] / rate["h2d_gbps"] + grad * shards[last] / rate["d2h_gbps"]
         parts["cpu_adam_tail_ms"] = parts["cpu_adam_ms"] + chain / tflops / 1e9 + copies / 1e6
     return parts
@@ -3680,6 +3691,8 @@ def place_units(trainer: OffloadedTraining, run: RunConfig, mode: str, plan: Pla
     """Install the plan's placement of the units; log it and describe it for the JSON."""
     placed = plan.modes[mode]
     place_on_gpu(trainer, placed.resident, placed.gpu_adam, owns_grads(run))
+    if placed.keep and isinstance(trainer.inputs, SegmentInputs):
+        raise ValueError("segments recompute every unit: the plan keeps no graphs with them")
     trainer.keep = frozenset(placed.keep)
     torch.cuda.reset_peak_memory_stats(trainer.device)  # the step's peak
     resident = [trainer.units[u].name for u in placed.resident]
@@ -4192,6 +4205,7 @@ def adam_chain_ms(trainer: OffloadedTraining, on_cpu: dict[int, int], best: dict
     forward = [best[f"{compute_group(trainer, u)}_forward"] for u in range(n)]
     h2d = {u: store.weights[u].nbytes / figures["h2d_bytes"] * best["h2d"] for u in on_cpu}
     backward = sum(best[compute_group(trainer, u)] - forward[u] for u in range(last, n))
+    backward += sum(forward[v] for v in remade_before(trainer.inputs.backward_order(n), last))  # segments' remakes
     d2h = on_cpu[last] * store.grad_dtype.itemsize / figures["d2h_bytes"] * best["d2h"]
     return min(h2d[u] + sum(forward[u:]) for u in on_cpu) + backward + d2h
 
@@ -6413,7 +6427,7 @@ def make_trainer(mode: str, model, masters: OffloadedAdam | None, micro_batches,
     scale_and_clip(trainer, run.clip_grad_norm)
     if plan.offload_activations:
         trainer.inputs = ActivationOffload(trainer, len(micro_batches), tuple(micro_batches[0].shape))
-    if plan.segment > 1:
+    elif plan.segment > 1:
         trainer.inputs = SegmentInputs(trainer, plan.segment)
     masters.setup_s["trainer"] = time.perf_counter() - t0  # the GPU's ring and buffers, the saved inputs' host ones
     return trainer

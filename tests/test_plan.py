@@ -70,12 +70,15 @@ def test_a_machine_the_flags_describe(capsys, tmp_path):
 
 def test_segments_where_every_units_inputs_fit_neither_the_gpu_nor_the_host(capsys, tmp_path):
     """GPT2-XL's shape at 64 x 1024 tokens under 11 GiB of GPU and 16 of host on a described H200: with every unit
-    keeping its inputs the host is short (they wait there, 9.8 GiB) and the plan is refused; the search finds
+    keeping its inputs the host is short (they wait there, 9.8 GiB) and the plan is refused, as it is where
+    --offload-activations asks for that; else the search finds
     segments that fit both caps, the disk taking the moments the host cannot, and names the runner-up's segments."""
     (tmp_path / "disk").mkdir()
     machine = ["--nvme", tmp_path / "disk", "--gpu-memory", "139.8", "--host-memory", "125"]
-    code, _, err = run_main(capsys, "--plan", *GPT2_XL_64K, *machine, "--segment", "1")
-    assert code == 2 and "of host memory" in err, err
+    for keeps in (["--segment", "1"], ["--offload-activations"]):  # every unit's inputs kept, on the host
+        code, out, err = run_main(capsys, "--plan", *GPT2_XL_64K, *machine, *keeps)
+        assert code == 2 and "of host memory" in err, err
+        assert "| segments: units a segment, only its first keeping its inputs | 1 |" in out
     path = tmp_path / "plan.json"
     code, out, err = run_main(capsys, "--plan", *GPT2_XL_64K, *machine, "--json", path)
     assert code == 0, err

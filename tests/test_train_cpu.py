@@ -465,6 +465,23 @@ def test_segments_change_no_bit(depth, segment, k):
     assert ol.remade_units(order) == [u for u in range(n - 1) if u % segment < segment - 1]
 
 
+def test_segments_keep_no_graphs_and_a_pass_from_the_slots_is_not_run_again():
+    """A graph kept over its forward's slot, which a backward in segments may not run from again, is refused; so is
+    running again a pass begun from the units the slots hold (its first copies skipped)."""
+    model, batches = tiny_batches(1)
+    with pytest.raises(ValueError, match="keep no graphs"):
+        offloaded_trainer(model, "cpu", 1, batches, keep=(1,), segment=2)
+    trainer = offloaded_trainer(model, "cpu", 1, batches, segment=2)
+    trainer.step(batches)
+    trainer.streamer.begin(trainer.inputs.backward_order(len(trainer.units)), current=True)
+    for u in trainer.inputs.backward_order(len(trainer.units)):
+        trainer.streamer.acquire(u)
+        trainer.streamer.release(u)
+    with pytest.raises(RuntimeError, match="cannot run again"):
+        trainer.streamer.acquire(4)
+    trainer.finish()
+
+
 def test_segment_window_reuses_slots_only_past_their_release():
     """A backward in segments runs units twice: each copy goes to a slot last run from at least a ring's length of
     positions back (its release recorded, S2), or the unit is still in its slot and is not copied."""
@@ -813,6 +830,26 @@ def test_an_overlapped_step_is_bound_by_the_cpu_adam_then_the_least_chain_to_its
     assert "the CPU Adam and then the least the GPU runs between its last update and" in notes
     assert f"{t['cpu_adam_chain_ms']:.1f} ms (of them {t['adam_chain_ms']:.1f})" in notes
     trainer.finish()
+
+
+def test_segments_add_their_remade_forwards_to_the_compute_and_the_chain():
+    """In segments of 2 the backward runs the embeddings, layer 1 and the norm forward again: the bound's compute
+    gains their forwards, and the chain to the head's gradients the norm's, remade before the head's backward; its
+    copies are those the windows issue: a segment of 2 stays in the two slots, so no more than without."""
+    model, batches = tiny_batches(1)
+    forward = {"embed": 0.5, "layer": 1.0, "norm": 0.25, "head": 2.0}
+    best = {kind: 3 * ms for kind, ms in forward.items()} | {f"{kind}_forward": ms for kind, ms in forward.items()}
+    best |= {"h2d": 1e-9, "d2h": 1.0, "adam": 2.0, "adam_small": 0.5, "host": 2.5}
+    figures = {}
+    for segment in (1, 2):
+        trainer = offloaded_trainer(model, CPU, 1, batches, segment=segment)
+        result = {"time_ms": 1e6, "bound_parts_ms": {name: [ms] for name, ms in best.items()}}
+        figures[segment] = ol.training_figures(trainer, result)
+        trainer.finish()
+    assert figures[2]["gpu_compute_ms"] == pytest.approx(figures[1]["gpu_compute_ms"] + 0.5 + 1.0 + 0.25)
+    assert figures[2]["adam_chain_ms"] == pytest.approx(figures[1]["adam_chain_ms"] + 0.25)
+    copied = ol.step_copies(ol.segment_order(len(trainer.units), 2), (), 2)
+    assert figures[2]["h2d_bytes"] == sum(trainer.store.weights[u].nbytes for u in copied) == figures[1]["h2d_bytes"]
 
 
 def test_a_blocked_step_is_bound_by_the_sum_of_its_parts():
