@@ -768,7 +768,7 @@ class StreamedUnit(torch.autograd.Function):
     def backward(ctx, *grad_outs):
         """Stream unit u in, sum its gradients over the micro-batches and send them; return the inputs' gradients."""
         trainer, u = ctx.trainer, ctx.u
-        xs = ctx.graphs if u in trainer.keep else trainer.inputs.load(u, ctx.saved_tensors)  # may run units (segments)
+        xs = ctx.graphs if u in trainer.keep else trainer.inputs.load(u, ctx.saved_tensors)  # may run other units
         module = trainer.streamer.acquire(u)
         ctx.graphs = None  # each graph freed as its backward runs
         views = trainer.grad_views(u)
