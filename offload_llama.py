@@ -18,8 +18,8 @@ The file by line, the assignment first; each section beyond it says what it adds
    1480  # === Beyond the assignment ===
         the compiled Adam 1483, the GPU's Adam 1584, activation offload 1808, segment checkpointing 1873
         float16 and clipping 1948, the disk tier 2031, several GPUs 2302, a model folder 2546, the plan 2740
-        measurement 3719, the tables' notes 4383, text in 4577, saving and resuming 5075, the command line 5538
-        running a mode 6413, the run 6580
+        measurement 3721, the tables' notes 4385, text in 4579, saving and resuming 5077, the command line 5540
+        running a mode 6415, the run 6582
 """
 
 from __future__ import annotations
@@ -332,9 +332,9 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 # copy (weights in), D2H (gradients out; blocked's is compute), gather (several GPUs'); threads: main, autograd's, Adam.
 # Blocked against overlapped, in training: one slot, D2H on compute, holds_updates (the Adam after S11), wait_all (S4).
 # A unit's copy first calls wait_written: CpuAdam's blocks the host (S4), StreamedAdam's the copy stream (S13).
-#   S1   [580 614 2434 2436 4186] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
+#   S1   [580 614 2434 2436 4188] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
 #        gather); waited on by acquire on compute. Slot s is not read before its unit landed.
-#   S2   [466 575 622 4186] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s
+#   S2   [466 575 622 4188] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s
 #        is not overwritten while a unit reads it.
 #   S3   [598] landed, CUDA event. Recorded by wait_copies on copy and gather; waited on by compute (keep_resident) or
 #        timed's end. A ring is not freed, nor a time ended, under a copy.
@@ -350,7 +350,7 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 #        compute before the backward's first write of the gradient buffer: not before its gradients left.
 #   S9   [1267 1274] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
 #   S10  [1152] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
-#   S11  [878 4186 6557] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
+#   S11  [878 4188 6559] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
 #        work; loss.item() in the training loop: the step's end. A step is not timed unfinished.
 #   S12  [1692] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
 #        kernels.
@@ -2873,12 +2873,14 @@ class Plan:
 
 def make_plan(run: RunConfig, config: LlamaConfig, facts: Facts) -> Plan:
     """The plan of `run` on the machine of `facts`, from these alone; UsageError where the disk lacks room for it.
-    Where every unit keeping its inputs fits neither the GPU nor the host, the fastest segment length that fits."""
+    Where every unit keeping its inputs does not fit, or leaves the inputs or moments on the host or the disk, the
+    fastest that fits of it and each segment length, with the host's margin or without."""
     plan = segment_plan(dataclasses.replace(run, segment=run.segment or 1), config, facts)
-    if run.segment or run.offload_activations or not offloaded_training(run) or plan_fits(plan):
-        return plan  # --offload-activations keeps every unit's inputs, on the host
+    given = run.segment or run.offload_activations  # --offload-activations keeps every unit's inputs, on the host
+    if given or not offloaded_training(run) or (plan_fits(plan) and not plan.offload_activations and not plan.disk):
+        return plan
     tried = [plan]
-    for length, margin in itertools.product(SEGMENTS, (HOST_MARGIN, 0)):  # the host's margin: moments off the disk
+    for length, margin in [(1, 0), *itertools.product(SEGMENTS, (HOST_MARGIN, 0))]:  # the margin: moments off the disk
         try:
             tried.append(segment_plan(dataclasses.replace(run, segment=length), config, facts, margin))
         except UsageError:  # the disk lacks room for this one's moments

@@ -196,9 +196,13 @@ def disk_plan(host_gib: float, disk_layers: float, **flags) -> ol.Plan:
 def test_the_plan_takes_the_fewest_layers_the_host_needs():
     """7b-8l's lean training needs at least 24.0 GiB of the host (1 of them the process's) and HOST_MARGIN 2 more to
     plan with; a layer's moments take 1.5 GiB, and the two staging buffers cost the host 2 layers' moments, so the
-    fewest layers that fit are none down to 26 GiB, 3 at 25 and 5 at 22. The compute-dtype copy (3.5 GiB) gets no
-    room of its own: it goes where the host has none for it."""
-    assert [disk_plan(gib, 8).disk_layers for gib in (34, 28, 25, 22)] == [0, 0, 3, 5]
+    fewest layers that fit are none down to 26 GiB, 3 at 25 and 5 at 22; the search also weighs the host without
+    its margin, where fewer layers' moments cross the disk: none at 25 and 4 at 22. The compute-dtype copy (3.5
+    GiB) gets no room of its own: it goes where the host has none for it."""
+    run = ol.RunConfig(mode="overlapped", train=True, inference=False, nvme="/nvme")
+    config, each = ol.llama_config(run), [34, 28, 25, 22]
+    assert [ol.disk_layers_planned(run, config, machine(host_gib=gib)) for gib in each] == [0, 0, 3, 5]
+    assert [disk_plan(gib, 8).disk_layers for gib in each] == [0, 0, 0, 4]
     assert disk_plan(34, 8).copy_dtype == "bfloat16" and disk_plan(28, 8).copy_dtype is None
     assert disk_plan(64, 8, nvme_layers=4).disk_layers == 4  # as told, with room to spare
     assert disk_plan(22, 8, nvme_layers=1).disk_layers == 1  # as told: check_plan refuses it
