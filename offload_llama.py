@@ -18,8 +18,8 @@ The file by line, the assignment first; each section beyond it says what it adds
    1480  # === Beyond the assignment ===
         the compiled Adam 1483, the GPU's Adam 1584, activation offload 1808, segment checkpointing 1873
         float16 and clipping 1948, the disk tier 2031, several GPUs 2302, a model folder 2546, the plan 2740
-        measurement 3721, the tables' notes 4385, text in 4579, saving and resuming 5077, the command line 5540
-        running a mode 6415, the run 6582
+        measurement 3740, the tables' notes 4404, text in 4598, saving and resuming 5096, the command line 5559
+        running a mode 6434, the run 6601
 """
 
 from __future__ import annotations
@@ -332,9 +332,9 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 # copy (weights in), D2H (gradients out; blocked's is compute), gather (several GPUs'); threads: main, autograd's, Adam.
 # Blocked against overlapped, in training: one slot, D2H on compute, holds_updates (the Adam after S11), wait_all (S4).
 # A unit's copy first calls wait_written: CpuAdam's blocks the host (S4), StreamedAdam's the copy stream (S13).
-#   S1   [580 614 2434 2436 4188] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
+#   S1   [580 614 2434 2436 4207] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
 #        gather); waited on by acquire on compute. Slot s is not read before its unit landed.
-#   S2   [466 575 622 4188] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s
+#   S2   [466 575 622 4207] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s
 #        is not overwritten while a unit reads it.
 #   S3   [598] landed, CUDA event. Recorded by wait_copies on copy and gather; waited on by compute (keep_resident) or
 #        timed's end. A ring is not freed, nor a time ended, under a copy.
@@ -350,7 +350,7 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 #        compute before the backward's first write of the gradient buffer: not before its gradients left.
 #   S9   [1267 1274] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
 #   S10  [1152] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
-#   S11  [878 4188 6559] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
+#   S11  [878 4207 6578] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
 #        work; loss.item() in the training loop: the step's end. A step is not timed unfinished.
 #   S12  [1692] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
 #        kernels.
@@ -2868,27 +2868,39 @@ class Plan:
     def described(self, mode: str, units: list[Unit]) -> dict:  # the mode's training placement, as a runner-up is
         placed = self.modes[mode]
         names = {f: unit_names(units, getattr(placed, f)) for f in ("keep", "resident", "gpu_adam")}
-        return names | {"step_ms": placed.step_ms, "peak_bytes": placed.training_peak, "segment": self.segment}
+        chosen = {"segment": self.segment, "disk_layers": self.disk_layers}
+        return names | {"step_ms": placed.step_ms, "peak_bytes": placed.training_peak} | chosen
 
 
 def make_plan(run: RunConfig, config: LlamaConfig, facts: Facts) -> Plan:
     """The plan of `run` on the machine of `facts`, from these alone; UsageError where the disk lacks room for it.
     Where every unit keeping its inputs does not fit, or leaves the inputs or moments on the host or the disk, the
     fastest that fits of it and each segment length, with the host's margin or without."""
-    plan = segment_plan(dataclasses.replace(run, segment=run.segment or 1), config, facts)
-    given = run.segment or run.offload_activations  # --offload-activations keeps every unit's inputs, on the host
-    if given or not offloaded_training(run) or (plan_fits(plan) and not plan.offload_activations and not plan.disk):
-        return plan
-    tried = [plan]
-    for length, margin in [(1, 0), *itertools.product(SEGMENTS, (HOST_MARGIN, 0))]:  # the margin: moments off the disk
-        try:
-            tried.append(segment_plan(dataclasses.replace(run, segment=length), config, facts, margin))
-        except UsageError:  # the disk lacks room for this one's moments
+    if run.segment or run.offload_activations or not offloaded_training(run):
+        return segment_plan(
+            dataclasses.replace(run, segment=run.segment or 1), config, facts
+        )  # --offload-activations keeps every unit's inputs, on the host
+    tried, short = [], None
+    for length, margin in [(1, HOST_MARGIN), (1, 0), *itertools.product(SEGMENTS, (HOST_MARGIN, 0))]:
+        try:  # without the host's margin, fewer layers' moments cross the disk
+            plan = segment_plan(dataclasses.replace(run, segment=length), config, facts, margin)
+        except UsageError as error:  # the disk lacks room for this one's moments (segments may need fewer)
+            short = short or error
             continue
+        if not tried and plan_fits(plan) and not plan.offload_activations and not plan.disk:
+            return plan  # every unit keeps its inputs on the GPU and its moments on the host: nothing to weigh
+        tried.append(plan)
+    if not tried:
+        raise short
     # the fastest that fits; where none fits, every unit keeping its inputs (check_plan says what is short)
-    best, other = sorted(tried, key=lambda p: (not plan_fits(p), plan_step_ms(p) if plan_fits(p) else p.segment))[:2]
+    best, *others = sorted(tried, key=lambda p: (not plan_fits(p), plan_step_ms(p) if plan_fits(p) else p.segment))
+    others = [p for p in others if (p.segment, p.disk_layers) != (best.segment, best.disk_layers)]  # margins alike
+    if not others:
+        return best
     units = model_units(config)
-    modes = {m: dataclasses.replace(placed, runner_up=other.described(m, units)) for m, placed in best.modes.items()}
+    modes = {
+        m: dataclasses.replace(placed, runner_up=others[0].described(m, units)) for m, placed in best.modes.items()
+    }
     return dataclasses.replace(best, modes=modes)
 
 
@@ -2920,6 +2932,8 @@ def segment_plan(run: RunConfig, config: LlamaConfig, facts: Facts, margin: int 
     timeout = run.rank_timeout or max(RANK_TIMEOUT, math.ceil(TIMEOUT_STEPS * longest / 1e3))
     threads = max(1, facts.cores // facts.local_world)
     host = host_parts(run, config, facts, copy, buffers, resident_everywhere(run, modes))
+    if facts.host_share is None or sum(host.values()) <= facts.host_share:  # else check_plan refuses it for the host
+        check_disk_room(run, config, facts)  # once the resident units, whose moments stay on the GPU, have settled
     disk = run.nvme_layers * disk_unit_bytes(config, facts.ranks) * facts.local_world
     name = copy and str(copy).removeprefix("torch.")
     decided = (run.offload_activations, run.nvme_layers, name, buffers, threads, timeout, host, disk, modes)
@@ -2934,7 +2948,8 @@ def mode_plans(run: RunConfig, config: LlamaConfig, facts: Facts, copy, buffers:
         tried = searched_placement(run, config, facts, m, copy, buffers) if run.train else []
         best = tried[0] if tried else Placement((), (), (), {}, True, {}, 0.0)
         training = best.resident, best.gpu_adam, best.gpu, best.fits, best.bound_ms, best.keep, best.step_ms
-        runner_up = tried[1].described(model_units(config)) | {"segment": run.segment} if len(tried) > 1 else {}
+        chosen = {"segment": run.segment, "disk_layers": run.nvme_layers}
+        runner_up = tried[1].described(model_units(config)) | chosen if len(tried) > 1 else {}
         modes[m] = ModePlan(mode_depth(m, run.prefetch), *inference, *training, runner_up)
     return modes
 
@@ -3031,13 +3046,15 @@ def disk_layers_planned(run, config: LlamaConfig, facts: Facts, resident=(), mar
 
     # with 2 gradient buffers and no copy: PCIe bytes cost less than the disk's
     layers = next((d for margin in margins for d in counts if fits(d, margin)), None)
-    if layers is None:  # the host is short even so: check_plan says by how much
-        return counts[-1]
-    needed, free = layers * disk_unit_bytes(config, facts.ranks) * facts.local_world, facts.disk_bytes
+    return counts[-1] if layers is None else layers  # None: the host is short even so, check_plan says by how much
+
+
+def check_disk_room(run: RunConfig, config: LlamaConfig, facts: Facts) -> None:
+    """Refuse a plan whose run.nvme_layers' Adam moments the disk has no room for."""
+    needed, free = run.nvme_layers * disk_unit_bytes(config, facts.ranks) * facts.local_world, facts.disk_bytes
     if free is not None and needed > free:
         short = f"{size_text(needed)} of Adam moments, {size_text(needed - free)} more than is free there"
-        raise UsageError(f"--nvme {run.nvme}: {layers} layers' {short}; free some space or give another disk")
-    return layers
+        raise UsageError(f"--nvme {run.nvme}: {run.nvme_layers} layers' {short}; free some space or give another disk")
 
 
 def host_room_planned(run: RunConfig, config: LlamaConfig, facts: Facts, resident=()) -> tuple:
@@ -3248,8 +3265,9 @@ def unplaced_bytes(run: RunConfig, config: LlamaConfig, facts: Facts, keep=()) -
     eager = 4 * run.batch_size * config.num_attention_heads * run.seq_len**2 * (run.attention == "eager")
     extra = {"layer": CUBLAS_WORKSPACE + eager, "embed": 9 * run.tokens * config.hidden_size // 2 * (run.tokens > 3072)}
     working, graphs = {}, [0] * len(kinds)  # each unit's most GPU bytes beyond its weights and inputs; its graphs'
+    traced = trace_key(run, config)
     for u, kind in enumerate(kinds):
-        key = trace_key(run, config), kind, micro_batches_per_rank(run, facts), u in keep
+        key = traced, kind, micro_batches_per_rank(run, facts), u in keep
         forward, backward, graphs[u] = traced_passes(*key)
         working[u] = forward, backward + extra.get(kind, 0)
     # saved inputs as unit u runs (held_inputs) and the graphs before it; offloaded, the two still leaving in the
@@ -3259,7 +3277,7 @@ def unplaced_bytes(run: RunConfig, config: LlamaConfig, facts: Facts, keep=()) -
         saved = {(u, b): 0 if b else min(u, 2) * inputs for u, b in saved}
     u, backward = max(saved, key=lambda ub: saved[ub] + sum(graphs[: ub[0]]) + working[ub[0]][ub[1]])
     # the rest: cuBLAS's workspace, HF's decoder kwargs, the token ids, activation offload's ring of slots
-    passed = sum(t.nbytes for t in tensors_in(traced_decoder_kwargs(trace_key(run, config))))
+    passed = sum(t.nbytes for t in tensors_in(traced_decoder_kwargs(traced)))
     ids = micro_batches_per_rank(run, facts) * run.tokens * 8
     slots = min(run.prefetch + 1, config.num_hidden_layers + 1) if run.offload_activations else 0
     other = CUBLAS_WORKSPACE + passed + ids + slots * inputs
@@ -3473,8 +3491,9 @@ def predicted_bound(run, config, facts: Facts, depth: int, resident, gpu_adam, c
     adam = on_cpu * (24 + grad + copied)  # masters and moments read and written, gradients read, the copy written
     disk = 2 * (run.nvme_layers or 0) * disk_unit_bytes(config, facts.ranks)  # read, and written back
     kinds = [unit.kind for unit in model_units(config)]
-    recomputed = pass_flops(run, config) - sum(unit_flops(run, config, kinds[u]) for u in keep)
-    recomputed += sum(unit_flops(run, config, kinds[u]) for u in remade_units(order))  # the segments' second forwards
+    each = {kind: unit_flops(run, config, kind) for kind in set(kinds)}  # a micro-batch's forward of a unit of the kind
+    recomputed = pass_flops(run, config) - sum(each[kinds[u]] for u in keep)
+    recomputed += sum(each[kinds[u]] for u in remade_units(order))  # the segments' second forwards
     flops = (3 * pass_flops(run, config) + recomputed) * micro_batches_per_rank(run, facts)  # the backward twice
     tflops = rate["gpu_tflops"] / (8 if run.torch_dtype == torch.float32 else 1)
     moved = {"h2d": (h2d, "h2d_gbps"), "d2h": (d2h, "d2h_gbps"), "cpu_adam": (adam, "adam_gbps")}  # bytes, their rate
@@ -3486,7 +3505,7 @@ def predicted_bound(run, config, facts: Facts, depth: int, resident, gpu_adam, c
     if depth and cpu_units and not run.holds_updates:  # were the lowest unit's update the Adam's last (as it is
         # where the Adam keeps pace with the backward), the next forward waits for it and the Adam for the gradients
         # after it; the measured bound's adam_chain_ms takes the least chain of any unit updated last
-        forward = {kind: unit_flops(run, config, kind) * micro_batches_per_rank(run, facts) for kind in set(kinds)}
+        forward = {kind: flops * micro_batches_per_rank(run, facts) for kind, flops in each.items()}
         first, last = min(cpu_units), max(cpu_units)
         chain = sum(forward[kinds[u]] for u in range(first, len(kinds)))
         chain += sum((2 + (u not in keep)) * forward[kinds[u]] for u in range(last, len(kinds)))  # backward, recompute
@@ -3576,10 +3595,10 @@ def plan_table(plan: Plan, run: RunConfig, config: LlamaConfig) -> str:
             rows.append((f"{mode} training: peak GPU", peak))
             step = f"{placed.step_ms:.0f} ms, bound by {by.removesuffix('_ms')}: {bound}"
             rows.append((f"{mode} training: predicted step", step))
-            if placed.runner_up:
-                r = placed.runner_up
+            if r := placed.runner_up:
                 other = f"{r['step_ms']:.0f} ms, peak GPU {gib(r['peak_bytes'])} GiB; resident {r['resident']}"
-                other += f"; GPU Adam {r['gpu_adam']}; keeping their graphs {r['keep']}; segments {r['segment']}"
+                other += f"; GPU Adam {r['gpu_adam']}; keeping their graphs {r['keep']}; segments {r['segment']}; "
+                other += f"moments of {r['disk_layers']} layers on the disk"
                 rows.append((f"{mode} training: runner-up", other))
     lines = ["plan (--plan; predictions from the rates " + ", ".join(f"{k} {v:g}" for k, v in facts.rates) + ")", ""]
     return "\n".join([*lines, "| | |", "|---|---|", *(f"| {what} | {value} |" for what, value in rows)]) + "\n"

@@ -137,6 +137,25 @@ def test_the_search_weighs_the_host_too(capsys, tmp_path):
     assert sum(plan["host"].values()) <= plan["facts"]["host_bytes"] * (100 - ol.HOST_SLACK) // 100
 
 
+def test_a_disk_with_room_for_the_segments_moments_is_enough():
+    """88 LLaMA-7B layers at 64 x 1024 tokens under a 130 GiB cap on a described H200 with 15 GiB free on the --nvme
+    disk: with every unit keeping its inputs on the GPU, 30 units stay resident and the host sends 20 layers' moments
+    (30 GiB) to the disk, which has no room for them; segments leave room for more resident units, whose moments stay
+    on the GPU, and the plan takes them rather than refuse the run. The disk's room is counted once the resident
+    units have settled: with none yet, the first round would count 64 layers' moments."""
+    run = ol.RunConfig(mode="overlapped", train=True, inference=False, grad_accum=16, batch_size=4, seq_len=1024)
+    run = ol.dataclasses.replace(run, preset="llama-7b", sizes=(("num_hidden_layers", 88),), max_gpu_memory=130)
+    run = ol.dataclasses.replace(run, nvme="/nvme")
+    config, room = ol.llama_config(run), 15 * ol.GiB
+    facts = machine(gpu_gib=139.8, host_gib=119.66, disk_bytes=room, process=ol.PROCESS_BYTES)
+    with pytest.raises(ol.UsageError, match="20 layers' 30.2 GiB of Adam moments, 15.2 GiB more than is free there"):
+        ol.make_plan(ol.dataclasses.replace(run, segment=1), config, facts)
+    plan = ol.make_plan(run, config, facts)
+    ol.check_plan(run, config, plan)
+    assert plan.segment > 1 and 0 < plan.disk <= room and plan.modes["overlapped"].training_fits
+    assert plan.modes["overlapped"].runner_up["disk_layers"] * ol.disk_unit_bytes(config) <= room
+
+
 def test_a_mode_that_does_not_fit_the_gpu_keeps_no_master_there_alone():
     """A mode the plan reports OOM (training does not fit the cap) is never trained: its resident units' masters stay
     on the host, so nothing is allocated on the GPU for it before it is reported."""
