@@ -18,3 +18,4 @@ for n in 104 100 96; do
     | cut -c1-300
   (( rc == 2 )) || break  # 2: refused before the model is built
 done
+cd $OUT && tar czf rows.tar.gz ga4.* ga4_gpu.* o1.* ga16.* && rm ga4.* ga4_gpu.* o1.* ga16.*  # 8 files come back
