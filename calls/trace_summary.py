@@ -17,7 +17,8 @@ def busy(intervals: list) -> float:
     return total
 
 
-events = json.load(open(sys.argv[1]))["traceEvents"]
+with open(sys.argv[1]) as f:
+    events = json.load(f)["traceEvents"]
 kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
 start, stop = min(e["ts"] for e in kernels), max(e["ts"] + e["dur"] for e in kernels)
 print(f"kernels {len(kernels)}, span {(stop - start) / 1e3:.1f} ms")
@@ -25,7 +26,8 @@ by_stream = collections.defaultdict(list)
 for e in kernels:
     by_stream[e["args"].get("stream", e.get("tid"))].append((e["ts"], e["ts"] + e["dur"]))
 for stream, spans in sorted(by_stream.items(), key=lambda kv: -len(kv[1])):
-    print(f"stream {stream}: {len(spans)} kernels, {sum(b - a for a, b in spans) / 1e3:.1f} ms, busy {busy(spans) / 1e3:.1f} ms")
+    summed = sum(b - a for a, b in spans) / 1e3
+    print(f"stream {stream}: {len(spans)} kernels, {summed:.1f} ms, busy {busy(spans) / 1e3:.1f} ms")
 print(f"all streams busy {busy([(e['ts'], e['ts'] + e['dur']) for e in kernels]) / 1e3:.1f} ms")
 names = collections.Counter()
 counts = collections.Counter()
