@@ -1,6 +1,6 @@
-"""A Chrome trace of one step of the gpu mode with its layers recomputed (HF's checkpointing), 7b-8l at 16 micro-batches
-of 4096 tokens (the runs' default), as offload_llama.py's ResidentTraining runs it: the kernels to hold against the segments' trace
-(calls/trace_summary.py). Usage: python3 calls/gpu_trace.py TRACE.json"""
+"""A Chrome trace of one step of the gpu mode with its layers recomputed (HF's checkpointing), as offload_llama.py's
+ResidentTraining runs it: 7b-8l at 16 micro-batches of 4096 tokens (the runs' default). Its kernels are to be held
+against the segments' trace (calls/trace_summary.py). Usage: python3 calls/gpu_trace.py TRACE.json"""
 
 import sys
 
