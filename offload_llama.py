@@ -18,8 +18,8 @@ The file by line, the assignment first; each section beyond it says what it adds
    1480  # === Beyond the assignment ===
         the compiled Adam 1483, the GPU's Adam 1584, activation offload 1808, segment checkpointing 1873
         float16 and clipping 1948, the disk tier 2031, several GPUs 2302, a model folder 2546, the plan 2740
-        measurement 3740, the tables' notes 4404, text in 4598, saving and resuming 5096, the command line 5559
-        running a mode 6434, the run 6601
+        measurement 3742, the tables' notes 4408, text in 4603, saving and resuming 5101, the command line 5564
+        running a mode 6439, the run 6606
 """
 
 from __future__ import annotations
@@ -332,9 +332,9 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 # copy (weights in), D2H (gradients out; blocked's is compute), gather (several GPUs'); threads: main, autograd's, Adam.
 # Blocked against overlapped, in training: one slot, D2H on compute, holds_updates (the Adam after S11), wait_all (S4).
 # A unit's copy first calls wait_written: CpuAdam's blocks the host (S4), StreamedAdam's the copy stream (S13).
-#   S1   [580 614 2434 2436 4207] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
+#   S1   [580 614 2434 2436 4211] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
 #        gather); waited on by acquire on compute. Slot s is not read before its unit landed.
-#   S2   [466 575 622 4207] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s
+#   S2   [466 575 622 4211] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s
 #        is not overwritten while a unit reads it.
 #   S3   [598] landed, CUDA event. Recorded by wait_copies on copy and gather; waited on by compute (keep_resident) or
 #        timed's end. A ring is not freed, nor a time ended, under a copy.
@@ -350,7 +350,7 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 #        compute before the backward's first write of the gradient buffer: not before its gradients left.
 #   S9   [1267 1274] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
 #   S10  [1152] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
-#   S11  [878 4207 6578] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
+#   S11  [878 4211 6583] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
 #        work; loss.item() in the training loop: the step's end. A step is not timed unfinished.
 #   S12  [1692] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
 #        kernels.
@@ -3726,6 +3726,8 @@ def place_units(trainer: OffloadedTraining, run: RunConfig, mode: str, plan: Pla
     log(f"mode {mode}: units resident on the GPU: {', '.join(resident) or 'none'}; {adam}; {graphs}; {peak}")
     described = {"units": len(trainer.units), "resident_units": resident, "gpu_adam_units": gpu_adam}
     described |= {"kept_graph_units": kept, "predicted_step_ms": placed.step_ms, "runner_up": placed.runner_up}
+    remade = remade_units(trainer.inputs.backward_order(len(trainer.units)))  # segments: run forward again
+    described["remade_units"] = [trainer.units[u].name for u in remade]
     return described | {"predicted_peak_bytes": placed.training_peak, "predicted_parts": placed.training_gpu}
 
 
@@ -3994,7 +3996,8 @@ def step_rates(run: RunConfig, config: LlamaConfig, mode: str, result: dict) -> 
     seconds = result["time_ms"] / 1e3
     tokens = result["tokens_per_step"] // run.ranks.world  # a GPU's
     # executed, in each pass: 2 FLOPs a token for each matmul parameter, and causal attention's; the backward is two
-    # passes, and every unit but those keeping their graphs (the gpu mode: all) runs its forward again
+    # passes, and every unit but those keeping their graphs (the gpu mode: all) runs its forward again, and segments'
+    # units but their last once more, for the next unit's inputs
     head = config.vocab_size * config.hidden_size
     layers = config.num_hidden_layers
     matmul_params = param_count(config) - (0 if config.tie_word_embeddings else head)
@@ -4003,6 +4006,7 @@ def step_rates(run: RunConfig, config: LlamaConfig, mode: str, result: dict) -> 
     forward = {unit.name: flops[unit.kind] for unit in model_units(config) if unit.kind in flops}
     kept = set(forward) if mode == "gpu" else set(result.get("kept_graph_units", ()))
     recomputed = sum(n for name, n in forward.items() if name not in kept)
+    recomputed += sum(forward.get(name, 0) for name in result.get("remade_units", ()))
     rates = {"model_tflops": 6 * param_count(config) * tokens / seconds / 1e12}
     rates["executed_tflops"] = (3 * sum(forward.values()) + recomputed) / seconds / 1e12
     peak = dense_peak_flops()
@@ -4482,7 +4486,8 @@ def notes(results: dict, run: RunConfig, reference: dict | None = None):
     if any("model_tflops" in rs.get("training", {}) for rs in results.values()):  # what step_rates counts
         name, peak = torch.cuda.get_device_name(), dense_peak_flops()
         line = "training: model TFLOPS a GPU count 6 x parameters x tokens; executed TFLOPS the step's forward, the"
-        line += " offloaded modes' recompute and the backward (twice a forward), causal attention's half of the scores"
+        line += " offloaded modes' recompute (with segments, the forwards run again) and the backward (twice a"
+        line += " forward), causal attention's half of the scores"
         yield line + (f"; of peak: of the {name}'s dense 16-bit peak, {peak / 1e12:.0f} TFLOPS" if peak else "")
 
 

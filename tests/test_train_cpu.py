@@ -888,7 +888,8 @@ def test_the_bound_scales_up_the_cpu_adams_parameters_not_its_calls():
 
 def test_executed_flops_count_the_recompute_only_of_units_that_do_not_keep_their_graphs(monkeypatch):
     """A step executes three passes of each unit, and a fourth of each recomputed one: the offloaded step recomputing
-    all executes 4/3 of the gpu mode's FLOPs, one keeping every graph as many as it."""
+    all executes 4/3 of the gpu mode's FLOPs, one keeping every graph as many as it; segments run a fifth of each
+    unit they remake (the units before each segment's last), as the trainer's backward order says."""
     monkeypatch.setattr(ol, "dense_peak_flops", lambda: None)  # no GPU here to name
     run = tiny_run()
     config = build(run)[0].config
@@ -901,6 +902,15 @@ def test_executed_flops_count_the_recompute_only_of_units_that_do_not_keep_their
     assert executed("overlapped", []) == pytest.approx(4 / 3 * executed("gpu", []))
     assert executed("overlapped", every) == pytest.approx(executed("gpu", []))
     assert executed("gpu", []) < executed("overlapped", every[:1]) < executed("overlapped", [])
+    model, batches = tiny_batches(1)
+    trainer = offloaded_trainer(model, CPU, 1, batches, segment=2)
+    remade = ol.remade_units(trainer.inputs.backward_order(len(trainer.units)))
+    trainer.finish()
+    names = [trainer.units[u].name for u in remade]
+    assert names == ["model.embed_tokens", "model.layers.1", "model.norm"]  # of (0, 1), (2, 3), (4, 5): a layer's FLOPs
+    per_layer = executed("overlapped", []) - executed("overlapped", ["model.layers.0"])  # a layer's fourth pass
+    with_segments = ol.step_rates(run, config, "overlapped", result | {"kept_graph_units": [], "remade_units": names})
+    assert with_segments["executed_tflops"] == pytest.approx(executed("overlapped", []) + per_layer)
 
 
 def test_a_cpu_adam_timed_alone_slower_than_in_the_steps_is_a_failed_measurement():
