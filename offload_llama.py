@@ -18,8 +18,8 @@ The file by line, the assignment first; each section beyond it says what it adds
    1480  # === Beyond the assignment ===
         the compiled Adam 1483, the GPU's Adam 1584, activation offload 1808, segment checkpointing 1873
         float16 and clipping 1948, the disk tier 2031, several GPUs 2302, a model folder 2546, the plan 2740
-        measurement 3742, the tables' notes 4408, text in 4603, saving and resuming 5101, the command line 5564
-        running a mode 6439, the run 6606
+        measurement 3743, the tables' notes 4409, text in 4604, saving and resuming 5102, the command line 5565
+        running a mode 6448, the run 6615
 """
 
 from __future__ import annotations
@@ -332,9 +332,9 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 # copy (weights in), D2H (gradients out; blocked's is compute), gather (several GPUs'); threads: main, autograd's, Adam.
 # Blocked against overlapped, in training: one slot, D2H on compute, holds_updates (the Adam after S11), wait_all (S4).
 # A unit's copy first calls wait_written: CpuAdam's blocks the host (S4), StreamedAdam's the copy stream (S13).
-#   S1   [580 614 2434 2436 4211] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
+#   S1   [580 614 2434 2436 4212] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
 #        gather); waited on by acquire on compute. Slot s is not read before its unit landed.
-#   S2   [466 575 622 4211] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s
+#   S2   [466 575 622 4212] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s
 #        is not overwritten while a unit reads it.
 #   S3   [598] landed, CUDA event. Recorded by wait_copies on copy and gather; waited on by compute (keep_resident) or
 #        timed's end. A ring is not freed, nor a time ended, under a copy.
@@ -350,7 +350,7 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 #        compute before the backward's first write of the gradient buffer: not before its gradients left.
 #   S9   [1267 1274] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
 #   S10  [1152] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
-#   S11  [878 4211 6583] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
+#   S11  [878 4212 6592] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
 #        work; loss.item() in the training loop: the step's end. A step is not timed unfinished.
 #   S12  [1692] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
 #        kernels.
@@ -2880,18 +2880,18 @@ def make_plan(run: RunConfig, config: LlamaConfig, facts: Facts) -> Plan:
         return segment_plan(
             dataclasses.replace(run, segment=run.segment or 1), config, facts
         )  # --offload-activations keeps every unit's inputs, on the host
-    tried, short = [], None
+    tried, shorts = [], []
     for length, margin in [(1, HOST_MARGIN), (1, 0), *itertools.product(SEGMENTS, (HOST_MARGIN, 0))]:
         try:  # without the host's margin, fewer layers' moments cross the disk
             plan = segment_plan(dataclasses.replace(run, segment=length), config, facts, margin)
-        except UsageError as error:  # the disk lacks room for this one's moments (segments may need fewer)
-            short = short or error
+        except DiskShort as error:  # the disk lacks room for this one's moments (segments may need fewer)
+            shorts.append(error)
             continue
-        if not tried and plan_fits(plan) and not plan.offload_activations and not plan.disk:
+        if length == 1 and plan_fits(plan) and not plan.offload_activations and not plan.disk:
             return plan  # every unit keeps its inputs on the GPU and its moments on the host: nothing to weigh
         tried.append(plan)
     if not tried:
-        raise short
+        raise min(shorts, key=lambda error: error.short)  # the plan that comes nearest: what to free for it
     # the fastest that fits; where none fits, every unit keeping its inputs (check_plan says what is short)
     best, *others = sorted(tried, key=lambda p: (not plan_fits(p), plan_step_ms(p) if plan_fits(p) else p.segment))
     others = [p for p in others if (p.segment, p.disk_layers) != (best.segment, best.disk_layers)]  # margins alike
@@ -3054,7 +3054,8 @@ def check_disk_room(run: RunConfig, config: LlamaConfig, facts: Facts) -> None:
     needed, free = run.nvme_layers * disk_unit_bytes(config, facts.ranks) * facts.local_world, facts.disk_bytes
     if free is not None and needed > free:
         short = f"{size_text(needed)} of Adam moments, {size_text(needed - free)} more than is free there"
-        raise UsageError(f"--nvme {run.nvme}: {run.nvme_layers} layers' {short}; free some space or give another disk")
+        message = f"--nvme {run.nvme}: {run.nvme_layers} layers' {short}; free some space or give another disk"
+        raise DiskShort(message, needed - free)
 
 
 def host_room_planned(run: RunConfig, config: LlamaConfig, facts: Facts, resident=()) -> tuple:
@@ -5652,6 +5653,14 @@ EXAMPLES = f"""examples:
 
 
 class UsageError(Exception): ...  # bad input: main() prints it as one line on stderr and exits with code 2
+
+
+class DiskShort(UsageError):
+    """The --nvme disk lacks room for a plan's Adam moments: `short` bytes more would be needed."""
+
+    def __init__(self, message: str, short: int):
+        super().__init__(message)
+        self.short = short
 
 
 class Diverged(Exception): ...  # logits or a loss not finite: main() prints one line, exits 1, writes nothing more

@@ -156,6 +156,24 @@ def test_a_disk_with_room_for_the_segments_moments_is_enough():
     assert plan.modes["overlapped"].runner_up["disk_layers"] * ol.disk_unit_bytes(config) <= room
 
 
+def test_segments_are_weighed_where_every_unit_keeping_its_inputs_has_no_disk_room():
+    """88 LLaMA-7B layers as above, a 140 GiB host, no room on the disk and copies at 4 GB/s: both plans of every unit
+    keeping its inputs are refused for the disk, so no plan is taken unweighed; segments of 2 keep fewer units
+    resident than those of 3 and stream more at the slow copies, and the search takes the faster, with a runner-up."""
+    run = ol.RunConfig(mode="overlapped", train=True, inference=False, grad_accum=16, batch_size=4, seq_len=1024)
+    run = ol.dataclasses.replace(run, preset="llama-7b", sizes=(("num_hidden_layers", 88),), max_gpu_memory=130)
+    run = ol.dataclasses.replace(run, nvme="/nvme")
+    config = ol.llama_config(run)
+    facts = machine(gpu_gib=139.8, host_gib=140, disk_bytes=0, process=ol.PROCESS_BYTES)
+    rates = dict(facts.rates) | {"h2d_gbps": 4.0, "d2h_gbps": 4.0}
+    facts = ol.dataclasses.replace(facts, rates=tuple(rates.items()))
+    plans = {s: ol.segment_plan(ol.dataclasses.replace(run, segment=s), config, facts) for s in (2, 3)}
+    assert ol.plan_step_ms(plans[3]) < ol.plan_step_ms(plans[2]) and all(map(ol.plan_fits, plans.values()))
+    plan = ol.make_plan(run, config, facts)
+    assert plan.segment > 2 and ol.plan_step_ms(plan) <= ol.plan_step_ms(plans[3])
+    assert plan.modes["overlapped"].runner_up["step_ms"] >= ol.plan_step_ms(plan)
+
+
 def test_a_mode_that_does_not_fit_the_gpu_keeps_no_master_there_alone():
     """A mode the plan reports OOM (training does not fit the cap) is never trained: its resident units' masters stay
     on the host, so nothing is allocated on the GPU for it before it is reported."""
