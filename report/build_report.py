@@ -1324,34 +1324,87 @@ def bound_figure(runs: dict, out: Path) -> None:
     plt.close(fig)
 
 
-def aligned(rows: list[str]) -> list[str]:
-    """A markdown table as lines of padded columns, numbers right-aligned as its rule line says."""
-    if not rows:
-        return []
-    cells = [[c.strip().replace("`", "") for c in row.strip().strip("|").split("|")] for row in rows]
-    rule, body = cells[1], [cells[0], *cells[2:]]
-    widths = [max(len(r[i]) for r in body) for i in range(len(rule))]
-    lines = [
-        "  ".join(
-            c.rjust(w)
-            if a.endswith(":") and not a.startswith(":")
-            else c.center(w)
-            if a.startswith(":")
-            else c.ljust(w)
-            for c, w, a in zip(r, widths, rule, strict=True)
-        )
-        for r in body
+def table_cells(rows: list[str]) -> tuple[list[list[str]], list[str]]:
+    """A markdown table's cells, header first (the rule line left out), and each column's alignment: left, right or
+    center, as its rule line says."""
+    cells = [[c.strip().replace("`", "").replace("**", "") for c in row.strip().strip("|").split("|")] for row in rows]
+    rule = cells[1]
+    aligns = [
+        "right" if a.endswith(":") and not a.startswith(":") else "center" if a.startswith(":") else "left"
+        for a in rule
     ]
-    return [lines[0], "-" * len(lines[0]), *lines[1:]]
+    return [cells[0], *cells[2:]], aligns
+
+
+def wrapped(text: str, width: float, measure) -> list[str]:
+    """`text` in lines of at most `width` points by measure(line), broken between words (a longer word stays whole)."""
+    lines = []
+    for word in text.split():
+        if lines and measure(f"{lines[-1]} {word}") <= width:
+            lines[-1] += f" {word}"
+        else:
+            lines.append(word)
+    return lines or [""]
+
+
+def table_layout(rows: list[str], room: float) -> tuple[float, list[list[list[str]]], list[float], list[str]]:
+    """How a markdown table is typeset in `room` points of width: the font size, each cell's lines, each column's
+    width and alignment. Headers wrap to their column's widest cell; a table still too wide gets a smaller font, down
+    to 5 points, then its widest columns wrap too."""
+    from matplotlib.font_manager import FontProperties
+    from matplotlib.textpath import text_to_path
+
+    cells, aligns = table_cells(rows)
+    pad = 6.0  # points between columns
+
+    def layout(size: float, limits: list[float] | None = None):
+        fonts = [FontProperties(family="DejaVu Sans", weight=w, size=size) for w in ("bold", "normal")]
+
+        def measure(text: str, bold: bool = False) -> float:
+            return text_to_path.get_text_width_height_descent(text, fonts[0 if bold else 1], ismath=False)[0]
+
+        columns = list(zip(*cells, strict=True))
+        widths = []
+        for i, (head, *body) in enumerate(columns):
+            words = max((measure(w, True) for w in head.split()), default=0.0)
+            width = max([words, *(measure(c) for c in body)]) if body else measure(head, True)
+            widths.append(min(width, limits[i]) if limits else width)
+        wrapped_cells = [
+            [wrapped(c, widths[i], lambda t, r=r: measure(t, r == 0)) for i, c in enumerate(row)]
+            for r, row in enumerate(cells)
+        ]
+        widths = [
+            max(max(measure(line, r == 0) for line in row[i]) for r, row in enumerate(wrapped_cells))
+            for i in range(len(widths))
+        ]
+        return wrapped_cells, widths
+
+    size = 7.5
+    lines, widths = layout(size)
+    total = sum(widths) + pad * len(widths)
+    if total > room:
+        size = max(5.0, size * room / total)
+        lines, widths = layout(size)
+        total = sum(widths) + pad * len(widths)
+    while total > room:  # the widest column wraps to the width it can have
+        widest = max(range(len(widths)), key=widths.__getitem__)
+        limits = list(widths)
+        limits[widest] = max(widths[widest] - (total - room), widths[widest] / 2)
+        lines, widths = layout(size, limits)
+        if sum(widths) + pad * len(widths) >= total:
+            break  # a word wider than its share: the table keeps its width
+        total = sum(widths) + pad * len(widths)
+    return size, lines, [w + pad for w in widths], aligns
 
 
 def pdf(markdown: str, out: Path) -> None:
-    """REPORT.md as A4 pages: headings, wrapped paragraphs, tables and code in monospace, figures full width."""
+    """REPORT.md as A4 pages: headings, wrapped paragraphs, typeset tables, code in monospace, figures full width."""
     import textwrap
 
     import matplotlib.image as mpimg
     import matplotlib.pyplot as plt
     from matplotlib.backends.backend_pdf import PdfPages
+    from matplotlib.lines import Line2D
 
     width, height, margin = 8.27, 11.69, 0.6
     with PdfPages(out, metadata={"CreationDate": None, "Producer": None, "Creator": None}) as pages:
@@ -1373,16 +1426,54 @@ def pdf(markdown: str, out: Path) -> None:
             fig.text(margin / width, y / height, line, fontsize=size, va="top", **kw)
             y -= size / 72 * 1.45
 
+        def rule(x0: float, x1: float, weight: float) -> None:
+            """A horizontal line from x0 to x1 inches at the current height."""
+            fig.add_artist(Line2D([x0 / width, x1 / width], [y / height] * 2, lw=weight, color="0.3"))
+
+        def typeset(rows: list[str]) -> None:
+            """A markdown table as a table: a bold header over a rule, its columns aligned, long cells wrapped."""
+            nonlocal y
+            size, cells, columns, aligns = table_layout(rows, (width - 2 * margin) * 72)
+            lead = size / 72 * 1.35  # a line's height, inches
+            edges = [margin + sum(columns[:i]) / 72 for i in range(len(columns) + 1)]
+
+            def row(cells_of: list[list[str]], bold: bool) -> None:
+                nonlocal y
+                need(lead * max(map(len, cells_of)) + 0.05)
+                for i, lines in enumerate(cells_of):
+                    left, right = edges[i], edges[i + 1] - 6 / 72
+                    x = {"left": left, "right": right, "center": (left + right) / 2}[aligns[i]]
+                    for k, line in enumerate(lines):
+                        fig.text(
+                            x / width,
+                            (y - k * lead) / height,
+                            line,
+                            fontsize=size,
+                            va="top",
+                            ha=aligns[i],
+                            weight="bold" if bold else "normal",
+                        )
+                y -= lead * max(map(len, cells_of)) + 0.03
+
+            y -= 0.05
+            need(lead * (max(map(len, cells[0])) + 2) + 0.1)  # the header and a row on one page
+            rule(edges[0], edges[-1] - 6 / 72, 0.8)
+            y -= 0.03
+            row(cells[0], True)
+            rule(edges[0], edges[-1] - 6 / 72, 0.5)
+            y -= 0.03
+            for body in cells[1:]:
+                row(body, False)
+            rule(edges[0], edges[-1] - 6 / 72, 0.8)
+            y -= 0.1
+
         in_code, rows = False, []
         for line in markdown.splitlines() + [""]:
             if line.startswith("|"):
                 rows.append(line)
                 continue
-            table_lines = aligned(rows)
-            # 7 pt monospace fits 120 characters in the text width; a wider table gets a smaller font, not cut off
-            size = min(7.0, 7.0 * 120 / max(map(len, table_lines), default=1))
-            for row in table_lines:
-                text(row, size, family="monospace")
+            if rows:
+                typeset(rows)
             rows = []
             if line.startswith("```"):
                 in_code = not in_code

@@ -236,3 +236,25 @@ def test_the_readme_and_the_report_stay_small():
     assert (REPORT.parent / "README.md").stat().st_size <= 10_000
     files = [path for path in REPORT.rglob("*") if path.is_file() and "__pycache__" not in path.parts]
     assert sum(path.stat().st_size for path in files) <= 5_000_000
+
+
+def test_a_table_is_typeset_within_the_page_width():
+    """A table wider than the page gets a smaller font, its headers wrapped to their columns and its widest cells to
+    the width left; a narrow one keeps its size; each column is aligned as the rule line says."""
+    report = build_report()
+    narrow = ["| mode | step (ms) | bound by |", "|---|---:|:---:|", "| overlapped | 394.1 | host_memory |"]
+    size, cells, columns, aligns = report.table_layout(narrow, 500)
+    assert (
+        size == 7.5
+        and aligns == ["left", "right", "center"]
+        and cells[1] == [["overlapped"], ["394.1"], ["host_memory"]]
+    )
+    assert sum(columns) < 500
+    wide = ["| run | " + " | ".join(f"peak GPU (predicted) of part {i}, GiB" for i in range(8)) + " |"]
+    wide += [
+        "|---|" + "---:|" * 8,
+        "| LLaMA-7B, 64 x 1024 tokens, 11 GiB cap, with every unit streamed | " + "10.18 | " * 8,
+    ]
+    size, cells, columns, _ = report.table_layout(wide, 500)
+    assert 5.0 <= size < 7.5 and sum(columns) <= 500
+    assert len(cells[0][1]) > 1 and len(cells[1][0]) > 1  # a header and the widest cell wrapped
