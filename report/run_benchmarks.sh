@@ -3,7 +3,7 @@
 #   bash report/run_benchmarks.sh OUTDIR [PART ...]   (default: every part, in the order below)
 set -euo pipefail
 parts="bf16 prefetch fp32 train alone activations train_fp32 accum eager largest largest_disk disk clip scale peers budget"
-parts="$parts budget_ab ablations small_host text"
+parts="$parts budget_ab ablations small_host quests text"
 out=${1:?usage: run_benchmarks.sh OUTDIR [PART ...], with PART one of: $parts}; shift
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
@@ -94,6 +94,13 @@ for p in ${@:-$parts}; do
     small_host) run small_host_7b8l --preset 7b-8l --mode overlapped --train --no-inference --grad-accum 64 \
                   --batch-size 1 --seq-len 1024 --max-gpu-memory 11 --max-host-memory 16 --nvme "${NVME_DIR:-$out}" \
                   --steps 8 --warmup 2 --repeat 2 --dtype bfloat16 ;;
+    # seed 001's quest: GPT2-XL's shape (48 layers of 1600, 25 heads, vocabulary 50257, an MLP of its parameter
+    # count in LLaMA's three matrices) on 64 x 1024 tokens a step under an 11 GiB GPU cap and a 16 GiB host cap, the
+    # moments the host cannot hold on the disk of NVME_DIR, against plain forward and backward of the resident model
+    quests) run quest_gpt2xl --hidden-size 1600 --layers 48 --heads 25 --kv-heads 25 --vocab-size 50257 \
+              --intermediate-size 4267 --mode overlapped --train --no-inference --grad-accum 16 --batch-size 4 \
+              --seq-len 1024 --max-gpu-memory 11 --max-host-memory 16 --nvme "${NVME_DIR:-$out}" --fwd-bwd-reference \
+              --steps 5 --warmup 1 --repeat 2 --dtype bfloat16 ;;
     # training on text: the Python standard library's own .py files (site-packages left out) as the corpus, an 8k
     # byte-level BPE trained on it, an 843M-parameter LLaMA from random weights for one epoch under an 11 GiB GPU cap;
     # then 40 steps of the same shape on the same corpus (its token cache hit) and on random ids, to compare the steps
