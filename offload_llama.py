@@ -18,8 +18,8 @@ The file by line, the assignment first; each section beyond it says what it adds
    1480  # === Beyond the assignment ===
         the compiled Adam 1483, the GPU's Adam 1584, activation offload 1808, segment checkpointing 1873
         float16 and clipping 1948, the disk tier 2031, several GPUs 2302, a model folder 2546, the plan 2740
-        measurement 3743, the tables' notes 4409, text in 4604, saving and resuming 5102, the command line 5565
-        running a mode 6448, the run 6615
+        measurement 3740, the tables' notes 4406, text in 4601, saving and resuming 5099, the command line 5562
+        running a mode 6445, the run 6612
 """
 
 from __future__ import annotations
@@ -332,9 +332,9 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 # copy (weights in), D2H (gradients out; blocked's is compute), gather (several GPUs'); threads: main, autograd's, Adam.
 # Blocked against overlapped, in training: one slot, D2H on compute, holds_updates (the Adam after S11), wait_all (S4).
 # A unit's copy first calls wait_written: CpuAdam's blocks the host (S4), StreamedAdam's the copy stream (S13).
-#   S1   [580 614 2434 2436 4212] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
+#   S1   [580 614 2434 2436 4209] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
 #        gather); waited on by acquire on compute. Slot s is not read before its unit landed.
-#   S2   [466 575 622 4212] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s
+#   S2   [466 575 622 4209] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s
 #        is not overwritten while a unit reads it.
 #   S3   [598] landed, CUDA event. Recorded by wait_copies on copy and gather; waited on by compute (keep_resident) or
 #        timed's end. A ring is not freed, nor a time ended, under a copy.
@@ -350,7 +350,7 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 #        compute before the backward's first write of the gradient buffer: not before its gradients left.
 #   S9   [1267 1274] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
 #   S10  [1152] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
-#   S11  [878 4212 6592] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
+#   S11  [878 4209 6589] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
 #        work; loss.item() in the training loop: the step's end. A step is not timed unfinished.
 #   S12  [1692] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
 #        kernels.
@@ -2873,13 +2873,12 @@ class Plan:
 
 
 def make_plan(run: RunConfig, config: LlamaConfig, facts: Facts) -> Plan:
-    """The plan of `run` on the machine of `facts`, from these alone; UsageError where the disk lacks room for it.
+    """The plan of `run` on the machine of `facts`, from these alone; DiskShort where the disk lacks room for it.
     Where every unit keeping its inputs does not fit, or leaves the inputs or moments on the host or the disk, the
     fastest that fits of it and each segment length, with the host's margin or without."""
-    if run.segment or run.offload_activations or not offloaded_training(run):
-        return segment_plan(
-            dataclasses.replace(run, segment=run.segment or 1), config, facts
-        )  # --offload-activations keeps every unit's inputs, on the host
+    given = run.segment or run.offload_activations  # --offload-activations keeps every unit's inputs, on the host
+    if given or not offloaded_training(run):
+        return segment_plan(dataclasses.replace(run, segment=run.segment or 1), config, facts)
     tried, shorts = [], []
     for length, margin in [(1, HOST_MARGIN), (1, 0), *itertools.product(SEGMENTS, (HOST_MARGIN, 0))]:
         try:  # without the host's margin, fewer layers' moments cross the disk
@@ -2897,10 +2896,8 @@ def make_plan(run: RunConfig, config: LlamaConfig, facts: Facts) -> Plan:
     others = [p for p in others if (p.segment, p.disk_layers) != (best.segment, best.disk_layers)]  # margins alike
     if not others:
         return best
-    units = model_units(config)
-    modes = {
-        m: dataclasses.replace(placed, runner_up=others[0].described(m, units)) for m, placed in best.modes.items()
-    }
+    units, other = model_units(config), others[0]
+    modes = {m: dataclasses.replace(placed, runner_up=other.described(m, units)) for m, placed in best.modes.items()}
     return dataclasses.replace(best, modes=modes)
 
 

@@ -1349,15 +1349,15 @@ def wrapped(text: str, width: float, measure) -> list[str]:
 
 def table_layout(rows: list[str], room: float) -> tuple[float, list[list[list[str]]], list[float], list[str]]:
     """How a markdown table is typeset in `room` points of width: the font size, each cell's lines, each column's
-    width and alignment. Headers wrap to their column's widest cell; a table still too wide gets a smaller font, down
-    to 5 points, then its widest columns wrap too."""
+    width and alignment. A table too wide wraps its headers to their columns' widest cells, then gets a smaller font,
+    down to 5 points, then wraps its widest columns too."""
     from matplotlib.font_manager import FontProperties
     from matplotlib.textpath import text_to_path
 
     cells, aligns = table_cells(rows)
     pad = 6.0  # points between columns
 
-    def layout(size: float, limits: list[float] | None = None):
+    def layout(size: float, limits: list[float] | None = None, whole_headers: bool = False):
         fonts = [FontProperties(family="DejaVu Sans", weight=w, size=size) for w in ("bold", "normal")]
 
         def measure(text: str, bold: bool = False) -> float:
@@ -1366,7 +1366,7 @@ def table_layout(rows: list[str], room: float) -> tuple[float, list[list[list[st
         columns = list(zip(*cells, strict=True))
         widths = []
         for i, (head, *body) in enumerate(columns):
-            words = max((measure(w, True) for w in head.split()), default=0.0)
+            words = measure(head, True) if whole_headers else max((measure(w, True) for w in head.split()), default=0.0)
             width = max([words, *(measure(c) for c in body)]) if body else measure(head, True)
             widths.append(min(width, limits[i]) if limits else width)
         wrapped_cells = [
@@ -1380,6 +1380,9 @@ def table_layout(rows: list[str], room: float) -> tuple[float, list[list[list[st
         return wrapped_cells, widths
 
     size = 7.5
+    lines, widths = layout(size, whole_headers=True)
+    if sum(widths) + pad * len(widths) <= room:
+        return size, lines, [w + pad for w in widths], aligns
     lines, widths = layout(size)
     total = sum(widths) + pad * len(widths)
     if total > room:
@@ -1407,6 +1410,7 @@ def pdf(markdown: str, out: Path) -> None:
     from matplotlib.lines import Line2D
 
     width, height, margin = 8.27, 11.69, 0.6
+    plt.rcParams["pdf.fonttype"] = 42  # TrueType subsets: smaller than Type 3 and the text can be searched
     with PdfPages(out, metadata={"CreationDate": None, "Producer": None, "Creator": None}) as pages:
         fig, y = None, 0.0
 
