@@ -1827,7 +1827,7 @@ def small_step_lines(small: list[dict], probe: dict) -> list[str]:
     gpu_adam = len(shared["gpu_adam_units"])
     return [
         f"- 7b-8l with one micro-batch a GPU: two GPUs step {one['time_ms'] / two['time_ms']:.2f}x as fast as one, "
-        "and the 1.8x that issue 46 asked for proves out of reach on this host. One GPU's step is bound by its "
+        "and 1.8x is out of reach on this host. One GPU's step is bound by its "
         f"compute ({one['gpu_compute_ms']:.1f} ms); two halve the compute ({two['gpu_compute_ms']:.1f} ms a rank) but "
         f"not the host's traffic: both ranks' CPU Adams and copies move {moved / 1e9:.1f} GB of the one host's "
         f"memory a step, {moved / small[1]['parameters']:.0f} bytes a parameter, as one GPU's step does. The bound's "
@@ -1991,7 +1991,7 @@ def four_gpus_section(runs: dict) -> list[str]:
         *table(["run", "GPUs", "GPU compute", "H2D", "D2H", "CPU Adam", "host memory"], parts),
         "",
         f"- Four GPUs step LLaMA-7B {l7[0]['time_ms'] / l7[1]['time_ms']:.2f}x and the 32B shape "
-        f"{q32[0]['time_ms'] / q32[1]['time_ms']:.2f}x as fast as one (issue 57 asks 3.7x and 3.6x). The "
+        f"{q32[0]['time_ms'] / q32[1]['time_ms']:.2f}x as fast as one. The "
         f"several-GPU steps run at {min(several):.2f} to {max(several):.2f} of their bounds, each the GPU's compute: "
         "the NCCL all-gathers and reduce-scatters, which share the GPU's SMs with the compute, are in no part of the "
         "bound yet.",
