@@ -18,8 +18,8 @@ The file by line, the assignment first; each section beyond it says what it adds
    1480  # === Beyond the assignment ===
         the compiled Adam 1483, the GPU's Adam 1584, activation offload 1808, segment checkpointing 1873
         float16 and clipping 1948, the disk tier 2031, several GPUs 2302, a model folder 2546, the plan 2740
-        measurement 3740, the tables' notes 4406, text in 4601, saving and resuming 5099, the command line 5562
-        running a mode 6445, the run 6612
+        measurement 3747, the tables' notes 4413, text in 4608, saving and resuming 5106, the command line 5569
+        running a mode 6452, the run 6619
 """
 
 from __future__ import annotations
@@ -332,9 +332,9 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 # copy (weights in), D2H (gradients out; blocked's is compute), gather (several GPUs'); threads: main, autograd's, Adam.
 # Blocked against overlapped, in training: one slot, D2H on compute, holds_updates (the Adam after S11), wait_all (S4).
 # A unit's copy first calls wait_written: CpuAdam's blocks the host (S4), StreamedAdam's the copy stream (S13).
-#   S1   [580 614 2434 2436 4209] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
+#   S1   [580 614 2434 2436 4216] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
 #        gather); waited on by acquire on compute. Slot s is not read before its unit landed.
-#   S2   [466 575 622 4209] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s
+#   S2   [466 575 622 4216] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s
 #        is not overwritten while a unit reads it.
 #   S3   [598] landed, CUDA event. Recorded by wait_copies on copy and gather; waited on by compute (keep_resident) or
 #        timed's end. A ring is not freed, nor a time ended, under a copy.
@@ -350,7 +350,7 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 #        compute before the backward's first write of the gradient buffer: not before its gradients left.
 #   S9   [1267 1274] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
 #   S10  [1152] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
-#   S11  [878 4209 6589] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
+#   S11  [878 4216 6596] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
 #        work; loss.item() in the training loop: the step's end. A step is not timed unfinished.
 #   S12  [1692] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
 #        kernels.
@@ -2029,7 +2029,7 @@ def scale_and_clip(trainer: OffloadedTraining, max_norm: float | None) -> None: 
 
 
 # ------------------------------------------------------------------------------------------------------ the disk tier
-# Adds: the Adam moments of the last decoder layers on a local disk, read ahead of their steps, written back after.
+# Adds: the Adam moments of some decoder layers on a local disk, read ahead of their steps, written back after.
 # Turned on: --nvme DIR (the plan picks the layers). Plugs into: OffloadedAdam's `moments` (moments_for).
 
 
@@ -2844,7 +2844,7 @@ class Plan:
 
     facts: Facts
     offload_activations: bool
-    disk_layers: int  # decoder layers, from the last, whose Adam moments live on the --nvme disk
+    disk_layers: int  # decoder layers whose Adam moments live on the --nvme disk (disk_units: which)
     copy_dtype: str | None  # the masters' copy the GPU streams; None: the float32 masters, cast on the GPU
     grad_buffers: int  # pinned gradient buffers: one per unit, or fewer shared ones
     threads: int  # the CPU threads of each rank
@@ -2853,6 +2853,7 @@ class Plan:
     disk: int  # bytes on the --nvme disk, every rank of the host's
     modes: dict  # mode -> ModePlan, for the offloaded modes
     segment: int = 1  # units a segment: only each segment's first keeps its inputs (SegmentInputs); 1: every unit
+    disk_units: tuple[int, ...] = ()  # the units whose Adam moments the disk tier keeps (disk_units)
 
     @property
     def host_peak(self) -> int:  # the predicted peak host memory of one rank
@@ -2886,8 +2887,8 @@ def make_plan(run: RunConfig, config: LlamaConfig, facts: Facts) -> Plan:
         except DiskShort as error:  # the disk lacks room for this one's moments (segments may need fewer)
             shorts.append(error)
             continue
-        if length == 1 and plan_fits(plan) and not plan.offload_activations and not plan.disk:
-            return plan  # every unit keeps its inputs on the GPU and its moments on the host: nothing to weigh
+        if (length, margin) == (1, HOST_MARGIN) and plan_fits(plan) and not plan.offload_activations and not plan.disk:
+            return plan  # every unit keeps its inputs on the GPU, its moments on the host, the margin: nothing to weigh
         tried.append(plan)
     if not tried:
         raise min(shorts, key=lambda error: error.short)  # the plan that comes nearest: what to free for it
@@ -2934,7 +2935,8 @@ def segment_plan(run: RunConfig, config: LlamaConfig, facts: Facts, margin: int 
     disk = run.nvme_layers * disk_unit_bytes(config, facts.ranks) * facts.local_world
     name = copy and str(copy).removeprefix("torch.")
     decided = (run.offload_activations, run.nvme_layers, name, buffers, threads, timeout, host, disk, modes)
-    return Plan(facts, *decided, run.segment_units)
+    held = set().union(*(placed.resident for placed in modes.values()))  # no mode's resident unit goes to the disk
+    return Plan(facts, *decided, run.segment_units, disk_units(config, run.nvme_layers, held))
 
 
 def mode_plans(run: RunConfig, config: LlamaConfig, facts: Facts, copy, buffers: int) -> dict:
@@ -3028,7 +3030,7 @@ def streamed_peak(run: RunConfig, config: LlamaConfig, facts: Facts, mode: str, 
 
 
 def disk_layers_planned(run, config: LlamaConfig, facts: Facts, resident=(), margins=(HOST_MARGIN, 0)) -> int:
-    """The last decoder layers whose Adam moments live on --nvme: --nvme-layers, or the fewest the host needs them
+    """The decoder layers whose Adam moments live on --nvme: --nvme-layers, or the fewest the host needs them
     with the units `resident` (their state on the GPU alone), leaving the first of `margins` it can spare."""
     if not (run.nvme and offloaded_training(run)):
         return 0
@@ -3078,8 +3080,12 @@ def shard_numels(config: LlamaConfig, ranks: Ranks) -> list[int]:  # each unit's
     return [ranks.shard_numel(unit.layout.numel) for unit in model_units(config)]
 
 
-def disk_units(config: LlamaConfig, layers: int) -> tuple[int, ...]:  # the disk tier's units: the last `layers`
-    return tuple(range(config.num_hidden_layers + 1 - layers, config.num_hidden_layers + 1))
+def disk_units(config: LlamaConfig, layers: int, resident=()) -> tuple[int, ...]:
+    """The disk tier's units: `layers` decoder layers past the `resident` ones, spread evenly from the last, so that
+    the backward meets their steps, which wait on the disk, at even intervals and not all at its start."""
+    n = config.num_hidden_layers
+    first = max((u for u in resident if 1 <= u <= n), default=0)  # units 1 .. first: the resident decoder layers
+    return tuple(sorted(n - i for i in spread(n - first, layers)))  # unit n - i is decoder layer n - 1 - i
 
 
 def spread(n: int, k: int) -> tuple[int, ...]:  # k of range(n) evenly from 0: each copy under a resident's compute
@@ -3173,10 +3179,11 @@ def training_placement(run: RunConfig, config: LlamaConfig, facts: Facts, mode: 
     """Training's (resident units, GPU Adam units, GPU bytes by part, whether they fit) where the units in `keep` keep
     their graphs; only overlapped keeps units resident, and only where `residents` allows any."""
     depth, units = mode_depth(mode, run.prefetch), model_units(config)
-    on_disk, besides = disk_units(config, run.nvme_layers or 0), unplaced_bytes(run, config, facts, keep)
+    layers, besides = run.nvme_layers or 0, unplaced_bytes(run, config, facts, keep)
+    room = range(config.num_hidden_layers + 1 - layers, config.num_hidden_layers + 1)  # as many layers as the disk's
 
     def placement(resident: list[int], share: float) -> tuple[tuple, tuple, dict]:  # the GPU's Adam takes `share`
-        gpu_adam = gpu_adam_units(units, resident, share, on_disk)
+        gpu_adam = gpu_adam_units(units, resident, share, disk_units(config, layers, resident))
         parts = training_parts(run, config, facts, depth, owns_grads(run), resident, gpu_adam, copy)
         return tuple(resident), gpu_adam, parts | besides
 
@@ -3190,9 +3197,9 @@ def training_placement(run: RunConfig, config: LlamaConfig, facts: Facts, mode: 
     if keeps and run.resident_layers is not None:
         resident = list(range(1, 1 + run.resident_layers))  # unit 0 is the embeddings
     elif keeps and budget is not None:
-        resident = boundary_units([u for u in range(len(units)) if u not in on_disk], placement, budget, share)
+        resident = boundary_units([u for u in range(len(units)) if u not in room], placement, budget, share)
     elif hidden:
-        limit, candidates = facts.gpu_bytes - PLAN_MARGIN, [u for u in range(len(units)) if u not in on_disk]
+        limit, candidates = facts.gpu_bytes - PLAN_MARGIN, [u for u in range(len(units)) if u not in room]
         fitting = boundary_units(candidates, placement, limit)
         # at least the GPU's Adam's share: the host's traffic slows a compute-bound step more than the rates say
         least = len(boundary_units(placement([], share)[1], placement, limit))
@@ -3445,7 +3452,7 @@ def host_parts(run: RunConfig, config: LlamaConfig, facts: Facts, copy, buffers:
     if facts.world > 1 and run.inference and offloaded(run.modes):  # a rank's shards of the layers, beside the model
         parts["inference shards"] = b * config.num_hidden_layers * layer_numel(config, facts.ranks)
     if offloaded_training(run):
-        on_disk = disk_units(config, run.nvme_layers or 0)
+        on_disk = disk_units(config, run.nvme_layers or 0, resident)
         # the moments' pages of the units on the disk, or resident and never touched (a resume fills them here first)
         untouched = sum(shards[u] for u in {*on_disk, *(() if run.resume else resident)})
         here = sum(shards) - sum(shards[u] for u in resident)  # the resident units' masters live on the GPU alone
@@ -3571,7 +3578,7 @@ def plan_table(plan: Plan, run: RunConfig, config: LlamaConfig) -> str:
         rows += [
             ("activation offload", "on" if plan.offload_activations else "off"),
             ("segments: units a segment, only its first keeping its inputs", str(plan.segment)),
-            ("Adam moments on the disk", f"the last {plan.disk_layers} decoder layers ({size_text(plan.disk)})"),
+            ("Adam moments on the disk", f"{plan.disk_layers} decoder layers ({size_text(plan.disk)})"),
             ("the masters' copy the GPU streams", plan.copy_dtype or "none: the float32 masters, cast on the GPU"),
             ("pinned gradient buffers", f"{plan.grad_buffers} for {len(units)} units"),
         ]
@@ -5577,7 +5584,7 @@ class RunConfig(Config):
     segment: int | None = None  # units a segment: only its first keeps its inputs, the rest recomputed (the plan's)
     max_host_memory: float | None = None  # GiB; the host memory the run plans for, at most (default: MemAvailable)
     nvme: str | None = None  # a folder on a local disk: the disk tier keeps Adam moments there
-    nvme_layers: int | None = None  # decoder layers, from the last, whose Adam moments live on the disk (planned)
+    nvme_layers: int | None = None  # decoder layers whose Adam moments live on the disk (planned: disk_units)
     rank_timeout: float | None = None  # seconds a rank waits in a step's collective (default: the plan's)
     # the plan alone (--plan), for this machine or one described
     plan: bool = False  # print the plan and exit, allocating nothing
@@ -5793,7 +5800,7 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     t.add_argument("--gpu-adam-share", type=float, metavar="F", help=share)
     nvme = "offloaded: a folder on a local disk for the Adam moments of the layers the host cannot hold (freed at exit;"
     t.add_argument("--nvme", metavar="DIR", help=f"{nvme} default: none, the host holds them)")
-    layers = "with --nvme: the last N decoder layers' Adam moments on the disk (default: the host plan's count)"
+    layers = "with --nvme: N decoder layers' Adam moments on the disk, spread (default: the host plan's count)"
     t.add_argument("--nvme-layers", type=int, metavar="N", help=layers)
 
 
@@ -6885,16 +6892,15 @@ def run_modes(run: RunConfig, plan: Plan, model, store, masters, input_ids, trai
 
 
 def training_store(run: RunConfig, config: LlamaConfig, plan: Plan) -> OffloadedAdam:
-    """The offloaded modes' training state, pinned on the host as planned, the last layers' Adam moments on --nvme."""
+    """The offloaded modes' training state, pinned on the host as planned, the disk units' Adam moments on --nvme."""
     t0, layers, disk = time.perf_counter(), plan.disk_layers, None
     units, scaled = model_units(config), run.clip_grad_norm is not None
     if run.nvme and not layers:
         log("disk tier: unused, the host holds the training state")
     if layers:
         t1 = time.perf_counter()
-        layers = [u for u, unit in enumerate(units) if unit.kind == "layer"][-layers:]
-        disk = DiskTier(run.nvme, {u: run.ranks.shard_numel(units[u].layout.numel) for u in layers})
-        on_disk = f"the Adam moments of the last {len(layers)} decoder layers ({gib(disk_step_bytes(disk))} GiB)"
+        disk = DiskTier(run.nvme, {u: run.ranks.shard_numel(units[u].layout.numel) for u in plan.disk_units})
+        on_disk = f"the Adam moments of {layers} decoder layers ({gib(disk_step_bytes(disk))} GiB)"
         io = "direct I/O" if disk.files.direct else "buffered I/O (the file system refuses O_DIRECT)"
         rates = f"write {disk.files.rates['write_gbps']:.2f} GB/s, read {disk.files.rates['read_gbps']:.2f} GB/s"
         log(f"disk tier: {on_disk} in unnamed files under {run.nvme}, reserved in {time.perf_counter() - t1:.1f} s")

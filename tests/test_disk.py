@@ -184,6 +184,21 @@ def test_placement_leaves_the_disk_units_to_the_cpu_adam():
     assert ol.gpu_adam_units(units, (), 0.3, on_disk=(1,)) == (0, 2, 3)
 
 
+def test_the_disk_units_are_spread_from_the_last_layer_past_the_resident_ones():
+    """The disk tier's layers are spread evenly from the last over those no mode keeps resident, so that the backward
+    meets their steps at even intervals; the plan names them, apart from every mode's resident and GPU Adam units."""
+    config = ol.llama_config(ol.RunConfig(preset="7b-8l"))  # units: embeddings, layers 1 to 8, norm, head
+    assert ol.disk_units(config, 1) == (8,) and ol.disk_units(config, 8) == tuple(range(1, 9))
+    assert ol.disk_units(config, 4) == (2, 4, 6, 8) and ol.disk_units(config, 3, (0, 1, 2)) == (4, 6, 8)
+    assert ol.disk_units(config, 0) == ()
+    for flags in ({"nvme_layers": 3, "resident_layers": 2}, {"nvme_layers": 3, "max_gpu_memory": 16}):
+        plan = disk_plan(64, 8, **flags)
+        placed = plan.modes["overlapped"]
+        assert len(plan.disk_units) == 3 and placed.resident and max(placed.resident) < min(plan.disk_units)
+        assert not set(plan.disk_units) & set(placed.gpu_adam)
+        assert plan.disk_units == ol.disk_units(config, 3, placed.resident)
+
+
 def disk_plan(host_gib: float, disk_layers: float, **flags) -> ol.Plan:
     """7b-8l's overlapped training planned with `host_gib` of host memory and room for `disk_layers` layers' moments
     on the disk."""

@@ -66,7 +66,7 @@ def test_host_limit_counts_the_training_state_of_each_layer(monkeypatch):
 
 @pytest.mark.slow  # probes in processes of their own: 4 s
 def test_host_limit_with_the_disk_tier_counts_the_disk(monkeypatch, tmp_path):
-    """With --nvme, more layers fit: the last layers' moments go to the disk, as far as its free space takes them (the
+    """With --nvme, more layers fit: some layers' moments go to the disk, as far as its free space takes them (the
     staging buffers cost the host DISK_SLOTS layers' moments, so a few layers on the disk buy nothing)."""
     run = ol.dataclasses.replace(tiny_run(), train=True, mode="overlapped", nvme=str(tmp_path))
     total = host_for(host_total(run, 20))

@@ -576,7 +576,7 @@ def rank_plans(rank, world, port, folder, out):
         plans = ranks.each(plan)
         model, step = tiny_batches("float32", world)
         batches = ranks.share(step)
-        disk = (folder, ol.disk_units(config, plan.disk_layers)) if plan.disk_layers else None
+        disk = (folder, plan.disk_units) if plan.disk_layers else None
         trainer = trainer_of(model, batches, world, 1, ranks, disk=disk)
         losses, everywhere = trained(trainer, batches)[:2]
         on_first = trainer.state_dict(on_first=True)  # --save-output's: gathered to rank 0 alone, a unit at a time
