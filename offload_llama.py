@@ -18,8 +18,8 @@ The file by line, the assignment first; each section beyond it says what it adds
    1480  # === Beyond the assignment ===
         the compiled Adam 1483, the GPU's Adam 1584, activation offload 1808, segment checkpointing 1873
         float16 and clipping 1948, the disk tier 2031, several GPUs 2302, a model folder 2546, the plan 2740
-        measurement 3747, the tables' notes 4413, text in 4608, saving and resuming 5106, the command line 5569
-        running a mode 6452, the run 6619
+        measurement 3749, the tables' notes 4415, text in 4610, saving and resuming 5108, the command line 5571
+        running a mode 6454, the run 6621
 """
 
 from __future__ import annotations
@@ -332,9 +332,9 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 # copy (weights in), D2H (gradients out; blocked's is compute), gather (several GPUs'); threads: main, autograd's, Adam.
 # Blocked against overlapped, in training: one slot, D2H on compute, holds_updates (the Adam after S11), wait_all (S4).
 # A unit's copy first calls wait_written: CpuAdam's blocks the host (S4), StreamedAdam's the copy stream (S13).
-#   S1   [580 614 2434 2436 4216] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
+#   S1   [580 614 2434 2436 4218] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
 #        gather); waited on by acquire on compute. Slot s is not read before its unit landed.
-#   S2   [466 575 622 4216] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s
+#   S2   [466 575 622 4218] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s
 #        is not overwritten while a unit reads it.
 #   S3   [598] landed, CUDA event. Recorded by wait_copies on copy and gather; waited on by compute (keep_resident) or
 #        timed's end. A ring is not freed, nor a time ended, under a copy.
@@ -350,7 +350,7 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 #        compute before the backward's first write of the gradient buffer: not before its gradients left.
 #   S9   [1267 1274] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
 #   S10  [1152] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
-#   S11  [878 4216 6596] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
+#   S11  [878 4218 6598] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
 #        work; loss.item() in the training loop: the step's end. A step is not timed unfinished.
 #   S12  [1692] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
 #        kernels.
@@ -3614,11 +3614,13 @@ def parts_text(parts: dict, least: float = 2**20, text=gib) -> str:  # a peak's 
     return ", ".join(f"{part} {text(n)}" for n, part in shown)
 
 
-def unit_names(units: list[Unit], chosen) -> str:  # units by name, a run of layers joined: model.layers.0-13
+def unit_names(units: list[Unit], chosen) -> str:  # units by name, each run of layers joined: model.layers.0-13
+    chosen = sorted(chosen)
     layers = [u - 1 for u in chosen if units[u].kind == "layer"]
+    runs = [[n for _, n in run] for _, run in itertools.groupby(enumerate(layers), lambda i_n: i_n[1] - i_n[0])]
     names = [units[u].name for u in chosen if units[u].kind == "embed"]
-    names += [f"model.layers.{layers[0]}" + (f"-{layers[-1]}" if len(layers) > 1 else "")] if layers else []
-    return ", ".join(names + [units[u].name for u in chosen if units[u].kind == "head"]) or "none"
+    names += [f"model.layers.{run[0]}" + (f"-{run[-1]}" if len(run) > 1 else "") for run in runs]
+    return ", ".join(names + [units[u].name for u in chosen if units[u].kind in ("norm", "head")]) or "none"
 
 
 def params_with_layers(config: LlamaConfig, layers: int) -> int:  # the model's parameters with `layers` layers

@@ -318,3 +318,12 @@ def test_ranks_plan_their_share_of_the_step(capsys):
     assert code == 0, err
     assert "| overlapped training: peak GPU |" in out
     assert "| overlapped inference | resident decoder layers: none;" in out and "inference shards" in out
+
+
+def test_unit_names_join_each_run_of_layers_and_name_every_other_unit():
+    """The plan's names of a set of units: each run of consecutive decoder layers joined, so a gap shows (the disk
+    tier's spread layers leave gaps in the GPU Adam's), the norm named as the head is."""
+    units = ol.model_units(ol.llama_config(ol.RunConfig(preset="7b-8l")))  # embeddings, layers 1 to 8, norm, head
+    assert ol.unit_names(units, (0, 1, 3)) == "model.embed_tokens, model.layers.0, model.layers.2"
+    assert ol.unit_names(units, range(11)) == "model.embed_tokens, model.layers.0-7, model.norm, lm_head"
+    assert ol.unit_names(units, (8, 2, 3)) == "model.layers.1-2, model.layers.7" and ol.unit_names(units, ()) == "none"
