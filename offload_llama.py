@@ -18,8 +18,8 @@ The file by line, the assignment first; each section beyond it says what it adds
    1480  # === Beyond the assignment ===
         the compiled Adam 1483, the GPU's Adam 1584, activation offload 1808, segment checkpointing 1873
         float16 and clipping 1948, the disk tier 2031, several GPUs 2302, a model folder 2546, the plan 2740
-        measurement 3749, the tables' notes 4415, text in 4610, saving and resuming 5108, the command line 5571
-        running a mode 6454, the run 6621
+        measurement 3759, the tables' notes 4425, text in 4620, saving and resuming 5118, the command line 5581
+        running a mode 6464, the run 6631
 """
 
 from __future__ import annotations
@@ -332,9 +332,9 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 # copy (weights in), D2H (gradients out; blocked's is compute), gather (several GPUs'); threads: main, autograd's, Adam.
 # Blocked against overlapped, in training: one slot, D2H on compute, holds_updates (the Adam after S11), wait_all (S4).
 # A unit's copy first calls wait_written: CpuAdam's blocks the host (S4), StreamedAdam's the copy stream (S13).
-#   S1   [580 614 2434 2436 4218] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
+#   S1   [580 614 2434 2436 4228] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
 #        gather); waited on by acquire on compute. Slot s is not read before its unit landed.
-#   S2   [466 575 622 4218] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s
+#   S2   [466 575 622 4228] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s
 #        is not overwritten while a unit reads it.
 #   S3   [598] landed, CUDA event. Recorded by wait_copies on copy and gather; waited on by compute (keep_resident) or
 #        timed's end. A ring is not freed, nor a time ended, under a copy.
@@ -350,7 +350,7 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 #        compute before the backward's first write of the gradient buffer: not before its gradients left.
 #   S9   [1267 1274] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
 #   S10  [1152] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
-#   S11  [878 4218 6598] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
+#   S11  [878 4228 6608] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
 #        work; loss.item() in the training loop: the step's end. A step is not timed unfinished.
 #   S12  [1692] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
 #        kernels.
@@ -2918,6 +2918,10 @@ def segment_plan(run: RunConfig, config: LlamaConfig, facts: Facts, margin: int 
     the host spare (else none)."""
     given = dataclasses.replace(run, offload_activations=activation_offload_planned(run, config, facts))
     resident = set()
+    if given.nvme and given.nvme_layers is None and offloaded_training(given):  # from what the GPU holds, no disk:
+        probe = dataclasses.replace(given, nvme_layers=0)  # the disk's layers, planned first, would bar it the last
+        room = host_room_planned(probe, config, facts)
+        resident = resident_everywhere(probe, mode_plans(probe, config, facts, *room))
     for _ in range(3):  # the units resident settle in a round or two: fewer disk layers free no GPU memory
         layers = disk_layers_planned(given, config, facts, resident, tuple(dict.fromkeys((margin, 0))))
         run = dataclasses.replace(given, nvme_layers=layers)
@@ -3040,10 +3044,11 @@ def disk_layers_planned(run, config: LlamaConfig, facts: Facts, resident=(), mar
     counts = [run.nvme_layers] if run.nvme_layers is not None else range(most + 1)
 
     def fits(d: int, margin: int) -> bool:  # the host holds the plan with d layers' moments on the disk, `margin` spare
-        spare = host_spare(dataclasses.replace(run, nvme_layers=d), config, facts, None, 2, margin, resident)
+        buffers = least_grad_buffers(run, config)
+        spare = host_spare(dataclasses.replace(run, nvme_layers=d), config, facts, None, buffers, margin, resident)
         return (spare or 0) >= 0
 
-    # with 2 gradient buffers and no copy: PCIe bytes cost less than the disk's
+    # with the fewest gradient buffers and no copy: PCIe bytes cost less than the disk's
     layers = next((d for margin in margins for d in counts if fits(d, margin)), None)
     return counts[-1] if layers is None else layers  # None: the host is short even so, check_plan says by how much
 
@@ -3060,11 +3065,9 @@ def check_disk_room(run: RunConfig, config: LlamaConfig, facts: Facts) -> None:
 def host_room_planned(run: RunConfig, config: LlamaConfig, facts: Facts, resident=()) -> tuple:
     """Offloaded training's masters' copy dtype (None: float32 masters, cast on the GPU) and gradient buffers, the
     units `resident` holding their state on the GPU alone."""
-    units = len(model_units(config))
+    units, least = len(model_units(config)), least_grad_buffers(run, config)
     if not offloaded_training(run):
         return None, units
-    # one buffer a unit where each unit's gradients wait for all (blocked, compared, float16's loss scale, clipping)
-    least = units if owns_grads(run) or "blocked" in run.modes else 2  # one fills, one steps
     shards, itemsize = shard_numels(config, facts.ranks), gradient_dtype(run).itemsize
     copy = None if run.torch_dtype == torch.float32 else run.torch_dtype  # in float32 the masters are the weights
     spare = host_spare(run, config, facts, copy, least, resident=resident)
@@ -3074,6 +3077,12 @@ def host_room_planned(run: RunConfig, config: LlamaConfig, facts: Facts, residen
     if least == units or spare is None or spare >= itemsize * (sum(shards) - 2 * max(shards)):
         return copy, units
     return copy, 2 + max(0, spare) // (itemsize * max(shards))
+
+
+def least_grad_buffers(run: RunConfig, config: LlamaConfig) -> int:
+    """The fewest pinned gradient buffers offloaded training can step with: one a unit where each unit's gradients
+    wait for all (blocked, compared, float16's loss scale, clipping), else 2 (one fills, one steps)."""
+    return len(model_units(config)) if owns_grads(run) or "blocked" in run.modes else 2
 
 
 def shard_numels(config: LlamaConfig, ranks: Ranks) -> list[int]:  # each unit's elements in a rank's shard, padded
@@ -3147,7 +3156,8 @@ def searched_placement(run: RunConfig, config: LlamaConfig, facts: Facts, mode: 
     for keep in graph_options(run, config, facts, mode, copy):
         resident, gpu_adam, parts, fits = training_placement(run, config, facts, mode, copy, keep)
         bound = predicted_bound(run, config, facts, depth, resident, gpu_adam, copy, keep)
-        serial = sum(bound[p] for p in ("gpu_compute_ms", "h2d_ms", "d2h_ms", "cpu_adam_ms"))  # blocked: in turn
+        serial = sum(bound[p] for p in ("gpu_compute_ms", "h2d_ms", "d2h_ms"))  # blocked: in turn, then the Adam
+        serial += max(bound["cpu_adam_ms"], bound.get("disk_ms", 0.0))  # as its moments are read
         step = serial if blocked else max(bound.values())
         host = host_spare(run, config, facts, copy, buffers, 0, resident)  # as check_plan counts it
         tried.append(Placement(keep, resident, gpu_adam, parts, fits, bound, step, host is None or host >= 0))
@@ -3504,7 +3514,7 @@ def predicted_bound(run, config, facts: Facts, depth: int, resident, gpu_adam, c
     moved = {"h2d": (h2d, "h2d_gbps"), "d2h": (d2h, "d2h_gbps"), "cpu_adam": (adam, "adam_gbps")}  # bytes, their rate
     moved["host_memory"] = facts.local_world * (adam + h2d + d2h + disk), "host_gbps"  # every rank's
     if disk:
-        moved["disk"] = disk, "disk_gbps"
+        moved["disk"] = facts.local_world * disk, "disk_gbps"  # every rank's, on the host's one disk
     parts = {"gpu_compute_ms": flops / tflops / 1e9} | {f"{k}_ms": n / rate[r] / 1e6 for k, (n, r) in moved.items()}
     cpu_units = [u for u in streamed if u not in gpu_adam]
     if depth and cpu_units and not run.holds_updates:  # were the lowest unit's update the Adam's last (as it is

@@ -228,6 +228,41 @@ def test_the_plan_takes_the_fewest_layers_the_host_needs():
         disk_plan(64, 8, nvme_layers=7, resident_layers=2)
 
 
+def test_the_disk_takes_no_layer_the_gpu_could_keep_resident():
+    """A 141 GiB GPU and a 20 GiB host: with no layer on the disk the whole model stays resident and the host holds the
+    rest, so the plan puts none there (planned from the disk's layers first, it put 6 there and kept 3 units
+    resident, 8.4 s a step against 0.1); under a 30 GiB cap with 18 GiB of host, the same."""
+    for host, cap in ((20, 141), (18, 30)):
+        run = ol.RunConfig(mode="overlapped", train=True, nvme="/nvme", max_gpu_memory=cap)
+        config = ol.llama_config(run)
+        plan = ol.make_plan(run, config, machine(gpu_gib=141, host_gib=host, process=ol.PROCESS_BYTES))
+        ol.check_plan(run, config, plan)
+        assert plan.disk_layers == 0 and len(plan.modes["overlapped"].resident) >= 8, host
+
+
+def test_blocked_plans_the_disk_after_its_adam_and_a_gradient_buffer_a_unit():
+    """blocked runs every part in turn, its Adam as the moments are read: its predicted step counts the disk's part.
+    The host it plans the disk's layers for holds a gradient buffer for every unit, as blocked steps them (planned
+    with two, this run was refused 42.3 MiB short, though it fits with all eight layers on the disk)."""
+    run = ol.RunConfig(mode="blocked,overlapped", train=True, nvme="/nvme", max_gpu_memory=30)
+    config = ol.llama_config(run)
+    plan = ol.make_plan(run, config, machine(gpu_gib=141, host_gib=24, process=ol.PROCESS_BYTES))
+    ol.check_plan(run, config, plan)
+    blocked = plan.modes["blocked"]
+    assert plan.disk_layers == 8 and blocked.step_ms >= blocked.bound_ms["disk_ms"] + blocked.bound_ms["gpu_compute_ms"]
+
+
+def test_ranks_on_one_host_share_its_disk():
+    """Two ranks on one host each keep half of every disk layer's moments on its one disk: the disk's part of the bound
+    is the same as one rank's with the whole layers, not half of it."""
+    run = ol.RunConfig(mode="overlapped", train=True, inference=False, nvme="/nvme", nvme_layers=8)
+    config = ol.llama_config(run)
+    one = ol.make_plan(run, config, machine(host_gib=64)).modes["overlapped"].bound_ms["disk_ms"]
+    run = ol.dataclasses.replace(run, grad_accum=2)
+    two = ol.make_plan(run, config, machine(host_gib=64, world=2)).modes["overlapped"].bound_ms["disk_ms"]
+    assert two == pytest.approx(one, rel=0.01)
+
+
 def test_a_run_the_host_cannot_hold_is_refused_for_the_host():
     """Even with every layer's moments on the disk the host is too small: refused for the host, not the disk."""
     plan = disk_plan(14, 2)
