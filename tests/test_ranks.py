@@ -554,11 +554,12 @@ def disk_run(folder, ranks: ol.Ranks) -> ol.RunConfig:
 
 def hosts_apart(folder) -> list[int]:
     """Host memory available for ranks 0 and 1, a few KiB apart: planned alone, rank 0 would keep layers' moments on
-    the disk, rank 1 none."""
+    the disk, rank 1 none (it holds every unit's without the host's margin, which the plan weighs, and the disk is
+    slower)."""
     run = disk_run(folder, ol.Ranks(0, 2, 0, 2))
     config = ol.llama_config(run)
     facts = ol.Facts(None, None, 10**12, ol.GiB, 1, 2, 2)
-    need = host_for(2 * (sum(ol.host_parts(run, config, facts, None, 2).values()) + ol.HOST_MARGIN))  # 2 ranks
+    need = host_for(2 * sum(ol.host_parts(run, config, facts, None, 2).values()))  # 2 ranks, no margin
     return [need - 8192, need]
 
 
