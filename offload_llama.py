@@ -18,8 +18,8 @@ The file by line, the assignment first; each section beyond it says what it adds
    1480  # === Beyond the assignment ===
         the compiled Adam 1483, the GPU's Adam 1584, activation offload 1808, segment checkpointing 1873
         float16 and clipping 1948, the disk tier 2031, several GPUs 2302, a model folder 2546, the plan 2740
-        measurement 3759, the tables' notes 4425, text in 4620, saving and resuming 5118, the command line 5581
-        running a mode 6464, the run 6631
+        measurement 3763, the tables' notes 4429, text in 4624, saving and resuming 5122, the command line 5585
+        running a mode 6468, the run 6635
 """
 
 from __future__ import annotations
@@ -332,9 +332,9 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 # copy (weights in), D2H (gradients out; blocked's is compute), gather (several GPUs'); threads: main, autograd's, Adam.
 # Blocked against overlapped, in training: one slot, D2H on compute, holds_updates (the Adam after S11), wait_all (S4).
 # A unit's copy first calls wait_written: CpuAdam's blocks the host (S4), StreamedAdam's the copy stream (S13).
-#   S1   [580 614 2434 2436 4228] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
+#   S1   [580 614 2434 2436 4232] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
 #        gather); waited on by acquire on compute. Slot s is not read before its unit landed.
-#   S2   [466 575 622 4228] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s
+#   S2   [466 575 622 4232] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s
 #        is not overwritten while a unit reads it.
 #   S3   [598] landed, CUDA event. Recorded by wait_copies on copy and gather; waited on by compute (keep_resident) or
 #        timed's end. A ring is not freed, nor a time ended, under a copy.
@@ -350,7 +350,7 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 #        compute before the backward's first write of the gradient buffer: not before its gradients left.
 #   S9   [1267 1274] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
 #   S10  [1152] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
-#   S11  [878 4228 6608] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
+#   S11  [878 4232 6612] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
 #        work; loss.item() in the training loop: the step's end. A step is not timed unfinished.
 #   S12  [1692] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
 #        kernels.
@@ -3570,6 +3570,10 @@ def check_host(run: RunConfig, config: LlamaConfig, plan: Plan) -> None:
         advice += ", or give --nvme DIR on a local disk for the Adam state"
     if run.max_host_memory is not None:
         advice += ", or a larger --max-host-memory"
+    unfit = [m for m, placed in plan.modes.items() if run.train and placed.resident and not placed.training_fits]
+    if unfit:  # its resident units' state is then the host's: the GPU is what is short
+        gpu = f"mode {unfit[0]} does not fit the GPU with its {len(plan.modes[unfit[0]].resident)} resident units, so"
+        advice = f"{gpu} the host holds their state: fewer --resident-layers or more --max-gpu-memory; else {advice}"
     parts = parts_text(plan.host, plan.host_peak / 20, size_text)
     short = f"{HOST_SLACK}% stays free for the kernel and the allocators; {size_text(plan.host_peak - available)} short"
     host = size_text(plan.facts.host_bytes // plan.facts.local_world)  # this rank's share

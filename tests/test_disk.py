@@ -439,3 +439,14 @@ def test_slow_disk_io_changes_no_bit(slow, units, tmp_path, monkeypatch):
     steps(disk, batches, 4)
     assert_same_states(states(disk), states(host))
     disk.store.close()
+
+
+def test_a_host_short_for_units_the_gpu_cannot_keep_resident_says_the_gpu_is_short():
+    """Five layers resident under an 8 GiB cap do not fit the GPU, so the host counts their state and is short: the
+    refusal names the GPU's part in it first, then the host's advice."""
+    run = ol.RunConfig(mode="overlapped", train=True, nvme="/nvme", nvme_layers=3, resident_layers=5, max_gpu_memory=8)
+    config = ol.llama_config(run)
+    plan = ol.make_plan(run, config, machine(gpu_gib=141, host_gib=24, process=ol.PROCESS_BYTES))
+    assert not plan.modes["overlapped"].training_fits
+    with pytest.raises(ol.UsageError, match="mode overlapped does not fit the GPU with its 5 resident units, so the"):
+        ol.check_host(run, config, plan)
