@@ -2934,9 +2934,9 @@ def segment_plan(run: RunConfig, config: LlamaConfig, facts: Facts, margin: int 
     timeout = run.rank_timeout or max(RANK_TIMEOUT, math.ceil(TIMEOUT_STEPS * longest / 1e3))
     threads = max(1, facts.cores // facts.local_world)
     host = host_parts(run, config, facts, copy, buffers, resident_everywhere(run, modes))
-    if facts.host_share is None or sum(host.values()) <= facts.host_share:  # else check_plan refuses it for the host
-        check_disk_room(run, config, facts)  # once the resident units, whose moments stay on the GPU, have settled
     disk = run.nvme_layers * disk_unit_bytes(config, facts.ranks) * facts.local_world
+    if facts.host_share is None or sum(host.values()) <= facts.host_share:  # else check_plan refuses it for the host
+        check_disk_room(run, disk, facts)  # once the resident units, whose moments stay on the GPU, have settled
     name = copy and str(copy).removeprefix("torch.")
     decided = (run.offload_activations, run.nvme_layers, name, buffers, threads, timeout, host, disk, modes)
     held = set().union(*(placed.resident for placed in modes.values()))  # no mode's resident unit goes to the disk
@@ -3053,9 +3053,9 @@ def disk_layers_planned(run, config: LlamaConfig, facts: Facts, resident=(), mar
     return counts[-1] if layers is None else layers  # None: the host is short even so, check_plan says by how much
 
 
-def check_disk_room(run: RunConfig, config: LlamaConfig, facts: Facts) -> None:
-    """Refuse a plan whose run.nvme_layers' Adam moments the disk has no room for."""
-    needed, free = run.nvme_layers * disk_unit_bytes(config, facts.ranks) * facts.local_world, facts.disk_bytes
+def check_disk_room(run: RunConfig, needed: int, facts: Facts) -> None:
+    """Refuse a plan whose run.nvme_layers' Adam moments, `needed` bytes on the disk, the disk has no room for."""
+    free = facts.disk_bytes
     if free is not None and needed > free:
         short = f"{size_text(needed)} of Adam moments, {size_text(needed - free)} more than is free there"
         message = f"--nvme {run.nvme}: {run.nvme_layers} layers' {short}; free some space or give another disk"
@@ -3190,7 +3190,7 @@ def training_placement(run: RunConfig, config: LlamaConfig, facts: Facts, mode: 
     their graphs; only overlapped keeps units resident, and only where `residents` allows any."""
     depth, units = mode_depth(mode, run.prefetch), model_units(config)
     layers, besides = run.nvme_layers or 0, unplaced_bytes(run, config, facts, keep)
-    room = range(config.num_hidden_layers + 1 - layers, config.num_hidden_layers + 1)  # as many layers as the disk's
+    last = range(config.num_hidden_layers + 1 - layers, config.num_hidden_layers + 1)  # residents leave this many
 
     def placement(resident: list[int], share: float) -> tuple[tuple, tuple, dict]:  # the GPU's Adam takes `share`
         gpu_adam = gpu_adam_units(units, resident, share, disk_units(config, layers, resident))
@@ -3207,9 +3207,9 @@ def training_placement(run: RunConfig, config: LlamaConfig, facts: Facts, mode: 
     if keeps and run.resident_layers is not None:
         resident = list(range(1, 1 + run.resident_layers))  # unit 0 is the embeddings
     elif keeps and budget is not None:
-        resident = boundary_units([u for u in range(len(units)) if u not in room], placement, budget, share)
+        resident = boundary_units([u for u in range(len(units)) if u not in last], placement, budget, share)
     elif hidden:
-        limit, candidates = facts.gpu_bytes - PLAN_MARGIN, [u for u in range(len(units)) if u not in room]
+        limit, candidates = facts.gpu_bytes - PLAN_MARGIN, [u for u in range(len(units)) if u not in last]
         fitting = boundary_units(candidates, placement, limit)
         # at least the GPU's Adam's share: the host's traffic slows a compute-bound step more than the rates say
         least = len(boundary_units(placement([], share)[1], placement, limit))
