@@ -11,15 +11,15 @@ The file by line, the assignment first; each section beyond it says what it adds
     200  gpu and cpu inference                   infer_resident, timed
     244  streams, events and pinned host memory  new_stream, host_zeros_each
     327  blocked and overlapped offload          every wait (S1-S16), ParamStore, LayerStreamer
-    682  training: the autograd.Function         StreamedUnit, OffloadedTraining
-    970  the offloaded Adam                      OffloadedAdam, CpuAdam, Steppers
-   1351  the reference                           ResidentTraining
-   1403  Table 1 and Table 2                     tables
-   1480  # === Beyond the assignment ===
-        the compiled Adam 1483, the GPU's Adam 1584, activation offload 1808, segment checkpointing 1873
-        float16 and clipping 1948, the disk tier 2031, several GPUs 2302, a model folder 2546, the plan 2740
-        measurement 3763, the tables' notes 4429, text in 4624, saving and resuming 5122, the command line 5585
-        running a mode 6468, the run 6635
+    690  training: the autograd.Function         StreamedUnit, OffloadedTraining
+    988  the offloaded Adam                      OffloadedAdam, CpuAdam, Steppers
+   1369  the reference                           ResidentTraining
+   1421  Table 1 and Table 2                     tables
+   1498  # === Beyond the assignment ===
+        the compiled Adam 1501, the GPU's Adam 1602, activation offload 1830, segment checkpointing 1895
+        float16 and clipping 2012, the disk tier 2095, several GPUs 2366, a model folder 2610, the plan 2804
+        measurement 3843, the tables' notes 4505, text in 4699, saving and resuming 5197, the command line 5660
+        running a mode 6543, the run 6710
 """
 
 from __future__ import annotations
@@ -332,33 +332,33 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 # copy (weights in), D2H (gradients out; blocked's is compute), gather (several GPUs'); threads: main, autograd's, Adam.
 # Blocked against overlapped, in training: one slot, D2H on compute, holds_updates (the Adam after S11), wait_all (S4).
 # A unit's copy first calls wait_written: CpuAdam's blocks the host (S4), StreamedAdam's the copy stream (S13).
-#   S1   [580 614 2434 2436 4232] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
+#   S1   [583 617 2498 2500 4308] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
 #        gather); waited on by acquire on compute. Slot s is not read before its unit landed.
-#   S2   [466 575 622 4232] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s
+#   S2   [466 578 625 4308] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s
 #        is not overwritten while a unit reads it.
-#   S3   [598] landed, CUDA event. Recorded by wait_copies on copy and gather; waited on by compute (keep_resident) or
+#   S3   [601] landed, CUDA event. Recorded by wait_copies on copy and gather; waited on by compute (keep_resident) or
 #        timed's end. A ring is not freed, nor a time ended, under a copy.
-#   S4   [573 884 1245 1255 1296] done[u], thread event. Cleared by CpuAdam.update, set by the worker once unit u's
+#   S4   [576 893 1263 1273 1314] done[u], thread event. Cleared by CpuAdam.update, set by the worker once unit u's
 #        update is written; waited on by wait_written (in prefetch) and wait_all (main: blocked's step ends there);
 #        polled by written (CopyWindow issues ready copies first). A host source is not copied or saved mid-update.
-#   S5   [852 1229 1761 2455] ready, CUDA event. Recorded by OffloadedTraining.send on compute after the unit's
+#   S5   [861 1247 1783 2519] ready, CUDA event. Recorded by OffloadedTraining.send on compute after the unit's
 #        backward; waited on by CpuAdam.send on D2H (StreamedAdam.take on s_adam): gradients read once all are written.
-#   S6   [1229 2457] summed, CUDA event (several GPUs): recorded on D2H after the reduce-scatter, S5's stand-in.
-#   S7   [853 1231 1290] landed[u], blocking CUDA event. Recorded by CpuAdam.send on D2H after the copy to pinned
+#   S6   [1247 2521] summed, CUDA event (several GPUs): recorded on D2H after the reduce-scatter, S5's stand-in.
+#   S7   [862 1249 1308] landed[u], blocking CUDA event. Recorded by CpuAdam.send on D2H after the copy to pinned
 #        memory; waited on by the worker (synchronize; next_job queries it). The CPU does not read gradients in flight.
-#   S8   [853 918 1321] last_landed: S7's (or S13's consumed), kept by Steppers.send; waited on by wait_to_write on
-#        compute before the backward's first write of the gradient buffer: not before its gradients left.
-#   S9   [1267 1274] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
-#   S10  [1152] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
-#   S11  [878 4232 6612] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
+#   S8   [862 1339] last_landed[b]: S7's (or S13's consumed), kept by Steppers.send for gradient buffer b; waited on by
+#        wait_to_write on compute before a backward's first write of buffer b: not before its gradients left.
+#   S9   [1285 1292] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
+#   S10  [1170] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
+#   S11  [887 4308 6687] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
 #        work; loss.item() in the training loop: the step's end. A step is not timed unfinished.
-#   S12  [1692] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
+#   S12  [1714] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
 #        kernels.
-#   S13  [573 1775 1780 1787 1798 1805] the GPU's Adam over streamed state (StreamedAdam): consumed, landed[k],
+#   S13  [576 1797 1802 1809 1820 1827] the GPU's Adam over streamed state (StreamedAdam): consumed, landed[k],
 #        stepped[k], left[k], written_back[u], which u's next copy waits on, on the copy stream (wait_written).
-#   S14  [573 1830 1850 1857 1861] activation offload: written, offloaded[a]. No input moved or freed early.
-#   S15  [2012] clipping: taken. The norm of the norms is not taken before every unit's norm.
-#   S16  [2128 2146 2183 2184] the disk tier: settled, current, free, staged. No file read mid-write, no slot reused.
+#   S14  [576 1852 1872 1879 1883] activation offload: written, offloaded[a]. No input moved or freed early.
+#   S15  [2076] clipping: taken. The norm of the norms is not taken before every unit's norm.
+#   S16  [2192 2210 2247 2248] the disk tier: settled, current, free, staged. No file read mid-write, no slot reused.
 
 
 class OneProcess:  # a run's processes when it is one: rank 0 of 1 holds every unit whole, nothing to gather or wait for
@@ -524,6 +524,8 @@ class LayerStreamer:
         self.kinds, self.make_module = kinds, make_module  # each unit's kind; make_module(kind, buffer) builds one
         self.dtype, self.device = dtype, device  # of the slots
         self.depth = depth  # units the copy stream runs ahead
+        self.held = 1  # units a pass runs from at once (a segment's backward, beyond: its units)
+        self.running = {}  # unit -> the slot it runs from, acquired and not yet released
         self.compute_stream = compute_stream(device)
         self.copy_stream = copy_stream or new_stream(device)
         self.writer = writer or ReadOnly()  # training: a unit's update rewrites its source, which a copy must not pass
@@ -537,7 +539,8 @@ class LayerStreamer:
         with torch.device("meta"):  # the modules own no memory: their parameters are views into the buffers
             self.resident = {u: self.make_module(self.kinds[u], flat) for u, flat in flats.items()}
         self.streamed = [u for u in range(len(self.sources)) if u not in self.resident]
-        n_slots = min(self.depth + 1, len(self.streamed))
+        self.ahead = copies_ahead(self.depth, self.held)  # positions the copies run ahead
+        n_slots = min(self.ahead + self.held, len(self.streamed))  # the copies ahead and the units held
         numel = max((self.whole_numel(self.sources[u]) for u in self.streamed), default=0)
         slots = [torch.empty(numel, dtype=self.dtype, device=self.device) for _ in range(n_slots)]
         cast = {self.sources[u].dtype for u in self.streamed} - {self.dtype}
@@ -609,17 +612,17 @@ class LayerStreamer:
         self.at = p = self.window.next_run(u)
         if u in self.resident:  # its copies ahead go in release, once its kernels are queued and more updates written
             return self.resident[u]
-        self.issue_through(p + self.depth, need=p)
-        s = self.window.slots[p]
+        self.issue_through(p + self.ahead, need=p)
+        s = self.running[u] = self.window.slots[p]
         self.compute_stream.wait_event(self.copied[s])  # S1: unit u's weights must have landed before its kernels read
         return self.modules[s][self.kinds[u]]
 
     def release(self, u: int) -> None:
         """Unit u's kernels are issued: its slot frees once they run; a resident unit starts the next copies."""
         if u in self.resident:
-            self.issue_through(self.at + self.depth)
+            self.issue_through(self.at + self.ahead)
         else:
-            self.freed[self.window.slots[self.at]].record(self.compute_stream)  # S2: the slot's next copy waits for it
+            self.freed[self.running.pop(u)].record(self.compute_stream)  # S2: the slot's next copy waits for it
 
     def issue_through(self, p: int, need: int | None = None) -> None:  # the window's copies up to p (CopyWindow.take)
         for q in self.window.take(p, self.written, need):
@@ -627,6 +630,11 @@ class LayerStreamer:
 
     def written(self, u: int) -> bool:  # whether unit u's copy may be issued now: the writer's say
         return self.writer.written(u)
+
+
+def copies_ahead(depth: int, held: int) -> int:
+    """Positions a streamer's copies run ahead: depth, and where a pass holds several units at once, as many more."""
+    return depth + (held - 1) * (depth > 0)
 
 
 def layer_streamer(store: ParamStore, config: LlamaConfig, device: torch.device, depth: int, resident=()):
@@ -804,6 +812,7 @@ class OffloadedTraining:
         self.streamer = self.make_streamer(*streamed, writer=self.steppers)
         self.anchor = torch.empty(0, device=device, requires_grad=True)
         self.inputs, self.scaling, self.clip = KeptInputs(), Unscaled(), Unscaled()
+        self.function = StreamedUnit  # each unit's autograd Function (in segments, beyond: SegmentUnit)
         self.keep = frozenset()  # the units whose graphs the forward keeps: no recompute (the plan's, beyond)
 
     def make_steppers(self, *args) -> Steppers:  # of Steppers' arguments (several GPUs: the gradients summed first)
@@ -867,9 +876,9 @@ class OffloadedTraining:
         n = len(self.units)
         self.labels, self.sent = micro_batches, []
         self.streamer.begin(range(n))
-        losses = StreamedUnit.apply(self, 0, self.anchor, *micro_batches)
+        losses = self.function.apply(self, 0, self.anchor, *micro_batches)
         for u in range(1, n):
-            losses = StreamedUnit.apply(self, u, self.anchor, *losses)
+            losses = self.function.apply(self, u, self.anchor, *losses)
         self.streamer.begin(self.inputs.backward_order(n), current=True)  # the forward's last units are in the slots
         self.inputs.backward_begins(n)
         count = len(losses) * self.ranks.world  # the step's micro-batches, over every rank
@@ -914,16 +923,23 @@ def unit_backward(trainer: OffloadedTraining, u: int, module: nn.Module, xs, gra
     for k, (x, grad_out) in enumerate(zip(xs, grad_outs, strict=True)):
         grad_in, grads = trainer.unit_grads(u, module, x, k, grad_out)
         grads_in.append(grad_in)
-        if k == 0 and len(xs) > 1:
-            first = grads  # written with micro-batch 1's, as gpu mode sums them: that first write waits on S8
-            continue
-        if k <= 1:  # the buffer's first write: micro-batch 0's gradients
-            trainer.steppers.wait_to_write(u, trainer.streamer.compute_stream)
-            add_grads(views, grads if k == 0 else first, write=True)
-        if k >= 1:
-            add_grads(views, grads)
-        first = grads = None  # freed before the next recompute
+        first = sum_grads(trainer, u, views, (k, len(xs)), grads, first)
+        grads = None  # freed before the next recompute
     return grads_in
+
+
+def sum_grads(trainer: OffloadedTraining, u: int, views, k_of: tuple[int, int], grads, first):
+    """Sum micro-batch k's (k_of: k and the count) parameter gradients of unit u into `views`; returns micro-batch 0's
+    where they wait, to be written with micro-batch 1's: that first write waits on S8, a recompute later."""
+    k, count = k_of
+    if k == 0 and count > 1:
+        return grads
+    if k <= 1:  # the buffer's first write: micro-batch 0's gradients
+        trainer.steppers.wait_to_write(u, trainer.streamer.compute_stream)
+        add_grads(views, grads if k == 0 else first, write=True)
+    if k >= 1:
+        add_grads(views, grads)
+    return None
 
 
 def add_grads(views: list[torch.Tensor], grads, write: bool = False) -> None:
@@ -937,6 +953,8 @@ def mean_loss(losses, ranks: OneProcess = ONE_PROCESS) -> torch.Tensor:  # the l
 
 
 class KeptInputs:  # the plain path's saved inputs: on the GPU until the unit's backward
+    length = 1  # units whose backwards run together (in segments, beyond: a segment's)
+
     def save(self, ctx, u: int, xs) -> None:  # keep unit u's inputs for its backward
         ctx.save_for_backward(*xs)
 
@@ -1302,30 +1320,30 @@ class Steppers:
 
     def __init__(self, store: OffloadedAdam, dtype: torch.dtype, device: torch.device, d2h_stream):
         self.store, self.dtype, self.device = store, dtype, device
-        numel = max(map(store.ranks.whole_numel, store.masters))  # the streamed units' gradients, one unit at a time
-        self.buffer = torch.zeros(numel, dtype=store.grad_dtype, device=device)  # zeroed: the padding is stepped too
-        self.last_landed = InOrder()  # the event after which `buffer` may be overwritten: its last gradients left
+        numel = max(map(store.ranks.whole_numel, store.masters))  # the streamed units' gradients, a unit at a time
+        self.buffers = [torch.zeros(numel, dtype=store.grad_dtype, device=device)]  # zeroed: the padding is stepped
+        self.last_landed = [InOrder()]  # the events after which each buffer may be overwritten: its last sent left
         self.cpu_adam = CpuAdam(store, device, d2h_stream)
         self.of = [self.cpu_adam] * len(store.units)  # unit -> its stepper
 
     def grads(self, u: int) -> torch.Tensor:
-        """The GPU memory unit u's gradients accumulate in: the start of the gradient buffer, or a resident unit's."""
+        """The GPU memory unit u's gradients accumulate in: the start of its gradient buffer, or a resident unit's."""
         stepper = self.of[u]
         if stepper.holds_grads:
             return stepper.grads(u)
-        return self.buffer[: self.store.ranks.whole_numel(self.store.masters[u])]
+        return self.buffers[u % len(self.buffers)][: self.store.ranks.whole_numel(self.store.masters[u])]
 
     def wait_to_write(self, u: int, stream) -> None:
-        """Before unit u's backward writes the shared buffer, `stream` waits for the last gradients sent to leave it."""
+        """Before unit u's backward writes its shared buffer, `stream` waits for the last gradients sent to leave it."""
         if self.of[u].shares_buffer:
-            stream.wait_event(self.last_landed)  # S8
+            stream.wait_event(self.last_landed[u % len(self.buffers)])  # S8
 
     def send(self, u: int, ready) -> torch.Tensor:
         """Send unit u's gradients to its stepper once `ready` (its backward's end); returns what was sent."""
         grads, ready = self.to_send(u, ready)
         landed = self.of[u].send(u, grads, ready)
         if landed is not None:  # None: they stay on the GPU (a resident unit), and the last ones sent hold the buffer
-            self.last_landed = landed
+            self.last_landed[u % len(self.buffers)] = landed
         return grads
 
     def to_send(self, u: int, ready) -> tuple:  # its gradients, once `ready` (several GPUs: summed first)
@@ -1610,18 +1628,19 @@ def place_on_gpu(trainer: OffloadedTraining, resident=(), gpu_adam=(), own_grads
     if resident and trainer.ranks.several:
         raise ValueError("several ranks keep only their shards: every unit streams, none is resident")
     steppers, streamer, store = trainer.steppers, trainer.streamer, trainer.store
-    steppers.buffer = None  # freed before the resident units' state is allocated
+    parts = len(steppers.buffers)  # units whose gradients sum at once
+    steppers.buffers = None  # freed before the resident units' state is allocated
     numels = [store.ranks.whole_numel(m) for m in store.masters]
     streamed = max((n for u, n in enumerate(numels) if u not in resident), default=0)
     sharing = 0 if own_grads else max((numels[u] for u in resident), default=0)
     words = max(-(-streamed * store.grad_dtype.itemsize // 4), sharing)
-    shared = torch.zeros(words, dtype=torch.float32, device=trainer.device)  # zeroed: the padding is stepped too
-    buffer = shared.view(store.grad_dtype)[:streamed]  # the streamed units', in memory resident ones may share
+    shared = [torch.zeros(words, dtype=torch.float32, device=trainer.device) for _ in range(parts)]  # padding stepped
+    buffers = [part.view(store.grad_dtype)[:streamed] for part in shared]  # the streamed units', resident ones share
     on_gpu = ResidentUnits(store, trainer.dtype, trainer.device, None if own_grads else shared)
     streamer.keep_resident(resident, on_gpu.load)
     streamed = StreamedAdam(store, gpu_adam, trainer.device, streamer.copy_stream, own_grads)
     chosen = {**dict.fromkeys(resident, on_gpu), **dict.fromkeys(gpu_adam, streamed)}
-    steppers.buffer, steppers.of = buffer, [chosen.get(u, steppers.cpu_adam) for u in range(len(steppers.of))]
+    steppers.buffers, steppers.of = buffers, [chosen.get(u, steppers.cpu_adam) for u in range(len(steppers.of))]
 
 
 def masters_to_device(store: OffloadedAdam) -> None:
@@ -1671,15 +1690,18 @@ class ResidentUnits:
 
     holds_grads = True  # the units' gradients are in memory of this stepper's (`shared`: of the gradient buffer's)
 
-    def __init__(self, store: OffloadedAdam, dtype: torch.dtype, device: torch.device, shared: torch.Tensor | None):
+    def __init__(self, store: OffloadedAdam, dtype: torch.dtype, device: torch.device, shared: list | None):
         self.store, self.dtype, self.device = store, dtype, device
-        self.shared = shared  # float32, or None: each unit gets gradients of its own
+        self.shared = shared  # float32 gradient buffers, unit u's the one at u % len, or None: each its own
         self.shares_buffer = shared is not None  # then its backward waits for the last gradients sent to leave it
         self.units = {}  # unit -> its ResidentUnit
 
     def load(self, u: int) -> torch.Tensor:  # unit u's state onto the GPU; returns its compute-dtype weights
         n = self.store.masters[u].numel()
-        grads = self.shared[:n] if self.shares_buffer else torch.zeros(n, dtype=torch.float32, device=self.device)
+        if self.shares_buffer:
+            grads = self.shared[u % len(self.shared)][:n]
+        else:
+            grads = torch.zeros(n, dtype=torch.float32, device=self.device)
         self.units[u] = ResidentUnit(self.store, u, self.dtype, grads)
         return self.units[u].weights
 
@@ -1871,70 +1893,112 @@ class ActivationOffload(KeptInputs):
 
 
 # ---------------------------------------------------------------------------------------------- segment checkpointing
-# Adds: only the first unit of each segment of --segment units keeps its inputs; the backward runs a segment's forward
-# again from them when it reaches the segment's last unit, so the saved inputs take a segment's and the starts' memory.
-# Turned on: --segment, or the plan where the saved inputs fit neither the GPU nor the host. Plugs into:
-# OffloadedTraining.inputs.
+# Adds: only the first unit of each segment of --segment units keeps its inputs; the backward runs a segment micro-batch
+# by micro-batch, its units in their slots at once, so no forward runs twice: the saved inputs take the starts' memory,
+# the GPU a micro-batch's graphs of the segment and its units' slots and gradient buffers. Turned on: --segment, or the
+# plan where the saved inputs fit neither the GPU nor the host. Plugs into: OffloadedTraining.inputs and .function.
 
 
 class SegmentInputs(KeptInputs):
-    """--segment N: the inputs of units 0, N, 2N ... wait on the GPU; the rest are made again in the backward, each
-    segment's units run forward once more (streamed as in the forward) before their backwards run, last first."""
+    """--segment N: the inputs of units 0, N, 2N ... wait on the GPU; the backward of each segment runs at its last
+    unit (SegmentUnit), from its first's inputs, the streamer holding the segment's units and Steppers a gradient buffer
+    for each."""
 
     def __init__(self, trainer: OffloadedTraining, length: int):
-        if trainer.keep:  # a kept graph is over its forward's slot, which the backward in segments may not reuse
+        if trainer.keep:  # the graphs a segment's backward needs are its own, a micro-batch at a time
             raise ValueError("segments recompute every unit: keep no graphs with them")
+        if trainer.streamer.resident:
+            raise ValueError("give segments before keeping units resident: the ring is made anew")
         self.trainer, self.length = trainer, length
-        self.inputs = {}  # unit -> its inputs on the GPU until its backward: a start's from the forward, else remade
+        self.inputs = {}  # a segment's first unit -> its inputs on the GPU until the segment's backward
+        trainer.function = SegmentUnit
+        trainer.streamer.held = length
+        trainer.streamer.keep_resident(())  # the ring anew: as many more slots, the copies as far ahead
+        steppers = trainer.steppers  # a gradient buffer a unit of the segment
+        steppers.buffers = [torch.zeros_like(steppers.buffers[0]) for _ in range(length)]
+        steppers.last_landed = [InOrder()] * length
 
-    def start(self, u: int) -> int:  # the first unit of unit u's segment
-        return u - u % self.length
+    def segment(self, u: int) -> range:  # the units of unit u's segment
+        first = u - u % self.length
+        return range(first, min(first + self.length, len(self.trainer.units)))
 
     def save(self, ctx, u: int, xs) -> None:  # a segment's first unit keeps its inputs, without their graph
         if u == 0:  # a step begins: none are left from one that ended early
             self.inputs.clear()
-        if u == self.start(u):
+        if u == self.segment(u)[0]:
             self.inputs[u] = tuple(x.detach() for x in xs)
-
-    def load(self, u: int, saved: tuple) -> tuple:  # unit u's inputs at its backward; the segment's last remakes all
-        if u not in self.inputs:
-            self.remake(self.start(u), u)
-        return self.inputs[u]
-
-    def remake(self, first: int, last: int) -> None:
-        """Run units first .. last - 1 forward again from the first's inputs: the inputs of first + 1 .. last."""
-        trainer, xs = self.trainer, self.inputs[first]
-        with torch.no_grad():
-            for v in range(first, last):
-                module = trainer.streamer.acquire(v)
-                xs = tuple(trainer.run_unit(v, module, x, k) for k, x in enumerate(xs))
-                trainer.streamer.release(v)
-                self.inputs[v + 1] = xs
-
-    def release(self, u: int) -> None:  # unit u's backward is issued: its inputs are freed once it has run
-        del self.inputs[u]
 
     def backward_order(self, n_units: int) -> list[int]:  # the units the backward runs, in order
         return segment_order(n_units, self.length)
 
 
+class SegmentUnit(StreamedUnit):
+    """StreamedUnit in segments: a segment's last unit runs the whole segment's backward (segment_backward) and returns
+    its first's input gradients, which the units before it pass on (none where the first is the embeddings)."""
+
+    @staticmethod
+    def forward(ctx, trainer: OffloadedTraining, u: int, anchor: torch.Tensor, *xs: torch.Tensor):
+        """StreamedUnit's forward; the gradients passed on may be None."""
+        ctx.set_materialize_grads(False)
+        return StreamedUnit.forward(ctx, trainer, u, anchor, *xs)
+
+    @staticmethod
+    def backward(ctx, *grad_outs):
+        """The segment's backward at its last unit; the gradients of its first's inputs passed on by the others."""
+        trainer, u = ctx.trainer, ctx.u
+        units = trainer.inputs.segment(u)
+        if u == units[-1]:
+            grad_outs = segment_backward(trainer, units, trainer.inputs.inputs.pop(units[0]), grad_outs)
+        return None, None, None, *grad_outs  # none for trainer, u and anchor
+
+
+def segment_backward(trainer: OffloadedTraining, units: range, xs, grad_outs) -> list:
+    """The backward of a segment's units, all in their slots, micro-batch by micro-batch: forward through them with
+    the graph from the first's inputs, then back, each unit's gradients summed in its buffer; then each sent, last
+    first. Returns the first's input gradients."""
+    streamer = trainer.streamer
+    modules = [streamer.acquire(v) for v in units]  # every copy issued at once: the next segment's come in meanwhile
+    views = [trainer.grad_views(v) for v in units]
+    grads_in, firsts = [], [None] * len(units)
+    for k, (x, grad_out) in enumerate(zip(xs, grad_outs, strict=True)):
+        grad_in, grads = segment_grads(trainer, units, modules, (x, k), grad_out)
+        grads_in.append(grad_in)
+        for i, v in enumerate(units):
+            firsts[i] = sum_grads(trainer, v, views[i], (k, len(xs)), grads[i], firsts[i])
+        grads = None  # freed before the next micro-batch's
+    for v, unit_views in reversed(list(zip(units, views, strict=True))):
+        trainer.send(v, unit_views)
+        streamer.release(v)
+    return grads_in
+
+
+def segment_grads(trainer: OffloadedTraining, units: range, modules, x_k: tuple, grad_out):
+    """Micro-batch k (x_k: its input x to the segment, and k) forward through the segment's units with its graph,
+    then back from grad_out: (x's gradient or None, each unit's parameter gradients)."""
+    x, k = x_k
+
+    def forward(x: torch.Tensor) -> torch.Tensor:  # the segment's units in turn: the last one's output
+        for v, module in zip(units, modules, strict=True):
+            x = trainer.run_unit(v, module, x, k)
+        return x
+
+    x, out = with_graph(forward, x)
+    params = [list(module.parameters()) for module in modules]
+    inputs = ([x] if x.requires_grad else []) + [p for unit_params in params for p in unit_params]
+    grads = list(torch.autograd.grad(out, inputs, grad_out))
+    grad_in = grads.pop(0) if x.requires_grad else None
+    ends = list(itertools.accumulate(len(unit_params) for unit_params in params))
+    return grad_in, [grads[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+
+
+def ring_slots(depth: int, held: int, streamed: int) -> int:  # a streamer's slots, as LayerStreamer makes them
+    return min(copies_ahead(depth, held) + held, streamed)
+
+
 def segment_order(n_units: int, length: int) -> list[int]:
-    """The units a backward runs in segments of `length`, in order: each segment from the last, its units but the last
-    forward again, then every unit's backward, last first (length 1: each unit's backward alone)."""
-    order = []
-    for first in reversed(range(0, n_units, length)):
-        last = min(first + length, n_units) - 1
-        order += [*range(first, last), *reversed(range(first, last + 1))]
-    return order
-
-
-def remade_units(order: list[int]) -> list[int]:  # the units a backward running `order` runs forward again
-    return sorted(u for u, runs in collections.Counter(order).items() if runs > 1)
-
-
-def remade_before(order: list[int], u: int) -> list[int]:  # the units run forward again before unit u's backward
-    backward = len(order) - 1 - order[::-1].index(u)  # its last run
-    return [v for v in remade_units(order) if order.index(v) < backward]
+    """The units a backward in segments of `length` runs, in order: the segments from the last, each first to last
+    (length 1: each unit alone, last first)."""
+    return [u for first in reversed(range(0, n_units, length)) for u in range(first, min(first + length, n_units))]
 
 
 def step_copies(backward: list[int], resident, n_slots: int) -> list[int]:
@@ -3254,15 +3318,15 @@ def training_parts(run, config, facts: Facts, depth: int, own_grads: bool, resid
     numels = [shard * facts.world for shard in shards]  # each unit whole on the GPU, its shards gathered
     on_gpu = [numels[u] for u in resident]
     streamed = [n for u, n in enumerate(numels) if u not in resident]
-    largest = max(streamed, default=0)
+    largest, parts = max(streamed, default=0), run.segment_units  # a gradient buffer a unit of a segment
     grads = largest * grad.itemsize
     casts = copy is None and run.torch_dtype != torch.float32  # the staging buffer of LayerStreamer.cast_in
     # StreamedAdam's: its largest unit's gradients, two staging slots, a chunk of gradients made float32
     adam = max((shards[u] for u in gpu_adam), default=0)
     chunk, copied = min(adam, GPU_ADAM_CHUNK), copy.itemsize if copy else 0
     return {
-        "slots": min(depth + 1, len(streamed)) * largest * b + casts * min(largest, STAGING) * 4,
-        "gradient buffer": grads if own_grads else max(grads, 4 * max(on_gpu, default=0)),
+        "slots": ring_slots(depth, parts, len(streamed)) * largest * b + casts * min(largest, STAGING) * 4,
+        "gradient buffer": parts * (grads if own_grads else max(grads, 4 * max(on_gpu, default=0))),
         "GPU Adam staging": adam * grad.itemsize + 2 * chunk * (12 + copied) + 4 * chunk * (grad != torch.float32),
         "resident weights": sum(on_gpu) * (0 if run.torch_dtype == torch.float32 else b),
         "resident masters and moments": 12 * sum(on_gpu),
@@ -3285,9 +3349,14 @@ def unplaced_bytes(run: RunConfig, config: LlamaConfig, facts: Facts, keep=()) -
         key = traced, kind, micro_batches_per_rank(run, facts), u in keep
         forward, backward, graphs[u] = traced_passes(*key)
         working[u] = forward, backward + extra.get(kind, 0)
+    if (
+        run.segment_units > 1
+    ):  # a segment's backward at its last unit: the others' graphs and gradients of a micro-batch
+        for u, extra in segment_bytes(run, config, facts, kinds).items():
+            working[u] = working[u][0], working[u][1] + extra
     # saved inputs as unit u runs (held_inputs) and the graphs before it; offloaded, the two still leaving in the
     # forward, none in the backward
-    saved = {(u, b): held_inputs(u, run.segment_units, b) * inputs for u in range(len(kinds)) for b in (0, 1)}
+    saved = {(u, b): held_inputs(u, run.segment_units) * inputs for u in range(len(kinds)) for b in (0, 1)}
     if run.offload_activations:
         saved = {(u, b): 0 if b else min(u, 2) * inputs for u, b in saved}
     u, backward = max(saved, key=lambda ub: saved[ub] + sum(graphs[: ub[0]]) + working[ub[0]][ub[1]])
@@ -3300,13 +3369,25 @@ def unplaced_bytes(run: RunConfig, config: LlamaConfig, facts: Facts, keep=()) -
     return held | {"working set": working[u][backward], "other": other}
 
 
-def held_inputs(u: int, segment: int, backward: bool) -> int:
-    """How many units' inputs (hidden states; unit 0's ids aside) wait on the GPU as unit u runs: the segments' first
-    units' up to u's, and in the backward those of u's segment up to u's own (all remade from its first's)."""
-    first = u - u % segment
-    if not backward:
-        return u // segment
-    return max(first // segment - 1, 0) + u - max(first, 1) + 1
+def held_inputs(u: int, segment: int) -> int:
+    """How many units' inputs (hidden states; unit 0's ids aside) wait on the GPU as unit u runs, forward or back:
+    the segments' first units' up to u's."""
+    return u // segment
+
+
+def segment_bytes(run: RunConfig, config: LlamaConfig, facts: Facts, kinds: list[str]) -> dict[int, int]:
+    """The bytes a segment's backward holds beyond its last unit's own (by that unit): the other units' graphs of a
+    micro-batch and their parameter gradients, micro-batch 0's too while micro-batch 1's are made."""
+    traced, length = trace_key(run, config), run.segment_units
+    grads = (1 + (micro_batches_per_rank(run, facts) > 1)) * run.torch_dtype.itemsize  # bytes a parameter
+    numels = {unit.kind: unit.layout.numel for unit in model_units(config)}
+    extra = {}
+    for first in range(0, len(kinds), length):
+        last = min(first + length, len(kinds)) - 1
+        others = kinds[first:last]
+        graphs = sum(traced_passes(traced, kind, 1, True)[2] for kind in others)
+        extra[last] = graphs + grads * sum(numels[kind] for kind in others)
+    return extra
 
 
 def micro_batches_per_rank(run: RunConfig, facts: Facts) -> int:  # a step's most micro-batches on a rank (rank 0's)
@@ -3501,14 +3582,14 @@ def predicted_bound(run, config, facts: Facts, depth: int, resident, gpu_adam, c
     order = segment_order(len(shards), run.segment_units)
     on_gpu, on_cpu = sum(shards[u] for u in gpu_adam), sum(shards[u] for u in streamed if u not in gpu_adam)
     grad, copied = gradient_dtype(run).itemsize, copy.itemsize if copy else 0
-    weights = (copied or 4) * sum(shards[u] for u in step_copies(order, resident, min(depth + 1, len(streamed))))
+    slots = ring_slots(depth, run.segment_units, len(streamed))
+    weights = (copied or 4) * sum(shards[u] for u in step_copies(order, resident, slots))
     h2d, d2h = weights + 12 * on_gpu, grad * on_cpu + (12 + copied) * on_gpu
     adam = on_cpu * (24 + grad + copied)  # masters and moments read and written, gradients read, the copy written
     disk = 2 * (run.nvme_layers or 0) * disk_unit_bytes(config, facts.ranks)  # read, and written back
     kinds = [unit.kind for unit in model_units(config)]
     each = {kind: unit_flops(run, config, kind) for kind in set(kinds)}  # a micro-batch's forward of a unit of the kind
     recomputed = pass_flops(run, config) - sum(each[kinds[u]] for u in keep)
-    recomputed += sum(each[kinds[u]] for u in remade_units(order))  # the segments' second forwards
     flops = (3 * pass_flops(run, config) + recomputed) * micro_batches_per_rank(run, facts)  # the backward twice
     tflops = rate["gpu_tflops"] / (8 if run.torch_dtype == torch.float32 else 1)
     moved = {"h2d": (h2d, "h2d_gbps"), "d2h": (d2h, "d2h_gbps"), "cpu_adam": (adam, "adam_gbps")}  # bytes, their rate
@@ -3523,8 +3604,8 @@ def predicted_bound(run, config, facts: Facts, depth: int, resident, gpu_adam, c
         forward = {kind: flops * micro_batches_per_rank(run, facts) for kind, flops in each.items()}
         first, last = min(cpu_units), max(cpu_units)
         chain = sum(forward[kinds[u]] for u in range(first, len(kinds)))
-        chain += sum((2 + (u not in keep)) * forward[kinds[u]] for u in range(last, len(kinds)))  # backward, recompute
-        chain += sum(forward[kinds[v]] for v in remade_before(order, last))  # and the segments' remade forwards
+        since = last - last % run.segment_units  # the backward of the last's whole segment, recompute and all
+        chain += sum((2 + (u not in keep)) * forward[kinds[u]] for u in range(since, len(kinds)))
         copies = (copied or 4) * shards[first] / rate["h2d_gbps"] + grad * shards[last] / rate["d2h_gbps"]
         parts["cpu_adam_tail_ms"] = parts["cpu_adam_ms"] + chain / tflops / 1e9 + copies / 1e6
     return parts
@@ -3676,9 +3757,10 @@ def gpu_bytes_needed(run: RunConfig, config: LlamaConfig, mode: str) -> int:
         return inference
     unit_numel = max(layer_bytes(config, dtype) // b, config.vocab_size * config.hidden_size)  # a layer or the head
     # the units' saved inputs: all, or with activation offload the ring of slots and two still being copied out
-    most = max(held_inputs(u, run.segment_units, True) for u in range(layers + 3))  # all but the ids, in one segment
+    most = max(held_inputs(u, run.segment_units) for u in range(layers + 3))  # all but the ids: the segments' starts
     saved_units = min(depth + 1, layers + 2) + 2 if run.offload_activations else most
-    weights = min(depth + 1, layers + 3) * unit_numel * b + 4 * unit_numel  # the slots and the float32 gradients
+    held = run.segment_units  # the slots and the float32 gradients
+    weights = ring_slots(depth, held, layers + 3) * unit_numel * b + 4 * unit_numel * held
     return max(inference, weights + saved_units * unit_inputs_bytes(run, config) + act)
 
 
@@ -3747,8 +3829,6 @@ def place_units(trainer: OffloadedTraining, run: RunConfig, mode: str, plan: Pla
     log(f"mode {mode}: units resident on the GPU: {', '.join(resident) or 'none'}; {adam}; {graphs}; {peak}")
     described = {"units": len(trainer.units), "resident_units": resident, "gpu_adam_units": gpu_adam}
     described |= {"kept_graph_units": kept, "predicted_step_ms": placed.step_ms, "runner_up": placed.runner_up}
-    remade = remade_units(trainer.inputs.backward_order(len(trainer.units)))  # segments: run forward again
-    described["remade_units"] = [trainer.units[u].name for u in remade]
     return described | {"predicted_peak_bytes": placed.training_peak, "predicted_parts": placed.training_gpu}
 
 
@@ -4017,8 +4097,7 @@ def step_rates(run: RunConfig, config: LlamaConfig, mode: str, result: dict) -> 
     seconds = result["time_ms"] / 1e3
     tokens = result["tokens_per_step"] // run.ranks.world  # a GPU's
     # executed, in each pass: 2 FLOPs a token for each matmul parameter, and causal attention's; the backward is two
-    # passes, and every unit but those keeping their graphs (the gpu mode: all) runs its forward again, and segments'
-    # units but their last once more, for the next unit's inputs
+    # passes, and every unit but those keeping their graphs (the gpu mode: all) runs its forward again
     head = config.vocab_size * config.hidden_size
     layers = config.num_hidden_layers
     matmul_params = param_count(config) - (0 if config.tie_word_embeddings else head)
@@ -4027,7 +4106,6 @@ def step_rates(run: RunConfig, config: LlamaConfig, mode: str, result: dict) -> 
     forward = {unit.name: flops[unit.kind] for unit in model_units(config) if unit.kind in flops}
     kept = set(forward) if mode == "gpu" else set(result.get("kept_graph_units", ()))
     recomputed = sum(n for name, n in forward.items() if name not in kept)
-    recomputed += sum(forward.get(name, 0) for name in result.get("remade_units", ()))
     rates = {"model_tflops": 6 * param_count(config) * tokens / seconds / 1e12}
     rates["executed_tflops"] = (3 * sum(forward.values()) + recomputed) / seconds / 1e12
     peak = dense_peak_flops()
@@ -4076,7 +4154,6 @@ def train_bound_parts(trainer: OffloadedTraining, micro_batches, device) -> dict
     """The bound's parts as functions to time alone (name -> (device, fn)), made anew each round (train_bound's)."""
     fns, (on_cpu, _) = {}, cpu_and_gpu_adam_units(trainer)
     forwards = not trainer.blocked and (trainer.holds_updates or bool(on_cpu))  # train_bound's held bound or chain
-    forwards = forwards or bool(remade_units(trainer.inputs.backward_order(len(trainer.units))))  # segments' too
     for name, (u, _) in compute_groups(trainer).items():  # one unit of each kind, recomputed or keeping its graphs
         forward, backward = unit_passes(trainer, u, micro_batches, device)
         fns[name] = (device, Compute(lambda forward=forward, backward=backward: backward(forward())))
@@ -4150,7 +4227,8 @@ def copy_out(trainer: OffloadedTraining) -> None:
         with on_stream(trainer.d2h_stream):
             for u in trainer.streamer.streamed:
                 store.ranks.sum_shard(steppers.summed_shard(u), steppers.grads(u))
-    pool, grads = [buffer.view(torch.uint8) for buffer in store.pool.buffers], trainer.steppers.buffer.view(torch.uint8)
+    pool = [buffer.view(torch.uint8) for buffer in store.pool.buffers]
+    grads = trainer.steppers.buffers[0].view(torch.uint8)
     on_cpu, _ = cpu_and_gpu_adam_units(trainer)
     for u, numel in on_cpu.items():
         queue_copies(numel * store.grad_dtype.itemsize, grads, pool[u % len(pool)], trainer.d2h_stream)
@@ -4166,7 +4244,7 @@ def adam_and_copies(trainer: OffloadedTraining, big: int, adam, numel: int) -> N
     store, streamer = trainer.store, trainer.streamer
     buffer = store.pool.buffers[big % len(store.pool.buffers)].view(torch.uint8)
     queue_copies(h2d, store.masters[big].view(torch.uint8), streamer.buffers[0].view(torch.uint8), streamer.copy_stream)
-    queue_copies(d2h, trainer.steppers.buffer.view(torch.uint8), buffer, trainer.d2h_stream)
+    queue_copies(d2h, trainer.steppers.buffers[0].view(torch.uint8), buffer, trainer.d2h_stream)
     adam()
     torch.cuda.synchronize()  # the copies count in the time, which the CPU clock takes
 
@@ -4208,8 +4286,6 @@ def train_bound(trainer: OffloadedTraining, best: dict[str, float], in_step_adam
     on_cpu, on_gpu = cpu_and_gpu_adam_units(trainer)
     groups = compute_groups(trainer)
     parts = {"gpu_compute_ms": sum(count * best[name] for name, (_, count) in groups.items())}
-    remade = remade_units(trainer.inputs.backward_order(len(trainer.units)))  # run forward again: segments
-    parts["gpu_compute_ms"] += sum(best[f"{compute_group(trainer, u)}_forward"] for u in remade)
     disk_bytes, figures = 0, {}
     if "resident_adam" in best:  # on the compute stream, between the passes
         parts["gpu_compute_ms"] += best["resident_adam"]
@@ -4250,8 +4326,8 @@ def adam_chain_ms(trainer: OffloadedTraining, on_cpu: dict[int, int], best: dict
     last, n, store = max(on_cpu), len(trainer.units), trainer.store
     forward = [best[f"{compute_group(trainer, u)}_forward"] for u in range(n)]
     h2d = {u: store.weights[u].nbytes / figures["h2d_bytes"] * best["h2d"] for u in on_cpu}
-    backward = sum(best[compute_group(trainer, u)] - forward[u] for u in range(last, n))
-    backward += sum(forward[v] for v in remade_before(trainer.inputs.backward_order(n), last))  # segments' remakes
+    since = last - last % trainer.inputs.length  # the backward of the last's whole segment
+    backward = sum(best[compute_group(trainer, u)] - forward[u] for u in range(since, n))
     d2h = on_cpu[last] * store.grad_dtype.itemsize / figures["d2h_bytes"] * best["d2h"]
     return min(h2d[u] + sum(forward[u:]) for u in on_cpu) + backward + d2h
 
@@ -4507,8 +4583,7 @@ def notes(results: dict, run: RunConfig, reference: dict | None = None):
     if any("model_tflops" in rs.get("training", {}) for rs in results.values()):  # what step_rates counts
         name, peak = torch.cuda.get_device_name(), dense_peak_flops()
         line = "training: model TFLOPS a GPU count 6 x parameters x tokens; executed TFLOPS the step's forward, the"
-        line += " offloaded modes' recompute (with segments, the forwards run again) and the backward (twice a"
-        line += " forward), causal attention's half of the scores"
+        line += " offloaded modes' recompute and the backward (twice a forward), causal attention's half of the scores"
         yield line + (f"; of peak: of the {name}'s dense 16-bit peak, {peak / 1e12:.0f} TFLOPS" if peak else "")
 
 
@@ -5798,9 +5873,9 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     t.add_argument("--fwd-bwd-reference", action="store_true", help=reference)
     acts = "keep the units' saved inputs in pinned host memory (turned on by itself when they would not fit the cap)"
     t.add_argument("--offload-activations", action="store_true", help=acts)
-    segment = "offloaded: keep the inputs of every Nth unit only, the backward running each segment's forward again "
-    segment += "(default: the plan's: 1, or where the saved inputs fit neither the cap nor the host, the fastest "
-    segment += "that fits)"
+    segment = "offloaded: keep the inputs of every Nth unit only, the backward running each segment of N units from "
+    segment += "them a micro-batch at a time (default: the plan's: 1, or where the saved inputs fit neither the cap "
+    segment += "nor the host, the fastest that fits)"
     t.add_argument("--segment", type=int, metavar="N", help=segment)
     t.add_argument("--lr", type=float, default=RunConfig.lr, help="Adam's learning rate")
     betas = "Adam's moment decays"

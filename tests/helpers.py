@@ -174,6 +174,22 @@ def offloaded_trainer(
     return trainer
 
 
+def send_late(trainer, late_unit: int, drop: bool) -> None:
+    """The trainer's sends, `late_unit`'s gradients leaving 20 ms late (a sleep on the D2H stream ahead of their copy);
+    drop: the next unit to write its gradient buffer no longer waits for them (S8)."""
+    send = trainer.send
+
+    def late(u, views):  # send unit u's gradients, late for late_unit's
+        if u == late_unit:
+            with torch.cuda.stream(trainer.d2h_stream):
+                torch.cuda._sleep(40_000_000)
+        send(u, views)
+        if u == late_unit and drop:
+            trainer.steppers.last_landed[u % len(trainer.steppers.buffers)] = ol.InOrder()
+
+    trainer.send = late
+
+
 def train(trainer, micro_batches, steps):
     """(first step's float32 gradients, masters after it, final masters, losses), tensors with HF names on the CPU."""
     losses = [trainer.step(micro_batches).item()]

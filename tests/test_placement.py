@@ -93,11 +93,11 @@ def test_shared_gradients_live_in_the_streamed_units_gradient_buffer():
     trainer = offloaded_trainer(model, CPU, 1, batches, resident=(0, 2), own_grads=False)
     numels = [m.numel() for m in trainer.store.masters]
     streamed = max(n for u, n in enumerate(numels) if u not in (0, 2))
-    assert trainer.steppers.of[0].shares_buffer and trainer.steppers.buffer.numel() == streamed
+    assert trainer.steppers.of[0].shares_buffer and trainer.steppers.buffers[0].numel() == streamed
     for u in (0, 2):
         grads = trainer.steppers.grads(u)
         assert grads.dtype == torch.float32 and grads.numel() == numels[u]
-        assert grads.untyped_storage().data_ptr() == trainer.steppers.buffer.untyped_storage().data_ptr()
+        assert grads.untyped_storage().data_ptr() == trainer.steppers.buffers[0].untyped_storage().data_ptr()
     assert not offloaded_trainer(model, CPU, 1, batches, resident=(0, 2)).steppers.of[0].shares_buffer
 
 
@@ -106,7 +106,7 @@ def test_every_unit_resident_streams_nothing():
     trainer = offloaded_trainer(model, CPU, 1, batches, resident=range(6))
     trainer.streamer.prefetch = lambda p: pytest.fail("a resident unit was copied")
     *_, losses = train(trainer, batches, 3)
-    assert trainer.streamer.n_slots == 0 and trainer.steppers.buffer.numel() == 0
+    assert trainer.streamer.n_slots == 0 and trainer.steppers.buffers[0].numel() == 0
     assert losses[-1] < losses[0]
 
 

@@ -15,6 +15,7 @@ from helpers import (
     offloaded_trainer,
     reference_trainer,
     resident_logits,
+    send_late,
     streamed_logits,
     train,
 )
@@ -92,17 +93,7 @@ def test_race_shared_resident_gradients_wait_for_the_last_copy_out():
     own = train(offloaded_trainer(model, CUDA, 1, batches, pin=True, resident=(0, 1)), batches, 2)
     for drop, should_match in ((False, True), (True, False)):
         trainer = offloaded_trainer(model, CUDA, 1, batches, pin=True, resident=(0, 1), own_grads=False)
-
-        def late(u, views, trainer=trainer, send=trainer.send, drop=drop):
-            """Unit 2's gradients leave 20 ms late; `drop`: unit 1 no longer waits for them."""
-            if u == 2:
-                with torch.cuda.stream(trainer.d2h_stream):
-                    torch.cuda._sleep(40_000_000)
-            send(u, views)
-            if u == 2 and drop:
-                trainer.steppers.last_landed = ol.InOrder()
-
-        trainer.send = late
+        send_late(trainer, 2, drop)
         shared = train(trainer, batches, 2)
         matches = all(torch.equal(m, own[2][name]) for name, m in shared[2].items())
         assert matches == should_match, "intact" if should_match else "wait removed"
@@ -141,6 +132,7 @@ TRAINING = {
     "cap 4": ["--max-gpu-memory", 4],
     "accumulation": ACCUM,
     "accumulation, activation offload": [*ACCUM, "--offload-activations"],
+    "accumulation, segments of 3": [*ACCUM, "--segment", 3],
     "accumulation, cap 2.5": [*ACCUM, "--max-gpu-memory", 2.5],
     "accumulation, cap 2.5, no host copy": [*ACCUM, "--max-gpu-memory", 2.5, "--max-host-memory", low_host_gib()],
 }

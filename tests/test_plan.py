@@ -327,3 +327,27 @@ def test_unit_names_join_each_run_of_layers_and_name_every_other_unit():
     assert ol.unit_names(units, (0, 1, 3)) == "model.embed_tokens, model.layers.0, model.layers.2"
     assert ol.unit_names(units, range(11)) == "model.embed_tokens, model.layers.0-7, model.norm, lm_head"
     assert ol.unit_names(units, (8, 2, 3)) == "model.layers.1-2, model.layers.7" and ol.unit_names(units, ()) == "none"
+
+
+def test_segments_cost_the_plan_memory_not_compute():
+    """A segment's backward runs its units micro-batch by micro-batch, no forward twice: 88 LLaMA-7B layers' predicted
+    GPU compute is the same in segments of 1 and 3. What segments cost is memory: at each segment's last unit a
+    micro-batch's graphs of the others and their gradients (micro-batch 0's waiting for 1's), a slot and a gradient
+    buffer for each of its units; what they save is the inputs of all but the segments' first units."""
+    run = ol.RunConfig(mode="overlapped", train=True, inference=False, grad_accum=16, batch_size=4, seq_len=1024)
+    run = ol.dataclasses.replace(run, preset="llama-7b", sizes=(("num_hidden_layers", 88),))
+    config, facts = ol.llama_config(run), machine(gpu_gib=139.8, host_gib=124.8, process=ol.PROCESS_BYTES)
+    runs = {s: ol.dataclasses.replace(run, segment=s) for s in (1, 3)}
+    bounds = {s: ol.predicted_bound(r, config, facts, 1, range(20), (), None) for s, r in runs.items()}
+    assert bounds[3]["gpu_compute_ms"] == bounds[1]["gpu_compute_ms"]
+    kinds = [unit.kind for unit in ol.model_units(config)]
+    extra = ol.segment_bytes(runs[3], config, facts, kinds)
+    assert sorted(extra) == [*range(2, 90, 3), 90]  # each segment's last unit, the head alone
+    graph = ol.traced_passes(ol.trace_key(runs[3], config), "layer", 1, True)[2]
+    assert graph > 0 and extra[5] == 2 * (graph + 2 * 2 * ol.model_units(config)[1].layout.numel)
+    parts = {s: ol.training_parts(r, config, facts, 1, True, (), (), ol.torch.bfloat16) for s, r in runs.items()}
+    assert parts[3]["gradient buffer"] == 3 * parts[1]["gradient buffer"]
+    assert parts[3]["slots"] == 3 * parts[1]["slots"]  # 3 ahead and 3 held, against 1 and 1
+    unplaced = {s: ol.unplaced_bytes(r, config, facts) for s, r in runs.items()}
+    assert unplaced[3]["saved inputs"] <= unplaced[1]["saved inputs"] / 3 + 2 * ol.unit_inputs_bytes(run, config)
+    assert unplaced[3]["working set"] > unplaced[1]["working set"]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import offload_llama as ol
-from helpers import assert_masters_close, build, offloaded_trainer, reference_trainer, train
+from helpers import assert_masters_close, build, offloaded_trainer, reference_trainer, send_late, train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CUDA = torch.device("cuda")
@@ -297,14 +297,28 @@ def drop_slot_freed_wait(trainer):
 
 @pytest.mark.parametrize("depth", [1, 2])
 def test_race_segments_copy_into_a_slot_after_its_release(depth):
-    """Segments run units twice in the backward, each copy into the slot run from least recently: with a stretched
-    backward it still waits for that slot's release (S2) and gives gpu mode's gradients; without the wait it
-    overwrites weights still in use."""
+    """A segment's backward holds its units in their slots while the next segment's copies go ahead into the slots run
+    from least recently: with a stretched backward each still waits for its slot's release (S2) and gives gpu mode's
+    gradients; without the wait it overwrites weights still in use."""
     model, batches = model_and_batches(THIN, seq_len=16, batch_size=1)
     ref_grads, *_ = reference(model, batches, steps=1)
     for hook, should_match in ((stretch_backward, True), (drop_slot_freed_wait, False)):
         trainer = offloaded_trainer(model, CUDA, depth, batches, pin=True, reuse=True, segment=3)
         hook(trainer)
+        grads, *_ = train(trainer, batches, 1)
+        matches = all(torch.equal(g, ref_grads[name]) for name, g in grads.items())
+        assert matches == should_match, "intact" if should_match else "wait removed"
+
+
+def test_race_a_segments_gradient_buffer_waits_for_its_last_copy_out():
+    """In segments of 2 units 3 and 1 sum their gradients in the same one of the two buffers: with unit 3's copy to the
+    host held back 20 ms the intact wait (S8, that buffer's) gives gpu mode's gradients; without it unit 3's Adam
+    reads unit 1's."""
+    model, batches = model_and_batches(SMALL, k=2)
+    ref_grads, *_ = reference(model, batches, steps=1)
+    for drop, should_match in ((False, True), (True, False)):
+        trainer = offloaded_trainer(model, CUDA, 1, batches, pin=True, segment=2)
+        send_late(trainer, 3, drop)
         grads, *_ = train(trainer, batches, 1)
         matches = all(torch.equal(g, ref_grads[name]) for name, g in grads.items())
         assert matches == should_match, "intact" if should_match else "wait removed"
