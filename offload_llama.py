@@ -18,8 +18,8 @@ The file by line, the assignment first; each section beyond it says what it adds
    1498  # === Beyond the assignment ===
         the compiled Adam 1501, the GPU's Adam 1602, activation offload 1830, segment checkpointing 1895
         float16 and clipping 2012, the disk tier 2095, several GPUs 2366, a model folder 2610, the plan 2804
-        measurement 3843, the tables' notes 4505, text in 4699, saving and resuming 5197, the command line 5660
-        running a mode 6543, the run 6710
+        measurement 3850, the tables' notes 4512, text in 4706, saving and resuming 5204, the command line 5667
+        running a mode 6550, the run 6717
 """
 
 from __future__ import annotations
@@ -332,9 +332,9 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 # copy (weights in), D2H (gradients out; blocked's is compute), gather (several GPUs'); threads: main, autograd's, Adam.
 # Blocked against overlapped, in training: one slot, D2H on compute, holds_updates (the Adam after S11), wait_all (S4).
 # A unit's copy first calls wait_written: CpuAdam's blocks the host (S4), StreamedAdam's the copy stream (S13).
-#   S1   [583 617 2498 2500 4308] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
+#   S1   [583 617 2498 2500 4315] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
 #        gather); waited on by acquire on compute. Slot s is not read before its unit landed.
-#   S2   [466 578 625 4308] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s
+#   S2   [466 578 625 4315] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s
 #        is not overwritten while a unit reads it.
 #   S3   [601] landed, CUDA event. Recorded by wait_copies on copy and gather; waited on by compute (keep_resident) or
 #        timed's end. A ring is not freed, nor a time ended, under a copy.
@@ -350,7 +350,7 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 #        wait_to_write on compute before a backward's first write of buffer b: not before its gradients left.
 #   S9   [1285 1292] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
 #   S10  [1170] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
-#   S11  [887 4308 6687] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
+#   S11  [887 4315 6694] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
 #        work; loss.item() in the training loop: the step's end. A step is not timed unfinished.
 #   S12  [1714] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
 #        kernels.
@@ -3066,6 +3066,13 @@ def owns_grads(run: RunConfig) -> bool:  # whether each unit keeps its gradients
     return bool(compared_modes(run)) or run.holds_updates
 
 
+def gpu_limit_text(run: RunConfig, plan: Plan) -> str:  # what a training placement must fit, in words
+    gpu = plan.facts.gpu_bytes
+    capped = run.max_gpu_memory is not None and (gpu is None or run.max_gpu_memory * GiB < gpu)
+    whole = f"the --max-gpu-memory cap of {run.max_gpu_memory:g} GiB" if capped else f"the GPU's {gib(gpu or 0)} GiB"
+    return f"{whole} less the plan's {gib(PLAN_MARGIN)} GiB for the allocator's fragmentation"
+
+
 def gpu_budget(run: RunConfig, facts: Facts) -> int | None:  # a placement's bytes: the cap less PLAN_MARGIN, or None
     if run.max_gpu_memory is None:
         return None  # overlapped then streams every unit: the tables compare full offload with gpu mode
@@ -3685,7 +3692,7 @@ def plan_table(plan: Plan, run: RunConfig, config: LlamaConfig) -> str:
             peak = sum(placed.inference_gpu.values())
             rows.append((f"{mode} inference", f"resident decoder layers: {layers}; predicted peak GPU {gib(peak)} GiB"))
         if run.train:
-            ms, fits = placed.bound_ms, "" if placed.training_fits else " (does not fit)"
+            ms, fits = placed.bound_ms, "" if placed.training_fits else f" (does not fit {gpu_limit_text(run, plan)})"
             by = max(ms, key=ms.get)
             bound = ", ".join(f"{part.removesuffix('_ms').replace('_', ' ')} {t:.0f}" for part, t in ms.items())
             chosen = (placed.resident, placed.gpu_adam, placed.keep)
@@ -6906,7 +6913,8 @@ def print_plan(run: RunConfig) -> None:
     check_saving(run, config, plan)
     for mode, placed in plan.modes.items():
         if run.train and not placed.training_fits:
-            log(f"note: mode {mode}'s training does not fit the GPU: a run reports it OOM and goes on with the others")
+            limit = gpu_limit_text(run, plan)
+            log(f"note: mode {mode}'s training does not fit {limit}: a run reports it OOM and goes on with the others")
 
 
 def write_outputs(run: RunConfig, report: dict, input_ids, logits: dict, train_ids, trained: dict) -> None:

@@ -351,3 +351,24 @@ def test_segments_cost_the_plan_memory_not_compute():
     unplaced = {s: ol.unplaced_bytes(r, config, facts) for s, r in runs.items()}
     assert unplaced[3]["saved inputs"] <= unplaced[1]["saved inputs"] / 3 + 2 * ol.unit_inputs_bytes(run, config)
     assert unplaced[3]["working set"] > unplaced[1]["working set"]
+
+
+def test_a_cap_the_margin_takes_whole_says_so(capsys):
+    """Under a 0.5 GiB cap the plan's margin for the allocator's fragmentation leaves nothing: the table and the
+    note say that what does not fit is the cap less that margin, not the cap."""
+    code, out, err = run_main(
+        capsys,
+        "--plan",
+        "--preset",
+        "tiny",
+        "--mode",
+        "overlapped",
+        "--train",
+        "--gpu-memory",
+        80,
+        "--max-gpu-memory",
+        0.5,
+    )
+    limit = "the --max-gpu-memory cap of 0.5 GiB less the plan's 0.50 GiB for the allocator's fragmentation"
+    assert code == 0, err
+    assert f"(does not fit {limit})" in out and f"training does not fit {limit}: a run reports it OOM" in err
