@@ -17,9 +17,9 @@ The file by line, the assignment first; each section beyond it says what it adds
    1421  Table 1 and Table 2                     tables
    1498  # === Beyond the assignment ===
         the compiled Adam 1501, the GPU's Adam 1602, activation offload 1830, segment checkpointing 1895
-        float16 and clipping 2012, the disk tier 2095, several GPUs 2366, a model folder 2610, the plan 2804
-        measurement 3850, the tables' notes 4512, text in 4706, saving and resuming 5204, the command line 5667
-        running a mode 6550, the run 6717
+        float16 and clipping 2058, the disk tier 2141, several GPUs 2412, a model folder 2656, the plan 2850
+        measurement 3927, the tables' notes 4595, text in 4789, saving and resuming 5287, the command line 5750
+        running a mode 6647, the run 6814
 """
 
 from __future__ import annotations
@@ -332,33 +332,33 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 # copy (weights in), D2H (gradients out; blocked's is compute), gather (several GPUs'); threads: main, autograd's, Adam.
 # Blocked against overlapped, in training: one slot, D2H on compute, holds_updates (the Adam after S11), wait_all (S4).
 # A unit's copy first calls wait_written: CpuAdam's blocks the host (S4), StreamedAdam's the copy stream (S13).
-#   S1   [583 617 2498 2500 4315] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
+#   S1   [583 617 2544 2546 4397] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
 #        gather); waited on by acquire on compute. Slot s is not read before its unit landed.
-#   S2   [466 578 625 4315] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s
+#   S2   [466 578 625 4397] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s
 #        is not overwritten while a unit reads it.
 #   S3   [601] landed, CUDA event. Recorded by wait_copies on copy and gather; waited on by compute (keep_resident) or
 #        timed's end. A ring is not freed, nor a time ended, under a copy.
 #   S4   [576 893 1263 1273 1314] done[u], thread event. Cleared by CpuAdam.update, set by the worker once unit u's
 #        update is written; waited on by wait_written (in prefetch) and wait_all (main: blocked's step ends there);
 #        polled by written (CopyWindow issues ready copies first). A host source is not copied or saved mid-update.
-#   S5   [861 1247 1783 2519] ready, CUDA event. Recorded by OffloadedTraining.send on compute after the unit's
+#   S5   [861 1247 1783 2565] ready, CUDA event. Recorded by OffloadedTraining.send on compute after the unit's
 #        backward; waited on by CpuAdam.send on D2H (StreamedAdam.take on s_adam): gradients read once all are written.
-#   S6   [1247 2521] summed, CUDA event (several GPUs): recorded on D2H after the reduce-scatter, S5's stand-in.
+#   S6   [1247 2567] summed, CUDA event (several GPUs): recorded on D2H after the reduce-scatter, S5's stand-in.
 #   S7   [862 1249 1308] landed[u], blocking CUDA event. Recorded by CpuAdam.send on D2H after the copy to pinned
 #        memory; waited on by the worker (synchronize; next_job queries it). The CPU does not read gradients in flight.
 #   S8   [862 1339] last_landed[b]: S7's (or S13's consumed), kept by Steppers.send for gradient buffer b; waited on by
 #        wait_to_write on compute before a backward's first write of buffer b: not before its gradients left.
 #   S9   [1285 1292] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
 #   S10  [1170] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
-#   S11  [887 4315 6694] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
+#   S11  [887 4397 6791] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
 #        work; loss.item() in the training loop: the step's end. A step is not timed unfinished.
 #   S12  [1714] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
 #        kernels.
 #   S13  [576 1797 1802 1809 1820 1827] the GPU's Adam over streamed state (StreamedAdam): consumed, landed[k],
 #        stepped[k], left[k], written_back[u], which u's next copy waits on, on the copy stream (wait_written).
 #   S14  [576 1852 1872 1879 1883] activation offload: written, offloaded[a]. No input moved or freed early.
-#   S15  [2076] clipping: taken. The norm of the norms is not taken before every unit's norm.
-#   S16  [2192 2210 2247 2248] the disk tier: settled, current, free, staged. No file read mid-write, no slot reused.
+#   S15  [2122] clipping: taken. The norm of the norms is not taken before every unit's norm.
+#   S16  [2238 2256 2293 2294] the disk tier: settled, current, free, staged. No file read mid-write, no slot reused.
 
 
 class OneProcess:  # a run's processes when it is one: rank 0 of 1 holds every unit whole, nothing to gather or wait for
@@ -812,7 +812,7 @@ class OffloadedTraining:
         self.streamer = self.make_streamer(*streamed, writer=self.steppers)
         self.anchor = torch.empty(0, device=device, requires_grad=True)
         self.inputs, self.scaling, self.clip = KeptInputs(), Unscaled(), Unscaled()
-        self.function = StreamedUnit  # each unit's autograd Function (in segments, beyond: SegmentUnit)
+        self.function = StreamedUnit  # each unit's autograd Function (SegmentGraphs, beyond: SegmentUnit)
         self.keep = frozenset()  # the units whose graphs the forward keeps: no recompute (the plan's, beyond)
 
     def make_steppers(self, *args) -> Steppers:  # of Steppers' arguments (several GPUs: the gradients summed first)
@@ -953,7 +953,7 @@ def mean_loss(losses, ranks: OneProcess = ONE_PROCESS) -> torch.Tensor:  # the l
 
 
 class KeptInputs:  # the plain path's saved inputs: on the GPU until the unit's backward
-    length = 1  # units whose backwards run together (in segments, beyond: a segment's)
+    together = 1  # units whose backwards run together (SegmentGraphs, beyond: a segment's)
 
     def save(self, ctx, u: int, xs) -> None:  # keep unit u's inputs for its backward
         ctx.save_for_backward(*xs)
@@ -1893,30 +1893,23 @@ class ActivationOffload(KeptInputs):
 
 
 # ---------------------------------------------------------------------------------------------- segment checkpointing
-# Adds: only the first unit of each segment of --segment units keeps its inputs; the backward runs a segment micro-batch
-# by micro-batch, its units in their slots at once, so no forward runs twice: the saved inputs take the starts' memory,
-# the GPU a micro-batch's graphs of the segment and its units' slots and gradient buffers. Turned on: --segment, or the
-# plan where the saved inputs fit neither the GPU nor the host. Plugs into: OffloadedTraining.inputs and .function.
+# Adds: only the first unit of each segment of --segment units keeps its inputs. The backward remakes the others' by
+# running the segment's forwards again (SegmentInputs: the saved inputs take the starts' and a segment's memory), or
+# runs the segment a micro-batch at a time through its units with their graphs, so no forward runs twice
+# (SegmentGraphs: a micro-batch's graphs of the segment, a slot and a gradient buffer a unit). Turned on: --segment,
+# or the plan where the saved inputs fit neither the GPU nor the host; the plan weighs both. Plugs into:
+# OffloadedTraining.inputs and .function.
 
 
 class SegmentInputs(KeptInputs):
-    """--segment N: the inputs of units 0, N, 2N ... wait on the GPU; the backward of each segment runs at its last
-    unit (SegmentUnit), from its first's inputs, the streamer holding the segment's units and Steppers a gradient buffer
-    for each."""
+    """--segment N: the inputs of units 0, N, 2N ... wait on the GPU; the rest are made again in the backward, each
+    segment's units run forward once more (streamed as in the forward) before their backwards run, last first."""
 
     def __init__(self, trainer: OffloadedTraining, length: int):
-        if trainer.keep:  # the graphs a segment's backward needs are its own, a micro-batch at a time
+        if trainer.keep:  # a kept graph is over its forward's slot, which the backward in segments may not reuse
             raise ValueError("segments recompute every unit: keep no graphs with them")
-        if trainer.streamer.resident:
-            raise ValueError("give segments before keeping units resident: the ring is made anew")
         self.trainer, self.length = trainer, length
-        self.inputs = {}  # a segment's first unit -> its inputs on the GPU until the segment's backward
-        trainer.function = SegmentUnit
-        trainer.streamer.held = length
-        trainer.streamer.keep_resident(())  # the ring anew: as many more slots, the copies as far ahead
-        steppers = trainer.steppers  # a gradient buffer a unit of the segment
-        steppers.buffers = [torch.zeros_like(steppers.buffers[0]) for _ in range(length)]
-        steppers.last_landed = [InOrder()] * length
+        self.inputs = {}  # unit -> its inputs on the GPU until its backward: a start's from the forward, else remade
 
     def segment(self, u: int) -> range:  # the units of unit u's segment
         first = u - u % self.length
@@ -1928,13 +1921,52 @@ class SegmentInputs(KeptInputs):
         if u == self.segment(u)[0]:
             self.inputs[u] = tuple(x.detach() for x in xs)
 
+    def load(self, u: int, saved: tuple) -> tuple:  # unit u's inputs at its backward; the segment's last remakes all
+        if u not in self.inputs:
+            self.remake(self.segment(u)[0], u)
+        return self.inputs[u]
+
+    def remake(self, first: int, last: int) -> None:
+        """Run units first .. last - 1 forward again from the first's inputs: the inputs of first + 1 .. last."""
+        trainer, xs = self.trainer, self.inputs[first]
+        with torch.no_grad():
+            for v in range(first, last):
+                module = trainer.streamer.acquire(v)
+                xs = tuple(trainer.run_unit(v, module, x, k) for k, x in enumerate(xs))
+                trainer.streamer.release(v)
+                self.inputs[v + 1] = xs
+
+    def release(self, u: int) -> None:  # unit u's backward is issued: its inputs are freed once it has run
+        del self.inputs[u]
+
     def backward_order(self, n_units: int) -> list[int]:  # the units the backward runs, in order
         return segment_order(n_units, self.length)
 
 
+class SegmentGraphs(SegmentInputs):
+    """Segments whose backward runs at each segment's last unit (SegmentUnit), from its first's inputs a micro-batch at
+    a time through the segment's units with their graphs: the streamer holds the segment's units, Steppers has a
+    gradient buffer for each."""
+
+    def __init__(self, trainer: OffloadedTraining, length: int):
+        if trainer.streamer.resident:
+            raise ValueError("give segments before keeping units resident: the ring is made anew")
+        super().__init__(trainer, length)
+        self.together = length
+        trainer.function = SegmentUnit
+        trainer.streamer.held = length
+        trainer.streamer.keep_resident(())  # the ring anew: as many more slots, the copies as far ahead
+        steppers = trainer.steppers  # a gradient buffer a unit of the segment
+        steppers.buffers = [torch.zeros_like(steppers.buffers[0]) for _ in range(length)]
+        steppers.last_landed = [InOrder()] * length
+
+    def backward_order(self, n_units: int) -> list[int]:  # the units the backward runs, in order
+        return segment_order(n_units, self.length, remade=False)
+
+
 class SegmentUnit(StreamedUnit):
-    """StreamedUnit in segments: a segment's last unit runs the whole segment's backward (segment_backward) and returns
-    its first's input gradients, which the units before it pass on (none where the first is the embeddings)."""
+    """StreamedUnit in SegmentGraphs: a segment's last unit runs the whole segment's backward (segment_backward) and
+    returns its first's input gradients, which the units before it pass on (none where the first is the embeddings)."""
 
     @staticmethod
     def forward(ctx, trainer: OffloadedTraining, u: int, anchor: torch.Tensor, *xs: torch.Tensor):
@@ -1995,10 +2027,24 @@ def ring_slots(depth: int, held: int, streamed: int) -> int:  # a streamer's slo
     return min(copies_ahead(depth, held) + held, streamed)
 
 
-def segment_order(n_units: int, length: int) -> list[int]:
-    """The units a backward in segments of `length` runs, in order: the segments from the last, each first to last
-    (length 1: each unit alone, last first)."""
-    return [u for first in reversed(range(0, n_units, length)) for u in range(first, min(first + length, n_units))]
+def segment_order(n_units: int, length: int, remade: bool = True) -> list[int]:
+    """The units a backward in segments of `length` runs, in order: the segments from the last, each (remade) its
+    units but the last forward again, then each unit's backward, last first; or (not remade) its units first to last,
+    held at once. Length 1: each unit's backward alone, last first."""
+    order = []
+    for first in reversed(range(0, n_units, length)):
+        last = min(first + length, n_units) - 1
+        order += [*range(first, last), *reversed(range(first, last + 1))] if remade else [*range(first, last + 1)]
+    return order
+
+
+def remade_units(order: list[int]) -> list[int]:  # the units a backward running `order` runs forward again
+    return sorted(u for u, runs in collections.Counter(order).items() if runs > 1)
+
+
+def remade_before(order: list[int], u: int) -> list[int]:  # the units run forward again before unit u's backward
+    backward = len(order) - 1 - order[::-1].index(u)  # its last run
+    return [v for v in remade_units(order) if order.index(v) < backward]
 
 
 def step_copies(backward: list[int], resident, n_slots: int) -> list[int]:
@@ -2916,8 +2962,9 @@ class Plan:
     host: dict  # part -> bytes of one rank's peak host memory
     disk: int  # bytes on the --nvme disk, every rank of the host's
     modes: dict  # mode -> ModePlan, for the offloaded modes
-    segment: int = 1  # units a segment: only each segment's first keeps its inputs (SegmentInputs); 1: every unit
+    segment: int = 1  # units a segment: only each segment's first keeps its inputs; 1: every unit
     disk_units: tuple[int, ...] = ()  # the units whose Adam moments the disk tier keeps (disk_units)
+    remake: bool = False  # segments remake their inputs by their forwards run again (SegmentInputs), or SegmentGraphs
 
     @property
     def host_peak(self) -> int:  # the predicted peak host memory of one rank
@@ -2933,7 +2980,7 @@ class Plan:
     def described(self, mode: str, units: list[Unit]) -> dict:  # the mode's training placement, as a runner-up is
         placed = self.modes[mode]
         names = {f: unit_names(units, getattr(placed, f)) for f in ("keep", "resident", "gpu_adam")}
-        chosen = {"segment": self.segment, "disk_layers": self.disk_layers}
+        chosen = {"segment": self.segment, "remake": self.remake, "disk_layers": self.disk_layers}
         return names | {"step_ms": placed.step_ms, "peak_bytes": placed.training_peak} | chosen
 
 
@@ -2941,13 +2988,13 @@ def make_plan(run: RunConfig, config: LlamaConfig, facts: Facts) -> Plan:
     """The plan of `run` on the machine of `facts`, from these alone; DiskShort where the disk lacks room for it.
     Where every unit keeping its inputs does not fit, or leaves the inputs or moments on the host or the disk, the
     fastest that fits of it and each segment length, with the host's margin or without."""
-    given = run.segment or run.offload_activations  # --offload-activations keeps every unit's inputs, on the host
+    given = run.segment == 1 or run.offload_activations  # --offload-activations keeps every unit's inputs, on host
     if given or not offloaded_training(run):
         return segment_plan(dataclasses.replace(run, segment=run.segment or 1), config, facts)
     tried, shorts = [], []
-    for length, margin in [(1, HOST_MARGIN), (1, 0), *itertools.product(SEGMENTS, (HOST_MARGIN, 0))]:
+    for length, remake, margin in plan_candidates(run):
         try:  # without the host's margin, fewer layers' moments cross the disk
-            plan = segment_plan(dataclasses.replace(run, segment=length), config, facts, margin)
+            plan = segment_plan(dataclasses.replace(run, segment=length, remake_segments=remake), config, facts, margin)
         except DiskShort as error:  # the disk lacks room for this one's moments (segments may need fewer)
             shorts.append(error)
             continue
@@ -2958,12 +3005,23 @@ def make_plan(run: RunConfig, config: LlamaConfig, facts: Facts) -> Plan:
         raise min(shorts, key=lambda error: error.short)  # the plan that comes nearest: what to free for it
     # the fastest that fits; where none fits, every unit keeping its inputs (check_plan says what is short)
     best, *others = sorted(tried, key=lambda p: (not plan_fits(p), plan_step_ms(p) if plan_fits(p) else p.segment))
-    others = [p for p in others if (p.segment, p.disk_layers) != (best.segment, best.disk_layers)]  # margins alike
+    chosen = (best.segment, best.remake, best.disk_layers)
+    others = [p for p in others if (p.segment, p.remake, p.disk_layers) != chosen]  # margins alike
     if not others:
         return best
     units, other = model_units(config), others[0]
     modes = {m: dataclasses.replace(placed, runner_up=other.described(m, units)) for m, placed in best.modes.items()}
     return dataclasses.replace(best, modes=modes)
+
+
+def plan_candidates(run: RunConfig) -> list[tuple[int, bool, int]]:
+    """The (segment length, remade, host margin) plans make_plan weighs: --segment's in both ways (or remade), else
+    every unit keeping its inputs first, then each of SEGMENTS either way, each with the host's margin and without."""
+    ways = (True,) if run.remake_segments else (False, True)  # --remake-segments: remade
+    if run.segment:
+        return [(run.segment, remake, HOST_MARGIN) for remake in ways]
+    segments = itertools.product(SEGMENTS, ways, (HOST_MARGIN, 0))
+    return [(1, False, HOST_MARGIN), (1, False, 0), *segments]
 
 
 def plan_fits(plan: Plan) -> bool:  # whether the host holds the plan and each mode's training fits its GPU budget
@@ -3004,7 +3062,8 @@ def segment_plan(run: RunConfig, config: LlamaConfig, facts: Facts, margin: int 
     name = copy and str(copy).removeprefix("torch.")
     decided = (run.offload_activations, run.nvme_layers, name, buffers, threads, timeout, host, disk, modes)
     held = set().union(*(placed.resident for placed in modes.values()))  # no mode's resident unit goes to the disk
-    return Plan(facts, *decided, run.segment_units, disk_units(config, run.nvme_layers, held))
+    remake = run.remake_segments and run.segment_units > 1
+    return Plan(facts, *decided, run.segment_units, disk_units(config, run.nvme_layers, held), remake)
 
 
 def mode_plans(run: RunConfig, config: LlamaConfig, facts: Facts, copy, buffers: int) -> dict:
@@ -3015,7 +3074,7 @@ def mode_plans(run: RunConfig, config: LlamaConfig, facts: Facts, copy, buffers:
         tried = searched_placement(run, config, facts, m, copy, buffers) if run.train else []
         best = tried[0] if tried else Placement((), (), (), {}, True, {}, 0.0)
         training = best.resident, best.gpu_adam, best.gpu, best.fits, best.bound_ms, best.keep, best.step_ms
-        chosen = {"segment": run.segment, "disk_layers": run.nvme_layers}
+        chosen = {"segment": run.segment, "remake": run.remake_segments, "disk_layers": run.nvme_layers}
         runner_up = tried[1].described(model_units(config)) | chosen if len(tried) > 1 else {}
         modes[m] = ModePlan(mode_depth(m, run.prefetch), *inference, *training, runner_up)
     return modes
@@ -3036,7 +3095,8 @@ def say_plan(run: RunConfig, config: LlamaConfig, plan: Plan) -> None:
         log(f"activation offload on: the saved inputs ({saved}) do not fit the {cap} with the rest")
     if plan.segment > 1 and not run.segment:
         saved = size_text((config.num_hidden_layers + 2) * unit_inputs_bytes(run, config, plan.facts))
-        log(f"segments of {plan.segment} units on: the saved inputs ({saved}) fit neither the GPU nor the host")
+        how = segments_text(plan.segment, plan.remake).partition(", ")[2]
+        log(f"segments of {plan.segment} units on, {how}: the saved inputs ({saved}) fit neither the GPU nor the host")
     if offloaded_training(run) and run.torch_dtype != torch.float32 and plan.copy_dtype is None:
         copy, instead = size_text(run.torch_dtype.itemsize * sum(shards)), "the GPU streams the float32 masters"
         log(f"no room on the host for the {run.dtype} copy of the masters ({copy}): {instead} and casts them")
@@ -3325,7 +3385,7 @@ def training_parts(run, config, facts: Facts, depth: int, own_grads: bool, resid
     numels = [shard * facts.world for shard in shards]  # each unit whole on the GPU, its shards gathered
     on_gpu = [numels[u] for u in resident]
     streamed = [n for u, n in enumerate(numels) if u not in resident]
-    largest, parts = max(streamed, default=0), run.segment_units  # a gradient buffer a unit of a segment
+    largest, parts = max(streamed, default=0), run.held_units  # a gradient buffer a unit held
     grads = largest * grad.itemsize
     casts = copy is None and run.torch_dtype != torch.float32  # the staging buffer of LayerStreamer.cast_in
     # StreamedAdam's: its largest unit's gradients, two staging slots, a chunk of gradients made float32
@@ -3356,14 +3416,12 @@ def unplaced_bytes(run: RunConfig, config: LlamaConfig, facts: Facts, keep=()) -
         key = traced, kind, micro_batches_per_rank(run, facts), u in keep
         forward, backward, graphs[u] = traced_passes(*key)
         working[u] = forward, backward + extra.get(kind, 0)
-    if (
-        run.segment_units > 1
-    ):  # a segment's backward at its last unit: the others' graphs and gradients of a micro-batch
+    if run.held_units > 1:  # a segment's backward at its last unit: the others' graphs and gradients of a micro-batch
         for u, extra in segment_bytes(run, config, facts, kinds).items():
             working[u] = working[u][0], working[u][1] + extra
     # saved inputs as unit u runs (held_inputs) and the graphs before it; offloaded, the two still leaving in the
     # forward, none in the backward
-    saved = {(u, b): held_inputs(u, run.segment_units) * inputs for u in range(len(kinds)) for b in (0, 1)}
+    saved = {(u, b): held_inputs(u, run, b) * inputs for u in range(len(kinds)) for b in (0, 1)}
     if run.offload_activations:
         saved = {(u, b): 0 if b else min(u, 2) * inputs for u, b in saved}
     u, backward = max(saved, key=lambda ub: saved[ub] + sum(graphs[: ub[0]]) + working[ub[0]][ub[1]])
@@ -3376,10 +3434,14 @@ def unplaced_bytes(run: RunConfig, config: LlamaConfig, facts: Facts, keep=()) -
     return held | {"working set": working[u][backward], "other": other}
 
 
-def held_inputs(u: int, segment: int) -> int:
-    """How many units' inputs (hidden states; unit 0's ids aside) wait on the GPU as unit u runs, forward or back:
-    the segments' first units' up to u's."""
-    return u // segment
+def held_inputs(u: int, run: RunConfig, backward: bool) -> int:
+    """How many units' inputs (hidden states; unit 0's ids aside) wait on the GPU as unit u runs: the segments' first
+    units' up to u's, and in a backward that remakes them those of u's segment up to u's own (all from its first's)."""
+    segment = run.segment_units
+    first = u - u % segment
+    if not backward or not run.remake_segments:
+        return u // segment
+    return max(first // segment - 1, 0) + u - max(first, 1) + 1
 
 
 def segment_bytes(run: RunConfig, config: LlamaConfig, facts: Facts, kinds: list[str]) -> dict[int, int]:
@@ -3586,10 +3648,10 @@ def predicted_bound(run, config, facts: Facts, depth: int, resident, gpu_adam, c
     the GPU's work from the lowest CPU-stepped unit to the next gradients, as if that unit's update were its last."""
     rate, shards = dict(facts.rates), shard_numels(config, facts.ranks)
     streamed = [u for u in range(len(shards)) if u not in resident]
-    order = segment_order(len(shards), run.segment_units)
+    order = segment_order(len(shards), run.segment_units, run.remake_segments)
     on_gpu, on_cpu = sum(shards[u] for u in gpu_adam), sum(shards[u] for u in streamed if u not in gpu_adam)
     grad, copied = gradient_dtype(run).itemsize, copy.itemsize if copy else 0
-    slots = ring_slots(depth, run.segment_units, len(streamed))
+    slots = ring_slots(depth, run.held_units, len(streamed))
     weights = (copied or 4) * sum(shards[u] for u in step_copies(order, resident, slots))
     h2d, d2h = weights + 12 * on_gpu, grad * on_cpu + (12 + copied) * on_gpu
     adam = on_cpu * (24 + grad + copied)  # masters and moments read and written, gradients read, the copy written
@@ -3597,6 +3659,7 @@ def predicted_bound(run, config, facts: Facts, depth: int, resident, gpu_adam, c
     kinds = [unit.kind for unit in model_units(config)]
     each = {kind: unit_flops(run, config, kind) for kind in set(kinds)}  # a micro-batch's forward of a unit of the kind
     recomputed = pass_flops(run, config) - sum(each[kinds[u]] for u in keep)
+    recomputed += sum(each[kinds[u]] for u in remade_units(order))  # SegmentInputs' second forwards
     flops = (3 * pass_flops(run, config) + recomputed) * micro_batches_per_rank(run, facts)  # the backward twice
     tflops = rate["gpu_tflops"] / (8 if run.torch_dtype == torch.float32 else 1)
     moved = {"h2d": (h2d, "h2d_gbps"), "d2h": (d2h, "d2h_gbps"), "cpu_adam": (adam, "adam_gbps")}  # bytes, their rate
@@ -3611,8 +3674,9 @@ def predicted_bound(run, config, facts: Facts, depth: int, resident, gpu_adam, c
         forward = {kind: flops * micro_batches_per_rank(run, facts) for kind, flops in each.items()}
         first, last = min(cpu_units), max(cpu_units)
         chain = sum(forward[kinds[u]] for u in range(first, len(kinds)))
-        since = last - last % run.segment_units  # the backward of the last's whole segment, recompute and all
+        since = last - last % run.held_units  # the backwards run with the last's, recompute and all
         chain += sum((2 + (u not in keep)) * forward[kinds[u]] for u in range(since, len(kinds)))
+        chain += sum(forward[kinds[v]] for v in remade_before(order, last))  # and SegmentInputs' remade forwards
         copies = (copied or 4) * shards[first] / rate["h2d_gbps"] + grad * shards[last] / rate["d2h_gbps"]
         parts["cpu_adam_tail_ms"] = parts["cpu_adam_ms"] + chain / tflops / 1e9 + copies / 1e6
     return parts
@@ -3621,7 +3685,8 @@ def predicted_bound(run, config, facts: Facts, depth: int, resident, gpu_adam, c
 def check_plan(run: RunConfig, config: LlamaConfig, plan: Plan) -> None:
     """Refuse before allocating what the plan says won't fit: a GPU mode's least memory, the host's, a rank's peak."""
     run = dataclasses.replace(run, offload_activations=plan.offload_activations, nvme_layers=plan.disk_layers)
-    run = dataclasses.replace(run, segment=plan.segment, grad_accum=micro_batches_per_rank(run, plan.facts))
+    run = dataclasses.replace(run, segment=plan.segment, remake_segments=plan.remake)
+    run = dataclasses.replace(run, grad_accum=micro_batches_per_rank(run, plan.facts))
     known = plan.facts.gpu_bytes is not None  # else there is no GPU to check against
     needs = {mode: gpu_bytes_needed(run, config, mode) for mode in run.modes if mode != "cpu" and known}
     if needs:
@@ -3669,6 +3734,19 @@ def check_host(run: RunConfig, config: LlamaConfig, plan: Plan) -> None:
     raise UsageError(f"{needs}, {size_text(available)} to plan for ({short}; the largest parts: {parts}): {advice}")
 
 
+def runner_up_text(r: dict) -> str:  # a plan's runner-up (Plan.described), in words
+    text = f"{r['step_ms']:.0f} ms, peak GPU {gib(r['peak_bytes'])} GiB; resident {r['resident']}"
+    text += f"; GPU Adam {r['gpu_adam']}; keeping their graphs {r['keep']}; "
+    text += f"segments {segments_text(r['segment'] or 1, r['remake'])}; "
+    return text + f"moments of {r['disk_layers']} layers on the disk"
+
+
+def segments_text(length: int, remake: bool) -> str:  # a plan's segments, in words
+    if length == 1:
+        return "1"
+    return f"{length}, " + ("their inputs remade by their forwards run again" if remake else "a micro-batch at a time")
+
+
 def plan_table(plan: Plan, run: RunConfig, config: LlamaConfig) -> str:
     """The plan as one table: the machine it is made for, each decision, and what it predicts."""
     facts, units = plan.facts, model_units(config)
@@ -3679,7 +3757,7 @@ def plan_table(plan: Plan, run: RunConfig, config: LlamaConfig) -> str:
     if offloaded_training(run):  # the offloaded training state's decisions
         rows += [
             ("activation offload", "on" if plan.offload_activations else "off"),
-            ("segments: units a segment, only its first keeping its inputs", str(plan.segment)),
+            ("segments: units a segment, only its first keeping its inputs", segments_text(plan.segment, plan.remake)),
             ("Adam moments on the disk", f"{plan.disk_layers} decoder layers ({size_text(plan.disk)})"),
             ("the masters' copy the GPU streams", plan.copy_dtype or "none: the float32 masters, cast on the GPU"),
             ("pinned gradient buffers", f"{plan.grad_buffers} for {len(units)} units"),
@@ -3702,11 +3780,8 @@ def plan_table(plan: Plan, run: RunConfig, config: LlamaConfig) -> str:
             rows.append((f"{mode} training: peak GPU", peak))
             step = f"{placed.step_ms:.0f} ms, bound by {by.removesuffix('_ms')}: {bound}"
             rows.append((f"{mode} training: predicted step", step))
-            if r := placed.runner_up:
-                other = f"{r['step_ms']:.0f} ms, peak GPU {gib(r['peak_bytes'])} GiB; resident {r['resident']}"
-                other += f"; GPU Adam {r['gpu_adam']}; keeping their graphs {r['keep']}; segments {r['segment']}; "
-                other += f"moments of {r['disk_layers']} layers on the disk"
-                rows.append((f"{mode} training: runner-up", other))
+            if placed.runner_up:
+                rows.append((f"{mode} training: runner-up", runner_up_text(placed.runner_up)))
     lines = ["plan (--plan; predictions from the rates " + ", ".join(f"{k} {v:g}" for k, v in facts.rates) + ")", ""]
     return "\n".join([*lines, "| | |", "|---|---|", *(f"| {what} | {value} |" for what, value in rows)]) + "\n"
 
@@ -3764,9 +3839,9 @@ def gpu_bytes_needed(run: RunConfig, config: LlamaConfig, mode: str) -> int:
         return inference
     unit_numel = max(layer_bytes(config, dtype) // b, config.vocab_size * config.hidden_size)  # a layer or the head
     # the units' saved inputs: all, or with activation offload the ring of slots and two still being copied out
-    most = max(held_inputs(u, run.segment_units) for u in range(layers + 3))  # all but the ids: the segments' starts
+    most = max(held_inputs(u, run, True) for u in range(layers + 3))  # all but the ids, in one segment
     saved_units = min(depth + 1, layers + 2) + 2 if run.offload_activations else most
-    held = run.segment_units  # the slots and the float32 gradients
+    held = run.held_units  # the slots and the float32 gradients
     weights = ring_slots(depth, held, layers + 3) * unit_numel * b + 4 * unit_numel * held
     return max(inference, weights + saved_units * unit_inputs_bytes(run, config) + act)
 
@@ -3836,6 +3911,8 @@ def place_units(trainer: OffloadedTraining, run: RunConfig, mode: str, plan: Pla
     log(f"mode {mode}: units resident on the GPU: {', '.join(resident) or 'none'}; {adam}; {graphs}; {peak}")
     described = {"units": len(trainer.units), "resident_units": resident, "gpu_adam_units": gpu_adam}
     described |= {"kept_graph_units": kept, "predicted_step_ms": placed.step_ms, "runner_up": placed.runner_up}
+    remade = remade_units(trainer.inputs.backward_order(len(trainer.units)))  # SegmentInputs: run forward again
+    described["remade_units"] = [trainer.units[u].name for u in remade]
     return described | {"predicted_peak_bytes": placed.training_peak, "predicted_parts": placed.training_gpu}
 
 
@@ -4104,7 +4181,8 @@ def step_rates(run: RunConfig, config: LlamaConfig, mode: str, result: dict) -> 
     seconds = result["time_ms"] / 1e3
     tokens = result["tokens_per_step"] // run.ranks.world  # a GPU's
     # executed, in each pass: 2 FLOPs a token for each matmul parameter, and causal attention's; the backward is two
-    # passes, and every unit but those keeping their graphs (the gpu mode: all) runs its forward again
+    # passes, and every unit but those keeping their graphs (the gpu mode: all) runs its forward again, and in
+    # SegmentInputs the segments' units but their last once more, for the next unit's inputs
     head = config.vocab_size * config.hidden_size
     layers = config.num_hidden_layers
     matmul_params = param_count(config) - (0 if config.tie_word_embeddings else head)
@@ -4113,6 +4191,7 @@ def step_rates(run: RunConfig, config: LlamaConfig, mode: str, result: dict) -> 
     forward = {unit.name: flops[unit.kind] for unit in model_units(config) if unit.kind in flops}
     kept = set(forward) if mode == "gpu" else set(result.get("kept_graph_units", ()))
     recomputed = sum(n for name, n in forward.items() if name not in kept)
+    recomputed += sum(forward.get(name, 0) for name in result.get("remade_units", ()))
     rates = {"model_tflops": 6 * param_count(config) * tokens / seconds / 1e12}
     rates["executed_tflops"] = (3 * sum(forward.values()) + recomputed) / seconds / 1e12
     peak = dense_peak_flops()
@@ -4161,6 +4240,7 @@ def train_bound_parts(trainer: OffloadedTraining, micro_batches, device) -> dict
     """The bound's parts as functions to time alone (name -> (device, fn)), made anew each round (train_bound's)."""
     fns, (on_cpu, _) = {}, cpu_and_gpu_adam_units(trainer)
     forwards = not trainer.blocked and (trainer.holds_updates or bool(on_cpu))  # train_bound's held bound or chain
+    forwards = forwards or bool(remade_units(trainer.inputs.backward_order(len(trainer.units))))  # segments' too
     for name, (u, _) in compute_groups(trainer).items():  # one unit of each kind, recomputed or keeping its graphs
         forward, backward = unit_passes(trainer, u, micro_batches, device)
         fns[name] = (device, Compute(lambda forward=forward, backward=backward: backward(forward())))
@@ -4293,6 +4373,8 @@ def train_bound(trainer: OffloadedTraining, best: dict[str, float], in_step_adam
     on_cpu, on_gpu = cpu_and_gpu_adam_units(trainer)
     groups = compute_groups(trainer)
     parts = {"gpu_compute_ms": sum(count * best[name] for name, (_, count) in groups.items())}
+    remade = remade_units(trainer.inputs.backward_order(len(trainer.units)))  # run forward again: SegmentInputs
+    parts["gpu_compute_ms"] += sum(best[f"{compute_group(trainer, u)}_forward"] for u in remade)
     disk_bytes, figures = 0, {}
     if "resident_adam" in best:  # on the compute stream, between the passes
         parts["gpu_compute_ms"] += best["resident_adam"]
@@ -4333,8 +4415,9 @@ def adam_chain_ms(trainer: OffloadedTraining, on_cpu: dict[int, int], best: dict
     last, n, store = max(on_cpu), len(trainer.units), trainer.store
     forward = [best[f"{compute_group(trainer, u)}_forward"] for u in range(n)]
     h2d = {u: store.weights[u].nbytes / figures["h2d_bytes"] * best["h2d"] for u in on_cpu}
-    since = last - last % trainer.inputs.length  # the backward of the last's whole segment
+    since = last - last % trainer.inputs.together  # the backward of the units whose backwards run with the last's
     backward = sum(best[compute_group(trainer, u)] - forward[u] for u in range(since, n))
+    backward += sum(forward[v] for v in remade_before(trainer.inputs.backward_order(n), last))  # segments' remakes
     d2h = on_cpu[last] * store.grad_dtype.itemsize / figures["d2h_bytes"] * best["d2h"]
     return min(h2d[u] + sum(forward[u:]) for u in on_cpu) + backward + d2h
 
@@ -5214,7 +5297,7 @@ RECORD_COUNTS |= {"batch_size": (1, 2**63), "seq_len": (1, 2**63)}  # least: its
 BATCH_KEYS = ("grad_accum", "batch_size", "seq_len", "seed", "eval_fraction")  # seed, eval_fraction: held-out blocks
 SAVE_SHARD = "2GB"  # save_pretrained's shard size: a safetensors writer may hold a whole shard's bytes in memory
 PLAN_FLAGS = ("max_gpu_memory", "max_host_memory", "prefetch", "resident_layers", "gpu_adam_share")
-PLAN_FLAGS += ("offload_activations", "segment", "nvme", "nvme_layers", "rank_timeout")
+PLAN_FLAGS += ("offload_activations", "segment", "remake_segments", "nvme", "nvme_layers", "rank_timeout")
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # what ends a run early, every output whole or absent
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")  # a unit's float32 state in a checkpoint, beside its step
 
@@ -5680,6 +5763,7 @@ class RunConfig(Config):
     gpu_adam_share: float | None = None  # overlapped training: of the streamed parameters, the GPU Adam's share
     offload_activations: bool = False  # the units' saved inputs wait in pinned host memory, not on the GPU
     segment: int | None = None  # units a segment: only its first keeps its inputs, the rest recomputed (the plan's)
+    remake_segments: bool = False  # segments remake their inputs by their forwards run again (else the plan's way)
     max_host_memory: float | None = None  # GiB; the host memory the run plans for, at most (default: MemAvailable)
     nvme: str | None = None  # a folder on a local disk: the disk tier keeps Adam moments there
     nvme_layers: int | None = None  # decoder layers whose Adam moments live on the disk (planned: disk_units)
@@ -5732,6 +5816,10 @@ class RunConfig(Config):
     @property
     def segment_units(self) -> int:  # units a segment: --segment, or the plan's; 1 where neither says
         return self.segment or 1
+
+    @property
+    def held_units(self) -> int:  # units whose backwards run at once, held on the GPU: a segment's in SegmentGraphs
+        return 1 if self.remake_segments else self.segment_units
 
     @property
     def gpu_adam(self) -> float:  # the GPU Adam's share: --gpu-adam-share, or 0 if updates wait, or GPU_ADAM_SHARE
@@ -5881,9 +5969,12 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     acts = "keep the units' saved inputs in pinned host memory (turned on by itself when they would not fit the cap)"
     t.add_argument("--offload-activations", action="store_true", help=acts)
     segment = "offloaded: keep the inputs of every Nth unit only, the backward running each segment of N units from "
-    segment += "them a micro-batch at a time (default: the plan's: 1, or where the saved inputs fit neither the cap "
-    segment += "nor the host, the fastest that fits)"
+    segment += "them a micro-batch at a time, or remade (default: the plan's: 1, or where the saved inputs fit neither "
+    segment += "the cap nor the host, the fastest that fits)"
     t.add_argument("--segment", type=int, metavar="N", help=segment)
+    remake = "offloaded: segments remake their units' inputs by running their forwards again: less GPU memory than a "
+    remake += "micro-batch at a time with their graphs, more compute; else the plan weighs both ways"
+    t.add_argument("--remake-segments", action="store_true", help=remake)
     t.add_argument("--lr", type=float, default=RunConfig.lr, help="Adam's learning rate")
     betas = "Adam's moment decays"
     t.add_argument("--betas", type=float, nargs=2, default=RunConfig.betas, metavar=("BETA1", "BETA2"), help=betas)
@@ -6025,6 +6116,10 @@ def check_values(p: Parser, a: argparse.Namespace) -> None:
         p.error("--gpu-adam-share must be 0 with --clip-grad-norm: the norm must see every gradient before any step")
     if a.segment and a.segment > 1 and a.offload_activations:
         p.error("--segment recomputes the inputs --offload-activations would keep on the host: give one of them")
+    if a.remake_segments and (a.offload_activations or a.segment == 1):
+        p.error(
+            "--remake-segments remakes the inputs of segments, which --offload-activations or --segment 1 leave out"
+        )
     if a.train and a.seq_len == 1:
         p.error("--seq-len must be at least 2 with --train: each token is trained to predict the next")
     if any(not prompt for prompt in a.sample):
@@ -6043,12 +6138,14 @@ def reads_jsonl(a: argparse.Namespace, modes) -> bool:  # whether --data may hol
 
 
 TRAINING_FLAGS = ("steps", "grad_accum", "inference", "fwd_bwd_reference", "lr", "betas", "eps", "weight_decay")
-TRAINING_FLAGS += ("clip_grad_norm", "offload_activations", "segment", "gpu_adam_share", "nvme", "data", "sample")
+TRAINING_FLAGS += ("clip_grad_norm", "offload_activations", "segment", "remake_segments", "gpu_adam_share")
+TRAINING_FLAGS += ("nvme", "data")
+TRAINING_FLAGS += ("sample",)
 TRAINING_FLAGS += ("save_pretrained", "checkpoint", "resume")
 DATA_FLAGS = ("data_glob", "text_field", "skip_undecodable", "train_tokenizer", "data_cache", "eval_fraction")
 DATA_FLAGS += ("epochs", "eval_every")
 OVERLAPPED_FLAGS = ("prefetch", "resident_layers", "gpu_adam_share")
-OFFLOADED_FLAGS = ("profile", "offload_activations", "segment", "nvme")
+OFFLOADED_FLAGS = ("profile", "offload_activations", "segment", "remake_segments", "nvme")
 GPU_FLAGS = ("max_gpu_memory", "repeat")
 FLAG_NEEDS = (  # flags (argparse dests), what they need to do anything, how to give it, whether run a (modes m) has it
     (TRAINING_FLAGS, ("--train", "add --train", lambda a, m: a.train)),
@@ -6565,7 +6662,7 @@ def make_trainer(mode: str, model, masters: OffloadedAdam | None, micro_batches,
     if plan.offload_activations:
         trainer.inputs = ActivationOffload(trainer, len(micro_batches), tuple(micro_batches[0].shape))
     elif plan.segment > 1:
-        trainer.inputs = SegmentInputs(trainer, plan.segment)
+        trainer.inputs = (SegmentInputs if plan.remake else SegmentGraphs)(trainer, plan.segment)
     masters.setup_s["trainer"] = time.perf_counter() - t0  # the GPU's ring and buffers, the saved inputs' host ones
     return trainer
 

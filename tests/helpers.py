@@ -141,6 +141,7 @@ def offloaded_trainer(
     keep=(),
     masters_on_device=False,
     segment=1,
+    remake=False,
 ):
     """The blocked (depth 0) or overlapped training of `model` on `device`, as the CLI builds it; offload: the units'
     saved inputs wait on the host (--offload-activations); grad_buffers: a shared gradient pool of that many; copy:
@@ -151,7 +152,8 @@ def offloaded_trainer(
     largest norm (--clip-grad-norm); disk: (folder, units) whose moments a disk tier keeps there (--nvme); keep: the
     units whose forward keeps its graph for the backward (no recompute); masters_on_device: the resident units' float32
     masters live on the device alone, as for units resident in every mode; segment: units a segment, only the first
-    of each keeping its inputs (--segment)."""
+    of each keeping its inputs (--segment), the backward a micro-batch at a time with the segment's graphs (remake:
+    running the segment's forwards again, SegmentInputs)."""
     adam = adam or ol.Adam(lr=1e-3)
     dtype = next(model.parameters()).dtype
     run = ol.RunConfig(dtype=str(dtype).removeprefix("torch."), grad_accum=len(micro_batches))
@@ -168,7 +170,7 @@ def offloaded_trainer(
     if offload:
         trainer.inputs = ol.ActivationOffload(trainer, len(micro_batches), tuple(micro_batches[0].shape))
     if segment > 1:
-        trainer.inputs = ol.SegmentInputs(trainer, segment)
+        trainer.inputs = (ol.SegmentInputs if remake else ol.SegmentGraphs)(trainer, segment)
     if resident or gpu_adam:
         ol.place_on_gpu(trainer, resident, gpu_adam, own_grads)
     return trainer

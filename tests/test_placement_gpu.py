@@ -132,7 +132,8 @@ TRAINING = {
     "cap 4": ["--max-gpu-memory", 4],
     "accumulation": ACCUM,
     "accumulation, activation offload": [*ACCUM, "--offload-activations"],
-    "accumulation, segments of 3": [*ACCUM, "--segment", 3],
+    "accumulation, segments of 3": [*ACCUM, "--segment", 3],  # the plan's way of the two
+    "accumulation, segments of 3 remade": [*ACCUM, "--segment", 3, "--remake-segments"],
     "accumulation, cap 2.5": [*ACCUM, "--max-gpu-memory", 2.5],
     "accumulation, cap 2.5, no host copy": [*ACCUM, "--max-gpu-memory", 2.5, "--max-host-memory", low_host_gib()],
 }

@@ -1,6 +1,7 @@
 """--plan: the plan and its predictions, printed without allocating, for this machine or one the flags describe; and
 against a CPU run's measured host peak."""
 
+import contextlib
 import json
 
 import pytest
@@ -88,7 +89,8 @@ def test_segments_where_every_units_inputs_fit_neither_the_gpu_nor_the_host(caps
     assert sum(plan["host"].values()) <= 16 * ol.GiB * (100 - ol.HOST_SLACK) // 100 and 0 < plan["disk_layers"] < 48
     assert sum(overlapped["training_gpu"].values()) <= 11 * ol.GiB - ol.PLAN_MARGIN
     assert overlapped["runner_up"]["segment"] > 1 and overlapped["runner_up"]["step_ms"] >= overlapped["step_ms"]
-    assert f"| segments: units a segment, only its first keeping its inputs | {plan['segment']} |" in out
+    segments = ol.segments_text(plan["segment"], plan["remake"])
+    assert f"| segments: units a segment, only its first keeping its inputs | {segments} |" in out
 
 
 def test_units_resident_in_every_mode_hold_no_master_on_the_host(capsys, tmp_path):
@@ -372,3 +374,31 @@ def test_a_cap_the_margin_takes_whole_says_so(capsys):
     limit = "the --max-gpu-memory cap of 0.5 GiB less the plan's 0.50 GiB for the allocator's fragmentation"
     assert code == 0, err
     assert f"(does not fit {limit})" in out and f"training does not fit {limit}: a run reports it OOM" in err
+
+
+def test_the_plan_weighs_segments_remade_against_a_micro_batch_at_a_time():
+    """The two ways of a backward in segments trade GPU compute for GPU memory, and the search weighs both at each
+    length. 88 LLaMA-7B layers at 64 x 1024 tokens under 130 GiB on a described H200 take segments a micro-batch at a
+    time: no forward runs twice, faster than the fastest remade. 104 with --nvme and 119 GiB of host take segments
+    remade: their smaller GPU peak leaves room for more resident units and fewer layers' moments on the disk, whose
+    traffic bounds the step."""
+    run = ol.RunConfig(mode="overlapped", train=True, inference=False, grad_accum=16, batch_size=4, seq_len=1024)
+    run = ol.dataclasses.replace(run, preset="llama-7b", max_gpu_memory=130)
+    for layers, host, disk, remade in ((88, 124.8, None, False), (104, 118.9, 60 * ol.GiB, True)):
+        layered = ol.dataclasses.replace(run, sizes=(("num_hidden_layers", layers),), nvme=disk and "/nvme")
+        config = ol.llama_config(layered)
+        facts = machine(gpu_gib=139.8, host_gib=host, disk_bytes=disk, process=ol.PROCESS_BYTES)
+        plan = ol.make_plan(layered, config, facts)
+        assert plan.segment > 1 and plan.remake == remade and ol.plan_fits(plan), layers
+        others = []  # the other way's plans at each length that the disk has room for
+        for n in ol.SEGMENTS:
+            with contextlib.suppress(ol.DiskShort):
+                others.append(
+                    ol.segment_plan(
+                        ol.dataclasses.replace(layered, segment=n, remake_segments=not remade), config, facts
+                    )
+                )
+        other = min((p for p in others if ol.plan_fits(p)), key=ol.plan_step_ms)
+        assert ol.plan_step_ms(plan) < ol.plan_step_ms(other), layers
+        if remade:
+            assert plan.disk_layers < other.disk_layers

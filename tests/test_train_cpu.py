@@ -444,15 +444,16 @@ def test_activation_offload_changes_no_bit(depth, k):
     assert offloaded[3] == kept[3]
 
 
+@pytest.mark.parametrize("remake", [False, True])
 @pytest.mark.parametrize("k", [1, 2])
 @pytest.mark.parametrize("depth, segment", [(0, 2), (1, 2), (1, 3), (2, 4), (1, 99)])
-def test_segments_change_no_bit(depth, segment, k):
+def test_segments_change_no_bit(depth, segment, k, remake):
     """Only each segment's first unit keeping its inputs, each segment's backward run micro-batch by micro-batch from
-    them: the same gradients, masters and losses as every unit keeping its own; each unit runs once a pass, the
-    backward's segments from the last, each first to last, and no inputs are left."""
+    them, or the rest remade by running the segment's forwards again: the same gradients, masters and losses as every
+    unit keeping its own; the backward copies each unit once a run, and no inputs are left."""
     model, batches = tiny_batches(k)
     kept = train(offloaded_trainer(model, "cpu", depth, batches), batches, 3)
-    trainer = offloaded_trainer(model, "cpu", depth, batches, segment=segment)
+    trainer = offloaded_trainer(model, "cpu", depth, batches, segment=segment, remake=remake)
     copies = []
     prefetch = trainer.streamer.prefetch
     trainer.streamer.prefetch = lambda p: (copies.append(trainer.streamer.window.units[p]), prefetch(p))
@@ -461,19 +462,23 @@ def test_segments_change_no_bit(depth, segment, k):
         assert all(torch.equal(t, theirs[name]) for name, t in ours.items())
     assert segmented[3] == kept[3]
     n = len(trainer.units)
-    order = ol.segment_order(n, segment)
-    assert len(copies) == 3 * 2 * n and not trainer.inputs.inputs  # each run asked for; none left
+    order = trainer.inputs.backward_order(n)
+    assert len(copies) == 3 * (n + len(order)) and not trainer.inputs.inputs  # each run asked for; none left
     starts = list(reversed(range(0, n, segment)))
-    assert order == [u for first in starts for u in range(first, min(first + segment, n))]
+    if remake:
+        assert ol.remade_units(order) == [u for u in range(n - 1) if u % segment < segment - 1]
+    else:
+        assert order == [u for first in starts for u in range(first, min(first + segment, n))]
 
 
-def test_segments_keep_no_graphs_and_a_pass_from_the_slots_is_not_run_again():
+@pytest.mark.parametrize("remake", [False, True])
+def test_segments_keep_no_graphs_and_a_pass_from_the_slots_is_not_run_again(remake):
     """A graph kept over its forward's slot, which a backward in segments may not run from again, is refused; so is
     running again a pass begun from the units the slots hold (its first copies skipped)."""
     model, batches = tiny_batches(1)
     with pytest.raises(ValueError, match="keep no graphs"):
-        offloaded_trainer(model, "cpu", 1, batches, keep=(1,), segment=2)
-    trainer = offloaded_trainer(model, "cpu", 1, batches, segment=2)
+        offloaded_trainer(model, "cpu", 1, batches, keep=(1,), segment=2, remake=remake)
+    trainer = offloaded_trainer(model, "cpu", 1, batches, segment=2, remake=remake)
     streamer, n = trainer.streamer, len(trainer.units)
     for order, current in ((range(n), False), (trainer.inputs.backward_order(n), True)):
         streamer.begin(order, current=current)  # the backward from the units the forward left in the slots
@@ -486,14 +491,26 @@ def test_segments_keep_no_graphs_and_a_pass_from_the_slots_is_not_run_again():
     trainer.finish()
 
 
+def test_segment_window_reuses_slots_only_past_their_release():
+    """A backward that remakes segments runs units twice: each copy goes to a slot last run from at least a ring's
+    length of positions back (its release recorded, S2), or the unit is still in its slot and is not copied."""
+    for n_slots, segment in itertools.product([1, 2, 3, 4], [1, 2, 3, 5, 8]):
+        forward = ol.CopyWindow.over(range(11), (), [None] * n_slots, range(n_slots))
+        window = ol.CopyWindow.over(ol.segment_order(11, segment), (), forward.holds, forward.recent)
+        last = {}  # slot -> the position last run from it
+        for p, s in enumerate(window.slots):
+            assert p in window.kept or p - last.get(s, -n_slots) >= n_slots, (n_slots, segment, p)
+            last[s] = p
+
+
 def test_segment_window_copies_only_into_slots_no_unit_of_the_segment_holds():
-    """A backward in segments holds a segment's units at once, its copies running as many more ahead: each copy
+    """A backward in SegmentGraphs holds a segment's units at once, its copies running as many more ahead: each copy
     issued while a segment is held goes to a slot last run from before the segment began (its release recorded, S2),
     or the unit is still in its slot and is not copied."""
     for depth, segment in itertools.product([0, 1, 2], [1, 2, 3, 5, 8]):
         n_slots, ahead = ol.ring_slots(depth, segment, 11), ol.copies_ahead(depth, segment)
         forward = ol.CopyWindow.over(range(11), (), [None] * n_slots, range(n_slots))
-        window = ol.CopyWindow.over(ol.segment_order(11, segment), (), forward.holds, forward.recent)
+        window = ol.CopyWindow.over(ol.segment_order(11, segment, remade=False), (), forward.holds, forward.recent)
         slots = window.slots  # each position's
         for first in range(0, 11, segment):
             held = [p for p, u in enumerate(window.units) if first <= u < first + segment]  # the segment's positions
@@ -840,25 +857,34 @@ def test_an_overlapped_step_is_bound_by_the_cpu_adam_then_the_least_chain_to_its
     trainer.finish()
 
 
-def test_segments_add_no_compute_and_their_last_units_chain_waits_for_the_whole_segment():
-    """In segments of 2 no forward runs twice: the bound's compute is that without segments, its copies those its
-    windows issue; the chain to the head's gradients gains the norm's backward, which the head's segment runs before
-    its gradients leave."""
+def test_segments_bound_counts_remade_forwards_or_the_whole_segments_backward():
+    """In segments of 2 remade, the backward runs the embeddings, layer 1 and the norm forward again: the bound's
+    compute gains their forwards, and the chain to the head's gradients the norm's, remade before the head's backward;
+    a micro-batch at a time, no forward runs twice and the chain gains the norm's backward, which the head's segment
+    runs before its gradients leave. The copies are those the windows issue."""
     model, batches = tiny_batches(1)
     forward = {"embed": 0.5, "layer": 1.0, "norm": 0.25, "head": 2.0}
     best = {kind: 3 * ms for kind, ms in forward.items()} | {f"{kind}_forward": ms for kind, ms in forward.items()}
     best |= {"h2d": 1e-9, "d2h": 1.0, "adam": 2.0, "adam_small": 0.5, "host": 2.5}
-    figures = {}
-    for segment in (1, 2):
-        trainer = offloaded_trainer(model, CPU, 1, batches, segment=segment)
+    figures, slots = {}, {}
+    for segment, remake in ((1, False), (2, True), (2, False)):
+        trainer = offloaded_trainer(model, CPU, 1, batches, segment=segment, remake=remake)
         result = {"time_ms": 1e6, "bound_parts_ms": {name: [ms] for name, ms in best.items()}}
-        figures[segment] = ol.training_figures(trainer, result)
+        figures[segment, remake], slots[segment, remake] = (
+            ol.training_figures(trainer, result),
+            trainer.streamer.n_slots,
+        )
         trainer.finish()
     assert len(trainer.units) == 6  # (0, 1), (2, 3), (4, 5): the norm and the head one segment
-    assert figures[2]["gpu_compute_ms"] == pytest.approx(figures[1]["gpu_compute_ms"])
-    assert figures[2]["adam_chain_ms"] == pytest.approx(figures[1]["adam_chain_ms"] + 2 * forward["norm"])
-    copied = ol.step_copies(ol.segment_order(6, 2), (), ol.ring_slots(1, 2, 6))  # 4 slots: more left from the forward
-    assert figures[2]["h2d_bytes"] == sum(trainer.store.weights[u].nbytes for u in copied) < figures[1]["h2d_bytes"]
+    plain, remade, graphs = figures[1, False], figures[2, True], figures[2, False]
+    assert remade["gpu_compute_ms"] == pytest.approx(plain["gpu_compute_ms"] + 0.5 + 1.0 + 0.25)
+    assert remade["adam_chain_ms"] == pytest.approx(plain["adam_chain_ms"] + forward["norm"])
+    assert graphs["gpu_compute_ms"] == pytest.approx(plain["gpu_compute_ms"])
+    assert graphs["adam_chain_ms"] == pytest.approx(plain["adam_chain_ms"] + 2 * forward["norm"])
+    assert slots == {(1, False): 2, (2, True): 2, (2, False): 4}  # a micro-batch at a time: 2 held and 2 ahead
+    for (segment, remake), t in figures.items():
+        copied = ol.step_copies(ol.segment_order(6, segment, remake), (), slots[segment, remake])
+        assert t["h2d_bytes"] == sum(trainer.store.weights[u].nbytes for u in copied)
 
 
 def test_a_blocked_step_is_bound_by_the_sum_of_its_parts():
@@ -897,7 +923,8 @@ def test_the_bound_scales_up_the_cpu_adams_parameters_not_its_calls():
 
 def test_executed_flops_count_the_recompute_only_of_units_that_do_not_keep_their_graphs(monkeypatch):
     """A step executes three passes of each unit, and a fourth of each recomputed one: the offloaded step recomputing
-    all executes 4/3 of the gpu mode's FLOPs, one keeping every graph as many as it."""
+    all executes 4/3 of the gpu mode's FLOPs, one keeping every graph as many as it; segments remade run a fifth of
+    each unit they remake (the units before each segment's last), as the trainer's backward order says."""
     monkeypatch.setattr(ol, "dense_peak_flops", lambda: None)  # no GPU here to name
     run = tiny_run()
     config = build(run)[0].config
@@ -910,6 +937,15 @@ def test_executed_flops_count_the_recompute_only_of_units_that_do_not_keep_their
     assert executed("overlapped", []) == pytest.approx(4 / 3 * executed("gpu", []))
     assert executed("overlapped", every) == pytest.approx(executed("gpu", []))
     assert executed("gpu", []) < executed("overlapped", every[:1]) < executed("overlapped", [])
+    model, batches = tiny_batches(1)
+    trainer = offloaded_trainer(model, CPU, 1, batches, segment=2, remake=True)
+    remade = ol.remade_units(trainer.inputs.backward_order(len(trainer.units)))
+    trainer.finish()
+    names = [trainer.units[u].name for u in remade]
+    assert names == ["model.embed_tokens", "model.layers.1", "model.norm"]  # of (0, 1), (2, 3), (4, 5): a layer's FLOPs
+    per_layer = executed("overlapped", []) - executed("overlapped", ["model.layers.0"])  # a layer's fourth pass
+    with_segments = ol.step_rates(run, config, "overlapped", result | {"kept_graph_units": [], "remade_units": names})
+    assert with_segments["executed_tflops"] == pytest.approx(executed("overlapped", []) + per_layer)
 
 
 def test_a_cpu_adam_timed_alone_slower_than_in_the_steps_is_a_failed_measurement():

@@ -196,14 +196,18 @@ def test_units_keeping_their_graphs_give_gpu_modes_grads(depth, k):
 INPUTS = {  # where the units' saved inputs wait: depth, and offloaded_trainer's arguments
     **{f"on the host, depth {d}": (d, {"offload": True}) for d in (0, 1, 2)},
     **{f"in segments of {n}, depth {d}": (d, {"segment": n}) for d, n in ((0, 2), (1, 3), (2, 2), (2, 5))},
+    **{
+        f"in segments of {n} remade, depth {d}": (d, {"segment": n, "remake": True})
+        for d, n in ((0, 2), (1, 3), (2, 5))
+    },
 }
 
 
 @pytest.mark.parametrize("k", [1, 2])
 @pytest.mark.parametrize("inputs", INPUTS)
 def test_saved_inputs_elsewhere_give_gpu_modes_grads(inputs, k):
-    """The units' inputs through the host pool and back, or only each segment's first unit keeping them and the
-    rest remade in the backward: gpu mode's gradients, bit for bit."""
+    """The units' inputs through the host pool and back, or only each segment's first unit keeping them, the segment's
+    backward a micro-batch at a time or the rest remade: gpu mode's gradients, bit for bit."""
     depth, kwargs = INPUTS[inputs]
     model, batches = model_and_batches(SMALL, k=k)
     trainer = offloaded_trainer(model, CUDA, depth, batches, pin=True, **kwargs)
@@ -295,15 +299,16 @@ def drop_slot_freed_wait(trainer):
     trainer.streamer.freed = [ol.InOrder() for _ in trainer.streamer.freed]
 
 
+@pytest.mark.parametrize("remake", [False, True])
 @pytest.mark.parametrize("depth", [1, 2])
-def test_race_segments_copy_into_a_slot_after_its_release(depth):
+def test_race_segments_copy_into_a_slot_after_its_release(depth, remake):
     """A segment's backward holds its units in their slots while the next segment's copies go ahead into the slots run
-    from least recently: with a stretched backward each still waits for its slot's release (S2) and gives gpu mode's
-    gradients; without the wait it overwrites weights still in use."""
+    from least recently, or (remade) runs units twice: with a stretched backward each copy still waits for its slot's
+    release (S2) and gives gpu mode's gradients; without the wait it overwrites weights still in use."""
     model, batches = model_and_batches(THIN, seq_len=16, batch_size=1)
     ref_grads, *_ = reference(model, batches, steps=1)
     for hook, should_match in ((stretch_backward, True), (drop_slot_freed_wait, False)):
-        trainer = offloaded_trainer(model, CUDA, depth, batches, pin=True, reuse=True, segment=3)
+        trainer = offloaded_trainer(model, CUDA, depth, batches, pin=True, reuse=True, segment=3, remake=remake)
         hook(trainer)
         grads, *_ = train(trainer, batches, 1)
         matches = all(torch.equal(g, ref_grads[name]) for name, g in grads.items())
