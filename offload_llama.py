@@ -11,15 +11,15 @@ The file by line, the assignment first; each section beyond it says what it adds
     200  gpu and cpu inference                   infer_resident, timed
     244  streams, events and pinned host memory  new_stream, host_zeros_each
     327  blocked and overlapped offload          every wait (S1-S16), ParamStore, LayerStreamer
-    690  training: the autograd.Function         StreamedUnit, OffloadedTraining
-    988  the offloaded Adam                      OffloadedAdam, CpuAdam, Steppers
-   1369  the reference                           ResidentTraining
-   1421  Table 1 and Table 2                     tables
-   1498  # === Beyond the assignment ===
-        the compiled Adam 1501, the GPU's Adam 1602, activation offload 1830, segment checkpointing 1895
-        float16 and clipping 2058, the disk tier 2141, several GPUs 2412, a model folder 2656, the plan 2850
-        measurement 3927, the tables' notes 4595, text in 4789, saving and resuming 5287, the command line 5750
-        running a mode 6647, the run 6814
+    692  training: the autograd.Function         StreamedUnit, OffloadedTraining
+    990  the offloaded Adam                      OffloadedAdam, CpuAdam, Steppers
+   1371  the reference                           ResidentTraining
+   1423  Table 1 and Table 2                     tables
+   1500  # === Beyond the assignment ===
+        the compiled Adam 1503, the GPU's Adam 1604, activation offload 1832, segment checkpointing 1897
+        float16 and clipping 2062, the disk tier 2145, several GPUs 2416, a model folder 2667, the plan 2861
+        measurement 3939, the tables' notes 4607, text in 4801, saving and resuming 5299, the command line 5762
+        running a mode 6659, the run 6826
 """
 
 from __future__ import annotations
@@ -332,33 +332,35 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 # copy (weights in), D2H (gradients out; blocked's is compute), gather (several GPUs'); threads: main, autograd's, Adam.
 # Blocked against overlapped, in training: one slot, D2H on compute, holds_updates (the Adam after S11), wait_all (S4).
 # A unit's copy first calls wait_written: CpuAdam's blocks the host (S4), StreamedAdam's the copy stream (S13).
-#   S1   [583 617 2544 2546 4397] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
+#   S1   [585 619 2548 2550 4409] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
 #        gather); waited on by acquire on compute. Slot s is not read before its unit landed.
-#   S2   [466 578 625 4397] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s
+#   S2   [468 580 627 4409] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s
 #        is not overwritten while a unit reads it.
-#   S3   [601] landed, CUDA event. Recorded by wait_copies on copy and gather; waited on by compute (keep_resident) or
+#   S3   [603] landed, CUDA event. Recorded by wait_copies on copy and gather; waited on by compute (keep_resident) or
 #        timed's end. A ring is not freed, nor a time ended, under a copy.
-#   S4   [576 893 1263 1273 1314] done[u], thread event. Cleared by CpuAdam.update, set by the worker once unit u's
+#   S4   [578 895 1265 1275 1316] done[u], thread event. Cleared by CpuAdam.update, set by the worker once unit u's
 #        update is written; waited on by wait_written (in prefetch) and wait_all (main: blocked's step ends there);
 #        polled by written (CopyWindow issues ready copies first). A host source is not copied or saved mid-update.
-#   S5   [861 1247 1783 2565] ready, CUDA event. Recorded by OffloadedTraining.send on compute after the unit's
+#   S5   [863 1249 1785 2570] ready, CUDA event. Recorded by OffloadedTraining.send on compute after the unit's
 #        backward; waited on by CpuAdam.send on D2H (StreamedAdam.take on s_adam): gradients read once all are written.
-#   S6   [1247 2567] summed, CUDA event (several GPUs): recorded on D2H after the reduce-scatter, S5's stand-in.
-#   S7   [862 1249 1308] landed[u], blocking CUDA event. Recorded by CpuAdam.send on D2H after the copy to pinned
+#   S6   [1249 2571 2573] summed, CUDA event (several GPUs): recorded on D2H after the reduce-scatter, S5's stand-in;
+#        the next reduce-scatter waits for summed_taken, the last shard's S7 or S13 (consumed): `summed` is not
+#        overwritten early.
+#   S7   [864 1251 1310] landed[u], blocking CUDA event. Recorded by CpuAdam.send on D2H after the copy to pinned
 #        memory; waited on by the worker (synchronize; next_job queries it). The CPU does not read gradients in flight.
-#   S8   [862 1339] last_landed[b]: S7's (or S13's consumed), kept by Steppers.send for gradient buffer b; waited on by
+#   S8   [864 1341] last_landed[b]: S7's (or S13's consumed), kept by Steppers.send for gradient buffer b; waited on by
 #        wait_to_write on compute before a backward's first write of buffer b: not before its gradients left.
-#   S9   [1285 1292] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
-#   S10  [1170] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
-#   S11  [887 4397 6791] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
+#   S9   [1287 1294] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
+#   S10  [1172] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
+#   S11  [889 4409 6803] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
 #        work; loss.item() in the training loop: the step's end. A step is not timed unfinished.
-#   S12  [1714] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
+#   S12  [1716] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
 #        kernels.
-#   S13  [576 1797 1802 1809 1820 1827] the GPU's Adam over streamed state (StreamedAdam): consumed, landed[k],
+#   S13  [578 1799 1804 1811 1822 1829] the GPU's Adam over streamed state (StreamedAdam): consumed, landed[k],
 #        stepped[k], left[k], written_back[u], which u's next copy waits on, on the copy stream (wait_written).
-#   S14  [576 1852 1872 1879 1883] activation offload: written, offloaded[a]. No input moved or freed early.
-#   S15  [2122] clipping: taken. The norm of the norms is not taken before every unit's norm.
-#   S16  [2238 2256 2293 2294] the disk tier: settled, current, free, staged. No file read mid-write, no slot reused.
+#   S14  [578 1854 1874 1881 1885] activation offload: written, offloaded[a]. No input moved or freed early.
+#   S15  [2126] clipping: taken. The norm of the norms is not taken before every unit's norm.
+#   S16  [2242 2260 2297 2298] the disk tier: settled, current, free, staged. No file read mid-write, no slot reused.
 
 
 class OneProcess:  # a run's processes when it is one: rank 0 of 1 holds every unit whole, nothing to gather or wait for
@@ -1952,13 +1954,15 @@ class SegmentGraphs(SegmentInputs):
         if trainer.streamer.resident:
             raise ValueError("give segments before keeping units resident: the ring is made anew")
         super().__init__(trainer, length)
-        self.together = length
+        self.together = held = min(length, len(trainer.units))  # units a segment, at most all
         trainer.function = SegmentUnit
-        trainer.streamer.held = length
+        trainer.streamer.held = held
         trainer.streamer.keep_resident(())  # the ring anew: as many more slots, the copies as far ahead
         steppers = trainer.steppers  # a gradient buffer a unit of the segment
-        steppers.buffers = [torch.zeros_like(steppers.buffers[0]) for _ in range(length)]
-        steppers.last_landed = [InOrder()] * length
+        numel, dtype = steppers.buffers[0].numel(), steppers.buffers[0].dtype
+        steppers.buffers = None  # the old one freed first
+        steppers.buffers = [torch.zeros(numel, dtype=dtype, device=trainer.device) for _ in range(held)]
+        steppers.last_landed = [InOrder()] * held
 
     def backward_order(self, n_units: int) -> list[int]:  # the units the backward runs, in order
         return segment_order(n_units, self.length, remade=False)
@@ -2558,14 +2562,21 @@ class ShardedSteppers(Steppers):
     def __init__(self, store: OffloadedAdam, dtype: torch.dtype, device: torch.device, d2h_stream):
         super().__init__(store, dtype, device, d2h_stream)
         self.summed = torch.empty(max(m.numel() for m in store.masters), dtype=store.grad_dtype, device=device)
+        self.summed_taken = InOrder()  # the event after which `summed` may be overwritten: the last shard left it
 
     def to_send(self, u: int, ready) -> tuple[torch.Tensor, object]:  # u's gradients summed, this shard into `summed`
         shard, summed, stream = self.summed_shard(u), new_event(self.device), self.cpu_adam.d2h_stream
         with on_stream(stream):
             stream.wait_event(ready)  # S5: the unit's backward must have written all its gradients
+            stream.wait_event(self.summed_taken)  # S6: the last unit's shard copied out (the GPU Adam's: elsewhere)
             self.store.ranks.sum_shard(shard, self.grads(u))
             summed.record(stream)  # S6
         return shard, summed
+
+    def send(self, u: int, ready) -> torch.Tensor:  # Steppers.send; keeps the event after which its shard left `summed`
+        sent = super().send(u, ready)
+        self.summed_taken = self.last_landed[u % len(self.buffers)]
+        return sent
 
     def summed_shard(self, u: int) -> torch.Tensor:  # where this rank's shard of unit u's summed gradients lands
         return self.summed[: self.store.masters[u].numel()]
@@ -3385,7 +3396,7 @@ def training_parts(run, config, facts: Facts, depth: int, own_grads: bool, resid
     numels = [shard * facts.world for shard in shards]  # each unit whole on the GPU, its shards gathered
     on_gpu = [numels[u] for u in resident]
     streamed = [n for u, n in enumerate(numels) if u not in resident]
-    largest, parts = max(streamed, default=0), run.held_units  # a gradient buffer a unit held
+    largest, parts = max(streamed, default=0), min(run.held_units, len(numels))  # a gradient buffer a unit held
     grads = largest * grad.itemsize
     casts = copy is None and run.torch_dtype != torch.float32  # the staging buffer of LayerStreamer.cast_in
     # StreamedAdam's: its largest unit's gradients, two staging slots, a chunk of gradients made float32
@@ -3446,9 +3457,10 @@ def held_inputs(u: int, run: RunConfig, backward: bool) -> int:
 
 def segment_bytes(run: RunConfig, config: LlamaConfig, facts: Facts, kinds: list[str]) -> dict[int, int]:
     """The bytes a segment's backward holds beyond its last unit's own (by that unit): the other units' graphs of a
-    micro-batch and their parameter gradients, micro-batch 0's too while micro-batch 1's are made."""
+    micro-batch and micro-batch 0's parameter gradients, waiting for micro-batch 1's (each unit's own appear as its
+    graph is freed)."""
     traced, length = trace_key(run, config), run.segment_units
-    grads = (1 + (micro_batches_per_rank(run, facts) > 1)) * run.torch_dtype.itemsize  # bytes a parameter
+    grads = (micro_batches_per_rank(run, facts) > 1) * run.torch_dtype.itemsize  # bytes a parameter
     numels = {unit.kind: unit.layout.numel for unit in model_units(config)}
     extra = {}
     for first in range(0, len(kinds), length):
@@ -3841,8 +3853,8 @@ def gpu_bytes_needed(run: RunConfig, config: LlamaConfig, mode: str) -> int:
     # the units' saved inputs: all, or with activation offload the ring of slots and two still being copied out
     most = max(held_inputs(u, run, True) for u in range(layers + 3))  # all but the ids, in one segment
     saved_units = min(depth + 1, layers + 2) + 2 if run.offload_activations else most
-    held = run.held_units  # the slots and the float32 gradients
-    weights = ring_slots(depth, held, layers + 3) * unit_numel * b + 4 * unit_numel * held
+    held, grads = min(run.held_units, layers + 3), gradient_dtype(run).itemsize  # the slots and the gradients
+    weights = ring_slots(depth, held, layers + 3) * unit_numel * b + grads * unit_numel * held
     return max(inference, weights + saved_units * unit_inputs_bytes(run, config) + act)
 
 

@@ -100,7 +100,8 @@ def test_activation_pool_beyond_host_memory_is_refused(monkeypatch):
 
 
 def test_gpu_need_is_a_lower_bound_of_the_measured_peaks():
-    """Against the peaks measured on the H100 for 7b-8l at 4096 tokens (report/results): never above them."""
+    """Against the peaks measured on the H100 for 7b-8l at 4096 tokens (report/results): never above them, and
+    at least half of them (it counts the gradient buffer in the gradients' dtype: bfloat16 at one micro-batch)."""
     measured_gib = {
         ("gpu", False, 1): 3.91,
         ("overlapped", False, 1): 1.65,
@@ -112,7 +113,7 @@ def test_gpu_need_is_a_lower_bound_of_the_measured_peaks():
     for (mode, train, k), peak in measured_gib.items():
         run = ol.RunConfig(mode=mode, preset="7b-8l", dtype="bfloat16", train=train, grad_accum=k)
         need = ol.gpu_bytes_needed(run, ol.llama_config(run), mode) / ol.GiB
-        assert 0.6 * peak < need <= peak, (mode, train, k, need, peak)
+        assert 0.5 * peak < need <= peak, (mode, train, k, need, peak)
 
 
 def test_written_atomically_or_not_at_all(tmp_path):

@@ -334,7 +334,7 @@ def test_unit_names_join_each_run_of_layers_and_name_every_other_unit():
 def test_segments_cost_the_plan_memory_not_compute():
     """A segment's backward runs its units micro-batch by micro-batch, no forward twice: 88 LLaMA-7B layers' predicted
     GPU compute is the same in segments of 1 and 3. What segments cost is memory: at each segment's last unit a
-    micro-batch's graphs of the others and their gradients (micro-batch 0's waiting for 1's), a slot and a gradient
+    micro-batch's graphs of the others and their gradients of micro-batch 0 (waiting for 1's), a slot and a gradient
     buffer for each of its units; what they save is the inputs of all but the segments' first units."""
     run = ol.RunConfig(mode="overlapped", train=True, inference=False, grad_accum=16, batch_size=4, seq_len=1024)
     run = ol.dataclasses.replace(run, preset="llama-7b", sizes=(("num_hidden_layers", 88),))
@@ -346,7 +346,7 @@ def test_segments_cost_the_plan_memory_not_compute():
     extra = ol.segment_bytes(runs[3], config, facts, kinds)
     assert sorted(extra) == [*range(2, 90, 3), 90]  # each segment's last unit, the head alone
     graph = ol.traced_passes(ol.trace_key(runs[3], config), "layer", 1, True)[2]
-    assert graph > 0 and extra[5] == 2 * (graph + 2 * 2 * ol.model_units(config)[1].layout.numel)
+    assert graph > 0 and extra[5] == 2 * (graph + 2 * ol.model_units(config)[1].layout.numel)  # micro-batch 0's
     parts = {s: ol.training_parts(r, config, facts, 1, True, (), (), ol.torch.bfloat16) for s, r in runs.items()}
     assert parts[3]["gradient buffer"] == 3 * parts[1]["gradient buffer"]
     assert parts[3]["slots"] == 3 * parts[1]["slots"]  # 3 ahead and 3 held, against 1 and 1

@@ -38,11 +38,11 @@ def one_process(dtype: str, count: int, depth: int = 1, overflow_at=None, **opti
     return trained(trainer_of(model, batches, count, depth, **options), batches, overflow_at)
 
 
-def trainer_of(model, micro_batches, world_batches, depth, ranks=None, clip=None, gpu_adam=(), disk=None):
+def trainer_of(model, micro_batches, world_batches, depth, ranks=None, clip=None, gpu_adam=(), disk=None, segment=1):
     """Offloaded training of `model` on the CPU, its store this rank's shards; world_batches: the step's micro-batches
     over every rank (they set the gradients' dtype and the loss's divisor); clip: --clip-grad-norm; gpu_adam: the
     units the device's Adam steps over their state streamed from the host (StreamedAdam); disk: (folder, units)
-    whose moments a disk tier keeps there (this rank's shards of them)."""
+    whose moments a disk tier keeps there (this rank's shards of them); segment: units a segment (SegmentGraphs)."""
     dtype = next(model.parameters()).dtype
     run = ol.RunConfig(dtype=str(dtype).removeprefix("torch."), grad_accum=world_batches)
     copy_dtype = dtype if dtype != torch.float32 else None
@@ -57,6 +57,8 @@ def trainer_of(model, micro_batches, world_batches, depth, ranks=None, clip=None
     training = ol.ShardedTraining if ranks.several else ol.OffloadedTraining
     trainer = training(store, model.config, dtype, CPU, depth, model.loss_function, kwargs)
     ol.scale_and_clip(trainer, clip)
+    if segment > 1:
+        trainer.inputs = ol.SegmentGraphs(trainer, segment)
     if gpu_adam:
         ol.place_on_gpu(trainer, (), gpu_adam, own_grads=False)
     return trainer
@@ -106,11 +108,11 @@ def joined(rank, world, port, hosts: int = 1):
         ol.stop_ranks()
 
 
-def rank_main(rank, world, port, dtype, k, depth, out, clip=None, overflow_at=None, gpu_adam=(), disk=None):
+def rank_main(rank, world, port, dtype, k, depth, out, clip=None, overflow_at=None, gpu_adam=(), disk=None, segment=1):
     """One rank: trains on its share of the step's micro-batches, rank 0 saves the result."""
     with joined(rank, world, port) as ranks:
         model, batches = tiny_batches(dtype, world * k)
-        trainer = trainer_of(model, ranks.share(batches), len(batches), depth, ranks, clip, gpu_adam, disk)
+        trainer = trainer_of(model, ranks.share(batches), len(batches), depth, ranks, clip, gpu_adam, disk, segment)
         result = trained(trainer, ranks.share(batches), overflow_at if rank == world - 1 else None)
         if rank == 0:
             torch.save(result, out)
@@ -162,6 +164,19 @@ def test_the_devices_adam_steps_each_ranks_shard_of_its_units(tmp_path):
     mp.spawn(rank_main, args=(2, free_port(), "bfloat16", 1, 1, out, None, None, (0, 1)), nprocs=2)
     losses, masters, _, _ = torch.load(out)
     ref_losses, ref_masters, _, _ = one_process("bfloat16", 2, gpu_adam=(0, 1))
+    assert_masters_close(masters, ref_masters, STEPS)
+    assert losses == pytest.approx(ref_losses, rel=1e-6)
+
+
+@SLOW
+def test_ranks_in_segments_sum_each_units_gradients_before_the_next_takes_the_summed_buffer(tmp_path):
+    """2 ranks in segments of 2 a micro-batch at a time, the embeddings and first layer stepped by the device's Adam:
+    a segment's units are sent back to back, each reduce-scattered into the one summed buffer once the last shard
+    left it; the masters of one process training the same way, to float32 rounding."""
+    out = tmp_path / "ranks.pt"
+    mp.spawn(rank_main, args=(2, free_port(), "bfloat16", 2, 1, out, None, None, (0, 1), None, 2), nprocs=2)
+    losses, masters, _, _ = torch.load(out)
+    ref_losses, ref_masters, _, _ = one_process("bfloat16", 4, gpu_adam=(0, 1), segment=2)
     assert_masters_close(masters, ref_masters, STEPS)
     assert losses == pytest.approx(ref_losses, rel=1e-6)
 
