@@ -4,7 +4,7 @@
 # Logs and JSON under $OUT (the rows in one tar: 8 files come back); give it 600 s.
 source calls/runs.sh
 T="-p no:cacheprovider -rfE --tb=short --timeout 250"
-timeout 330 python3 -m pytest $T -q -n 2 tests/test_train_gpu.py tests/test_placement_gpu.py > $OUT/tests.log 2>&1
+timeout 400 python3 -m pytest $T -q -n 2 tests/test_train_gpu.py tests/test_placement_gpu.py > $OUT/tests.log 2>&1
 echo "tests rc=$? at $SECONDS s"; grep -E "FAILED|ERROR|passed|failed" $OUT/tests.log | tail -8
 run o1_a 60 --mode overlapped
 run o1_b 60 --mode overlapped
