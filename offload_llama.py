@@ -17,9 +17,9 @@ The file by line, the assignment first; each section beyond it says what it adds
    1423  Table 1 and Table 2                     tables
    1500  # === Beyond the assignment ===
         the compiled Adam 1503, the GPU's Adam 1604, activation offload 1832, segment checkpointing 1897
-        float16 and clipping 2062, the disk tier 2145, several GPUs 2416, a model folder 2667, the plan 2861
-        measurement 3939, the tables' notes 4607, text in 4801, saving and resuming 5299, the command line 5762
-        running a mode 6659, the run 6826
+        float16 and clipping 2069, the disk tier 2152, several GPUs 2423, a model folder 2674, the plan 2868
+        measurement 3950, the tables' notes 4618, text in 4812, saving and resuming 5310, the command line 5773
+        running a mode 6672, the run 6839
 """
 
 from __future__ import annotations
@@ -332,18 +332,18 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 # copy (weights in), D2H (gradients out; blocked's is compute), gather (several GPUs'); threads: main, autograd's, Adam.
 # Blocked against overlapped, in training: one slot, D2H on compute, holds_updates (the Adam after S11), wait_all (S4).
 # A unit's copy first calls wait_written: CpuAdam's blocks the host (S4), StreamedAdam's the copy stream (S13).
-#   S1   [585 619 2548 2550 4409] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
+#   S1   [585 619 2555 2557 4420] copied[s], CUDA event. Recorded by prefetch on copy (several GPUs: landed_in, on
 #        gather); waited on by acquire on compute. Slot s is not read before its unit landed.
-#   S2   [468 580 627 4409] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s
+#   S2   [468 580 627 4420] freed[s], CUDA event. Recorded by release on compute; waited on by prefetch on copy. Slot s
 #        is not overwritten while a unit reads it.
 #   S3   [603] landed, CUDA event. Recorded by wait_copies on copy and gather; waited on by compute (keep_resident) or
 #        timed's end. A ring is not freed, nor a time ended, under a copy.
 #   S4   [578 895 1265 1275 1316] done[u], thread event. Cleared by CpuAdam.update, set by the worker once unit u's
 #        update is written; waited on by wait_written (in prefetch) and wait_all (main: blocked's step ends there);
 #        polled by written (CopyWindow issues ready copies first). A host source is not copied or saved mid-update.
-#   S5   [863 1249 1785 2570] ready, CUDA event. Recorded by OffloadedTraining.send on compute after the unit's
+#   S5   [863 1249 1785 2577] ready, CUDA event. Recorded by OffloadedTraining.send on compute after the unit's
 #        backward; waited on by CpuAdam.send on D2H (StreamedAdam.take on s_adam): gradients read once all are written.
-#   S6   [1249 2571 2573] summed, CUDA event (several GPUs): recorded on D2H after the reduce-scatter, S5's stand-in;
+#   S6   [1249 2578 2580] summed, CUDA event (several GPUs): recorded on D2H after the reduce-scatter, S5's stand-in;
 #        the next reduce-scatter waits for summed_taken, the last shard's S7 or S13 (consumed): `summed` is not
 #        overwritten early.
 #   S7   [864 1251 1310] landed[u], blocking CUDA event. Recorded by CpuAdam.send on D2H after the copy to pinned
@@ -352,15 +352,15 @@ def host_zeros_each(numels, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]
 #        wait_to_write on compute before a backward's first write of buffer b: not before its gradients left.
 #   S9   [1287 1294] cond, condition. Notified by CpuAdam.update and close; waited on by next_job (worker): the jobs.
 #   S10  [1172] GradientPool.free, queue. Given back by the worker after a step; taken by CpuAdam.send (few buffers).
-#   S11  [889 4409 6803] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
+#   S11  [889 4420 6816] host syncs (main): blocked's compute stream after the backward, so its Adam overlaps no GPU
 #        work; loss.item() in the training loop: the step's end. A step is not timed unfinished.
 #   S12  [1716] the GPU's Adam over resident units (ResidentUnits): no event, each steps on compute before later
 #        kernels.
 #   S13  [578 1799 1804 1811 1822 1829] the GPU's Adam over streamed state (StreamedAdam): consumed, landed[k],
 #        stepped[k], left[k], written_back[u], which u's next copy waits on, on the copy stream (wait_written).
 #   S14  [578 1854 1874 1881 1885] activation offload: written, offloaded[a]. No input moved or freed early.
-#   S15  [2126] clipping: taken. The norm of the norms is not taken before every unit's norm.
-#   S16  [2242 2260 2297 2298] the disk tier: settled, current, free, staged. No file read mid-write, no slot reused.
+#   S15  [2133] clipping: taken. The norm of the norms is not taken before every unit's norm.
+#   S16  [2249 2267 2304 2305] the disk tier: settled, current, free, staged. No file read mid-write, no slot reused.
 
 
 class OneProcess:  # a run's processes when it is one: rank 0 of 1 holds every unit whole, nothing to gather or wait for
@@ -519,7 +519,7 @@ class CopyWindow:
 
 
 class LayerStreamer:
-    """Streams units from flat host buffers through a ring of GPU slots, copies `depth` units ahead (0: blocked)."""
+    """Streams units from flat host buffers through a ring of GPU slots, copying ahead (copies_ahead; 0: blocked)."""
 
     def __init__(self, sources, kinds, make_module, dtype, device, depth: int, copy_stream=None, writer=None):
         self.sources = sources  # each unit's flat host buffer
@@ -792,7 +792,7 @@ class StreamedUnit(torch.autograd.Function):
 
 class OffloadedTraining:
     """blocked and overlapped training: each unit streamed in for its forward and its backward, its gradients stepped on
-    the host; blocked (depth 0) overlaps nothing. Policies `steppers`, `inputs`, `scaling`, `clip` are set beyond."""
+    the host; blocked (depth 0) overlaps nothing. Beyond set its policies: steppers, inputs, scaling, clip, function."""
 
     def __init__(self, store: OffloadedAdam, config, dtype, device, depth: int, loss_function, kwargs):
         self.store = store
@@ -861,7 +861,7 @@ class OffloadedTraining:
         self.scaling.unscale(views)
         ready = new_event(self.device)
         ready.record(self.streamer.compute_stream)  # S5: the end of the unit's backward, for its stepper to wait on
-        sent = self.steppers.send(u, ready)  # the D2H copy: the worker (S7) and the next backward (S8) wait on it
+        sent = self.steppers.send(u, ready)  # the D2H copy: the worker (S7) and the buffer's next writer (S8) wait
         self.clip.add(u, views, sent, self.d2h_stream)
         self.sent.append(u)
         if not self.holds_updates:
@@ -955,7 +955,7 @@ def mean_loss(losses, ranks: OneProcess = ONE_PROCESS) -> torch.Tensor:  # the l
 
 
 class KeptInputs:  # the plain path's saved inputs: on the GPU until the unit's backward
-    together = 1  # units whose backwards run together (SegmentGraphs, beyond: a segment's)
+    held = 1  # units whose backwards run at once, held on the GPU (SegmentGraphs, beyond: a segment's)
 
     def save(self, ctx, u: int, xs) -> None:  # keep unit u's inputs for its backward
         ctx.save_for_backward(*xs)
@@ -1317,12 +1317,12 @@ class CpuAdam(HostState):
 
 
 class Steppers:
-    """Each unit's stepper (CpuAdam, or the GPU's Adam) and the GPU buffer gradients sum in; the streamer's writer. A
+    """Each unit's stepper (CpuAdam, or the GPU's Adam) and the GPU buffers gradients sum in; the streamer's writer. A
     gradient: written (after S8), ready (S5), copied out, landed (S7), stepped, done (S4); then the unit's next copy."""
 
     def __init__(self, store: OffloadedAdam, dtype: torch.dtype, device: torch.device, d2h_stream):
         self.store, self.dtype, self.device = store, dtype, device
-        numel = max(map(store.ranks.whole_numel, store.masters))  # the streamed units' gradients, a unit at a time
+        numel = max(map(store.ranks.whole_numel, store.masters))  # one buffer (SegmentGraphs: one a unit held)
         self.buffers = [torch.zeros(numel, dtype=store.grad_dtype, device=device)]  # zeroed: the padding is stepped
         self.last_landed = [InOrder()]  # the events after which each buffer may be overwritten: its last sent left
         self.cpu_adam = CpuAdam(store, device, d2h_stream)
@@ -1630,13 +1630,13 @@ def place_on_gpu(trainer: OffloadedTraining, resident=(), gpu_adam=(), own_grads
     if resident and trainer.ranks.several:
         raise ValueError("several ranks keep only their shards: every unit streams, none is resident")
     steppers, streamer, store = trainer.steppers, trainer.streamer, trainer.store
-    parts = len(steppers.buffers)  # units whose gradients sum at once
+    held = len(steppers.buffers)  # units whose gradients sum at once
     steppers.buffers = None  # freed before the resident units' state is allocated
     numels = [store.ranks.whole_numel(m) for m in store.masters]
     streamed = max((n for u, n in enumerate(numels) if u not in resident), default=0)
     sharing = 0 if own_grads else max((numels[u] for u in resident), default=0)
     words = max(-(-streamed * store.grad_dtype.itemsize // 4), sharing)
-    shared = [torch.zeros(words, dtype=torch.float32, device=trainer.device) for _ in range(parts)]  # padding stepped
+    shared = [torch.zeros(words, dtype=torch.float32, device=trainer.device) for _ in range(held)]  # padding stepped
     buffers = [part.view(store.grad_dtype)[:streamed] for part in shared]  # the streamed units', resident ones share
     on_gpu = ResidentUnits(store, trainer.dtype, trainer.device, None if own_grads else shared)
     streamer.keep_resident(resident, on_gpu.load)
@@ -1895,23 +1895,23 @@ class ActivationOffload(KeptInputs):
 
 
 # ---------------------------------------------------------------------------------------------- segment checkpointing
-# Adds: only the first unit of each segment of --segment units keeps its inputs. The backward remakes the others' by
-# running the segment's forwards again (SegmentInputs: the saved inputs take the starts' and a segment's memory), or
-# runs the segment a micro-batch at a time through its units with their graphs, so no forward runs twice
-# (SegmentGraphs: a micro-batch's graphs of the segment, a slot and a gradient buffer a unit). Turned on: --segment,
-# or the plan where the saved inputs fit neither the GPU nor the host; the plan weighs both. Plugs into:
-# OffloadedTraining.inputs and .function.
+# Adds: only the first unit of each segment of --segment units keeps its inputs (SegmentStarts). The backward remakes
+# the others' by running the segment's forwards again (SegmentInputs: the saved inputs take the starts' and a segment's
+# memory, each unit but a segment's last runs forward three times), or runs the segment a micro-batch at a time
+# through its units with their graphs (SegmentGraphs: each unit runs forward twice, as without segments; a
+# micro-batch's graphs of the segment, a gradient buffer and up to two slots a unit). Turned on: --segment, or the
+# plan where every unit keeping its inputs does not fit or is slower; the plan weighs both ways. Plugs into:
+# OffloadedTraining.inputs and .function, LayerStreamer.held, Steppers.buffers.
 
 
-class SegmentInputs(KeptInputs):
-    """--segment N: the inputs of units 0, N, 2N ... wait on the GPU; the rest are made again in the backward, each
-    segment's units run forward once more (streamed as in the forward) before their backwards run, last first."""
+class SegmentStarts(KeptInputs):
+    """Keeps the inputs of each segment's first unit alone (units 0, N, 2N ...), on the GPU until its backward."""
 
     def __init__(self, trainer: OffloadedTraining, length: int):
         if trainer.keep:  # a kept graph is over its forward's slot, which the backward in segments may not reuse
             raise ValueError("segments recompute every unit: keep no graphs with them")
         self.trainer, self.length = trainer, length
-        self.inputs = {}  # unit -> its inputs on the GPU until its backward: a start's from the forward, else remade
+        self.inputs = {}  # unit -> its inputs on the GPU until its backward: a start's from the forward, or remade
 
     def segment(self, u: int) -> range:  # the units of unit u's segment
         first = u - u % self.length
@@ -1922,6 +1922,11 @@ class SegmentInputs(KeptInputs):
             self.inputs.clear()
         if u == self.segment(u)[0]:
             self.inputs[u] = tuple(x.detach() for x in xs)
+
+
+class SegmentInputs(SegmentStarts):
+    """Remakes the other units' inputs in the backward: at each segment's last unit its units but the last run forward
+    again from its first's inputs (streamed as in the forward), then every unit's backward runs, last first."""
 
     def load(self, u: int, saved: tuple) -> tuple:  # unit u's inputs at its backward; the segment's last remakes all
         if u not in self.inputs:
@@ -1945,52 +1950,54 @@ class SegmentInputs(KeptInputs):
         return segment_order(n_units, self.length)
 
 
-class SegmentGraphs(SegmentInputs):
-    """Segments whose backward runs at each segment's last unit (SegmentUnit), from its first's inputs a micro-batch at
-    a time through the segment's units with their graphs: the streamer holds the segment's units, Steppers has a
-    gradient buffer for each."""
+class SegmentGraphs(SegmentStarts):
+    """Runs each segment's backward at its last unit (SegmentUnit), a micro-batch at a time from its first's inputs
+    through its units with their graphs; the streamer holds the segment's units and Steppers a gradient buffer each."""
 
     def __init__(self, trainer: OffloadedTraining, length: int):
         if trainer.streamer.resident:
             raise ValueError("give segments before keeping units resident: the ring is made anew")
         super().__init__(trainer, length)
-        self.together = held = min(length, len(trainer.units))  # units a segment, at most all
+        self.held = held = min(length, len(trainer.units))  # units a segment, at most all
         trainer.function = SegmentUnit
         trainer.streamer.held = held
         trainer.streamer.keep_resident(())  # the ring anew: as many more slots, the copies as far ahead
-        steppers = trainer.steppers  # a gradient buffer a unit of the segment
+        steppers = trainer.steppers
         numel, dtype = steppers.buffers[0].numel(), steppers.buffers[0].dtype
         steppers.buffers = None  # the old one freed first
         steppers.buffers = [torch.zeros(numel, dtype=dtype, device=trainer.device) for _ in range(held)]
         steppers.last_landed = [InOrder()] * held
+
+    def take(self, first: int) -> tuple:  # the inputs of the segment that starts at unit `first`, kept no longer
+        return self.inputs.pop(first)
 
     def backward_order(self, n_units: int) -> list[int]:  # the units the backward runs, in order
         return segment_order(n_units, self.length, remade=False)
 
 
 class SegmentUnit(StreamedUnit):
-    """StreamedUnit in SegmentGraphs: a segment's last unit runs the whole segment's backward (segment_backward) and
-    returns its first's input gradients, which the units before it pass on (none where the first is the embeddings)."""
+    """Streams a unit as StreamedUnit does, but a segment's last unit runs the whole segment's backward
+    (segment_backward) and the units before it pass their first's input gradients on (None after the embeddings)."""
 
     @staticmethod
     def forward(ctx, trainer: OffloadedTraining, u: int, anchor: torch.Tensor, *xs: torch.Tensor):
-        """StreamedUnit's forward; the gradients passed on may be None."""
+        """Run StreamedUnit's forward, its backward allowed gradients of None (passed on from the embeddings)."""
         ctx.set_materialize_grads(False)
         return StreamedUnit.forward(ctx, trainer, u, anchor, *xs)
 
     @staticmethod
     def backward(ctx, *grad_outs):
-        """The segment's backward at its last unit; the gradients of its first's inputs passed on by the others."""
+        """Run the segment's backward at its last unit; the others pass the gradients of its first's inputs on."""
         trainer, u = ctx.trainer, ctx.u
         units = trainer.inputs.segment(u)
         if u == units[-1]:
-            grad_outs = segment_backward(trainer, units, trainer.inputs.inputs.pop(units[0]), grad_outs)
+            grad_outs = segment_backward(trainer, units, trainer.inputs.take(units[0]), grad_outs)
         return None, None, None, *grad_outs  # none for trainer, u and anchor
 
 
 def segment_backward(trainer: OffloadedTraining, units: range, xs, grad_outs) -> list:
-    """The backward of a segment's units, all in their slots, micro-batch by micro-batch: forward through them with
-    the graph from the first's inputs, then back, each unit's gradients summed in its buffer; then each sent, last
+    """Run a segment's backward, its units all in their slots, micro-batch by micro-batch: forward through them with
+    the graph from the first's inputs, then back, each unit's gradients summed in its buffer; then send each, last
     first. Returns the first's input gradients."""
     streamer = trainer.streamer
     modules = [streamer.acquire(v) for v in units]  # every copy issued at once: the next segment's come in meanwhile
@@ -2009,7 +2016,7 @@ def segment_backward(trainer: OffloadedTraining, units: range, xs, grad_outs) ->
 
 
 def segment_grads(trainer: OffloadedTraining, units: range, modules, x_k: tuple, grad_out):
-    """Micro-batch k (x_k: its input x to the segment, and k) forward through the segment's units with its graph,
+    """Run micro-batch k (x_k: its input x to the segment, and k) forward through the segment's units with its graph,
     then back from grad_out: (x's gradient or None, each unit's parameter gradients)."""
     x, k = x_k
 
@@ -2975,7 +2982,7 @@ class Plan:
     modes: dict  # mode -> ModePlan, for the offloaded modes
     segment: int = 1  # units a segment: only each segment's first keeps its inputs; 1: every unit
     disk_units: tuple[int, ...] = ()  # the units whose Adam moments the disk tier keeps (disk_units)
-    remake: bool = False  # segments remake their inputs by their forwards run again (SegmentInputs), or SegmentGraphs
+    remake_segments: bool = False  # segments remake their inputs by their forwards run again (SegmentInputs)
 
     @property
     def host_peak(self) -> int:  # the predicted peak host memory of one rank
@@ -2991,7 +2998,7 @@ class Plan:
     def described(self, mode: str, units: list[Unit]) -> dict:  # the mode's training placement, as a runner-up is
         placed = self.modes[mode]
         names = {f: unit_names(units, getattr(placed, f)) for f in ("keep", "resident", "gpu_adam")}
-        chosen = {"segment": self.segment, "remake": self.remake, "disk_layers": self.disk_layers}
+        chosen = {"segment": self.segment, "remake_segments": self.remake_segments, "disk_layers": self.disk_layers}
         return names | {"step_ms": placed.step_ms, "peak_bytes": placed.training_peak} | chosen
 
 
@@ -3016,8 +3023,8 @@ def make_plan(run: RunConfig, config: LlamaConfig, facts: Facts) -> Plan:
         raise min(shorts, key=lambda error: error.short)  # the plan that comes nearest: what to free for it
     # the fastest that fits; where none fits, every unit keeping its inputs (check_plan says what is short)
     best, *others = sorted(tried, key=lambda p: (not plan_fits(p), plan_step_ms(p) if plan_fits(p) else p.segment))
-    chosen = (best.segment, best.remake, best.disk_layers)
-    others = [p for p in others if (p.segment, p.remake, p.disk_layers) != chosen]  # margins alike
+    chosen = (best.segment, best.remake_segments, best.disk_layers)
+    others = [p for p in others if (p.segment, p.remake_segments, p.disk_layers) != chosen]  # margins alike
     if not others:
         return best
     units, other = model_units(config), others[0]
@@ -3085,7 +3092,7 @@ def mode_plans(run: RunConfig, config: LlamaConfig, facts: Facts, copy, buffers:
         tried = searched_placement(run, config, facts, m, copy, buffers) if run.train else []
         best = tried[0] if tried else Placement((), (), (), {}, True, {}, 0.0)
         training = best.resident, best.gpu_adam, best.gpu, best.fits, best.bound_ms, best.keep, best.step_ms
-        chosen = {"segment": run.segment, "remake": run.remake_segments, "disk_layers": run.nvme_layers}
+        chosen = {"segment": run.segment, "remake_segments": run.remake_segments, "disk_layers": run.nvme_layers}
         runner_up = tried[1].described(model_units(config)) | chosen if len(tried) > 1 else {}
         modes[m] = ModePlan(mode_depth(m, run.prefetch), *inference, *training, runner_up)
     return modes
@@ -3106,8 +3113,9 @@ def say_plan(run: RunConfig, config: LlamaConfig, plan: Plan) -> None:
         log(f"activation offload on: the saved inputs ({saved}) do not fit the {cap} with the rest")
     if plan.segment > 1 and not run.segment:
         saved = size_text((config.num_hidden_layers + 2) * unit_inputs_bytes(run, config, plan.facts))
-        how = segments_text(plan.segment, plan.remake).partition(", ")[2]
-        log(f"segments of {plan.segment} units on, {how}: the saved inputs ({saved}) fit neither the GPU nor the host")
+        how = segments_text(plan.segment, plan.remake_segments).partition(", ")[2]
+        why = f"every unit keeping its inputs ({saved}) did not fit or was slower"
+        log(f"segments of {plan.segment} units on, {how}: {why}")
     if offloaded_training(run) and run.torch_dtype != torch.float32 and plan.copy_dtype is None:
         copy, instead = size_text(run.torch_dtype.itemsize * sum(shards)), "the GPU streams the float32 masters"
         log(f"no room on the host for the {run.dtype} copy of the masters ({copy}): {instead} and casts them")
@@ -3396,15 +3404,15 @@ def training_parts(run, config, facts: Facts, depth: int, own_grads: bool, resid
     numels = [shard * facts.world for shard in shards]  # each unit whole on the GPU, its shards gathered
     on_gpu = [numels[u] for u in resident]
     streamed = [n for u, n in enumerate(numels) if u not in resident]
-    largest, parts = max(streamed, default=0), min(run.held_units, len(numels))  # a gradient buffer a unit held
+    largest, held = max(streamed, default=0), min(run.held_units, len(numels))  # a gradient buffer a unit held
     grads = largest * grad.itemsize
     casts = copy is None and run.torch_dtype != torch.float32  # the staging buffer of LayerStreamer.cast_in
     # StreamedAdam's: its largest unit's gradients, two staging slots, a chunk of gradients made float32
     adam = max((shards[u] for u in gpu_adam), default=0)
     chunk, copied = min(adam, GPU_ADAM_CHUNK), copy.itemsize if copy else 0
     return {
-        "slots": ring_slots(depth, parts, len(streamed)) * largest * b + casts * min(largest, STAGING) * 4,
-        "gradient buffer": parts * (grads if own_grads else max(grads, 4 * max(on_gpu, default=0))),
+        "slots": ring_slots(depth, held, len(streamed)) * largest * b + casts * min(largest, STAGING) * 4,
+        "gradient buffer": held * (grads if own_grads else max(grads, 4 * max(on_gpu, default=0))),
         "GPU Adam staging": adam * grad.itemsize + 2 * chunk * (12 + copied) + 4 * chunk * (grad != torch.float32),
         "resident weights": sum(on_gpu) * (0 if run.torch_dtype == torch.float32 else b),
         "resident masters and moments": 12 * sum(on_gpu),
@@ -3456,9 +3464,9 @@ def held_inputs(u: int, run: RunConfig, backward: bool) -> int:
 
 
 def segment_bytes(run: RunConfig, config: LlamaConfig, facts: Facts, kinds: list[str]) -> dict[int, int]:
-    """The bytes a segment's backward holds beyond its last unit's own (by that unit): the other units' graphs of a
-    micro-batch and micro-batch 0's parameter gradients, waiting for micro-batch 1's (each unit's own appear as its
-    graph is freed)."""
+    """The bytes each segment's backward holds beyond its last unit's own working set, by that unit: the other units'
+    graphs of a micro-batch and their micro-batch 0 gradients, which wait for micro-batch 1's (those take the place
+    of the graphs autograd frees as it makes them)."""
     traced, length = trace_key(run, config), run.segment_units
     grads = (micro_batches_per_rank(run, facts) > 1) * run.torch_dtype.itemsize  # bytes a parameter
     numels = {unit.kind: unit.layout.numel for unit in model_units(config)}
@@ -3697,7 +3705,7 @@ def predicted_bound(run, config, facts: Facts, depth: int, resident, gpu_adam, c
 def check_plan(run: RunConfig, config: LlamaConfig, plan: Plan) -> None:
     """Refuse before allocating what the plan says won't fit: a GPU mode's least memory, the host's, a rank's peak."""
     run = dataclasses.replace(run, offload_activations=plan.offload_activations, nvme_layers=plan.disk_layers)
-    run = dataclasses.replace(run, segment=plan.segment, remake_segments=plan.remake)
+    run = dataclasses.replace(run, segment=plan.segment, remake_segments=plan.remake_segments)
     run = dataclasses.replace(run, grad_accum=micro_batches_per_rank(run, plan.facts))
     known = plan.facts.gpu_bytes is not None  # else there is no GPU to check against
     needs = {mode: gpu_bytes_needed(run, config, mode) for mode in run.modes if mode != "cpu" and known}
@@ -3749,7 +3757,7 @@ def check_host(run: RunConfig, config: LlamaConfig, plan: Plan) -> None:
 def runner_up_text(r: dict) -> str:  # a plan's runner-up (Plan.described), in words
     text = f"{r['step_ms']:.0f} ms, peak GPU {gib(r['peak_bytes'])} GiB; resident {r['resident']}"
     text += f"; GPU Adam {r['gpu_adam']}; keeping their graphs {r['keep']}; "
-    text += f"segments {segments_text(r['segment'] or 1, r['remake'])}; "
+    text += f"segments {segments_text(r['segment'] or 1, r['remake_segments'])}; "
     return text + f"moments of {r['disk_layers']} layers on the disk"
 
 
@@ -3769,7 +3777,10 @@ def plan_table(plan: Plan, run: RunConfig, config: LlamaConfig) -> str:
     if offloaded_training(run):  # the offloaded training state's decisions
         rows += [
             ("activation offload", "on" if plan.offload_activations else "off"),
-            ("segments: units a segment, only its first keeping its inputs", segments_text(plan.segment, plan.remake)),
+            (
+                "segments: units a segment, only its first keeping its inputs",
+                segments_text(plan.segment, plan.remake_segments),
+            ),
             ("Adam moments on the disk", f"{plan.disk_layers} decoder layers ({size_text(plan.disk)})"),
             ("the masters' copy the GPU streams", plan.copy_dtype or "none: the float32 masters, cast on the GPU"),
             ("pinned gradient buffers", f"{plan.grad_buffers} for {len(units)} units"),
@@ -3909,7 +3920,7 @@ def place_units(trainer: OffloadedTraining, run: RunConfig, mode: str, plan: Pla
     """Install the plan's placement of the units; log it and describe it for the JSON."""
     placed = plan.modes[mode]
     place_on_gpu(trainer, placed.resident, placed.gpu_adam, owns_grads(run))
-    if placed.keep and isinstance(trainer.inputs, SegmentInputs):
+    if placed.keep and isinstance(trainer.inputs, SegmentStarts):
         raise ValueError("segments recompute every unit: the plan keeps no graphs with them")
     trainer.keep = frozenset(placed.keep)
     torch.cuda.reset_peak_memory_stats(trainer.device)  # the step's peak
@@ -4427,7 +4438,7 @@ def adam_chain_ms(trainer: OffloadedTraining, on_cpu: dict[int, int], best: dict
     last, n, store = max(on_cpu), len(trainer.units), trainer.store
     forward = [best[f"{compute_group(trainer, u)}_forward"] for u in range(n)]
     h2d = {u: store.weights[u].nbytes / figures["h2d_bytes"] * best["h2d"] for u in on_cpu}
-    since = last - last % trainer.inputs.together  # the backward of the units whose backwards run with the last's
+    since = last - last % trainer.inputs.held  # the backward of the units whose backwards run with the last's
     backward = sum(best[compute_group(trainer, u)] - forward[u] for u in range(since, n))
     backward += sum(forward[v] for v in remade_before(trainer.inputs.backward_order(n), last))  # segments' remakes
     d2h = on_cpu[last] * store.grad_dtype.itemsize / figures["d2h_bytes"] * best["d2h"]
@@ -5981,8 +5992,10 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     acts = "keep the units' saved inputs in pinned host memory (turned on by itself when they would not fit the cap)"
     t.add_argument("--offload-activations", action="store_true", help=acts)
     segment = "offloaded: keep the inputs of every Nth unit only, the backward running each segment of N units from "
-    segment += "them a micro-batch at a time, or remade (default: the plan's: 1, or where the saved inputs fit neither "
-    segment += "the cap nor the host, the fastest that fits)"
+    segment += (
+        "them a micro-batch at a time, or remade (default: the plan's: 1, or where every unit keeping its inputs "
+    )
+    segment += "does not fit or is slower, the fastest that fits)"
     t.add_argument("--segment", type=int, metavar="N", help=segment)
     remake = "offloaded: segments remake their units' inputs by running their forwards again: less GPU memory than a "
     remake += "micro-batch at a time with their graphs, more compute; else the plan weighs both ways"
@@ -6674,7 +6687,7 @@ def make_trainer(mode: str, model, masters: OffloadedAdam | None, micro_batches,
     if plan.offload_activations:
         trainer.inputs = ActivationOffload(trainer, len(micro_batches), tuple(micro_batches[0].shape))
     elif plan.segment > 1:
-        trainer.inputs = (SegmentInputs if plan.remake else SegmentGraphs)(trainer, plan.segment)
+        trainer.inputs = (SegmentInputs if plan.remake_segments else SegmentGraphs)(trainer, plan.segment)
     masters.setup_s["trainer"] = time.perf_counter() - t0  # the GPU's ring and buffers, the saved inputs' host ones
     return trainer
 

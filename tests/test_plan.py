@@ -89,7 +89,7 @@ def test_segments_where_every_units_inputs_fit_neither_the_gpu_nor_the_host(caps
     assert sum(plan["host"].values()) <= 16 * ol.GiB * (100 - ol.HOST_SLACK) // 100 and 0 < plan["disk_layers"] < 48
     assert sum(overlapped["training_gpu"].values()) <= 11 * ol.GiB - ol.PLAN_MARGIN
     assert overlapped["runner_up"]["segment"] > 1 and overlapped["runner_up"]["step_ms"] >= overlapped["step_ms"]
-    segments = ol.segments_text(plan["segment"], plan["remake"])
+    segments = ol.segments_text(plan["segment"], plan["remake_segments"])
     assert f"| segments: units a segment, only its first keeping its inputs | {segments} |" in out
 
 
@@ -389,7 +389,7 @@ def test_the_plan_weighs_segments_remade_against_a_micro_batch_at_a_time():
         config = ol.llama_config(layered)
         facts = machine(gpu_gib=139.8, host_gib=host, disk_bytes=disk, process=ol.PROCESS_BYTES)
         plan = ol.make_plan(layered, config, facts)
-        assert plan.segment > 1 and plan.remake == remade and ol.plan_fits(plan), layers
+        assert plan.segment > 1 and plan.remake_segments == remade and ol.plan_fits(plan), layers
         others = []  # the other way's plans at each length that the disk has room for
         for n in ol.SEGMENTS:
             with contextlib.suppress(ol.DiskShort):
